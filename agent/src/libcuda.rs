@@ -1,0 +1,130 @@
+//! Finding the libcuda files to probe.
+//!
+//! Uprobes attach to an inode, so a libcuda is identified by its file, not its path: the
+//! host's library bind-mounted into ten containers is one file and gets one set of probes.
+//! Files come from `--libcuda` and, unless disabled, from every process's `/proc/<pid>/maps`
+//! (reached through `/proc/<pid>/root` so that other mount namespaces resolve).
+use std::{
+    collections::BTreeMap,
+    fs,
+    os::unix::fs::MetadataExt,
+    path::{Path, PathBuf},
+};
+
+use anyhow::{bail, Context, Result};
+
+/// The identity of a file: device and inode.
+pub type FileId = (u64, u64);
+
+/// A libcuda file and a path through which the agent can open it.
+#[derive(Clone, Debug)]
+pub struct LibcudaFile {
+    pub id: FileId,
+    pub path: PathBuf,
+}
+
+/// Where a host installs libcuda, searched when neither `--libcuda` nor any process names one.
+const WELL_KNOWN: [&str; 4] = [
+    "/usr/lib/x86_64-linux-gnu/libcuda.so.1",
+    "/usr/lib64/libcuda.so.1",
+    "/usr/local/nvidia/lib64/libcuda.so.1",
+    "/usr/lib/aarch64-linux-gnu/libcuda.so.1",
+];
+
+/// The file behind `path`, which must exist.
+pub fn from_path(path: &Path) -> Result<LibcudaFile> {
+    let metadata = fs::metadata(path)
+        .with_context(|| format!("--libcuda {}: cannot open the file", path.display()))?;
+    if !metadata.is_file() {
+        bail!("--libcuda {}: not a regular file", path.display());
+    }
+    Ok(LibcudaFile { id: (metadata.dev(), metadata.ino()), path: path.to_path_buf() })
+}
+
+/// Every distinct libcuda file that exists at a well-known host location.
+pub fn well_known() -> Vec<LibcudaFile> {
+    WELL_KNOWN.iter().filter_map(|path| from_path(Path::new(path)).ok()).collect()
+}
+
+/// Paths the agent looked at for a libcuda, for error messages.
+pub fn well_known_paths() -> String {
+    WELL_KNOWN.join(", ")
+}
+
+/// Every distinct libcuda file mapped by a running process.
+pub fn mapped_by_processes() -> Vec<LibcudaFile> {
+    let mut found: BTreeMap<FileId, LibcudaFile> = BTreeMap::new();
+    let Ok(entries) = fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(|name| name.parse::<u32>().ok()) else {
+            continue;
+        };
+        // Processes come and go while we scan: an unreadable maps file is skipped.
+        let Ok(maps) = fs::read_to_string(format!("/proc/{pid}/maps")) else {
+            continue;
+        };
+        for path in libcuda_paths(&maps) {
+            let through_root = PathBuf::from(format!("/proc/{pid}/root")).join(path.trim_start_matches('/'));
+            let Ok(metadata) = fs::metadata(&through_root) else {
+                continue;
+            };
+            let id = (metadata.dev(), metadata.ino());
+            found.entry(id).or_insert(LibcudaFile { id, path: through_root });
+        }
+    }
+    found.into_values().collect()
+}
+
+/// The distinct paths of libcuda files in the text of a `/proc/<pid>/maps`.
+fn libcuda_paths(maps: &str) -> Vec<&str> {
+    let mut paths: Vec<&str> = maps
+        .lines()
+        .filter_map(|line| {
+            // address perms offset dev inode [path]; the path may contain spaces.
+            let path = line.splitn(6, char::is_whitespace).nth(5)?.trim_start();
+            let name = path.rsplit('/').next()?;
+            // A replaced library shows as "<path> (deleted)": its file has no path to attach to.
+            let live = !path.ends_with(" (deleted)");
+            (path.starts_with('/') && live && is_libcuda_name(name)).then_some(path)
+        })
+        .collect();
+    paths.sort_unstable();
+    paths.dedup();
+    paths
+}
+
+/// `libcuda.so`, `libcuda.so.1`, `libcuda.so.580.159`, ...
+fn is_libcuda_name(name: &str) -> bool {
+    name == "libcuda.so" || name.starts_with("libcuda.so.")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_libcuda_in_maps() {
+        let maps = "\
+7f0000000000-7f0000001000 r--p 00000000 fd:01 123 /usr/lib/x86_64-linux-gnu/libcuda.so.580.159
+7f0000001000-7f0000002000 r-xp 00001000 fd:01 123 /usr/lib/x86_64-linux-gnu/libcuda.so.580.159
+7f0000003000-7f0000004000 r-xp 00000000 fd:01 124 /opt/my dir/libcuda.so.1
+7f0000005000-7f0000006000 r-xp 00000000 fd:01 125 /usr/lib/libcudart.so.12
+7f0000007000-7f0000008000 rw-p 00000000 00:00 0 
+7f0000009000-7f000000a000 r-xp 00000000 fd:01 126 /usr/lib/libcuda.so.1 (deleted)
+";
+        assert_eq!(
+            libcuda_paths(maps),
+            vec!["/opt/my dir/libcuda.so.1", "/usr/lib/x86_64-linux-gnu/libcuda.so.580.159"]
+        );
+    }
+
+    #[test]
+    fn names() {
+        assert!(is_libcuda_name("libcuda.so"));
+        assert!(is_libcuda_name("libcuda.so.1"));
+        assert!(!is_libcuda_name("libcudart.so.12"));
+    }
+}

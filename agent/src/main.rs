@@ -1,0 +1,62 @@
+//! `vramguard`: the node agent. `run` is the daemon (eBPF accounting of every GPU allocation
+//! on the node); `audit` asks a running agent for its live table of processes.
+mod accounting;
+mod cgroup;
+mod control;
+mod libcuda;
+mod preflight;
+mod probes;
+mod run;
+mod snapshot;
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "vramguard", version, about = "GPU-memory quota agent: eBPF accounting and audit")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the agent: probe libcuda, account GPU memory per cgroup and process, until SIGTERM.
+    Run(run::RunArgs),
+    /// Print the processes using GPU memory, as seen by the running agent.
+    Audit {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// The running agent's control socket.
+        #[arg(long, default_value = control::DEFAULT_SOCKET, value_name = "PATH")]
+        socket: PathBuf,
+    },
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("VRAMGUARD_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().command {
+        Command::Run(args) => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?
+            .block_on(run::run(args)),
+        Command::Audit { json, socket } => {
+            let snapshot = control::fetch(&socket)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&snapshot)?);
+            } else {
+                print!("{}", snapshot.render_table());
+            }
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,149 @@
+//! The agent's view of GPU memory at one instant, as `vramguard audit` receives it over the
+//! control socket and prints it (a table, or `--json`).
+use std::{collections::BTreeMap, fmt::Write as _};
+
+use serde::{Deserialize, Serialize};
+
+use crate::probes::AttachReport;
+
+/// Live bytes by allocation kind (`device`, `managed`, `async`, `vmm`).
+pub type BytesByKind = BTreeMap<String, u64>;
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Snapshot {
+    /// One row per process holding GPU memory (or with live allocations).
+    pub processes: Vec<ProcessRow>,
+    /// One row per cgroup holding GPU memory.
+    pub cgroups: Vec<CgroupRow>,
+    pub stats: Stats,
+    /// The libcuda files probed.
+    pub libcuda: Vec<AttachReport>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct ProcessRow {
+    /// Host pid.
+    pub pid: u32,
+    pub comm: String,
+    pub cgroup_id: u64,
+    /// Path under the cgroup2 root; empty if the cgroup is gone.
+    pub cgroup: String,
+    pub bytes: BytesByKind,
+    pub total_bytes: u64,
+    /// Allocations not yet freed.
+    pub live_allocations: u64,
+    pub allocs: u64,
+    pub frees: u64,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct CgroupRow {
+    pub cgroup_id: u64,
+    pub cgroup: String,
+    pub bytes: BytesByKind,
+    pub total_bytes: u64,
+    pub live_allocations: u64,
+    pub allocs: u64,
+    pub frees: u64,
+}
+
+/// Counters of the accounting pipeline itself.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Stats {
+    /// Events received from the ring buffer, by kind.
+    pub events_alloc: u64,
+    pub events_free: u64,
+    pub events_exit: u64,
+    /// Events the eBPF side could not queue (ring buffer full).
+    pub events_lost: u64,
+    /// Allocations the eBPF side saw succeed but could not record (a map was full).
+    pub untracked_allocs: u64,
+    /// Return probes without a saved entry (probes attached during a call).
+    pub orphan_returns: u64,
+    /// Allocation records in the kernel map after the last sweep.
+    pub records: u64,
+    /// Records of dead processes the agent deleted.
+    pub stale_records_removed: u64,
+}
+
+impl Snapshot {
+    /// The human-readable table `vramguard audit` prints.
+    pub fn render_table(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "{:>8}  {:<16} {:<40} {:>10} {:>10} {:>10} {:>10} {:>10} {:>7}",
+            "PID", "COMM", "CGROUP", "DEVICE", "MANAGED", "ASYNC", "VMM", "TOTAL", "ALLOCS"
+        );
+        for row in &self.processes {
+            let kind = |name: &str| human(row.bytes.get(name).copied().unwrap_or(0));
+            let _ = writeln!(
+                out,
+                "{:>8}  {:<16} {:<40} {:>10} {:>10} {:>10} {:>10} {:>10} {:>7}",
+                row.pid,
+                truncate(&row.comm, 16),
+                truncate(&row.cgroup, 40),
+                kind("device"),
+                kind("managed"),
+                kind("async"),
+                kind("vmm"),
+                human(row.total_bytes),
+                row.live_allocations
+            );
+        }
+        if self.processes.is_empty() {
+            let _ = writeln!(out, "(no process holds GPU memory)");
+        }
+        let probed: Vec<&str> = self.libcuda.iter().map(|f| f.path.as_str()).collect();
+        let _ = writeln!(
+            out,
+            "libcuda probed: {}; events: {} received, {} lost",
+            if probed.is_empty() { "none".to_string() } else { probed.join(", ") },
+            self.stats.events_alloc + self.stats.events_free + self.stats.events_exit,
+            self.stats.events_lost
+        );
+        out
+    }
+}
+
+fn truncate(text: &str, width: usize) -> String {
+    if text.chars().count() <= width {
+        return text.to_string();
+    }
+    let tail: String = text.chars().rev().take(width - 1).collect::<Vec<_>>().into_iter().rev().collect();
+    format!("…{tail}")
+}
+
+/// Bytes in binary units with one decimal (`0 B`, `512 B`, `14.0 MiB`, `1.5 GiB`).
+pub fn human(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
+    if bytes < 1024 {
+        return format!("{bytes} B");
+    }
+    let mut value = bytes as f64 / 1024.0;
+    let mut unit = 0;
+    while value >= 1024.0 && unit < UNITS.len() - 1 {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.1} {}", UNITS[unit])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn human_units() {
+        assert_eq!(human(0), "0 B");
+        assert_eq!(human(512), "512 B");
+        assert_eq!(human(14 << 20), "14.0 MiB");
+        assert_eq!(human(3 << 29), "1.5 GiB");
+    }
+
+    #[test]
+    fn truncates_from_the_left() {
+        assert_eq!(truncate("/a/b", 10), "/a/b");
+        assert_eq!(truncate("/kubepods/pod1234/abcdef", 8), "…/abcdef");
+    }
+}

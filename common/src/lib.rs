@@ -1,0 +1,233 @@
+//! Types shared by the eBPF programs (`ebpf/`) and the agent (`agent/`): the keys and values
+//! of the accounting maps, the events on the ring buffer, and the names both sides use for
+//! them.
+//!
+//! Everything here is `#[repr(C)]`, padded explicitly and made of plain integers, so the
+//! kernel side and user space read the same bytes. With the `user` feature the types
+//! implement [`aya::Pod`] so the agent can read them out of maps.
+#![no_std]
+
+/// What kind of GPU memory an allocation is, by the family of driver API that made it.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AllocKind {
+    /// `cuMemAlloc_v2`, `cuMemAllocPitch_v2`: ordinary device memory.
+    Device = 0,
+    /// `cuMemAllocManaged`: unified memory.
+    Managed = 1,
+    /// `cuMemAllocAsync`, `cuMemAllocFromPoolAsync` (and `_ptsz`): stream-ordered pools.
+    Async = 2,
+    /// `cuMemCreate`: physical memory of the virtual-memory-management API.
+    Vmm = 3,
+}
+
+/// Number of [`AllocKind`]s; the length of [`Usage::bytes`].
+pub const KIND_COUNT: usize = 4;
+
+impl AllocKind {
+    /// Every kind, in index order.
+    pub const ALL: [AllocKind; KIND_COUNT] = [
+        AllocKind::Device,
+        AllocKind::Managed,
+        AllocKind::Async,
+        AllocKind::Vmm,
+    ];
+
+    /// The kind with this index, if there is one.
+    pub const fn from_index(index: u32) -> Option<AllocKind> {
+        match index {
+            0 => Some(AllocKind::Device),
+            1 => Some(AllocKind::Managed),
+            2 => Some(AllocKind::Async),
+            3 => Some(AllocKind::Vmm),
+            _ => None,
+        }
+    }
+
+    /// The short lower-case name used in tables, JSON and metric labels.
+    pub const fn name(self) -> &'static str {
+        match self {
+            AllocKind::Device => "device",
+            AllocKind::Managed => "managed",
+            AllocKind::Async => "async",
+            AllocKind::Vmm => "vmm",
+        }
+    }
+}
+
+/// The namespace an allocation's identifier lives in: device pointers and VMM handles are
+/// different things and may collide numerically.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AddrSpace {
+    /// A `CUdeviceptr`.
+    Pointer = 0,
+    /// A `CUmemGenericAllocationHandle`.
+    Handle = 1,
+}
+
+/// Key of the `ALLOCS` map: one live allocation of one process.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AllocKey {
+    /// Process (thread-group) id, as the host sees it.
+    pub tgid: u32,
+    /// An [`AddrSpace`] as `u32`.
+    pub space: u32,
+    /// The device pointer or handle the driver returned.
+    pub addr: u64,
+}
+
+/// Value of the `ALLOCS` map.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AllocRecord {
+    /// Bytes charged for this allocation.
+    pub size: u64,
+    /// The cgroup that was charged.
+    pub cgroup_id: u64,
+    /// The [`ProcUsage::generation`] of the process that made it; a record whose generation
+    /// differs from its tgid's current one belongs to an earlier process with a reused pid.
+    pub generation: u64,
+    /// An [`AllocKind`] as `u32`.
+    pub kind: u32,
+    pub _pad: u32,
+}
+
+/// Value of the `PENDING` map (key: the thread's `pid_tgid`): what an allocation's entry
+/// probe saw, for its return probe to complete.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PendingAlloc {
+    /// User address where the driver will write the pointer or handle.
+    pub out_ptr: u64,
+    /// Requested bytes; for a pitched allocation, the height in rows.
+    pub size: u64,
+    /// For `cuMemAllocPitch_v2`, the user address of the returned pitch; 0 otherwise.
+    pub pitch_ptr: u64,
+    /// An [`AllocKind`] as `u32`.
+    pub kind: u32,
+    /// An [`AddrSpace`] as `u32`.
+    pub space: u32,
+}
+
+/// GPU memory in use, by kind, with call counters. Value of `CGROUP_USAGE` (key: cgroup id)
+/// and part of [`ProcUsage`]. Fields are updated with atomic adds; subtraction is the
+/// addition of a two's-complement negative, so every field is read as wrapping `u64`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Live bytes by [`AllocKind`] index.
+    pub bytes: [u64; KIND_COUNT],
+    /// Successful allocations seen.
+    pub allocs: u64,
+    /// Frees of known allocations seen.
+    pub frees: u64,
+}
+
+impl Usage {
+    /// Live bytes of every kind together.
+    pub fn total_bytes(&self) -> u64 {
+        let mut total: u64 = 0;
+        let mut i = 0;
+        while i < KIND_COUNT {
+            total = total.wrapping_add(self.bytes[i]);
+            i += 1;
+        }
+        total
+    }
+
+    /// Allocations not yet freed.
+    pub fn live_allocations(&self) -> u64 {
+        self.allocs.wrapping_sub(self.frees)
+    }
+}
+
+/// Value of `PROC_USAGE` (key: tgid): one process's usage and the cgroup it is charged to.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ProcUsage {
+    /// The cgroup charged for this process: its cgroup at its first allocation. Charging one
+    /// cgroup for the process's whole life keeps per-cgroup usage exact when it exits.
+    pub cgroup_id: u64,
+    /// Distinguishes this process from an earlier one with the same pid (its first
+    /// allocation's `bpf_ktime_get_ns`).
+    pub generation: u64,
+    pub usage: Usage,
+}
+
+/// What an [`Event`] reports.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventKind {
+    Alloc = 1,
+    Free = 2,
+    /// The last thread of a process that had GPU memory exited; `size` is what it still held.
+    Exit = 3,
+}
+
+/// One entry of the `EVENTS` ring buffer.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Event {
+    /// An [`EventKind`] as `u32`.
+    pub event: u32,
+    /// An [`AllocKind`] as `u32` (0 for exits).
+    pub kind: u32,
+    pub tgid: u32,
+    pub tid: u32,
+    pub cgroup_id: u64,
+    pub generation: u64,
+    /// Pointer or handle (0 for exits).
+    pub addr: u64,
+    pub size: u64,
+}
+
+/// Indices into the `STATS` array map.
+pub mod stat {
+    /// Events that did not fit in the ring buffer.
+    pub const EVENTS_LOST: u32 = 0;
+    /// Successful allocations that could not be recorded (a map was full): memory the
+    /// accounting does not see.
+    pub const UNTRACKED_ALLOCS: u32 = 1;
+    /// Return probes that found no saved entry (the entry probe was attached late).
+    pub const ORPHAN_RETURNS: u32 = 2;
+    /// Number of entries.
+    pub const LEN: u32 = 4;
+}
+
+/// Names of the maps, programs and globals in the eBPF object.
+pub mod names {
+    pub const ALLOCS: &str = "ALLOCS";
+    pub const PENDING: &str = "PENDING";
+    pub const PROC_USAGE: &str = "PROC_USAGE";
+    pub const CGROUP_USAGE: &str = "CGROUP_USAGE";
+    pub const EVENTS: &str = "EVENTS";
+    pub const STATS: &str = "STATS";
+    /// Global: byte offset of `group_dead` in the `sched_process_exit` record.
+    pub const GROUP_DEAD_OFFSET: &str = "GROUP_DEAD_OFFSET";
+    pub const PROCESS_EXIT: &str = "process_exit";
+    pub const ALLOC_RETURN: &str = "alloc_return";
+}
+
+/// Capacity of the `ALLOCS` map: live allocations tracked across the node.
+pub const MAX_ALLOCS: u32 = 1 << 18;
+/// Capacity of `PROC_USAGE`: processes with GPU memory at once.
+pub const MAX_PROCS: u32 = 1 << 14;
+/// Capacity of `CGROUP_USAGE`.
+pub const MAX_CGROUPS: u32 = 1 << 12;
+/// Bytes in the `EVENTS` ring buffer.
+pub const EVENTS_BYTES: u32 = 1 << 22;
+
+#[cfg(feature = "user")]
+mod pod {
+    // SAFETY: each type is #[repr(C)], made only of integers (and arrays of them), with
+    // explicit padding fields, so every bit pattern is a valid value and there are no
+    // uninitialised padding bytes.
+    unsafe impl aya::Pod for super::AllocKey {}
+    unsafe impl aya::Pod for super::AllocRecord {}
+    unsafe impl aya::Pod for super::PendingAlloc {}
+    unsafe impl aya::Pod for super::Usage {}
+    unsafe impl aya::Pod for super::ProcUsage {}
+    unsafe impl aya::Pod for super::Event {}
+}
