@@ -60,6 +60,12 @@ impl Accounting {
                 e if e == EventKind::Alloc as u32 => self.stats.events_alloc += 1,
                 e if e == EventKind::Free as u32 => self.stats.events_free += 1,
                 e if e == EventKind::Exit as u32 => {
+                    tracing::debug!(
+                        pid = event.tgid,
+                        thread = event.tid,
+                        bytes = event.size,
+                        "process with GPU memory exited"
+                    );
                     self.stats.events_exit += 1;
                     self.exits_pending = true;
                 }
@@ -77,18 +83,16 @@ impl Accounting {
     pub fn sweep(&mut self) {
         self.exits_pending = false;
         let records: Vec<(AllocKey, AllocRecord)> = self.allocs.iter().filter_map(Result::ok).collect();
-        let mut live = 0;
         for (key, record) in records {
             // Looked up after the record was read: a record is only ever written after its
             // process entry exists, so a missing entry means the process has exited.
             let current = self.procs.get(&key.tgid, 0).ok();
-            if current.is_some_and(|p| p.generation == record.generation) {
-                live += 1;
-            } else if self.allocs.remove(&key).is_ok() {
+            if !current.is_some_and(|p| p.generation == record.generation)
+                && self.allocs.remove(&key).is_ok()
+            {
                 self.stats.stale_records_removed += 1;
             }
         }
-        self.stats.records = live;
     }
 
     /// The current view.
@@ -130,6 +134,7 @@ impl Accounting {
         }
         cgroups.sort_by_key(|row| row.cgroup_id);
         let mut stats = self.stats.clone();
+        stats.records = self.allocs.keys().filter(Result::is_ok).count() as u64;
         stats.events_lost = self.counter(stat::EVENTS_LOST);
         stats.untracked_allocs = self.counter(stat::UNTRACKED_ALLOCS);
         stats.orphan_returns = self.counter(stat::ORPHAN_RETURNS);

@@ -60,7 +60,7 @@ pub struct Stats {
     pub untracked_allocs: u64,
     /// Return probes without a saved entry (probes attached during a call).
     pub orphan_returns: u64,
-    /// Allocation records in the kernel map after the last sweep.
+    /// Allocation records in the kernel map now (stale ones included until swept).
     pub records: u64,
     /// Records of dead processes the agent deleted.
     pub stale_records_removed: u64,

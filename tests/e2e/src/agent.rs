@@ -1,0 +1,156 @@
+//! A `vramguard run` started for one test: probes the fake driver only, listens on a socket
+//! of its own, and is stopped with SIGTERM (which must succeed) or killed on drop.
+use std::{
+    fs::File,
+    path::{Path, PathBuf},
+    sync::atomic::{AtomicU32, Ordering},
+    process::{Child, Command, Output, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context, Result};
+use serde_json::Value;
+
+use crate::target_dir;
+
+/// The agent binary built by the workspace.
+pub fn agent_bin() -> Result<PathBuf> {
+    let path = target_dir()?.join("vramguard");
+    if !path.exists() {
+        bail!("{} is not built: run the tests with `cargo xtask test`", path.display());
+    }
+    Ok(path)
+}
+
+pub struct Agent {
+    child: Option<Child>,
+    socket: PathBuf,
+    dir: PathBuf,
+}
+
+impl Agent {
+    /// Starts the agent on `libcuda` and waits until it answers on its socket.
+    pub fn start(libcuda: &Path) -> Result<Agent> {
+        Self::start_with(libcuda, &[])
+    }
+
+    /// As [`Agent::start`], with extra `vramguard run` arguments.
+    pub fn start_with(libcuda: &Path, extra: &[&str]) -> Result<Agent> {
+        static COUNTER: AtomicU32 = AtomicU32::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "vramguard-agent-{}-{}",
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir)?;
+        let socket = dir.join("agent.sock");
+        // A file, not a pipe: a pipe nobody reads would block the agent once full.
+        let log = File::create(dir.join("agent.log"))?;
+        let child = Command::new(agent_bin()?)
+            .arg("run")
+            .arg("--libcuda")
+            .arg(libcuda)
+            .arg("--no-discover")
+            .arg("--socket")
+            .arg(&socket)
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .context("cannot start vramguard run")?;
+        let mut agent = Agent { child: Some(child), socket, dir };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if agent.try_audit().is_ok() {
+                return Ok(agent);
+            }
+            if let Some(status) = agent.child_mut().try_wait()? {
+                bail!("vramguard run exited ({status}) before it was ready: {}", agent.stderr());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        bail!("vramguard run did not answer within 30 s: {}", agent.stderr())
+    }
+
+    fn child_mut(&mut self) -> &mut Child {
+        self.child.as_mut().expect("the child is present until stop or drop")
+    }
+
+    fn try_audit(&self) -> Result<Value> {
+        let output = self.audit_command().output()?;
+        if !output.status.success() {
+            bail!("vramguard audit failed: {}", String::from_utf8_lossy(&output.stderr));
+        }
+        Ok(serde_json::from_slice(&output.stdout)?)
+    }
+
+    fn audit_command(&self) -> Command {
+        let mut command = Command::new(agent_bin().unwrap_or_else(|_| PathBuf::from("vramguard")));
+        command.args(["audit", "--json", "--socket"]).arg(&self.socket);
+        command
+    }
+
+    /// `vramguard audit --json` against this agent, parsed.
+    pub fn audit(&self) -> Result<Value> {
+        self.try_audit()
+    }
+
+    /// `vramguard audit` (the table) against this agent.
+    pub fn audit_table(&self) -> Result<Output> {
+        let mut command = Command::new(agent_bin()?);
+        command.args(["audit", "--socket"]).arg(&self.socket);
+        Ok(command.output()?)
+    }
+
+    /// The agent's control socket.
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// Stops the agent with SIGTERM; fails unless it exits successfully within 10 s.
+    pub fn stop(mut self) -> Result<String> {
+        let mut child = self.child.take().expect("the child is present until stop or drop");
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(status) = child.try_wait()? {
+                let stderr = self.log();
+                if !status.success() {
+                    bail!("vramguard run exited with {status} on SIGTERM: {stderr}");
+                }
+                return Ok(stderr);
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                bail!("vramguard run did not stop within 10 s of SIGTERM");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Stops the agent if it still runs and returns what it logged.
+    fn stderr(&mut self) -> String {
+        let child = self.child_mut();
+        if child.try_wait().ok().flatten().is_none() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        self.log()
+    }
+
+    /// What the agent has logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("agent.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

@@ -1,0 +1,540 @@
+//! End-to-end test kit: finds the built binaries and the fake driver, gives each test its own
+//! fake machine ([`FakeNode`]: a unique `FAKECUDA_NODE`, so tests running in parallel never
+//! share devices, and removal of its state files afterwards), and runs `fakecuda-workload`
+//! processes ([`Workload`] → [`Running`] → [`Finished`]) whose output lines a test can read
+//! and whose checkpoints it can answer.
+//!
+//! The binaries are not built by `cargo test -p e2e`; build them first:
+//! `cargo build -p fakecuda -p workload` (same profile as the tests).
+//!
+//! [`agent`] starts a `vramguard run` for a test; [`cgroup`] makes a cgroup for one.
+
+pub mod agent;
+pub mod cgroup;
+
+use std::ffi::{OsStr, OsString};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+
+pub const KIB: u64 = 1 << 10;
+pub const MIB: u64 = 1 << 20;
+pub const GIB: u64 = 1 << 30;
+
+/// The fake driver's default context reserve (`FAKECUDA_CONTEXT_BYTES`).
+pub const DEFAULT_CONTEXT_BYTES: u64 = 64 * MIB;
+
+/// How long a test waits for a workload line or exit: `E2E_TIMEOUT_SECS`, default 30.
+pub fn timeout() -> Duration {
+    let secs = std::env::var("E2E_TIMEOUT_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(30);
+    Duration::from_secs(secs)
+}
+
+/// `target/<profile>`, from the running test binary's path (`target/<profile>/deps/<test>`).
+pub fn target_dir() -> Result<PathBuf> {
+    let exe = std::env::current_exe().context("cannot find the test executable's path")?;
+    let dir = exe.parent().ok_or_else(|| anyhow!("{} has no parent directory", exe.display()))?;
+    let dir = if dir.file_name() == Some(OsStr::new("deps")) {
+        dir.parent().ok_or_else(|| anyhow!("{} has no parent directory", dir.display()))?
+    } else {
+        dir
+    };
+    Ok(dir.to_path_buf())
+}
+
+fn built(name: &str, package: &str) -> Result<PathBuf> {
+    let path = target_dir()?.join(name);
+    if !path.is_file() {
+        bail!("{} is not built: run `cargo build -p {package}` (same profile as the tests) first", path.display());
+    }
+    Ok(path)
+}
+
+/// The `fakecuda-workload` binary.
+pub fn workload_bin() -> Result<PathBuf> {
+    built("fakecuda-workload", "workload")
+}
+
+/// The fake driver library itself (`target/<profile>/libcuda.so`).
+pub fn fake_driver_lib() -> Result<PathBuf> {
+    built("libcuda.so", "fakecuda")
+}
+
+/// A directory holding `libcuda.so.1` → `../libcuda.so`, for `LD_LIBRARY_PATH`:
+/// `target/<profile>/fakecuda/`. Idempotent and safe against concurrent callers (the link is
+/// made under a unique name and renamed into place).
+pub fn fake_driver_dir() -> Result<PathBuf> {
+    fake_driver_lib()?;
+    let dir = target_dir()?.join("fakecuda");
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let link = dir.join("libcuda.so.1");
+    let target = Path::new("../libcuda.so");
+    if std::fs::read_link(&link).ok().as_deref() == Some(target) {
+        return Ok(dir);
+    }
+    let tmp = dir.join(format!(".libcuda.so.1.{}.{}", std::process::id(), unique()));
+    std::os::unix::fs::symlink(target, &tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+    std::fs::rename(&tmp, &link).with_context(|| format!("cannot rename {} to {}", tmp.display(), link.display()))?;
+    Ok(dir)
+}
+
+fn unique() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// A fake machine of its own for one test: a unique `FAKECUDA_NODE` in a state directory.
+/// Dropping it removes the device state files.
+pub struct FakeNode {
+    name: String,
+    state_dir: PathBuf,
+    env: Vec<(OsString, OsString)>,
+}
+
+impl FakeNode {
+    /// A node named after `tag` (letters, digits, `-`), unique to this process and call.
+    pub fn new(tag: &str) -> FakeNode {
+        let tag: String = tag.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '-' }).collect();
+        let name = format!("e2e-{tag}-{}-{}", std::process::id(), unique());
+        let shm = Path::new("/dev/shm");
+        let state_dir = if shm.is_dir() { shm.to_path_buf() } else { std::env::temp_dir() };
+        let mut node = FakeNode { name, state_dir, env: Vec::new() };
+        node.cleanup();
+        node.env = vec![
+            ("FAKECUDA_NODE".into(), node.name.clone().into()),
+            ("FAKECUDA_STATE_DIR".into(), node.state_dir.clone().into()),
+        ];
+        node
+    }
+
+    /// Adds a `FAKECUDA_*` setting (or any variable) for every workload of this node.
+    pub fn with_env(mut self, key: impl Into<OsString>, value: impl Into<OsString>) -> FakeNode {
+        self.env.push((key.into(), value.into()));
+        self
+    }
+
+    /// The `FAKECUDA_NODE` value.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The `FAKECUDA_STATE_DIR` value.
+    pub fn state_dir(&self) -> &Path {
+        &self.state_dir
+    }
+
+    /// The state file of device `index`.
+    pub fn device_file(&self, index: u32) -> PathBuf {
+        self.state_dir.join(format!("{}-dev{index}", self.name))
+    }
+
+    /// The environment every workload of this node gets.
+    pub fn env(&self) -> &[(OsString, OsString)] {
+        &self.env
+    }
+
+    /// A workload on this node.
+    pub fn workload(&self) -> Workload {
+        let mut w = Workload::new();
+        for (k, v) in &self.env {
+            w = w.env(k, v);
+        }
+        w
+    }
+
+    /// (used, total) bytes of device `dev` across all processes, from a `devstat` workload
+    /// (which reaps dead processes first).
+    pub fn devstat(&self, dev: u32) -> Result<(u64, u64)> {
+        let out = self.workload().step(format!("devstat {dev}")).run()?.success()?;
+        let line = out.line("devstat ")?;
+        Ok((field(line, "used")?, field(line, "total")?))
+    }
+
+    /// Device `dev`'s used bytes.
+    pub fn used(&self, dev: u32) -> Result<u64> {
+        Ok(self.devstat(dev)?.0)
+    }
+
+    /// Removes this node's device state files (and any temporaries of their creation).
+    pub fn cleanup(&self) {
+        let Ok(entries) = std::fs::read_dir(&self.state_dir) else { return };
+        let prefix = format!("{}-dev", self.name);
+        let tmp_prefix = format!(".{prefix}");
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            if name.starts_with(&prefix) || name.starts_with(&tmp_prefix) {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+    }
+}
+
+impl Drop for FakeNode {
+    fn drop(&mut self) {
+        self.cleanup();
+    }
+}
+
+/// How the workload finds entry points.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Via {
+    Dlsym,
+    Getproc,
+}
+
+/// A `fakecuda-workload` command being put together.
+#[derive(Debug, Clone, Default)]
+pub struct Workload {
+    args: Vec<OsString>,
+    steps: Vec<String>,
+    env: Vec<(OsString, OsString)>,
+    lib_dirs: Vec<PathBuf>,
+    /// A cgroup to join before exec, as its path under the cgroup2 root.
+    cgroup: Option<PathBuf>,
+}
+
+impl Workload {
+    /// A workload with no steps, the fake driver on `LD_LIBRARY_PATH`, and no `FAKECUDA_*`
+    /// variables inherited from the test's environment.
+    pub fn new() -> Workload {
+        Workload::default()
+    }
+
+    /// `--via dlsym|getproc`.
+    pub fn via(self, via: Via) -> Workload {
+        self.arg("--via").arg(match via {
+            Via::Dlsym => "dlsym",
+            Via::Getproc => "getproc",
+        })
+    }
+
+    /// An extra command-line option (before the steps).
+    pub fn arg(mut self, arg: impl Into<OsString>) -> Workload {
+        self.args.push(arg.into());
+        self
+    }
+
+    /// One step, e.g. `"alloc a 4m"`.
+    pub fn step(mut self, step: impl Into<String>) -> Workload {
+        self.steps.push(step.into());
+        self
+    }
+
+    /// Several steps.
+    pub fn steps<S: Into<String>>(mut self, steps: impl IntoIterator<Item = S>) -> Workload {
+        self.steps.extend(steps.into_iter().map(Into::into));
+        self
+    }
+
+    /// An environment variable (later settings of the same key win).
+    pub fn env(mut self, key: impl Into<OsString>, value: impl Into<OsString>) -> Workload {
+        self.env.push((key.into(), value.into()));
+        self
+    }
+
+    /// A directory to search for libraries before the fake driver's.
+    pub fn lib_dir(mut self, dir: impl Into<PathBuf>) -> Workload {
+        self.lib_dirs.push(dir.into());
+        self
+    }
+
+    /// Runs the workload in `cgroup`: the child joins it between fork and exec, so every
+    /// CUDA call it makes, `cuInit` included, is the cgroup's.
+    pub fn in_cgroup(mut self, cgroup: &cgroup::TestCgroup) -> Workload {
+        self.cgroup = Some(cgroup.procs_file());
+        self
+    }
+
+    /// The command, ready to spawn.
+    pub fn command(&self) -> Result<Command> {
+        let mut cmd = Command::new(workload_bin()?);
+        let mut path: Vec<PathBuf> = self.lib_dirs.clone();
+        path.push(fake_driver_dir()?);
+        if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
+            path.extend(std::env::split_paths(&old));
+        }
+        cmd.env("LD_LIBRARY_PATH", std::env::join_paths(path).context("bad LD_LIBRARY_PATH")?);
+        for (k, _) in std::env::vars_os() {
+            if k.to_string_lossy().starts_with("FAKECUDA_") {
+                cmd.env_remove(k);
+            }
+        }
+        for (k, v) in &self.env {
+            cmd.env(k, v);
+        }
+        cmd.args(&self.args).arg("--").args(&self.steps);
+        cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        if let Some(procs) = &self.cgroup {
+            cgroup::join_before_exec(&mut cmd, procs)?;
+        }
+        Ok(cmd)
+    }
+
+    /// Starts the workload.
+    pub fn spawn(&self) -> Result<Running> {
+        let mut cmd = self.command()?;
+        let mut child = cmd.spawn().with_context(|| format!("cannot start {cmd:?}"))?;
+        let stdout = child.stdout.take().ok_or_else(|| anyhow!("no stdout pipe"))?;
+        let mut stderr = child.stderr.take().ok_or_else(|| anyhow!("no stderr pipe"))?;
+        let (tx, rx) = mpsc::channel();
+        let out_thread = std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                match line {
+                    Ok(l) => {
+                        if tx.send(l).is_err() {
+                            break;
+                        }
+                    }
+                    Err(_) => break,
+                }
+            }
+        });
+        let err_text = Arc::new(Mutex::new(String::new()));
+        let err_sink = Arc::clone(&err_text);
+        let err_thread = std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            loop {
+                match stderr.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => {
+                        if let Ok(mut s) = err_sink.lock() {
+                            s.push_str(&String::from_utf8_lossy(&buf[..n]));
+                        }
+                    }
+                }
+            }
+        });
+        Ok(Running {
+            pid: child.id(),
+            stdin: child.stdin.take(),
+            child: Some(child),
+            lines: rx,
+            seen: Vec::new(),
+            stderr: err_text,
+            threads: vec![out_thread, err_thread],
+            description: format!("{:?}", self.steps),
+        })
+    }
+
+    /// Runs the workload to the end (stdin closed at once, so checkpoints pass through).
+    pub fn run(&self) -> Result<Finished> {
+        self.spawn()?.wait()
+    }
+}
+
+/// Makes `cmd`'s child write itself into the cgroup whose `cgroup.procs` file is `procs`
+/// after fork, before exec; the spawn fails if it cannot.
+/// A running workload. Dropping it kills the process.
+pub struct Running {
+    pid: u32,
+    child: Option<Child>,
+    stdin: Option<ChildStdin>,
+    lines: Receiver<String>,
+    seen: Vec<String>,
+    stderr: Arc<Mutex<String>>,
+    threads: Vec<JoinHandle<()>>,
+    description: String,
+}
+
+impl Running {
+    /// The workload's process id.
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// Everything the workload printed on stderr so far.
+    pub fn stderr(&self) -> String {
+        self.stderr.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+
+    fn context(&self) -> String {
+        format!(
+            "workload {} (pid {}): stdout so far {:?}, stderr {:?}",
+            self.description,
+            self.pid,
+            self.seen,
+            self.stderr()
+        )
+    }
+
+    /// The next stdout line; fails on timeout or when the workload closed stdout.
+    pub fn next_line(&mut self) -> Result<String> {
+        match self.lines.recv_timeout(timeout()) {
+            Ok(line) => {
+                self.seen.push(line.clone());
+                Ok(line)
+            }
+            Err(RecvTimeoutError::Timeout) => bail!("timed out waiting for a line from {}", self.context()),
+            Err(RecvTimeoutError::Disconnected) => {
+                // Give the stderr reader a moment to collect the reason.
+                std::thread::sleep(Duration::from_millis(50));
+                bail!("stdout closed early: {}", self.context())
+            }
+        }
+    }
+
+    /// Reads lines until one starts with `prefix`, and returns it.
+    pub fn expect_prefix(&mut self, prefix: &str) -> Result<String> {
+        loop {
+            let line = self.next_line().with_context(|| format!("waiting for a line starting with {prefix:?}"))?;
+            if line.starts_with(prefix) {
+                return Ok(line);
+            }
+        }
+    }
+
+    /// Waits for `checkpoint NAME`.
+    pub fn wait_checkpoint(&mut self, name: &str) -> Result<()> {
+        let want = format!("checkpoint {name}");
+        loop {
+            let line = self.next_line().with_context(|| format!("waiting for {want:?}"))?;
+            if line == want {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Lets the workload go on past its current checkpoint.
+    pub fn resume(&mut self) -> Result<()> {
+        let stdin = self.stdin.as_mut().ok_or_else(|| anyhow!("stdin already closed"))?;
+        stdin.write_all(b"\n").and_then(|_| stdin.flush()).context("cannot write to the workload's stdin")
+    }
+
+    /// Sends a signal (e.g. `libc::SIGKILL`).
+    pub fn signal(&self, sig: i32) -> Result<()> {
+        // SAFETY: kill(2) on our own child's pid; the child is not reaped before `wait`, so the
+        // pid cannot have been reused.
+        let rc = unsafe { libc::kill(self.pid as libc::pid_t, sig) };
+        if rc != 0 {
+            bail!("kill({}, {sig}): {}", self.pid, std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// SIGKILLs the workload and waits for it.
+    pub fn kill(mut self) -> Result<Finished> {
+        self.signal(libc::SIGKILL)?;
+        self.finish()
+    }
+
+    /// Closes stdin (so remaining checkpoints pass) and waits for the workload to exit.
+    pub fn wait(mut self) -> Result<Finished> {
+        self.stdin = None;
+        self.finish()
+    }
+
+    fn finish(&mut self) -> Result<Finished> {
+        let mut child = self.child.take().ok_or_else(|| anyhow!("already waited"))?;
+        let deadline = Instant::now() + timeout();
+        let status = loop {
+            if let Some(status) = child.try_wait().context("waitpid")? {
+                break status;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                bail!("timed out waiting for exit: {}", self.context());
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        while let Ok(line) = self.lines.try_recv() {
+            self.seen.push(line);
+        }
+        Ok(Finished {
+            status,
+            stdout: std::mem::take(&mut self.seen),
+            stderr: self.stderr(),
+            description: self.description.clone(),
+        })
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// A workload that has exited.
+#[derive(Debug)]
+pub struct Finished {
+    pub status: ExitStatus,
+    /// Every stdout line, in order.
+    pub stdout: Vec<String>,
+    pub stderr: String,
+    description: String,
+}
+
+impl Finished {
+    /// Fails unless the workload exited with status 0.
+    pub fn success(self) -> Result<Finished> {
+        if !self.status.success() {
+            bail!("workload {} failed ({}): stdout {:?}, stderr {:?}", self.description, self.status, self.stdout, self.stderr);
+        }
+        Ok(self)
+    }
+
+    /// The exit code (None if killed by a signal).
+    pub fn code(&self) -> Option<i32> {
+        self.status.code()
+    }
+
+    /// The first stdout line starting with `prefix`.
+    pub fn line(&self, prefix: &str) -> Result<&str> {
+        self.stdout
+            .iter()
+            .map(String::as_str)
+            .find(|l| l.starts_with(prefix))
+            .ok_or_else(|| anyhow!("no line starting with {prefix:?} in {:?} (stderr {:?})", self.stdout, self.stderr))
+    }
+
+    /// Every stdout line starting with `prefix`.
+    pub fn lines<'a>(&'a self, prefix: &'a str) -> impl Iterator<Item = &'a str> + 'a {
+        self.stdout.iter().map(String::as_str).filter(move |l| l.starts_with(prefix))
+    }
+}
+
+/// The value of `key=VALUE` in a line (decimal, or hex with `0x`).
+pub fn field(line: &str, key: &str) -> Result<u64> {
+    let text = line
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix(key).and_then(|r| r.strip_prefix('=')))
+        .ok_or_else(|| anyhow!("no {key}= in {line:?}"))?;
+    parse_u64(text).ok_or_else(|| anyhow!("{key}={text} is not a number in {line:?}"))
+}
+
+/// Parses a decimal or `0x` hex number.
+pub fn parse_u64(text: &str) -> Option<u64> {
+    match text.strip_prefix("0x") {
+        Some(hex) => u64::from_str_radix(hex, 16).ok(),
+        None => text.parse().ok(),
+    }
+}
+
+/// The parts of an `ok STEP NAME 0xPTR BYTES` line: (step, name, pointer, bytes).
+pub fn parse_ok(line: &str) -> Result<(String, String, u64, u64)> {
+    let w: Vec<&str> = line.split_whitespace().collect();
+    match w.as_slice() {
+        ["ok", step, name, ptr, bytes] => Ok((
+            step.to_string(),
+            name.to_string(),
+            parse_u64(ptr).ok_or_else(|| anyhow!("bad pointer in {line:?}"))?,
+            parse_u64(bytes).ok_or_else(|| anyhow!("bad size in {line:?}"))?,
+        )),
+        _ => bail!("not an ok line: {line:?}"),
+    }
+}

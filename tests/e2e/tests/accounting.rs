@@ -1,0 +1,301 @@
+//! eBPF accounting end to end (issue "Foundation"): a real `vramguard run` probes the fake
+//! driver's libcuda, workloads run in cgroups of their own, and what `vramguard audit --json`
+//! reports is compared with what the workloads did. Needs root; run with
+//! `cargo xtask test` (one test at a time: uprobes see every process on the machine).
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use e2e::{agent::Agent, cgroup::TestCgroup, fake_driver_dir, FakeNode, Running, Via, MIB};
+use serde_json::Value;
+
+fn agent() -> Result<Agent> {
+    Agent::start(&fake_driver_dir()?.join("libcuda.so.1"))
+}
+
+/// The audit row of cgroup `id`, if it holds anything.
+fn cgroup_row(audit: &Value, id: u64) -> Option<Value> {
+    rows(audit, "cgroups").into_iter().find(|row| row["cgroup_id"].as_u64() == Some(id))
+}
+
+/// The audit row of process `pid`, if it holds anything.
+fn process_row(audit: &Value, pid: u32) -> Option<Value> {
+    rows(audit, "processes").into_iter().find(|row| row["pid"].as_u64() == Some(pid as u64))
+}
+
+fn rows(audit: &Value, table: &str) -> Vec<Value> {
+    audit[table].as_array().cloned().unwrap_or_default()
+}
+
+/// Bytes by kind of a row as (device, managed, async, vmm).
+fn kinds(row: &Value) -> (u64, u64, u64, u64) {
+    let bytes = &row["bytes"];
+    let get = |kind: &str| bytes[kind].as_u64().unwrap_or(u64::MAX);
+    (get("device"), get("managed"), get("async"), get("vmm"))
+}
+
+fn stat(audit: &Value, name: &str) -> u64 {
+    audit["stats"][name].as_u64().unwrap_or(u64::MAX)
+}
+
+/// Asserts that both the cgroup's and the process's usage are exactly `expected`
+/// (device, managed, async, vmm) with `live` allocations.
+fn assert_usage(
+    agent: &Agent,
+    cgroup: &TestCgroup,
+    pid: u32,
+    expected: (u64, u64, u64, u64),
+    live: u64,
+    when: &str,
+) -> Result<()> {
+    let audit = agent.audit()?;
+    let total = expected.0 + expected.1 + expected.2 + expected.3;
+    let process = process_row(&audit, pid).with_context(|| format!("{when}: no row for pid {pid}: {audit}"))?;
+    assert_eq!(kinds(&process), expected, "{when}: process {pid} usage by kind");
+    assert_eq!(process["total_bytes"].as_u64(), Some(total), "{when}: process total");
+    assert_eq!(process["live_allocations"].as_u64(), Some(live), "{when}: process live allocations");
+    assert_eq!(process["cgroup"].as_str(), Some(cgroup.path.as_str()), "{when}: process cgroup path");
+    match cgroup_row(&audit, cgroup.id) {
+        Some(row) => {
+            assert_eq!(kinds(&row), expected, "{when}: cgroup usage by kind");
+            assert_eq!(row["live_allocations"].as_u64(), Some(live), "{when}: cgroup live allocations");
+        }
+        None => assert_eq!(total, 0, "{when}: cgroup {} missing from {audit}", cgroup.path),
+    }
+    Ok(())
+}
+
+/// The known sequence across every API family, with checkpoints.
+const SEQUENCE: [&str; 19] = [
+    "ctx 0",
+    "alloc a 4m",
+    "pitch p 1000 300 4", // pitch 1024 x 300 rows = 307200 bytes
+    "managed m 8m",
+    "async s 3m",
+    "async-ptsz t 1m",
+    "pool q 5m",
+    "pool-ptsz r 2m",
+    "create h 4m",
+    "checkpoint all",
+    "free a",
+    "free-async s",
+    "release h",
+    "checkpoint some",
+    "free p",
+    "free m",
+    "free-async-ptsz t",
+    "free-async q",
+    "free-async r",
+];
+
+const ALL: (u64, u64, u64, u64) = (4 * MIB + 307_200, 8 * MIB, 11 * MIB, 4 * MIB);
+const SOME: (u64, u64, u64, u64) = (307_200, 8 * MIB, 8 * MIB, 0);
+
+/// Runs SEQUENCE through `via` in a fresh cgroup and checks every checkpoint.
+fn run_sequence(agent: &Agent, via: Via) -> Result<()> {
+    let node = FakeNode::new("sequence");
+    let cgroup = TestCgroup::create("sequence")?;
+    let mut workload = node
+        .workload()
+        .via(via)
+        .in_cgroup(&cgroup)
+        .steps(SEQUENCE)
+        .step("checkpoint none")
+        .spawn()?;
+    let pid = workload.pid();
+    workload.wait_checkpoint("all")?;
+    assert_usage(agent, &cgroup, pid, ALL, 8, "after every allocation")?;
+    workload.resume()?;
+    workload.wait_checkpoint("some")?;
+    assert_usage(agent, &cgroup, pid, SOME, 5, "after the first frees")?;
+    workload.resume()?;
+    workload.wait_checkpoint("none")?;
+    assert_usage(agent, &cgroup, pid, (0, 0, 0, 0), 0, "after every free")?;
+    workload.resume()?;
+    workload.wait()?.success()?;
+    Ok(())
+}
+
+#[test]
+fn every_api_family_is_accounted_exactly_per_cgroup_and_process() -> Result<()> {
+    let agent = agent()?;
+    run_sequence(&agent, Via::Dlsym)?;
+    agent.stop()?;
+    Ok(())
+}
+
+#[test]
+fn pointers_from_cu_get_proc_address_are_seen_like_dlsym_ones() -> Result<()> {
+    let agent = agent()?;
+    run_sequence(&agent, Via::Getproc)?;
+    agent.stop()?;
+    Ok(())
+}
+
+/// Starts a workload that allocates 3 blocks (no frees) and waits at checkpoint "held".
+fn holder(node: &FakeNode, cgroup: &TestCgroup, last: &str) -> Result<Running> {
+    let mut workload = node
+        .workload()
+        .in_cgroup(cgroup)
+        .steps(["ctx 0", "alloc a 6m", "async b 2m", "create c 2m", "checkpoint held", last])
+        .spawn()?;
+    workload.wait_checkpoint("held")?;
+    Ok(workload)
+}
+
+/// After the process is reaped its usage is gone at once (the exit tracepoint drops it
+/// synchronously); its records are swept within 1 s.
+fn assert_gone_after_exit(agent: &Agent, cgroup: &TestCgroup, pid: u32, records_before: u64) -> Result<()> {
+    let reaped = Instant::now();
+    let audit = agent.audit()?;
+    assert!(process_row(&audit, pid).is_none(), "process {pid} still accounted after exit: {audit}");
+    assert!(cgroup_row(&audit, cgroup.id).is_none(), "cgroup still holds memory after its only process exited: {audit}");
+    loop {
+        let audit = agent.audit()?;
+        if stat(&audit, "records") == records_before {
+            println!("records of pid {pid} swept {:?} after it was reaped", reaped.elapsed());
+            return Ok(());
+        }
+        if reaped.elapsed() > Duration::from_secs(1) {
+            bail!("records of pid {pid} still present 1 s after exit: {audit}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_process_that_exits_without_freeing_disappears() -> Result<()> {
+    let agent = agent()?;
+    let node = FakeNode::new("exit");
+    let cgroup = TestCgroup::create("exit")?;
+    let records_before = stat(&agent.audit()?, "records");
+    let mut workload = holder(&node, &cgroup, "exit 0")?;
+    let pid = workload.pid();
+    assert_usage(&agent, &cgroup, pid, (6 * MIB, 0, 2 * MIB, 2 * MIB), 3, "while held")?;
+    assert_eq!(stat(&agent.audit()?, "records"), records_before + 3);
+    workload.resume()?;
+    workload.wait()?;
+    assert_gone_after_exit(&agent, &cgroup, pid, records_before)?;
+    agent.stop()?;
+    Ok(())
+}
+
+#[test]
+fn a_sigkilled_process_disappears() -> Result<()> {
+    let agent = agent()?;
+    let node = FakeNode::new("sigkill");
+    let cgroup = TestCgroup::create("sigkill")?;
+    let records_before = stat(&agent.audit()?, "records");
+    let workload = holder(&node, &cgroup, "hold")?;
+    let pid = workload.pid();
+    assert_usage(&agent, &cgroup, pid, (6 * MIB, 0, 2 * MIB, 2 * MIB), 3, "while held")?;
+    workload.kill()?;
+    assert_gone_after_exit(&agent, &cgroup, pid, records_before)?;
+    agent.stop()?;
+    Ok(())
+}
+
+#[test]
+fn failed_allocations_are_not_counted() -> Result<()> {
+    let agent = agent()?;
+    let node = FakeNode::new("oom")
+        .with_env("FAKECUDA_DEVICE_BYTES", "256m")
+        .with_env("FAKECUDA_CONTEXT_BYTES", "64m");
+    let cgroup = TestCgroup::create("oom")?;
+    let mut workload = node
+        .workload()
+        .in_cgroup(&cgroup)
+        .steps([
+            "ctx 0",
+            "alloc a 100m",
+            "expect-oom alloc b 1g",
+            "expect-oom async c 1g",
+            "expect-oom create d 1g",
+            "expect-oom managed e 1g",
+            "checkpoint after",
+            "free a",
+        ])
+        .spawn()?;
+    let pid = workload.pid();
+    workload.wait_checkpoint("after")?;
+    assert_usage(&agent, &cgroup, pid, (100 * MIB, 0, 0, 0), 1, "after four refused allocations")?;
+    let process = process_row(&agent.audit()?, pid).context("process row")?;
+    assert_eq!(process["allocs"].as_u64(), Some(1), "refused allocations counted as allocations");
+    workload.resume()?;
+    workload.wait()?.success()?;
+    agent.stop()?;
+    Ok(())
+}
+
+#[test]
+fn eight_processes_of_four_threads_100k_pairs_leave_nothing() -> Result<()> {
+    const PROCESSES: u64 = 8;
+    const THREADS: u64 = 4;
+    const PAIRS_PER_THREAD: u64 = 3125; // 8 x 4 x 3125 = 100,000 alloc/free pairs
+    let agent = agent()?;
+    let node = FakeNode::new("stress").with_env("FAKECUDA_DEVICE_BYTES", "64g");
+    let cgroup = TestCgroup::create("stress")?;
+    let before = agent.audit()?;
+    let events_before = stat(&before, "events_alloc") + stat(&before, "events_free") + stat(&before, "events_exit");
+    let lost_before = stat(&before, "events_lost");
+    let workloads: Vec<Running> = (0..PROCESSES)
+        .map(|_| {
+            node.workload()
+                .in_cgroup(&cgroup)
+                .steps(["ctx 0".to_string(), format!("stress {THREADS} {PAIRS_PER_THREAD} 1m")])
+                .spawn()
+        })
+        .collect::<Result<_>>()?;
+    for workload in workloads {
+        let finished = workload.wait()?.success()?;
+        finished.line("stress ")?;
+    }
+    let audit = agent.audit()?;
+    assert!(cgroup_row(&audit, cgroup.id).is_none(), "usage left in the cgroup: {audit}");
+    assert_eq!(stat(&audit, "records"), stat(&before, "records"), "records left behind");
+    assert_eq!(stat(&audit, "untracked_allocs"), 0, "allocations the maps could not hold");
+    let pairs = PROCESSES * THREADS * PAIRS_PER_THREAD;
+    let received = stat(&audit, "events_alloc") + stat(&audit, "events_free") + stat(&audit, "events_exit") - events_before;
+    let lost = stat(&audit, "events_lost") - lost_before;
+    // Every pair is two events and every process one exit: each was received or counted lost.
+    assert_eq!(received + lost, 2 * pairs + PROCESSES, "events neither received nor counted as lost");
+    println!("{pairs} pairs: {received} events received, {lost} counted lost");
+    agent.stop()?;
+    Ok(())
+}
+
+#[test]
+fn audit_without_an_agent_says_so() -> Result<()> {
+    let output = std::process::Command::new(e2e::agent::agent_bin()?)
+        .args(["audit", "--socket", "/nonexistent/vramguard.sock"])
+        .output()?;
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("is `vramguard run` running"), "unclear error: {stderr}");
+    Ok(())
+}
+
+#[test]
+fn run_refuses_a_missing_libcuda_and_non_root() -> Result<()> {
+    let output = std::process::Command::new(e2e::agent::agent_bin()?)
+        .args(["run", "--no-discover", "--libcuda", "/nonexistent/libcuda.so.1", "--socket", "/tmp/vramguard-e2e-none.sock"])
+        .output()?;
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("/nonexistent/libcuda.so.1"), "error does not name the file: {stderr}");
+
+    let output = std::process::Command::new(e2e::agent::agent_bin()?)
+        .args(["run", "--no-discover", "--socket", "/tmp/vramguard-e2e-none.sock"])
+        .output()?;
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("no libcuda found"), "unclear error: {stderr}");
+
+    let mut as_nobody = std::process::Command::new(e2e::agent::agent_bin()?);
+    as_nobody.args(["run", "--socket", "/tmp/vramguard-e2e-none.sock"]);
+    std::os::unix::process::CommandExt::uid(&mut as_nobody, 65534);
+    let output = as_nobody.output()?;
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("must run as root"), "unclear error: {stderr}");
+    Ok(())
+}

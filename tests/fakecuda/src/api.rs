@@ -1,0 +1,72 @@
+//! The list of entry points the fake exports, as an enum: each export passes its own value to
+//! the shared implementation, which counts the call. That keeps every export's machine code
+//! distinct (LLVM would otherwise merge identical functions into one address, and two uprobes
+//! on one address double-count) and names the call in trace output.
+
+macro_rules! apis {
+    ($($variant:ident = $name:literal,)*) => {
+        /// One exported entry point.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        #[repr(usize)]
+        pub enum Api { $($variant,)* }
+
+        impl Api {
+            /// Every entry point, in declaration order.
+            pub const ALL: &'static [Api] = &[$(Api::$variant,)*];
+            /// Number of entry points.
+            pub const COUNT: usize = Self::ALL.len();
+
+            /// The exported symbol name.
+            pub fn name(self) -> &'static str {
+                match self { $(Api::$variant => $name,)* }
+            }
+        }
+    };
+}
+
+apis! {
+    Init = "cuInit",
+    DriverGetVersion = "cuDriverGetVersion",
+    DeviceGet = "cuDeviceGet",
+    DeviceGetCount = "cuDeviceGetCount",
+    DeviceGetName = "cuDeviceGetName",
+    DeviceGetUuid = "cuDeviceGetUuid",
+    DeviceGetUuidV2 = "cuDeviceGetUuid_v2",
+    DeviceTotalMemV2 = "cuDeviceTotalMem_v2",
+    DevicePrimaryCtxRetain = "cuDevicePrimaryCtxRetain",
+    DevicePrimaryCtxRelease = "cuDevicePrimaryCtxRelease",
+    DevicePrimaryCtxReleaseV2 = "cuDevicePrimaryCtxRelease_v2",
+    CtxCreateV2 = "cuCtxCreate_v2",
+    CtxCreateV4 = "cuCtxCreate_v4",
+    CtxDestroyV2 = "cuCtxDestroy_v2",
+    CtxSetCurrent = "cuCtxSetCurrent",
+    CtxGetCurrent = "cuCtxGetCurrent",
+    CtxGetDevice = "cuCtxGetDevice",
+    MemAllocV2 = "cuMemAlloc_v2",
+    MemAllocPitchV2 = "cuMemAllocPitch_v2",
+    MemAllocManaged = "cuMemAllocManaged",
+    MemFreeV2 = "cuMemFree_v2",
+    MemGetInfoV2 = "cuMemGetInfo_v2",
+    MemAllocAsync = "cuMemAllocAsync",
+    MemAllocAsyncPtsz = "cuMemAllocAsync_ptsz",
+    MemFreeAsync = "cuMemFreeAsync",
+    MemFreeAsyncPtsz = "cuMemFreeAsync_ptsz",
+    MemAllocFromPoolAsync = "cuMemAllocFromPoolAsync",
+    MemAllocFromPoolAsyncPtsz = "cuMemAllocFromPoolAsync_ptsz",
+    DeviceGetMemPool = "cuDeviceGetMemPool",
+    MemPoolTrimTo = "cuMemPoolTrimTo",
+    MemCreate = "cuMemCreate",
+    MemRelease = "cuMemRelease",
+    MemAddressReserve = "cuMemAddressReserve",
+    MemAddressFree = "cuMemAddressFree",
+    MemMap = "cuMemMap",
+    MemUnmap = "cuMemUnmap",
+    MemSetAccess = "cuMemSetAccess",
+    MemGetAllocationGranularity = "cuMemGetAllocationGranularity",
+    GetProcAddress = "cuGetProcAddress",
+    GetProcAddressV2 = "cuGetProcAddress_v2",
+    GetErrorString = "cuGetErrorString",
+    GetErrorName = "cuGetErrorName",
+    DeviceUsage = "fakecuda_device_usage",
+    ApiCalls = "fakecuda_api_calls",
+}

@@ -1,0 +1,193 @@
+//! The fake driver's configuration: the `FAKECUDA_*` environment variables, parsed and checked.
+//!
+//! | variable                 | meaning                                        | default    |
+//! |--------------------------|------------------------------------------------|------------|
+//! | `FAKECUDA_DEVICE_COUNT`  | number of devices, 0..=8 (0: `cuInit` returns `CUDA_ERROR_NO_DEVICE`) | 1 |
+//! | `FAKECUDA_DEVICE_BYTES`  | memory of each device, when this process creates its state file | 16g |
+//! | `FAKECUDA_CONTEXT_BYTES` | memory each context holds on its device        | 64m        |
+//! | `FAKECUDA_NODE`          | name prefix of the device state files          | `fakecuda` |
+//! | `FAKECUDA_STATE_DIR`     | directory of the device state files            | `/dev/shm` |
+//! | `FAKECUDA_TRACE`         | `1`: one stderr line per API call              | `0`        |
+//!
+//! Sizes are plain bytes or a number with a `k`/`m`/`g`/`t` suffix (1024-based). An empty
+//! variable counts as unset.
+
+use std::ffi::OsString;
+use std::fmt;
+use std::path::PathBuf;
+
+/// Most devices the fake offers.
+pub const MAX_DEVICES: u32 = 8;
+
+/// The parsed configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub device_count: u32,
+    pub device_bytes: u64,
+    pub context_bytes: u64,
+    pub node: String,
+    pub state_dir: PathBuf,
+    pub trace: bool,
+}
+
+/// A variable with a value the fake cannot use.
+#[derive(Debug)]
+pub struct ConfigError {
+    pub var: &'static str,
+    pub value: String,
+    pub reason: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "fakecuda: bad {}={:?}: {}", self.var, self.value, self.reason)
+    }
+}
+
+impl Config {
+    /// Reads the configuration from the process environment.
+    pub fn from_env() -> Result<Config, ConfigError> {
+        Self::from_lookup(|name| std::env::var_os(name))
+    }
+
+    /// Reads the configuration through `lookup` (the environment, or a table in tests).
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<OsString>) -> Result<Config, ConfigError> {
+        let get = |var: &'static str| -> Result<Option<String>, ConfigError> {
+            match lookup(var) {
+                None => Ok(None),
+                Some(v) if v.is_empty() => Ok(None),
+                Some(v) => v.into_string().map(Some).map_err(|v| ConfigError {
+                    var,
+                    value: v.to_string_lossy().into_owned(),
+                    reason: "not valid UTF-8".into(),
+                }),
+            }
+        };
+        let bad = |var: &'static str, value: &str, reason: &str| ConfigError {
+            var,
+            value: value.to_owned(),
+            reason: reason.to_owned(),
+        };
+
+        let device_count = match get("FAKECUDA_DEVICE_COUNT")? {
+            None => 1,
+            Some(v) => match v.trim().parse::<u32>() {
+                Ok(n) if n <= MAX_DEVICES => n,
+                _ => {
+                    return Err(bad(
+                        "FAKECUDA_DEVICE_COUNT",
+                        &v,
+                        "expected a whole number of devices from 0 to 8",
+                    ))
+                }
+            },
+        };
+        let size = |var: &'static str, default: u64, min: u64| -> Result<u64, ConfigError> {
+            match get(var)? {
+                None => Ok(default),
+                Some(v) => match parse_size(&v) {
+                    Some(n) if n >= min => Ok(n),
+                    Some(_) => Err(bad(var, &v, &format!("must be at least {min} bytes"))),
+                    None => Err(bad(
+                        var,
+                        &v,
+                        "expected bytes, or a number with a k/m/g/t suffix (1024-based)",
+                    )),
+                },
+            }
+        };
+        let device_bytes = size("FAKECUDA_DEVICE_BYTES", 16 << 30, 1)?;
+        let context_bytes = size("FAKECUDA_CONTEXT_BYTES", 64 << 20, 0)?;
+
+        let node = match get("FAKECUDA_NODE")? {
+            None => "fakecuda".to_owned(),
+            Some(v) => {
+                let ok = v.len() <= 128
+                    && !v.starts_with('.')
+                    && v.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c));
+                if !ok {
+                    return Err(bad(
+                        "FAKECUDA_NODE",
+                        &v,
+                        "expected at most 128 characters from [A-Za-z0-9._-], not starting with '.'",
+                    ));
+                }
+                v
+            }
+        };
+        let state_dir = match get("FAKECUDA_STATE_DIR")? {
+            None => PathBuf::from("/dev/shm"),
+            Some(v) => {
+                let path = PathBuf::from(&v);
+                if !path.is_dir() {
+                    return Err(bad("FAKECUDA_STATE_DIR", &v, "not an existing directory"));
+                }
+                path
+            }
+        };
+        let trace = match get("FAKECUDA_TRACE")?.as_deref() {
+            None | Some("0") => false,
+            Some("1") => true,
+            Some(v) => return Err(bad("FAKECUDA_TRACE", v, "expected 0 or 1")),
+        };
+        Ok(Config { device_count, device_bytes, context_bytes, node, state_dir, trace })
+    }
+}
+
+/// Parses `123`, `4k`, `16M`, `2g`, `1t` (1024-based). `None` for anything else or overflow.
+pub fn parse_size(text: &str) -> Option<u64> {
+    let text = text.trim();
+    let (digits, shift) = match text.char_indices().last()? {
+        (i, 'k' | 'K') => (&text[..i], 10),
+        (i, 'm' | 'M') => (&text[..i], 20),
+        (i, 'g' | 'G') => (&text[..i], 30),
+        (i, 't' | 'T') => (&text[..i], 40),
+        _ => (text, 0),
+    };
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let n: u64 = digits.parse().ok()?;
+    n.checked_mul(1u64 << shift)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(vars: &[(&str, &str)]) -> Result<Config, ConfigError> {
+        let vars: Vec<(String, String)> =
+            vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        Config::from_lookup(|name| {
+            vars.iter().find(|(k, _)| k == name).map(|(_, v)| OsString::from(v))
+        })
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("512"), Some(512));
+        assert_eq!(parse_size("4k"), Some(4096));
+        assert_eq!(parse_size("3M"), Some(3 << 20));
+        assert_eq!(parse_size("16g"), Some(16 << 30));
+        assert_eq!(parse_size("1t"), Some(1 << 40));
+        for bad in ["", "k", "12q", "-1", "1.5g", "1 g", "99999999999999999999", "20000000t"] {
+            assert_eq!(parse_size(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn defaults_and_errors() {
+        let c = cfg(&[]).expect("defaults");
+        assert_eq!(c.device_count, 1);
+        assert_eq!(c.device_bytes, 16 << 30);
+        assert_eq!(c.context_bytes, 64 << 20);
+        assert_eq!(c.node, "fakecuda");
+        let e = cfg(&[("FAKECUDA_DEVICE_BYTES", "12q")]).expect_err("bad size");
+        assert_eq!(e.var, "FAKECUDA_DEVICE_BYTES");
+        assert!(e.to_string().contains("\"12q\""));
+        assert!(cfg(&[("FAKECUDA_DEVICE_COUNT", "9")]).is_err());
+        assert!(cfg(&[("FAKECUDA_NODE", "a/b")]).is_err());
+        assert!(cfg(&[("FAKECUDA_DEVICE_BYTES", "0")]).is_err());
+        assert_eq!(cfg(&[("FAKECUDA_DEVICE_COUNT", "")]).expect("empty is unset").device_count, 1);
+    }
+}

@@ -1,0 +1,399 @@
+//! One device's machine-wide state: a shared-memory file `<STATE_DIR>/<NODE>-dev<i>` that every
+//! process using the device maps, so that processes compete for the same memory like they do
+//! on a real GPU.
+//!
+//! Layout (little-endian, offsets in bytes; version 1):
+//!
+//! ```text
+//! header (HEADER_SIZE bytes)
+//!   0  magic        [u8; 8]  b"FAKECUDA"
+//!   8  version      u32      1
+//!  12  header_size  u32      HEADER_SIZE
+//!  16  slot_size    u32      SLOT_SIZE
+//!  20  slot_count   u32      SLOT_COUNT
+//!  24  total_bytes  u64      device memory, fixed by the creator
+//!  32  index        u32      device ordinal
+//!  36  high_water   u32      slots [0, high_water) may be in use; only grows (atomic)
+//! slots (slot_count x SLOT_SIZE bytes), one per process holding memory
+//!   0  pid          u32      0 = free slot
+//!   8  start_time   u64      /proc/<pid>/stat field 22
+//!  16  pidns        u64      pid-namespace inode
+//!  24  charged      u64      bytes this process holds on the device
+//! ```
+//!
+//! The file is created complete under a temporary name and then hard-linked into place, so no
+//! process ever sees it half-initialised; the first creator fixes its size, later processes
+//! take the size from the file. The header is validated on every open.
+//!
+//! Locking: `flock(LOCK_EX)` on the file excludes other processes and is dropped by the kernel
+//! if its holder dies. It does not exclude threads sharing one open file, so callers hold the
+//! driver's in-process mutex as well (every `DeviceFile` lives behind it).
+//!
+//! Device use is the sum of the `charged` fields of live slots. Slots of dead processes (pid
+//! gone, zombie, or pid reused by a process with another start time) are reaped by
+//! [`DeviceFile::reap`]. A slot is only judged by a process in the same pid namespace; slots
+//! from other namespaces are left alone.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use crate::procinfo::{self, ProcId};
+use crate::types::{CUresult, CUDA_ERROR_OPERATING_SYSTEM, CUDA_ERROR_OUT_OF_MEMORY};
+
+pub const MAGIC: [u8; 8] = *b"FAKECUDA";
+pub const VERSION: u32 = 1;
+pub const HEADER_SIZE: usize = 4096;
+pub const SLOT_SIZE: usize = 64;
+pub const SLOT_COUNT: usize = 1024;
+const FILE_SIZE: usize = HEADER_SIZE + SLOT_SIZE * SLOT_COUNT;
+
+const OFF_HIGH_WATER: usize = 36;
+const OFF_PID: usize = 0;
+const OFF_START: usize = 8;
+const OFF_PIDNS: usize = 16;
+const OFF_CHARGED: usize = 24;
+
+/// Why a device file could not be used: a one-line message for stderr and the result code.
+#[derive(Debug)]
+pub struct OpenError {
+    pub message: String,
+    pub code: CUresult,
+}
+
+/// A mapped device state file.
+pub struct DeviceFile {
+    path: PathBuf,
+    file: File,
+    map: *mut u8,
+    slot_count: usize,
+    total: u64,
+}
+
+// SAFETY: the mapping is shared memory owned by this value; every access goes through `&self`
+// methods that the driver calls with its process-wide mutex held, and other processes are
+// excluded by flock, so moving the value between threads is sound.
+unsafe impl Send for DeviceFile {}
+
+/// Holds the device's flock until dropped.
+pub struct Locked<'a> {
+    dev: &'a DeviceFile,
+}
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        // SAFETY: flock on a descriptor this value keeps open.
+        unsafe { libc::flock(self.dev.file.as_raw_fd(), libc::LOCK_UN) };
+    }
+}
+
+impl Drop for DeviceFile {
+    fn drop(&mut self) {
+        // SAFETY: `map` is a live mapping of exactly this length made in `map_file`, and no
+        // reference into it outlives `self`.
+        unsafe { libc::munmap(self.map.cast(), self.len()) };
+    }
+}
+
+fn header_bytes(total: u64, index: u32) -> Vec<u8> {
+    let mut h = vec![0u8; HEADER_SIZE];
+    h[0..8].copy_from_slice(&MAGIC);
+    h[8..12].copy_from_slice(&VERSION.to_le_bytes());
+    h[12..16].copy_from_slice(&(HEADER_SIZE as u32).to_le_bytes());
+    h[16..20].copy_from_slice(&(SLOT_SIZE as u32).to_le_bytes());
+    h[20..24].copy_from_slice(&(SLOT_COUNT as u32).to_le_bytes());
+    h[24..32].copy_from_slice(&total.to_le_bytes());
+    h[32..36].copy_from_slice(&index.to_le_bytes());
+    h
+}
+
+fn le_u32(b: &[u8], at: usize) -> u32 {
+    let mut a = [0u8; 4];
+    a.copy_from_slice(&b[at..at + 4]);
+    u32::from_le_bytes(a)
+}
+
+fn le_u64(b: &[u8], at: usize) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(a)
+}
+
+/// Path of device `index`'s state file.
+pub fn device_path(dir: &Path, node: &str, index: u32) -> PathBuf {
+    dir.join(format!("{node}-dev{index}"))
+}
+
+impl DeviceFile {
+    /// Opens device `index`'s state file, creating it with `total` bytes of memory if it does
+    /// not exist yet. An existing file keeps the size its creator gave it.
+    pub fn open_or_create(dir: &Path, node: &str, index: u32, total: u64) -> Result<DeviceFile, OpenError> {
+        let path = device_path(dir, node, index);
+        let os_err = |what: &str, e: io::Error| OpenError {
+            message: format!("fakecuda: {what} {}: {e}", path.display()),
+            code: CUDA_ERROR_OPERATING_SYSTEM,
+        };
+        for _ in 0..8 {
+            match OpenOptions::new().read(true).write(true).open(&path) {
+                Ok(file) => return Self::validate(path, file, index),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(os_err("cannot open device state file", e)),
+            }
+            let tmp = dir.join(format!(
+                ".{node}-dev{index}.{}.{}.tmp",
+                std::process::id(),
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_nanos())
+                    .unwrap_or(0)
+            ));
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .mode(0o666)
+                .open(&tmp)
+                .map_err(|e| os_err("cannot create a temporary file next to", e))?;
+            let init = (|| -> io::Result<()> {
+                // Readable and writable by every user, whatever the umask: a GPU is shared.
+                file.set_permissions(std::fs::Permissions::from_mode(0o666))?;
+                file.set_len(FILE_SIZE as u64)?;
+                file.write_all_at(&header_bytes(total, index), 0)?;
+                std::fs::hard_link(&tmp, &path)
+            })();
+            let _ = std::fs::remove_file(&tmp);
+            match init {
+                Ok(()) => return Self::validate(path, file, index),
+                // Another process created it first: use theirs.
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+                Err(e) => return Err(os_err("cannot create device state file", e)),
+            }
+        }
+        Err(OpenError {
+            message: format!("fakecuda: device state file {} keeps disappearing", path.display()),
+            code: CUDA_ERROR_OPERATING_SYSTEM,
+        })
+    }
+
+    fn validate(path: PathBuf, file: File, index: u32) -> Result<DeviceFile, OpenError> {
+        let invalid = |why: String| OpenError {
+            message: format!("fakecuda: {} is not a valid device state file: {why}", path.display()),
+            code: CUDA_ERROR_OPERATING_SYSTEM,
+        };
+        let len = file.metadata().map_err(|e| invalid(e.to_string()))?.len();
+        let mut h = [0u8; 64];
+        file.read_exact_at(&mut h, 0).map_err(|e| invalid(format!("cannot read the header ({e})")))?;
+        if h[0..8] != MAGIC {
+            return Err(invalid("bad magic".into()));
+        }
+        let version = le_u32(&h, 8);
+        if version != VERSION {
+            return Err(invalid(format!("layout version {version}, expected {VERSION}")));
+        }
+        let (header_size, slot_size, slot_count) =
+            (le_u32(&h, 12) as usize, le_u32(&h, 16) as usize, le_u32(&h, 20) as usize);
+        if header_size != HEADER_SIZE || slot_size != SLOT_SIZE || !(1..=65536).contains(&slot_count) {
+            return Err(invalid(format!(
+                "header_size {header_size}, slot_size {slot_size}, slot_count {slot_count}"
+            )));
+        }
+        let expected = (HEADER_SIZE + SLOT_SIZE * slot_count) as u64;
+        if len != expected {
+            return Err(invalid(format!("size {len}, expected {expected}")));
+        }
+        let total = le_u64(&h, 24);
+        if total == 0 {
+            return Err(invalid("device size 0".into()));
+        }
+        let file_index = le_u32(&h, 32);
+        if file_index != index {
+            return Err(invalid(format!("holds device {file_index}, expected {index}")));
+        }
+        // SAFETY: maps the whole file (its length was just checked) shared and read-write; the
+        // result is checked against MAP_FAILED before use.
+        let map = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                expected as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if map == libc::MAP_FAILED {
+            return Err(invalid(format!("mmap failed: {}", io::Error::last_os_error())));
+        }
+        Ok(DeviceFile { path, file, map: map.cast(), slot_count, total })
+    }
+
+    fn len(&self) -> usize {
+        HEADER_SIZE + SLOT_SIZE * self.slot_count
+    }
+
+    /// The device's memory in bytes.
+    pub fn total(&self) -> u64 {
+        self.total
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Takes the cross-process lock.
+    pub fn lock(&self) -> Result<Locked<'_>, CUresult> {
+        loop {
+            // SAFETY: flock on a descriptor owned by `self.file`.
+            let rc = unsafe { libc::flock(self.file.as_raw_fd(), libc::LOCK_EX) };
+            if rc == 0 {
+                return Ok(Locked { dev: self });
+            }
+            if io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
+                return Err(CUDA_ERROR_OPERATING_SYSTEM);
+            }
+        }
+    }
+
+    fn high_water(&self) -> &AtomicU32 {
+        // SAFETY: a 4-byte, 4-aligned header field inside the page-aligned mapping, which lives
+        // as long as `self`; other processes access it only atomically.
+        unsafe { &*self.map.add(OFF_HIGH_WATER).cast::<AtomicU32>() }
+    }
+
+    /// The slots that may be in use: `0..high_water` (clamped to the file's slot count).
+    fn live_slots(&self) -> std::ops::Range<usize> {
+        0..(self.high_water().load(Ordering::Relaxed) as usize).min(self.slot_count)
+    }
+
+    fn u32_at(&self, slot: usize, off: usize) -> &AtomicU32 {
+        debug_assert!(slot < self.slot_count && off.is_multiple_of(4) && off + 4 <= SLOT_SIZE);
+        // SAFETY: `slot < slot_count` (every caller takes it from `0..slot_count` or from
+        // `live_slots`, which is clamped to it), so the 4-byte, 4-aligned
+        // field lies inside the page-aligned mapping, which lives as long as `self`. Other
+        // processes write it only through the same atomic accesses.
+        unsafe { &*self.map.add(HEADER_SIZE + slot * SLOT_SIZE + off).cast::<AtomicU32>() }
+    }
+
+    fn u64_at(&self, slot: usize, off: usize) -> &AtomicU64 {
+        debug_assert!(slot < self.slot_count && off.is_multiple_of(8) && off + 8 <= SLOT_SIZE);
+        // SAFETY: as in `u32_at`, for an 8-byte, 8-aligned field.
+        unsafe { &*self.map.add(HEADER_SIZE + slot * SLOT_SIZE + off).cast::<AtomicU64>() }
+    }
+
+    fn slot_owner(&self, slot: usize) -> ProcId {
+        ProcId {
+            pid: self.u32_at(slot, OFF_PID).load(Ordering::Relaxed),
+            start_time: self.u64_at(slot, OFF_START).load(Ordering::Relaxed),
+            pidns: self.u64_at(slot, OFF_PIDNS).load(Ordering::Relaxed),
+        }
+    }
+
+    fn clear_slot(&self, slot: usize) {
+        self.u64_at(slot, OFF_CHARGED).store(0, Ordering::Relaxed);
+        self.u64_at(slot, OFF_START).store(0, Ordering::Relaxed);
+        self.u64_at(slot, OFF_PIDNS).store(0, Ordering::Relaxed);
+        self.u32_at(slot, OFF_PID).store(0, Ordering::Relaxed);
+    }
+
+    /// Bytes in use on the device: the sum over occupied slots.
+    pub fn used(&self, _lock: &Locked<'_>) -> u64 {
+        self.live_slots()
+            .filter(|&s| self.u32_at(s, OFF_PID).load(Ordering::Relaxed) != 0)
+            .fold(0u64, |sum, s| sum.saturating_add(self.u64_at(s, OFF_CHARGED).load(Ordering::Relaxed)))
+    }
+
+    /// Frees the slots of dead processes; returns how many bytes that gave back.
+    pub fn reap(&self, _lock: &Locked<'_>, me: &ProcId) -> u64 {
+        let mut freed = 0u64;
+        for s in self.live_slots() {
+            let owner = self.slot_owner(s);
+            if owner.pid == 0 || owner.pidns != me.pidns {
+                continue;
+            }
+            let dead = if owner.pid == me.pid {
+                owner.start_time != me.start_time
+            } else {
+                !procinfo::is_alive(owner.pid, owner.start_time)
+            };
+            if dead {
+                freed = freed.saturating_add(self.u64_at(s, OFF_CHARGED).load(Ordering::Relaxed));
+                self.clear_slot(s);
+            }
+        }
+        freed
+    }
+
+    /// Finds `me`'s slot (trying `hint` first), or claims a free one.
+    fn slot_for(&self, me: &ProcId, hint: Option<usize>, claim: bool) -> Option<usize> {
+        if let Some(h) = hint.filter(|&h| self.live_slots().contains(&h)) {
+            if self.slot_owner(h) == *me {
+                return Some(h);
+            }
+        }
+        if let Some(s) = self.live_slots().find(|&s| self.slot_owner(s) == *me) {
+            return Some(s);
+        }
+        if !claim {
+            return None;
+        }
+        // The lowest free slot, so the high-water mark stays low.
+        let s = (0..self.slot_count).find(|&s| self.u32_at(s, OFF_PID).load(Ordering::Relaxed) == 0)?;
+        if s >= self.live_slots().end {
+            self.high_water().store(s as u32 + 1, Ordering::Relaxed);
+        }
+        self.u64_at(s, OFF_CHARGED).store(0, Ordering::Relaxed);
+        self.u64_at(s, OFF_START).store(me.start_time, Ordering::Relaxed);
+        self.u64_at(s, OFF_PIDNS).store(me.pidns, Ordering::Relaxed);
+        self.u32_at(s, OFF_PID).store(me.pid, Ordering::Relaxed);
+        Some(s)
+    }
+
+    /// Changes what `me` holds on the device from `current` to `new` bytes. Growing fails with
+    /// `CUDA_ERROR_OUT_OF_MEMORY` (charging nothing) when the device cannot hold it, after
+    /// reaping dead processes once. `hint` caches `me`'s slot index between calls.
+    pub fn recharge(&self, me: &ProcId, hint: &mut Option<usize>, current: u64, new: u64) -> Result<(), CUresult> {
+        if current == new {
+            return Ok(());
+        }
+        let lock = self.lock()?;
+        if new > current {
+            let need = new - current;
+            let fits = |dev: &Self| {
+                // Our own slot holds `current` (or nothing if it was lost); count it as ours.
+                let mine = dev
+                    .slot_for(me, *hint, false)
+                    .map(|s| dev.u64_at(s, OFF_CHARGED).load(Ordering::Relaxed))
+                    .unwrap_or(0);
+                let others = dev.used(&lock).saturating_sub(mine);
+                others.checked_add(new).is_some_and(|t| t <= dev.total)
+            };
+            if need > self.total || !fits(self) {
+                self.reap(&lock, me);
+                if !fits(self) {
+                    return Err(CUDA_ERROR_OUT_OF_MEMORY);
+                }
+            }
+        }
+        if new == 0 {
+            if let Some(s) = self.slot_for(me, *hint, false) {
+                self.clear_slot(s);
+            }
+            *hint = None;
+            return Ok(());
+        }
+        let slot = match self.slot_for(me, *hint, true) {
+            Some(s) => s,
+            None => {
+                self.reap(&lock, me);
+                self.slot_for(me, None, true).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?
+            }
+        };
+        self.u64_at(slot, OFF_CHARGED).store(new, Ordering::Relaxed);
+        *hint = Some(slot);
+        Ok(())
+    }
+}

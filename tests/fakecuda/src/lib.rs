@@ -1,0 +1,21 @@
+//! A fake CUDA driver (`libcuda.so.1`) with real semantics, for tests and the demo. It is a
+//! test double and never shipped as "the" driver.
+//!
+//! Devices are machine-wide like real GPUs: each lives in a shared-memory state file that all
+//! processes map ([`devfile`]), so concurrent processes compete for the same memory, and a
+//! dead process's memory returns to the device. Allocation granularity, context reserve,
+//! stream-ordered pools and VMM handles follow what was measured on an H100 ([`driver`]).
+//! Configuration comes from `FAKECUDA_*` environment variables ([`config`]). The exported
+//! entry points are in [`exports`]; `cuGetProcAddress` resolution is in [`procaddr`].
+//!
+//! Build: `cargo build -p fakecuda` gives `target/<profile>/libcuda.so` with soname
+//! `libcuda.so.1`; point `LD_LIBRARY_PATH` at a directory holding a `libcuda.so.1` symlink to it.
+
+pub mod api;
+pub mod config;
+pub mod devfile;
+pub mod driver;
+pub mod exports;
+pub mod procaddr;
+pub mod procinfo;
+pub mod types;

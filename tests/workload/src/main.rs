@@ -1,0 +1,513 @@
+//! `fakecuda-workload`: drives the CUDA driver API from a list of steps, like a small
+//! application would, and reports every result on stdout in a line format tests can parse.
+//!
+//! ```text
+//! fakecuda-workload [--via dlsym|getproc] [--no-init] [--script FILE] [STEP]...
+//! ```
+//!
+//! The driver is `dlopen("libcuda.so.1")`, so `LD_LIBRARY_PATH` picks the fake or the real one.
+//! Output: `ready pid=N` first (after `cuInit`), `ok STEP NAME 0xPTR BYTES` for each
+//! allocation or free, and one line per query step; stdout is flushed after every line. A CUDA
+//! error prints `error STEP CODE NAME` on stderr and exits 1; a bad command line exits 2.
+//! Steps are documented in [`steps`] and in `--help`.
+
+mod cuda;
+mod steps;
+
+use std::collections::HashMap;
+use std::ffi::c_int;
+use std::io::{BufRead, Write};
+use std::time::{Duration, Instant};
+
+use cuda::*;
+use steps::Step;
+
+const USAGE: &str = "\
+usage: fakecuda-workload [--via dlsym|getproc] [--no-init] [--script FILE] [STEP]...
+
+Each argument (or script line; # starts a comment) is one step. Sizes take k/m/g/t suffixes.
+  ctx DEV                 cuDeviceGet + cuDevicePrimaryCtxRetain + cuCtxSetCurrent
+  ctx-create DEV          cuCtxCreate_v2
+  ctx-destroy             undo the latest ctx/ctx-create (release / destroy)
+  alloc NAME SIZE         cuMemAlloc_v2
+  pitch NAME W H ELEM     cuMemAllocPitch_v2
+  managed NAME SIZE       cuMemAllocManaged (CU_MEM_ATTACH_GLOBAL)
+  async[-ptsz] NAME SIZE  cuMemAllocAsync[_ptsz] on the NULL stream
+  pool[-ptsz] NAME SIZE   cuDeviceGetMemPool + cuMemAllocFromPoolAsync[_ptsz]
+  create NAME SIZE        cuMemCreate on the current device
+  vmm NAME SIZE           cuMemCreate + cuMemAddressReserve + cuMemMap + cuMemSetAccess
+  vmm-free NAME           cuMemUnmap + cuMemRelease + cuMemAddressFree
+  free NAME               cuMemFree_v2
+  free-async[-ptsz] NAME  cuMemFreeAsync[_ptsz]
+  release NAME            cuMemRelease
+  trim BYTES              cuMemPoolTrimTo on the current device's default pool
+  meminfo                 prints: meminfo free=N total=N
+  devstat DEV             prints: devstat used=N total=N (fakecuda_device_usage)
+  expect-oom STEP...      STEP must fail with CUDA_ERROR_OUT_OF_MEMORY; prints: oom NAME
+  checkpoint NAME         prints: checkpoint NAME, then waits for a line (or EOF) on stdin
+  sleep MS | hold | exit CODE | kill
+  stress THREADS PAIRS SIZE   prints: stress pairs=N
+  bench PAIRS SIZE            prints: bench pairs=N ns_per_pair=X
+  procaddr QUERY [EXPORT|-] [VERSION] [FLAGS]
+                          prints: procaddr QUERY code=C status=S getproc=0xA dlsym=0xB
+  dlsym SYMBOL...         prints: dlsym SYMBOL 0xADDR (0x0 if absent)
+  calls SYMBOL...         prints: calls SYMBOL N (fakecuda_api_calls)";
+
+/// A CUDA call that failed.
+struct Failure {
+    step: &'static str,
+    code: CUresult,
+}
+
+type Res<T> = Result<T, Failure>;
+
+/// What an allocating step produced.
+#[derive(Clone, Copy)]
+struct Named {
+    /// Device pointer, or the handle for `create`.
+    addr: u64,
+    bytes: u64,
+    /// For `vmm`: the physical handle.
+    handle: u64,
+}
+
+struct Runner {
+    drv: Driver,
+    names: HashMap<String, Named>,
+    /// Contexts made by ctx / ctx-create: (handle, device, primary).
+    ctxs: Vec<(u64, CUdevice, bool)>,
+}
+
+fn say(line: std::fmt::Arguments<'_>) {
+    let mut out = std::io::stdout().lock();
+    // A closed stdout (the test stopped reading) must not abort the workload.
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+macro_rules! say {
+    ($($t:tt)*) => { say(format_args!($($t)*)) };
+}
+
+/// Calls a driver entry point, mapping a missing one to CUDA_ERROR_NOT_FOUND.
+macro_rules! cu {
+    ($self:ident, $step:expr, $f:ident ( $($arg:expr),* )) => {{
+        let f = $self.drv.fns.$f.ok_or(Failure { step: $step, code: CUDA_ERROR_NOT_FOUND })?;
+        // SAFETY: the pointer came from the driver for this entry point; the arguments are
+        // valid for its cuda.h signature (out-pointers point at locals of the right type).
+        let rc = unsafe { f($($arg),*) };
+        if rc != CUDA_SUCCESS {
+            return Err(Failure { step: $step, code: rc });
+        }
+    }};
+}
+
+fn null() -> *mut std::ffi::c_void {
+    std::ptr::null_mut()
+}
+
+impl Runner {
+    fn named(&self, name: &str) -> Result<Named, String> {
+        self.names.get(name).copied().ok_or_else(|| format!("no allocation named {name:?}"))
+    }
+
+    fn current_device(&self, step: &'static str) -> Res<CUdevice> {
+        let mut dev: CUdevice = 0;
+        cu!(self, step, ctx_get_device(&mut dev));
+        Ok(dev)
+    }
+
+    fn default_pool(&self, step: &'static str) -> Res<CUmemoryPool> {
+        let dev = self.current_device(step)?;
+        let mut pool: CUmemoryPool = null();
+        cu!(self, step, device_get_mem_pool(&mut pool, dev));
+        Ok(pool)
+    }
+
+    fn record(&mut self, step: &Step, addr: u64, bytes: u64, handle: u64) {
+        let name = step.name().unwrap_or("?").to_string();
+        say!("ok {} {} {:#x} {}", step.verb(), name, addr, bytes);
+        self.names.insert(name, Named { addr, bytes, handle });
+    }
+
+    /// Runs one step. `Err(Ok(failure))` is a CUDA error, `Err(Err(text))` a usage error.
+    fn run(&mut self, step: &Step) -> Result<(), Result<Failure, String>> {
+        let verb = step.verb();
+        let usage = |e: String| Err(e);
+        match step {
+            Step::Ctx(dev) => {
+                let mut d: CUdevice = 0;
+                let mut ctx: CUcontext = null();
+                self.call(|s| {
+                    cu!(s, verb, device_get(&mut d, *dev));
+                    cu!(s, verb, primary_retain(&mut ctx, d));
+                    cu!(s, verb, ctx_set_current(ctx));
+                    Ok(())
+                })?;
+                self.ctxs.push((ctx as u64, d, true));
+                say!("ctx dev={} handle={:#x}", d, ctx as u64);
+            }
+            Step::CtxCreate(dev) => {
+                let mut d: CUdevice = 0;
+                let mut ctx: CUcontext = null();
+                self.call(|s| {
+                    cu!(s, verb, device_get(&mut d, *dev));
+                    cu!(s, verb, ctx_create(&mut ctx, 0, d));
+                    Ok(())
+                })?;
+                self.ctxs.push((ctx as u64, d, false));
+                say!("ctx-create dev={} handle={:#x}", d, ctx as u64);
+            }
+            Step::CtxDestroy => {
+                let Some(&(h, dev, primary)) = self.ctxs.last() else {
+                    return Err(usage("ctx-destroy: no context made by ctx or ctx-create".into()));
+                };
+                self.call(|s| {
+                    if primary {
+                        cu!(s, verb, primary_release(dev));
+                    } else {
+                        cu!(s, verb, ctx_destroy(h as CUcontext));
+                    }
+                    Ok(())
+                })?;
+                self.ctxs.pop();
+                let next = self.ctxs.last().map(|c| c.0).unwrap_or(0);
+                self.call(|s| {
+                    cu!(s, verb, ctx_set_current(next as CUcontext));
+                    Ok(())
+                })?;
+                say!("ctx-destroy handle={:#x}", h);
+            }
+            Step::Alloc { size, .. } => {
+                let mut p: CUdeviceptr = 0;
+                self.call(|s| {
+                    cu!(s, verb, mem_alloc(&mut p, *size as usize));
+                    Ok(())
+                })?;
+                self.record(step, p, *size, 0);
+            }
+            Step::Pitch { width, height, elem, .. } => {
+                let (mut p, mut pitch): (CUdeviceptr, usize) = (0, 0);
+                self.call(|s| {
+                    cu!(s, verb, mem_alloc_pitch(&mut p, &mut pitch, *width as usize, *height as usize, *elem));
+                    Ok(())
+                })?;
+                self.record(step, p, pitch as u64 * height, 0);
+            }
+            Step::Managed { size, .. } => {
+                let mut p: CUdeviceptr = 0;
+                self.call(|s| {
+                    cu!(s, verb, mem_alloc_managed(&mut p, *size as usize, 1));
+                    Ok(())
+                })?;
+                self.record(step, p, *size, 0);
+            }
+            Step::Async { size, ptsz, .. } => {
+                let mut p: CUdeviceptr = 0;
+                self.call(|s| {
+                    if *ptsz {
+                        cu!(s, verb, mem_alloc_async_ptsz(&mut p, *size as usize, null()));
+                    } else {
+                        cu!(s, verb, mem_alloc_async(&mut p, *size as usize, null()));
+                    }
+                    Ok(())
+                })?;
+                self.record(step, p, *size, 0);
+            }
+            Step::Pool { size, ptsz, .. } => {
+                let mut p: CUdeviceptr = 0;
+                self.call(|s| {
+                    let pool = s.default_pool(verb)?;
+                    if *ptsz {
+                        cu!(s, verb, mem_alloc_from_pool_ptsz(&mut p, *size as usize, pool, null()));
+                    } else {
+                        cu!(s, verb, mem_alloc_from_pool(&mut p, *size as usize, pool, null()));
+                    }
+                    Ok(())
+                })?;
+                self.record(step, p, *size, 0);
+            }
+            Step::Create { size, .. } => {
+                let mut h: CUmemGenericAllocationHandle = 0;
+                self.call(|s| {
+                    let prop = s.device_prop(verb)?;
+                    cu!(s, verb, mem_create(&mut h, *size as usize, &prop, 0));
+                    Ok(())
+                })?;
+                self.record(step, h, *size, h);
+            }
+            Step::Vmm { size, .. } => {
+                let (mut h, mut p): (CUmemGenericAllocationHandle, CUdeviceptr) = (0, 0);
+                self.call(|s| {
+                    let prop = s.device_prop(verb)?;
+                    cu!(s, verb, mem_create(&mut h, *size as usize, &prop, 0));
+                    cu!(s, verb, mem_address_reserve(&mut p, *size as usize, 0, 0, 0));
+                    cu!(s, verb, mem_map(p, *size as usize, 0, h, 0));
+                    let access = CUmemAccessDesc { location: prop.location, flags: CU_MEM_ACCESS_FLAGS_PROT_READWRITE };
+                    cu!(s, verb, mem_set_access(p, *size as usize, &access, 1));
+                    Ok(())
+                })?;
+                self.record(step, p, *size, h);
+            }
+            Step::VmmFree { name } => {
+                let n = self.named(name).map_err(Err)?;
+                self.call(|s| {
+                    cu!(s, verb, mem_unmap(n.addr, n.bytes as usize));
+                    cu!(s, verb, mem_release(n.handle));
+                    cu!(s, verb, mem_address_free(n.addr, n.bytes as usize));
+                    Ok(())
+                })?;
+                say!("ok {verb} {name} {:#x} {}", n.addr, n.bytes);
+            }
+            Step::Free { name } | Step::FreeAsync { name, .. } | Step::Release { name } => {
+                // A freed name keeps its entry, so freeing it again really double-frees.
+                let n = self.named(name).map_err(Err)?;
+                self.call(|s| {
+                    match step {
+                        Step::Free { .. } => cu!(s, verb, mem_free(n.addr)),
+                        Step::FreeAsync { ptsz: false, .. } => cu!(s, verb, mem_free_async(n.addr, null())),
+                        Step::FreeAsync { ptsz: true, .. } => cu!(s, verb, mem_free_async_ptsz(n.addr, null())),
+                        _ => cu!(s, verb, mem_release(n.handle)),
+                    }
+                    Ok(())
+                })?;
+                say!("ok {verb} {name} {:#x} {}", n.addr, n.bytes);
+            }
+            Step::Trim(keep) => {
+                self.call(|s| {
+                    let pool = s.default_pool(verb)?;
+                    cu!(s, verb, mem_pool_trim_to(pool, *keep as usize));
+                    Ok(())
+                })?;
+                say!("trim {keep}");
+            }
+            Step::Meminfo => {
+                let (mut free, mut total) = (0usize, 0usize);
+                self.call(|s| {
+                    cu!(s, verb, mem_get_info(&mut free, &mut total));
+                    Ok(())
+                })?;
+                say!("meminfo free={free} total={total}");
+            }
+            Step::Devstat(dev) => {
+                type Usage = unsafe extern "C" fn(c_int, *mut u64, *mut u64) -> CUresult;
+                let sym = self.drv.dlsym("fakecuda_device_usage");
+                if sym.is_null() {
+                    return Err(Ok(Failure { step: verb, code: CUDA_ERROR_NOT_FOUND }));
+                }
+                // SAFETY: the fake exports fakecuda_device_usage with exactly this signature.
+                let f = unsafe { std::mem::transmute::<*mut std::ffi::c_void, Usage>(sym) };
+                let (mut used, mut total) = (0u64, 0u64);
+                // SAFETY: valid out-pointers.
+                let rc = unsafe { f(*dev, &mut used, &mut total) };
+                if rc != CUDA_SUCCESS {
+                    return Err(Ok(Failure { step: verb, code: rc }));
+                }
+                say!("devstat used={used} total={total}");
+            }
+            Step::ExpectOom(inner) => match self.run(inner) {
+                Err(Ok(f)) if f.code == CUDA_ERROR_OUT_OF_MEMORY => {
+                    say!("oom {}", inner.name().unwrap_or(inner.verb()));
+                }
+                Err(e) => return Err(e),
+                Ok(()) => return Err(Ok(Failure { step: verb, code: CUDA_SUCCESS })),
+            },
+            Step::Checkpoint(name) => {
+                say!("checkpoint {name}");
+                let mut line = String::new();
+                let _ = std::io::stdin().lock().read_line(&mut line);
+            }
+            Step::Sleep(ms) => std::thread::sleep(Duration::from_millis(*ms)),
+            Step::Stress { threads, pairs, size } => {
+                let mut ctx: CUcontext = null();
+                self.call(|s| {
+                    cu!(s, verb, ctx_get_current(&mut ctx));
+                    Ok(())
+                })?;
+                let ctx = ctx as u64;
+                let this = &*self;
+                let result: Res<()> = std::thread::scope(|scope| {
+                    let workers: Vec<_> = (0..*threads)
+                        .map(|_| scope.spawn(move || this.pairs(verb, ctx, *pairs, *size)))
+                        .collect();
+                    workers
+                        .into_iter()
+                        .try_for_each(|w| w.join().unwrap_or(Err(Failure { step: verb, code: -1 })))
+                });
+                result.map_err(Ok)?;
+                say!("stress pairs={}", u64::from(*threads) * pairs);
+            }
+            Step::Bench { pairs, size } => {
+                let start = Instant::now();
+                self.pairs(verb, 0, *pairs, *size).map_err(Ok)?;
+                let ns = start.elapsed().as_nanos() as f64 / (*pairs).max(1) as f64;
+                say!("bench pairs={pairs} ns_per_pair={ns:.1}");
+            }
+            Step::Hold => loop {
+                std::thread::sleep(Duration::from_secs(3600));
+            },
+            Step::Exit(code) => {
+                let _ = std::io::stdout().flush();
+                std::process::exit(*code);
+            }
+            Step::Kill => {
+                let _ = std::io::stdout().flush();
+                // SAFETY: sends SIGKILL to this process; nothing is borrowed across it.
+                unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+                loop {
+                    std::thread::sleep(Duration::from_secs(1));
+                }
+            }
+            Step::Procaddr { query, export, version, flags } => {
+                let (addr, code, status) = match self.drv.getproc(query, *version, *flags) {
+                    Ok(p) => (p as u64, CUDA_SUCCESS, 0),
+                    Err((code, status)) => (0, code, status),
+                };
+                let exported = export.as_deref().map(|e| self.drv.dlsym(e) as u64).unwrap_or(0);
+                say!("procaddr {query} code={code} status={status} getproc={addr:#x} dlsym={exported:#x}");
+            }
+            Step::Dlsym(names) => {
+                for n in names {
+                    say!("dlsym {n} {:#x}", self.drv.dlsym(n) as u64);
+                }
+            }
+            Step::Calls(names) => {
+                type Calls = unsafe extern "C" fn(*const std::ffi::c_char) -> u64;
+                let sym = self.drv.dlsym("fakecuda_api_calls");
+                if sym.is_null() {
+                    return Err(Ok(Failure { step: verb, code: CUDA_ERROR_NOT_FOUND }));
+                }
+                // SAFETY: the fake exports fakecuda_api_calls with exactly this signature.
+                let f = unsafe { std::mem::transmute::<*mut std::ffi::c_void, Calls>(sym) };
+                for n in names {
+                    let c = std::ffi::CString::new(n.as_str()).map_err(|_| Err(format!("bad symbol {n:?}")))?;
+                    // SAFETY: a NUL-terminated string.
+                    say!("calls {n} {}", unsafe { f(c.as_ptr()) });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs CUDA calls, mapping their failure to the step error type.
+    fn call(&self, f: impl FnOnce(&Self) -> Res<()>) -> Result<(), Result<Failure, String>> {
+        f(self).map_err(Ok)
+    }
+
+    fn device_prop(&self, step: &'static str) -> Res<CUmemAllocationProp> {
+        let dev = self.current_device(step)?;
+        Ok(CUmemAllocationProp {
+            type_: CU_MEM_ALLOCATION_TYPE_PINNED,
+            requested_handle_types: 0,
+            location: CUmemLocation { type_: CU_MEM_LOCATION_TYPE_DEVICE, id: dev },
+            win32_handle_meta_data: null(),
+            alloc_flags: [0; 8],
+        })
+    }
+
+    /// `pairs` cuMemAlloc_v2/cuMemFree_v2 pairs on this thread (after making `ctx` current,
+    /// unless it is 0).
+    fn pairs(&self, step: &'static str, ctx: u64, pairs: u64, size: u64) -> Res<()> {
+        if ctx != 0 {
+            cu!(self, step, ctx_set_current(ctx as CUcontext));
+        }
+        for _ in 0..pairs {
+            let mut p: CUdeviceptr = 0;
+            cu!(self, step, mem_alloc(&mut p, size as usize));
+            cu!(self, step, mem_free(p));
+        }
+        Ok(())
+    }
+}
+
+struct Options {
+    via: Via,
+    init: bool,
+    steps: Vec<Step>,
+}
+
+fn parse_args() -> Result<Options, String> {
+    let mut via = Via::Dlsym;
+    let mut init = true;
+    let mut steps = Vec::new();
+    let mut args = std::env::args().skip(1);
+    let mut only_steps = false;
+    while let Some(arg) = args.next() {
+        if only_steps || !arg.starts_with("--") {
+            steps.push(Step::parse(&arg).map_err(|e| e.to_string())?);
+            continue;
+        }
+        let (key, inline) = match arg.split_once('=') {
+            Some((k, v)) => (k.to_string(), Some(v.to_string())),
+            None => (arg.clone(), None),
+        };
+        let mut value = |name: &str| inline.clone().or_else(|| args.next()).ok_or(format!("{name} needs a value"));
+        match key.as_str() {
+            "--via" => {
+                via = match value("--via")?.as_str() {
+                    "dlsym" => Via::Dlsym,
+                    "getproc" => Via::Getproc,
+                    other => return Err(format!("--via {other:?}: expected dlsym or getproc")),
+                }
+            }
+            "--script" => {
+                let path = value("--script")?;
+                let text = std::fs::read_to_string(&path).map_err(|e| format!("--script {path}: {e}"))?;
+                steps.extend(Step::parse_script(&text).map_err(|e| format!("--script {path}: {e}"))?);
+            }
+            "--no-init" => init = false,
+            "--help" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            "--" => only_steps = true,
+            other => return Err(format!("unknown option {other:?}")),
+        }
+    }
+    Ok(Options { via, init, steps })
+}
+
+fn main() {
+    let opts = match parse_args() {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("fakecuda-workload: {e}\n{USAGE}");
+            std::process::exit(2);
+        }
+    };
+    let drv = match Driver::load(opts.via) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("fakecuda-workload: {e}");
+            std::process::exit(1);
+        }
+    };
+    let mut runner = Runner { drv, names: HashMap::new(), ctxs: Vec::new() };
+    if opts.init {
+        let init = runner.call(|s| {
+            cu!(s, "init", init(0));
+            Ok(())
+        });
+        if let Err(Ok(f)) = init {
+            fail(&runner, f);
+        }
+    }
+    say!("ready pid={}", std::process::id());
+    for step in &opts.steps {
+        match runner.run(step) {
+            Ok(()) => {}
+            Err(Ok(f)) => fail(&runner, f),
+            Err(Err(e)) => {
+                eprintln!("fakecuda-workload: {e}");
+                std::process::exit(2);
+            }
+        }
+    }
+}
+
+fn fail(runner: &Runner, f: Failure) -> ! {
+    let _ = std::io::stdout().flush();
+    let name = runner.drv.error_name(f.code);
+    eprintln!("error {} {} {}", f.step, f.code, name);
+    std::process::exit(1);
+}

@@ -1,0 +1,296 @@
+//! The step language of `fakecuda-workload`: one step per command-line argument or script
+//! line, words separated by blanks, sizes with optional k/m/g/t suffixes (1024-based).
+
+use std::fmt;
+
+/// One step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    Ctx(i32),
+    CtxCreate(i32),
+    CtxDestroy,
+    Alloc { name: String, size: u64 },
+    Pitch { name: String, width: u64, height: u64, elem: u32 },
+    Managed { name: String, size: u64 },
+    Async { name: String, size: u64, ptsz: bool },
+    Pool { name: String, size: u64, ptsz: bool },
+    Create { name: String, size: u64 },
+    Vmm { name: String, size: u64 },
+    VmmFree { name: String },
+    Free { name: String },
+    FreeAsync { name: String, ptsz: bool },
+    Release { name: String },
+    Trim(u64),
+    Meminfo,
+    Devstat(i32),
+    ExpectOom(Box<Step>),
+    Checkpoint(String),
+    Sleep(u64),
+    Stress { threads: u32, pairs: u64, size: u64 },
+    Bench { pairs: u64, size: u64 },
+    Hold,
+    Exit(i32),
+    Kill,
+    Procaddr { query: String, export: Option<String>, version: i32, flags: u64 },
+    Dlsym(Vec<String>),
+    Calls(Vec<String>),
+}
+
+/// A step that could not be parsed.
+#[derive(Debug)]
+pub struct ParseError(pub String);
+
+impl fmt::Display for ParseError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// Parses `123`, `4k`, `16M`, `2g`, `1t` (1024-based).
+pub fn parse_size(text: &str) -> Option<u64> {
+    let (digits, shift) = match text.char_indices().last()? {
+        (i, 'k' | 'K') => (&text[..i], 10),
+        (i, 'm' | 'M') => (&text[..i], 20),
+        (i, 'g' | 'G') => (&text[..i], 30),
+        (i, 't' | 'T') => (&text[..i], 40),
+        _ => (text, 0),
+    };
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse::<u64>().ok()?.checked_mul(1u64 << shift)
+}
+
+fn parse_int(text: &str) -> Option<i64> {
+    match text.strip_prefix("0x") {
+        Some(hex) => i64::from_str_radix(hex, 16).ok(),
+        None => text.parse().ok(),
+    }
+}
+
+impl Step {
+    /// The step's verb, as printed in `ok`/`error` lines.
+    pub fn verb(&self) -> &'static str {
+        match self {
+            Step::Ctx(_) => "ctx",
+            Step::CtxCreate(_) => "ctx-create",
+            Step::CtxDestroy => "ctx-destroy",
+            Step::Alloc { .. } => "alloc",
+            Step::Pitch { .. } => "pitch",
+            Step::Managed { .. } => "managed",
+            Step::Async { ptsz: false, .. } => "async",
+            Step::Async { ptsz: true, .. } => "async-ptsz",
+            Step::Pool { ptsz: false, .. } => "pool",
+            Step::Pool { ptsz: true, .. } => "pool-ptsz",
+            Step::Create { .. } => "create",
+            Step::Vmm { .. } => "vmm",
+            Step::VmmFree { .. } => "vmm-free",
+            Step::Free { .. } => "free",
+            Step::FreeAsync { ptsz: false, .. } => "free-async",
+            Step::FreeAsync { ptsz: true, .. } => "free-async-ptsz",
+            Step::Release { .. } => "release",
+            Step::Trim(_) => "trim",
+            Step::Meminfo => "meminfo",
+            Step::Devstat(_) => "devstat",
+            Step::ExpectOom(_) => "expect-oom",
+            Step::Checkpoint(_) => "checkpoint",
+            Step::Sleep(_) => "sleep",
+            Step::Stress { .. } => "stress",
+            Step::Bench { .. } => "bench",
+            Step::Hold => "hold",
+            Step::Exit(_) => "exit",
+            Step::Kill => "kill",
+            Step::Procaddr { .. } => "procaddr",
+            Step::Dlsym(_) => "dlsym",
+            Step::Calls(_) => "calls",
+        }
+    }
+
+    /// The name an allocating step gives its result.
+    pub fn name(&self) -> Option<&str> {
+        match self {
+            Step::Alloc { name, .. }
+            | Step::Pitch { name, .. }
+            | Step::Managed { name, .. }
+            | Step::Async { name, .. }
+            | Step::Pool { name, .. }
+            | Step::Create { name, .. }
+            | Step::Vmm { name, .. } => Some(name),
+            _ => None,
+        }
+    }
+
+    /// Parses one step from its words.
+    pub fn parse(text: &str) -> Result<Step, ParseError> {
+        let words: Vec<&str> = text.split_whitespace().collect();
+        let err = |why: &str| ParseError(format!("bad step {text:?}: {why}"));
+        let (verb, args) = words.split_first().ok_or_else(|| err("empty"))?;
+        let want = |n: usize, usage: &str| {
+            if args.len() == n {
+                Ok(())
+            } else {
+                Err(err(&format!("usage: {usage}")))
+            }
+        };
+        let size = |s: &str| parse_size(s).ok_or_else(|| err(&format!("{s:?} is not a size")));
+        let int = |s: &str| parse_int(s).ok_or_else(|| err(&format!("{s:?} is not a number")));
+        let dev = |s: &str| int(s).and_then(|v| i32::try_from(v).map_err(|_| err("device out of range")));
+        let name = |i: usize| args[i].to_string();
+        let step = match *verb {
+            "ctx" => {
+                want(1, "ctx DEV")?;
+                Step::Ctx(dev(args[0])?)
+            }
+            "ctx-create" => {
+                want(1, "ctx-create DEV")?;
+                Step::CtxCreate(dev(args[0])?)
+            }
+            "ctx-destroy" => {
+                want(0, "ctx-destroy")?;
+                Step::CtxDestroy
+            }
+            "alloc" | "managed" | "async" | "async-ptsz" | "pool" | "pool-ptsz" | "create" | "vmm" => {
+                want(2, &format!("{verb} NAME SIZE"))?;
+                let (name, size) = (name(0), size(args[1])?);
+                match *verb {
+                    "alloc" => Step::Alloc { name, size },
+                    "managed" => Step::Managed { name, size },
+                    "async" => Step::Async { name, size, ptsz: false },
+                    "async-ptsz" => Step::Async { name, size, ptsz: true },
+                    "pool" => Step::Pool { name, size, ptsz: false },
+                    "pool-ptsz" => Step::Pool { name, size, ptsz: true },
+                    "create" => Step::Create { name, size },
+                    _ => Step::Vmm { name, size },
+                }
+            }
+            "pitch" => {
+                want(4, "pitch NAME WIDTH HEIGHT ELEM")?;
+                let elem = u32::try_from(int(args[3])?).map_err(|_| err("bad element size"))?;
+                Step::Pitch { name: name(0), width: size(args[1])?, height: size(args[2])?, elem }
+            }
+            "free" | "free-async" | "free-async-ptsz" | "release" | "vmm-free" => {
+                want(1, &format!("{verb} NAME"))?;
+                let name = name(0);
+                match *verb {
+                    "free" => Step::Free { name },
+                    "free-async" => Step::FreeAsync { name, ptsz: false },
+                    "free-async-ptsz" => Step::FreeAsync { name, ptsz: true },
+                    "release" => Step::Release { name },
+                    _ => Step::VmmFree { name },
+                }
+            }
+            "trim" => {
+                want(1, "trim BYTES")?;
+                Step::Trim(size(args[0])?)
+            }
+            "meminfo" => {
+                want(0, "meminfo")?;
+                Step::Meminfo
+            }
+            "devstat" => {
+                want(1, "devstat DEV")?;
+                Step::Devstat(dev(args[0])?)
+            }
+            "expect-oom" => {
+                if args.is_empty() {
+                    return Err(err("usage: expect-oom STEP..."));
+                }
+                Step::ExpectOom(Box::new(Step::parse(&args.join(" "))?))
+            }
+            "checkpoint" => {
+                want(1, "checkpoint NAME")?;
+                Step::Checkpoint(name(0))
+            }
+            "sleep" => {
+                want(1, "sleep MS")?;
+                Step::Sleep(u64::try_from(int(args[0])?).map_err(|_| err("negative"))?)
+            }
+            "stress" => {
+                want(3, "stress THREADS PAIRS SIZE")?;
+                let threads = u32::try_from(int(args[0])?).map_err(|_| err("bad thread count"))?;
+                let pairs = u64::try_from(int(args[1])?).map_err(|_| err("bad pair count"))?;
+                if threads == 0 || threads > 1024 {
+                    return Err(err("THREADS must be 1..=1024"));
+                }
+                Step::Stress { threads, pairs, size: size(args[2])? }
+            }
+            "bench" => {
+                want(2, "bench PAIRS SIZE")?;
+                let pairs = u64::try_from(int(args[0])?).map_err(|_| err("bad pair count"))?;
+                Step::Bench { pairs, size: size(args[1])? }
+            }
+            "hold" => {
+                want(0, "hold")?;
+                Step::Hold
+            }
+            "exit" => {
+                want(1, "exit CODE")?;
+                Step::Exit(i32::try_from(int(args[0])?).map_err(|_| err("bad exit code"))?)
+            }
+            "kill" => {
+                want(0, "kill")?;
+                Step::Kill
+            }
+            "procaddr" => {
+                if args.is_empty() || args.len() > 4 {
+                    return Err(err("usage: procaddr QUERY [EXPORT|-] [VERSION] [FLAGS]"));
+                }
+                let export = args.get(1).filter(|e| **e != "-").map(|e| e.to_string());
+                let version = match args.get(2) {
+                    Some(v) => i32::try_from(int(v)?).map_err(|_| err("bad version"))?,
+                    None => 12000,
+                };
+                let flags = match args.get(3) {
+                    Some(f) => u64::try_from(int(f)?).map_err(|_| err("bad flags"))?,
+                    None => 0,
+                };
+                Step::Procaddr { query: name(0), export, version, flags }
+            }
+            "dlsym" | "calls" => {
+                if args.is_empty() {
+                    return Err(err(&format!("usage: {verb} SYMBOL...")));
+                }
+                let names = args.iter().map(|s| s.to_string()).collect();
+                if *verb == "dlsym" {
+                    Step::Dlsym(names)
+                } else {
+                    Step::Calls(names)
+                }
+            }
+            other => return Err(err(&format!("unknown step {other:?}"))),
+        };
+        Ok(step)
+    }
+
+    /// Parses a script: one step per line, `#` starts a comment.
+    pub fn parse_script(text: &str) -> Result<Vec<Step>, ParseError> {
+        text.lines()
+            .map(|l| l.split('#').next().unwrap_or("").trim())
+            .filter(|l| !l.is_empty())
+            .map(Step::parse)
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_steps() {
+        assert_eq!(Step::parse("alloc a 4m").ok(), Some(Step::Alloc { name: "a".into(), size: 4 << 20 }));
+        assert_eq!(
+            Step::parse("expect-oom alloc big 20g").ok(),
+            Some(Step::ExpectOom(Box::new(Step::Alloc { name: "big".into(), size: 20 << 30 })))
+        );
+        assert_eq!(
+            Step::parse("pitch p 1000 100 4").ok(),
+            Some(Step::Pitch { name: "p".into(), width: 1000, height: 100, elem: 4 })
+        );
+        assert!(Step::parse("alloc a").is_err());
+        assert!(Step::parse("alloc a 4q").is_err());
+        assert!(Step::parse("frobnicate").is_err());
+        let script = Step::parse_script("# setup\nctx 0\n\nalloc a 1k # small\n").expect("script");
+        assert_eq!(script, vec![Step::Ctx(0), Step::Alloc { name: "a".into(), size: 1024 }]);
+    }
+}

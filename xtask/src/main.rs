@@ -1,0 +1,115 @@
+//! Project automation, run as `cargo xtask <command>`:
+//!
+//! - `setup`: install what building needs and is missing (rust-src for the nightly toolchain,
+//!   `bpf-linker` built against the nightly toolchain's own LLVM); a no-op when all is there.
+//! - `build-ebpf`: compile `ebpf/` for `bpfel-unknown-none` (the agent embeds the object).
+//! - `fake-driver`: build the fake CUDA driver; print the directory holding `libcuda.so.1`.
+//! - `test`: everything above, then every test of the workspace.
+//! - `demo`: the agent, the fake driver and sample workloads, end to end (needs root).
+mod demo;
+mod setup;
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "xtask", about = "vramguard project automation")]
+struct Cli {
+    #[command(subcommand)]
+    command: Task,
+}
+
+#[derive(Subcommand)]
+enum Task {
+    /// Install the eBPF toolchain pieces that are missing (rust-src, bpf-linker).
+    Setup,
+    /// Compile the eBPF programs for bpfel-unknown-none.
+    BuildEbpf,
+    /// Build the fake CUDA driver and print the directory that holds its libcuda.so.1.
+    FakeDriver,
+    /// Set up, build, and run every test (the end-to-end ones need root).
+    Test,
+    /// Run the agent against the fake driver with sample workloads and show what it sees.
+    Demo,
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().command {
+        Task::Setup => setup::setup(),
+        Task::BuildEbpf => build_ebpf().map(|object| println!("{}", object.display())),
+        Task::FakeDriver => fake_driver().map(|dir| println!("{}", dir.display())),
+        Task::Test => test(),
+        Task::Demo => demo::demo(),
+    }
+}
+
+/// The workspace root (the parent of xtask/).
+pub fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."))
+}
+
+/// The workspace's debug output directory.
+pub fn debug_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join("target"))
+        .join("debug")
+}
+
+/// Runs a command to completion, failing with its command line if it fails.
+pub fn run(command: &mut Command) -> Result<()> {
+    let status = command
+        .status()
+        .with_context(|| format!("cannot start {command:?}"))?;
+    if !status.success() {
+        bail!("{command:?} failed ({status})");
+    }
+    Ok(())
+}
+
+/// A cargo command for the workspace's own (stable) toolchain.
+fn cargo() -> Command {
+    let mut command = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    command.current_dir(root());
+    command
+}
+
+fn build_ebpf() -> Result<PathBuf> {
+    setup::require_ebpf_tools()?;
+    let dir = root().join("ebpf");
+    let mut command = Command::new("rustup");
+    command
+        .args(["run", setup::NIGHTLY, "cargo", "build", "--release"])
+        .current_dir(&dir);
+    // The outer cargo (stable) exports variables that would make the nightly build use the
+    // stable compiler or the workspace's target directory.
+    for variable in ["RUSTC", "RUSTC_WRAPPER", "RUSTUP_TOOLCHAIN", "CARGO_TARGET_DIR", "RUSTFLAGS", "CARGO"] {
+        command.env_remove(variable);
+    }
+    run(&mut command).context("building the eBPF programs")?;
+    Ok(dir.join("target/bpfel-unknown-none/release/vramguard"))
+}
+
+fn fake_driver() -> Result<PathBuf> {
+    run(cargo().args(["build", "-p", "fakecuda", "-p", "workload"]))?;
+    e2e::fake_driver_dir()
+}
+
+fn test() -> Result<()> {
+    setup::setup()?;
+    build_ebpf()?;
+    // Builds every binary the end-to-end tests run (agent, fake driver, workload).
+    run(cargo().args(["build", "--workspace"]))?;
+    fake_driver()?;
+    run(cargo().args(["test", "--workspace", "--exclude", "e2e"]))?;
+    // One at a time: uprobes are global, so two tests' agents would see each other's work.
+    run(cargo().args(["test", "-p", "e2e", "--", "--test-threads=1"]))
+}
