@@ -6,6 +6,8 @@
 //! - `fake-driver`: build the fake CUDA driver; print the directory holding `libcuda.so.1`.
 //! - `test`: everything above, then every test of the workspace.
 //! - `demo`: the agent, the fake driver and sample workloads, end to end (needs root).
+//! - `bench`: what the eBPF probes cost per alloc/free pair; writes docs/BENCHMARKS.md.
+mod bench;
 mod demo;
 mod setup;
 
@@ -36,6 +38,8 @@ enum Task {
     Test,
     /// Run the agent against the fake driver with sample workloads and show what it sees.
     Demo,
+    /// Measure the probes' cost per alloc/free pair; write docs/BENCHMARKS.md.
+    Bench,
 }
 
 fn main() -> Result<()> {
@@ -45,6 +49,7 @@ fn main() -> Result<()> {
         Task::FakeDriver => fake_driver().map(|dir| println!("{}", dir.display())),
         Task::Test => test(),
         Task::Demo => demo::demo(),
+        Task::Bench => bench::bench(),
     }
 }
 

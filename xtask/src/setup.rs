@@ -90,7 +90,7 @@ fn install_bpf_linker(sysroot: &Path) -> Result<()> {
     }
     println!("setup: building bpf-linker {BPF_LINKER_VERSION} against LLVM {major} ({})", library.display());
     run(Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
-        .args(["install", "bpf-linker", "--version", BPF_LINKER_VERSION, "--no-default-features"])
+        .args(["install", "bpf-linker", "--force", "--version", BPF_LINKER_VERSION, "--no-default-features"])
         .args(["--features", &format!("llvm-{major}")])
         .env("LLVM_PREFIX", &prefix))
     .context("building bpf-linker")

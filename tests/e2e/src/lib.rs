@@ -71,8 +71,16 @@ pub fn fake_driver_lib() -> Result<PathBuf> {
 /// `target/<profile>/fakecuda/`. Idempotent and safe against concurrent callers (the link is
 /// made under a unique name and renamed into place).
 pub fn fake_driver_dir() -> Result<PathBuf> {
-    fake_driver_lib()?;
-    let dir = target_dir()?.join("fakecuda");
+    fake_driver_dir_in(&target_dir()?)
+}
+
+/// [`fake_driver_dir`] for the build in `profile_dir` (`target/debug`, `target/release`).
+pub fn fake_driver_dir_in(profile_dir: &Path) -> Result<PathBuf> {
+    let lib = profile_dir.join("libcuda.so");
+    if !lib.is_file() {
+        bail!("{} is not built: run `cargo build -p fakecuda` in that profile first", lib.display());
+    }
+    let dir = profile_dir.join("fakecuda");
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let link = dir.join("libcuda.so.1");
     let target = Path::new("../libcuda.so");
