@@ -1,6 +1,7 @@
 //! A `vramguard run` started for one test: probes the fake driver only, listens on a socket
 //! of its own, and is stopped with SIGTERM (which must succeed) or killed on drop.
 use std::{
+    ffi::OsStr,
     fs::File,
     path::{Path, PathBuf},
     sync::atomic::{AtomicU32, Ordering},
@@ -29,13 +30,14 @@ pub struct Agent {
 }
 
 impl Agent {
-    /// Starts the agent on `libcuda` and waits until it answers on its socket.
+    /// Starts the agent on `libcuda` alone and waits until it answers on its socket.
     pub fn start(libcuda: &Path) -> Result<Agent> {
-        Self::start_with(libcuda, &[])
+        Self::start_with(&[OsStr::new("--libcuda"), libcuda.as_os_str(), OsStr::new("--no-discover")])
     }
 
-    /// As [`Agent::start`], with extra `vramguard run` arguments.
-    pub fn start_with(libcuda: &Path, extra: &[&str]) -> Result<Agent> {
+    /// Starts `vramguard run` with these arguments (and a socket of its own) and waits until
+    /// it answers on its socket.
+    pub fn start_with(args: &[&OsStr]) -> Result<Agent> {
         static COUNTER: AtomicU32 = AtomicU32::new(0);
         let dir = std::env::temp_dir().join(format!(
             "vramguard-agent-{}-{}",
@@ -48,12 +50,9 @@ impl Agent {
         let log = File::create(dir.join("agent.log"))?;
         let child = Command::new(agent_bin()?)
             .arg("run")
-            .arg("--libcuda")
-            .arg(libcuda)
-            .arg("--no-discover")
             .arg("--socket")
             .arg(&socket)
-            .args(extra)
+            .args(args)
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()

@@ -299,3 +299,59 @@ fn run_refuses_a_missing_libcuda_and_non_root() -> Result<()> {
     assert!(stderr.contains("must run as root"), "unclear error: {stderr}");
     Ok(())
 }
+
+/// The agent finds libcuda files through /proc/<pid>/maps, at start and on re-scans, and
+/// probes each file once whatever path reaches it.
+#[test]
+fn discovery_probes_every_libcuda_that_processes_map() -> Result<()> {
+    // A second, distinct libcuda file (another inode) that only a later process will map.
+    let late_dir = std::env::temp_dir().join(format!("vramguard-e2e-late-{}", std::process::id()));
+    std::fs::create_dir_all(&late_dir)?;
+    std::fs::copy(e2e::fake_driver_lib()?, late_dir.join("libcuda.so.1"))?;
+
+    let node = FakeNode::new("discovery");
+    let cgroup = TestCgroup::create("discovery")?;
+    // Maps the workspace's fake libcuda before the agent starts.
+    let mut early = node
+        .workload()
+        .in_cgroup(&cgroup)
+        .steps(["ctx 0", "checkpoint mapped", "alloc a 4m", "checkpoint allocated", "free a"])
+        .spawn()?;
+    early.wait_checkpoint("mapped")?;
+    let agent = Agent::start_with(&["--rescan-ms".as_ref(), "100".as_ref()])?;
+    early.resume()?;
+    early.wait_checkpoint("allocated")?;
+    assert_usage(&agent, &cgroup, early.pid(), (4 * MIB, 0, 0, 0), 1, "allocation through the discovered file")?;
+    early.resume()?;
+    early.wait()?.success()?;
+
+    let mut late = node
+        .workload()
+        .lib_dir(&late_dir)
+        .in_cgroup(&cgroup)
+        .steps(["ctx 0", "checkpoint mapped", "alloc b 2m", "checkpoint allocated", "free b"])
+        .spawn()?;
+    late.wait_checkpoint("mapped")?;
+    let late_path = late_dir.join("libcuda.so.1");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let audit = agent.audit()?;
+        let probed: Vec<String> = rows(&audit, "libcuda").iter().filter_map(|f| f["path"].as_str().map(String::from)).collect();
+        if probed.iter().any(|p| p.ends_with(&*late_path.to_string_lossy())) {
+            assert_eq!(probed.len(), 2, "each file probed once: {probed:?}");
+            break;
+        }
+        if Instant::now() > deadline {
+            bail!("the re-scan did not probe {} within 5 s: {probed:?}", late_path.display());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    late.resume()?;
+    late.wait_checkpoint("allocated")?;
+    assert_usage(&agent, &cgroup, late.pid(), (2 * MIB, 0, 0, 0), 1, "allocation through the re-scanned file")?;
+    late.resume()?;
+    late.wait()?.success()?;
+    agent.stop()?;
+    let _ = std::fs::remove_dir_all(&late_dir);
+    Ok(())
+}
