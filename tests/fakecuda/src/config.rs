@@ -9,12 +9,14 @@
 //! | `FAKECUDA_STATE_DIR`     | directory of the device state files            | `/dev/shm` |
 //! | `FAKECUDA_TRACE`         | `1`: one stderr line per API call              | `0`        |
 //!
-//! Sizes are plain bytes or a number with a `k`/`m`/`g`/`t` suffix (1024-based). An empty
-//! variable counts as unset.
+//! Sizes are plain bytes or a number with a `k`/`m`/`g`/`t` suffix (1024-based, parsed by
+//! [`cuda_abi::parse_size`]). An empty variable counts as unset.
 
 use std::ffi::OsString;
 use std::fmt;
 use std::path::PathBuf;
+
+use cuda_abi::parse_size;
 
 /// Most devices the fake offers.
 pub const MAX_DEVICES: u32 = 8;
@@ -134,23 +136,6 @@ impl Config {
     }
 }
 
-/// Parses `123`, `4k`, `16M`, `2g`, `1t` (1024-based). `None` for anything else or overflow.
-pub fn parse_size(text: &str) -> Option<u64> {
-    let text = text.trim();
-    let (digits, shift) = match text.char_indices().last()? {
-        (i, 'k' | 'K') => (&text[..i], 10),
-        (i, 'm' | 'M') => (&text[..i], 20),
-        (i, 'g' | 'G') => (&text[..i], 30),
-        (i, 't' | 'T') => (&text[..i], 40),
-        _ => (text, 0),
-    };
-    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    let n: u64 = digits.parse().ok()?;
-    n.checked_mul(1u64 << shift)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -161,18 +146,6 @@ mod tests {
         Config::from_lookup(|name| {
             vars.iter().find(|(k, _)| k == name).map(|(_, v)| OsString::from(v))
         })
-    }
-
-    #[test]
-    fn sizes() {
-        assert_eq!(parse_size("512"), Some(512));
-        assert_eq!(parse_size("4k"), Some(4096));
-        assert_eq!(parse_size("3M"), Some(3 << 20));
-        assert_eq!(parse_size("16g"), Some(16 << 30));
-        assert_eq!(parse_size("1t"), Some(1 << 40));
-        for bad in ["", "k", "12q", "-1", "1.5g", "1 g", "99999999999999999999", "20000000t"] {
-            assert_eq!(parse_size(bad), None, "{bad}");
-        }
     }
 
     #[test]
@@ -189,5 +162,8 @@ mod tests {
         assert!(cfg(&[("FAKECUDA_NODE", "a/b")]).is_err());
         assert!(cfg(&[("FAKECUDA_DEVICE_BYTES", "0")]).is_err());
         assert_eq!(cfg(&[("FAKECUDA_DEVICE_COUNT", "")]).expect("empty is unset").device_count, 1);
+        let sized = cfg(&[("FAKECUDA_DEVICE_BYTES", "1T"), ("FAKECUDA_CONTEXT_BYTES", " 32m ")]).expect("sizes");
+        assert_eq!((sized.device_bytes, sized.context_bytes), (1 << 40, 32 << 20));
+        assert!(cfg(&[("FAKECUDA_CONTEXT_BYTES", "16777216t")]).is_err(), "overflow");
     }
 }

@@ -41,8 +41,9 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
+use cuda_abi::{CUresult, CUDA_ERROR_OPERATING_SYSTEM, CUDA_ERROR_OUT_OF_MEMORY};
+
 use crate::procinfo::{self, ProcId};
-use crate::types::{CUresult, CUDA_ERROR_OPERATING_SYSTEM, CUDA_ERROR_OUT_OF_MEMORY};
 
 pub const MAGIC: [u8; 8] = *b"FAKECUDA";
 pub const VERSION: u32 = 1;

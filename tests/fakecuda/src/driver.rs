@@ -21,11 +21,13 @@ use std::ffi::c_int;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, Once, PoisonError};
 
+use cuda_abi::*;
+
 use crate::api::Api;
 use crate::config::Config;
 use crate::devfile::DeviceFile;
+use crate::errors::error_name;
 use crate::procinfo::ProcId;
-use crate::types::*;
 
 /// Page size of device memory and VMM granularity: 2 MiB.
 pub const PAGE: u64 = 2 << 20;
@@ -228,6 +230,23 @@ pub fn call(api: Api, f: impl FnOnce(&mut Driver) -> R<()>) -> CUresult {
         eprintln!("fakecuda[{}]: {} -> {}", std::process::id(), api.name(), error_name(rc));
     }
     rc
+}
+
+/// [`call`] for an export that answers through one out-pointer: a NULL `ptr` is
+/// `CUDA_ERROR_INVALID_VALUE` before `f` runs, and what `f` returns is written to `ptr`.
+///
+/// # Safety
+/// `ptr` must be NULL or valid for a write of `T` (the C caller's contract).
+pub unsafe fn call_out<T>(api: Api, ptr: *mut T, f: impl FnOnce(&mut Driver) -> Result<T, CUresult>) -> CUresult {
+    call(api, |d| {
+        if ptr.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let value = f(d)?;
+        // SAFETY: non-null, and valid for writes per this function's contract.
+        unsafe { ptr.write(value) };
+        Ok(())
+    })
 }
 
 fn current_handle() -> u64 {

@@ -2,14 +2,17 @@
 //! two test-only extras (`fakecuda_device_usage`, `fakecuda_api_calls`).
 //!
 //! Each export only checks its raw pointers and hands over to [`crate::driver`] with its own
-//! [`Api`] value; none calls another export, so a uprobe on an exported symbol fires once per
-//! call of that symbol. Entry points that work before `cuInit`, as in the real driver:
-//! `cuInit`, `cuDriverGetVersion`, `cuGetProcAddress{,_v2}`, `cuGetErrorString`,
-//! `cuGetErrorName`, and the two extras. Every other one returns
-//! `CUDA_ERROR_NOT_INITIALIZED` before `cuInit`, and those that act on the current context
-//! return `CUDA_ERROR_INVALID_CONTEXT` without one. Streams are accepted and ignored: work is
-//! done synchronously.
-
+//! [`Api`] value (through [`call`], or [`call_out`] for the many that answer through one
+//! out-pointer); none calls another export, so a uprobe on an exported symbol fires once per
+//! call of that symbol. Exports that differ only in name (`_v2` and `_ptsz` twins) are written
+//! once with `exports_sharing_body!`, which expands the body into each of them with its own
+//! [`Api`] value, so their machine code still differs and they never share an address.
+//!
+//! Entry points that work before `cuInit`, as in the real driver: `cuInit`,
+//! `cuDriverGetVersion`, `cuGetProcAddress{,_v2}`, `cuGetErrorString`, `cuGetErrorName`, and
+//! the two extras. Every other one returns `CUDA_ERROR_NOT_INITIALIZED` before `cuInit`, and
+//! those that act on the current context return `CUDA_ERROR_INVALID_CONTEXT` without one.
+//! Streams are accepted and ignored: work is done synchronously.
 //!
 //! # Safety
 //!
@@ -22,13 +25,34 @@
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 
+use cuda_abi::*;
+
 use crate::api::Api;
 use crate::config::Config;
 use crate::devfile::DeviceFile;
-use crate::driver::{self, call, count, out, Driver};
+use crate::driver::{self, call, call_out, count, out, Driver};
+use crate::errors::error_strings;
 use crate::procaddr;
 use crate::procinfo::ProcId;
-use crate::types::*;
+
+/// Defines exports that share one `cuda.h` signature and one body. Each is a function of its
+/// own: the body is expanded into every one of them with that export's [`Api`] value bound to
+/// `$api`, so no export calls another and their machine code differs (one address per symbol).
+macro_rules! exports_sharing_body {
+    (
+        $($(#[$doc:meta])* $name:ident = $variant:ident),+;
+        fn $params:tt |$api:ident| $body:block
+    ) => {
+        $(
+            $(#[$doc])*
+            #[no_mangle]
+            pub unsafe extern "C" fn $name $params -> CUresult {
+                let $api = Api::$variant;
+                $body
+            }
+        )+
+    };
+}
 
 /// The driver version the fake reports (CUDA 13.0).
 pub const DRIVER_VERSION: c_int = 13000;
@@ -88,22 +112,14 @@ pub unsafe extern "C" fn cuDriverGetVersion(driverVersion: *mut c_int) -> CUresu
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGet(device: *mut CUdevice, ordinal: c_int) -> CUresult {
-    call(Api::DeviceGet, |d| {
-        if device.is_null() {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let i = d.dev_index(ordinal)?;
-        // SAFETY: non-null, valid per the C contract.
-        unsafe { out(device, i as CUdevice) }
-    })
+    // SAFETY: the caller passes NULL or a valid CUdevice pointer.
+    unsafe { call_out(Api::DeviceGet, device, |d| Ok(d.dev_index(ordinal)? as CUdevice)) }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetCount(count: *mut c_int) -> CUresult {
-    call(Api::DeviceGetCount, |d| {
-        // SAFETY: the caller passes NULL or a valid int pointer.
-        unsafe { out(count, d.devs.len() as c_int) }
-    })
+    // SAFETY: the caller passes NULL or a valid int pointer.
+    unsafe { call_out(Api::DeviceGetCount, count, |d| Ok(d.devs.len() as c_int)) }
 }
 
 #[no_mangle]
@@ -124,53 +140,35 @@ pub unsafe extern "C" fn cuDeviceGetName(name: *mut c_char, len: c_int, dev: CUd
     })
 }
 
-fn get_uuid(api: Api, uuid: *mut CUuuid, dev: CUdevice) -> CUresult {
-    call(api, |d| {
-        if uuid.is_null() {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let i = d.dev_index(dev)?;
-        let bytes = device_uuid(&d.cfg.node, i).map(|b| b as c_char);
-        // SAFETY: non-null, valid per the C contract.
-        unsafe { out(uuid, CUuuid { bytes }) }
-    })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuDeviceGetUuid(uuid: *mut CUuuid, dev: CUdevice) -> CUresult {
-    get_uuid(Api::DeviceGetUuid, uuid, dev)
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuDeviceGetUuid_v2(uuid: *mut CUuuid, dev: CUdevice) -> CUresult {
-    get_uuid(Api::DeviceGetUuidV2, uuid, dev)
+exports_sharing_body! {
+    cuDeviceGetUuid = DeviceGetUuid,
+    cuDeviceGetUuid_v2 = DeviceGetUuidV2;
+    fn(uuid: *mut CUuuid, dev: CUdevice) |api| {
+        let uuid_of = |d: &mut Driver| {
+            let i = d.dev_index(dev)?;
+            Ok(CUuuid { bytes: device_uuid(&d.cfg.node, i).map(|b| b as c_char) })
+        };
+        // SAFETY: the caller passes NULL or a valid CUuuid pointer.
+        unsafe { call_out(api, uuid, uuid_of) }
+    }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice) -> CUresult {
-    call(Api::DeviceTotalMemV2, |d| {
-        if bytes.is_null() {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
+    let total = |d: &mut Driver| {
         let i = d.dev_index(dev)?;
-        let total = d.devs.get(i).map(|x| x.file.total()).unwrap_or(0);
-        // SAFETY: non-null, valid per the C contract.
-        unsafe { out(bytes, sz(total)) }
-    })
+        Ok(sz(d.devs.get(i).map(|x| x.file.total()).unwrap_or(0)))
+    };
+    // SAFETY: the caller passes NULL or a valid size_t pointer.
+    unsafe { call_out(Api::DeviceTotalMemV2, bytes, total) }
 }
 
 // ---- contexts -------------------------------------------------------------------------------------
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut CUcontext, dev: CUdevice) -> CUresult {
-    call(Api::DevicePrimaryCtxRetain, |d| {
-        if pctx.is_null() {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let h = d.primary_retain(dev)?;
-        // SAFETY: non-null, valid per the C contract.
-        unsafe { out(pctx, h as CUcontext) }
-    })
+    // SAFETY: the caller passes NULL or a valid CUcontext pointer.
+    unsafe { call_out(Api::DevicePrimaryCtxRetain, pctx, |d| Ok(d.primary_retain(dev)? as CUcontext)) }
 }
 
 #[no_mangle]
@@ -185,14 +183,8 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: CUdevice) -> CUresult
 
 #[no_mangle]
 pub unsafe extern "C" fn cuCtxCreate_v2(pctx: *mut CUcontext, flags: c_uint, dev: CUdevice) -> CUresult {
-    call(Api::CtxCreateV2, |d| {
-        if pctx.is_null() {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let h = d.ctx_create(flags, dev)?;
-        // SAFETY: non-null, valid per the C contract.
-        unsafe { out(pctx, h as CUcontext) }
-    })
+    // SAFETY: the caller passes NULL or a valid CUcontext pointer.
+    unsafe { call_out(Api::CtxCreateV2, pctx, |d| Ok(d.ctx_create(flags, dev)? as CUcontext)) }
 }
 
 /// CUDA 13's `cuCtxCreate`. Execution-affinity and CIG parameters are not supported.
@@ -203,20 +195,17 @@ pub unsafe extern "C" fn cuCtxCreate_v4(
     flags: c_uint,
     dev: CUdevice,
 ) -> CUresult {
-    call(Api::CtxCreateV4, |d| {
-        if pctx.is_null() {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
+    let create = |d: &mut Driver| {
         // SAFETY: the caller passes NULL or a valid CUctxCreateParams pointer.
         if let Some(p) = unsafe { ctxCreateParams.as_ref() } {
             if p.num_exec_affinity_params != 0 || !p.cig_params.is_null() {
                 return Err(CUDA_ERROR_NOT_SUPPORTED);
             }
         }
-        let h = d.ctx_create(flags, dev)?;
-        // SAFETY: non-null, valid per the C contract.
-        unsafe { out(pctx, h as CUcontext) }
-    })
+        Ok(d.ctx_create(flags, dev)? as CUcontext)
+    };
+    // SAFETY: the caller passes NULL or a valid CUcontext pointer.
+    unsafe { call_out(Api::CtxCreateV4, pctx, create) }
 }
 
 #[no_mangle]
@@ -231,36 +220,22 @@ pub unsafe extern "C" fn cuCtxSetCurrent(ctx: CUcontext) -> CUresult {
 
 #[no_mangle]
 pub unsafe extern "C" fn cuCtxGetCurrent(pctx: *mut CUcontext) -> CUresult {
-    call(Api::CtxGetCurrent, |d| {
-        // SAFETY: the caller passes NULL or a valid CUcontext pointer.
-        unsafe { out(pctx, d.current_raw() as CUcontext) }
-    })
+    // SAFETY: the caller passes NULL or a valid CUcontext pointer.
+    unsafe { call_out(Api::CtxGetCurrent, pctx, |d| Ok(d.current_raw() as CUcontext)) }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuCtxGetDevice(device: *mut CUdevice) -> CUresult {
-    call(Api::CtxGetDevice, |d| {
-        if device.is_null() {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let (_, dev) = d.current()?;
-        // SAFETY: non-null, valid per the C contract.
-        unsafe { out(device, dev as CUdevice) }
-    })
+    // SAFETY: the caller passes NULL or a valid CUdevice pointer.
+    unsafe { call_out(Api::CtxGetDevice, device, |d| Ok(d.current()?.1 as CUdevice)) }
 }
 
 // ---- cuMemAlloc family ------------------------------------------------------------------------------
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) -> CUresult {
-    call(Api::MemAllocV2, |d| {
-        if dptr.is_null() {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let p = d.alloc(bytesize as u64, false)?;
-        // SAFETY: non-null, valid per the C contract.
-        unsafe { out(dptr, p) }
-    })
+    // SAFETY: the caller passes NULL or a valid CUdeviceptr pointer.
+    unsafe { call_out(Api::MemAllocV2, dptr, |d| d.alloc(bytesize as u64, false)) }
 }
 
 /// Pitch = `WidthInBytes` rounded up to 512; charges `pitch x Height` like `cuMemAlloc_v2`.
@@ -294,14 +269,14 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(
 /// granularity as `cuMemAlloc_v2` (the fake never migrates it to the host).
 #[no_mangle]
 pub unsafe extern "C" fn cuMemAllocManaged(dptr: *mut CUdeviceptr, bytesize: usize, flags: c_uint) -> CUresult {
-    call(Api::MemAllocManaged, |d| {
-        if dptr.is_null() || (flags != CU_MEM_ATTACH_GLOBAL && flags != CU_MEM_ATTACH_HOST) {
+    let alloc = |d: &mut Driver| {
+        if flags != CU_MEM_ATTACH_GLOBAL && flags != CU_MEM_ATTACH_HOST {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        let p = d.alloc(bytesize as u64, true)?;
-        // SAFETY: non-null, valid per the C contract.
-        unsafe { out(dptr, p) }
-    })
+        d.alloc(bytesize as u64, true)
+    };
+    // SAFETY: the caller passes NULL or a valid CUdeviceptr pointer.
+    unsafe { call_out(Api::MemAllocManaged, dptr, alloc) }
 }
 
 /// Frees any allocation of this process, stream-ordered ones included (their memory stays
@@ -332,95 +307,53 @@ pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) ->
 
 // ---- stream-ordered allocation --------------------------------------------------------------------
 
-fn alloc_async(api: Api, dptr: *mut CUdeviceptr, bytesize: usize) -> CUresult {
-    call(api, |d| {
-        if dptr.is_null() {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let (_, dev) = d.current()?;
-        let p = d.pool_alloc(dev, bytesize as u64)?;
-        // SAFETY: non-null, valid per the C contract.
-        unsafe { out(dptr, p) }
-    })
+exports_sharing_body! {
+    cuMemAllocAsync = MemAllocAsync,
+    cuMemAllocAsync_ptsz = MemAllocAsyncPtsz;
+    fn(dptr: *mut CUdeviceptr, bytesize: usize, hStream: CUstream) |api| {
+        let _ = hStream;
+        let alloc = |d: &mut Driver| {
+            let (_, dev) = d.current()?;
+            d.pool_alloc(dev, bytesize as u64)
+        };
+        // SAFETY: the caller passes NULL or a valid CUdeviceptr pointer.
+        unsafe { call_out(api, dptr, alloc) }
+    }
 }
 
-fn alloc_from_pool(api: Api, dptr: *mut CUdeviceptr, bytesize: usize, pool: CUmemoryPool) -> CUresult {
-    call(api, |d| {
-        if dptr.is_null() {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let dev = d.pool_dev(pool as u64)?;
-        let p = d.pool_alloc(dev, bytesize as u64)?;
-        // SAFETY: non-null, valid per the C contract.
-        unsafe { out(dptr, p) }
-    })
+exports_sharing_body! {
+    /// Only for stream-ordered allocations; the memory stays reserved by the pool until trimmed.
+    cuMemFreeAsync = MemFreeAsync,
+    cuMemFreeAsync_ptsz = MemFreeAsyncPtsz;
+    fn(dptr: CUdeviceptr, hStream: CUstream) |api| {
+        let _ = hStream;
+        call(api, |d| {
+            d.current()?;
+            d.free(dptr, true)
+        })
+    }
 }
 
-fn free_async(api: Api, dptr: CUdeviceptr) -> CUresult {
-    call(api, |d| {
-        d.current()?;
-        d.free(dptr, true)
-    })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuMemAllocAsync(dptr: *mut CUdeviceptr, bytesize: usize, hStream: CUstream) -> CUresult {
-    let _ = hStream;
-    alloc_async(Api::MemAllocAsync, dptr, bytesize)
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuMemAllocAsync_ptsz(dptr: *mut CUdeviceptr, bytesize: usize, hStream: CUstream) -> CUresult {
-    let _ = hStream;
-    alloc_async(Api::MemAllocAsyncPtsz, dptr, bytesize)
-}
-
-/// Only for stream-ordered allocations; the memory stays reserved by the pool until trimmed.
-#[no_mangle]
-pub unsafe extern "C" fn cuMemFreeAsync(dptr: CUdeviceptr, hStream: CUstream) -> CUresult {
-    let _ = hStream;
-    free_async(Api::MemFreeAsync, dptr)
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuMemFreeAsync_ptsz(dptr: CUdeviceptr, hStream: CUstream) -> CUresult {
-    let _ = hStream;
-    free_async(Api::MemFreeAsyncPtsz, dptr)
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuMemAllocFromPoolAsync(
-    dptr: *mut CUdeviceptr,
-    bytesize: usize,
-    pool: CUmemoryPool,
-    hStream: CUstream,
-) -> CUresult {
-    let _ = hStream;
-    alloc_from_pool(Api::MemAllocFromPoolAsync, dptr, bytesize, pool)
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuMemAllocFromPoolAsync_ptsz(
-    dptr: *mut CUdeviceptr,
-    bytesize: usize,
-    pool: CUmemoryPool,
-    hStream: CUstream,
-) -> CUresult {
-    let _ = hStream;
-    alloc_from_pool(Api::MemAllocFromPoolAsyncPtsz, dptr, bytesize, pool)
+exports_sharing_body! {
+    cuMemAllocFromPoolAsync = MemAllocFromPoolAsync,
+    cuMemAllocFromPoolAsync_ptsz = MemAllocFromPoolAsyncPtsz;
+    fn(dptr: *mut CUdeviceptr, bytesize: usize, pool: CUmemoryPool, hStream: CUstream) |api| {
+        let _ = hStream;
+        let alloc = |d: &mut Driver| {
+            let dev = d.pool_dev(pool as u64)?;
+            d.pool_alloc(dev, bytesize as u64)
+        };
+        // SAFETY: the caller passes NULL or a valid CUdeviceptr pointer.
+        unsafe { call_out(api, dptr, alloc) }
+    }
 }
 
 /// The device's default pool (the only kind of pool the fake has).
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetMemPool(pool: *mut CUmemoryPool, dev: CUdevice) -> CUresult {
-    call(Api::DeviceGetMemPool, |d| {
-        if pool.is_null() {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let i = d.dev_index(dev)?;
-        // SAFETY: non-null, valid per the C contract.
-        unsafe { out(pool, driver::pool_handle(i) as CUmemoryPool) }
-    })
+    let handle = |d: &mut Driver| Ok(driver::pool_handle(d.dev_index(dev)?) as CUmemoryPool);
+    // SAFETY: the caller passes NULL or a valid CUmemoryPool pointer.
+    unsafe { call_out(Api::DeviceGetMemPool, pool, handle) }
 }
 
 #[no_mangle]
@@ -442,16 +375,13 @@ pub unsafe extern "C" fn cuMemCreate(
     prop: *const CUmemAllocationProp,
     flags: u64,
 ) -> CUresult {
-    call(Api::MemCreate, |d| {
+    let create = |d: &mut Driver| {
         // SAFETY: the caller passes NULL or a valid CUmemAllocationProp pointer.
         let prop = unsafe { prop.as_ref() }.ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        if handle.is_null() {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let h = d.mem_create(size as u64, prop, flags)?;
-        // SAFETY: non-null, valid per the C contract.
-        unsafe { out(handle, h) }
-    })
+        d.mem_create(size as u64, prop, flags)
+    };
+    // SAFETY: the caller passes NULL or a valid CUmemGenericAllocationHandle pointer.
+    unsafe { call_out(Api::MemCreate, handle, create) }
 }
 
 #[no_mangle]
@@ -468,14 +398,9 @@ pub unsafe extern "C" fn cuMemAddressReserve(
     flags: u64,
 ) -> CUresult {
     let _ = addr;
-    call(Api::MemAddressReserve, |d| {
-        if ptr.is_null() {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let p = d.address_reserve(size as u64, alignment as u64, flags)?;
-        // SAFETY: non-null, valid per the C contract.
-        unsafe { out(ptr, p) }
-    })
+    let reserve = |d: &mut Driver| d.address_reserve(size as u64, alignment as u64, flags);
+    // SAFETY: the caller passes NULL or a valid CUdeviceptr pointer.
+    unsafe { call_out(Api::MemAddressReserve, ptr, reserve) }
 }
 
 #[no_mangle]
@@ -523,16 +448,17 @@ pub unsafe extern "C" fn cuMemGetAllocationGranularity(
     prop: *const CUmemAllocationProp,
     option: c_int,
 ) -> CUresult {
-    call(Api::MemGetAllocationGranularity, |d| {
+    let granularity_of = |d: &mut Driver| {
         // SAFETY: the caller passes NULL or a valid CUmemAllocationProp pointer.
         let prop = unsafe { prop.as_ref() }.ok_or(CUDA_ERROR_INVALID_VALUE)?;
         if option != CU_MEM_ALLOC_GRANULARITY_MINIMUM && option != CU_MEM_ALLOC_GRANULARITY_RECOMMENDED {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         d.check_prop(prop)?;
-        // SAFETY: the caller passes NULL or a valid size_t pointer.
-        unsafe { out(granularity, sz(driver::PAGE)) }
-    })
+        Ok(sz(driver::PAGE))
+    };
+    // SAFETY: the caller passes NULL or a valid size_t pointer.
+    unsafe { call_out(Api::MemGetAllocationGranularity, granularity, granularity_of) }
 }
 
 // ---- entry points and errors ----------------------------------------------------------------------------

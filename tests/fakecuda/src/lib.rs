@@ -15,7 +15,7 @@ pub mod api;
 pub mod config;
 pub mod devfile;
 pub mod driver;
+pub mod errors;
 pub mod exports;
 pub mod procaddr;
 pub mod procinfo;
-pub mod types;

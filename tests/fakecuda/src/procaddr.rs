@@ -16,8 +16,9 @@
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 
+use cuda_abi::*;
+
 use crate::exports as e;
-use crate::types::*;
 
 /// The address an entry point resolves to, or the query status explaining why none.
 pub fn resolve(symbol: &str, version: c_int, flags: u64) -> Result<usize, c_int> {

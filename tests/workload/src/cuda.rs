@@ -1,59 +1,17 @@
 //! Loading the CUDA driver the way an application does: `dlopen("libcuda.so.1")` (so
 //! `LD_LIBRARY_PATH` decides which driver), then each entry point either by `dlsym` of its
 //! exported name or through `cuGetProcAddress_v2` by its base name at CUDA version 12000,
-//! the way cudart does. FFI types and signatures are those of `cuda.h`.
+//! the way cudart does. FFI signatures are those of `cuda.h`; the types and constants they use
+//! come from [`cuda_abi`] (re-exported here), shared with the fake driver.
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
 
 use libloading::Library;
 
-pub type CUresult = c_int;
-pub type CUdevice = c_int;
-pub type CUdeviceptr = u64;
-pub type CUcontext = *mut c_void;
-pub type CUstream = *mut c_void;
-pub type CUmemoryPool = *mut c_void;
-pub type CUmemGenericAllocationHandle = u64;
+pub use cuda_abi::*;
 
-pub const CUDA_SUCCESS: CUresult = 0;
-pub const CUDA_ERROR_OUT_OF_MEMORY: CUresult = 2;
-pub const CUDA_ERROR_NOT_FOUND: CUresult = 500;
-
-/// `CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM` (`1 << 1` in `cuda.h`).
-pub const PER_THREAD_DEFAULT_STREAM: u64 = 1 << 1;
 /// The CUDA version the workload asks `cuGetProcAddress_v2` for.
 pub const GETPROC_VERSION: c_int = 12000;
-
-/// `CUmemLocation`.
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct CUmemLocation {
-    pub type_: c_int,
-    pub id: c_int,
-}
-
-/// `CUmemAllocationProp` (`allocFlags` flattened to its 8 bytes).
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct CUmemAllocationProp {
-    pub type_: c_int,
-    pub requested_handle_types: c_int,
-    pub location: CUmemLocation,
-    pub win32_handle_meta_data: *mut c_void,
-    pub alloc_flags: [u8; 8],
-}
-
-/// `CUmemAccessDesc`.
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct CUmemAccessDesc {
-    pub location: CUmemLocation,
-    pub flags: c_int,
-}
-
-pub const CU_MEM_ALLOCATION_TYPE_PINNED: c_int = 1;
-pub const CU_MEM_LOCATION_TYPE_DEVICE: c_int = 1;
-pub const CU_MEM_ACCESS_FLAGS_PROT_READWRITE: c_int = 3;
 
 pub type FnGetProcAddressV2 = unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> CUresult;
 
@@ -108,11 +66,11 @@ entry_points! {
     mem_free: fn(CUdeviceptr) = "cuMemFree_v2" / "cuMemFree" / 0;
     mem_get_info: fn(*mut usize, *mut usize) = "cuMemGetInfo_v2" / "cuMemGetInfo" / 0;
     mem_alloc_async: fn(*mut CUdeviceptr, usize, CUstream) = "cuMemAllocAsync" / "cuMemAllocAsync" / 0;
-    mem_alloc_async_ptsz: fn(*mut CUdeviceptr, usize, CUstream) = "cuMemAllocAsync_ptsz" / "cuMemAllocAsync" / PER_THREAD_DEFAULT_STREAM;
+    mem_alloc_async_ptsz: fn(*mut CUdeviceptr, usize, CUstream) = "cuMemAllocAsync_ptsz" / "cuMemAllocAsync" / CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM;
     mem_free_async: fn(CUdeviceptr, CUstream) = "cuMemFreeAsync" / "cuMemFreeAsync" / 0;
-    mem_free_async_ptsz: fn(CUdeviceptr, CUstream) = "cuMemFreeAsync_ptsz" / "cuMemFreeAsync" / PER_THREAD_DEFAULT_STREAM;
+    mem_free_async_ptsz: fn(CUdeviceptr, CUstream) = "cuMemFreeAsync_ptsz" / "cuMemFreeAsync" / CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM;
     mem_alloc_from_pool: fn(*mut CUdeviceptr, usize, CUmemoryPool, CUstream) = "cuMemAllocFromPoolAsync" / "cuMemAllocFromPoolAsync" / 0;
-    mem_alloc_from_pool_ptsz: fn(*mut CUdeviceptr, usize, CUmemoryPool, CUstream) = "cuMemAllocFromPoolAsync_ptsz" / "cuMemAllocFromPoolAsync" / PER_THREAD_DEFAULT_STREAM;
+    mem_alloc_from_pool_ptsz: fn(*mut CUdeviceptr, usize, CUmemoryPool, CUstream) = "cuMemAllocFromPoolAsync_ptsz" / "cuMemAllocFromPoolAsync" / CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM;
     device_get_mem_pool: fn(*mut CUmemoryPool, CUdevice) = "cuDeviceGetMemPool" / "cuDeviceGetMemPool" / 0;
     mem_pool_trim_to: fn(CUmemoryPool, usize) = "cuMemPoolTrimTo" / "cuMemPoolTrimTo" / 0;
     mem_create: fn(*mut CUmemGenericAllocationHandle, usize, *const CUmemAllocationProp, u64) = "cuMemCreate" / "cuMemCreate" / 0;

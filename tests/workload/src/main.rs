@@ -197,7 +197,7 @@ impl Runner {
             Step::Managed { size, .. } => {
                 let mut p: CUdeviceptr = 0;
                 self.call(|s| {
-                    cu!(s, verb, mem_alloc_managed(&mut p, *size as usize, 1));
+                    cu!(s, verb, mem_alloc_managed(&mut p, *size as usize, CU_MEM_ATTACH_GLOBAL));
                     Ok(())
                 })?;
                 self.record(step, p, *size, 0);
@@ -401,7 +401,7 @@ impl Runner {
             requested_handle_types: 0,
             location: CUmemLocation { type_: CU_MEM_LOCATION_TYPE_DEVICE, id: dev },
             win32_handle_meta_data: null(),
-            alloc_flags: [0; 8],
+            alloc_flags: CUmemAllocFlags::default(),
         })
     }
 

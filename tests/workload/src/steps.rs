@@ -1,7 +1,10 @@
 //! The step language of `fakecuda-workload`: one step per command-line argument or script
-//! line, words separated by blanks, sizes with optional k/m/g/t suffixes (1024-based).
+//! line, words separated by blanks, sizes with optional k/m/g/t suffixes (1024-based, parsed
+//! by [`cuda_abi::parse_size`]).
 
 use std::fmt;
+
+use cuda_abi::parse_size;
 
 /// One step.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -44,21 +47,6 @@ impl fmt::Display for ParseError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0)
     }
-}
-
-/// Parses `123`, `4k`, `16M`, `2g`, `1t` (1024-based).
-pub fn parse_size(text: &str) -> Option<u64> {
-    let (digits, shift) = match text.char_indices().last()? {
-        (i, 'k' | 'K') => (&text[..i], 10),
-        (i, 'm' | 'M') => (&text[..i], 20),
-        (i, 'g' | 'G') => (&text[..i], 30),
-        (i, 't' | 'T') => (&text[..i], 40),
-        _ => (text, 0),
-    };
-    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    digits.parse::<u64>().ok()?.checked_mul(1u64 << shift)
 }
 
 fn parse_int(text: &str) -> Option<i64> {

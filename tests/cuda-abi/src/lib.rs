@@ -1,10 +1,20 @@
-//! The C ABI of the CUDA driver API subset the fake implements: typedefs, the structs it reads
-//! from callers, result codes and their names, all as declared in `cuda.h`.
+//! The C ABI of the CUDA driver API subset that the fake driver (`tests/fakecuda`) implements
+//! and the workload (`tests/workload`) calls: typedefs, structs, result codes and flag values,
+//! each as declared in `cuda.h` (CUDA 13). Both sides use these definitions, so they cannot
+//! drift apart; the layouts are checked against `cuda.h` in the tests below.
 //!
-//! C enums are `int`-sized; fields and arguments of enum type are read as `c_int` and checked,
-//! never transmuted into Rust enums.
+//! C enums are `int`-sized; fields and arguments of enum type are `c_int` (or the integer type
+//! of the parameter that carries them) and are compared with the constants here, never
+//! transmuted into Rust enums.
+//!
+//! Also here: [`parse_size`], the `4m`/`16g` size syntax that the fake's `FAKECUDA_*` variables
+//! and the workload's steps share.
 
-use std::ffi::{c_char, c_int, c_void, CStr};
+use std::ffi::{c_char, c_int, c_uint, c_void};
+
+mod size;
+
+pub use size::parse_size;
 
 /// `CUresult` (a C enum).
 pub type CUresult = c_int;
@@ -36,9 +46,9 @@ pub struct CUmemLocation {
     pub id: c_int,
 }
 
-/// The anonymous `allocFlags` struct inside `CUmemAllocationProp`.
+/// The anonymous `allocFlags` struct inside `CUmemAllocationProp` (all zero by default).
 #[repr(C)]
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Default)]
 pub struct CUmemAllocFlags {
     pub compression_type: u8,
     pub gpu_direct_rdma_capable: u8,
@@ -77,7 +87,7 @@ pub struct CUctxCreateParams {
     pub cig_params: *mut c_void,
 }
 
-// CUresult values used by the fake.
+// CUresult values (those the fake returns or the workload tests for).
 pub const CUDA_SUCCESS: CUresult = 0;
 pub const CUDA_ERROR_INVALID_VALUE: CUresult = 1;
 pub const CUDA_ERROR_OUT_OF_MEMORY: CUresult = 2;
@@ -100,11 +110,11 @@ pub const CU_MEM_ACCESS_FLAGS_PROT_READWRITE: c_int = 3;
 pub const CU_MEM_ALLOC_GRANULARITY_MINIMUM: c_int = 0;
 pub const CU_MEM_ALLOC_GRANULARITY_RECOMMENDED: c_int = 1;
 
-// CUmemAttach_flags (cuMemAllocManaged).
-pub const CU_MEM_ATTACH_GLOBAL: u32 = 1;
-pub const CU_MEM_ATTACH_HOST: u32 = 2;
+// CUmemAttach_flags (the `unsigned int flags` of cuMemAllocManaged).
+pub const CU_MEM_ATTACH_GLOBAL: c_uint = 1;
+pub const CU_MEM_ATTACH_HOST: c_uint = 2;
 
-// CUdriverProcAddress_flags (a bit set).
+// CUdriverProcAddress_flags (a bit set, passed as `cuuint64_t flags`).
 pub const CU_GET_PROC_ADDRESS_LEGACY_STREAM: u64 = 1 << 0;
 pub const CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM: u64 = 1 << 1;
 
@@ -113,57 +123,27 @@ pub const CU_GET_PROC_ADDRESS_SUCCESS: c_int = 0;
 pub const CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND: c_int = 1;
 pub const CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT: c_int = 2;
 
-/// Name and description of every `CUresult` the fake knows, for `cuGetErrorName` /
-/// `cuGetErrorString` (a subset of `cuda.h`, including every code the fake returns).
-const ERRORS: &[(CUresult, &CStr, &CStr)] = &[
-    (0, c"CUDA_SUCCESS", c"no error"),
-    (1, c"CUDA_ERROR_INVALID_VALUE", c"invalid argument"),
-    (2, c"CUDA_ERROR_OUT_OF_MEMORY", c"out of memory"),
-    (3, c"CUDA_ERROR_NOT_INITIALIZED", c"initialization error"),
-    (4, c"CUDA_ERROR_DEINITIALIZED", c"driver shutting down"),
-    (100, c"CUDA_ERROR_NO_DEVICE", c"no CUDA-capable device is detected"),
-    (101, c"CUDA_ERROR_INVALID_DEVICE", c"invalid device ordinal"),
-    (200, c"CUDA_ERROR_INVALID_IMAGE", c"device kernel image is invalid"),
-    (201, c"CUDA_ERROR_INVALID_CONTEXT", c"invalid device context"),
-    (304, c"CUDA_ERROR_OPERATING_SYSTEM", c"OS call failed or operation not supported on this OS"),
-    (400, c"CUDA_ERROR_INVALID_HANDLE", c"invalid resource handle"),
-    (500, c"CUDA_ERROR_NOT_FOUND", c"named symbol not found"),
-    (600, c"CUDA_ERROR_NOT_READY", c"device not ready"),
-    (708, c"CUDA_ERROR_PRIMARY_CONTEXT_ACTIVE", c"primary context active"),
-    (709, c"CUDA_ERROR_CONTEXT_IS_DESTROYED", c"context is destroyed"),
-    (800, c"CUDA_ERROR_NOT_PERMITTED", c"operation not permitted"),
-    (801, c"CUDA_ERROR_NOT_SUPPORTED", c"operation not supported"),
-    (999, c"CUDA_ERROR_UNKNOWN", c"unknown error"),
-];
-
-/// `(name, description)` of a result code, if the fake knows it.
-pub fn error_strings(code: CUresult) -> Option<(&'static CStr, &'static CStr)> {
-    ERRORS
-        .iter()
-        .find(|(c, _, _)| *c == code)
-        .map(|(_, name, text)| (*name, *text))
-}
-
-/// Name of a result code as a Rust string, for trace output.
-pub fn error_name(code: CUresult) -> &'static str {
-    error_strings(code)
-        .and_then(|(name, _)| name.to_str().ok())
-        .unwrap_or("CUDA_ERROR_?")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::mem::{offset_of, size_of};
 
     #[test]
     fn struct_layouts_match_cuda_h() {
-        assert_eq!(std::mem::size_of::<CUmemLocation>(), 8);
-        assert_eq!(std::mem::size_of::<CUmemAllocationProp>(), 32);
-        assert_eq!(std::mem::offset_of!(CUmemAllocationProp, location), 8);
-        assert_eq!(std::mem::offset_of!(CUmemAllocationProp, win32_handle_meta_data), 16);
-        assert_eq!(std::mem::offset_of!(CUmemAllocationProp, alloc_flags), 24);
-        assert_eq!(std::mem::size_of::<CUmemAccessDesc>(), 12);
-        assert_eq!(std::mem::size_of::<CUuuid>(), 16);
-        assert_eq!(std::mem::size_of::<CUctxCreateParams>(), 24);
+        assert_eq!(size_of::<CUmemLocation>(), 8);
+        assert_eq!(size_of::<CUmemAllocFlags>(), 8);
+        assert_eq!(size_of::<CUmemAllocationProp>(), 32);
+        assert_eq!(offset_of!(CUmemAllocationProp, location), 8);
+        assert_eq!(offset_of!(CUmemAllocationProp, win32_handle_meta_data), 16);
+        assert_eq!(offset_of!(CUmemAllocationProp, alloc_flags), 24);
+        assert_eq!(size_of::<CUmemAccessDesc>(), 12);
+        assert_eq!(size_of::<CUuuid>(), 16);
+        assert_eq!(size_of::<CUctxCreateParams>(), 24);
+    }
+
+    #[test]
+    fn alloc_flags_default_to_zero() {
+        let f = CUmemAllocFlags::default();
+        assert_eq!((f.compression_type, f.gpu_direct_rdma_capable, f.usage, f.reserved), (0, 0, 0, [0; 4]));
     }
 }
