@@ -114,7 +114,60 @@ fn test() -> Result<()> {
     // Builds every binary the end-to-end tests run (agent, fake driver, workload).
     run(cargo().args(["build", "--workspace"]))?;
     fake_driver()?;
-    run(cargo().args(["test", "--workspace", "--exclude", "e2e"]))?;
+    let mut totals = run_tests(cargo().args(["test", "--workspace", "--exclude", "e2e"]))?;
     // One at a time: uprobes are global, so two tests' agents would see each other's work.
-    run(cargo().args(["test", "-p", "e2e", "--", "--test-threads=1"]))
+    let e2e = run_tests(cargo().args(["test", "-p", "e2e", "--", "--test-threads=1"]))?;
+    totals.0 += e2e.0;
+    totals.1 += e2e.1;
+    // One closing line for the whole run (cargo's last line is only its last test binary's).
+    println!("{} passed, {} failed", totals.0, totals.1);
+    Ok(())
+}
+
+/// Runs a `cargo test`, echoing its output, and returns the (passed, failed) counts it
+/// reported over all its test binaries; fails if it failed.
+fn run_tests(command: &mut Command) -> Result<(u64, u64)> {
+    use std::io::{BufRead, BufReader};
+    let mut child = command
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .with_context(|| format!("cannot start {command:?}"))?;
+    let stdout = child.stdout.take().context("no stdout pipe")?;
+    let mut totals = (0, 0);
+    for line in BufReader::new(stdout).lines() {
+        let line = line?;
+        println!("{line}");
+        if let Some((passed, failed)) = parse_test_result(&line) {
+            totals.0 += passed;
+            totals.1 += failed;
+        }
+    }
+    let status = child.wait()?;
+    if !status.success() {
+        bail!("{command:?} failed ({status})");
+    }
+    Ok(totals)
+}
+
+/// The counts of a libtest summary: `test result: ok. 5 passed; 0 failed; ...`.
+fn parse_test_result(line: &str) -> Option<(u64, u64)> {
+    let rest = line.strip_prefix("test result: ")?;
+    let count = |word: &str| -> Option<u64> {
+        rest.split(';').find_map(|part| part.trim().trim_start_matches("ok. ").trim_start_matches("FAILED. ").strip_suffix(word)?.trim().parse().ok())
+    };
+    Some((count("passed")?, count("failed")?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_test_result;
+
+    #[test]
+    fn reads_libtest_summaries() {
+        let ok = "test result: ok. 9 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in 21.63s";
+        assert_eq!(parse_test_result(ok), Some((9, 0)));
+        let failed = "test result: FAILED. 7 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out";
+        assert_eq!(parse_test_result(failed), Some((7, 1)));
+        assert_eq!(parse_test_result("test foo ... ok"), None);
+    }
 }
