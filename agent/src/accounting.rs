@@ -30,6 +30,8 @@ pub struct Accounting {
     stats: Stats,
     /// Set by an exit event: the next [`Accounting::sweep`] is due now.
     exits_pending: bool,
+    /// The eBPF side's lost-event count at the last drain: a lost event may be an exit.
+    lost_seen: u64,
 }
 
 impl Accounting {
@@ -43,12 +45,18 @@ impl Accounting {
             names: CgroupNames::new(),
             stats: Stats::default(),
             exits_pending: false,
+            lost_seen: 0,
         };
         Ok((accounting, take(ebpf, names::EVENTS)?))
     }
 
     /// Consumes every queued event.
     pub fn drain(&mut self, events: &mut RingBuf<MapData>) {
+        let lost = self.counter(stat::EVENTS_LOST);
+        if lost != self.lost_seen {
+            self.lost_seen = lost;
+            self.exits_pending = true;
+        }
         while let Some(item) = events.next() {
             if item.len() < size_of::<Event>() {
                 continue;

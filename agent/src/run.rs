@@ -38,10 +38,14 @@ pub struct RunArgs {
     /// How often to scan /proc/*/maps for libcuda files not probed yet, in milliseconds.
     #[arg(long, default_value_t = 1000, value_name = "MS")]
     pub rescan_ms: u64,
-    /// How often to drain the event ring buffer and sweep dead processes' records, in
-    /// milliseconds (exits wake the agent at once).
+    /// How often to drain the event ring buffer, in milliseconds (exits wake the agent at
+    /// once, and their records are swept then).
     #[arg(long, default_value_t = 100, value_name = "MS")]
     pub drain_ms: u64,
+    /// How often to sweep every allocation record for dead processes regardless of exit
+    /// events (a fallback for exit events lost to a full ring buffer), in milliseconds.
+    #[arg(long, default_value_t = 5000, value_name = "MS")]
+    pub sweep_ms: u64,
     /// The control socket `vramguard audit` connects to.
     #[arg(long, default_value = control::DEFAULT_SOCKET, value_name = "PATH")]
     pub socket: PathBuf,
@@ -51,13 +55,14 @@ enum Wake {
     Stop(&'static str),
     Events,
     Drain,
+    Sweep,
     Rescan,
     Client(UnixStream),
 }
 
 pub async fn run(args: RunArgs) -> Result<()> {
-    if args.rescan_ms == 0 || args.drain_ms == 0 {
-        bail!("--rescan-ms and --drain-ms must be at least 1");
+    if args.rescan_ms == 0 || args.drain_ms == 0 || args.sweep_ms == 0 {
+        bail!("--rescan-ms, --drain-ms and --sweep-ms must be at least 1");
     }
     let platform = preflight::check()?;
     let mut ebpf = EbpfLoader::new()
@@ -103,6 +108,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
     let mut sigint = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
     let mut drain = interval(Duration::from_millis(args.drain_ms));
     drain.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut sweep = interval(Duration::from_millis(args.sweep_ms));
+    sweep.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let mut rescan = interval(Duration::from_millis(args.rescan_ms));
     rescan.set_missed_tick_behavior(MissedTickBehavior::Delay);
     info!(socket = %args.socket.display(), files = attached.len(), "vramguard agent running");
@@ -116,6 +123,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 Wake::Events
             }
             _ = drain.tick() => Wake::Drain,
+            _ = sweep.tick() => Wake::Sweep,
             _ = rescan.tick(), if !args.no_discover => Wake::Rescan,
             client = listener.accept() => match client {
                 Ok((stream, _)) => Wake::Client(stream),
@@ -127,13 +135,13 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 info!(signal, "stopping: detaching probes");
                 break;
             }
-            Wake::Events => {
+            Wake::Events | Wake::Drain => {
                 accounting.drain(events.get_mut());
                 if accounting.sweep_due() {
                     accounting.sweep();
                 }
             }
-            Wake::Drain => {
+            Wake::Sweep => {
                 accounting.drain(events.get_mut());
                 accounting.sweep();
             }
