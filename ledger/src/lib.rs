@@ -1,5 +1,23 @@
 //! The shared quota ledger: one memory-mapped file per container that every hooked process
-//! and the node agent map at once (DESIGN.md §4).
+//! and the node agent map at once (DESIGN.md §4). No CUDA and no eBPF in here.
 //!
-//! Not implemented yet: the file format, buddy allocator, slots, robust lock and invariant
-//! checker are the subject of the issue "The ledger". This crate holds nothing until then.
+//! * [`layout`]: the file's byte layout (header page with limits, state, slots, records,
+//!   per-device buddy spaces and block links).
+//! * [`file`]: atomic creation and validated opening.
+//! * [`lock`]: the process-shared robust mutex in the file.
+//! * [`buddy`]: the buddy allocator with Linux `gpu_buddy` semantics over a word array.
+//! * [`Ledger`]: the operations (register, reserve, release, reclaim, repair, check).
+//! * [`process`]: process identity that survives pid reuse.
+pub mod buddy;
+pub mod error;
+pub mod file;
+pub mod layout;
+mod ledger;
+pub mod lock;
+pub mod process;
+mod tables;
+
+pub use error::{LedgerError, ReserveError};
+pub use layout::{DeviceConfig, Geometry, Kind};
+pub use ledger::{Charge, Ledger, RecordId, SlotId, SlotView};
+pub use process::ProcessIdentity;

@@ -1,0 +1,218 @@
+//! Creating and opening ledger files.
+//!
+//! Creation is atomic: the file is built and initialised under a temporary name and then
+//! hard-linked into place, which fails if a ledger already exists there; no process ever
+//! sees a half-initialised ledger, and an existing one is never overwritten.
+//!
+//! Opening validates the header (read with `pread`, never through a mapping) before
+//! anything is mapped: magic, version, sizes, checksum, and that every section lies inside
+//! the file without overlapping another. Only the part after the header page is mapped, read
+//! and write; the process keeps its validated copy of the header, so limits are never read
+//! from memory a workload could write.
+use std::{
+    fs::{self, File, OpenOptions},
+    io,
+    os::unix::fs::{FileExt, OpenOptionsExt},
+    path::{Path, PathBuf},
+};
+
+use crate::{
+    buddy,
+    error::LedgerError,
+    layout::{
+        align_up, checksummed_bytes, fnv1a, DeviceConfig, Geometry, Header, Record, Slot, State,
+        MAGIC, MAX_CHUNKS, MAX_DEVICES, MAX_RECORDS, MAX_SLOTS, MIN_CHUNK, PAGE, VERSION,
+    },
+};
+
+/// A validated header and the mapping of the rest of the file.
+pub struct Mapped {
+    pub header: Header,
+    /// Maps file bytes `[PAGE, total_size)`.
+    pub map: memmap2::MmapRaw,
+    pub path: PathBuf,
+}
+
+impl Mapped {
+    /// Address of file offset `offset` (which must be at least PAGE and inside the file;
+    /// validated offsets only).
+    pub fn at(&self, offset: u64) -> *mut u8 {
+        debug_assert!(offset >= PAGE && offset <= self.header.total_size);
+        // SAFETY: callers pass offsets validated to lie inside [PAGE, total_size], the
+        // mapped range, so the result stays inside (or one past) the mapping.
+        unsafe { self.map.as_mut_ptr().add((offset - PAGE) as usize) }
+    }
+}
+
+const ALIGN: u64 = 64;
+
+/// Computes the header (offsets included) for `geometry`, validating it.
+pub fn plan(geometry: &Geometry, creator: u32, now_secs: u64) -> Result<Header, LedgerError> {
+    let invalid = |what: String| Err(LedgerError::InvalidConfig(what));
+    if geometry.devices.is_empty() || geometry.devices.len() > MAX_DEVICES {
+        return invalid(format!("a ledger describes 1 to {MAX_DEVICES} devices, not {}", geometry.devices.len()));
+    }
+    if geometry.slots == 0 || geometry.slots > MAX_SLOTS {
+        return invalid(format!("slots must be 1 to {MAX_SLOTS}, not {}", geometry.slots));
+    }
+    if geometry.records == 0 || geometry.records > MAX_RECORDS {
+        return invalid(format!("records must be 1 to {MAX_RECORDS}, not {}", geometry.records));
+    }
+    let mut header = Header {
+        magic: MAGIC,
+        version: VERSION,
+        header_size: size_of::<Header>() as u32,
+        total_size: 0,
+        device_count: geometry.devices.len() as u32,
+        slot_count: geometry.slots,
+        record_count: geometry.records,
+        creator,
+        state_offset: PAGE,
+        slots_offset: 0,
+        records_offset: 0,
+        created_unix_secs: now_secs,
+        devices: [DeviceConfig::default(); MAX_DEVICES],
+        checksum: 0,
+    };
+    let mut end = PAGE + size_of::<State>() as u64;
+    header.slots_offset = align_up(end, ALIGN);
+    end = header.slots_offset + u64::from(geometry.slots) * size_of::<Slot>() as u64;
+    header.records_offset = align_up(end, ALIGN);
+    end = header.records_offset + u64::from(geometry.records) * size_of::<Record>() as u64;
+    for (index, wanted) in geometry.devices.iter().enumerate() {
+        let chunk = wanted.chunk;
+        if !chunk.is_power_of_two() || chunk < MIN_CHUNK {
+            return invalid(format!("device {index}: chunk {chunk} is not a power of two of at least {MIN_CHUNK}"));
+        }
+        // The quota is kept in whole chunks: a limit is rounded down to a chunk multiple.
+        let chunks = wanted.limit / chunk;
+        if chunks == 0 {
+            return invalid(format!("device {index}: limit {} is less than one chunk ({chunk})", wanted.limit));
+        }
+        if chunks > MAX_CHUNKS {
+            return invalid(format!("device {index}: limit {} is more than {MAX_CHUNKS} chunks of {chunk}", wanted.limit));
+        }
+        let limit = chunks * chunk;
+        let words = buddy::layout_len(limit, chunk)
+            .map_err(|error| LedgerError::InvalidConfig(format!("device {index}: {error}")))?;
+        let buddy_offset = align_up(end, ALIGN);
+        let links_offset = align_up(buddy_offset + words as u64 * 8, ALIGN);
+        end = links_offset + chunks * 8;
+        header.devices[index] = DeviceConfig {
+            uuid: wanted.uuid,
+            limit,
+            chunk,
+            context_reserve: wanted.context_reserve,
+            chunks,
+            buddy_offset,
+            buddy_words: words as u64,
+            links_offset,
+        };
+    }
+    header.total_size = align_up(end, PAGE);
+    header.checksum = fnv1a(checksummed_bytes(&header));
+    Ok(header)
+}
+
+/// Checks everything the header says against itself and the file's size.
+pub fn validate(header: &Header, file_size: u64, path: &Path) -> Result<(), LedgerError> {
+    let corrupt = |what: String| Err(LedgerError::Corrupt { path: path.to_path_buf(), what });
+    if header.magic != MAGIC {
+        return Err(LedgerError::NotALedger { path: path.to_path_buf() });
+    }
+    if header.version != VERSION {
+        return Err(LedgerError::Version { path: path.to_path_buf(), found: header.version, supported: VERSION });
+    }
+    if header.header_size as usize != size_of::<Header>() {
+        return corrupt(format!("header size {} (expected {})", header.header_size, size_of::<Header>()));
+    }
+    if header.checksum != fnv1a(checksummed_bytes(header)) {
+        return corrupt("header checksum mismatch (the header was modified or damaged)".into());
+    }
+    if file_size != header.total_size {
+        return Err(LedgerError::Truncated { path: path.to_path_buf(), expected: header.total_size, actual: file_size });
+    }
+    // The layout is a pure function of the header's inputs: recompute it and compare.
+    let geometry = Geometry {
+        slots: header.slot_count,
+        records: header.record_count,
+        devices: header.devices.iter().take(header.device_count.min(MAX_DEVICES as u32) as usize).copied().collect(),
+    };
+    let expected = plan(&geometry, header.creator, header.created_unix_secs)
+        .map_err(|error| LedgerError::Corrupt { path: path.to_path_buf(), what: error.to_string() })?;
+    if expected.total_size != header.total_size
+        || expected.slots_offset != header.slots_offset
+        || expected.records_offset != header.records_offset
+        || expected.state_offset != header.state_offset
+        || expected.devices != header.devices
+    {
+        return corrupt("section offsets or device fields do not match the layout they describe".into());
+    }
+    Ok(())
+}
+
+/// Creates a ledger at `path` with `init` run on the mapping before it becomes visible.
+pub fn create(
+    path: &Path,
+    header: &Header,
+    init: impl FnOnce(&Mapped) -> Result<(), LedgerError>,
+) -> Result<Mapped, LedgerError> {
+    let io_error = |source: io::Error| LedgerError::Io { path: path.to_path_buf(), source };
+    let name = path.file_name().ok_or_else(|| LedgerError::InvalidConfig(format!("{} has no file name", path.display())))?;
+    let temporary = path.with_file_name(format!(".{}.creating.{}", name.to_string_lossy(), std::process::id()));
+    let _ = fs::remove_file(&temporary);
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o666)
+        .open(&temporary)
+        .map_err(io_error)?;
+    let result = (|| {
+        file.set_len(header.total_size).map_err(io_error)?;
+        file.write_all_at(as_bytes(header), 0).map_err(io_error)?;
+        let mapped = map(&file, *header, path)?;
+        init(&mapped)?;
+        mapped.map.flush().map_err(io_error)?;
+        // link(2) fails with EEXIST instead of replacing an existing ledger.
+        fs::hard_link(&temporary, path).map_err(|source| match source.kind() {
+            io::ErrorKind::AlreadyExists => LedgerError::AlreadyExists { path: path.to_path_buf() },
+            _ => io_error(source),
+        })?;
+        Ok(mapped)
+    })();
+    let _ = fs::remove_file(&temporary);
+    result
+}
+
+/// Opens and validates an existing ledger.
+pub fn open(path: &Path) -> Result<Mapped, LedgerError> {
+    let io_error = |source: io::Error| LedgerError::Io { path: path.to_path_buf(), source };
+    let file = OpenOptions::new().read(true).write(true).open(path).map_err(io_error)?;
+    let size = file.metadata().map_err(io_error)?.len();
+    if size < PAGE {
+        return Err(LedgerError::Truncated { path: path.to_path_buf(), expected: PAGE, actual: size });
+    }
+    let mut bytes = [0u8; size_of::<Header>()];
+    file.read_exact_at(&mut bytes, 0).map_err(io_error)?;
+    // SAFETY: Header is #[repr(C)] of integers and byte arrays only: every bit pattern is a
+    // valid value; read_unaligned copes with the byte buffer's alignment.
+    let header: Header = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
+    validate(&header, size, path)?;
+    map(&file, header, path)
+}
+
+fn map(file: &File, header: Header, path: &Path) -> Result<Mapped, LedgerError> {
+    let map = memmap2::MmapOptions::new()
+        .offset(PAGE)
+        .len((header.total_size - PAGE) as usize)
+        .map_raw(file)
+        .map_err(|source| LedgerError::Io { path: path.to_path_buf(), source })?;
+    Ok(Mapped { header, map, path: path.to_path_buf() })
+}
+
+fn as_bytes(header: &Header) -> &[u8] {
+    // SAFETY: Header is #[repr(C)] plain data without padding (checked by the layout's
+    // construction: every field is 8-byte sized or paired to 8); reading it as bytes is valid.
+    unsafe { std::slice::from_raw_parts((header as *const Header).cast::<u8>(), size_of::<Header>()) }
+}

@@ -1,0 +1,243 @@
+//! The ledger file's byte layout, and the validation of a file's header before anything in
+//! it is trusted.
+//!
+//! ```text
+//! offset 0            Header            page 0: magic, version, sizes, offsets, per-device
+//!                                       limits; checksummed; read-only for workloads
+//! offset PAGE         State             the robust lock, the dirty flag, per-device usage
+//! slots_offset        [Slot; slots]     one per process
+//! records_offset      [Record; records] one per allocation (and per small pool / context)
+//! per device          buddy words       the device's buddy space (crate::buddy)
+//! per device          links             one u64 per chunk: the block chains of records
+//! ```
+//!
+//! Every section is at an offset stored in the header, 64-byte aligned; all structures are
+//! `#[repr(C)]` of fixed-width integers, so every process maps the same bytes the same way.
+use crate::lock::RobustMutex;
+
+/// First bytes of every ledger file.
+pub const MAGIC: [u8; 8] = *b"VRAMGRD\0";
+/// Layout version: bumped on any incompatible change.
+pub const VERSION: u32 = 1;
+/// The header page; workloads map it read-only.
+pub const PAGE: u64 = 4096;
+/// Devices one ledger can describe (as HAMi-core's region).
+pub const MAX_DEVICES: usize = 16;
+/// Most process slots a ledger may have.
+pub const MAX_SLOTS: u32 = 1 << 16;
+/// Most allocation records a ledger may have.
+pub const MAX_RECORDS: u32 = 1 << 22;
+/// Smallest chunk (the kernel buddy's minimum page).
+pub const MIN_CHUNK: u64 = 4096;
+/// Most chunks one device may have: block offsets are kept in 32 bits.
+pub const MAX_CHUNKS: u64 = 1 << 31;
+
+/// What a file says about itself. Page 0.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct Header {
+    pub magic: [u8; 8],
+    pub version: u32,
+    /// `size_of::<Header>()` of the writer.
+    pub header_size: u32,
+    /// The file's size in bytes.
+    pub total_size: u64,
+    pub device_count: u32,
+    pub slot_count: u32,
+    pub record_count: u32,
+    /// Who created the file: [`CREATOR_AGENT`] or [`CREATOR_HOOK`].
+    pub creator: u32,
+    pub state_offset: u64,
+    pub slots_offset: u64,
+    pub records_offset: u64,
+    pub created_unix_secs: u64,
+    pub devices: [DeviceConfig; MAX_DEVICES],
+    /// FNV-1a over every byte of the header before this field.
+    pub checksum: u64,
+}
+
+pub const CREATOR_AGENT: u32 = 1;
+pub const CREATOR_HOOK: u32 = 2;
+
+/// One device's quota and the places of its buddy space.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceConfig {
+    /// The driver's device UUID (zero when the creator did not know it).
+    pub uuid: [u8; 16],
+    /// Quota in bytes (a multiple of `chunk`).
+    pub limit: u64,
+    /// Accounting granularity in bytes (a power of two, at least [`MIN_CHUNK`]).
+    pub chunk: u64,
+    /// Charged once per process that creates a context on this device.
+    pub context_reserve: u64,
+    /// `limit / chunk`.
+    pub chunks: u64,
+    /// Byte offset and length in u64 words of the buddy space.
+    pub buddy_offset: u64,
+    pub buddy_words: u64,
+    /// Byte offset of the `chunks` u64 block links.
+    pub links_offset: u64,
+}
+
+/// The writable part of the file after the header page.
+#[repr(C)]
+pub struct State {
+    pub lock: RobustMutex,
+    /// Non-zero while a mutation is in progress: a lock holder that finds it set (its
+    /// predecessor died, or a repair itself died) rebuilds the derived state.
+    pub dirty: u32,
+    /// Head of the free-record list: record index + 1, 0 when none is free.
+    pub free_record: u32,
+    /// Repairs performed over the file's life.
+    pub repairs: u64,
+    /// Mutations performed over the file's life.
+    pub mutations: u64,
+    pub devices: [DeviceUsage; MAX_DEVICES],
+}
+
+/// Derived per-device totals.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceUsage {
+    /// Chunks held by every live record of the device.
+    pub used_chunks: u64,
+    /// Reservations refused on this device.
+    pub rejections: u64,
+}
+
+/// Allocation kinds, as the ledger charges them.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Kind {
+    /// A chunk or more: charged whole chunks of its own.
+    Data = 0,
+    /// Less than a chunk: packed with the process's other small allocations on the device,
+    /// which together are charged ceil(live small bytes / chunk) chunks.
+    Small = 1,
+    /// The per-(process, device) context reserve.
+    Context = 2,
+    /// Managed (unified) memory.
+    Managed = 3,
+}
+
+/// Number of [`Kind`]s.
+pub const KINDS: usize = 4;
+
+impl Kind {
+    pub const ALL: [Kind; KINDS] = [Kind::Data, Kind::Small, Kind::Context, Kind::Managed];
+
+    pub fn from_u32(value: u32) -> Option<Kind> {
+        Kind::ALL.get(value as usize).copied()
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Data => "data",
+            Kind::Small => "small",
+            Kind::Context => "context",
+            Kind::Managed => "managed",
+        }
+    }
+}
+
+/// One process.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct Slot {
+    /// [`SLOT_FREE`] or [`SLOT_LIVE`].
+    pub state: u32,
+    /// Pid in the process's own pid namespace.
+    pub pid: u32,
+    /// Inode of the process's pid namespace (`/proc/self/ns/pid`).
+    pub pidns: u64,
+    /// Process start time (`/proc/<pid>/stat` field 22): tells a reused pid apart.
+    pub start_time: u64,
+    /// Pid on the host, filled by the agent (0 until then).
+    pub host_pid: u32,
+    pub _pad: u32,
+    pub allocs: u64,
+    pub frees: u64,
+    pub rejections: u64,
+    pub devices: [SlotDevice; MAX_DEVICES],
+}
+
+pub const SLOT_FREE: u32 = 0;
+pub const SLOT_LIVE: u32 = 1;
+
+/// A slot's usage of one device (derived from its records).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SlotDevice {
+    /// Live requested bytes by [`Kind`].
+    pub bytes: [u64; KINDS],
+    /// Chunks charged by [`Kind`] (for `Small`: the chunks of the packed small pool).
+    pub chunks: [u64; KINDS],
+    /// Record index + 1 of the slot's small-pool record on this device (0: none).
+    pub small_pool: u32,
+    /// Record index + 1 of the slot's context record on this device (0: none).
+    pub context: u32,
+}
+
+/// One allocation, small pool or context reserve.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Record {
+    /// [`RECORD_FREE`], [`RECORD_LIVE`] or [`RECORD_POOL`]. Written last when a record is
+    /// made and first when it is dropped: the one store that commits the change.
+    pub state: u32,
+    pub slot: u32,
+    pub device: u32,
+    /// A [`Kind`].
+    pub kind: u32,
+    /// The device pointer or handle (0 for pools and contexts).
+    pub ptr: u64,
+    /// Requested bytes.
+    pub bytes: u64,
+    /// Chunks held by the record's blocks.
+    pub chunks: u64,
+    /// First block of the record's chain: chunk offset + 1, 0 when it holds none.
+    pub head: u64,
+    /// Next free record + 1 while free.
+    pub next_free: u32,
+    pub _pad: u32,
+}
+
+pub const RECORD_FREE: u32 = 0;
+/// A workload's allocation.
+pub const RECORD_LIVE: u32 = 1;
+/// The chunks of a slot's small pool on one device (its `bytes` is 0).
+pub const RECORD_POOL: u32 = 2;
+
+/// Sizes of a ledger to create.
+#[derive(Clone, Debug)]
+pub struct Geometry {
+    pub slots: u32,
+    pub records: u32,
+    pub devices: Vec<DeviceConfig>,
+}
+
+/// Rounds `value` up to a multiple of `align` (a power of two).
+pub const fn align_up(value: u64, align: u64) -> u64 {
+    (value + align - 1) & !(align - 1)
+}
+
+/// FNV-1a 64 of `bytes`.
+pub fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
+        (hash ^ u64::from(*byte)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+/// The header's bytes up to (not including) its checksum.
+pub fn checksummed_bytes(header: &Header) -> &[u8] {
+    let len = std::mem::offset_of!(Header, checksum);
+    // SAFETY: Header is #[repr(C)] plain integers; the first `len` bytes are its fields before
+    // `checksum`, and reading them as bytes is valid for its lifetime. Padding bytes inside
+    // that range do not exist (every field is 8-aligned or followed by one that pads to 8).
+    unsafe { std::slice::from_raw_parts((header as *const Header).cast::<u8>(), len) }
+}
+
+const _: () = assert!(std::mem::size_of::<Header>() as u64 <= PAGE);
+const _: () = assert!(std::mem::size_of::<Slot>() % 8 == 0);
+const _: () = assert!(std::mem::size_of::<Record>() % 8 == 0);

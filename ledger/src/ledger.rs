@@ -1,0 +1,276 @@
+//! The ledger's operations: registering processes, admitting and releasing allocations,
+//! reclaiming dead processes, repairing after a lock holder died, and checking invariants.
+//!
+//! Every operation runs under the file's robust lock. Records are the source of truth: a
+//! record is committed (or dropped) by the single store of its `state` field; everything
+//! else (the buddy spaces, the block chains, per-slot and per-device usage, the free-record
+//! list) is derived from the live records and can be rebuilt. Each mutation raises the
+//! `dirty` flag first and lowers it last, so a lock holder that finds it raised (its
+//! predecessor died mid-update, whether or not the mutex reported `EOWNERDEAD`) rebuilds the
+//! derived state before going on.
+//!
+//! Accounting rules (DESIGN.md §4): a device allocation of a chunk or more takes
+//! ceil(bytes / chunk) whole chunks of its own; smaller ones are packed per (process,
+//! device), which is charged ceil(live small bytes / chunk) chunks; a context reserve is
+//! charged once per (process, device); managed memory takes whole chunks like data.
+use std::path::Path;
+
+use crate::{
+    buddy::Buddy,
+    error::{LedgerError, ReserveError},
+    file::{self, Mapped},
+    layout::{DeviceUsage, Geometry, Header, Slot, State, RECORD_LIVE, SLOT_FREE, SLOT_LIVE},
+    process::ProcessIdentity,
+    tables::{check, release, reclaim, repair, reserve, zeroed_slot, Tables},
+};
+
+/// Index of a process slot.
+pub type SlotId = u32;
+/// Index of an allocation record.
+pub type RecordId = u32;
+
+/// What a caller asks to charge.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Charge {
+    /// Device memory of `bytes` (packed with the process's other small allocations when it is
+    /// less than a chunk).
+    Device(u64),
+    /// Managed memory of `bytes`.
+    Managed(u64),
+    /// The context reserve of the device (once per process; again returns the same record).
+    Context,
+}
+
+/// A mapped, validated ledger file.
+pub struct Ledger {
+    mapped: Mapped,
+}
+
+/// A live slot as [`Ledger::slots`] reports it.
+#[derive(Clone, Copy, Debug)]
+pub struct SlotView {
+    pub id: SlotId,
+    pub slot: Slot,
+}
+
+impl Ledger {
+    /// Creates a new ledger at `path`; fails if one exists.
+    pub fn create(path: &Path, geometry: &Geometry, creator: u32) -> Result<Ledger, LedgerError> {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        let header = file::plan(geometry, creator, now)?;
+        let mapped = file::create(path, &header, |mapped| {
+            // SAFETY: the file is new and only this thread can see it.
+            unsafe { crate::lock::RobustMutex::init(std::ptr::addr_of_mut!((*state_ptr(mapped)).lock)) }
+                .map_err(|source| LedgerError::Io { path: path.to_path_buf(), source })?;
+            // The zeroed file is an empty ledger but for its derived state: the first repair
+            // builds it (buddy spaces, free-record list), before anyone else can see the file.
+            repair(&mut tables(mapped));
+            Ok(())
+        })?;
+        Ok(Ledger { mapped })
+    }
+
+    /// Opens and validates an existing ledger.
+    pub fn open(path: &Path) -> Result<Ledger, LedgerError> {
+        let mapped = file::open(path)?;
+        let ledger = Ledger { mapped };
+        let mut tables = tables(&ledger.mapped);
+        for (device, words) in tables.buddies.iter_mut().enumerate() {
+            if let Some(words) = words {
+                Buddy::attach(&mut **words).map_err(|error| LedgerError::Corrupt {
+                    path: path.to_path_buf(),
+                    what: format!("device {device}'s buddy space: {error}"),
+                })?;
+            }
+        }
+        Ok(ledger)
+    }
+
+    /// Opens the ledger at `path`, creating it with `geometry` if there is none.
+    pub fn open_or_create(path: &Path, geometry: &Geometry, creator: u32) -> Result<Ledger, LedgerError> {
+        match Ledger::open(path) {
+            Err(LedgerError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+                match Ledger::create(path, geometry, creator) {
+                    Err(LedgerError::AlreadyExists { .. }) => Ledger::open(path),
+                    other => other,
+                }
+            }
+            other => other,
+        }
+    }
+
+    /// The validated header (limits, geometry).
+    pub fn header(&self) -> &Header {
+        &self.mapped.header
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.mapped.path
+    }
+
+    /// Gives `process` a slot. A live slot with the same identity (the process called exec)
+    /// is reclaimed and reused: an exec'd image starts clean.
+    pub fn register(&self, process: ProcessIdentity) -> Result<SlotId, LedgerError> {
+        self.locked(|t| {
+            let same = t.slots.iter().position(|s| {
+                s.state == SLOT_LIVE && s.pid == process.pid && s.pidns == process.pidns && s.start_time == process.start_time
+            });
+            let id = match same {
+                Some(id) => {
+                    reclaim(t, id as SlotId);
+                    id
+                }
+                None => t
+                    .slots
+                    .iter()
+                    .position(|s| s.state == SLOT_FREE)
+                    .ok_or(LedgerError::NoFreeSlot(t.header.slot_count))?,
+            };
+            let slot = &mut t.slots[id];
+            *slot = zeroed_slot();
+            slot.pid = process.pid;
+            slot.pidns = process.pidns;
+            slot.start_time = process.start_time;
+            slot.state = SLOT_LIVE;
+            Ok(id as SlotId)
+        })?
+    }
+
+    /// Admits a charge for `slot` on `device`, or refuses it when the quota cannot hold it.
+    /// `ptr` is the device pointer or handle, for inspection and reconciliation.
+    pub fn reserve(&self, slot: SlotId, device: u32, charge: Charge, ptr: u64) -> Result<RecordId, ReserveError> {
+        self.locked(|t| reserve(t, slot, device, charge, ptr))?
+    }
+
+    /// Releases a record of `slot`.
+    pub fn release(&self, slot: SlotId, record: RecordId) -> Result<(), LedgerError> {
+        self.locked(|t| {
+            let valid = t.records.get(record as usize).is_some_and(|r| r.state == RECORD_LIVE && r.slot == slot);
+            if !valid {
+                return Err(LedgerError::UnknownRecord(record));
+            }
+            release(t, record);
+            Ok(())
+        })?
+    }
+
+    /// Frees every block and record of `slot` and the slot itself; returns the chunks freed.
+    pub fn reclaim(&self, slot: SlotId) -> Result<u64, LedgerError> {
+        self.locked(|t| {
+            if t.slots.get(slot as usize).is_none_or(|s| s.state != SLOT_LIVE) {
+                return Err(LedgerError::UnknownSlot(slot));
+            }
+            Ok(reclaim(t, slot))
+        })?
+    }
+
+    /// Reclaims every slot whose process is gone, as judged from this process's pid
+    /// namespace (slots of other namespaces are left to the agent). Returns those reclaimed.
+    pub fn reclaim_dead(&self) -> Result<Vec<SlotId>, LedgerError> {
+        self.locked(|t| {
+            let dead: Vec<SlotId> = (0..t.slots.len() as SlotId)
+                .filter(|&id| {
+                    let s = &t.slots[id as usize];
+                    s.state == SLOT_LIVE
+                        && ProcessIdentity { pid: s.pid, pidns: s.pidns, start_time: s.start_time }.is_alive() == Some(false)
+                })
+                .collect();
+            for &id in &dead {
+                reclaim(t, id);
+            }
+            dead
+        })
+    }
+
+    /// Copies of the live slots.
+    pub fn slots(&self) -> Result<Vec<SlotView>, LedgerError> {
+        self.locked(|t| {
+            t.slots
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| s.state == SLOT_LIVE)
+                .map(|(id, s)| SlotView { id: id as SlotId, slot: *s })
+                .collect()
+        })
+    }
+
+    /// Per-device totals.
+    pub fn device_usage(&self) -> Result<Vec<DeviceUsage>, LedgerError> {
+        self.locked(|t| t.state.devices[..t.header.device_count as usize].to_vec())
+    }
+
+    /// Repairs performed over the file's life.
+    pub fn repairs(&self) -> Result<u64, LedgerError> {
+        self.locked(|t| t.state.repairs)
+    }
+
+    /// Verifies every invariant; returns the violations found (none: the ledger is sound).
+    pub fn check(&self) -> Result<Vec<String>, LedgerError> {
+        self.locked(|t| check(t))
+    }
+
+    /// Holds the lock for `duration` (the crash tests kill processes inside the lock).
+    #[doc(hidden)]
+    pub fn hold_lock_for(&self, duration: std::time::Duration) -> Result<(), LedgerError> {
+        self.locked(|t| {
+            t.state.dirty = 1;
+            std::thread::sleep(duration);
+            t.state.dirty = 0;
+        })
+    }
+
+    /// Runs `f` under the lock, repairing first if the last holder left a mess.
+    fn locked<R>(&self, f: impl FnOnce(&mut Tables<'_>) -> R) -> Result<R, LedgerError> {
+        // SAFETY: the state lies inside the mapping, validated at open, for self's lifetime.
+        let lock = unsafe { &(*state_ptr(&self.mapped)).lock };
+        let mut guard = lock.lock()?;
+        let mut tables = tables(&self.mapped);
+        if guard.acquired() == crate::lock::Acquired::OwnerDied || tables.state.dirty != 0 {
+            repair(&mut tables);
+        }
+        guard.mark_consistent();
+        tables.state.dirty = 1;
+        let result = f(&mut tables);
+        tables.state.mutations = tables.state.mutations.wrapping_add(1);
+        tables.state.dirty = 0;
+        drop(guard);
+        Ok(result)
+    }
+}
+
+fn state_ptr(mapped: &Mapped) -> *mut State {
+    mapped.at(mapped.header.state_offset).cast()
+}
+
+/// The mapped tables. Callers hold the lock (or own the file exclusively), so no other
+/// process mutates them meanwhile.
+fn tables(mapped: &Mapped) -> Tables<'_> {
+    let h = &mapped.header;
+    // SAFETY: every offset and count below was validated against the file size and the
+    // layout by `file::validate` (or computed by `file::plan` at creation); the sections do
+    // not overlap, are 8-aligned, and hold plain integers valid for any bit pattern.
+    unsafe {
+        Tables {
+            header: h,
+            state: &mut *state_ptr(mapped),
+            slots: std::slice::from_raw_parts_mut(mapped.at(h.slots_offset).cast(), h.slot_count as usize),
+            records: std::slice::from_raw_parts_mut(mapped.at(h.records_offset).cast(), h.record_count as usize),
+            buddies: std::array::from_fn(|d| {
+                (d < h.device_count as usize).then(|| {
+                    let cfg = &h.devices[d];
+                    std::slice::from_raw_parts_mut(mapped.at(cfg.buddy_offset).cast(), cfg.buddy_words as usize)
+                })
+            }),
+            links: std::array::from_fn(|d| {
+                (d < h.device_count as usize).then(|| {
+                    let cfg = &h.devices[d];
+                    std::slice::from_raw_parts_mut(mapped.at(cfg.links_offset).cast(), cfg.chunks as usize)
+                })
+            }),
+        }
+    }
+}
+

@@ -1,0 +1,195 @@
+//! The ledger's operations on real files: accounting rules, release, reclaim, repair after a
+//! holder died mid-update, and refusal of damaged files.
+use std::{
+    fs::OpenOptions,
+    os::unix::fs::FileExt,
+    path::PathBuf,
+};
+
+use ledger::{
+    layout::{CREATOR_AGENT, PAGE},
+    Charge, DeviceConfig, Geometry, Ledger, LedgerError, ProcessIdentity, ReserveError,
+};
+
+const MIB: u64 = 1 << 20;
+const CHUNK: u64 = 2 * MIB;
+
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(name: &str) -> TempDir {
+        let dir = std::env::temp_dir().join(format!("ledger-test-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        TempDir(dir)
+    }
+    fn file(&self) -> PathBuf {
+        self.0.join("ledger")
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn geometry(limit: u64, context: u64) -> Geometry {
+    Geometry {
+        slots: 8,
+        records: 4096,
+        devices: vec![DeviceConfig { limit, chunk: CHUNK, context_reserve: context, ..Default::default() }],
+    }
+}
+
+fn fake_process(pid: u32) -> ProcessIdentity {
+    ProcessIdentity { pid, pidns: 1, start_time: 1000 + u64::from(pid) }
+}
+
+fn used(ledger: &Ledger) -> u64 {
+    ledger.device_usage().unwrap()[0].used_chunks * CHUNK
+}
+
+fn assert_sound(ledger: &Ledger) {
+    let problems = ledger.check().unwrap();
+    assert!(problems.is_empty(), "invariants violated: {problems:#?}");
+}
+
+#[test]
+fn granularity_matches_the_driver() {
+    let dir = TempDir::new("granularity");
+    let ledger = Ledger::create(&dir.file(), &geometry(4096 * MIB, 0), CREATOR_AGENT).unwrap();
+    // The five H100 figures of DESIGN.md §4, each in a process of its own.
+    let cases: [(u32, u64, u64, u64); 5] =
+        [(1000, 512, 2 * MIB, 1), (200, 64 << 10, 14 * MIB, 2), (200, MIB, 200 * MIB, 3), (100, 2 * MIB, 200 * MIB, 4), (100, 3 * MIB, 400 * MIB, 5)];
+    for (count, size, expected, pid) in cases {
+        let slot = ledger.register(fake_process(pid as u32)).unwrap();
+        let records: Vec<_> =
+            (0..count).map(|i| ledger.reserve(slot, 0, Charge::Device(size), u64::from(i)).unwrap()).collect();
+        assert_eq!(used(&ledger), expected, "{count} x {size} bytes");
+        assert_sound(&ledger);
+        for record in records {
+            ledger.release(slot, record).unwrap();
+        }
+        assert_eq!(used(&ledger), 0);
+        assert_sound(&ledger);
+    }
+}
+
+#[test]
+fn quota_is_never_exceeded_and_refusals_say_why() {
+    let dir = TempDir::new("quota");
+    let ledger = Ledger::create(&dir.file(), &geometry(64 * MIB, 6 * MIB), CREATOR_AGENT).unwrap();
+    let slot = ledger.register(fake_process(1)).unwrap();
+    let context = ledger.reserve(slot, 0, Charge::Context, 0).unwrap();
+    assert_eq!(used(&ledger), 6 * MIB);
+    // Charged once per process and device.
+    assert_eq!(ledger.reserve(slot, 0, Charge::Context, 0).unwrap(), context);
+    assert_eq!(used(&ledger), 6 * MIB);
+    ledger.reserve(slot, 0, Charge::Device(50 * MIB), 1).unwrap();
+    match ledger.reserve(slot, 0, Charge::Device(10 * MIB), 2) {
+        Err(ReserveError::OverQuota { device: 0, requested, used, limit }) => {
+            assert_eq!((requested, used, limit), (10 * MIB, 56 * MIB, 64 * MIB));
+        }
+        other => panic!("expected an over-quota refusal, got {other:?}"),
+    }
+    ledger.reserve(slot, 0, Charge::Managed(8 * MIB), 3).unwrap();
+    assert_eq!(used(&ledger), 64 * MIB);
+    assert!(matches!(ledger.reserve(slot, 0, Charge::Device(1), 4), Err(ReserveError::OverQuota { .. })));
+    assert_sound(&ledger);
+    let slots = ledger.slots().unwrap();
+    assert_eq!(slots[0].slot.rejections, 2);
+}
+
+#[test]
+fn reclaim_frees_exactly_one_slots_blocks() {
+    let dir = TempDir::new("reclaim");
+    let ledger = Ledger::create(&dir.file(), &geometry(256 * MIB, 0), CREATOR_AGENT).unwrap();
+    let a = ledger.register(fake_process(1)).unwrap();
+    let b = ledger.register(fake_process(2)).unwrap();
+    for i in 0..10 {
+        ledger.reserve(a, 0, Charge::Device(3 * MIB), i).unwrap();
+        ledger.reserve(b, 0, Charge::Device(100 << 10), i).unwrap();
+    }
+    let b_held = used(&ledger) - 40 * MIB;
+    assert_eq!(ledger.reclaim(a).unwrap(), 20);
+    assert_eq!(used(&ledger), b_held);
+    assert!(matches!(ledger.reclaim(a), Err(LedgerError::UnknownSlot(_))));
+    assert_sound(&ledger);
+}
+
+#[test]
+fn a_dirty_ledger_is_rebuilt_from_its_records() {
+    let dir = TempDir::new("repair");
+    let ledger = Ledger::create(&dir.file(), &geometry(256 * MIB, 4 * MIB), CREATOR_AGENT).unwrap();
+    let slot = ledger.register(fake_process(1)).unwrap();
+    ledger.reserve(slot, 0, Charge::Context, 0).unwrap();
+    ledger.reserve(slot, 0, Charge::Device(5 * MIB), 1).unwrap();
+    for i in 0..5 {
+        ledger.reserve(slot, 0, Charge::Device(700 << 10), 10 + i).unwrap();
+    }
+    let before = used(&ledger);
+    let repairs = ledger.repairs().unwrap();
+    // Scribble over the derived state (usage, buddy words) and mark the ledger dirty, as a
+    // holder killed mid-update would leave it.
+    let file = OpenOptions::new().write(true).open(dir.file()).unwrap();
+    let header = *ledger.header();
+    let device = header.devices[0];
+    file.write_all_at(&[0xff; 64], device.buddy_offset + 64).unwrap();
+    file.write_all_at(&[0xff; 64], device.links_offset).unwrap();
+    let dirty_offset = PAGE + 64; // State::dirty follows the 64-byte lock
+    file.write_all_at(&1u32.to_ne_bytes(), dirty_offset).unwrap();
+    let reopened = Ledger::open(&dir.file()).unwrap();
+    assert_eq!(used(&reopened), before);
+    assert_eq!(reopened.repairs().unwrap(), repairs + 1);
+    assert_sound(&reopened);
+}
+
+#[test]
+fn damaged_files_are_refused_with_the_reason() {
+    let dir = TempDir::new("damaged");
+    let path = dir.file();
+    Ledger::create(&path, &geometry(64 * MIB, 0), CREATOR_AGENT).unwrap();
+    assert!(matches!(Ledger::create(&path, &geometry(64 * MIB, 0), CREATOR_AGENT), Err(LedgerError::AlreadyExists { .. })));
+    let pristine = std::fs::read(&path).unwrap();
+    let damaged = |edit: &dyn Fn(&mut Vec<u8>)| -> LedgerError {
+        let mut bytes = pristine.clone();
+        edit(&mut bytes);
+        std::fs::write(&path, &bytes).unwrap();
+        match Ledger::open(&path) {
+            Err(error) => error,
+            Ok(_) => panic!("a damaged ledger was accepted"),
+        }
+    };
+    assert!(matches!(damaged(&|b| b[0] = b'X'), LedgerError::NotALedger { .. }));
+    assert!(matches!(damaged(&|b| b[8] = 9), LedgerError::Version { found: 9, .. }));
+    assert!(matches!(damaged(&|b| b.truncate(b.len() - 4096)), LedgerError::Truncated { .. }));
+    assert!(matches!(damaged(&|b| b.truncate(100)), LedgerError::Truncated { .. }));
+    // A limit raised by hand: the checksum gives it away.
+    let limit_offset = std::mem::offset_of!(ledger::layout::Header, devices) + 16;
+    assert!(matches!(damaged(&|b| b[limit_offset + 3] ^= 1), LedgerError::Corrupt { .. }));
+    // The buddy space's own header.
+    let buddy = Ledger::open_or_create(&dir.0.join("other"), &geometry(64 * MIB, 0), CREATOR_AGENT).unwrap().header().devices[0].buddy_offset as usize;
+    let error = damaged(&|b| b[buddy] ^= 0xff);
+    assert!(matches!(error, LedgerError::Corrupt { .. }), "{error}");
+    assert!(error.to_string().contains("buddy"), "{error}");
+    std::fs::write(&path, &pristine).unwrap();
+    assert_sound(&Ledger::open(&path).unwrap());
+}
+
+#[test]
+fn exec_starts_clean_and_slots_run_out_clearly() {
+    let dir = TempDir::new("slots");
+    let ledger = Ledger::create(&dir.file(), &geometry(64 * MIB, 0), CREATOR_AGENT).unwrap();
+    let me = fake_process(1);
+    let slot = ledger.register(me).unwrap();
+    ledger.reserve(slot, 0, Charge::Device(8 * MIB), 1).unwrap();
+    // Same identity again (an exec): the old image's charges are gone.
+    assert_eq!(ledger.register(me).unwrap(), slot);
+    assert_eq!(used(&ledger), 0);
+    for pid in 2..=8 {
+        ledger.register(fake_process(pid)).unwrap();
+    }
+    assert!(matches!(ledger.register(fake_process(9)), Err(LedgerError::NoFreeSlot(8))));
+    assert_sound(&ledger);
+}
