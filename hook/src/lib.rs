@@ -1,4 +1,18 @@
-//! `libvramguard.so`, preloaded into workloads to enforce GPU-memory quotas (DESIGN.md §2-4).
+//! `libvramguard.so`: preloaded into every process of a container (`LD_PRELOAD` or
+//! `/etc/ld.so.preload`), it interposes the CUDA driver API and admits every allocation
+//! through the container's ledger before the real driver is called, so no container exceeds
+//! its quota, however many processes race (DESIGN.md §2-4).
 //!
-//! Not implemented yet: interposition and enforcement are the subject of the issue "The hook".
-//! Until then this library exports nothing and intercepts nothing; preloading it has no effect.
+//! * [`config`]: the environment (HAMi-core's variables and vramguard's own).
+//! * [`real`]: the real libcuda and the real `dlsym`.
+//! * [`session`]: this process's ledger, slot and allocations, across fork and exit.
+//! * `exports`: the wrappers, `dlsym` and `cuGetProcAddress(_v2)`.
+//!
+//! Policy, when the ledger cannot be created or fails validation: print what is wrong once
+//! and refuse GPU allocations (`CUDA_ERROR_OUT_OF_MEMORY`), unless `VRAMGUARD_FAIL_OPEN=1`.
+//! Stream-ordered (`cuMemAllocAsync`, pool) allocations are charged per allocation, like
+//! `cuMemAlloc_v2`; memory a pool keeps reserved after frees is not charged yet.
+pub mod config;
+mod exports;
+pub mod real;
+pub mod session;

@@ -145,6 +145,22 @@ impl Ledger {
         self.locked(|t| reserve(t, slot, device, charge, ptr))?
     }
 
+    /// Notes the device pointer or handle of a record the caller reserved, for inspection.
+    /// A single atomic store, without the lock: only the record's owner writes the field.
+    pub fn note_pointer(&self, record: RecordId, ptr: u64) {
+        let h = &self.mapped.header;
+        if record >= h.record_count {
+            return;
+        }
+        let offset = h.records_offset
+            + u64::from(record) * size_of::<crate::layout::Record>() as u64
+            + std::mem::offset_of!(crate::layout::Record, ptr) as u64;
+        // SAFETY: the offset lies inside the validated records section and is 8-aligned
+        // (records are 8-aligned, `ptr` is at an 8-aligned offset within one).
+        unsafe { std::sync::atomic::AtomicU64::from_ptr(self.mapped.at(offset).cast()) }
+            .store(ptr, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Releases a record of `slot`.
     pub fn release(&self, slot: SlotId, record: RecordId) -> Result<(), LedgerError> {
         self.locked(|t| {

@@ -1,14 +1,16 @@
-//! The C ABI of the CUDA driver API subset that the fake driver (`tests/fakecuda`) implements
-//! and the workload (`tests/workload`) calls: typedefs, structs, result codes and flag values,
-//! each as declared in `cuda.h` (CUDA 13). Both sides use these definitions, so they cannot
-//! drift apart; the layouts are checked against `cuda.h` in the tests below.
+//! The C ABI of the CUDA driver API subset vramguard deals with: typedefs, structs, result
+//! codes and flag values, each as declared in `cuda.h` (CUDA 13). The hook (`hook/`)
+//! interposes these functions, the fake driver (`tests/fakecuda`) implements them and the
+//! workload (`tests/workload`) calls them; all use these definitions, so they cannot drift
+//! apart. The layouts are checked against `cuda.h` in the tests below.
 //!
 //! C enums are `int`-sized; fields and arguments of enum type are `c_int` (or the integer type
 //! of the parameter that carries them) and are compared with the constants here, never
 //! transmuted into Rust enums.
 //!
-//! Also here: [`parse_size`], the `4m`/`16g` size syntax that the fake's `FAKECUDA_*` variables
-//! and the workload's steps share.
+//! Also here: [`parse_size`], the `4m`/`16g` size syntax (1024-based, as HAMi-core's
+//! `CUDA_DEVICE_MEMORY_LIMIT`) that the hook's limits, the fake's `FAKECUDA_*` variables and
+//! the workload's steps share.
 
 use std::ffi::{c_char, c_int, c_uint, c_void};
 

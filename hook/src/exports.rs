@@ -1,0 +1,524 @@
+//! The driver API this library exports in place of libcuda's: each wrapper admits the
+//! allocation in the ledger before calling the real driver, rolls the reservation back if
+//! the driver fails, and releases it when the memory is freed. Also `dlsym` and
+//! `cuGetProcAddress(_v2)`, which hand out these wrappers instead of the real entry points,
+//! so every route to the driver is covered.
+//!
+//! Signatures are those of `cuda.h` (CUDA 12/13) exactly.
+#![allow(non_snake_case)]
+
+use std::{
+    cell::Cell,
+    ffi::{c_char, c_int, c_uint, c_void, CStr},
+    sync::{atomic::{AtomicBool, Ordering}, OnceLock},
+};
+
+use cuda_abi::{
+    CUcontext, CUctxCreateParams, CUdevice, CUdeviceptr, CUmemAllocationProp, CUmemoryPool, CUresult, CUstream,
+    CUDA_ERROR_NOT_FOUND, CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS, CU_MEM_LOCATION_TYPE_DEVICE,
+};
+use ledger::{Charge, RecordId, ReserveError};
+
+use crate::{
+    real::{self, Driver},
+    session::{mode, say, Mode, Session, Space},
+};
+
+// ---- admission -----------------------------------------------------------------------------
+
+enum Admission {
+    /// Not enforced here: call the driver as is.
+    Pass,
+    /// Refused: return CUDA_ERROR_OUT_OF_MEMORY without calling the driver.
+    Refuse,
+    Charged(&'static Session, u32, RecordId),
+}
+
+/// Reserves `charge` on the ledger device of `ordinal` (default: the current context's).
+fn admit(driver: &Driver, charge: Charge, ordinal: Option<CUdevice>) -> Admission {
+    let session = match mode() {
+        Mode::PassThrough => return Admission::Pass,
+        Mode::Refuse(_) => return Admission::Refuse,
+        Mode::Enforce(session) => session,
+    };
+    let Some(ordinal) = ordinal.or_else(|| current_device(driver)) else {
+        return Admission::Pass; // no context: the driver refuses the call itself
+    };
+    let Some(device) = session.ledger_device(ordinal) else {
+        return Admission::Pass;
+    };
+    let mut swept = false;
+    loop {
+        match session.ledger.reserve(session.slot, device, charge, 0) {
+            Ok(record) => return Admission::Charged(session, device, record),
+            Err(ReserveError::OverQuota { device, requested, used, limit }) => {
+                // Processes that died without a word may still hold quota: sweep once.
+                if !swept && session.ledger.reclaim_dead().is_ok_and(|dead| !dead.is_empty()) {
+                    swept = true;
+                    continue;
+                }
+                static REPORTED: AtomicBool = AtomicBool::new(false);
+                if !REPORTED.swap(true, Ordering::Relaxed) {
+                    say(&format!(
+                        "GPU memory quota exceeded on device {device}: {requested} bytes requested, {used} of {limit} bytes in use \
+                         (ledger {}); returning CUDA_ERROR_OUT_OF_MEMORY",
+                        session.ledger.path().display()
+                    ));
+                }
+                return Admission::Refuse;
+            }
+            Err(ReserveError::Ledger(error)) => {
+                static REPORTED: AtomicBool = AtomicBool::new(false);
+                if !REPORTED.swap(true, Ordering::Relaxed) {
+                    say(&format!("ledger error, refusing the allocation: {error}"));
+                }
+                return Admission::Refuse;
+            }
+        }
+    }
+}
+
+fn current_device(driver: &Driver) -> Option<CUdevice> {
+    let get = driver.ctx_get_device?;
+    let mut device: CUdevice = 0;
+    // SAFETY: the out-pointer is a live local.
+    (unsafe { get(&mut device) } == CUDA_SUCCESS).then_some(device)
+}
+
+/// Admits `charge`, calls the driver, and records (or rolls back) the result.
+///
+/// # Safety
+/// `out` is the caller's out-pointer of the driver call (read after a successful call).
+unsafe fn allocate(
+    driver: &Driver,
+    space: Space,
+    charge: Charge,
+    ordinal: Option<CUdevice>,
+    out: *mut u64,
+    call: impl FnOnce() -> CUresult,
+) -> CUresult {
+    if out.is_null() {
+        return call(); // the driver answers a NULL out-pointer as it always does
+    }
+    match admit(driver, charge, ordinal) {
+        Admission::Pass => call(),
+        Admission::Refuse => CUDA_ERROR_OUT_OF_MEMORY,
+        Admission::Charged(session, device, record) => {
+            let result = call();
+            if result == CUDA_SUCCESS {
+                // SAFETY: the driver succeeded, so it wrote the out-pointer (caller's contract).
+                let address = unsafe { *out };
+                session.ledger.note_pointer(record, address);
+                session.remember(space, address, device, record);
+            } else {
+                let _ = session.ledger.release(session.slot, record);
+            }
+            result
+        }
+    }
+}
+
+/// Calls the driver's free and, if it succeeds, releases what the hook charged.
+fn free(space: Space, address: u64, call: impl FnOnce() -> CUresult) -> CUresult {
+    let Mode::Enforce(session) = mode() else { return call() };
+    let entry = session.forget(space, address);
+    let result = call();
+    match entry {
+        Some((_, record)) if result == CUDA_SUCCESS => {
+            let _ = session.ledger.release(session.slot, record);
+        }
+        Some(entry) => session.restore(space, address, entry),
+        None => {} // not ours: the driver decided
+    }
+    result
+}
+
+/// Charges the context reserve of `ordinal` once per process, then calls the driver.
+fn context(driver: &Driver, ordinal: CUdevice, call: impl FnOnce() -> CUresult) -> CUresult {
+    let Mode::Enforce(session) = mode() else { return call() };
+    let Some(device) = session.ledger_device(ordinal) else { return call() };
+    if !session.first_context(device) {
+        return call();
+    }
+    match admit(driver, Charge::Context, Some(ordinal)) {
+        Admission::Refuse => {
+            session.forget_context(device);
+            CUDA_ERROR_OUT_OF_MEMORY
+        }
+        Admission::Pass => call(),
+        Admission::Charged(session, _, record) => {
+            let result = call();
+            if result != CUDA_SUCCESS {
+                let _ = session.ledger.release(session.slot, record);
+                session.forget_context(device);
+            }
+            result
+        }
+    }
+}
+
+/// The real driver, or the error every wrapper returns without one.
+fn driver() -> Result<&'static Driver, CUresult> {
+    real::driver().map_err(|error| {
+        static REPORTED: AtomicBool = AtomicBool::new(false);
+        if !REPORTED.swap(true, Ordering::Relaxed) {
+            say(error);
+        }
+        CUDA_ERROR_NOT_INITIALIZED
+    })
+}
+
+macro_rules! real_or_return {
+    ($driver:expr, $field:ident) => {
+        match $driver.$field {
+            Some(f) => f,
+            None => return CUDA_ERROR_NOT_FOUND,
+        }
+    };
+}
+
+macro_rules! driver_or_return {
+    () => {
+        match driver() {
+            Ok(driver) => driver,
+            Err(code) => return code,
+        }
+    };
+}
+
+// ---- allocation and free ---------------------------------------------------------------------
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) -> CUresult {
+    let driver = driver_or_return!();
+    let real = real_or_return!(driver, mem_alloc);
+    // SAFETY: forwards the caller's arguments unchanged.
+    unsafe { allocate(driver, Space::Pointer, Charge::Device(bytesize as u64), None, dptr, || real(dptr, bytesize)) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAllocManaged(dptr: *mut CUdeviceptr, bytesize: usize, flags: c_uint) -> CUresult {
+    let driver = driver_or_return!();
+    let real = real_or_return!(driver, mem_alloc_managed);
+    // SAFETY: forwards the caller's arguments unchanged.
+    unsafe { allocate(driver, Space::Pointer, Charge::Managed(bytesize as u64), None, dptr, || real(dptr, bytesize, flags)) }
+}
+
+/// Pitch alignment the charge assumes before the driver says the real pitch.
+const PITCH_ALIGNMENT: usize = 512;
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAllocPitch_v2(
+    dptr: *mut CUdeviceptr,
+    pPitch: *mut usize,
+    WidthInBytes: usize,
+    Height: usize,
+    ElementSizeBytes: c_uint,
+) -> CUresult {
+    let driver = driver_or_return!();
+    let real = real_or_return!(driver, mem_alloc_pitch);
+    let call = || {
+        // SAFETY: forwards the caller's arguments unchanged.
+        unsafe { real(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes) }
+    };
+    if pPitch.is_null() {
+        return call();
+    }
+    let estimate = (WidthInBytes.div_ceil(PITCH_ALIGNMENT) * PITCH_ALIGNMENT).saturating_mul(Height) as u64;
+    // SAFETY: dptr is the caller's out-pointer for this call.
+    let result = unsafe { allocate(driver, Space::Pointer, Charge::Device(estimate), None, dptr, call) };
+    if result != CUDA_SUCCESS {
+        return result;
+    }
+    // Charge the real pitch x height if the driver chose another pitch.
+    // SAFETY: the driver succeeded, so both out-pointers are written.
+    let (address, actual) = unsafe { (*dptr, (*pPitch).saturating_mul(Height) as u64) };
+    if actual == estimate {
+        return result;
+    }
+    let Mode::Enforce(session) = mode() else { return result };
+    let Some((device, estimated)) = session.forget(Space::Pointer, address) else { return result };
+    match session.ledger.reserve(session.slot, device, Charge::Device(actual), address) {
+        Ok(record) => {
+            let _ = session.ledger.release(session.slot, estimated);
+            session.remember(Space::Pointer, address, device, record);
+            result
+        }
+        Err(_) => {
+            let _ = session.ledger.release(session.slot, estimated);
+            if let Some(free) = driver.mem_free {
+                // SAFETY: frees the allocation the driver just made.
+                unsafe { free(address) };
+            }
+            CUDA_ERROR_OUT_OF_MEMORY
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
+    let driver = driver_or_return!();
+    let real = real_or_return!(driver, mem_free);
+    // SAFETY: forwards the caller's argument unchanged.
+    free(Space::Pointer, dptr, || unsafe { real(dptr) })
+}
+
+macro_rules! async_alloc {
+    ($name:ident, $field:ident) => {
+        #[no_mangle]
+        pub unsafe extern "C" fn $name(dptr: *mut CUdeviceptr, bytesize: usize, hStream: CUstream) -> CUresult {
+            let driver = driver_or_return!();
+            let real = real_or_return!(driver, $field);
+            // SAFETY: forwards the caller's arguments unchanged.
+            unsafe { allocate(driver, Space::Pointer, Charge::Device(bytesize as u64), None, dptr, || real(dptr, bytesize, hStream)) }
+        }
+    };
+}
+async_alloc!(cuMemAllocAsync, mem_alloc_async);
+async_alloc!(cuMemAllocAsync_ptsz, mem_alloc_async_ptsz);
+
+macro_rules! pool_alloc {
+    ($name:ident, $field:ident) => {
+        #[no_mangle]
+        pub unsafe extern "C" fn $name(dptr: *mut CUdeviceptr, bytesize: usize, pool: CUmemoryPool, hStream: CUstream) -> CUresult {
+            let driver = driver_or_return!();
+            let real = real_or_return!(driver, $field);
+            // SAFETY: forwards the caller's arguments unchanged.
+            unsafe { allocate(driver, Space::Pointer, Charge::Device(bytesize as u64), None, dptr, || real(dptr, bytesize, pool, hStream)) }
+        }
+    };
+}
+pool_alloc!(cuMemAllocFromPoolAsync, mem_alloc_from_pool);
+pool_alloc!(cuMemAllocFromPoolAsync_ptsz, mem_alloc_from_pool_ptsz);
+
+macro_rules! async_free {
+    ($name:ident, $field:ident) => {
+        #[no_mangle]
+        pub unsafe extern "C" fn $name(dptr: CUdeviceptr, hStream: CUstream) -> CUresult {
+            let driver = driver_or_return!();
+            let real = real_or_return!(driver, $field);
+            // SAFETY: forwards the caller's arguments unchanged.
+            free(Space::Pointer, dptr, || unsafe { real(dptr, hStream) })
+        }
+    };
+}
+async_free!(cuMemFreeAsync, mem_free_async);
+async_free!(cuMemFreeAsync_ptsz, mem_free_async_ptsz);
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemCreate(handle: *mut u64, size: usize, prop: *const CUmemAllocationProp, flags: u64) -> CUresult {
+    let driver = driver_or_return!();
+    let real = real_or_return!(driver, mem_create);
+    let call = || {
+        // SAFETY: forwards the caller's arguments unchanged.
+        unsafe { real(handle, size, prop, flags) }
+    };
+    // Only device-located physical memory counts against the GPU quota.
+    // SAFETY: a non-null prop points to the caller's CUmemAllocationProp.
+    let location = (!prop.is_null()).then(|| unsafe { (*prop).location });
+    match location {
+        Some(location) if location.type_ == CU_MEM_LOCATION_TYPE_DEVICE => {
+            // SAFETY: handle is the caller's out-pointer for this call.
+            unsafe { allocate(driver, Space::Handle, Charge::Device(size as u64), Some(location.id), handle, call) }
+        }
+        _ => call(),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemRelease(handle: u64) -> CUresult {
+    let driver = driver_or_return!();
+    let real = real_or_return!(driver, mem_release);
+    // SAFETY: forwards the caller's argument unchanged.
+    free(Space::Handle, handle, || unsafe { real(handle) })
+}
+
+// ---- contexts ----------------------------------------------------------------------------------
+
+#[no_mangle]
+pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut CUcontext, dev: CUdevice) -> CUresult {
+    let driver = driver_or_return!();
+    let real = real_or_return!(driver, primary_ctx_retain);
+    // SAFETY: forwards the caller's arguments unchanged.
+    context(driver, dev, || unsafe { real(pctx, dev) })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuCtxCreate_v2(pctx: *mut CUcontext, flags: c_uint, dev: CUdevice) -> CUresult {
+    let driver = driver_or_return!();
+    let real = real_or_return!(driver, ctx_create);
+    // SAFETY: forwards the caller's arguments unchanged.
+    context(driver, dev, || unsafe { real(pctx, flags, dev) })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuCtxCreate_v4(pctx: *mut CUcontext, params: *mut CUctxCreateParams, flags: c_uint, dev: CUdevice) -> CUresult {
+    let driver = driver_or_return!();
+    let real = real_or_return!(driver, ctx_create_v4);
+    // SAFETY: forwards the caller's arguments unchanged.
+    context(driver, dev, || unsafe { real(pctx, params, flags, dev) })
+}
+
+// ---- what the workload sees --------------------------------------------------------------------
+
+/// (quota, bytes in use) of the ledger device behind `ordinal`, when enforced.
+fn quota(ordinal: CUdevice) -> Option<(u64, u64)> {
+    let Mode::Enforce(session) = mode() else { return None };
+    let device = session.ledger_device(ordinal)?;
+    let config = session.ledger.header().devices[device as usize];
+    let usage = session.ledger.device_usage().ok()?;
+    Some((config.limit, usage.get(device as usize)?.used_chunks * config.chunk))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CUresult {
+    let driver = driver_or_return!();
+    let real = real_or_return!(driver, mem_get_info);
+    // SAFETY: forwards the caller's arguments unchanged; NULLs get the driver's answer.
+    let result = unsafe { real(free, total) };
+    if result != CUDA_SUCCESS {
+        return result;
+    }
+    let Some((limit, used)) = current_device(driver).and_then(quota) else { return result };
+    // SAFETY: the driver succeeded, so the pointers it wrote are valid; NULL ones are skipped.
+    unsafe {
+        if !total.is_null() {
+            *total = (*total).min(limit as usize);
+        }
+        if !free.is_null() {
+            *free = (*free).min(limit.saturating_sub(used) as usize);
+        }
+    }
+    result
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice) -> CUresult {
+    let driver = driver_or_return!();
+    let real = real_or_return!(driver, device_total_mem);
+    // SAFETY: forwards the caller's arguments unchanged.
+    let result = unsafe { real(bytes, dev) };
+    if result == CUDA_SUCCESS && !bytes.is_null() {
+        if let Some((limit, _)) = quota(dev) {
+            // SAFETY: the driver succeeded and wrote *bytes.
+            unsafe { *bytes = (*bytes).min(limit as usize) };
+        }
+    }
+    result
+}
+
+// ---- the routes to entry points ----------------------------------------------------------------
+
+/// Our wrapper for a real entry point's address, if we wrap it.
+fn wrapper_for(real_address: usize) -> Option<usize> {
+    static TABLE: OnceLock<Vec<(usize, usize)>> = OnceLock::new();
+    let driver = real::driver().ok()?;
+    let table = TABLE.get_or_init(|| {
+        driver
+            .real_addresses()
+            .into_iter()
+            .filter_map(|(real, symbol)| Some((real, wrapper_named(symbol)?)))
+            .collect()
+    });
+    table.iter().find(|(real, _)| *real == real_address).map(|(_, wrapper)| *wrapper)
+}
+
+fn wrapper_named(symbol: &CStr) -> Option<usize> {
+    Some(match symbol.to_bytes() {
+        b"cuMemAlloc_v2" => cuMemAlloc_v2 as *const () as usize,
+        b"cuMemAllocPitch_v2" => cuMemAllocPitch_v2 as *const () as usize,
+        b"cuMemAllocManaged" => cuMemAllocManaged as *const () as usize,
+        b"cuMemFree_v2" => cuMemFree_v2 as *const () as usize,
+        b"cuMemAllocAsync" => cuMemAllocAsync as *const () as usize,
+        b"cuMemAllocAsync_ptsz" => cuMemAllocAsync_ptsz as *const () as usize,
+        b"cuMemAllocFromPoolAsync" => cuMemAllocFromPoolAsync as *const () as usize,
+        b"cuMemAllocFromPoolAsync_ptsz" => cuMemAllocFromPoolAsync_ptsz as *const () as usize,
+        b"cuMemFreeAsync" => cuMemFreeAsync as *const () as usize,
+        b"cuMemFreeAsync_ptsz" => cuMemFreeAsync_ptsz as *const () as usize,
+        b"cuMemCreate" => cuMemCreate as *const () as usize,
+        b"cuMemRelease" => cuMemRelease as *const () as usize,
+        b"cuDevicePrimaryCtxRetain" => cuDevicePrimaryCtxRetain as *const () as usize,
+        b"cuCtxCreate_v2" => cuCtxCreate_v2 as *const () as usize,
+        b"cuCtxCreate_v4" => cuCtxCreate_v4 as *const () as usize,
+        b"cuMemGetInfo_v2" => cuMemGetInfo_v2 as *const () as usize,
+        b"cuDeviceTotalMem_v2" => cuDeviceTotalMem_v2 as *const () as usize,
+        b"cuGetProcAddress" => cuGetProcAddress as *const () as usize,
+        b"cuGetProcAddress_v2" => cuGetProcAddress_v2 as *const () as usize,
+        _ => return None,
+    })
+}
+
+/// Replaces a real entry point in `*pfn` by our wrapper.
+///
+/// # Safety
+/// `pfn` is null or points to a written function pointer.
+unsafe fn substitute(pfn: *mut *mut c_void) {
+    if pfn.is_null() {
+        return;
+    }
+    // SAFETY: per the contract.
+    unsafe {
+        if let Some(wrapper) = wrapper_for(*pfn as usize) {
+            *pfn = wrapper as *mut c_void;
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuGetProcAddress(symbol: *const c_char, pfn: *mut *mut c_void, cudaVersion: c_int, flags: u64) -> CUresult {
+    let driver = driver_or_return!();
+    let real = real_or_return!(driver, get_proc_address);
+    // SAFETY: forwards the caller's arguments unchanged, then edits its out-pointer.
+    unsafe {
+        let result = real(symbol, pfn, cudaVersion, flags);
+        if result == CUDA_SUCCESS {
+            substitute(pfn);
+        }
+        result
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuGetProcAddress_v2(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    cudaVersion: c_int,
+    flags: u64,
+    symbolStatus: *mut c_int,
+) -> CUresult {
+    let driver = driver_or_return!();
+    let real = real_or_return!(driver, get_proc_address_v2);
+    // SAFETY: forwards the caller's arguments unchanged, then edits its out-pointer.
+    unsafe {
+        let result = real(symbol, pfn, cudaVersion, flags, symbolStatus);
+        if result == CUDA_SUCCESS {
+            substitute(pfn);
+        }
+        result
+    }
+}
+
+thread_local! {
+    /// Set while this thread loads the real driver from inside `dlsym`.
+    static LOADING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// `dlsym` as the C library's, except that a CUDA entry point we wrap comes back as our
+/// wrapper, whichever handle it was looked up on.
+#[no_mangle]
+pub unsafe extern "C" fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void {
+    let Some(real_dlsym) = real::real_dlsym() else { return std::ptr::null_mut() };
+    // SAFETY: the caller's arguments, forwarded unchanged.
+    let found = unsafe { real_dlsym(handle, symbol) };
+    if found.is_null() || symbol.is_null() || LOADING.with(Cell::get) {
+        return found;
+    }
+    // SAFETY: a non-null symbol is the caller's NUL-terminated name.
+    if !unsafe { CStr::from_ptr(symbol) }.to_bytes().starts_with(b"cu") {
+        return found;
+    }
+    LOADING.with(|loading| loading.set(true));
+    let wrapper = wrapper_for(found as usize);
+    LOADING.with(|loading| loading.set(false));
+    wrapper.map_or(found, |w| w as *mut c_void)
+}

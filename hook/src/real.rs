@@ -1,0 +1,112 @@
+//! The real driver: the libcuda the process would have loaded (found with libloading, so
+//! `LD_LIBRARY_PATH` decides which), its entry points behind our wrappers, and the real
+//! `dlsym`.
+//!
+//! Lookups go through the real `dlsym` obtained with `dlvsym(RTLD_NEXT, ...)`, never through
+//! the `dlsym` this library exports (which would hand back our own wrappers).
+use std::{
+    ffi::{c_char, c_int, c_uint, c_void, CStr},
+    sync::OnceLock,
+};
+
+use cuda_abi::{CUcontext, CUctxCreateParams, CUdevice, CUdeviceptr, CUmemAllocationProp, CUmemoryPool, CUresult, CUstream, CUuuid};
+
+type DlsymFn = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
+
+/// The C library's `dlsym`.
+pub fn real_dlsym() -> Option<DlsymFn> {
+    static REAL: OnceLock<Option<usize>> = OnceLock::new();
+    let address = *REAL.get_or_init(|| {
+        for version in [c"GLIBC_2.34", c"GLIBC_2.2.5", c"GLIBC_2.17"] {
+            // SAFETY: dlvsym with RTLD_NEXT and NUL-terminated names; returns null on failure.
+            let found = unsafe { libc::dlvsym(libc::RTLD_NEXT, c"dlsym".as_ptr(), version.as_ptr()) };
+            if !found.is_null() {
+                return Some(found as usize);
+            }
+        }
+        None
+    });
+    // SAFETY: the address is the C library's dlsym, whose signature this type spells.
+    address.map(|a| unsafe { std::mem::transmute::<usize, DlsymFn>(a) })
+}
+
+macro_rules! driver_api {
+    ($( $field:ident = $symbol:literal : fn($($arg:ty),*); )*) => {
+        /// Entry points of the real driver (`None` where this libcuda lacks one).
+        pub struct Driver {
+            _library: libloading::Library,
+            $( pub $field: Option<unsafe extern "C" fn($($arg),*) -> CUresult>, )*
+        }
+
+        impl Driver {
+            fn resolve(library: libloading::Library, dlsym: DlsymFn) -> Driver {
+                use libloading::os::unix::Library as UnixLibrary;
+                let unix: UnixLibrary = library.into();
+                let handle = unix.into_raw();
+                // SAFETY: `handle` is the live handle just obtained (re-wrapped below);
+                // dlsym only reads the NUL-terminated names.
+                let lookup = |name: &CStr| unsafe { dlsym(handle, name.as_ptr()) };
+                // SAFETY: re-wraps the handle taken out above, keeping the library loaded.
+                let library: libloading::Library = unsafe { UnixLibrary::from_raw(handle) }.into();
+                Driver {
+                    _library: library,
+                    $( $field: {
+                        let address = lookup($symbol);
+                        // SAFETY: the exported symbol of that name has the CUDA signature
+                        // the field's type spells (cuda.h); a null address stays None.
+                        (!address.is_null()).then(|| unsafe { std::mem::transmute::<*mut c_void, _>(address) })
+                    }, )*
+                }
+            }
+
+            /// (real address, symbol) of every entry point wrapped by this library.
+            pub fn real_addresses(&self) -> Vec<(usize, &'static CStr)> {
+                let mut all = Vec::new();
+                $( if let Some(f) = self.$field { all.push((f as *const () as usize, $symbol)); } )*
+                all
+            }
+        }
+    };
+}
+
+driver_api! {
+    mem_alloc = c"cuMemAlloc_v2": fn(*mut CUdeviceptr, usize);
+    mem_alloc_pitch = c"cuMemAllocPitch_v2": fn(*mut CUdeviceptr, *mut usize, usize, usize, c_uint);
+    mem_alloc_managed = c"cuMemAllocManaged": fn(*mut CUdeviceptr, usize, c_uint);
+    mem_free = c"cuMemFree_v2": fn(CUdeviceptr);
+    mem_alloc_async = c"cuMemAllocAsync": fn(*mut CUdeviceptr, usize, CUstream);
+    mem_alloc_async_ptsz = c"cuMemAllocAsync_ptsz": fn(*mut CUdeviceptr, usize, CUstream);
+    mem_alloc_from_pool = c"cuMemAllocFromPoolAsync": fn(*mut CUdeviceptr, usize, CUmemoryPool, CUstream);
+    mem_alloc_from_pool_ptsz = c"cuMemAllocFromPoolAsync_ptsz": fn(*mut CUdeviceptr, usize, CUmemoryPool, CUstream);
+    mem_free_async = c"cuMemFreeAsync": fn(CUdeviceptr, CUstream);
+    mem_free_async_ptsz = c"cuMemFreeAsync_ptsz": fn(CUdeviceptr, CUstream);
+    mem_create = c"cuMemCreate": fn(*mut u64, usize, *const CUmemAllocationProp, u64);
+    mem_release = c"cuMemRelease": fn(u64);
+    primary_ctx_retain = c"cuDevicePrimaryCtxRetain": fn(*mut CUcontext, CUdevice);
+    ctx_create = c"cuCtxCreate_v2": fn(*mut CUcontext, c_uint, CUdevice);
+    ctx_create_v4 = c"cuCtxCreate_v4": fn(*mut CUcontext, *mut CUctxCreateParams, c_uint, CUdevice);
+    mem_get_info = c"cuMemGetInfo_v2": fn(*mut usize, *mut usize);
+    device_total_mem = c"cuDeviceTotalMem_v2": fn(*mut usize, CUdevice);
+    get_proc_address = c"cuGetProcAddress": fn(*const c_char, *mut *mut c_void, c_int, u64);
+    get_proc_address_v2 = c"cuGetProcAddress_v2": fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int);
+    ctx_get_device = c"cuCtxGetDevice": fn(*mut CUdevice);
+    device_get_count = c"cuDeviceGetCount": fn(*mut c_int);
+    device_get_uuid = c"cuDeviceGetUuid_v2": fn(*mut CUuuid, CUdevice);
+}
+
+/// Why the real driver is not available.
+pub type DriverError = String;
+
+/// The real driver, loaded on first use.
+pub fn driver() -> Result<&'static Driver, &'static DriverError> {
+    static DRIVER: OnceLock<Result<Driver, DriverError>> = OnceLock::new();
+    DRIVER
+        .get_or_init(|| {
+            let dlsym = real_dlsym().ok_or("cannot find the C library's dlsym")?;
+            // SAFETY: loading libcuda runs its initialisers, as any CUDA program does.
+            let library = unsafe { libloading::Library::new("libcuda.so.1") }
+                .map_err(|error| format!("cannot load the real libcuda.so.1: {error}"))?;
+            Ok(Driver::resolve(library, dlsym))
+        })
+        .as_ref()
+}

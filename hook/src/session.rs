@@ -1,0 +1,270 @@
+//! This process's enforcement state: its ledger and slot, the allocations it made (pointer
+//! or handle → ledger record), and the life-cycle around them: set up on the first CUDA call
+//! that needs it, a fresh slot in a forked child, the slot released at normal exit.
+//!
+//! The fast path takes no process-wide lock: the session is reached through an atomic
+//! pointer, and the allocation map is sharded by address.
+use std::{
+    collections::HashMap,
+    ffi::c_int,
+    io::Write as _,
+    sync::{
+        atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering},
+        Mutex,
+    },
+};
+
+use cuda_abi::{CUdevice, CUuuid, CUDA_SUCCESS};
+use ledger::{
+    layout::{CREATOR_HOOK, MAX_DEVICES},
+    DeviceConfig, Geometry, Ledger, ProcessIdentity, RecordId, SlotId,
+};
+
+use crate::{config::Config, real};
+
+/// Slots and records of a ledger the hook creates.
+const SLOTS: u32 = 1024;
+const RECORDS: u32 = 1 << 16;
+const SHARDS: usize = 64;
+
+/// Where an allocation's identifier lives: device pointers and VMM handles can collide.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Space {
+    Pointer,
+    Handle,
+}
+
+/// What the hook does for this process.
+pub enum Mode {
+    /// No quota anywhere and no ledger: every call goes straight to the driver.
+    PassThrough,
+    /// The ledger cannot be used and the policy is to refuse allocations.
+    Refuse(String),
+    Enforce(Session),
+}
+
+pub struct Session {
+    pub ledger: Ledger,
+    pub slot: SlotId,
+    /// Ledger device of each driver ordinal (None: not in the ledger, not enforced).
+    devices: [Option<u32>; MAX_DEVICES],
+    /// Whether the context reserve was charged for a ledger device.
+    contexts: [AtomicBool; MAX_DEVICES],
+    allocations: [Mutex<HashMap<(Space, u64), (u32, RecordId)>>; SHARDS],
+    pid: u32,
+}
+
+impl Session {
+    /// The ledger device of driver ordinal `ordinal`, if it is enforced.
+    pub fn ledger_device(&self, ordinal: CUdevice) -> Option<u32> {
+        usize::try_from(ordinal).ok().and_then(|i| self.devices.get(i).copied().flatten())
+    }
+
+    /// Remembers that `record` on `device` belongs to `(space, address)`.
+    pub fn remember(&self, space: Space, address: u64, device: u32, record: RecordId) {
+        self.shard(address).lock().unwrap_or_else(|p| p.into_inner()).insert((space, address), (device, record));
+    }
+
+    /// Forgets `(space, address)`; returns its record, if the hook charged it.
+    pub fn forget(&self, space: Space, address: u64) -> Option<(u32, RecordId)> {
+        self.shard(address).lock().unwrap_or_else(|p| p.into_inner()).remove(&(space, address))
+    }
+
+    /// Puts back what [`Session::forget`] took (the driver refused the free).
+    pub fn restore(&self, space: Space, address: u64, entry: (u32, RecordId)) {
+        self.remember(space, address, entry.0, entry.1);
+    }
+
+    fn shard(&self, address: u64) -> &Mutex<HashMap<(Space, u64), (u32, RecordId)>> {
+        // Addresses are at least 256-aligned: mix the bits above that.
+        let index = ((address >> 8) ^ (address >> 21)) as usize % SHARDS;
+        &self.allocations[index]
+    }
+
+    /// Undoes [`Session::first_context`] (the context was not created).
+    pub fn forget_context(&self, device: u32) {
+        if let Some(charged) = self.contexts.get(device as usize) {
+            charged.store(false, Ordering::Release);
+        }
+    }
+
+    /// Marks the context reserve of `device` charged; false if it already was.
+    pub fn first_context(&self, device: u32) -> bool {
+        self.contexts.get(device as usize).is_some_and(|c| !c.swap(true, Ordering::AcqRel))
+    }
+}
+
+static CURRENT: AtomicPtr<Mode> = AtomicPtr::new(std::ptr::null_mut());
+static CURRENT_GENERATION: AtomicU64 = AtomicU64::new(u64::MAX);
+static FORK_GENERATION: AtomicU64 = AtomicU64::new(0);
+static SETUP: Mutex<()> = Mutex::new(());
+
+/// This process's mode, set up on first use (and again in a forked child).
+pub fn mode() -> &'static Mode {
+    let generation = FORK_GENERATION.load(Ordering::Acquire);
+    let current = CURRENT.load(Ordering::Acquire);
+    if !current.is_null() && CURRENT_GENERATION.load(Ordering::Acquire) == generation {
+        // SAFETY: modes are leaked boxes, never freed; the pointer stays valid forever.
+        return unsafe { &*current };
+    }
+    let _guard = SETUP.lock().unwrap_or_else(|p| p.into_inner());
+    let current = CURRENT.load(Ordering::Acquire);
+    if !current.is_null() && CURRENT_GENERATION.load(Ordering::Acquire) == generation {
+        // SAFETY: as above.
+        return unsafe { &*current };
+    }
+    let Some(mode) = set_up() else {
+        // The driver is not initialised yet (no cuInit): nothing to enforce on, decide later.
+        static NOT_YET: Mode = Mode::PassThrough;
+        return &NOT_YET;
+    };
+    let mode: &'static Mode = Box::leak(Box::new(mode));
+    CURRENT.store((mode as *const Mode).cast_mut(), Ordering::Release);
+    CURRENT_GENERATION.store(generation, Ordering::Release);
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: registering plain extern "C" handlers with no arguments.
+        unsafe {
+            libc::pthread_atfork(None, None, Some(after_fork_in_child));
+            libc::atexit(release_at_exit);
+        }
+    });
+    mode
+}
+
+extern "C" fn after_fork_in_child() {
+    // The child's CUDA state is not the parent's: it gets its own slot on first use.
+    FORK_GENERATION.fetch_add(1, Ordering::AcqRel);
+}
+
+extern "C" fn release_at_exit() {
+    let current = CURRENT.load(Ordering::Acquire);
+    if current.is_null() {
+        return;
+    }
+    // SAFETY: modes are leaked, never freed.
+    if let Mode::Enforce(session) = unsafe { &*current } {
+        if session.pid == std::process::id() {
+            let _ = session.ledger.reclaim(session.slot);
+        }
+    }
+}
+
+/// The mode for this process, or `None` while the driver is not initialised.
+fn set_up() -> Option<Mode> {
+    let config = match Config::from_env() {
+        Ok(config) => config,
+        Err(error) => return Some(refuse_or_pass(false, format!("bad setting: {error}"))),
+    };
+    if !config.has_limits() && !config.ledger.exists() {
+        return Some(Mode::PassThrough);
+    }
+    match open_session(&config) {
+        Ok(session) => Some(Mode::Enforce(session)),
+        Err(SetupError::NotInitialised) => None,
+        Err(SetupError::Failed(error)) => Some(refuse_or_pass(
+            config.fail_open,
+            format!("cannot use the ledger {}: {error}", config.ledger.display()),
+        )),
+    }
+}
+
+enum SetupError {
+    NotInitialised,
+    Failed(String),
+}
+
+impl From<String> for SetupError {
+    fn from(error: String) -> Self {
+        SetupError::Failed(error)
+    }
+}
+
+fn refuse_or_pass(fail_open: bool, problem: String) -> Mode {
+    if fail_open {
+        say(&format!("{problem}; VRAMGUARD_FAIL_OPEN=1: running WITHOUT GPU memory limits"));
+        Mode::PassThrough
+    } else {
+        say(&format!("{problem}; refusing GPU allocations (set VRAMGUARD_FAIL_OPEN=1 to run without limits instead)"));
+        Mode::Refuse(problem)
+    }
+}
+
+/// One line on stderr, prefixed.
+pub fn say(message: &str) {
+    let _ = writeln!(std::io::stderr(), "vramguard: {message}");
+}
+
+fn open_session(config: &Config) -> Result<Session, SetupError> {
+    let driver = real::driver().map_err(Clone::clone)?;
+    let count = device_count(driver)?;
+    let uuids: Vec<[u8; 16]> = (0..count).map(|ordinal| device_uuid(driver, ordinal)).collect();
+    let geometry = Geometry {
+        slots: SLOTS,
+        records: RECORDS,
+        devices: (0..count)
+            .map(|ordinal| DeviceConfig {
+                uuid: uuids[ordinal as usize],
+                limit: config.limits[ordinal as usize].unwrap_or(u64::MAX / 2),
+                chunk: crate::config::CHUNK,
+                context_reserve: config.context_reserve,
+                ..Default::default()
+            })
+            .map(|mut device| {
+                // Unlimited devices are kept as a quota larger than any GPU.
+                device.limit = device.limit.min(1 << 52);
+                device
+            })
+            .collect(),
+    };
+    let ledger = Ledger::open_or_create(&config.ledger, &geometry, CREATOR_HOOK).map_err(|e| e.to_string())?;
+    let header = *ledger.header();
+    let mut devices = [None; MAX_DEVICES];
+    for ordinal in 0..count.min(MAX_DEVICES as c_int) {
+        let uuid = uuids[ordinal as usize];
+        // A ledger that knows device UUIDs maps them (CUDA_VISIBLE_DEVICES may reorder or
+        // hide devices); otherwise visible ordinal i is ledger device i, as HAMi's limits.
+        let by_uuid = (uuid != [0; 16])
+            .then(|| header.devices[..header.device_count as usize].iter().position(|d| d.uuid == uuid))
+            .flatten();
+        let known_uuids = header.devices[..header.device_count as usize].iter().any(|d| d.uuid != [0; 16]);
+        devices[ordinal as usize] = match by_uuid {
+            Some(index) => Some(index as u32),
+            None if !known_uuids && (ordinal as u32) < header.device_count => Some(ordinal as u32),
+            None => None,
+        };
+    }
+    let identity = ProcessIdentity::current().map_err(|e| format!("cannot read this process's identity: {e}"))?;
+    // Slots of processes that died without a word go first (the agent does this too).
+    let _ = ledger.reclaim_dead();
+    let slot = ledger.register(identity).map_err(|e| e.to_string())?;
+    Ok(Session {
+        ledger,
+        slot,
+        devices,
+        contexts: std::array::from_fn(|_| AtomicBool::new(false)),
+        allocations: std::array::from_fn(|_| Mutex::new(HashMap::new())),
+        pid: identity.pid,
+    })
+}
+
+fn device_count(driver: &real::Driver) -> Result<c_int, SetupError> {
+    let get = driver.device_get_count.ok_or_else(|| "the driver has no cuDeviceGetCount".to_string())?;
+    let mut count: c_int = 0;
+    // SAFETY: the out-pointer is a live local.
+    match unsafe { get(&mut count) } {
+        CUDA_SUCCESS => Ok(count.clamp(0, MAX_DEVICES as c_int)),
+        cuda_abi::CUDA_ERROR_NOT_INITIALIZED => Err(SetupError::NotInitialised),
+        other => Err(format!("cuDeviceGetCount failed ({other})").into()),
+    }
+}
+
+fn device_uuid(driver: &real::Driver, ordinal: c_int) -> [u8; 16] {
+    let Some(get) = driver.device_get_uuid else { return [0; 16] };
+    let mut uuid = CUuuid { bytes: [0; 16] };
+    // SAFETY: the out-pointer is a live local.
+    if unsafe { get(&mut uuid, ordinal) } != CUDA_SUCCESS {
+        return [0; 16];
+    }
+    uuid.bytes.map(|b| b as u8)
+}
