@@ -268,8 +268,10 @@ struct OrderMaps {
 }
 
 /// Derived geometry: a pure function of (size, chunk); lives in the process, not the region.
+/// A process that works on one space often computes it once ([`Geometry::for_space`]) and
+/// attaches views with [`Buddy::attach_with`].
 #[derive(Clone, Debug)]
-struct Geometry {
+pub struct Geometry {
     size: u64,
     chunk: u64,
     cs: u32,
@@ -285,7 +287,18 @@ fn to_usize(v: u64) -> Result<usize, BuddyError> {
     usize::try_from(v).map_err(|_| BuddyError::InvalidArgument("layout does not fit in usize"))
 }
 
+impl AsRef<Geometry> for Geometry {
+    fn as_ref(&self) -> &Geometry {
+        self
+    }
+}
+
 impl Geometry {
+    /// The geometry of a space of `size` bytes in chunks of `chunk`.
+    pub fn for_space(size: u64, chunk: u64) -> Result<Self, BuddyError> {
+        Self::new(size, chunk)
+    }
+
     fn new(size: u64, chunk: u64) -> Result<Self, BuddyError> {
         if chunk < CHUNK_MIN || !chunk.is_power_of_two() {
             return Err(BuddyError::InvalidArgument(
@@ -515,9 +528,9 @@ enum State {
 
 /// A buddy space over a word region `S` (`Vec<u64>`, `&mut [u64]`, [`SparseWords`]).
 #[derive(Debug)]
-pub struct Buddy<S> {
+pub struct Buddy<S, G: AsRef<Geometry> = Geometry> {
     s: S,
-    g: Geometry,
+    g: G,
 }
 
 /// The owned, heap-backed form (tests, tools).
@@ -539,7 +552,7 @@ impl Buddy<SparseWords> {
     }
 }
 
-impl<S: Words> Buddy<S> {
+impl<S: Words> Buddy<S, Geometry> {
     /// Initialise `region` as an empty space (all roots free). The region must hold at least
     /// [`layout_len`] words; its previous contents are discarded.
     pub fn init(mut region: S, size: u64, chunk: u64) -> Result<Self, BuddyError> {
@@ -559,7 +572,7 @@ impl<S: Words> Buddy<S> {
         region.set(H_LEN, g.len as u64);
         let mut b = Self { s: region, g };
         for (o, idx) in b.root_nodes() {
-            let bm = b.g.orders[o as usize].free;
+            let bm = b.g.as_ref().orders[o as usize].free;
             bm_set(&mut b.s, &bm, idx);
         }
         Ok(b)
@@ -600,6 +613,28 @@ impl<S: Words> Buddy<S> {
         }
         Ok(Self { s: region, g })
     }
+}
+
+impl<S: Words, G: AsRef<Geometry>> Buddy<S, G> {
+    /// Attach to a region initialised earlier with a geometry computed beforehand (cheaper
+    /// than [`Buddy::attach`] when the same space is attached often). The header must match
+    /// the geometry.
+    pub fn attach_with(region: S, geometry: G) -> Result<Self, BuddyError> {
+        let g = geometry.as_ref();
+        if region.len() < g.len.max(HEADER_WORDS) {
+            return Err(BuddyError::RegionTooSmall { need: g.len.max(HEADER_WORDS), have: region.len() });
+        }
+        if region.get(H_MAGIC) != MAGIC || region.get(H_VERSION) != LAYOUT_VERSION {
+            return Err(BuddyError::Corrupt("bad magic or layout version".into()));
+        }
+        if region.get(H_SIZE) != g.size || region.get(H_CHUNK) != g.chunk || region.get(H_LEN) != g.len as u64 {
+            return Err(BuddyError::Corrupt("header does not match the expected geometry".into()));
+        }
+        if region.get(H_AVAIL) > g.size {
+            return Err(BuddyError::Corrupt("avail exceeds size".into()));
+        }
+        Ok(Self { s: region, g: geometry })
+    }
 
     /// Give the region back.
     pub fn into_inner(self) -> S {
@@ -608,15 +643,15 @@ impl<S: Words> Buddy<S> {
 
     /// Managed size in bytes (rounded down to the chunk).
     pub fn size(&self) -> u64 {
-        self.g.size
+        self.g.as_ref().size
     }
     /// Chunk size in bytes.
     pub fn chunk(&self) -> u64 {
-        self.g.chunk
+        self.g.as_ref().chunk
     }
     /// Largest order.
     pub fn max_order(&self) -> u32 {
-        self.g.max_order
+        self.g.as_ref().max_order
     }
     /// Free bytes.
     pub fn avail(&self) -> u64 {
@@ -628,10 +663,10 @@ impl<S: Words> Buddy<S> {
     }
 
     fn root_nodes(&self) -> Vec<(u32, u64)> {
-        (0..=self.g.max_order)
+        (0..=self.g.as_ref().max_order)
             .rev()
-            .filter(|&o| (self.g.nchunks >> o) & 1 == 1)
-            .map(|o| (o, (self.g.nchunks >> (o + 1)) << 1))
+            .filter(|&o| (self.g.as_ref().nchunks >> o) & 1 == 1)
+            .map(|o| (o, (self.g.as_ref().nchunks >> (o + 1)) << 1))
             .collect()
     }
 
@@ -645,23 +680,23 @@ impl<S: Words> Buddy<S> {
 
     fn block(&self, o: u32, idx: u64) -> Block {
         Block {
-            offset: idx << (self.g.cs + o),
+            offset: idx << (self.g.as_ref().cs + o),
             order: o,
-            size: self.g.chunk << o,
+            size: self.g.as_ref().chunk << o,
         }
     }
 
     fn maps(&self, o: u32) -> OrderMaps {
-        self.g.orders[o as usize]
+        self.g.as_ref().orders[o as usize]
     }
 
     fn owner_get(&self, c: u64) -> u32 {
-        let w = self.s.get(self.g.owner_off + (c >> 1) as usize);
+        let w = self.s.get(self.g.as_ref().owner_off + (c >> 1) as usize);
         (w >> ((c & 1) * 32)) as u32
     }
 
     fn owner_set(&mut self, c: u64, stored: u32) {
-        let wi = self.g.owner_off + (c >> 1) as usize;
+        let wi = self.g.as_ref().owner_off + (c >> 1) as usize;
         let sh = (c & 1) * 32;
         let w = self.s.get(wi) & !(0xffff_ffffu64 << sh);
         self.s.set(wi, w | ((stored as u64) << sh));
@@ -677,19 +712,19 @@ impl<S: Words> Buddy<S> {
     }
 
     fn node_of(&self, b: &Block) -> Result<(u32, u64), BuddyError> {
-        if b.order > self.g.max_order || b.size != self.g.chunk << b.order {
+        if b.order > self.g.as_ref().max_order || b.size != self.g.as_ref().chunk << b.order {
             return Err(BuddyError::InvalidArgument("bad block order or size"));
         }
-        if b.offset >= self.g.size || b.offset & (b.size - 1) != 0 {
+        if b.offset >= self.g.as_ref().size || b.offset & (b.size - 1) != 0 {
             return Err(BuddyError::InvalidArgument("bad block offset"));
         }
-        Ok((b.order, b.offset >> (self.g.cs + b.order)))
+        Ok((b.order, b.offset >> (self.g.as_ref().cs + b.order)))
     }
 
     /// The free or allocated tree leaf containing chunk `c`.
     fn leaf(&self, c: u64) -> Result<(u32, u64, State), BuddyError> {
-        debug_assert!(c < self.g.nchunks);
-        let d = c ^ self.g.nchunks;
+        debug_assert!(c < self.g.as_ref().nchunks);
+        let d = c ^ self.g.as_ref().nchunks;
         let mut o = 63 - d.leading_zeros();
         loop {
             let idx = c >> o;
@@ -738,9 +773,9 @@ impl<S: Words> Buddy<S> {
         let m = self.maps(o);
         bm_clear(&mut self.s, &m.alloc, idx);
         self.owner_set(idx << o, 0);
-        let a = self.avail() + (self.g.chunk << o);
+        let a = self.avail() + (self.g.as_ref().chunk << o);
         self.set_avail(a);
-        while !self.g.is_root(o, idx) {
+        while !self.g.as_ref().is_root(o, idx) {
             let m = self.maps(o);
             if !bm_get(&self.s, &m.free, idx ^ 1) {
                 break;
@@ -773,7 +808,7 @@ impl<S: Words> Buddy<S> {
     /// Every allocated block with its owner, in (order, offset) order.
     pub fn allocated_blocks(&self) -> Vec<(Block, u32)> {
         let mut out = Vec::new();
-        for o in 0..=self.g.max_order {
+        for o in 0..=self.g.as_ref().max_order {
             let bm = self.maps(o).alloc;
             let mut from = 0;
             while let Some(i) = bm_next(&self.s, &bm, from) {
@@ -788,7 +823,7 @@ impl<S: Words> Buddy<S> {
     /// Every free block, in (order, offset) order.
     pub fn free_list(&self) -> Vec<Block> {
         let mut out = Vec::new();
-        for o in 0..=self.g.max_order {
+        for o in 0..=self.g.as_ref().max_order {
             let bm = self.maps(o).free;
             let mut from = 0;
             while let Some(i) = bm_next(&self.s, &bm, from) {
@@ -828,7 +863,7 @@ impl<S: Words> Buddy<S> {
         let mut plan = Vec::new();
         let mut p = start;
         while p < end {
-            if p >= self.g.nchunks {
+            if p >= self.g.as_ref().nchunks {
                 return Ok((plan, p - start, false));
             }
             let (k, idx, st) = self.leaf(p)?;
@@ -871,7 +906,7 @@ impl<S: Words> Buddy<S> {
     /// order); split keeping the right child.
     fn alloc_freetree(&mut self, order: u32, topdown: bool, stored: u32) -> Option<Block> {
         let mut best: Option<(u32, u64)> = None;
-        for k in order..=self.g.max_order {
+        for k in order..=self.g.as_ref().max_order {
             if let Some(i) = bm_last(&self.s, &self.maps(k).free) {
                 match best {
                     Some((bk, bi)) if (bi << bk) >= (i << k) => {}
@@ -889,14 +924,14 @@ impl<S: Words> Buddy<S> {
 
     /// Lowest-address order-`order` position inside `[start, end)` (chunks) that is free.
     fn alloc_range_bias(&mut self, order: u32, start: u64, end: u64, stored: u32) -> Option<Block> {
-        let end = end.min(self.g.nchunks);
+        let end = end.min(self.g.as_ref().nchunks);
         if start >= end {
             return None;
         }
         let sz = 1u64 << order;
         let first_pos = start.checked_next_multiple_of(sz)?;
         let mut best: Option<(u64, u32, u64)> = None;
-        for k in order..=self.g.max_order {
+        for k in order..=self.g.as_ref().max_order {
             let bm = self.maps(k).free;
             let last_idx = (end - 1) >> k;
             let mut from = start >> k;
@@ -949,7 +984,7 @@ impl<S: Words> Buddy<S> {
         stored: u32,
     ) -> Result<Vec<Block>, BuddyError> {
         let order = 63 - size.leading_zeros();
-        if order > self.g.max_order {
+        if order > self.g.as_ref().max_order {
             return Err(BuddyError::NoSpace);
         }
         let bm = self.maps(order).free;
@@ -990,7 +1025,7 @@ impl<S: Words> Buddy<S> {
         owner: u32,
     ) -> Result<Vec<Block>, BuddyError> {
         use BuddyError::InvalidArgument as Inv;
-        let g = &self.g;
+        let g = self.g.as_ref();
         if owner > OWNER_MAX {
             return Err(Inv("owner slot out of range"));
         }
@@ -1091,7 +1126,7 @@ impl<S: Words> Buddy<S> {
     /// no stray node bits, no two free buddies, owners exactly on allocated blocks, avail.
     pub fn check(&self) -> Result<(), BuddyError> {
         let corrupt = |m: String| Err(BuddyError::Corrupt(m));
-        let g = &self.g;
+        let g = self.g.as_ref();
         if self.s.get(H_MAGIC) != MAGIC || self.s.get(H_VERSION) != LAYOUT_VERSION {
             return corrupt("header magic/version".into());
         }

@@ -16,7 +16,7 @@
 use std::path::Path;
 
 use crate::{
-    buddy::Buddy,
+    buddy::{self, Buddy},
     error::{LedgerError, ReserveError},
     file::{self, Mapped},
     layout::{DeviceUsage, Geometry, Header, Slot, State, RECORD_LIVE, SLOT_FREE, SLOT_LIVE},
@@ -44,6 +44,8 @@ pub enum Charge {
 /// A mapped, validated ledger file.
 pub struct Ledger {
     mapped: Mapped,
+    /// Buddy geometry of each device (derived from the validated header).
+    geometries: Vec<buddy::Geometry>,
 }
 
 /// A live slot as [`Ledger::slots`] reports it.
@@ -61,23 +63,25 @@ impl Ledger {
             .map(|d| d.as_secs())
             .unwrap_or(0);
         let header = file::plan(geometry, creator, now)?;
+        let geometries = geometries(&header)?;
         let mapped = file::create(path, &header, |mapped| {
             // SAFETY: the file is new and only this thread can see it.
             unsafe { crate::lock::RobustMutex::init(std::ptr::addr_of_mut!((*state_ptr(mapped)).lock)) }
                 .map_err(|source| LedgerError::Io { path: path.to_path_buf(), source })?;
             // The zeroed file is an empty ledger but for its derived state: the first repair
             // builds it (buddy spaces, free-record list), before anyone else can see the file.
-            repair(&mut tables(mapped));
+            repair(&mut tables(mapped, &geometries));
             Ok(())
         })?;
-        Ok(Ledger { mapped })
+        Ok(Ledger { mapped, geometries })
     }
 
     /// Opens and validates an existing ledger.
     pub fn open(path: &Path) -> Result<Ledger, LedgerError> {
         let mapped = file::open(path)?;
-        let ledger = Ledger { mapped };
-        let mut tables = tables(&ledger.mapped);
+        let geometries = geometries(&mapped.header)?;
+        let ledger = Ledger { mapped, geometries };
+        let mut tables = tables(&ledger.mapped, &ledger.geometries);
         for (device, words) in tables.buddies.iter_mut().enumerate() {
             if let Some(words) = words {
                 Buddy::attach(&mut **words).map_err(|error| LedgerError::Corrupt {
@@ -243,7 +247,7 @@ impl Ledger {
         // SAFETY: the state lies inside the mapping, validated at open, for self's lifetime.
         let lock = unsafe { &(*state_ptr(&self.mapped)).lock };
         let mut guard = lock.lock()?;
-        let mut tables = tables(&self.mapped);
+        let mut tables = tables(&self.mapped, &self.geometries);
         if guard.acquired() == crate::lock::Acquired::OwnerDied || tables.state.dirty != 0 {
             repair(&mut tables);
         }
@@ -263,7 +267,7 @@ fn state_ptr(mapped: &Mapped) -> *mut State {
 
 /// The mapped tables. Callers hold the lock (or own the file exclusively), so no other
 /// process mutates them meanwhile.
-fn tables(mapped: &Mapped) -> Tables<'_> {
+fn tables<'a>(mapped: &'a Mapped, geometries: &'a [buddy::Geometry]) -> Tables<'a> {
     let h = &mapped.header;
     // SAFETY: every offset and count below was validated against the file size and the
     // layout by `file::validate` (or computed by `file::plan` at creation); the sections do
@@ -286,7 +290,18 @@ fn tables(mapped: &Mapped) -> Tables<'_> {
                     std::slice::from_raw_parts_mut(mapped.at(cfg.links_offset).cast(), cfg.chunks as usize)
                 })
             }),
+            geometries,
         }
     }
+}
+
+fn geometries(header: &Header) -> Result<Vec<buddy::Geometry>, LedgerError> {
+    header.devices[..header.device_count as usize]
+        .iter()
+        .map(|device| {
+            buddy::Geometry::for_space(device.limit, device.chunk)
+                .map_err(|error| LedgerError::InvalidConfig(format!("buddy geometry: {error}")))
+        })
+        .collect()
 }
 

@@ -11,7 +11,7 @@
 use std::collections::HashSet;
 
 use crate::{
-    buddy::{AllocFlags, Block, Buddy},
+    buddy::{AllocFlags, Block, Buddy, Geometry},
     error::{LedgerError, ReserveError},
     layout::{
         Header, Kind, Record, Slot, SlotDevice, State, MAX_DEVICES, RECORD_FREE, RECORD_LIVE, RECORD_POOL,
@@ -28,6 +28,8 @@ pub struct Tables<'a> {
     pub records: &'a mut [Record],
     pub buddies: [Option<&'a mut [u64]>; MAX_DEVICES],
     pub links: [Option<&'a mut [u64]>; MAX_DEVICES],
+    /// Buddy geometry of each device, computed once per process.
+    pub geometries: &'a [Geometry],
 }
 
 pub fn zeroed_slot() -> Slot {
@@ -65,10 +67,14 @@ impl<'a> Tables<'a> {
         }
         let d = device as usize;
         let cfg = self.header.devices[d];
+        if chunks > cfg.chunks {
+            // More than the whole quota (the buddy would call the request malformed).
+            return Ok(false);
+        }
         let (Some(words), Some(links)) = (self.buddies[d].as_deref_mut(), self.links[d].as_deref_mut()) else {
             return Err(Damaged);
         };
-        let mut buddy = Buddy::attach(words).map_err(|_| Damaged)?;
+        let mut buddy = Buddy::attach_with(words, self.geometries.get(d).ok_or(Damaged)?).map_err(|_| Damaged)?;
         let blocks = match buddy.alloc_blocks(0, cfg.limit, chunks * cfg.chunk, cfg.chunk, AllocFlags::NONE, slot) {
             Ok(blocks) => blocks,
             Err(crate::buddy::BuddyError::NoSpace) => return Ok(false),
@@ -92,7 +98,7 @@ impl<'a> Tables<'a> {
         let (Some(words), Some(links)) = (self.buddies[d].as_deref_mut(), self.links[d].as_deref_mut()) else {
             return Err(Damaged);
         };
-        let mut buddy = Buddy::attach(words).map_err(|_| Damaged)?;
+        let mut buddy = Buddy::attach_with(words, self.geometries.get(d).ok_or(Damaged)?).map_err(|_| Damaged)?;
         let mut freed = 0;
         let mut next = head;
         let mut steps = 0u64;
@@ -200,8 +206,8 @@ fn try_reserve(
         let cfg = &t.header.devices[d];
         return Ok(Err(ReserveError::OverQuota {
             device,
-            requested: chunks * chunk,
-            used: t.state.devices[d].used_chunks * chunk,
+            requested: chunks.saturating_mul(chunk),
+            used: t.state.devices[d].used_chunks.saturating_mul(chunk),
             limit: cfg.limit,
         }));
     }
