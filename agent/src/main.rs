@@ -1,8 +1,11 @@
 //! `vramguard`: the node agent. `run` is the daemon (eBPF accounting of every GPU allocation
-//! on the node); `audit` asks a running agent for its live table of processes.
+//! on the node); `audit` asks a running agent for its live table of processes; `inspect` and
+//! `reclaim` work on a ledger file directly.
 mod accounting;
 mod cgroup;
 mod control;
+mod identity;
+mod inspect;
 mod libcuda;
 mod preflight;
 mod probes;
@@ -34,6 +37,21 @@ enum Command {
         #[arg(long, default_value = control::DEFAULT_SOCKET, value_name = "PATH")]
         socket: PathBuf,
     },
+    /// Show what a ledger file holds (limits, slots, records) and check its invariants; exits
+    /// non-zero if a check fails.
+    Inspect {
+        ledger: PathBuf,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Free the slots of processes that are gone; a running process's slot is never freed.
+    Reclaim {
+        ledger: PathBuf,
+        /// Only this slot (refused if its process still runs).
+        #[arg(long)]
+        slot: Option<u32>,
+    },
 }
 
 fn main() -> Result<()> {
@@ -59,5 +77,7 @@ fn main() -> Result<()> {
             }
             Ok(())
         }
+        Command::Inspect { ledger, json } => inspect::inspect(&ledger, json),
+        Command::Reclaim { ledger, slot } => inspect::reclaim(&ledger, slot),
     }
 }

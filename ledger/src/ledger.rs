@@ -217,6 +217,18 @@ impl Ledger {
         })
     }
 
+    /// Copies of the records in use (allocations, small pools, context reserves).
+    pub fn records(&self) -> Result<Vec<(RecordId, crate::layout::Record)>, LedgerError> {
+        self.locked(|t| {
+            t.records
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| r.state != crate::layout::RECORD_FREE)
+                .map(|(id, r)| (id as RecordId, *r))
+                .collect()
+        })
+    }
+
     /// Per-device totals.
     pub fn device_usage(&self) -> Result<Vec<DeviceUsage>, LedgerError> {
         self.locked(|t| t.state.devices[..t.header.device_count as usize].to_vec())

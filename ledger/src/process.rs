@@ -34,6 +34,11 @@ impl ProcessIdentity {
     }
 }
 
+/// The start time of host-visible process `pid` (field 22 of `/proc/<pid>/stat`).
+pub fn start_time_of(pid: u32) -> io::Result<u64> {
+    start_time(&pid.to_string())
+}
+
 /// Field 22 of `/proc/<pid>/stat`. The command name (field 2) may contain spaces and
 /// parentheses, so fields are counted after its last `)`.
 fn start_time(pid: &str) -> io::Result<u64> {
