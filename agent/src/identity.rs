@@ -1,7 +1,8 @@
 //! Which host process a ledger slot belongs to. A slot records the pid a process has in its
 //! own pid namespace, that namespace's inode, and its start time; the host pid is the one
 //! whose `/proc/<pid>/ns/pid` is that namespace, whose last `NSpid` entry is that pid, and
-//! whose start time matches (so a reused pid is never mistaken for the slot's process).
+//! whose start time matches (so a reused pid is never mistaken for the slot's process). A
+//! zombie (killed, not yet reaped) counts as gone: its GPU memory is already released.
 use std::{fs, os::unix::fs::MetadataExt};
 
 use ledger::layout::Slot;
@@ -14,7 +15,7 @@ pub fn host_pid(slot: &Slot) -> Option<u32> {
         if fs::metadata(format!("/proc/{pid}/ns/pid")).map(|m| m.ino()).ok() != Some(slot.pidns) {
             continue;
         }
-        if namespace_pid(pid) == Some(slot.pid) && ledger::process::start_time_of(pid).ok() == Some(slot.start_time) {
+        if namespace_pid(pid) == Some(slot.pid) && ledger::process::running_start_time_of(pid) == Some(slot.start_time) {
             return Some(pid);
         }
     }

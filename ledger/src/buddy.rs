@@ -427,10 +427,19 @@ fn bm_next<S: Words + ?Sized>(s: &S, b: &Bitmap, from: u64) -> Option<u64> {
             let mut bit = (w_idx << 6) | w.trailing_zeros() as u64;
             while level > 0 {
                 level -= 1;
+                // A damaged region (a summary bit past the level's end or over an empty
+                // word) yields nothing rather than an index out of bounds; check() reports it.
+                if bit >= b.words[level] as u64 {
+                    return None;
+                }
                 let w = s.get(b.off[level] + bit as usize);
+                if w == 0 {
+                    return None;
+                }
                 bit = (bit << 6) | w.trailing_zeros() as u64;
             }
-            return Some(bit);
+            // A stray bit past the last one (damage) is not a node.
+            return (bit < b.nbits).then_some(bit);
         }
         if level + 1 >= b.nlevels {
             return None;
@@ -457,10 +466,17 @@ fn bm_prev<S: Words + ?Sized>(s: &S, b: &Bitmap, from: u64) -> Option<u64> {
             let mut bit = (w_idx << 6) | (63 - w.leading_zeros()) as u64;
             while level > 0 {
                 level -= 1;
+                // Damage yields nothing, as in bm_next.
+                if bit >= b.words[level] as u64 {
+                    return None;
+                }
                 let w = s.get(b.off[level] + bit as usize);
+                if w == 0 {
+                    return None;
+                }
                 bit = (bit << 6) | (63 - w.leading_zeros()) as u64;
             }
-            return Some(bit);
+            return (bit < b.nbits).then_some(bit);
         }
         if level + 1 >= b.nlevels || w_idx == 0 {
             return None;
@@ -763,7 +779,9 @@ impl<S: Words, G: AsRef<Geometry>> Buddy<S, G> {
         bm_set(&mut self.s, &m.alloc, idx);
         self.owner_set(pos, stored);
         let b = self.block(o, idx);
-        let a = self.avail() - b.size;
+        // Saturating: `avail` lives in the shared region, where damage can leave it too low
+        // (check() reports the mismatch).
+        let a = self.avail().saturating_sub(b.size);
         self.set_avail(a);
         b
     }
@@ -773,7 +791,7 @@ impl<S: Words, G: AsRef<Geometry>> Buddy<S, G> {
         let m = self.maps(o);
         bm_clear(&mut self.s, &m.alloc, idx);
         self.owner_set(idx << o, 0);
-        let a = self.avail() + (self.g.as_ref().chunk << o);
+        let a = self.avail().saturating_add(self.g.as_ref().chunk << o);
         self.set_avail(a);
         while !self.g.as_ref().is_root(o, idx) {
             let m = self.maps(o);
@@ -961,7 +979,7 @@ impl<S: Words, G: AsRef<Geometry>> Buddy<S, G> {
         bm_clear(&mut self.s, &m.alloc, idx);
         self.owner_set(idx << o, 0);
         bm_set(&mut self.s, &m.free, idx);
-        let a = self.avail() + b.size;
+        let a = self.avail().saturating_add(b.size);
         self.set_avail(a);
         self.alloc_exact(idx << o, new, stored)
     }

@@ -30,27 +30,37 @@ impl ProcessIdentity {
         if own != self.pidns {
             return None;
         }
-        Some(start_time(&self.pid.to_string()).is_ok_and(|start| start == self.start_time))
+        Some(running_start_time(&self.pid.to_string()) == Some(self.start_time))
     }
 }
 
-/// The start time of host-visible process `pid` (field 22 of `/proc/<pid>/stat`).
-pub fn start_time_of(pid: u32) -> io::Result<u64> {
-    start_time(&pid.to_string())
+/// The start time of process `pid` (as this process's /proc shows it) while it runs: `None`
+/// when it is gone or a zombie (killed, not yet reaped: its memory is already released).
+pub fn running_start_time_of(pid: u32) -> Option<u64> {
+    running_start_time(&pid.to_string())
 }
 
-/// Field 22 of `/proc/<pid>/stat`. The command name (field 2) may contain spaces and
-/// parentheses, so fields are counted after its last `)`.
+fn running_start_time(pid: &str) -> Option<u64> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (state, start) = parse_stat(&stat)?;
+    (!matches!(state, 'Z' | 'X' | 'x')).then_some(start)
+}
+
 fn start_time(pid: &str) -> io::Result<u64> {
     let stat = fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    parse_start_time(&stat)
+    parse_stat(&stat)
+        .map(|(_, start)| start)
         .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, format!("unreadable /proc/{pid}/stat")))
 }
 
-fn parse_start_time(stat: &str) -> Option<u64> {
-    let after_comm = &stat[stat.rfind(')')? + 1..];
-    // After the command come field 3 (state) onwards: field 22 is the 20th of them.
-    after_comm.split_whitespace().nth(19)?.parse().ok()
+/// Field 3 (state) and field 22 (start time) of a `/proc/<pid>/stat` line. The command name
+/// (field 2) may contain spaces and parentheses, so fields are counted after its last `)`.
+fn parse_stat(stat: &str) -> Option<(char, u64)> {
+    let mut fields = stat[stat.rfind(')')? + 1..].split_whitespace();
+    let state = fields.next()?.chars().next()?;
+    // Field 22 is the 19th after the state.
+    let start = fields.nth(18)?.parse().ok()?;
+    Some((state, start))
 }
 
 #[cfg(test)]
@@ -60,7 +70,9 @@ mod tests {
     #[test]
     fn start_time_survives_odd_command_names() {
         let stat = "1234 (a) b (c) S 1 1234 1234 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 987654 1000 100";
-        assert_eq!(parse_start_time(stat), Some(987654));
+        assert_eq!(parse_stat(stat), Some(('S', 987654)));
+        let zombie = "77 (gone) Z 1 77 77 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 5555 0 0";
+        assert_eq!(parse_stat(zombie), Some(('Z', 5555)));
     }
 
     #[test]

@@ -8,7 +8,7 @@
 //! `next + 1 == 0` ends the chain); a record's `head` is its first block's chunk + 1.
 //! Everything read from the file is bounds-checked before use: a damaged chain is reported
 //! (and repaired), never followed out of bounds.
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use crate::{
     buddy::{AllocFlags, Block, Buddy, Geometry},
@@ -75,6 +75,13 @@ impl<'a> Tables<'a> {
             return Err(Damaged);
         };
         let mut buddy = Buddy::attach_with(words, self.geometries.get(d).ok_or(Damaged)?).map_err(|_| Damaged)?;
+        // The usage counter and the buddy space are both derived state that damage to the
+        // file can change: admit only from a pair that agrees, so the buddy's verdict is the
+        // limit's (and the debug assertion in `try_reserve` fires only on an accounting bug).
+        let used = self.state.devices[d].used_chunks;
+        if cfg.chunks.checked_sub(used).map(|free| free * cfg.chunk) != Some(buddy.avail()) {
+            return Err(Damaged);
+        }
         let blocks = match buddy.alloc_blocks(0, cfg.limit, chunks * cfg.chunk, cfg.chunk, AllocFlags::NONE, slot) {
             Ok(blocks) => blocks,
             Err(crate::buddy::BuddyError::NoSpace) => return Ok(false),
@@ -87,12 +94,16 @@ impl<'a> Tables<'a> {
             *link = (*head << 8) | u64::from(block.order);
             *head = first + 1;
         }
-        self.state.devices[d].used_chunks += chunks;
+        let used = &mut self.state.devices[d].used_chunks;
+        *used = used.saturating_add(chunks);
         Ok(true)
     }
 
     /// Frees the chain starting at `head`; returns the chunks freed.
     fn give_back(&mut self, device: u32, head: u64) -> Result<u64, Damaged> {
+        if device >= self.header.device_count {
+            return Err(Damaged); // a damaged record's device
+        }
         let d = device as usize;
         let cfg = self.header.devices[d];
         let (Some(words), Some(links)) = (self.buddies[d].as_deref_mut(), self.links[d].as_deref_mut()) else {
@@ -184,13 +195,16 @@ fn try_reserve(
             (Kind::Context, t.header.devices[d].context_reserve)
         }
     };
+    if t.state.devices[d].used_chunks > t.header.devices[d].chunks {
+        return Err(Damaged); // a damaged counter (take() also checks it against the buddy)
+    }
     let Some(id) = t.new_record()? else {
         return Ok(Err(LedgerError::NoFreeRecord(t.header.record_count).into()));
     };
     // Chunks this charge adds: for a small one, what the packed pool grows by (0 or 1).
     let (chunks, admitted) = if kind == Kind::Small {
         let sd = t.slots[s].devices[d];
-        let grow = (sd.bytes[Kind::Small as usize] + bytes).div_ceil(chunk).saturating_sub(sd.chunks[Kind::Small as usize]);
+        let grow = sd.bytes[Kind::Small as usize].saturating_add(bytes).div_ceil(chunk).saturating_sub(sd.chunks[Kind::Small as usize]);
         (grow, grow == 0 || grow_small_pool(t, slot, device, grow)?)
     } else {
         let chunks = t.chunks_for(device, bytes);
@@ -201,8 +215,8 @@ fn try_reserve(
     };
     if !admitted {
         t.drop_record(id);
-        t.slots[s].rejections += 1;
-        t.state.devices[d].rejections += 1;
+        t.slots[s].rejections = t.slots[s].rejections.saturating_add(1);
+        t.state.devices[d].rejections = t.state.devices[d].rejections.saturating_add(1);
         let cfg = &t.header.devices[d];
         return Ok(Err(ReserveError::OverQuota {
             device,
@@ -221,14 +235,14 @@ fn try_reserve(
     record.next_free = 0;
     record.state = RECORD_LIVE; // commits the allocation
     let sd = &mut t.slots[s].devices[d];
-    sd.bytes[kind as usize] += bytes;
+    sd.bytes[kind as usize] = sd.bytes[kind as usize].saturating_add(bytes);
     if kind != Kind::Small {
-        sd.chunks[kind as usize] += chunks;
+        sd.chunks[kind as usize] = sd.chunks[kind as usize].saturating_add(chunks);
     }
     if kind == Kind::Context {
         sd.context = id + 1;
     }
-    t.slots[s].allocs += 1;
+    t.slots[s].allocs = t.slots[s].allocs.saturating_add(1);
     debug_assert!(
         t.state.devices[d].used_chunks <= t.header.devices[d].chunks,
         "admission let device {device} exceed its limit"
@@ -259,8 +273,9 @@ fn grow_small_pool(t: &mut Tables<'_>, slot: SlotId, device: u32, grow: u64) -> 
     }
     let record = &mut t.records[pool as usize];
     record.head = head;
-    record.chunks += grow;
-    t.slots[s].devices[d].chunks[Kind::Small as usize] += grow;
+    record.chunks = record.chunks.saturating_add(grow);
+    let small = &mut t.slots[s].devices[d].chunks[Kind::Small as usize];
+    *small = small.saturating_add(grow);
     Ok(true)
 }
 
@@ -291,7 +306,7 @@ fn try_release(t: &mut Tables<'_>, id: RecordId) -> Result<(), Damaged> {
     if kind == Kind::Context {
         t.slots[s].devices[d].context = 0;
     }
-    t.slots[s].frees += 1;
+    t.slots[s].frees = t.slots[s].frees.saturating_add(1);
     t.drop_record(id);
     Ok(())
 }
@@ -334,7 +349,7 @@ fn shrink_small_pool(t: &mut Tables<'_>, slot: SlotId, device: u32) -> Result<()
 
 /// Frees every record of `slot` and the slot; returns the chunks freed.
 pub fn reclaim(t: &mut Tables<'_>, slot: SlotId) -> u64 {
-    let before: u64 = t.state.devices.iter().map(|d| d.used_chunks).sum();
+    let before = t.state.devices.iter().fold(0u64, |sum, d| sum.saturating_add(d.used_chunks));
     let mut damaged = false;
     for id in 0..t.records.len() as RecordId {
         let record = t.records[id as usize];
@@ -349,7 +364,7 @@ pub fn reclaim(t: &mut Tables<'_>, slot: SlotId) -> u64 {
     if damaged {
         repair(t);
     }
-    let after: u64 = t.state.devices.iter().map(|d| d.used_chunks).sum();
+    let after = t.state.devices.iter().fold(0u64, |sum, d| sum.saturating_add(d.used_chunks));
     before.saturating_sub(after)
 }
 
@@ -410,9 +425,9 @@ pub fn repair(t: &mut Tables<'_>) {
         record.next_free = 0;
         let held = record.chunks;
         let sd = &mut t.slots[s].devices[d];
-        sd.bytes[kind as usize] += sd_bytes;
+        sd.bytes[kind as usize] = sd.bytes[kind as usize].saturating_add(sd_bytes);
         if kind != Kind::Small {
-            sd.chunks[kind as usize] += held;
+            sd.chunks[kind as usize] = sd.chunks[kind as usize].saturating_add(held);
         }
         if kind == Kind::Context {
             sd.context = id as u32 + 1;
@@ -450,15 +465,25 @@ pub fn check(t: &mut Tables<'_>) -> Vec<String> {
     let mut usage = vec![[SlotDevice::default(); MAX_DEVICES]; t.slots.len()];
     let mut chained: Vec<HashSet<u64>> = vec![HashSet::new(); count];
     let mut device_chunks = vec![0u64; count];
+    // The small-pool and context records of each (slot, device), which the slot links to.
+    let mut pools: HashMap<(usize, usize), Vec<RecordId>> = HashMap::new();
+    let mut contexts: HashMap<(usize, usize), Vec<RecordId>> = HashMap::new();
     for (id, record) in t.records.iter().enumerate() {
         if record.state == RECORD_FREE {
             continue;
         }
         let (s, d) = (record.slot as usize, record.device as usize);
+        if record.state != RECORD_LIVE && record.state != RECORD_POOL {
+            problems.push(format!("record {id}: unknown state {}", record.state));
+            continue;
+        }
         let Some(kind) = Kind::from_u32(record.kind) else {
             problems.push(format!("record {id}: unknown kind {}", record.kind));
             continue;
         };
+        if record.state == RECORD_POOL && kind != Kind::Small {
+            problems.push(format!("record {id}: a small pool of kind {}", kind.name()));
+        }
         if s >= t.slots.len() || t.slots[s].state != SLOT_LIVE {
             problems.push(format!("record {id}: owner slot {s} is not live"));
             continue;
@@ -466,6 +491,11 @@ pub fn check(t: &mut Tables<'_>) -> Vec<String> {
         if d >= count {
             problems.push(format!("record {id}: device {d} out of range"));
             continue;
+        }
+        if record.state == RECORD_POOL {
+            pools.entry((s, d)).or_default().push(id as RecordId);
+        } else if kind == Kind::Context {
+            contexts.entry((s, d)).or_default().push(id as RecordId);
         }
         let cfg = t.header.devices[d];
         // Walk the chain.
@@ -489,7 +519,7 @@ pub fn check(t: &mut Tables<'_>) -> Vec<String> {
             if buddy.as_ref().and_then(|b| b.owner_of(&block)) != Some(record.slot) {
                 problems.push(format!("record {id}: block at chunk {first} is not allocated to slot {s}"));
             }
-            chunks += 1u64 << order.min(63);
+            chunks = chunks.saturating_add(1u64 << order.min(63));
             next = link >> 8;
         }
         if chunks != record.chunks {
@@ -503,12 +533,14 @@ pub fn check(t: &mut Tables<'_>) -> Vec<String> {
             if record.chunks != expected {
                 problems.push(format!("record {id}: {} bytes should hold {expected} chunks, holds {}", record.bytes, record.chunks));
             }
-            usage[s][d].bytes[kind as usize] += record.bytes;
+            let bytes = &mut usage[s][d].bytes[kind as usize];
+            *bytes = bytes.saturating_add(record.bytes);
         }
         if kind != Kind::Small || record.state == RECORD_POOL {
-            usage[s][d].chunks[kind as usize] += record.chunks;
+            let chunks = &mut usage[s][d].chunks[kind as usize];
+            *chunks = chunks.saturating_add(record.chunks);
         }
-        device_chunks[d] += record.chunks;
+        device_chunks[d] = device_chunks[d].saturating_add(record.chunks);
     }
     for (s, slot) in t.slots.iter().enumerate() {
         if slot.state != SLOT_LIVE {
@@ -523,6 +555,16 @@ pub fn check(t: &mut Tables<'_>) -> Vec<String> {
             if want.chunks[Kind::Small as usize] != small {
                 problems.push(format!("slot {s} device {d}: small pool holds {} chunks for {} live small bytes", want.chunks[Kind::Small as usize], want.bytes[Kind::Small as usize]));
             }
+            // The slot's links to its pool and context (operations follow them).
+            for (what, link, records) in [("small pool", have.small_pool, pools.get(&(s, d))), ("context", have.context, contexts.get(&(s, d)))] {
+                match records.map(Vec::as_slice).unwrap_or_default() {
+                    [] if link == 0 => {}
+                    [one] if link == one + 1 => {}
+                    [] => problems.push(format!("slot {s} device {d}: {what} link {link} but it has no {what} record")),
+                    [one] => problems.push(format!("slot {s} device {d}: {what} link {link} but its {what} is record {one}")),
+                    many => problems.push(format!("slot {s} device {d}: {} {what} records {many:?}", many.len())),
+                }
+            }
         }
     }
     for d in 0..count {
@@ -532,7 +574,7 @@ pub fn check(t: &mut Tables<'_>) -> Vec<String> {
             problems.push(format!("device {d}: used {used} chunks but records hold {}", device_chunks[d]));
         }
         if used > cfg.chunks {
-            problems.push(format!("device {d}: usage {} exceeds the limit {}", used * cfg.chunk, cfg.limit));
+            problems.push(format!("device {d}: usage {} exceeds the limit {}", used.saturating_mul(cfg.chunk), cfg.limit));
         }
         let Some(words) = t.buddies[d].as_deref_mut() else { continue };
         match Buddy::attach(words) {
