@@ -116,6 +116,10 @@ pub const CU_MEM_ALLOC_GRANULARITY_RECOMMENDED: c_int = 1;
 pub const CU_MEM_ATTACH_GLOBAL: c_uint = 1;
 pub const CU_MEM_ATTACH_HOST: c_uint = 2;
 
+// `CUmemPool_attribute` (values of those read here are `cuuint64_t`).
+pub const CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT: c_int = 5;
+pub const CU_MEMPOOL_ATTR_USED_MEM_CURRENT: c_int = 7;
+
 // CUdriverProcAddress_flags (a bit set, passed as `cuuint64_t flags`).
 pub const CU_GET_PROC_ADDRESS_LEGACY_STREAM: u64 = 1 << 0;
 pub const CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM: u64 = 1 << 1;

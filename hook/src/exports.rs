@@ -134,23 +134,29 @@ fn free(space: Space, address: u64, call: impl FnOnce() -> CUresult) -> CUresult
 }
 
 /// Charges the context reserve of `ordinal` once per process, then calls the driver.
+/// Context creation is serialised per process, so a second thread cannot slip a context
+/// past a charge that is about to be refused.
 fn context(driver: &Driver, ordinal: CUdevice, call: impl FnOnce() -> CUresult) -> CUresult {
-    let Mode::Enforce(session) = mode() else { return call() };
+    let session = match mode() {
+        Mode::PassThrough => return call(),
+        // A context is real device memory too: an unusable ledger refuses it.
+        Mode::Refuse(_) => return CUDA_ERROR_OUT_OF_MEMORY,
+        Mode::Enforce(session) => session,
+    };
     let Some(device) = session.ledger_device(ordinal) else { return call() };
-    if !session.first_context(device) {
+    let _serial = session.context_lock();
+    if session.context_charged(device) {
         return call();
     }
     match admit(driver, Charge::Context, Some(ordinal)) {
-        Admission::Refuse => {
-            session.forget_context(device);
-            CUDA_ERROR_OUT_OF_MEMORY
-        }
+        Admission::Refuse => CUDA_ERROR_OUT_OF_MEMORY,
         Admission::Pass => call(),
         Admission::Charged(session, _, record) => {
             let result = call();
-            if result != CUDA_SUCCESS {
+            if result == CUDA_SUCCESS {
+                session.set_context_charged(device);
+            } else {
                 let _ = session.ledger.release(session.slot, record);
-                session.forget_context(device);
             }
             result
         }
@@ -517,6 +523,11 @@ pub unsafe extern "C" fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *m
     if !unsafe { CStr::from_ptr(symbol) }.to_bytes().starts_with(b"cu") {
         return found;
     }
+    substitute_found(found)
+}
+
+/// Our wrapper in place of a real CUDA entry point found by a symbol lookup.
+fn substitute_found(found: *mut c_void) -> *mut c_void {
     LOADING.with(|loading| loading.set(true));
     let wrapper = wrapper_for(found as usize);
     LOADING.with(|loading| loading.set(false));

@@ -13,19 +13,23 @@ use cuda_abi::{CUcontext, CUctxCreateParams, CUdevice, CUdeviceptr, CUmemAllocat
 
 type DlsymFn = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
 
+/// The C library's function `name` (looked up past this library, under the symbol versions
+/// glibc has used for it). This library must never export `dlvsym` itself: this lookup
+/// would then find its own, and versioned lookups are left to the C library (the eBPF
+/// probes see calls into libcuda however their address was found).
+fn libc_function(name: &CStr) -> Option<usize> {
+    [c"GLIBC_2.34", c"GLIBC_2.2.5", c"GLIBC_2.17"].iter().find_map(|version| {
+        // SAFETY: the C library's own dlvsym (not interposed by this library), RTLD_NEXT and
+        // NUL-terminated names; it returns null on failure.
+        let found = unsafe { libc::dlvsym(libc::RTLD_NEXT, name.as_ptr(), version.as_ptr()) };
+        (!found.is_null()).then_some(found as usize)
+    })
+}
+
 /// The C library's `dlsym`.
 pub fn real_dlsym() -> Option<DlsymFn> {
     static REAL: OnceLock<Option<usize>> = OnceLock::new();
-    let address = *REAL.get_or_init(|| {
-        for version in [c"GLIBC_2.34", c"GLIBC_2.2.5", c"GLIBC_2.17"] {
-            // SAFETY: dlvsym with RTLD_NEXT and NUL-terminated names; returns null on failure.
-            let found = unsafe { libc::dlvsym(libc::RTLD_NEXT, c"dlsym".as_ptr(), version.as_ptr()) };
-            if !found.is_null() {
-                return Some(found as usize);
-            }
-        }
-        None
-    });
+    let address = *REAL.get_or_init(|| libc_function(c"dlsym"));
     // SAFETY: the address is the C library's dlsym, whose signature this type spells.
     address.map(|a| unsafe { std::mem::transmute::<usize, DlsymFn>(a) })
 }

@@ -50,6 +50,7 @@ pub struct Session {
     devices: [Option<u32>; MAX_DEVICES],
     /// Whether the context reserve was charged for a ledger device.
     contexts: [AtomicBool; MAX_DEVICES],
+    context_creation: Mutex<()>,
     allocations: [Mutex<HashMap<(Space, u64), (u32, RecordId)>>; SHARDS],
     pid: u32,
 }
@@ -81,16 +82,21 @@ impl Session {
         &self.allocations[index]
     }
 
-    /// Undoes [`Session::first_context`] (the context was not created).
-    pub fn forget_context(&self, device: u32) {
-        if let Some(charged) = self.contexts.get(device as usize) {
-            charged.store(false, Ordering::Release);
-        }
+    /// Serialises context creation in this process.
+    pub fn context_lock(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.context_creation.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Marks the context reserve of `device` charged; false if it already was.
-    pub fn first_context(&self, device: u32) -> bool {
-        self.contexts.get(device as usize).is_some_and(|c| !c.swap(true, Ordering::AcqRel))
+    /// Whether the context reserve of `device` is charged.
+    pub fn context_charged(&self, device: u32) -> bool {
+        self.contexts.get(device as usize).is_some_and(|c| c.load(Ordering::Acquire))
+    }
+
+    /// Notes that the context reserve of `device` is charged.
+    pub fn set_context_charged(&self, device: u32) {
+        if let Some(charged) = self.contexts.get(device as usize) {
+            charged.store(true, Ordering::Release);
+        }
     }
 }
 
@@ -243,6 +249,7 @@ fn open_session(config: &Config) -> Result<Session, SetupError> {
         slot,
         devices,
         contexts: std::array::from_fn(|_| AtomicBool::new(false)),
+        context_creation: Mutex::new(()),
         allocations: std::array::from_fn(|_| Mutex::new(HashMap::new())),
         pid: identity.pid,
     })

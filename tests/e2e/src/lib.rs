@@ -5,7 +5,12 @@
 //! and whose checkpoints it can answer.
 //!
 //! The binaries are not built by `cargo test -p e2e`; build them first:
-//! `cargo build -p fakecuda -p workload` (same profile as the tests).
+//! `cargo build -p fakecuda -p workload` (and `-p hook` for the hook's tests; same profile as
+//! the tests), or run `cargo xtask test`.
+//!
+//! A workload runs without the hook unless a test asks for it ([`FakeNode::hooked`]): the
+//! test's own `LD_PRELOAD`, `FAKECUDA_*`, `VRAMGUARD_*` and `CUDA_DEVICE_MEMORY_*` variables
+//! are never inherited, so e.g. [`FakeNode::devstat`] always asks the fake driver itself.
 //!
 //! [`agent`] starts a `vramguard run` for a test; [`cgroup`] makes a cgroup for one.
 
@@ -60,6 +65,18 @@ fn built(name: &str, package: &str) -> Result<PathBuf> {
 /// The `fakecuda-workload` binary.
 pub fn workload_bin() -> Result<PathBuf> {
     built("fakecuda-workload", "workload")
+}
+
+/// The hook, `libvramguard.so` (`target/<profile>/libvramguard.so`).
+pub fn hook_lib() -> Result<PathBuf> {
+    let path = target_dir()?.join("libvramguard.so");
+    if !path.is_file() {
+        bail!(
+            "{} is not built: run `cargo xtask test` (or `cargo build -p hook`, same profile as the tests) first",
+            path.display()
+        );
+    }
+    Ok(path)
 }
 
 /// The fake driver library itself (`target/<profile>/libcuda.so`).
@@ -148,6 +165,31 @@ impl FakeNode {
         &self.env
     }
 
+    /// A ledger path of this node's own (`<state dir>/<node>.ledger`), removed with the node.
+    pub fn ledger_path(&self) -> PathBuf {
+        self.state_dir.join(format!("{}.ledger", self.name))
+    }
+
+    /// A workload on this node under the hook: `LD_PRELOAD` of [`hook_lib`], a quota of
+    /// `limit` bytes on every device (`CUDA_DEVICE_MEMORY_LIMIT`), the ledger at `ledger`
+    /// (`VRAMGUARD_LEDGER`), and a context reserve equal to what the fake charges per
+    /// context (`VRAMGUARD_CONTEXT_RESERVE` = this node's `FAKECUDA_CONTEXT_BYTES`).
+    pub fn hooked(&self, ledger: &Path, limit: u64) -> Result<Workload> {
+        let context = self
+            .env
+            .iter()
+            .rev()
+            .find(|(k, _)| k == "FAKECUDA_CONTEXT_BYTES")
+            .map(|(_, v)| v.clone())
+            .unwrap_or_else(|| DEFAULT_CONTEXT_BYTES.to_string().into());
+        Ok(self
+            .workload()
+            .env("LD_PRELOAD", hook_lib()?)
+            .env("CUDA_DEVICE_MEMORY_LIMIT", limit.to_string())
+            .env("VRAMGUARD_LEDGER", ledger)
+            .env("VRAMGUARD_CONTEXT_RESERVE", context))
+    }
+
     /// A workload on this node.
     pub fn workload(&self) -> Workload {
         let mut w = Workload::new();
@@ -175,10 +217,13 @@ impl FakeNode {
         let Ok(entries) = std::fs::read_dir(&self.state_dir) else { return };
         let prefix = format!("{}-dev", self.name);
         let tmp_prefix = format!(".{prefix}");
+        // The ledger and the temporaries of its creation (`.<name>.ledger.creating.<pid>`).
+        let ledger = format!("{}.ledger", self.name);
+        let ledger_tmp = format!(".{ledger}.");
         for entry in entries.flatten() {
             let name = entry.file_name();
             let name = name.to_string_lossy();
-            if name.starts_with(&prefix) || name.starts_with(&tmp_prefix) {
+            if name.starts_with(&prefix) || name.starts_with(&tmp_prefix) || name == ledger || name.starts_with(&ledger_tmp) {
                 let _ = std::fs::remove_file(entry.path());
             }
         }
@@ -210,8 +255,9 @@ pub struct Workload {
 }
 
 impl Workload {
-    /// A workload with no steps, the fake driver on `LD_LIBRARY_PATH`, and no `FAKECUDA_*`
-    /// variables inherited from the test's environment.
+    /// A workload with no steps, the fake driver on `LD_LIBRARY_PATH`, and no `FAKECUDA_*`,
+    /// `VRAMGUARD_*`, `CUDA_DEVICE_MEMORY_*` or `LD_PRELOAD` inherited from the test's
+    /// environment.
     pub fn new() -> Workload {
         Workload::default()
     }
@@ -271,7 +317,9 @@ impl Workload {
         }
         cmd.env("LD_LIBRARY_PATH", std::env::join_paths(path).context("bad LD_LIBRARY_PATH")?);
         for (k, _) in std::env::vars_os() {
-            if k.to_string_lossy().starts_with("FAKECUDA_") {
+            let key = k.to_string_lossy();
+            let ours = ["FAKECUDA_", "VRAMGUARD_", "CUDA_DEVICE_MEMORY_"].iter().any(|p| key.starts_with(p));
+            if ours || key == "LD_PRELOAD" {
                 cmd.env_remove(k);
             }
         }

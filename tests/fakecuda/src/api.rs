@@ -55,6 +55,7 @@ apis! {
     MemAllocFromPoolAsyncPtsz = "cuMemAllocFromPoolAsync_ptsz",
     DeviceGetMemPool = "cuDeviceGetMemPool",
     MemPoolTrimTo = "cuMemPoolTrimTo",
+    MemPoolGetAttribute = "cuMemPoolGetAttribute",
     MemCreate = "cuMemCreate",
     MemRelease = "cuMemRelease",
     MemAddressReserve = "cuMemAddressReserve",

@@ -569,6 +569,12 @@ impl Driver {
         Ok(addr)
     }
 
+    /// (reserved, used) bytes of device `dev`'s default pool, as this process sees them.
+    pub fn pool_usage(&self, dev: usize) -> R<(u64, u64)> {
+        let d = self.dev(dev)?;
+        Ok((d.usage.pool_reserved, d.pool_used))
+    }
+
     /// `cuMemPoolTrimTo`: releases reserved memory down to
     /// `max(round_up(used, 2 MiB), round_up(min(reserved, keep), 2 MiB))`.
     pub fn pool_trim(&mut self, dev: usize, keep: u64) -> R<()> {

@@ -364,6 +364,23 @@ pub unsafe extern "C" fn cuMemPoolTrimTo(pool: CUmemoryPool, minBytesToKeep: usi
     })
 }
 
+/// `cuMemPoolGetAttribute`: `CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT` and
+/// `CU_MEMPOOL_ATTR_USED_MEM_CURRENT` (both `cuuint64_t`); other attributes are not modelled
+/// and return `CUDA_ERROR_NOT_SUPPORTED`.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemPoolGetAttribute(pool: CUmemoryPool, attr: c_int, value: *mut c_void) -> CUresult {
+    let read = |d: &mut Driver| {
+        let (reserved, used) = d.pool_usage(d.pool_dev(pool as u64)?)?;
+        match attr {
+            CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT => Ok(reserved),
+            CU_MEMPOOL_ATTR_USED_MEM_CURRENT => Ok(used),
+            _ => Err(CUDA_ERROR_NOT_SUPPORTED),
+        }
+    };
+    // SAFETY: for these attributes the caller passes NULL or a valid cuuint64_t pointer.
+    unsafe { call_out(Api::MemPoolGetAttribute, value.cast::<u64>(), read) }
+}
+
 // ---- virtual memory management ------------------------------------------------------------------------
 
 /// Device-located pinned memory only; `size` must be a multiple of 2 MiB. Handles carry

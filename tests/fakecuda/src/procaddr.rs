@@ -55,6 +55,7 @@ pub fn resolve(symbol: &str, version: c_int, flags: u64) -> Result<usize, c_int>
         "cuMemAllocFromPoolAsync" => (11020, e::cuMemAllocFromPoolAsync as *const () as usize),
         "cuDeviceGetMemPool" => (11020, e::cuDeviceGetMemPool as *const () as usize),
         "cuMemPoolTrimTo" => (11020, e::cuMemPoolTrimTo as *const () as usize),
+        "cuMemPoolGetAttribute" => (11020, e::cuMemPoolGetAttribute as *const () as usize),
         "cuMemCreate" => (10020, e::cuMemCreate as *const () as usize),
         "cuMemRelease" => (10020, e::cuMemRelease as *const () as usize),
         "cuMemAddressReserve" => (10020, e::cuMemAddressReserve as *const () as usize),

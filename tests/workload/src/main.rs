@@ -9,6 +9,7 @@
 //! Output: `ready pid=N` first (after `cuInit`), `ok STEP NAME 0xPTR BYTES` for each
 //! allocation or free, and one line per query step; stdout is flushed after every line. A CUDA
 //! error prints `error STEP CODE NAME` on stderr and exits 1; a bad command line exits 2.
+//! A child made by the `fork` step prefixes each of its lines (stdout and stderr) with `child `.
 //! Steps are documented in [`steps`] and in `--help`.
 
 mod cuda;
@@ -24,6 +25,7 @@ use steps::Step;
 
 const USAGE: &str = "\
 usage: fakecuda-workload [--via dlsym|getproc] [--no-init] [--script FILE] [STEP]...
+
 
 Each argument (or script line; # starts a comment) is one step. Sizes take k/m/g/t suffixes.
   ctx DEV                 cuDeviceGet + cuDevicePrimaryCtxRetain + cuCtxSetCurrent
@@ -47,6 +49,15 @@ Each argument (or script line; # starts a comment) is one step. Sizes take k/m/g
   checkpoint NAME         prints: checkpoint NAME, then waits for a line (or EOF) on stdin
   sleep MS | hold | exit CODE | kill
   stress THREADS PAIRS SIZE   prints: stress pairs=N
+  fill THREADS SIZE       each thread cuMemAlloc_v2s SIZE until refused (any error but
+                          CUDA_ERROR_OUT_OF_MEMORY fails); keeps the allocations;
+                          prints: fill allocations=N refusals=M
+  free-fill               cuMemFree_v2 of everything fill holds; prints: free-fill frees=N
+  meminfo-null            cuMemGetInfo_v2(NULL, &total) and (&free, NULL);
+                          prints: meminfo-null null-free=CODE null-total=CODE
+  fork STEP[; STEP]...    fork; the child runs cuInit, prints ready, runs the steps (its
+                          lines prefixed `child `) and exits 0; the parent waits, then
+                          prints: fork child=PID exit=CODE (or signal=SIG)
   bench PAIRS SIZE            prints: bench pairs=N ns_per_pair=X
   procaddr QUERY [EXPORT|-] [VERSION] [FLAGS]
                           prints: procaddr QUERY code=C status=S getproc=0xA dlsym=0xB
@@ -76,12 +87,25 @@ struct Runner {
     names: HashMap<String, Named>,
     /// Contexts made by ctx / ctx-create: (handle, device, primary).
     ctxs: Vec<(u64, CUdevice, bool)>,
+    /// What `fill` allocated and `free-fill` has not freed yet.
+    filled: Vec<CUdeviceptr>,
+}
+
+/// Set in a child made by the `fork` step: its output lines start with `child `.
+static IN_CHILD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+fn prefix() -> &'static str {
+    if IN_CHILD.load(std::sync::atomic::Ordering::Relaxed) {
+        "child "
+    } else {
+        ""
+    }
 }
 
 fn say(line: std::fmt::Arguments<'_>) {
     let mut out = std::io::stdout().lock();
     // A closed stdout (the test stopped reading) must not abort the workload.
-    let _ = writeln!(out, "{line}");
+    let _ = writeln!(out, "{}{line}", prefix());
     let _ = out.flush();
 }
 
@@ -337,6 +361,73 @@ impl Runner {
                 result.map_err(Ok)?;
                 say!("stress pairs={}", u64::from(*threads) * pairs);
             }
+            Step::Fill { threads, size } => {
+                let mut ctx: CUcontext = null();
+                self.call(|s| {
+                    cu!(s, verb, ctx_get_current(&mut ctx));
+                    Ok(())
+                })?;
+                let ctx = ctx as u64;
+                let this = &*self;
+                let filled: Res<Vec<Vec<CUdeviceptr>>> = std::thread::scope(|scope| {
+                    let workers: Vec<_> = (0..*threads)
+                        .map(|_| scope.spawn(move || this.fill(verb, ctx, *size)))
+                        .collect();
+                    workers
+                        .into_iter()
+                        .map(|w| w.join().unwrap_or(Err(Failure { step: verb, code: -1 })))
+                        .collect()
+                });
+                let filled = filled.map_err(Ok)?;
+                let allocations: usize = filled.iter().map(Vec::len).sum();
+                self.filled.extend(filled.into_iter().flatten());
+                // Each thread stops at its first refusal.
+                say!("fill allocations={allocations} refusals={threads}");
+            }
+            Step::FreeFill => {
+                let mut frees = 0u64;
+                while let Some(&p) = self.filled.last() {
+                    self.call(|s| {
+                        cu!(s, verb, mem_free(p));
+                        Ok(())
+                    })?;
+                    self.filled.pop();
+                    frees += 1;
+                }
+                say!("free-fill frees={frees}");
+            }
+            Step::MeminfoNull => {
+                let f = self.drv.fns.mem_get_info.ok_or(Ok(Failure { step: verb, code: CUDA_ERROR_NOT_FOUND }))?;
+                let (mut free, mut total) = (0usize, 0usize);
+                // SAFETY: cuMemGetInfo_v2 with one NULL out-pointer and one valid one: the
+                // driver must answer a NULL with an error code, never write through it.
+                let (null_free, null_total) =
+                    unsafe { (f(std::ptr::null_mut(), &mut total), f(&mut free, std::ptr::null_mut())) };
+                say!("meminfo-null null-free={null_free} null-total={null_total}");
+            }
+            Step::Fork(steps) => {
+                let _ = std::io::stdout().flush();
+                // SAFETY: fork(2); no other thread of this process runs at this point (steps
+                // join the threads they start), so the child inherits no held lock.
+                let pid = unsafe { libc::fork() };
+                if pid < 0 {
+                    return Err(Err(format!("fork: {}", std::io::Error::last_os_error())));
+                }
+                if pid == 0 {
+                    self.run_child(steps);
+                }
+                let mut status: c_int = 0;
+                // SAFETY: waits for our own child, with a valid out-pointer.
+                let waited = unsafe { libc::waitpid(pid, &mut status, 0) };
+                if waited != pid {
+                    return Err(Err(format!("waitpid({pid}): {}", std::io::Error::last_os_error())));
+                }
+                if libc::WIFEXITED(status) {
+                    say!("fork child={pid} exit={}", libc::WEXITSTATUS(status));
+                } else {
+                    say!("fork child={pid} signal={}", libc::WTERMSIG(status));
+                }
+            }
             Step::Bench { pairs, size } => {
                 let start = Instant::now();
                 self.pairs(verb, 0, *pairs, *size).map_err(Ok)?;
@@ -403,6 +494,55 @@ impl Runner {
             win32_handle_meta_data: null(),
             alloc_flags: CUmemAllocFlags::default(),
         })
+    }
+
+    /// cuMemAlloc_v2 of `size` on this thread (after making `ctx` current, unless it is 0)
+    /// until the driver refuses with CUDA_ERROR_OUT_OF_MEMORY; returns what it allocated.
+    /// Any other error fails.
+    fn fill(&self, step: &'static str, ctx: u64, size: u64) -> Res<Vec<CUdeviceptr>> {
+        if ctx != 0 {
+            cu!(self, step, ctx_set_current(ctx as CUcontext));
+        }
+        let alloc = self.drv.fns.mem_alloc.ok_or(Failure { step, code: CUDA_ERROR_NOT_FOUND })?;
+        let mut held = Vec::new();
+        loop {
+            let mut p: CUdeviceptr = 0;
+            // SAFETY: cuMemAlloc_v2 with a valid out-pointer.
+            match unsafe { alloc(&mut p, size as usize) } {
+                CUDA_SUCCESS => held.push(p),
+                CUDA_ERROR_OUT_OF_MEMORY => return Ok(held),
+                code => return Err(Failure { step, code }),
+            }
+        }
+    }
+
+    /// The child side of `fork`: a fresh driver (`cuInit`), no allocations of the parent's,
+    /// the steps, exit 0. Never returns.
+    fn run_child(&mut self, steps: &[Step]) -> ! {
+        IN_CHILD.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.names.clear();
+        self.ctxs.clear();
+        self.filled.clear();
+        let init = self.call(|s| {
+            cu!(s, "init", init(0));
+            Ok(())
+        });
+        if let Err(Ok(f)) = init {
+            fail(self, f);
+        }
+        say!("ready pid={}", std::process::id());
+        for step in steps {
+            match self.run(step) {
+                Ok(()) => {}
+                Err(Ok(f)) => fail(self, f),
+                Err(Err(e)) => {
+                    eprintln!("{}fakecuda-workload: {e}", prefix());
+                    std::process::exit(2);
+                }
+            }
+        }
+        let _ = std::io::stdout().flush();
+        std::process::exit(0);
     }
 
     /// `pairs` cuMemAlloc_v2/cuMemFree_v2 pairs on this thread (after making `ctx` current,
@@ -482,7 +622,7 @@ fn main() {
             std::process::exit(1);
         }
     };
-    let mut runner = Runner { drv, names: HashMap::new(), ctxs: Vec::new() };
+    let mut runner = Runner { drv, names: HashMap::new(), ctxs: Vec::new(), filled: Vec::new() };
     if opts.init {
         let init = runner.call(|s| {
             cu!(s, "init", init(0));
@@ -508,6 +648,6 @@ fn main() {
 fn fail(runner: &Runner, f: Failure) -> ! {
     let _ = std::io::stdout().flush();
     let name = runner.drv.error_name(f.code);
-    eprintln!("error {} {} {}", f.step, f.code, name);
+    eprintln!("{}error {} {} {}", prefix(), f.step, f.code, name);
     std::process::exit(1);
 }

@@ -37,6 +37,10 @@ pub enum Step {
     Procaddr { query: String, export: Option<String>, version: i32, flags: u64 },
     Dlsym(Vec<String>),
     Calls(Vec<String>),
+    Fill { threads: u32, size: u64 },
+    FreeFill,
+    MeminfoNull,
+    Fork(Vec<Step>),
 }
 
 /// A step that could not be parsed.
@@ -91,6 +95,10 @@ impl Step {
             Step::Procaddr { .. } => "procaddr",
             Step::Dlsym(_) => "dlsym",
             Step::Calls(_) => "calls",
+            Step::Fill { .. } => "fill",
+            Step::FreeFill => "free-fill",
+            Step::MeminfoNull => "meminfo-null",
+            Step::Fork(_) => "fork",
         }
     }
 
@@ -202,6 +210,39 @@ impl Step {
                 }
                 Step::Stress { threads, pairs, size: size(args[2])? }
             }
+            "fill" => {
+                want(2, "fill THREADS SIZE")?;
+                let threads = u32::try_from(int(args[0])?).map_err(|_| err("bad thread count"))?;
+                if threads == 0 || threads > 1024 {
+                    return Err(err("THREADS must be 1..=1024"));
+                }
+                let size = size(args[1])?;
+                if size == 0 {
+                    return Err(err("SIZE must not be 0"));
+                }
+                Step::Fill { threads, size }
+            }
+            "free-fill" => {
+                want(0, "free-fill")?;
+                Step::FreeFill
+            }
+            "meminfo-null" => {
+                want(0, "meminfo-null")?;
+                Step::MeminfoNull
+            }
+            "fork" => {
+                let steps: Vec<Step> = args
+                    .join(" ")
+                    .split(';')
+                    .map(str::trim)
+                    .filter(|s| !s.is_empty())
+                    .map(Step::parse)
+                    .collect::<Result<_, _>>()?;
+                if steps.is_empty() {
+                    return Err(err("usage: fork STEP[; STEP]..."));
+                }
+                Step::Fork(steps)
+            }
             "bench" => {
                 want(2, "bench PAIRS SIZE")?;
                 let pairs = u64::try_from(int(args[0])?).map_err(|_| err("bad pair count"))?;
@@ -278,6 +319,21 @@ mod tests {
         assert!(Step::parse("alloc a").is_err());
         assert!(Step::parse("alloc a 4q").is_err());
         assert!(Step::parse("frobnicate").is_err());
+        assert_eq!(Step::parse("fill 4 8m").ok(), Some(Step::Fill { threads: 4, size: 8 << 20 }));
+        assert!(Step::parse("fill 0 8m").is_err());
+        assert!(Step::parse("fill 2 0").is_err());
+        assert_eq!(Step::parse("free-fill").ok(), Some(Step::FreeFill));
+        assert_eq!(Step::parse("meminfo-null").ok(), Some(Step::MeminfoNull));
+        assert_eq!(
+            Step::parse("fork ctx 0; alloc b 2m ;checkpoint c").ok(),
+            Some(Step::Fork(vec![
+                Step::Ctx(0),
+                Step::Alloc { name: "b".into(), size: 2 << 20 },
+                Step::Checkpoint("c".into())
+            ]))
+        );
+        assert!(Step::parse("fork").is_err());
+        assert!(Step::parse("fork ctx 0; frobnicate").is_err());
         let script = Step::parse_script("# setup\nctx 0\n\nalloc a 1k # small\n").expect("script");
         assert_eq!(script, vec![Step::Ctx(0), Step::Alloc { name: "a".into(), size: 1024 }]);
     }
