@@ -20,6 +20,7 @@ use cuda_abi::{
 use ledger::{Charge, RecordId, ReserveError};
 
 use crate::{
+    pools::PoolOutcome,
     real::{self, Driver},
     session::{mode, say, Mode, Session, Space},
 };
@@ -47,10 +48,19 @@ fn admit(driver: &Driver, charge: Charge, ordinal: Option<CUdevice>) -> Admissio
     let Some(device) = session.ledger_device(ordinal) else {
         return Admission::Pass;
     };
+    match reserve_or_report(session, device, charge, 0) {
+        Some(record) => Admission::Charged(session, device, record),
+        None => Admission::Refuse,
+    }
+}
+
+/// Reserves `charge` on ledger `device`; on refusal sweeps dead processes' slots and tries
+/// once more, and reports the first refusal of the process on stderr.
+fn reserve_or_report(session: &Session, device: u32, charge: Charge, ptr: u64) -> Option<RecordId> {
     let mut swept = false;
     loop {
-        match session.ledger.reserve(session.slot, device, charge, 0) {
-            Ok(record) => return Admission::Charged(session, device, record),
+        match session.ledger.reserve(session.slot, device, charge, ptr) {
+            Ok(record) => return Some(record),
             Err(ReserveError::OverQuota { device, requested, used, limit }) => {
                 // Processes that died without a word may still hold quota: sweep once.
                 if !swept && session.ledger.reclaim_dead().is_ok_and(|dead| !dead.is_empty()) {
@@ -65,14 +75,14 @@ fn admit(driver: &Driver, charge: Charge, ordinal: Option<CUdevice>) -> Admissio
                         session.ledger.path().display()
                     ));
                 }
-                return Admission::Refuse;
+                return None;
             }
             Err(ReserveError::Ledger(error)) => {
                 static REPORTED: AtomicBool = AtomicBool::new(false);
                 if !REPORTED.swap(true, Ordering::Relaxed) {
                     say(&format!("ledger error, refusing the allocation: {error}"));
                 }
-                return Admission::Refuse;
+                return None;
             }
         }
     }
@@ -131,6 +141,17 @@ fn free(space: Space, address: u64, call: impl FnOnce() -> CUresult) -> CUresult
         None => {} // not ours: the driver decided
     }
     result
+}
+
+/// Frees a device pointer: a pool allocation settles its pool, anything else releases what
+/// was charged for it.
+fn free_pointer(driver: &Driver, address: u64, call: impl FnOnce() -> CUresult) -> CUresult {
+    if let Mode::Enforce(session) = mode() {
+        if session.pools.owns(address) {
+            return session.pools.free(session, driver, address, call);
+        }
+    }
+    free(Space::Pointer, address, call)
 }
 
 /// Charges the context reserve of `ordinal` once per process, then calls the driver.
@@ -266,7 +287,63 @@ pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
     let driver = driver_or_return!();
     let real = real_or_return!(driver, mem_free);
     // SAFETY: forwards the caller's argument unchanged.
-    free(Space::Pointer, dptr, || unsafe { real(dptr) })
+    free_pointer(driver, dptr, || unsafe { real(dptr) })
+}
+
+/// An allocation from a stream-ordered pool (`None`: the current device's current pool),
+/// charged for what the pool holds (see `pools`).
+///
+/// # Safety
+/// `dptr` is the caller's out-pointer of the driver call.
+unsafe fn pool_allocate(
+    driver: &Driver,
+    pool: Option<CUmemoryPool>,
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    call: impl FnOnce() -> CUresult,
+) -> CUresult {
+    if dptr.is_null() {
+        return call();
+    }
+    let session = match mode() {
+        Mode::PassThrough => return call(),
+        Mode::Refuse(_) => return CUDA_ERROR_OUT_OF_MEMORY,
+        Mode::Enforce(session) => session,
+    };
+    let Some(ordinal) = current_device(driver) else { return call() };
+    let Some(device) = session.ledger_device(ordinal) else { return call() };
+    let pool = pool.or_else(|| current_pool(driver, ordinal));
+    let mut call = Some(call);
+    let outcome = pool.and_then(|pool| {
+        session.pools.allocate(
+            session,
+            driver,
+            pool,
+            device,
+            size as u64,
+            |charge| reserve_or_report(session, device, charge, pool as u64),
+            || {
+                let result = call.take().map_or(CUDA_ERROR_NOT_FOUND, |call| call());
+                // SAFETY: the driver succeeded, so it wrote the out-pointer.
+                (result, (result == CUDA_SUCCESS).then(|| unsafe { *dptr }))
+            },
+        )
+    });
+    match (outcome, call) {
+        (Some(PoolOutcome::Called(result)), _) => result,
+        (Some(PoolOutcome::Refused), _) => CUDA_ERROR_OUT_OF_MEMORY,
+        // The driver cannot say what the pool holds: charge the allocation itself.
+        // SAFETY: as this function's contract.
+        (None, Some(call)) => unsafe { allocate(driver, Space::Pointer, Charge::Device(size as u64), None, dptr, call) },
+        (None, None) => CUDA_ERROR_NOT_FOUND, // unreachable: no outcome means no call
+    }
+}
+
+fn current_pool(driver: &Driver, ordinal: CUdevice) -> Option<CUmemoryPool> {
+    let get = driver.device_get_mem_pool?;
+    let mut pool: CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: the out-pointer is a live local.
+    (unsafe { get(&mut pool, ordinal) } == CUDA_SUCCESS && !pool.is_null()).then_some(pool)
 }
 
 macro_rules! async_alloc {
@@ -276,7 +353,7 @@ macro_rules! async_alloc {
             let driver = driver_or_return!();
             let real = real_or_return!(driver, $field);
             // SAFETY: forwards the caller's arguments unchanged.
-            unsafe { allocate(driver, Space::Pointer, Charge::Device(bytesize as u64), None, dptr, || real(dptr, bytesize, hStream)) }
+            unsafe { pool_allocate(driver, None, dptr, bytesize, || real(dptr, bytesize, hStream)) }
         }
     };
 }
@@ -290,7 +367,7 @@ macro_rules! pool_alloc {
             let driver = driver_or_return!();
             let real = real_or_return!(driver, $field);
             // SAFETY: forwards the caller's arguments unchanged.
-            unsafe { allocate(driver, Space::Pointer, Charge::Device(bytesize as u64), None, dptr, || real(dptr, bytesize, pool, hStream)) }
+            unsafe { pool_allocate(driver, Some(pool), dptr, bytesize, || real(dptr, bytesize, pool, hStream)) }
         }
     };
 }
@@ -304,7 +381,7 @@ macro_rules! async_free {
             let driver = driver_or_return!();
             let real = real_or_return!(driver, $field);
             // SAFETY: forwards the caller's arguments unchanged.
-            free(Space::Pointer, dptr, || unsafe { real(dptr, hStream) })
+            free_pointer(driver, dptr, || unsafe { real(dptr, hStream) })
         }
     };
 }
@@ -337,6 +414,18 @@ pub unsafe extern "C" fn cuMemRelease(handle: u64) -> CUresult {
     let real = real_or_return!(driver, mem_release);
     // SAFETY: forwards the caller's argument unchanged.
     free(Space::Handle, handle, || unsafe { real(handle) })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemPoolTrimTo(pool: CUmemoryPool, minBytesToKeep: usize) -> CUresult {
+    let driver = driver_or_return!();
+    let real = real_or_return!(driver, mem_pool_trim_to);
+    // SAFETY: forwards the caller's arguments unchanged.
+    let call = || unsafe { real(pool, minBytesToKeep) };
+    match mode() {
+        Mode::Enforce(session) => session.pools.after(session, driver, pool, call),
+        _ => call(),
+    }
 }
 
 // ---- contexts ----------------------------------------------------------------------------------
@@ -441,6 +530,7 @@ fn wrapper_named(symbol: &CStr) -> Option<usize> {
         b"cuMemAllocFromPoolAsync_ptsz" => cuMemAllocFromPoolAsync_ptsz as *const () as usize,
         b"cuMemFreeAsync" => cuMemFreeAsync as *const () as usize,
         b"cuMemFreeAsync_ptsz" => cuMemFreeAsync_ptsz as *const () as usize,
+        b"cuMemPoolTrimTo" => cuMemPoolTrimTo as *const () as usize,
         b"cuMemCreate" => cuMemCreate as *const () as usize,
         b"cuMemRelease" => cuMemRelease as *const () as usize,
         b"cuDevicePrimaryCtxRetain" => cuDevicePrimaryCtxRetain as *const () as usize,

@@ -84,6 +84,9 @@ driver_api! {
     mem_alloc_from_pool_ptsz = c"cuMemAllocFromPoolAsync_ptsz": fn(*mut CUdeviceptr, usize, CUmemoryPool, CUstream);
     mem_free_async = c"cuMemFreeAsync": fn(CUdeviceptr, CUstream);
     mem_free_async_ptsz = c"cuMemFreeAsync_ptsz": fn(CUdeviceptr, CUstream);
+    device_get_mem_pool = c"cuDeviceGetMemPool": fn(*mut CUmemoryPool, CUdevice);
+    mem_pool_trim_to = c"cuMemPoolTrimTo": fn(CUmemoryPool, usize);
+    mem_pool_get_attribute = c"cuMemPoolGetAttribute": fn(CUmemoryPool, c_int, *mut c_void);
     mem_create = c"cuMemCreate": fn(*mut u64, usize, *const CUmemAllocationProp, u64);
     mem_release = c"cuMemRelease": fn(u64);
     primary_ctx_retain = c"cuDevicePrimaryCtxRetain": fn(*mut CUcontext, CUdevice);

@@ -51,6 +51,8 @@ pub struct Session {
     /// Whether the context reserve was charged for a ledger device.
     contexts: [AtomicBool; MAX_DEVICES],
     context_creation: Mutex<()>,
+    /// Charges of the stream-ordered pools this process allocates from.
+    pub pools: crate::pools::Pools,
     allocations: [Mutex<HashMap<(Space, u64), (u32, RecordId)>>; SHARDS],
     pid: u32,
 }
@@ -250,6 +252,7 @@ fn open_session(config: &Config) -> Result<Session, SetupError> {
         devices,
         contexts: std::array::from_fn(|_| AtomicBool::new(false)),
         context_creation: Mutex::new(()),
+        pools: Default::default(),
         allocations: std::array::from_fn(|_| Mutex::new(HashMap::new())),
         pid: identity.pid,
     })

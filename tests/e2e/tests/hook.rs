@@ -445,6 +445,52 @@ fn threads_of_one_process_share_its_quota_exactly() -> Result<()> {
     Ok(())
 }
 
+/// Stream-ordered pools (PyTorch's `backend:cudaMallocAsync`): memory a pool keeps reserved
+/// after frees stays charged until the pool is trimmed, so the device never holds more than
+/// the quota; a pool reuses what it holds without a new charge.
+#[test]
+fn a_pool_is_charged_for_what_it_holds_until_trimmed() -> Result<()> {
+    for (alloc, free) in [("async", "free-async"), ("pool", "free-async"), ("async-ptsz", "free-async-ptsz")] {
+        let node = node("pools");
+        let ledger = node.ledger_path();
+        let mut w = hooked(&node, &ledger)?
+            .steps([
+                "ctx 0".to_string(),
+                format!("{alloc} a 600m"),
+                format!("{free} a"),
+                "checkpoint freed".to_string(),
+                "expect-oom alloc b 600m".to_string(),
+                format!("{alloc} c 500m"),
+                "checkpoint reused".to_string(),
+                format!("{free} c"),
+                "trim 0".to_string(),
+                "checkpoint trimmed".to_string(),
+                "alloc b 600m".to_string(),
+                "checkpoint moved".to_string(),
+                "free b".to_string(),
+            ])
+            .spawn()?;
+        w.wait_checkpoint("freed")?;
+        // Freed, but still reserved by the pool: charged, and held by the driver.
+        assert_eq!(ledger_used(&ledger)?, CTX + 600 * MIB, "{alloc}: the freed pool memory stays charged");
+        assert_eq!(node.used(0)?, CTX + 600 * MIB, "{alloc}: the driver still holds it");
+        w.resume()?;
+        w.wait_checkpoint("reused")?;
+        assert_eq!(ledger_used(&ledger)?, CTX + 600 * MIB, "{alloc}: reusing the pool's memory costs nothing more");
+        w.resume()?;
+        w.wait_checkpoint("trimmed")?;
+        assert_eq!(ledger_used(&ledger)?, CTX, "{alloc}: trimming gives the quota back");
+        w.resume()?;
+        w.wait_checkpoint("moved")?;
+        assert!(node.used(0)? <= LIMIT, "{alloc}: the driver never holds more than the quota");
+        w.resume()?;
+        let out = w.wait()?.success()?;
+        assert_eq!(out.lines("oom ").collect::<Vec<_>>(), ["oom b"], "{alloc}: only the over-quota allocation refused");
+        assert_ledger_empty(&ledger)?;
+    }
+    Ok(())
+}
+
 /// The bytes of the workload's next `ok alloc NAME 0xPTR BYTES` line.
 fn allocated(w: &mut Running, name: &str) -> Result<u64> {
     let line = w.expect_prefix(&format!("ok alloc {name} "))?;

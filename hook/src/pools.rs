@@ -1,0 +1,152 @@
+//! Stream-ordered memory pools (`cuMemAllocAsync`, `cuMemAllocFromPoolAsync`): what such a
+//! pool costs the device is its reserved memory, which freed allocations leave in place until
+//! the pool is trimmed, so that is what the ledger is charged.
+//!
+//! Before an allocation that the pool's free part cannot cover, the worst-case growth (the
+//! size rounded up to whole chunks) is admitted in the ledger; after the driver call, the
+//! charge is settled to the pool's reserved memory as the driver reports it
+//! (`CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT`). Frees and `cuMemPoolTrimTo` settle it again.
+//! A pool's charge is a stack of ledger records, released from the top while the rest still
+//! covers what the pool holds.
+use std::{
+    collections::HashMap,
+    ffi::c_void,
+    sync::Mutex,
+};
+
+use cuda_abi::{CUmemoryPool, CUresult, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, CU_MEMPOOL_ATTR_USED_MEM_CURRENT, CUDA_SUCCESS};
+use ledger::{Charge, RecordId};
+
+use crate::{real::Driver, session::Session};
+
+/// One pool's charge.
+struct PoolCharge {
+    device: u32,
+    /// Records, oldest first, and the bytes each charges.
+    records: Vec<(RecordId, u64)>,
+    charged: u64,
+}
+
+/// This process's pools and which pool each live pool allocation came from.
+#[derive(Default)]
+pub struct Pools {
+    state: Mutex<PoolState>,
+}
+
+#[derive(Default)]
+struct PoolState {
+    charges: HashMap<u64, PoolCharge>,
+    /// Live pool allocation → its pool.
+    origin: HashMap<u64, u64>,
+}
+
+/// What an allocation through a pool came to.
+pub enum PoolOutcome {
+    /// The driver's result (the charge is settled).
+    Called(CUresult),
+    /// Refused before the driver was called: over quota.
+    Refused,
+}
+
+fn attribute(driver: &Driver, pool: CUmemoryPool, attr: i32) -> Option<u64> {
+    let get = driver.mem_pool_get_attribute?;
+    let mut value: u64 = 0;
+    // SAFETY: for these attributes the driver writes one cuuint64_t to the live local.
+    (unsafe { get(pool, attr, (&mut value as *mut u64).cast::<c_void>()) } == CUDA_SUCCESS).then_some(value)
+}
+
+impl Pools {
+    /// Admits, calls and settles an allocation of `size` bytes from `pool` on ledger
+    /// `device`; `None` when the driver cannot report pool usage (the caller then charges
+    /// the allocation by itself).
+    #[allow(clippy::too_many_arguments)]
+    pub fn allocate(
+        &self,
+        session: &Session,
+        driver: &Driver,
+        pool: CUmemoryPool,
+        device: u32,
+        size: u64,
+        admit: impl FnOnce(Charge) -> Option<RecordId>,
+        call: impl FnOnce() -> (CUresult, Option<u64>),
+    ) -> Option<PoolOutcome> {
+        let reserved = attribute(driver, pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?;
+        let used = attribute(driver, pool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?;
+        let chunk = session.ledger.header().devices[device as usize].chunk;
+        let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let state = &mut *guard;
+        let charge = state.charges.entry(pool as u64).or_insert(PoolCharge { device, records: Vec::new(), charged: 0 });
+        // Bring the charge up to what the pool holds now, then admit the worst-case growth.
+        settle(session, charge, reserved, chunk);
+        if size > reserved.saturating_sub(used) {
+            let growth = size.div_ceil(chunk).saturating_mul(chunk);
+            let Some(record) = admit(Charge::Device(growth)) else { return Some(PoolOutcome::Refused) };
+            charge.records.push((record, growth));
+            charge.charged += growth;
+        }
+        let (result, address) = call();
+        let reserved = attribute(driver, pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT).unwrap_or(reserved);
+        settle(session, charge, reserved, chunk);
+        if let (CUDA_SUCCESS, Some(address)) = (result, address) {
+            state.origin.insert(address, pool as u64);
+        }
+        Some(PoolOutcome::Called(result))
+    }
+
+    /// Whether `address` is a live pool allocation of this process.
+    pub fn owns(&self, address: u64) -> bool {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).origin.contains_key(&address)
+    }
+
+    /// Calls the driver's free of pool allocation `address`, then settles its pool.
+    pub fn free(&self, session: &Session, driver: &Driver, address: u64, call: impl FnOnce() -> CUresult) -> CUresult {
+        let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let result = call();
+        if result == CUDA_SUCCESS {
+            if let Some(pool) = guard.origin.remove(&address) {
+                settle_pool(session, driver, &mut guard, pool);
+            }
+        }
+        result
+    }
+
+    /// Calls `cuMemPoolTrimTo` (or anything else that changes what `pool` holds), then settles.
+    pub fn after(&self, session: &Session, driver: &Driver, pool: CUmemoryPool, call: impl FnOnce() -> CUresult) -> CUresult {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let result = call();
+        settle_pool(session, driver, &mut state, pool as u64);
+        result
+    }
+}
+
+fn settle_pool(session: &Session, driver: &Driver, state: &mut PoolState, pool: u64) {
+    let Some(charge) = state.charges.get_mut(&pool) else { return };
+    let Some(reserved) = attribute(driver, pool as CUmemoryPool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT) else { return };
+    let chunk = session.ledger.header().devices[charge.device as usize].chunk;
+    settle(session, charge, reserved, chunk);
+}
+
+/// Makes `charge` cover exactly the pool's `reserved` bytes (in whole chunks).
+fn settle(session: &Session, charge: &mut PoolCharge, reserved: u64, chunk: u64) {
+    let target = reserved.div_ceil(chunk).saturating_mul(chunk);
+    while let Some(&(record, bytes)) = charge.records.last() {
+        if charge.charged - bytes < target {
+            break;
+        }
+        let _ = session.ledger.release(session.slot, record);
+        charge.records.pop();
+        charge.charged -= bytes;
+    }
+    if charge.charged < target {
+        let missing = target - charge.charged;
+        // The pool grew past what was admitted (it can only by the driver's own rounding):
+        // keep the books true, or say why they cannot be.
+        match session.ledger.reserve(session.slot, charge.device, Charge::Device(missing), 0) {
+            Ok(record) => {
+                charge.records.push((record, missing));
+                charge.charged += missing;
+            }
+            Err(error) => crate::session::say(&format!("a memory pool holds {missing} bytes more than the ledger could charge: {error}")),
+        }
+    }
+}
