@@ -185,6 +185,20 @@ pub fn create(
     result
 }
 
+/// An exclusive `flock` on `.<name>.lock` beside `path`, held until dropped: the turn to
+/// create a missing ledger. The small lock file stays.
+pub fn creation_lock(path: &Path) -> Result<File, LedgerError> {
+    let io_error = |source: io::Error| LedgerError::Io { path: path.to_path_buf(), source };
+    let name = path.file_name().ok_or_else(|| LedgerError::InvalidConfig(format!("{} has no file name", path.display())))?;
+    let lock_path = path.with_file_name(format!(".{}.lock", name.to_string_lossy()));
+    let file = OpenOptions::new().create(true).truncate(false).write(true).mode(0o666).open(&lock_path).map_err(io_error)?;
+    // SAFETY: flock on a descriptor this function owns; released when the File is dropped.
+    if unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&file), libc::LOCK_EX) } != 0 {
+        return Err(io_error(io::Error::last_os_error()));
+    }
+    Ok(file)
+}
+
 /// Opens and validates an existing ledger.
 pub fn open(path: &Path) -> Result<Mapped, LedgerError> {
     let io_error = |source: io::Error| LedgerError::Io { path: path.to_path_buf(), source };

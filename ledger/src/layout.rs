@@ -89,6 +89,10 @@ pub struct State {
     pub dirty: u32,
     /// Head of the free-record list: record index + 1, 0 when none is free.
     pub free_record: u32,
+    /// Every slot at this index or above is free (bounds scans of the slot table).
+    pub slots_in_use: u32,
+    /// Every record at this index or above is free (bounds scans of the record table).
+    pub records_in_use: u32,
     /// Repairs performed over the file's life.
     pub repairs: u64,
     /// Mutations performed over the file's life.

@@ -94,14 +94,25 @@ impl Ledger {
     }
 
     /// Opens the ledger at `path`, creating it with `geometry` if there is none.
+    ///
+    /// Processes that find no ledger take turns through an exclusive `flock` on a sibling
+    /// `.<name>.lock` file, so one of them builds the file while the others wait and then open
+    /// it (instead of every one building a copy and all but one throwing it away).
     pub fn open_or_create(path: &Path, geometry: &Geometry, creator: u32) -> Result<Ledger, LedgerError> {
-        match Ledger::open(path) {
-            Err(LedgerError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
-                match Ledger::create(path, geometry, creator) {
-                    Err(LedgerError::AlreadyExists { .. }) => Ledger::open(path),
-                    other => other,
-                }
-            }
+        let not_found = |result: &Result<Ledger, LedgerError>| {
+            matches!(result, Err(LedgerError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound)
+        };
+        let first = Ledger::open(path);
+        if !not_found(&first) {
+            return first;
+        }
+        let _turn = file::creation_lock(path)?;
+        let second = Ledger::open(path);
+        if !not_found(&second) {
+            return second;
+        }
+        match Ledger::create(path, geometry, creator) {
+            Err(LedgerError::AlreadyExists { .. }) => Ledger::open(path),
             other => other,
         }
     }
@@ -119,7 +130,11 @@ impl Ledger {
     /// is reclaimed and reused: an exec'd image starts clean.
     pub fn register(&self, process: ProcessIdentity) -> Result<SlotId, LedgerError> {
         self.locked(|t| {
-            let same = t.slots.iter().position(|s| {
+            if t.slots.get(t.used_slots()).is_some_and(|s| s.state != SLOT_FREE) {
+                repair(t); // a damaged high-water mark: rebuild it
+            }
+            let used = t.used_slots();
+            let same = t.slots[..used].iter().position(|s| {
                 s.state == SLOT_LIVE && s.pid == process.pid && s.pidns == process.pidns && s.start_time == process.start_time
             });
             let id = match same {
@@ -127,12 +142,13 @@ impl Ledger {
                     reclaim(t, id as SlotId);
                     id
                 }
-                None => t
-                    .slots
+                None => t.slots[..used]
                     .iter()
                     .position(|s| s.state == SLOT_FREE)
+                    .or((used < t.slots.len()).then_some(used))
                     .ok_or(LedgerError::NoFreeSlot(t.header.slot_count))?,
             };
+            t.state.slots_in_use = t.state.slots_in_use.max(id as u32 + 1);
             let slot = &mut t.slots[id];
             *slot = zeroed_slot();
             slot.pid = process.pid;
@@ -189,26 +205,37 @@ impl Ledger {
 
     /// Reclaims every slot whose process is gone, as judged from this process's pid
     /// namespace (slots of other namespaces are left to the agent). Returns those reclaimed.
+    ///
+    /// The processes are looked up in /proc without the lock held; each slot found dead is
+    /// then reclaimed under the lock only if it still describes the same process.
     pub fn reclaim_dead(&self) -> Result<Vec<SlotId>, LedgerError> {
+        let identity = |s: &Slot| ProcessIdentity { pid: s.pid, pidns: s.pidns, start_time: s.start_time };
+        let candidates: Vec<(SlotId, ProcessIdentity)> = self
+            .slots()?
+            .into_iter()
+            .map(|view| (view.id, identity(&view.slot)))
+            .filter(|(_, process)| process.is_alive() == Some(false))
+            .collect();
+        if candidates.is_empty() {
+            return Ok(Vec::new());
+        }
         self.locked(|t| {
-            let dead: Vec<SlotId> = (0..t.slots.len() as SlotId)
-                .filter(|&id| {
-                    let s = &t.slots[id as usize];
-                    s.state == SLOT_LIVE
-                        && ProcessIdentity { pid: s.pid, pidns: s.pidns, start_time: s.start_time }.is_alive() == Some(false)
-                })
-                .collect();
-            for &id in &dead {
-                reclaim(t, id);
+            let mut reclaimed = Vec::new();
+            for (id, process) in candidates {
+                let slot = &t.slots[id as usize];
+                if slot.state == SLOT_LIVE && identity(slot) == process {
+                    reclaim(t, id);
+                    reclaimed.push(id);
+                }
             }
-            dead
+            reclaimed
         })
     }
 
     /// Copies of the live slots.
     pub fn slots(&self) -> Result<Vec<SlotView>, LedgerError> {
         self.locked(|t| {
-            t.slots
+            t.slots[..t.used_slots()]
                 .iter()
                 .enumerate()
                 .filter(|(_, s)| s.state == SLOT_LIVE)
@@ -220,7 +247,7 @@ impl Ledger {
     /// Copies of the records in use (allocations, small pools, context reserves).
     pub fn records(&self) -> Result<Vec<(RecordId, crate::layout::Record)>, LedgerError> {
         self.locked(|t| {
-            t.records
+            t.records[..t.used_records()]
                 .iter()
                 .enumerate()
                 .filter(|(_, r)| r.state != crate::layout::RECORD_FREE)

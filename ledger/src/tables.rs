@@ -51,6 +51,16 @@ pub fn zeroed_slot() -> Slot {
 struct Damaged;
 
 impl<'a> Tables<'a> {
+    /// The slots that may be live (all beyond are free).
+    pub fn used_slots(&self) -> usize {
+        (self.state.slots_in_use as usize).min(self.slots.len())
+    }
+
+    /// The records that may be in use (all beyond are free).
+    pub fn used_records(&self) -> usize {
+        (self.state.records_in_use as usize).min(self.records.len())
+    }
+
     fn chunk(&self, device: u32) -> u64 {
         self.header.devices[device as usize].chunk
     }
@@ -145,6 +155,7 @@ impl<'a> Tables<'a> {
             return Err(Damaged);
         }
         self.state.free_record = record.next_free;
+        self.state.records_in_use = self.state.records_in_use.max(index + 1);
         Ok(Some(index))
     }
 
@@ -351,7 +362,7 @@ fn shrink_small_pool(t: &mut Tables<'_>, slot: SlotId, device: u32) -> Result<()
 pub fn reclaim(t: &mut Tables<'_>, slot: SlotId) -> u64 {
     let before = t.state.devices.iter().fold(0u64, |sum, d| sum.saturating_add(d.used_chunks));
     let mut damaged = false;
-    for id in 0..t.records.len() as RecordId {
+    for id in 0..t.used_records() as RecordId {
         let record = t.records[id as usize];
         if record.slot != slot || record.state == RECORD_FREE {
             continue;
@@ -454,6 +465,8 @@ pub fn repair(t: &mut Tables<'_>) {
             }
         }
     }
+    t.state.slots_in_use = t.slots.iter().rposition(|s| s.state == SLOT_LIVE).map_or(0, |i| i as u32 + 1);
+    t.state.records_in_use = t.records.iter().rposition(|r| r.state != RECORD_FREE).map_or(0, |i| i as u32 + 1);
     t.state.repairs = t.state.repairs.wrapping_add(1);
 }
 
@@ -541,6 +554,12 @@ pub fn check(t: &mut Tables<'_>) -> Vec<String> {
             *chunks = chunks.saturating_add(record.chunks);
         }
         device_chunks[d] = device_chunks[d].saturating_add(record.chunks);
+    }
+    if let Some(beyond) = t.slots.iter().skip(t.state.slots_in_use as usize).position(|s| s.state != SLOT_FREE) {
+        problems.push(format!("slot {} is in use beyond slots_in_use {}", beyond + t.state.slots_in_use as usize, t.state.slots_in_use));
+    }
+    if let Some(beyond) = t.records.iter().skip(t.state.records_in_use as usize).position(|r| r.state != RECORD_FREE) {
+        problems.push(format!("record {} is in use beyond records_in_use {}", beyond + t.state.records_in_use as usize, t.state.records_in_use));
     }
     for (s, slot) in t.slots.iter().enumerate() {
         if slot.state != SLOT_LIVE {

@@ -1,15 +1,18 @@
-//! `cargo xtask bench`: what the eBPF probes cost a workload, measured against the fake
-//! driver (release build) with and without `vramguard run` attached, written to
-//! docs/BENCHMARKS.md with the machine and the date.
+//! `cargo xtask bench`: what vramguard costs a workload, measured against the fake driver
+//! (release builds), written to docs/BENCHMARKS.md with the machine and the date.
 //!
-//! Two cases: an alloc/free pair of 1 KiB while another small allocation stays live (the
-//! fake driver's charge does not change, so the pair is cheap and the probes dominate), and a
-//! pair of 2 MiB (each call changes the device's shared counters under its file lock).
+//! - eBPF probes: an alloc/free pair with and without `vramguard run` attached. Two cases:
+//!   1 KiB while another small allocation stays live (the fake's charge does not change, so
+//!   the pair is cheap and the probes dominate) and 2 MiB (each call changes the device's
+//!   shared counters under the fake's file lock).
+//! - The hook: the same pairs with and without `libvramguard.so` preloaded, in one process
+//!   and in 8 processes sharing one ledger; and the first CUDA call (which sets the hook up:
+//!   opens the ledger, takes a slot) of 64 processes started together.
 use std::{
     fmt::Write as _,
     fs,
-    path::Path,
-    process::Command,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
 };
 
 use anyhow::{bail, Context, Result};
@@ -17,19 +20,55 @@ use e2e::agent::Agent;
 
 use crate::{build_ebpf, cargo, root, run, setup};
 
-/// Repeats of each measurement; the median is reported.
+/// Repeats of each single-process measurement; the median is reported.
 const REPEATS: usize = 7;
 
-struct Case {
-    name: &'static str,
-    pairs: u64,
-    steps: &'static [&'static str],
+/// One line of the report.
+struct Row {
+    name: String,
+    figure: f64,
+    unit: &'static str,
+    baseline: f64,
+    baseline_unit: &'static str,
 }
 
-const CASES: [Case; 2] = [
-    Case { name: "alloc+free 1 KiB pair", pairs: 200_000, steps: &["ctx 0", "alloc keep 512", "bench 200000 1k"] },
-    Case { name: "alloc+free 2 MiB pair", pairs: 50_000, steps: &["ctx 0", "bench 50000 2m"] },
-];
+const SMALL_PAIR: [&str; 3] = ["ctx 0", "alloc keep 512", "bench 200000 1k"];
+const BIG_PAIR: [&str; 2] = ["ctx 0", "bench 50000 2m"];
+
+/// The release builds the benchmark drives.
+struct Setup {
+    workload: PathBuf,
+    lib_dir: PathBuf,
+    hook: PathBuf,
+    scratch: PathBuf,
+}
+
+impl Setup {
+    /// A workload command against the fake driver on node `node`, hooked with `ledger` if given.
+    fn command(&self, node: &str, ledger: Option<&Path>, steps: &[&str]) -> Command {
+        let mut command = Command::new(&self.workload);
+        command
+            .env("LD_LIBRARY_PATH", &self.lib_dir)
+            .env("FAKECUDA_NODE", node)
+            .env("FAKECUDA_DEVICE_BYTES", "64g")
+            .env("FAKECUDA_CONTEXT_BYTES", "64m")
+            .args(steps)
+            .stdin(Stdio::null());
+        if let Some(ledger) = ledger {
+            command
+                .env("LD_PRELOAD", &self.hook)
+                .env("CUDA_DEVICE_MEMORY_LIMIT", "32g")
+                .env("VRAMGUARD_CONTEXT_RESERVE", "64m")
+                .env("VRAMGUARD_LEDGER", ledger);
+        }
+        command
+    }
+
+    fn cleanup(&self, node: &str) {
+        let _ = fs::remove_file(format!("/dev/shm/{node}-dev0"));
+        let _ = fs::remove_file(self.scratch.join(format!("{node}.ledger")));
+    }
+}
 
 pub fn bench() -> Result<()> {
     // SAFETY: geteuid has no preconditions.
@@ -38,77 +77,154 @@ pub fn bench() -> Result<()> {
     }
     setup::setup()?;
     build_ebpf()?;
-    run(cargo().args(["build", "--release", "-p", "fakecuda", "-p", "workload"]))?;
+    run(cargo().args(["build", "--release", "-p", "fakecuda", "-p", "workload", "-p", "hook"]))?;
     run(cargo().args(["build", "-p", "agent"]))?;
     let release = root().join("target/release");
-    let lib_dir = e2e::fake_driver_dir_in(&release)?;
-    let workload = release.join("fakecuda-workload");
-
+    let scratch = std::env::temp_dir().join(format!("vramguard-bench-{}", std::process::id()));
+    fs::create_dir_all(&scratch)?;
+    let setup = Setup {
+        workload: release.join("fakecuda-workload"),
+        lib_dir: e2e::fake_driver_dir_in(&release)?,
+        hook: release.join("libvramguard.so"),
+        scratch: scratch.clone(),
+    };
     let mut rows = Vec::new();
-    for case in &CASES {
-        let bare = median(&workload, &lib_dir, case)?;
-        let agent = Agent::start(&lib_dir.join("libcuda.so.1"))?;
-        let probed = median(&workload, &lib_dir, case)?;
-        let audit = agent.audit()?;
-        agent.stop()?;
-        let seen = audit["stats"]["events_alloc"].as_u64().unwrap_or(0);
-        if seen < case.pairs {
-            bail!("the probes saw {seen} allocations of a run of {} pairs: not attached?", case.pairs);
-        }
-        println!("{}: {bare:.0} ns without probes, {probed:.0} ns with ({:+.0} ns)", case.name, probed - bare);
-        rows.push((case.name, bare, probed));
-    }
+    probes(&setup, &mut rows)?;
+    hook(&setup, &mut rows)?;
+    let _ = fs::remove_dir_all(&scratch);
     write_report(&rows)
 }
 
-/// Median ns per pair over REPEATS runs of the case.
-fn median(workload: &Path, lib_dir: &Path, case: &Case) -> Result<f64> {
+fn probes(setup: &Setup, rows: &mut Vec<Row>) -> Result<()> {
+    for (name, steps, pairs) in [("1 KiB", &SMALL_PAIR[..], 200_000), ("2 MiB", &BIG_PAIR[..], 50_000)] {
+        let bare = median_pair(setup, None, steps)?;
+        let agent = Agent::start(&setup.lib_dir.join("libcuda.so.1"))?;
+        let probed = median_pair(setup, None, steps)?;
+        let audit = agent.audit()?;
+        agent.stop()?;
+        let seen = audit["stats"]["events_alloc"].as_u64().unwrap_or(0);
+        if seen < pairs {
+            bail!("the probes saw {seen} allocations of a run of {pairs} pairs: not attached?");
+        }
+        println!("probes, {name} pair: {bare:.0} ns bare, {probed:.0} ns probed");
+        rows.push(Row { name: format!("eBPF probes, alloc+free {name} pair"), figure: probed - bare, unit: "ns added per pair", baseline: bare, baseline_unit: "ns per pair, no probes" });
+    }
+    Ok(())
+}
+
+fn hook(setup: &Setup, rows: &mut Vec<Row>) -> Result<()> {
+    for (name, steps) in [("1 KiB", &SMALL_PAIR[..]), ("2 MiB", &BIG_PAIR[..])] {
+        let ledger = setup.scratch.join("single.ledger");
+        let bare = median_pair(setup, None, steps)?;
+        let hooked = median_pair(setup, Some(&ledger), steps)?;
+        println!("hook, {name} pair: {bare:.0} ns bare, {hooked:.0} ns hooked");
+        rows.push(Row { name: format!("hook, alloc+free {name} pair, 1 process"), figure: hooked - bare, unit: "ns added per pair", baseline: bare, baseline_unit: "ns per pair, no hook" });
+    }
+    let steps = ["ctx 0", "alloc keep 512", "bench 50000 1k"];
+    let bare = contended_pair(setup, None, &steps)?;
+    let hooked = contended_pair(setup, Some(&setup.scratch.join("contended.ledger")), &steps)?;
+    println!("hook, 8 processes: {bare:.0} ns bare, {hooked:.0} ns hooked");
+    rows.push(Row { name: "hook, alloc+free 1 KiB pair, 8 processes on one ledger".into(), figure: hooked - bare, unit: "ns added per pair (median process)", baseline: bare, baseline_unit: "ns per pair, no hook" });
+    let bare = first_call(setup, None)?;
+    let hooked = first_call(setup, Some(&setup.scratch.join("startup.ledger")))?;
+    println!("first CUDA call, 64 processes: p50 {bare:.0} ns bare, {hooked:.0} ns hooked");
+    rows.push(Row { name: "hook start-up: first CUDA call (context), 64 processes at once, p50".into(), figure: hooked - bare, unit: "ns added", baseline: bare, baseline_unit: "ns, no hook" });
+    Ok(())
+}
+
+/// Median ns per pair over REPEATS runs.
+fn median_pair(setup: &Setup, ledger: Option<&Path>, steps: &[&str]) -> Result<f64> {
     let mut samples = Vec::with_capacity(REPEATS);
     for _ in 0..REPEATS {
         let node = format!("bench-{}", std::process::id());
-        let output = Command::new(workload)
-            .env("LD_LIBRARY_PATH", lib_dir)
-            .env("FAKECUDA_NODE", &node)
-            .env("FAKECUDA_DEVICE_BYTES", "16g")
-            .args(case.steps)
-            .output()
-            .with_context(|| format!("cannot run {}", workload.display()))?;
-        let _ = fs::remove_file(format!("/dev/shm/{node}-dev0"));
-        let stdout = String::from_utf8_lossy(&output.stdout);
-        if !output.status.success() {
-            bail!("benchmark workload failed: {}{}", stdout, String::from_utf8_lossy(&output.stderr));
+        let output = setup.command(&node, ledger, steps).output().context("cannot run the workload")?;
+        setup.cleanup(&node);
+        if let Some(ledger) = ledger {
+            let _ = fs::remove_file(ledger);
         }
-        let ns = stdout
-            .lines()
-            .find_map(|line| line.strip_prefix("bench ")?.split_whitespace().find_map(|f| f.strip_prefix("ns_per_pair=")))
-            .and_then(|value| value.parse::<f64>().ok())
-            .context("the workload printed no `bench ... ns_per_pair=` line")?;
-        samples.push(ns);
+        samples.push(field(&output, "bench ", "ns_per_pair=")?);
     }
-    samples.sort_by(f64::total_cmp);
-    Ok(samples[samples.len() / 2])
+    Ok(median(samples))
 }
 
-fn write_report(rows: &[(&str, f64, f64)]) -> Result<()> {
+/// Median over 8 concurrent processes of their ns per pair.
+fn contended_pair(setup: &Setup, ledger: Option<&Path>, steps: &[&str]) -> Result<f64> {
+    let node = format!("bench8-{}", std::process::id());
+    let children: Vec<Child> = (0..8)
+        .map(|_| setup.command(&node, ledger, steps).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn())
+        .collect::<std::io::Result<_>>()
+        .context("cannot start the workloads")?;
+    let mut samples = Vec::new();
+    for child in children {
+        samples.push(field(&child.wait_with_output()?, "bench ", "ns_per_pair=")?);
+    }
+    setup.cleanup(&node);
+    if let Some(ledger) = ledger {
+        let _ = fs::remove_file(ledger);
+    }
+    Ok(median(samples))
+}
+
+/// p50 over 64 processes started together of their first CUDA call after cuInit.
+fn first_call(setup: &Setup, ledger: Option<&Path>) -> Result<f64> {
+    let node = format!("bench64-{}", std::process::id());
+    let children: Vec<Child> = (0..64)
+        .map(|_| setup.command(&node, ledger, &["timed ctx 0"]).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn())
+        .collect::<std::io::Result<_>>()
+        .context("cannot start the workloads")?;
+    let mut samples = Vec::new();
+    for child in children {
+        samples.push(field(&child.wait_with_output()?, "timed ", "ns=")?);
+    }
+    setup.cleanup(&node);
+    if let Some(ledger) = ledger {
+        let _ = fs::remove_file(ledger);
+    }
+    Ok(median(samples))
+}
+
+/// The number after `key` on the workload's line starting with `prefix`.
+fn field(output: &std::process::Output, prefix: &str, key: &str) -> Result<f64> {
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    if !output.status.success() {
+        bail!("benchmark workload failed: {}{}", stdout, String::from_utf8_lossy(&output.stderr));
+    }
+    stdout
+        .lines()
+        .find_map(|line| line.strip_prefix(prefix)?.split_whitespace().find_map(|f| f.strip_prefix(key)))
+        .and_then(|value| value.parse::<f64>().ok())
+        .with_context(|| format!("the workload printed no `{prefix}... {key}` line: {stdout}"))
+}
+
+fn median(mut samples: Vec<f64>) -> f64 {
+    samples.sort_by(f64::total_cmp);
+    samples.get(samples.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+fn write_report(rows: &[Row]) -> Result<()> {
     let mut text = String::from(
-        "# Benchmarks\n\nWritten by `cargo xtask bench`; each figure is the median of 7 runs.\n\n",
+        "# Benchmarks\n\nWritten by `cargo xtask bench` against the fake driver (release builds); single-process \
+         figures are the median of 7 runs. Ledger micro-benchmarks: `cargo bench -p ledger` \
+         (see ledger-benchmarks.md).\n\n",
     );
     let _ = writeln!(text, "Machine: {}; date: {}.\n", machine(), today());
     text.push_str("| name | figure | unit | baseline | ratio |\n|---|---|---|---|---|\n");
-    for (name, bare, probed) in rows {
+    for row in rows {
         let _ = writeln!(
             text,
-            "| probe cost, {name} | {:.0} | ns added per pair | {bare:.0} ns without probes | {:.2} |",
-            probed - bare,
-            probed / bare
+            "| {} | {:.0} | {} | {:.0} {} | {:.2} |",
+            row.name,
+            row.figure,
+            row.unit,
+            row.baseline,
+            row.baseline_unit,
+            (row.baseline + row.figure) / row.baseline
         );
     }
     text.push_str(
-        "\nBaseline: the fake driver's own cost per pair (release build), no eBPF attached. \
-         Figure: what `vramguard run` attached to the same library adds (entry and return \
-         probes on the allocation, entry probe on the free, map updates, one ring-buffer \
-         record per call). On a real H100 the driver's own pair costs about 80-100 us \
-         (DESIGN.md §5), so the added cost is to be read against that, not against the fake.\n",
+        "\nThe baselines are the fake driver's own costs. On a real H100 the driver's own pair \
+         costs about 80-100 us and a context about 518 MiB and many milliseconds (DESIGN.md §5), \
+         so added costs are to be read against those, not against the fake.\n",
     );
     let path = root().join("docs/BENCHMARKS.md");
     fs::create_dir_all(root().join("docs"))?;

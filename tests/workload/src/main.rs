@@ -46,6 +46,7 @@ Each argument (or script line; # starts a comment) is one step. Sizes take k/m/g
   meminfo                 prints: meminfo free=N total=N
   devstat DEV             prints: devstat used=N total=N (fakecuda_device_usage)
   expect-oom STEP...      STEP must fail with CUDA_ERROR_OUT_OF_MEMORY; prints: oom NAME
+  timed STEP...           runs STEP; prints: timed ns=N (its wall-clock duration)
   checkpoint NAME         prints: checkpoint NAME, then waits for a line (or EOF) on stdin
   sleep MS | hold | exit CODE | kill
   stress THREADS PAIRS SIZE   prints: stress pairs=N
@@ -336,6 +337,11 @@ impl Runner {
                 Err(e) => return Err(e),
                 Ok(()) => return Err(Ok(Failure { step: verb, code: CUDA_SUCCESS })),
             },
+            Step::Timed(inner) => {
+                let start = std::time::Instant::now();
+                self.run(inner)?;
+                say!("timed ns={}", start.elapsed().as_nanos());
+            }
             Step::Checkpoint(name) => {
                 say!("checkpoint {name}");
                 let mut line = String::new();

@@ -27,6 +27,7 @@ pub enum Step {
     Meminfo,
     Devstat(i32),
     ExpectOom(Box<Step>),
+    Timed(Box<Step>),
     Checkpoint(String),
     Sleep(u64),
     Stress { threads: u32, pairs: u64, size: u64 },
@@ -85,6 +86,7 @@ impl Step {
             Step::Meminfo => "meminfo",
             Step::Devstat(_) => "devstat",
             Step::ExpectOom(_) => "expect-oom",
+            Step::Timed(_) => "timed",
             Step::Checkpoint(_) => "checkpoint",
             Step::Sleep(_) => "sleep",
             Step::Stress { .. } => "stress",
@@ -186,6 +188,12 @@ impl Step {
             "devstat" => {
                 want(1, "devstat DEV")?;
                 Step::Devstat(dev(args[0])?)
+            }
+            "timed" => {
+                if args.is_empty() {
+                    return Err(err("usage: timed STEP..."));
+                }
+                Step::Timed(Box::new(Step::parse(&args.join(" "))?))
             }
             "expect-oom" => {
                 if args.is_empty() {
