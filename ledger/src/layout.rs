@@ -18,7 +18,7 @@ use crate::lock::RobustMutex;
 /// First bytes of every ledger file.
 pub const MAGIC: [u8; 8] = *b"VRAMGRD\0";
 /// Layout version: bumped on any incompatible change.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 /// The header page; workloads map it read-only.
 pub const PAGE: u64 = 4096;
 /// Devices one ledger can describe (as HAMi-core's region).
