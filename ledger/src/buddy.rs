@@ -588,7 +588,7 @@ impl<S: Words> Buddy<S, Geometry> {
         region.set(H_LEN, g.len as u64);
         let mut b = Self { s: region, g };
         for (o, idx) in b.root_nodes() {
-            let bm = b.g.as_ref().orders[o as usize].free;
+            let bm = &b.g.as_ref().orders[o as usize].free;
             bm_set(&mut b.s, &bm, idx);
         }
         Ok(b)
@@ -702,10 +702,6 @@ impl<S: Words, G: AsRef<Geometry>> Buddy<S, G> {
         }
     }
 
-    fn maps(&self, o: u32) -> OrderMaps {
-        self.g.as_ref().orders[o as usize]
-    }
-
     fn owner_get(&self, c: u64) -> u32 {
         let w = self.s.get(self.g.as_ref().owner_off + (c >> 1) as usize);
         (w >> ((c & 1) * 32)) as u32
@@ -721,7 +717,7 @@ impl<S: Words, G: AsRef<Geometry>> Buddy<S, G> {
     /// The owner slot of an allocated block, if `b` is one.
     pub fn owner_of(&self, b: &Block) -> Option<u32> {
         let (o, idx) = self.node_of(b).ok()?;
-        if !bm_get(&self.s, &self.maps(o).alloc, idx) {
+        if !bm_get(&self.s, &(&self.g.as_ref().orders[o as usize]).alloc, idx) {
             return None;
         }
         self.owner_get(idx << o).checked_sub(1)
@@ -744,7 +740,7 @@ impl<S: Words, G: AsRef<Geometry>> Buddy<S, G> {
         let mut o = 63 - d.leading_zeros();
         loop {
             let idx = c >> o;
-            let m = self.maps(o);
+            let m = &self.g.as_ref().orders[o as usize];
             if bm_get(&self.s, &m.free, idx) {
                 return Ok((o, idx, State::Free));
             }
@@ -765,16 +761,16 @@ impl<S: Words, G: AsRef<Geometry>> Buddy<S, G> {
     /// contains it, and mark it allocated to `stored` (owner + 1).
     fn take(&mut self, mut k: u32, mut idx: u64, o: u32, pos: u64, stored: u32) -> Block {
         while k > o {
-            let m = self.maps(k);
+            let m = &self.g.as_ref().orders[k as usize];
             bm_clear(&mut self.s, &m.free, idx);
             bm_set(&mut self.s, &m.split, idx);
-            let c = self.maps(k - 1);
+            let c = &self.g.as_ref().orders[(k - 1) as usize];
             bm_set(&mut self.s, &c.free, idx << 1);
             bm_set(&mut self.s, &c.free, (idx << 1) | 1);
             k -= 1;
             idx = pos >> k;
         }
-        let m = self.maps(o);
+        let m = &self.g.as_ref().orders[o as usize];
         bm_clear(&mut self.s, &m.free, idx);
         bm_set(&mut self.s, &m.alloc, idx);
         self.owner_set(pos, stored);
@@ -788,30 +784,30 @@ impl<S: Words, G: AsRef<Geometry>> Buddy<S, G> {
 
     /// Free an allocated node and merge upwards.
     fn release(&mut self, mut o: u32, mut idx: u64) {
-        let m = self.maps(o);
+        let m = &self.g.as_ref().orders[o as usize];
         bm_clear(&mut self.s, &m.alloc, idx);
         self.owner_set(idx << o, 0);
         let a = self.avail().saturating_add(self.g.as_ref().chunk << o);
         self.set_avail(a);
         while !self.g.as_ref().is_root(o, idx) {
-            let m = self.maps(o);
+            let m = &self.g.as_ref().orders[o as usize];
             if !bm_get(&self.s, &m.free, idx ^ 1) {
                 break;
             }
             bm_clear(&mut self.s, &m.free, idx ^ 1);
             idx >>= 1;
             o += 1;
-            let sp = self.maps(o).split;
+            let sp = &&self.g.as_ref().orders[o as usize].split;
             bm_clear(&mut self.s, &sp, idx);
         }
-        let m = self.maps(o);
+        let m = &self.g.as_ref().orders[o as usize];
         bm_set(&mut self.s, &m.free, idx);
     }
 
     /// Free one allocated block (merging with free buddies).
     pub fn free_block(&mut self, b: &Block) -> Result<(), BuddyError> {
         let (o, idx) = self.node_of(b)?;
-        if !bm_get(&self.s, &self.maps(o).alloc, idx) {
+        if !bm_get(&self.s, &(&self.g.as_ref().orders[o as usize]).alloc, idx) {
             return Err(BuddyError::InvalidArgument("block is not allocated"));
         }
         self.release(o, idx);
@@ -827,7 +823,7 @@ impl<S: Words, G: AsRef<Geometry>> Buddy<S, G> {
     pub fn allocated_blocks(&self) -> Vec<(Block, u32)> {
         let mut out = Vec::new();
         for o in 0..=self.g.as_ref().max_order {
-            let bm = self.maps(o).alloc;
+            let bm = &&self.g.as_ref().orders[o as usize].alloc;
             let mut from = 0;
             while let Some(i) = bm_next(&self.s, &bm, from) {
                 let owner = self.owner_get(i << o).wrapping_sub(1);
@@ -842,7 +838,7 @@ impl<S: Words, G: AsRef<Geometry>> Buddy<S, G> {
     pub fn free_list(&self) -> Vec<Block> {
         let mut out = Vec::new();
         for o in 0..=self.g.as_ref().max_order {
-            let bm = self.maps(o).free;
+            let bm = &&self.g.as_ref().orders[o as usize].free;
             let mut from = 0;
             while let Some(i) = bm_next(&self.s, &bm, from) {
                 out.push(self.block(o, i));
@@ -925,7 +921,7 @@ impl<S: Words, G: AsRef<Geometry>> Buddy<S, G> {
     fn alloc_freetree(&mut self, order: u32, topdown: bool, stored: u32) -> Option<Block> {
         let mut best: Option<(u32, u64)> = None;
         for k in order..=self.g.as_ref().max_order {
-            if let Some(i) = bm_last(&self.s, &self.maps(k).free) {
+            if let Some(i) = bm_last(&self.s, &(&self.g.as_ref().orders[k as usize]).free) {
                 match best {
                     Some((bk, bi)) if (bi << bk) >= (i << k) => {}
                     _ => best = Some((k, i)),
@@ -950,7 +946,7 @@ impl<S: Words, G: AsRef<Geometry>> Buddy<S, G> {
         let first_pos = start.checked_next_multiple_of(sz)?;
         let mut best: Option<(u64, u32, u64)> = None;
         for k in order..=self.g.as_ref().max_order {
-            let bm = self.maps(k).free;
+            let bm = &&self.g.as_ref().orders[k as usize].free;
             let last_idx = (end - 1) >> k;
             let mut from = start >> k;
             while let Some(i) = bm_next(&self.s, &bm, from) {
@@ -975,10 +971,9 @@ impl<S: Words, G: AsRef<Geometry>> Buddy<S, G> {
     /// Shrink the allocated block `b` to its first `new` chunks; the tail becomes free.
     fn trim(&mut self, b: &Block, new: u64, stored: u32) -> Result<Vec<Block>, BuddyError> {
         let (o, idx) = self.node_of(b)?;
-        let m = self.maps(o);
-        bm_clear(&mut self.s, &m.alloc, idx);
+        bm_clear(&mut self.s, &self.g.as_ref().orders[o as usize].alloc, idx);
         self.owner_set(idx << o, 0);
-        bm_set(&mut self.s, &m.free, idx);
+        bm_set(&mut self.s, &self.g.as_ref().orders[o as usize].free, idx);
         let a = self.avail().saturating_add(b.size);
         self.set_avail(a);
         self.alloc_exact(idx << o, new, stored)
@@ -987,7 +982,7 @@ impl<S: Words, G: AsRef<Geometry>> Buddy<S, G> {
     fn release_all(&mut self, blocks: &[Block]) {
         for b in blocks {
             if let Ok((o, idx)) = self.node_of(b) {
-                if bm_get(&self.s, &self.maps(o).alloc, idx) {
+                if bm_get(&self.s, &(&self.g.as_ref().orders[o as usize]).alloc, idx) {
                     self.release(o, idx);
                 }
             }
@@ -1005,7 +1000,7 @@ impl<S: Words, G: AsRef<Geometry>> Buddy<S, G> {
         if order > self.g.as_ref().max_order {
             return Err(BuddyError::NoSpace);
         }
-        let bm = self.maps(order).free;
+        let bm = self.g.as_ref().orders[order as usize].free; // a copy: self is borrowed mutably below
         let mut cursor = bm_last(&self.s, &bm);
         while let Some(i) = cursor {
             let start = i << order;
@@ -1157,7 +1152,7 @@ impl<S: Words, G: AsRef<Geometry>> Buddy<S, G> {
         let mut stack = self.root_nodes();
         stack.reverse();
         while let Some((o, idx)) = stack.pop() {
-            let m = self.maps(o);
+            let m = &self.g.as_ref().orders[o as usize];
             let f = bm_get(&self.s, &m.free, idx);
             let s = bm_get(&self.s, &m.split, idx);
             let a = bm_get(&self.s, &m.alloc, idx);
@@ -1191,7 +1186,7 @@ impl<S: Words, G: AsRef<Geometry>> Buddy<S, G> {
             }
         }
         for o in 0..=g.max_order {
-            let m = self.maps(o);
+            let m = &self.g.as_ref().orders[o as usize];
             let i = o as usize;
             for (bm, want, what) in [
                 (m.free, nfree[i], "free"),
