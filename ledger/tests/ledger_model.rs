@@ -396,13 +396,8 @@ fn compare(ledger: &Ledger, m: &Model, step: usize) -> Result<(), TestCaseError>
     Ok(())
 }
 
-fn cases() -> u32 {
-    std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(256)
-}
-
 proptest! {
-    // 256 cases by default; PROPTEST_CASES=20000 hunts longer.
-    #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
+    // 256 cases (proptest's default); PROPTEST_CASES=20000 hunts longer.
 
     #[test]
     fn ledger_matches_the_model(setup in setup(), ops in prop::collection::vec(op(), 1..150)) {
