@@ -151,12 +151,12 @@ fn report(path: &Path) -> Result<Report> {
     })
 }
 
+/// A device UUID as `nvidia-smi` prints it; empty when the ledger does not know it (zero).
 fn uuid_text(uuid: &[u8; 16]) -> String {
     if uuid == &[0; 16] {
         return String::new();
     }
-    let hex: String = uuid.iter().map(|b| format!("{b:02x}")).collect();
-    format!("GPU-{}-{}-{}-{}-{}", &hex[0..8], &hex[8..12], &hex[12..16], &hex[16..20], &hex[20..32])
+    cuda_abi::gpu_uuid_text(uuid)
 }
 
 /// `vramguard inspect`.

@@ -8,14 +8,19 @@
 //! of the parameter that carries them) and are compared with the constants here, never
 //! transmuted into Rust enums.
 //!
+//! [`nvml`] holds the same for the NVML subset (`nvml.h`), with [`gpu_uuid_text`], the
+//! `GPU-…` form of a device UUID that NVML, `nvidia-smi` and `vramguard inspect` print.
+//!
 //! Also here: [`parse_size`], the `4m`/`16g` size syntax (1024-based, as HAMi-core's
 //! `CUDA_DEVICE_MEMORY_LIMIT`) that the hook's limits, the fake's `FAKECUDA_*` variables and
 //! the workload's steps share.
 
 use std::ffi::{c_char, c_int, c_uint, c_void};
 
+pub mod nvml;
 mod size;
 
+pub use nvml::gpu_uuid_text;
 pub use size::parse_size;
 
 /// `CUresult` (a C enum).

@@ -4,7 +4,10 @@
 //! `cuGetProcAddress(_v2)`, which hand out these wrappers instead of the real entry points,
 //! so every route to the driver is covered.
 //!
-//! Signatures are those of `cuda.h` (CUDA 12/13) exactly.
+//! NVML's memory queries (`nvmlDeviceGetMemoryInfo(_v2)`) are wrapped too, exported and
+//! handed out by `dlsym`, so a tool asking NVML sees what `cuMemGetInfo_v2` shows.
+//!
+//! Signatures are those of `cuda.h` (CUDA 12/13) and `nvml.h` exactly.
 #![allow(non_snake_case)]
 
 use std::{
@@ -14,6 +17,10 @@ use std::{
 };
 
 use cuda_abi::{
+    nvml::{
+        nvmlDevice_t, nvmlMemory_t, nvmlMemory_v2_t, nvmlReturn_t, NVML_DEVICE_UUID_V2_BUFFER_SIZE, NVML_ERROR_FUNCTION_NOT_FOUND,
+        NVML_ERROR_LIBRARY_NOT_FOUND, NVML_SUCCESS,
+    },
     CUcontext, CUctxCreateParams, CUdevice, CUdeviceptr, CUmemAllocationProp, CUmemoryPool, CUresult, CUstream,
     CUDA_ERROR_NOT_FOUND, CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS, CU_MEM_LOCATION_TYPE_DEVICE,
 };
@@ -21,8 +28,8 @@ use ledger::{Charge, RecordId, ReserveError};
 
 use crate::{
     pools::PoolOutcome,
-    real::{self, Driver},
-    session::{mode, say, Mode, Session, Space},
+    real::{self, Driver, Nvml},
+    session::{self, mode, say, Mode, Session, Space},
 };
 
 // ---- admission -----------------------------------------------------------------------------
@@ -459,10 +466,7 @@ pub unsafe extern "C" fn cuCtxCreate_v4(pctx: *mut CUcontext, params: *mut CUctx
 /// (quota, bytes in use) of the ledger device behind `ordinal`, when enforced.
 fn quota(ordinal: CUdevice) -> Option<(u64, u64)> {
     let Mode::Enforce(session) = mode() else { return None };
-    let device = session.ledger_device(ordinal)?;
-    let config = session.ledger.header().devices[device as usize];
-    let usage = session.ledger.device_usage().ok()?;
-    Some((config.limit, usage.get(device as usize)?.used_chunks * config.chunk))
+    session.quota(session.ledger_device(ordinal)?)
 }
 
 #[no_mangle]
@@ -502,9 +506,102 @@ pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice) -
     result
 }
 
+// ---- NVML ----------------------------------------------------------------------------------------
+
+/// What a workload is shown of a device whose real memory is `real` (NVML's numbers; only
+/// `total`, `reserved` and `free` are read) when its container has a quota of `limit` bytes
+/// and uses `usage` of them: `total = min(total, limit)`, `free = min(free, limit - usage)`
+/// (never below 0), `used = total - free`, as `cuMemGetInfo_v2` shows it. `reserved` (what
+/// the driver sets aside, counted in NVML's `used`) stays as the driver says, clamped to at
+/// most `used`, so `reserved <= used <= total` and `free + used = total` still hold.
+fn shown_memory(real: nvmlMemory_v2_t, limit: u64, usage: u64) -> nvmlMemory_v2_t {
+    let total = real.total.min(limit);
+    let free = real.free.min(limit.saturating_sub(usage)).min(total);
+    let used = total - free;
+    nvmlMemory_v2_t { version: real.version, total, reserved: real.reserved.min(used), free, used }
+}
+
+/// The process's NVML, loaded with the `dlsym` guard up (its initialisers may look symbols up
+/// while it is half loaded), or the error each NVML wrapper returns without one.
+fn nvml() -> Result<&'static Nvml, nvmlReturn_t> {
+    loading(real::nvml).map_err(|error| {
+        static REPORTED: AtomicBool = AtomicBool::new(false);
+        if !REPORTED.swap(true, Ordering::Relaxed) {
+            say(error);
+        }
+        NVML_ERROR_LIBRARY_NOT_FOUND
+    })
+}
+
+/// (quota, usage) of the enforced ledger device that NVML's `device` is, found by its UUID.
+fn nvml_quota(nvml: &Nvml, device: nvmlDevice_t) -> Option<(u64, u64)> {
+    let get_uuid = nvml.device_get_uuid?;
+    let mut buffer = [0 as c_char; NVML_DEVICE_UUID_V2_BUFFER_SIZE];
+    // SAFETY: the caller's device handle, and a live buffer of the length passed.
+    if unsafe { get_uuid(device, buffer.as_mut_ptr(), buffer.len() as c_uint) } != NVML_SUCCESS {
+        return None;
+    }
+    let bytes = buffer.map(|c| c as u8);
+    let uuid = CStr::from_bytes_until_nul(&bytes).ok()?.to_str().ok()?;
+    session::quota_by_uuid(uuid)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(device: nvmlDevice_t, memory: *mut nvmlMemory_t) -> nvmlReturn_t {
+    let nvml = match nvml() {
+        Ok(nvml) => nvml,
+        Err(code) => return code,
+    };
+    let Some(real) = nvml.device_get_memory_info else { return NVML_ERROR_FUNCTION_NOT_FOUND };
+    // SAFETY: forwards the caller's arguments unchanged; a NULL gets NVML's answer.
+    let result = unsafe { real(device, memory) };
+    if result != NVML_SUCCESS || memory.is_null() {
+        return result;
+    }
+    if let Some((limit, usage)) = nvml_quota(nvml, device) {
+        // SAFETY: NVML succeeded, so `memory` is the caller's valid struct, written.
+        let memory = unsafe { &mut *memory };
+        let reported = nvmlMemory_v2_t { version: 0, total: memory.total, reserved: 0, free: memory.free, used: memory.used };
+        let shown = shown_memory(reported, limit, usage);
+        *memory = nvmlMemory_t { total: shown.total, free: shown.free, used: shown.used };
+    }
+    result
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(device: nvmlDevice_t, memory: *mut nvmlMemory_v2_t) -> nvmlReturn_t {
+    let nvml = match nvml() {
+        Ok(nvml) => nvml,
+        Err(code) => return code,
+    };
+    let Some(real) = nvml.device_get_memory_info_v2 else { return NVML_ERROR_FUNCTION_NOT_FOUND };
+    // SAFETY: forwards the caller's arguments unchanged; a NULL or a wrong version gets
+    // NVML's answer.
+    let result = unsafe { real(device, memory) };
+    if result != NVML_SUCCESS || memory.is_null() {
+        return result;
+    }
+    if let Some((limit, usage)) = nvml_quota(nvml, device) {
+        // SAFETY: NVML succeeded, so `memory` is the caller's valid struct, written.
+        let memory = unsafe { &mut *memory };
+        *memory = shown_memory(*memory, limit, usage);
+    }
+    result
+}
+
 // ---- the routes to entry points ----------------------------------------------------------------
 
-/// Our wrapper for a real entry point's address, if we wrap it.
+/// Our wrapper for a real NVML entry point's address, if we wrap it. NVML is only looked at
+/// if the process has loaded it.
+fn nvml_wrapper_for(real_address: usize) -> Option<usize> {
+    let nvml = real::nvml_if_loaded()?;
+    nvml.real_addresses()
+        .into_iter()
+        .find(|(real, _)| *real == real_address)
+        .and_then(|(_, symbol)| wrapper_named(symbol))
+}
+
+/// Our wrapper for a real libcuda entry point's address, if we wrap it.
 fn wrapper_for(real_address: usize) -> Option<usize> {
     static TABLE: OnceLock<Vec<(usize, usize)>> = OnceLock::new();
     let driver = real::driver().ok()?;
@@ -540,6 +637,8 @@ fn wrapper_named(symbol: &CStr) -> Option<usize> {
         b"cuDeviceTotalMem_v2" => cuDeviceTotalMem_v2 as *const () as usize,
         b"cuGetProcAddress" => cuGetProcAddress as *const () as usize,
         b"cuGetProcAddress_v2" => cuGetProcAddress_v2 as *const () as usize,
+        b"nvmlDeviceGetMemoryInfo" => nvmlDeviceGetMemoryInfo as *const () as usize,
+        b"nvmlDeviceGetMemoryInfo_v2" => nvmlDeviceGetMemoryInfo_v2 as *const () as usize,
         _ => return None,
     })
 }
@@ -599,8 +698,17 @@ thread_local! {
     static LOADING: Cell<bool> = const { Cell::new(false) };
 }
 
-/// `dlsym` as the C library's, except that a CUDA entry point we wrap comes back as our
-/// wrapper, whichever handle it was looked up on.
+/// Runs `f` with this thread's `dlsym` substitution off (it may load a library whose
+/// initialisers look symbols up).
+fn loading<T>(f: impl FnOnce() -> T) -> T {
+    let was = LOADING.with(|loading| loading.replace(true));
+    let result = f();
+    LOADING.with(|loading| loading.set(was));
+    result
+}
+
+/// `dlsym` as the C library's, except that a CUDA or NVML entry point we wrap comes back as
+/// our wrapper, whichever handle it was looked up on.
 #[no_mangle]
 pub unsafe extern "C" fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void {
     let Some(real_dlsym) = real::real_dlsym() else { return std::ptr::null_mut() };
@@ -610,16 +718,42 @@ pub unsafe extern "C" fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *m
         return found;
     }
     // SAFETY: a non-null symbol is the caller's NUL-terminated name.
-    if !unsafe { CStr::from_ptr(symbol) }.to_bytes().starts_with(b"cu") {
-        return found;
-    }
-    substitute_found(found)
+    let name = unsafe { CStr::from_ptr(symbol) }.to_bytes();
+    let wrapper = if name.starts_with(b"cu") {
+        loading(|| wrapper_for(found as usize))
+    } else if name.starts_with(b"nvml") {
+        loading(|| nvml_wrapper_for(found as usize))
+    } else {
+        None
+    };
+    wrapper.map_or(found, |w| w as *mut c_void)
 }
 
-/// Our wrapper in place of a real CUDA entry point found by a symbol lookup.
-fn substitute_found(found: *mut c_void) -> *mut c_void {
-    LOADING.with(|loading| loading.set(true));
-    let wrapper = wrapper_for(found as usize);
-    LOADING.with(|loading| loading.set(false));
-    wrapper.map_or(found, |w| w as *mut c_void)
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn memory(total: u64, reserved: u64, free: u64) -> nvmlMemory_v2_t {
+        nvmlMemory_v2_t { version: 7, total, reserved, free, used: total - free }
+    }
+
+    #[test]
+    fn nvml_shows_the_quota_like_cu_mem_get_info() {
+        const G: u64 = 1 << 30;
+        // 80 GiB device, 10 GiB used machine-wide (0.5 GiB reserved); 8 GiB quota, 3 used.
+        let shown = shown_memory(memory(80 * G, G / 2, 70 * G), 8 * G, 3 * G);
+        assert_eq!(shown, nvmlMemory_v2_t { version: 7, total: 8 * G, reserved: G / 2, free: 5 * G, used: 3 * G });
+        // The device is fuller than the quota says: free is what the device has.
+        let shown = shown_memory(memory(80 * G, G / 2, 2 * G), 8 * G, 3 * G);
+        assert_eq!((shown.total, shown.free, shown.used), (8 * G, 2 * G, 6 * G));
+        // Usage past the quota: free is 0, never negative; reserved stays within used.
+        let shown = shown_memory(memory(80 * G, G / 2, 70 * G), 8 * G, 9 * G);
+        assert_eq!((shown.total, shown.free, shown.used, shown.reserved), (8 * G, 0, 8 * G, G / 2));
+        // Nothing used yet: reserved is clamped to used so the parts still add up.
+        let shown = shown_memory(memory(80 * G, G / 2, 80 * G), 8 * G, 0);
+        assert_eq!((shown.total, shown.free, shown.used, shown.reserved), (8 * G, 8 * G, 0, 0));
+        // A quota larger than the device: the device's own numbers.
+        let real = memory(16 * G, 0, 12 * G);
+        assert_eq!(shown_memory(real, 1 << 52, 4 * G), real);
+    }
 }

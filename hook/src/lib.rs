@@ -4,10 +4,20 @@
 //! its quota, however many processes race (DESIGN.md §2-4).
 //!
 //! * [`config`]: the environment (HAMi-core's variables and vramguard's own).
-//! * [`real`]: the real libcuda and the real `dlsym`.
+//! * [`real`]: the real libcuda, the process's NVML and the real `dlsym`.
 //! * [`session`]: this process's ledger, slot and allocations, across fork and exit.
 //! * [`pools`]: stream-ordered pools, charged for the memory they hold.
 //! * `exports`: the wrappers, `dlsym` and `cuGetProcAddress(_v2)`.
+//!
+//! Intercepted (exported, handed out by `dlsym` on any handle, and for the driver's also by
+//! `cuGetProcAddress(_v2)`): the allocations and frees `cuMemAlloc_v2`, `cuMemAllocPitch_v2`,
+//! `cuMemAllocManaged`, `cuMemAllocAsync(_ptsz)`, `cuMemAllocFromPoolAsync(_ptsz)`,
+//! `cuMemFree_v2`, `cuMemFreeAsync(_ptsz)`, `cuMemCreate`, `cuMemRelease`, `cuMemPoolTrimTo`;
+//! the contexts `cuDevicePrimaryCtxRetain`, `cuCtxCreate_v2`, `cuCtxCreate_v4`; what the
+//! workload sees: `cuMemGetInfo_v2`, `cuDeviceTotalMem_v2` and NVML's
+//! `nvmlDeviceGetMemoryInfo(_v2)` (total = the quota, free = the quota less the container's
+//! usage, each at most what the device reports; NVML's device is matched to the ledger by its
+//! UUID); and the routes `cuGetProcAddress(_v2)` and `dlsym`. `dlvsym` is not interposed.
 //!
 //! Policy, when the ledger cannot be created or fails validation: print what is wrong once
 //! and refuse GPU allocations (`CUDA_ERROR_OUT_OF_MEMORY`), unless `VRAMGUARD_FAIL_OPEN=1`.

@@ -1,6 +1,7 @@
 //! The real driver: the libcuda the process would have loaded (found with libloading, so
 //! `LD_LIBRARY_PATH` decides which), its entry points behind our wrappers, and the real
-//! `dlsym`.
+//! `dlsym`; likewise the process's own NVML (`libnvidia-ml.so.1`), for the memory queries
+//! this library wraps.
 //!
 //! Lookups go through the real `dlsym` obtained with `dlvsym(RTLD_NEXT, ...)`, never through
 //! the `dlsym` this library exports (which would hand back our own wrappers).
@@ -9,7 +10,10 @@ use std::{
     sync::OnceLock,
 };
 
-use cuda_abi::{CUcontext, CUctxCreateParams, CUdevice, CUdeviceptr, CUmemAllocationProp, CUmemoryPool, CUresult, CUstream, CUuuid};
+use cuda_abi::{
+    nvml::{nvmlDevice_t, nvmlMemory_t, nvmlMemory_v2_t},
+    CUcontext, CUctxCreateParams, CUdevice, CUdeviceptr, CUmemAllocationProp, CUmemoryPool, CUresult, CUstream, CUuuid,
+};
 
 type DlsymFn = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
 
@@ -34,16 +38,18 @@ pub fn real_dlsym() -> Option<DlsymFn> {
     address.map(|a| unsafe { std::mem::transmute::<usize, DlsymFn>(a) })
 }
 
+/// Defines a library's entry points as a struct of optional function pointers (`CUresult` and
+/// `nvmlReturn_t` are both `int`), resolved with the real `dlsym`.
 macro_rules! driver_api {
-    ($( $field:ident = $symbol:literal : fn($($arg:ty),*); )*) => {
-        /// Entry points of the real driver (`None` where this libcuda lacks one).
-        pub struct Driver {
+    ($(#[$doc:meta])* $name:ident { $( $field:ident = $symbol:literal : fn($($arg:ty),*); )* }) => {
+        $(#[$doc])*
+        pub struct $name {
             _library: libloading::Library,
             $( pub $field: Option<unsafe extern "C" fn($($arg),*) -> CUresult>, )*
         }
 
-        impl Driver {
-            fn resolve(library: libloading::Library, dlsym: DlsymFn) -> Driver {
+        impl $name {
+            fn resolve(library: libloading::Library, dlsym: DlsymFn) -> $name {
                 use libloading::os::unix::Library as UnixLibrary;
                 let unix: UnixLibrary = library.into();
                 let handle = unix.into_raw();
@@ -52,7 +58,7 @@ macro_rules! driver_api {
                 let lookup = |name: &CStr| unsafe { dlsym(handle, name.as_ptr()) };
                 // SAFETY: re-wraps the handle taken out above, keeping the library loaded.
                 let library: libloading::Library = unsafe { UnixLibrary::from_raw(handle) }.into();
-                Driver {
+                $name {
                     _library: library,
                     $( $field: {
                         let address = lookup($symbol);
@@ -63,7 +69,7 @@ macro_rules! driver_api {
                 }
             }
 
-            /// (real address, symbol) of every entry point wrapped by this library.
+            /// (real address, symbol) of every entry point resolved here.
             pub fn real_addresses(&self) -> Vec<(usize, &'static CStr)> {
                 let mut all = Vec::new();
                 $( if let Some(f) = self.$field { all.push((f as *const () as usize, $symbol)); } )*
@@ -74,39 +80,52 @@ macro_rules! driver_api {
 }
 
 driver_api! {
-    mem_alloc = c"cuMemAlloc_v2": fn(*mut CUdeviceptr, usize);
-    mem_alloc_pitch = c"cuMemAllocPitch_v2": fn(*mut CUdeviceptr, *mut usize, usize, usize, c_uint);
-    mem_alloc_managed = c"cuMemAllocManaged": fn(*mut CUdeviceptr, usize, c_uint);
-    mem_free = c"cuMemFree_v2": fn(CUdeviceptr);
-    mem_alloc_async = c"cuMemAllocAsync": fn(*mut CUdeviceptr, usize, CUstream);
-    mem_alloc_async_ptsz = c"cuMemAllocAsync_ptsz": fn(*mut CUdeviceptr, usize, CUstream);
-    mem_alloc_from_pool = c"cuMemAllocFromPoolAsync": fn(*mut CUdeviceptr, usize, CUmemoryPool, CUstream);
-    mem_alloc_from_pool_ptsz = c"cuMemAllocFromPoolAsync_ptsz": fn(*mut CUdeviceptr, usize, CUmemoryPool, CUstream);
-    mem_free_async = c"cuMemFreeAsync": fn(CUdeviceptr, CUstream);
-    mem_free_async_ptsz = c"cuMemFreeAsync_ptsz": fn(CUdeviceptr, CUstream);
-    device_get_mem_pool = c"cuDeviceGetMemPool": fn(*mut CUmemoryPool, CUdevice);
-    mem_pool_trim_to = c"cuMemPoolTrimTo": fn(CUmemoryPool, usize);
-    mem_pool_get_attribute = c"cuMemPoolGetAttribute": fn(CUmemoryPool, c_int, *mut c_void);
-    mem_create = c"cuMemCreate": fn(*mut u64, usize, *const CUmemAllocationProp, u64);
-    mem_release = c"cuMemRelease": fn(u64);
-    primary_ctx_retain = c"cuDevicePrimaryCtxRetain": fn(*mut CUcontext, CUdevice);
-    ctx_create = c"cuCtxCreate_v2": fn(*mut CUcontext, c_uint, CUdevice);
-    ctx_create_v4 = c"cuCtxCreate_v4": fn(*mut CUcontext, *mut CUctxCreateParams, c_uint, CUdevice);
-    mem_get_info = c"cuMemGetInfo_v2": fn(*mut usize, *mut usize);
-    device_total_mem = c"cuDeviceTotalMem_v2": fn(*mut usize, CUdevice);
-    get_proc_address = c"cuGetProcAddress": fn(*const c_char, *mut *mut c_void, c_int, u64);
-    get_proc_address_v2 = c"cuGetProcAddress_v2": fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int);
-    ctx_get_device = c"cuCtxGetDevice": fn(*mut CUdevice);
-    device_get_count = c"cuDeviceGetCount": fn(*mut c_int);
-    device_get_uuid = c"cuDeviceGetUuid_v2": fn(*mut CUuuid, CUdevice);
+    /// Entry points of the real driver (`None` where this libcuda lacks one).
+    Driver {
+        mem_alloc = c"cuMemAlloc_v2": fn(*mut CUdeviceptr, usize);
+        mem_alloc_pitch = c"cuMemAllocPitch_v2": fn(*mut CUdeviceptr, *mut usize, usize, usize, c_uint);
+        mem_alloc_managed = c"cuMemAllocManaged": fn(*mut CUdeviceptr, usize, c_uint);
+        mem_free = c"cuMemFree_v2": fn(CUdeviceptr);
+        mem_alloc_async = c"cuMemAllocAsync": fn(*mut CUdeviceptr, usize, CUstream);
+        mem_alloc_async_ptsz = c"cuMemAllocAsync_ptsz": fn(*mut CUdeviceptr, usize, CUstream);
+        mem_alloc_from_pool = c"cuMemAllocFromPoolAsync": fn(*mut CUdeviceptr, usize, CUmemoryPool, CUstream);
+        mem_alloc_from_pool_ptsz = c"cuMemAllocFromPoolAsync_ptsz": fn(*mut CUdeviceptr, usize, CUmemoryPool, CUstream);
+        mem_free_async = c"cuMemFreeAsync": fn(CUdeviceptr, CUstream);
+        mem_free_async_ptsz = c"cuMemFreeAsync_ptsz": fn(CUdeviceptr, CUstream);
+        device_get_mem_pool = c"cuDeviceGetMemPool": fn(*mut CUmemoryPool, CUdevice);
+        mem_pool_trim_to = c"cuMemPoolTrimTo": fn(CUmemoryPool, usize);
+        mem_pool_get_attribute = c"cuMemPoolGetAttribute": fn(CUmemoryPool, c_int, *mut c_void);
+        mem_create = c"cuMemCreate": fn(*mut u64, usize, *const CUmemAllocationProp, u64);
+        mem_release = c"cuMemRelease": fn(u64);
+        primary_ctx_retain = c"cuDevicePrimaryCtxRetain": fn(*mut CUcontext, CUdevice);
+        ctx_create = c"cuCtxCreate_v2": fn(*mut CUcontext, c_uint, CUdevice);
+        ctx_create_v4 = c"cuCtxCreate_v4": fn(*mut CUcontext, *mut CUctxCreateParams, c_uint, CUdevice);
+        mem_get_info = c"cuMemGetInfo_v2": fn(*mut usize, *mut usize);
+        device_total_mem = c"cuDeviceTotalMem_v2": fn(*mut usize, CUdevice);
+        get_proc_address = c"cuGetProcAddress": fn(*const c_char, *mut *mut c_void, c_int, u64);
+        get_proc_address_v2 = c"cuGetProcAddress_v2": fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int);
+        ctx_get_device = c"cuCtxGetDevice": fn(*mut CUdevice);
+        device_get_count = c"cuDeviceGetCount": fn(*mut c_int);
+        device_get_uuid = c"cuDeviceGetUuid_v2": fn(*mut CUuuid, CUdevice);
+    }
+}
+
+driver_api! {
+    /// Entry points of the process's NVML (`None` where this libnvidia-ml lacks one).
+    Nvml {
+        device_get_memory_info = c"nvmlDeviceGetMemoryInfo": fn(nvmlDevice_t, *mut nvmlMemory_t);
+        device_get_memory_info_v2 = c"nvmlDeviceGetMemoryInfo_v2": fn(nvmlDevice_t, *mut nvmlMemory_v2_t);
+        device_get_uuid = c"nvmlDeviceGetUUID": fn(nvmlDevice_t, *mut c_char, c_uint);
+    }
 }
 
 /// Why the real driver is not available.
 pub type DriverError = String;
 
+static DRIVER: OnceLock<Result<Driver, DriverError>> = OnceLock::new();
+
 /// The real driver, loaded on first use.
 pub fn driver() -> Result<&'static Driver, &'static DriverError> {
-    static DRIVER: OnceLock<Result<Driver, DriverError>> = OnceLock::new();
     DRIVER
         .get_or_init(|| {
             let dlsym = real_dlsym().ok_or("cannot find the C library's dlsym")?;
@@ -116,4 +135,53 @@ pub fn driver() -> Result<&'static Driver, &'static DriverError> {
             Ok(Driver::resolve(library, dlsym))
         })
         .as_ref()
+}
+
+/// Whether the process has libcuda loaded (asking never loads it: an NVML-only process, like
+/// `nvidia-smi`, must not get the driver's initialisers run by an NVML query).
+pub fn driver_loaded() -> bool {
+    DRIVER.get().is_some_and(Result::is_ok) || already_loaded("libcuda.so.1").is_some()
+}
+
+/// NVML's soname, as applications load it.
+const NVML_SONAME: &str = "libnvidia-ml.so.1";
+
+static NVML: OnceLock<Result<Nvml, String>> = OnceLock::new();
+
+/// The process's NVML: the `libnvidia-ml.so.1` already loaded (looked up with `RTLD_NOLOAD`,
+/// so it is the one the application uses), else the one the process would load. Only the
+/// NVML wrappers ask for it: an application that reaches them uses NVML anyway.
+pub fn nvml() -> Result<&'static Nvml, &'static String> {
+    NVML.get_or_init(|| {
+        let dlsym = real_dlsym().ok_or("cannot find the C library's dlsym")?;
+        let library = match already_loaded(NVML_SONAME) {
+            Some(library) => library,
+            // SAFETY: loading NVML runs its initialisers, as any NVML program does.
+            None => unsafe { libloading::Library::new(NVML_SONAME) }
+                .map_err(|error| format!("cannot load the real {NVML_SONAME}: {error}"))?,
+        };
+        Ok(Nvml::resolve(library, dlsym))
+    })
+    .as_ref()
+}
+
+/// The process's NVML if it is loaded already (never loads it: a symbol lookup must not pull
+/// NVML into a process that does not use it).
+pub fn nvml_if_loaded() -> Option<&'static Nvml> {
+    if let Some(nvml) = NVML.get() {
+        return nvml.as_ref().ok();
+    }
+    let library = already_loaded(NVML_SONAME)?;
+    let dlsym = real_dlsym()?;
+    // Another thread may have set it meanwhile: then this reference is dropped (dlclose only
+    // lowers the count of a library that stays loaded).
+    NVML.get_or_init(|| Ok(Nvml::resolve(library, dlsym))).as_ref().ok()
+}
+
+/// A reference to the library `name` if the process has it loaded already.
+fn already_loaded(name: &str) -> Option<libloading::Library> {
+    use libloading::os::unix::{Library as UnixLibrary, RTLD_NOW};
+    // SAFETY: with RTLD_NOLOAD, dlopen only takes a reference to an already loaded library,
+    // whose initialisers have run; it loads nothing.
+    unsafe { UnixLibrary::open(Some(name), RTLD_NOW | libc::RTLD_NOLOAD) }.ok().map(Into::into)
 }

@@ -4,6 +4,10 @@
 //!
 //! The fast path takes no process-wide lock: the session is reached through an atomic
 //! pointer, and the allocation map is sharded by address.
+//!
+//! What a workload is shown of a device with a quota comes from here too: [`Session::quota`]
+//! for a driver ordinal's ledger device, [`quota_by_uuid`] for a GPU that NVML names by its
+//! UUID (also in a process that has not initialised the driver, from the container's ledger).
 use std::{
     collections::HashMap,
     ffi::c_int,
@@ -14,9 +18,9 @@ use std::{
     },
 };
 
-use cuda_abi::{CUdevice, CUuuid, CUDA_SUCCESS};
+use cuda_abi::{gpu_uuid_text, CUdevice, CUuuid, CUDA_SUCCESS};
 use ledger::{
-    layout::{CREATOR_HOOK, MAX_DEVICES},
+    layout::{Header, CREATOR_HOOK, MAX_DEVICES},
     DeviceConfig, Geometry, Ledger, ProcessIdentity, RecordId, SlotId,
 };
 
@@ -48,6 +52,8 @@ pub struct Session {
     pub slot: SlotId,
     /// Ledger device of each driver ordinal (None: not in the ledger, not enforced).
     devices: [Option<u32>; MAX_DEVICES],
+    /// The driver's UUID of each ordinal (zero where it did not say).
+    uuids: [[u8; 16]; MAX_DEVICES],
     /// Whether the context reserve was charged for a ledger device.
     contexts: [AtomicBool; MAX_DEVICES],
     context_creation: Mutex<()>,
@@ -61,6 +67,21 @@ impl Session {
     /// The ledger device of driver ordinal `ordinal`, if it is enforced.
     pub fn ledger_device(&self, ordinal: CUdevice) -> Option<u32> {
         usize::try_from(ordinal).ok().and_then(|i| self.devices.get(i).copied().flatten())
+    }
+
+    /// The enforced ledger device of the GPU whose UUID NVML writes as `uuid` (`GPU-…`): the
+    /// ledger device of that UUID or, in a ledger that knows no UUIDs, the one of the driver
+    /// ordinal with that UUID.
+    pub fn ledger_device_by_uuid(&self, uuid: &str) -> Option<u32> {
+        ledger_device_named(self.ledger.header(), uuid).or_else(|| {
+            let ordinal = self.uuids.iter().position(|u| *u != [0; 16] && gpu_uuid_text(u).eq_ignore_ascii_case(uuid))?;
+            self.devices.get(ordinal).copied().flatten()
+        })
+    }
+
+    /// (quota, bytes in use by the container) of ledger device `device`.
+    pub fn quota(&self, device: u32) -> Option<(u64, u64)> {
+        quota_in(&self.ledger, device)
     }
 
     /// Remembers that `record` on `device` belongs to `(space, address)`.
@@ -102,6 +123,9 @@ impl Session {
     }
 }
 
+/// The mode while the driver is not initialised (no `cuInit` yet): nothing to enforce on.
+static NOT_YET: Mode = Mode::PassThrough;
+
 static CURRENT: AtomicPtr<Mode> = AtomicPtr::new(std::ptr::null_mut());
 static CURRENT_GENERATION: AtomicU64 = AtomicU64::new(u64::MAX);
 static FORK_GENERATION: AtomicU64 = AtomicU64::new(0);
@@ -123,7 +147,6 @@ pub fn mode() -> &'static Mode {
     }
     let Some(mode) = set_up() else {
         // The driver is not initialised yet (no cuInit): nothing to enforce on, decide later.
-        static NOT_YET: Mode = Mode::PassThrough;
         return &NOT_YET;
     };
     let mode: &'static Mode = Box::leak(Box::new(mode));
@@ -138,6 +161,47 @@ pub fn mode() -> &'static Mode {
         }
     });
     mode
+}
+
+/// (quota, bytes in use by the container) of the enforced ledger device that is the GPU NVML
+/// names `uuid` (`GPU-…`); `None` where nothing is enforced on it.
+///
+/// NVML works without `cuInit` (`nvidia-smi` never calls it, nor loads libcuda): in a process
+/// whose driver is not loaded or not initialised yet, the container's ledger is read as it
+/// is, if it exists, and the GPU found by its UUID there (reading takes no slot). Before any
+/// process of the container has created the ledger, nothing is charged and NVML's own numbers
+/// are shown.
+pub fn quota_by_uuid(uuid: &str) -> Option<(u64, u64)> {
+    if !real::driver_loaded() {
+        return quota_without_driver(uuid);
+    }
+    let mode = mode();
+    match mode {
+        Mode::Enforce(session) => session.quota(session.ledger_device_by_uuid(uuid)?),
+        Mode::PassThrough if std::ptr::eq(mode, &NOT_YET) => quota_without_driver(uuid),
+        Mode::PassThrough | Mode::Refuse(_) => None,
+    }
+}
+
+/// [`quota_by_uuid`] from the container's ledger as it is, without a session.
+fn quota_without_driver(uuid: &str) -> Option<(u64, u64)> {
+    let config = Config::from_env().ok()?;
+    let ledger = Ledger::open(&config.ledger).ok()?;
+    quota_in(&ledger, ledger_device_named(ledger.header(), uuid)?)
+}
+
+/// The ledger device whose UUID NVML writes as `uuid`.
+fn ledger_device_named(header: &Header, uuid: &str) -> Option<u32> {
+    let devices = header.devices.get(..header.device_count as usize)?;
+    let index = devices.iter().position(|d| d.uuid != [0; 16] && gpu_uuid_text(&d.uuid).eq_ignore_ascii_case(uuid))?;
+    u32::try_from(index).ok()
+}
+
+/// (quota, bytes in use) of ledger device `device`.
+fn quota_in(ledger: &Ledger, device: u32) -> Option<(u64, u64)> {
+    let config = ledger.header().devices.get(device as usize)?;
+    let usage = ledger.device_usage().ok()?;
+    Some((config.limit, usage.get(device as usize)?.used_chunks.saturating_mul(config.chunk)))
 }
 
 extern "C" fn after_fork_in_child() {
@@ -213,23 +277,21 @@ fn open_session(config: &Config) -> Result<Session, SetupError> {
         devices: (0..count)
             .map(|ordinal| DeviceConfig {
                 uuid: uuids[ordinal as usize],
-                limit: config.limits[ordinal as usize].unwrap_or(u64::MAX / 2),
+                // A device without a quota is limited by what it has.
+                limit: config.limits[ordinal as usize].unwrap_or_else(|| device_total(driver, ordinal)),
                 chunk: crate::config::CHUNK,
                 context_reserve: config.context_reserve,
                 ..Default::default()
-            })
-            .map(|mut device| {
-                // Unlimited devices are kept as a quota larger than any GPU.
-                device.limit = device.limit.min(1 << 52);
-                device
             })
             .collect(),
     };
     let ledger = Ledger::open_or_create(&config.ledger, &geometry, CREATOR_HOOK).map_err(|e| e.to_string())?;
     let header = *ledger.header();
     let mut devices = [None; MAX_DEVICES];
+    let mut ordinal_uuids = [[0; 16]; MAX_DEVICES];
     for ordinal in 0..count.min(MAX_DEVICES as c_int) {
         let uuid = uuids[ordinal as usize];
+        ordinal_uuids[ordinal as usize] = uuid;
         // A ledger that knows device UUIDs maps them (CUDA_VISIBLE_DEVICES may reorder or
         // hide devices); otherwise visible ordinal i is ledger device i, as HAMi's limits.
         let by_uuid = (uuid != [0; 16])
@@ -250,6 +312,7 @@ fn open_session(config: &Config) -> Result<Session, SetupError> {
         ledger,
         slot,
         devices,
+        uuids: ordinal_uuids,
         contexts: std::array::from_fn(|_| AtomicBool::new(false)),
         context_creation: Mutex::new(()),
         pools: Default::default(),
@@ -266,6 +329,19 @@ fn device_count(driver: &real::Driver) -> Result<c_int, SetupError> {
         CUDA_SUCCESS => Ok(count.clamp(0, MAX_DEVICES as c_int)),
         cuda_abi::CUDA_ERROR_NOT_INITIALIZED => Err(SetupError::NotInitialised),
         other => Err(format!("cuDeviceGetCount failed ({other})").into()),
+    }
+}
+
+/// The device's memory as the driver reports it (the ledger's limit for a device without a
+/// quota); 1 TiB if the driver cannot say.
+fn device_total(driver: &real::Driver, ordinal: c_int) -> u64 {
+    const FALLBACK: u64 = 1 << 40;
+    let Some(get) = driver.device_total_mem else { return FALLBACK };
+    let mut bytes: usize = 0;
+    // SAFETY: the out-pointer is a live local.
+    match unsafe { get(&mut bytes, ordinal) } {
+        CUDA_SUCCESS if bytes > 0 => bytes as u64,
+        _ => FALLBACK,
     }
 }
 

@@ -30,7 +30,7 @@ pub const MAX_RECORDS: u32 = 1 << 22;
 /// Smallest chunk (the kernel buddy's minimum page).
 pub const MIN_CHUNK: u64 = 4096;
 /// Most chunks one device may have: block offsets are kept in 32 bits.
-pub const MAX_CHUNKS: u64 = 1 << 31;
+pub const MAX_CHUNKS: u64 = 1 << 24;
 
 /// What a file says about itself. Page 0.
 #[repr(C)]

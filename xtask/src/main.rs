@@ -3,7 +3,8 @@
 //! - `setup`: install what building needs and is missing (rust-src for the nightly toolchain,
 //!   `bpf-linker` built against the nightly toolchain's own LLVM); a no-op when all is there.
 //! - `build-ebpf`: compile `ebpf/` for `bpfel-unknown-none` (the agent embeds the object).
-//! - `fake-driver`: build the fake CUDA driver; print the directory holding `libcuda.so.1`.
+//! - `fake-driver`: build the fake CUDA driver; print the directory holding `libcuda.so.1` (and
+//!   `libnvidia-ml.so.1`: the fake is a fake NVML too).
 //! - `test`: everything above, then every test of the workspace.
 //! - `demo`: the agent, the fake driver and sample workloads, end to end (needs root).
 //! - `bench`: what the eBPF probes cost per alloc/free pair; writes docs/BENCHMARKS.md.
@@ -32,7 +33,7 @@ enum Task {
     Setup,
     /// Compile the eBPF programs for bpfel-unknown-none.
     BuildEbpf,
-    /// Build the fake CUDA driver and print the directory that holds its libcuda.so.1.
+    /// Build the fake CUDA driver and print the directory that holds its libcuda.so.1 and libnvidia-ml.so.1.
     FakeDriver,
     /// Set up, build, and run every test (the end-to-end ones need root).
     Test,

@@ -84,9 +84,10 @@ pub fn fake_driver_lib() -> Result<PathBuf> {
     built("libcuda.so", "fakecuda")
 }
 
-/// A directory holding `libcuda.so.1` → `../libcuda.so`, for `LD_LIBRARY_PATH`:
-/// `target/<profile>/fakecuda/`. Idempotent and safe against concurrent callers (the link is
-/// made under a unique name and renamed into place).
+/// A directory holding `libcuda.so.1` and `libnvidia-ml.so.1` → `../libcuda.so` (the fake
+/// driver is a fake NVML too), for `LD_LIBRARY_PATH`: `target/<profile>/fakecuda/`.
+/// Idempotent and safe against concurrent callers (each link is made under a unique name and
+/// renamed into place).
 pub fn fake_driver_dir() -> Result<PathBuf> {
     fake_driver_dir_in(&target_dir()?)
 }
@@ -99,15 +100,22 @@ pub fn fake_driver_dir_in(profile_dir: &Path) -> Result<PathBuf> {
     }
     let dir = profile_dir.join("fakecuda");
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let link = dir.join("libcuda.so.1");
-    let target = Path::new("../libcuda.so");
-    if std::fs::read_link(&link).ok().as_deref() == Some(target) {
-        return Ok(dir);
+    for name in ["libcuda.so.1", "libnvidia-ml.so.1"] {
+        link_into_place(&dir, name, Path::new("../libcuda.so"))?;
     }
-    let tmp = dir.join(format!(".libcuda.so.1.{}.{}", std::process::id(), unique()));
+    Ok(dir)
+}
+
+/// Makes `dir/name` a symlink to `target`, unless it already is one.
+fn link_into_place(dir: &Path, name: &str, target: &Path) -> Result<()> {
+    let link = dir.join(name);
+    if std::fs::read_link(&link).ok().as_deref() == Some(target) {
+        return Ok(());
+    }
+    let tmp = dir.join(format!(".{name}.{}.{}", std::process::id(), unique()));
     std::os::unix::fs::symlink(target, &tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
     std::fs::rename(&tmp, &link).with_context(|| format!("cannot rename {} to {}", tmp.display(), link.display()))?;
-    Ok(dir)
+    Ok(())
 }
 
 fn unique() -> u64 {

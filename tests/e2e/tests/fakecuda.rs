@@ -1,6 +1,6 @@
 //! The fake driver's semantics, checked with real processes: granularity, OOM, machine-wide
 //! devices shared by processes, reaping of dead processes, pools, VMM, contexts,
-//! `cuGetProcAddress`, configuration errors.
+//! `cuGetProcAddress`, configuration errors, and the fake NVML.
 //!
 //! Needs `cargo build -p fakecuda -p workload` first (same profile).
 
@@ -422,6 +422,8 @@ const EXPORTS: &[&str] = &[
     "cuMemAllocFromPoolAsync", "cuMemAllocFromPoolAsync_ptsz", "cuDeviceGetMemPool", "cuMemPoolTrimTo", "cuMemCreate",
     "cuMemRelease", "cuMemAddressReserve", "cuMemAddressFree", "cuMemMap", "cuMemUnmap", "cuMemSetAccess",
     "cuMemGetAllocationGranularity", "cuGetProcAddress", "cuGetProcAddress_v2", "cuGetErrorString", "cuGetErrorName",
+    "nvmlInit", "nvmlInit_v2", "nvmlShutdown", "nvmlDeviceGetCount_v2", "nvmlDeviceGetHandleByIndex_v2",
+    "nvmlDeviceGetUUID", "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetMemoryInfo_v2", "nvmlErrorString",
     "fakecuda_device_usage", "fakecuda_api_calls",
 ];
 
@@ -538,5 +540,52 @@ fn device_usage_works_without_init() -> Result<()> {
     let lines: Vec<&str> = out.lines("devstat ").collect();
     assert_eq!(lines, [format!("devstat used={} total={}", CTX + 6 * MIB, 3 * GIB), format!("devstat used=0 total={}", 3 * GIB)]);
     holder.wait()?.success()?;
+    Ok(())
+}
+
+#[test]
+fn nvml_reports_every_processs_memory_without_cu_init() -> Result<()> {
+    let node = FakeNode::new("nvml").with_env("FAKECUDA_DEVICE_COUNT", "2").with_env("FAKECUDA_DEVICE_BYTES", "3g");
+    let mut holder = node.workload().steps(["ctx 1", "alloc a 5m", "checkpoint held"]).spawn()?;
+    holder.wait_checkpoint("held")?;
+    // Like nvidia-smi: no cuInit, the whole device, another process's memory included.
+    let out = node
+        .workload()
+        .arg("--no-init")
+        .steps(["nvml-meminfo 1", "nvml-meminfo 0", "nvml-meminfo 1 global", "nvml-null 1", "calls nvmlDeviceGetMemoryInfo cuInit"])
+        .run()?
+        .success()?;
+    let used = CTX + 6 * MIB;
+    let lines: Vec<&str> = out.lines("nvml-meminfo ").collect();
+    let line = |used: u64| {
+        let free = 3 * GIB - used;
+        format!("nvml-meminfo total={} free={free} used={used} v2-total={} v2-free={free} v2-used={used} v2-reserved=0", 3 * GIB, 3 * GIB)
+    };
+    assert_eq!(lines, [line(used), line(0), line(used)]);
+    assert_eq!(out.line("nvml-null ")?, "nvml-null v1=2 v2=2 v2-version=25", "NULL: invalid argument; version 0: mismatch");
+    let calls: Vec<&str> = out.lines("calls ").collect();
+    assert_eq!(calls, ["calls nvmlDeviceGetMemoryInfo 4", "calls cuInit 0"], "three nvml-meminfo steps and nvml-null");
+    holder.wait()?.success()?;
+
+    // NVML's UUIDs are the driver's, device by device.
+    let out = node.workload().steps(["nvml-uuid 0", "nvml-uuid 1"]).run()?.success()?;
+    let uuids: Vec<(&str, &str)> = out
+        .lines("nvml-uuid ")
+        .filter_map(|l| {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            Some((w.get(1)?.strip_prefix("nvml=")?, w.get(2)?.strip_prefix("cuda=")?))
+        })
+        .collect();
+    assert_eq!(uuids.len(), 2, "{:?}", out.stdout);
+    for (nvml, cuda) in &uuids {
+        assert_eq!(nvml, cuda);
+        assert!(nvml.starts_with("GPU-") && nvml.len() == 40, "{nvml}");
+    }
+    assert_ne!(uuids[0], uuids[1]);
+
+    // Errors are NVML's, with its description.
+    let out = node.workload().arg("--no-init").step("nvml-meminfo 2").run()?;
+    assert_eq!(out.code(), Some(1), "{out:?}");
+    assert!(out.stderr.contains("error nvml-meminfo 2 Invalid Argument"), "{:?}", out.stderr);
     Ok(())
 }

@@ -4,6 +4,9 @@
 //! The fake device is 4 GiB and every quota 1 GiB, so any refusal below 1 GiB is the hook's;
 //! the hook's context reserve equals what the fake charges per context, so the ledger and the
 //! driver's own counter ([`FakeNode::used`], an un-hooked process) must agree byte for byte.
+//! NVML's memory queries (the fake driver is a fake NVML too) must show what
+//! `cuMemGetInfo_v2` shows.
+//!
 //! Build first: `cargo build -p hook -p fakecuda -p workload` (or `cargo xtask test`).
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -491,6 +494,24 @@ fn a_pool_is_charged_for_what_it_holds_until_trimmed() -> Result<()> {
     Ok(())
 }
 
+/// A quota on one device leaves the other limited only by what it has.
+#[test]
+fn a_quota_on_one_device_leaves_the_other_unlimited() -> Result<()> {
+    let node = node("partial").with_env("FAKECUDA_DEVICE_COUNT", "2");
+    let ledger = node.ledger_path();
+    let out = hooked(&node, &ledger)?
+        .env("CUDA_DEVICE_MEMORY_LIMIT", "")
+        .env("CUDA_DEVICE_MEMORY_LIMIT_1", "1g")
+        .steps(["ctx 0", "alloc a 3g", "meminfo", "ctx 1", "meminfo", "expect-oom alloc b 2g", "alloc c 512m"])
+        .run()?
+        .success()?;
+    let meminfo: Vec<&str> = out.lines("meminfo ").collect();
+    assert_eq!(field(meminfo[0], "total")?, 4 * GIB, "device 0 shows all it has: {meminfo:?}");
+    assert_eq!(field(meminfo[1], "total")?, GIB, "device 1 shows its quota: {meminfo:?}");
+    assert_eq!(out.lines("oom ").collect::<Vec<_>>(), ["oom b"]);
+    Ok(())
+}
+
 /// The bytes of the workload's next `ok alloc NAME 0xPTR BYTES` line.
 fn allocated(w: &mut Running, name: &str) -> Result<u64> {
     let line = w.expect_prefix(&format!("ok alloc {name} "))?;
@@ -633,3 +654,174 @@ fn a_corrupt_ledger_refuses_gpu_memory_or_with_fail_open_runs_unlimited() -> Res
     Ok(())
 }
 
+
+/// NVML's two memory answers in an `nvml-meminfo` line: ((total, free, used), v2's, v2's reserved).
+type NvmlSeen = ((u64, u64, u64), (u64, u64, u64), u64);
+
+/// The next `nvml-meminfo` line.
+fn next_nvml(w: &mut Running) -> Result<NvmlSeen> {
+    let line = w.expect_prefix("nvml-meminfo ")?;
+    Ok((
+        (field(&line, "total")?, field(&line, "free")?, field(&line, "used")?),
+        (field(&line, "v2-total")?, field(&line, "v2-free")?, field(&line, "v2-used")?),
+        field(&line, "v2-reserved")?,
+    ))
+}
+
+/// At a checkpoint: `cuMemGetInfo_v2`'s (free, total) and NVML's numbers (looked up on NVML's
+/// handle, and in the global scope) must all be the quota and the quota less the ledger's usage.
+fn assert_nvml_agrees(w: &mut Running, ledger: &Path, when: &str) -> Result<()> {
+    let meminfo = next_meminfo(w)?;
+    let by_handle = next_nvml(w)?;
+    let global = next_nvml(w)?;
+    w.wait_checkpoint(when)?;
+    assert_meminfo(meminfo, ledger, when)?;
+    let used = ledger_used(ledger)?;
+    let expected = (LIMIT, LIMIT - used, used);
+    assert_eq!(by_handle, (expected, expected, 0), "{when}: NVML through dlsym on its handle, {used} bytes in the ledger");
+    assert_eq!(global, (expected, expected, 0), "{when}: NVML through the global scope (the hook's export)");
+    assert_eq!((meminfo.1, meminfo.0), (by_handle.0 .0, by_handle.0 .1), "{when}: cuMemGetInfo_v2 and NVML agree");
+    Ok(())
+}
+
+/// The steps that print what a checkpoint compares.
+fn report(checkpoint: &str) -> [String; 4] {
+    ["meminfo".into(), "nvml-meminfo 0".into(), "nvml-meminfo 0 global".into(), format!("checkpoint {checkpoint}")]
+}
+
+#[test]
+fn nvml_reports_what_cu_mem_get_info_reports_at_each_checkpoint() -> Result<()> {
+    let node = node("nvml");
+    let ledger = node.ledger_path();
+    let mut a_steps = vec!["ctx 0".to_string()];
+    a_steps.extend(report("a1"));
+    a_steps.extend(["alloc a 300m".into(), "alloc s 1k".into()]);
+    a_steps.extend(report("a2"));
+    a_steps.push("free a".into());
+    a_steps.extend(report("a3"));
+    let mut a = hooked(&node, &ledger)?.steps(a_steps).spawn()?;
+    assert_nvml_agrees(&mut a, &ledger, "a1")?;
+    a.resume()?;
+    assert_nvml_agrees(&mut a, &ledger, "a2")?;
+    assert_eq!(ledger_used(&ledger)?, CTX + 302 * MIB);
+
+    // A second process sees the container's usage through NVML too, A's included.
+    let mut b_steps = vec!["ctx 0".to_string(), "alloc b 100m".into()];
+    b_steps.extend(report("b1"));
+    let mut b = hooked(&node, &ledger)?.steps(b_steps).spawn()?;
+    assert_nvml_agrees(&mut b, &ledger, "b1")?;
+    assert_eq!(ledger_used(&ledger)?, 2 * CTX + 402 * MIB);
+    a.resume()?;
+    assert_nvml_agrees(&mut a, &ledger, "a3")?;
+    assert_eq!(ledger_used(&ledger)?, 2 * CTX + 102 * MIB);
+    a.wait()?.success()?;
+    b.wait()?.success()?;
+    assert_ledger_empty(&ledger)?;
+    Ok(())
+}
+
+#[test]
+fn without_the_hook_nvml_shows_the_devices_true_numbers() -> Result<()> {
+    // The control: the same report with no hook is the whole fake device, every process's
+    // memory counted.
+    let node = node("nvml-control");
+    let mut holder = node.workload().steps(["ctx 0", "alloc h 500m", "checkpoint held"]).spawn()?;
+    holder.wait_checkpoint("held")?;
+    let mut steps = vec!["ctx 0".to_string(), "alloc a 300m".into()];
+    steps.extend(report("seen"));
+    let mut w = node.workload().steps(steps).spawn()?;
+    let meminfo = next_meminfo(&mut w)?;
+    let by_handle = next_nvml(&mut w)?;
+    let global = next_nvml(&mut w)?;
+    w.wait_checkpoint("seen")?;
+    let (used, total) = node.devstat(0)?;
+    assert_eq!((used, total), (2 * CTX + 800 * MIB, 4 * GIB));
+    let expected = (total, total - used, used);
+    assert_eq!(by_handle, (expected, expected, 0), "NVML shows the device");
+    assert_eq!(global, by_handle);
+    assert_eq!(meminfo, (total - used, total), "and so does cuMemGetInfo_v2");
+    w.wait()?.success()?;
+    holder.wait()?.success()?;
+    Ok(())
+}
+
+#[test]
+fn null_nvml_pointers_get_the_drivers_answer() -> Result<()> {
+    let steps = ["nvml-null 0", "ctx 0", "alloc a 10m", "nvml-null 0", "nvml-meminfo 0"];
+    let node = node("nvml-null");
+    let ledger = node.ledger_path();
+    let with_hook = hooked(&node, &ledger)?.steps(steps).run()?.success()?;
+    let bare = node.workload().steps(steps).run()?.success()?;
+    let hooked_lines: Vec<&str> = with_hook.lines("nvml-null ").collect();
+    let bare_lines: Vec<&str> = bare.lines("nvml-null ").collect();
+    assert_eq!(hooked_lines.len(), 2, "{:?}", with_hook.stdout);
+    assert_eq!(hooked_lines, bare_lines, "the hook returns NVML's codes");
+    // NVML_ERROR_INVALID_ARGUMENT for NULL, NVML_ERROR_ARGUMENT_VERSION_MISMATCH for version 0.
+    assert!(hooked_lines.iter().all(|l| *l == "nvml-null v1=2 v2=2 v2-version=25"), "{hooked_lines:?}");
+    assert_eq!(field(with_hook.line("nvml-meminfo ")?, "total")?, LIMIT, "the hook is enforcing in that process");
+    assert_eq!(field(bare.line("nvml-meminfo ")?, "total")?, 4 * GIB);
+    Ok(())
+}
+
+#[test]
+fn nvml_without_cu_init_shows_the_containers_ledger_once_there_is_one() -> Result<()> {
+    let node = node("nvml-noinit");
+    let ledger = node.ledger_path();
+    let nvml_only = |node: &FakeNode| -> Result<Workload> {
+        Ok(hooked(node, &ledger)?.arg("--no-init").steps(["nvml-meminfo 0", "nvml-meminfo 0 global"]))
+    };
+    // No ledger yet: nothing is charged to the container, and NVML's numbers are the device's.
+    let out = nvml_only(&node)?.run()?.success()?;
+    assert!(!ledger.exists(), "a process without cuInit creates no ledger");
+    for line in out.lines("nvml-meminfo ") {
+        assert_eq!((field(line, "total")?, field(line, "used")?), (4 * GIB, 0), "{line}");
+    }
+    // Once a process of the container made the ledger, the quota and its usage.
+    let mut a = hooked(&node, &ledger)?.steps(["ctx 0", "alloc a 300m", "checkpoint held"]).spawn()?;
+    a.wait_checkpoint("held")?;
+    let out = nvml_only(&node)?.run()?.success()?;
+    let used = ledger_used(&ledger)?;
+    assert_eq!(used, CTX + 300 * MIB);
+    let lines: Vec<&str> = out.lines("nvml-meminfo ").collect();
+    assert_eq!(lines.len(), 2, "{:?}", out.stdout);
+    for line in lines {
+        assert_eq!(
+            (field(line, "total")?, field(line, "free")?, field(line, "used")?, field(line, "v2-free")?),
+            (LIMIT, LIMIT - used, used, LIMIT - used),
+            "{line}"
+        );
+    }
+    a.wait()?.success()?;
+    assert_ledger_empty(&ledger)?;
+    Ok(())
+}
+
+#[test]
+fn nvml_finds_the_enforced_device_by_its_uuid() -> Result<()> {
+    // Two devices with different quotas: NVML's handle of each shows its own quota and usage.
+    let node = node("nvml-uuid").with_env("FAKECUDA_DEVICE_COUNT", "2");
+    let ledger = node.ledger_path();
+    let out = node
+        .workload()
+        .env("LD_PRELOAD", e2e::hook_lib()?)
+        .env("CUDA_DEVICE_MEMORY_LIMIT_0", (2 * LIMIT).to_string())
+        .env("CUDA_DEVICE_MEMORY_LIMIT_1", LIMIT.to_string())
+        .env("VRAMGUARD_LEDGER", &ledger)
+        .env("VRAMGUARD_CONTEXT_RESERVE", CTX.to_string())
+        .steps(["ctx 1", "alloc a 100m", "nvml-meminfo 1", "nvml-meminfo 0", "nvml-uuid 0", "nvml-uuid 1"])
+        .run()?
+        .success()?;
+    let lines: Vec<&str> = out.lines("nvml-meminfo ").collect();
+    assert_eq!(lines.len(), 2, "{:?}", out.stdout);
+    let used = CTX + 100 * MIB;
+    assert_eq!((field(lines[0], "total")?, field(lines[0], "used")?), (LIMIT, used), "device 1: {}", lines[0]);
+    assert_eq!((field(lines[1], "total")?, field(lines[1], "used")?), (2 * LIMIT, 0), "device 0: {}", lines[1]);
+    let uuids: Vec<&str> = out.lines("nvml-uuid ").collect();
+    assert_eq!(uuids.len(), 2, "{:?}", out.stdout);
+    for line in &uuids {
+        let w: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(w.get(1).and_then(|n| n.strip_prefix("nvml=")), w.get(2).and_then(|c| c.strip_prefix("cuda=")), "{line}");
+    }
+    assert_ne!(uuids[0], uuids[1], "two devices, two UUIDs");
+    Ok(())
+}

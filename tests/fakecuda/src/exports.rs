@@ -1,5 +1,6 @@
 //! The exported C entry points: exact CUDA driver API names and signatures (`cuda.h`), plus
-//! two test-only extras (`fakecuda_device_usage`, `fakecuda_api_calls`).
+//! two test-only extras (`fakecuda_device_usage`, `fakecuda_api_calls`). The NVML entry
+//! points are in [`crate::nvml`].
 //!
 //! Each export only checks its raw pointers and hands over to [`crate::driver`] with its own
 //! [`Api`] value (through [`call`], or [`call_out`] for the many that answer through one
@@ -63,8 +64,8 @@ fn sz(n: u64) -> usize {
 }
 
 /// A stable UUID for device `index` of node `node`: FNV-1a hashes, shaped as an RFC 9562
-/// version-8 (custom) UUID.
-fn device_uuid(node: &str, index: usize) -> [u8; 16] {
+/// version-8 (custom) UUID. The fake NVML reports the same bytes ([`crate::nvml`]).
+pub(crate) fn device_uuid(node: &str, index: usize) -> [u8; 16] {
     let fnv = |seed: u64| {
         let mut h = 0xcbf2_9ce4_8422_2325u64 ^ seed;
         for b in node.bytes().chain(b"/dev".iter().copied()).chain(index.to_string().bytes()) {

@@ -6,10 +6,12 @@
 //! dead process's memory returns to the device. Allocation granularity, context reserve,
 //! stream-ordered pools and VMM handles follow what was measured on an H100 ([`driver`]).
 //! Configuration comes from `FAKECUDA_*` environment variables ([`config`]). The exported
-//! entry points are in [`exports`]; `cuGetProcAddress` resolution is in [`procaddr`].
+//! entry points are in [`exports`]; `cuGetProcAddress` resolution is in [`procaddr`]. The same
+//! library is a minimal NVML too ([`nvml`]: init, device handles and UUIDs, memory info).
 //!
 //! Build: `cargo build -p fakecuda` gives `target/<profile>/libcuda.so` with soname
-//! `libcuda.so.1`; point `LD_LIBRARY_PATH` at a directory holding a `libcuda.so.1` symlink to it.
+//! `libcuda.so.1`; point `LD_LIBRARY_PATH` at a directory holding a `libcuda.so.1` symlink to it
+//! (and a `libnvidia-ml.so.1` one, for NVML; the e2e kit's `fake_driver_dir` makes both).
 
 pub mod api;
 pub mod config;
@@ -17,5 +19,6 @@ pub mod devfile;
 pub mod driver;
 pub mod errors;
 pub mod exports;
+pub mod nvml;
 pub mod procaddr;
 pub mod procinfo;

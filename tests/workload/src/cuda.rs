@@ -53,6 +53,7 @@ macro_rules! entry_points {
 entry_points! {
     init: fn(c_uint) = "cuInit" / "cuInit" / 0;
     device_get: fn(*mut CUdevice, c_int) = "cuDeviceGet" / "cuDeviceGet" / 0;
+    device_get_uuid: fn(*mut CUuuid, CUdevice) = "cuDeviceGetUuid_v2" / "cuDeviceGetUuid" / 0;
     primary_retain: fn(*mut CUcontext, CUdevice) = "cuDevicePrimaryCtxRetain" / "cuDevicePrimaryCtxRetain" / 0;
     primary_release: fn(CUdevice) = "cuDevicePrimaryCtxRelease_v2" / "cuDevicePrimaryCtxRelease" / 0;
     ctx_create: fn(*mut CUcontext, c_uint, CUdevice) = "cuCtxCreate_v2" / "cuCtxCreate" / 0;

@@ -10,9 +10,12 @@
 //! allocation or free, and one line per query step; stdout is flushed after every line. A CUDA
 //! error prints `error STEP CODE NAME` on stderr and exits 1; a bad command line exits 2.
 //! A child made by the `fork` step prefixes each of its lines (stdout and stderr) with `child `.
-//! Steps are documented in [`steps`] and in `--help`.
+//! Steps are documented in [`steps`] and in `--help`. The `nvml-*` steps reach NVML
+//! (`dlopen("libnvidia-ml.so.1")`, [`nvml`]), loaded and initialised by the first of them; an
+//! NVML error prints `error STEP CODE TEXT` (NVML's code and description) and exits 1.
 
 mod cuda;
+mod nvml;
 mod steps;
 
 use std::collections::HashMap;
@@ -60,6 +63,15 @@ Each argument (or script line; # starts a comment) is one step. Sizes take k/m/g
                           lines prefixed `child `) and exits 0; the parent waits, then
                           prints: fork child=PID exit=CODE (or signal=SIG)
   bench PAIRS SIZE            prints: bench pairs=N ns_per_pair=X
+  nvml-meminfo DEV [global]
+                          nvmlDeviceGetHandleByIndex_v2 + nvmlDeviceGetMemoryInfo and _v2
+                          (looked up on NVML's handle, or with `global` by
+                          dlsym(RTLD_DEFAULT)); prints: nvml-meminfo total=N free=N used=N
+                          v2-total=N v2-free=N v2-used=N v2-reserved=N
+  nvml-null DEV           both memory queries with a NULL struct, and _v2 with version 0;
+                          prints: nvml-null v1=CODE v2=CODE v2-version=CODE
+  nvml-uuid DEV           prints: nvml-uuid nvml=UUID cuda=UUID (nvmlDeviceGetUUID, and
+                          cuDeviceGetUuid_v2 of ordinal DEV in the same GPU-... form)
   procaddr QUERY [EXPORT|-] [VERSION] [FLAGS]
                           prints: procaddr QUERY code=C status=S getproc=0xA dlsym=0xB
   dlsym SYMBOL...         prints: dlsym SYMBOL 0xADDR (0x0 if absent)
@@ -90,6 +102,8 @@ struct Runner {
     ctxs: Vec<(u64, CUdevice, bool)>,
     /// What `fill` allocated and `free-fill` has not freed yet.
     filled: Vec<CUdeviceptr>,
+    /// NVML, once an `nvml-*` step loaded it.
+    nvml: Option<nvml::Nvml>,
 }
 
 /// Set in a child made by the `fork` step: its output lines start with `child `.
@@ -147,6 +161,32 @@ impl Runner {
         let mut pool: CUmemoryPool = null();
         cu!(self, step, device_get_mem_pool(&mut pool, dev));
         Ok(pool)
+    }
+
+    /// NVML, loaded and initialised on first use; a failure to do so ends the workload.
+    fn nvml(&mut self, verb: &str) -> &nvml::Nvml {
+        if self.nvml.is_none() {
+            match nvml::Nvml::load() {
+                Ok(n) => self.nvml = Some(n),
+                Err(e) => {
+                    let _ = std::io::stdout().flush();
+                    eprintln!("{}error {verb} {e}", prefix());
+                    std::process::exit(1);
+                }
+            }
+        }
+        match &self.nvml {
+            Some(n) => n,
+            None => std::process::exit(1), // unreachable: just loaded
+        }
+    }
+
+    /// Reports an NVML error and ends the workload.
+    fn nvml_fail(&self, verb: &str, e: nvml::NvmlError) -> ! {
+        let _ = std::io::stdout().flush();
+        let text = self.nvml.as_ref().map(|n| n.error_text(e.code)).unwrap_or_default();
+        eprintln!("{}error {verb} {} {text} ({})", prefix(), e.code, e.call);
+        std::process::exit(1);
     }
 
     fn record(&mut self, step: &Step, addr: u64, bytes: u64, handle: u64) {
@@ -411,6 +451,36 @@ impl Runner {
                     unsafe { (f(std::ptr::null_mut(), &mut total), f(&mut free, std::ptr::null_mut())) };
                 say!("meminfo-null null-free={null_free} null-total={null_total}");
             }
+            Step::NvmlMeminfo { dev, global } => match self.nvml(verb).meminfo(*dev, *global) {
+                Ok(nvml::Meminfo { v1, v2 }) => say!(
+                    "nvml-meminfo total={} free={} used={} v2-total={} v2-free={} v2-used={} v2-reserved={}",
+                    v1.total,
+                    v1.free,
+                    v1.used,
+                    v2.total,
+                    v2.free,
+                    v2.used,
+                    v2.reserved
+                ),
+                Err(e) => self.nvml_fail(verb, e),
+            },
+            Step::NvmlNull(dev) => match self.nvml(verb).null_codes(*dev) {
+                Ok((v1, v2, version)) => say!("nvml-null v1={v1} v2={v2} v2-version={version}"),
+                Err(e) => self.nvml_fail(verb, e),
+            },
+            Step::NvmlUuid(dev) => {
+                let text = match self.nvml(verb).uuid(*dev) {
+                    Ok(text) => text,
+                    Err(e) => self.nvml_fail(verb, e),
+                };
+                let ordinal = CUdevice::try_from(*dev).map_err(|_| Err(format!("device {dev} out of range")))?;
+                let mut uuid = CUuuid { bytes: [0; 16] };
+                self.call(|s| {
+                    cu!(s, verb, device_get_uuid(&mut uuid, ordinal));
+                    Ok(())
+                })?;
+                say!("nvml-uuid nvml={text} cuda={}", gpu_uuid_text(&uuid.bytes.map(|b| b as u8)));
+            }
             Step::Fork(steps) => {
                 let _ = std::io::stdout().flush();
                 // SAFETY: fork(2); no other thread of this process runs at this point (steps
@@ -628,7 +698,7 @@ fn main() {
             std::process::exit(1);
         }
     };
-    let mut runner = Runner { drv, names: HashMap::new(), ctxs: Vec::new(), filled: Vec::new() };
+    let mut runner = Runner { drv, names: HashMap::new(), ctxs: Vec::new(), filled: Vec::new(), nvml: None };
     if opts.init {
         let init = runner.call(|s| {
             cu!(s, "init", init(0));

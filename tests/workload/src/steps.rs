@@ -42,6 +42,9 @@ pub enum Step {
     FreeFill,
     MeminfoNull,
     Fork(Vec<Step>),
+    NvmlMeminfo { dev: u32, global: bool },
+    NvmlNull(u32),
+    NvmlUuid(u32),
 }
 
 /// A step that could not be parsed.
@@ -101,6 +104,9 @@ impl Step {
             Step::FreeFill => "free-fill",
             Step::MeminfoNull => "meminfo-null",
             Step::Fork(_) => "fork",
+            Step::NvmlMeminfo { .. } => "nvml-meminfo",
+            Step::NvmlNull(_) => "nvml-null",
+            Step::NvmlUuid(_) => "nvml-uuid",
         }
     }
 
@@ -133,6 +139,7 @@ impl Step {
         let size = |s: &str| parse_size(s).ok_or_else(|| err(&format!("{s:?} is not a size")));
         let int = |s: &str| parse_int(s).ok_or_else(|| err(&format!("{s:?} is not a number")));
         let dev = |s: &str| int(s).and_then(|v| i32::try_from(v).map_err(|_| err("device out of range")));
+        let index = |s: &str| int(s).and_then(|v| u32::try_from(v).map_err(|_| err("device index out of range")));
         let name = |i: usize| args[i].to_string();
         let step = match *verb {
             "ctx" => {
@@ -238,6 +245,22 @@ impl Step {
                 want(0, "meminfo-null")?;
                 Step::MeminfoNull
             }
+            "nvml-meminfo" => {
+                let global = match args {
+                    [_] => false,
+                    [_, "global"] => true,
+                    _ => return Err(err("usage: nvml-meminfo DEV [global]")),
+                };
+                Step::NvmlMeminfo { dev: index(args[0])?, global }
+            }
+            "nvml-null" => {
+                want(1, "nvml-null DEV")?;
+                Step::NvmlNull(index(args[0])?)
+            }
+            "nvml-uuid" => {
+                want(1, "nvml-uuid DEV")?;
+                Step::NvmlUuid(index(args[0])?)
+            }
             "fork" => {
                 let steps: Vec<Step> = args
                     .join(" ")
@@ -341,6 +364,12 @@ mod tests {
             ]))
         );
         assert!(Step::parse("fork").is_err());
+        assert_eq!(Step::parse("nvml-meminfo 1").ok(), Some(Step::NvmlMeminfo { dev: 1, global: false }));
+        assert_eq!(Step::parse("nvml-meminfo 0 global").ok(), Some(Step::NvmlMeminfo { dev: 0, global: true }));
+        assert!(Step::parse("nvml-meminfo 0 local").is_err());
+        assert!(Step::parse("nvml-meminfo -1").is_err());
+        assert_eq!(Step::parse("nvml-null 0").ok(), Some(Step::NvmlNull(0)));
+        assert_eq!(Step::parse("nvml-uuid 2").ok(), Some(Step::NvmlUuid(2)));
         assert!(Step::parse("fork ctx 0; frobnicate").is_err());
         let script = Step::parse_script("# setup\nctx 0\n\nalloc a 1k # small\n").expect("script");
         assert_eq!(script, vec![Step::Ctx(0), Step::Alloc { name: "a".into(), size: 1024 }]);

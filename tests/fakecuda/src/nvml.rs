@@ -1,0 +1,333 @@
+//! A minimal fake NVML (`libnvidia-ml.so.1`), exported from the same library as the fake
+//! driver: the e2e kit's driver directory links `libnvidia-ml.so.1` to it too. It covers what
+//! a tool asks a GPU's memory with: `nvmlInit_v2` / `nvmlInit`, `nvmlShutdown`,
+//! `nvmlDeviceGetCount_v2`, `nvmlDeviceGetHandleByIndex_v2`, `nvmlDeviceGetUUID`,
+//! `nvmlDeviceGetMemoryInfo`, `nvmlDeviceGetMemoryInfo_v2` and `nvmlErrorString`, with
+//! `nvml.h`'s signatures and result codes ([`cuda_abi::nvml`]).
+//!
+//! Semantics, as the real library's:
+//! * Like `nvidia-smi`, NVML needs no `cuInit`: `nvmlInit_v2` reads the `FAKECUDA_*`
+//!   configuration and opens (or creates) every device's state file itself. Init calls are
+//!   counted; the matching number of `nvmlShutdown`s ends the session, and every other call
+//!   outside one is `NVML_ERROR_UNINITIALIZED` (`nvmlErrorString` excepted).
+//! * Memory is the device's, machine-wide: `used` is what every live process holds (dead
+//!   ones reaped first, as `fakecuda_device_usage` does), `free = total - used`; the v2
+//!   struct must carry `nvmlMemory_v2` as its version (else
+//!   `NVML_ERROR_ARGUMENT_VERSION_MISMATCH`) and reports `reserved = 0` (the fake sets nothing
+//!   aside).
+//! * `nvmlDeviceGetUUID` writes `GPU-…` text of the 16 bytes `cuDeviceGetUuid_v2` returns
+//!   for the same index; a buffer shorter than the text and its NUL is
+//!   `NVML_ERROR_INSUFFICIENT_SIZE`.
+//! * NULL out-pointers, indices past the device count and unknown device handles are
+//!   `NVML_ERROR_INVALID_ARGUMENT`.
+//!
+//! Device handles are the addresses of a static array's elements, one per possible device.
+//!
+//! # Safety
+//!
+//! Every export is `unsafe` with the contract of its `nvml.h` declaration: pointer arguments
+//! are NULL or valid for the documented access (a UUID buffer for `length` bytes).
+
+// NVML's names and parameter names; the shared Safety section above covers every export.
+#![allow(non_snake_case, clippy::missing_safety_doc)]
+
+use std::ffi::{c_char, c_uint, CStr};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use cuda_abi::nvml::*;
+use cuda_abi::gpu_uuid_text;
+
+use crate::api::Api;
+use crate::config::{Config, MAX_DEVICES};
+use crate::devfile::DeviceFile;
+use crate::driver::{self, count};
+use crate::exports::device_uuid;
+use crate::procinfo::ProcId;
+
+/// One NVML session of this process (between the first init and the last shutdown).
+struct Nvml {
+    refs: u32,
+    cfg: Config,
+    /// Opened by the process in `me` (reopened in a forked child, whose flock must be its own).
+    devs: Vec<DeviceFile>,
+    me: ProcId,
+}
+
+static NVML: Mutex<Option<Nvml>> = Mutex::new(None);
+
+/// Device handles: `&HANDLES[i]` is device `i`'s `nvmlDevice_t`.
+static HANDLES: [u64; MAX_DEVICES as usize] = [0; MAX_DEVICES as usize];
+
+type R<T> = Result<T, nvmlReturn_t>;
+
+fn lock() -> MutexGuard<'static, Option<Nvml>> {
+    NVML.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn open_devices(cfg: &Config) -> R<Vec<DeviceFile>> {
+    (0..cfg.device_count)
+        .map(|i| {
+            DeviceFile::open_or_create(&cfg.state_dir, &cfg.node, i, cfg.device_bytes).map_err(|e| {
+                eprintln!("{}", e.message);
+                NVML_ERROR_UNKNOWN
+            })
+        })
+        .collect()
+}
+
+impl Nvml {
+    /// Reopens the device files in a forked child.
+    fn refresh(&mut self) -> R<()> {
+        if self.me.pid != std::process::id() {
+            self.devs = open_devices(&self.cfg)?;
+            self.me = ProcId::current();
+        }
+        Ok(())
+    }
+
+    /// The index of a device handle.
+    fn index(&self, device: nvmlDevice_t) -> R<usize> {
+        HANDLES
+            .iter()
+            .position(|h| std::ptr::eq(h, device.cast_const().cast()))
+            .filter(|&i| i < self.devs.len())
+            .ok_or(NVML_ERROR_INVALID_ARGUMENT)
+    }
+
+    /// (total, used) of a device, across all processes.
+    fn memory(&self, device: nvmlDevice_t) -> R<(u64, u64)> {
+        let file = self.devs.get(self.index(device)?).ok_or(NVML_ERROR_INVALID_ARGUMENT)?;
+        let (used, total) = driver::usage_of(file, &self.me).map_err(|_| NVML_ERROR_UNKNOWN)?;
+        Ok((total, used.min(total)))
+    }
+}
+
+/// Runs `f` in this process's NVML session: the frame of every export but init and
+/// `nvmlErrorString`.
+fn with_nvml(api: Api, f: impl FnOnce(&mut Nvml) -> R<()>) -> nvmlReturn_t {
+    count(api);
+    let mut guard = lock();
+    let (rc, trace) = match guard.as_mut() {
+        Some(n) => (n.refresh().and_then(|()| f(n)).err().unwrap_or(NVML_SUCCESS), n.cfg.trace),
+        None => (NVML_ERROR_UNINITIALIZED, false),
+    };
+    drop(guard);
+    if trace {
+        eprintln!("fakecuda[{}]: {} -> {}", std::process::id(), api.name(), error_text(rc));
+    }
+    rc
+}
+
+/// Writes `value` through a caller's out-pointer, or fails on NULL.
+///
+/// # Safety
+/// `ptr` must be NULL or valid for a write of `T` (the C caller's contract).
+unsafe fn out<T>(ptr: *mut T, value: T) -> R<()> {
+    if ptr.is_null() {
+        return Err(NVML_ERROR_INVALID_ARGUMENT);
+    }
+    // SAFETY: non-null, and valid for writes per this function's contract.
+    unsafe { ptr.write(value) };
+    Ok(())
+}
+
+fn init(api: Api) -> nvmlReturn_t {
+    count(api);
+    let mut guard = lock();
+    if let Some(n) = guard.as_mut() {
+        n.refs = n.refs.saturating_add(1);
+        return NVML_SUCCESS;
+    }
+    let cfg = match Config::from_env() {
+        Ok(cfg) => cfg,
+        Err(e) => {
+            eprintln!("{e}");
+            return NVML_ERROR_UNKNOWN;
+        }
+    };
+    match open_devices(&cfg) {
+        Ok(devs) => {
+            *guard = Some(Nvml { refs: 1, cfg, devs, me: ProcId::current() });
+            NVML_SUCCESS
+        }
+        Err(e) => e,
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlInit_v2() -> nvmlReturn_t {
+    init(Api::NvmlInitV2)
+}
+
+/// The pre-v2 init (the same here: the fake has no devices NVML could fail to attach).
+#[no_mangle]
+pub unsafe extern "C" fn nvmlInit() -> nvmlReturn_t {
+    init(Api::NvmlInit)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlShutdown() -> nvmlReturn_t {
+    count(Api::NvmlShutdown);
+    let mut guard = lock();
+    match guard.as_mut() {
+        None => NVML_ERROR_UNINITIALIZED,
+        Some(n) if n.refs > 1 => {
+            n.refs -= 1;
+            NVML_SUCCESS
+        }
+        Some(_) => {
+            *guard = None;
+            NVML_SUCCESS
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetCount_v2(deviceCount: *mut c_uint) -> nvmlReturn_t {
+    // SAFETY: the caller passes NULL or a valid unsigned int pointer.
+    with_nvml(Api::NvmlDeviceGetCountV2, |n| unsafe { out(deviceCount, n.devs.len() as c_uint) })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex_v2(index: c_uint, device: *mut nvmlDevice_t) -> nvmlReturn_t {
+    with_nvml(Api::NvmlDeviceGetHandleByIndexV2, |n| {
+        let i = usize::try_from(index).ok().filter(|&i| i < n.devs.len()).ok_or(NVML_ERROR_INVALID_ARGUMENT)?;
+        let handle = HANDLES.get(i).ok_or(NVML_ERROR_INVALID_ARGUMENT)?;
+        // SAFETY: the caller passes NULL or a valid nvmlDevice_t pointer.
+        unsafe { out(device, (handle as *const u64).cast_mut().cast()) }
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetUUID(device: nvmlDevice_t, uuid: *mut c_char, length: c_uint) -> nvmlReturn_t {
+    with_nvml(Api::NvmlDeviceGetUuid, |n| {
+        let i = n.index(device)?;
+        if uuid.is_null() {
+            return Err(NVML_ERROR_INVALID_ARGUMENT);
+        }
+        let text = gpu_uuid_text(&device_uuid(&n.cfg.node, i));
+        if (length as usize) < text.len() + 1 {
+            return Err(NVML_ERROR_INSUFFICIENT_SIZE);
+        }
+        // SAFETY: the caller's buffer holds `length` bytes, at least the text and its NUL.
+        unsafe {
+            std::ptr::copy_nonoverlapping(text.as_ptr().cast::<c_char>(), uuid, text.len());
+            uuid.add(text.len()).write(0);
+        }
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(device: nvmlDevice_t, memory: *mut nvmlMemory_t) -> nvmlReturn_t {
+    with_nvml(Api::NvmlDeviceGetMemoryInfo, |n| {
+        let (total, used) = n.memory(device)?;
+        // SAFETY: the caller passes NULL or a valid nvmlMemory_t pointer.
+        unsafe { out(memory, nvmlMemory_t { total, free: total - used, used }) }
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(device: nvmlDevice_t, memory: *mut nvmlMemory_v2_t) -> nvmlReturn_t {
+    with_nvml(Api::NvmlDeviceGetMemoryInfoV2, |n| {
+        let (total, used) = n.memory(device)?;
+        if memory.is_null() {
+            return Err(NVML_ERROR_INVALID_ARGUMENT);
+        }
+        // SAFETY: non-null, and the caller passes a valid nvmlMemory_v2_t pointer.
+        let version = unsafe { (*memory).version };
+        if version != NVML_MEMORY_V2 {
+            return Err(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
+        }
+        let value = nvmlMemory_v2_t { version, total, reserved: 0, free: total - used, used };
+        // SAFETY: as above.
+        unsafe { out(memory, value) }
+    })
+}
+
+/// Descriptions of the result codes the fake returns (NVML's wording).
+const ERRORS: &[(nvmlReturn_t, &CStr)] = &[
+    (NVML_SUCCESS, c"Success"),
+    (NVML_ERROR_UNINITIALIZED, c"Uninitialized"),
+    (NVML_ERROR_INVALID_ARGUMENT, c"Invalid Argument"),
+    (NVML_ERROR_NOT_SUPPORTED, c"Not Supported"),
+    (NVML_ERROR_NOT_FOUND, c"Not Found"),
+    (NVML_ERROR_INSUFFICIENT_SIZE, c"Insufficient Size"),
+    (NVML_ERROR_DRIVER_NOT_LOADED, c"Driver Not Loaded"),
+    (NVML_ERROR_LIBRARY_NOT_FOUND, c"NVML Shared Library Not Found"),
+    (NVML_ERROR_FUNCTION_NOT_FOUND, c"Function Not Found"),
+    (NVML_ERROR_ARGUMENT_VERSION_MISMATCH, c"Argument Version Mismatch"),
+];
+
+fn error_cstr(result: nvmlReturn_t) -> &'static CStr {
+    ERRORS.iter().find(|(code, _)| *code == result).map(|(_, text)| *text).unwrap_or(c"Unknown Error")
+}
+
+fn error_text(result: nvmlReturn_t) -> &'static str {
+    error_cstr(result).to_str().unwrap_or("Unknown Error")
+}
+
+/// A static description of any result code (works outside an NVML session).
+#[no_mangle]
+pub unsafe extern "C" fn nvmlErrorString(result: nvmlReturn_t) -> *const c_char {
+    count(Api::NvmlErrorString);
+    error_cstr(result).as_ptr()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_session_answers_like_nvml() {
+        let dir = std::env::temp_dir().join(format!("fakecuda-nvml-unit-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        // The only test in this binary that reads the environment.
+        std::env::set_var("FAKECUDA_STATE_DIR", &dir);
+        std::env::set_var("FAKECUDA_NODE", "nvml-unit");
+        std::env::set_var("FAKECUDA_DEVICE_COUNT", "2");
+        std::env::set_var("FAKECUDA_DEVICE_BYTES", "3g");
+        // SAFETY (all calls below): valid out-pointers and buffers of the stated lengths.
+        unsafe {
+            let mut count: c_uint = 0;
+            assert_eq!(nvmlDeviceGetCount_v2(&mut count), NVML_ERROR_UNINITIALIZED);
+            assert_eq!(nvmlShutdown(), NVML_ERROR_UNINITIALIZED);
+            assert_eq!(nvmlInit_v2(), NVML_SUCCESS);
+            assert_eq!(nvmlInit(), NVML_SUCCESS);
+            assert_eq!(nvmlDeviceGetCount_v2(&mut count), NVML_SUCCESS);
+            assert_eq!(count, 2);
+            assert_eq!(nvmlDeviceGetCount_v2(std::ptr::null_mut()), NVML_ERROR_INVALID_ARGUMENT);
+            let mut dev: nvmlDevice_t = std::ptr::null_mut();
+            assert_eq!(nvmlDeviceGetHandleByIndex_v2(2, &mut dev), NVML_ERROR_INVALID_ARGUMENT);
+            assert_eq!(nvmlDeviceGetHandleByIndex_v2(1, std::ptr::null_mut()), NVML_ERROR_INVALID_ARGUMENT);
+            assert_eq!(nvmlDeviceGetHandleByIndex_v2(1, &mut dev), NVML_SUCCESS);
+
+            let mut buf = [0 as c_char; NVML_DEVICE_UUID_BUFFER_SIZE];
+            assert_eq!(nvmlDeviceGetUUID(dev, buf.as_mut_ptr(), 40), NVML_ERROR_INSUFFICIENT_SIZE);
+            assert_eq!(nvmlDeviceGetUUID(dev, std::ptr::null_mut(), 80), NVML_ERROR_INVALID_ARGUMENT);
+            assert_eq!(nvmlDeviceGetUUID(dev, buf.as_mut_ptr(), 41), NVML_SUCCESS);
+            let text = CStr::from_ptr(buf.as_ptr()).to_str().expect("ASCII");
+            assert_eq!(text, gpu_uuid_text(&device_uuid("nvml-unit", 1)));
+
+            let mut v1 = nvmlMemory_t::default();
+            assert_eq!(nvmlDeviceGetMemoryInfo(dev, &mut v1), NVML_SUCCESS);
+            assert_eq!(v1, nvmlMemory_t { total: 3 << 30, free: 3 << 30, used: 0 });
+            assert_eq!(nvmlDeviceGetMemoryInfo(dev, std::ptr::null_mut()), NVML_ERROR_INVALID_ARGUMENT);
+            let bogus = (&HANDLES[7] as *const u64).cast_mut().cast();
+            assert_eq!(nvmlDeviceGetMemoryInfo(bogus, &mut v1), NVML_ERROR_INVALID_ARGUMENT);
+            let mut v2 = nvmlMemory_v2_t::default();
+            assert_eq!(nvmlDeviceGetMemoryInfo_v2(dev, &mut v2), NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
+            v2.version = NVML_MEMORY_V2;
+            assert_eq!(nvmlDeviceGetMemoryInfo_v2(dev, &mut v2), NVML_SUCCESS);
+            assert_eq!((v2.total, v2.reserved, v2.free, v2.used), (3 << 30, 0, 3 << 30, 0));
+
+            assert_eq!(CStr::from_ptr(nvmlErrorString(NVML_ERROR_INSUFFICIENT_SIZE)), c"Insufficient Size");
+            assert_eq!(CStr::from_ptr(nvmlErrorString(12345)), c"Unknown Error");
+            assert_eq!(nvmlShutdown(), NVML_SUCCESS);
+            assert_eq!(nvmlDeviceGetCount_v2(&mut count), NVML_SUCCESS, "one init is still open");
+            assert_eq!(nvmlShutdown(), NVML_SUCCESS);
+            assert_eq!(nvmlDeviceGetCount_v2(&mut count), NVML_ERROR_UNINITIALIZED);
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
