@@ -1,6 +1,7 @@
 //! `cargo xtask demo`: the agent against the fake driver, with sample workloads in cgroups of
-//! their own; prints what `vramguard audit` shows at each stage, then cleans up everything it
-//! made (processes, cgroups, the fake device's state files).
+//! their own (and one under the hook with a quota it tries to exceed); prints what
+//! `vramguard audit` shows at each stage, then cleans up everything it made (processes,
+//! cgroups, the fake device's state files and the ledger).
 use anyhow::{bail, Context, Result};
 use e2e::{agent::Agent, cgroup::TestCgroup, FakeNode};
 
@@ -13,7 +14,7 @@ pub fn demo() -> Result<()> {
     }
     setup::setup()?;
     build_ebpf()?;
-    run(cargo().args(["build", "-p", "agent", "-p", "fakecuda", "-p", "workload"]))?;
+    run(cargo().args(["build", "-p", "agent", "-p", "fakecuda", "-p", "workload", "-p", "hook"]))?;
     let libcuda = e2e::fake_driver_dir()?.join("libcuda.so.1");
     println!("\n== starting `vramguard run --libcuda {}`", libcuda.display());
     let agent = Agent::start(&libcuda)?;
@@ -39,6 +40,19 @@ pub fn demo() -> Result<()> {
     server.resume()?;
     server.wait_checkpoint("freed")?;
     audit(&agent, "the inference server freed its managed staging buffer")?;
+
+    println!("\n== a third container under the hook with a 1 GiB quota (CUDA_DEVICE_MEMORY_LIMIT=1g) asks for 2 GiB");
+    let quota = TestCgroup::create("demo-quota")?;
+    let ledger = node.ledger_path();
+    let capped = node
+        .hooked(&ledger, 1 << 30)?
+        .in_cgroup(&quota)
+        .steps(["ctx 0", "meminfo", "alloc fits 512m", "expect-oom alloc toobig 2g", "meminfo"])
+        .run()?
+        .success()?;
+    for line in capped.stdout.iter().map(String::as_str).chain(capped.stderr.lines()) {
+        println!("   {line}");
+    }
 
     let trainer_pid = trainer.pid();
     trainer.kill()?;
