@@ -7,7 +7,7 @@
 //! is its records in `ALLOCS`: a record whose process entry is gone, or belongs to a newer
 //! process with the same pid, is stale. The sweep deletes those; it runs after every exit
 //! event and on a timer, so a lost event delays the clean-up but never loses it.
-use std::{collections::BTreeMap, fs};
+use std::{collections::BTreeMap, fs, time::Instant};
 
 use anyhow::{anyhow, Context, Result};
 use aya::{
@@ -32,6 +32,9 @@ pub struct Accounting {
     exits_pending: bool,
     /// The eBPF side's lost-event count at the last drain: a lost event may be an exit.
     lost_seen: u64,
+    /// Processes whose exit event arrived since the last [`Accounting::take_exits`], with the
+    /// time it arrived (the reclaim of their ledger slots is timed from it).
+    exited: Vec<(u32, Instant)>,
 }
 
 impl Accounting {
@@ -46,6 +49,7 @@ impl Accounting {
             stats: Stats::default(),
             exits_pending: false,
             lost_seen: 0,
+            exited: Vec::new(),
         };
         Ok((accounting, take(ebpf, names::EVENTS)?))
     }
@@ -76,10 +80,16 @@ impl Accounting {
                     );
                     self.stats.events_exit += 1;
                     self.exits_pending = true;
+                    self.exited.push((event.tgid, Instant::now()));
                 }
                 _ => {}
             }
         }
+    }
+
+    /// The processes whose exit events arrived since the last call.
+    pub fn take_exits(&mut self) -> Vec<(u32, Instant)> {
+        std::mem::take(&mut self.exited)
     }
 
     /// Whether an exit was seen since the last sweep.
@@ -146,7 +156,7 @@ impl Accounting {
         stats.events_lost = self.counter(stat::EVENTS_LOST);
         stats.untracked_allocs = self.counter(stat::UNTRACKED_ALLOCS);
         stats.orphan_returns = self.counter(stat::ORPHAN_RETURNS);
-        Snapshot { processes, cgroups, stats, libcuda: Vec::new() }
+        Snapshot { processes, cgroups, stats, ..Snapshot::default() }
     }
 
     fn counter(&self, index: u32) -> u64 {

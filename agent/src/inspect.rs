@@ -152,7 +152,7 @@ fn report(path: &Path) -> Result<Report> {
 }
 
 /// A device UUID as `nvidia-smi` prints it; empty when the ledger does not know it (zero).
-fn uuid_text(uuid: &[u8; 16]) -> String {
+pub(crate) fn uuid_text(uuid: &[u8; 16]) -> String {
     if uuid == &[0; 16] {
         return String::new();
     }

@@ -1,14 +1,18 @@
 //! `vramguard`: the node agent. `run` is the daemon (eBPF accounting of every GPU allocation
-//! on the node); `audit` asks a running agent for its live table of processes; `inspect` and
+//! on the node, reclaim of dead processes' ledger slots, Prometheus metrics); `audit` asks a running agent for its live table of processes; `inspect` and
 //! `reclaim` work on a ledger file directly.
 mod accounting;
 mod cgroup;
 mod control;
+mod http;
 mod identity;
 mod inspect;
+mod ledgers;
 mod libcuda;
+mod metrics;
 mod preflight;
 mod probes;
+mod reclaim;
 mod run;
 mod snapshot;
 

@@ -1,7 +1,10 @@
 //! `vramguard run`: load and attach the eBPF programs, keep the view current, answer the
-//! control socket, and detach cleanly on SIGINT or SIGTERM.
+//! control socket, watch the ledgers under `--ledger-dir` (reclaiming the slots of dead
+//! processes on their exit events and every `--ledger-scan-ms`), serve `--metrics-addr`,
+//! and detach cleanly on SIGINT or SIGTERM.
 use std::{
     collections::BTreeMap,
+    net::SocketAddr,
     path::PathBuf,
     time::Duration,
 };
@@ -12,6 +15,7 @@ use tokio::{
     io::unix::AsyncFd,
     net::UnixStream,
     signal::unix::{signal, SignalKind},
+    sync::mpsc,
     time::{interval, MissedTickBehavior},
 };
 use tracing::{info, warn};
@@ -19,10 +23,18 @@ use tracing::{info, warn};
 use crate::{
     accounting::Accounting,
     control,
+    http::{self, Response},
+    ledgers::Ledgers,
     libcuda::{self, FileId, LibcudaFile},
+    metrics::Metrics,
     preflight,
     probes::{self, AttachReport},
+    reclaim::Reclaimer,
+    snapshot::Snapshot,
 };
+
+/// How often an exit event whose process is not a zombie yet is looked at again.
+const EXIT_RETRY: Duration = Duration::from_millis(5);
 
 /// The eBPF object built by `cargo xtask build-ebpf`, embedded at build time.
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/vramguard.bpf.o"));
@@ -49,6 +61,18 @@ pub struct RunArgs {
     /// The control socket `vramguard audit` connects to.
     #[arg(long, default_value = control::DEFAULT_SOCKET, value_name = "PATH")]
     pub socket: PathBuf,
+    /// Watch the ledgers in this directory and its direct subdirectories (one per container):
+    /// record their processes' host pids and reclaim the slots of processes that are gone.
+    #[arg(long, value_name = "DIR")]
+    pub ledger_dir: Option<PathBuf>,
+    /// How often to re-scan --ledger-dir and sweep its ledgers for dead processes, in
+    /// milliseconds (exit events trigger a sweep at once).
+    #[arg(long, default_value_t = 1000, value_name = "MS")]
+    pub ledger_scan_ms: u64,
+    /// Serve Prometheus metrics (`/metrics`), `/healthz` and `/readyz` on this address (port
+    /// 0: any free port; the bound address is logged and reported by `vramguard audit`).
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_addr: Option<SocketAddr>,
 }
 
 enum Wake {
@@ -57,12 +81,15 @@ enum Wake {
     Drain,
     Sweep,
     Rescan,
+    Ledgers,
+    ExitRetry,
     Client(UnixStream),
+    Http(http::Request),
 }
 
 pub async fn run(args: RunArgs) -> Result<()> {
-    if args.rescan_ms == 0 || args.drain_ms == 0 || args.sweep_ms == 0 {
-        bail!("--rescan-ms, --drain-ms and --sweep-ms must be at least 1");
+    if args.rescan_ms == 0 || args.drain_ms == 0 || args.sweep_ms == 0 || args.ledger_scan_ms == 0 {
+        bail!("--rescan-ms, --drain-ms, --sweep-ms and --ledger-scan-ms must be at least 1");
     }
     let platform = preflight::check()?;
     let mut ebpf = EbpfLoader::new()
@@ -103,6 +130,26 @@ pub async fn run(args: RunArgs) -> Result<()> {
         attach(&mut ebpf, &mut attached, file)?;
     }
 
+    let mut ledgers = args.ledger_dir.clone().map(Ledgers::new);
+    let mut reclaimer = Reclaimer::new(ledgers.is_some());
+    let metrics = Metrics::new()?;
+    if let Some(ledgers) = ledgers.as_mut() {
+        ledgers.scan();
+        info!(dir = %ledgers.dir().display(), ledgers = ledgers.len(), skipped = ledgers.skipped(), "watching ledgers");
+        for latency in reclaimer.sweep(ledgers) {
+            metrics.reclaimed(latency);
+        }
+    }
+    let (metrics_addr, mut requests) = match args.metrics_addr {
+        Some(addr) => {
+            let (bound, requests) = http::serve(addr).await?;
+            info!(metrics_addr = %bound, "serving /metrics, /healthz and /readyz");
+            (Some(bound), requests)
+        }
+        // A channel nobody sends on: the select below never wakes for it.
+        None => (None, mpsc::channel(1).1),
+    };
+
     let listener = control::bind(&args.socket)?;
     let mut sigterm = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
     let mut sigint = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
@@ -112,6 +159,10 @@ pub async fn run(args: RunArgs) -> Result<()> {
     sweep.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let mut rescan = interval(Duration::from_millis(args.rescan_ms));
     rescan.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut ledger_scan = interval(Duration::from_millis(args.ledger_scan_ms));
+    ledger_scan.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut exit_retry = interval(EXIT_RETRY);
+    exit_retry.set_missed_tick_behavior(MissedTickBehavior::Delay);
     info!(socket = %args.socket.display(), files = attached.len(), "vramguard agent running");
 
     loop {
@@ -125,6 +176,9 @@ pub async fn run(args: RunArgs) -> Result<()> {
             _ = drain.tick() => Wake::Drain,
             _ = sweep.tick() => Wake::Sweep,
             _ = rescan.tick(), if !args.no_discover => Wake::Rescan,
+            _ = ledger_scan.tick(), if ledgers.is_some() => Wake::Ledgers,
+            _ = exit_retry.tick(), if ledgers.is_some() && reclaimer.pending() => Wake::ExitRetry,
+            Some(request) = requests.recv() => Wake::Http(request),
             client = listener.accept() => match client {
                 Ok((stream, _)) => Wake::Client(stream),
                 Err(error) => { warn!(%error, "control socket accept failed"); continue; }
@@ -137,8 +191,27 @@ pub async fn run(args: RunArgs) -> Result<()> {
             }
             Wake::Events | Wake::Drain => {
                 accounting.drain(events.get_mut());
+                let exits = accounting.take_exits();
+                if let Some(ledgers) = ledgers.as_ref().filter(|_| !exits.is_empty()) {
+                    for (tgid, at) in exits {
+                        reclaimer.exited(tgid, at);
+                    }
+                    for latency in reclaimer.sweep(ledgers) {
+                        metrics.reclaimed(latency);
+                    }
+                }
                 if accounting.sweep_due() {
                     accounting.sweep();
+                }
+            }
+            Wake::Ledgers | Wake::ExitRetry => {
+                if let Some(ledgers) = ledgers.as_mut() {
+                    if matches!(wake, Wake::Ledgers) {
+                        ledgers.scan();
+                    }
+                    for latency in reclaimer.sweep(ledgers) {
+                        metrics.reclaimed(latency);
+                    }
                 }
             }
             Wake::Sweep => {
@@ -154,11 +227,31 @@ pub async fn run(args: RunArgs) -> Result<()> {
             }
             Wake::Client(stream) => {
                 accounting.drain(events.get_mut());
-                let mut snapshot = accounting.snapshot();
-                snapshot.libcuda = attached.values().cloned().collect();
+                let snapshot = snapshot(&mut accounting, &attached, ledgers.as_ref(), &reclaimer, metrics_addr);
                 if let Err(error) = control::serve(stream, &snapshot).await {
                     warn!(%error, "answering a control client failed");
                 }
+            }
+            Wake::Http(request) => {
+                let response = match request.path.as_str() {
+                    "/metrics" => {
+                        accounting.drain(events.get_mut());
+                        let snapshot = snapshot(&mut accounting, &attached, ledgers.as_ref(), &reclaimer, metrics_addr);
+                        metrics.refresh(ledgers.as_ref(), &snapshot, &snapshot.libcuda);
+                        match metrics.encode() {
+                            Ok(body) => Response { status: 200, content_type: prometheus::TEXT_FORMAT, body },
+                            Err(error) => Response::text(500, format!("cannot encode the metrics: {error:#}\n")),
+                        }
+                    }
+                    "/healthz" => Response::text(200, "ok\n"),
+                    // Ready once probes are attached (always, after start-up) and the ledger
+                    // directory, if any, could be listed.
+                    "/readyz" if attached.is_empty() => Response::text(503, "no libcuda probed\n"),
+                    "/readyz" => Response::text(200, "ready\n"),
+                    _ => Response::text(404, "not found\n"),
+                };
+                // The client may have gone: nothing to do then.
+                let _ = request.reply.send(response);
             }
         }
     }
@@ -169,6 +262,22 @@ pub async fn run(args: RunArgs) -> Result<()> {
     drop(ebpf); // dropping the programs detaches every uprobe and the tracepoint
     info!("vramguard agent stopped");
     Ok(())
+}
+
+/// The current view for `vramguard audit` and the metrics.
+fn snapshot(
+    accounting: &mut Accounting,
+    attached: &BTreeMap<FileId, AttachReport>,
+    ledgers: Option<&Ledgers>,
+    reclaimer: &Reclaimer,
+    metrics_addr: Option<SocketAddr>,
+) -> Snapshot {
+    let mut snapshot = accounting.snapshot();
+    snapshot.libcuda = attached.values().cloned().collect();
+    snapshot.metrics_addr = metrics_addr.map(|addr| addr.to_string());
+    snapshot.ledgers = ledgers.map(|l| l.iter().map(|(path, _)| path.display().to_string()).collect()).unwrap_or_default();
+    snapshot.stats.slots_reclaimed = reclaimer.total;
+    snapshot
 }
 
 /// Attaches the probes to `file` unless that file already has them.

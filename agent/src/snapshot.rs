@@ -18,6 +18,12 @@ pub struct Snapshot {
     pub stats: Stats,
     /// The libcuda files probed.
     pub libcuda: Vec<AttachReport>,
+    /// Where `/metrics` is served (the bound address, also when port 0 was asked for).
+    #[serde(default)]
+    pub metrics_addr: Option<String>,
+    /// The ledgers watched under `--ledger-dir`.
+    #[serde(default)]
+    pub ledgers: Vec<String>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -64,6 +70,9 @@ pub struct Stats {
     pub records: u64,
     /// Records of dead processes the agent deleted.
     pub stale_records_removed: u64,
+    /// Ledger slots of dead processes the agent reclaimed.
+    #[serde(default)]
+    pub slots_reclaimed: u64,
 }
 
 impl Snapshot {

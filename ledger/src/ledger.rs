@@ -181,6 +181,24 @@ impl Ledger {
             .store(ptr, std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// Records the pid `slot`'s process has on the host (the agent learns it from /proc).
+    /// A single atomic store, without the lock: only the agent writes the field, and it is a
+    /// hint (the agent verifies a process's identity before acting on it), so a store that
+    /// races with the slot being freed and reused is harmless. Out-of-range slots are ignored.
+    pub fn set_host_pid(&self, slot: SlotId, host_pid: u32) {
+        let h = &self.mapped.header;
+        if slot >= h.slot_count {
+            return;
+        }
+        let offset = h.slots_offset
+            + u64::from(slot) * size_of::<Slot>() as u64
+            + std::mem::offset_of!(Slot, host_pid) as u64;
+        // SAFETY: the offset lies inside the validated slots section and is 4-aligned (slots
+        // are 8-aligned, `host_pid` is at a 4-aligned offset within one).
+        unsafe { std::sync::atomic::AtomicU32::from_ptr(self.mapped.at(offset).cast()) }
+            .store(host_pid, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Releases a record of `slot`.
     pub fn release(&self, slot: SlotId, record: RecordId) -> Result<(), LedgerError> {
         self.locked(|t| {
@@ -201,6 +219,19 @@ impl Ledger {
             }
             Ok(reclaim(t, slot))
         })?
+    }
+
+    /// Frees `slot` as [`Ledger::reclaim`] does, but only if it is still live and still
+    /// describes `process` (checked under the lock): a caller that judged the process dead
+    /// without the lock never frees a slot that was freed and reused meanwhile. Returns the
+    /// chunks freed, or `None` when the slot no longer describes `process`.
+    pub fn reclaim_process(&self, slot: SlotId, process: ProcessIdentity) -> Result<Option<u64>, LedgerError> {
+        self.locked(|t| {
+            let same = t.slots.get(slot as usize).is_some_and(|s| {
+                s.state == SLOT_LIVE && s.pid == process.pid && s.pidns == process.pidns && s.start_time == process.start_time
+            });
+            same.then(|| reclaim(t, slot))
+        })
     }
 
     /// Reclaims every slot whose process is gone, as judged from this process's pid

@@ -119,6 +119,30 @@ fn reclaim_frees_exactly_one_slots_blocks() {
 }
 
 #[test]
+fn host_pid_is_recorded_and_reclaim_process_checks_the_identity() {
+    let dir = TempDir::new("reclaim-process");
+    let ledger = Ledger::create(&dir.file(), &geometry(256 * MIB, 0), CREATOR_AGENT).unwrap();
+    let a = ledger.register(fake_process(1)).unwrap();
+    ledger.reserve(a, 0, Charge::Device(4 * MIB), 0).unwrap();
+    ledger.set_host_pid(a, 4242);
+    ledger.set_host_pid(1 << 20, 1); // out of range: ignored
+    let slot = ledger.slots().unwrap()[0].slot;
+    assert_eq!(slot.host_pid, 4242);
+    // Another process's identity (a reused slot): refused, nothing freed.
+    assert_eq!(ledger.reclaim_process(a, fake_process(2)).unwrap(), None);
+    assert_eq!(used(&ledger), 4 * MIB);
+    assert_eq!(ledger.reclaim_process(a, fake_process(1)).unwrap(), Some(2));
+    assert_eq!(used(&ledger), 0);
+    // Already free: refused.
+    assert_eq!(ledger.reclaim_process(a, fake_process(1)).unwrap(), None);
+    // A new process in the freed slot starts without a host pid.
+    let b = ledger.register(fake_process(3)).unwrap();
+    assert_eq!(b, a);
+    assert_eq!(ledger.slots().unwrap()[0].slot.host_pid, 0);
+    assert_sound(&ledger);
+}
+
+#[test]
 fn a_dirty_ledger_is_rebuilt_from_its_records() {
     let dir = TempDir::new("repair");
     let ledger = Ledger::create(&dir.file(), &geometry(256 * MIB, 4 * MIB), CREATOR_AGENT).unwrap();

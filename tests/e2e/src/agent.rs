@@ -101,6 +101,13 @@ impl Agent {
         Ok(command.output()?)
     }
 
+    /// Where the agent serves its metrics (started with `--metrics-addr`), as it reports it.
+    pub fn metrics_addr(&self) -> Result<std::net::SocketAddr> {
+        let audit = self.audit()?;
+        let text = audit["metrics_addr"].as_str().context("the agent serves no metrics (no --metrics-addr)")?;
+        text.parse().with_context(|| format!("bad metrics address {text:?}"))
+    }
+
     /// The agent's control socket.
     pub fn socket(&self) -> &Path {
         &self.socket

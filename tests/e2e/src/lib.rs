@@ -12,10 +12,12 @@
 //! test's own `LD_PRELOAD`, `FAKECUDA_*`, `VRAMGUARD_*` and `CUDA_DEVICE_MEMORY_*` variables
 //! are never inherited, so e.g. [`FakeNode::devstat`] always asks the fake driver itself.
 //!
-//! [`agent`] starts a `vramguard run` for a test; [`cgroup`] makes a cgroup for one.
+//! [`agent`] starts a `vramguard run` for a test; [`cgroup`] makes a cgroup for one;
+//! [`http`] scrapes its metrics.
 
 pub mod agent;
 pub mod cgroup;
+pub mod http;
 
 use std::ffi::{OsStr, OsString};
 use std::io::{BufRead, BufReader, Read, Write};

@@ -1,0 +1,168 @@
+//! The agent's Prometheus metrics (served on `--metrics-addr` by [`crate::http`]).
+//!
+//! Per ledger and device (labels `ledger`, the file's path, `device_index`, `device_uuid`,
+//! empty when the ledger does not know it): `vramguard_container_memory_used_bytes` (what the
+//! ledger charges, by `kind`: data, small, context, managed; the kinds sum to the device's
+//! usage) and `vramguard_container_memory_limit_bytes`. From the eBPF view:
+//! `vramguard_ebpf_process_memory_bytes{pid,cgroup}`. Of the agent itself:
+//! `vramguard_reclaims_total`, `vramguard_reclaim_latency_seconds`,
+//! `vramguard_events_lost_total`, `vramguard_probes_attached{libcuda}`, `vramguard_ledgers`,
+//! `vramguard_ledgers_skipped`. Gauges are rebuilt from the current state at every scrape.
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use ledger::{layout::KINDS, Kind};
+use prometheus::{
+    Histogram, HistogramOpts, IntCounter, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
+};
+use tracing::warn;
+
+use crate::{inspect::uuid_text, ledgers::Ledgers, probes::AttachReport, snapshot::Snapshot};
+
+/// Latency buckets of a reclaim, in seconds (1 ms to 5 s).
+const LATENCY_BUCKETS: [f64; 12] = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0];
+
+pub struct Metrics {
+    registry: Registry,
+    used: IntGaugeVec,
+    limit: IntGaugeVec,
+    ebpf_process: IntGaugeVec,
+    reclaims: IntCounter,
+    latency: Histogram,
+    events_lost: IntCounter,
+    probes: IntGaugeVec,
+    ledgers: IntGauge,
+    ledgers_skipped: IntGauge,
+}
+
+fn gauge_vec(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> Result<IntGaugeVec> {
+    let gauge = IntGaugeVec::new(Opts::new(name, help), labels)?;
+    registry.register(Box::new(gauge.clone())).with_context(|| format!("registering {name}"))?;
+    Ok(gauge)
+}
+
+/// A byte count as a gauge value.
+fn value(bytes: u64) -> i64 {
+    i64::try_from(bytes).unwrap_or(i64::MAX)
+}
+
+impl Metrics {
+    pub fn new() -> Result<Metrics> {
+        let registry = Registry::new();
+        let used = gauge_vec(
+            &registry,
+            "vramguard_container_memory_used_bytes",
+            "GPU memory a container's ledger charges, by kind",
+            &["ledger", "device_index", "device_uuid", "kind"],
+        )?;
+        let limit = gauge_vec(
+            &registry,
+            "vramguard_container_memory_limit_bytes",
+            "GPU memory quota of a container's ledger",
+            &["ledger", "device_index", "device_uuid"],
+        )?;
+        let ebpf_process = gauge_vec(
+            &registry,
+            "vramguard_ebpf_process_memory_bytes",
+            "GPU memory a process holds as the eBPF probes saw it",
+            &["pid", "cgroup"],
+        )?;
+        let probes = gauge_vec(&registry, "vramguard_probes_attached", "Probes attached per libcuda file", &["libcuda"])?;
+        let reclaims = IntCounter::new("vramguard_reclaims_total", "Ledger slots of dead processes reclaimed")?;
+        registry.register(Box::new(reclaims.clone()))?;
+        let latency = Histogram::with_opts(
+            HistogramOpts::new(
+                "vramguard_reclaim_latency_seconds",
+                "From a process's exit event (or the sweep that found it dead) to its slot reclaimed",
+            )
+            .buckets(LATENCY_BUCKETS.to_vec()),
+        )?;
+        registry.register(Box::new(latency.clone()))?;
+        let events_lost = IntCounter::new("vramguard_events_lost_total", "eBPF events lost to a full ring buffer")?;
+        registry.register(Box::new(events_lost.clone()))?;
+        let ledgers = IntGauge::new("vramguard_ledgers", "Ledgers watched under --ledger-dir")?;
+        registry.register(Box::new(ledgers.clone()))?;
+        let ledgers_skipped =
+            IntGauge::new("vramguard_ledgers_skipped", "Files under --ledger-dir skipped as invalid ledgers")?;
+        registry.register(Box::new(ledgers_skipped.clone()))?;
+        Ok(Metrics { registry, used, limit, ebpf_process, reclaims, latency, events_lost, probes, ledgers, ledgers_skipped })
+    }
+
+    /// Counts one reclaim.
+    pub fn reclaimed(&self, latency: Duration) {
+        self.reclaims.inc();
+        self.latency.observe(latency.as_secs_f64());
+    }
+
+    /// Rebuilds the gauges from the current state.
+    pub fn refresh(&self, ledgers: Option<&Ledgers>, snapshot: &Snapshot, probes: &[AttachReport]) {
+        self.used.reset();
+        self.limit.reset();
+        if let Some(ledgers) = ledgers {
+            self.ledgers.set(ledgers.len() as i64);
+            self.ledgers_skipped.set(ledgers.skipped() as i64);
+            for (path, ledger) in ledgers.iter() {
+                let header = ledger.header();
+                let slots = match ledger.slots() {
+                    Ok(slots) => slots,
+                    Err(error) => {
+                        warn!(ledger = %path.display(), %error, "cannot read the ledger for metrics");
+                        continue;
+                    }
+                };
+                let path = path.display().to_string();
+                for (index, device) in header.devices[..header.device_count as usize].iter().enumerate() {
+                    let index_text = index.to_string();
+                    let uuid = uuid_text(&device.uuid);
+                    self.limit.with_label_values(&[path.as_str(), &index_text, &uuid]).set(value(device.limit));
+                    let mut chunks = [0u64; KINDS];
+                    for view in &slots {
+                        for (sum, charged) in chunks.iter_mut().zip(view.slot.devices[index].chunks) {
+                            *sum = sum.saturating_add(charged);
+                        }
+                    }
+                    for kind in Kind::ALL {
+                        let bytes = chunks[kind as usize].saturating_mul(device.chunk);
+                        self.used.with_label_values(&[path.as_str(), &index_text, &uuid, kind.name()]).set(value(bytes));
+                    }
+                }
+            }
+        }
+        self.ebpf_process.reset();
+        for row in &snapshot.processes {
+            self.ebpf_process.with_label_values(&[row.pid.to_string().as_str(), &row.cgroup]).set(value(row.total_bytes));
+        }
+        let lost = snapshot.stats.events_lost;
+        let counted = self.events_lost.get();
+        if lost > counted {
+            self.events_lost.inc_by(lost - counted);
+        }
+        self.probes.reset();
+        for report in probes {
+            self.probes.with_label_values(&[report.path.as_str()]).set(report.attached.len() as i64);
+        }
+    }
+
+    /// The text exposition format.
+    pub fn encode(&self) -> Result<String> {
+        Ok(TextEncoder::new().encode_to_string(&self.registry.gather())?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn encodes_every_family() {
+        let metrics = Metrics::new().expect("metrics");
+        metrics.reclaimed(Duration::from_millis(3));
+        let probes = [AttachReport { path: "/lib/libcuda.so.1".into(), attached: vec!["a".into(), "b".into()], ..Default::default() }];
+        metrics.refresh(None, &Snapshot::default(), &probes);
+        let text = metrics.encode().expect("encode");
+        assert!(text.contains("vramguard_reclaims_total 1"), "{text}");
+        assert!(text.contains("vramguard_reclaim_latency_seconds_bucket{le=\"0.005\"} 1"), "{text}");
+        assert!(text.contains("vramguard_probes_attached{libcuda=\"/lib/libcuda.so.1\"} 2"), "{text}");
+        assert!(text.contains("vramguard_events_lost_total 0"), "{text}");
+    }
+}

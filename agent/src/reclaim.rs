@@ -1,0 +1,137 @@
+//! Reclaim of ledger slots whose process is gone, and the host pids of live ones.
+//!
+//! A sweep reads every slot of every watched ledger and judges its process with one scan of
+//! /proc ([`ProcessTable`]). A live process gets its host pid written into its slot
+//! ([`Ledger::set_host_pid`]); a slot the table does not find is confirmed dead by a fresh
+//! look-up ([`identity::host_pid`], so a process that started after the table was built is
+//! never mistaken for a dead one) and then freed with [`Ledger::reclaim_process`], which
+//! refuses if the slot was freed and reused meanwhile. A zombie counts as dead.
+//!
+//! Sweeps run every second and at once on the eBPF exit event of a process with GPU memory.
+//! That event fires inside `do_exit`, before the process becomes a zombie, so its tgid stays
+//! pending (and the caller sweeps every few milliseconds) until its slot is found dead, no
+//! live slot is its, or [`PENDING_MAX`] passes. Its slot is the one with that host pid, or
+//! (for a process that died before a sweep saw it alive) the one with the identity read from
+//! /proc when the event arrived (a zombie's /proc entry still tells it). The latency of a
+//! reclaim is measured from the exit event's arrival when there was one, else from the
+//! sweep that detected the death.
+use std::{
+    collections::{HashMap, HashSet},
+    time::{Duration, Instant},
+};
+
+use ledger::ProcessIdentity;
+use tracing::{info, warn};
+
+use crate::{
+    identity::{self, ProcessTable},
+    ledgers::Ledgers,
+};
+
+/// How long an exit event waits for its process's slot to be judged dead.
+pub const PENDING_MAX: Duration = Duration::from_secs(10);
+
+pub struct Reclaimer {
+    /// False when this agent cannot see every process (not in the host's pid namespace):
+    /// then slots are never freed, only reported.
+    enabled: bool,
+    /// Exit events not resolved yet: tgid -> (arrival, the process's identity if /proc still
+    /// had it).
+    pending: HashMap<u32, (Instant, Option<ProcessIdentity>)>,
+    /// Reclaims performed.
+    pub total: u64,
+}
+
+impl Reclaimer {
+    /// A reclaimer; `watching`: whether ledgers are watched at all (else it stays silent).
+    pub fn new(watching: bool) -> Reclaimer {
+        let enabled = identity::in_initial_pid_namespace();
+        if watching && !enabled {
+            warn!(
+                "this agent does not run in the host's pid namespace (hostPID): it cannot tell a \
+                 dead process from an invisible one, so it reclaims no ledger slot"
+            );
+        }
+        Reclaimer { enabled, pending: HashMap::new(), total: 0 }
+    }
+
+    /// Notes the exit event of process `tgid`, which arrived at `at`.
+    pub fn exited(&mut self, tgid: u32, at: Instant) {
+        self.pending.entry(tgid).or_insert_with(|| (at, identity::identity_of(tgid)));
+    }
+
+    /// Whether exit events wait for their slots (the caller then sweeps again soon).
+    pub fn pending(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    /// Records host pids of live slots and frees the slots of dead processes; returns the
+    /// latency of each reclaim.
+    pub fn sweep(&mut self, ledgers: &Ledgers) -> Vec<Duration> {
+        let mut reclaimed = Vec::new();
+        let mut waiting: HashSet<u32> = HashSet::new();
+        let mut table: Option<ProcessTable> = None;
+        for (path, ledger) in ledgers.iter() {
+            let slots = match ledger.slots() {
+                Ok(slots) => slots,
+                Err(error) => {
+                    warn!(ledger = %path.display(), %error, "cannot read the ledger's slots");
+                    continue;
+                }
+            };
+            if slots.is_empty() {
+                continue;
+            }
+            // Built after the first non-empty ledger's slots were read: every process of
+            // those slots started before it.
+            let table = table.get_or_insert_with(ProcessTable::scan);
+            for view in slots {
+                let slot = view.slot;
+                let detected = Instant::now();
+                let live = table.find(&slot).or_else(|| identity::host_pid(&slot));
+                if let Some(host) = live {
+                    if slot.host_pid != host {
+                        ledger.set_host_pid(view.id, host);
+                    }
+                    if self.pending.contains_key(&host) {
+                        waiting.insert(host); // exiting, not a zombie yet
+                    }
+                    continue;
+                }
+                if !self.enabled {
+                    continue;
+                }
+                let process = ProcessIdentity { pid: slot.pid, pidns: slot.pidns, start_time: slot.start_time };
+                match ledger.reclaim_process(view.id, process) {
+                    Ok(Some(chunks)) => {
+                        let tgid = self
+                            .pending
+                            .iter()
+                            .find(|(tgid, (_, seen))| {
+                                (slot.host_pid != 0 && **tgid == slot.host_pid) || *seen == Some(process)
+                            })
+                            .map(|(tgid, _)| *tgid);
+                        let event = tgid.and_then(|tgid| self.pending.remove(&tgid)).map(|(at, _)| at);
+                        let latency = event.unwrap_or(detected).elapsed();
+                        self.total += 1;
+                        info!(
+                            ledger = %path.display(),
+                            slot = view.id,
+                            pid = slot.pid,
+                            host_pid = tgid.unwrap_or(slot.host_pid),
+                            chunks,
+                            latency_us = latency.as_micros() as u64,
+                            from_exit_event = event.is_some(),
+                            "reclaimed the slot of a process that is gone"
+                        );
+                        reclaimed.push(latency);
+                    }
+                    Ok(None) => {} // freed (or freed and reused) meanwhile, by the hook
+                    Err(error) => warn!(ledger = %path.display(), slot = view.id, %error, "cannot reclaim a dead process's slot"),
+                }
+            }
+        }
+        self.pending.retain(|tgid, (at, _)| waiting.contains(tgid) && at.elapsed() < PENDING_MAX);
+        reclaimed
+    }
+}

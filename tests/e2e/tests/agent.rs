@@ -1,0 +1,227 @@
+//! The agent's ledger side (issue "The agent", slice: discovery, reclaim, metrics): a real
+//! `vramguard run --ledger-dir DIR --metrics-addr 127.0.0.1:0` probes the fake driver while
+//! hooked workloads keep their ledger in a container directory under DIR. Its `/metrics` are
+//! scraped with a plain HTTP GET and compared with the ledger; SIGKILLed holders that their
+//! parent (this test) does not reap must lose their slots to the agent within 1 s, a live
+//! process's slot never; a corrupt file in DIR is skipped with its reason logged.
+//! Needs root; build first with `cargo xtask test` (or `cargo build -p agent -p hook -p
+//! fakecuda -p workload`), and run one test at a time.
+use std::{
+    ffi::OsStr,
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    time::{Duration, Instant},
+};
+
+use anyhow::{ensure, Context, Result};
+use e2e::{
+    agent::Agent,
+    fake_driver_dir,
+    http::{self, Sample},
+    FakeNode, Running, GIB, MIB,
+};
+use ledger::Ledger;
+
+const LIMIT: u64 = GIB;
+const CTX: u64 = 64 * MIB;
+/// Killed holders, one after another (for a latency figure, not just one sample).
+const VICTIMS: usize = 5;
+
+/// A directory of its own, removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> Result<TempDir> {
+        let dir = std::env::temp_dir().join(format!("vramguard-e2e-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir)?;
+        Ok(TempDir(dir))
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn scrape(addr: SocketAddr) -> Result<Vec<Sample>> {
+    let (status, body) = http::get(addr, "/metrics")?;
+    ensure!(status == 200, "GET /metrics: {status} {body}");
+    http::parse_metrics(&body)
+}
+
+fn samples<'a>(all: &'a [Sample], name: &'a str) -> impl Iterator<Item = &'a Sample> + 'a {
+    all.iter().filter(move |s| s.name == name)
+}
+
+fn single(all: &[Sample], name: &str) -> Result<f64> {
+    samples(all, name).next().map(|s| s.value).with_context(|| format!("no {name} in the scrape"))
+}
+
+/// (used bytes summed over kinds, limit bytes) of device 0 of `ledger` in a scrape.
+fn ledger_metrics(all: &[Sample], ledger: &Path) -> (Option<u64>, Option<u64>) {
+    let path = ledger.display().to_string();
+    let ours = |s: &&Sample| s.label("ledger") == path && s.label("device_index") == "0";
+    let used: Vec<u64> = samples(all, "vramguard_container_memory_used_bytes").filter(ours).map(|s| s.value as u64).collect();
+    let limit = samples(all, "vramguard_container_memory_limit_bytes").find(ours).map(|s| s.value as u64);
+    ((!used.is_empty()).then(|| used.iter().sum()), limit)
+}
+
+/// What the ledger charges on device 0.
+fn ledger_used(path: &Path) -> Result<u64> {
+    let ledger = Ledger::open(path)?;
+    Ok(ledger.device_usage()?[0].used_chunks * ledger.header().devices[0].chunk)
+}
+
+/// (pid, host pid) of each live slot.
+fn slots(path: &Path) -> Result<Vec<(u32, u32)>> {
+    Ok(Ledger::open(path)?.slots()?.into_iter().map(|v| (v.slot.pid, v.slot.host_pid)).collect())
+}
+
+fn process_state(pid: u32) -> Result<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    let after = stat.rfind(')').map(|i| &stat[i + 1..]).context("unreadable stat")?;
+    after.trim_start().chars().next().context("no state in stat")
+}
+
+/// Polls `check` every millisecond until it holds or `limit` passes; returns the time taken.
+fn wait_for(limit: Duration, what: &str, mut check: impl FnMut() -> Result<bool>) -> Result<Duration> {
+    let start = Instant::now();
+    loop {
+        if check()? {
+            return Ok(start.elapsed());
+        }
+        ensure!(start.elapsed() < limit, "{what}: not within {limit:?}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn holder(node: &FakeNode, ledger: &Path, size: &str) -> Result<Running> {
+    let mut w = node.hooked(ledger, LIMIT)?.steps(["ctx 0", &format!("alloc a {size}"), "checkpoint held", "hold"]).spawn()?;
+    w.wait_checkpoint("held")?;
+    Ok(w)
+}
+
+#[test]
+fn the_agent_watches_ledgers_reclaims_dead_slots_and_exports_metrics() -> Result<()> {
+    let node = FakeNode::new("agent").with_env("FAKECUDA_DEVICE_BYTES", "4g").with_env("FAKECUDA_CONTEXT_BYTES", "64m");
+    let dir = TempDir::new("ledgers")?;
+    // A container directory holding garbage, there before the agent starts.
+    std::fs::create_dir_all(dir.0.join("broken"))?;
+    let corrupt = dir.0.join("broken/ledger");
+    std::fs::write(&corrupt, b"this is not a ledger\n".repeat(512))?;
+    // The workloads' container directory; the hook creates the ledger after the agent started.
+    std::fs::create_dir_all(dir.0.join("pod-a"))?;
+    let ledger = dir.0.join("pod-a/ledger");
+
+    let libcuda = fake_driver_dir()?.join("libcuda.so.1");
+    let agent = Agent::start_with(&[
+        OsStr::new("--libcuda"),
+        libcuda.as_os_str(),
+        OsStr::new("--no-discover"),
+        OsStr::new("--ledger-dir"),
+        dir.0.as_os_str(),
+        OsStr::new("--metrics-addr"),
+        OsStr::new("127.0.0.1:0"),
+    ])?;
+    let addr = agent.metrics_addr()?;
+    ensure!(addr.ip().is_loopback(), "metrics on {addr}");
+    assert_eq!(http::get(addr, "/healthz")?.0, 200);
+    assert_eq!(http::get(addr, "/readyz")?.0, 200);
+    assert_eq!(http::get(addr, "/nothing")?.0, 404);
+    let log = agent.log();
+    ensure!(
+        log.contains("skipping a file that is not a valid ledger") && log.contains(&corrupt.display().to_string()),
+        "the corrupt file's skip is logged: {log}"
+    );
+    ensure!(log.contains("bad magic"), "with its reason: {log}");
+
+    // A live holder: the agent picks its new ledger up and records its host pid.
+    let live = holder(&node, &ledger, "100m")?;
+    wait_for(Duration::from_secs(3), "the agent records the live holder's host pid", || {
+        Ok(slots(&ledger)?.contains(&(live.pid(), live.pid())))
+    })?;
+    let all = scrape(addr)?;
+    assert_eq!(single(&all, "vramguard_ledgers")?, 1.0);
+    assert_eq!(single(&all, "vramguard_ledgers_skipped")?, 1.0);
+    assert_eq!(ledger_metrics(&all, &ledger), (Some(ledger_used(&ledger)?), Some(LIMIT)));
+    assert_eq!(ledger_used(&ledger)?, CTX + 100 * MIB);
+    let ebpf = samples(&all, "vramguard_ebpf_process_memory_bytes")
+        .find(|s| s.label("pid") == live.pid().to_string())
+        .map(|s| s.value as u64);
+    assert_eq!(ebpf, Some(100 * MIB), "the eBPF view of the live holder");
+    let probes = samples(&all, "vramguard_probes_attached").map(|s| s.value).sum::<f64>();
+    ensure!(probes > 0.0, "probes attached: {probes}");
+    assert_eq!(single(&all, "vramguard_events_lost_total")?, 0.0);
+
+    // Holders SIGKILLed and left unreaped: the agent (nothing else touches the ledger)
+    // frees their slots within 1 s; the live holder keeps its own.
+    let mut latencies = Vec::new();
+    for round in 0..VICTIMS {
+        let victim = holder(&node, &ledger, "200m")?;
+        let pid = victim.pid();
+        wait_for(Duration::from_secs(3), "the victim's slot and usage", || {
+            Ok(slots(&ledger)?.iter().any(|&(p, _)| p == pid) && ledger_used(&ledger)? == 2 * CTX + 300 * MIB)
+        })?;
+        let all = scrape(addr)?;
+        assert_eq!(ledger_metrics(&all, &ledger).0, Some(2 * CTX + 300 * MIB), "round {round}: used with the victim");
+        victim.signal(libc::SIGKILL)?;
+        let elapsed = wait_for(Duration::from_secs(1), "the killed holder's slot reclaimed", || {
+            Ok(!slots(&ledger)?.iter().any(|&(p, _)| p == pid))
+        })?;
+        assert_eq!(process_state(pid)?, 'Z', "round {round}: still unreaped when its slot was freed");
+        latencies.push(elapsed);
+        assert_eq!(slots(&ledger)?, vec![(live.pid(), live.pid())], "round {round}: only the live slot is left");
+        assert_eq!(ledger_used(&ledger)?, CTX + 100 * MIB, "round {round}: its usage went with it");
+        drop(victim); // reaped now
+    }
+    latencies.sort();
+    eprintln!(
+        "SIGKILL to slot reclaimed (seen from the test, {VICTIMS} rounds): min {:?}, median {:?}, max {:?}",
+        latencies[0],
+        latencies[VICTIMS / 2],
+        latencies[VICTIMS - 1]
+    );
+    let all = scrape(addr)?;
+    assert_eq!(single(&all, "vramguard_reclaims_total")?, VICTIMS as f64);
+    let count = single(&all, "vramguard_reclaim_latency_seconds_count")?;
+    let sum = single(&all, "vramguard_reclaim_latency_seconds_sum")?;
+    assert_eq!(count, VICTIMS as f64);
+    eprintln!("the agent's own figure: mean exit-event-to-reclaim latency {:.3} ms", sum / count * 1e3);
+    let under_1s = samples(&all, "vramguard_reclaim_latency_seconds_bucket").find(|s| s.label("le") == "1");
+    assert_eq!(under_1s.map(|s| s.value), Some(VICTIMS as f64), "every reclaim within 1 s by the agent's clock");
+    let log = agent.log();
+    ensure!(log.matches("from_exit_event=true").count() >= VICTIMS, "reclaims driven by exit events: {log}");
+    assert_eq!(ledger_metrics(&all, &ledger), (Some(CTX + 100 * MIB), Some(LIMIT)));
+
+    // More than a second later the live slot is still there (sweeps never take it).
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(slots(&ledger)?, vec![(live.pid(), live.pid())]);
+
+    // A second corrupt file, added while the agent runs, is skipped too; the agent stays healthy.
+    std::fs::create_dir_all(dir.0.join("broken-too"))?;
+    let corrupt_too = dir.0.join("broken-too/ledger");
+    std::fs::write(&corrupt_too, vec![0u8; 8192])?;
+    wait_for(Duration::from_secs(3), "the second corrupt file is skipped", || {
+        Ok(agent.log().contains(&corrupt_too.display().to_string()))
+    })?;
+    assert_eq!(single(&scrape(addr)?, "vramguard_ledgers_skipped")?, 2.0);
+    assert_eq!(http::get(addr, "/healthz")?.0, 200);
+
+    // A removed container directory is dropped.
+    let live_pid = live.pid();
+    drop(live);
+    wait_for(Duration::from_secs(3), "the live holder's slot reclaimed once it is gone", || {
+        Ok(!slots(&ledger)?.iter().any(|&(p, _)| p == live_pid))
+    })?;
+    std::fs::remove_dir_all(dir.0.join("pod-a"))?;
+    wait_for(Duration::from_secs(3), "the removed ledger dropped", || {
+        let all = scrape(addr)?;
+        Ok(single(&all, "vramguard_ledgers")? == 0.0 && ledger_metrics(&all, &ledger) == (None, None))
+    })?;
+    assert_eq!(http::get(addr, "/healthz")?.0, 200);
+    let log = agent.stop()?;
+    ensure!(log.contains("no longer watched"), "{log}");
+    Ok(())
+}
