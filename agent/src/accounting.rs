@@ -156,6 +156,8 @@ impl Accounting {
         stats.events_lost = self.counter(stat::EVENTS_LOST);
         stats.untracked_allocs = self.counter(stat::UNTRACKED_ALLOCS);
         stats.orphan_returns = self.counter(stat::ORPHAN_RETURNS);
+        stats.over_limit = self.counter(stat::OVER_LIMIT);
+        stats.signals_sent = self.counter(stat::SIGNALS_SENT);
         Snapshot { processes, cgroups, stats, ..Snapshot::default() }
     }
 

@@ -30,6 +30,15 @@ impl CgroupNames {
         walk(&root, &root, &mut self.known);
         self.known.get(&id).cloned()
     }
+
+    /// Every cgroup now: id -> path (walks the whole tree).
+    pub fn all(&mut self) -> &HashMap<u64, String> {
+        self.known.clear();
+        if let Some(root) = self.root.clone() {
+            walk(&root, &root, &mut self.known);
+        }
+        &self.known
+    }
 }
 
 fn walk(root: &Path, dir: &Path, known: &mut HashMap<u64, String>) {

@@ -4,6 +4,7 @@
 mod accounting;
 mod cgroup;
 mod control;
+mod enforce;
 mod http;
 mod identity;
 mod inspect;

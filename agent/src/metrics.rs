@@ -6,7 +6,8 @@
 //! usage) and `vramguard_container_memory_limit_bytes`. From the eBPF view:
 //! `vramguard_ebpf_process_memory_bytes{pid,cgroup}`. Of the agent itself:
 //! `vramguard_reclaims_total`, `vramguard_reclaim_latency_seconds`,
-//! `vramguard_events_lost_total`, `vramguard_probes_attached{libcuda}`, `vramguard_ledgers`,
+//! `vramguard_events_lost_total`, `vramguard_over_limit_allocations_total`,
+//! `vramguard_enforcement_signals_total`, `vramguard_probes_attached{libcuda}`, `vramguard_ledgers`,
 //! `vramguard_ledgers_skipped`. Gauges are rebuilt from the current state at every scrape.
 use std::time::Duration;
 
@@ -30,6 +31,8 @@ pub struct Metrics {
     reclaims: IntCounter,
     latency: Histogram,
     events_lost: IntCounter,
+    over_limit: IntCounter,
+    signals: IntCounter,
     probes: IntGaugeVec,
     ledgers: IntGauge,
     ledgers_skipped: IntGauge,
@@ -80,12 +83,32 @@ impl Metrics {
         registry.register(Box::new(latency.clone()))?;
         let events_lost = IntCounter::new("vramguard_events_lost_total", "eBPF events lost to a full ring buffer")?;
         registry.register(Box::new(events_lost.clone()))?;
+        let over_limit = IntCounter::new(
+            "vramguard_over_limit_allocations_total",
+            "Allocations by un-hooked workloads that would pass their cgroup's limit (limits file)",
+        )?;
+        registry.register(Box::new(over_limit.clone()))?;
+        let signals = IntCounter::new("vramguard_enforcement_signals_total", "Signals sent to stop allocations over a cgroup's limit")?;
+        registry.register(Box::new(signals.clone()))?;
         let ledgers = IntGauge::new("vramguard_ledgers", "Ledgers watched under --ledger-dir")?;
         registry.register(Box::new(ledgers.clone()))?;
         let ledgers_skipped =
             IntGauge::new("vramguard_ledgers_skipped", "Files under --ledger-dir skipped as invalid ledgers")?;
         registry.register(Box::new(ledgers_skipped.clone()))?;
-        Ok(Metrics { registry, used, limit, ebpf_process, reclaims, latency, events_lost, probes, ledgers, ledgers_skipped })
+        Ok(Metrics {
+            registry,
+            used,
+            limit,
+            ebpf_process,
+            reclaims,
+            latency,
+            events_lost,
+            over_limit,
+            signals,
+            probes,
+            ledgers,
+            ledgers_skipped,
+        })
     }
 
     /// Counts one reclaim.
@@ -132,10 +155,16 @@ impl Metrics {
         for row in &snapshot.processes {
             self.ebpf_process.with_label_values(&[row.pid.to_string().as_str(), &row.cgroup]).set(value(row.total_bytes));
         }
-        let lost = snapshot.stats.events_lost;
-        let counted = self.events_lost.get();
-        if lost > counted {
-            self.events_lost.inc_by(lost - counted);
+        // The kernel keeps these counts; the counters catch up with them.
+        for (counter, total) in [
+            (&self.events_lost, snapshot.stats.events_lost),
+            (&self.over_limit, snapshot.stats.over_limit),
+            (&self.signals, snapshot.stats.signals_sent),
+        ] {
+            let counted = counter.get();
+            if total > counted {
+                counter.inc_by(total - counted);
+            }
         }
         self.probes.reset();
         for report in probes {

@@ -22,6 +22,8 @@ use tracing::{info, warn};
 
 use crate::{
     accounting::Accounting,
+    cgroup::CgroupNames,
+    enforce,
     control,
     http::{self, Response},
     ledgers::Ledgers,
@@ -73,6 +75,16 @@ pub struct RunArgs {
     /// 0: any free port; the bound address is logged and reported by `vramguard audit`).
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<SocketAddr>,
+    /// A limits file (`CGROUP_PATTERN LIMIT` per line) for workloads that bypass the hook;
+    /// its cgroups' allocations over their limit are handled as `--enforce` says.
+    #[arg(long, value_name = "FILE")]
+    pub limits: Option<PathBuf>,
+    /// What the probes do with an allocation over its cgroup's limit.
+    #[arg(long, value_enum, default_value = "audit")]
+    pub enforce: enforce::Mode,
+    /// The signal `--enforce signal` sends (default SIGKILL).
+    #[arg(long, default_value_t = 9, value_name = "NUM")]
+    pub signal: i32,
 }
 
 enum Wake {
@@ -82,6 +94,7 @@ enum Wake {
     Sweep,
     Rescan,
     Ledgers,
+    Limits,
     ExitRetry,
     Client(UnixStream),
     Http(http::Request),
@@ -104,6 +117,26 @@ pub async fn run(args: RunArgs) -> Result<()> {
     exit.attach("sched", "sched_process_exit")
         .context("cannot attach to the sched:sched_process_exit tracepoint")?;
     probes::load_programs(&mut ebpf)?;
+    match (enforce::deny_support(&mut ebpf), args.enforce) {
+        (Ok(()), _) => info!("deny mode: this kernel lets uprobes write registers, but this build does not implement deny yet"),
+        (Err(reason), enforce::Mode::Deny) => bail!("--enforce deny is unavailable: {reason}; use --enforce signal or audit"),
+        (Err(reason), _) => info!("deny mode unavailable: {reason}"),
+    }
+    if args.enforce == enforce::Mode::Deny {
+        bail!("--enforce deny is not implemented by this build; use --enforce signal or audit");
+    }
+    if args.enforce != enforce::Mode::Audit && args.limits.is_none() {
+        bail!("--enforce {:?} needs --limits FILE (which cgroups, which limits)", args.enforce);
+    }
+    let mut limits = match &args.limits {
+        Some(file) => Some(enforce::Limits::new(&mut ebpf, file, args.enforce, args.signal)?),
+        None => None,
+    };
+    let mut cgroups = CgroupNames::new();
+    if let Some(limits) = limits.as_mut() {
+        limits.refresh(&mut cgroups);
+        info!(mode = ?args.enforce, cgroups = limits.applied(), "cgroup limits pushed to the probes");
+    }
     let (mut accounting, events) = Accounting::new(&mut ebpf)?;
     // SAFETY: the ring buffer owns its map fd, which stays open and unchanged until the
     // AsyncFd (which owns the ring buffer) is dropped.
@@ -161,6 +194,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
     rescan.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let mut ledger_scan = interval(Duration::from_millis(args.ledger_scan_ms));
     ledger_scan.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut limits_refresh = interval(Duration::from_millis(args.rescan_ms));
+    limits_refresh.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let mut exit_retry = interval(EXIT_RETRY);
     exit_retry.set_missed_tick_behavior(MissedTickBehavior::Delay);
     info!(socket = %args.socket.display(), files = attached.len(), "vramguard agent running");
@@ -177,6 +212,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
             _ = sweep.tick() => Wake::Sweep,
             _ = rescan.tick(), if !args.no_discover => Wake::Rescan,
             _ = ledger_scan.tick(), if ledgers.is_some() => Wake::Ledgers,
+            _ = limits_refresh.tick(), if limits.is_some() => Wake::Limits,
             _ = exit_retry.tick(), if ledgers.is_some() && reclaimer.pending() => Wake::ExitRetry,
             Some(request) = requests.recv() => Wake::Http(request),
             client = listener.accept() => match client {
@@ -188,6 +224,11 @@ pub async fn run(args: RunArgs) -> Result<()> {
             Wake::Stop(signal) => {
                 info!(signal, "stopping: detaching probes");
                 break;
+            }
+            Wake::Limits => {
+                if let Some(limits) = limits.as_mut() {
+                    limits.refresh(&mut cgroups);
+                }
             }
             Wake::Events | Wake::Drain => {
                 accounting.drain(events.get_mut());

@@ -70,6 +70,12 @@ pub struct Stats {
     pub records: u64,
     /// Records of dead processes the agent deleted.
     pub stale_records_removed: u64,
+    /// Allocations that would have passed their cgroup's limit (limits file).
+    #[serde(default)]
+    pub over_limit: u64,
+    /// Signals the probes sent to stop such allocations.
+    #[serde(default)]
+    pub signals_sent: u64,
     /// Ledger slots of dead processes the agent reclaimed.
     #[serde(default)]
     pub slots_reclaimed: u64,

@@ -183,6 +183,27 @@ pub struct Event {
     pub size: u64,
 }
 
+/// A cgroup's GPU-memory limit as the eBPF entry probes enforce it (value of
+/// `CGROUP_LIMITS`, key: cgroup id).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CgroupLimit {
+    /// Bytes the cgroup's live allocations may total.
+    pub limit: u64,
+    /// [`enforce::AUDIT`] or [`enforce::SIGNAL`].
+    pub mode: u32,
+    /// The signal sent in [`enforce::SIGNAL`] mode.
+    pub signal: u32,
+}
+
+/// What an entry probe does with an allocation that would pass its cgroup's limit.
+pub mod enforce {
+    /// Count it (`STATS[OVER_LIMIT]`), let it through.
+    pub const AUDIT: u32 = 0;
+    /// Send the limit's signal to the calling process before the driver allocates.
+    pub const SIGNAL: u32 = 1;
+}
+
 /// Indices into the `STATS` array map.
 pub mod stat {
     /// Events that did not fit in the ring buffer.
@@ -192,8 +213,12 @@ pub mod stat {
     pub const UNTRACKED_ALLOCS: u32 = 1;
     /// Return probes that found no saved entry (the entry probe was attached late).
     pub const ORPHAN_RETURNS: u32 = 2;
+    /// Allocations that would have passed their cgroup's limit.
+    pub const OVER_LIMIT: u32 = 3;
+    /// Signals sent to stop such allocations.
+    pub const SIGNALS_SENT: u32 = 4;
     /// Number of entries.
-    pub const LEN: u32 = 4;
+    pub const LEN: u32 = 8;
 }
 
 /// Names of the maps, programs and globals in the eBPF object.
@@ -204,6 +229,10 @@ pub mod names {
     pub const CGROUP_USAGE: &str = "CGROUP_USAGE";
     pub const EVENTS: &str = "EVENTS";
     pub const STATS: &str = "STATS";
+    pub const CGROUP_LIMITS: &str = "CGROUP_LIMITS";
+    /// A program that writes its context's return register: loads only where the kernel lets
+    /// uprobes change registers (the "deny" mode's prerequisite).
+    pub const DENY_PROBE: &str = "deny_probe";
     /// Global: byte offset of `group_dead` in the `sched_process_exit` record.
     pub const GROUP_DEAD_OFFSET: &str = "GROUP_DEAD_OFFSET";
     pub const PROCESS_EXIT: &str = "process_exit";
@@ -230,4 +259,5 @@ mod pod {
     unsafe impl aya::Pod for super::Usage {}
     unsafe impl aya::Pod for super::ProcUsage {}
     unsafe impl aya::Pod for super::Event {}
+    unsafe impl aya::Pod for super::CgroupLimit {}
 }

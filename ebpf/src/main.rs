@@ -24,13 +24,14 @@ use aya_ebpf::{
     bindings::{BPF_F_NO_PREALLOC, BPF_NOEXIST},
     helpers::{
         bpf_get_current_cgroup_id, bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user,
+        bpf_send_signal,
     },
     macros::{map, tracepoint, uprobe, uretprobe},
     maps::{Array, HashMap, LruHashMap, RingBuf},
     programs::{ProbeContext, RetProbeContext, TracePointContext},
 };
 use common::{
-    stat, AddrSpace, AllocKey, AllocKind, AllocRecord, Event, EventKind, PendingAlloc, ProcUsage,
+    enforce, stat, AddrSpace, CgroupLimit, AllocKey, AllocKind, AllocRecord, Event, EventKind, PendingAlloc, ProcUsage,
     Usage, EVENTS_BYTES, KIND_COUNT, MAX_ALLOCS, MAX_CGROUPS, MAX_PROCS,
 };
 
@@ -64,6 +65,10 @@ static EVENTS: RingBuf = RingBuf::with_byte_size(EVENTS_BYTES, 0);
 
 #[map]
 static STATS: Array<u64> = Array::with_max_entries(stat::LEN, 0);
+
+/// Per-cgroup limits the entry probes enforce (filled by the agent).
+#[map]
+static CGROUP_LIMITS: HashMap<u64, CgroupLimit> = HashMap::with_max_entries(MAX_CGROUPS, BPF_F_NO_PREALLOC);
 
 // ---- entry probes of the allocation APIs -------------------------------------------------
 
@@ -103,6 +108,10 @@ pub fn mem_alloc_pitch(ctx: ProbeContext) -> u32 {
     else {
         return 0;
     };
+    // The pitch is not known before the call: the width stands for it.
+    if let Some(width) = ctx.arg::<u64>(2) {
+        check_limit(width.wrapping_mul(height));
+    }
     save(PendingAlloc {
         out_ptr,
         size: height,
@@ -116,6 +125,7 @@ fn save_sized(ctx: &ProbeContext, kind: AllocKind, space: AddrSpace) -> u32 {
     let (Some(out_ptr), Some(size)) = (ctx.arg::<u64>(0), ctx.arg::<u64>(1)) else {
         return 0;
     };
+    check_limit(size);
     save(PendingAlloc {
         out_ptr,
         size,
@@ -123,6 +133,30 @@ fn save_sized(ctx: &ProbeContext, kind: AllocKind, space: AddrSpace) -> u32 {
         kind: kind as u32,
         space: space as u32,
     })
+}
+
+/// If the calling process's cgroup has a limit that `size` more bytes would pass, counts it
+/// and, in signal mode, signals the process: the signal is delivered on the way back to user
+/// space, before the driver runs, so a fatal one stops the allocation from ever happening.
+fn check_limit(size: u64) {
+    // SAFETY: plain helper call without arguments.
+    let cgroup_id = unsafe { bpf_get_current_cgroup_id() };
+    // SAFETY: copied out at once.
+    let Some(limit) = (unsafe { CGROUP_LIMITS.get(&cgroup_id) }).copied() else {
+        return;
+    };
+    // SAFETY: copied out at once.
+    let used = unsafe { CGROUP_USAGE.get(&cgroup_id) }.map_or(0, |usage| usage.total_bytes());
+    if used.saturating_add(size) <= limit.limit {
+        return;
+    }
+    bump(stat::OVER_LIMIT, 1);
+    if limit.mode == enforce::SIGNAL {
+        // SAFETY: sends a signal to the current process, which is what this mode is for.
+        if unsafe { bpf_send_signal(limit.signal) } == 0 {
+            bump(stat::SIGNALS_SENT, 1);
+        }
+    }
 }
 
 fn save(pending: PendingAlloc) -> u32 {
@@ -287,6 +321,20 @@ fn uncharge(proc_usage: *mut ProcUsage, record: &AllocRecord) {
         // SAFETY: live map value; fields are updated atomically.
         charge(unsafe { &mut *cgroup }, record.kind, record.size, true);
     }
+}
+
+// ---- deny mode detection --------------------------------------------------------------
+
+/// Never attached: the agent only loads it, to learn whether this kernel lets a uprobe
+/// program write its context (so that an entry probe could make a call return
+/// `CUDA_ERROR_OUT_OF_MEMORY` without reaching the driver). Kernels that do not allow it
+/// refuse to load it.
+#[uprobe]
+pub fn deny_probe(ctx: ProbeContext) -> u32 {
+    // SAFETY: a write into the probe's own register context; the verifier decides whether
+    // this program may exist at all.
+    unsafe { core::ptr::write_volatile(core::ptr::addr_of_mut!((*ctx.regs).rax), 2) };
+    0
 }
 
 // ---- process exit ------------------------------------------------------------------------

@@ -1,0 +1,189 @@
+//! Limits for workloads that bypass the hook, enforced by the eBPF entry probes.
+//!
+//! A limits file maps cgroup path patterns to GPU-memory limits, one rule a line:
+//!
+//! ```text
+//! # pattern (cgroup2 path, `*` matches anything)    limit (bytes, or k/m/g/t, 1024-based)
+//! /kubepods.slice/*pod1234*                          8g
+//! ```
+//!
+//! The agent resolves the patterns against the cgroup2 tree (the first matching rule wins)
+//! and keeps the kernel map `CGROUP_LIMITS` in step, so the entry probe of an allocation
+//! that would pass its cgroup's limit counts it (`audit`, the default) or sends the calling
+//! process a signal before the driver runs (`signal`, SIGKILL by default). `deny` (making the
+//! call return `CUDA_ERROR_OUT_OF_MEMORY`) needs a kernel that lets uprobe programs write
+//! their registers; the agent checks at start and says whether this kernel does.
+use std::{collections::BTreeMap, fs, path::Path};
+
+use anyhow::{bail, Context, Result};
+use aya::{
+    maps::{HashMap, MapData},
+    programs::UProbe,
+    Ebpf,
+};
+use common::{enforce, names, CgroupLimit};
+
+use crate::cgroup::CgroupNames;
+
+/// What the probes do with an allocation over its cgroup's limit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Mode {
+    /// Count it (metric and audit), let it through.
+    Audit,
+    /// Signal the process before the driver allocates.
+    Signal,
+    /// Make the call fail without reaching the driver (kernel support needed).
+    Deny,
+}
+
+/// One rule of a limits file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rule {
+    pub pattern: String,
+    pub limit: u64,
+}
+
+/// Parses a limits file's text.
+pub fn parse_rules(text: &str) -> Result<Vec<Rule>> {
+    let mut rules = Vec::new();
+    for (number, line) in text.lines().enumerate() {
+        let line = line.split('#').next().unwrap_or("").trim();
+        if line.is_empty() {
+            continue;
+        }
+        let mut fields = line.split_whitespace();
+        let (Some(pattern), Some(limit), None) = (fields.next(), fields.next(), fields.next()) else {
+            bail!("line {}: expected `PATTERN LIMIT`, found {line:?}", number + 1);
+        };
+        if !pattern.starts_with('/') {
+            bail!("line {}: the pattern {pattern:?} must be a cgroup2 path starting with /", number + 1);
+        }
+        let Some(limit) = cuda_abi::parse_size(limit) else {
+            bail!("line {}: {limit:?} is not a size (bytes, or a number with k, m, g or t)", number + 1);
+        };
+        rules.push(Rule { pattern: pattern.to_string(), limit });
+    }
+    Ok(rules)
+}
+
+/// Whether `text` matches `pattern`, where `*` matches any run of characters.
+fn matches(pattern: &str, text: &str) -> bool {
+    let mut parts = pattern.split('*');
+    let first = parts.next().unwrap_or("");
+    let Some(mut rest) = text.strip_prefix(first) else { return false };
+    let parts: Vec<&str> = parts.collect();
+    for (index, part) in parts.iter().enumerate() {
+        let last = index + 1 == parts.len();
+        if last {
+            return rest.ends_with(part);
+        }
+        match rest.find(part) {
+            Some(at) => rest = &rest[at + part.len()..],
+            None => return false,
+        }
+    }
+    rest.is_empty()
+}
+
+/// The rules and the kernel map they are pushed into.
+pub struct Limits {
+    rules: Vec<Rule>,
+    mode: u32,
+    signal: u32,
+    map: HashMap<MapData, u64, CgroupLimit>,
+    applied: BTreeMap<u64, CgroupLimit>,
+}
+
+impl Limits {
+    pub fn new(ebpf: &mut Ebpf, file: &Path, mode: Mode, signal: i32) -> Result<Limits> {
+        let text = fs::read_to_string(file).with_context(|| format!("cannot read the limits file {}", file.display()))?;
+        let rules = parse_rules(&text).with_context(|| format!("in the limits file {}", file.display()))?;
+        let mode = match mode {
+            Mode::Audit => enforce::AUDIT,
+            Mode::Signal => enforce::SIGNAL,
+            Mode::Deny => bail!("deny mode is not available (see the log line about it at start)"),
+        };
+        if !(1..=64).contains(&signal) {
+            bail!("--signal {signal} is not a signal number");
+        }
+        let map = ebpf.take_map(names::CGROUP_LIMITS).context("the eBPF object has no CGROUP_LIMITS map")?;
+        let map = HashMap::try_from(map).context("CGROUP_LIMITS has an unexpected type")?;
+        Ok(Limits { rules, mode, signal: signal as u32, map, applied: BTreeMap::new() })
+    }
+
+    /// Resolves the rules against the cgroups that exist now and updates the kernel map.
+    pub fn refresh(&mut self, names: &mut CgroupNames) {
+        let mut wanted = BTreeMap::new();
+        for (id, path) in names.all() {
+            if let Some(rule) = self.rules.iter().find(|rule| matches(&rule.pattern, path)) {
+                wanted.insert(*id, CgroupLimit { limit: rule.limit, mode: self.mode, signal: self.signal });
+            }
+        }
+        for id in self.applied.keys().filter(|id| !wanted.contains_key(id)).copied().collect::<Vec<_>>() {
+            let _ = self.map.remove(&id);
+            self.applied.remove(&id);
+        }
+        for (id, limit) in wanted {
+            if self.applied.get(&id) != Some(&limit) {
+                match self.map.insert(id, limit, 0) {
+                    Ok(()) => {
+                        self.applied.insert(id, limit);
+                    }
+                    Err(error) => tracing::warn!(cgroup = id, %error, "cannot push a cgroup limit to the kernel"),
+                }
+            }
+        }
+    }
+
+    /// Cgroups with a limit pushed.
+    pub fn applied(&self) -> usize {
+        self.applied.len()
+    }
+}
+
+/// Whether this kernel lets a uprobe program write its registers (what `deny` needs): loads
+/// the `deny_probe` program, which is never attached.
+pub fn deny_support(ebpf: &mut Ebpf) -> Result<(), String> {
+    let program: &mut UProbe = ebpf
+        .program_mut(names::DENY_PROBE)
+        .ok_or("the eBPF object has no deny_probe program")?
+        .try_into()
+        .map_err(|error| format!("{error}"))?;
+    program.load().map_err(|error| {
+        let log = format!("{error:#}");
+        tracing::debug!(verifier = %log, "deny_probe refused");
+        // The verifier's own words, e.g. "invalid bpf_context access off=80 size=8".
+        let reason = log
+            .lines()
+            .find(|line| line.contains("invalid bpf_context access"))
+            .or_else(|| log.lines().rev().find(|line| !line.trim().is_empty()))
+            .unwrap_or("no reason given");
+        format!("the kernel refuses uprobe programs that write their registers ({})", reason.trim())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn patterns() {
+        assert!(matches("/a/b", "/a/b"));
+        assert!(!matches("/a/b", "/a/bc"));
+        assert!(matches("/kubepods/*", "/kubepods/pod1/c1"));
+        assert!(matches("/kubepods/*pod1*", "/kubepods/burstable/pod1/c1"));
+        assert!(!matches("/kubepods/*pod2*", "/kubepods/burstable/pod1/c1"));
+        assert!(matches("*", "/anything"));
+        assert!(matches("/x/*/y", "/x/1/2/y"));
+        assert!(!matches("/x/*/y", "/x/1/2/z"));
+    }
+
+    #[test]
+    fn rules_and_their_errors() {
+        let rules = parse_rules("# comment\n/a/* 8g\n\n/b 1024 # trailing\n").expect("rules");
+        assert_eq!(rules, vec![Rule { pattern: "/a/*".into(), limit: 8 << 30 }, Rule { pattern: "/b".into(), limit: 1024 }]);
+        assert!(parse_rules("/a lots").unwrap_err().to_string().contains("line 1"));
+        assert!(parse_rules("a 1g").unwrap_err().to_string().contains("must be a cgroup2 path"));
+        assert!(parse_rules("/a 1g extra").is_err());
+    }
+}

@@ -1,0 +1,110 @@
+//! Enforcement for workloads that bypass the hook (issue "The agent", item 5): a limits file
+//! gives a cgroup a GPU-memory limit; the eBPF entry probes count allocations that would pass
+//! it (`audit`) or stop the process with a signal before the driver allocates (`signal`).
+//! Needs root; run with `cargo xtask test`.
+use std::{ffi::OsStr, os::unix::process::ExitStatusExt, path::PathBuf};
+
+use anyhow::{Context, Result};
+use e2e::{agent::Agent, cgroup::TestCgroup, fake_driver_dir, FakeNode, MIB};
+
+/// A limits file giving `cgroup` a limit of 1 GiB.
+fn limits_file(cgroup: &TestCgroup) -> Result<PathBuf> {
+    let path = std::env::temp_dir().join(format!("vramguard-limits-{}-{}", std::process::id(), cgroup.id));
+    std::fs::write(&path, format!("# test\n{} 1g\n", cgroup.path))?;
+    Ok(path)
+}
+
+fn agent(mode: &str, limits: &PathBuf) -> Result<Agent> {
+    let libcuda = fake_driver_dir()?.join("libcuda.so.1");
+    let args: Vec<&OsStr> = vec![
+        "--libcuda".as_ref(),
+        libcuda.as_os_str(),
+        "--no-discover".as_ref(),
+        "--limits".as_ref(),
+        limits.as_os_str(),
+        "--enforce".as_ref(),
+        mode.as_ref(),
+    ];
+    Agent::start_with(&args)
+}
+
+fn stat(audit: &serde_json::Value, name: &str) -> u64 {
+    audit["stats"][name].as_u64().unwrap_or(u64::MAX)
+}
+
+const STEPS: [&str; 5] = ["ctx 0", "alloc a 600m", "checkpoint one", "alloc b 600m", "checkpoint two"];
+
+#[test]
+fn signal_mode_stops_an_unhooked_workload_before_it_passes_its_limit() -> Result<()> {
+    let cgroup = TestCgroup::create("signal")?;
+    let limits = limits_file(&cgroup)?;
+    let agent = agent("signal", &limits)?;
+    let node = FakeNode::new("signal").with_env("FAKECUDA_CONTEXT_BYTES", "64m");
+    let mut workload = node.workload().in_cgroup(&cgroup).steps(STEPS).spawn()?;
+    workload.wait_checkpoint("one")?;
+    assert_eq!(node.used(0)?, 64 * MIB + 600 * MIB, "the first allocation is within the limit");
+    workload.resume()?;
+    let finished = workload.wait()?;
+    assert_eq!(finished.status.signal(), Some(libc::SIGKILL), "stopped by SIGKILL: {:?}", finished.status);
+    assert!(!finished.stdout.iter().any(|l| l.starts_with("ok alloc b")), "the driver never allocated b: {:?}", finished.stdout);
+    let audit = agent.audit()?;
+    assert!(stat(&audit, "signals_sent") >= 1, "{audit}");
+    assert!(stat(&audit, "over_limit") >= 1, "{audit}");
+    agent.stop()?;
+    let _ = std::fs::remove_file(limits);
+    Ok(())
+}
+
+#[test]
+fn audit_mode_counts_but_lets_the_workload_through() -> Result<()> {
+    let cgroup = TestCgroup::create("audit")?;
+    let limits = limits_file(&cgroup)?;
+    let agent = agent("audit", &limits)?;
+    let node = FakeNode::new("audit");
+    let mut workload = node.workload().in_cgroup(&cgroup).steps(STEPS).spawn()?;
+    workload.wait_checkpoint("one")?;
+    assert_eq!(stat(&agent.audit()?, "over_limit"), 0);
+    workload.resume()?;
+    workload.wait_checkpoint("two")?;
+    let audit = agent.audit()?;
+    assert_eq!(stat(&audit, "over_limit"), 1, "{audit}");
+    assert_eq!(stat(&audit, "signals_sent"), 0, "{audit}");
+    workload.resume()?;
+    let finished = workload.wait()?.success()?;
+    finished.line("ok alloc b ").context("audit mode lets the allocation through")?;
+    agent.stop()?;
+    let _ = std::fs::remove_file(limits);
+    Ok(())
+}
+
+#[test]
+fn deny_mode_says_why_it_is_unavailable() -> Result<()> {
+    let cgroup = TestCgroup::create("deny")?;
+    let limits = limits_file(&cgroup)?;
+    let error = match agent("deny", &limits) {
+        Ok(agent) => {
+            agent.stop()?;
+            anyhow::bail!("--enforce deny started although this build does not implement it");
+        }
+        Err(error) => format!("{error:#}"),
+    };
+    assert!(error.contains("--enforce deny is"), "unclear error: {error}");
+    let _ = std::fs::remove_file(limits);
+    Ok(())
+}
+
+#[test]
+fn a_bad_limits_file_is_refused_with_its_line() -> Result<()> {
+    let path = std::env::temp_dir().join(format!("vramguard-badlimits-{}", std::process::id()));
+    std::fs::write(&path, "/ok 1g\n/bad lots\n")?;
+    let error = match agent("signal", &path) {
+        Ok(agent) => {
+            agent.stop()?;
+            anyhow::bail!("a bad limits file was accepted");
+        }
+        Err(error) => format!("{error:#}"),
+    };
+    assert!(error.contains("line 2") && error.contains("lots"), "unclear error: {error}");
+    let _ = std::fs::remove_file(path);
+    Ok(())
+}
