@@ -38,7 +38,12 @@ pub enum Space {
     Handle,
 }
 
+/// The allocations one shard of the map knows: (space, pointer or handle) -> (ledger device,
+/// record).
+type Charges = HashMap<(Space, u64), (u32, RecordId)>;
+
 /// What the hook does for this process.
+#[allow(clippy::large_enum_variant)] // one value per process, never moved after set-up
 pub enum Mode {
     /// No quota anywhere and no ledger: every call goes straight to the driver.
     PassThrough,
@@ -59,7 +64,7 @@ pub struct Session {
     context_creation: Mutex<()>,
     /// Charges of the stream-ordered pools this process allocates from.
     pub pools: crate::pools::Pools,
-    allocations: [Mutex<HashMap<(Space, u64), (u32, RecordId)>>; SHARDS],
+    allocations: [Mutex<Charges>; SHARDS],
     pid: u32,
 }
 
@@ -99,7 +104,7 @@ impl Session {
         self.remember(space, address, entry.0, entry.1);
     }
 
-    fn shard(&self, address: u64) -> &Mutex<HashMap<(Space, u64), (u32, RecordId)>> {
+    fn shard(&self, address: u64) -> &Mutex<Charges> {
         // Addresses are at least 256-aligned: mix the bits above that.
         let index = ((address >> 8) ^ (address >> 21)) as usize % SHARDS;
         &self.allocations[index]

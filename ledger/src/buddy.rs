@@ -589,7 +589,7 @@ impl<S: Words> Buddy<S, Geometry> {
         let mut b = Self { s: region, g };
         for (o, idx) in b.root_nodes() {
             let bm = &b.g.as_ref().orders[o as usize].free;
-            bm_set(&mut b.s, &bm, idx);
+            bm_set(&mut b.s, bm, idx);
         }
         Ok(b)
     }
@@ -717,7 +717,7 @@ impl<S: Words, G: AsRef<Geometry>> Buddy<S, G> {
     /// The owner slot of an allocated block, if `b` is one.
     pub fn owner_of(&self, b: &Block) -> Option<u32> {
         let (o, idx) = self.node_of(b).ok()?;
-        if !bm_get(&self.s, &(&self.g.as_ref().orders[o as usize]).alloc, idx) {
+        if !bm_get(&self.s, &self.g.as_ref().orders[o as usize].alloc, idx) {
             return None;
         }
         self.owner_get(idx << o).checked_sub(1)
@@ -798,7 +798,7 @@ impl<S: Words, G: AsRef<Geometry>> Buddy<S, G> {
             idx >>= 1;
             o += 1;
             let sp = &&self.g.as_ref().orders[o as usize].split;
-            bm_clear(&mut self.s, &sp, idx);
+            bm_clear(&mut self.s, sp, idx);
         }
         let m = &self.g.as_ref().orders[o as usize];
         bm_set(&mut self.s, &m.free, idx);
@@ -807,7 +807,7 @@ impl<S: Words, G: AsRef<Geometry>> Buddy<S, G> {
     /// Free one allocated block (merging with free buddies).
     pub fn free_block(&mut self, b: &Block) -> Result<(), BuddyError> {
         let (o, idx) = self.node_of(b)?;
-        if !bm_get(&self.s, &(&self.g.as_ref().orders[o as usize]).alloc, idx) {
+        if !bm_get(&self.s, &self.g.as_ref().orders[o as usize].alloc, idx) {
             return Err(BuddyError::InvalidArgument("block is not allocated"));
         }
         self.release(o, idx);
@@ -825,7 +825,7 @@ impl<S: Words, G: AsRef<Geometry>> Buddy<S, G> {
         for o in 0..=self.g.as_ref().max_order {
             let bm = &&self.g.as_ref().orders[o as usize].alloc;
             let mut from = 0;
-            while let Some(i) = bm_next(&self.s, &bm, from) {
+            while let Some(i) = bm_next(&self.s, bm, from) {
                 let owner = self.owner_get(i << o).wrapping_sub(1);
                 out.push((self.block(o, i), owner));
                 from = i + 1;
@@ -840,7 +840,7 @@ impl<S: Words, G: AsRef<Geometry>> Buddy<S, G> {
         for o in 0..=self.g.as_ref().max_order {
             let bm = &&self.g.as_ref().orders[o as usize].free;
             let mut from = 0;
-            while let Some(i) = bm_next(&self.s, &bm, from) {
+            while let Some(i) = bm_next(&self.s, bm, from) {
                 out.push(self.block(o, i));
                 from = i + 1;
             }
@@ -921,7 +921,7 @@ impl<S: Words, G: AsRef<Geometry>> Buddy<S, G> {
     fn alloc_freetree(&mut self, order: u32, topdown: bool, stored: u32) -> Option<Block> {
         let mut best: Option<(u32, u64)> = None;
         for k in order..=self.g.as_ref().max_order {
-            if let Some(i) = bm_last(&self.s, &(&self.g.as_ref().orders[k as usize]).free) {
+            if let Some(i) = bm_last(&self.s, &self.g.as_ref().orders[k as usize].free) {
                 match best {
                     Some((bk, bi)) if (bi << bk) >= (i << k) => {}
                     _ => best = Some((k, i)),
@@ -949,7 +949,7 @@ impl<S: Words, G: AsRef<Geometry>> Buddy<S, G> {
             let bm = &&self.g.as_ref().orders[k as usize].free;
             let last_idx = (end - 1) >> k;
             let mut from = start >> k;
-            while let Some(i) = bm_next(&self.s, &bm, from) {
+            while let Some(i) = bm_next(&self.s, bm, from) {
                 if i > last_idx {
                     break;
                 }
@@ -982,7 +982,7 @@ impl<S: Words, G: AsRef<Geometry>> Buddy<S, G> {
     fn release_all(&mut self, blocks: &[Block]) {
         for b in blocks {
             if let Ok((o, idx)) = self.node_of(b) {
-                if bm_get(&self.s, &(&self.g.as_ref().orders[o as usize]).alloc, idx) {
+                if bm_get(&self.s, &self.g.as_ref().orders[o as usize].alloc, idx) {
                     self.release(o, idx);
                 }
             }

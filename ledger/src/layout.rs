@@ -243,5 +243,5 @@ pub fn checksummed_bytes(header: &Header) -> &[u8] {
 }
 
 const _: () = assert!(std::mem::size_of::<Header>() as u64 <= PAGE);
-const _: () = assert!(std::mem::size_of::<Slot>() % 8 == 0);
-const _: () = assert!(std::mem::size_of::<Record>() % 8 == 0);
+const _: () = assert!(std::mem::size_of::<Slot>().is_multiple_of(8));
+const _: () = assert!(std::mem::size_of::<Record>().is_multiple_of(8));

@@ -299,7 +299,7 @@ impl Ledger {
 
     /// Verifies every invariant; returns the violations found (none: the ledger is sound).
     pub fn check(&self) -> Result<Vec<String>, LedgerError> {
-        self.locked(|t| check(t))
+        self.locked(check)
     }
 
     /// Holds the lock for `duration` (the crash tests kill processes inside the lock).
