@@ -113,6 +113,12 @@ impl Accounting {
         }
     }
 
+    /// `(host pid, live bytes)` of every process the probes saw allocate: the eBPF side of
+    /// [`crate::reconcile`], cheaper than a [`Snapshot`].
+    pub fn process_bytes(&self) -> Vec<(u32, u64)> {
+        self.procs.iter().filter_map(Result::ok).map(|(pid, usage)| (pid, usage.usage.total_bytes())).collect()
+    }
+
     /// The current view.
     pub fn snapshot(&mut self) -> Snapshot {
         let mut processes: Vec<ProcessRow> = Vec::new();
@@ -131,6 +137,7 @@ impl Accounting {
                 live_allocations: usage.live_allocations(),
                 allocs: usage.allocs,
                 frees: usage.frees,
+                ..ProcessRow::default()
             });
         }
         processes.sort_by_key(|row| row.pid);

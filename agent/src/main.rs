@@ -1,6 +1,7 @@
 //! `vramguard`: the node agent. `run` is the daemon (eBPF accounting of every GPU allocation
-//! on the node, reclaim of dead processes' ledger slots, Prometheus metrics); `audit` asks a running agent for its live table of processes; `inspect` and
-//! `reclaim` work on a ledger file directly.
+//! on the node, reclaim of dead processes' ledger slots, reconciliation of the ledgers with
+//! the eBPF view, Prometheus metrics); `audit` asks a running agent for its live table of
+//! processes and their states; `inspect` and `reclaim` work on a ledger file directly.
 mod accounting;
 mod cgroup;
 mod control;
@@ -14,6 +15,7 @@ mod metrics;
 mod preflight;
 mod probes;
 mod reclaim;
+mod reconcile;
 mod run;
 mod snapshot;
 

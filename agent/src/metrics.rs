@@ -4,21 +4,32 @@
 //! empty when the ledger does not know it): `vramguard_container_memory_used_bytes` (what the
 //! ledger charges, by `kind`: data, small, context, managed; the kinds sum to the device's
 //! usage) and `vramguard_container_memory_limit_bytes`. From the eBPF view:
-//! `vramguard_ebpf_process_memory_bytes{pid,cgroup}`. Of the agent itself:
+//! `vramguard_ebpf_process_memory_bytes{pid,cgroup}`. From [`crate::reconcile`]:
+//! `vramguard_process_state{pid,state}` (one series per state, 1 for the process's current
+//! one), `vramguard_unhooked_processes`, `vramguard_container_ebpf_memory_bytes{ledger}` (the
+//! eBPF bytes of the ledger's processes, comparable with the ledger's data, small and managed
+//! bytes) and `vramguard_container_rejections_total{ledger,device_index}` (the ledger's own
+//! count of refused reservations). Of the agent itself:
 //! `vramguard_reclaims_total`, `vramguard_reclaim_latency_seconds`,
 //! `vramguard_events_lost_total`, `vramguard_over_limit_allocations_total`,
 //! `vramguard_enforcement_signals_total`, `vramguard_probes_attached{libcuda}`, `vramguard_ledgers`,
 //! `vramguard_ledgers_skipped`. Gauges are rebuilt from the current state at every scrape.
-use std::time::Duration;
+use std::{collections::BTreeSet, time::Duration};
 
 use anyhow::{Context, Result};
 use ledger::{layout::KINDS, Kind};
 use prometheus::{
-    Histogram, HistogramOpts, IntCounter, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
+    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 use tracing::warn;
 
-use crate::{inspect::uuid_text, ledgers::Ledgers, probes::AttachReport, snapshot::Snapshot};
+use crate::{
+    inspect::uuid_text,
+    ledgers::Ledgers,
+    probes::AttachReport,
+    reconcile::{Reconciler, State},
+    snapshot::Snapshot,
+};
 
 /// Latency buckets of a reclaim, in seconds (1 ms to 5 s).
 const LATENCY_BUCKETS: [f64; 12] = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0];
@@ -36,6 +47,12 @@ pub struct Metrics {
     probes: IntGaugeVec,
     ledgers: IntGauge,
     ledgers_skipped: IntGauge,
+    process_state: IntGaugeVec,
+    unhooked: IntGauge,
+    container_ebpf: IntGaugeVec,
+    rejections: IntCounterVec,
+    /// The (ledger, device index) label pairs `rejections` has series for.
+    rejection_series: BTreeSet<(String, String)>,
 }
 
 fn gauge_vec(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> Result<IntGaugeVec> {
@@ -95,6 +112,25 @@ impl Metrics {
         let ledgers_skipped =
             IntGauge::new("vramguard_ledgers_skipped", "Files under --ledger-dir skipped as invalid ledgers")?;
         registry.register(Box::new(ledgers_skipped.clone()))?;
+        let process_state = gauge_vec(
+            &registry,
+            "vramguard_process_state",
+            "Reconciliation state of a process (1 for its current state): ok, drift, unhooked, stale, tampered",
+            &["pid", "state"],
+        )?;
+        let unhooked = IntGauge::new("vramguard_unhooked_processes", "Processes holding GPU memory without a ledger slot")?;
+        registry.register(Box::new(unhooked.clone()))?;
+        let container_ebpf = gauge_vec(
+            &registry,
+            "vramguard_container_ebpf_memory_bytes",
+            "GPU memory the eBPF probes saw a container's (ledger's) processes hold",
+            &["ledger"],
+        )?;
+        let rejections = IntCounterVec::new(
+            Opts::new("vramguard_container_rejections_total", "Reservations a container's ledger refused"),
+            &["ledger", "device_index"],
+        )?;
+        registry.register(Box::new(rejections.clone()))?;
         Ok(Metrics {
             registry,
             used,
@@ -108,6 +144,11 @@ impl Metrics {
             probes,
             ledgers,
             ledgers_skipped,
+            process_state,
+            unhooked,
+            container_ebpf,
+            rejections,
+            rejection_series: BTreeSet::new(),
         })
     }
 
@@ -118,9 +159,12 @@ impl Metrics {
     }
 
     /// Rebuilds the gauges from the current state.
-    pub fn refresh(&self, ledgers: Option<&Ledgers>, snapshot: &Snapshot, probes: &[AttachReport]) {
+    pub fn refresh(&mut self, ledgers: Option<&Ledgers>, snapshot: &Snapshot, probes: &[AttachReport], reconciler: &Reconciler) {
         self.used.reset();
         self.limit.reset();
+        self.container_ebpf.reset();
+        let ebpf_by_ledger = reconciler.ebpf_bytes_by_ledger();
+        let mut rejection_series = BTreeSet::new();
         if let Some(ledgers) = ledgers {
             self.ledgers.set(ledgers.len() as i64);
             self.ledgers_skipped.set(ledgers.skipped() as i64);
@@ -134,6 +178,19 @@ impl Metrics {
                     }
                 };
                 let path = path.display().to_string();
+                self.container_ebpf
+                    .with_label_values(&[path.as_str()])
+                    .set(value(ebpf_by_ledger.get(path.as_str()).copied().unwrap_or(0)));
+                match ledger.device_usage() {
+                    Ok(usage) => {
+                        for (index, device) in usage.iter().enumerate() {
+                            let key = (path.clone(), index.to_string());
+                            self.set_rejections(&key, device.rejections);
+                            rejection_series.insert(key);
+                        }
+                    }
+                    Err(error) => warn!(ledger = %path, %error, "cannot read the ledger's device usage for metrics"),
+                }
                 for (index, device) in header.devices[..header.device_count as usize].iter().enumerate() {
                     let index_text = index.to_string();
                     let uuid = uuid_text(&device.uuid);
@@ -151,6 +208,18 @@ impl Metrics {
                 }
             }
         }
+        for (ledger, index) in self.rejection_series.difference(&rejection_series) {
+            let _ = self.rejections.remove_label_values(&[ledger.as_str(), index.as_str()]);
+        }
+        self.rejection_series = rejection_series;
+        self.process_state.reset();
+        for verdict in reconciler.verdicts() {
+            let pid = verdict.pid.to_string();
+            for state in State::ALL {
+                self.process_state.with_label_values(&[pid.as_str(), state.name()]).set(i64::from(state == verdict.state));
+            }
+        }
+        self.unhooked.set(reconciler.verdicts().iter().filter(|v| v.state == State::Unhooked).count() as i64);
         self.ebpf_process.reset();
         for row in &snapshot.processes {
             self.ebpf_process.with_label_values(&[row.pid.to_string().as_str(), &row.cgroup]).set(value(row.total_bytes));
@@ -172,6 +241,19 @@ impl Metrics {
         }
     }
 
+    /// Brings the rejection counter of (ledger, device index) to the ledger's count (a
+    /// ledger replaced at the same path may count from lower: its series starts over).
+    fn set_rejections(&self, (ledger, index): &(String, String), total: u64) {
+        let labels = [ledger.as_str(), index.as_str()];
+        let counted = self.rejections.with_label_values(&labels).get();
+        if total < counted {
+            let _ = self.rejections.remove_label_values(&labels);
+            self.rejections.with_label_values(&labels).inc_by(total);
+        } else {
+            self.rejections.with_label_values(&labels).inc_by(total - counted);
+        }
+    }
+
     /// The text exposition format.
     pub fn encode(&self) -> Result<String> {
         Ok(TextEncoder::new().encode_to_string(&self.registry.gather())?)
@@ -181,17 +263,25 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::reconcile::Observation;
 
     #[test]
     fn encodes_every_family() {
-        let metrics = Metrics::new().expect("metrics");
+        let mut metrics = Metrics::new().expect("metrics");
         metrics.reclaimed(Duration::from_millis(3));
         let probes = [AttachReport { path: "/lib/libcuda.so.1".into(), attached: vec!["a".into(), "b".into()], ..Default::default() }];
-        metrics.refresh(None, &Snapshot::default(), &probes);
+        let mut reconciler = Reconciler::new(Default::default());
+        let seen = |pid, ebpf_bytes| Observation { pid, ledger: None, ledger_bytes: None, ebpf_bytes, gone: false };
+        reconciler.judge(vec![seen(41, 1 << 20), seen(42, 0)], std::time::Instant::now());
+        metrics.refresh(None, &Snapshot::default(), &probes, &reconciler);
         let text = metrics.encode().expect("encode");
         assert!(text.contains("vramguard_reclaims_total 1"), "{text}");
         assert!(text.contains("vramguard_reclaim_latency_seconds_bucket{le=\"0.005\"} 1"), "{text}");
         assert!(text.contains("vramguard_probes_attached{libcuda=\"/lib/libcuda.so.1\"} 2"), "{text}");
         assert!(text.contains("vramguard_events_lost_total 0"), "{text}");
+        assert!(text.contains("vramguard_process_state{pid=\"41\",state=\"unhooked\"} 1"), "{text}");
+        assert!(text.contains("vramguard_process_state{pid=\"41\",state=\"ok\"} 0"), "{text}");
+        assert!(text.contains("vramguard_process_state{pid=\"42\",state=\"ok\"} 1"), "{text}");
+        assert!(text.contains("vramguard_unhooked_processes 1"), "{text}");
     }
 }

@@ -1,7 +1,8 @@
 //! `vramguard run`: load and attach the eBPF programs, keep the view current, answer the
 //! control socket, watch the ledgers under `--ledger-dir` (reclaiming the slots of dead
-//! processes on their exit events and every `--ledger-scan-ms`), serve `--metrics-addr`,
-//! and detach cleanly on SIGINT or SIGTERM.
+//! processes on their exit events and every `--ledger-scan-ms`), reconcile the ledgers with
+//! the eBPF view (after drains and sweeps, and every second), serve `--metrics-addr`, and
+//! detach cleanly on SIGINT or SIGTERM.
 use std::{
     collections::BTreeMap,
     net::SocketAddr,
@@ -32,8 +33,12 @@ use crate::{
     preflight,
     probes::{self, AttachReport},
     reclaim::Reclaimer,
+    reconcile::{self, Reconciler},
     snapshot::Snapshot,
 };
+
+/// How often a reconcile pass runs however quiet the node is.
+const RECONCILE_EVERY: Duration = Duration::from_secs(1);
 
 /// How often an exit event whose process is not a zombie yet is looked at again.
 const EXIT_RETRY: Duration = Duration::from_millis(5);
@@ -85,6 +90,19 @@ pub struct RunArgs {
     /// The signal `--enforce signal` sends (default SIGKILL).
     #[arg(long, default_value_t = 9, value_name = "NUM")]
     pub signal: i32,
+    /// How far a process's ledger charge and its eBPF-observed usage may differ (bytes, or
+    /// k/m/g/t): beyond it the process is `drift` after the grace period, or `tampered` at
+    /// once when the ledger is the lower.
+    #[arg(long, default_value = "64m", value_name = "SIZE", value_parser = parse_threshold)]
+    pub drift_threshold: u64,
+    /// How long a difference beyond --drift-threshold (ledger ahead) may last before the
+    /// process is reported `drift`, in milliseconds.
+    #[arg(long, default_value_t = reconcile::DEFAULT_GRACE_MS, value_name = "MS")]
+    pub drift_grace_ms: u64,
+}
+
+fn parse_threshold(text: &str) -> Result<u64, String> {
+    cuda_abi::parse_size(text).ok_or_else(|| format!("{text:?} is not a size (bytes, or a number with k, m, g or t)"))
 }
 
 enum Wake {
@@ -95,6 +113,7 @@ enum Wake {
     Rescan,
     Ledgers,
     Limits,
+    Reconcile,
     ExitRetry,
     Client(UnixStream),
     Http(http::Request),
@@ -165,7 +184,11 @@ pub async fn run(args: RunArgs) -> Result<()> {
 
     let mut ledgers = args.ledger_dir.clone().map(Ledgers::new);
     let mut reclaimer = Reclaimer::new(ledgers.is_some());
-    let metrics = Metrics::new()?;
+    let mut metrics = Metrics::new()?;
+    let mut reconciler = Reconciler::new(reconcile::Config {
+        threshold: args.drift_threshold,
+        grace: Duration::from_millis(args.drift_grace_ms),
+    });
     if let Some(ledgers) = ledgers.as_mut() {
         ledgers.scan();
         info!(dir = %ledgers.dir().display(), ledgers = ledgers.len(), skipped = ledgers.skipped(), "watching ledgers");
@@ -196,6 +219,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
     ledger_scan.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let mut limits_refresh = interval(Duration::from_millis(args.rescan_ms));
     limits_refresh.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut reconcile_tick = interval(RECONCILE_EVERY);
+    reconcile_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let mut exit_retry = interval(EXIT_RETRY);
     exit_retry.set_missed_tick_behavior(MissedTickBehavior::Delay);
     info!(socket = %args.socket.display(), files = attached.len(), "vramguard agent running");
@@ -213,6 +238,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
             _ = rescan.tick(), if !args.no_discover => Wake::Rescan,
             _ = ledger_scan.tick(), if ledgers.is_some() => Wake::Ledgers,
             _ = limits_refresh.tick(), if limits.is_some() => Wake::Limits,
+            _ = reconcile_tick.tick() => Wake::Reconcile,
             _ = exit_retry.tick(), if ledgers.is_some() && reclaimer.pending() => Wake::ExitRetry,
             Some(request) = requests.recv() => Wake::Http(request),
             client = listener.accept() => match client {
@@ -244,6 +270,13 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 if accounting.sweep_due() {
                     accounting.sweep();
                 }
+                if reconciler.due() {
+                    reconciler.pass(ledgers.as_ref(), &accounting.process_bytes());
+                }
+            }
+            Wake::Reconcile => {
+                accounting.drain(events.get_mut());
+                reconciler.pass(ledgers.as_ref(), &accounting.process_bytes());
             }
             Wake::Ledgers | Wake::ExitRetry => {
                 if let Some(ledgers) = ledgers.as_mut() {
@@ -254,10 +287,16 @@ pub async fn run(args: RunArgs) -> Result<()> {
                         metrics.reclaimed(latency);
                     }
                 }
+                if reconciler.due() {
+                    reconciler.pass(ledgers.as_ref(), &accounting.process_bytes());
+                }
             }
             Wake::Sweep => {
                 accounting.drain(events.get_mut());
                 accounting.sweep();
+                if reconciler.due() {
+                    reconciler.pass(ledgers.as_ref(), &accounting.process_bytes());
+                }
             }
             Wake::Rescan => {
                 for file in libcuda::mapped_by_processes() {
@@ -268,7 +307,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
             }
             Wake::Client(stream) => {
                 accounting.drain(events.get_mut());
-                let snapshot = snapshot(&mut accounting, &attached, ledgers.as_ref(), &reclaimer, metrics_addr);
+                let snapshot = snapshot(&mut accounting, &attached, ledgers.as_ref(), &reclaimer, &mut reconciler, metrics_addr);
                 if let Err(error) = control::serve(stream, &snapshot).await {
                     warn!(%error, "answering a control client failed");
                 }
@@ -277,8 +316,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 let response = match request.path.as_str() {
                     "/metrics" => {
                         accounting.drain(events.get_mut());
-                        let snapshot = snapshot(&mut accounting, &attached, ledgers.as_ref(), &reclaimer, metrics_addr);
-                        metrics.refresh(ledgers.as_ref(), &snapshot, &snapshot.libcuda);
+                        let snapshot = snapshot(&mut accounting, &attached, ledgers.as_ref(), &reclaimer, &mut reconciler, metrics_addr);
+                        metrics.refresh(ledgers.as_ref(), &snapshot, &snapshot.libcuda, &reconciler);
                         match metrics.encode() {
                             Ok(body) => Response { status: 200, content_type: prometheus::TEXT_FORMAT, body },
                             Err(error) => Response::text(500, format!("cannot encode the metrics: {error:#}\n")),
@@ -305,15 +344,19 @@ pub async fn run(args: RunArgs) -> Result<()> {
     Ok(())
 }
 
-/// The current view for `vramguard audit` and the metrics.
+/// The current view for `vramguard audit` and the metrics, reconciled as of now.
 fn snapshot(
     accounting: &mut Accounting,
     attached: &BTreeMap<FileId, AttachReport>,
     ledgers: Option<&Ledgers>,
     reclaimer: &Reclaimer,
+    reconciler: &mut Reconciler,
     metrics_addr: Option<SocketAddr>,
 ) -> Snapshot {
     let mut snapshot = accounting.snapshot();
+    let ebpf: Vec<(u32, u64)> = snapshot.processes.iter().map(|row| (row.pid, row.total_bytes)).collect();
+    reconciler.pass(ledgers, &ebpf);
+    reconciler.annotate(&mut snapshot);
     snapshot.libcuda = attached.values().cloned().collect();
     snapshot.metrics_addr = metrics_addr.map(|addr| addr.to_string());
     snapshot.ledgers = ledgers.map(|l| l.iter().map(|(path, _)| path.display().to_string()).collect()).unwrap_or_default();

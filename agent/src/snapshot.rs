@@ -4,7 +4,7 @@ use std::{collections::BTreeMap, fmt::Write as _};
 
 use serde::{Deserialize, Serialize};
 
-use crate::probes::AttachReport;
+use crate::{probes::AttachReport, reconcile::State};
 
 /// Live bytes by allocation kind (`device`, `managed`, `async`, `vmm`).
 pub type BytesByKind = BTreeMap<String, u64>;
@@ -40,6 +40,17 @@ pub struct ProcessRow {
     pub live_allocations: u64,
     pub allocs: u64,
     pub frees: u64,
+    /// The reconciliation state (`ok`, `drift`, `unhooked`, `stale`, `tampered`); absent
+    /// before the first pass.
+    #[serde(default)]
+    pub state: Option<State>,
+    /// The ledger holding the process's slot (its path); absent for an un-hooked process.
+    #[serde(default)]
+    pub ledger: Option<String>,
+    /// Requested bytes that ledger charges the process (data, small and managed; no context):
+    /// what `total_bytes` is compared with.
+    #[serde(default)]
+    pub ledger_bytes: Option<u64>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -87,14 +98,14 @@ impl Snapshot {
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "{:>8}  {:<16} {:<40} {:>10} {:>10} {:>10} {:>10} {:>10} {:>7}",
-            "PID", "COMM", "CGROUP", "DEVICE", "MANAGED", "ASYNC", "VMM", "TOTAL", "ALLOCS"
+            "{:>8}  {:<16} {:<40} {:>10} {:>10} {:>10} {:>10} {:>10} {:>7} {:>10}  {:<8}",
+            "PID", "COMM", "CGROUP", "DEVICE", "MANAGED", "ASYNC", "VMM", "TOTAL", "ALLOCS", "LEDGER", "STATE"
         );
         for row in &self.processes {
             let kind = |name: &str| human(row.bytes.get(name).copied().unwrap_or(0));
             let _ = writeln!(
                 out,
-                "{:>8}  {:<16} {:<40} {:>10} {:>10} {:>10} {:>10} {:>10} {:>7}",
+                "{:>8}  {:<16} {:<40} {:>10} {:>10} {:>10} {:>10} {:>10} {:>7} {:>10}  {:<8}",
                 row.pid,
                 truncate(&row.comm, 16),
                 truncate(&row.cgroup, 40),
@@ -103,7 +114,9 @@ impl Snapshot {
                 kind("async"),
                 kind("vmm"),
                 human(row.total_bytes),
-                row.live_allocations
+                row.live_allocations,
+                row.ledger_bytes.map_or_else(|| "-".to_string(), human),
+                row.state.map_or("-", State::name)
             );
         }
         if self.processes.is_empty() {
@@ -154,6 +167,24 @@ mod tests {
         assert_eq!(human(512), "512 B");
         assert_eq!(human(14 << 20), "14.0 MiB");
         assert_eq!(human(3 << 29), "1.5 GiB");
+    }
+
+    #[test]
+    fn the_table_shows_ledger_bytes_and_states() {
+        let row = |pid, state, ledger_bytes| ProcessRow { pid, state, ledger_bytes, total_bytes: 1 << 20, ..Default::default() };
+        let snapshot = Snapshot {
+            processes: vec![row(7, Some(State::Tampered), Some(0)), row(8, Some(State::Unhooked), None), row(9, None, None)],
+            ..Default::default()
+        };
+        let table = snapshot.render_table();
+        let lines: Vec<&str> = table.lines().collect();
+        assert!(lines[0].trim_end().ends_with("LEDGER  STATE"), "{table}");
+        assert!(lines[1].trim_end().ends_with("0 B  tampered"), "{table}");
+        assert!(lines[2].trim_end().ends_with("-  unhooked"), "{table}");
+        assert!(lines[3].trim_end().ends_with("-  -"), "{table}");
+        let json = serde_json::to_value(&snapshot.processes[0]).expect("json");
+        assert_eq!(json["state"], "tampered");
+        assert_eq!(json["ledger_bytes"], 0);
     }
 
     #[test]
