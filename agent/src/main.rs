@@ -12,6 +12,7 @@ mod inspect;
 mod ledgers;
 mod libcuda;
 mod metrics;
+mod pod;
 mod preflight;
 mod probes;
 mod reclaim;

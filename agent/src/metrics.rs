@@ -9,23 +9,38 @@
 //! one), `vramguard_unhooked_processes`, `vramguard_container_ebpf_memory_bytes{ledger}` (the
 //! eBPF bytes of the ledger's processes, comparable with the ledger's data, small and managed
 //! bytes) and `vramguard_container_rejections_total{ledger,device_index}` (the ledger's own
-//! count of refused reservations). Of the agent itself:
+//! count of refused reservations).
+//!
+//! Every per-ledger family also has the container's labels: `namespace`, `pod`, `container`
+//! (the names the hook recorded in the ledger from the downward API, [`ledger::Ledger::names`];
+//! informational, since a workload can write them; empty when none are recorded) and
+//! `pod_uid` (from the cgroup path of a live slot's host process, [`crate::pod`]; kept once
+//! found while the ledger is watched; empty until then). With `--hami-metrics` the used and
+//! limit bytes are also published under HAMi's monitor names,
+//! `hami_vgpu_memory_used_bytes` and `hami_vgpu_memory_limit_bytes` with labels `namespace`,
+//! `pod`, `container`, `vdevice_index`, `device_uuid`, for ledgers whose names are known
+//! (without them the series of different containers would collide). Of the agent itself:
 //! `vramguard_reclaims_total`, `vramguard_reclaim_latency_seconds`,
 //! `vramguard_events_lost_total`, `vramguard_over_limit_allocations_total`,
 //! `vramguard_enforcement_signals_total`, `vramguard_probes_attached{libcuda}`, `vramguard_ledgers`,
 //! `vramguard_ledgers_skipped`. Gauges are rebuilt from the current state at every scrape.
-use std::{collections::BTreeSet, time::Duration};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    time::Duration,
+};
 
 use anyhow::{Context, Result};
-use ledger::{layout::KINDS, Kind};
+use ledger::{layout::KINDS, Kind, SlotView};
 use prometheus::{
     Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 use tracing::warn;
 
 use crate::{
+    identity,
     inspect::uuid_text,
     ledgers::Ledgers,
+    pod,
     probes::AttachReport,
     reconcile::{Reconciler, State},
     snapshot::Snapshot,
@@ -51,8 +66,62 @@ pub struct Metrics {
     unhooked: IntGauge,
     container_ebpf: IntGaugeVec,
     rejections: IntCounterVec,
-    /// The (ledger, device index) label pairs `rejections` has series for.
-    rejection_series: BTreeSet<(String, String)>,
+    /// The label values `rejections` has series for.
+    rejection_series: BTreeSet<Vec<String>>,
+    /// The pod UID found for each watched ledger (by path).
+    pod_uids: BTreeMap<String, String>,
+    hami: Option<Hami>,
+}
+
+/// HAMi's monitor families (`--hami-metrics`).
+struct Hami {
+    used: IntGaugeVec,
+    limit: IntGaugeVec,
+}
+
+/// The container labels every per-ledger family has, after its own.
+const CONTAINER_LABELS: [&str; 4] = ["namespace", "pod", "container", "pod_uid"];
+
+/// `own` followed by [`CONTAINER_LABELS`].
+fn with_container(own: &[&'static str]) -> Vec<&'static str> {
+    own.iter().copied().chain(CONTAINER_LABELS).collect()
+}
+
+/// A ledger's container labels, in [`CONTAINER_LABELS`] order.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct Container {
+    namespace: String,
+    pod: String,
+    container: String,
+    pod_uid: String,
+}
+
+impl Container {
+    fn values(&self) -> [&str; 4] {
+        [&self.namespace, &self.pod, &self.container, &self.pod_uid]
+    }
+
+    fn named(&self) -> bool {
+        !(self.namespace.is_empty() && self.pod.is_empty() && self.container.is_empty())
+    }
+}
+
+/// `own` label values followed by the container's.
+fn labels<'a>(own: &[&'a str], container: &'a Container) -> Vec<&'a str> {
+    own.iter().copied().chain(container.values()).collect()
+}
+
+/// The pod UID of the first live slot whose host process still is the slot's process and
+/// runs in a pod's cgroup.
+fn pod_uid_of(slots: &[SlotView]) -> Option<String> {
+    slots.iter().filter(|view| view.slot.host_pid != 0).find_map(|view| {
+        let process = identity::identity_of(view.slot.host_pid)?;
+        let same = process.pid == view.slot.pid && process.pidns == view.slot.pidns && process.start_time == view.slot.start_time;
+        if !same {
+            return None;
+        }
+        pod::of_pid(view.slot.host_pid).map(|identity| identity.pod_uid)
+    })
 }
 
 fn gauge_vec(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> Result<IntGaugeVec> {
@@ -67,19 +136,20 @@ fn value(bytes: u64) -> i64 {
 }
 
 impl Metrics {
-    pub fn new() -> Result<Metrics> {
+    /// The agent's metrics; `hami`: also HAMi's monitor families.
+    pub fn new(hami: bool) -> Result<Metrics> {
         let registry = Registry::new();
         let used = gauge_vec(
             &registry,
             "vramguard_container_memory_used_bytes",
             "GPU memory a container's ledger charges, by kind",
-            &["ledger", "device_index", "device_uuid", "kind"],
+            &with_container(&["ledger", "device_index", "device_uuid", "kind"]),
         )?;
         let limit = gauge_vec(
             &registry,
             "vramguard_container_memory_limit_bytes",
             "GPU memory quota of a container's ledger",
-            &["ledger", "device_index", "device_uuid"],
+            &with_container(&["ledger", "device_index", "device_uuid"]),
         )?;
         let ebpf_process = gauge_vec(
             &registry,
@@ -124,13 +194,22 @@ impl Metrics {
             &registry,
             "vramguard_container_ebpf_memory_bytes",
             "GPU memory the eBPF probes saw a container's (ledger's) processes hold",
-            &["ledger"],
+            &with_container(&["ledger"]),
         )?;
         let rejections = IntCounterVec::new(
             Opts::new("vramguard_container_rejections_total", "Reservations a container's ledger refused"),
-            &["ledger", "device_index"],
+            &with_container(&["ledger", "device_index"]),
         )?;
         registry.register(Box::new(rejections.clone()))?;
+        let hami = if hami {
+            let labels = ["namespace", "pod", "container", "vdevice_index", "device_uuid"];
+            Some(Hami {
+                used: gauge_vec(&registry, "hami_vgpu_memory_used_bytes", "GPU memory a container uses (HAMi's monitor name)", &labels)?,
+                limit: gauge_vec(&registry, "hami_vgpu_memory_limit_bytes", "GPU memory limit of a container (HAMi's monitor name)", &labels)?,
+            })
+        } else {
+            None
+        };
         Ok(Metrics {
             registry,
             used,
@@ -149,6 +228,8 @@ impl Metrics {
             container_ebpf,
             rejections,
             rejection_series: BTreeSet::new(),
+            pod_uids: BTreeMap::new(),
+            hami,
         })
     }
 
@@ -163,6 +244,10 @@ impl Metrics {
         self.used.reset();
         self.limit.reset();
         self.container_ebpf.reset();
+        if let Some(hami) = &self.hami {
+            hami.used.reset();
+            hami.limit.reset();
+        }
         let ebpf_by_ledger = reconciler.ebpf_bytes_by_ledger();
         let mut rejection_series = BTreeSet::new();
         if let Some(ledgers) = ledgers {
@@ -178,13 +263,21 @@ impl Metrics {
                     }
                 };
                 let path = path.display().to_string();
+                if let Some(uid) = pod_uid_of(&slots) {
+                    self.pod_uids.insert(path.clone(), uid);
+                }
+                let (namespace, pod, container) = ledger.names().unwrap_or_default();
+                let pod_uid = self.pod_uids.get(&path).cloned().unwrap_or_default();
+                let container = Container { namespace, pod, container, pod_uid };
                 self.container_ebpf
-                    .with_label_values(&[path.as_str()])
+                    .with_label_values(&labels(&[path.as_str()], &container))
                     .set(value(ebpf_by_ledger.get(path.as_str()).copied().unwrap_or(0)));
                 match ledger.device_usage() {
                     Ok(usage) => {
                         for (index, device) in usage.iter().enumerate() {
-                            let key = (path.clone(), index.to_string());
+                            let index = index.to_string();
+                            let key: Vec<String> =
+                                labels(&[path.as_str(), &index], &container).into_iter().map(String::from).collect();
                             self.set_rejections(&key, device.rejections);
                             rejection_series.insert(key);
                         }
@@ -194,7 +287,7 @@ impl Metrics {
                 for (index, device) in header.devices[..header.device_count as usize].iter().enumerate() {
                     let index_text = index.to_string();
                     let uuid = uuid_text(&device.uuid);
-                    self.limit.with_label_values(&[path.as_str(), &index_text, &uuid]).set(value(device.limit));
+                    self.limit.with_label_values(&labels(&[path.as_str(), &index_text, &uuid], &container)).set(value(device.limit));
                     let mut chunks = [0u64; KINDS];
                     for view in &slots {
                         for (sum, charged) in chunks.iter_mut().zip(view.slot.devices[index].chunks) {
@@ -203,15 +296,28 @@ impl Metrics {
                     }
                     for kind in Kind::ALL {
                         let bytes = chunks[kind as usize].saturating_mul(device.chunk);
-                        self.used.with_label_values(&[path.as_str(), &index_text, &uuid, kind.name()]).set(value(bytes));
+                        self.used
+                            .with_label_values(&labels(&[path.as_str(), &index_text, &uuid, kind.name()], &container))
+                            .set(value(bytes));
+                    }
+                    if let Some(hami) = self.hami.as_ref().filter(|_| container.named()) {
+                        let total = chunks.iter().fold(0u64, |sum, c| sum.saturating_add(*c)).saturating_mul(device.chunk);
+                        let hami_labels = [container.namespace.as_str(), &container.pod, &container.container, &index_text, &uuid];
+                        hami.used.with_label_values(&hami_labels).set(value(total));
+                        hami.limit.with_label_values(&hami_labels).set(value(device.limit));
                     }
                 }
             }
         }
-        for (ledger, index) in self.rejection_series.difference(&rejection_series) {
-            let _ = self.rejections.remove_label_values(&[ledger.as_str(), index.as_str()]);
+        for stale in self.rejection_series.difference(&rejection_series) {
+            let values: Vec<&str> = stale.iter().map(String::as_str).collect();
+            let _ = self.rejections.remove_label_values(&values);
         }
         self.rejection_series = rejection_series;
+        match ledgers {
+            Some(ledgers) => self.pod_uids.retain(|path, _| ledgers.iter().any(|(p, _)| p.display().to_string() == *path)),
+            None => self.pod_uids.clear(),
+        }
         self.process_state.reset();
         for verdict in reconciler.verdicts() {
             let pid = verdict.pid.to_string();
@@ -241,10 +347,11 @@ impl Metrics {
         }
     }
 
-    /// Brings the rejection counter of (ledger, device index) to the ledger's count (a
-    /// ledger replaced at the same path may count from lower: its series starts over).
-    fn set_rejections(&self, (ledger, index): &(String, String), total: u64) {
-        let labels = [ledger.as_str(), index.as_str()];
+    /// Brings the rejection counter of (ledger, device index, container labels) to the
+    /// ledger's count (a ledger replaced at the same path may count from lower: its series
+    /// starts over).
+    fn set_rejections(&self, key: &[String], total: u64) {
+        let labels: Vec<&str> = key.iter().map(String::as_str).collect();
         let counted = self.rejections.with_label_values(&labels).get();
         if total < counted {
             let _ = self.rejections.remove_label_values(&labels);
@@ -267,7 +374,7 @@ mod tests {
 
     #[test]
     fn encodes_every_family() {
-        let mut metrics = Metrics::new().expect("metrics");
+        let mut metrics = Metrics::new(false).expect("metrics");
         metrics.reclaimed(Duration::from_millis(3));
         let probes = [AttachReport { path: "/lib/libcuda.so.1".into(), attached: vec!["a".into(), "b".into()], ..Default::default() }];
         let mut reconciler = Reconciler::new(Default::default());
@@ -283,5 +390,42 @@ mod tests {
         assert!(text.contains("vramguard_process_state{pid=\"41\",state=\"ok\"} 0"), "{text}");
         assert!(text.contains("vramguard_process_state{pid=\"42\",state=\"ok\"} 1"), "{text}");
         assert!(text.contains("vramguard_unhooked_processes 1"), "{text}");
+    }
+
+    #[test]
+    fn ledger_families_carry_the_container_labels_and_hami_names() {
+        use ledger::{layout::CREATOR_AGENT, ContainerNames, DeviceConfig, Geometry, Ledger};
+        let dir = std::env::temp_dir().join(format!("vramguard-metrics-labels-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("named")).expect("mkdir");
+        std::fs::create_dir_all(dir.join("anonymous")).expect("mkdir");
+        let geometry = Geometry {
+            slots: 4,
+            records: 64,
+            devices: vec![DeviceConfig { limit: 64 << 20, chunk: 2 << 20, ..Default::default() }],
+        };
+        let named = Ledger::create(&dir.join("named/ledger"), &geometry, CREATOR_AGENT).expect("create");
+        named.set_names(&ContainerNames::new("team-a", "trainer-0", "main")).expect("names");
+        Ledger::create(&dir.join("anonymous/ledger"), &geometry, CREATOR_AGENT).expect("create");
+        let mut ledgers = Ledgers::new(dir.clone());
+        ledgers.scan();
+        let mut metrics = Metrics::new(true).expect("metrics");
+        metrics.refresh(Some(&ledgers), &Snapshot::default(), &[], &Reconciler::new(Default::default()));
+        let text = metrics.encode().expect("encode");
+        let named_path = dir.join("named/ledger").display().to_string();
+        let anonymous_path = dir.join("anonymous/ledger").display().to_string();
+        let limit = format!(
+            "vramguard_container_memory_limit_bytes{{container=\"main\",device_index=\"0\",device_uuid=\"\",ledger=\"{named_path}\",namespace=\"team-a\",pod=\"trainer-0\",pod_uid=\"\"}} 67108864"
+        );
+        assert!(text.contains(&limit), "{text}");
+        let anonymous = format!(
+            "vramguard_container_rejections_total{{container=\"\",device_index=\"0\",ledger=\"{anonymous_path}\",namespace=\"\",pod=\"\",pod_uid=\"\"}} 0"
+        );
+        assert!(text.contains(&anonymous), "{text}");
+        assert!(text.contains("hami_vgpu_memory_limit_bytes{container=\"main\",device_uuid=\"\",namespace=\"team-a\",pod=\"trainer-0\",vdevice_index=\"0\"} 67108864"), "{text}");
+        assert!(text.contains("hami_vgpu_memory_used_bytes{container=\"main\",device_uuid=\"\",namespace=\"team-a\",pod=\"trainer-0\",vdevice_index=\"0\"} 0"), "{text}");
+        assert_eq!(text.matches("hami_vgpu_memory_used_bytes{").count(), 1, "only the named ledger: {text}");
+        assert!(!Metrics::new(false).expect("metrics").encode().expect("encode").contains("hami_"));
+        std::fs::remove_dir_all(&dir).expect("cleanup");
     }
 }

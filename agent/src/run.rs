@@ -80,6 +80,10 @@ pub struct RunArgs {
     /// 0: any free port; the bound address is logged and reported by `vramguard audit`).
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<SocketAddr>,
+    /// Also publish the ledgers' used and limit bytes under HAMi's monitor names
+    /// (`hami_vgpu_memory_used_bytes`, `hami_vgpu_memory_limit_bytes`), for its dashboards.
+    #[arg(long)]
+    pub hami_metrics: bool,
     /// A limits file (`CGROUP_PATTERN LIMIT` per line) for workloads that bypass the hook;
     /// its cgroups' allocations over their limit are handled as `--enforce` says.
     #[arg(long, value_name = "FILE")]
@@ -184,7 +188,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
 
     let mut ledgers = args.ledger_dir.clone().map(Ledgers::new);
     let mut reclaimer = Reclaimer::new(ledgers.is_some());
-    let mut metrics = Metrics::new()?;
+    let mut metrics = Metrics::new(args.hami_metrics)?;
     let mut reconciler = Reconciler::new(reconcile::Config {
         threshold: args.drift_threshold,
         grace: Duration::from_millis(args.drift_grace_ms),

@@ -8,12 +8,13 @@
 //! | `VRAMGUARD_LEDGER` | the ledger file (else `CUDA_DEVICE_MEMORY_SHARED_CACHE`, else `/tmp/vramguard.ledger`) |
 //! | `VRAMGUARD_CONTEXT_RESERVE` | charged once per process and device for its CUDA context (default `518m`, an H100's) |
 //! | `VRAMGUARD_FAIL_OPEN` | `1`: when the ledger is unusable, run without limits instead of refusing allocations |
+//! | `POD_NAMESPACE`, `POD_NAME`, `CONTAINER_NAME` | the container's names (from the downward API), recorded in the ledger for the agent's metrics |
 //!
 //! Limits only matter when the hook creates the ledger: an existing ledger (written by the
 //! agent, or by the container's first process) is authoritative.
 use std::path::PathBuf;
 
-use ledger::layout::MAX_DEVICES;
+use ledger::{layout::MAX_DEVICES, ContainerNames};
 
 pub const DEFAULT_LEDGER: &str = "/tmp/vramguard.ledger";
 pub const DEFAULT_CONTEXT_RESERVE: u64 = 518 << 20;
@@ -26,6 +27,8 @@ pub struct Config {
     pub limits: [Option<u64>; MAX_DEVICES],
     pub context_reserve: u64,
     pub fail_open: bool,
+    /// The container's names from the downward API (empty where unset): labels only.
+    pub names: ContainerNames,
 }
 
 impl Config {
@@ -59,7 +62,9 @@ impl Config {
             Some("1") => true,
             Some(other) => return Err(format!("VRAMGUARD_FAIL_OPEN={other:?} must be 0 or 1")),
         };
-        Ok(Config { ledger, limits, context_reserve, fail_open })
+        let name = |key: &str| get(key).map(|v| v.trim().to_string()).unwrap_or_default();
+        let names = ContainerNames::new(&name("POD_NAMESPACE"), &name("POD_NAME"), &name("CONTAINER_NAME"));
+        Ok(Config { ledger, limits, context_reserve, fail_open, names })
     }
 
     /// Whether any device has a quota.
@@ -85,6 +90,15 @@ mod tests {
         assert_eq!(c.ledger, PathBuf::from("/x/cache"));
         assert!(!c.fail_open);
         assert_eq!(c.context_reserve, DEFAULT_CONTEXT_RESERVE);
+        assert!(c.names.is_empty());
+    }
+
+    #[test]
+    fn downward_api_names() {
+        let c = config(&[("POD_NAMESPACE", "team-a"), ("POD_NAME", "trainer-0"), ("CONTAINER_NAME", "main")]).unwrap();
+        assert_eq!(c.names.text(), Some(("team-a".into(), "trainer-0".into(), "main".into())));
+        let c = config(&[("POD_NAME", "solo")]).unwrap();
+        assert_eq!(c.names.text(), Some((String::new(), "solo".into(), String::new())));
     }
 
     #[test]

@@ -291,6 +291,11 @@ fn open_session(config: &Config) -> Result<Session, SetupError> {
             .collect(),
     };
     let ledger = Ledger::open_or_create(&config.ledger, &geometry, CREATOR_HOOK).map_err(|e| e.to_string())?;
+    // The downward API's names, for the agent's labels (written once: the ledger keeps the
+    // same names untouched). Informational only, so a failure here stops nothing.
+    if let Err(error) = ledger.set_names(&config.names) {
+        say(&format!("cannot record the container's names in {}: {error}", config.ledger.display()));
+    }
     let header = *ledger.header();
     let mut devices = [None; MAX_DEVICES];
     let mut ordinal_uuids = [[0; 16]; MAX_DEVICES];

@@ -4,7 +4,8 @@
 //! ```text
 //! offset 0            Header            page 0: magic, version, sizes, offsets, per-device
 //!                                       limits; checksummed; read-only for workloads
-//! offset PAGE         State             the robust lock, the dirty flag, per-device usage
+//! offset PAGE         State             the robust lock, the dirty flag, per-device usage,
+//!                                       the container's names (informational)
 //! slots_offset        [Slot; slots]     one per process
 //! records_offset      [Record; records] one per allocation (and per small pool / context)
 //! per device          buddy words       the device's buddy space (crate::buddy)
@@ -18,7 +19,7 @@ use crate::lock::RobustMutex;
 /// First bytes of every ledger file.
 pub const MAGIC: [u8; 8] = *b"VRAMGRD\0";
 /// Layout version: bumped on any incompatible change.
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 3;
 /// The header page; workloads map it read-only.
 pub const PAGE: u64 = 4096;
 /// Devices one ledger can describe (as HAMi-core's region).
@@ -98,6 +99,73 @@ pub struct State {
     /// Mutations performed over the file's life.
     pub mutations: u64,
     pub devices: [DeviceUsage; MAX_DEVICES],
+    /// The container's Kubernetes names, as a hook recorded them (see [`ContainerNames`]).
+    pub names: ContainerNames,
+}
+
+/// Bytes of each name in [`ContainerNames`].
+pub const NAME_BYTES: usize = 64;
+
+/// A container's Kubernetes names (namespace, pod, container), each NUL-padded UTF-8 of at
+/// most [`NAME_BYTES`] bytes (no terminating NUL when it fills them all). The hook copies them
+/// from the downward API environment (`POD_NAMESPACE`, `POD_NAME`, `CONTAINER_NAME`) when it
+/// opens the ledger ([`crate::Ledger::set_names`]); all zero when nobody recorded any.
+///
+/// They live in the workload's writable mapping: a workload can write anything there, so
+/// they are informational only (labels for people), never an identity to enforce on. The
+/// agent's identity of a container comes from the kernel (the cgroup path of the slots'
+/// processes), and [`crate::Ledger::names`] validates the bytes before handing them out.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ContainerNames {
+    pub namespace: [u8; NAME_BYTES],
+    pub pod: [u8; NAME_BYTES],
+    pub container: [u8; NAME_BYTES],
+}
+
+impl Default for ContainerNames {
+    fn default() -> Self {
+        ContainerNames { namespace: [0; NAME_BYTES], pod: [0; NAME_BYTES], container: [0; NAME_BYTES] }
+    }
+}
+
+impl ContainerNames {
+    /// The names, each cut to [`NAME_BYTES`] bytes at a character boundary (a pod name may
+    /// have up to 253) and at its first NUL, if any.
+    pub fn new(namespace: &str, pod: &str, container: &str) -> ContainerNames {
+        ContainerNames { namespace: field(namespace), pod: field(pod), container: field(container) }
+    }
+
+    /// Whether no name is recorded.
+    pub fn is_empty(&self) -> bool {
+        *self == ContainerNames::default()
+    }
+
+    /// (namespace, pod, container) as text: each field's bytes up to its first NUL, decoded
+    /// as lossy UTF-8. `None` when every field is empty, or when any holds a control
+    /// character (not something a hook wrote from the downward API: the bytes are not
+    /// trusted at all then).
+    pub fn text(&self) -> Option<(String, String, String)> {
+        let text = |bytes: &[u8; NAME_BYTES]| -> Option<String> {
+            let end = bytes.iter().position(|&b| b == 0).unwrap_or(NAME_BYTES);
+            let text = String::from_utf8_lossy(&bytes[..end]).into_owned();
+            (!text.chars().any(char::is_control)).then_some(text)
+        };
+        let names = (text(&self.namespace)?, text(&self.pod)?, text(&self.container)?);
+        (!(names.0.is_empty() && names.1.is_empty() && names.2.is_empty())).then_some(names)
+    }
+}
+
+/// `text` as a NUL-padded field (cut as [`ContainerNames::new`] says).
+fn field(text: &str) -> [u8; NAME_BYTES] {
+    let text = text.split('\0').next().unwrap_or_default();
+    let mut end = text.len().min(NAME_BYTES);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    let mut bytes = [0; NAME_BYTES];
+    bytes[..end].copy_from_slice(&text.as_bytes()[..end]);
+    bytes
 }
 
 /// Derived per-device totals.
@@ -245,3 +313,26 @@ pub fn checksummed_bytes(header: &Header) -> &[u8] {
 const _: () = assert!(std::mem::size_of::<Header>() as u64 <= PAGE);
 const _: () = assert!(std::mem::size_of::<Slot>().is_multiple_of(8));
 const _: () = assert!(std::mem::size_of::<Record>().is_multiple_of(8));
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_are_cut_to_their_fields() {
+        let names = ContainerNames::new("kube-system", "dns-0", "coredns");
+        assert!(!names.is_empty());
+        assert_eq!(names.text(), Some(("kube-system".into(), "dns-0".into(), "coredns".into())));
+        assert!(ContainerNames::default().is_empty());
+        assert_eq!(ContainerNames::default().text(), None);
+        assert_eq!(ContainerNames::new("", "", "").text(), None);
+        assert_eq!(ContainerNames::new("a\0b", "", "").text(), Some(("a".into(), String::new(), String::new())));
+        let full = "x".repeat(NAME_BYTES + 10);
+        assert_eq!(ContainerNames::new("", &full, "").text().map(|n| n.1.len()), Some(NAME_BYTES));
+        let mut raw = ContainerNames::new("ns", "pod", "c");
+        raw.pod[3] = 0x1b; // ESC after "pod"
+        assert_eq!(raw.text(), None);
+        raw.pod[3] = 0xff; // invalid UTF-8: replaced, still printable
+        assert_eq!(raw.text().map(|n| n.1), Some("pod\u{fffd}".into()));
+    }
+}

@@ -19,7 +19,7 @@ use crate::{
     buddy::{self, Buddy},
     error::{LedgerError, ReserveError},
     file::{self, Mapped},
-    layout::{DeviceUsage, Geometry, Header, Slot, State, RECORD_LIVE, SLOT_FREE, SLOT_LIVE},
+    layout::{ContainerNames, DeviceUsage, Geometry, Header, Slot, State, RECORD_LIVE, SLOT_FREE, SLOT_LIVE},
     process::ProcessIdentity,
     tables::{check, release, reclaim, repair, reserve, zeroed_slot, Tables},
 };
@@ -290,6 +290,32 @@ impl Ledger {
     /// Per-device totals.
     pub fn device_usage(&self) -> Result<Vec<DeviceUsage>, LedgerError> {
         self.locked(|t| t.state.devices[..t.header.device_count as usize].to_vec())
+    }
+
+    /// Records the container's names (see [`ContainerNames`]: informational only, a workload
+    /// can write them too). Under the lock; written only when `names` is not empty and what
+    /// the ledger holds is empty or different, so every process of a container opening the
+    /// ledger with the same names writes nothing, and the last process with different names
+    /// wins. Returns whether the ledger changed.
+    pub fn set_names(&self, names: &ContainerNames) -> Result<bool, LedgerError> {
+        if names.is_empty() {
+            return Ok(false);
+        }
+        self.locked(|t| {
+            if t.state.names == *names {
+                return false;
+            }
+            t.state.names = *names;
+            true
+        })
+    }
+
+    /// The container's names (namespace, pod, container) if a hook recorded them: lossy
+    /// UTF-8, each cut at its first NUL, `None` when there are none or when a field holds a
+    /// control character ([`ContainerNames::text`]). Informational only: a workload could
+    /// have written them.
+    pub fn names(&self) -> Option<(String, String, String)> {
+        self.locked(|t| t.state.names).ok()?.text()
     }
 
     /// Repairs performed over the file's life.

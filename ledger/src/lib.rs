@@ -18,6 +18,6 @@ pub mod process;
 mod tables;
 
 pub use error::{LedgerError, ReserveError};
-pub use layout::{DeviceConfig, Geometry, Kind};
+pub use layout::{ContainerNames, DeviceConfig, Geometry, Kind};
 pub use ledger::{Charge, Ledger, RecordId, SlotId, SlotView};
 pub use process::ProcessIdentity;

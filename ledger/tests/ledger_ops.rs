@@ -217,3 +217,38 @@ fn exec_starts_clean_and_slots_run_out_clearly() {
     assert!(matches!(ledger.register(fake_process(9)), Err(LedgerError::NoFreeSlot(8))));
     assert_sound(&ledger);
 }
+
+#[test]
+fn container_names_are_recorded_once_and_validated() {
+    use ledger::{
+        layout::{State, NAME_BYTES},
+        ContainerNames,
+    };
+    let dir = TempDir::new("names");
+    let ledger = Ledger::create(&dir.file(), &geometry(64 * MIB, 0), CREATOR_AGENT).unwrap();
+    assert_eq!(ledger.names(), None, "a new ledger has none");
+    assert!(!ledger.set_names(&ContainerNames::default()).unwrap(), "empty names are not written");
+    let names = ContainerNames::new("team-a", "trainer-0", "main");
+    assert!(ledger.set_names(&names).unwrap());
+    assert!(!ledger.set_names(&names).unwrap(), "the same names again: nothing written");
+    let other = Ledger::open(&dir.file()).unwrap();
+    assert_eq!(other.names(), Some(("team-a".into(), "trainer-0".into(), "main".into())));
+    assert!(other.set_names(&ContainerNames::new("team-a", "trainer-1", "main")).unwrap(), "different: the last wins");
+    assert_eq!(ledger.names().unwrap().1, "trainer-1");
+
+    // A long pod name is cut at a character boundary within the field.
+    let long = format!("{}é{}", "p".repeat(NAME_BYTES - 1), "q".repeat(100));
+    ledger.set_names(&ContainerNames::new("ns", &long, "c")).unwrap();
+    assert_eq!(ledger.names().unwrap().1, "p".repeat(NAME_BYTES - 1));
+
+    // A control character written by a workload: the names are not handed out.
+    let offset = ledger.header().state_offset
+        + std::mem::offset_of!(State, names) as u64
+        + std::mem::offset_of!(ContainerNames, container) as u64;
+    let file = OpenOptions::new().write(true).open(dir.file()).unwrap();
+    file.write_all_at(b"evil\n", offset).unwrap();
+    assert_eq!(ledger.names(), None);
+    file.write_all_at(b"ok\0\0\0", offset).unwrap();
+    assert_eq!(ledger.names(), Some(("ns".into(), "p".repeat(NAME_BYTES - 1), "ok".into())));
+    assert_sound(&ledger);
+}

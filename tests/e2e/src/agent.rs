@@ -35,6 +35,15 @@ impl Agent {
         Self::start_with(&[OsStr::new("--libcuda"), libcuda.as_os_str(), OsStr::new("--no-discover")])
     }
 
+    /// Starts the agent on the fake driver alone (`--libcuda <fake> --no-discover`) with
+    /// these further arguments.
+    pub fn start_on_fake_driver(args: &[&OsStr]) -> Result<Agent> {
+        let libcuda = crate::fake_driver_dir()?.join("libcuda.so.1");
+        let mut all: Vec<&OsStr> = vec![OsStr::new("--libcuda"), libcuda.as_os_str(), OsStr::new("--no-discover")];
+        all.extend_from_slice(args);
+        Self::start_with(&all)
+    }
+
     /// Starts `vramguard run` with these arguments (and a socket of its own) and waits until
     /// it answers on its socket.
     pub fn start_with(args: &[&OsStr]) -> Result<Agent> {

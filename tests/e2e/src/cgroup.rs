@@ -15,6 +15,8 @@ use anyhow::{anyhow, Context, Result};
 /// A cgroup made for one test.
 pub struct TestCgroup {
     dir: PathBuf,
+    /// The directory made under the cgroup2 root (`dir` itself, or an ancestor of it).
+    top: PathBuf,
     /// The cgroup id (`bpf_get_current_cgroup_id`): the inode of its directory.
     pub id: u64,
     /// Its path relative to the cgroup2 root, as the agent prints it.
@@ -24,6 +26,13 @@ pub struct TestCgroup {
 impl TestCgroup {
     /// Creates `vramguard-test-<name>-<pid>-<n>` under the cgroup2 mount.
     pub fn create(name: &str) -> Result<TestCgroup> {
+        Self::create_nested(name, "")
+    }
+
+    /// Creates `vramguard-test-<name>-<pid>-<n>/<inner>` under the cgroup2 mount (`inner`
+    /// a relative path of one or more components, e.g. one shaped like a pod's and
+    /// container's cgroups); the test's processes go in the innermost one.
+    pub fn create_nested(name: &str, inner: &str) -> Result<TestCgroup> {
         static COUNTER: AtomicU32 = AtomicU32::new(0);
         let root = cgroup2_root()?;
         let leaf = format!(
@@ -31,11 +40,20 @@ impl TestCgroup {
             std::process::id(),
             COUNTER.fetch_add(1, Ordering::Relaxed)
         );
-        let dir = root.join(&leaf);
-        fs::create_dir(&dir)
-            .with_context(|| format!("cannot create cgroup {} (tests need root)", dir.display()))?;
-        let id = fs::metadata(&dir)?.ino();
-        Ok(TestCgroup { dir, id, path: format!("/{leaf}") })
+        let top = root.join(&leaf);
+        fs::create_dir(&top)
+            .with_context(|| format!("cannot create cgroup {} (tests need root)", top.display()))?;
+        let inner = inner.trim_matches('/');
+        let (dir, path) = if inner.is_empty() {
+            (top.clone(), format!("/{leaf}"))
+        } else {
+            (top.join(inner), format!("/{leaf}/{inner}"))
+        };
+        // Made before the cgroup owns it, so a failure here leaves `top` to clean up.
+        let mut cgroup = TestCgroup { dir, top, id: 0, path };
+        fs::create_dir_all(&cgroup.dir).with_context(|| format!("cannot create cgroup {}", cgroup.dir.display()))?;
+        cgroup.id = fs::metadata(&cgroup.dir)?.ino();
+        Ok(cgroup)
     }
 
     /// Makes the command's child join this cgroup before it executes.
@@ -76,14 +94,28 @@ pub fn join_before_exec(command: &mut Command, procs: &Path) -> Result<()> {
 
 impl Drop for TestCgroup {
     fn drop(&mut self) {
-        // Members may still be exiting: retry for a little while.
-        for _ in 0..50 {
-            if fs::remove_dir(&self.dir).is_ok() || !self.dir.exists() {
+        // Innermost first; members may still be exiting: retry for a little while.
+        let mut dir = self.dir.clone();
+        loop {
+            let removed = (0..50).any(|_| {
+                let gone = fs::remove_dir(&dir).is_ok() || !dir.exists();
+                if !gone {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                gone
+            });
+            if !removed {
+                eprintln!("warning: could not remove test cgroup {}", dir.display());
                 return;
             }
-            std::thread::sleep(Duration::from_millis(20));
+            if dir == self.top {
+                return;
+            }
+            match dir.parent() {
+                Some(parent) => dir = parent.to_path_buf(),
+                None => return,
+            }
         }
-        eprintln!("warning: could not remove test cgroup {}", self.dir.display());
     }
 }
 

@@ -27,6 +27,26 @@ pub fn get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
     Ok((status, body.to_string()))
 }
 
+/// `GET /metrics` from `addr`, parsed; fails unless the status is 200.
+pub fn scrape(addr: SocketAddr) -> Result<Vec<Sample>> {
+    let (status, body) = get(addr, "/metrics")?;
+    if status != 200 {
+        bail!("GET /metrics: {status} {body}");
+    }
+    parse_metrics(&body)
+}
+
+/// The samples of family `name`.
+pub fn samples<'a>(all: &'a [Sample], name: &'a str) -> impl Iterator<Item = &'a Sample> + 'a {
+    all.iter().filter(move |s| s.name == name)
+}
+
+/// The value of the first sample `name` whose labels include every `(key, value)` of
+/// `labels`.
+pub fn metric(all: &[Sample], name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    samples(all, name).find(|s| labels.iter().all(|(k, v)| s.label(k) == *v)).map(|s| s.value)
+}
+
 /// One sample of the text format.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Sample {

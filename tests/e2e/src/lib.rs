@@ -9,15 +9,18 @@
 //! the tests), or run `cargo xtask test`.
 //!
 //! A workload runs without the hook unless a test asks for it ([`FakeNode::hooked`]): the
-//! test's own `LD_PRELOAD`, `FAKECUDA_*`, `VRAMGUARD_*` and `CUDA_DEVICE_MEMORY_*` variables
-//! are never inherited, so e.g. [`FakeNode::devstat`] always asks the fake driver itself.
+//! test's own `LD_PRELOAD`, `FAKECUDA_*`, `VRAMGUARD_*`, `CUDA_DEVICE_MEMORY_*` and downward
+//! API (`POD_NAMESPACE`, `POD_NAME`, `CONTAINER_NAME`) variables are never inherited, so
+//! e.g. [`FakeNode::devstat`] always asks the fake driver itself.
 //!
 //! [`agent`] starts a `vramguard run` for a test; [`cgroup`] makes a cgroup for one;
-//! [`http`] scrapes its metrics.
+//! [`http`] scrapes its metrics; [`ledgers`] reads (and scribbles on) ledger files.
+//! [`TempDir`], [`wait_for`] and [`holding`] are the small helpers the agent's tests share.
 
 pub mod agent;
 pub mod cgroup;
 pub mod http;
+pub mod ledgers;
 
 use std::ffi::{OsStr, OsString};
 use std::io::{BufRead, BufReader, Read, Write};
@@ -118,6 +121,58 @@ fn link_into_place(dir: &Path, name: &str, target: &Path) -> Result<()> {
     std::os::unix::fs::symlink(target, &tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
     std::fs::rename(&tmp, &link).with_context(|| format!("cannot rename {} to {}", tmp.display(), link.display()))?;
     Ok(())
+}
+
+/// A directory of its own under the temporary directory, removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    /// `vramguard-e2e-<tag>-<pid>-<n>`, empty.
+    pub fn new(tag: &str) -> Result<TempDir> {
+        let dir = std::env::temp_dir().join(format!("vramguard-e2e-{tag}-{}-{}", std::process::id(), unique()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+        Ok(TempDir(dir))
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+
+    /// `<dir>/<pod>/ledger` (a container's directory, as the DaemonSet mounts them), its
+    /// directory created.
+    pub fn ledger(&self, pod: &str) -> Result<PathBuf> {
+        std::fs::create_dir_all(self.0.join(pod))?;
+        Ok(self.0.join(pod).join("ledger"))
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Polls `check` every millisecond until it holds or `limit` passes; returns the time taken.
+pub fn wait_for(limit: Duration, what: &str, mut check: impl FnMut() -> Result<bool>) -> Result<Duration> {
+    let start = Instant::now();
+    loop {
+        if check()? {
+            return Ok(start.elapsed());
+        }
+        if start.elapsed() >= limit {
+            bail!("{what}: not within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Starts `workload` with `steps` followed by a checkpoint and `hold`, and waits for the
+/// checkpoint: a process holding what its steps allocated until it is killed or dropped.
+pub fn holding(workload: Workload, steps: &[&str]) -> Result<Running> {
+    let mut running = workload.steps(steps.iter().copied()).steps(["checkpoint held", "hold"]).spawn()?;
+    running.wait_checkpoint("held")?;
+    Ok(running)
 }
 
 fn unique() -> u64 {
@@ -253,6 +308,10 @@ pub enum Via {
     Getproc,
 }
 
+/// The downward API variables the hook records in the ledger: never inherited either (the
+/// test may itself run in a pod).
+const DOWNWARD_API: [&str; 3] = ["POD_NAMESPACE", "POD_NAME", "CONTAINER_NAME"];
+
 /// A `fakecuda-workload` command being put together.
 #[derive(Debug, Clone, Default)]
 pub struct Workload {
@@ -266,8 +325,8 @@ pub struct Workload {
 
 impl Workload {
     /// A workload with no steps, the fake driver on `LD_LIBRARY_PATH`, and no `FAKECUDA_*`,
-    /// `VRAMGUARD_*`, `CUDA_DEVICE_MEMORY_*` or `LD_PRELOAD` inherited from the test's
-    /// environment.
+    /// `VRAMGUARD_*`, `CUDA_DEVICE_MEMORY_*`, `POD_NAMESPACE`, `POD_NAME`, `CONTAINER_NAME` or
+    /// `LD_PRELOAD` inherited from the test's environment.
     pub fn new() -> Workload {
         Workload::default()
     }
@@ -329,7 +388,7 @@ impl Workload {
         for (k, _) in std::env::vars_os() {
             let key = k.to_string_lossy();
             let ours = ["FAKECUDA_", "VRAMGUARD_", "CUDA_DEVICE_MEMORY_"].iter().any(|p| key.starts_with(p));
-            if ours || key == "LD_PRELOAD" {
+            if ours || DOWNWARD_API.contains(&key.as_ref()) || key == "LD_PRELOAD" {
                 cmd.env_remove(k);
             }
         }

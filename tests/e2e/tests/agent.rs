@@ -6,54 +6,21 @@
 //! process's slot never; a corrupt file in DIR is skipped with its reason logged.
 //! Needs root; build first with `cargo xtask test` (or `cargo build -p agent -p hook -p
 //! fakecuda -p workload`), and run one test at a time.
-use std::{
-    ffi::OsStr,
-    net::SocketAddr,
-    path::{Path, PathBuf},
-    time::{Duration, Instant},
-};
+use std::{ffi::OsStr, path::Path, time::Duration};
 
 use anyhow::{ensure, Context, Result};
 use e2e::{
     agent::Agent,
-    fake_driver_dir,
-    http::{self, Sample},
-    FakeNode, Running, GIB, MIB,
+    holding, http,
+    http::{samples, scrape, Sample},
+    ledgers::{slots, used as ledger_used},
+    wait_for, FakeNode, Running, TempDir, GIB, MIB,
 };
-use ledger::Ledger;
 
 const LIMIT: u64 = GIB;
 const CTX: u64 = 64 * MIB;
 /// Killed holders, one after another (for a latency figure, not just one sample).
 const VICTIMS: usize = 5;
-
-/// A directory of its own, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> Result<TempDir> {
-        let dir = std::env::temp_dir().join(format!("vramguard-e2e-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir)?;
-        Ok(TempDir(dir))
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn scrape(addr: SocketAddr) -> Result<Vec<Sample>> {
-    let (status, body) = http::get(addr, "/metrics")?;
-    ensure!(status == 200, "GET /metrics: {status} {body}");
-    http::parse_metrics(&body)
-}
-
-fn samples<'a>(all: &'a [Sample], name: &'a str) -> impl Iterator<Item = &'a Sample> + 'a {
-    all.iter().filter(move |s| s.name == name)
-}
 
 fn single(all: &[Sample], name: &str) -> Result<f64> {
     samples(all, name).next().map(|s| s.value).with_context(|| format!("no {name} in the scrape"))
@@ -68,39 +35,14 @@ fn ledger_metrics(all: &[Sample], ledger: &Path) -> (Option<u64>, Option<u64>) {
     ((!used.is_empty()).then(|| used.iter().sum()), limit)
 }
 
-/// What the ledger charges on device 0.
-fn ledger_used(path: &Path) -> Result<u64> {
-    let ledger = Ledger::open(path)?;
-    Ok(ledger.device_usage()?[0].used_chunks * ledger.header().devices[0].chunk)
-}
-
-/// (pid, host pid) of each live slot.
-fn slots(path: &Path) -> Result<Vec<(u32, u32)>> {
-    Ok(Ledger::open(path)?.slots()?.into_iter().map(|v| (v.slot.pid, v.slot.host_pid)).collect())
-}
-
 fn process_state(pid: u32) -> Result<char> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
     let after = stat.rfind(')').map(|i| &stat[i + 1..]).context("unreadable stat")?;
     after.trim_start().chars().next().context("no state in stat")
 }
 
-/// Polls `check` every millisecond until it holds or `limit` passes; returns the time taken.
-fn wait_for(limit: Duration, what: &str, mut check: impl FnMut() -> Result<bool>) -> Result<Duration> {
-    let start = Instant::now();
-    loop {
-        if check()? {
-            return Ok(start.elapsed());
-        }
-        ensure!(start.elapsed() < limit, "{what}: not within {limit:?}");
-        std::thread::sleep(Duration::from_millis(1));
-    }
-}
-
 fn holder(node: &FakeNode, ledger: &Path, size: &str) -> Result<Running> {
-    let mut w = node.hooked(ledger, LIMIT)?.steps(["ctx 0", &format!("alloc a {size}"), "checkpoint held", "hold"]).spawn()?;
-    w.wait_checkpoint("held")?;
-    Ok(w)
+    holding(node.hooked(ledger, LIMIT)?, &["ctx 0", &format!("alloc a {size}")])
 }
 
 #[test]
@@ -115,11 +57,7 @@ fn the_agent_watches_ledgers_reclaims_dead_slots_and_exports_metrics() -> Result
     std::fs::create_dir_all(dir.0.join("pod-a"))?;
     let ledger = dir.0.join("pod-a/ledger");
 
-    let libcuda = fake_driver_dir()?.join("libcuda.so.1");
-    let agent = Agent::start_with(&[
-        OsStr::new("--libcuda"),
-        libcuda.as_os_str(),
-        OsStr::new("--no-discover"),
+    let agent = Agent::start_on_fake_driver(&[
         OsStr::new("--ledger-dir"),
         dir.0.as_os_str(),
         OsStr::new("--metrics-addr"),

@@ -8,106 +8,24 @@
 //! with no scrape or audit to prompt it).
 //! Needs root; build first with `cargo xtask test` (or `cargo build -p agent -p hook -p
 //! fakecuda -p workload`), and run one test at a time.
-use std::{
-    ffi::OsStr,
-    fs::OpenOptions,
-    mem::{offset_of, size_of},
-    net::SocketAddr,
-    os::unix::fs::FileExt,
-    path::{Path, PathBuf},
-    time::{Duration, Instant},
-};
+use std::{ffi::OsStr, path::Path, time::Duration};
 
 use anyhow::{ensure, Context, Result};
 use e2e::{
     agent::Agent,
-    fake_driver_dir,
-    http::{self, Sample},
-    FakeNode, Running, GIB, MIB,
+    holding,
+    http::{metric, scrape, Sample},
+    ledgers::zero_slot_bytes,
+    wait_for, FakeNode, TempDir, GIB, MIB,
 };
-use ledger::{
-    layout::{Slot, SlotDevice, KINDS},
-    Ledger,
-};
+use ledger::Ledger;
 use serde_json::Value;
 
 const LIMIT: u64 = GIB;
 
-/// A directory of its own, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> Result<TempDir> {
-        let dir = std::env::temp_dir().join(format!("vramguard-e2e-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir)?;
-        Ok(TempDir(dir))
-    }
-
-    /// `<dir>/<pod>/ledger`, its directory created.
-    fn ledger(&self, pod: &str) -> Result<PathBuf> {
-        std::fs::create_dir_all(self.0.join(pod))?;
-        Ok(self.0.join(pod).join("ledger"))
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn scrape(addr: SocketAddr) -> Result<Vec<Sample>> {
-    let (status, body) = http::get(addr, "/metrics")?;
-    ensure!(status == 200, "GET /metrics: {status} {body}");
-    http::parse_metrics(&body)
-}
-
-/// The value of the sample `name` whose labels include every `(key, value)` of `labels`.
-fn metric(all: &[Sample], name: &str, labels: &[(&str, &str)]) -> Option<f64> {
-    all.iter().find(|s| s.name == name && labels.iter().all(|(k, v)| s.label(k) == *v)).map(|s| s.value)
-}
-
 /// The `vramguard audit --json` row of `pid`.
 fn row(audit: &Value, pid: u32) -> Option<Value> {
     audit["processes"].as_array()?.iter().find(|r| r["pid"].as_u64() == Some(u64::from(pid))).cloned()
-}
-
-/// Polls `check` every 10 ms until it holds or `limit` passes; returns the time taken.
-fn wait_for(limit: Duration, what: &str, mut check: impl FnMut() -> Result<bool>) -> Result<Duration> {
-    let start = Instant::now();
-    loop {
-        if check()? {
-            return Ok(start.elapsed());
-        }
-        ensure!(start.elapsed() < limit, "{what}: not within {limit:?}");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
-/// Starts `steps` followed by a checkpoint and `hold`, and waits for the checkpoint.
-fn holding(workload: e2e::Workload, steps: &[&str]) -> Result<Running> {
-    let mut running = workload.steps(steps.iter().copied()).steps(["checkpoint held", "hold"]).spawn()?;
-    running.wait_checkpoint("held")?;
-    Ok(running)
-}
-
-/// Writes zero over `devices[0].bytes` of `pid`'s slot in the ledger file at `path`, through
-/// the file rather than the ledger's API (no lock taken, like a workload scribbling on its
-/// own mapping); returns what the slot charged before.
-fn zero_slot_bytes(path: &Path, pid: u32) -> Result<u64> {
-    let ledger = Ledger::open(path)?;
-    let view = ledger.slots()?.into_iter().find(|v| v.slot.pid == pid).context("no slot for the process")?;
-    let before = view.slot.devices[0].bytes.iter().sum();
-    let offset = ledger.header().slots_offset
-        + u64::from(view.id) * size_of::<Slot>() as u64
-        + offset_of!(Slot, devices) as u64
-        + offset_of!(SlotDevice, bytes) as u64;
-    let file = OpenOptions::new().write(true).open(path)?;
-    file.write_all_at(&[0u8; 8 * KINDS], offset)?;
-    let after = Ledger::open(path)?.slots()?.into_iter().find(|v| v.id == view.id).context("the slot vanished")?;
-    ensure!(after.slot.devices[0].bytes == [0; KINDS], "the write missed the slot's bytes: {:?}", after.slot.devices[0]);
-    Ok(before)
 }
 
 #[test]
@@ -115,11 +33,7 @@ fn reconcile_reports_ok_unhooked_tampered_and_counts_rejections() -> Result<()> 
     let node = FakeNode::new("reconcile").with_env("FAKECUDA_DEVICE_BYTES", "4g").with_env("FAKECUDA_CONTEXT_BYTES", "64m");
     let dir = TempDir::new("reconcile")?;
     let (ledger_a, ledger_b, ledger_t) = (dir.ledger("pod-a")?, dir.ledger("pod-b")?, dir.ledger("pod-t")?);
-    let libcuda = fake_driver_dir()?.join("libcuda.so.1");
-    let agent = Agent::start_with(&[
-        OsStr::new("--libcuda"),
-        libcuda.as_os_str(),
-        OsStr::new("--no-discover"),
+    let agent = Agent::start_on_fake_driver(&[
         OsStr::new("--ledger-dir"),
         dir.0.as_os_str(),
         OsStr::new("--metrics-addr"),
