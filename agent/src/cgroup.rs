@@ -53,6 +53,15 @@ fn walk(root: &Path, dir: &Path, known: &mut HashMap<u64, String>) {
     }
 }
 
+/// The cgroup id (cgroup2 directory inode) of host process `pid`, from the `0::` line of
+/// `/proc/<pid>/cgroup`.
+pub fn id_of_pid(pid: u32) -> Option<u64> {
+    let text = fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    let path = text.lines().find_map(|line| line.strip_prefix("0::"))?;
+    let root = cgroup2_mount()?;
+    fs::metadata(root.join(path.trim_start_matches('/'))).ok().map(|m| m.ino())
+}
+
 /// Where the cgroup2 hierarchy is mounted: `/sys/fs/cgroup` on pure v2 hosts,
 /// `/sys/fs/cgroup/unified` on hybrid ones.
 pub fn cgroup2_mount() -> Option<PathBuf> {

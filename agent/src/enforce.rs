@@ -7,8 +7,10 @@
 //! /kubepods.slice/*pod1234*                          8g
 //! ```
 //!
-//! The agent resolves the patterns against the cgroup2 tree (the first matching rule wins)
-//! and keeps the kernel map `CGROUP_LIMITS` in step, so the entry probe of an allocation
+//! The agent resolves the patterns against the cgroup2 tree (the first matching rule wins),
+//! adds the cgroups of every watched ledger's live processes with that ledger's limit (the
+//! sum over its devices: the probes see a cgroup's memory on all devices together; a rule of
+//! the file wins over it), and keeps the kernel map `CGROUP_LIMITS` in step, so the entry probe of an allocation
 //! that would pass its cgroup's limit counts it (`audit`, the default) or sends the calling
 //! process a signal before the driver runs (`signal`, SIGKILL by default). `deny` (making the
 //! call return `CUDA_ERROR_OUT_OF_MEMORY`) needs a kernel that lets uprobe programs write
@@ -88,6 +90,8 @@ fn matches(pattern: &str, text: &str) -> bool {
 /// The rules and the kernel map they are pushed into.
 pub struct Limits {
     rules: Vec<Rule>,
+    /// Cgroup id -> limit, from the watched ledgers.
+    ledger_limits: BTreeMap<u64, u64>,
     mode: u32,
     signal: u32,
     map: HashMap<MapData, u64, CgroupLimit>,
@@ -95,9 +99,16 @@ pub struct Limits {
 }
 
 impl Limits {
-    pub fn new(ebpf: &mut Ebpf, file: &Path, mode: Mode, signal: i32) -> Result<Limits> {
-        let text = fs::read_to_string(file).with_context(|| format!("cannot read the limits file {}", file.display()))?;
-        let rules = parse_rules(&text).with_context(|| format!("in the limits file {}", file.display()))?;
+    /// Limits from `file` (if any) and, later, from the ledgers ([`Limits::set_ledger_limits`]).
+    pub fn new(ebpf: &mut Ebpf, file: Option<&Path>, mode: Mode, signal: i32) -> Result<Limits> {
+        let rules = match file {
+            Some(file) => {
+                let text = fs::read_to_string(file)
+                    .with_context(|| format!("cannot read the limits file {}", file.display()))?;
+                parse_rules(&text).with_context(|| format!("in the limits file {}", file.display()))?
+            }
+            None => Vec::new(),
+        };
         let mode = match mode {
             Mode::Audit => enforce::AUDIT,
             Mode::Signal => enforce::SIGNAL,
@@ -108,16 +119,26 @@ impl Limits {
         }
         let map = ebpf.take_map(names::CGROUP_LIMITS).context("the eBPF object has no CGROUP_LIMITS map")?;
         let map = HashMap::try_from(map).context("CGROUP_LIMITS has an unexpected type")?;
-        Ok(Limits { rules, mode, signal: signal as u32, map, applied: BTreeMap::new() })
+        Ok(Limits { rules, ledger_limits: BTreeMap::new(), mode, signal: signal as u32, map, applied: BTreeMap::new() })
+    }
+
+    /// The cgroups of the watched ledgers' live processes and their ledgers' limits.
+    pub fn set_ledger_limits(&mut self, limits: BTreeMap<u64, u64>) {
+        self.ledger_limits = limits;
     }
 
     /// Resolves the rules against the cgroups that exist now and updates the kernel map.
     pub fn refresh(&mut self, names: &mut CgroupNames) {
         let mut wanted = BTreeMap::new();
-        for (id, path) in names.all() {
-            if let Some(rule) = self.rules.iter().find(|rule| matches(&rule.pattern, path)) {
-                wanted.insert(*id, CgroupLimit { limit: rule.limit, mode: self.mode, signal: self.signal });
+        if !self.rules.is_empty() {
+            for (id, path) in names.all() {
+                if let Some(rule) = self.rules.iter().find(|rule| matches(&rule.pattern, path)) {
+                    wanted.insert(*id, CgroupLimit { limit: rule.limit, mode: self.mode, signal: self.signal });
+                }
             }
+        }
+        for (id, limit) in &self.ledger_limits {
+            wanted.entry(*id).or_insert(CgroupLimit { limit: *limit, mode: self.mode, signal: self.signal });
         }
         for id in self.applied.keys().filter(|id| !wanted.contains_key(id)).copied().collect::<Vec<_>>() {
             let _ = self.map.remove(&id);

@@ -148,12 +148,13 @@ pub async fn run(args: RunArgs) -> Result<()> {
     if args.enforce == enforce::Mode::Deny {
         bail!("--enforce deny is not implemented by this build; use --enforce signal or audit");
     }
-    if args.enforce != enforce::Mode::Audit && args.limits.is_none() {
-        bail!("--enforce {:?} needs --limits FILE (which cgroups, which limits)", args.enforce);
+    if args.enforce != enforce::Mode::Audit && args.limits.is_none() && args.ledger_dir.is_none() {
+        bail!("--enforce {:?} needs limits: --limits FILE and/or --ledger-dir DIR", args.enforce);
     }
-    let mut limits = match &args.limits {
-        Some(file) => Some(enforce::Limits::new(&mut ebpf, file, args.enforce, args.signal)?),
-        None => None,
+    let mut limits = if args.limits.is_some() || args.ledger_dir.is_some() {
+        Some(enforce::Limits::new(&mut ebpf, args.limits.as_deref(), args.enforce, args.signal)?)
+    } else {
+        None
     };
     let mut cgroups = CgroupNames::new();
     if let Some(limits) = limits.as_mut() {
@@ -257,6 +258,9 @@ pub async fn run(args: RunArgs) -> Result<()> {
             }
             Wake::Limits => {
                 if let Some(limits) = limits.as_mut() {
+                    if let Some(ledgers) = ledgers.as_ref() {
+                        limits.set_ledger_limits(ledger_cgroup_limits(ledgers));
+                    }
                     limits.refresh(&mut cgroups);
                 }
             }
@@ -311,7 +315,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
             }
             Wake::Client(stream) => {
                 accounting.drain(events.get_mut());
-                let snapshot = snapshot(&mut accounting, &attached, ledgers.as_ref(), &reclaimer, &mut reconciler, metrics_addr);
+                let mut snapshot = snapshot(&mut accounting, &attached, ledgers.as_ref(), &reclaimer, &mut reconciler, metrics_addr);
+                snapshot.stats.cgroup_limits = limits.as_ref().map_or(0, |l| l.applied() as u64);
                 if let Err(error) = control::serve(stream, &snapshot).await {
                     warn!(%error, "answering a control client failed");
                 }
@@ -320,7 +325,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 let response = match request.path.as_str() {
                     "/metrics" => {
                         accounting.drain(events.get_mut());
-                        let snapshot = snapshot(&mut accounting, &attached, ledgers.as_ref(), &reclaimer, &mut reconciler, metrics_addr);
+                        let mut snapshot = snapshot(&mut accounting, &attached, ledgers.as_ref(), &reclaimer, &mut reconciler, metrics_addr);
+                snapshot.stats.cgroup_limits = limits.as_ref().map_or(0, |l| l.applied() as u64);
                         metrics.refresh(ledgers.as_ref(), &snapshot, &snapshot.libcuda, &reconciler);
                         match metrics.encode() {
                             Ok(body) => Response { status: 200, content_type: prometheus::TEXT_FORMAT, body },
@@ -366,6 +372,23 @@ fn snapshot(
     snapshot.ledgers = ledgers.map(|l| l.iter().map(|(path, _)| path.display().to_string()).collect()).unwrap_or_default();
     snapshot.stats.slots_reclaimed = reclaimer.total;
     snapshot
+}
+
+/// The cgroups of every watched ledger's live processes (by the host pids the reclaimer
+/// recorded) and the ledger's limit: the sum of its devices' limits.
+fn ledger_cgroup_limits(ledgers: &Ledgers) -> BTreeMap<u64, u64> {
+    let mut limits = BTreeMap::new();
+    for (_, ledger) in ledgers.iter() {
+        let header = ledger.header();
+        let limit: u64 = header.devices[..header.device_count as usize].iter().map(|d| d.limit).sum();
+        let Ok(slots) = ledger.slots() else { continue };
+        for view in slots.iter().filter(|v| v.slot.host_pid != 0) {
+            if let Some(cgroup) = crate::cgroup::id_of_pid(view.slot.host_pid) {
+                limits.entry(cgroup).or_insert(limit);
+            }
+        }
+    }
+    limits
 }
 
 /// Attaches the probes to `file` unless that file already has them.

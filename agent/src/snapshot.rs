@@ -87,6 +87,9 @@ pub struct Stats {
     /// Signals the probes sent to stop such allocations.
     #[serde(default)]
     pub signals_sent: u64,
+    /// Cgroups with a limit in the probes (limits file and watched ledgers).
+    #[serde(default)]
+    pub cgroup_limits: u64,
     /// Ledger slots of dead processes the agent reclaimed.
     #[serde(default)]
     pub slots_reclaimed: u64,

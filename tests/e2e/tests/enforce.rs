@@ -77,6 +77,41 @@ fn audit_mode_counts_but_lets_the_workload_through() -> Result<()> {
     Ok(())
 }
 
+/// A process of a hooked container that skips the hook (an SSH session, a static binary) is
+/// held to the container's ledger limit by the probes: the agent pushes the ledger's limit
+/// for the cgroups of the ledger's processes.
+#[test]
+fn a_process_skipping_the_hook_is_held_to_its_containers_ledger_limit() -> Result<()> {
+    let cgroup = TestCgroup::create("bypass")?;
+    let dir = e2e::TempDir::new("bypass")?;
+    let ledger = dir.ledger("pod-x")?;
+    let libcuda = fake_driver_dir()?.join("libcuda.so.1");
+    let agent = Agent::start_with(&[
+        "--libcuda".as_ref(),
+        libcuda.as_os_str(),
+        "--no-discover".as_ref(),
+        "--ledger-dir".as_ref(),
+        dir.0.as_os_str(),
+        "--enforce".as_ref(),
+        "signal".as_ref(),
+    ])?;
+    let node = FakeNode::new("bypass").with_env("FAKECUDA_CONTEXT_BYTES", "64m");
+    let mut hooked = node.hooked(&ledger, 1 << 30)?.in_cgroup(&cgroup).steps(["ctx 0", "alloc h 600m", "checkpoint held", "hold"]).spawn()?;
+    hooked.wait_checkpoint("held")?;
+    e2e::wait_for(std::time::Duration::from_secs(5), "the ledger's limit pushed for the container's cgroup", || {
+        Ok(stat(&agent.audit()?, "cgroup_limits") >= 1)
+    })?;
+    let mut bypass = node.workload().in_cgroup(&cgroup).steps(STEPS.map(|s| s.replace("600m", "300m"))).spawn()?;
+    bypass.wait_checkpoint("one")?; // 600m + 300m: within the container's 1 GiB
+    bypass.resume()?;
+    let finished = bypass.wait()?; // 600m + 300m + 300m: past it
+    assert_eq!(finished.status.signal(), Some(libc::SIGKILL), "stopped by SIGKILL: {:?} {:?}", finished.status, finished.stdout);
+    assert!(!finished.stdout.iter().any(|l| l.starts_with("ok alloc b")), "{:?}", finished.stdout);
+    hooked.kill()?;
+    agent.stop()?;
+    Ok(())
+}
+
 #[test]
 fn deny_mode_says_why_it_is_unavailable() -> Result<()> {
     let cgroup = TestCgroup::create("deny")?;
