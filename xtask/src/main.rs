@@ -1,15 +1,18 @@
 //! Project automation, run as `cargo xtask <command>`:
 //!
 //! - `setup`: install what building needs and is missing (rust-src for the nightly toolchain,
-//!   `bpf-linker` built against the nightly toolchain's own LLVM); a no-op when all is there.
+//!   `bpf-linker` built against the nightly toolchain's own LLVM, and `kubernetes-validate` in
+//!   a Python environment at `target/pyenv`); a no-op when all is there.
 //! - `build-ebpf`: compile `ebpf/` for `bpfel-unknown-none` (the agent embeds the object).
 //! - `fake-driver`: build the fake CUDA driver; print the directory holding `libcuda.so.1` (and
 //!   `libnvidia-ml.so.1`: the fake is a fake NVML too).
+//! - `validate-manifests`: check deploy/'s manifests against the Kubernetes schemas, offline.
 //! - `test`: everything above, then every test of the workspace.
 //! - `demo`: the agent, the fake driver and sample workloads, end to end (needs root).
 //! - `bench`: what the eBPF probes cost per alloc/free pair; writes docs/BENCHMARKS.md.
 mod bench;
 mod demo;
+mod manifests;
 mod setup;
 
 use std::{
@@ -29,12 +32,14 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Task {
-    /// Install the eBPF toolchain pieces that are missing (rust-src, bpf-linker).
+    /// Install what is missing: the eBPF toolchain pieces (rust-src, bpf-linker) and the manifests' validator.
     Setup,
     /// Compile the eBPF programs for bpfel-unknown-none.
     BuildEbpf,
     /// Build the fake CUDA driver and print the directory that holds its libcuda.so.1 and libnvidia-ml.so.1.
     FakeDriver,
+    /// Validate the Kubernetes manifests under deploy/ against the bundled schemas (offline).
+    ValidateManifests,
     /// Set up, build, and run every test (the end-to-end ones need root).
     Test,
     /// Run the agent against the fake driver with sample workloads and show what it sees.
@@ -48,6 +53,7 @@ fn main() -> Result<()> {
         Task::Setup => setup::setup(),
         Task::BuildEbpf => build_ebpf().map(|object| println!("{}", object.display())),
         Task::FakeDriver => fake_driver().map(|dir| println!("{}", dir.display())),
+        Task::ValidateManifests => manifests::validate(),
         Task::Test => test(),
         Task::Demo => demo::demo(),
         Task::Bench => bench::bench(),
@@ -111,6 +117,7 @@ fn fake_driver() -> Result<PathBuf> {
 
 fn test() -> Result<()> {
     setup::setup()?;
+    manifests::validate()?;
     build_ebpf()?;
     // Builds every binary the end-to-end tests run (agent, fake driver, workload).
     run(cargo().args(["build", "--workspace"]))?;

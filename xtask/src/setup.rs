@@ -20,6 +20,7 @@ pub const NIGHTLY: &str = "nightly";
 const BPF_LINKER_VERSION: &str = "^0.13";
 
 pub fn setup() -> Result<()> {
+    crate::manifests::setup()?;
     let sysroot = nightly_sysroot()?;
     if sysroot.join("lib/rustlib/src/rust/library/core").is_dir() {
         println!("setup: rust-src for {NIGHTLY}: present");

@@ -1,0 +1,191 @@
+"""Offline validation of deploy/'s Kubernetes manifests (run by `cargo xtask validate-manifests`).
+
+usage: validate_manifests.py KUBERNETES_VERSION ROOT
+
+- Core resources: kubernetes-validate's bundled JSON schemas for KUBERNETES_VERSION, strict
+  (unknown fields are errors). A kind without a bundled schema is an error, not a warning.
+- The Prometheus Operator's CRDs (ServiceMonitor, PrometheusRule), which those schemas do
+  not include: the fields this project uses, checked by hand below.
+- Cross-checks against the agent's source: every vramguard_* metric a manifest names is
+  registered in agent/src/metrics.rs, and every `vramguard run` flag the DaemonSet passes is
+  declared in agent/src/run.rs.
+- YAML itself: every document parses, and no mapping repeats a key.
+
+Prints one line per error (`FILE: KIND/NAME: where: what`) and exits 1 if there was any.
+"""
+import pathlib
+import re
+import sys
+
+import yaml
+from kubernetes_validate import utils as kv
+
+NAMESPACE = "vramguard-system"
+DURATION = re.compile(r"^([0-9]+(ms|s|m|h|d|w|y))+$")
+ENDPOINT_KEYS = {"port", "targetPort", "path", "interval", "scrapeTimeout", "honorLabels", "scheme",
+                 "relabelings", "metricRelabelings", "tlsConfig", "authorization", "params"}
+ALERT_KEYS = {"alert", "expr", "for", "keep_firing_for", "labels", "annotations"}
+RECORD_KEYS = {"record", "expr", "labels"}
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """A SafeLoader that rejects a mapping with the same key twice (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def string_map(value):
+    return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+
+
+def check_service_monitor(doc):
+    spec = doc.get("spec")
+    if not isinstance(spec, dict):
+        return ["spec: missing"]
+    errors = []
+    if not isinstance(spec.get("selector"), dict):
+        errors.append("spec.selector: missing (a label selector)")
+    endpoints = spec.get("endpoints")
+    if not isinstance(endpoints, list) or not endpoints:
+        return errors + ["spec.endpoints: must be a non-empty list"]
+    for i, endpoint in enumerate(endpoints):
+        where = f"spec.endpoints.{i}"
+        if not isinstance(endpoint, dict):
+            errors.append(f"{where}: not a mapping")
+            continue
+        for key in sorted(set(endpoint) - ENDPOINT_KEYS):
+            errors.append(f"{where}.{key}: unknown field")
+        if "port" not in endpoint and "targetPort" not in endpoint:
+            errors.append(f"{where}: needs port or targetPort")
+        for key in ("interval", "scrapeTimeout"):
+            if key in endpoint and not DURATION.match(str(endpoint[key])):
+                errors.append(f"{where}.{key}: not a duration")
+    return errors
+
+
+def check_prometheus_rule(doc):
+    groups = (doc.get("spec") or {}).get("groups")
+    if not isinstance(groups, list) or not groups:
+        return ["spec.groups: must be a non-empty list"]
+    errors, names = [], set()
+    for i, group in enumerate(groups):
+        where = f"spec.groups.{i}"
+        if not isinstance(group, dict) or not isinstance(group.get("name"), str):
+            errors.append(f"{where}.name: missing")
+            continue
+        if group["name"] in names:
+            errors.append(f"{where}.name: {group['name']!r} used twice")
+        names.add(group["name"])
+        rules = group.get("rules")
+        if not isinstance(rules, list) or not rules:
+            errors.append(f"{where}.rules: must be a non-empty list")
+            continue
+        for j, rule in enumerate(rules):
+            at = f"{where}.rules.{j}"
+            if not isinstance(rule, dict):
+                errors.append(f"{at}: not a mapping")
+                continue
+            if ("alert" in rule) == ("record" in rule):
+                errors.append(f"{at}: needs exactly one of alert and record")
+                continue
+            for key in sorted(set(rule) - (ALERT_KEYS if "alert" in rule else RECORD_KEYS)):
+                errors.append(f"{at}.{key}: unknown field")
+            if not isinstance(rule.get("expr"), str) or not rule["expr"].strip():
+                errors.append(f"{at}.expr: missing")
+            for key in ("for", "keep_firing_for"):
+                if key in rule and not DURATION.match(str(rule[key])):
+                    errors.append(f"{at}.{key}: not a duration")
+            for key in ("labels", "annotations"):
+                if key in rule and not string_map(rule[key]):
+                    errors.append(f"{at}.{key}: must map strings to strings")
+    return errors
+
+
+CRDS = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): check_service_monitor,
+    ("monitoring.coreos.com/v1", "PrometheusRule"): check_prometheus_rule,
+}
+CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
+
+
+def check_agent_names(doc, metrics_source, run_source):
+    """Metric names and agent flags a manifest uses must exist in the agent's source."""
+    errors = []
+    text = yaml.safe_dump(doc)
+    registered = set(re.findall(r'"(vramguard_[a-z_]+)"', metrics_source))
+    for name in sorted(set(re.findall(r"\bvramguard_[a-z_]+", text))):
+        base = re.sub(r"_(bucket|sum|count)$", "", name)
+        if name not in registered and base not in registered:
+            errors.append(f"metric {name}: not registered in agent/src/metrics.rs")
+    if doc.get("kind") == "DaemonSet":
+        for container in doc["spec"]["template"]["spec"].get("containers", []):
+            args = container.get("args") or []
+            if args[:1] != ["run"]:
+                continue
+            for arg in args[1:]:
+                flag = re.match(r"^--([a-z][a-z0-9-]*)", arg)
+                if flag and not re.search(rf"\bpub {flag.group(1).replace('-', '_')}:", run_source):
+                    errors.append(f"container {container['name']}: flag --{flag.group(1)}: not declared in agent/src/run.rs")
+    return errors
+
+
+def check_document(doc, path, version, metrics_source, run_source):
+    if not isinstance(doc, dict):
+        return ["document: not a mapping"]
+    missing = [key for key in ("apiVersion", "kind") if not isinstance(doc.get(key), str)]
+    if missing or not isinstance((doc.get("metadata") or {}).get("name"), str):
+        return [f"document: needs apiVersion, kind and metadata.name"]
+    errors = []
+    crd = CRDS.get((doc["apiVersion"], doc["kind"]))
+    if crd:
+        errors += crd(doc)
+    else:
+        try:
+            kv.validate(doc, version, strict=True)
+        except kv.ValidationError as error:
+            errors.append(f"{'.'.join(str(p) for p in error.path) or '(top)'}: {error.message}")
+        except kv.SchemaNotFoundError as error:
+            errors.append(error.message)
+    if path.parent.name == "kubernetes" and doc["kind"] not in CLUSTER_SCOPED:
+        if doc["metadata"].get("namespace") != NAMESPACE:
+            errors.append(f"metadata.namespace: must be {NAMESPACE}")
+    return errors + check_agent_names(doc, metrics_source, run_source)
+
+
+def main():
+    version, root = sys.argv[1], pathlib.Path(sys.argv[2])
+    metrics_source = (root / "agent/src/metrics.rs").read_text()
+    run_source = (root / "agent/src/run.rs").read_text()
+    files = sorted(p for p in (root / "deploy").rglob("*") if p.suffix in (".yaml", ".yml"))
+    if not files:
+        print("no manifests under deploy/")
+        return 1
+    failures = checked = 0
+    for path in files:
+        name = path.relative_to(root)
+        try:
+            docs = [d for d in yaml.load_all(path.read_text(), Loader=UniqueKeyLoader) if d is not None]
+        except yaml.YAMLError as error:
+            print(f"{name}: not valid YAML: {error}")
+            failures += 1
+            continue
+        for doc in docs:
+            checked += 1
+            label = f"{doc.get('kind')}/{(doc.get('metadata') or {}).get('name')}" if isinstance(doc, dict) else "?"
+            for error in check_document(doc, path, version, metrics_source, run_source):
+                print(f"{name}: {label}: {error}")
+                failures += 1
+    print(f"validate-manifests: {checked} resources in {len(files)} files against Kubernetes {version} "
+          f"(strict) and the agent's metrics and flags: {failures} error(s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
