@@ -98,6 +98,12 @@ impl Agent {
         command
     }
 
+    /// Counter `name` of an audit's `stats` (`u64::MAX` when it is missing, so a comparison
+    /// with a real figure fails).
+    pub fn stat(audit: &Value, name: &str) -> u64 {
+        audit["stats"][name].as_u64().unwrap_or(u64::MAX)
+    }
+
     /// `vramguard audit --json` against this agent, parsed.
     pub fn audit(&self) -> Result<Value> {
         self.try_audit()

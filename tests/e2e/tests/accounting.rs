@@ -34,7 +34,7 @@ fn kinds(row: &Value) -> (u64, u64, u64, u64) {
 }
 
 fn stat(audit: &Value, name: &str) -> u64 {
-    audit["stats"][name].as_u64().unwrap_or(u64::MAX)
+    Agent::stat(audit, name)
 }
 
 /// Asserts that both the cgroup's and the process's usage are exactly `expected`

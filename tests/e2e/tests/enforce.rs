@@ -2,10 +2,10 @@
 //! gives a cgroup a GPU-memory limit; the eBPF entry probes count allocations that would pass
 //! it (`audit`) or stop the process with a signal before the driver allocates (`signal`).
 //! Needs root; run with `cargo xtask test`.
-use std::{ffi::OsStr, os::unix::process::ExitStatusExt, path::PathBuf};
+use std::{os::unix::process::ExitStatusExt, path::PathBuf};
 
 use anyhow::{Context, Result};
-use e2e::{agent::Agent, cgroup::TestCgroup, fake_driver_dir, FakeNode, MIB};
+use e2e::{agent::Agent, cgroup::TestCgroup, FakeNode, MIB};
 
 /// A limits file giving `cgroup` a limit of 1 GiB.
 fn limits_file(cgroup: &TestCgroup) -> Result<PathBuf> {
@@ -15,21 +15,11 @@ fn limits_file(cgroup: &TestCgroup) -> Result<PathBuf> {
 }
 
 fn agent(mode: &str, limits: &PathBuf) -> Result<Agent> {
-    let libcuda = fake_driver_dir()?.join("libcuda.so.1");
-    let args: Vec<&OsStr> = vec![
-        "--libcuda".as_ref(),
-        libcuda.as_os_str(),
-        "--no-discover".as_ref(),
-        "--limits".as_ref(),
-        limits.as_os_str(),
-        "--enforce".as_ref(),
-        mode.as_ref(),
-    ];
-    Agent::start_with(&args)
+    Agent::start_on_fake_driver(&["--limits".as_ref(), limits.as_os_str(), "--enforce".as_ref(), mode.as_ref()])
 }
 
 fn stat(audit: &serde_json::Value, name: &str) -> u64 {
-    audit["stats"][name].as_u64().unwrap_or(u64::MAX)
+    Agent::stat(audit, name)
 }
 
 const STEPS: [&str; 5] = ["ctx 0", "alloc a 600m", "checkpoint one", "alloc b 600m", "checkpoint two"];
@@ -85,11 +75,7 @@ fn a_process_skipping_the_hook_is_held_to_its_containers_ledger_limit() -> Resul
     let cgroup = TestCgroup::create("bypass")?;
     let dir = e2e::TempDir::new("bypass")?;
     let ledger = dir.ledger("pod-x")?;
-    let libcuda = fake_driver_dir()?.join("libcuda.so.1");
-    let agent = Agent::start_with(&[
-        "--libcuda".as_ref(),
-        libcuda.as_os_str(),
-        "--no-discover".as_ref(),
+    let agent = Agent::start_on_fake_driver(&[
         "--ledger-dir".as_ref(),
         dir.0.as_os_str(),
         "--enforce".as_ref(),
