@@ -207,13 +207,24 @@ pub fn open(path: &Path) -> Result<Mapped, LedgerError> {
     if size < PAGE {
         return Err(LedgerError::Truncated { path: path.to_path_buf(), expected: PAGE, actual: size });
     }
-    let mut bytes = [0u8; size_of::<Header>()];
-    file.read_exact_at(&mut bytes, 0).map_err(io_error)?;
-    // SAFETY: Header is #[repr(C)] of integers and byte arrays only: every bit pattern is a
-    // valid value; read_unaligned copes with the byte buffer's alignment.
-    let header: Header = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
+    let header = read_header(&file).map_err(io_error)?;
     validate(&header, size, path)?;
     map(&file, header, path)
+}
+
+/// The header as the file holds it now, unvalidated (what [`open`] validates; what the agent
+/// compares with the header it validated, to see a file rewritten under its processes).
+pub fn header_on_disk(path: &Path) -> Result<Header, LedgerError> {
+    let io_error = |source: io::Error| LedgerError::Io { path: path.to_path_buf(), source };
+    read_header(&File::open(path).map_err(io_error)?).map_err(io_error)
+}
+
+fn read_header(file: &File) -> io::Result<Header> {
+    let mut bytes = [0u8; size_of::<Header>()];
+    file.read_exact_at(&mut bytes, 0)?;
+    // SAFETY: Header is #[repr(C)] of integers and byte arrays only: every bit pattern is a
+    // valid value; read_unaligned copes with the byte buffer's alignment.
+    Ok(unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) })
 }
 
 fn map(file: &File, header: Header, path: &Path) -> Result<Mapped, LedgerError> {

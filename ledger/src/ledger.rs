@@ -275,6 +275,74 @@ impl Ledger {
         })
     }
 
+    /// Calls `f` with every live slot, under the lock and without copying the slots (for a
+    /// caller that reads a few fields of many slots). `f` must not call into this ledger.
+    pub fn for_each_slot(&self, mut f: impl FnMut(SlotId, &Slot)) -> Result<(), LedgerError> {
+        self.locked(|t| {
+            for (id, slot) in t.slots[..t.used_slots()].iter().enumerate() {
+                if slot.state == SLOT_LIVE {
+                    f(id as SlotId, slot);
+                }
+            }
+        })
+    }
+
+    /// Makes `slot`'s charge on `device` `bytes` of device memory, replacing `previous` (a
+    /// record of `slot` an earlier call returned, if any) in one step under the lock: what
+    /// the node agent charges a container for memory its processes hold outside the ledger.
+    /// Over quota the charge is cut to what the quota still holds (the memory is in use
+    /// whether or not the quota has room for it). Returns the new record, if any, and the
+    /// bytes it charges.
+    ///
+    /// `slot` must still describe `process` (checked under the lock, like
+    /// [`Ledger::reclaim_process`]): otherwise nothing changes and the error is
+    /// [`LedgerError::UnknownSlot`].
+    pub fn recharge(
+        &self,
+        slot: SlotId,
+        process: ProcessIdentity,
+        device: u32,
+        previous: Option<RecordId>,
+        bytes: u64,
+    ) -> Result<(Option<RecordId>, u64), LedgerError> {
+        self.locked(|t| {
+            let ours = t.slots.get(slot as usize).is_some_and(|s| {
+                s.state == SLOT_LIVE && s.pid == process.pid && s.pidns == process.pidns && s.start_time == process.start_time
+            });
+            if !ours {
+                return Err(LedgerError::UnknownSlot(slot));
+            }
+            if let Some(record) = previous {
+                let valid = t.records.get(record as usize).is_some_and(|r| r.state == RECORD_LIVE && r.slot == slot);
+                if valid {
+                    release(t, record);
+                }
+            }
+            if bytes == 0 {
+                return Ok((None, 0));
+            }
+            match reserve(t, slot, device, Charge::Device(bytes), 0) {
+                Ok(record) => Ok((Some(record), bytes)),
+                Err(ReserveError::OverQuota { used, limit, .. }) if limit > used => {
+                    let room = limit - used;
+                    match reserve(t, slot, device, Charge::Device(room), 0) {
+                        Ok(record) => Ok((Some(record), room)),
+                        Err(ReserveError::OverQuota { .. }) => Ok((None, 0)),
+                        Err(ReserveError::Ledger(error)) => Err(error),
+                    }
+                }
+                Err(ReserveError::OverQuota { .. }) => Ok((None, 0)),
+                Err(ReserveError::Ledger(error)) => Err(error),
+            }
+        })?
+    }
+
+    /// The header as the file holds it now (see [`file::header_on_disk`]); [`Ledger::header`]
+    /// is the copy validated at open.
+    pub fn header_on_disk(&self) -> Result<Header, LedgerError> {
+        file::header_on_disk(self.path())
+    }
+
     /// Copies of the records in use (allocations, small pools, context reserves).
     pub fn records(&self) -> Result<Vec<(RecordId, crate::layout::Record)>, LedgerError> {
         self.locked(|t| {

@@ -252,3 +252,55 @@ fn container_names_are_recorded_once_and_validated() {
     assert_eq!(ledger.names(), Some(("ns".into(), "p".repeat(NAME_BYTES - 1), "ok".into())));
     assert_sound(&ledger);
 }
+
+#[test]
+fn recharge_replaces_a_charge_and_cuts_it_to_the_quota() {
+    let dir = TempDir::new("recharge");
+    let ledger = Ledger::create(&dir.file(), &geometry(64 * MIB, 0), CREATOR_AGENT).unwrap();
+    let agent = ledger.register(fake_process(1)).unwrap();
+    let worker = ledger.register(fake_process(2)).unwrap();
+    ledger.reserve(worker, 0, Charge::Device(16 * MIB), 0x1000).unwrap();
+
+    let (first, charged) = ledger.recharge(agent, fake_process(1), 0, None, 10 * MIB).unwrap();
+    assert_eq!(charged, 10 * MIB);
+    assert_eq!(used(&ledger), 26 * MIB);
+    // Replaced, not added to.
+    let (second, charged) = ledger.recharge(agent, fake_process(1), 0, first, 20 * MIB).unwrap();
+    assert_eq!(charged, 20 * MIB);
+    assert_eq!(used(&ledger), 36 * MIB);
+    assert_sound(&ledger);
+    // More than the quota holds: cut to the room left, and the quota is full.
+    let (third, charged) = ledger.recharge(agent, fake_process(1), 0, second, 100 * MIB).unwrap();
+    assert_eq!(charged, 48 * MIB);
+    assert_eq!(used(&ledger), 64 * MIB);
+    assert!(matches!(ledger.reserve(worker, 0, Charge::Device(CHUNK), 0x2000), Err(ReserveError::OverQuota { .. })));
+    assert_sound(&ledger);
+    // Down to nothing: the quota is the worker's again.
+    assert_eq!(ledger.recharge(agent, fake_process(1), 0, third, 0).unwrap(), (None, 0));
+    assert_eq!(used(&ledger), 16 * MIB);
+    // A record of another slot is never released in its place.
+    let theirs = ledger.reserve(worker, 0, Charge::Device(4 * MIB), 0x3000).unwrap();
+    ledger.recharge(agent, fake_process(1), 0, Some(theirs), 2 * MIB).unwrap();
+    assert_eq!(used(&ledger), 22 * MIB);
+    // A slot that no longer describes the caller's process is not charged.
+    assert!(matches!(ledger.recharge(worker, fake_process(1), 0, None, 2 * MIB), Err(LedgerError::UnknownSlot(_))));
+    assert_eq!(used(&ledger), 22 * MIB);
+    assert_sound(&ledger);
+}
+
+#[test]
+fn the_header_on_disk_shows_a_rewrite_the_open_copy_does_not() {
+    let dir = TempDir::new("header-on-disk");
+    let ledger = Ledger::create(&dir.file(), &geometry(64 * MIB, 8 * MIB), CREATOR_AGENT).unwrap();
+    assert_eq!(ledger.header_on_disk().unwrap().devices, ledger.header().devices);
+    let mut rewritten = *ledger.header();
+    rewritten.devices[0].context_reserve = 0;
+    rewritten.checksum = ledger::layout::fnv1a(ledger::layout::checksummed_bytes(&rewritten));
+    // SAFETY: Header is plain #[repr(C)] data.
+    let bytes = unsafe { std::slice::from_raw_parts((&rewritten as *const ledger::layout::Header).cast::<u8>(), size_of::<ledger::layout::Header>()) };
+    OpenOptions::new().write(true).open(dir.file()).unwrap().write_all_at(bytes, 0).unwrap();
+    assert_eq!(ledger.header_on_disk().unwrap().devices[0].context_reserve, 0);
+    assert_eq!(ledger.header().devices[0].context_reserve, 8 * MIB);
+    // Consistent with itself, so a new opener accepts it: only a comparison can tell.
+    assert_eq!(Ledger::open(&dir.file()).unwrap().header().devices[0].context_reserve, 0);
+}
