@@ -18,6 +18,7 @@ use common::{names, stat, AllocKey, AllocKind, AllocRecord, Event, EventKind, Pr
 
 use crate::{
     cgroup::CgroupNames,
+    reconcile::EbpfProcess,
     snapshot::{BytesByKind, CgroupRow, ProcessRow, Snapshot, Stats},
 };
 
@@ -105,7 +106,7 @@ impl Accounting {
             // Looked up after the record was read: a record is only ever written after its
             // process entry exists, so a missing entry means the process has exited.
             let current = self.procs.get(&key.tgid, 0).ok();
-            if !current.is_some_and(|p| p.generation == record.generation)
+            if current.is_none_or(|p| p.generation != record.generation)
                 && self.allocs.remove(&key).is_ok()
             {
                 self.stats.stale_records_removed += 1;
@@ -113,10 +114,19 @@ impl Accounting {
         }
     }
 
-    /// `(host pid, live bytes)` of every process the probes saw allocate: the eBPF side of
-    /// [`crate::reconcile`], cheaper than a [`Snapshot`].
-    pub fn process_bytes(&self) -> Vec<(u32, u64)> {
-        self.procs.iter().filter_map(Result::ok).map(|(pid, usage)| (pid, usage.usage.total_bytes())).collect()
+    /// Every process the probes saw allocate: the eBPF side of [`crate::reconcile`], cheaper
+    /// than a [`Snapshot`].
+    pub fn processes(&self) -> Vec<EbpfProcess> {
+        self.procs
+            .iter()
+            .filter_map(Result::ok)
+            .map(|(pid, usage)| EbpfProcess {
+                pid,
+                generation: usage.generation,
+                cgroup_id: usage.cgroup_id,
+                bytes: usage.usage.total_bytes(),
+            })
+            .collect()
     }
 
     /// The current view.

@@ -14,6 +14,12 @@ pub struct CgroupNames {
     known: HashMap<u64, String>,
 }
 
+impl Default for CgroupNames {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl CgroupNames {
     pub fn new() -> Self {
         CgroupNames { root: cgroup2_mount(), known: HashMap::new() }

@@ -6,6 +6,13 @@
 //! skipped and logged once with the reason (again only if the file is replaced or
 //! rewritten). [`Ledgers::scan`] runs at start and every second: new files are opened,
 //! removed or replaced ones dropped.
+//!
+//! The header (the limits) is what the agent validated when it opened the file. Every scan
+//! also reads the header the file holds now: one that differs was rewritten under the
+//! ledger's processes (by a workload: the file is writable in its container), and processes
+//! started afterwards would take its values. [`Ledgers::header_change`] says how it differs;
+//! [`crate::reconcile`] reports the ledger's processes `tampered`, and the agent keeps
+//! enforcing the limits it validated.
 use std::{
     collections::{BTreeMap, BTreeSet},
     fs,
@@ -13,7 +20,10 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use ledger::Ledger;
+use ledger::{
+    layout::{checksummed_bytes, fnv1a, Header},
+    Ledger,
+};
 use tracing::{info, warn};
 
 /// Tells a file apart from the one that was at the same path before.
@@ -47,6 +57,8 @@ impl FileKey {
 struct Watched {
     ledger: Ledger,
     key: FileKey,
+    /// How the header on disk differs from the one validated at open, if it does.
+    header_change: Option<String>,
 }
 
 /// The ledgers under one directory.
@@ -75,6 +87,16 @@ impl Ledgers {
 
     pub fn len(&self) -> usize {
         self.open.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.open.is_empty()
+    }
+
+    /// How the header of the ledger at `path` now differs from the one the agent validated
+    /// (see the module doc), if it does.
+    pub fn header_change(&self, path: &Path) -> Option<&str> {
+        self.open.get(path)?.header_change.as_deref()
     }
 
     /// Files skipped because they are not valid ledgers.
@@ -110,6 +132,19 @@ impl Ledgers {
             self.open.remove(&path);
             info!(ledger = %path.display(), "ledger removed or replaced: no longer watched");
         }
+        for (path, watched) in self.open.iter_mut() {
+            let change = match watched.ledger.header_on_disk() {
+                Ok(now) => header_change(watched.ledger.header(), &now),
+                Err(error) => Some(format!("its header cannot be read: {error}")),
+            };
+            if change != watched.header_change {
+                match &change {
+                    Some(what) => warn!(ledger = %path.display(), change = %what, "ledger header rewritten since the agent validated it: its processes are reported tampered, the validated limits stay enforced"),
+                    None => info!(ledger = %path.display(), "ledger header back to the one the agent validated"),
+                }
+                watched.header_change = change;
+            }
+        }
         self.skipped.retain(|path, key| candidates.get(path) == Some(key));
         for (path, key) in candidates {
             if self.open.contains_key(&path) || self.skipped.contains_key(&path) {
@@ -118,7 +153,7 @@ impl Ledgers {
             match Ledger::open(&path) {
                 Ok(ledger) => {
                     info!(ledger = %path.display(), devices = ledger.header().device_count, "watching ledger");
-                    self.open.insert(path, Watched { ledger, key });
+                    self.open.insert(path, Watched { ledger, key, header_change: None });
                 }
                 Err(error) => {
                     warn!(file = %path.display(), reason = %error, "skipping a file that is not a valid ledger");
@@ -127,6 +162,37 @@ impl Ledgers {
             }
         }
     }
+}
+
+/// How `now` differs from `validated` (the fields that set limits and layout), if it does.
+fn header_change(validated: &Header, now: &Header) -> Option<String> {
+    let mut changes = Vec::new();
+    if now.checksum != fnv1a(checksummed_bytes(now)) {
+        changes.push("checksum no longer matches".to_string());
+    }
+    let count = validated.device_count as usize;
+    if now.device_count != validated.device_count {
+        changes.push(format!("device_count {} -> {}", validated.device_count, now.device_count));
+    }
+    for (index, (was, is)) in validated.devices[..count].iter().zip(&now.devices[..count]).enumerate() {
+        for (field, before, after) in [
+            ("limit", was.limit, is.limit),
+            ("chunk", was.chunk, is.chunk),
+            ("context_reserve", was.context_reserve, is.context_reserve),
+            ("chunks", was.chunks, is.chunks),
+        ] {
+            if before != after {
+                changes.push(format!("device {index} {field} {before} -> {after}"));
+            }
+        }
+        if was.uuid != is.uuid {
+            changes.push(format!("device {index} uuid changed"));
+        }
+    }
+    if changes.is_empty() && checksummed_bytes(validated) != checksummed_bytes(now) {
+        changes.push("layout fields changed".to_string());
+    }
+    (!changes.is_empty()).then(|| changes.join(", "))
 }
 
 /// Regular files (not hidden, not links) in `dir` and its direct subdirectories.
@@ -208,5 +274,38 @@ mod tests {
         fs::remove_dir_all(&dir).expect("cleanup");
         ledgers.scan();
         assert_eq!(ledgers.len(), 0);
+    }
+
+    #[test]
+    fn a_header_rewritten_under_the_agent_is_noticed() {
+        use std::os::unix::fs::FileExt;
+        let dir = std::env::temp_dir().join(format!("vramguard-ledgers-header-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(dir.join("a")).expect("mkdir");
+        let path = dir.join("a/ledger");
+        let ledger = Ledger::create(&path, &geometry(), CREATOR_AGENT).expect("create");
+        let mut ledgers = Ledgers::new(dir.clone());
+        ledgers.scan();
+        assert_eq!(ledgers.header_change(&path), None);
+
+        let write = |header: &Header| {
+            let bytes = checksummed_bytes(header).to_vec();
+            let file = fs::OpenOptions::new().write(true).open(&path).expect("open");
+            file.write_all_at(&bytes, 0).expect("write");
+            file.write_all_at(&header.checksum.to_ne_bytes(), bytes.len() as u64).expect("write checksum");
+        };
+        let mut rewritten = *ledger.header();
+        rewritten.devices[0].limit *= 2;
+        write(&rewritten);
+        ledgers.scan();
+        let change = ledgers.header_change(&path).expect("noticed");
+        assert!(change.contains("device 0 limit 67108864 -> 134217728"), "{change}");
+        assert!(change.contains("checksum no longer matches"), "{change}");
+
+        // Put back: no longer reported.
+        write(ledger.header());
+        ledgers.scan();
+        assert_eq!(ledgers.header_change(&path), None);
+        fs::remove_dir_all(&dir).expect("cleanup");
     }
 }

@@ -2,26 +2,10 @@
 //! on the node, reclaim of dead processes' ledger slots, reconciliation of the ledgers with
 //! the eBPF view, Prometheus metrics); `audit` asks a running agent for its live table of
 //! processes and their states; `inspect` and `reclaim` work on a ledger file directly.
-mod accounting;
-mod cgroup;
-mod control;
-mod enforce;
-mod http;
-mod identity;
-mod inspect;
-mod ledgers;
-mod libcuda;
-mod metrics;
-mod pod;
-mod preflight;
-mod probes;
-mod reclaim;
-mod reconcile;
-mod run;
-mod snapshot;
 
 use std::path::PathBuf;
 
+use agent::{control, inspect, run};
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 

@@ -8,8 +8,10 @@
 //! `vramguard_process_state{pid,state}` (one series per state, 1 for the process's current
 //! one), `vramguard_unhooked_processes`, `vramguard_container_ebpf_memory_bytes{ledger}` (the
 //! eBPF bytes of the ledger's processes, comparable with the ledger's data, small and managed
-//! bytes) and `vramguard_container_rejections_total{ledger,device_index}` (the ledger's own
-//! count of refused reservations).
+//! bytes), `vramguard_container_unaccounted_bytes{ledger}` (what the agent charges the ledger
+//! for memory its container holds outside it, [`crate::charge`]; also counted in the `data`
+//! kind of the used bytes) and `vramguard_container_rejections_total{ledger,device_index}`
+//! (the ledger's own count of refused reservations).
 //!
 //! Every per-ledger family also has the container's labels: `namespace`, `pod`, `container`
 //! (the names the hook recorded in the ledger from the downward API, [`ledger::Ledger::names`];
@@ -41,7 +43,6 @@ use crate::{
     inspect::uuid_text,
     ledgers::Ledgers,
     pod,
-    probes::AttachReport,
     reconcile::{Reconciler, State},
     snapshot::Snapshot,
 };
@@ -65,6 +66,7 @@ pub struct Metrics {
     process_state: IntGaugeVec,
     unhooked: IntGauge,
     container_ebpf: IntGaugeVec,
+    unaccounted: IntGaugeVec,
     rejections: IntCounterVec,
     /// The label values `rejections` has series for.
     rejection_series: BTreeSet<Vec<String>>,
@@ -196,6 +198,12 @@ impl Metrics {
             "GPU memory the eBPF probes saw a container's (ledger's) processes hold",
             &with_container(&["ledger"]),
         )?;
+        let unaccounted = gauge_vec(
+            &registry,
+            "vramguard_container_unaccounted_bytes",
+            "GPU memory the agent charges a container's ledger for memory its processes hold outside it (un-hooked or tampering processes)",
+            &with_container(&["ledger"]),
+        )?;
         let rejections = IntCounterVec::new(
             Opts::new("vramguard_container_rejections_total", "Reservations a container's ledger refused"),
             &with_container(&["ledger", "device_index"]),
@@ -226,6 +234,7 @@ impl Metrics {
             process_state,
             unhooked,
             container_ebpf,
+            unaccounted,
             rejections,
             rejection_series: BTreeSet::new(),
             pod_uids: BTreeMap::new(),
@@ -240,8 +249,11 @@ impl Metrics {
     }
 
     /// Rebuilds the gauges from the current state.
-    pub fn refresh(&mut self, ledgers: Option<&Ledgers>, snapshot: &Snapshot, probes: &[AttachReport], reconciler: &Reconciler) {
+    /// `charged`: what the agent charges each ledger (by path) for memory held outside it.
+    pub fn refresh(&mut self, ledgers: Option<&Ledgers>, snapshot: &Snapshot, reconciler: &Reconciler, charged: &BTreeMap<&str, u64>) {
+        let probes = &snapshot.libcuda;
         self.used.reset();
+        self.unaccounted.reset();
         self.limit.reset();
         self.container_ebpf.reset();
         if let Some(hami) = &self.hami {
@@ -272,6 +284,9 @@ impl Metrics {
                 self.container_ebpf
                     .with_label_values(&labels(&[path.as_str()], &container))
                     .set(value(ebpf_by_ledger.get(path.as_str()).copied().unwrap_or(0)));
+                self.unaccounted
+                    .with_label_values(&labels(&[path.as_str()], &container))
+                    .set(value(charged.get(path.as_str()).copied().unwrap_or(0)));
                 match ledger.device_usage() {
                     Ok(usage) => {
                         for (index, device) in usage.iter().enumerate() {
@@ -370,17 +385,20 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::reconcile::Observation;
+    use crate::{probes::AttachReport, reconcile::Observation};
 
     #[test]
     fn encodes_every_family() {
         let mut metrics = Metrics::new(false).expect("metrics");
         metrics.reclaimed(Duration::from_millis(3));
-        let probes = [AttachReport { path: "/lib/libcuda.so.1".into(), attached: vec!["a".into(), "b".into()], ..Default::default() }];
+        let snapshot = Snapshot {
+            libcuda: vec![AttachReport { path: "/lib/libcuda.so.1".into(), attached: vec!["a".into(), "b".into()], ..Default::default() }],
+            ..Default::default()
+        };
         let mut reconciler = Reconciler::new(Default::default());
-        let seen = |pid, ebpf_bytes| Observation { pid, ledger: None, ledger_bytes: None, ebpf_bytes, gone: false };
+        let seen = |pid, ebpf_bytes| Observation { pid, ebpf_bytes, ..Default::default() };
         reconciler.judge(vec![seen(41, 1 << 20), seen(42, 0)], std::time::Instant::now());
-        metrics.refresh(None, &Snapshot::default(), &probes, &reconciler);
+        metrics.refresh(None, &snapshot, &reconciler, &BTreeMap::new());
         let text = metrics.encode().expect("encode");
         assert!(text.contains("vramguard_reclaims_total 1"), "{text}");
         assert!(text.contains("vramguard_reclaim_latency_seconds_bucket{le=\"0.005\"} 1"), "{text}");
@@ -410,7 +428,9 @@ mod tests {
         let mut ledgers = Ledgers::new(dir.clone());
         ledgers.scan();
         let mut metrics = Metrics::new(true).expect("metrics");
-        metrics.refresh(Some(&ledgers), &Snapshot::default(), &[], &Reconciler::new(Default::default()));
+        let charged = BTreeMap::from([(dir.join("named/ledger").display().to_string(), 6u64 << 20)]);
+        let charged = charged.iter().map(|(path, bytes)| (path.as_str(), *bytes)).collect();
+        metrics.refresh(Some(&ledgers), &Snapshot::default(), &Reconciler::new(Default::default()), &charged);
         let text = metrics.encode().expect("encode");
         let named_path = dir.join("named/ledger").display().to_string();
         let anonymous_path = dir.join("anonymous/ledger").display().to_string();
@@ -422,6 +442,10 @@ mod tests {
             "vramguard_container_rejections_total{{container=\"\",device_index=\"0\",ledger=\"{anonymous_path}\",namespace=\"\",pod=\"\",pod_uid=\"\"}} 0"
         );
         assert!(text.contains(&anonymous), "{text}");
+        let unaccounted = format!(
+            "vramguard_container_unaccounted_bytes{{container=\"main\",ledger=\"{named_path}\",namespace=\"team-a\",pod=\"trainer-0\",pod_uid=\"\"}} 6291456"
+        );
+        assert!(text.contains(&unaccounted), "{text}");
         assert!(text.contains("hami_vgpu_memory_limit_bytes{container=\"main\",device_uuid=\"\",namespace=\"team-a\",pod=\"trainer-0\",vdevice_index=\"0\"} 67108864"), "{text}");
         assert!(text.contains("hami_vgpu_memory_used_bytes{container=\"main\",device_uuid=\"\",namespace=\"team-a\",pod=\"trainer-0\",vdevice_index=\"0\"} 0"), "{text}");
         assert_eq!(text.matches("hami_vgpu_memory_used_bytes{").count(), 1, "only the named ledger: {text}");

@@ -37,12 +37,39 @@
 //! * `stale`: a slot whose process is gone (the reclaimer normally frees it within a second).
 //! * `ok`: otherwise.
 //!
+//! A ledger whose header was rewritten since the agent validated it
+//! ([`Ledgers::header_change`]) has every process of it reported `tampered` too.
+//!
+//! # Containers
+//!
+//! A ledger's container is known to the kernel by the cgroups of the ledger's live processes:
+//! each pass collects them ([`Reconciler::ledger_cgroups`]) from the eBPF rows of the joined
+//! processes and from /proc for the others. A cgroup with processes of exactly one ledger
+//! is that container's ([`Reconciler::cgroup_ledgers`]; one shared by several ledgers is
+//! nobody's). The agent enforces the ledger's limits on its cgroups ([`crate::enforce`]),
+//! and charges the ledger, through a slot of its own ([`crate::charge`]), what the probes
+//! see the container hold outside it ([`Reconciler::unaccounted_by_ledger`]): the memory of
+//! `unhooked` processes in its cgroups and what `tampered` processes hold beyond their
+//! charge. The agent's own slot is never judged.
+//!
+//! # Cost
+//!
+//! A pass reads the slots in place under each ledger's lock ([`ledger::Ledger::for_each_slot`])
+//! and looks up each eBPF process's identity in /proc once per process (cached by pid and the
+//! probes' generation of the process, which changes when a pid is reused). Only slots without
+//! eBPF memory are looked up in /proc on every pass (whether their process still runs, and
+//! its cgroup).
+//!
 //! Passes run after every drain of the event ring buffer and every ledger sweep (at most one
 //! per [`MIN_INTERVAL`]), at least every second, and for every scrape and `audit`.
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::{BTreeMap, BTreeSet},
     time::{Duration, Instant},
 };
+
+// The pass hashes every process a few times: a fast hasher (the keys are pids and process
+// identities, not attacker-chosen strings).
+use foldhash::{HashMap, HashMapExt, HashSet};
 
 use ledger::{layout::Slot, Kind, ProcessIdentity};
 use serde::{Deserialize, Serialize};
@@ -82,11 +109,26 @@ impl State {
     }
 }
 
+/// One process as the probes see it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EbpfProcess {
+    /// Host pid.
+    pub pid: u32,
+    /// The probes' generation of the process (its entry's creation time): a pid reused by a
+    /// new process gets a new one.
+    pub generation: u64,
+    pub cgroup_id: u64,
+    /// Live requested bytes.
+    pub bytes: u64,
+}
+
 /// What one pass found about one process, before judging.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Observation {
     /// Host pid.
     pub pid: u32,
+    /// The process's cgroup (0 when unknown).
+    pub cgroup_id: u64,
     /// The ledger holding the process's slot (its path), if any.
     pub ledger: Option<String>,
     /// Requested bytes the ledger charges (data + small + managed), if it has a slot.
@@ -95,12 +137,16 @@ pub struct Observation {
     pub ebpf_bytes: u64,
     /// The slot's process is gone.
     pub gone: bool,
+    /// The ledger's header was rewritten since the agent validated it.
+    pub header_changed: bool,
 }
 
 /// One process's state, as the last pass judged it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Verdict {
     pub pid: u32,
+    #[serde(default)]
+    pub cgroup_id: u64,
     pub state: State,
     pub ledger: Option<String>,
     pub ledger_bytes: Option<u64>,
@@ -127,11 +173,51 @@ pub struct Reconciler {
     diverged: HashMap<u32, Instant>,
     verdicts: Vec<Verdict>,
     last_pass: Option<Instant>,
+    /// Identity of each eBPF process by pid: (generation, identity read from /proc).
+    identities: HashMap<u32, (u64, Option<ProcessIdentity>)>,
+    /// The agent's own identity: its slots hold its charges and are never judged.
+    agent: Option<ProcessIdentity>,
+    /// The cgroups of each ledger's live processes (by path), as of the last pass.
+    ledger_cgroups: BTreeMap<String, BTreeSet<u64>>,
 }
 
 impl Reconciler {
     pub fn new(config: Config) -> Reconciler {
-        Reconciler { config, diverged: HashMap::new(), verdicts: Vec::new(), last_pass: None }
+        Reconciler {
+            config,
+            diverged: HashMap::new(),
+            verdicts: Vec::new(),
+            last_pass: None,
+            identities: HashMap::new(),
+            agent: ProcessIdentity::current().ok(),
+            ledger_cgroups: BTreeMap::new(),
+        }
+    }
+
+    /// Records the identity of eBPF process (`pid`, `generation`) as if read from /proc (for
+    /// benchmarks of the join over processes that do not exist).
+    #[doc(hidden)]
+    pub fn know(&mut self, pid: u32, generation: u64, identity: ProcessIdentity) {
+        self.identities.insert(pid, (generation, Some(identity)));
+    }
+
+    /// The cgroups of each watched ledger's live processes (by ledger path).
+    pub fn ledger_cgroups(&self) -> &BTreeMap<String, BTreeSet<u64>> {
+        &self.ledger_cgroups
+    }
+
+    /// The ledger (path) of each cgroup that holds live processes of exactly one ledger: a
+    /// container's. A cgroup shared by processes of several ledgers is no one container's
+    /// (hooked processes outside containers, say), so it is left out: neither a ledger's
+    /// limit nor a ledger's charge can be pinned on it.
+    pub fn cgroup_ledgers(&self) -> BTreeMap<u64, &str> {
+        let mut owners: BTreeMap<u64, Option<&str>> = BTreeMap::new();
+        for (ledger, cgroups) in &self.ledger_cgroups {
+            for cgroup in cgroups {
+                owners.entry(*cgroup).and_modify(|owner| *owner = None).or_insert(Some(ledger.as_str()));
+            }
+        }
+        owners.into_iter().filter_map(|(cgroup, owner)| Some((cgroup, owner?))).collect()
     }
 
     /// The last pass's verdicts, by pid.
@@ -144,19 +230,36 @@ impl Reconciler {
         self.last_pass.is_none_or(|at| at.elapsed() >= MIN_INTERVAL)
     }
 
-    /// One pass over the watched ledgers and the eBPF view (`(host pid, bytes)` per process).
-    pub fn pass(&mut self, ledgers: Option<&Ledgers>, ebpf: &[(u32, u64)]) {
-        let observations = observe(ledgers, ebpf);
+    /// One pass over the watched ledgers and the eBPF view.
+    pub fn pass(&mut self, ledgers: Option<&Ledgers>, ebpf: &[EbpfProcess]) {
+        self.refresh_identities(ebpf);
+        let (observations, ledger_cgroups) = observe(ledgers, ebpf, &self.identities, self.agent);
+        self.ledger_cgroups = ledger_cgroups;
         self.judge(observations, Instant::now());
+    }
+
+    /// Reads the identity of every eBPF process not seen before (or whose pid was reused)
+    /// and forgets the processes that are gone.
+    fn refresh_identities(&mut self, ebpf: &[EbpfProcess]) {
+        let live: HashSet<u32> = ebpf.iter().map(|p| p.pid).collect();
+        self.identities.retain(|pid, _| live.contains(pid));
+        for process in ebpf {
+            let known = self.identities.get(&process.pid).is_some_and(|(generation, _)| *generation == process.generation);
+            if !known {
+                self.identities.insert(process.pid, (process.generation, identity::identity_of(process.pid)));
+            }
+        }
     }
 
     /// Judges `observations` as of `now`, logging every change of state.
     pub fn judge(&mut self, observations: Vec<Observation>, now: Instant) {
         let mut verdicts = Vec::with_capacity(observations.len());
         let mut diverged = HashMap::new();
+        let previous: HashMap<u32, State> = self.verdicts.iter().map(|v| (v.pid, v.state)).collect();
         for seen in observations {
             let state = match seen.ledger_bytes {
                 _ if seen.gone => State::Stale,
+                Some(_) if seen.header_changed => State::Tampered,
                 None if seen.ebpf_bytes > 0 => State::Unhooked,
                 None => State::Ok,
                 Some(ledger) if seen.ebpf_bytes.saturating_sub(ledger) > self.config.threshold => State::Tampered,
@@ -171,7 +274,7 @@ impl Reconciler {
                 }
                 Some(_) => State::Ok,
             };
-            let before = self.verdicts.iter().find(|v| v.pid == seen.pid).map(|v| v.state);
+            let before = previous.get(&seen.pid).copied();
             if before != Some(state) && (before.is_some() || state != State::Ok) {
                 let from = before.map_or("new", State::name);
                 let ledger = seen.ledger.as_deref().unwrap_or("");
@@ -184,6 +287,7 @@ impl Reconciler {
             }
             verdicts.push(Verdict {
                 pid: seen.pid,
+                cgroup_id: seen.cgroup_id,
                 state,
                 ledger: seen.ledger,
                 ledger_bytes: seen.ledger_bytes,
@@ -203,6 +307,28 @@ impl Reconciler {
             if let Some(ledger) = &verdict.ledger {
                 let sum = sums.entry(ledger.as_str()).or_default();
                 *sum = sum.saturating_add(verdict.ebpf_bytes);
+            }
+        }
+        sums
+    }
+
+    /// What the probes see each hooked container (ledger) hold outside its ledger: the bytes
+    /// of `unhooked` processes in the ledger's cgroups, and what each `tampered` process of
+    /// the ledger holds beyond its charge. Ledgers without any are left out.
+    pub fn unaccounted_by_ledger(&self) -> BTreeMap<String, u64> {
+        let owners = self.cgroup_ledgers();
+        let mut sums: BTreeMap<String, u64> = BTreeMap::new();
+        for verdict in &self.verdicts {
+            let (ledger, bytes) = match (&verdict.ledger, verdict.state) {
+                (Some(ledger), State::Tampered) => {
+                    (Some(ledger.as_str()), verdict.ebpf_bytes.saturating_sub(verdict.ledger_bytes.unwrap_or(0)))
+                }
+                (None, State::Unhooked) => (owners.get(&verdict.cgroup_id).copied(), verdict.ebpf_bytes),
+                _ => (None, 0),
+            };
+            if let Some(ledger) = ledger.filter(|_| bytes > 0) {
+                let sum = sums.entry(ledger.to_string()).or_default();
+                *sum = sum.saturating_add(bytes);
             }
         }
         sums
@@ -244,51 +370,76 @@ pub fn slot_bytes(slot: &Slot, devices: usize) -> u64 {
         .fold(0u64, u64::saturating_add)
 }
 
-/// Joins the ledgers' live slots with the eBPF view.
-pub fn observe(ledgers: Option<&Ledgers>, ebpf: &[(u32, u64)]) -> Vec<Observation> {
-    // Each eBPF process's identity: how a slot finds its process even before its host pid
-    // is recorded.
-    let by_identity: HashMap<ProcessIdentity, u32> =
-        ebpf.iter().filter_map(|&(pid, _)| identity::identity_of(pid).map(|id| (id, pid))).collect();
-    // pid -> (ledger, ledger bytes), for slots joined to an eBPF row.
-    let mut joined: HashMap<u32, (String, u64)> = HashMap::new();
+/// Joins the ledgers' live slots with the eBPF view (`identities`: each eBPF process's
+/// identity, by pid). Also returns the cgroups of each ledger's live processes.
+pub fn observe(
+    ledgers: Option<&Ledgers>,
+    ebpf: &[EbpfProcess],
+    identities: &HashMap<u32, (u64, Option<ProcessIdentity>)>,
+    agent: Option<ProcessIdentity>,
+) -> (Vec<Observation>, BTreeMap<String, BTreeSet<u64>>) {
+    // How a slot finds its process, even before its host pid is recorded.
+    let by_identity: HashMap<ProcessIdentity, &EbpfProcess> = ebpf
+        .iter()
+        .filter_map(|process| identities.get(&process.pid).and_then(|(_, id)| *id).map(|id| (id, process)))
+        .collect();
+    // pid -> (index in `names`, ledger bytes, header changed), for slots joined to an eBPF row.
+    let mut joined: HashMap<u32, (usize, u64, bool)> = HashMap::with_capacity(ebpf.len());
+    let mut names: Vec<String> = Vec::new();
     let mut observations = Vec::new();
+    let mut ledger_cgroups: BTreeMap<String, BTreeSet<u64>> = BTreeMap::new();
     for (path, ledger) in ledgers.into_iter().flat_map(Ledgers::iter) {
-        let slots = match ledger.slots() {
-            Ok(slots) => slots,
-            Err(error) => {
-                warn!(ledger = %path.display(), %error, "cannot read the ledger's slots to reconcile");
-                continue;
-            }
-        };
         let devices = ledger.header().device_count as usize;
         let name = path.display().to_string();
-        for view in slots {
-            let slot = view.slot;
-            let bytes = slot_bytes(&slot, devices);
+        let index = names.len();
+        names.push(name.clone());
+        let header_changed = ledgers.is_some_and(|l| l.header_change(path).is_some());
+        // Slots without eBPF memory, judged after the lock is released.
+        let mut unjoined: Vec<(u32, u64, u64)> = Vec::new();
+        let mut cgroups = BTreeSet::new();
+        let visited = ledger.for_each_slot(|_, slot| {
             let process = ProcessIdentity { pid: slot.pid, pidns: slot.pidns, start_time: slot.start_time };
-            if let Some(&pid) = by_identity.get(&process) {
-                let entry = joined.entry(pid).or_insert_with(|| (name.clone(), 0));
+            if Some(process) == agent {
+                return; // the agent's own charges
+            }
+            let bytes = slot_bytes(slot, devices);
+            if let Some(seen) = by_identity.get(&process) {
+                let entry = joined.entry(seen.pid).or_insert((index, 0, false));
                 entry.1 = entry.1.saturating_add(bytes);
-                continue;
+                entry.2 |= header_changed;
+                cgroups.insert(seen.cgroup_id);
+            } else if slot.host_pid != 0 {
+                unjoined.push((slot.host_pid, slot.start_time, bytes));
             }
-            if slot.host_pid == 0 {
-                continue; // not identified yet: the reclaimer records its host pid soon
+            // else: not identified yet; the reclaimer records its host pid soon
+        });
+        if let Err(error) = visited {
+            warn!(ledger = %path.display(), %error, "cannot read the ledger's slots to reconcile");
+            continue;
+        }
+        for (host_pid, start_time, bytes) in unjoined {
+            let gone = ledger::process::running_start_time_of(host_pid) != Some(start_time);
+            let cgroup_id = if gone { 0 } else { crate::cgroup::id_of_pid(host_pid).unwrap_or(0) };
+            if cgroup_id != 0 {
+                cgroups.insert(cgroup_id);
             }
-            let gone = ledger::process::running_start_time_of(slot.host_pid) != Some(slot.start_time);
             observations.push(Observation {
-                pid: slot.host_pid,
+                pid: host_pid,
+                cgroup_id,
                 ledger: Some(name.clone()),
                 ledger_bytes: Some(bytes),
                 ebpf_bytes: 0,
                 gone,
+                header_changed,
             });
         }
+        ledger_cgroups.insert(name, cgroups);
     }
-    for &(pid, bytes) in ebpf {
-        let (ledger, ledger_bytes) = match joined.remove(&pid) {
-            Some((ledger, charged)) => (Some(ledger), Some(charged)),
-            None => (None, None),
+    for process in ebpf {
+        let (pid, cgroup_id, bytes) = (process.pid, process.cgroup_id, process.bytes);
+        let (ledger, ledger_bytes, header_changed) = match joined.remove(&pid) {
+            Some((ledger, charged, changed)) => (Some(names[ledger].clone()), Some(charged), changed),
+            None => (None, None, false),
         };
         // A process the probes saw with a slot found by its host pid only (its identity
         // could not be read, e.g. it is exiting): merge rather than report it twice.
@@ -298,9 +449,9 @@ pub fn observe(ledgers: Option<&Ledgers>, ebpf: &[(u32, u64)]) -> Vec<Observatio
                 continue;
             }
         }
-        observations.push(Observation { pid, ledger, ledger_bytes, ebpf_bytes: bytes, gone: false });
+        observations.push(Observation { pid, cgroup_id, ledger, ledger_bytes, ebpf_bytes: bytes, gone: false, header_changed });
     }
-    observations
+    (observations, ledger_cgroups)
 }
 
 #[cfg(test)]
@@ -311,7 +462,7 @@ mod tests {
     const MIB: u64 = 1 << 20;
 
     fn seen(pid: u32, ledger_bytes: Option<u64>, ebpf_bytes: u64) -> Observation {
-        Observation { pid, ledger: ledger_bytes.map(|_| "/l".to_string()), ledger_bytes, ebpf_bytes, gone: false }
+        Observation { pid, ledger: ledger_bytes.map(|_| "/l".to_string()), ledger_bytes, ebpf_bytes, ..Default::default() }
     }
 
     fn states(r: &Reconciler) -> Vec<(u32, State)> {
@@ -340,6 +491,16 @@ mod tests {
             vec![(1, State::Ok), (2, State::Unhooked), (3, State::Tampered), (4, State::Ok), (5, State::Stale), (6, State::Ok)]
         );
         assert_eq!(r.ebpf_bytes_by_ledger().get("/l"), Some(&(264 * MIB)));
+    }
+
+    #[test]
+    fn a_cgroup_shared_by_ledgers_is_nobodys() {
+        let mut r = Reconciler::new(Config::default());
+        r.ledger_cgroups = BTreeMap::from([("/a".into(), BTreeSet::from([1, 2])), ("/b".into(), BTreeSet::from([2, 3]))]);
+        assert_eq!(r.cgroup_ledgers(), BTreeMap::from([(1, "/a"), (3, "/b")]));
+        let unhooked = |pid, cgroup_id, ebpf_bytes| Observation { pid, cgroup_id, ebpf_bytes, ..Default::default() };
+        r.judge(vec![unhooked(10, 1, MIB), unhooked(11, 2, 5 * MIB), unhooked(12, 3, 2 * MIB), unhooked(13, 3, MIB)], Instant::now());
+        assert_eq!(r.unaccounted_by_ledger(), BTreeMap::from([("/a".to_string(), MIB), ("/b".to_string(), 3 * MIB)]));
     }
 
     #[test]
@@ -387,15 +548,23 @@ mod tests {
         ledgers.scan();
 
         let pid = std::process::id();
+        let cgroup_id = crate::cgroup::id_of_pid(pid).unwrap_or(0);
+        let me = |bytes| EbpfProcess { pid, generation: 1, cgroup_id, bytes };
+        // The reconciler of another process (the agent's own slot is never judged).
         let mut r = Reconciler::new(Config::default());
-        r.pass(Some(&ledgers), &[(pid, charged)]);
+        r.agent = None;
+        r.pass(Some(&ledgers), &[me(charged)]);
         let name = path.display().to_string();
-        let ok = Verdict { pid, state: State::Ok, ledger: Some(name.clone()), ledger_bytes: Some(charged), ebpf_bytes: charged };
+        let ok = Verdict { pid, cgroup_id, state: State::Ok, ledger: Some(name.clone()), ledger_bytes: Some(charged), ebpf_bytes: charged };
         assert_eq!(r.verdicts(), [ok]);
+        assert_eq!(r.ledger_cgroups().get(&name), Some(&BTreeSet::from([cgroup_id])));
+        assert_eq!(r.unaccounted_by_ledger(), BTreeMap::new());
 
-        // The probes see 100 MiB more than the ledger charges: tampered.
-        r.pass(Some(&ledgers), &[(pid, charged + 100 * MIB)]);
+        // The probes see 100 MiB more than the ledger charges: tampered, and the excess is
+        // the ledger's unaccounted memory.
+        r.pass(Some(&ledgers), &[me(charged + 100 * MIB)]);
         assert_eq!(r.verdicts()[0].state, State::Tampered);
+        assert_eq!(r.unaccounted_by_ledger(), BTreeMap::from([(name.clone(), 100 * MIB)]));
 
         // Without eBPF memory and without a host pid the slot is left out; with this
         // process's host pid recorded it is a live process (ledger ahead, within grace).
@@ -404,9 +573,18 @@ mod tests {
         ledger.set_host_pid(slot, pid);
         r.pass(Some(&ledgers), &[]);
         assert_eq!(states(&r), vec![(pid, State::Ok)]);
-        // Another process (pid 1) is not in any ledger: unhooked.
-        r.pass(Some(&ledgers), &[(1, MIB)]);
+        // Another process (pid 1) is not in any ledger: unhooked. In another cgroup it is
+        // no ledger's business; in the ledger's cgroup, its memory is the ledger's.
+        r.pass(Some(&ledgers), &[EbpfProcess { pid: 1, generation: 1, cgroup_id: cgroup_id + 1, bytes: MIB }]);
         assert!(states(&r).contains(&(1, State::Unhooked)), "{:?}", r.verdicts());
+        assert_eq!(r.unaccounted_by_ledger(), BTreeMap::new());
+        r.pass(Some(&ledgers), &[EbpfProcess { pid: 1, generation: 1, cgroup_id, bytes: MIB }]);
+        assert_eq!(r.unaccounted_by_ledger(), BTreeMap::from([(name.clone(), MIB)]));
+
+        // Judged from this process, the slot is the reconciler's own: left out.
+        let mut own = Reconciler::new(Config::default());
+        own.pass(Some(&ledgers), &[me(charged)]);
+        assert_eq!(states(&own), vec![(pid, State::Unhooked)]);
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -24,6 +24,7 @@ use tracing::{info, warn};
 use crate::{
     accounting::Accounting,
     cgroup::CgroupNames,
+    charge::Charger,
     enforce,
     control,
     http::{self, Response},
@@ -194,6 +195,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         threshold: args.drift_threshold,
         grace: Duration::from_millis(args.drift_grace_ms),
     });
+    let mut charger = Charger::new();
     if let Some(ledgers) = ledgers.as_mut() {
         ledgers.scan();
         info!(dir = %ledgers.dir().display(), ledgers = ledgers.len(), skipped = ledgers.skipped(), "watching ledgers");
@@ -259,7 +261,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
             Wake::Limits => {
                 if let Some(limits) = limits.as_mut() {
                     if let Some(ledgers) = ledgers.as_ref() {
-                        limits.set_ledger_limits(ledger_cgroup_limits(ledgers));
+                        limits.set_ledger_limits(ledger_cgroup_limits(ledgers, &reconciler));
                     }
                     limits.refresh(&mut cgroups);
                 }
@@ -279,12 +281,12 @@ pub async fn run(args: RunArgs) -> Result<()> {
                     accounting.sweep();
                 }
                 if reconciler.due() {
-                    reconciler.pass(ledgers.as_ref(), &accounting.process_bytes());
+                    reconcile_pass(&mut reconciler, &mut charger, ledgers.as_ref(), &accounting);
                 }
             }
             Wake::Reconcile => {
                 accounting.drain(events.get_mut());
-                reconciler.pass(ledgers.as_ref(), &accounting.process_bytes());
+                reconcile_pass(&mut reconciler, &mut charger, ledgers.as_ref(), &accounting);
             }
             Wake::Ledgers | Wake::ExitRetry => {
                 if let Some(ledgers) = ledgers.as_mut() {
@@ -296,14 +298,14 @@ pub async fn run(args: RunArgs) -> Result<()> {
                     }
                 }
                 if reconciler.due() {
-                    reconciler.pass(ledgers.as_ref(), &accounting.process_bytes());
+                    reconcile_pass(&mut reconciler, &mut charger, ledgers.as_ref(), &accounting);
                 }
             }
             Wake::Sweep => {
                 accounting.drain(events.get_mut());
                 accounting.sweep();
                 if reconciler.due() {
-                    reconciler.pass(ledgers.as_ref(), &accounting.process_bytes());
+                    reconcile_pass(&mut reconciler, &mut charger, ledgers.as_ref(), &accounting);
                 }
             }
             Wake::Rescan => {
@@ -315,7 +317,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
             }
             Wake::Client(stream) => {
                 accounting.drain(events.get_mut());
-                let mut snapshot = snapshot(&mut accounting, &attached, ledgers.as_ref(), &reclaimer, &mut reconciler, metrics_addr);
+                let mut snapshot = snapshot(&mut accounting, &attached, ledgers.as_ref(), &reclaimer, &mut reconciler, &mut charger, metrics_addr);
                 snapshot.stats.cgroup_limits = limits.as_ref().map_or(0, |l| l.applied() as u64);
                 if let Err(error) = control::serve(stream, &snapshot).await {
                     warn!(%error, "answering a control client failed");
@@ -325,9 +327,9 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 let response = match request.path.as_str() {
                     "/metrics" => {
                         accounting.drain(events.get_mut());
-                        let mut snapshot = snapshot(&mut accounting, &attached, ledgers.as_ref(), &reclaimer, &mut reconciler, metrics_addr);
-                snapshot.stats.cgroup_limits = limits.as_ref().map_or(0, |l| l.applied() as u64);
-                        metrics.refresh(ledgers.as_ref(), &snapshot, &snapshot.libcuda, &reconciler);
+                        let mut snapshot = snapshot(&mut accounting, &attached, ledgers.as_ref(), &reclaimer, &mut reconciler, &mut charger, metrics_addr);
+                        snapshot.stats.cgroup_limits = limits.as_ref().map_or(0, |l| l.applied() as u64);
+                        metrics.refresh(ledgers.as_ref(), &snapshot, &reconciler, &charger.charged());
                         match metrics.encode() {
                             Ok(body) => Response { status: 200, content_type: prometheus::TEXT_FORMAT, body },
                             Err(error) => Response::text(500, format!("cannot encode the metrics: {error:#}\n")),
@@ -345,6 +347,9 @@ pub async fn run(args: RunArgs) -> Result<()> {
             }
         }
     }
+    if let Some(ledgers) = ledgers.as_ref() {
+        charger.release_all(ledgers);
+    }
     drop(listener);
     let _ = std::fs::remove_file(&args.socket);
     drop(accounting);
@@ -354,6 +359,14 @@ pub async fn run(args: RunArgs) -> Result<()> {
     Ok(())
 }
 
+/// One reconcile pass, then the agent's charges brought in line with it.
+fn reconcile_pass(reconciler: &mut Reconciler, charger: &mut Charger, ledgers: Option<&Ledgers>, accounting: &Accounting) {
+    reconciler.pass(ledgers, &accounting.processes());
+    if let Some(ledgers) = ledgers {
+        charger.update(ledgers, &reconciler.unaccounted_by_ledger());
+    }
+}
+
 /// The current view for `vramguard audit` and the metrics, reconciled as of now.
 fn snapshot(
     accounting: &mut Accounting,
@@ -361,11 +374,11 @@ fn snapshot(
     ledgers: Option<&Ledgers>,
     reclaimer: &Reclaimer,
     reconciler: &mut Reconciler,
+    charger: &mut Charger,
     metrics_addr: Option<SocketAddr>,
 ) -> Snapshot {
     let mut snapshot = accounting.snapshot();
-    let ebpf: Vec<(u32, u64)> = snapshot.processes.iter().map(|row| (row.pid, row.total_bytes)).collect();
-    reconciler.pass(ledgers, &ebpf);
+    reconcile_pass(reconciler, charger, ledgers, accounting);
     reconciler.annotate(&mut snapshot);
     snapshot.libcuda = attached.values().cloned().collect();
     snapshot.metrics_addr = metrics_addr.map(|addr| addr.to_string());
@@ -374,21 +387,22 @@ fn snapshot(
     snapshot
 }
 
-/// The cgroups of every watched ledger's live processes (by the host pids the reclaimer
-/// recorded) and the ledger's limit: the sum of its devices' limits.
-fn ledger_cgroup_limits(ledgers: &Ledgers) -> BTreeMap<u64, u64> {
-    let mut limits = BTreeMap::new();
-    for (_, ledger) in ledgers.iter() {
-        let header = ledger.header();
-        let limit: u64 = header.devices[..header.device_count as usize].iter().map(|d| d.limit).sum();
-        let Ok(slots) = ledger.slots() else { continue };
-        for view in slots.iter().filter(|v| v.slot.host_pid != 0) {
-            if let Some(cgroup) = crate::cgroup::id_of_pid(view.slot.host_pid) {
-                limits.entry(cgroup).or_insert(limit);
-            }
-        }
-    }
-    limits
+/// The cgroup of each watched ledger's container (as the last reconcile pass found them, see
+/// [`Reconciler::cgroup_ledgers`]) and the ledger's limit as the agent validated it: the sum
+/// of its devices' limits.
+fn ledger_cgroup_limits(ledgers: &Ledgers, reconciler: &Reconciler) -> BTreeMap<u64, u64> {
+    let limits: BTreeMap<String, u64> = ledgers
+        .iter()
+        .map(|(path, ledger)| {
+            let header = ledger.header();
+            (path.display().to_string(), header.devices[..header.device_count as usize].iter().map(|d| d.limit).sum())
+        })
+        .collect();
+    reconciler
+        .cgroup_ledgers()
+        .into_iter()
+        .filter_map(|(cgroup, ledger)| Some((cgroup, *limits.get(ledger)?)))
+        .collect()
 }
 
 /// Attaches the probes to `file` unless that file already has them.

@@ -3,7 +3,9 @@
 //!
 //! ```text
 //! offset 0            Header            page 0: magic, version, sizes, offsets, per-device
-//!                                       limits; checksummed; read-only for workloads
+//!                                       limits; checksummed; read once at open, never
+//!                                       mapped (the file itself stays writable: the agent
+//!                                       watches for rewrites)
 //! offset PAGE         State             the robust lock, the dirty flag, per-device usage,
 //!                                       the container's names (informational)
 //! slots_offset        [Slot; slots]     one per process

@@ -1,7 +1,7 @@
 //! Reading ledger files from a test, and writing one behind the ledger's back as a workload
 //! scribbling on its own mapping would.
 use std::{
-    fs::OpenOptions,
+    fs::{File, OpenOptions},
     mem::{offset_of, size_of},
     os::unix::fs::FileExt,
     path::Path,
@@ -9,9 +9,11 @@ use std::{
 
 use anyhow::{bail, Context, Result};
 use ledger::{
-    layout::{Slot, SlotDevice, KINDS},
-    Ledger,
+    layout::{checksummed_bytes, fnv1a, Header, Slot, SlotDevice, CREATOR_AGENT, KINDS, SLOT_LIVE},
+    DeviceConfig, Geometry, Ledger,
 };
+
+use crate::MIB;
 
 /// What the ledger at `path` charges on device 0, in bytes.
 pub fn used(path: &Path) -> Result<u64> {
@@ -42,5 +44,51 @@ pub fn zero_slot_bytes(path: &Path, pid: u32) -> Result<u64> {
     if after.slot.devices[0].bytes != [0; KINDS] {
         bail!("the write missed the slot's bytes: {:?}", after.slot.devices[0]);
     }
+    Ok(before)
+}
+
+/// Creates a ledger at `path` as the agent does (`CREATOR_AGENT`): `slots` process slots,
+/// `records` allocation records and one device with a quota of `limit` bytes, 2 MiB chunks
+/// and `context_reserve` bytes charged per context. Fails if the file exists.
+pub fn create(path: &Path, slots: u32, records: u32, limit: u64, context_reserve: u64) -> Result<()> {
+    let device = DeviceConfig { limit, chunk: 2 * MIB, context_reserve, ..Default::default() };
+    let geometry = Geometry { slots, records, devices: vec![device] };
+    Ledger::create(path, &geometry, CREATOR_AGENT).with_context(|| format!("cannot create the ledger {}", path.display()))?;
+    Ok(())
+}
+
+/// Finds the live slot of process `pid` (its pid in the slot, or the host pid the agent
+/// recorded) in the ledger at `path`, and returns a check of whether that slot still holds
+/// the process: it reads the slot's `state` and `pid` with one `pread` of the file, without
+/// the ledger's lock, so polling it does not contend with whoever frees the slot.
+pub fn slot_watch(path: &Path, pid: u32) -> Result<impl FnMut() -> Result<bool>> {
+    let ledger = Ledger::open(path)?;
+    let view = ledger
+        .slots()?
+        .into_iter()
+        .find(|v| v.slot.pid == pid || v.slot.host_pid == pid)
+        .with_context(|| format!("no live slot of process {pid} in {}", path.display()))?;
+    let offset = ledger.header().slots_offset + u64::from(view.id) * size_of::<Slot>() as u64;
+    let (state_at, pid_at) = (offset_of!(Slot, state), offset_of!(Slot, pid));
+    let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    let mut bytes = vec![0u8; state_at.max(pid_at) + 4];
+    Ok(move || {
+        file.read_exact_at(&mut bytes, offset).context("reading the slot")?;
+        let word = |at: usize| u32::from_ne_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]]);
+        Ok(word(state_at) == SLOT_LIVE && word(pid_at) == view.slot.pid)
+    })
+}
+
+/// Rewrites the header of the ledger file at `path` through the file, as a workload could:
+/// `change` edits a copy of the header, whose checksum is then recomputed so that a process
+/// opening the file afterwards accepts it. Returns the header as it was.
+pub fn rewrite_header(path: &Path, change: impl FnOnce(&mut Header)) -> Result<Header> {
+    let before = *Ledger::open(path)?.header();
+    let mut header = before;
+    change(&mut header);
+    header.checksum = fnv1a(checksummed_bytes(&header));
+    let mut bytes = checksummed_bytes(&header).to_vec();
+    bytes.extend_from_slice(&header.checksum.to_ne_bytes());
+    OpenOptions::new().write(true).open(path)?.write_all_at(&bytes, 0)?;
     Ok(before)
 }

@@ -1,0 +1,177 @@
+//! The agent's charges in the ledgers: GPU memory a hooked container holds outside its
+//! ledger (what [`crate::reconcile::Reconciler::unaccounted_by_ledger`] finds: processes of
+//! the container that skip the preload, processes that wrote their own charge down) is
+//! charged to the ledger, so the hooks of the container's other processes see it and refuse
+//! what would pass the quota.
+//!
+//! The agent holds one slot of its own in each ledger it charges (registered with its own
+//! process identity) and one record in it, replaced with [`Ledger::recharge`] whenever the
+//! amount changes, and dropped when it falls to zero. Over quota the charge is cut to what the
+//! quota still holds. The probes cannot tell devices apart, so the charge goes to the
+//! ledger's first device. On a clean stop the agent frees its slots; if it dies, its slot is
+//! a dead process's like any other, and the next agent reclaims it.
+use std::collections::BTreeMap;
+
+use ledger::{Ledger, LedgerError, ProcessIdentity, RecordId, SlotId};
+use tracing::{info, warn};
+
+use crate::ledgers::Ledgers;
+
+/// The device the agent charges (see the module doc).
+const DEVICE: u32 = 0;
+
+/// The agent's charge in one ledger.
+#[derive(Clone, Copy, Debug, Default)]
+struct Held {
+    slot: Option<SlotId>,
+    record: Option<RecordId>,
+    /// What the agent was asked to charge.
+    wanted: u64,
+    /// What the ledger holds (less than `wanted` when the quota is full).
+    charged: u64,
+}
+
+pub struct Charger {
+    /// The agent's identity; `None` (charging off) if it could not be read.
+    agent: Option<ProcessIdentity>,
+    /// By ledger path.
+    held: BTreeMap<String, Held>,
+}
+
+impl Charger {
+    pub fn new() -> Charger {
+        let agent = match ProcessIdentity::current() {
+            Ok(agent) => Some(agent),
+            Err(error) => {
+                warn!(%error, "cannot read the agent's own process identity: unaccounted memory will not be charged to ledgers");
+                None
+            }
+        };
+        Charger { agent, held: BTreeMap::new() }
+    }
+
+    /// Brings every watched ledger's charge to `wanted` (bytes by ledger path; a ledger not
+    /// in it wants none).
+    pub fn update(&mut self, ledgers: &Ledgers, wanted: &BTreeMap<String, u64>) {
+        let Some(agent) = self.agent else { return };
+        let watched: BTreeMap<String, &Ledger> = ledgers.iter().map(|(path, l)| (path.display().to_string(), l)).collect();
+        // A ledger no longer watched: its file is gone or replaced, and the charge with it.
+        self.held.retain(|path, _| watched.contains_key(path));
+        for (path, ledger) in watched {
+            let bytes = wanted.get(&path).copied().unwrap_or(0);
+            let held = self.held.get(&path).copied().unwrap_or_default();
+            if held.wanted == bytes {
+                continue;
+            }
+            match charge(ledger, agent, held, bytes) {
+                Ok(now) => {
+                    if now.charged != held.charged {
+                        info!(ledger = %path, wanted = bytes, charged = now.charged, "charged the container's memory held outside its ledger");
+                    }
+                    self.held.insert(path, now);
+                }
+                Err(error) => {
+                    warn!(ledger = %path, %error, "cannot charge the container's memory held outside its ledger");
+                    self.held.remove(&path);
+                }
+            }
+        }
+    }
+
+    /// Bytes charged, by ledger path (ledgers charged nothing are left out).
+    pub fn charged(&self) -> BTreeMap<&str, u64> {
+        self.held.iter().filter(|(_, h)| h.charged > 0).map(|(path, h)| (path.as_str(), h.charged)).collect()
+    }
+
+    /// Frees the agent's slots (on a clean stop).
+    pub fn release_all(&mut self, ledgers: &Ledgers) {
+        let Some(agent) = self.agent else { return };
+        for (path, ledger) in ledgers.iter() {
+            let Some(held) = self.held.remove(&path.display().to_string()) else { continue };
+            if let Some(slot) = held.slot {
+                if let Err(error) = ledger.reclaim_process(slot, agent) {
+                    warn!(ledger = %path.display(), %error, "cannot free the agent's slot");
+                }
+            }
+        }
+    }
+}
+
+impl Default for Charger {
+    fn default() -> Charger {
+        Charger::new()
+    }
+}
+
+/// Makes the agent's charge in `ledger` `bytes`, registering its slot first if it has none
+/// (or lost it: a slot freed by someone who judged the agent dead).
+fn charge(ledger: &Ledger, agent: ProcessIdentity, held: Held, bytes: u64) -> Result<Held, LedgerError> {
+    let slot = match held.slot {
+        Some(slot) => slot,
+        None if bytes == 0 => return Ok(Held::default()),
+        None => ledger.register(agent)?,
+    };
+    let (record, charged) = match ledger.recharge(slot, agent, DEVICE, held.record, bytes) {
+        Err(LedgerError::UnknownSlot(_)) => {
+            let slot = ledger.register(agent)?;
+            let (record, charged) = ledger.recharge(slot, agent, DEVICE, None, bytes)?;
+            return Ok(Held { slot: Some(slot), record, wanted: bytes, charged });
+        }
+        other => other?,
+    };
+    Ok(Held { slot: Some(slot), record, wanted: bytes, charged })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ledger::{layout::CREATOR_AGENT, Charge, DeviceConfig, Geometry};
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn charges_follow_the_unaccounted_memory_and_go_with_the_agent() {
+        let dir = std::env::temp_dir().join(format!("vramguard-charge-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("pod")).expect("mkdir");
+        let geometry = Geometry {
+            slots: 4,
+            records: 64,
+            devices: vec![DeviceConfig { limit: 64 * MIB, chunk: 2 * MIB, ..Default::default() }],
+        };
+        let path = dir.join("pod/ledger");
+        let ledger = Ledger::create(&path, &geometry, CREATOR_AGENT).expect("create");
+        let worker = ledger.register(ProcessIdentity { pid: 7, pidns: 1, start_time: 1 }).expect("register");
+        ledger.reserve(worker, 0, Charge::Device(16 * MIB), 0x1000).expect("reserve");
+        let mut ledgers = Ledgers::new(dir.clone());
+        ledgers.scan();
+        let name = path.display().to_string();
+        let used = || ledger.device_usage().expect("usage")[0].used_chunks * 2 * MIB;
+
+        let mut charger = Charger::new();
+        charger.update(&ledgers, &BTreeMap::from([(name.clone(), 20 * MIB)]));
+        assert_eq!(used(), 36 * MIB);
+        assert_eq!(charger.charged(), BTreeMap::from([(name.as_str(), 20 * MIB)]));
+        assert_eq!(ledger.slots().expect("slots").len(), 2, "one slot of the agent's own");
+        // More than the quota holds: cut to it, and the worker is refused.
+        charger.update(&ledgers, &BTreeMap::from([(name.clone(), 100 * MIB)]));
+        assert_eq!(used(), 64 * MIB);
+        assert!(ledger.reserve(worker, 0, Charge::Device(2 * MIB), 0x2000).is_err());
+        // Someone freed the agent's slot: it takes a new one.
+        let own = ledger.slots().expect("slots").into_iter().find(|v| v.id != worker).expect("agent slot").id;
+        ledger.reclaim(own).expect("reclaim");
+        charger.update(&ledgers, &BTreeMap::from([(name.clone(), 10 * MIB)]));
+        assert_eq!(used(), 26 * MIB);
+        // Nothing unaccounted: nothing charged.
+        charger.update(&ledgers, &BTreeMap::new());
+        assert_eq!(used(), 16 * MIB);
+        assert!(charger.charged().is_empty());
+        // A clean stop frees the slot.
+        charger.update(&ledgers, &BTreeMap::from([(name.clone(), 4 * MIB)]));
+        charger.release_all(&ledgers);
+        assert_eq!(used(), 16 * MIB);
+        assert_eq!(ledger.slots().expect("slots").len(), 1);
+        assert_eq!(ledger.check().expect("check"), Vec::<String>::new());
+        std::fs::remove_dir_all(&dir).expect("cleanup");
+    }
+}

@@ -1,0 +1,20 @@
+//! The `vramguard` node agent as a library: the binary (`src/main.rs`) is its command line,
+//! and the benchmarks under `benches/` drive its modules directly.
+pub mod accounting;
+pub mod cgroup;
+pub mod charge;
+pub mod control;
+pub mod enforce;
+pub mod http;
+pub mod identity;
+pub mod inspect;
+pub mod ledgers;
+pub mod libcuda;
+pub mod metrics;
+pub mod pod;
+pub mod preflight;
+pub mod probes;
+pub mod reclaim;
+pub mod reconcile;
+pub mod run;
+pub mod snapshot;
