@@ -7,7 +7,9 @@
 //! /kubepods.slice/*pod1234*                          8g
 //! ```
 //!
-//! The agent resolves the patterns against the cgroup2 tree (the first matching rule wins),
+//! The agent re-reads the file every `--rescan-ms` (so a ConfigMap update applies within
+//! about a second; an invalid new version is logged and the rules before it stay in force),
+//! resolves the patterns against the cgroup2 tree (the first matching rule wins),
 //! adds the cgroups of every watched ledger's live processes with that ledger's limit (the
 //! sum over its devices: the probes see a cgroup's memory on all devices together; a rule of
 //! the file wins over it), and keeps the kernel map `CGROUP_LIMITS` in step, so the entry probe of an allocation
@@ -15,7 +17,11 @@
 //! process a signal before the driver runs (`signal`, SIGKILL by default). `deny` (making the
 //! call return `CUDA_ERROR_OUT_OF_MEMORY`) needs a kernel that lets uprobe programs write
 //! their registers; the agent checks at start and says whether this kernel does.
-use std::{collections::BTreeMap, fs, path::Path};
+use std::{
+    collections::BTreeMap,
+    fs,
+    path::{Path, PathBuf},
+};
 
 use anyhow::{bail, Context, Result};
 use aya::{
@@ -36,6 +42,17 @@ pub enum Mode {
     Signal,
     /// Make the call fail without reaching the driver (kernel support needed).
     Deny,
+}
+
+impl Mode {
+    /// The mode as `--enforce` spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Audit => "audit",
+            Mode::Signal => "signal",
+            Mode::Deny => "deny",
+        }
+    }
 }
 
 /// One rule of a limits file.
@@ -89,6 +106,9 @@ fn matches(pattern: &str, text: &str) -> bool {
 
 /// The rules and the kernel map they are pushed into.
 pub struct Limits {
+    /// The limits file, re-read at every [`Limits::refresh`] (a ConfigMap update lands
+    /// within a second); `text` is what its rules were parsed from.
+    file: Option<(PathBuf, String)>,
     rules: Vec<Rule>,
     /// Cgroup id -> limit, from the watched ledgers.
     ledger_limits: BTreeMap<u64, u64>,
@@ -101,13 +121,14 @@ pub struct Limits {
 impl Limits {
     /// Limits from `file` (if any) and, later, from the ledgers ([`Limits::set_ledger_limits`]).
     pub fn new(ebpf: &mut Ebpf, file: Option<&Path>, mode: Mode, signal: i32) -> Result<Limits> {
-        let rules = match file {
+        let (file, rules) = match file {
             Some(file) => {
                 let text = fs::read_to_string(file)
                     .with_context(|| format!("cannot read the limits file {}", file.display()))?;
-                parse_rules(&text).with_context(|| format!("in the limits file {}", file.display()))?
+                let rules = parse_rules(&text).with_context(|| format!("in the limits file {}", file.display()))?;
+                (Some((file.to_path_buf(), text)), rules)
             }
-            None => Vec::new(),
+            None => (None, Vec::new()),
         };
         let mode = match mode {
             Mode::Audit => enforce::AUDIT,
@@ -119,7 +140,7 @@ impl Limits {
         }
         let map = ebpf.take_map(names::CGROUP_LIMITS).context("the eBPF object has no CGROUP_LIMITS map")?;
         let map = HashMap::try_from(map).context("CGROUP_LIMITS has an unexpected type")?;
-        Ok(Limits { rules, ledger_limits: BTreeMap::new(), mode, signal: signal as u32, map, applied: BTreeMap::new() })
+        Ok(Limits { file, rules, ledger_limits: BTreeMap::new(), mode, signal: signal as u32, map, applied: BTreeMap::new() })
     }
 
     /// The cgroups of the watched ledgers' live processes and their ledgers' limits.
@@ -127,8 +148,40 @@ impl Limits {
         self.ledger_limits = limits;
     }
 
-    /// Resolves the rules against the cgroups that exist now and updates the kernel map.
+    /// Re-reads the limits file if it changed: new rules replace the old ones; a file that
+    /// cannot be read or parsed leaves the old rules in force (and is logged once).
+    fn reload(&mut self) {
+        let Some((path, text)) = self.file.as_mut() else { return };
+        let now = match fs::read_to_string(&*path) {
+            Ok(now) => now,
+            Err(error) => {
+                let error = format!("unreadable: {error}");
+                if *text != error {
+                    tracing::warn!(file = %path.display(), %error, "cannot re-read the limits file: the rules read before stay in force");
+                    *text = error;
+                }
+                return;
+            }
+        };
+        if now == *text {
+            return;
+        }
+        match parse_rules(&now) {
+            Ok(rules) => {
+                tracing::info!(file = %path.display(), rules = rules.len(), "limits file changed: new rules in force");
+                self.rules = rules;
+            }
+            Err(error) => {
+                tracing::warn!(file = %path.display(), error = %format!("{error:#}"), "the changed limits file is invalid: the rules read before stay in force");
+            }
+        }
+        *text = now;
+    }
+
+    /// Re-reads the limits file if it changed, resolves the rules against the cgroups that
+    /// exist now and updates the kernel map.
     pub fn refresh(&mut self, names: &mut CgroupNames) {
+        self.reload();
         let mut wanted = BTreeMap::new();
         if !self.rules.is_empty() {
             for (id, path) in names.all() {

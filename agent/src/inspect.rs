@@ -213,6 +213,12 @@ fn render(report: &Report) -> String {
 /// `vramguard reclaim`: frees the slots whose processes are gone (or only `only`, which
 /// must then be gone).
 pub fn reclaim(path: &Path, only: Option<u32>) -> Result<()> {
+    if !identity::in_initial_pid_namespace() {
+        bail!(
+            "vramguard reclaim must run in the host's pid namespace (as the agent does, hostPID): \
+             from here a running process of another namespace looks dead, and its slot would be freed"
+        );
+    }
     let ledger = Ledger::open(path).with_context(|| format!("cannot open the ledger {}", path.display()))?;
     let slots = ledger.slots()?;
     if let Some(wanted) = only {
@@ -228,7 +234,9 @@ pub fn reclaim(path: &Path, only: Option<u32>) -> Result<()> {
         if identity::host_pid(&view.slot).is_some() {
             continue; // alive: never reclaimed
         }
-        let chunks = ledger.reclaim(view.id)?;
+        let process = ledger::ProcessIdentity { pid: view.slot.pid, pidns: view.slot.pidns, start_time: view.slot.start_time };
+        // Only if the slot still describes the process judged dead (checked under the lock).
+        let Some(chunks) = ledger.reclaim_process(view.id, process)? else { continue };
         println!("reclaimed slot {} (pid {} in its namespace): {} chunks", view.id, view.slot.pid, chunks);
         reclaimed += 1;
     }

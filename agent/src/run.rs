@@ -150,7 +150,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         bail!("--enforce deny is not implemented by this build; use --enforce signal or audit");
     }
     if args.enforce != enforce::Mode::Audit && args.limits.is_none() && args.ledger_dir.is_none() {
-        bail!("--enforce {:?} needs limits: --limits FILE and/or --ledger-dir DIR", args.enforce);
+        bail!("--enforce {} needs limits: --limits FILE and/or --ledger-dir DIR", args.enforce.name());
     }
     let mut limits = if args.limits.is_some() || args.ledger_dir.is_some() {
         Some(enforce::Limits::new(&mut ebpf, args.limits.as_deref(), args.enforce, args.signal)?)

@@ -67,6 +67,30 @@ fn audit_mode_counts_but_lets_the_workload_through() -> Result<()> {
     Ok(())
 }
 
+/// An edited limits file (a ConfigMap update) applies without restarting the agent.
+#[test]
+fn a_changed_limits_file_applies_without_a_restart() -> Result<()> {
+    let cgroup = TestCgroup::create("reload")?;
+    let limits = limits_file(&cgroup)?;
+    let agent = agent("audit", &limits)?;
+    let node = FakeNode::new("reload");
+    let steps = ["ctx 0", "alloc a 600m", "checkpoint one", "alloc b 100m", "checkpoint two"];
+    let mut workload = node.workload().in_cgroup(&cgroup).steps(steps).spawn()?;
+    workload.wait_checkpoint("one")?;
+    assert_eq!(stat(&agent.audit()?, "over_limit"), 0, "600 MiB is within 1 GiB");
+    std::fs::write(&limits, format!("{} 256m\n", cgroup.path))?;
+    e2e::wait_for(std::time::Duration::from_secs(3), "the edited rule in force", || Ok(agent.log().contains("limits file changed")))?;
+    workload.resume()?;
+    workload.wait_checkpoint("two")?;
+    let audit = agent.audit()?;
+    assert_eq!(stat(&audit, "over_limit"), 1, "b is past the new 256 MiB limit: {audit}");
+    workload.resume()?;
+    workload.wait()?.success()?;
+    agent.stop()?;
+    let _ = std::fs::remove_file(limits);
+    Ok(())
+}
+
 /// A process of a hooked container that skips the hook (an SSH session, a static binary) is
 /// held to the container's ledger limit by the probes: the agent pushes the ledger's limit
 /// for the cgroups of the ledger's processes.
