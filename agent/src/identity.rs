@@ -5,7 +5,8 @@
 //! zombie (killed, not yet reaped) counts as gone: its GPU memory is already released.
 //!
 //! [`host_pid`] scans /proc for one slot; [`ProcessTable`] scans it once for many slots (the
-//! agent's sweep).
+//! agent's sweep); [`ProbedProcesses`] keeps the identities of the processes the probes
+//! report, read once per process (the reconcile pass).
 use std::{collections::HashMap, fs, os::unix::fs::MetadataExt};
 
 use ledger::{layout::Slot, ProcessIdentity};
@@ -75,6 +76,111 @@ impl ProcessTable {
     }
 }
 
+/// The identities of the processes the probes report, each read from /proc once (when the
+/// probes first report the process, or report a new process under a reused pid, which they
+/// tell by its generation), and the row of each in the probes' latest report: what lets a
+/// pass join many slots with their processes at one hash look-up per slot.
+#[derive(Default)]
+pub struct ProbedProcesses {
+    by_pid: foldhash::HashMap<u32, usize>,
+    by_identity: foldhash::HashMap<ProcessIdentity, usize>,
+    entries: Vec<Probed>,
+    free: Vec<usize>,
+    /// Counts [`ProbedProcesses::update`]s: an entry is in the latest report when its
+    /// `report` equals it.
+    report: u64,
+}
+
+#[derive(Clone, Copy)]
+struct Probed {
+    pid: u32,
+    generation: u64,
+    identity: Option<ProcessIdentity>,
+    /// Index in the latest report it was in.
+    row: usize,
+    report: u64,
+    /// False while the entry is on the free list.
+    in_use: bool,
+}
+
+impl ProbedProcesses {
+    /// Takes the probes' latest report: `(pid, generation)` per row. Processes new to it are
+    /// looked up with `identify` (normally [`identity_of`]); those no longer reported are
+    /// forgotten.
+    pub fn update(&mut self, rows: impl Iterator<Item = (u32, u64)>, mut identify: impl FnMut(u32) -> Option<ProcessIdentity>) {
+        self.report += 1;
+        for (row, (pid, generation)) in rows.enumerate() {
+            match self.by_pid.get(&pid).copied() {
+                Some(index) if self.entries[index].generation == generation => {
+                    let entry = &mut self.entries[index];
+                    entry.row = row;
+                    entry.report = self.report;
+                }
+                known => {
+                    if let Some(index) = known {
+                        self.forget(index);
+                    }
+                    self.add(Probed { pid, generation, identity: identify(pid), row, report: self.report, in_use: true });
+                }
+            }
+        }
+        let gone: Vec<usize> = (0..self.entries.len())
+            .filter(|&index| {
+                let entry = &self.entries[index];
+                entry.in_use && entry.report != self.report
+            })
+            .collect();
+        for index in gone {
+            self.forget(index);
+        }
+    }
+
+    /// The row, in the latest report, of the process with `identity`.
+    pub fn row_of(&self, identity: &ProcessIdentity) -> Option<usize> {
+        let entry = &self.entries[*self.by_identity.get(identity)?];
+        (entry.report == self.report).then_some(entry.row)
+    }
+
+    /// Records the identity of process (`pid`, `generation`) as if read from /proc, for
+    /// benchmarks over processes that do not exist; the next report keeps it.
+    #[doc(hidden)]
+    pub fn know(&mut self, pid: u32, generation: u64, identity: ProcessIdentity) {
+        if let Some(index) = self.by_pid.get(&pid).copied() {
+            self.forget(index);
+        }
+        self.add(Probed { pid, generation, identity: Some(identity), row: 0, report: 0, in_use: true });
+    }
+
+    fn add(&mut self, entry: Probed) {
+        let index = match self.free.pop() {
+            Some(index) => {
+                self.entries[index] = entry;
+                index
+            }
+            None => {
+                self.entries.push(entry);
+                self.entries.len() - 1
+            }
+        };
+        self.by_pid.insert(entry.pid, index);
+        if let Some(identity) = entry.identity {
+            self.by_identity.insert(identity, index);
+        }
+    }
+
+    fn forget(&mut self, index: usize) {
+        let entry = self.entries[index];
+        self.entries[index].in_use = false;
+        self.by_pid.remove(&entry.pid);
+        if let Some(identity) = entry.identity {
+            if self.by_identity.get(&identity) == Some(&index) {
+                self.by_identity.remove(&identity);
+            }
+        }
+        self.free.push(index);
+    }
+}
+
 /// The pid of host process `pid` inside its own (innermost) pid namespace.
 fn namespace_pid(pid: u32) -> Option<u32> {
     let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
@@ -107,5 +213,31 @@ mod tests {
         slot.start_time += 1;
         assert_eq!(host_pid(&slot), None);
         assert_eq!(ProcessTable::scan().find(&slot), None);
+    }
+
+    #[test]
+    fn probed_processes_are_identified_once_and_follow_the_reports() {
+        let id = |pid: u32, start_time: u64| ledger::ProcessIdentity { pid, pidns: 9, start_time };
+        let mut lookups = Vec::new();
+        let mut probed = ProbedProcesses::default();
+        let mut identify = |pid: u32| {
+            lookups.push(pid);
+            Some(id(pid, u64::from(pid) * 10))
+        };
+        probed.update([(1, 100), (2, 200)].into_iter(), &mut identify);
+        assert_eq!((probed.row_of(&id(1, 10)), probed.row_of(&id(2, 20))), (Some(0), Some(1)));
+        // Same processes in another order: rows follow, nothing looked up again.
+        probed.update([(2, 200), (1, 100)].into_iter(), &mut identify);
+        assert_eq!((probed.row_of(&id(1, 10)), probed.row_of(&id(2, 20))), (Some(1), Some(0)));
+        // Pid 1 reused by a new process (new generation): looked up again; pid 2 gone.
+        let mut identify = |pid: u32| {
+            lookups.push(pid);
+            Some(id(pid, 99))
+        };
+        probed.update([(1, 101)].into_iter(), &mut identify);
+        assert_eq!(probed.row_of(&id(1, 10)), None, "the old process is not the new one");
+        assert_eq!(probed.row_of(&id(1, 99)), Some(0));
+        assert_eq!(probed.row_of(&id(2, 20)), None);
+        assert_eq!(lookups, vec![1, 2, 1]);
     }
 }

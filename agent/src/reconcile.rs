@@ -69,7 +69,7 @@ use std::{
 
 // The pass hashes every process a few times: a fast hasher (the keys are pids and process
 // identities, not attacker-chosen strings).
-use foldhash::{HashMap, HashMapExt, HashSet};
+use foldhash::{HashMap, HashMapExt};
 
 use ledger::{layout::Slot, Kind, ProcessIdentity};
 use serde::{Deserialize, Serialize};
@@ -173,8 +173,8 @@ pub struct Reconciler {
     diverged: HashMap<u32, Instant>,
     verdicts: Vec<Verdict>,
     last_pass: Option<Instant>,
-    /// Identity of each eBPF process by pid: (generation, identity read from /proc).
-    identities: HashMap<u32, (u64, Option<ProcessIdentity>)>,
+    /// The identity of each process the probes report.
+    probed: identity::ProbedProcesses,
     /// The agent's own identity: its slots hold its charges and are never judged.
     agent: Option<ProcessIdentity>,
     /// The cgroups of each ledger's live processes (by path), as of the last pass.
@@ -188,7 +188,7 @@ impl Reconciler {
             diverged: HashMap::new(),
             verdicts: Vec::new(),
             last_pass: None,
-            identities: HashMap::new(),
+            probed: identity::ProbedProcesses::default(),
             agent: ProcessIdentity::current().ok(),
             ledger_cgroups: BTreeMap::new(),
         }
@@ -198,7 +198,7 @@ impl Reconciler {
     /// benchmarks of the join over processes that do not exist).
     #[doc(hidden)]
     pub fn know(&mut self, pid: u32, generation: u64, identity: ProcessIdentity) {
-        self.identities.insert(pid, (generation, Some(identity)));
+        self.probed.know(pid, generation, identity);
     }
 
     /// The cgroups of each watched ledger's live processes (by ledger path).
@@ -232,23 +232,10 @@ impl Reconciler {
 
     /// One pass over the watched ledgers and the eBPF view.
     pub fn pass(&mut self, ledgers: Option<&Ledgers>, ebpf: &[EbpfProcess]) {
-        self.refresh_identities(ebpf);
-        let (observations, ledger_cgroups) = observe(ledgers, ebpf, &self.identities, self.agent);
+        self.probed.update(ebpf.iter().map(|p| (p.pid, p.generation)), identity::identity_of);
+        let (observations, ledger_cgroups) = observe(ledgers, ebpf, &self.probed, self.agent);
         self.ledger_cgroups = ledger_cgroups;
         self.judge(observations, Instant::now());
-    }
-
-    /// Reads the identity of every eBPF process not seen before (or whose pid was reused)
-    /// and forgets the processes that are gone.
-    fn refresh_identities(&mut self, ebpf: &[EbpfProcess]) {
-        let live: HashSet<u32> = ebpf.iter().map(|p| p.pid).collect();
-        self.identities.retain(|pid, _| live.contains(pid));
-        for process in ebpf {
-            let known = self.identities.get(&process.pid).is_some_and(|(generation, _)| *generation == process.generation);
-            if !known {
-                self.identities.insert(process.pid, (process.generation, identity::identity_of(process.pid)));
-            }
-        }
     }
 
     /// Judges `observations` as of `now`, logging every change of state.
@@ -370,21 +357,16 @@ pub fn slot_bytes(slot: &Slot, devices: usize) -> u64 {
         .fold(0u64, u64::saturating_add)
 }
 
-/// Joins the ledgers' live slots with the eBPF view (`identities`: each eBPF process's
-/// identity, by pid). Also returns the cgroups of each ledger's live processes.
+/// Joins the ledgers' live slots with the eBPF view (`probed`: the identities of its
+/// processes, updated with it). Also returns the cgroups of each ledger's live processes.
 pub fn observe(
     ledgers: Option<&Ledgers>,
     ebpf: &[EbpfProcess],
-    identities: &HashMap<u32, (u64, Option<ProcessIdentity>)>,
+    probed: &identity::ProbedProcesses,
     agent: Option<ProcessIdentity>,
 ) -> (Vec<Observation>, BTreeMap<String, BTreeSet<u64>>) {
-    // How a slot finds its process, even before its host pid is recorded.
-    let by_identity: HashMap<ProcessIdentity, &EbpfProcess> = ebpf
-        .iter()
-        .filter_map(|process| identities.get(&process.pid).and_then(|(_, id)| *id).map(|id| (id, process)))
-        .collect();
-    // pid -> (index in `names`, ledger bytes, header changed), for slots joined to an eBPF row.
-    let mut joined: HashMap<u32, (usize, u64, bool)> = HashMap::with_capacity(ebpf.len());
+    // By eBPF row: (index in `names`, ledger bytes, header changed) of the slots joined to it.
+    let mut joined: Vec<Option<(usize, u64, bool)>> = vec![None; ebpf.len()];
     let mut names: Vec<String> = Vec::new();
     let mut observations = Vec::new();
     let mut ledger_cgroups: BTreeMap<String, BTreeSet<u64>> = BTreeMap::new();
@@ -403,11 +385,11 @@ pub fn observe(
                 return; // the agent's own charges
             }
             let bytes = slot_bytes(slot, devices);
-            if let Some(seen) = by_identity.get(&process) {
-                let entry = joined.entry(seen.pid).or_insert((index, 0, false));
+            if let Some(row) = probed.row_of(&process) {
+                let entry = joined[row].get_or_insert((index, 0, false));
                 entry.1 = entry.1.saturating_add(bytes);
                 entry.2 |= header_changed;
-                cgroups.insert(seen.cgroup_id);
+                cgroups.insert(ebpf[row].cgroup_id);
             } else if slot.host_pid != 0 {
                 unjoined.push((slot.host_pid, slot.start_time, bytes));
             }
@@ -435,9 +417,9 @@ pub fn observe(
         }
         ledger_cgroups.insert(name, cgroups);
     }
-    for process in ebpf {
+    for (process, joined) in ebpf.iter().zip(joined) {
         let (pid, cgroup_id, bytes) = (process.pid, process.cgroup_id, process.bytes);
-        let (ledger, ledger_bytes, header_changed) = match joined.remove(&pid) {
+        let (ledger, ledger_bytes, header_changed) = match joined {
             Some((ledger, charged, changed)) => (Some(names[ledger].clone()), Some(charged), changed),
             None => (None, None, false),
         };
