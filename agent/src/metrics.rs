@@ -32,7 +32,7 @@ use std::{
 };
 
 use anyhow::{Context, Result};
-use ledger::{layout::KINDS, Kind, SlotView};
+use ledger::{layout::KINDS, Kind, ProcessIdentity, SlotView};
 use prometheus::{
     Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
@@ -73,6 +73,8 @@ pub struct Metrics {
     /// The pod UID found for each watched ledger (by path).
     pod_uids: BTreeMap<String, String>,
     hami: Option<Hami>,
+    /// The agent's own identity (its slots are not a container's processes).
+    agent: Option<ProcessIdentity>,
 }
 
 /// HAMi's monitor families (`--hami-metrics`).
@@ -114,12 +116,13 @@ fn labels<'a>(own: &[&'a str], container: &'a Container) -> Vec<&'a str> {
 }
 
 /// The pod UID of the first live slot whose host process still is the slot's process and
-/// runs in a pod's cgroup.
-fn pod_uid_of(slots: &[SlotView]) -> Option<String> {
+/// runs in a pod's cgroup; the agent's own slot (`agent`, [`crate::charge`]) is not the
+/// container's.
+fn pod_uid_of(slots: &[SlotView], agent: Option<ProcessIdentity>) -> Option<String> {
     slots.iter().filter(|view| view.slot.host_pid != 0).find_map(|view| {
         let process = identity::identity_of(view.slot.host_pid)?;
         let same = process.pid == view.slot.pid && process.pidns == view.slot.pidns && process.start_time == view.slot.start_time;
-        if !same {
+        if !same || Some(process) == agent {
             return None;
         }
         pod::of_pid(view.slot.host_pid).map(|identity| identity.pod_uid)
@@ -239,6 +242,7 @@ impl Metrics {
             rejection_series: BTreeSet::new(),
             pod_uids: BTreeMap::new(),
             hami,
+            agent: ProcessIdentity::current().ok(),
         })
     }
 
@@ -275,7 +279,7 @@ impl Metrics {
                     }
                 };
                 let path = path.display().to_string();
-                if let Some(uid) = pod_uid_of(&slots) {
+                if let Some(uid) = pod_uid_of(&slots, self.agent) {
                     self.pod_uids.insert(path.clone(), uid);
                 }
                 let (namespace, pod, container) = ledger.names().unwrap_or_default();
