@@ -120,7 +120,7 @@ fn mixed(c: &mut Criterion) {
         group.bench_function(format!("{occupancy}% occupancy (one op)"), |b| {
             b.iter(|| {
                 // Keep occupancy steady: release one, reserve one of a random size.
-                if rng.next() % 2 == 0 && !live.is_empty() {
+                if rng.next().is_multiple_of(2) && !live.is_empty() {
                     let index = (rng.next() % live.len() as u64) as usize;
                     let (record, size) = live.swap_remove(index);
                     ledger.release(slot, record).expect("release");

@@ -565,8 +565,8 @@ pub fn check(t: &mut Tables<'_>) -> Vec<String> {
         if slot.state != SLOT_LIVE {
             continue;
         }
-        for d in 0..count {
-            let (have, want) = (slot.devices[d], usage[s][d]);
+        for (d, &want) in usage[s].iter().enumerate().take(count) {
+            let have = slot.devices[d];
             if have.bytes != want.bytes || have.chunks != want.chunks {
                 problems.push(format!("slot {s} device {d}: usage {:?}/{:?} but its records sum to {:?}/{:?}", have.bytes, have.chunks, want.bytes, want.chunks));
             }

@@ -1,77 +1,523 @@
-//! `cargo xtask demo`: the agent against the fake driver, with sample workloads in cgroups of
-//! their own (and one under the hook with a quota it tries to exceed); prints what
-//! `vramguard audit` shows at each stage, then cleans up everything it made (processes,
-//! cgroups, the fake device's state files and the ledger).
-use anyhow::{bail, Context, Result};
-use e2e::{agent::Agent, cgroup::TestCgroup, FakeNode};
+//! `cargo xtask demo`, and the check of it that `cargo xtask test` runs.
+//!
+//! The demo starts `vramguard run --ledger-dir DIR --metrics-addr 127.0.0.1:0` against the
+//! fake driver (no GPU needed), DIR holding one directory per container with its ledger, as
+//! the DaemonSet mounts them, and runs three containers, each a cgroup of its own:
+//! [`TRAINING`] (hooked, within its quota), [`INFERENCE`] (hooked, one allocation refused over
+//! its quota with `CUDA_ERROR_OUT_OF_MEMORY`) and [`BATCH`] (not hooked at all). It prints the
+//! `vramguard audit` table and the interesting lines of `/metrics` at each stage, SIGKILLs the
+//! training workload to show its ledger slot reclaimed, lets the others exit, stops the agent
+//! and removes everything it made.
+//!
+//! One implementation serves both uses: [`show`] writes through a [`Transcript`] (stdout, and
+//! kept as text). `cargo xtask demo` is [`demo`]: build, then [`show`]. `cargo xtask test`
+//! (and `cargo xtask demo --check`) runs [`check`]: the same [`show`], then
+//! [`check_transcript`] on its text (the refusal, the un-hooked process reported `unhooked`,
+//! the reclaim, the agent stopped cleanly) and [`check_clean`] on the machine (no cgroup,
+//! fake device file, directory or child process left behind).
+use std::{
+    ffi::OsStr,
+    fmt::Write as _,
+    fs,
+    net::SocketAddr,
+    path::PathBuf,
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, ensure, Context, Result};
+use e2e::{
+    agent::Agent,
+    cgroup::{self, TestCgroup},
+    http::{self, Sample},
+    ledgers, wait_for, FakeNode, Running, TempDir, GIB,
+};
 
 use crate::{build_ebpf, cargo, run, setup};
 
-pub fn demo() -> Result<()> {
+/// A container of the demo: its name (also its ledger's directory and its pod name), its
+/// quota under the hook (`None`: not hooked), and its workload's steps, which reach a
+/// `checkpoint up` holding their memory.
+pub struct Container {
+    pub name: &'static str,
+    pub quota: Option<u64>,
+    pub steps: &'static [&'static str],
+    pub what: &'static str,
+}
+
+/// Hooked, within its quota; SIGKILLed later without freeing, so its slot is reclaimed.
+pub const TRAINING: Container = Container {
+    name: "training",
+    quota: Some(4 * GIB),
+    steps: &["ctx 0", "alloc weights 1g", "alloc activations 512m", "managed staging 64m", "checkpoint up", "hold"],
+    what: "hooked, 4 GiB quota, holds 1.5 GiB + 64 MiB managed",
+};
+
+/// Hooked, pushed over its quota: its second allocation is refused by the hook.
+pub const INFERENCE: Container = Container {
+    name: "inference",
+    quota: Some(GIB),
+    steps: &["ctx 0", "meminfo", "alloc model 512m", "expect-oom alloc cache 1g", "checkpoint up", "free model"],
+    what: "hooked, 1 GiB quota, asks for 512 MiB and then 1 GiB more",
+};
+
+/// Not hooked at all (no `LD_PRELOAD`): only the eBPF probes see it.
+pub const BATCH: Container = Container {
+    name: "batch",
+    quota: None,
+    steps: &["ctx 0", "alloc scratch 2g", "vmm cache 512m", "checkpoint up", "free scratch", "vmm-free cache"],
+    what: "not hooked, holds 2 GiB + 512 MiB of VMM memory",
+};
+
+/// The step of [`INFERENCE`] that its quota refuses, as the workload reports it.
+const REFUSED: &str = "oom cache";
+
+/// The agent's last log line on a clean stop (agent/src/run.rs).
+const AGENT_STOPPED: &str = "vramguard agent stopped";
+
+/// What the demo prints: echoed to stdout as it is written, and kept.
+#[derive(Default)]
+pub struct Transcript {
+    text: String,
+}
+
+impl Transcript {
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+}
+
+impl std::fmt::Write for Transcript {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        print!("{s}");
+        self.text.push_str(s);
+        Ok(())
+    }
+}
+
+/// What one run of the demo made, to be found gone afterwards, and its workloads' pids.
+pub struct Footprint {
+    pub training: u32,
+    pub inference: u32,
+    pub batch: u32,
+    /// The fake node's name (`FAKECUDA_NODE`) and the directory of its device files.
+    node: String,
+    state_dir: PathBuf,
+    /// The ledger root given to `--ledger-dir`.
+    ledger_root: PathBuf,
+    /// The agent's own directory (socket, log).
+    agent_dir: PathBuf,
+    /// The cgroups' directories.
+    cgroups: Vec<PathBuf>,
+}
+
+/// `cargo xtask demo [--check]`: builds what it runs, then [`show`] (with `--check`:
+/// [`check`], as `cargo xtask test` runs it).
+pub fn demo(checked: bool) -> Result<()> {
+    require_root()?;
+    setup::setup()?;
+    build_ebpf()?;
+    run(cargo().args(["build", "-p", "agent", "-p", "fakecuda", "-p", "workload", "-p", "hook"]))?;
+    if checked {
+        check()?;
+        println!("the demo's output and clean-up check: ok");
+        return Ok(());
+    }
+    show(&mut Transcript::default()).map(|_| ())
+}
+
+/// The demo's check in `cargo xtask test` (the binaries are built by then): [`show`], then
+/// [`check_transcript`] and [`check_clean`].
+pub fn check() -> Result<()> {
+    require_root()?;
+    let mut transcript = Transcript::default();
+    let footprint = show(&mut transcript)?;
+    check_transcript(transcript.text(), &footprint).context("the demo's output")?;
+    check_clean(&footprint).context("the demo's clean-up")
+}
+
+fn require_root() -> Result<()> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         bail!("the demo loads eBPF programs and creates cgroups: run it as root");
     }
-    setup::setup()?;
-    build_ebpf()?;
-    run(cargo().args(["build", "-p", "agent", "-p", "fakecuda", "-p", "workload", "-p", "hook"]))?;
-    let libcuda = e2e::fake_driver_dir()?.join("libcuda.so.1");
-    println!("\n== starting `vramguard run --libcuda {}`", libcuda.display());
-    let agent = Agent::start(&libcuda)?;
-
-    let node = FakeNode::new("demo").with_env("FAKECUDA_DEVICE_BYTES", "16g");
-    let training = TestCgroup::create("demo-training")?;
-    let inference = TestCgroup::create("demo-inference")?;
-    println!("== two containers (cgroups): {} and {}", training.path, inference.path);
-    let mut trainer = node
-        .workload()
-        .in_cgroup(&training)
-        .steps(["ctx 0", "alloc weights 1g", "alloc activations 512m", "async grads 256m", "checkpoint up", "hold"])
-        .spawn()?;
-    let mut server = node
-        .workload()
-        .in_cgroup(&inference)
-        .steps(["ctx 0", "vmm cache 2g", "managed staging 64m", "checkpoint up", "free staging", "checkpoint freed"])
-        .spawn()?;
-    trainer.wait_checkpoint("up")?;
-    server.wait_checkpoint("up")?;
-    audit(&agent, "both workloads allocated")?;
-
-    server.resume()?;
-    server.wait_checkpoint("freed")?;
-    audit(&agent, "the inference server freed its managed staging buffer")?;
-
-    println!("\n== a third container under the hook with a 1 GiB quota (CUDA_DEVICE_MEMORY_LIMIT=1g) asks for 2 GiB");
-    let quota = TestCgroup::create("demo-quota")?;
-    let ledger = node.ledger_path();
-    let capped = node
-        .hooked(&ledger, 1 << 30)?
-        .in_cgroup(&quota)
-        .steps(["ctx 0", "meminfo", "alloc fits 512m", "expect-oom alloc toobig 2g", "meminfo"])
-        .run()?
-        .success()?;
-    for line in capped.stdout.iter().map(String::as_str).chain(capped.stderr.lines()) {
-        println!("   {line}");
-    }
-
-    let trainer_pid = trainer.pid();
-    trainer.kill()?;
-    audit(&agent, &format!("the trainer (pid {trainer_pid}) was SIGKILLed without freeing"))?;
-
-    server.resume()?;
-    server.wait()?;
-    println!("== stopping the agent (SIGTERM)");
-    agent.stop().context("the agent did not stop cleanly")?;
-    println!("== done: probes detached, cgroups and fake device files removed");
     Ok(())
 }
 
-fn audit(agent: &Agent, stage: &str) -> Result<()> {
-    println!("\n== {stage}: vramguard audit");
+/// Runs the demo, writing to `out`; everything it made is gone when it returns.
+pub fn show(out: &mut Transcript) -> Result<Footprint> {
+    let node = FakeNode::new("demo").with_env("FAKECUDA_DEVICE_BYTES", "16g");
+    let root = TempDir::new("demo")?;
+    writeln!(out, "== a fake GPU of 16 GiB (FAKECUDA_NODE={}); ledger root {}", node.name(), root.path().display())?;
+    writeln!(
+        out,
+        "== starting: vramguard run --libcuda {} --no-discover --ledger-dir {} --metrics-addr 127.0.0.1:0",
+        e2e::fake_driver_dir()?.join("libcuda.so.1").display(),
+        root.path().display()
+    )?;
+    let agent = Agent::start_on_fake_driver(&[
+        OsStr::new("--ledger-dir"),
+        root.path().as_os_str(),
+        OsStr::new("--metrics-addr"),
+        OsStr::new("127.0.0.1:0"),
+    ])?;
+    let addr = agent.metrics_addr()?;
+    writeln!(out, "   serving http://{addr}/metrics")?;
+
+    let cgroup_root = cgroup::cgroup2_root()?;
+    let mut cgroups = Vec::new();
+    let mut running = Vec::new();
+    writeln!(out, "\n== three containers, each in a cgroup of its own")?;
+    for container in [&TRAINING, &INFERENCE, &BATCH] {
+        let group = TestCgroup::create(&format!("demo-{}", container.name))?;
+        let mut workload = match container.quota {
+            Some(quota) => node
+                .hooked(&root.ledger(container.name)?, quota)?
+                .env("POD_NAMESPACE", "demo")
+                .env("POD_NAME", container.name)
+                .env("CONTAINER_NAME", "main"),
+            None => node.workload(),
+        };
+        workload = workload.in_cgroup(&group).steps(container.steps.iter().copied());
+        let mut process = workload.spawn()?;
+        writeln!(out, "-- {}: pid {}, {} ({})", container.name, process.pid(), container.what, group.path)?;
+        until_up(out, container, &mut process)?;
+        cgroups.push(cgroup_root.join(group.path.trim_start_matches('/')));
+        running.push((process, group));
+    }
+    let [(training, _), (inference, _), (batch, _)] = &running[..] else {
+        bail!("three workloads were started");
+    };
+    let pids = (training.pid(), inference.pid(), batch.pid());
+    wait_for(Duration::from_secs(10), "the agent reports the hooked workloads ok and the other unhooked", || {
+        let states = states(&agent)?;
+        Ok([(pids.0, "ok"), (pids.1, "ok"), (pids.2, "unhooked")]
+            .iter()
+            .all(|(pid, want)| states.iter().any(|(p, state)| p == pid && state == want)))
+    })
+    .with_context(|| format!("the agent's log: {}", agent.log()))?;
+    audit(out, &agent, "all three hold GPU memory")?;
+    let families = [
+        "vramguard_container_memory_limit_bytes",
+        "vramguard_container_memory_used_bytes",
+        "vramguard_container_ebpf_memory_bytes",
+        "vramguard_container_rejections_total",
+        "vramguard_ebpf_process_memory_bytes",
+        "vramguard_process_state",
+        "vramguard_unhooked_processes",
+    ];
+    // Of the per-kind and per-state series, only those that say something.
+    let telling = |s: &Sample| match s.name.as_str() {
+        "vramguard_container_memory_used_bytes" => s.value != 0.0,
+        "vramguard_process_state" => s.value == 1.0,
+        name => families.contains(&name),
+    };
+    metrics(out, addr, telling)?;
+
+    let (training, training_group) = running.remove(0);
+    let training_ledger = root.ledger(TRAINING.name)?;
+    writeln!(out, "\n== SIGKILL the training workload (pid {}): it frees nothing", pids.0)?;
+    let killed = Instant::now();
+    training.kill()?;
+    drop(training_group);
+    wait_for(Duration::from_secs(5), "the killed workload's ledger slot reclaimed", || Ok(ledgers::slots(&training_ledger)?.is_empty()))
+        .with_context(|| format!("the agent's log: {}", agent.log()))?;
+    writeln!(out, "   its ledger slot was reclaimed {} ms after the kill", killed.elapsed().as_millis())?;
+    audit(out, &agent, "after the reclaim")?;
+    let training_path = training_ledger.display().to_string();
+    metrics(out, addr, |s| {
+        matches!(s.name.as_str(), "vramguard_reclaims_total" | "vramguard_reclaim_latency_seconds_count")
+            || (s.name == "vramguard_container_memory_used_bytes" && s.label("ledger") == training_path)
+    })?;
+
+    writeln!(out, "\n== the inference and batch workloads free their memory and exit")?;
+    for (process, group) in running.drain(..) {
+        process.wait()?.success()?;
+        drop(group);
+    }
+    // Uprobes are global: other processes using the fake driver on this machine may show too.
+    wait_for(Duration::from_secs(5), "the agent sees none of the demo's processes", || {
+        Ok(states(&agent)?.iter().all(|(pid, _)| ![pids.1, pids.2].contains(pid)))
+    })?;
+    audit(out, &agent, "everything freed")?;
+
+    let agent_dir = agent.dir().to_path_buf();
+    writeln!(out, "\n== stopping the agent (SIGTERM)")?;
+    let log = agent.stop().context("the agent did not stop cleanly")?;
+    for line in log.lines().filter(|l| ["reclaimed the slot", "stopping", AGENT_STOPPED].iter().any(|w| l.contains(w))) {
+        writeln!(out, "   agent: {line}")?;
+    }
+    let footprint = Footprint {
+        training: pids.0,
+        inference: pids.1,
+        batch: pids.2,
+        node: node.name().to_string(),
+        state_dir: node.state_dir().to_path_buf(),
+        ledger_root: root.path().to_path_buf(),
+        agent_dir,
+        cgroups,
+    };
+    drop(node);
+    drop(root);
+    writeln!(out, "== done: probes detached; the cgroups, the fake device's files and the ledger root removed")?;
+    Ok(footprint)
+}
+
+/// Echoes the workload's lines (and what the hook said on its stderr) until `checkpoint up`.
+fn until_up(out: &mut Transcript, container: &Container, process: &mut Running) -> Result<()> {
+    loop {
+        let line = process.next_line()?;
+        if line == "checkpoint up" {
+            break;
+        }
+        writeln!(out, "   {}: {line}", container.name)?;
+    }
+    if container.steps.iter().any(|s| s.starts_with("expect-oom")) {
+        // The hook's one line about the first refusal is written before the refusal returns;
+        // the thread collecting stderr may lag behind stdout a little. Not there: shown as such.
+        let said = wait_for(Duration::from_secs(2), "the hook's refusal message", || Ok(!process.stderr().is_empty()));
+        if said.is_err() {
+            writeln!(out, "   {} (stderr): nothing", container.name)?;
+        }
+    }
+    for line in process.stderr().lines() {
+        writeln!(out, "   {} (stderr): {line}", container.name)?;
+    }
+    Ok(())
+}
+
+/// (pid, state) of every process in the agent's audit.
+fn states(agent: &Agent) -> Result<Vec<(u32, String)>> {
+    let audit = agent.audit()?;
+    let rows = audit["processes"].as_array().context("the audit has no process list")?;
+    Ok(rows
+        .iter()
+        .filter_map(|row| {
+            let pid = u32::try_from(row["pid"].as_u64()?).ok()?;
+            Some((pid, row["state"].as_str().unwrap_or("-").to_string()))
+        })
+        .collect())
+}
+
+/// Prints `vramguard audit` as the agent answers it now.
+fn audit(out: &mut Transcript, agent: &Agent, stage: &str) -> Result<()> {
+    writeln!(out, "\n== {stage}: vramguard audit")?;
     let output = agent.audit_table()?;
     if !output.status.success() {
         bail!("vramguard audit failed: {}", String::from_utf8_lossy(&output.stderr));
     }
-    print!("{}", String::from_utf8_lossy(&output.stdout));
+    write!(out, "{}", String::from_utf8_lossy(&output.stdout))?;
     Ok(())
+}
+
+/// Prints the lines of a `/metrics` scrape whose sample `wanted` keeps, as they were served.
+fn metrics(out: &mut Transcript, addr: SocketAddr, wanted: impl Fn(&Sample) -> bool) -> Result<()> {
+    writeln!(out, "-- GET /metrics (selected lines)")?;
+    let (status, body) = http::get(addr, "/metrics")?;
+    ensure!(status == 200, "GET /metrics: {status} {body}");
+    for line in body.lines().filter(|l| !l.is_empty() && !l.starts_with('#')) {
+        if http::parse_metrics(line)?.iter().any(&wanted) {
+            writeln!(out, "   {line}")?;
+        }
+    }
+    Ok(())
+}
+
+/// The metric samples the transcript shows.
+fn shown_samples(text: &str) -> Result<Vec<Sample>> {
+    let lines: Vec<&str> = text.lines().map(str::trim).filter(|l| l.starts_with("vramguard_")).collect();
+    http::parse_metrics(&lines.join("\n"))
+}
+
+/// The states an audit table in the transcript gave process `pid` (its rows: the pid first,
+/// the state last).
+fn audit_states(text: &str, pid: u32) -> Vec<&str> {
+    text.lines()
+        .filter_map(|line| {
+            let mut words = line.split_whitespace();
+            (words.next()?.parse::<u32>().ok()? == pid).then(|| words.last()).flatten()
+        })
+        .collect()
+}
+
+/// Checks the demo's text: the over-quota allocation refused (the workload's `oom` line, the
+/// hook's message, the rejection counted), the hooked workloads `ok` and the un-hooked one
+/// `unhooked` in an audit table (and counted), the killed workload's slot reclaimed, and the
+/// agent stopped cleanly.
+pub fn check_transcript(text: &str, footprint: &Footprint) -> Result<()> {
+    let refused = format!("{}: {REFUSED}", INFERENCE.name);
+    ensure!(text.lines().any(|l| l.trim() == refused), "no {refused:?} line: the over-quota allocation was not refused");
+    let hook_said = format!("{} (stderr): vramguard: GPU memory quota exceeded", INFERENCE.name);
+    ensure!(
+        text.lines().any(|l| l.trim().starts_with(&hook_said) && l.contains("returning CUDA_ERROR_OUT_OF_MEMORY")),
+        "no line from the hook saying it refused the over-quota allocation ({hook_said:?} ... CUDA_ERROR_OUT_OF_MEMORY)"
+    );
+    let samples = shown_samples(text)?;
+    let over_quota_ledger = format!("/{}/ledger", INFERENCE.name);
+    ensure!(
+        samples
+            .iter()
+            .any(|s| s.name == "vramguard_container_rejections_total" && s.label("ledger").ends_with(&over_quota_ledger) && s.value >= 1.0),
+        "no vramguard_container_rejections_total of the {} ledger counting the refusal",
+        INFERENCE.name
+    );
+    for (name, pid, want) in
+        [(TRAINING.name, footprint.training, "ok"), (INFERENCE.name, footprint.inference, "ok"), (BATCH.name, footprint.batch, "unhooked")]
+    {
+        let states = audit_states(text, pid);
+        ensure!(states.contains(&want), "no audit row shows the {name} workload (pid {pid}) {want}: its rows say {states:?}");
+    }
+    ensure!(
+        samples.iter().any(|s| s.name == "vramguard_unhooked_processes" && s.value >= 1.0),
+        "vramguard_unhooked_processes never counted the un-hooked workload"
+    );
+    ensure!(
+        samples.iter().any(|s| s.name == "vramguard_reclaims_total" && s.value >= 1.0),
+        "vramguard_reclaims_total never counted the killed workload's slot"
+    );
+    ensure!(text.lines().any(|l| l.starts_with("   agent: ") && l.contains(AGENT_STOPPED)), "the agent's {AGENT_STOPPED:?} line is missing");
+    Ok(())
+}
+
+/// Checks that nothing the demo made is left: its cgroups, the fake node's device files, the
+/// ledger root, the agent's directory, and any child process of this one (running or not
+/// reaped).
+pub fn check_clean(footprint: &Footprint) -> Result<()> {
+    let mut left: Vec<String> = Vec::new();
+    for dir in footprint.cgroups.iter().chain([&footprint.ledger_root, &footprint.agent_dir]) {
+        if fs::symlink_metadata(dir).is_ok() {
+            left.push(dir.display().to_string());
+        }
+    }
+    // The node's files: `<node>-dev<i>`, `<node>.ledger`, and their temporaries (`.<node>…`).
+    let ours = |name: &str| {
+        let name = name.strip_prefix('.').unwrap_or(name);
+        name.strip_prefix(footprint.node.as_str()).is_some_and(|rest| rest.starts_with(['-', '.']))
+    };
+    let entries =
+        fs::read_dir(&footprint.state_dir).with_context(|| format!("cannot list {}", footprint.state_dir.display()))?;
+    for entry in entries {
+        let name = entry?.file_name().to_string_lossy().into_owned();
+        if ours(&name) {
+            left.push(footprint.state_dir.join(name).display().to_string());
+        }
+    }
+    for (pid, comm) in children_of(std::process::id())? {
+        left.push(format!("process {pid} ({comm})"));
+    }
+    ensure!(left.is_empty(), "left behind: {}", left.join(", "));
+    Ok(())
+}
+
+/// (pid, command) of every process whose parent is `parent`, zombies included.
+fn children_of(parent: u32) -> Result<Vec<(u32, String)>> {
+    let mut children = Vec::new();
+    for entry in fs::read_dir("/proc").context("cannot list /proc")?.flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|name| name.parse::<u32>().ok()) else { continue };
+        // A process that exits meanwhile has no status file: not a child any more.
+        let Ok(status) = fs::read_to_string(entry.path().join("status")) else { continue };
+        let field = |key: &str| status.lines().find_map(|line| line.strip_prefix(key)).map(str::trim);
+        if field("PPid:").and_then(|ppid| ppid.parse::<u32>().ok()) == Some(parent) {
+            children.push((pid, field("Name:").unwrap_or("?").to_string()));
+        }
+    }
+    Ok(children)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    fn footprint(dir: &Path) -> Footprint {
+        Footprint {
+            training: 101,
+            inference: 102,
+            batch: 103,
+            node: "e2e-demo-1-0".into(),
+            state_dir: dir.join("shm"),
+            ledger_root: dir.join("ledgers"),
+            agent_dir: dir.join("agent"),
+            cgroups: vec![dir.join("cgroup")],
+        }
+    }
+
+    /// An abridged transcript of a real run (pids changed to [`footprint`]'s).
+    const GOOD: &str = r#"== starting: vramguard run --libcuda /x/fakecuda/libcuda.so.1 --no-discover --ledger-dir /tmp/r --metrics-addr 127.0.0.1:0
+-- inference: pid 102, hooked, 1 GiB quota, asks for 512 MiB and then 1 GiB more (/vramguard-test-demo-inference-1-1)
+   inference: meminfo free=1006632960 total=1073741824
+   inference: ok alloc model 0x7f0000000000 536870912
+   inference: oom cache
+   inference (stderr): vramguard: GPU memory quota exceeded on device 0: 1073741824 bytes requested, 603979776 of 1073741824 bytes in use (ledger /tmp/r/inference/ledger); returning CUDA_ERROR_OUT_OF_MEMORY
+
+== all three hold GPU memory: vramguard audit
+     PID  COMM             CGROUP                                       DEVICE    MANAGED      ASYNC        VMM      TOTAL  ALLOCS     LEDGER  STATE
+     101  fakecuda-worklo  /vramguard-test-demo-training-1-0           1.5 GiB   64.0 MiB        0 B        0 B    1.6 GiB       3    1.6 GiB  ok
+     102  fakecuda-worklo  /vramguard-test-demo-inference-1-1        512.0 MiB        0 B        0 B        0 B  512.0 MiB       1  512.0 MiB  ok
+     103  fakecuda-worklo  /vramguard-test-demo-batch-1-2              2.0 GiB        0 B        0 B  512.0 MiB    2.5 GiB       2          -  unhooked
+libcuda probed: /x/fakecuda/libcuda.so.1; events: 9 received, 0 lost
+-- GET /metrics (selected lines)
+   vramguard_container_rejections_total{container="main",device_index="0",ledger="/tmp/r/inference/ledger",namespace="demo",pod="inference",pod_uid=""} 1
+   vramguard_unhooked_processes 1
+   vramguard_reclaims_total 1
+   agent: 2026-05-20T10:00:00.000000Z  INFO vramguard::run: vramguard agent stopped
+"#;
+
+    #[test]
+    fn a_good_transcript_passes() {
+        check_transcript(GOOD, &footprint(Path::new("/nonexistent"))).expect("the good transcript passes");
+    }
+
+    #[test]
+    fn each_missing_fact_fails_the_check() {
+        let footprint = footprint(Path::new("/nonexistent"));
+        let without = |needle: &str| GOOD.lines().filter(|l| !l.contains(needle)).collect::<Vec<_>>().join("\n");
+        let cases = [
+            ("the workload's refusal", without("inference: oom cache")),
+            ("the hook's refusal message", without("(stderr): vramguard: GPU memory quota exceeded")),
+            ("the rejection metric", without("vramguard_container_rejections_total")),
+            ("the unhooked row", GOOD.replace("-  unhooked", "-  ok")),
+            ("a hooked row", without("/vramguard-test-demo-training-")),
+            ("the unhooked count", without("vramguard_unhooked_processes")),
+            ("the reclaim", without("vramguard_reclaims_total")),
+            ("the clean stop", without(AGENT_STOPPED)),
+        ];
+        for (what, text) in cases {
+            assert!(check_transcript(&text, &footprint).is_err(), "a transcript without {what} must fail the check");
+        }
+    }
+
+    #[test]
+    fn leftovers_fail_the_clean_up_check() {
+        let dir = std::env::temp_dir().join(format!("vramguard-xtask-demo-check-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(dir.join("shm")).expect("mkdir");
+        let footprint = footprint(&dir);
+        check_clean(&footprint).expect("nothing left yet");
+
+        for leftover in [dir.join("cgroup"), dir.join("ledgers"), dir.join("agent")] {
+            fs::create_dir(&leftover).expect("mkdir");
+            let error = check_clean(&footprint).expect_err("a directory left behind");
+            assert!(format!("{error:#}").contains(&leftover.display().to_string()), "{error:#}");
+            fs::remove_dir(&leftover).expect("rmdir");
+        }
+        for name in ["e2e-demo-1-0-dev0", ".e2e-demo-1-0-dev0.tmp", "e2e-demo-1-0.ledger"] {
+            fs::write(dir.join("shm").join(name), b"").expect("write");
+            assert!(check_clean(&footprint).is_err(), "{name} left behind");
+            fs::remove_file(dir.join("shm").join(name)).expect("rm");
+        }
+        for name in ["e2e-demo-1-00-dev0", "e2e-other-1-0-dev0"] {
+            fs::write(dir.join("shm").join(name), b"").expect("write");
+        }
+        check_clean(&footprint).expect("other nodes' files are not the demo's");
+
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().expect("spawn sleep");
+        let error = check_clean(&footprint).expect_err("a running child");
+        assert!(format!("{error:#}").contains(&format!("process {} (sleep)", child.id())), "{error:#}");
+        child.kill().expect("kill");
+        assert!(check_clean(&footprint).is_err(), "a child not reaped yet (a zombie) is still left behind");
+        child.wait().expect("wait");
+        check_clean(&footprint).expect("clean again");
+        fs::remove_dir_all(&dir).expect("cleanup");
+    }
 }

@@ -7,7 +7,8 @@
 //! - `fake-driver`: build the fake CUDA driver; print the directory holding `libcuda.so.1` (and
 //!   `libnvidia-ml.so.1`: the fake is a fake NVML too).
 //! - `validate-manifests`: check deploy/'s manifests against the Kubernetes schemas, offline.
-//! - `test`: everything above, then every test of the workspace.
+//! - `test`: everything above, then every test of the workspace, then the demo with its
+//!   output and clean-up checked (`demo::check`).
 //! - `demo`: the agent, the fake driver and sample workloads, end to end (needs root).
 //! - `bench`: what the eBPF probes cost per alloc/free pair; writes docs/BENCHMARKS.md.
 mod bench;
@@ -40,10 +41,14 @@ enum Task {
     FakeDriver,
     /// Validate the Kubernetes manifests under deploy/ against the bundled schemas (offline).
     ValidateManifests,
-    /// Set up, build, and run every test (the end-to-end ones need root).
+    /// Set up, build, and run every test (the end-to-end ones need root), then the demo, checked.
     Test,
     /// Run the agent against the fake driver with sample workloads and show what it sees.
-    Demo,
+    Demo {
+        /// Then check the output and that nothing was left behind, as `cargo xtask test` does.
+        #[arg(long)]
+        check: bool,
+    },
     /// Measure the probes' cost per alloc/free pair; write docs/BENCHMARKS.md.
     Bench,
 }
@@ -55,7 +60,7 @@ fn main() -> Result<()> {
         Task::FakeDriver => fake_driver().map(|dir| println!("{}", dir.display())),
         Task::ValidateManifests => manifests::validate(),
         Task::Test => test(),
-        Task::Demo => demo::demo(),
+        Task::Demo { check } => demo::demo(check),
         Task::Bench => bench::bench(),
     }
 }
@@ -127,9 +132,22 @@ fn test() -> Result<()> {
     let e2e = run_tests(cargo().args(["test", "-p", "e2e", "--", "--test-threads=1"]))?;
     totals.0 += e2e.0;
     totals.1 += e2e.1;
+    // The demo, as `cargo xtask demo` runs it, with its output and its clean-up checked.
+    println!("\nrunning the demo (cargo xtask demo), its output checked");
+    let demo = demo::check();
+    match &demo {
+        Ok(()) => {
+            println!("test xtask demo ... ok");
+            totals.0 += 1;
+        }
+        Err(error) => {
+            println!("test xtask demo ... FAILED: {error:#}");
+            totals.1 += 1;
+        }
+    }
     // One closing line for the whole run (cargo's last line is only its last test binary's).
     println!("{} passed, {} failed", totals.0, totals.1);
-    Ok(())
+    demo.context("the demo check failed")
 }
 
 /// Runs a `cargo test`, echoing its output, and returns the (passed, failed) counts it

@@ -47,6 +47,12 @@ impl Agent {
     /// Starts `vramguard run` with these arguments (and a socket of its own) and waits until
     /// it answers on its socket.
     pub fn start_with(args: &[&OsStr]) -> Result<Agent> {
+        Self::start_binary(&agent_bin()?, args)
+    }
+
+    /// [`Agent::start_with`] for the agent binary at `bin` (e.g. a release build, where the
+    /// tests' profile is another); `vramguard audit` still comes from the tests' profile.
+    pub fn start_binary(bin: &Path, args: &[&OsStr]) -> Result<Agent> {
         static COUNTER: AtomicU32 = AtomicU32::new(0);
         let dir = std::env::temp_dir().join(format!(
             "vramguard-agent-{}-{}",
@@ -57,7 +63,7 @@ impl Agent {
         let socket = dir.join("agent.sock");
         // A file, not a pipe: a pipe nobody reads would block the agent once full.
         let log = File::create(dir.join("agent.log"))?;
-        let child = Command::new(agent_bin()?)
+        let child = Command::new(bin)
             .arg("run")
             .arg("--socket")
             .arg(&socket)
@@ -123,9 +129,19 @@ impl Agent {
         text.parse().with_context(|| format!("bad metrics address {text:?}"))
     }
 
+    /// The agent's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map_or(0, Child::id)
+    }
+
     /// The agent's control socket.
     pub fn socket(&self) -> &Path {
         &self.socket
+    }
+
+    /// The directory made for this agent (its socket and log), removed when it is dropped.
+    pub fn dir(&self) -> &Path {
+        &self.dir
     }
 
     /// Stops the agent with SIGTERM; fails unless it exits successfully within 10 s.

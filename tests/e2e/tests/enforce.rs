@@ -2,7 +2,10 @@
 //! gives a cgroup a GPU-memory limit; the eBPF entry probes count allocations that would pass
 //! it (`audit`) or stop the process with a signal before the driver allocates (`signal`).
 //! Needs root; run with `cargo xtask test`.
-use std::{os::unix::process::ExitStatusExt, path::PathBuf};
+use std::{
+    os::unix::process::ExitStatusExt,
+    path::{Path, PathBuf},
+};
 
 use anyhow::{Context, Result};
 use e2e::{agent::Agent, cgroup::TestCgroup, FakeNode, MIB};
@@ -14,7 +17,7 @@ fn limits_file(cgroup: &TestCgroup) -> Result<PathBuf> {
     Ok(path)
 }
 
-fn agent(mode: &str, limits: &PathBuf) -> Result<Agent> {
+fn agent(mode: &str, limits: &Path) -> Result<Agent> {
     Agent::start_on_fake_driver(&["--limits".as_ref(), limits.as_os_str(), "--enforce".as_ref(), mode.as_ref()])
 }
 
