@@ -55,14 +55,16 @@ impl Accounting {
         Ok((accounting, take(ebpf, names::EVENTS)?))
     }
 
-    /// Consumes every queued event.
-    pub fn drain(&mut self, events: &mut RingBuf<MapData>) {
+    /// Consumes every queued event; returns how many there were.
+    pub fn drain(&mut self, events: &mut RingBuf<MapData>) -> usize {
+        let mut drained = 0;
         let lost = self.counter(stat::EVENTS_LOST);
         if lost != self.lost_seen {
             self.lost_seen = lost;
             self.exits_pending = true;
         }
         while let Some(item) = events.next() {
+            drained += 1;
             if item.len() < size_of::<Event>() {
                 continue;
             }
@@ -86,6 +88,7 @@ impl Accounting {
                 _ => {}
             }
         }
+        drained
     }
 
     /// The processes whose exit events arrived since the last call.

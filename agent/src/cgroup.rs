@@ -69,8 +69,14 @@ pub fn id_of_pid(pid: u32) -> Option<u64> {
 }
 
 /// Where the cgroup2 hierarchy is mounted: `/sys/fs/cgroup` on pure v2 hosts,
-/// `/sys/fs/cgroup/unified` on hybrid ones.
+/// `/sys/fs/cgroup/unified` on hybrid ones. Read from /proc/self/mountinfo once (a cgroup2
+/// mount does not move under a running agent).
 pub fn cgroup2_mount() -> Option<PathBuf> {
+    static MOUNT: std::sync::OnceLock<Option<PathBuf>> = std::sync::OnceLock::new();
+    MOUNT.get_or_init(find_cgroup2_mount).clone()
+}
+
+fn find_cgroup2_mount() -> Option<PathBuf> {
     let mountinfo = fs::read_to_string("/proc/self/mountinfo").ok()?;
     mountinfo.lines().find_map(|line| {
         // id parent major:minor root mount-point options ... - fstype source super-options

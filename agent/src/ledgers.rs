@@ -57,6 +57,8 @@ impl FileKey {
 struct Watched {
     ledger: Ledger,
     key: FileKey,
+    /// The file, open for reading its header every scan without opening it again.
+    file: fs::File,
     /// How the header on disk differs from the one validated at open, if it does.
     header_change: Option<String>,
 }
@@ -133,7 +135,7 @@ impl Ledgers {
             info!(ledger = %path.display(), "ledger removed or replaced: no longer watched");
         }
         for (path, watched) in self.open.iter_mut() {
-            let change = match watched.ledger.header_on_disk() {
+            let change = match ledger::file::read_header(&watched.file) {
                 Ok(now) => header_change(watched.ledger.header(), &now),
                 Err(error) => Some(format!("its header cannot be read: {error}")),
             };
@@ -150,10 +152,14 @@ impl Ledgers {
             if self.open.contains_key(&path) || self.skipped.contains_key(&path) {
                 continue;
             }
-            match Ledger::open(&path) {
-                Ok(ledger) => {
+            let opened = Ledger::open(&path).and_then(|ledger| {
+                let file = fs::File::open(&path).map_err(|source| ledger::LedgerError::Io { path: path.clone(), source })?;
+                Ok((ledger, file))
+            });
+            match opened {
+                Ok((ledger, file)) => {
                     info!(ledger = %path.display(), devices = ledger.header().device_count, "watching ledger");
-                    self.open.insert(path, Watched { ledger, key, header_change: None });
+                    self.open.insert(path, Watched { ledger, key, file, header_change: None });
                 }
                 Err(error) => {
                     warn!(file = %path.display(), reason = %error, "skipping a file that is not a valid ledger");

@@ -51,17 +51,44 @@ pub fn well_known_paths() -> String {
     WELL_KNOWN.join(", ")
 }
 
-/// Every distinct libcuda file mapped by a running process.
-pub fn mapped_by_processes() -> Vec<LibcudaFile> {
-    let mut found: BTreeMap<FileId, LibcudaFile> = BTreeMap::new();
+/// How many [`Discovery::scan`]s make one that reads every process's maps again.
+pub const FULL_SCAN_EVERY: u64 = 10;
+
+/// Discovery that keeps up with new processes cheaply: each scan reads the maps of the
+/// processes that appeared since the scan before, and every [`FULL_SCAN_EVERY`]th scan those
+/// of every process (for a process that loads a libcuda long after it started, with
+/// `dlopen`, from a file not probed yet: a file already probed needs no finding, its probes
+/// cover every process that maps it).
+#[derive(Default)]
+pub struct Discovery {
+    seen: std::collections::HashSet<u32>,
+    scans: u64,
+}
+
+impl Discovery {
+    /// The libcuda files mapped by the processes this scan reads.
+    pub fn scan(&mut self) -> Vec<LibcudaFile> {
+        let pids = running_pids();
+        let full = self.scans.is_multiple_of(FULL_SCAN_EVERY);
+        self.scans += 1;
+        let read: Vec<u32> = pids.iter().copied().filter(|pid| full || !self.seen.contains(pid)).collect();
+        self.seen = pids.into_iter().collect();
+        mapped_by(&read)
+    }
+}
+
+/// The pids in /proc now.
+fn running_pids() -> Vec<u32> {
     let Ok(entries) = fs::read_dir("/proc") else {
         return Vec::new();
     };
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        let Some(pid) = name.to_str().and_then(|name| name.parse::<u32>().ok()) else {
-            continue;
-        };
+    entries.flatten().filter_map(|entry| entry.file_name().to_str().and_then(|name| name.parse().ok())).collect()
+}
+
+/// Every distinct libcuda file mapped by one of `pids`.
+fn mapped_by(pids: &[u32]) -> Vec<LibcudaFile> {
+    let mut found: BTreeMap<FileId, LibcudaFile> = BTreeMap::new();
+    for &pid in pids {
         // Processes come and go while we scan: an unreadable maps file is skipped.
         let Ok(maps) = fs::read_to_string(format!("/proc/{pid}/maps")) else {
             continue;
@@ -104,6 +131,29 @@ fn is_libcuda_name(name: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn discovery_reads_new_processes_and_every_process_on_full_scans() {
+        let dir = std::env::temp_dir().join(format!("vramguard-discovery-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).expect("mkdir");
+        let path = dir.join("libcuda.so.1");
+        fs::write(&path, [0u8; 4096]).expect("write");
+        let ours = |found: Vec<LibcudaFile>| found.iter().any(|f| f.path.ends_with(path.strip_prefix("/").unwrap_or(&path)));
+
+        let mut discovery = Discovery::default();
+        assert!(!ours(discovery.scan()), "a full scan before this process maps the file");
+        // This process maps a libcuda after it started (as dlopen would).
+        let file = fs::File::open(&path).expect("open");
+        // SAFETY: a private read-only mapping of a file this test owns and does not change.
+        let map = unsafe { memmap2::Mmap::map(&file) }.expect("map");
+        for scan in 1..FULL_SCAN_EVERY {
+            assert!(!ours(discovery.scan()), "scan {scan} reads only processes new since the one before");
+        }
+        assert!(ours(discovery.scan()), "the full scan finds it");
+        drop(map);
+        fs::remove_dir_all(&dir).expect("cleanup");
+    }
 
     #[test]
     fn finds_libcuda_in_maps() {

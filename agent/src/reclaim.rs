@@ -1,7 +1,9 @@
 //! Reclaim of ledger slots whose process is gone, and the host pids of live ones.
 //!
-//! A sweep reads every slot of every watched ledger and judges its process with one scan of
-//! /proc ([`ProcessTable`]). A live process gets its host pid written into its slot
+//! A sweep reads every slot of every watched ledger and judges its process: a slot whose
+//! recorded host pid still runs a process with the slot's start time is alive (one read of
+//! /proc/<pid>/stat); the others are looked up in one scan of /proc ([`ProcessTable`], made
+//! only when a sweep has such a slot). A live process gets its host pid written into its slot
 //! ([`Ledger::set_host_pid`]); a slot the table does not find is confirmed dead by a fresh
 //! look-up ([`identity::host_pid`], so a process that started after the table was built is
 //! never mistaken for a dead one) and then freed with [`Ledger::reclaim_process`], which
@@ -82,13 +84,20 @@ impl Reclaimer {
             if slots.is_empty() {
                 continue;
             }
-            // Built after the first non-empty ledger's slots were read: every process of
-            // those slots started before it.
-            let table = table.get_or_insert_with(ProcessTable::scan);
+            // Built (once a sweep needs it) after this ledger's slots were read: every
+            // process of those slots started before it.
             for view in slots {
                 let slot = view.slot;
                 let detected = Instant::now();
-                let live = table.find(&slot).or_else(|| identity::host_pid(&slot));
+                // The host pid recorded before still runs the same process (same start
+                // time): alive, without the table. Otherwise the table decides.
+                let recorded = (slot.host_pid != 0
+                    && ledger::process::running_start_time_of(slot.host_pid) == Some(slot.start_time))
+                .then_some(slot.host_pid);
+                let live = recorded.or_else(|| {
+                    let table = table.get_or_insert_with(ProcessTable::scan);
+                    table.find(&slot).or_else(|| identity::host_pid(&slot))
+                });
                 if let Some(host) = live {
                     if slot.host_pid != host {
                         ledger.set_host_pid(view.id, host);

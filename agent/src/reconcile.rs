@@ -56,12 +56,13 @@
 //!
 //! A pass reads the slots in place under each ledger's lock ([`ledger::Ledger::for_each_slot`])
 //! and looks up each eBPF process's identity in /proc once per process (cached by pid and the
-//! probes' generation of the process, which changes when a pid is reused). Only slots without
-//! eBPF memory are looked up in /proc on every pass (whether their process still runs, and
-//! its cgroup).
+//! probes' generation of the process, which changes when a pid is reused). Slots without
+//! eBPF memory are looked up in /proc (whether their process still runs, and its cgroup) at
+//! most once a second per process ([`SlotProcesses`]).
 //!
-//! Passes run after every drain of the event ring buffer and every ledger sweep (at most one
-//! per [`MIN_INTERVAL`]), at least every second, and for every scrape and `audit`.
+//! Passes run every second, for every scrape and `audit`, and (at most one per
+//! [`MIN_INTERVAL`]) after a drain of the event ring buffer that found events and a ledger
+//! sweep that reclaimed slots: a quiet node costs one pass a second.
 use std::{
     collections::{BTreeMap, BTreeSet},
     time::{Duration, Instant},
@@ -175,6 +176,8 @@ pub struct Reconciler {
     last_pass: Option<Instant>,
     /// The identity of each process the probes report.
     probed: identity::ProbedProcesses,
+    /// What /proc says about the processes of slots the probes do not report.
+    slot_processes: SlotProcesses,
     /// The agent's own identity: its slots hold its charges and are never judged.
     agent: Option<ProcessIdentity>,
     /// The cgroups of each ledger's live processes (by path), as of the last pass.
@@ -189,6 +192,7 @@ impl Reconciler {
             verdicts: Vec::new(),
             last_pass: None,
             probed: identity::ProbedProcesses::default(),
+            slot_processes: SlotProcesses::default(),
             agent: ProcessIdentity::current().ok(),
             ledger_cgroups: BTreeMap::new(),
         }
@@ -233,7 +237,7 @@ impl Reconciler {
     /// One pass over the watched ledgers and the eBPF view.
     pub fn pass(&mut self, ledgers: Option<&Ledgers>, ebpf: &[EbpfProcess]) {
         self.probed.update(ebpf.iter().map(|p| (p.pid, p.generation)), identity::identity_of);
-        let (observations, ledger_cgroups) = observe(ledgers, ebpf, &self.probed, self.agent);
+        let (observations, ledger_cgroups) = observe(ledgers, ebpf, &self.probed, &mut self.slot_processes, self.agent);
         self.ledger_cgroups = ledger_cgroups;
         self.judge(observations, Instant::now());
     }
@@ -363,8 +367,10 @@ pub fn observe(
     ledgers: Option<&Ledgers>,
     ebpf: &[EbpfProcess],
     probed: &identity::ProbedProcesses,
+    slot_processes: &mut SlotProcesses,
     agent: Option<ProcessIdentity>,
 ) -> (Vec<Observation>, BTreeMap<String, BTreeSet<u64>>) {
+    slot_processes.begin_pass();
     // By eBPF row: (index in `names`, ledger bytes, header changed) of the slots joined to it.
     let mut joined: Vec<Option<(usize, u64, bool)>> = vec![None; ebpf.len()];
     let mut names: Vec<String> = Vec::new();
@@ -400,8 +406,7 @@ pub fn observe(
             continue;
         }
         for (host_pid, start_time, bytes) in unjoined {
-            let gone = ledger::process::running_start_time_of(host_pid) != Some(start_time);
-            let cgroup_id = if gone { 0 } else { crate::cgroup::id_of_pid(host_pid).unwrap_or(0) };
+            let (gone, cgroup_id) = slot_processes.look_up(host_pid, start_time);
             if cgroup_id != 0 {
                 cgroups.insert(cgroup_id);
             }
@@ -433,7 +438,56 @@ pub fn observe(
         }
         observations.push(Observation { pid, cgroup_id, ledger, ledger_bytes, ebpf_bytes: bytes, gone: false, header_changed });
     }
+    slot_processes.end_pass();
     (observations, ledger_cgroups)
+}
+
+/// How long what [`SlotProcesses`] read about a process is trusted.
+pub const SLOT_RECHECK: Duration = Duration::from_secs(1);
+
+/// Whether the processes of slots without eBPF memory still run, and their cgroups: read
+/// from /proc at most once per [`SLOT_RECHECK`] per process (a pass may run ten times a
+/// second; a process found gone stays gone), and forgotten once no slot names them.
+#[derive(Default)]
+pub struct SlotProcesses {
+    /// By (host pid, start time).
+    known: HashMap<(u32, u64), SlotProcess>,
+    pass: u64,
+}
+
+struct SlotProcess {
+    gone: bool,
+    /// 0 when unknown (or gone).
+    cgroup_id: u64,
+    read: Instant,
+    /// The last pass that asked.
+    pass: u64,
+}
+
+impl SlotProcesses {
+    fn begin_pass(&mut self) {
+        self.pass += 1;
+    }
+
+    fn end_pass(&mut self) {
+        let pass = self.pass;
+        self.known.retain(|_, process| process.pass == pass);
+    }
+
+    /// (gone, cgroup id) of the process with `host_pid` and `start_time`.
+    fn look_up(&mut self, host_pid: u32, start_time: u64) -> (bool, u64) {
+        let pass = self.pass;
+        if let Some(process) = self.known.get_mut(&(host_pid, start_time)) {
+            if process.gone || process.read.elapsed() < SLOT_RECHECK {
+                process.pass = pass;
+                return (process.gone, process.cgroup_id);
+            }
+        }
+        let gone = ledger::process::running_start_time_of(host_pid) != Some(start_time);
+        let cgroup_id = if gone { 0 } else { crate::cgroup::id_of_pid(host_pid).unwrap_or(0) };
+        self.known.insert((host_pid, start_time), SlotProcess { gone, cgroup_id, read: Instant::now(), pass });
+        (gone, cgroup_id)
+    }
 }
 
 #[cfg(test)]

@@ -55,7 +55,8 @@ pub struct RunArgs {
     /// Probe only the --libcuda files: do not scan processes and the usual install paths.
     #[arg(long)]
     pub no_discover: bool,
-    /// How often to scan /proc/*/maps for libcuda files not probed yet, in milliseconds.
+    /// How often to look for libcuda files not probed yet in the maps of new processes, in
+    /// milliseconds (every 10th time in those of every process).
     #[arg(long, default_value_t = 1000, value_name = "MS")]
     pub rescan_ms: u64,
     /// How often to drain the event ring buffer, in milliseconds (exits wake the agent at
@@ -170,11 +171,12 @@ pub async fn run(args: RunArgs) -> Result<()> {
 
     let mut attached: BTreeMap<FileId, AttachReport> = BTreeMap::new();
     let mut initial: Vec<LibcudaFile> = Vec::new();
+    let mut discovery = libcuda::Discovery::default();
     for path in &args.libcuda {
         initial.push(libcuda::from_path(path)?);
     }
     if !args.no_discover {
-        initial.extend(libcuda::mapped_by_processes());
+        initial.extend(discovery.scan());
         initial.extend(libcuda::well_known());
     }
     if initial.is_empty() {
@@ -267,7 +269,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 }
             }
             Wake::Events | Wake::Drain => {
-                accounting.drain(events.get_mut());
+                let drained = accounting.drain(events.get_mut());
                 let exits = accounting.take_exits();
                 if let Some(ledgers) = ledgers.as_ref().filter(|_| !exits.is_empty()) {
                     for (tgid, at) in exits {
@@ -280,7 +282,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 if accounting.sweep_due() {
                     accounting.sweep();
                 }
-                if reconciler.due() {
+                // Something changed: pass now (a quiet node gets the timer's pass only).
+                if drained > 0 && reconciler.due() {
                     reconcile_pass(&mut reconciler, &mut charger, ledgers.as_ref(), &accounting);
                 }
             }
@@ -293,23 +296,21 @@ pub async fn run(args: RunArgs) -> Result<()> {
                     if matches!(wake, Wake::Ledgers) {
                         ledgers.scan();
                     }
-                    for latency in reclaimer.sweep(ledgers) {
-                        metrics.reclaimed(latency);
+                    let reclaimed = reclaimer.sweep(ledgers);
+                    for latency in &reclaimed {
+                        metrics.reclaimed(*latency);
                     }
-                }
-                if reconciler.due() {
-                    reconcile_pass(&mut reconciler, &mut charger, ledgers.as_ref(), &accounting);
+                    if !reclaimed.is_empty() && reconciler.due() {
+                        reconcile_pass(&mut reconciler, &mut charger, Some(ledgers), &accounting);
+                    }
                 }
             }
             Wake::Sweep => {
                 accounting.drain(events.get_mut());
                 accounting.sweep();
-                if reconciler.due() {
-                    reconcile_pass(&mut reconciler, &mut charger, ledgers.as_ref(), &accounting);
-                }
             }
             Wake::Rescan => {
-                for file in libcuda::mapped_by_processes() {
+                for file in discovery.scan() {
                     if let Err(error) = attach(&mut ebpf, &mut attached, file) {
                         warn!("{error:#}");
                     }

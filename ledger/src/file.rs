@@ -212,14 +212,10 @@ pub fn open(path: &Path) -> Result<Mapped, LedgerError> {
     map(&file, header, path)
 }
 
-/// The header as the file holds it now, unvalidated (what [`open`] validates; what the agent
-/// compares with the header it validated, to see a file rewritten under its processes).
-pub fn header_on_disk(path: &Path) -> Result<Header, LedgerError> {
-    let io_error = |source: io::Error| LedgerError::Io { path: path.to_path_buf(), source };
-    read_header(&File::open(path).map_err(io_error)?).map_err(io_error)
-}
-
-fn read_header(file: &File) -> io::Result<Header> {
+/// The header `file` (a ledger file) holds now, unvalidated (what [`open`] validates; what
+/// the agent compares with the header it validated, to see a file rewritten under its
+/// processes).
+pub fn read_header(file: &File) -> io::Result<Header> {
     let mut bytes = [0u8; size_of::<Header>()];
     file.read_exact_at(&mut bytes, 0)?;
     // SAFETY: Header is #[repr(C)] of integers and byte arrays only: every bit pattern is a

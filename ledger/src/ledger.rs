@@ -337,12 +337,6 @@ impl Ledger {
         })?
     }
 
-    /// The header as the file holds it now (see [`file::header_on_disk`]); [`Ledger::header`]
-    /// is the copy validated at open.
-    pub fn header_on_disk(&self) -> Result<Header, LedgerError> {
-        file::header_on_disk(self.path())
-    }
-
     /// Copies of the records in use (allocations, small pools, context reserves).
     pub fn records(&self) -> Result<Vec<(RecordId, crate::layout::Record)>, LedgerError> {
         self.locked(|t| {

@@ -11,6 +11,9 @@
 //! - The node agent ([`node_agent`]): its resident memory and idle CPU while it watches 100
 //!   ledgers, and how long a killed process's slot stays taken (p50, p99), against the targets
 //!   of the issue "The agent".
+//! - The criterion benchmarks of the ledger and the agent ([`criterion`]), against their
+//!   issues' targets.
+mod criterion;
 mod node_agent;
 
 use std::{
@@ -47,6 +50,8 @@ enum Ratio {
     Added,
     /// `baseline` is a target that `figure` must stay under: figure / baseline (below 1: met).
     OfTarget,
+    /// No baseline: the figure is reported for reference.
+    Reported,
 }
 
 impl Row {
@@ -60,10 +65,24 @@ impl Row {
         Row { name: name.into(), figure, unit, baseline: target, baseline_unit: target_unit, ratio: Ratio::OfTarget, decimals }
     }
 
+    /// A figure without a baseline (ratio [`Ratio::Reported`]).
+    fn reported(name: impl Into<String>, figure: f64, unit: &'static str, decimals: usize) -> Row {
+        Row { name: name.into(), figure, unit, baseline: f64::NAN, baseline_unit: "", ratio: Ratio::Reported, decimals }
+    }
+
     fn ratio(&self) -> String {
         match self.ratio {
             Ratio::Added => format!("{:.2}", (self.baseline + self.figure) / self.baseline),
             Ratio::OfTarget => format!("{:.3} of target", self.figure / self.baseline),
+            Ratio::Reported => "-".to_string(),
+        }
+    }
+
+    fn baseline(&self) -> String {
+        match self.ratio {
+            Ratio::Reported => "-".to_string(),
+            _ if self.baseline.fract() == 0.0 => format!("{:.0} {}", self.baseline, self.baseline_unit),
+            _ => format!("{:.1} {}", self.baseline, self.baseline_unit),
         }
     }
 }
@@ -132,6 +151,7 @@ pub fn bench() -> Result<()> {
     let _ = fs::remove_dir_all(&scratch);
     let mut notes = Vec::new();
     node_agent::node_agent(&release.join("vramguard"), &mut rows, &mut notes)?;
+    criterion::criterion_rows(&mut rows)?;
     write_report(&rows, &notes)
 }
 
@@ -244,21 +264,22 @@ fn median(mut samples: Vec<f64>) -> f64 {
 fn write_report(rows: &[Row], notes: &[String]) -> Result<()> {
     let mut text = String::from(
         "# Benchmarks\n\nWritten by `cargo xtask bench` against the fake driver (release builds); single-process \
-         figures are the median of 7 runs. Ledger micro-benchmarks: `cargo bench -p ledger` \
-         (see ledger-benchmarks.md).\n\n",
+         figures are the median of 7 runs. The ledger's and the agent's criterion benchmarks \
+         (`cargo bench -p ledger`, `cargo bench -p agent`) run with 1 s of warm-up and 3 s of \
+         measurement; their rows give criterion's median estimate (where the ledger's time goes: \
+         ledger-benchmarks.md).\n\n",
     );
     let _ = writeln!(text, "Machine: {}; date: {}.\n", machine(), today());
     text.push_str("| name | figure | unit | baseline | ratio |\n|---|---|---|---|---|\n");
     for row in rows {
         let _ = writeln!(
             text,
-            "| {} | {:.*} | {} | {:.0} {} | {} |",
+            "| {} | {:.*} | {} | {} | {} |",
             row.name,
             row.decimals,
             row.figure,
             row.unit,
-            row.baseline,
-            row.baseline_unit,
+            row.baseline(),
             row.ratio()
         );
     }
