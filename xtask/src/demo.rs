@@ -16,7 +16,6 @@
 //! the reclaim, the agent stopped cleanly) and [`check_clean`] on the machine (no cgroup,
 //! fake device file, directory or child process left behind).
 use std::{
-    ffi::OsStr,
     fmt::Write as _,
     fs,
     net::SocketAddr,
@@ -154,12 +153,7 @@ pub fn show(out: &mut Transcript) -> Result<Footprint> {
         e2e::fake_driver_dir()?.join("libcuda.so.1").display(),
         root.path().display()
     )?;
-    let agent = Agent::start_on_fake_driver(&[
-        OsStr::new("--ledger-dir"),
-        root.path().as_os_str(),
-        OsStr::new("--metrics-addr"),
-        OsStr::new("127.0.0.1:0"),
-    ])?;
+    let agent = Agent::watching(root.path(), &[])?;
     let addr = agent.metrics_addr()?;
     writeln!(out, "   serving http://{addr}/metrics")?;
 

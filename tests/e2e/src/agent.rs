@@ -44,6 +44,15 @@ impl Agent {
         Self::start_with(&all)
     }
 
+    /// [`Agent::start_on_fake_driver`] watching the ledgers under `dir` (`--ledger-dir`) and
+    /// serving metrics on a free local port (`--metrics-addr 127.0.0.1:0`), followed by
+    /// `more` arguments: how the DaemonSet runs it.
+    pub fn watching(dir: &Path, more: &[&OsStr]) -> Result<Agent> {
+        let mut args = vec![OsStr::new("--ledger-dir"), dir.as_os_str(), OsStr::new("--metrics-addr"), OsStr::new("127.0.0.1:0")];
+        args.extend_from_slice(more);
+        Agent::start_on_fake_driver(&args)
+    }
+
     /// Starts `vramguard run` with these arguments (and a socket of its own) and waits until
     /// it answers on its socket.
     pub fn start_with(args: &[&OsStr]) -> Result<Agent> {

@@ -6,7 +6,7 @@
 //! process's slot never; a corrupt file in DIR is skipped with its reason logged.
 //! Needs root; build first with `cargo xtask test` (or `cargo build -p agent -p hook -p
 //! fakecuda -p workload`), and run one test at a time.
-use std::{ffi::OsStr, path::Path, time::Duration};
+use std::{path::Path, time::Duration};
 
 use anyhow::{ensure, Context, Result};
 use e2e::{
@@ -57,12 +57,7 @@ fn the_agent_watches_ledgers_reclaims_dead_slots_and_exports_metrics() -> Result
     std::fs::create_dir_all(dir.0.join("pod-a"))?;
     let ledger = dir.0.join("pod-a/ledger");
 
-    let agent = Agent::start_on_fake_driver(&[
-        OsStr::new("--ledger-dir"),
-        dir.0.as_os_str(),
-        OsStr::new("--metrics-addr"),
-        OsStr::new("127.0.0.1:0"),
-    ])?;
+    let agent = Agent::watching(&dir.0, &[])?;
     let addr = agent.metrics_addr()?;
     ensure!(addr.ip().is_loopback(), "metrics on {addr}");
     assert_eq!(http::get(addr, "/healthz")?.0, 200);

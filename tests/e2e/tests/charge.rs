@@ -8,7 +8,7 @@
 //! valid checksum, as a workload could, and every process of the ledger is reported
 //! `tampered`.
 //! Needs root; run with `cargo xtask test`.
-use std::{ffi::OsStr, time::Duration};
+use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
 use e2e::{
@@ -26,12 +26,7 @@ fn unhooked_memory_of_a_hooked_container_is_charged_and_a_rewritten_header_is_ta
     let dir = TempDir::new("charge")?;
     let ledger = dir.ledger("pod-x")?;
     let container = TestCgroup::create("charge-x")?;
-    let agent = Agent::start_on_fake_driver(&[
-        OsStr::new("--ledger-dir"),
-        dir.0.as_os_str(),
-        OsStr::new("--metrics-addr"),
-        OsStr::new("127.0.0.1:0"),
-    ])?;
+    let agent = Agent::watching(&dir.0, &[])?;
     let addr = agent.metrics_addr()?;
     let ledger_label = ledger.to_str().context("ledger path")?.to_string();
 

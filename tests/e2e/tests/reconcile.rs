@@ -8,7 +8,7 @@
 //! with no scrape or audit to prompt it).
 //! Needs root; build first with `cargo xtask test` (or `cargo build -p agent -p hook -p
 //! fakecuda -p workload`), and run one test at a time.
-use std::{ffi::OsStr, path::Path, time::Duration};
+use std::{path::Path, time::Duration};
 
 use anyhow::{ensure, Context, Result};
 use e2e::{
@@ -33,12 +33,7 @@ fn reconcile_reports_ok_unhooked_tampered_and_counts_rejections() -> Result<()> 
     let node = FakeNode::new("reconcile").with_env("FAKECUDA_DEVICE_BYTES", "4g").with_env("FAKECUDA_CONTEXT_BYTES", "64m");
     let dir = TempDir::new("reconcile")?;
     let (ledger_a, ledger_b, ledger_t) = (dir.ledger("pod-a")?, dir.ledger("pod-b")?, dir.ledger("pod-t")?);
-    let agent = Agent::start_on_fake_driver(&[
-        OsStr::new("--ledger-dir"),
-        dir.0.as_os_str(),
-        OsStr::new("--metrics-addr"),
-        OsStr::new("127.0.0.1:0"),
-    ])?;
+    let agent = Agent::watching(&dir.0, &[])?;
     let addr = agent.metrics_addr()?;
 
     let a = holding(node.hooked(&ledger_a, LIMIT)?, &["ctx 0", "alloc a 100m"])?;

@@ -103,11 +103,7 @@ fn three_containers_metrics_enforcement_reclaim_and_tampering() -> Result<()> {
     let config = TempDir::new("scenario-limits")?;
     let limits = config.path().join("limits");
     std::fs::write(&limits, format!("# C may hold 1 GiB\n{} 1g\n", cgroup_c.path))?;
-    let agent = Agent::start_on_fake_driver(&[
-        OsStr::new("--ledger-dir"),
-        dir.path().as_os_str(),
-        OsStr::new("--metrics-addr"),
-        OsStr::new("127.0.0.1:0"),
+    let agent = Agent::watching(dir.path(), &[
         OsStr::new("--limits"),
         limits.as_os_str(),
         OsStr::new("--enforce"),
