@@ -16,10 +16,11 @@
 //! the reclaim, the agent stopped cleanly) and [`check_clean`] on the machine (no cgroup,
 //! fake device file, directory or child process left behind).
 use std::{
+    ffi::OsStr,
     fmt::Write as _,
     fs,
     net::SocketAddr,
-    path::PathBuf,
+    path::{Path, PathBuf},
     time::{Duration, Instant},
 };
 
@@ -28,7 +29,7 @@ use e2e::{
     agent::Agent,
     cgroup::{self, TestCgroup},
     http::{self, Sample},
-    ledgers, wait_for, FakeNode, Running, TempDir, GIB,
+    ledgers, wait_for, FakeNode, Running, TempDir, Workload, GIB,
 };
 
 use crate::{build_ebpf, cargo, run, setup};
@@ -66,6 +67,22 @@ pub const BATCH: Container = Container {
     steps: &["ctx 0", "alloc scratch 2g", "vmm cache 512m", "checkpoint up", "free scratch", "vmm-free cache"],
     what: "not hooked, holds 2 GiB + 512 MiB of VMM memory",
 };
+
+/// Which driver the demo runs on.
+#[derive(Clone, Debug)]
+pub enum Driver {
+    /// The fake driver (`tests/fakecuda`): a 16 GiB fake GPU of the demo's own, 64 MiB contexts.
+    Fake,
+    /// The libcuda file at this path (a real GPU's driver): the agent probes it and the
+    /// workloads load the `libcuda.so.1` of its directory. Contexts are bigger there (the
+    /// hook charges 518 MiB each by default), so every quota is raised by [`REAL_SLACK`].
+    Real(PathBuf),
+}
+
+/// What a real driver's quotas get on top of the fake's: a real context (518 MiB charged)
+/// against the fake's 64 MiB, rounded up. [`INFERENCE`]'s refusal still happens (518 MiB +
+/// 512 MiB fits 2 GiB, 1 GiB more does not).
+pub const REAL_SLACK: u64 = GIB;
 
 /// The step of [`INFERENCE`] that its quota refuses, as the workload reports it.
 const REFUSED: &str = "oom cache";
@@ -109,27 +126,30 @@ pub struct Footprint {
     cgroups: Vec<PathBuf>,
 }
 
-/// `cargo xtask demo [--check]`: builds what it runs, then [`show`] (with `--check`:
-/// [`check`], as `cargo xtask test` runs it).
-pub fn demo(checked: bool) -> Result<()> {
+/// `cargo xtask demo [--check] [--libcuda PATH]`: builds what it runs, then [`show`] (with
+/// `--check`: [`check`], as `cargo xtask test` runs it).
+pub fn demo(checked: bool, driver: Driver) -> Result<()> {
     require_root()?;
+    if let Driver::Real(path) = &driver {
+        ensure!(path.is_file(), "--libcuda {}: no such file", path.display());
+    }
     setup::setup()?;
     build_ebpf()?;
     run(cargo().args(["build", "-p", "agent", "-p", "fakecuda", "-p", "workload", "-p", "hook"]))?;
     if checked {
-        check()?;
+        check(&driver)?;
         println!("the demo's output and clean-up check: ok");
         return Ok(());
     }
-    show(&mut Transcript::default()).map(|_| ())
+    show(&mut Transcript::default(), &driver).map(|_| ())
 }
 
 /// The demo's check in `cargo xtask test` (the binaries are built by then): [`show`], then
 /// [`check_transcript`] and [`check_clean`].
-pub fn check() -> Result<()> {
+pub fn check(driver: &Driver) -> Result<()> {
     require_root()?;
     let mut transcript = Transcript::default();
-    let footprint = show(&mut transcript)?;
+    let footprint = show(&mut transcript, driver)?;
     check_transcript(transcript.text(), &footprint).context("the demo's output")?;
     check_clean(&footprint).context("the demo's clean-up")
 }
@@ -142,18 +162,36 @@ fn require_root() -> Result<()> {
     Ok(())
 }
 
-/// Runs the demo, writing to `out`; everything it made is gone when it returns.
-pub fn show(out: &mut Transcript) -> Result<Footprint> {
+/// Runs the demo on `driver`, writing to `out`; everything it made is gone when it returns.
+pub fn show(out: &mut Transcript, driver: &Driver) -> Result<Footprint> {
     let node = FakeNode::new("demo").with_env("FAKECUDA_DEVICE_BYTES", "16g");
     let root = TempDir::new("demo")?;
-    writeln!(out, "== a fake GPU of 16 GiB (FAKECUDA_NODE={}); ledger root {}", node.name(), root.path().display())?;
+    let libcuda = match driver {
+        Driver::Fake => {
+            writeln!(out, "== a fake GPU of 16 GiB (FAKECUDA_NODE={}); ledger root {}", node.name(), root.path().display())?;
+            e2e::fake_driver_dir()?.join("libcuda.so.1")
+        }
+        Driver::Real(path) => {
+            writeln!(out, "== the driver at {}; ledger root {}", path.display(), root.path().display())?;
+            writeln!(out, "   (every quota below is raised by {} MiB for the real driver's bigger contexts)", REAL_SLACK >> 20)?;
+            path.clone()
+        }
+    };
     writeln!(
         out,
         "== starting: vramguard run --libcuda {} --no-discover --ledger-dir {} --metrics-addr 127.0.0.1:0",
-        e2e::fake_driver_dir()?.join("libcuda.so.1").display(),
+        libcuda.display(),
         root.path().display()
     )?;
-    let agent = Agent::watching(root.path(), &[])?;
+    let agent = Agent::start_with(&[
+        OsStr::new("--libcuda"),
+        libcuda.as_os_str(),
+        OsStr::new("--no-discover"),
+        OsStr::new("--ledger-dir"),
+        root.path().as_os_str(),
+        OsStr::new("--metrics-addr"),
+        OsStr::new("127.0.0.1:0"),
+    ])?;
     let addr = agent.metrics_addr()?;
     writeln!(out, "   serving http://{addr}/metrics")?;
 
@@ -163,14 +201,18 @@ pub fn show(out: &mut Transcript) -> Result<Footprint> {
     writeln!(out, "\n== three containers, each in a cgroup of its own")?;
     for container in [&TRAINING, &INFERENCE, &BATCH] {
         let group = TestCgroup::create(&format!("demo-{}", container.name))?;
-        let mut workload = match container.quota {
-            Some(quota) => node
-                .hooked(&root.ledger(container.name)?, quota)?
-                .env("POD_NAMESPACE", "demo")
-                .env("POD_NAME", container.name)
-                .env("CONTAINER_NAME", "main"),
-            None => node.workload(),
+        let mut workload = match (container.quota, driver) {
+            (Some(quota), Driver::Fake) => node.hooked(&root.ledger(container.name)?, quota)?,
+            (Some(quota), Driver::Real(path)) => real_driver_workload(path)
+                .env("LD_PRELOAD", e2e::hook_lib()?)
+                .env("CUDA_DEVICE_MEMORY_LIMIT", (quota + REAL_SLACK).to_string())
+                .env("VRAMGUARD_LEDGER", root.ledger(container.name)?),
+            (None, Driver::Fake) => node.workload(),
+            (None, Driver::Real(path)) => real_driver_workload(path),
         };
+        if container.quota.is_some() {
+            workload = workload.env("POD_NAMESPACE", "demo").env("POD_NAME", container.name).env("CONTAINER_NAME", "main");
+        }
         workload = workload.in_cgroup(&group).steps(container.steps.iter().copied());
         let mut process = workload.spawn()?;
         writeln!(out, "-- {}: pid {}, {} ({})", container.name, process.pid(), container.what, group.path)?;
@@ -254,6 +296,12 @@ pub fn show(out: &mut Transcript) -> Result<Footprint> {
     drop(root);
     writeln!(out, "== done: probes detached; the cgroups, the fake device's files and the ledger root removed")?;
     Ok(footprint)
+}
+
+/// A workload that loads the `libcuda.so.1` (and NVML) of `libcuda`'s directory.
+fn real_driver_workload(libcuda: &Path) -> Workload {
+    let dir = libcuda.parent().map_or_else(|| PathBuf::from("/"), Path::to_path_buf);
+    Workload::new().lib_dir(dir)
 }
 
 /// Echoes the workload's lines (and what the hook said on its stderr) until `checkpoint up`.

@@ -48,6 +48,10 @@ enum Task {
         /// Then check the output and that nothing was left behind, as `cargo xtask test` does.
         #[arg(long)]
         check: bool,
+        /// Run on this libcuda (a real GPU's driver, e.g. /usr/lib/x86_64-linux-gnu/libcuda.so.1)
+        /// instead of the fake driver.
+        #[arg(long, value_name = "PATH")]
+        libcuda: Option<PathBuf>,
     },
     /// Measure the probes' cost per alloc/free pair; write docs/BENCHMARKS.md.
     Bench,
@@ -60,7 +64,7 @@ fn main() -> Result<()> {
         Task::FakeDriver => fake_driver().map(|dir| println!("{}", dir.display())),
         Task::ValidateManifests => manifests::validate(),
         Task::Test => test(),
-        Task::Demo { check } => demo::demo(check),
+        Task::Demo { check, libcuda } => demo::demo(check, libcuda.map_or(demo::Driver::Fake, demo::Driver::Real)),
         Task::Bench => bench::bench(),
     }
 }
@@ -134,7 +138,7 @@ fn test() -> Result<()> {
     totals.1 += e2e.1;
     // The demo, as `cargo xtask demo` runs it, with its output and its clean-up checked.
     println!("\nrunning the demo (cargo xtask demo), its output checked");
-    let demo = demo::check();
+    let demo = demo::check(&demo::Driver::Fake);
     match &demo {
         Ok(()) => {
             println!("test xtask demo ... ok");
