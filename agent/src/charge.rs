@@ -5,9 +5,10 @@
 //! what would pass the quota.
 //!
 //! The agent holds one slot of its own in each ledger it charges (registered with its own
-//! process identity) and one record in it, replaced with [`Ledger::recharge`] whenever the
-//! amount changes, and dropped when it falls to zero. Over quota the charge is cut to what the
-//! quota still holds. The probes cannot tell devices apart, so the charge goes to the
+//! process identity) and one record in it, replaced with [`Ledger::recharge`] at every pass
+//! (so a charge follows the amount, grows back once the quota has room, and is made again if
+//! a workload freed it), and dropped when the amount falls to zero. Over quota the charge is
+//! cut to what the quota still holds. The probes cannot tell devices apart, so the charge goes to the
 //! ledger's first device. On a clean stop the agent frees its slots; if it dies, its slot is
 //! a dead process's like any other, and the next agent reclaims it.
 use std::collections::BTreeMap;
@@ -15,7 +16,7 @@ use std::collections::BTreeMap;
 use ledger::{Ledger, LedgerError, ProcessIdentity, RecordId, SlotId};
 use tracing::{info, warn};
 
-use crate::ledgers::Ledgers;
+use crate::{identity, ledgers::Ledgers};
 
 /// The device the agent charges (see the module doc).
 const DEVICE: u32 = 0;
@@ -25,9 +26,7 @@ const DEVICE: u32 = 0;
 struct Held {
     slot: Option<SlotId>,
     record: Option<RecordId>,
-    /// What the agent was asked to charge.
-    wanted: u64,
-    /// What the ledger holds (less than `wanted` when the quota is full).
+    /// What the ledger holds (less than asked when the quota is full).
     charged: u64,
 }
 
@@ -39,7 +38,15 @@ pub struct Charger {
 }
 
 impl Charger {
+    /// A charger; off (charging nothing) unless the agent runs in the host's pid namespace:
+    /// elsewhere its slot, were it to die, could be freed by no one (the hooks leave the slots
+    /// of other namespaces alone, and so would the next agent there), and the charge would
+    /// hold the container's quota for good.
     pub fn new() -> Charger {
+        if !identity::in_initial_pid_namespace() {
+            warn!("this agent does not run in the host's pid namespace (hostPID): memory held outside a ledger is not charged to it");
+            return Charger { agent: None, held: BTreeMap::new() };
+        }
         let agent = match ProcessIdentity::current() {
             Ok(agent) => Some(agent),
             Err(error) => {
@@ -60,7 +67,10 @@ impl Charger {
         for (path, ledger) in watched {
             let bytes = wanted.get(&path).copied().unwrap_or(0);
             let held = self.held.get(&path).copied().unwrap_or_default();
-            if held.wanted == bytes {
+            // A charge is asserted again at every update (not only when the amount changes): a
+            // charge cut to the quota grows back as room frees up, and one a workload freed
+            // behind the agent's back is made again.
+            if bytes == 0 && held.record.is_none() {
                 continue;
             }
             match charge(ledger, agent, held, bytes) {
@@ -115,11 +125,11 @@ fn charge(ledger: &Ledger, agent: ProcessIdentity, held: Held, bytes: u64) -> Re
         Err(LedgerError::UnknownSlot(_)) => {
             let slot = ledger.register(agent)?;
             let (record, charged) = ledger.recharge(slot, agent, DEVICE, None, bytes)?;
-            return Ok(Held { slot: Some(slot), record, wanted: bytes, charged });
+            return Ok(Held { slot: Some(slot), record, charged });
         }
         other => other?,
     };
-    Ok(Held { slot: Some(slot), record, wanted: bytes, charged })
+    Ok(Held { slot: Some(slot), record, charged })
 }
 
 #[cfg(test)]
@@ -157,20 +167,33 @@ mod tests {
         charger.update(&ledgers, &BTreeMap::from([(name.clone(), 100 * MIB)]));
         assert_eq!(used(), 64 * MIB);
         assert!(ledger.reserve(worker, 0, Charge::Device(2 * MIB), 0x2000).is_err());
-        // Someone freed the agent's slot: it takes a new one.
+        assert_eq!(charger.charged(), BTreeMap::from([(name.as_str(), 48 * MIB)]));
+        // The worker frees its 16 MiB: the same amount asked again grows the cut charge back.
+        let worker_record = ledger.records().expect("records").into_iter().find(|(_, r)| r.slot == worker).expect("record").0;
+        ledger.release(worker, worker_record).expect("release");
+        charger.update(&ledgers, &BTreeMap::from([(name.clone(), 100 * MIB)]));
+        assert_eq!(charger.charged(), BTreeMap::from([(name.as_str(), 64 * MIB)]));
+        assert_eq!(used(), 64 * MIB);
+        // Someone freed the agent's slot (and the worker is gone too): it takes a new one.
         let own = ledger.slots().expect("slots").into_iter().find(|v| v.id != worker).expect("agent slot").id;
         ledger.reclaim(own).expect("reclaim");
+        ledger.reclaim(worker).expect("reclaim the worker");
         charger.update(&ledgers, &BTreeMap::from([(name.clone(), 10 * MIB)]));
-        assert_eq!(used(), 26 * MIB);
+        assert_eq!(used(), 10 * MIB);
+        // The same amount again after someone freed it: made again.
+        ledger.reclaim(ledger.slots().expect("slots").into_iter().next().expect("agent slot").id).expect("reclaim");
+        assert_eq!(used(), 0);
+        charger.update(&ledgers, &BTreeMap::from([(name.clone(), 10 * MIB)]));
+        assert_eq!(used(), 10 * MIB);
         // Nothing unaccounted: nothing charged.
         charger.update(&ledgers, &BTreeMap::new());
-        assert_eq!(used(), 16 * MIB);
+        assert_eq!(used(), 0);
         assert!(charger.charged().is_empty());
         // A clean stop frees the slot.
         charger.update(&ledgers, &BTreeMap::from([(name.clone(), 4 * MIB)]));
         charger.release_all(&ledgers);
-        assert_eq!(used(), 16 * MIB);
-        assert_eq!(ledger.slots().expect("slots").len(), 1);
+        assert_eq!(used(), 0);
+        assert_eq!(ledger.slots().expect("slots").len(), 0);
         assert_eq!(ledger.check().expect("check"), Vec::<String>::new());
         std::fs::remove_dir_all(&dir).expect("cleanup");
     }

@@ -26,6 +26,15 @@ pub fn host_pid(slot: &Slot) -> Option<u32> {
     None
 }
 
+/// Whether host process `host_pid` runs (not a zombie) and is the process `process`
+/// describes: same start time, pid namespace and pid in that namespace. A slot's host pid is
+/// a field its workload can write: this is what the agent checks before trusting it.
+pub fn is_process(host_pid: u32, process: &ProcessIdentity) -> bool {
+    ledger::process::running_start_time_of(host_pid) == Some(process.start_time)
+        && fs::metadata(format!("/proc/{host_pid}/ns/pid")).map(|m| m.ino()).ok() == Some(process.pidns)
+        && namespace_pid(host_pid) == Some(process.pid)
+}
+
 /// The identity of host process `pid` (pid namespace, pid in it, start time), running or a
 /// zombie: what an exit event's process was, looked up while it is still in /proc.
 pub fn identity_of(pid: u32) -> Option<ProcessIdentity> {
@@ -208,6 +217,9 @@ mod tests {
             devices: [Default::default(); ledger::layout::MAX_DEVICES],
         };
         assert_eq!(host_pid(&slot), Some(std::process::id()));
+        assert!(is_process(std::process::id(), &me));
+        assert!(!is_process(std::process::id(), &ledger::ProcessIdentity { pidns: me.pidns + 1, ..me }), "another namespace");
+        assert!(!is_process(std::process::id(), &ledger::ProcessIdentity { pid: me.pid + 1, ..me }), "another pid in it");
         assert_eq!(ProcessTable::scan().find(&slot), Some(std::process::id()));
         assert_eq!(identity_of(std::process::id()), Some(me));
         slot.start_time += 1;

@@ -54,26 +54,43 @@ pub fn well_known_paths() -> String {
 /// How many [`Discovery::scan`]s make one that reads every process's maps again.
 pub const FULL_SCAN_EVERY: u64 = 10;
 
+/// How long after it first appears a process's maps are read at every scan: programs load
+/// libcuda with `dlopen` at their first CUDA call (the CUDA runtime, PyTorch), some time
+/// after they start.
+pub const YOUNG: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// Discovery that keeps up with new processes cheaply: each scan reads the maps of the
-/// processes that appeared since the scan before, and every [`FULL_SCAN_EVERY`]th scan those
-/// of every process (for a process that loads a libcuda long after it started, with
-/// `dlopen`, from a file not probed yet: a file already probed needs no finding, its probes
-/// cover every process that maps it).
+/// processes that appeared in the last [`YOUNG`] seconds, and every [`FULL_SCAN_EVERY`]th scan
+/// those of every process (for a process that loads a libcuda file not probed yet even
+/// later). A file already probed needs no finding: its probes cover every process that maps
+/// it, whenever it does.
 #[derive(Default)]
 pub struct Discovery {
-    seen: std::collections::HashSet<u32>,
+    /// Pid -> when a scan first saw it.
+    seen: std::collections::HashMap<u32, std::time::Instant>,
     scans: u64,
 }
 
 impl Discovery {
     /// The libcuda files mapped by the processes this scan reads.
     pub fn scan(&mut self) -> Vec<LibcudaFile> {
-        let pids = running_pids();
+        let now = std::time::Instant::now();
         let full = self.scans.is_multiple_of(FULL_SCAN_EVERY);
         self.scans += 1;
-        let read: Vec<u32> = pids.iter().copied().filter(|pid| full || !self.seen.contains(pid)).collect();
-        self.seen = pids.into_iter().collect();
+        let pids = running_pids();
+        let seen: std::collections::HashMap<u32, std::time::Instant> =
+            pids.iter().map(|&pid| (pid, self.seen.get(&pid).copied().unwrap_or(now))).collect();
+        let read: Vec<u32> = pids.into_iter().filter(|pid| full || now.saturating_duration_since(seen[pid]) < YOUNG).collect();
+        self.seen = seen;
         mapped_by(&read)
+    }
+
+    /// Makes every process known to the last scan older than [`YOUNG`] (for tests).
+    #[doc(hidden)]
+    pub fn age(&mut self) {
+        for first in self.seen.values_mut() {
+            *first = first.checked_sub(YOUNG).unwrap_or(*first);
+        }
     }
 }
 
@@ -147,8 +164,15 @@ mod tests {
         let file = fs::File::open(&path).expect("open");
         // SAFETY: a private read-only mapping of a file this test owns and does not change.
         let map = unsafe { memmap2::Mmap::map(&file) }.expect("map");
-        for scan in 1..FULL_SCAN_EVERY {
-            assert!(!ours(discovery.scan()), "scan {scan} reads only processes new since the one before");
+        assert!(ours(discovery.scan()), "a young process's maps are read at every scan");
+        // An old process loads it: only the full scan reads its maps.
+        drop(map);
+        assert!(!ours(discovery.scan()));
+        discovery.age();
+        // SAFETY: as above.
+        let map = unsafe { memmap2::Mmap::map(&file) }.expect("map");
+        for scan in 3..FULL_SCAN_EVERY {
+            assert!(!ours(discovery.scan()), "scan {scan} reads only young processes");
         }
         assert!(ours(discovery.scan()), "the full scan finds it");
         drop(map);

@@ -1,13 +1,15 @@
 //! Reclaim of ledger slots whose process is gone, and the host pids of live ones.
 //!
 //! A sweep reads every slot of every watched ledger and judges its process: a slot whose
-//! recorded host pid still runs a process with the slot's start time is alive (one read of
-//! /proc/<pid>/stat); the others are looked up in one scan of /proc ([`ProcessTable`], made
-//! only when a sweep has such a slot). A live process gets its host pid written into its slot
-//! ([`Ledger::set_host_pid`]); a slot the table does not find is confirmed dead by a fresh
-//! look-up ([`identity::host_pid`], so a process that started after the table was built is
-//! never mistaken for a dead one) and then freed with [`Ledger::reclaim_process`], which
-//! refuses if the slot was freed and reused meanwhile. A zombie counts as dead.
+//! recorded host pid still runs the slot's process is alive (its pid namespace, pid in it and
+//! start time checked the first time, since the workload can write the field; its start time
+//! after that); the others are looked up in one scan of /proc ([`ProcessTable`], made only
+//! when a sweep has such a slot, and scanned again for a ledger whose slots were read before
+//! the last scan began, so that a process that started after a scan is never taken for a dead
+//! one). A live process gets its host pid written into its slot ([`Ledger::set_host_pid`]); a
+//! slot the table does not find is dead and is freed with [`Ledger::reclaim_process`], which
+//! refuses if the slot was freed and reused meanwhile. A zombie counts as dead. However many
+//! dead slots a workload makes, a sweep scans /proc at most once per ledger.
 //!
 //! Sweeps run every second and at once on the eBPF exit event of a process with GPU memory.
 //! That event fires inside `do_exit`, before the process becomes a zombie, so its tgid stays
@@ -40,6 +42,9 @@ pub struct Reclaimer {
     /// Exit events not resolved yet: tgid -> (arrival, the process's identity if /proc still
     /// had it).
     pending: HashMap<u32, (Instant, Option<ProcessIdentity>)>,
+    /// (host pid, slot identity) pairs checked in full by an earlier sweep and seen by the
+    /// last one: their start time suffices from then on.
+    verified: HashSet<(u32, ProcessIdentity)>,
     /// Reclaims performed.
     pub total: u64,
 }
@@ -54,7 +59,7 @@ impl Reclaimer {
                  dead process from an invisible one, so it reclaims no ledger slot"
             );
         }
-        Reclaimer { enabled, pending: HashMap::new(), total: 0 }
+        Reclaimer { enabled, pending: HashMap::new(), verified: HashSet::new(), total: 0 }
     }
 
     /// Notes the exit event of process `tgid`, which arrived at `at`.
@@ -72,8 +77,12 @@ impl Reclaimer {
     pub fn sweep(&mut self, ledgers: &Ledgers) -> Vec<Duration> {
         let mut reclaimed = Vec::new();
         let mut waiting: HashSet<u32> = HashSet::new();
-        let mut table: Option<ProcessTable> = None;
+        let mut verified: HashSet<(u32, ProcessIdentity)> = HashSet::new();
+        // The /proc table and when its scan began: a slot read before that whose process it
+        // does not hold is dead (a process that started since would be in it).
+        let mut table: Option<(ProcessTable, Instant)> = None;
         for (path, ledger) in ledgers.iter() {
+            let read_at = Instant::now();
             let slots = match ledger.slots() {
                 Ok(slots) => slots,
                 Err(error) => {
@@ -84,19 +93,31 @@ impl Reclaimer {
             if slots.is_empty() {
                 continue;
             }
-            // Built (once a sweep needs it) after this ledger's slots were read: every
-            // process of those slots started before it.
             for view in slots {
                 let slot = view.slot;
                 let detected = Instant::now();
-                // The host pid recorded before still runs the same process (same start
-                // time): alive, without the table. Otherwise the table decides.
-                let recorded = (slot.host_pid != 0
-                    && ledger::process::running_start_time_of(slot.host_pid) == Some(slot.start_time))
+                // The recorded host pid still runs the slot's process: alive, without the
+                // table (checked in full the first time, by start time after that). Otherwise
+                // the table decides.
+                let process = ProcessIdentity { pid: slot.pid, pidns: slot.pidns, start_time: slot.start_time };
+                let recorded = (slot.host_pid != 0 && {
+                    let known = self.verified.contains(&(slot.host_pid, process));
+                    if known {
+                        ledger::process::running_start_time_of(slot.host_pid) == Some(slot.start_time)
+                    } else {
+                        identity::is_process(slot.host_pid, &process)
+                    }
+                })
                 .then_some(slot.host_pid);
+                if let Some(host) = recorded {
+                    verified.insert((host, process));
+                }
                 let live = recorded.or_else(|| {
-                    let table = table.get_or_insert_with(ProcessTable::scan);
-                    table.find(&slot).or_else(|| identity::host_pid(&slot))
+                    if table.as_ref().is_none_or(|(_, scanned_at)| *scanned_at < read_at) {
+                        let scanned_at = Instant::now();
+                        table = Some((ProcessTable::scan(), scanned_at));
+                    }
+                    table.as_ref().and_then(|(table, _)| table.find(&slot))
                 });
                 if let Some(host) = live {
                     if slot.host_pid != host {
@@ -110,7 +131,6 @@ impl Reclaimer {
                 if !self.enabled {
                     continue;
                 }
-                let process = ProcessIdentity { pid: slot.pid, pidns: slot.pidns, start_time: slot.start_time };
                 match ledger.reclaim_process(view.id, process) {
                     Ok(Some(chunks)) => {
                         let tgid = self
@@ -141,6 +161,7 @@ impl Reclaimer {
             }
         }
         self.pending.retain(|tgid, (at, _)| waiting.contains(tgid) && at.elapsed() < PENDING_MAX);
+        self.verified = verified;
         reclaimed
     }
 }

@@ -28,9 +28,10 @@
 //! # States
 //!
 //! * `tampered`: the ledger charges the process less than the probes saw, by more than the
-//!   threshold; reported at once (the hook charges before the driver allocates and releases
-//!   after it frees, so an honest ledger is never behind: this is what a process that wrote
-//!   its own slot down looks like).
+//!   threshold, on passes [`TAMPER_CONFIRM`] apart (the hook charges before the driver
+//!   allocates and releases after it frees, so an honest ledger is behind only while a free
+//!   is in flight, the probes having counted it at its start: this is what a process that
+//!   wrote its own slot down looks like).
 //! * `drift`: the views differ by more than the threshold (the ledger ahead), continuously
 //!   for longer than the grace period.
 //! * `unhooked`: the probes see GPU memory, and no watched ledger has a slot for the process.
@@ -46,7 +47,8 @@
 //! each pass collects them ([`Reconciler::ledger_cgroups`]) from the eBPF rows of the joined
 //! processes and from /proc for the others. A cgroup with processes of exactly one ledger
 //! is that container's ([`Reconciler::cgroup_ledgers`]; one shared by several ledgers is
-//! nobody's). The agent enforces the ledger's limits on its cgroups ([`crate::enforce`]),
+//! nobody's, and is held to the smallest of their limits). The agent enforces the ledger's
+//! limits on its cgroups ([`crate::enforce`]),
 //! and charges the ledger, through a slot of its own ([`crate::charge`]), what the probes
 //! see the container hold outside it ([`Reconciler::unaccounted_by_ledger`]): the memory of
 //! `unhooked` processes in its cgroups and what `tampered` processes hold beyond their
@@ -82,6 +84,10 @@ use crate::{identity, ledgers::Ledgers, snapshot::Snapshot};
 pub const DEFAULT_THRESHOLD: u64 = 64 << 20;
 /// Default `--drift-grace-ms`.
 pub const DEFAULT_GRACE_MS: u64 = 5000;
+/// How long a ledger must stay behind the probes (beyond the threshold) before its process
+/// is `tampered`: longer than a free takes between the probes counting it (at its start) and
+/// the hook releasing it (after the driver returns).
+pub const TAMPER_CONFIRM: Duration = Duration::from_millis(250);
 /// Passes triggered by events are at least this far apart (the timer's are not affected).
 pub const MIN_INTERVAL: Duration = Duration::from_millis(100);
 
@@ -172,6 +178,8 @@ pub struct Reconciler {
     config: Config,
     /// Since when each process's views have differed (ledger ahead) beyond the threshold.
     diverged: HashMap<u32, Instant>,
+    /// Since when each process's ledger has been behind the probes beyond the threshold.
+    behind: HashMap<u32, Instant>,
     verdicts: Vec<Verdict>,
     last_pass: Option<Instant>,
     /// The identity of each process the probes report.
@@ -189,6 +197,7 @@ impl Reconciler {
         Reconciler {
             config,
             diverged: HashMap::new(),
+            behind: HashMap::new(),
             verdicts: Vec::new(),
             last_pass: None,
             probed: identity::ProbedProcesses::default(),
@@ -212,8 +221,8 @@ impl Reconciler {
 
     /// The ledger (path) of each cgroup that holds live processes of exactly one ledger: a
     /// container's. A cgroup shared by processes of several ledgers is no one container's
-    /// (hooked processes outside containers, say), so it is left out: neither a ledger's
-    /// limit nor a ledger's charge can be pinned on it.
+    /// (hooked processes outside containers, or a workload that registered a process in a
+    /// second ledger file), so it is left out: no ledger's charge can be pinned on it.
     pub fn cgroup_ledgers(&self) -> BTreeMap<u64, &str> {
         let mut owners: BTreeMap<u64, Option<&str>> = BTreeMap::new();
         for (ledger, cgroups) in &self.ledger_cgroups {
@@ -246,6 +255,7 @@ impl Reconciler {
     pub fn judge(&mut self, observations: Vec<Observation>, now: Instant) {
         let mut verdicts = Vec::with_capacity(observations.len());
         let mut diverged = HashMap::new();
+        let mut behind = HashMap::new();
         let previous: HashMap<u32, State> = self.verdicts.iter().map(|v| (v.pid, v.state)).collect();
         for seen in observations {
             let state = match seen.ledger_bytes {
@@ -253,7 +263,17 @@ impl Reconciler {
                 Some(_) if seen.header_changed => State::Tampered,
                 None if seen.ebpf_bytes > 0 => State::Unhooked,
                 None => State::Ok,
-                Some(ledger) if seen.ebpf_bytes.saturating_sub(ledger) > self.config.threshold => State::Tampered,
+                Some(ledger) if seen.ebpf_bytes.saturating_sub(ledger) > self.config.threshold => {
+                    // Confirmed on a later pass: a free the probes counted at its start and the
+                    // hook releases when the driver returns is behind for a moment only.
+                    let since = self.behind.get(&seen.pid).copied().unwrap_or(now);
+                    behind.insert(seen.pid, since);
+                    if now.saturating_duration_since(since) >= TAMPER_CONFIRM {
+                        State::Tampered
+                    } else {
+                        State::Ok
+                    }
+                }
                 Some(ledger) if ledger.abs_diff(seen.ebpf_bytes) > self.config.threshold => {
                     let since = self.diverged.get(&seen.pid).copied().unwrap_or(now);
                     diverged.insert(seen.pid, since);
@@ -287,6 +307,7 @@ impl Reconciler {
         }
         verdicts.sort_by_key(|v| (v.pid, v.state));
         self.diverged = diverged;
+        self.behind = behind;
         self.verdicts = verdicts;
         self.last_pass = Some(now);
     }
@@ -383,7 +404,7 @@ pub fn observe(
         names.push(name.clone());
         let header_changed = ledgers.is_some_and(|l| l.header_change(path).is_some());
         // Slots without eBPF memory, judged after the lock is released.
-        let mut unjoined: Vec<(u32, u64, u64)> = Vec::new();
+        let mut unjoined: Vec<(u32, ProcessIdentity, u64)> = Vec::new();
         let mut cgroups = BTreeSet::new();
         let visited = ledger.for_each_slot(|_, slot| {
             let process = ProcessIdentity { pid: slot.pid, pidns: slot.pidns, start_time: slot.start_time };
@@ -397,7 +418,7 @@ pub fn observe(
                 entry.2 |= header_changed;
                 cgroups.insert(ebpf[row].cgroup_id);
             } else if slot.host_pid != 0 {
-                unjoined.push((slot.host_pid, slot.start_time, bytes));
+                unjoined.push((slot.host_pid, process, bytes));
             }
             // else: not identified yet; the reclaimer records its host pid soon
         });
@@ -405,8 +426,8 @@ pub fn observe(
             warn!(ledger = %path.display(), %error, "cannot read the ledger's slots to reconcile");
             continue;
         }
-        for (host_pid, start_time, bytes) in unjoined {
-            let (gone, cgroup_id) = slot_processes.look_up(host_pid, start_time);
+        for (host_pid, process, bytes) in unjoined {
+            let (gone, cgroup_id) = slot_processes.look_up(host_pid, process);
             if cgroup_id != 0 {
                 cgroups.insert(cgroup_id);
             }
@@ -450,8 +471,8 @@ pub const SLOT_RECHECK: Duration = Duration::from_secs(1);
 /// second; a process found gone stays gone), and forgotten once no slot names them.
 #[derive(Default)]
 pub struct SlotProcesses {
-    /// By (host pid, start time).
-    known: HashMap<(u32, u64), SlotProcess>,
+    /// By (host pid, the slot's identity).
+    known: HashMap<(u32, ProcessIdentity), SlotProcess>,
     pass: u64,
 }
 
@@ -474,18 +495,20 @@ impl SlotProcesses {
         self.known.retain(|_, process| process.pass == pass);
     }
 
-    /// (gone, cgroup id) of the process with `host_pid` and `start_time`.
-    fn look_up(&mut self, host_pid: u32, start_time: u64) -> (bool, u64) {
+    /// (gone, cgroup id) of the slot's `process`, whose host pid the slot says is `host_pid`
+    /// (a field the workload can write: a host pid that is not the slot's process counts as
+    /// gone, so its cgroup is never taken for the ledger's).
+    fn look_up(&mut self, host_pid: u32, process: ProcessIdentity) -> (bool, u64) {
         let pass = self.pass;
-        if let Some(process) = self.known.get_mut(&(host_pid, start_time)) {
-            if process.gone || process.read.elapsed() < SLOT_RECHECK {
-                process.pass = pass;
-                return (process.gone, process.cgroup_id);
+        if let Some(known) = self.known.get_mut(&(host_pid, process)) {
+            if known.gone || known.read.elapsed() < SLOT_RECHECK {
+                known.pass = pass;
+                return (known.gone, known.cgroup_id);
             }
         }
-        let gone = ledger::process::running_start_time_of(host_pid) != Some(start_time);
+        let gone = !identity::is_process(host_pid, &process);
         let cgroup_id = if gone { 0 } else { crate::cgroup::id_of_pid(host_pid).unwrap_or(0) };
-        self.known.insert((host_pid, start_time), SlotProcess { gone, cgroup_id, read: Instant::now(), pass });
+        self.known.insert((host_pid, process), SlotProcess { gone, cgroup_id, read: Instant::now(), pass });
         (gone, cgroup_id)
     }
 }
@@ -522,11 +545,33 @@ mod tests {
             ],
             now,
         );
+        // 3's ledger is behind: not yet tampered (a free may be in flight).
         assert_eq!(
             states(&r),
-            vec![(1, State::Ok), (2, State::Unhooked), (3, State::Tampered), (4, State::Ok), (5, State::Stale), (6, State::Ok)]
+            vec![(1, State::Ok), (2, State::Unhooked), (3, State::Ok), (4, State::Ok), (5, State::Stale), (6, State::Ok)]
         );
         assert_eq!(r.ebpf_bytes_by_ledger().get("/l"), Some(&(264 * MIB)));
+        // Still behind a confirmation period later: tampered.
+        r.judge(vec![seen(3, Some(0), 100 * MIB)], now + TAMPER_CONFIRM);
+        assert_eq!(states(&r), vec![(3, State::Tampered)]);
+    }
+
+    #[test]
+    fn a_ledger_behind_for_a_moment_is_not_tampering() {
+        let mut r = Reconciler::new(Config::default());
+        let now = Instant::now();
+        // A 1 GiB free counted by the probes, not yet released by the hook; then released.
+        r.judge(vec![seen(9, Some(1024 * MIB), 0)], now);
+        r.judge(vec![seen(9, Some(1024 * MIB), 0)], now + Duration::from_millis(50));
+        r.judge(vec![seen(9, Some(0), 0)], now + Duration::from_millis(100));
+        // Behind again later: the period starts over.
+        r.judge(vec![seen(9, Some(0), 100 * MIB)], now + Duration::from_millis(300));
+        assert_eq!(states(&r), vec![(9, State::Ok)]);
+        r.judge(vec![seen(9, Some(0), 100 * MIB)], now + Duration::from_millis(400));
+        assert_eq!(states(&r), vec![(9, State::Ok)]);
+        assert_eq!(r.unaccounted_by_ledger(), BTreeMap::new(), "nothing charged while unconfirmed");
+        r.judge(vec![seen(9, Some(0), 100 * MIB)], now + Duration::from_millis(300) + TAMPER_CONFIRM);
+        assert_eq!(states(&r), vec![(9, State::Tampered)]);
     }
 
     #[test]
@@ -596,8 +641,11 @@ mod tests {
         assert_eq!(r.ledger_cgroups().get(&name), Some(&BTreeSet::from([cgroup_id])));
         assert_eq!(r.unaccounted_by_ledger(), BTreeMap::new());
 
-        // The probes see 100 MiB more than the ledger charges: tampered, and the excess is
-        // the ledger's unaccounted memory.
+        // The probes see 100 MiB more than the ledger charges, for longer than a free could
+        // explain: tampered, and the excess is the ledger's unaccounted memory.
+        r.pass(Some(&ledgers), &[me(charged + 100 * MIB)]);
+        assert_eq!(r.verdicts()[0].state, State::Ok);
+        std::thread::sleep(TAMPER_CONFIRM);
         r.pass(Some(&ledgers), &[me(charged + 100 * MIB)]);
         assert_eq!(r.verdicts()[0].state, State::Tampered);
         assert_eq!(r.unaccounted_by_ledger(), BTreeMap::from([(name.clone(), 100 * MIB)]));

@@ -55,8 +55,8 @@ pub struct RunArgs {
     /// Probe only the --libcuda files: do not scan processes and the usual install paths.
     #[arg(long)]
     pub no_discover: bool,
-    /// How often to look for libcuda files not probed yet in the maps of new processes, in
-    /// milliseconds (every 10th time in those of every process).
+    /// How often to look for libcuda files not probed yet in the maps of the processes that
+    /// appeared in the last minute, in milliseconds (every 10th time in those of every process).
     #[arg(long, default_value_t = 1000, value_name = "MS")]
     pub rescan_ms: u64,
     /// How often to drain the event ring buffer, in milliseconds (exits wake the agent at
@@ -388,22 +388,21 @@ fn snapshot(
     snapshot
 }
 
-/// The cgroup of each watched ledger's container (as the last reconcile pass found them, see
-/// [`Reconciler::cgroup_ledgers`]) and the ledger's limit as the agent validated it: the sum
-/// of its devices' limits.
+/// The cgroups of each watched ledger's live processes (as the last reconcile pass found
+/// them) and the ledger's limit as the agent validated it (the sum of its devices' limits). A
+/// cgroup with processes of several ledgers is held to the smallest of their limits: a
+/// workload cannot lift its cgroup's limit by registering a process in a second ledger.
 fn ledger_cgroup_limits(ledgers: &Ledgers, reconciler: &Reconciler) -> BTreeMap<u64, u64> {
-    let limits: BTreeMap<String, u64> = ledgers
-        .iter()
-        .map(|(path, ledger)| {
-            let header = ledger.header();
-            (path.display().to_string(), header.devices[..header.device_count as usize].iter().map(|d| d.limit).sum())
-        })
-        .collect();
-    reconciler
-        .cgroup_ledgers()
-        .into_iter()
-        .filter_map(|(cgroup, ledger)| Some((cgroup, *limits.get(ledger)?)))
-        .collect()
+    let mut limits = BTreeMap::new();
+    for (path, ledger) in ledgers.iter() {
+        let header = ledger.header();
+        let limit: u64 = header.devices[..header.device_count as usize].iter().map(|d| d.limit).sum();
+        let Some(cgroups) = reconciler.ledger_cgroups().get(&path.display().to_string()) else { continue };
+        for cgroup in cgroups {
+            limits.entry(*cgroup).and_modify(|held: &mut u64| *held = (*held).min(limit)).or_insert(limit);
+        }
+    }
+    limits
 }
 
 /// Attaches the probes to `file` unless that file already has them.

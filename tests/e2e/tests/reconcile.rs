@@ -4,7 +4,7 @@
 //! to its eBPF bytes), B hooked and refused past its quota (the refusal counted in
 //! `vramguard_container_rejections_total`), C not hooked at all (`unhooked`), and T hooked,
 //! whose slot's usage is then written to zero in the ledger file from outside, as a process
-//! scribbling on its own slot would (`tampered`, logged by the agent's own passes within 2 s,
+//! scribbling on its own slot would (`tampered`, logged by the agent's own passes within 3 s,
 //! with no scrape or audit to prompt it).
 //! Needs root; build first with `cargo xtask test` (or `cargo build -p agent -p hook -p
 //! fakecuda -p workload`), and run one test at a time.
@@ -99,7 +99,7 @@ fn reconcile_reports_ok_unhooked_tampered_and_counts_rejections() -> Result<()> 
     let before = zero_slot_bytes(&ledger_t, t.pid())?;
     assert_eq!(before, 200 * MIB + 64 * MIB, "T's allocation and its context reserve");
     let marker = format!("pid={} ", t.pid());
-    let latency = wait_for(Duration::from_secs(2), "the tampered slot reported", || {
+    let latency = wait_for(Duration::from_secs(3), "the tampered slot reported", || {
         Ok(agent.log().lines().any(|l| l.contains("process state changed") && l.contains(&marker) && l.contains("to=tampered")))
     })?;
     eprintln!("slot zeroed to `tampered` in the agent's log: {latency:?}");
