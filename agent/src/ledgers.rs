@@ -12,7 +12,10 @@
 //! ledger's processes (by a workload: the file is writable in its container), and processes
 //! started afterwards would take its values. [`Ledgers::header_change`] says how it differs;
 //! [`crate::reconcile`] reports the ledger's processes `tampered`, and the agent keeps
-//! enforcing the limits it validated.
+//! enforcing the limits it validated ([`Ledgers::validated_header`]). A file removed or
+//! replaced while it had live slots passes its validated header on to the next file at its
+//! path: a workload cannot lift its limits by re-creating its ledger either (a new pod, whose
+//! predecessor's processes are gone and reclaimed, starts afresh).
 use std::{
     collections::{BTreeMap, BTreeSet},
     fs,
@@ -59,7 +62,10 @@ struct Watched {
     key: FileKey,
     /// The file, open for reading its header every scan without opening it again.
     file: fs::File,
-    /// How the header on disk differs from the one validated at open, if it does.
+    /// The header the agent holds the ledger to: the one it validated when it opened the
+    /// file, or, for a file that replaced one still in use at the same path, that one's.
+    validated: Header,
+    /// How the header on disk differs from `validated`, if it does.
     header_change: Option<String>,
 }
 
@@ -71,11 +77,19 @@ pub struct Ledgers {
     skipped: BTreeMap<PathBuf, FileKey>,
     /// The last error listing the directory (logged once until it changes).
     dir_error: Option<String>,
+    /// The validated headers of ledgers removed or replaced while they had live slots: a
+    /// file that appears at the same path is held to it.
+    replaced: BTreeMap<PathBuf, Header>,
 }
 
 impl Ledgers {
     pub fn new(dir: PathBuf) -> Ledgers {
-        Ledgers { dir, open: BTreeMap::new(), skipped: BTreeMap::new(), dir_error: None }
+        Ledgers { dir, open: BTreeMap::new(), skipped: BTreeMap::new(), dir_error: None, replaced: BTreeMap::new() }
+    }
+
+    /// The header the agent holds the ledger at `path` to (its limits), see [`Watched`].
+    pub fn validated_header(&self, path: &Path) -> Option<&Header> {
+        Some(&self.open.get(path)?.validated)
     }
 
     pub fn dir(&self) -> &Path {
@@ -131,12 +145,18 @@ impl Ledgers {
             .map(|(path, _)| path.clone())
             .collect();
         for path in gone {
-            self.open.remove(&path);
-            info!(ledger = %path.display(), "ledger removed or replaced: no longer watched");
+            let Some(watched) = self.open.remove(&path) else { continue };
+            let in_use = watched.ledger.slots().map(|slots| !slots.is_empty()).unwrap_or(true);
+            if in_use {
+                warn!(ledger = %path.display(), "ledger removed or replaced while processes used it: a file at its path is held to its limits");
+                self.replaced.insert(path, watched.validated);
+            } else {
+                info!(ledger = %path.display(), "ledger removed or replaced: no longer watched");
+            }
         }
         for (path, watched) in self.open.iter_mut() {
             let change = match ledger::file::read_header(&watched.file) {
-                Ok(now) => header_change(watched.ledger.header(), &now),
+                Ok(now) => header_change(&watched.validated, &now),
                 Err(error) => Some(format!("its header cannot be read: {error}")),
             };
             if change != watched.header_change {
@@ -159,7 +179,12 @@ impl Ledgers {
             match opened {
                 Ok((ledger, file)) => {
                     info!(ledger = %path.display(), devices = ledger.header().device_count, "watching ledger");
-                    self.open.insert(path, Watched { ledger, key, file, header_change: None });
+                    let validated = self.replaced.remove(&path).unwrap_or(*ledger.header());
+                    let header_change = header_change(&validated, ledger.header());
+                    if let Some(what) = &header_change {
+                        warn!(ledger = %path.display(), change = %what, "ledger replaced under running processes with other limits: its processes are reported tampered, the limits before stay enforced");
+                    }
+                    self.open.insert(path, Watched { ledger, key, file, validated, header_change });
                 }
                 Err(error) => {
                     warn!(file = %path.display(), reason = %error, "skipping a file that is not a valid ledger");
@@ -312,6 +337,23 @@ mod tests {
         write(ledger.header());
         ledgers.scan();
         assert_eq!(ledgers.header_change(&path), None);
+
+        // Re-created with twice the limit while a process uses it: held to the old one.
+        ledger.register(ledger::ProcessIdentity { pid: 1, pidns: 1, start_time: 1 }).expect("register");
+        fs::remove_file(&path).expect("rm");
+        let bigger = Geometry { devices: vec![DeviceConfig { limit: 128 << 20, chunk: 2 << 20, ..Default::default() }], ..geometry() };
+        Ledger::create(&path, &bigger, CREATOR_AGENT).expect("re-create");
+        ledgers.scan();
+        let change = ledgers.header_change(&path).expect("noticed");
+        assert!(change.contains("device 0 limit 67108864 -> 134217728"), "{change}");
+        assert_eq!(ledgers.validated_header(&path).map(|h| h.devices[0].limit), Some(64 << 20));
+        // Re-created when nobody used it (a new pod): a fresh start.
+        fs::remove_file(&path).expect("rm");
+        ledgers.scan();
+        Ledger::create(&path, &bigger, CREATOR_AGENT).expect("re-create");
+        ledgers.scan();
+        assert_eq!(ledgers.header_change(&path), None);
+        assert_eq!(ledgers.validated_header(&path).map(|h| h.devices[0].limit), Some(128 << 20));
         fs::remove_dir_all(&dir).expect("cleanup");
     }
 }

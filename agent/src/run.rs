@@ -395,7 +395,7 @@ fn snapshot(
 fn ledger_cgroup_limits(ledgers: &Ledgers, reconciler: &Reconciler) -> BTreeMap<u64, u64> {
     let mut limits = BTreeMap::new();
     for (path, ledger) in ledgers.iter() {
-        let header = ledger.header();
+        let header = ledgers.validated_header(path).unwrap_or(ledger.header());
         let limit: u64 = header.devices[..header.device_count as usize].iter().map(|d| d.limit).sum();
         let Some(cgroups) = reconciler.ledger_cgroups().get(&path.display().to_string()) else { continue };
         for cgroup in cgroups {
