@@ -21,6 +21,8 @@ pub enum LedgerError {
     InvalidConfig(String),
     #[error(transparent)]
     Lock(#[from] LockError),
+    #[error("ledger {path}: its lock stayed held for {waited:?} (a process of the container stopped or hung while holding it?)")]
+    Busy { path: PathBuf, waited: std::time::Duration },
     #[error("every one of the ledger's {0} process slots is in use")]
     NoFreeSlot(u32),
     #[error("every one of the ledger's {0} allocation records is in use")]

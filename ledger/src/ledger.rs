@@ -46,6 +46,9 @@ pub struct Ledger {
     mapped: Mapped,
     /// Buddy geometry of each device (derived from the validated header).
     geometries: Vec<buddy::Geometry>,
+    /// How long an operation waits for the lock ([`Ledger::with_lock_timeout`]); `None`:
+    /// as long as it takes.
+    lock_timeout: Option<std::time::Duration>,
 }
 
 /// A live slot as [`Ledger::slots`] reports it.
@@ -73,18 +76,18 @@ impl Ledger {
             repair(&mut tables(mapped, &geometries));
             Ok(())
         })?;
-        Ok(Ledger { mapped, geometries })
+        Ok(Ledger { mapped, geometries, lock_timeout: None })
     }
 
     /// Opens and validates an existing ledger.
     pub fn open(path: &Path) -> Result<Ledger, LedgerError> {
         let mapped = file::open(path)?;
         let geometries = geometries(&mapped.header)?;
-        let ledger = Ledger { mapped, geometries };
+        let ledger = Ledger { mapped, geometries, lock_timeout: None };
         let mut tables = tables(&ledger.mapped, &ledger.geometries);
-        for (device, words) in tables.buddies.iter_mut().enumerate() {
-            if let Some(words) = words {
-                Buddy::attach(&mut **words).map_err(|error| LedgerError::Corrupt {
+        for device in 0..ledger.mapped.header.device_count as usize {
+            if let Some((words, _)) = tables.device(device) {
+                Buddy::attach(words).map_err(|error| LedgerError::Corrupt {
                     path: path.to_path_buf(),
                     what: format!("device {device}'s buddy space: {error}"),
                 })?;
@@ -115,6 +118,15 @@ impl Ledger {
             Err(LedgerError::AlreadyExists { .. }) => Ledger::open(path),
             other => other,
         }
+    }
+
+    /// Makes every operation wait at most `timeout` for the lock and then fail with
+    /// [`LedgerError::Busy`] (the node agent's ledgers: a workload that stops inside the lock
+    /// must not stop the agent). Workloads wait as long as it takes: the lock is robust, so a
+    /// holder that dies hands it on at once.
+    pub fn with_lock_timeout(mut self, timeout: std::time::Duration) -> Ledger {
+        self.lock_timeout = Some(timeout);
+        self
     }
 
     /// The validated header (limits, geometry).
@@ -404,7 +416,10 @@ impl Ledger {
     fn locked<R>(&self, f: impl FnOnce(&mut Tables<'_>) -> R) -> Result<R, LedgerError> {
         // SAFETY: the state lies inside the mapping, validated at open, for self's lifetime.
         let lock = unsafe { &(*state_ptr(&self.mapped)).lock };
-        let mut guard = lock.lock()?;
+        let mut guard = match self.lock_timeout {
+            None => lock.lock()?,
+            Some(waited) => lock.lock_within(waited)?.ok_or_else(|| LedgerError::Busy { path: self.path().to_path_buf(), waited })?,
+        };
         let mut tables = tables(&self.mapped, &self.geometries);
         if guard.acquired() == crate::lock::Acquired::OwnerDied || tables.state.dirty != 0 {
             repair(&mut tables);
@@ -436,18 +451,7 @@ fn tables<'a>(mapped: &'a Mapped, geometries: &'a [buddy::Geometry]) -> Tables<'
             state: &mut *state_ptr(mapped),
             slots: std::slice::from_raw_parts_mut(mapped.at(h.slots_offset).cast(), h.slot_count as usize),
             records: std::slice::from_raw_parts_mut(mapped.at(h.records_offset).cast(), h.record_count as usize),
-            buddies: std::array::from_fn(|d| {
-                (d < h.device_count as usize).then(|| {
-                    let cfg = &h.devices[d];
-                    std::slice::from_raw_parts_mut(mapped.at(cfg.buddy_offset).cast(), cfg.buddy_words as usize)
-                })
-            }),
-            links: std::array::from_fn(|d| {
-                (d < h.device_count as usize).then(|| {
-                    let cfg = &h.devices[d];
-                    std::slice::from_raw_parts_mut(mapped.at(cfg.links_offset).cast(), cfg.chunks as usize)
-                })
-            }),
+            mapped,
             geometries,
         }
     }

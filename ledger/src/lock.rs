@@ -2,9 +2,10 @@
 //!
 //! Robust means a holder that dies does not wedge anyone: the kernel hands the mutex to the
 //! next waiter at once with `EOWNERDEAD`, who must repair what the dead holder may have left
-//! half-done and then mark the mutex consistent. There is no timeout anywhere on this path
-//! (HAMi-core's 10 s x 30 retries is the failure this replaces).
-use std::{cell::UnsafeCell, io};
+//! half-done and then mark the mutex consistent. There is no timeout on the workloads' path
+//! (HAMi-core's 10 s x 30 retries is the failure this replaces); only the node agent, which
+//! must not hang on a lock a workload controls, waits with a deadline ([`RobustMutex::lock_within`]).
+use std::{cell::UnsafeCell, io, time::Duration};
 
 /// A `pthread_mutex_t` set up process-shared and robust, padded to its own cache line.
 #[repr(C, align(64))]
@@ -55,12 +56,36 @@ impl RobustMutex {
         // SAFETY: the mutex was initialised by `init` (the ledger validates the file before
         // handing out a reference) and lives in a shared mapping for as long as `self`.
         let code = unsafe { libc::pthread_mutex_lock(self.raw.get()) };
+        self.guard(code)?.ok_or_else(|| LockError(io::Error::from_raw_os_error(libc::ETIMEDOUT)))
+    }
+
+    /// Waits at most `timeout` for the mutex: `None` if another holder kept it that long (a
+    /// process stopped or hung inside the lock). For a caller that must not hang on a lock
+    /// other processes control (the node agent); a workload's hook waits with [`Self::lock`].
+    pub fn lock_within(&self, timeout: Duration) -> Result<Option<LockGuard<'_>>, LockError> {
+        let mut now = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+        // SAFETY: `now` is a valid out-pointer; CLOCK_REALTIME is the clock
+        // pthread_mutex_timedlock measures its deadline with.
+        check(unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &mut now) }).map_err(LockError)?;
+        let nanos = now.tv_nsec as u64 + u64::from(timeout.subsec_nanos());
+        let deadline = libc::timespec {
+            tv_sec: now.tv_sec.saturating_add(timeout.as_secs() as libc::time_t).saturating_add((nanos / 1_000_000_000) as libc::time_t),
+            tv_nsec: (nanos % 1_000_000_000) as libc::c_long,
+        };
+        // SAFETY: as in `lock`; `deadline` is a valid timespec.
+        let code = unsafe { libc::pthread_mutex_timedlock(self.raw.get(), &deadline) };
+        self.guard(code)
+    }
+
+    /// The guard for a lock call's result `code` (`None`: timed out).
+    fn guard(&self, code: libc::c_int) -> Result<Option<LockGuard<'_>>, LockError> {
         let acquired = match code {
             0 => Acquired::Clean,
             libc::EOWNERDEAD => Acquired::OwnerDied,
+            libc::ETIMEDOUT => return Ok(None),
             other => return Err(LockError(io::Error::from_raw_os_error(other))),
         };
-        Ok(LockGuard { mutex: self, acquired, consistent: acquired == Acquired::Clean })
+        Ok(Some(LockGuard { mutex: self, acquired, consistent: acquired == Acquired::Clean }))
     }
 }
 

@@ -13,6 +13,7 @@ use std::collections::{HashMap, HashSet};
 use crate::{
     buddy::{AllocFlags, Block, Buddy, Geometry},
     error::{LedgerError, ReserveError},
+    file::Mapped,
     layout::{
         Header, Kind, Record, Slot, SlotDevice, State, MAX_DEVICES, RECORD_FREE, RECORD_LIVE, RECORD_POOL,
         SLOT_FREE, SLOT_LIVE,
@@ -26,8 +27,9 @@ pub struct Tables<'a> {
     pub state: &'a mut State,
     pub slots: &'a mut [Slot],
     pub records: &'a mut [Record],
-    pub buddies: [Option<&'a mut [u64]>; MAX_DEVICES],
-    pub links: [Option<&'a mut [u64]>; MAX_DEVICES],
+    /// The mapping, for the devices' buddy words and block links ([`Tables::device`]); they
+    /// are sliced on demand, which costs less than building every device's slices up front.
+    pub mapped: &'a Mapped,
     /// Buddy geometry of each device, computed once per process.
     pub geometries: &'a [Geometry],
 }
@@ -51,6 +53,25 @@ pub fn zeroed_slot() -> Slot {
 struct Damaged;
 
 impl<'a> Tables<'a> {
+    /// Device `d`'s buddy words and block links (`None` past the file's devices).
+    pub fn device(&mut self, d: usize) -> Option<(&mut [u64], &mut [u64])> {
+        if d >= (self.header.device_count as usize).min(MAX_DEVICES) {
+            return None;
+        }
+        let cfg = &self.header.devices[d];
+        // SAFETY: the offsets and lengths were validated against the file size and the layout
+        // by `file::validate` (or computed by `file::plan` at creation): both sections lie in
+        // the mapping, are 8-aligned, overlap no other section (the state, slots and records
+        // this struct also borrows included) and hold plain integers valid for any bit
+        // pattern. The slices borrow `self` mutably, so no two of them are alive at once.
+        unsafe {
+            Some((
+                std::slice::from_raw_parts_mut(self.mapped.at(cfg.buddy_offset).cast(), cfg.buddy_words as usize),
+                std::slice::from_raw_parts_mut(self.mapped.at(cfg.links_offset).cast(), cfg.chunks as usize),
+            ))
+        }
+    }
+
     /// The slots that may be live (all beyond are free).
     pub fn used_slots(&self) -> usize {
         (self.state.slots_in_use as usize).min(self.slots.len())
@@ -65,8 +86,11 @@ impl<'a> Tables<'a> {
         self.header.devices[device as usize].chunk
     }
 
+    /// ceil(bytes / chunk), by shifts: a validated header's chunks are powers of two (a
+    /// 64-bit division showed in profiles).
     fn chunks_for(&self, device: u32, bytes: u64) -> u64 {
-        bytes.div_ceil(self.chunk(device))
+        let chunk = self.chunk(device);
+        (bytes >> chunk.trailing_zeros()) + u64::from(bytes & (chunk - 1) != 0)
     }
 
     /// Allocates `chunks` chunks on `device` for `slot` and chains them onto `head`.
@@ -81,14 +105,13 @@ impl<'a> Tables<'a> {
             // More than the whole quota (the buddy would call the request malformed).
             return Ok(false);
         }
-        let (Some(words), Some(links)) = (self.buddies[d].as_deref_mut(), self.links[d].as_deref_mut()) else {
-            return Err(Damaged);
-        };
-        let mut buddy = Buddy::attach_with(words, self.geometries.get(d).ok_or(Damaged)?).map_err(|_| Damaged)?;
+        let geometry = self.geometries.get(d).ok_or(Damaged)?;
+        let used = self.state.devices[d].used_chunks;
+        let (words, links) = self.device(d).ok_or(Damaged)?;
+        let mut buddy = Buddy::attach_with(words, geometry).map_err(|_| Damaged)?;
         // The usage counter and the buddy space are both derived state that damage to the
         // file can change: admit only from a pair that agrees, so the buddy's verdict is the
         // limit's (and the debug assertion in `try_reserve` fires only on an accounting bug).
-        let used = self.state.devices[d].used_chunks;
         if cfg.chunks.checked_sub(used).map(|free| free * cfg.chunk) != Some(buddy.avail()) {
             return Err(Damaged);
         }
@@ -116,10 +139,9 @@ impl<'a> Tables<'a> {
         }
         let d = device as usize;
         let cfg = self.header.devices[d];
-        let (Some(words), Some(links)) = (self.buddies[d].as_deref_mut(), self.links[d].as_deref_mut()) else {
-            return Err(Damaged);
-        };
-        let mut buddy = Buddy::attach_with(words, self.geometries.get(d).ok_or(Damaged)?).map_err(|_| Damaged)?;
+        let geometry = self.geometries.get(d).ok_or(Damaged)?;
+        let (words, links) = self.device(d).ok_or(Damaged)?;
+        let mut buddy = Buddy::attach_with(words, geometry).map_err(|_| Damaged)?;
         let mut freed = 0;
         let mut next = head;
         let mut steps = 0u64;
@@ -135,7 +157,7 @@ impl<'a> Tables<'a> {
             let size = cfg.chunk.checked_shl(order).ok_or(Damaged)?;
             let block = Block { offset: first * cfg.chunk, order, size };
             buddy.free_block(&block).map_err(|_| Damaged)?;
-            freed += size / cfg.chunk;
+            freed += size >> cfg.chunk.trailing_zeros(); // size / chunk: chunks are powers of two
             next = following;
         }
         let used = &mut self.state.devices[d].used_chunks;
@@ -186,6 +208,8 @@ pub fn reserve(t: &mut Tables<'_>, slot: SlotId, device: u32, charge: Charge, pt
     }
 }
 
+// Inlined: its result, returned through memory and copied out at once, stalled the caller.
+#[inline(always)]
 fn try_reserve(
     t: &mut Tables<'_>,
     slot: SlotId,
@@ -339,7 +363,7 @@ fn shrink_small_pool(t: &mut Tables<'_>, slot: SlotId, device: u32) -> Result<()
             return Err(Damaged);
         }
         // Detach the first block and free it alone.
-        let links = t.links[d].as_deref_mut().ok_or(Damaged)?;
+        let (_, links) = t.device(d).ok_or(Damaged)?;
         let first = (record.head - 1) as usize;
         let link = *links.get(first).ok_or(Damaged)?;
         links[first] = link & 0xff;
@@ -386,11 +410,9 @@ pub fn repair(t: &mut Tables<'_>) {
     let count = t.header.device_count as usize;
     for d in 0..count {
         let cfg = t.header.devices[d];
-        if let Some(words) = t.buddies[d].as_deref_mut() {
+        if let Some((words, links)) = t.device(d) {
             // The layout was validated at open; init can only fail on a geometry error.
             let _ = Buddy::init(words, cfg.limit, cfg.chunk);
-        }
-        if let Some(links) = t.links[d].as_deref_mut() {
             links.fill(0);
         }
         t.state.devices[d].used_chunks = 0;
@@ -481,7 +503,8 @@ pub fn check(t: &mut Tables<'_>) -> Vec<String> {
     // The small-pool and context records of each (slot, device), which the slot links to.
     let mut pools: HashMap<(usize, usize), Vec<RecordId>> = HashMap::new();
     let mut contexts: HashMap<(usize, usize), Vec<RecordId>> = HashMap::new();
-    for (id, record) in t.records.iter().enumerate() {
+    for id in 0..t.records.len() {
+        let record = t.records[id]; // a copy: the walk below borrows the tables
         if record.state == RECORD_FREE {
             continue;
         }
@@ -514,9 +537,9 @@ pub fn check(t: &mut Tables<'_>) -> Vec<String> {
         // Walk the chain.
         let mut chunks = 0u64;
         let mut next = record.head;
-        let words = t.buddies[d].as_deref_mut();
+        let (words, links) = t.device(d).unzip();
         let buddy = words.and_then(|w| Buddy::attach(w).ok());
-        let links = t.links[d].as_deref();
+        let links = links.as_deref();
         while next != 0 {
             let first = next - 1;
             let Some(link) = links.and_then(|l| l.get(first as usize)).copied() else {
@@ -595,7 +618,7 @@ pub fn check(t: &mut Tables<'_>) -> Vec<String> {
         if used > cfg.chunks {
             problems.push(format!("device {d}: usage {} exceeds the limit {}", used.saturating_mul(cfg.chunk), cfg.limit));
         }
-        let Some(words) = t.buddies[d].as_deref_mut() else { continue };
+        let Some((words, _)) = t.device(d) else { continue };
         match Buddy::attach(words) {
             Err(error) => problems.push(format!("device {d}: buddy space: {error}")),
             Ok(buddy) => {

@@ -24,7 +24,7 @@ fn alloc<S: Words>(
 ) -> Result<Vec<Block>, BuddyError> {
     let r = mm.alloc_blocks(start, end, size, min, flags, 0);
     mm.check().unwrap();
-    r
+    r.map(Vec::from)
 }
 
 fn fini<S: Words>(mm: &mut Buddy<S>, blocks: &[Block]) {

@@ -305,3 +305,29 @@ fn the_header_on_disk_shows_a_rewrite_the_open_copy_does_not() {
     // Consistent with itself, so a new opener accepts it: only a comparison can tell.
     assert_eq!(Ledger::open(&dir.file()).unwrap().header().devices[0].context_reserve, 0);
 }
+
+#[test]
+fn a_ledger_with_a_lock_timeout_gives_up_on_a_held_lock() {
+    let dir = TempDir::new("lock-timeout");
+    Ledger::create(&dir.file(), &geometry(64 * MIB, 0), CREATOR_AGENT).unwrap();
+    let patient = Ledger::open(&dir.file()).unwrap();
+    let hasty = Ledger::open(&dir.file()).unwrap().with_lock_timeout(std::time::Duration::from_millis(50));
+    let (held_tx, held_rx) = std::sync::mpsc::channel();
+    let holder = std::thread::spawn(move || {
+        let holder = Ledger::open(&dir.file()).unwrap();
+        held_tx.send(()).unwrap();
+        holder.hold_lock_for(std::time::Duration::from_millis(600)).unwrap();
+        dir
+    });
+    held_rx.recv().unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(100)); // the holder is inside the lock
+    let started = std::time::Instant::now();
+    let error = hasty.slots().unwrap_err();
+    assert!(matches!(error, LedgerError::Busy { .. }), "{error}");
+    assert!(error.to_string().contains("its lock stayed held for 50ms"), "{error}");
+    assert!(started.elapsed() < std::time::Duration::from_millis(500), "gave up after its timeout, not the holder's release");
+    // Without a timeout: waits for the holder, then works.
+    assert!(patient.slots().unwrap().is_empty());
+    let _dir = holder.join().unwrap();
+    assert!(hasty.slots().unwrap().is_empty());
+}
