@@ -11,7 +11,7 @@
 //! cut to what the quota still holds. The probes cannot tell devices apart, so the charge goes to the
 //! ledger's first device. On a clean stop the agent frees its slots; if it dies, its slot is
 //! a dead process's like any other, and the next agent reclaims it.
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use ledger::{Ledger, LedgerError, ProcessIdentity, RecordId, SlotId};
 use tracing::{info, warn};
@@ -58,13 +58,16 @@ impl Charger {
     }
 
     /// Brings every watched ledger's charge to `wanted` (bytes by ledger path; a ledger not
-    /// in it wants none).
-    pub fn update(&mut self, ledgers: &Ledgers, wanted: &BTreeMap<String, u64>) {
+    /// in it wants none), but for the `unreadable` ones, whose charges stay as they are.
+    pub fn update(&mut self, ledgers: &Ledgers, wanted: &BTreeMap<String, u64>, unreadable: &BTreeSet<String>) {
         let Some(agent) = self.agent else { return };
         let watched: BTreeMap<String, &Ledger> = ledgers.iter().map(|(path, l)| (path.display().to_string(), l)).collect();
         // A ledger no longer watched: its file is gone or replaced, and the charge with it.
         self.held.retain(|path, _| watched.contains_key(path));
         for (path, ledger) in watched {
+            if unreadable.contains(&path) {
+                continue;
+            }
             let bytes = wanted.get(&path).copied().unwrap_or(0);
             let held = self.held.get(&path).copied().unwrap_or_default();
             // A charge is asserted again at every update (not only when the amount changes): a
@@ -159,38 +162,41 @@ mod tests {
         let used = || ledger.device_usage().expect("usage")[0].used_chunks * 2 * MIB;
 
         let mut charger = Charger::new();
-        charger.update(&ledgers, &BTreeMap::from([(name.clone(), 20 * MIB)]));
+        charger.update(&ledgers, &BTreeMap::from([(name.clone(), 20 * MIB)]), &BTreeSet::new());
         assert_eq!(used(), 36 * MIB);
         assert_eq!(charger.charged(), BTreeMap::from([(name.as_str(), 20 * MIB)]));
         assert_eq!(ledger.slots().expect("slots").len(), 2, "one slot of the agent's own");
         // More than the quota holds: cut to it, and the worker is refused.
-        charger.update(&ledgers, &BTreeMap::from([(name.clone(), 100 * MIB)]));
+        charger.update(&ledgers, &BTreeMap::from([(name.clone(), 100 * MIB)]), &BTreeSet::new());
         assert_eq!(used(), 64 * MIB);
         assert!(ledger.reserve(worker, 0, Charge::Device(2 * MIB), 0x2000).is_err());
         assert_eq!(charger.charged(), BTreeMap::from([(name.as_str(), 48 * MIB)]));
         // The worker frees its 16 MiB: the same amount asked again grows the cut charge back.
         let worker_record = ledger.records().expect("records").into_iter().find(|(_, r)| r.slot == worker).expect("record").0;
         ledger.release(worker, worker_record).expect("release");
-        charger.update(&ledgers, &BTreeMap::from([(name.clone(), 100 * MIB)]));
+        charger.update(&ledgers, &BTreeMap::from([(name.clone(), 100 * MIB)]), &BTreeSet::new());
         assert_eq!(charger.charged(), BTreeMap::from([(name.as_str(), 64 * MIB)]));
         assert_eq!(used(), 64 * MIB);
         // Someone freed the agent's slot (and the worker is gone too): it takes a new one.
         let own = ledger.slots().expect("slots").into_iter().find(|v| v.id != worker).expect("agent slot").id;
         ledger.reclaim(own).expect("reclaim");
         ledger.reclaim(worker).expect("reclaim the worker");
-        charger.update(&ledgers, &BTreeMap::from([(name.clone(), 10 * MIB)]));
+        charger.update(&ledgers, &BTreeMap::from([(name.clone(), 10 * MIB)]), &BTreeSet::new());
         assert_eq!(used(), 10 * MIB);
         // The same amount again after someone freed it: made again.
         ledger.reclaim(ledger.slots().expect("slots").into_iter().next().expect("agent slot").id).expect("reclaim");
         assert_eq!(used(), 0);
-        charger.update(&ledgers, &BTreeMap::from([(name.clone(), 10 * MIB)]));
+        charger.update(&ledgers, &BTreeMap::from([(name.clone(), 10 * MIB)]), &BTreeSet::new());
+        assert_eq!(used(), 10 * MIB);
+        // A ledger the pass could not read keeps its charge as it is.
+        charger.update(&ledgers, &BTreeMap::new(), &BTreeSet::from([name.clone()]));
         assert_eq!(used(), 10 * MIB);
         // Nothing unaccounted: nothing charged.
-        charger.update(&ledgers, &BTreeMap::new());
+        charger.update(&ledgers, &BTreeMap::new(), &BTreeSet::new());
         assert_eq!(used(), 0);
         assert!(charger.charged().is_empty());
         // A clean stop frees the slot.
-        charger.update(&ledgers, &BTreeMap::from([(name.clone(), 4 * MIB)]));
+        charger.update(&ledgers, &BTreeMap::from([(name.clone(), 4 * MIB)]), &BTreeSet::new());
         charger.release_all(&ledgers);
         assert_eq!(used(), 0);
         assert_eq!(ledger.slots().expect("slots").len(), 0);

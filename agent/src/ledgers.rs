@@ -29,6 +29,11 @@ use ledger::{
 };
 use tracing::{info, warn};
 
+/// How long the agent waits for a ledger's lock before it gives up on that ledger for the
+/// moment (a workload stopped inside it must not stop the agent; see
+/// [`ledger::Ledger::with_lock_timeout`]).
+pub const LOCK_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
+
 /// Tells a file apart from the one that was at the same path before.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct FileKey {
@@ -172,7 +177,7 @@ impl Ledgers {
             if self.open.contains_key(&path) || self.skipped.contains_key(&path) {
                 continue;
             }
-            let opened = Ledger::open(&path).and_then(|ledger| {
+            let opened = Ledger::open(&path).map(|ledger| ledger.with_lock_timeout(LOCK_WAIT)).and_then(|ledger| {
                 let file = fs::File::open(&path).map_err(|source| ledger::LedgerError::Io { path: path.clone(), source })?;
                 Ok((ledger, file))
             });

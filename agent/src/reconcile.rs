@@ -190,6 +190,8 @@ pub struct Reconciler {
     agent: Option<ProcessIdentity>,
     /// The cgroups of each ledger's live processes (by path), as of the last pass.
     ledger_cgroups: BTreeMap<String, BTreeSet<u64>>,
+    /// The ledgers the last pass could not read.
+    unreadable: BTreeSet<String>,
 }
 
 impl Reconciler {
@@ -204,6 +206,7 @@ impl Reconciler {
             slot_processes: SlotProcesses::default(),
             agent: ProcessIdentity::current().ok(),
             ledger_cgroups: BTreeMap::new(),
+            unreadable: BTreeSet::new(),
         }
     }
 
@@ -217,6 +220,12 @@ impl Reconciler {
     /// The cgroups of each watched ledger's live processes (by ledger path).
     pub fn ledger_cgroups(&self) -> &BTreeMap<String, BTreeSet<u64>> {
         &self.ledger_cgroups
+    }
+
+    /// The ledgers (paths) the last pass could not read (their lock held too long, say):
+    /// what it says of their processes is not to be acted on.
+    pub fn unreadable(&self) -> &BTreeSet<String> {
+        &self.unreadable
     }
 
     /// The ledger (path) of each cgroup that holds live processes of exactly one ledger: a
@@ -246,8 +255,16 @@ impl Reconciler {
     /// One pass over the watched ledgers and the eBPF view.
     pub fn pass(&mut self, ledgers: Option<&Ledgers>, ebpf: &[EbpfProcess]) {
         self.probed.update(ebpf.iter().map(|p| (p.pid, p.generation)), identity::identity_of);
-        let (observations, ledger_cgroups) = observe(ledgers, ebpf, &self.probed, &mut self.slot_processes, self.agent);
+        let (observations, mut ledger_cgroups, unreadable) = observe(ledgers, ebpf, &self.probed, &mut self.slot_processes, self.agent);
+        // A ledger that could not be read this time (its lock held too long) keeps the
+        // cgroups it had: its limits stay enforced.
+        for ledger in &unreadable {
+            if let Some(cgroups) = self.ledger_cgroups.remove(ledger) {
+                ledger_cgroups.insert(ledger.clone(), cgroups);
+            }
+        }
         self.ledger_cgroups = ledger_cgroups;
+        self.unreadable = unreadable;
         self.judge(observations, Instant::now());
     }
 
@@ -383,15 +400,17 @@ pub fn slot_bytes(slot: &Slot, devices: usize) -> u64 {
 }
 
 /// Joins the ledgers' live slots with the eBPF view (`probed`: the identities of its
-/// processes, updated with it). Also returns the cgroups of each ledger's live processes.
+/// processes, updated with it). Also returns the cgroups of each ledger's live processes, and
+/// the ledgers that could not be read.
 pub fn observe(
     ledgers: Option<&Ledgers>,
     ebpf: &[EbpfProcess],
     probed: &identity::ProbedProcesses,
     slot_processes: &mut SlotProcesses,
     agent: Option<ProcessIdentity>,
-) -> (Vec<Observation>, BTreeMap<String, BTreeSet<u64>>) {
+) -> (Vec<Observation>, BTreeMap<String, BTreeSet<u64>>, BTreeSet<String>) {
     slot_processes.begin_pass();
+    let mut unreadable = BTreeSet::new();
     // By eBPF row: (index in `names`, ledger bytes, header changed) of the slots joined to it.
     let mut joined: Vec<Option<(usize, u64, bool)>> = vec![None; ebpf.len()];
     let mut names: Vec<String> = Vec::new();
@@ -424,6 +443,7 @@ pub fn observe(
         });
         if let Err(error) = visited {
             warn!(ledger = %path.display(), %error, "cannot read the ledger's slots to reconcile");
+            unreadable.insert(name);
             continue;
         }
         for (host_pid, process, bytes) in unjoined {
@@ -460,7 +480,7 @@ pub fn observe(
         observations.push(Observation { pid, cgroup_id, ledger, ledger_bytes, ebpf_bytes: bytes, gone: false, header_changed });
     }
     slot_processes.end_pass();
-    (observations, ledger_cgroups)
+    (observations, ledger_cgroups, unreadable)
 }
 
 /// How long what [`SlotProcesses`] read about a process is trusted.

@@ -364,7 +364,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
 fn reconcile_pass(reconciler: &mut Reconciler, charger: &mut Charger, ledgers: Option<&Ledgers>, accounting: &Accounting) {
     reconciler.pass(ledgers, &accounting.processes());
     if let Some(ledgers) = ledgers {
-        charger.update(ledgers, &reconciler.unaccounted_by_ledger());
+        charger.update(ledgers, &reconciler.unaccounted_by_ledger(), reconciler.unreadable());
     }
 }
 
