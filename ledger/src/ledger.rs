@@ -402,6 +402,16 @@ impl Ledger {
         self.locked(check)
     }
 
+    /// Panics inside the lock halfway through a mutation (tests of the containment in
+    /// `locked`).
+    #[doc(hidden)]
+    pub fn panic_inside_lock(&self) -> Result<(), LedgerError> {
+        self.locked(|t| {
+            t.state.devices[0].used_chunks = t.state.devices[0].used_chunks.wrapping_add(1);
+            panic!("a test panicked inside the ledger's lock");
+        })
+    }
+
     /// Holds the lock for `duration` (the crash tests kill processes inside the lock).
     #[doc(hidden)]
     pub fn hold_lock_for(&self, duration: std::time::Duration) -> Result<(), LedgerError> {
@@ -421,16 +431,29 @@ impl Ledger {
             Some(waited) => lock.lock_within(waited)?.ok_or_else(|| LedgerError::Busy { path: self.path().to_path_buf(), waited })?,
         };
         let mut tables = tables(&self.mapped, &self.geometries);
-        if guard.acquired() == crate::lock::Acquired::OwnerDied || tables.state.dirty != 0 {
-            repair(&mut tables);
-        }
+        let owner_died = guard.acquired() == crate::lock::Acquired::OwnerDied;
+        // The file is writable by every process of the container: bookkeeping damaged in a
+        // way no check foresaw must not abort the process (a panic cannot cross the hook's C
+        // ABI) nor the agent. A panic here leaves `dirty` raised, so the next holder rebuilds
+        // the derived state, and this operation reports the ledger damaged.
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            // Raised before the repair too: a repair that stops halfway is done again.
+            let damaged = owner_died || tables.state.dirty != 0;
+            tables.state.dirty = 1;
+            if damaged {
+                repair(&mut tables);
+            }
+            let result = f(&mut tables);
+            tables.state.mutations = tables.state.mutations.wrapping_add(1);
+            tables.state.dirty = 0;
+            result
+        }));
         guard.mark_consistent();
-        tables.state.dirty = 1;
-        let result = f(&mut tables);
-        tables.state.mutations = tables.state.mutations.wrapping_add(1);
-        tables.state.dirty = 0;
         drop(guard);
-        Ok(result)
+        result.map_err(|_| LedgerError::Corrupt {
+            path: self.path().to_path_buf(),
+            what: "an operation met damaged bookkeeping and stopped; the next one rebuilds it from the records".into(),
+        })
     }
 }
 

@@ -331,3 +331,20 @@ fn a_ledger_with_a_lock_timeout_gives_up_on_a_held_lock() {
     let _dir = holder.join().unwrap();
     assert!(hasty.slots().unwrap().is_empty());
 }
+
+#[test]
+fn a_panic_inside_the_lock_is_an_error_and_the_next_holder_repairs() {
+    let dir = TempDir::new("panic-inside");
+    let ledger = Ledger::create(&dir.file(), &geometry(64 * MIB, 0), CREATOR_AGENT).unwrap();
+    let slot = ledger.register(fake_process(1)).unwrap();
+    ledger.reserve(slot, 0, Charge::Device(4 * MIB), 0x1000).unwrap();
+    let repairs = ledger.repairs().unwrap();
+    let error = ledger.panic_inside_lock().unwrap_err();
+    assert!(matches!(error, LedgerError::Corrupt { .. }), "{error}");
+    // The counter it damaged is rebuilt from the records by the next operation.
+    assert_eq!(used(&ledger), 4 * MIB);
+    assert_eq!(ledger.repairs().unwrap(), repairs + 1);
+    assert_sound(&ledger);
+    ledger.reserve(slot, 0, Charge::Device(4 * MIB), 0x2000).unwrap();
+    assert_eq!(used(&ledger), 8 * MIB);
+}
