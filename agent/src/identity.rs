@@ -121,9 +121,17 @@ impl ProbedProcesses {
         for (row, (pid, generation)) in rows.enumerate() {
             match self.by_pid.get(&pid).copied() {
                 Some(index) if self.entries[index].generation == generation => {
+                    let report = self.report;
                     let entry = &mut self.entries[index];
                     entry.row = row;
-                    entry.report = self.report;
+                    entry.report = report;
+                    // An identity that could not be read is tried again (once read, it is kept).
+                    if entry.identity.is_none() {
+                        if let Some(identity) = identify(pid) {
+                            entry.identity = Some(identity);
+                            self.by_identity.insert(identity, index);
+                        }
+                    }
                 }
                 known => {
                     if let Some(index) = known {
@@ -251,5 +259,12 @@ mod tests {
         assert_eq!(probed.row_of(&id(1, 99)), Some(0));
         assert_eq!(probed.row_of(&id(2, 20)), None);
         assert_eq!(lookups, vec![1, 2, 1]);
+
+        // An identity that could not be read is tried again at the next report.
+        let mut probed = ProbedProcesses::default();
+        probed.update([(5, 500)].into_iter(), |_| None);
+        assert_eq!(probed.row_of(&id(5, 50)), None);
+        probed.update([(5, 500)].into_iter(), |pid| Some(id(pid, 50)));
+        assert_eq!(probed.row_of(&id(5, 50)), Some(0));
     }
 }
