@@ -35,6 +35,8 @@ pub struct Charger {
     agent: Option<ProcessIdentity>,
     /// By ledger path.
     held: BTreeMap<String, Held>,
+    /// The error the last attempt on each ledger met, while it lasts.
+    failing: BTreeMap<String, String>,
 }
 
 impl Charger {
@@ -45,7 +47,7 @@ impl Charger {
     pub fn new() -> Charger {
         if !identity::in_initial_pid_namespace() {
             warn!("this agent does not run in the host's pid namespace (hostPID): memory held outside a ledger is not charged to it");
-            return Charger { agent: None, held: BTreeMap::new() };
+            return Charger { agent: None, held: BTreeMap::new(), failing: BTreeMap::new() };
         }
         let agent = match ProcessIdentity::current() {
             Ok(agent) => Some(agent),
@@ -54,7 +56,7 @@ impl Charger {
                 None
             }
         };
-        Charger { agent, held: BTreeMap::new() }
+        Charger { agent, held: BTreeMap::new(), failing: BTreeMap::new() }
     }
 
     /// Brings every watched ledger's charge to `wanted` (bytes by ledger path; a ledger not
@@ -64,6 +66,7 @@ impl Charger {
         let watched: BTreeMap<String, &Ledger> = ledgers.iter().map(|(path, l)| (path.display().to_string(), l)).collect();
         // A ledger no longer watched: its file is gone or replaced, and the charge with it.
         self.held.retain(|path, _| watched.contains_key(path));
+        self.failing.retain(|path, _| watched.contains_key(path));
         for (path, ledger) in watched {
             if unreadable.contains(&path) {
                 continue;
@@ -81,10 +84,16 @@ impl Charger {
                     if now.charged != held.charged {
                         info!(ledger = %path, wanted = bytes, charged = now.charged, "charged the container's memory held outside its ledger");
                     }
+                    self.failing.remove(&path);
                     self.held.insert(path, now);
                 }
                 Err(error) => {
-                    warn!(ledger = %path, %error, "cannot charge the container's memory held outside its ledger");
+                    // Logged when it starts or changes, not at every pass it lasts.
+                    let text = error.to_string();
+                    if self.failing.get(&path) != Some(&text) {
+                        warn!(ledger = %path, %error, "cannot charge the container's memory held outside its ledger");
+                        self.failing.insert(path.clone(), text);
+                    }
                     self.held.remove(&path);
                 }
             }
