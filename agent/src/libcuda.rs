@@ -60,14 +60,15 @@ pub const FULL_SCAN_EVERY: u64 = 10;
 pub const YOUNG: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// Discovery that keeps up with new processes cheaply: each scan reads the maps of the
-/// processes that appeared in the last [`YOUNG`] seconds, and every [`FULL_SCAN_EVERY`]th scan
-/// those of every process (for a process that loads a libcuda file not probed yet even
+/// processes that appeared in the last [`YOUNG`] seconds and have not been seen mapping a
+/// libcuda yet, and every [`FULL_SCAN_EVERY`]th scan those of every process (for a process that loads a libcuda file not probed yet even
 /// later). A file already probed needs no finding: its probes cover every process that maps
 /// it, whenever it does.
 #[derive(Default)]
 pub struct Discovery {
-    /// Pid -> when a scan first saw it.
-    seen: std::collections::HashMap<u32, std::time::Instant>,
+    /// Pid -> when a scan first saw it, and whether it was seen mapping a libcuda (a young
+    /// process that has one is not read again until the next full scan).
+    seen: std::collections::HashMap<u32, (std::time::Instant, bool)>,
     scans: u64,
 }
 
@@ -77,18 +78,28 @@ impl Discovery {
         let now = std::time::Instant::now();
         let full = self.scans.is_multiple_of(FULL_SCAN_EVERY);
         self.scans += 1;
-        let pids = running_pids();
-        let seen: std::collections::HashMap<u32, std::time::Instant> =
-            pids.iter().map(|&pid| (pid, self.seen.get(&pid).copied().unwrap_or(now))).collect();
-        let read: Vec<u32> = pids.into_iter().filter(|pid| full || now.saturating_duration_since(seen[pid]) < YOUNG).collect();
+        let mut seen = std::collections::HashMap::new();
+        let mut found: BTreeMap<FileId, LibcudaFile> = BTreeMap::new();
+        for pid in running_pids() {
+            let (first, mapped) = self.seen.get(&pid).copied().unwrap_or((now, false));
+            let young = now.saturating_duration_since(first) < YOUNG;
+            let mut has = mapped;
+            if full || (young && !mapped) {
+                for file in mapped_by(pid) {
+                    has = true;
+                    found.entry(file.id).or_insert(file);
+                }
+            }
+            seen.insert(pid, (first, has));
+        }
         self.seen = seen;
-        mapped_by(&read)
+        found.into_values().collect()
     }
 
     /// Makes every process known to the last scan older than [`YOUNG`] (for tests).
     #[doc(hidden)]
     pub fn age(&mut self) {
-        for first in self.seen.values_mut() {
+        for (first, _) in self.seen.values_mut() {
             *first = first.checked_sub(YOUNG).unwrap_or(*first);
         }
     }
@@ -102,24 +113,20 @@ fn running_pids() -> Vec<u32> {
     entries.flatten().filter_map(|entry| entry.file_name().to_str().and_then(|name| name.parse().ok())).collect()
 }
 
-/// Every distinct libcuda file mapped by one of `pids`.
-fn mapped_by(pids: &[u32]) -> Vec<LibcudaFile> {
-    let mut found: BTreeMap<FileId, LibcudaFile> = BTreeMap::new();
-    for &pid in pids {
-        // Processes come and go while we scan: an unreadable maps file is skipped.
-        let Ok(maps) = fs::read_to_string(format!("/proc/{pid}/maps")) else {
-            continue;
-        };
-        for path in libcuda_paths(&maps) {
+/// The libcuda files process `pid` maps.
+fn mapped_by(pid: u32) -> Vec<LibcudaFile> {
+    // Processes come and go while we scan: an unreadable maps file is skipped.
+    let Ok(maps) = fs::read_to_string(format!("/proc/{pid}/maps")) else {
+        return Vec::new();
+    };
+    libcuda_paths(&maps)
+        .into_iter()
+        .filter_map(|path| {
             let through_root = PathBuf::from(format!("/proc/{pid}/root")).join(path.trim_start_matches('/'));
-            let Ok(metadata) = fs::metadata(&through_root) else {
-                continue;
-            };
-            let id = (metadata.dev(), metadata.ino());
-            found.entry(id).or_insert(LibcudaFile { id, path: through_root });
-        }
-    }
-    found.into_values().collect()
+            let metadata = fs::metadata(&through_root).ok()?;
+            Some(LibcudaFile { id: (metadata.dev(), metadata.ino()), path: through_root })
+        })
+        .collect()
 }
 
 /// The distinct paths of libcuda files in the text of a `/proc/<pid>/maps`.

@@ -486,9 +486,10 @@ pub fn observe(
 /// How long what [`SlotProcesses`] read about a process is trusted.
 pub const SLOT_RECHECK: Duration = Duration::from_secs(1);
 
-/// Whether the processes of slots without eBPF memory still run, and their cgroups: read
-/// from /proc at most once per [`SLOT_RECHECK`] per process (a pass may run ten times a
-/// second; a process found gone stays gone), and forgotten once no slot names them.
+/// Whether the processes of slots without eBPF memory still run, and their cgroups: checked
+/// in full (identity, cgroup) once, then by start time at most once per [`SLOT_RECHECK`] (a
+/// pass may run ten times a second; a process found gone stays gone), and forgotten once no
+/// slot names them.
 #[derive(Default)]
 pub struct SlotProcesses {
     /// By (host pid, the slot's identity).
@@ -521,10 +522,14 @@ impl SlotProcesses {
     fn look_up(&mut self, host_pid: u32, process: ProcessIdentity) -> (bool, u64) {
         let pass = self.pass;
         if let Some(known) = self.known.get_mut(&(host_pid, process)) {
-            if known.gone || known.read.elapsed() < SLOT_RECHECK {
-                known.pass = pass;
-                return (known.gone, known.cgroup_id);
+            if !known.gone && known.read.elapsed() >= SLOT_RECHECK {
+                // Checked in full before: whether it still runs is its start time's question
+                // (the cgroup of a container's process stays).
+                known.gone = ledger::process::running_start_time_of(host_pid) != Some(process.start_time);
+                known.read = Instant::now();
             }
+            known.pass = pass;
+            return (known.gone, if known.gone { 0 } else { known.cgroup_id });
         }
         let gone = !identity::is_process(host_pid, &process);
         let cgroup_id = if gone { 0 } else { crate::cgroup::id_of_pid(host_pid).unwrap_or(0) };
