@@ -173,7 +173,10 @@ pub fn create(
         file.write_all_at(as_bytes(header), 0).map_err(io_error)?;
         let mapped = map(&file, *header, path)?;
         init(&mapped)?;
-        mapped.map.flush().map_err(io_error)?;
+        // No msync: every process reaches the file through the same page cache (a shared
+        // mapping and pread agree on Linux), and a ledger outlives no reboot of its host (its
+        // processes do not), so writing it back to disk first would only cost the first
+        // process of every container tens of milliseconds.
         // link(2) fails with EEXIST instead of replacing an existing ledger.
         fs::hard_link(&temporary, path).map_err(|source| match source.kind() {
             io::ErrorKind::AlreadyExists => LedgerError::AlreadyExists { path: path.to_path_buf() },
