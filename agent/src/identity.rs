@@ -100,7 +100,7 @@ pub struct ProbedProcesses {
     report: u64,
 }
 
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 struct Probed {
     pid: u32,
     generation: u64,
@@ -110,6 +110,10 @@ struct Probed {
     report: u64,
     /// False while the entry is on the free list.
     in_use: bool,
+    /// Ledger files (device, inode) looked for in its maps, and whether they were there.
+    maps: Vec<((u64, u64), bool)>,
+    /// Given by [`ProbedProcesses::know`]: not a process to look up in /proc.
+    known: bool,
 }
 
 impl ProbedProcesses {
@@ -137,7 +141,7 @@ impl ProbedProcesses {
                     if let Some(index) = known {
                         self.forget(index);
                     }
-                    self.add(Probed { pid, generation, identity: identify(pid), row, report: self.report, in_use: true });
+                    self.add(Probed { pid, generation, identity: identify(pid), row, report: self.report, in_use: true, maps: Vec::new(), known: false });
                 }
             }
         }
@@ -158,17 +162,36 @@ impl ProbedProcesses {
         (entry.report == self.report).then_some(entry.row)
     }
 
-    /// Records the identity of process (`pid`, `generation`) as if read from /proc, for
-    /// benchmarks over processes that do not exist; the next report keeps it.
+    /// Whether the process with `identity` maps the ledger file `file` (device, inode), as
+    /// every hooked process maps its ledger: a slot that names a process that does not was
+    /// written by someone else (a workload forging another container's process into its
+    /// ledger). Read from /proc/<pid>/maps once per process and file.
+    pub fn maps_ledger(&mut self, identity: &ProcessIdentity, file: (u64, u64)) -> bool {
+        let Some(&index) = self.by_identity.get(identity) else { return false };
+        let entry = &mut self.entries[index];
+        if entry.known {
+            return true;
+        }
+        if let Some(&(_, maps)) = entry.maps.iter().find(|(f, _)| *f == file) {
+            return maps;
+        }
+        let maps = maps_file(entry.pid, file);
+        entry.maps.push((file, maps));
+        maps
+    }
+
+    /// Records the identity of process (`pid`, `generation`) as if read from /proc (its
+    /// mappings too), for benchmarks over processes that do not exist; the next report keeps it.
     #[doc(hidden)]
     pub fn know(&mut self, pid: u32, generation: u64, identity: ProcessIdentity) {
         if let Some(index) = self.by_pid.get(&pid).copied() {
             self.forget(index);
         }
-        self.add(Probed { pid, generation, identity: Some(identity), row: 0, report: 0, in_use: true });
+        self.add(Probed { pid, generation, identity: Some(identity), row: 0, report: 0, in_use: true, maps: Vec::new(), known: true });
     }
 
     fn add(&mut self, entry: Probed) {
+        let (pid, identity) = (entry.pid, entry.identity);
         let index = match self.free.pop() {
             Some(index) => {
                 self.entries[index] = entry;
@@ -179,23 +202,40 @@ impl ProbedProcesses {
                 self.entries.len() - 1
             }
         };
-        self.by_pid.insert(entry.pid, index);
-        if let Some(identity) = entry.identity {
+        self.by_pid.insert(pid, index);
+        if let Some(identity) = identity {
             self.by_identity.insert(identity, index);
         }
     }
 
     fn forget(&mut self, index: usize) {
-        let entry = self.entries[index];
-        self.entries[index].in_use = false;
-        self.by_pid.remove(&entry.pid);
-        if let Some(identity) = entry.identity {
+        let entry = &mut self.entries[index];
+        entry.in_use = false;
+        entry.maps.clear();
+        let (pid, identity) = (entry.pid, entry.identity);
+        self.by_pid.remove(&pid);
+        if let Some(identity) = identity {
             if self.by_identity.get(&identity) == Some(&index) {
                 self.by_identity.remove(&identity);
             }
         }
         self.free.push(index);
     }
+}
+
+/// Whether host process `pid` maps the file (device, inode) `file` (`/proc/<pid>/maps` names
+/// a mapping's file by `major:minor inode`).
+pub fn maps_file(pid: u32, (dev, ino): (u64, u64)) -> bool {
+    let Ok(maps) = fs::read_to_string(format!("/proc/{pid}/maps")) else { return false };
+    // The kernel's encoding of a device number (linux/kdev_t.h, huge_encode_dev).
+    let major = ((dev >> 8) & 0xfff) | ((dev >> 32) & !0xfff);
+    let minor = (dev & 0xff) | ((dev >> 12) & !0xff);
+    let (device, inode) = (format!("{major:02x}:{minor:02x}"), ino.to_string());
+    // address perms offset device inode [path]
+    maps.lines().any(|line| {
+        let mut fields = line.split_whitespace().skip(3);
+        fields.next() == Some(device.as_str()) && fields.next() == Some(inode.as_str())
+    })
 }
 
 /// The pid of host process `pid` inside its own (innermost) pid namespace.
@@ -233,6 +273,25 @@ mod tests {
         slot.start_time += 1;
         assert_eq!(host_pid(&slot), None);
         assert_eq!(ProcessTable::scan().find(&slot), None);
+    }
+
+    #[test]
+    fn a_mapped_file_is_found_in_the_maps() {
+        let dir = std::env::temp_dir().join(format!("vramguard-maps-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).expect("mkdir");
+        let (mapped, other) = (dir.join("mapped"), dir.join("other"));
+        fs::write(&mapped, [1u8; 4096]).expect("write");
+        fs::write(&other, [2u8; 4096]).expect("write");
+        let id = |path: &std::path::Path| fs::metadata(path).map(|m| (m.dev(), m.ino())).expect("stat");
+        let file = fs::File::open(&mapped).expect("open");
+        // SAFETY: a private read-only mapping of a file this test owns and does not change.
+        let map = unsafe { memmap2::Mmap::map(&file) }.expect("map");
+        assert!(maps_file(std::process::id(), id(&mapped)));
+        assert!(!maps_file(std::process::id(), id(&other)));
+        drop(map);
+        assert!(!maps_file(std::process::id(), id(&mapped)));
+        fs::remove_dir_all(&dir).expect("cleanup");
     }
 
     #[test]

@@ -92,6 +92,12 @@ impl Ledgers {
         Ledgers { dir, open: BTreeMap::new(), skipped: BTreeMap::new(), dir_error: None, replaced: BTreeMap::new() }
     }
 
+    /// The file (device, inode) of the ledger at `path`.
+    pub fn file_id(&self, path: &Path) -> Option<(u64, u64)> {
+        let key = self.open.get(path)?.key;
+        Some((key.dev, key.ino))
+    }
+
     /// The header the agent holds the ledger at `path` to (its limits), see [`Watched`].
     pub fn validated_header(&self, path: &Path) -> Option<&Header> {
         Some(&self.open.get(path)?.validated)

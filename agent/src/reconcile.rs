@@ -18,7 +18,10 @@
 //!
 //! A slot is joined to the eBPF row of the process with the slot's identity (pid namespace,
 //! pid in it, start time, read from `/proc/<pid>` for each process the probes report), so a
-//! slot whose host pid the reclaimer has not recorded yet is joined too. A slot that joins no
+//! slot whose host pid the reclaimer has not recorded yet is joined too. The slot is the
+//! workload's to write, so the process must also map the ledger file (every hooked process
+//! does; `/proc/<pid>/maps`, read once per process): a slot naming another container's
+//! process is ignored, and cannot make that process's cgroup this container's. A slot that joins no
 //! eBPF row is looked up by its recorded host pid: still running (same start time, not a
 //! zombie) means a hooked process the probes see no memory for; gone means a stale slot. A
 //! slot with neither a match nor a host pid is left out until the reclaimer records one
@@ -255,7 +258,8 @@ impl Reconciler {
     /// One pass over the watched ledgers and the eBPF view.
     pub fn pass(&mut self, ledgers: Option<&Ledgers>, ebpf: &[EbpfProcess]) {
         self.probed.update(ebpf.iter().map(|p| (p.pid, p.generation)), identity::identity_of);
-        let (observations, mut ledger_cgroups, unreadable) = observe(ledgers, ebpf, &self.probed, &mut self.slot_processes, self.agent);
+        let (observations, mut ledger_cgroups, unreadable) =
+            observe(ledgers, ebpf, &mut self.probed, &mut self.slot_processes, self.agent);
         // A ledger that could not be read this time (its lock held too long) keeps the
         // cgroups it had: its limits stay enforced.
         for ledger in &unreadable {
@@ -405,7 +409,7 @@ pub fn slot_bytes(slot: &Slot, devices: usize) -> u64 {
 pub fn observe(
     ledgers: Option<&Ledgers>,
     ebpf: &[EbpfProcess],
-    probed: &identity::ProbedProcesses,
+    probed: &mut identity::ProbedProcesses,
     slot_processes: &mut SlotProcesses,
     agent: Option<ProcessIdentity>,
 ) -> (Vec<Observation>, BTreeMap<String, BTreeSet<u64>>, BTreeSet<String>) {
@@ -422,7 +426,10 @@ pub fn observe(
         let index = names.len();
         names.push(name.clone());
         let header_changed = ledgers.is_some_and(|l| l.header_change(path).is_some());
-        // Slots without eBPF memory, judged after the lock is released.
+        let file = ledgers.and_then(|l| l.file_id(path)).unwrap_or_default();
+        // Slots joined to an eBPF row, and slots without eBPF memory: judged after the lock
+        // is released.
+        let mut matched: Vec<(usize, ProcessIdentity, u64)> = Vec::new();
         let mut unjoined: Vec<(u32, ProcessIdentity, u64)> = Vec::new();
         let mut cgroups = BTreeSet::new();
         let visited = ledger.for_each_slot(|_, slot| {
@@ -432,10 +439,7 @@ pub fn observe(
             }
             let bytes = slot_bytes(slot, devices);
             if let Some(row) = probed.row_of(&process) {
-                let entry = joined[row].get_or_insert((index, 0, false));
-                entry.1 = entry.1.saturating_add(bytes);
-                entry.2 |= header_changed;
-                cgroups.insert(ebpf[row].cgroup_id);
+                matched.push((row, process, bytes));
             } else if slot.host_pid != 0 {
                 unjoined.push((slot.host_pid, process, bytes));
             }
@@ -446,8 +450,20 @@ pub fn observe(
             unreadable.insert(name);
             continue;
         }
+        for (row, process, bytes) in matched {
+            // A slot naming a process that does not map this ledger was not written by that
+            // process: it neither charges it nor makes its cgroup this container's.
+            if !probed.maps_ledger(&process, file) {
+                forged(&name, ebpf[row].pid);
+                continue;
+            }
+            let entry = joined[row].get_or_insert((index, 0, false));
+            entry.1 = entry.1.saturating_add(bytes);
+            entry.2 |= header_changed;
+            cgroups.insert(ebpf[row].cgroup_id);
+        }
         for (host_pid, process, bytes) in unjoined {
-            let (gone, cgroup_id) = slot_processes.look_up(host_pid, process);
+            let (gone, cgroup_id) = slot_processes.look_up(host_pid, process, file);
             if cgroup_id != 0 {
                 cgroups.insert(cgroup_id);
             }
@@ -481,6 +497,16 @@ pub fn observe(
     }
     slot_processes.end_pass();
     (observations, ledger_cgroups, unreadable)
+}
+
+/// Logs, once a minute at most, a slot that names a process which does not map the ledger.
+fn forged(ledger: &str, pid: u32) {
+    static LAST: std::sync::Mutex<Option<Instant>> = std::sync::Mutex::new(None);
+    let Ok(mut last) = LAST.lock() else { return };
+    if last.is_none_or(|at| at.elapsed() >= Duration::from_secs(60)) {
+        *last = Some(Instant::now());
+        warn!(ledger = %ledger, pid, "a slot names a process that does not map the ledger: ignored (written by another process of the container?)");
+    }
 }
 
 /// How long what [`SlotProcesses`] read about a process is trusted.
@@ -519,7 +545,7 @@ impl SlotProcesses {
     /// (gone, cgroup id) of the slot's `process`, whose host pid the slot says is `host_pid`
     /// (a field the workload can write: a host pid that is not the slot's process counts as
     /// gone, so its cgroup is never taken for the ledger's).
-    fn look_up(&mut self, host_pid: u32, process: ProcessIdentity) -> (bool, u64) {
+    fn look_up(&mut self, host_pid: u32, process: ProcessIdentity, file: (u64, u64)) -> (bool, u64) {
         let pass = self.pass;
         if let Some(known) = self.known.get_mut(&(host_pid, process)) {
             if !known.gone && known.read.elapsed() >= SLOT_RECHECK {
@@ -531,7 +557,8 @@ impl SlotProcesses {
             known.pass = pass;
             return (known.gone, if known.gone { 0 } else { known.cgroup_id });
         }
-        let gone = !identity::is_process(host_pid, &process);
+        // Not the slot's process, or one that does not map the ledger: no process of it.
+        let gone = !identity::is_process(host_pid, &process) || !identity::maps_file(host_pid, file);
         let cgroup_id = if gone { 0 } else { crate::cgroup::id_of_pid(host_pid).unwrap_or(0) };
         self.known.insert((host_pid, process), SlotProcess { gone, cgroup_id, read: Instant::now(), pass });
         (gone, cgroup_id)
@@ -631,6 +658,17 @@ mod tests {
         assert_eq!(states(&r), vec![(7, State::Drift)]);
     }
 
+    /// The identity of a child process once it has exec'd (its start time and namespace).
+    fn wait_identity(pid: u32) -> ProcessIdentity {
+        for _ in 0..1000 {
+            if let Some(identity) = identity::identity_of(pid) {
+                return identity;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        panic!("no identity for process {pid}");
+    }
+
     #[test]
     fn joins_a_slot_with_this_process_by_identity() {
         let dir = std::env::temp_dir().join(format!("vramguard-reconcile-{}", std::process::id()));
@@ -689,6 +727,20 @@ mod tests {
         assert_eq!(r.unaccounted_by_ledger(), BTreeMap::new());
         r.pass(Some(&ledgers), &[EbpfProcess { pid: 1, generation: 1, cgroup_id, bytes: MIB }]);
         assert_eq!(r.unaccounted_by_ledger(), BTreeMap::from([(name.clone(), MIB)]));
+
+        // A slot naming another process (a child that never mapped the ledger), written by
+        // this one: not that process's slot. It stays un-hooked, outside the ledger.
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().expect("spawn sleep");
+        let child_pid = child.id();
+        let child_identity = wait_identity(child_pid);
+        ledger.register(child_identity).expect("forged slot");
+        let forged = EbpfProcess { pid: child_pid, generation: 7, cgroup_id: cgroup_id + 2, bytes: 3 * MIB };
+        r.pass(Some(&ledgers), &[me(charged), forged]);
+        let verdict = r.verdicts().iter().find(|v| v.pid == child_pid).cloned().expect("the child's verdict");
+        assert_eq!((verdict.state, verdict.ledger.clone()), (State::Unhooked, None), "{verdict:?}");
+        assert!(!r.ledger_cgroups()[&name].contains(&(cgroup_id + 2)), "{:?}", r.ledger_cgroups());
+        let _ = child.kill();
+        let _ = child.wait();
 
         // Judged from this process, the slot is the reconciler's own: left out.
         let mut own = Reconciler::new(Config::default());
