@@ -156,19 +156,21 @@ impl ProbedProcesses {
         }
     }
 
-    /// The row, in the latest report, of the process with `identity`.
-    pub fn row_of(&self, identity: &ProcessIdentity) -> Option<usize> {
-        let entry = &self.entries[*self.by_identity.get(identity)?];
-        (entry.report == self.report).then_some(entry.row)
+    /// The row, in the latest report, of the process with `identity`, and the process's
+    /// handle here (for [`ProbedProcesses::maps_ledger`]).
+    pub fn row_of(&self, identity: &ProcessIdentity) -> Option<(usize, usize)> {
+        let index = *self.by_identity.get(identity)?;
+        let entry = &self.entries[index];
+        (entry.report == self.report).then_some((entry.row, index))
     }
 
-    /// Whether the process with `identity` maps the ledger file `file` (device, inode), as
+    /// Whether `process` (a handle from [`ProbedProcesses::row_of`]) maps the ledger file
+    /// `file` (device, inode), as
     /// every hooked process maps its ledger: a slot that names a process that does not was
     /// written by someone else (a workload forging another container's process into its
     /// ledger). Read from /proc/<pid>/maps once per process and file.
-    pub fn maps_ledger(&mut self, identity: &ProcessIdentity, file: (u64, u64)) -> bool {
-        let Some(&index) = self.by_identity.get(identity) else { return false };
-        let entry = &mut self.entries[index];
+    pub fn maps_ledger(&mut self, process: usize, file: (u64, u64)) -> bool {
+        let Some(entry) = self.entries.get_mut(process).filter(|e| e.in_use) else { return false };
         if entry.known {
             return true;
         }
@@ -304,26 +306,27 @@ mod tests {
             Some(id(pid, u64::from(pid) * 10))
         };
         probed.update([(1, 100), (2, 200)].into_iter(), &mut identify);
-        assert_eq!((probed.row_of(&id(1, 10)), probed.row_of(&id(2, 20))), (Some(0), Some(1)));
+        let row = |probed: &ProbedProcesses, identity| probed.row_of(&identity).map(|(row, _)| row);
+        assert_eq!((row(&probed, id(1, 10)), row(&probed, id(2, 20))), (Some(0), Some(1)));
         // Same processes in another order: rows follow, nothing looked up again.
         probed.update([(2, 200), (1, 100)].into_iter(), &mut identify);
-        assert_eq!((probed.row_of(&id(1, 10)), probed.row_of(&id(2, 20))), (Some(1), Some(0)));
+        assert_eq!((row(&probed, id(1, 10)), row(&probed, id(2, 20))), (Some(1), Some(0)));
         // Pid 1 reused by a new process (new generation): looked up again; pid 2 gone.
         let mut identify = |pid: u32| {
             lookups.push(pid);
             Some(id(pid, 99))
         };
         probed.update([(1, 101)].into_iter(), &mut identify);
-        assert_eq!(probed.row_of(&id(1, 10)), None, "the old process is not the new one");
-        assert_eq!(probed.row_of(&id(1, 99)), Some(0));
-        assert_eq!(probed.row_of(&id(2, 20)), None);
+        assert_eq!(row(&probed, id(1, 10)), None, "the old process is not the new one");
+        assert_eq!(row(&probed, id(1, 99)), Some(0));
+        assert_eq!(row(&probed, id(2, 20)), None);
         assert_eq!(lookups, vec![1, 2, 1]);
 
         // An identity that could not be read is tried again at the next report.
         let mut probed = ProbedProcesses::default();
         probed.update([(5, 500)].into_iter(), |_| None);
-        assert_eq!(probed.row_of(&id(5, 50)), None);
+        assert_eq!(row(&probed, id(5, 50)), None);
         probed.update([(5, 500)].into_iter(), |pid| Some(id(pid, 50)));
-        assert_eq!(probed.row_of(&id(5, 50)), Some(0));
+        assert_eq!(row(&probed, id(5, 50)), Some(0));
     }
 }

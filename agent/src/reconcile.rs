@@ -429,7 +429,7 @@ pub fn observe(
         let file = ledgers.and_then(|l| l.file_id(path)).unwrap_or_default();
         // Slots joined to an eBPF row, and slots without eBPF memory: judged after the lock
         // is released.
-        let mut matched: Vec<(usize, ProcessIdentity, u64)> = Vec::new();
+        let mut matched: Vec<(usize, usize, u64)> = Vec::new();
         let mut unjoined: Vec<(u32, ProcessIdentity, u64)> = Vec::new();
         let mut cgroups = BTreeSet::new();
         let visited = ledger.for_each_slot(|_, slot| {
@@ -438,8 +438,8 @@ pub fn observe(
                 return; // the agent's own charges
             }
             let bytes = slot_bytes(slot, devices);
-            if let Some(row) = probed.row_of(&process) {
-                matched.push((row, process, bytes));
+            if let Some((row, handle)) = probed.row_of(&process) {
+                matched.push((row, handle, bytes));
             } else if slot.host_pid != 0 {
                 unjoined.push((slot.host_pid, process, bytes));
             }
@@ -450,10 +450,10 @@ pub fn observe(
             unreadable.insert(name);
             continue;
         }
-        for (row, process, bytes) in matched {
+        for (row, handle, bytes) in matched {
             // A slot naming a process that does not map this ledger was not written by that
             // process: it neither charges it nor makes its cgroup this container's.
-            if !probed.maps_ledger(&process, file) {
+            if !probed.maps_ledger(handle, file) {
                 forged(&name, ebpf[row].pid);
                 continue;
             }
