@@ -25,7 +25,8 @@
 //! `vramguard_reclaims_total`, `vramguard_reclaim_latency_seconds`,
 //! `vramguard_events_lost_total`, `vramguard_over_limit_allocations_total`,
 //! `vramguard_enforcement_signals_total`, `vramguard_probes_attached{libcuda}`, `vramguard_ledgers`,
-//! `vramguard_ledgers_skipped`. Gauges are rebuilt from the current state at every scrape.
+//! `vramguard_ledgers_skipped`, `vramguard_ledgers_unreadable`. Gauges are rebuilt from the
+//! current state at every scrape.
 use std::{
     collections::{BTreeMap, BTreeSet},
     time::Duration,
@@ -63,6 +64,7 @@ pub struct Metrics {
     probes: IntGaugeVec,
     ledgers: IntGauge,
     ledgers_skipped: IntGauge,
+    ledgers_unreadable: IntGauge,
     process_state: IntGaugeVec,
     unhooked: IntGauge,
     container_ebpf: IntGaugeVec,
@@ -187,6 +189,11 @@ impl Metrics {
         let ledgers_skipped =
             IntGauge::new("vramguard_ledgers_skipped", "Files under --ledger-dir skipped as invalid ledgers")?;
         registry.register(Box::new(ledgers_skipped.clone()))?;
+        let ledgers_unreadable = IntGauge::new(
+            "vramguard_ledgers_unreadable",
+            "Watched ledgers the last reconcile pass could not read (their lock held too long)",
+        )?;
+        registry.register(Box::new(ledgers_unreadable.clone()))?;
         let process_state = gauge_vec(
             &registry,
             "vramguard_process_state",
@@ -234,6 +241,7 @@ impl Metrics {
             probes,
             ledgers,
             ledgers_skipped,
+            ledgers_unreadable,
             process_state,
             unhooked,
             container_ebpf,
@@ -345,6 +353,7 @@ impl Metrics {
             }
         }
         self.unhooked.set(reconciler.verdicts().iter().filter(|v| v.state == State::Unhooked).count() as i64);
+        self.ledgers_unreadable.set(reconciler.unreadable().len() as i64);
         self.ebpf_process.reset();
         for row in &snapshot.processes {
             self.ebpf_process.with_label_values(&[row.pid.to_string().as_str(), &row.cgroup]).set(value(row.total_bytes));

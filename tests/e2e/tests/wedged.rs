@@ -1,7 +1,8 @@
 //! A workload that stops inside its ledger's lock does not stop the agent (issue "The agent":
 //! never hang on a lock a workload controls): the agent waits at most 50 ms for a ledger's
-//! lock, says so, and goes on serving the other containers: `vramguard audit` and `/metrics`
-//! answer, and a killed process of another container has its slot reclaimed within a second.
+//! lock, says so (and counts it in `vramguard_ledgers_unreadable`), and goes on serving the
+//! other containers: `vramguard audit` and `/metrics` answer, and a killed process of another
+//! container has its slot reclaimed within a second.
 //! Needs root; run with `cargo xtask test`.
 use std::time::Duration;
 
@@ -36,8 +37,8 @@ fn a_ledger_locked_for_good_does_not_stop_the_agent() -> Result<()> {
     // The agent still answers and still reclaims in the other container.
     let audit = agent.audit()?;
     assert!(audit["processes"].as_array().is_some_and(|rows| !rows.is_empty()), "{audit}");
-    let (status, _) = http::get(addr, "/metrics")?;
-    assert_eq!(status, 200);
+    let all = http::scrape(addr)?;
+    assert_eq!(http::metric(&all, "vramguard_ledgers_unreadable", &[]), Some(1.0), "the held ledger is counted");
     let victim_pid = victim.pid();
     victim.kill()?;
     let latency = wait_for(Duration::from_secs(1), "the killed process's slot reclaimed beside the held lock", || {
@@ -46,6 +47,7 @@ fn a_ledger_locked_for_good_does_not_stop_the_agent() -> Result<()> {
     eprintln!("reclaimed {latency:?} after the kill while another ledger's lock was held");
 
     holder.join().map_err(|_| anyhow::anyhow!("the lock holder panicked"))??;
+    assert_eq!(http::metric(&http::scrape(addr)?, "vramguard_ledgers_unreadable", &[]), Some(0.0), "released: readable again");
     drop((stuck, keeper));
     agent.stop()?;
     Ok(())
