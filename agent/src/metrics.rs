@@ -23,6 +23,7 @@
 //! `pod`, `container`, `vdevice_index`, `device_uuid`, for ledgers whose names are known
 //! (without them the series of different containers would collide). Of the agent itself:
 //! `vramguard_reclaims_total`, `vramguard_reclaim_latency_seconds`,
+//! `vramguard_reconcile_pass_seconds`,
 //! `vramguard_events_lost_total`, `vramguard_over_limit_allocations_total`,
 //! `vramguard_enforcement_signals_total`, `vramguard_probes_attached{libcuda}`, `vramguard_ledgers`,
 //! `vramguard_ledgers_skipped`, `vramguard_ledgers_unreadable`. Gauges are rebuilt from the
@@ -48,6 +49,9 @@ use crate::{
     snapshot::Snapshot,
 };
 
+/// Duration buckets of a reconcile pass, in seconds (100 us to 1 s).
+const PASS_BUCKETS: [f64; 9] = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.01, 0.025, 0.1, 1.0];
+
 /// Latency buckets of a reclaim, in seconds (1 ms to 5 s).
 const LATENCY_BUCKETS: [f64; 12] = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0];
 
@@ -58,6 +62,7 @@ pub struct Metrics {
     ebpf_process: IntGaugeVec,
     reclaims: IntCounter,
     latency: Histogram,
+    pass: Histogram,
     events_lost: IntCounter,
     over_limit: IntCounter,
     signals: IntCounter,
@@ -175,6 +180,14 @@ impl Metrics {
             .buckets(LATENCY_BUCKETS.to_vec()),
         )?;
         registry.register(Box::new(latency.clone()))?;
+        let pass = Histogram::with_opts(
+            HistogramOpts::new(
+                "vramguard_reconcile_pass_seconds",
+                "One reconcile pass: the eBPF view read, joined with the ledgers, judged, and the charges updated",
+            )
+            .buckets(PASS_BUCKETS.to_vec()),
+        )?;
+        registry.register(Box::new(pass.clone()))?;
         let events_lost = IntCounter::new("vramguard_events_lost_total", "eBPF events lost to a full ring buffer")?;
         registry.register(Box::new(events_lost.clone()))?;
         let over_limit = IntCounter::new(
@@ -235,6 +248,7 @@ impl Metrics {
             ebpf_process,
             reclaims,
             latency,
+            pass,
             events_lost,
             over_limit,
             signals,
@@ -252,6 +266,11 @@ impl Metrics {
             hami,
             agent: ProcessIdentity::current().ok(),
         })
+    }
+
+    /// Times one reconcile pass.
+    pub fn passed(&self, took: Duration) {
+        self.pass.observe(took.as_secs_f64());
     }
 
     /// Counts one reclaim.

@@ -193,11 +193,11 @@ pub async fn run(args: RunArgs) -> Result<()> {
     let mut ledgers = args.ledger_dir.clone().map(Ledgers::new);
     let mut reclaimer = Reclaimer::new(ledgers.is_some());
     let mut metrics = Metrics::new(args.hami_metrics)?;
-    let mut reconciler = Reconciler::new(reconcile::Config {
+    let reconciler = Reconciler::new(reconcile::Config {
         threshold: args.drift_threshold,
         grace: Duration::from_millis(args.drift_grace_ms),
     });
-    let mut charger = Charger::new();
+    let mut judge = Judge { reconciler, charger: Charger::new() };
     if let Some(ledgers) = ledgers.as_mut() {
         ledgers.scan();
         info!(dir = %ledgers.dir().display(), ledgers = ledgers.len(), skipped = ledgers.skipped(), "watching ledgers");
@@ -263,7 +263,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
             Wake::Limits => {
                 if let Some(limits) = limits.as_mut() {
                     if let Some(ledgers) = ledgers.as_ref() {
-                        limits.set_ledger_limits(ledger_cgroup_limits(ledgers, &reconciler));
+                        limits.set_ledger_limits(ledger_cgroup_limits(ledgers, &judge.reconciler));
                     }
                     limits.refresh(&mut cgroups);
                 }
@@ -283,13 +283,13 @@ pub async fn run(args: RunArgs) -> Result<()> {
                     accounting.sweep();
                 }
                 // Something changed: pass now (a quiet node gets the timer's pass only).
-                if drained > 0 && reconciler.due() {
-                    reconcile_pass(&mut reconciler, &mut charger, ledgers.as_ref(), &accounting);
+                if drained > 0 && judge.reconciler.due() {
+                    judge.pass(ledgers.as_ref(), &accounting, &metrics);
                 }
             }
             Wake::Reconcile => {
                 accounting.drain(events.get_mut());
-                reconcile_pass(&mut reconciler, &mut charger, ledgers.as_ref(), &accounting);
+                judge.pass(ledgers.as_ref(), &accounting, &metrics);
             }
             Wake::Ledgers | Wake::ExitRetry => {
                 if let Some(ledgers) = ledgers.as_mut() {
@@ -300,8 +300,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
                     for latency in &reclaimed {
                         metrics.reclaimed(*latency);
                     }
-                    if !reclaimed.is_empty() && reconciler.due() {
-                        reconcile_pass(&mut reconciler, &mut charger, Some(ledgers), &accounting);
+                    if !reclaimed.is_empty() && judge.reconciler.due() {
+                        judge.pass(Some(ledgers), &accounting, &metrics);
                     }
                 }
             }
@@ -318,7 +318,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
             }
             Wake::Client(stream) => {
                 accounting.drain(events.get_mut());
-                let mut snapshot = snapshot(&mut accounting, &attached, ledgers.as_ref(), &reclaimer, &mut reconciler, &mut charger, metrics_addr);
+                let mut snapshot = snapshot(&mut accounting, &attached, ledgers.as_ref(), &reclaimer, &mut judge, &metrics, metrics_addr);
                 snapshot.stats.cgroup_limits = limits.as_ref().map_or(0, |l| l.applied() as u64);
                 if let Err(error) = control::serve(stream, &snapshot).await {
                     warn!(%error, "answering a control client failed");
@@ -328,9 +328,9 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 let response = match request.path.as_str() {
                     "/metrics" => {
                         accounting.drain(events.get_mut());
-                        let mut snapshot = snapshot(&mut accounting, &attached, ledgers.as_ref(), &reclaimer, &mut reconciler, &mut charger, metrics_addr);
+                        let mut snapshot = snapshot(&mut accounting, &attached, ledgers.as_ref(), &reclaimer, &mut judge, &metrics, metrics_addr);
                         snapshot.stats.cgroup_limits = limits.as_ref().map_or(0, |l| l.applied() as u64);
-                        metrics.refresh(ledgers.as_ref(), &snapshot, &reconciler, &charger.charged());
+                        metrics.refresh(ledgers.as_ref(), &snapshot, &judge.reconciler, &judge.charger.charged());
                         match metrics.encode() {
                             Ok(body) => Response { status: 200, content_type: prometheus::TEXT_FORMAT, body },
                             Err(error) => Response::text(500, format!("cannot encode the metrics: {error:#}\n")),
@@ -349,7 +349,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         }
     }
     if let Some(ledgers) = ledgers.as_ref() {
-        charger.release_all(ledgers);
+        judge.charger.release_all(ledgers);
     }
     drop(listener);
     let _ = std::fs::remove_file(&args.socket);
@@ -360,11 +360,21 @@ pub async fn run(args: RunArgs) -> Result<()> {
     Ok(())
 }
 
-/// One reconcile pass, then the agent's charges brought in line with it.
-fn reconcile_pass(reconciler: &mut Reconciler, charger: &mut Charger, ledgers: Option<&Ledgers>, accounting: &Accounting) {
-    reconciler.pass(ledgers, &accounting.processes());
-    if let Some(ledgers) = ledgers {
-        charger.update(ledgers, &reconciler.unaccounted_by_ledger(), reconciler.unreadable());
+/// The reconciler and the charges that follow its passes.
+struct Judge {
+    reconciler: Reconciler,
+    charger: Charger,
+}
+
+impl Judge {
+    /// One reconcile pass, then the agent's charges brought in line with it; timed.
+    fn pass(&mut self, ledgers: Option<&Ledgers>, accounting: &Accounting, metrics: &Metrics) {
+        let started = std::time::Instant::now();
+        self.reconciler.pass(ledgers, &accounting.processes());
+        if let Some(ledgers) = ledgers {
+            self.charger.update(ledgers, &self.reconciler.unaccounted_by_ledger(), self.reconciler.unreadable());
+        }
+        metrics.passed(started.elapsed());
     }
 }
 
@@ -374,13 +384,13 @@ fn snapshot(
     attached: &BTreeMap<FileId, AttachReport>,
     ledgers: Option<&Ledgers>,
     reclaimer: &Reclaimer,
-    reconciler: &mut Reconciler,
-    charger: &mut Charger,
+    judge: &mut Judge,
+    metrics: &Metrics,
     metrics_addr: Option<SocketAddr>,
 ) -> Snapshot {
     let mut snapshot = accounting.snapshot();
-    reconcile_pass(reconciler, charger, ledgers, accounting);
-    reconciler.annotate(&mut snapshot);
+    judge.pass(ledgers, accounting, metrics);
+    judge.reconciler.annotate(&mut snapshot);
     snapshot.libcuda = attached.values().cloned().collect();
     snapshot.metrics_addr = metrics_addr.map(|addr| addr.to_string());
     snapshot.ledgers = ledgers.map(|l| l.iter().map(|(path, _)| path.display().to_string()).collect()).unwrap_or_default();
