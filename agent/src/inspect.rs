@@ -234,7 +234,7 @@ pub fn reclaim(path: &Path, only: Option<u32>) -> Result<()> {
         if identity::host_pid(&view.slot).is_some() {
             continue; // alive: never reclaimed
         }
-        let process = ledger::ProcessIdentity { pid: view.slot.pid, pidns: view.slot.pidns, start_time: view.slot.start_time };
+        let process = view.slot.process();
         // Only if the slot still describes the process judged dead (checked under the lock).
         let Some(chunks) = ledger.reclaim_process(view.id, process)? else { continue };
         println!("reclaimed slot {} (pid {} in its namespace): {} chunks", view.id, view.slot.pid, chunks);

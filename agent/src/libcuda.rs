@@ -96,9 +96,9 @@ impl Discovery {
         found.into_values().collect()
     }
 
-    /// Makes every process known to the last scan older than [`YOUNG`] (for tests).
-    #[doc(hidden)]
-    pub fn age(&mut self) {
+    /// Makes every process known to the last scan older than [`YOUNG`].
+    #[cfg(test)]
+    fn age(&mut self) {
         for (first, _) in self.seen.values_mut() {
             *first = first.checked_sub(YOUNG).unwrap_or(*first);
         }

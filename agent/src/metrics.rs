@@ -128,8 +128,7 @@ fn labels<'a>(own: &[&'a str], container: &'a Container) -> Vec<&'a str> {
 fn pod_uid_of(slots: &[SlotView], agent: Option<ProcessIdentity>) -> Option<String> {
     slots.iter().filter(|view| view.slot.host_pid != 0).find_map(|view| {
         let process = identity::identity_of(view.slot.host_pid)?;
-        let same = process.pid == view.slot.pid && process.pidns == view.slot.pidns && process.start_time == view.slot.start_time;
-        if !same || Some(process) == agent {
+        if process != view.slot.process() || Some(process) == agent {
             return None;
         }
         pod::of_pid(view.slot.host_pid).map(|identity| identity.pod_uid)

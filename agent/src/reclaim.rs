@@ -99,7 +99,7 @@ impl Reclaimer {
                 // The recorded host pid still runs the slot's process: alive, without the
                 // table (checked in full the first time, by start time after that). Otherwise
                 // the table decides.
-                let process = ProcessIdentity { pid: slot.pid, pidns: slot.pidns, start_time: slot.start_time };
+                let process = slot.process();
                 let recorded = (slot.host_pid != 0 && {
                     let known = self.verified.contains(&(slot.host_pid, process));
                     if known {

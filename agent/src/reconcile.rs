@@ -433,7 +433,7 @@ pub fn observe(
         let mut unjoined: Vec<(u32, ProcessIdentity, u64)> = Vec::new();
         let mut cgroups = BTreeSet::new();
         let visited = ledger.for_each_slot(|_, slot| {
-            let process = ProcessIdentity { pid: slot.pid, pidns: slot.pidns, start_time: slot.start_time };
+            let process = slot.process();
             if Some(process) == agent {
                 return; // the agent's own charges
             }

@@ -16,7 +16,7 @@
 //!
 //! Every section is at an offset stored in the header, 64-byte aligned; all structures are
 //! `#[repr(C)]` of fixed-width integers, so every process maps the same bytes the same way.
-use crate::lock::RobustMutex;
+use crate::{lock::RobustMutex, process::ProcessIdentity};
 
 /// First bytes of every ledger file.
 pub const MAGIC: [u8; 8] = *b"VRAMGRD\0";
@@ -238,6 +238,18 @@ pub struct Slot {
 
 pub const SLOT_FREE: u32 = 0;
 pub const SLOT_LIVE: u32 = 1;
+
+impl Slot {
+    /// The process the slot records.
+    pub fn process(&self) -> ProcessIdentity {
+        ProcessIdentity { pid: self.pid, pidns: self.pidns, start_time: self.start_time }
+    }
+
+    /// Whether the slot is live and records `process`.
+    pub fn describes(&self, process: &ProcessIdentity) -> bool {
+        self.state == SLOT_LIVE && self.process() == *process
+    }
+}
 
 /// A slot's usage of one device (derived from its records).
 #[repr(C)]

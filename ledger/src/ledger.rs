@@ -146,9 +146,7 @@ impl Ledger {
                 repair(t); // a damaged high-water mark: rebuild it
             }
             let used = t.used_slots();
-            let same = t.slots[..used].iter().position(|s| {
-                s.state == SLOT_LIVE && s.pid == process.pid && s.pidns == process.pidns && s.start_time == process.start_time
-            });
+            let same = t.slots[..used].iter().position(|s| s.describes(&process));
             let id = match same {
                 Some(id) => {
                     reclaim(t, id as SlotId);
@@ -239,9 +237,7 @@ impl Ledger {
     /// chunks freed, or `None` when the slot no longer describes `process`.
     pub fn reclaim_process(&self, slot: SlotId, process: ProcessIdentity) -> Result<Option<u64>, LedgerError> {
         self.locked(|t| {
-            let same = t.slots.get(slot as usize).is_some_and(|s| {
-                s.state == SLOT_LIVE && s.pid == process.pid && s.pidns == process.pidns && s.start_time == process.start_time
-            });
+            let same = t.slots.get(slot as usize).is_some_and(|s| s.describes(&process));
             same.then(|| reclaim(t, slot))
         })
     }
@@ -252,11 +248,10 @@ impl Ledger {
     /// The processes are looked up in /proc without the lock held; each slot found dead is
     /// then reclaimed under the lock only if it still describes the same process.
     pub fn reclaim_dead(&self) -> Result<Vec<SlotId>, LedgerError> {
-        let identity = |s: &Slot| ProcessIdentity { pid: s.pid, pidns: s.pidns, start_time: s.start_time };
         let candidates: Vec<(SlotId, ProcessIdentity)> = self
             .slots()?
             .into_iter()
-            .map(|view| (view.id, identity(&view.slot)))
+            .map(|view| (view.id, view.slot.process()))
             .filter(|(_, process)| process.is_alive() == Some(false))
             .collect();
         if candidates.is_empty() {
@@ -265,8 +260,7 @@ impl Ledger {
         self.locked(|t| {
             let mut reclaimed = Vec::new();
             for (id, process) in candidates {
-                let slot = &t.slots[id as usize];
-                if slot.state == SLOT_LIVE && identity(slot) == process {
+                if t.slots[id as usize].describes(&process) {
                     reclaim(t, id);
                     reclaimed.push(id);
                 }
@@ -277,14 +271,9 @@ impl Ledger {
 
     /// Copies of the live slots.
     pub fn slots(&self) -> Result<Vec<SlotView>, LedgerError> {
-        self.locked(|t| {
-            t.slots[..t.used_slots()]
-                .iter()
-                .enumerate()
-                .filter(|(_, s)| s.state == SLOT_LIVE)
-                .map(|(id, s)| SlotView { id: id as SlotId, slot: *s })
-                .collect()
-        })
+        let mut views = Vec::new();
+        self.for_each_slot(|id, slot| views.push(SlotView { id, slot: *slot }))?;
+        Ok(views)
     }
 
     /// Calls `f` with every live slot, under the lock and without copying the slots (for a
@@ -318,9 +307,7 @@ impl Ledger {
         bytes: u64,
     ) -> Result<(Option<RecordId>, u64), LedgerError> {
         self.locked(|t| {
-            let ours = t.slots.get(slot as usize).is_some_and(|s| {
-                s.state == SLOT_LIVE && s.pid == process.pid && s.pidns == process.pidns && s.start_time == process.start_time
-            });
+            let ours = t.slots.get(slot as usize).is_some_and(|s| s.describes(&process));
             if !ours {
                 return Err(LedgerError::UnknownSlot(slot));
             }
