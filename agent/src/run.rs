@@ -416,6 +416,7 @@ fn snapshot(
     snapshot.libcuda = attached.values().cloned().collect();
     snapshot.metrics_addr = metrics_addr.map(|addr| addr.to_string());
     snapshot.ledgers = ledgers.map(|l| l.iter().map(|(path, _)| path.display().to_string()).collect()).unwrap_or_default();
+    snapshot.ledger_problems = ledgers.map(Ledgers::problems).unwrap_or_default();
     snapshot.stats.slots_reclaimed = reclaimer.total;
     snapshot
 }

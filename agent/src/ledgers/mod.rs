@@ -319,6 +319,30 @@ impl Ledgers {
         self.skipped.iter().map(|(path, skipped)| (path.as_path(), skipped.reason.as_str()))
     }
 
+    /// Every file under the directory the agent does not work on as it should, with the
+    /// reason: skipped (not a ledger, too large, past a cap), header rewritten (`tampered`),
+    /// unreadable now (cut, grown), or its worker failing (crashed, timed out).
+    pub fn problems(&self) -> BTreeMap<String, String> {
+        let mut problems: BTreeMap<String, String> =
+            self.skipped.iter().map(|(path, skipped)| (path.display().to_string(), format!("skipped: {}", skipped.reason))).collect();
+        for (path, handle) in &self.open {
+            let problem = if let Some(change) = &handle.header_change {
+                Some(format!("tampered: its header was rewritten ({change})"))
+            } else {
+                match handle.copy() {
+                    Err(error) => Some(format!("unreadable: {error}")),
+                    Ok(copy) => handle.failing().map(|reason| format!("worker failing: {reason}")).or_else(|| {
+                        (!copy.settled).then(|| "unsettled: every copy caught a mutation in progress (dirty flag held raised?)".to_string())
+                    }),
+                }
+            };
+            if let Some(problem) = problem {
+                problems.insert(path.display().to_string(), problem);
+            }
+        }
+        problems
+    }
+
     /// Brings the set up to date with the directory.
     pub fn scan(&mut self) {
         let (candidates, crowded) = match candidates(&self.dir, &self.limits) {
@@ -388,7 +412,7 @@ impl Ledgers {
                     self.open.insert(path, handle);
                 }
                 Err(reason) => {
-                    warn!(file = %path.display(), reason = %reason, "skipping a file under the ledger directory");
+                    warn!(file = %path.display(), reason = %reason, "skipping a file that is not a valid ledger (or more than the agent allows)");
                     self.skipped.insert(path, Skipped { key, reason });
                 }
             }
@@ -453,11 +477,11 @@ fn examine(file: &File, path: &Path, limits: &Limits) -> Result<(FileKey, Header
         return Err(LedgerError::Truncated { path: path.to_path_buf(), expected: ledger::layout::PAGE, actual: metadata.len() }.to_string());
     }
     let header = ledger::file::read_header(file).map_err(|error| format!("cannot read its header: {error}"))?;
-    // Checked before validation, which computes the layout from the header's counts.
+    // Validation bounds every count by the format's maxima before anything is sized by them.
+    ledger::file::validate(&header, metadata.len(), path).map_err(|error| error.to_string())?;
     if let Some(reason) = limits.exceeded_by(&header) {
         return Err(reason);
     }
-    ledger::file::validate(&header, metadata.len(), path).map_err(|error| error.to_string())?;
     Ok((FileKey::of(&metadata), header))
 }
 

@@ -142,7 +142,12 @@ pub struct Worker {
     launcher: Launcher,
     running: Option<Running>,
     backoff: Backoff,
+    /// When the lock was last found held past the wait (reported for [`RECENT`]).
+    busy_at: Option<Instant>,
 }
+
+/// How long a lock found held keeps being reported.
+const RECENT: Duration = Duration::from_secs(10);
 
 /// Time without a worker after failures: 1 s, doubling to 5 minutes; reset by a success.
 #[derive(Default)]
@@ -170,12 +175,16 @@ impl Backoff {
 
 impl Worker {
     pub fn new(launcher: Launcher) -> Worker {
-        Worker { launcher, running: None, backoff: Backoff::default() }
+        Worker { launcher, running: None, backoff: Backoff::default(), busy_at: None }
     }
 
-    /// The reason of the last failure while its backoff lasts.
+    /// The reason of the last failure while its backoff lasts, or a lock found held in the
+    /// last [`RECENT`].
     pub fn failing(&self) -> Option<String> {
-        self.backoff.waiting().map(|_| self.backoff.reason.clone())
+        self.backoff.waiting().map(|_| self.backoff.reason.clone()).or_else(|| {
+            let ago = self.busy_at?.elapsed();
+            (ago < RECENT).then(|| format!("{} ({}s ago)", Failure::Busy, ago.as_secs()))
+        })
     }
 
     /// Runs `request` on the ledger open as `file` (validated as `header`, named `path`).
@@ -186,7 +195,7 @@ impl Worker {
         let result = self.exchange(file, header, path, request);
         match &result {
             Ok(_) | Err(AccessError::Refused(Failure::UnknownSlot(_))) => self.backoff = Backoff::default(),
-            Err(AccessError::Refused(Failure::Busy)) => {}
+            Err(AccessError::Refused(Failure::Busy)) => self.busy_at = Some(Instant::now()),
             Err(error) => {
                 self.stop();
                 self.backoff.failed(error.to_string());
