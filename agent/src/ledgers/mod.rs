@@ -68,6 +68,9 @@ use worker::{Launcher, Worker};
 /// [`ledger::Ledger::with_lock_timeout`]).
 pub const LOCK_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
 
+/// How [`Ledgers::header_change`] begins when the header could not be read at all.
+const HEADER_UNREADABLE: &str = "its header cannot be read";
+
 /// Most directory entries read from one directory per scan (a workload can fill its own).
 pub const MAX_ENTRIES: usize = 256;
 
@@ -326,15 +329,15 @@ impl Ledgers {
         let mut problems: BTreeMap<String, String> =
             self.skipped.iter().map(|(path, skipped)| (path.display().to_string(), format!("skipped: {}", skipped.reason))).collect();
         for (path, handle) in &self.open {
-            let problem = if let Some(change) = &handle.header_change {
-                Some(format!("tampered: its header was rewritten ({change})"))
-            } else {
-                match handle.copy() {
-                    Err(error) => Some(format!("unreadable: {error}")),
-                    Ok(copy) => handle.failing().map(|reason| format!("worker failing: {reason}")).or_else(|| {
-                        (!copy.settled).then(|| "unsettled: every copy caught a mutation in progress (dirty flag held raised?)".to_string())
-                    }),
-                }
+            // A rewritten header first (a replaced file is also another size), unless the
+            // header went with a cut.
+            let rewritten = handle.header_change.as_ref().filter(|change| !change.starts_with(HEADER_UNREADABLE));
+            let problem = match (rewritten, handle.copy()) {
+                (Some(change), _) => Some(format!("tampered: its header was rewritten ({change})")),
+                (None, Err(error)) => Some(format!("unreadable: {error}")),
+                (None, Ok(copy)) => handle.failing().map(|reason| format!("worker failing: {reason}")).or_else(|| {
+                    (!copy.settled).then(|| "unsettled: every copy caught a mutation in progress (dirty flag held raised?)".to_string())
+                }),
             };
             if let Some(problem) = problem {
                 problems.insert(path.display().to_string(), problem);
@@ -386,7 +389,7 @@ impl Ledgers {
         for (path, handle) in self.open.iter_mut() {
             let change = match ledger::file::read_header(&handle.file) {
                 Ok(now) => header_change(&handle.validated, &now),
-                Err(error) => Some(format!("its header cannot be read: {error}")),
+                Err(error) => Some(format!("{HEADER_UNREADABLE}: {error}")),
             };
             if change != handle.header_change {
                 match &change {

@@ -103,6 +103,10 @@ impl Scene {
             holding(node.hooked(&ledger, GIB)?, &["ctx 0", "alloc a 100m"])?,
             holding(node.hooked(&ledger, GIB)?, &["ctx 0", "alloc b 100m"])?,
         ];
+        // The agent watches the attacker's ledger before the attack begins.
+        wait_for(Duration::from_secs(5), "the agent records the attacker's host pids", || {
+            Ok(ledgers::slots(&ledger).is_ok_and(|s| s.len() == 2 && s.iter().all(|(_, host)| *host != 0)))
+        })?;
         Ok(Scene { dir, agent, bystander, ledger, processes })
     }
 
@@ -167,7 +171,7 @@ fn random_bytes_over_the_whole_file() -> Result<()> {
 }
 
 #[test]
-fn truncated_and_grown() -> Result<()> {
+fn truncated_grown_and_replaced() -> Result<()> {
     let mut scene = Scene::new("hostile-size")?;
     let file = OpenOptions::new().write(true).open(&scene.ledger)?;
     let size = file.metadata()?.len();
@@ -175,13 +179,22 @@ fn truncated_and_grown() -> Result<()> {
     file.set_len(0)?;
     scene.while_attacked()?;
     let problem = wait_for_problem(&scene)?;
-    assert!(problem.contains("truncated or resized"), "{problem}");
-    // Grown past its size.
+    assert!(problem.contains("unreadable") && problem.contains("truncated or resized"), "{problem}");
+    // Grown past its size (zeros where its header was, since the cut): a size the agent
+    // cannot read, or a header that is not the one it validated.
     file.set_len(size * 2)?;
     scene.while_attacked()?;
-    // (Its header went with the cut: reported as not a ledger, or resized.)
     let problem = wait_for_problem(&scene)?;
-    assert!(problem.contains("truncated or resized") || problem.contains("bad magic"), "{problem}");
+    assert!(problem.contains("truncated or resized") || problem.contains("tampered: its header was rewritten"), "{problem}");
+    // Replaced with a ledger of eight times the quota while its processes still run: held to
+    // the limits before, reported tampered.
+    std::fs::remove_file(&scene.ledger)?;
+    ledgers::create(&scene.ledger, 64, 256, 8 * GIB, 64 * MIB)?;
+    scene.while_attacked()?;
+    wait_for(Duration::from_secs(3), "the replaced ledger reported tampered", || {
+        Ok(scene.problem()?.is_some_and(|p| p.contains("tampered") && p.contains("limit")))
+    })
+    .with_context(|| format!("reported: {:?}", scene.problem()))?;
     drop(file);
     Ok(())
 }
@@ -237,3 +250,4 @@ fn wait_for_problem(scene: &Scene) -> Result<String> {
     .with_context(|| format!("agent log:\n{}", scene.agent.log()))?;
     found.context("reported")
 }
+
