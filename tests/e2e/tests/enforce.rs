@@ -8,7 +8,11 @@ use std::{
 };
 
 use anyhow::{Context, Result};
-use e2e::{agent::Agent, cgroup::TestCgroup, FakeNode, MIB};
+use e2e::{
+    agent::Agent,
+    cgroup::{TestCgroup, SEPARATES_CONTAINERS},
+    FakeNode, MIB,
+};
 
 /// A limits file giving `cgroup` a limit of 1 GiB.
 fn limits_file(cgroup: &TestCgroup) -> Result<PathBuf> {
@@ -17,8 +21,16 @@ fn limits_file(cgroup: &TestCgroup) -> Result<PathBuf> {
     Ok(path)
 }
 
+/// An agent enforcing `limits` in `mode`; every workload these tests limit runs in a
+/// [`TestCgroup`] of its own ([`SEPARATES_CONTAINERS`]).
 fn agent(mode: &str, limits: &Path) -> Result<Agent> {
-    Agent::start_on_fake_driver(&["--limits".as_ref(), limits.as_os_str(), "--enforce".as_ref(), mode.as_ref()])
+    Agent::start_on_fake_driver(&[
+        "--limits".as_ref(),
+        limits.as_os_str(),
+        "--enforce".as_ref(),
+        mode.as_ref(),
+        SEPARATES_CONTAINERS.as_ref(),
+    ])
 }
 
 fn stat(audit: &serde_json::Value, name: &str) -> u64 {
@@ -107,6 +119,7 @@ fn a_process_skipping_the_hook_is_held_to_its_containers_ledger_limit() -> Resul
         dir.0.as_os_str(),
         "--enforce".as_ref(),
         "signal".as_ref(),
+        SEPARATES_CONTAINERS.as_ref(),
     ])?;
     let node = FakeNode::new("bypass").with_env("FAKECUDA_CONTEXT_BYTES", "64m");
     let mut hooked = node.hooked(&ledger, 1 << 30)?.in_cgroup(&cgroup).steps(["ctx 0", "alloc h 600m", "checkpoint held", "hold"]).spawn()?;
