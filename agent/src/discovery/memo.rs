@@ -77,7 +77,7 @@ impl Memo {
     }
 
     #[cfg(test)]
-    pub fn len(&self) -> usize {
+    fn entries(&self) -> usize {
         self.entries.len()
     }
 }
@@ -110,9 +110,9 @@ mod tests {
         for ino in 1..MEMO_ENTRIES as u64 {
             memo.put((1, ino), stamp(1, 1), Verdict::NotLibcuda);
         }
-        assert_eq!(memo.len(), MEMO_ENTRIES);
+        assert_eq!(memo.entries(), MEMO_ENTRIES);
         memo.put((2, 0), stamp(1, 1), Verdict::Capped);
-        assert_eq!(memo.len(), 2, "the probed file and the new one");
+        assert_eq!(memo.entries(), 2, "the probed file and the new one");
         assert!(memo.probed((0, 0)));
         assert_eq!(memo.count(|v| *v == Verdict::Capped), 1);
     }

@@ -361,7 +361,7 @@ impl Discovery {
             Ok(file) => Opened { file, id, stamp, shown: mapping.path.to_string() },
             Err(error) => {
                 let reason = format!("cannot open it: {error}");
-                self.remember(id, stamp, &mapping.path, origin, Verdict::Failed(reason.clone()));
+                self.remember(id, stamp, mapping.path, origin, Verdict::Failed(reason.clone()));
                 warn!(path = ?mapping.path, dev = id.0, ino = id.1, pid, %reason, "skipped a mapped file");
                 return Some(Verdict::Failed(reason));
             }
