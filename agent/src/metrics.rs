@@ -25,7 +25,9 @@
 //! `vramguard_reclaims_total`, `vramguard_reclaim_latency_seconds`,
 //! `vramguard_reconcile_pass_seconds`,
 //! `vramguard_events_lost_total`, `vramguard_over_limit_allocations_total`,
-//! `vramguard_enforcement_signals_total`, `vramguard_probes_attached{libcuda}`, `vramguard_ledgers`,
+//! `vramguard_enforcement_signals_total`, `vramguard_probes_attached{libcuda}`,
+//! `vramguard_libcuda_files{state}` (probed, failed, capped),
+//! `vramguard_libcuda_capped_containers`, `vramguard_ledgers`,
 //! `vramguard_ledgers_skipped`, `vramguard_ledgers_unreadable`. Gauges are rebuilt from the
 //! current state at every scrape.
 use std::{
@@ -67,6 +69,8 @@ pub struct Metrics {
     over_limit: IntCounter,
     signals: IntCounter,
     probes: IntGaugeVec,
+    libcuda_files: IntGaugeVec,
+    capped_containers: IntGauge,
     ledgers: IntGauge,
     ledgers_skipped: IntGauge,
     ledgers_unreadable: IntGauge,
@@ -169,6 +173,17 @@ impl Metrics {
             &["pid", "cgroup"],
         )?;
         let probes = gauge_vec(&registry, "vramguard_probes_attached", "Probes attached per libcuda file", &["libcuda"])?;
+        let libcuda_files = gauge_vec(
+            &registry,
+            "vramguard_libcuda_files",
+            "Files discovery looked at, by state: probed, failed (unreadable, malformed, refused by the kernel), capped (a libcuda left unprobed by --max-probed-per-container or --max-probed-files)",
+            &["state"],
+        )?;
+        let capped_containers = IntGauge::new(
+            "vramguard_libcuda_capped_containers",
+            "Containers (cgroups) whose processes mapped more libcuda files than --max-probed-per-container",
+        )?;
+        registry.register(Box::new(capped_containers.clone()))?;
         let reclaims = IntCounter::new("vramguard_reclaims_total", "Ledger slots of dead processes reclaimed")?;
         registry.register(Box::new(reclaims.clone()))?;
         let latency = Histogram::with_opts(
@@ -252,6 +267,8 @@ impl Metrics {
             over_limit,
             signals,
             probes,
+            libcuda_files,
+            capped_containers,
             ledgers,
             ledgers_skipped,
             ledgers_unreadable,
@@ -387,6 +404,11 @@ impl Metrics {
         for report in probes {
             self.probes.with_label_values(&[report.path.as_str()]).set(report.attached.len() as i64);
         }
+        let discovery = &snapshot.discovery;
+        for (state, files) in [("probed", discovery.probed), ("failed", discovery.failed), ("capped", discovery.capped)] {
+            self.libcuda_files.with_label_values(&[state]).set(value(files));
+        }
+        self.capped_containers.set(value(discovery.capped_containers));
     }
 
     /// Brings the rejection counter of (ledger, device index, container labels) to the

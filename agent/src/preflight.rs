@@ -1,11 +1,33 @@
 //! Checks that the node can run the agent before anything is loaded, each failure with an
-//! error that says what is missing and how to fix it: root, BTF, tracefs, uprobes.
+//! error that says what is missing and how to fix it: root, BTF, tracefs, uprobes; and
+//! whether cgroup ids tell containers apart, which `--enforce signal` needs.
+//!
+//! The probes know a process's container by its cgroup2 group (`bpf_get_current_cgroup_id`).
+//! That separates containers only where the runtime places each container in a cgroup2
+//! group of its own. The rule ([`cgroup_layout`], [`allow_signal_enforcement`]):
+//!
+//! - **unified** (no cgroup v1 hierarchy has a controller; cgroup2 mounted): the runtime can
+//!   only place containers in cgroup2. Signal enforcement is allowed.
+//! - **hybrid** (controllers on v1 hierarchies, cgroup2 mounted beside them, e.g. at
+//!   `/sys/fs/cgroup/unified`): a runtime driving the v1 controllers may leave every container
+//!   in the cgroup2 root, where one tenant's limit would signal another's processes. Signal
+//!   enforcement is refused unless the operator states otherwise with
+//!   `--cgroup2-separates-containers` (a systemd-managed runtime does place each container
+//!   in a cgroup2 group of its own).
+//! - **legacy** (no cgroup2 hierarchy mounted): every process is in the cgroup2 root; signal
+//!   enforcement is refused, whatever the flags.
+//!
+//! The layout is read from `/proc/self/cgroup` (every v1 hierarchy lists every process, the
+//! agent included, so a line other than `0::` means a v1 hierarchy exists) and the mount
+//! table. Audit mode works on every layout.
 use std::{
     fs,
     path::{Path, PathBuf},
 };
 
 use anyhow::{bail, Context, Result};
+
+use crate::cgroup;
 
 const BTF: &str = "/sys/kernel/btf/vmlinux";
 const UPROBE_PMU: &str = "/sys/bus/event_source/devices/uprobe/type";
@@ -35,6 +57,78 @@ pub fn check() -> Result<Platform> {
     let tracefs = tracefs()?;
     let group_dead_offset = group_dead_offset(&tracefs.join(EXIT_FORMAT))?;
     Ok(Platform { group_dead_offset })
+}
+
+/// How the node's cgroups are laid out, as far as telling containers apart goes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CgroupLayout {
+    /// Every controller on the cgroup2 hierarchy.
+    Unified,
+    /// These controllers on cgroup v1 hierarchies, cgroup2 mounted beside them.
+    Hybrid { v1_controllers: Vec<String> },
+    /// No cgroup2 hierarchy mounted.
+    Legacy,
+}
+
+/// This node's layout, from `/proc/self/cgroup` and the mount table.
+pub fn cgroup_layout() -> CgroupLayout {
+    let text = fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    layout_of(&text, cgroup::cgroup2_mount().is_some())
+}
+
+/// The layout a `/proc/<pid>/cgroup` text shows, given whether cgroup2 is mounted.
+fn layout_of(proc_cgroup: &str, cgroup2_mounted: bool) -> CgroupLayout {
+    if !cgroup2_mounted {
+        return CgroupLayout::Legacy;
+    }
+    // `ID:CONTROLLERS:PATH`; ID 0 is cgroup2; `name=...` hierarchies have no controller.
+    let mut v1_controllers: Vec<String> = proc_cgroup
+        .lines()
+        .filter_map(|line| {
+            let mut fields = line.splitn(3, ':');
+            let (id, controllers) = (fields.next()?, fields.next()?);
+            (id != "0").then_some(controllers)
+        })
+        .flat_map(|controllers| controllers.split(','))
+        .filter(|controller| !controller.is_empty() && !controller.starts_with("name="))
+        .map(String::from)
+        .collect();
+    v1_controllers.sort();
+    v1_controllers.dedup();
+    if v1_controllers.is_empty() {
+        CgroupLayout::Unified
+    } else {
+        CgroupLayout::Hybrid { v1_controllers }
+    }
+}
+
+/// Whether `--enforce signal` may run on this layout; `asserted`: the operator's
+/// `--cgroup2-separates-containers`.
+pub fn allow_signal_enforcement(layout: &CgroupLayout, asserted: bool) -> Result<()> {
+    match layout {
+        CgroupLayout::Unified => Ok(()),
+        CgroupLayout::Hybrid { v1_controllers } if asserted => {
+            tracing::warn!(
+                v1_controllers = %v1_controllers.join(","),
+                "hybrid cgroups: --enforce signal allowed on the operator's word (--cgroup2-separates-containers) that every container has a cgroup2 group of its own"
+            );
+            Ok(())
+        }
+        CgroupLayout::Hybrid { v1_controllers } => bail!(
+            "--enforce signal refused: this node's cgroups are hybrid (the {} controllers are on cgroup v1): \
+             the probes tell containers apart by their cgroup2 group, and nothing shows that the container \
+             runtime gives each container one, so one container's limit could signal another's processes. \
+             Use --enforce audit (it works here), move the node to cgroup v2, or, if the runtime does place \
+             every container in a cgroup2 group of its own (systemd-managed runtimes do), say so with \
+             --cgroup2-separates-containers",
+            v1_controllers.join(",")
+        ),
+        CgroupLayout::Legacy => bail!(
+            "--enforce signal refused: no cgroup2 hierarchy is mounted (cgroup v1 only), so every process \
+             is in the cgroup2 root and cgroup limits cannot tell containers apart (--cgroup2-separates-containers \
+             cannot change that). Use --enforce audit (it works here) or move the node to cgroup v2"
+        ),
+    }
 }
 
 /// The tracefs mount point, mounting it at /sys/kernel/tracing if no mount is found.
@@ -89,7 +183,41 @@ fn parse_field_offset(format: &str, field: &str) -> Option<u32> {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_field_offset;
+    use super::{allow_signal_enforcement, layout_of, parse_field_offset, CgroupLayout};
+
+    /// This development machine's /proc/self/cgroup (cgroup2 at /sys/fs/cgroup/unified).
+    const HYBRID: &str = "9:name=systemd:/\n8:pids:/\n4:memory:/x\n3:cpuset:/\n2:cpuacct:/\n1:cpu:/\n0::/\n";
+    /// A pure cgroup v2 node.
+    const UNIFIED: &str = "0::/kubepods.slice/kubepods-pod1.slice/cri-containerd-1.scope\n";
+    /// cgroup v2 with a controller-less v1 hierarchy kept for old tools.
+    const UNIFIED_NAMED: &str = "1:name=systemd:/\n0::/system.slice/vramguard.service\n";
+
+    #[test]
+    fn tells_the_cgroup_layouts_apart() {
+        assert_eq!(layout_of(UNIFIED, true), CgroupLayout::Unified);
+        assert_eq!(layout_of(UNIFIED_NAMED, true), CgroupLayout::Unified);
+        let hybrid = layout_of(HYBRID, true);
+        assert_eq!(
+            hybrid,
+            CgroupLayout::Hybrid { v1_controllers: ["cpu", "cpuacct", "cpuset", "memory", "pids"].map(String::from).to_vec() }
+        );
+        assert_eq!(layout_of(HYBRID, false), CgroupLayout::Legacy);
+        assert_eq!(layout_of("", false), CgroupLayout::Legacy);
+    }
+
+    #[test]
+    fn signal_enforcement_needs_cgroup2_to_separate_containers() {
+        assert!(allow_signal_enforcement(&CgroupLayout::Unified, false).is_ok());
+        let hybrid = layout_of(HYBRID, true);
+        let refusal = allow_signal_enforcement(&hybrid, false).expect_err("hybrid without the operator's word");
+        let refusal = format!("{refusal:#}");
+        assert!(refusal.contains("hybrid") && refusal.contains("--cgroup2-separates-containers"), "{refusal}");
+        assert!(allow_signal_enforcement(&hybrid, true).is_ok(), "hybrid with the operator's word");
+        for asserted in [false, true] {
+            let refusal = allow_signal_enforcement(&CgroupLayout::Legacy, asserted).expect_err("legacy");
+            assert!(format!("{refusal:#}").contains("no cgroup2 hierarchy"), "{refusal:#}");
+        }
+    }
 
     const FORMAT: &str = "name: sched_process_exit\nID: 369\nformat:\n\
         \tfield:unsigned short common_type;\toffset:0;\tsize:2;\tsigned:0;\n\

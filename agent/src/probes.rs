@@ -1,24 +1,28 @@
 //! Which eBPF program goes on which libcuda symbol, and attaching them to a file.
 //!
-//! Symbol offsets are resolved once per file from its ELF symbol tables and the programs are
-//! attached by offset (aya would re-parse the whole library for every symbol). A symbol the
+//! Symbol offsets are resolved once per file from its dynamic symbol table
+//! ([`crate::discovery::elf`]) and the programs are attached by offset through the agent's
+//! own descriptor of the file (aya would re-parse the whole library for every symbol, and a
+//! path could be redirected). A symbol the
 //! library does not export (an older driver) is skipped and reported; two symbols at one
 //! address (an alias) get one set of probes, or every call through them would count twice.
 use std::{
     collections::{BTreeMap, HashMap},
-    fs::File,
-    path::Path,
+    os::{fd::AsRawFd, unix::fs::MetadataExt},
+    path::{Path, PathBuf},
 };
 
-use anyhow::{anyhow, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use aya::{
-    programs::{uprobe::UProbeScope, UProbe},
+    programs::{
+        uprobe::{UProbeLinkId, UProbeScope},
+        UProbe,
+    },
     Ebpf,
 };
-use object::{Object, ObjectSection, ObjectSymbol};
 use serde::{Deserialize, Serialize};
 
-use crate::libcuda::LibcudaFile;
+use crate::discovery::{Opened, Prober};
 
 /// One probed API: its exported symbol, the entry program, and whether the shared return
 /// probe (`alloc_return`) goes on it too.
@@ -58,7 +62,21 @@ pub const RETURN_PROGRAM: &str = common::names::ALLOC_RETURN;
 /// What attaching to one file achieved.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct AttachReport {
+    /// The path the file was reached by (for a discovered file, as its process's maps name
+    /// it: informational, the workload chooses it).
     pub path: String,
+    /// The file's identity, which the probes are on.
+    #[serde(default)]
+    pub dev: u64,
+    #[serde(default)]
+    pub ino: u64,
+    /// `--libcuda`, `well-known path` or `mapped by pid N`.
+    #[serde(default)]
+    pub origin: String,
+    /// For a discovered file, the cgroup (id) of the process it was found in: the container
+    /// its probe counts against.
+    #[serde(default)]
+    pub cgroup: Option<u64>,
     /// Symbols with probes attached.
     pub attached: Vec<String>,
     /// Symbols the library does not export.
@@ -81,10 +99,50 @@ pub fn load_programs(ebpf: &mut Ebpf) -> Result<()> {
     Ok(())
 }
 
-/// Attaches every probe whose symbol the file exports.
-pub fn attach(ebpf: &mut Ebpf, file: &LibcudaFile) -> Result<AttachReport> {
-    let offsets = symbol_offsets(&file.path)?;
-    let mut report = AttachReport { path: file.path.display().to_string(), ..Default::default() };
+/// Attaches the programs to files [`crate::discovery`] opened and identified.
+pub struct Attacher<'a>(pub &'a mut Ebpf);
+
+impl Prober for Attacher<'_> {
+    /// Attaches every probe whose symbol the file exports, by file offset, through
+    /// `/proc/self/fd/<n>` (the kernel resolves the agent's own descriptor: no path of the
+    /// workload's is walked), then checks that what that path names now is still the file
+    /// that was parsed; on any failure the probes attached to it are detached again.
+    fn attach(&mut self, file: &Opened, offsets: &BTreeMap<&'static str, u64>) -> Result<AttachReport> {
+        let target = PathBuf::from(format!("/proc/self/fd/{}", file.file.as_raw_fd()));
+        let mut links: Vec<(&'static str, UProbeLinkId)> = Vec::new();
+        let result = attach_all(self.0, &target, offsets, &mut links).and_then(|mut report| {
+            let metadata = std::fs::metadata(&target).with_context(|| format!("cannot stat {} after attaching", target.display()))?;
+            if (metadata.dev(), metadata.ino()) != file.id {
+                bail!(
+                    "the kernel attached to ({}, {}), not the file parsed ({}, {})",
+                    metadata.dev(),
+                    metadata.ino(),
+                    file.id.0,
+                    file.id.1
+                );
+            }
+            report.path = file.shown.clone();
+            Ok(report)
+        });
+        if result.is_err() {
+            for (program, link) in links {
+                if let Ok(program) = uprobe(self.0, program) {
+                    let _ = program.detach(link);
+                }
+            }
+        }
+        result
+    }
+}
+
+/// Attaches every probe whose symbol `offsets` has to `target`, recording each link.
+fn attach_all(
+    ebpf: &mut Ebpf,
+    target: &Path,
+    offsets: &BTreeMap<&'static str, u64>,
+    links: &mut Vec<(&'static str, UProbeLinkId)>,
+) -> Result<AttachReport> {
+    let mut report = AttachReport::default();
     let mut seen: HashMap<u64, &str> = HashMap::new();
     for probe in &PROBES {
         let Some(&offset) = offsets.get(probe.symbol) else {
@@ -95,28 +153,22 @@ pub fn attach(ebpf: &mut Ebpf, file: &LibcudaFile) -> Result<AttachReport> {
             report.aliases.push(probe.symbol.to_string());
             continue;
         }
-        attach_one(ebpf, probe.entry, offset, file)?;
+        links.push((probe.entry, attach_one(ebpf, probe.entry, offset, target)?));
         if probe.returns {
-            attach_one(ebpf, RETURN_PROGRAM, offset, file)?;
+            links.push((RETURN_PROGRAM, attach_one(ebpf, RETURN_PROGRAM, offset, target)?));
         }
         report.attached.push(probe.symbol.to_string());
     }
     if report.attached.is_empty() {
-        return Err(anyhow!(
-            "{} exports none of the CUDA allocation symbols vramguard probes: is it a libcuda?",
-            file.path.display()
-        ));
+        bail!("it exports none of the CUDA allocation symbols vramguard probes");
     }
     Ok(report)
 }
 
-fn attach_one(ebpf: &mut Ebpf, program: &str, offset: u64, file: &LibcudaFile) -> Result<()> {
+fn attach_one(ebpf: &mut Ebpf, program: &str, offset: u64, target: &Path) -> Result<UProbeLinkId> {
     uprobe(ebpf, program)?
-        .attach(offset, &file.path, UProbeScope::AllProcesses)
-        .with_context(|| {
-            format!("attaching `{program}` at offset {offset:#x} of {}", file.path.display())
-        })?;
-    Ok(())
+        .attach(offset, target, UProbeScope::AllProcesses)
+        .with_context(|| format!("attaching `{program}` at offset {offset:#x}"))
 }
 
 fn uprobe<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut UProbe> {
@@ -126,36 +178,4 @@ fn uprobe<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut UProbe> {
     program
         .try_into()
         .map_err(|error| anyhow!("eBPF program `{name}` is not a uprobe: {error}"))
-}
-
-/// File offsets of the probed symbols that `path` defines.
-fn symbol_offsets(path: &Path) -> Result<BTreeMap<&'static str, u64>> {
-    let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
-    // SAFETY: the mapping is read-only and private; a library replaced under us while we
-    // read it could give wrong offsets, never memory unsafety of our own data (the bytes are
-    // only parsed, with bounds checks, by `object`).
-    let data = unsafe { memmap2::Mmap::map(&file) }
-        .with_context(|| format!("cannot map {}", path.display()))?;
-    let elf = object::File::parse(&*data)
-        .with_context(|| format!("{} is not an ELF shared library", path.display()))?;
-    let mut offsets = BTreeMap::new();
-    for symbol in elf.dynamic_symbols().chain(elf.symbols()) {
-        let Ok(name) = symbol.name() else { continue };
-        let Some(probe) = PROBES.iter().find(|probe| probe.symbol == name) else {
-            continue;
-        };
-        if !symbol.is_definition() || offsets.contains_key(probe.symbol) {
-            continue;
-        }
-        let Some(section) = symbol.section_index().and_then(|i| elf.section_by_index(i).ok())
-        else {
-            continue;
-        };
-        let Some((section_offset, _)) = section.file_range() else { continue };
-        let Some(relative) = symbol.address().checked_sub(section.address()) else {
-            continue;
-        };
-        offsets.insert(probe.symbol, section_offset + relative);
-    }
-    Ok(offsets)
 }

@@ -27,12 +27,12 @@ use crate::{
     charge::Charger,
     enforce,
     control,
+    discovery::{self, Caps, Discovery},
     http::{self, Response},
     ledgers::{Ledgers, Limits},
-    libcuda::{self, FileId, LibcudaFile},
     metrics::Metrics,
     preflight,
-    probes::{self, AttachReport},
+    probes::{self, Attacher},
     reclaim::Reclaimer,
     reconcile::{self, Reconciler},
     snapshot::Snapshot,
@@ -55,6 +55,19 @@ pub struct RunArgs {
     /// Probe only the --libcuda files: do not scan processes and the usual install paths.
     #[arg(long)]
     pub no_discover: bool,
+    /// At most this many libcuda files found in one container's (cgroup's) processes get
+    /// probes; more are logged once and counted.
+    #[arg(long, default_value_t = 4, value_name = "N")]
+    pub max_probed_per_container: usize,
+    /// At most this many libcuda files found in processes get probes on the node
+    /// (`--libcuda` files and those at the usual install paths are not counted).
+    #[arg(long, default_value_t = 64, value_name = "N")]
+    pub max_probed_files: usize,
+    /// On a hybrid cgroup node (controllers on cgroup v1, cgroup2 mounted beside them), allow
+    /// `--enforce signal`: the operator states that the container runtime places every
+    /// container in a cgroup2 group of its own (as systemd-managed runtimes do).
+    #[arg(long)]
+    pub cgroup2_separates_containers: bool,
     /// How often to look for libcuda files not probed yet in the maps of the processes that
     /// appeared in the last minute, in milliseconds (every 10th time in those of every process).
     #[arg(long, default_value_t = 1000, value_name = "MS")]
@@ -145,6 +158,10 @@ pub async fn run(args: RunArgs) -> Result<()> {
         bail!("--rescan-ms, --drain-ms, --sweep-ms and --ledger-scan-ms must be at least 1");
     }
     let platform = preflight::check()?;
+    let layout = preflight::cgroup_layout();
+    if args.enforce == enforce::Mode::Signal {
+        preflight::allow_signal_enforcement(&layout, args.cgroup2_separates_containers)?;
+    }
     let mut ebpf = EbpfLoader::new()
         .override_global(common::names::GROUP_DEAD_OFFSET, &platform.group_dead_offset, true)
         .load(EBPF_OBJECT)
@@ -184,25 +201,21 @@ pub async fn run(args: RunArgs) -> Result<()> {
     let mut events = unsafe { AsyncFd::register_with_interest(events, tokio::io::Interest::READABLE) }
         .map_err(|error| anyhow!("cannot poll the event ring buffer: {error}"))?;
 
-    let mut attached: BTreeMap<FileId, AttachReport> = BTreeMap::new();
-    let mut initial: Vec<LibcudaFile> = Vec::new();
-    let mut discovery = libcuda::Discovery::default();
+    let mut discovery = Discovery::new(Caps { per_container: args.max_probed_per_container, per_node: args.max_probed_files });
     for path in &args.libcuda {
-        initial.push(libcuda::from_path(path)?);
+        discovery.add_operator_file(path, &mut Attacher(&mut ebpf))?;
     }
     if !args.no_discover {
-        initial.extend(discovery.scan());
-        initial.extend(libcuda::well_known());
+        discovery.add_well_known(&mut Attacher(&mut ebpf));
+        discovery.scan(&mut Attacher(&mut ebpf));
     }
-    if initial.is_empty() {
+    if discovery.probed().next().is_none() {
         bail!(
             "no libcuda found: none given with --libcuda, none mapped by a running process, none \
-             at {}. Give --libcuda PATH (the host's libcuda.so.1)",
-            libcuda::well_known_paths()
+             at {} ({} files skipped: see the log). Give --libcuda PATH (the host's libcuda.so.1)",
+            discovery::well_known_paths(),
+            discovery.stats().skipped.len()
         );
-    }
-    for file in initial {
-        attach(&mut ebpf, &mut attached, file)?;
     }
 
     let ledger_limits = Limits {
@@ -254,7 +267,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
     reconcile_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let mut exit_retry = interval(EXIT_RETRY);
     exit_retry.set_missed_tick_behavior(MissedTickBehavior::Delay);
-    info!(socket = %args.socket.display(), files = attached.len(), "vramguard agent running");
+    info!(socket = %args.socket.display(), files = discovery.probed().count(), cgroups = ?layout, "vramguard agent running");
 
     loop {
         let wake = tokio::select! {
@@ -332,15 +345,11 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 accounting.sweep();
             }
             Wake::Rescan => {
-                for file in discovery.scan() {
-                    if let Err(error) = attach(&mut ebpf, &mut attached, file) {
-                        warn!("{error:#}");
-                    }
-                }
+                discovery.scan(&mut Attacher(&mut ebpf));
             }
             Wake::Client(stream) => {
                 accounting.drain(events.get_mut());
-                let mut snapshot = snapshot(&mut accounting, &attached, ledgers.as_ref(), &reclaimer, &mut judge, &metrics, metrics_addr);
+                let mut snapshot = snapshot(&mut accounting, &discovery, ledgers.as_ref(), &reclaimer, &mut judge, &metrics, metrics_addr);
                 snapshot.stats.cgroup_limits = limits.as_ref().map_or(0, |l| l.applied() as u64);
                 if let Err(error) = control::serve(stream, &snapshot).await {
                     warn!(%error, "answering a control client failed");
@@ -350,7 +359,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 let response = match request.path.as_str() {
                     "/metrics" => {
                         accounting.drain(events.get_mut());
-                        let mut snapshot = snapshot(&mut accounting, &attached, ledgers.as_ref(), &reclaimer, &mut judge, &metrics, metrics_addr);
+                        let mut snapshot = snapshot(&mut accounting, &discovery, ledgers.as_ref(), &reclaimer, &mut judge, &metrics, metrics_addr);
                         snapshot.stats.cgroup_limits = limits.as_ref().map_or(0, |l| l.applied() as u64);
                         metrics.refresh(ledgers.as_ref(), &snapshot, &judge.reconciler, &judge.charger.charged());
                         match metrics.encode() {
@@ -361,7 +370,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
                     "/healthz" => Response::text(200, "ok\n"),
                     // Ready once probes are attached (always, after start-up) and the ledger
                     // directory, if any, could be listed.
-                    "/readyz" if attached.is_empty() => Response::text(503, "no libcuda probed\n"),
+                    "/readyz" if discovery.probed().next().is_none() => Response::text(503, "no libcuda probed\n"),
                     "/readyz" => Response::text(200, "ready\n"),
                     _ => Response::text(404, "not found\n"),
                 };
@@ -403,7 +412,7 @@ impl Judge {
 /// The current view for `vramguard audit` and the metrics, reconciled as of now.
 fn snapshot(
     accounting: &mut Accounting,
-    attached: &BTreeMap<FileId, AttachReport>,
+    discovery: &Discovery,
     ledgers: Option<&Ledgers>,
     reclaimer: &Reclaimer,
     judge: &mut Judge,
@@ -413,7 +422,8 @@ fn snapshot(
     let mut snapshot = accounting.snapshot();
     judge.pass(ledgers, accounting, metrics);
     judge.reconciler.annotate(&mut snapshot);
-    snapshot.libcuda = attached.values().cloned().collect();
+    snapshot.libcuda = discovery.probed().cloned().collect();
+    snapshot.discovery = discovery.stats();
     snapshot.metrics_addr = metrics_addr.map(|addr| addr.to_string());
     snapshot.ledgers = ledgers.map(|l| l.iter().map(|(path, _)| path.display().to_string()).collect()).unwrap_or_default();
     snapshot.ledger_problems = ledgers.map(Ledgers::problems).unwrap_or_default();
@@ -436,25 +446,4 @@ fn ledger_cgroup_limits(ledgers: &Ledgers, reconciler: &Reconciler) -> BTreeMap<
         }
     }
     limits
-}
-
-/// Attaches the probes to `file` unless that file already has them.
-fn attach(
-    ebpf: &mut aya::Ebpf,
-    attached: &mut BTreeMap<FileId, AttachReport>,
-    file: LibcudaFile,
-) -> Result<()> {
-    if attached.contains_key(&file.id) {
-        return Ok(());
-    }
-    let report = probes::attach(ebpf, &file)?;
-    info!(
-        path = %file.path.display(),
-        attached = report.attached.len(),
-        missing = ?report.missing,
-        aliases = ?report.aliases,
-        "probes attached to libcuda"
-    );
-    attached.insert(file.id, report);
-    Ok(())
 }

@@ -4,7 +4,7 @@ use std::{collections::BTreeMap, fmt::Write as _};
 
 use serde::{Deserialize, Serialize};
 
-use crate::{probes::AttachReport, reconcile::State};
+use crate::{discovery::DiscoveryStats, probes::AttachReport, reconcile::State};
 
 /// Live bytes by allocation kind (`device`, `managed`, `async`, `vmm`).
 pub type BytesByKind = BTreeMap<String, u64>;
@@ -18,6 +18,9 @@ pub struct Snapshot {
     pub stats: Stats,
     /// The libcuda files probed.
     pub libcuda: Vec<AttachReport>,
+    /// What discovery skipped or capped, and its counts.
+    #[serde(default)]
+    pub discovery: DiscoveryStats,
     /// Where `/metrics` is served (the bound address, also when port 0 was asked for).
     #[serde(default)]
     pub metrics_addr: Option<String>,

@@ -12,6 +12,12 @@ use std::{
 
 use anyhow::{anyhow, Context, Result};
 
+/// The agent's flag stating that every container has a cgroup2 group of its own, which
+/// `--enforce signal` needs on a hybrid cgroup node such as the CI machines (pure cgroup v2
+/// nodes need no statement). The tests that enforce place every process they limit in a
+/// [`TestCgroup`] of its own, so the statement holds for them.
+pub const SEPARATES_CONTAINERS: &str = "--cgroup2-separates-containers";
+
 /// A cgroup made for one test.
 pub struct TestCgroup {
     dir: PathBuf,

@@ -8,7 +8,11 @@ use std::{
 };
 
 use anyhow::{Context, Result};
-use e2e::{agent::Agent, cgroup::TestCgroup, FakeNode, MIB};
+use e2e::{
+    agent::Agent,
+    cgroup::{TestCgroup, SEPARATES_CONTAINERS},
+    FakeNode, MIB,
+};
 
 /// A limits file giving `cgroup` a limit of 1 GiB.
 fn limits_file(cgroup: &TestCgroup) -> Result<PathBuf> {
@@ -17,8 +21,16 @@ fn limits_file(cgroup: &TestCgroup) -> Result<PathBuf> {
     Ok(path)
 }
 
+/// An agent enforcing `limits` in `mode`; every workload these tests limit runs in a
+/// [`TestCgroup`] of its own ([`SEPARATES_CONTAINERS`]).
 fn agent(mode: &str, limits: &Path) -> Result<Agent> {
-    Agent::start_on_fake_driver(&["--limits".as_ref(), limits.as_os_str(), "--enforce".as_ref(), mode.as_ref()])
+    Agent::start_on_fake_driver(&[
+        "--limits".as_ref(),
+        limits.as_os_str(),
+        "--enforce".as_ref(),
+        mode.as_ref(),
+        SEPARATES_CONTAINERS.as_ref(),
+    ])
 }
 
 fn stat(audit: &serde_json::Value, name: &str) -> u64 {
@@ -107,6 +119,7 @@ fn a_process_skipping_the_hook_is_held_to_its_containers_ledger_limit() -> Resul
         dir.0.as_os_str(),
         "--enforce".as_ref(),
         "signal".as_ref(),
+        SEPARATES_CONTAINERS.as_ref(),
     ])?;
     let node = FakeNode::new("bypass").with_env("FAKECUDA_CONTEXT_BYTES", "64m");
     let mut hooked = node.hooked(&ledger, 1 << 30)?.in_cgroup(&cgroup).steps(["ctx 0", "alloc h 600m", "checkpoint held", "hold"]).spawn()?;
@@ -154,5 +167,55 @@ fn a_bad_limits_file_is_refused_with_its_line() -> Result<()> {
     };
     assert!(error.contains("line 2") && error.contains("lots"), "unclear error: {error}");
     let _ = std::fs::remove_file(path);
+    Ok(())
+}
+
+/// Whether this machine's cgroups are hybrid or v1: a cgroup v1 hierarchy with a
+/// controller lists this process (a line of /proc/self/cgroup other than `0::`).
+fn v1_controllers_in_use() -> Result<bool> {
+    let text = std::fs::read_to_string("/proc/self/cgroup")?;
+    Ok(text.lines().any(|line| {
+        let mut fields = line.splitn(3, ':');
+        let (id, controllers) = (fields.next().unwrap_or("0"), fields.next().unwrap_or(""));
+        id != "0" && controllers.split(',').any(|c| !c.is_empty() && !c.starts_with("name="))
+    }))
+}
+
+/// Preflight (issue "Hostile tenants", item 6): where cgroup v2 does not separate containers
+/// (hybrid, as on the CI machines), `--enforce signal` is refused with the reason unless the
+/// operator states that the runtime gives every container a cgroup2 group; audit still works.
+/// On a pure cgroup v2 node signal enforcement needs no statement.
+#[test]
+fn signal_enforcement_is_refused_where_cgroup2_does_not_separate_containers() -> Result<()> {
+    let cgroup = TestCgroup::create("preflight")?;
+    let limits = limits_file(&cgroup)?;
+    let plain = |mode: &str| {
+        Agent::start_on_fake_driver(&["--limits".as_ref(), limits.as_os_str(), "--enforce".as_ref(), mode.as_ref()])
+    };
+    if v1_controllers_in_use()? {
+        let error = match plain("signal") {
+            Ok(agent) => {
+                agent.stop()?;
+                anyhow::bail!("--enforce signal started on a hybrid cgroup node without --cgroup2-separates-containers");
+            }
+            Err(error) => format!("{error:#}"),
+        };
+        assert!(
+            error.contains("--enforce signal refused") && error.contains("hybrid") && error.contains(SEPARATES_CONTAINERS),
+            "unclear refusal: {error}"
+        );
+    } else {
+        plain("signal")?.stop()?;
+    }
+    // With the operator's statement it runs (the other tests of this file enforce with it).
+    agent("signal", &limits)?.stop()?;
+    // Audit needs no statement, and counts.
+    let agent = plain("audit")?;
+    let node = FakeNode::new("preflight");
+    let finished = node.workload().in_cgroup(&cgroup).steps(["ctx 0", "alloc a 600m", "alloc b 600m"]).run()?.success()?;
+    finished.line("ok alloc b ")?;
+    assert_eq!(stat(&agent.audit()?, "over_limit"), 1);
+    agent.stop()?;
+    let _ = std::fs::remove_file(limits);
     Ok(())
 }

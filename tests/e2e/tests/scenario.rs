@@ -108,6 +108,8 @@ fn three_containers_metrics_enforcement_reclaim_and_tampering() -> Result<()> {
         limits.as_os_str(),
         OsStr::new("--enforce"),
         OsStr::new("signal"),
+        // A, B and C each run in a cgroup of their own.
+        OsStr::new(e2e::cgroup::SEPARATES_CONTAINERS),
         OsStr::new("--hami-metrics"),
     ])?;
     let addr = agent.metrics_addr()?;

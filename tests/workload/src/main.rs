@@ -75,7 +75,11 @@ Each argument (or script line; # starts a comment) is one step. Sizes take k/m/g
   procaddr QUERY [EXPORT|-] [VERSION] [FLAGS]
                           prints: procaddr QUERY code=C status=S getproc=0xA dlsym=0xB
   dlsym SYMBOL...         prints: dlsym SYMBOL 0xADDR (0x0 if absent)
-  calls SYMBOL...         prints: calls SYMBOL N (fakecuda_api_calls)";
+  calls SYMBOL...         prints: calls SYMBOL N (fakecuda_api_calls)
+  map PATH                mmap PATH read+exec (as ld.so maps code) and keep it;
+                          prints: map PATH
+  swap PATH PATH          exchange the two paths (renameat2 RENAME_EXCHANGE) forever;
+                          prints: swap started";
 
 /// A CUDA call that failed.
 struct Failure {
@@ -510,6 +514,14 @@ impl Runner {
                 let ns = start.elapsed().as_nanos() as f64 / (*pairs).max(1) as f64;
                 say!("bench pairs={pairs} ns_per_pair={ns:.1}");
             }
+            Step::Map(path) => {
+                map_exec(path).map_err(Err)?;
+                say!("map {path}");
+            }
+            Step::Swap(a, b) => {
+                say!("swap started");
+                swap_forever(a, b).map_err(Err)?;
+            }
             Step::Hold => loop {
                 std::thread::sleep(Duration::from_secs(3600));
             },
@@ -726,4 +738,34 @@ fn fail(runner: &Runner, f: Failure) -> ! {
     let name = runner.drv.error_name(f.code);
     eprintln!("{}error {} {} {}", prefix(), f.step, f.code, name);
     std::process::exit(1);
+}
+
+/// Maps all of `path` readable and executable, privately, and leaves it mapped.
+fn map_exec(path: &str) -> Result<(), String> {
+    let file = std::fs::File::open(path).map_err(|e| format!("map: cannot open {path}: {e}"))?;
+    let len = file.metadata().map_err(|e| format!("map: {path}: {e}"))?.len().max(1) as usize;
+    // SAFETY: a new private mapping of an open file; the kernel picks the address and the
+    // mapping is never unmapped, so no Rust reference is invalidated.
+    let address = unsafe {
+        libc::mmap(null(), len, libc::PROT_READ | libc::PROT_EXEC, libc::MAP_PRIVATE, std::os::fd::AsRawFd::as_raw_fd(&file), 0)
+    };
+    if address == libc::MAP_FAILED {
+        return Err(format!("map: mmap {path}: {}", std::io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+/// Exchanges paths `a` and `b` in a loop that never ends (the process is killed).
+fn swap_forever(a: &str, b: &str) -> Result<(), String> {
+    let c = |p: &str| std::ffi::CString::new(p).map_err(|_| format!("swap: {p:?} has a NUL byte"));
+    let (a, b) = (c(a)?, c(b)?);
+    loop {
+        // SAFETY: two valid NUL-terminated paths; renameat2 reads them only.
+        let rc = unsafe { libc::renameat2(libc::AT_FDCWD, a.as_ptr(), libc::AT_FDCWD, b.as_ptr(), libc::RENAME_EXCHANGE) };
+        if rc != 0 {
+            return Err(format!("swap: renameat2: {}", std::io::Error::last_os_error()));
+        }
+        // Each state lasts a moment: long enough to be seen, short enough to race.
+        std::thread::sleep(Duration::from_micros(50));
+    }
 }

@@ -45,6 +45,10 @@ pub enum Step {
     NvmlMeminfo { dev: u32, global: bool },
     NvmlNull(u32),
     NvmlUuid(u32),
+    /// Maps a file executable (as the dynamic loader maps a library's code) and keeps it.
+    Map(String),
+    /// Exchanges two paths (`renameat2(RENAME_EXCHANGE)`) over and over, forever.
+    Swap(String, String),
 }
 
 /// A step that could not be parsed.
@@ -107,6 +111,8 @@ impl Step {
             Step::NvmlMeminfo { .. } => "nvml-meminfo",
             Step::NvmlNull(_) => "nvml-null",
             Step::NvmlUuid(_) => "nvml-uuid",
+            Step::Map(_) => "map",
+            Step::Swap(..) => "swap",
         }
     }
 
@@ -291,6 +297,14 @@ impl Step {
                 want(0, "kill")?;
                 Step::Kill
             }
+            "map" => {
+                want(1, "map PATH")?;
+                Step::Map(name(0))
+            }
+            "swap" => {
+                want(2, "swap PATH PATH")?;
+                Step::Swap(name(0), name(1))
+            }
             "procaddr" => {
                 if args.is_empty() || args.len() > 4 {
                     return Err(err("usage: procaddr QUERY [EXPORT|-] [VERSION] [FLAGS]"));
@@ -370,6 +384,9 @@ mod tests {
         assert!(Step::parse("nvml-meminfo -1").is_err());
         assert_eq!(Step::parse("nvml-null 0").ok(), Some(Step::NvmlNull(0)));
         assert_eq!(Step::parse("nvml-uuid 2").ok(), Some(Step::NvmlUuid(2)));
+        assert_eq!(Step::parse("map /x/lib.so").ok(), Some(Step::Map("/x/lib.so".into())));
+        assert_eq!(Step::parse("swap /a /b").ok(), Some(Step::Swap("/a".into(), "/b".into())));
+        assert!(Step::parse("swap /a").is_err());
         assert!(Step::parse("fork ctx 0; frobnicate").is_err());
         let script = Step::parse_script("# setup\nctx 0\n\nalloc a 1k # small\n").expect("script");
         assert_eq!(script, vec![Step::Ctx(0), Step::Alloc { name: "a".into(), size: 1024 }]);

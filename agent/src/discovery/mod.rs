@@ -1,0 +1,518 @@
+//! Finding the libcuda files to probe, in a way no workload can redirect.
+//!
+//! Uprobes attach to an inode, so a libcuda is a file, not a path: the host's library
+//! bind-mounted into ten containers is one file and gets one set of probes. Files come from
+//! `--libcuda` (the operator's: a bad one stops the agent), the usual host install paths, and
+//! unless `--no-discover`, the processes' executable mappings.
+//!
+//! A discovered file is never looked up by path. Each file-backed executable mapping in
+//! `/proc/<pid>/maps` ([`maps`]) is opened through `/proc/<pid>/map_files/<start>-<end>`: the
+//! kernel hands over the very file mapped there, with no path walk a symlink or rename could
+//! redirect (and no walk that could leave the process's root). It is opened `O_PATH` first and
+//! `fstat`ed, so that nothing but a regular file is ever really opened (opening a device can
+//! have effects), then re-opened for reading through the agent's own `/proc/self/fd/<n>`
+//! with `O_NONBLOCK` (a tenant's lease cannot block the agent). The file is identified by
+//! content ([`IDENTITY`]: a renamed copy of libcuda is a libcuda; a library merely named
+//! `libcuda.so.1` is not), its exports read from the descriptor within fixed bounds
+//! ([`elf`]), and the probes attached through `/proc/self/fd/<n>` by file offset
+//! ([`Prober`]), the attached `(dev, ino)` checked against the `fstat` taken before.
+//!
+//! The verdict on each file is remembered by `(dev, ino)` and stamp ([`memo`]): a file that
+//! failed to parse or attach, or that is not a libcuda, is not read again until it changes.
+//! Work is bounded: at most [`PARSES_PER_CONTAINER_PER_SCAN`] new files are read per
+//! container (cgroup) per scan, and at most `--max-probed-per-container` and
+//! `--max-probed-files` discovered files get probes; a container past its cap is logged once
+//! and counted (`vramguard_libcuda_files{state="capped"}`). No discovered file can stop the
+//! agent: each failure is a log line, a count and an entry in `vramguard audit`'s `discovery`.
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap, VecDeque},
+    fs::{self, File, OpenOptions},
+    os::unix::fs::{MetadataExt, OpenOptionsExt},
+    os::fd::AsRawFd,
+    path::Path,
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use tracing::{debug, info, warn};
+
+use crate::{cgroup, probes::{self, AttachReport}};
+
+pub mod elf;
+pub mod maps;
+pub mod memo;
+
+use memo::{Memo, Stamp, Verdict};
+
+/// The identity of a file: device and inode.
+pub type FileId = (u64, u64);
+
+/// The exports that make a file a libcuda: the driver's entry point and the basic allocation
+/// pair. The hook (`libvramguard.so`) exports the allocation functions it interposes but
+/// never `cuInit`, so it is not probed (its calls reach the real driver, which is).
+pub const IDENTITY: [&str; 3] = ["cuInit", "cuMemAlloc_v2", "cuMemFree_v2"];
+
+/// Where a host installs libcuda, probed (when they hold one) unless `--no-discover`.
+const WELL_KNOWN: [&str; 4] = [
+    "/usr/lib/x86_64-linux-gnu/libcuda.so.1",
+    "/usr/lib64/libcuda.so.1",
+    "/usr/local/nvidia/lib64/libcuda.so.1",
+    "/usr/lib/aarch64-linux-gnu/libcuda.so.1",
+];
+
+/// Paths the agent looked at for a libcuda, for error messages.
+pub fn well_known_paths() -> String {
+    WELL_KNOWN.join(", ")
+}
+
+/// How many [`Discovery::scan`]s make one that reads every process's maps again.
+pub const FULL_SCAN_EVERY: u64 = 10;
+
+/// How long after it first appears a process's maps are read at every scan: programs load
+/// libcuda with `dlopen` at their first CUDA call (the CUDA runtime, PyTorch), some time
+/// after they start.
+pub const YOUNG: Duration = Duration::from_secs(60);
+
+/// New (not remembered) files read per container per scan; the rest wait for a later scan.
+pub const PARSES_PER_CONTAINER_PER_SCAN: usize = 16;
+
+/// How many recent skipped files `vramguard audit` lists.
+const RECENT_SKIPPED: usize = 32;
+
+/// An open file and what `fstat` said of it when it was opened.
+pub struct Opened {
+    pub file: File,
+    pub id: FileId,
+    pub stamp: Stamp,
+    /// The path it was reached by, for people (for a discovered file, the workload's own
+    /// words from its maps).
+    pub shown: String,
+}
+
+/// Why a file was looked at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Origin {
+    /// `--libcuda`.
+    Operator,
+    /// One of the usual host install paths.
+    WellKnown,
+    /// Mapped by host process `pid` of cgroup `cgroup` (0 if it could not be read).
+    Process { pid: u32, cgroup: u64 },
+}
+
+impl Origin {
+    fn describe(&self) -> String {
+        match self {
+            Origin::Operator => "--libcuda".into(),
+            Origin::WellKnown => "well-known path".into(),
+            Origin::Process { pid, .. } => format!("mapped by pid {pid}"),
+        }
+    }
+}
+
+/// Attaches the probes to an identified libcuda (the eBPF side, [`probes::Attacher`]).
+pub trait Prober {
+    /// Attaches every probe whose symbol `offsets` has, through the open file, and checks
+    /// that the kernel attached to the file `file.id` names.
+    fn attach(&mut self, file: &Opened, offsets: &BTreeMap<&'static str, u64>) -> Result<AttachReport>;
+}
+
+/// What a file's exports say it is.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Identity {
+    /// The file offsets of the probed (and identifying) functions it exports.
+    Libcuda(BTreeMap<&'static str, u64>),
+    /// Which of [`IDENTITY`] it does not export.
+    NotLibcuda(Vec<&'static str>),
+}
+
+/// Identifies the open file (of `size` bytes) by its exports.
+pub fn identify(file: &File, size: u64) -> Result<Identity, elf::ElfError> {
+    let mut wanted: Vec<&'static str> = probes::PROBES.iter().map(|probe| probe.symbol).collect();
+    wanted.extend(IDENTITY);
+    let found = elf::exported(file, size, &wanted)?;
+    let missing: Vec<&'static str> = IDENTITY.into_iter().filter(|symbol| !found.contains_key(symbol)).collect();
+    Ok(if missing.is_empty() { Identity::Libcuda(found) } else { Identity::NotLibcuda(missing) })
+}
+
+/// How many discovered files may get probes.
+#[derive(Clone, Copy, Debug)]
+pub struct Caps {
+    pub per_container: usize,
+    pub per_node: usize,
+}
+
+/// A file discovery looked at and did not probe, as `vramguard audit` lists it.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct SkippedFile {
+    pub path: String,
+    pub dev: u64,
+    pub ino: u64,
+    /// `pid N` (the process it was found in), `--libcuda` or `well-known path`.
+    pub origin: String,
+    pub reason: String,
+}
+
+/// Discovery's counters, for `vramguard audit` and the metrics.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct DiscoveryStats {
+    /// Files with probes (`--libcuda`, well-known and discovered).
+    pub probed: u64,
+    /// Files that failed to open, parse or attach (each version of a file once).
+    pub failed: u64,
+    /// Libcuda files left unprobed by a cap.
+    pub capped: u64,
+    /// Containers (cgroups) that reached their cap.
+    pub capped_containers: u64,
+    /// The most recent files skipped for a reason worth telling (failures, caps, files named
+    /// like a libcuda that are not one), newest last.
+    pub skipped: Vec<SkippedFile>,
+}
+
+/// What looking at one file came to.
+enum Outcome {
+    Probed(AttachReport),
+    NotLibcuda(Vec<&'static str>),
+    Capped(&'static str),
+    Failed(String),
+}
+
+/// The probed files and what discovery knows of every other file it has looked at.
+pub struct Discovery {
+    caps: Caps,
+    memo: Memo,
+    probed: BTreeMap<FileId, AttachReport>,
+    /// Discovered files probed, per cgroup and in all.
+    per_cgroup: HashMap<u64, usize>,
+    discovered: usize,
+    /// Cgroups (and the node, as `None`) logged as past their cap.
+    capped_logged: BTreeSet<Option<u64>>,
+    skipped: VecDeque<SkippedFile>,
+    /// Pid -> when a scan first saw it, and whether it was seen mapping a libcuda (a young
+    /// process that has one is not read again until the next full scan).
+    seen: HashMap<u32, (Instant, bool)>,
+    scans: u64,
+    /// Files whose exports were read (for tests of the memo).
+    examined: u64,
+}
+
+impl Discovery {
+    pub fn new(caps: Caps) -> Discovery {
+        Discovery {
+            caps,
+            memo: Memo::default(),
+            probed: BTreeMap::new(),
+            per_cgroup: HashMap::new(),
+            discovered: 0,
+            capped_logged: BTreeSet::new(),
+            skipped: VecDeque::new(),
+            seen: HashMap::new(),
+            scans: 0,
+            examined: 0,
+        }
+    }
+
+    /// The probed files.
+    pub fn probed(&self) -> impl Iterator<Item = &AttachReport> {
+        self.probed.values()
+    }
+
+    pub fn stats(&self) -> DiscoveryStats {
+        DiscoveryStats {
+            probed: self.probed.len() as u64,
+            failed: self.memo.count(|v| matches!(v, Verdict::Failed(_))) as u64,
+            capped: self.memo.count(|v| *v == Verdict::Capped) as u64,
+            capped_containers: self.capped_logged.iter().filter(|c| c.is_some()).count() as u64,
+            skipped: self.skipped.iter().cloned().collect(),
+        }
+    }
+
+    /// Probes the operator's `--libcuda` file: any failure is an error.
+    pub fn add_operator_file(&mut self, path: &Path, prober: &mut dyn Prober) -> Result<()> {
+        let opened = open_path(path).with_context(|| format!("--libcuda {}", path.display()))?;
+        if self.memo.probed(opened.id) {
+            return Ok(());
+        }
+        match self.look_at(opened, Origin::Operator, prober) {
+            Verdict::Probed => Ok(()),
+            Verdict::NotLibcuda => bail!(
+                "--libcuda {}: not a libcuda: it does not export {}",
+                path.display(),
+                IDENTITY.join(", ")
+            ),
+            Verdict::Failed(reason) => bail!("--libcuda {}: {reason}", path.display()),
+            Verdict::Capped => bail!("--libcuda {}: refused by a cap (a bug: caps apply to discovered files only)", path.display()),
+        }
+    }
+
+    /// Probes the libcuda files at the usual host install paths; a bad one is logged.
+    pub fn add_well_known(&mut self, prober: &mut dyn Prober) {
+        for path in WELL_KNOWN {
+            let opened = match open_path(Path::new(path)) {
+                Ok(opened) => opened,
+                Err(error) if error.downcast_ref::<std::io::Error>().map(std::io::Error::kind) == Some(std::io::ErrorKind::NotFound) => continue,
+                Err(error) => {
+                    warn!(path, error = %format!("{error:#}"), "skipped a well-known libcuda path");
+                    continue;
+                }
+            };
+            if !self.memo.probed(opened.id) {
+                self.look_at(opened, Origin::WellKnown, prober);
+            }
+        }
+    }
+
+    /// Reads the maps of the processes due this scan (those that appeared in the last
+    /// [`YOUNG`] and have not been seen mapping a libcuda yet; every process every
+    /// [`FULL_SCAN_EVERY`]th scan) and probes the libcuda files they map. A file already
+    /// probed needs no finding: its probes cover every process that maps it, whenever it does.
+    pub fn scan(&mut self, prober: &mut dyn Prober) {
+        self.scan_among(running_pids(), prober);
+    }
+
+    fn scan_among(&mut self, pids: Vec<u32>, prober: &mut dyn Prober) {
+        let now = Instant::now();
+        let full = self.scans.is_multiple_of(FULL_SCAN_EVERY);
+        self.scans += 1;
+        let mut seen = HashMap::new();
+        // (dev, ino) as the maps report them -> whether the file is a libcuda (probed or
+        // capped): each file is looked at once per scan however many processes map it.
+        let mut looked: HashMap<FileId, bool> = HashMap::new();
+        let mut budget: HashMap<u64, usize> = HashMap::new();
+        for pid in pids {
+            let (first, mapped) = self.seen.get(&pid).copied().unwrap_or((now, false));
+            let young = now.saturating_duration_since(first) < YOUNG;
+            let mut has = mapped;
+            if full || (young && !mapped) {
+                has |= self.scan_process(pid, &mut looked, &mut budget, prober);
+            }
+            seen.insert(pid, (first, has));
+        }
+        self.seen = seen;
+    }
+
+    /// Looks at every executable file `pid` maps; whether one of them is a libcuda.
+    fn scan_process(
+        &mut self,
+        pid: u32,
+        looked: &mut HashMap<FileId, bool>,
+        budget: &mut HashMap<u64, usize>,
+        prober: &mut dyn Prober,
+    ) -> bool {
+        // Processes come and go while we scan: an unreadable maps file is skipped.
+        let Ok(text) = fs::read_to_string(format!("/proc/{pid}/maps")) else {
+            return false;
+        };
+        let mut cgroup = None;
+        let mut has = false;
+        for mapping in maps::executable_files(&text) {
+            let key = (mapping.dev, mapping.ino);
+            if let Some(libcuda) = looked.get(&key) {
+                has |= libcuda;
+                continue;
+            }
+            if self.memo.probed(key) {
+                looked.insert(key, true);
+                has = true;
+                continue;
+            }
+            let Some(verdict) = self.look_at_mapping(pid, &mapping, &mut cgroup, budget, prober) else {
+                continue;
+            };
+            let libcuda = matches!(verdict, Verdict::Probed | Verdict::Capped);
+            looked.insert(key, libcuda);
+            has |= libcuda;
+        }
+        has
+    }
+
+    /// Opens the file mapped at `mapping` and decides about it, unless it is remembered;
+    /// `None` when it could not be opened (gone) or must wait for a later scan (budget).
+    fn look_at_mapping(
+        &mut self,
+        pid: u32,
+        mapping: &maps::Mapping<'_>,
+        cgroup: &mut Option<u64>,
+        budget: &mut HashMap<u64, usize>,
+        prober: &mut dyn Prober,
+    ) -> Option<Verdict> {
+        let link = format!("/proc/{pid}/map_files/{}", mapping.map_files_name());
+        // O_PATH: nothing is opened yet (no open handler runs, no lease is broken).
+        let handle = OpenOptions::new().read(true).custom_flags(libc::O_PATH).open(&link).ok()?;
+        let metadata = handle.metadata().ok()?;
+        if !metadata.file_type().is_file() {
+            return Some(Verdict::NotLibcuda);
+        }
+        let id = (metadata.dev(), metadata.ino());
+        let stamp = Stamp::of(&metadata);
+        if let Some(verdict) = self.memo.get(id, stamp) {
+            return Some(verdict.clone());
+        }
+        let cgroup = *cgroup.get_or_insert_with(|| cgroup::id_of_pid(pid).unwrap_or(0));
+        let left = budget.entry(cgroup).or_insert(PARSES_PER_CONTAINER_PER_SCAN);
+        if *left == 0 {
+            debug!(pid, cgroup, "discovery budget of this container spent for this scan: the rest waits");
+            return None;
+        }
+        *left -= 1;
+        let origin = Origin::Process { pid, cgroup };
+        let opened = match reopen(&handle, id) {
+            Ok(file) => Opened { file, id, stamp, shown: mapping.path.to_string() },
+            Err(error) => {
+                let reason = format!("cannot open it: {error}");
+                self.remember(id, stamp, mapping.path, origin, Verdict::Failed(reason.clone()));
+                warn!(path = ?mapping.path, dev = id.0, ino = id.1, pid, %reason, "skipped a mapped file");
+                return Some(Verdict::Failed(reason));
+            }
+        };
+        Some(self.look_at(opened, origin, prober))
+    }
+
+    /// Identifies the open file, applies the caps, attaches, logs, and remembers the verdict.
+    fn look_at(&mut self, opened: Opened, origin: Origin, prober: &mut dyn Prober) -> Verdict {
+        let outcome = self.examine(&opened, origin, prober);
+        let (id, stamp, shown) = (opened.id, opened.stamp, opened.shown.as_str());
+        let pid = match origin {
+            Origin::Process { pid, .. } => Some(pid),
+            _ => None,
+        };
+        let verdict = match outcome {
+            Outcome::Probed(mut report) => {
+                info!(
+                    path = ?shown, dev = id.0, ino = id.1, origin = %origin.describe(),
+                    attached = report.attached.len(), missing = ?report.missing, aliases = ?report.aliases,
+                    "probes attached to libcuda"
+                );
+                report.dev = id.0;
+                report.ino = id.1;
+                report.origin = origin.describe();
+                if let Origin::Process { cgroup, .. } = origin {
+                    report.cgroup = Some(cgroup);
+                    *self.per_cgroup.entry(cgroup).or_default() += 1;
+                    self.discovered += 1;
+                }
+                self.probed.insert(id, report);
+                Verdict::Probed
+            }
+            Outcome::NotLibcuda(missing) => {
+                if looks_like_libcuda(shown) {
+                    let reason = format!("named like a libcuda but does not export {}", missing.join(", "));
+                    info!(path = ?shown, dev = id.0, ino = id.1, ?pid, %reason, "skipped a mapped file");
+                    self.note_skipped(shown, id, origin, reason);
+                }
+                Verdict::NotLibcuda
+            }
+            Outcome::Capped(scope) => {
+                let (key, cap) = match (scope, origin) {
+                    ("container", Origin::Process { cgroup, .. }) => (Some(cgroup), self.caps.per_container),
+                    _ => (None, self.caps.per_node),
+                };
+                let reason = format!("the {scope}'s cap of {cap} probed libcuda files is reached");
+                if self.capped_logged.insert(key) {
+                    warn!(path = ?shown, dev = id.0, ino = id.1, ?pid, cgroup = ?key, %reason, "libcuda not probed (logged once per container)");
+                }
+                self.note_skipped(shown, id, origin, reason);
+                Verdict::Capped
+            }
+            Outcome::Failed(reason) => {
+                warn!(path = ?shown, dev = id.0, ino = id.1, origin = %origin.describe(), %reason, "skipped a mapped file");
+                self.note_skipped(shown, id, origin, reason.clone());
+                Verdict::Failed(reason)
+            }
+        };
+        self.memo.put(id, stamp, verdict.clone());
+        verdict
+    }
+
+    fn examine(&mut self, opened: &Opened, origin: Origin, prober: &mut dyn Prober) -> Outcome {
+        self.examined += 1;
+        let offsets = match identify(&opened.file, opened.stamp.size) {
+            Err(error) => return Outcome::Failed(error.to_string()),
+            Ok(Identity::NotLibcuda(missing)) => return Outcome::NotLibcuda(missing),
+            Ok(Identity::Libcuda(offsets)) => offsets,
+        };
+        if let Origin::Process { cgroup, .. } = origin {
+            if self.discovered >= self.caps.per_node {
+                return Outcome::Capped("node");
+            }
+            if self.per_cgroup.get(&cgroup).copied().unwrap_or(0) >= self.caps.per_container {
+                return Outcome::Capped("container");
+            }
+        }
+        match prober.attach(opened, &offsets) {
+            Ok(report) => Outcome::Probed(report),
+            Err(error) => Outcome::Failed(format!("{error:#}")),
+        }
+    }
+
+    fn remember(&mut self, id: FileId, stamp: Stamp, shown: &str, origin: Origin, verdict: Verdict) {
+        if let Verdict::Failed(reason) = &verdict {
+            self.note_skipped(shown, id, origin, reason.clone());
+        }
+        self.memo.put(id, stamp, verdict);
+    }
+
+    fn note_skipped(&mut self, shown: &str, id: FileId, origin: Origin, reason: String) {
+        if self.skipped.len() == RECENT_SKIPPED {
+            self.skipped.pop_front();
+        }
+        self.skipped.push_back(SkippedFile { path: shown.to_string(), dev: id.0, ino: id.1, origin: origin.describe(), reason });
+    }
+
+    /// Makes every process known to the last scan older than [`YOUNG`].
+    #[cfg(test)]
+    fn age(&mut self) {
+        for (first, _) in self.seen.values_mut() {
+            *first = first.checked_sub(YOUNG).unwrap_or(*first);
+        }
+    }
+}
+
+/// Opens a trusted path (`--libcuda`, a well-known path) for reading.
+fn open_path(path: &Path) -> Result<Opened> {
+    let file = OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path)?;
+    let metadata = file.metadata()?;
+    if !metadata.file_type().is_file() {
+        bail!("not a regular file");
+    }
+    Ok(Opened {
+        id: (metadata.dev(), metadata.ino()),
+        stamp: Stamp::of(&metadata),
+        file,
+        shown: path.display().to_string(),
+    })
+}
+
+/// Opens for reading the file an `O_PATH` handle names, through the agent's own
+/// `/proc/self/fd` (the same file, whatever has happened to its paths since); fails unless
+/// it is still the file `id`.
+fn reopen(handle: &File, id: FileId) -> std::io::Result<File> {
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(format!("/proc/self/fd/{}", handle.as_raw_fd()))?;
+    let metadata = file.metadata()?;
+    if (metadata.dev(), metadata.ino()) != id {
+        return Err(std::io::Error::other("the file changed while it was opened"));
+    }
+    Ok(file)
+}
+
+/// `libcuda.so`, `libcuda.so.1`, `libcuda.so.580.159`, ... (only to decide what is worth a
+/// log line: identification is by content).
+fn looks_like_libcuda(path: &str) -> bool {
+    let name = path.trim_end_matches(" (deleted)").rsplit('/').next().unwrap_or("");
+    name == "libcuda.so" || name.starts_with("libcuda.so.")
+}
+
+/// The pids in /proc now.
+fn running_pids() -> Vec<u32> {
+    let Ok(entries) = fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries.flatten().filter_map(|entry| entry.file_name().to_str().and_then(|name| name.parse().ok())).collect()
+}
+
+#[cfg(test)]
+mod tests;

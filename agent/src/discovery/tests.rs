@@ -1,0 +1,198 @@
+//! Discovery against this test process's own mappings, with a [`Prober`] that records what
+//! it is asked to attach (the eBPF side is covered by the end-to-end tests).
+use std::{path::PathBuf, sync::Mutex};
+
+use super::*;
+use crate::discovery::elf::tests::{Scratch, LIBCUDA_LIKE};
+
+/// The tests map files into this one process, and each scan reads all of its mappings: one
+/// test at a time.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// Records the files it attaches to; fails for the inodes in `refuse`.
+#[derive(Default)]
+struct Recorder {
+    attached: Vec<FileId>,
+    calls: usize,
+    refuse: Vec<FileId>,
+}
+
+impl Prober for Recorder {
+    fn attach(&mut self, file: &Opened, offsets: &BTreeMap<&'static str, u64>) -> Result<AttachReport> {
+        self.calls += 1;
+        if self.refuse.contains(&file.id) {
+            bail!("refused by the test");
+        }
+        assert!(offsets.contains_key("cuMemAlloc_v2") && offsets.contains_key("cuMemFree_v2"));
+        self.attached.push(file.id);
+        Ok(AttachReport { path: file.shown.clone(), attached: offsets.keys().map(|s| s.to_string()).collect(), ..Default::default() })
+    }
+}
+
+fn id_of(path: &PathBuf) -> FileId {
+    let metadata = fs::metadata(path).expect("stat");
+    (metadata.dev(), metadata.ino())
+}
+
+/// Maps `path` executable into this process, as the dynamic loader maps a library's code.
+fn map_exec(path: &PathBuf) -> memmap2::Mmap {
+    let file = File::open(path).expect("open");
+    // SAFETY: a private read-only mapping of a file this test owns and does not truncate.
+    unsafe { memmap2::MmapOptions::new().map_exec(&file) }.expect("map")
+}
+
+fn caps(per_container: usize, per_node: usize) -> Caps {
+    Caps { per_container, per_node }
+}
+
+fn scan(discovery: &mut Discovery, prober: &mut Recorder) {
+    discovery.scan_among(vec![std::process::id()], prober);
+}
+
+#[test]
+fn identifies_libcuda_by_its_exports_whatever_its_name() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let scratch = Scratch::new("identify");
+    let renamed = scratch.library("libnotcuda.so", &LIBCUDA_LIKE);
+    // What the hook exports: the allocation functions, never cuInit.
+    let interposer = scratch.library("libcuda.so.1", &["cuMemAlloc_v2", "cuMemFree_v2", "cuMemCreate"]);
+    let other = scratch.library("libother.so", &["compute", "cuInit"]);
+    let size = |p: &PathBuf| fs::metadata(p).expect("stat").len();
+    let open = |p: &PathBuf| File::open(p).expect("open");
+    assert!(matches!(identify(&open(&renamed), size(&renamed)), Ok(Identity::Libcuda(_))));
+    assert_eq!(identify(&open(&interposer), size(&interposer)).ok(), Some(Identity::NotLibcuda(vec!["cuInit"])));
+    assert_eq!(
+        identify(&open(&other), size(&other)).ok(),
+        Some(Identity::NotLibcuda(vec!["cuMemAlloc_v2", "cuMemFree_v2"]))
+    );
+
+    let maps = [map_exec(&renamed), map_exec(&interposer), map_exec(&other)];
+    let mut discovery = Discovery::new(caps(4, 64));
+    let mut prober = Recorder::default();
+    scan(&mut discovery, &mut prober);
+    assert_eq!(prober.attached, vec![id_of(&renamed)], "only the renamed libcuda is probed");
+    let report = discovery.probed().next().expect("a probed file");
+    assert_eq!((report.dev, report.ino), id_of(&renamed));
+    assert_eq!(report.origin, format!("mapped by pid {}", std::process::id()));
+    assert!(report.path.ends_with("libnotcuda.so"), "{report:?}");
+    let stats = discovery.stats();
+    assert_eq!(stats.probed, 1);
+    // The interposer is named libcuda.so.1: worth a line saying why it was not probed.
+    assert_eq!(stats.skipped.len(), 1, "{stats:?}");
+    assert!(stats.skipped[0].reason.contains("does not export cuInit"), "{stats:?}");
+    drop(maps);
+}
+
+#[test]
+fn a_bad_file_is_read_once_until_it_changes() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let scratch = Scratch::new("memo");
+    let junk = scratch.0.join("libcuda.so.1");
+    fs::write(&junk, vec![0x5a; 8192]).expect("write");
+    let library = scratch.library("libx.so", &LIBCUDA_LIKE);
+    let mut prober = Recorder { refuse: vec![id_of(&library)], ..Default::default() };
+    let maps = [map_exec(&junk), map_exec(&library)];
+    let mut discovery = Discovery::new(caps(4, 64));
+    scan(&mut discovery, &mut prober);
+    let examined = discovery.examined;
+    assert!(examined >= 2, "both files read");
+    assert_eq!(prober.calls, 1, "the library identified and offered to the prober, which refused");
+    let stats = discovery.stats();
+    assert_eq!(stats.failed, 2, "{stats:?}");
+    assert!(stats.skipped.iter().any(|s| s.path.ends_with("libcuda.so.1") && s.reason.contains("not a 64-bit ELF")), "{stats:?}");
+    assert!(stats.skipped.iter().any(|s| s.reason.contains("refused by the test")), "{stats:?}");
+
+    for _ in 0..FULL_SCAN_EVERY {
+        scan(&mut discovery, &mut prober);
+    }
+    assert_eq!(discovery.examined, examined, "remembered failures are not read again");
+    assert_eq!(prober.calls, 1, "nor attached again");
+
+    // Rewritten in place (same inode): a new file, read again.
+    let mut bytes = vec![0x5a; 8192];
+    bytes[0] = 0x7f;
+    fs::write(&junk, &bytes).expect("rewrite");
+    for _ in 0..FULL_SCAN_EVERY {
+        scan(&mut discovery, &mut prober);
+    }
+    assert_eq!(discovery.examined, examined + 1, "the changed file read once more");
+    drop(maps);
+}
+
+#[test]
+fn caps_bound_the_files_probed_per_container_and_per_node() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let scratch = Scratch::new("caps");
+    let copies: Vec<PathBuf> = (0..3).map(|i| scratch.library(&format!("libcopy{i}.so"), &LIBCUDA_LIKE)).collect();
+    let maps: Vec<_> = copies.iter().map(map_exec).collect();
+
+    let mut discovery = Discovery::new(caps(2, 64));
+    let mut prober = Recorder::default();
+    scan(&mut discovery, &mut prober);
+    assert_eq!(prober.attached.len(), 2, "two of the container's three copies");
+    let stats = discovery.stats();
+    assert_eq!((stats.capped, stats.capped_containers), (1, 1), "{stats:?}");
+    assert!(stats.skipped.iter().any(|s| s.reason.contains("container's cap of 2")), "{stats:?}");
+    for _ in 0..FULL_SCAN_EVERY {
+        scan(&mut discovery, &mut prober);
+    }
+    assert_eq!(prober.attached.len(), 2, "a capped file stays unprobed");
+    assert_eq!(discovery.stats().capped, 1, "and is counted once");
+
+    let mut discovery = Discovery::new(caps(4, 1));
+    let mut prober = Recorder::default();
+    scan(&mut discovery, &mut prober);
+    assert_eq!(prober.attached.len(), 1, "the node's cap");
+    let stats = discovery.stats();
+    assert_eq!((stats.capped, stats.capped_containers), (2, 0), "{stats:?}");
+    drop(maps);
+}
+
+#[test]
+fn operator_files_are_fatal_when_wrong_and_uncapped() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let scratch = Scratch::new("operator");
+    let junk = scratch.0.join("libcuda.so.1");
+    fs::write(&junk, b"not a library").expect("write");
+    let interposer = scratch.library("libhook.so", &["cuMemAlloc_v2", "cuMemFree_v2"]);
+    let library = scratch.library("libcuda.so.580", &LIBCUDA_LIKE);
+    let mut discovery = Discovery::new(caps(0, 0));
+    let mut prober = Recorder::default();
+    let error = discovery.add_operator_file(&junk, &mut prober).expect_err("not an ELF file");
+    assert!(format!("{error:#}").contains("not a 64-bit ELF"), "{error:#}");
+    let error = discovery.add_operator_file(&interposer, &mut prober).expect_err("not a libcuda");
+    assert!(format!("{error:#}").contains("does not export cuInit"), "{error:#}");
+    let error = discovery.add_operator_file(&scratch.0.join("missing"), &mut prober).expect_err("missing");
+    assert!(format!("{error:#}").contains("missing"), "{error:#}");
+    discovery.add_operator_file(&library, &mut prober).expect("a libcuda, whatever the caps");
+    discovery.add_operator_file(&library, &mut prober).expect("twice is once");
+    assert_eq!(prober.attached, vec![id_of(&library)]);
+}
+
+#[test]
+fn discovery_reads_new_processes_and_every_process_on_full_scans() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let scratch = Scratch::new("young");
+    let library = scratch.library("libcuda.so.1", &LIBCUDA_LIKE);
+    let mut discovery = Discovery::new(caps(64, 64));
+    let mut prober = Recorder::default();
+    scan(&mut discovery, &mut prober);
+    assert!(prober.attached.is_empty(), "a full scan before this process maps the file");
+    // This process maps a libcuda after it started (as dlopen would).
+    let map = map_exec(&library);
+    scan(&mut discovery, &mut prober);
+    assert_eq!(prober.attached.len(), 1, "a young process's maps are read at every scan");
+    drop(map);
+
+    // An old process maps a new libcuda: only the full scan reads its maps.
+    let second = scratch.library("libcuda.so.2", &LIBCUDA_LIKE);
+    discovery.age();
+    let map = map_exec(&second);
+    for scan_number in 2..FULL_SCAN_EVERY {
+        scan(&mut discovery, &mut prober);
+        assert_eq!(prober.attached.len(), 1, "scan {scan_number} reads only young processes");
+    }
+    scan(&mut discovery, &mut prober);
+    assert_eq!(prober.attached.len(), 2, "the full scan finds it");
+    drop(map);
+}
