@@ -8,6 +8,7 @@ pub mod enforce;
 pub mod http;
 pub mod identity;
 pub mod inspect;
+pub mod kernel;
 pub mod ledgers;
 pub mod libcuda;
 pub mod metrics;
