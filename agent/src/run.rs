@@ -115,6 +115,11 @@ pub struct RunArgs {
     /// cgroup is reported `capped`, so one tenant cannot fill the node's records.
     #[arg(long, default_value_t = common::DEFAULT_RECORDS_PER_CGROUP, value_name = "N")]
     pub max_alloc_records_per_cgroup: u32,
+    /// Bytes of the allocation and free event ring buffer (a power of two, at least 4096;
+    /// about 56 bytes an event). Events past it are only counted: the accounting lives in
+    /// maps, and exits have a ring buffer of their own.
+    #[arg(long, default_value_t = common::EVENTS_BYTES, value_name = "BYTES")]
+    pub event_ring_bytes: u32,
 }
 
 fn parse_threshold(text: &str) -> Result<u64, String> {
@@ -146,6 +151,9 @@ pub async fn run(args: RunArgs) -> Result<()> {
             args.max_alloc_records
         );
     }
+    if !args.event_ring_bytes.is_power_of_two() || args.event_ring_bytes < 4096 {
+        bail!("--event-ring-bytes {} must be a power of two of at least 4096", args.event_ring_bytes);
+    }
     let platform = preflight::check()?;
     let records_cap = u64::from(args.max_alloc_records_per_cgroup);
     let (rmdir_root, rmdir_id) = match &platform.rmdir_offsets {
@@ -158,6 +166,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         .override_global(common::names::RMDIR_ROOT_OFFSET, &rmdir_root, true)
         .override_global(common::names::RMDIR_ID_OFFSET, &rmdir_id, true)
         .map_max_entries(common::names::ALLOCS, args.max_alloc_records)
+        .map_max_entries(common::names::EVENTS, args.event_ring_bytes)
         .load(EBPF_OBJECT)
         .context("the kernel refused the eBPF object")?;
     // Before any program runs, so that no line is lost.

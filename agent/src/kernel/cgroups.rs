@@ -48,3 +48,20 @@ pub fn sweep(accounting: &mut Accounting, limits: Option<&mut Limits>, names: &m
     }
     removed
 }
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::MetadataExt;
+
+    use super::*;
+
+    #[test]
+    fn only_ids_no_cgroup_has_are_gone() {
+        let Some(root) = crate::cgroup::cgroup2_mount() else { return };
+        let root_id = std::fs::metadata(&root).expect("the cgroup2 root").ino();
+        let mut names = CgroupNames::new();
+        // Inode numbers of kernfs stay far below these.
+        let gone = gone(BTreeSet::from([root_id, u64::MAX - 1, u64::MAX]), &mut names);
+        assert_eq!(gone, BTreeSet::from([u64::MAX - 1, u64::MAX]));
+    }
+}
