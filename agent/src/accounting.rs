@@ -168,13 +168,11 @@ impl Accounting {
                 live_allocations: usage.live_allocations(),
                 allocs: usage.allocs,
                 frees: usage.frees,
+                unrecorded: usage.unrecorded,
                 ..ProcessRow::default()
             });
         }
         processes.sort_by_key(|row| row.pid);
-        for row in &mut processes {
-            row.unrecorded = self.procs.get(&row.pid, 0).map_or(0, |p| p.usage.unrecorded);
-        }
         let mut cgroups: Vec<CgroupRow> = Vec::new();
         let rows: Vec<(u64, Usage)> = self.cgroups.iter().filter_map(Result::ok).collect();
         for (cgroup_id, usage) in rows {
