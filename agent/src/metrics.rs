@@ -360,18 +360,20 @@ impl Metrics {
             self.ledgers_skipped.set(ledgers.skipped() as i64);
             for (path, ledger) in ledgers.iter() {
                 let header = ledger.header();
-                let slots = match ledger.slots() {
-                    Ok(slots) => slots,
+                // One private copy per ledger and pass (see crate::ledgers).
+                let copy = match ledger.copy() {
+                    Ok(copy) => copy,
                     Err(error) => {
                         warn!(ledger = %path.display(), %error, "cannot read the ledger for metrics");
                         continue;
                     }
                 };
+                let slots = copy.slots;
                 let path = path.display().to_string();
                 if let Some(uid) = pod_uid_of(&slots, self.agent) {
                     self.pod_uids.insert(path.clone(), uid);
                 }
-                let (namespace, pod, container) = ledger.names().unwrap_or_default();
+                let (namespace, pod, container) = copy.names.text().unwrap_or_default();
                 let pod_uid = self.pod_uids.get(&path).cloned().unwrap_or_default();
                 let container = Container { namespace, pod, container, pod_uid };
                 self.container_ebpf
@@ -380,17 +382,11 @@ impl Metrics {
                 self.unaccounted
                     .with_label_values(&labels(&[path.as_str()], &container))
                     .set(value(charged.get(path.as_str()).copied().unwrap_or(0)));
-                match ledger.device_usage() {
-                    Ok(usage) => {
-                        for (index, device) in usage.iter().enumerate() {
-                            let index = index.to_string();
-                            let key: Vec<String> =
-                                labels(&[path.as_str(), &index], &container).into_iter().map(String::from).collect();
-                            self.set_rejections(&key, device.rejections);
-                            rejection_series.insert(key);
-                        }
-                    }
-                    Err(error) => warn!(ledger = %path, %error, "cannot read the ledger's device usage for metrics"),
+                for (index, device) in copy.devices.iter().enumerate() {
+                    let index = index.to_string();
+                    let key: Vec<String> = labels(&[path.as_str(), &index], &container).into_iter().map(String::from).collect();
+                    self.set_rejections(&key, device.rejections);
+                    rejection_series.insert(key);
                 }
                 for (index, device) in header.devices[..header.device_count as usize].iter().enumerate() {
                     let index_text = index.to_string();

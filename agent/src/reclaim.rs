@@ -29,7 +29,7 @@ use tracing::{info, warn};
 
 use crate::{
     identity::{self, ProcessTable},
-    ledgers::Ledgers,
+    ledgers::{AccessError, Ledgers},
 };
 
 /// How long an exit event waits for its process's slot to be judged dead.
@@ -93,7 +93,7 @@ impl Reclaimer {
             if slots.is_empty() {
                 continue;
             }
-            for view in slots {
+            'slots: for view in slots {
                 let slot = view.slot;
                 let detected = Instant::now();
                 // The recorded host pid still runs the slot's process: alive, without the
@@ -121,7 +121,9 @@ impl Reclaimer {
                 });
                 if let Some(host) = live {
                     if slot.host_pid != host {
-                        ledger.set_host_pid(view.id, host);
+                        if let Err(error) = ledger.set_host_pid(view.id, host) {
+                            warn!(ledger = %path.display(), slot = view.id, %error, "cannot record a slot's host pid");
+                        }
                     }
                     if self.pending.contains_key(&host) {
                         waiting.insert(host); // exiting, not a zombie yet
@@ -156,7 +158,15 @@ impl Reclaimer {
                         reclaimed.push(latency);
                     }
                     Ok(None) => {} // freed (or freed and reused) meanwhile, by the hook
-                    Err(error) => warn!(ledger = %path.display(), slot = view.id, %error, "cannot reclaim a dead process's slot"),
+                    Err(error @ AccessError::Refused(_)) => {
+                        warn!(ledger = %path.display(), slot = view.id, %error, "cannot reclaim a dead process's slot")
+                    }
+                    Err(error) => {
+                        // The ledger's worker is failing: its other slots wait for a later
+                        // sweep (one line and one bounded wait per sweep, however many).
+                        warn!(ledger = %path.display(), %error, "cannot reclaim the dead processes' slots of this ledger for now");
+                        break 'slots;
+                    }
                 }
             }
         }

@@ -24,6 +24,10 @@ pub struct Snapshot {
     /// The ledgers watched under `--ledger-dir`.
     #[serde(default)]
     pub ledgers: Vec<String>,
+    /// Files under `--ledger-dir` the agent does not work on as it should, and why
+    /// (`skipped: ...`, `tampered: ...`, `unreadable: ...`, `worker failing: ...`), by path.
+    #[serde(default)]
+    pub ledger_problems: BTreeMap<String, String>,
     /// Which cgroups have entries in the kernel's per-cgroup maps (for checking that removed
     /// cgroups' entries go).
     #[serde(default)]

@@ -15,8 +15,9 @@
 //!   holder killed mid-update leaves it), the only problems left are live records the space
 //!   can no longer hold, which the repair keeps in the books on purpose.
 //!
-//! The 64 bytes of the robust mutex are left alone: whoever can write the file can wedge its
-//! lock, and no file format defends against that.
+//! The 64 bytes of the robust mutex are left alone here: whoever can write the file can wedge
+//! its lock, and no file format defends against that. What the node agent does with a file
+//! whose lock (and every other byte) a workload rewrites is fuzzed in `agent_reads_fuzz.rs`.
 use std::{
     mem::{offset_of, size_of},
     os::unix::fs::FileExt,

@@ -1,0 +1,209 @@
+//! The adversarial suite, ledger files (issue "Hostile tenants"; `../shared/security.md`): a
+//! workload can write any byte of its ledger at any moment, and cut, grow or replace it. Each
+//! attack is a real process (this test binary run again as [`attacker`]) working on the
+//! attacker container's ledger while the agent operates on it (a process of that container is
+//! killed during the attack, so the agent has a slot to reclaim there), and each asserts that
+//! the agent is still running and serving `/metrics`, that a killed process of *another*
+//! container is reclaimed within a second, and that the attacker's ledger is reported in
+//! `vramguard audit` (`ledger_problems`) with the reason. The negative control runs the same
+//! set-up without the attack: nothing is reported and the attacker's dead slot is reclaimed.
+//! Needs root; run with `cargo xtask test`.
+use std::{
+    fs::OpenOptions,
+    os::unix::fs::FileExt,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context, Result};
+use e2e::{
+    agent::Agent,
+    holding,
+    hostile::{assert_serving, Bystander},
+    ledgers, wait_for, FakeNode, Running, TempDir, GIB, MIB,
+};
+
+/// What an attacker process does, from `VRAMGUARD_ATTACK=<kind>` and `VRAMGUARD_ATTACK_FILE`.
+const KIND: &str = "VRAMGUARD_ATTACK";
+const FILE: &str = "VRAMGUARD_ATTACK_FILE";
+
+/// Not a test: the attacker's body when this binary is started with [`KIND`] set (a no-op
+/// otherwise). Writes through `pwrite` for ever (until killed):
+/// - `lock`: the lock's owner word and robust-list pointers, and the `dirty` flag;
+/// - `random`: random bytes at random offsets over the whole file, header included;
+#[test]
+fn attacker() -> Result<()> {
+    let (Ok(kind), Some(path)) = (std::env::var(KIND), std::env::var_os(FILE)) else { return Ok(()) };
+    let file = OpenOptions::new().read(true).write(true).open(&path)?;
+    let size = file.metadata()?.len();
+    let state = ledger::layout::PAGE;
+    let dirty = state + std::mem::offset_of!(ledger::layout::State, dirty) as u64;
+    let mut seed = u64::from(std::process::id()) | 1;
+    let mut next = move || {
+        // xorshift64
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    loop {
+        match kind.as_str() {
+            "lock" => {
+                // glibc's x86-64 pthread_mutex_t: owner tid at 8, robust list prev/next at 24/32.
+                let _ = file.write_all_at(&(next() as u32).to_ne_bytes(), state + 8);
+                let _ = file.write_all_at(&0x4141_4141_4141_4141u64.to_ne_bytes(), state + 24);
+                let _ = file.write_all_at(&next().to_ne_bytes(), state + 32);
+                let _ = file.write_all_at(&1u32.to_ne_bytes(), dirty);
+            }
+            "random" => {
+                let offset = next() % size;
+                let _ = file.write_all_at(&next().to_ne_bytes()[..(1 + next() % 8) as usize], offset);
+            }
+            other => bail!("unknown attack {other}"),
+        }
+        std::thread::yield_now();
+    }
+}
+
+/// Starts this binary as an attacker process of `kind` on `ledger`.
+fn attack(kind: &str, ledger: &Path) -> Result<Child> {
+    Command::new(std::env::current_exe()?)
+        .args(["--exact", "attacker", "--nocapture", "--test-threads=1"])
+        .env(KIND, kind)
+        .env(FILE, ledger)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("cannot start the attacker")
+}
+
+/// An agent watching `dir` with a bystander container and the attacker's container (two
+/// hooked processes on `attacker`'s ledger).
+struct Scene {
+    dir: TempDir,
+    agent: Agent,
+    bystander: Bystander,
+    ledger: PathBuf,
+    processes: Vec<Running>,
+}
+
+impl Scene {
+    fn new(tag: &str) -> Result<Scene> {
+        let node = FakeNode::new(tag).with_env("FAKECUDA_CONTEXT_BYTES", "64m");
+        let dir = TempDir::new(tag)?;
+        let agent = Agent::watching(&dir.0, &[])?;
+        let bystander = Bystander::start(&node, &dir, &agent)?;
+        let ledger = dir.ledger("attacker")?;
+        let processes = vec![
+            holding(node.hooked(&ledger, GIB)?, &["ctx 0", "alloc a 100m"])?,
+            holding(node.hooked(&ledger, GIB)?, &["ctx 0", "alloc b 100m"])?,
+        ];
+        Ok(Scene { dir, agent, bystander, ledger, processes })
+    }
+
+    /// What `vramguard audit` reports about the attacker's ledger, if anything.
+    fn problem(&self) -> Result<Option<String>> {
+        let audit = self.agent.audit()?;
+        Ok(audit["ledger_problems"][self.ledger.display().to_string()].as_str().map(str::to_string))
+    }
+
+    /// Kills one of the attacker container's processes (the agent then has a slot to
+    /// reclaim in the attacked ledger), checks the agent serves and reclaims the bystander's.
+    fn while_attacked(&mut self) -> Result<()> {
+        if let Some(victim) = self.processes.pop() {
+            victim.kill()?;
+        }
+        let until = Instant::now() + Duration::from_secs(2);
+        while Instant::now() < until {
+            assert_serving(&self.agent)?;
+            self.bystander.kill_and_expect_reclaim(&self.agent)?;
+        }
+        assert_serving(&self.agent)
+    }
+}
+
+#[test]
+fn negative_control_nothing_reported_and_the_dead_slot_reclaimed() -> Result<()> {
+    let mut scene = Scene::new("hostile-control")?;
+    let victim = scene.processes[1].pid();
+    scene.while_attacked()?;
+    wait_for(Duration::from_secs(2), "the attacker container's dead slot reclaimed", || {
+        Ok(ledgers::slots(&scene.ledger)?.iter().all(|(pid, _)| *pid != victim))
+    })?;
+    assert_eq!(scene.problem()?, None);
+    Ok(())
+}
+
+#[test]
+fn lock_words_and_dirty_flag_rewritten_continuously() -> Result<()> {
+    let mut scene = Scene::new("hostile-lock")?;
+    let mut attacker = attack("lock", &scene.ledger)?;
+    scene.while_attacked()?;
+    let problem = wait_for_problem(&scene)?;
+    attacker.kill()?;
+    attacker.wait()?;
+    assert!(
+        problem.contains("lock stayed held") || problem.contains("worker") || problem.contains("mutation in progress"),
+        "{problem}"
+    );
+    Ok(())
+}
+
+#[test]
+fn random_bytes_over_the_whole_file() -> Result<()> {
+    let mut scene = Scene::new("hostile-random")?;
+    let mut attacker = attack("random", &scene.ledger)?;
+    scene.while_attacked()?;
+    let problem = wait_for_problem(&scene)?;
+    attacker.kill()?;
+    attacker.wait()?;
+    eprintln!("reported: {problem}");
+    Ok(())
+}
+
+#[test]
+fn truncated_and_grown() -> Result<()> {
+    let mut scene = Scene::new("hostile-size")?;
+    let file = OpenOptions::new().write(true).open(&scene.ledger)?;
+    let size = file.metadata()?.len();
+    // Cut to nothing under the agent (and the attacker's own processes).
+    file.set_len(0)?;
+    scene.while_attacked()?;
+    let problem = wait_for_problem(&scene)?;
+    assert!(problem.contains("truncated or resized"), "{problem}");
+    // Grown past its size.
+    file.set_len(size * 2)?;
+    scene.while_attacked()?;
+    // (Its header went with the cut: reported as not a ledger, or resized.)
+    let problem = wait_for_problem(&scene)?;
+    assert!(problem.contains("truncated or resized") || problem.contains("bad magic"), "{problem}");
+    drop(file);
+    Ok(())
+}
+
+#[test]
+fn a_ledger_past_the_agents_geometry_is_skipped() -> Result<()> {
+    let mut scene = Scene::new("hostile-geometry")?;
+    // Past the default --max-ledger-slots (4096): skipped with the reason.
+    let oversized = scene.dir.ledger("oversized")?;
+    ledgers::create(&oversized, 8192, 1024, GIB, 64 * MIB)?;
+    scene.while_attacked()?;
+    wait_for(Duration::from_secs(3), "the oversized ledger reported skipped", || {
+        let audit = scene.agent.audit()?;
+        Ok(audit["ledger_problems"][oversized.display().to_string()].as_str().is_some_and(|p| p.contains("skipped") && p.contains("8192 slots")))
+    })?;
+    assert_serving(&scene.agent)?;
+    Ok(())
+}
+
+/// Waits until the audit reports the attacker's ledger; returns what it says.
+fn wait_for_problem(scene: &Scene) -> Result<String> {
+    let mut found = None;
+    wait_for(Duration::from_secs(3), "the attacker's ledger reported", || {
+        found = scene.problem()?;
+        Ok(found.is_some())
+    })
+    .with_context(|| format!("agent log:\n{}", scene.agent.log()))?;
+    found.context("reported")
+}
