@@ -123,12 +123,12 @@ pub struct RunArgs {
     pub drift_grace_ms: u64,
     /// Live allocation records the probes keep across the node (the kernel map's size; each
     /// takes about 100 bytes of kernel memory while it exists).
-    #[arg(long, default_value_t = common::DEFAULT_MAX_ALLOCS, value_name = "N")]
+    #[arg(long, default_value_t = common::DEFAULT_MAX_ALLOCS, value_name = "NUM")]
     pub max_alloc_records: u32,
     /// Live allocation records one cgroup may have: past it, its allocations are still
     /// charged but not recorded (their frees go unseen until the process exits) and the
     /// cgroup is reported `capped`, so one tenant cannot fill the node's records.
-    #[arg(long, default_value_t = common::DEFAULT_RECORDS_PER_CGROUP, value_name = "N")]
+    #[arg(long, default_value_t = common::DEFAULT_RECORDS_PER_CGROUP, value_name = "NUM")]
     pub max_alloc_records_per_cgroup: u32,
     /// Bytes of the allocation and free event ring buffer (a power of two, at least 4096;
     /// about 56 bytes an event). Events past it are only counted: the accounting lives in
