@@ -21,16 +21,20 @@
 //! sweep that detected the death.
 use std::{
     collections::{HashMap, HashSet},
+    path::Path,
     time::{Duration, Instant},
 };
 
-use ledger::ProcessIdentity;
+use ledger::{ProcessIdentity, SlotView};
 use tracing::{info, warn};
 
 use crate::{
     identity::{self, ProcessTable},
-    ledgers::{AccessError, Ledgers},
+    ledgers::{AccessError, LedgerHandle, Ledgers},
 };
+
+/// Time a sweep spends freeing one ledger's dead slots (beyond one worker call).
+pub const LEDGER_BUDGET: Duration = Duration::from_millis(100);
 
 /// How long an exit event waits for its process's slot to be judged dead.
 pub const PENDING_MAX: Duration = Duration::from_secs(10);
@@ -74,13 +78,19 @@ impl Reclaimer {
 
     /// Records host pids of live slots and frees the slots of dead processes; returns the
     /// latency of each reclaim.
+    ///
+    /// Two phases: the slots of every ledger are read and judged first; then each ledger's
+    /// dead slots are freed by its worker, every ledger on a thread of its own, so a ledger
+    /// whose worker is slow (a workload holding its lock or damaging it) costs the sweep at
+    /// most one worker deadline in all and never delays the other ledgers' reclaims.
     pub fn sweep(&mut self, ledgers: &Ledgers) -> Vec<Duration> {
-        let mut reclaimed = Vec::new();
         let mut waiting: HashSet<u32> = HashSet::new();
         let mut verified: HashSet<(u32, ProcessIdentity)> = HashSet::new();
         // The /proc table and when its scan began: a slot read before that whose process it
         // does not hold is dead (a process that started since would be in it).
         let mut table: Option<(ProcessTable, Instant)> = None;
+        // Per ledger: its dead slots, each with when its death was detected.
+        let mut dead: Vec<(&Path, &LedgerHandle, Vec<(SlotView, Instant)>)> = Vec::new();
         for (path, ledger) in ledgers.iter() {
             let read_at = Instant::now();
             let slots = match ledger.slots() {
@@ -90,10 +100,8 @@ impl Reclaimer {
                     continue;
                 }
             };
-            if slots.is_empty() {
-                continue;
-            }
-            'slots: for view in slots {
+            let mut gone = Vec::new();
+            for view in slots {
                 let slot = view.slot;
                 let detected = Instant::now();
                 // The recorded host pid still runs the slot's process: alive, without the
@@ -128,50 +136,85 @@ impl Reclaimer {
                     if self.pending.contains_key(&host) {
                         waiting.insert(host); // exiting, not a zombie yet
                     }
-                    continue;
+                } else if self.enabled {
+                    gone.push((view, detected));
                 }
-                if !self.enabled {
-                    continue;
-                }
-                match ledger.reclaim_process(view.id, process) {
-                    Ok(Some(chunks)) => {
-                        let tgid = self
-                            .pending
-                            .iter()
-                            .find(|(tgid, (_, seen))| {
-                                (slot.host_pid != 0 && **tgid == slot.host_pid) || *seen == Some(process)
-                            })
-                            .map(|(tgid, _)| *tgid);
-                        let event = tgid.and_then(|tgid| self.pending.remove(&tgid)).map(|(at, _)| at);
-                        let latency = event.unwrap_or(detected).elapsed();
-                        self.total += 1;
-                        info!(
-                            ledger = %path.display(),
-                            slot = view.id,
-                            pid = slot.pid,
-                            host_pid = tgid.unwrap_or(slot.host_pid),
-                            chunks,
-                            latency_us = latency.as_micros() as u64,
-                            from_exit_event = event.is_some(),
-                            "reclaimed the slot of a process that is gone"
-                        );
-                        reclaimed.push(latency);
-                    }
-                    Ok(None) => {} // freed (or freed and reused) meanwhile, by the hook
-                    Err(error @ AccessError::Refused(_)) => {
-                        warn!(ledger = %path.display(), slot = view.id, %error, "cannot reclaim a dead process's slot")
-                    }
-                    Err(error) => {
-                        // The ledger's worker is failing: its other slots wait for a later
-                        // sweep (one line and one bounded wait per sweep, however many).
-                        warn!(ledger = %path.display(), %error, "cannot reclaim the dead processes' slots of this ledger for now");
-                        break 'slots;
-                    }
-                }
+            }
+            if !gone.is_empty() {
+                dead.push((path, ledger, gone));
+            }
+        }
+        let freed: Vec<(&Path, Vec<Freed>)> = std::thread::scope(|scope| {
+            let running: Vec<_> = dead
+                .into_iter()
+                .map(|(path, ledger, gone)| (path, scope.spawn(move || free(path, ledger, gone))))
+                .collect();
+            running.into_iter().filter_map(|(path, thread)| Some((path, thread.join().ok()?))).collect()
+        });
+        let mut reclaimed = Vec::new();
+        for (path, slots) in freed {
+            for Freed { view, detected, chunks, at } in slots {
+                let slot = view.slot;
+                let process = slot.process();
+                let tgid = self
+                    .pending
+                    .iter()
+                    .find(|(tgid, (_, seen))| (slot.host_pid != 0 && **tgid == slot.host_pid) || *seen == Some(process))
+                    .map(|(tgid, _)| *tgid);
+                let event = tgid.and_then(|tgid| self.pending.remove(&tgid)).map(|(at, _)| at);
+                let latency = at.saturating_duration_since(event.unwrap_or(detected));
+                self.total += 1;
+                info!(
+                    ledger = %path.display(),
+                    slot = view.id,
+                    pid = slot.pid,
+                    host_pid = tgid.unwrap_or(slot.host_pid),
+                    chunks,
+                    latency_us = latency.as_micros() as u64,
+                    from_exit_event = event.is_some(),
+                    "reclaimed the slot of a process that is gone"
+                );
+                reclaimed.push(latency);
             }
         }
         self.pending.retain(|tgid, (at, _)| waiting.contains(tgid) && at.elapsed() < PENDING_MAX);
         self.verified = verified;
         reclaimed
     }
+}
+
+/// A slot freed by a sweep.
+struct Freed {
+    view: SlotView,
+    /// When its process was found gone.
+    detected: Instant,
+    chunks: u64,
+    /// When the slot was freed.
+    at: Instant,
+}
+
+/// Frees the `gone` slots of `ledger` through its worker, each only if it still describes
+/// the process judged dead; stops at the first failure of the worker itself, or once
+/// [`LEDGER_BUDGET`] is spent (the other slots wait for a later sweep: a bounded time and at
+/// most one log line per ledger and sweep, however many dead slots a workload makes).
+fn free(path: &Path, ledger: &LedgerHandle, gone: Vec<(SlotView, Instant)>) -> Vec<Freed> {
+    let start = Instant::now();
+    let mut freed = Vec::new();
+    for (view, detected) in gone {
+        if start.elapsed() > LEDGER_BUDGET {
+            break;
+        }
+        match ledger.reclaim_process(view.id, view.slot.process()) {
+            Ok(Some(chunks)) => freed.push(Freed { view, detected, chunks, at: Instant::now() }),
+            Ok(None) => {} // freed (or freed and reused) meanwhile, by the hook
+            Err(error @ AccessError::Refused(_)) => {
+                warn!(ledger = %path.display(), slot = view.id, %error, "cannot reclaim a dead process's slot")
+            }
+            Err(error) => {
+                warn!(ledger = %path.display(), %error, "cannot reclaim the dead processes' slots of this ledger for now");
+                break;
+            }
+        }
+    }
+    freed
 }

@@ -23,6 +23,7 @@ use e2e::{
     hostile::{assert_serving, Bystander},
     ledgers, wait_for, FakeNode, Running, TempDir, GIB, MIB,
 };
+use ledger::{Ledger, ProcessIdentity};
 
 /// What an attacker process does, from `VRAMGUARD_ATTACK=<kind>` and `VRAMGUARD_ATTACK_FILE`.
 const KIND: &str = "VRAMGUARD_ATTACK";
@@ -59,6 +60,9 @@ fn attacker() -> Result<()> {
             "random" => {
                 let offset = next() % size;
                 let _ = file.write_all_at(&next().to_ne_bytes()[..(1 + next() % 8) as usize], offset);
+            }
+            "dirty" => {
+                let _ = file.write_all_at(&1u32.to_ne_bytes(), dirty);
             }
             other => bail!("unknown attack {other}"),
         }
@@ -194,6 +198,32 @@ fn a_ledger_past_the_agents_geometry_is_skipped() -> Result<()> {
         Ok(audit["ledger_problems"][oversized.display().to_string()].as_str().is_some_and(|p| p.contains("skipped") && p.contains("8192 slots")))
     })?;
     assert_serving(&scene.agent)?;
+    Ok(())
+}
+
+#[test]
+fn the_largest_ledger_allowed_with_its_dirty_flag_held() -> Result<()> {
+    let mut scene = Scene::new("hostile-largest")?;
+    // The largest the agent allows by default, every slot naming a dead process (work for the
+    // reclaimer, all of it under the lock), its dirty flag held raised (every locked operation
+    // on it repairs the whole ledger first).
+    let largest = scene.dir.ledger("largest")?;
+    ledgers::create(&largest, 4096, 1 << 18, 64 * GIB, 64 * MIB)?;
+    {
+        let ledger = Ledger::open(&largest)?;
+        let pidns = std::fs::metadata("/proc/self/ns/pid").map(|m| std::os::unix::fs::MetadataExt::ino(&m))?;
+        for pid in 0..4096 {
+            ledger.register(ProcessIdentity { pid: 4_000_000 + pid, pidns, start_time: 1 })?;
+        }
+    }
+    let mut attacker = attack("dirty", &largest)?;
+    scene.while_attacked()?;
+    wait_for(Duration::from_secs(3), "the largest ledger reported", || {
+        let audit = scene.agent.audit()?;
+        Ok(audit["ledger_problems"][largest.display().to_string()].as_str().is_some_and(|p| p.contains("unsettled") || p.contains("worker")))
+    })?;
+    attacker.kill()?;
+    attacker.wait()?;
     Ok(())
 }
 
