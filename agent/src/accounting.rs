@@ -1,6 +1,7 @@
 //! The user-space half of the eBPF accounting: owns the maps taken out of the loaded object,
-//! counts the ring buffer's events, deletes the allocation records of dead processes, and
-//! builds [`Snapshot`]s.
+//! counts the ring buffers' events (allocations and frees on `EVENTS`, drained on a timer;
+//! exits on `EXITS`, which wakes the agent), deletes the allocation records of dead
+//! processes, and builds [`Snapshot`]s.
 //!
 //! Usage is kept by the kernel side (`PROC_USAGE`, `CGROUP_USAGE`) and a process's usage is
 //! dropped by the `process_exit` tracepoint the moment it dies. What is left to user space
@@ -11,27 +12,36 @@ use std::{collections::BTreeMap, fs, time::Instant};
 
 use anyhow::{anyhow, Context, Result};
 use aya::{
-    maps::{Array, HashMap, MapData, RingBuf},
+    maps::{HashMap, MapData, RingBuf},
     Ebpf,
 };
 use common::{names, stat, AllocKey, AllocKind, AllocRecord, Event, EventKind, ProcUsage, Usage};
 
 use crate::{
     cgroup::CgroupNames,
+    kernel::trouble::Counters,
     reconcile::EbpfProcess,
-    snapshot::{BytesByKind, CgroupRow, ProcessRow, Snapshot, Stats},
+    snapshot::{BytesByKind, CgroupRow, KernelMaps, ProcessRow, Snapshot, Stats},
 };
+
+/// The event ring buffers: allocations and frees (no wake-up), and exits (wake-up).
+pub struct Rings {
+    pub events: RingBuf<MapData>,
+    pub exits: RingBuf<MapData>,
+}
 
 pub struct Accounting {
     allocs: HashMap<MapData, AllocKey, AllocRecord>,
     procs: HashMap<MapData, u32, ProcUsage>,
     cgroups: HashMap<MapData, u64, Usage>,
-    counters: Array<MapData, u64>,
+    counters: Counters,
+    /// Live records a cgroup may have (the probes' `MAX_RECORDS_PER_CGROUP`).
+    records_cap: u64,
     names: CgroupNames,
     stats: Stats,
     /// Set by an exit event: the next [`Accounting::sweep`] is due now.
     exits_pending: bool,
-    /// The eBPF side's lost-event count at the last drain: a lost event may be an exit.
+    /// The eBPF side's lost-exit count at the last drain.
     lost_seen: u64,
     /// Processes whose exit event arrived since the last [`Accounting::take_exits`], with the
     /// time it arrived (the reclaim of their ledger slots is timed from it).
@@ -39,31 +49,39 @@ pub struct Accounting {
 }
 
 impl Accounting {
-    /// Takes the accounting maps and the event ring buffer out of the loaded object.
-    pub fn new(ebpf: &mut Ebpf) -> Result<(Accounting, RingBuf<MapData>)> {
+    /// Takes the accounting maps and the event ring buffers out of the loaded object, which
+    /// was loaded with `records_cap` as its per-cgroup cap.
+    pub fn new(ebpf: &mut Ebpf, records_cap: u64) -> Result<(Accounting, Rings)> {
         let accounting = Accounting {
             allocs: take(ebpf, names::ALLOCS)?,
             procs: take(ebpf, names::PROC_USAGE)?,
             cgroups: take(ebpf, names::CGROUP_USAGE)?,
-            counters: take(ebpf, names::STATS)?,
+            counters: Counters::new(take(ebpf, names::STATS)?),
+            records_cap,
             names: CgroupNames::new(),
             stats: Stats::default(),
             exits_pending: false,
             lost_seen: 0,
             exited: Vec::new(),
         };
-        Ok((accounting, take(ebpf, names::EVENTS)?))
+        Ok((accounting, Rings { events: take(ebpf, names::EVENTS)?, exits: take(ebpf, names::EXITS)? }))
     }
 
-    /// Consumes every queued event; returns how many there were.
-    pub fn drain(&mut self, events: &mut RingBuf<MapData>) -> usize {
-        let mut drained = 0;
-        let lost = self.counter(stat::EVENTS_LOST);
+    /// Consumes every queued event of both ring buffers, exits first; returns how many there
+    /// were.
+    pub fn drain(&mut self, events: &mut RingBuf<MapData>, exits: &mut RingBuf<MapData>) -> usize {
+        let lost = self.counters.get(stat::EXITS_LOST);
         if lost != self.lost_seen {
+            // Exits were lost: the sweep finds their processes gone.
             self.lost_seen = lost;
             self.exits_pending = true;
         }
-        while let Some(item) = events.next() {
+        self.drain_ring(exits) + self.drain_ring(events)
+    }
+
+    fn drain_ring(&mut self, ring: &mut RingBuf<MapData>) -> usize {
+        let mut drained = 0;
+        while let Some(item) = ring.next() {
             drained += 1;
             if item.len() < size_of::<Event>() {
                 continue;
@@ -150,6 +168,7 @@ impl Accounting {
                 live_allocations: usage.live_allocations(),
                 allocs: usage.allocs,
                 frees: usage.frees,
+                unrecorded: usage.unrecorded,
                 ..ProcessRow::default()
             });
         }
@@ -157,10 +176,12 @@ impl Accounting {
         let mut cgroups: Vec<CgroupRow> = Vec::new();
         let rows: Vec<(u64, Usage)> = self.cgroups.iter().filter_map(Result::ok).collect();
         for (cgroup_id, usage) in rows {
-            if usage.total_bytes() == 0 && usage.live_allocations() == 0 {
+            if usage.total_bytes() == 0 && usage.live_allocations() == 0 && usage.unrecorded == 0 {
                 continue;
             }
             cgroups.push(CgroupRow {
+                capped: is_capped(&usage, self.records_cap),
+                unrecorded: usage.unrecorded,
                 cgroup_id,
                 cgroup: self.names.path(cgroup_id).unwrap_or_default(),
                 bytes: by_kind(&usage),
@@ -173,17 +194,35 @@ impl Accounting {
         cgroups.sort_by_key(|row| row.cgroup_id);
         let mut stats = self.stats.clone();
         stats.records = self.allocs.keys().filter(Result::is_ok).count() as u64;
-        stats.events_lost = self.counter(stat::EVENTS_LOST);
-        stats.untracked_allocs = self.counter(stat::UNTRACKED_ALLOCS);
-        stats.orphan_returns = self.counter(stat::ORPHAN_RETURNS);
-        stats.over_limit = self.counter(stat::OVER_LIMIT);
-        stats.signals_sent = self.counter(stat::SIGNALS_SENT);
-        Snapshot { processes, cgroups, stats, ..Snapshot::default() }
+        self.counters.fill(&mut stats);
+        stats.records_cap = self.records_cap;
+        let mut kernel_maps = KernelMaps { cgroup_usage: self.cgroup_ids(), ..KernelMaps::default() };
+        kernel_maps.cgroup_usage.sort_unstable();
+        Snapshot { processes, cgroups, stats, kernel_maps, ..Snapshot::default() }
     }
 
-    fn counter(&self, index: u32) -> u64 {
-        self.counters.get(&index, 0).unwrap_or(0)
+    /// The ids of the cgroups with an entry in `CGROUP_USAGE`.
+    pub fn cgroup_ids(&self) -> Vec<u64> {
+        self.cgroups.keys().filter_map(Result::ok).collect()
     }
+
+    /// Counts map entries of removed cgroups the agent's sweep deleted.
+    pub fn swept_cgroup_entries(&mut self, entries: usize) {
+        self.stats.cgroup_entries_swept += entries as u64;
+    }
+
+    /// Deletes the `CGROUP_USAGE` entries of these (removed) cgroups; returns how many went.
+    pub fn forget_cgroups(&mut self, ids: &[u64]) -> usize {
+        ids.iter().filter(|id| self.cgroups.remove(id).is_ok()).count()
+    }
+}
+
+/// Whether a cgroup holds at least its cap of live allocations, recorded or not: it is at its
+/// cap, or was and still holds what it allocated past it.
+pub fn is_capped(usage: &Usage, cap: u64) -> bool {
+    // The counters are updated without a lock: frees may briefly run ahead of allocations.
+    let live = u64::try_from(usage.live_allocations() as i64).unwrap_or(0);
+    live.saturating_add(usage.unrecorded) >= cap
 }
 
 fn by_kind(usage: &Usage) -> BytesByKind {

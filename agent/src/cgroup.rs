@@ -37,6 +37,11 @@ impl CgroupNames {
         self.known.get(&id).cloned()
     }
 
+    /// The cgroups found by the last walk ([`CgroupNames::all`]).
+    pub fn known(&self) -> &HashMap<u64, String> {
+        &self.known
+    }
+
     /// Every cgroup now: id -> path (walks the whole tree).
     pub fn all(&mut self) -> &HashMap<u64, String> {
         self.known.clear();

@@ -17,6 +17,9 @@
 //! process a signal before the driver runs (`signal`, SIGKILL by default). `deny` (making the
 //! call return `CUDA_ERROR_OUT_OF_MEMORY`) needs a kernel that lets uprobe programs write
 //! their registers; the agent checks at start and says whether this kernel does.
+//!
+//! A limit is only ever pushed for a cgroup that exists when it is pushed: the kernel deletes
+//! a removed cgroup's entry (`cgroup_rmdir`), and the agent must not bring it back.
 use std::{
     collections::BTreeMap,
     fs,
@@ -183,7 +186,9 @@ impl Limits {
     pub fn refresh(&mut self, names: &mut CgroupNames) {
         self.reload();
         let mut wanted = BTreeMap::new();
+        let mut walked = false;
         if !self.rules.is_empty() {
+            walked = true;
             for (id, path) in names.all() {
                 if let Some(rule) = self.rules.iter().find(|rule| matches(&rule.pattern, path)) {
                     wanted.insert(*id, CgroupLimit { limit: rule.limit, mode: self.mode, signal: self.signal });
@@ -192,6 +197,14 @@ impl Limits {
         }
         for (id, limit) in &self.ledger_limits {
             wanted.entry(*id).or_insert(CgroupLimit { limit: *limit, mode: self.mode, signal: self.signal });
+        }
+        // A ledger's cgroups come from the last reconcile pass: one may have gone since. Only
+        // a limit about to be written needs the check (the tree is walked once for them all).
+        if wanted.iter().any(|(id, limit)| self.applied.get(id) != Some(limit)) {
+            let existing = if walked { names.known() } else { names.all() };
+            if !existing.is_empty() {
+                wanted.retain(|id, _| existing.contains_key(id));
+            }
         }
         for id in self.applied.keys().filter(|id| !wanted.contains_key(id)).copied().collect::<Vec<_>>() {
             let _ = self.map.remove(&id);
@@ -212,6 +225,29 @@ impl Limits {
     /// Cgroups with a limit pushed.
     pub fn applied(&self) -> usize {
         self.applied.len()
+    }
+
+    /// The cgroups with a limit in the kernel map, ascending.
+    pub fn ids(&self) -> Vec<u64> {
+        let mut ids: Vec<u64> = self.map.keys().filter_map(Result::ok).collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    /// The cgroups the agent has pushed a limit for (the kernel may have deleted some since).
+    pub fn pushed(&self) -> impl Iterator<Item = u64> + '_ {
+        self.applied.keys().copied()
+    }
+
+    /// Forgets the limits of these (removed) cgroups, in the kernel map and in the agent's
+    /// record; returns how many kernel entries went.
+    pub fn forget(&mut self, ids: &[u64]) -> usize {
+        ids.iter()
+            .filter(|id| {
+                self.applied.remove(id);
+                self.map.remove(id).is_ok()
+            })
+            .count()
     }
 }
 

@@ -9,6 +9,7 @@ pub mod enforce;
 pub mod http;
 pub mod identity;
 pub mod inspect;
+pub mod kernel;
 pub mod ledgers;
 pub mod metrics;
 pub mod pod;

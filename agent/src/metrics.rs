@@ -28,8 +28,14 @@
 //! `vramguard_enforcement_signals_total`, `vramguard_probes_attached{libcuda}`,
 //! `vramguard_libcuda_files{state}` (probed, failed, capped),
 //! `vramguard_libcuda_capped_containers`, `vramguard_ledgers`,
-//! `vramguard_ledgers_skipped`, `vramguard_ledgers_unreadable`. Gauges are rebuilt from the
-//! current state at every scrape.
+//! `vramguard_ledgers_skipped`, `vramguard_ledgers_unreadable`. Of the kernel side
+//! ([`crate::kernel`]): `vramguard_kernel_trouble_total{kind}` (records refused by the
+//! per-cgroup cap, full maps, lost events and exits, suppressed log lines),
+//! `vramguard_cgroup_alloc_records_capped{cgroup,cgroup_id}` (1 for a cgroup at its cap),
+//! `vramguard_cgroup_unrecorded_allocations{cgroup,cgroup_id}`, `vramguard_alloc_records`,
+//! `vramguard_alloc_records_per_cgroup_cap` and `vramguard_cgroups_removed_total{by}` (map
+//! entries of removed cgroups deleted by the `kernel` tracepoint or the agent's `sweep`).
+//! Gauges are rebuilt from the current state at every scrape.
 use std::{
     collections::{BTreeMap, BTreeSet},
     time::Duration,
@@ -45,6 +51,7 @@ use tracing::warn;
 use crate::{
     identity,
     inspect::uuid_text,
+    kernel,
     ledgers::Ledgers,
     pod,
     reconcile::{Reconciler, State},
@@ -76,6 +83,12 @@ pub struct Metrics {
     ledgers_unreadable: IntGauge,
     process_state: IntGaugeVec,
     unhooked: IntGauge,
+    kernel_trouble: IntCounterVec,
+    capped: IntGaugeVec,
+    unrecorded: IntGaugeVec,
+    alloc_records: IntGauge,
+    records_cap: IntGauge,
+    cgroups_removed: IntCounterVec,
     container_ebpf: IntGaugeVec,
     unaccounted: IntGaugeVec,
     rejections: IntCounterVec,
@@ -143,6 +156,14 @@ fn gauge_vec(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> Re
     let gauge = IntGaugeVec::new(Opts::new(name, help), labels)?;
     registry.register(Box::new(gauge.clone())).with_context(|| format!("registering {name}"))?;
     Ok(gauge)
+}
+
+/// Brings a counter up to a total kept elsewhere (the kernel's counts only grow).
+fn catch_up(counter: &IntCounter, total: u64) {
+    let counted = counter.get();
+    if total > counted {
+        counter.inc_by(total - counted);
+    }
 }
 
 /// A byte count as a gauge value.
@@ -246,6 +267,42 @@ impl Metrics {
             &with_container(&["ledger", "device_index"]),
         )?;
         registry.register(Box::new(rejections.clone()))?;
+        let kernel_trouble = IntCounterVec::new(
+            Opts::new(
+                "vramguard_kernel_trouble_total",
+                "Trouble the eBPF programs met, by kind: records_capped, allocs_map_full, procs_map_full, cgroups_map_full, events_lost, exit_events_lost, untracked_allocs, log_lines_suppressed",
+            ),
+            &["kind"],
+        )?;
+        registry.register(Box::new(kernel_trouble.clone()))?;
+        let cgroup_labels = ["cgroup", "cgroup_id"];
+        let capped = gauge_vec(
+            &registry,
+            "vramguard_cgroup_alloc_records_capped",
+            "1 for a cgroup holding at least its cap of live allocations: its new allocations are charged without a record",
+            &cgroup_labels,
+        )?;
+        let unrecorded = gauge_vec(
+            &registry,
+            "vramguard_cgroup_unrecorded_allocations",
+            "Live allocations of a cgroup charged without a record (past its cap, or the node's record map full)",
+            &cgroup_labels,
+        )?;
+        let alloc_records = IntGauge::new("vramguard_alloc_records", "Allocation records in the kernel map now")?;
+        registry.register(Box::new(alloc_records.clone()))?;
+        let records_cap = IntGauge::new(
+            "vramguard_alloc_records_per_cgroup_cap",
+            "Live allocation records one cgroup may have (--max-alloc-records-per-cgroup)",
+        )?;
+        registry.register(Box::new(records_cap.clone()))?;
+        let cgroups_removed = IntCounterVec::new(
+            Opts::new(
+                "vramguard_cgroups_removed_total",
+                "Removed cgroups whose kernel map entries were deleted, by the cgroup_rmdir tracepoint (by=kernel, cgroups) or the agent's sweep (by=sweep, entries)",
+            ),
+            &["by"],
+        )?;
+        registry.register(Box::new(cgroups_removed.clone()))?;
         let hami = if hami {
             let labels = ["namespace", "pod", "container", "vdevice_index", "device_uuid"];
             Some(Hami {
@@ -274,6 +331,12 @@ impl Metrics {
             ledgers_unreadable,
             process_state,
             unhooked,
+            kernel_trouble,
+            capped,
+            unrecorded,
+            alloc_records,
+            records_cap,
+            cgroups_removed,
             container_ebpf,
             unaccounted,
             rejections,
@@ -395,11 +458,27 @@ impl Metrics {
             (&self.over_limit, snapshot.stats.over_limit),
             (&self.signals, snapshot.stats.signals_sent),
         ] {
-            let counted = counter.get();
-            if total > counted {
-                counter.inc_by(total - counted);
+            catch_up(counter, total);
+        }
+        for (kind, total) in kernel::trouble::kinds(&snapshot.stats) {
+            catch_up(&self.kernel_trouble.with_label_values(&[kind]), total);
+        }
+        catch_up(&self.cgroups_removed.with_label_values(&["kernel"]), snapshot.stats.cgroups_removed_by_kernel);
+        catch_up(&self.cgroups_removed.with_label_values(&["sweep"]), snapshot.stats.cgroup_entries_swept);
+        self.capped.reset();
+        self.unrecorded.reset();
+        for row in &snapshot.cgroups {
+            let id = row.cgroup_id.to_string();
+            let labels = [row.cgroup.as_str(), id.as_str()];
+            if row.capped {
+                self.capped.with_label_values(&labels).set(1);
+            }
+            if row.unrecorded > 0 {
+                self.unrecorded.with_label_values(&labels).set(value(row.unrecorded));
             }
         }
+        self.alloc_records.set(value(snapshot.stats.records));
+        self.records_cap.set(value(snapshot.stats.records_cap));
         self.probes.reset();
         for report in probes {
             self.probes.with_label_values(&[report.path.as_str()]).set(report.attached.len() as i64);
@@ -457,6 +536,39 @@ mod tests {
         assert!(text.contains("vramguard_process_state{pid=\"41\",state=\"ok\"} 0"), "{text}");
         assert!(text.contains("vramguard_process_state{pid=\"42\",state=\"ok\"} 1"), "{text}");
         assert!(text.contains("vramguard_unhooked_processes 1"), "{text}");
+    }
+
+    #[test]
+    fn capped_cgroups_and_kernel_trouble() {
+        use crate::snapshot::CgroupRow;
+        let mut metrics = Metrics::new(false).expect("metrics");
+        let mut snapshot = Snapshot {
+            cgroups: vec![
+                CgroupRow { cgroup_id: 7, cgroup: "/flood".into(), live_allocations: 100, unrecorded: 40, capped: true, ..Default::default() },
+                CgroupRow { cgroup_id: 8, cgroup: "/calm".into(), live_allocations: 3, ..Default::default() },
+            ],
+            ..Default::default()
+        };
+        snapshot.stats.records_capped = 40;
+        snapshot.stats.log_lines_suppressed = 35;
+        snapshot.stats.records_cap = 100;
+        snapshot.stats.cgroups_removed_by_kernel = 2;
+        let reconciler = Reconciler::new(Default::default());
+        metrics.refresh(None, &snapshot, &reconciler, &BTreeMap::new());
+        let text = metrics.encode().expect("encode");
+        assert!(text.contains("vramguard_cgroup_alloc_records_capped{cgroup=\"/flood\",cgroup_id=\"7\"} 1"), "{text}");
+        assert!(!text.contains("vramguard_cgroup_alloc_records_capped{cgroup=\"/calm\""), "{text}");
+        assert!(text.contains("vramguard_cgroup_unrecorded_allocations{cgroup=\"/flood\",cgroup_id=\"7\"} 40"), "{text}");
+        assert!(text.contains("vramguard_kernel_trouble_total{kind=\"records_capped\"} 40"), "{text}");
+        assert!(text.contains("vramguard_kernel_trouble_total{kind=\"log_lines_suppressed\"} 35"), "{text}");
+        assert!(text.contains("vramguard_kernel_trouble_total{kind=\"exit_events_lost\"} 0"), "{text}");
+        assert!(text.contains("vramguard_alloc_records_per_cgroup_cap 100"), "{text}");
+        assert!(text.contains("vramguard_cgroups_removed_total{by=\"kernel\"} 2"), "{text}");
+        // The flooder leaves: its series go.
+        snapshot.cgroups.remove(0);
+        metrics.refresh(None, &snapshot, &reconciler, &BTreeMap::new());
+        let text = metrics.encode().expect("encode");
+        assert!(!text.contains("vramguard_cgroup_alloc_records_capped{"), "{text}");
     }
 
     #[test]

@@ -33,11 +33,22 @@ const BTF: &str = "/sys/kernel/btf/vmlinux";
 const UPROBE_PMU: &str = "/sys/bus/event_source/devices/uprobe/type";
 const TRACEFS_MOUNTS: [&str; 2] = ["/sys/kernel/tracing", "/sys/kernel/debug/tracing"];
 const EXIT_FORMAT: &str = "events/sched/sched_process_exit/format";
+const RMDIR_FORMAT: &str = "events/cgroup/cgroup_rmdir/format";
 
 /// What the checks found that loading needs.
 pub struct Platform {
     /// Byte offset of `group_dead` in the `sched_process_exit` record.
     pub group_dead_offset: u32,
+    /// Byte offsets of `root` and `id` in the `cgroup_rmdir` record, or why they are
+    /// unknown (the agent then deletes removed cgroups' entries in its sweep only).
+    pub rmdir_offsets: Result<RmdirOffsets, String>,
+}
+
+/// Where the `cgroup:cgroup_rmdir` record holds the hierarchy and the cgroup id.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RmdirOffsets {
+    pub root: u32,
+    pub id: u32,
 }
 
 /// Runs every check; mounts tracefs if it is not mounted yet.
@@ -56,7 +67,8 @@ pub fn check() -> Result<Platform> {
     }
     let tracefs = tracefs()?;
     let group_dead_offset = group_dead_offset(&tracefs.join(EXIT_FORMAT))?;
-    Ok(Platform { group_dead_offset })
+    let rmdir_offsets = rmdir_offsets(&tracefs.join(RMDIR_FORMAT));
+    Ok(Platform { group_dead_offset, rmdir_offsets })
 }
 
 /// How the node's cgroups are laid out, as far as telling containers apart goes.
@@ -167,6 +179,15 @@ fn group_dead_offset(format: &Path) -> Result<u32> {
     })
 }
 
+/// Reads the offsets of `root` and `id` from the `cgroup_rmdir` format file.
+fn rmdir_offsets(format: &Path) -> Result<RmdirOffsets, String> {
+    let text = fs::read_to_string(format).map_err(|error| format!("cannot read {}: {error}", format.display()))?;
+    match (parse_field_offset(&text, "root"), parse_field_offset(&text, "id")) {
+        (Some(root), Some(id)) => Ok(RmdirOffsets { root, id }),
+        _ => Err(format!("{} has no `root` and `id` fields", format.display())),
+    }
+}
+
 /// Finds `offset:N;` on the line declaring `field`.
 fn parse_field_offset(format: &str, field: &str) -> Option<u32> {
     format.lines().find_map(|line| {
@@ -224,6 +245,19 @@ mod tests {
         \tfield:char comm[16];\toffset:8;\tsize:16;\tsigned:0;\n\
         \tfield:pid_t pid;\toffset:24;\tsize:4;\tsigned:1;\n\
         \tfield:bool group_dead;\toffset:32;\tsize:1;\tsigned:0;\n";
+
+    #[test]
+    fn finds_the_cgroup_rmdir_fields() {
+        let format = "name: cgroup_rmdir\nformat:\n\
+            \tfield:unsigned short common_type;\toffset:0;\tsize:2;\tsigned:0;\n\
+            \tfield:int root;\toffset:8;\tsize:4;\tsigned:1;\n\
+            \tfield:int level;\toffset:12;\tsize:4;\tsigned:1;\n\
+            \tfield:u64 id;\toffset:16;\tsize:8;\tsigned:0;\n\
+            \tfield:__data_loc char[] path;\toffset:24;\tsize:4;\tsigned:0;\n";
+        assert_eq!(parse_field_offset(format, "root"), Some(8));
+        assert_eq!(parse_field_offset(format, "id"), Some(16));
+        assert_eq!(parse_field_offset(format, "path"), Some(24));
+    }
 
     #[test]
     fn finds_group_dead() {

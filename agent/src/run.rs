@@ -1,8 +1,8 @@
 //! `vramguard run`: load and attach the eBPF programs, keep the view current, answer the
 //! control socket, watch the ledgers under `--ledger-dir` (reclaiming the slots of dead
 //! processes on their exit events and every `--ledger-scan-ms`), reconcile the ledgers with
-//! the eBPF view (after drains and sweeps, and every second), serve `--metrics-addr`, and
-//! detach cleanly on SIGINT or SIGTERM.
+//! the eBPF view (after drains and sweeps, and every second), serve `--metrics-addr`, forward
+//! the eBPF programs' log lines into the agent's log, and detach cleanly on SIGINT or SIGTERM.
 use std::{
     collections::BTreeMap,
     net::SocketAddr,
@@ -29,6 +29,7 @@ use crate::{
     control,
     discovery::{self, Caps, Discovery},
     http::{self, Response},
+    kernel,
     ledgers::{Ledgers, Limits},
     metrics::Metrics,
     preflight,
@@ -133,6 +134,20 @@ pub struct RunArgs {
     /// process is reported `drift`, in milliseconds.
     #[arg(long, default_value_t = reconcile::DEFAULT_GRACE_MS, value_name = "MS")]
     pub drift_grace_ms: u64,
+    /// Live allocation records the probes keep across the node (the kernel map's size; each
+    /// takes about 100 bytes of kernel memory while it exists).
+    #[arg(long, default_value_t = common::DEFAULT_MAX_ALLOCS, value_name = "NUM")]
+    pub max_alloc_records: u32,
+    /// Live allocation records one cgroup may have: past it, its allocations are still
+    /// charged but not recorded (their frees go unseen until the process exits) and the
+    /// cgroup is reported `capped`, so one tenant cannot fill the node's records.
+    #[arg(long, default_value_t = common::DEFAULT_RECORDS_PER_CGROUP, value_name = "NUM")]
+    pub max_alloc_records_per_cgroup: u32,
+    /// Bytes of the allocation and free event ring buffer (a power of two, at least 4096;
+    /// about 56 bytes an event). Events past it are only counted: the accounting lives in
+    /// maps, and exits have a ring buffer of their own.
+    #[arg(long, default_value_t = common::EVENTS_BYTES, value_name = "BYTES")]
+    pub event_ring_bytes: u32,
 }
 
 fn parse_threshold(text: &str) -> Result<u64, String> {
@@ -157,15 +172,37 @@ pub async fn run(args: RunArgs) -> Result<()> {
     if args.rescan_ms == 0 || args.drain_ms == 0 || args.sweep_ms == 0 || args.ledger_scan_ms == 0 {
         bail!("--rescan-ms, --drain-ms, --sweep-ms and --ledger-scan-ms must be at least 1");
     }
+    if args.max_alloc_records_per_cgroup == 0 || args.max_alloc_records_per_cgroup > args.max_alloc_records {
+        bail!(
+            "--max-alloc-records-per-cgroup ({}) must be between 1 and --max-alloc-records ({})",
+            args.max_alloc_records_per_cgroup,
+            args.max_alloc_records
+        );
+    }
+    if !args.event_ring_bytes.is_power_of_two() || args.event_ring_bytes < 4096 {
+        bail!("--event-ring-bytes {} must be a power of two of at least 4096", args.event_ring_bytes);
+    }
     let platform = preflight::check()?;
     let layout = preflight::cgroup_layout();
     if args.enforce == enforce::Mode::Signal {
         preflight::allow_signal_enforcement(&layout, args.cgroup2_separates_containers)?;
     }
+    let records_cap = u64::from(args.max_alloc_records_per_cgroup);
+    let (rmdir_root, rmdir_id) = match &platform.rmdir_offsets {
+        Ok(offsets) => (offsets.root, offsets.id),
+        Err(_) => (0, 0),
+    };
     let mut ebpf = EbpfLoader::new()
         .override_global(common::names::GROUP_DEAD_OFFSET, &platform.group_dead_offset, true)
+        .override_global(common::names::MAX_RECORDS_PER_CGROUP, &records_cap, true)
+        .override_global(common::names::RMDIR_ROOT_OFFSET, &rmdir_root, true)
+        .override_global(common::names::RMDIR_ID_OFFSET, &rmdir_id, true)
+        .map_max_entries(common::names::ALLOCS, args.max_alloc_records)
+        .map_max_entries(common::names::EVENTS, args.event_ring_bytes)
         .load(EBPF_OBJECT)
         .context("the kernel refused the eBPF object")?;
+    // Before any program runs, so that no line is lost.
+    let mut kernel_log = kernel::log::init(&mut ebpf)?;
     let exit: &mut TracePoint = ebpf
         .program_mut(common::names::PROCESS_EXIT)
         .ok_or_else(|| anyhow!("the embedded eBPF object has no `process_exit` program"))?
@@ -173,6 +210,22 @@ pub async fn run(args: RunArgs) -> Result<()> {
     exit.load().context("the kernel refused the process-exit program")?;
     exit.attach("sched", "sched_process_exit")
         .context("cannot attach to the sched:sched_process_exit tracepoint")?;
+    match &platform.rmdir_offsets {
+        Ok(_) => {
+            let rmdir: &mut TracePoint = ebpf
+                .program_mut(common::names::CGROUP_RMDIR)
+                .ok_or_else(|| anyhow!("the embedded eBPF object has no `cgroup_rmdir` program"))?
+                .try_into()?;
+            rmdir.load().context("the kernel refused the cgroup-removal program")?;
+            rmdir
+                .attach("cgroup", "cgroup_rmdir")
+                .context("cannot attach to the cgroup:cgroup_rmdir tracepoint")?;
+        }
+        Err(reason) => warn!(
+            %reason,
+            "no cgroup:cgroup_rmdir tracepoint: removed cgroups' map entries are deleted by the sweep (--sweep-ms) only"
+        ),
+    }
     probes::load_programs(&mut ebpf)?;
     match (enforce::deny_support(&mut ebpf), args.enforce) {
         (Ok(()), _) => info!("deny mode: this kernel lets uprobes write registers, but this build does not implement deny yet"),
@@ -195,11 +248,19 @@ pub async fn run(args: RunArgs) -> Result<()> {
         limits.refresh(&mut cgroups);
         info!(mode = ?args.enforce, cgroups = limits.applied(), "cgroup limits pushed to the probes");
     }
-    let (mut accounting, events) = Accounting::new(&mut ebpf)?;
+    let (mut accounting, rings) = Accounting::new(&mut ebpf, records_cap)?;
+    // Allocation and free events are queued without a wake-up and drained on the timer;
+    // exits wake the agent.
+    let mut events = rings.events;
     // SAFETY: the ring buffer owns its map fd, which stays open and unchanged until the
     // AsyncFd (which owns the ring buffer) is dropped.
-    let mut events = unsafe { AsyncFd::register_with_interest(events, tokio::io::Interest::READABLE) }
-        .map_err(|error| anyhow!("cannot poll the event ring buffer: {error}"))?;
+    let mut exits = unsafe { AsyncFd::register_with_interest(rings.exits, tokio::io::Interest::READABLE) }
+        .map_err(|error| anyhow!("cannot poll the exit ring buffer: {error}"))?;
+    info!(
+        max_alloc_records = args.max_alloc_records,
+        max_alloc_records_per_cgroup = records_cap,
+        "allocation records: node-wide and per-cgroup caps"
+    );
 
     let mut discovery = Discovery::new(Caps { per_container: args.max_probed_per_container, per_node: args.max_probed_files });
     for path in &args.libcuda {
@@ -273,9 +334,15 @@ pub async fn run(args: RunArgs) -> Result<()> {
         let wake = tokio::select! {
             _ = sigterm.recv() => Wake::Stop("SIGTERM"),
             _ = sigint.recv() => Wake::Stop("SIGINT"),
-            guard = events.readable_mut() => {
-                guard.context("polling the event ring buffer")?.clear_ready();
+            guard = exits.readable_mut() => {
+                guard.context("polling the exit ring buffer")?.clear_ready();
                 Wake::Events
+            }
+            guard = kernel_log.readable_mut() => {
+                let mut guard = guard.context("polling the eBPF programs' log")?;
+                guard.get_inner_mut().flush();
+                guard.clear_ready();
+                continue;
             }
             _ = drain.tick() => Wake::Drain,
             _ = sweep.tick() => Wake::Sweep,
@@ -304,7 +371,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 }
             }
             Wake::Events | Wake::Drain => {
-                let drained = accounting.drain(events.get_mut());
+                let drained = accounting.drain(&mut events, exits.get_mut());
                 let exits = accounting.take_exits();
                 if let Some(ledgers) = ledgers.as_ref().filter(|_| !exits.is_empty()) {
                     for (tgid, at) in exits {
@@ -323,7 +390,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 }
             }
             Wake::Reconcile => {
-                accounting.drain(events.get_mut());
+                accounting.drain(&mut events, exits.get_mut());
                 judge.pass(ledgers.as_ref(), &accounting, &metrics);
             }
             Wake::Ledgers | Wake::ExitRetry => {
@@ -341,16 +408,18 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 }
             }
             Wake::Sweep => {
-                accounting.drain(events.get_mut());
+                accounting.drain(&mut events, exits.get_mut());
                 accounting.sweep();
+                kernel::cgroups::sweep(&mut accounting, limits.as_mut(), &mut cgroups);
             }
             Wake::Rescan => {
                 discovery.scan(&mut Attacher(&mut ebpf));
             }
             Wake::Client(stream) => {
-                accounting.drain(events.get_mut());
+                accounting.drain(&mut events, exits.get_mut());
                 let mut snapshot = snapshot(&mut accounting, &discovery, ledgers.as_ref(), &reclaimer, &mut judge, &metrics, metrics_addr);
                 snapshot.stats.cgroup_limits = limits.as_ref().map_or(0, |l| l.applied() as u64);
+                snapshot.kernel_maps.cgroup_limits = limits.as_ref().map_or_else(Vec::new, |l| l.ids());
                 if let Err(error) = control::serve(stream, &snapshot).await {
                     warn!(%error, "answering a control client failed");
                 }
@@ -358,7 +427,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
             Wake::Http(request) => {
                 let response = match request.path.as_str() {
                     "/metrics" => {
-                        accounting.drain(events.get_mut());
+                        accounting.drain(&mut events, exits.get_mut());
                         let mut snapshot = snapshot(&mut accounting, &discovery, ledgers.as_ref(), &reclaimer, &mut judge, &metrics, metrics_addr);
                         snapshot.stats.cgroup_limits = limits.as_ref().map_or(0, |l| l.applied() as u64);
                         metrics.refresh(ledgers.as_ref(), &snapshot, &judge.reconciler, &judge.charger.charged());
@@ -386,6 +455,9 @@ pub async fn run(args: RunArgs) -> Result<()> {
     let _ = std::fs::remove_file(&args.socket);
     drop(accounting);
     drop(events);
+    drop(exits);
+    kernel_log.get_mut().flush();
+    drop(kernel_log);
     drop(ebpf); // dropping the programs detaches every uprobe and the tracepoint
     info!("vramguard agent stopped");
     Ok(())

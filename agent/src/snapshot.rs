@@ -31,6 +31,17 @@ pub struct Snapshot {
     /// (`skipped: ...`, `tampered: ...`, `unreadable: ...`, `worker failing: ...`), by path.
     #[serde(default)]
     pub ledger_problems: BTreeMap<String, String>,
+    /// Which cgroups have entries in the kernel's per-cgroup maps (for checking that removed
+    /// cgroups' entries go).
+    #[serde(default)]
+    pub kernel_maps: KernelMaps,
+}
+
+/// The cgroup ids with an entry in each per-cgroup kernel map, ascending.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct KernelMaps {
+    pub cgroup_usage: Vec<u64>,
+    pub cgroup_limits: Vec<u64>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -47,6 +58,10 @@ pub struct ProcessRow {
     pub live_allocations: u64,
     pub allocs: u64,
     pub frees: u64,
+    /// Allocations charged without a record (its cgroup was at its cap, or the node's record
+    /// map was full): their bytes stay charged until the process exits.
+    #[serde(default)]
+    pub unrecorded: u64,
     /// The reconciliation state (`ok`, `drift`, `unhooked`, `stale`, `tampered`); absent
     /// before the first pass.
     #[serde(default)]
@@ -69,6 +84,14 @@ pub struct CgroupRow {
     pub live_allocations: u64,
     pub allocs: u64,
     pub frees: u64,
+    /// Live allocations charged without a record (past the cap, or the node's record map
+    /// full), until their processes exit.
+    #[serde(default)]
+    pub unrecorded: u64,
+    /// The cgroup holds at least its cap of live allocations (`stats.records_cap`),
+    /// recorded or not: new allocations get no record.
+    #[serde(default)]
+    pub capped: bool,
 }
 
 /// Counters of the accounting pipeline itself.
@@ -100,6 +123,33 @@ pub struct Stats {
     /// Ledger slots of dead processes the agent reclaimed.
     #[serde(default)]
     pub slots_reclaimed: u64,
+    /// Live allocation records a cgroup may have (`--max-alloc-records-per-cgroup`).
+    #[serde(default)]
+    pub records_cap: u64,
+    /// Allocations refused a record because their cgroup was at its cap (charged anyway).
+    #[serde(default)]
+    pub records_capped: u64,
+    /// Allocations refused a record because the node's record map was full (charged anyway).
+    #[serde(default)]
+    pub allocs_map_full: u64,
+    /// Processes whose usage the probes could not track (their map full).
+    #[serde(default)]
+    pub procs_map_full: u64,
+    /// Allocations whose cgroup the probes could not track (their map full).
+    #[serde(default)]
+    pub cgroups_map_full: u64,
+    /// Exit events the eBPF side could not queue (exit ring buffer full).
+    #[serde(default)]
+    pub exit_events_lost: u64,
+    /// Kernel log lines about trouble dropped by the kernel's rate limit.
+    #[serde(default)]
+    pub log_lines_suppressed: u64,
+    /// Removed cgroups whose map entries the `cgroup_rmdir` tracepoint deleted.
+    #[serde(default)]
+    pub cgroups_removed_by_kernel: u64,
+    /// Map entries of removed cgroups the agent's sweep deleted.
+    #[serde(default)]
+    pub cgroup_entries_swept: u64,
 }
 
 impl Snapshot {
@@ -131,6 +181,17 @@ impl Snapshot {
         }
         if self.processes.is_empty() {
             let _ = writeln!(out, "(no process holds GPU memory)");
+        }
+        for row in self.cgroups.iter().filter(|row| row.capped) {
+            let _ = writeln!(
+                out,
+                "capped: {} ({}) holds {} allocations ({} without a record) against a cap of {} records",
+                if row.cgroup.is_empty() { "(removed)" } else { row.cgroup.as_str() },
+                row.cgroup_id,
+                row.live_allocations.saturating_add(row.unrecorded),
+                row.unrecorded,
+                self.stats.records_cap
+            );
         }
         let probed: Vec<&str> = self.libcuda.iter().map(|f| f.path.as_str()).collect();
         let _ = writeln!(
@@ -195,6 +256,17 @@ mod tests {
         let json = serde_json::to_value(&snapshot.processes[0]).expect("json");
         assert_eq!(json["state"], "tampered");
         assert_eq!(json["ledger_bytes"], 0);
+    }
+
+    #[test]
+    fn the_table_names_capped_cgroups() {
+        let capped = CgroupRow { cgroup_id: 77, cgroup: "/flood".into(), live_allocations: 10, unrecorded: 5, capped: true, ..Default::default() };
+        let fine = CgroupRow { cgroup_id: 78, cgroup: "/fine".into(), live_allocations: 3, ..Default::default() };
+        let mut snapshot = Snapshot { cgroups: vec![capped, fine], ..Default::default() };
+        snapshot.stats.records_cap = 10;
+        let table = snapshot.render_table();
+        assert!(table.contains("capped: /flood (77) holds 15 allocations (5 without a record) against a cap of 10 records"), "{table}");
+        assert!(!table.contains("/fine"), "{table}");
     }
 
     #[test]

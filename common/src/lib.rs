@@ -123,6 +123,11 @@ pub struct Usage {
     pub allocs: u64,
     /// Frees of known allocations seen.
     pub frees: u64,
+    /// Allocations charged without a record, because the cgroup was at its cap of live
+    /// records (`MAX_RECORDS_PER_CGROUP`) or the node's `ALLOCS` map was full. Their bytes
+    /// stay charged (so a cgroup limit still fires) until their process exits, since their
+    /// frees cannot be matched. For a cgroup, those of its exited processes are taken off.
+    pub unrecorded: u64,
 }
 
 impl Usage {
@@ -137,7 +142,7 @@ impl Usage {
         total
     }
 
-    /// Allocations not yet freed.
+    /// Allocations not yet freed (with a record: `unrecorded` ones are not in it).
     pub fn live_allocations(&self) -> u64 {
         self.allocs.wrapping_sub(self.frees)
     }
@@ -166,7 +171,9 @@ pub enum EventKind {
     Exit = 3,
 }
 
-/// One entry of the `EVENTS` ring buffer.
+/// One entry of the `EVENTS` ring buffer (allocations and frees, no wake-up: the agent
+/// drains it on a timer) or of the `EXITS` ring buffer (exits only, each waking the agent, so
+/// no flood of allocations can crowd an exit out).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Event {
@@ -204,12 +211,13 @@ pub mod enforce {
     pub const SIGNAL: u32 = 1;
 }
 
-/// Indices into the `STATS` array map.
+/// Indices into the `STATS` per-CPU array map (the agent sums the CPUs): the kernel side's
+/// counts of its own trouble.
 pub mod stat {
-    /// Events that did not fit in the ring buffer.
+    /// Allocation and free events that did not fit in the `EVENTS` ring buffer.
     pub const EVENTS_LOST: u32 = 0;
-    /// Successful allocations that could not be recorded (a map was full): memory the
-    /// accounting does not see.
+    /// Successful allocations neither recorded nor charged: the process's entry could not be
+    /// made (`PROC_USAGE` full) or the driver's result could not be read.
     pub const UNTRACKED_ALLOCS: u32 = 1;
     /// Return probes that found no saved entry (the entry probe was attached late).
     pub const ORPHAN_RETURNS: u32 = 2;
@@ -217,8 +225,56 @@ pub mod stat {
     pub const OVER_LIMIT: u32 = 3;
     /// Signals sent to stop such allocations.
     pub const SIGNALS_SENT: u32 = 4;
+    /// Allocations refused a record because their cgroup was at its cap (charged anyway).
+    pub const RECORDS_CAPPED: u32 = 5;
+    /// Allocations refused a record because `ALLOCS` was full node-wide (charged anyway).
+    pub const ALLOCS_FULL: u32 = 6;
+    /// Processes whose usage entry could not be made (`PROC_USAGE` full).
+    pub const PROCS_FULL: u32 = 7;
+    /// Cgroups whose usage entry could not be made (`CGROUP_USAGE` full).
+    pub const CGROUPS_FULL: u32 = 8;
+    /// Exit events that did not fit in the `EXITS` ring buffer (the agent's sweep still
+    /// finds the process gone).
+    pub const EXITS_LOST: u32 = 9;
+    /// Log lines about trouble not written because their kind had had its
+    /// [`trouble::LINES_PER_SECOND`] this second.
+    pub const LOG_SUPPRESSED: u32 = 10;
+    /// Removed cgroups whose `CGROUP_USAGE` or `CGROUP_LIMITS` entry the `cgroup_rmdir`
+    /// tracepoint deleted.
+    pub const CGROUPS_REMOVED: u32 = 11;
     /// Number of entries.
-    pub const LEN: u32 = 8;
+    pub const LEN: u32 = 16;
+}
+
+/// The kinds of kernel-side trouble the programs log (through aya-log), each rate-limited on
+/// its own: at most [`trouble::LINES_PER_SECOND`] lines per kind per second, node-wide, so
+/// a tenant cannot flood the agent's log. Indices into `LOG_WINDOWS`.
+pub mod trouble {
+    /// A cgroup at its cap of live allocation records.
+    pub const RECORDS_CAPPED: u32 = 0;
+    /// `ALLOCS` full node-wide.
+    pub const ALLOCS_FULL: u32 = 1;
+    /// `PROC_USAGE` full.
+    pub const PROCS_FULL: u32 = 2;
+    /// `CGROUP_USAGE` full.
+    pub const CGROUPS_FULL: u32 = 3;
+    /// An allocation or free event dropped (`EVENTS` full).
+    pub const EVENT_LOST: u32 = 4;
+    /// An exit event dropped (`EXITS` full).
+    pub const EXIT_LOST: u32 = 5;
+    /// Number of kinds.
+    pub const COUNT: u32 = 6;
+    /// Lines per kind per second.
+    pub const LINES_PER_SECOND: u64 = 5;
+}
+
+/// Value of `LOG_WINDOWS` (key: a [`trouble`] kind): the second (of `bpf_ktime_get_ns`)
+/// being counted and the lines of that kind logged in it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LogWindow {
+    pub second: u64,
+    pub lines: u64,
 }
 
 /// Names of the maps, programs and globals in the eBPF object.
@@ -228,6 +284,7 @@ pub mod names {
     pub const PROC_USAGE: &str = "PROC_USAGE";
     pub const CGROUP_USAGE: &str = "CGROUP_USAGE";
     pub const EVENTS: &str = "EVENTS";
+    pub const EXITS: &str = "EXITS";
     pub const STATS: &str = "STATS";
     pub const CGROUP_LIMITS: &str = "CGROUP_LIMITS";
     /// A program that writes its context's return register: loads only where the kernel lets
@@ -236,17 +293,28 @@ pub mod names {
     /// Global: byte offset of `group_dead` in the `sched_process_exit` record.
     pub const GROUP_DEAD_OFFSET: &str = "GROUP_DEAD_OFFSET";
     pub const PROCESS_EXIT: &str = "process_exit";
+    /// Global: live allocation records a cgroup may have in `ALLOCS`.
+    pub const MAX_RECORDS_PER_CGROUP: &str = "MAX_RECORDS_PER_CGROUP";
+    /// Globals: byte offsets of `root` and `id` in the `cgroup_rmdir` record.
+    pub const RMDIR_ROOT_OFFSET: &str = "RMDIR_ROOT_OFFSET";
+    pub const RMDIR_ID_OFFSET: &str = "RMDIR_ID_OFFSET";
+    pub const CGROUP_RMDIR: &str = "cgroup_rmdir";
     pub const ALLOC_RETURN: &str = "alloc_return";
 }
 
-/// Capacity of the `ALLOCS` map: live allocations tracked across the node.
-pub const MAX_ALLOCS: u32 = 1 << 18;
+/// Default capacity of the `ALLOCS` map (live allocations recorded across the node; the
+/// agent sets it at load time, `--max-alloc-records`): 64 cgroups at the default cap.
+pub const DEFAULT_MAX_ALLOCS: u32 = 1 << 20;
+/// Default cap on one cgroup's live allocation records (`--max-alloc-records-per-cgroup`).
+pub const DEFAULT_RECORDS_PER_CGROUP: u32 = 1 << 14;
 /// Capacity of `PROC_USAGE`: processes with GPU memory at once.
 pub const MAX_PROCS: u32 = 1 << 14;
 /// Capacity of `CGROUP_USAGE`.
 pub const MAX_CGROUPS: u32 = 1 << 12;
 /// Bytes in the `EVENTS` ring buffer.
 pub const EVENTS_BYTES: u32 = 1 << 22;
+/// Bytes in the `EXITS` ring buffer (about 4,600 exits between two drains).
+pub const EXITS_BYTES: u32 = 1 << 18;
 
 #[cfg(feature = "user")]
 mod pod {
@@ -260,4 +328,5 @@ mod pod {
     unsafe impl aya::Pod for super::ProcUsage {}
     unsafe impl aya::Pod for super::Event {}
     unsafe impl aya::Pod for super::CgroupLimit {}
+    unsafe impl aya::Pod for super::LogWindow {}
 }

@@ -7,8 +7,18 @@
 //! allocation. Accounting lives in maps: one record per live allocation keyed by
 //! (tgid, space, pointer/handle), usage per process (`PROC_USAGE`) and per cgroup
 //! (`CGROUP_USAGE`). The `process_exit` tracepoint drops a dead process's usage at once and
-//! tells the agent, which then deletes its records. Events go to a ring buffer without a
-//! wake-up (the agent drains it on a timer), except exits, which wake it.
+//! tells the agent, which then deletes its records. Allocation and free events go to the
+//! `EVENTS` ring buffer without a wake-up (the agent drains it on a timer); exits go to a ring
+//! buffer of their own, `EXITS`, and wake the agent, so no flood of allocations can make an
+//! exit event lost.
+//!
+//! Bounded per tenant: a cgroup may have at most `MAX_RECORDS_PER_CGROUP` live records in
+//! `ALLOCS` (set by the agent at load time). Past it, an allocation is still charged (the
+//! cgroup's limit keeps working) but gets no record (`Usage::unrecorded`): the cgroup is
+//! *capped*, and the other cgroups keep being recorded. The `cgroup_rmdir` tracepoint deletes
+//! a removed cgroup's `CGROUP_USAGE` and `CGROUP_LIMITS` entries. Trouble (a full map, a lost
+//! event, a capped cgroup) is counted in the per-CPU `STATS` and logged through aya-log, at
+//! most `trouble::LINES_PER_SECOND` lines per kind per second (`LOG_WINDOWS`).
 //!
 //! The agent decides which symbol each program is attached to (agent/src/probes.rs).
 #![no_std]
@@ -27,12 +37,15 @@ use aya_ebpf::{
         bpf_send_signal,
     },
     macros::{map, tracepoint, uprobe, uretprobe},
-    maps::{Array, HashMap, LruHashMap, RingBuf},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
     programs::{ProbeContext, RetProbeContext, TracePointContext},
+    EbpfContext,
 };
+use aya_log_ebpf::warn;
 use common::{
-    enforce, stat, AddrSpace, CgroupLimit, AllocKey, AllocKind, AllocRecord, Event, EventKind, PendingAlloc, ProcUsage,
-    Usage, EVENTS_BYTES, KIND_COUNT, MAX_ALLOCS, MAX_CGROUPS, MAX_PROCS,
+    enforce, stat, trouble, AddrSpace, AllocKey, AllocKind, AllocRecord, CgroupLimit, Event, EventKind, LogWindow,
+    PendingAlloc, ProcUsage, Usage, DEFAULT_MAX_ALLOCS, DEFAULT_RECORDS_PER_CGROUP, EVENTS_BYTES, EXITS_BYTES,
+    KIND_COUNT, MAX_CGROUPS, MAX_PROCS,
 };
 
 /// `BPF_RB_NO_WAKEUP`: do not wake the consumer; it polls on a timer.
@@ -43,9 +56,21 @@ const RB_NO_WAKEUP: u64 = 1;
 #[no_mangle]
 static GROUP_DEAD_OFFSET: u32 = 0;
 
+/// Live records a cgroup may have in `ALLOCS` (set by the agent at load time).
+#[no_mangle]
+static MAX_RECORDS_PER_CGROUP: u64 = DEFAULT_RECORDS_PER_CGROUP as u64;
+
+/// Byte offsets of `root` (the hierarchy: 0 is cgroup2) and `id` in the `cgroup_rmdir`
+/// record, read by the agent from the tracepoint's format file; 0: not set (ignored).
+#[no_mangle]
+static RMDIR_ROOT_OFFSET: u32 = 0;
+#[no_mangle]
+static RMDIR_ID_OFFSET: u32 = 0;
+
+/// Sized by the agent at load time (`--max-alloc-records`).
 #[map]
 static ALLOCS: HashMap<AllocKey, AllocRecord> =
-    HashMap::with_max_entries(MAX_ALLOCS, BPF_F_NO_PREALLOC);
+    HashMap::with_max_entries(DEFAULT_MAX_ALLOCS, BPF_F_NO_PREALLOC);
 
 /// Per-thread state between an allocation's entry and return. LRU, so entries of threads
 /// that never returned (killed inside the driver) cannot fill it.
@@ -63,8 +88,17 @@ static CGROUP_USAGE: HashMap<u64, Usage> =
 #[map]
 static EVENTS: RingBuf = RingBuf::with_byte_size(EVENTS_BYTES, 0);
 
+/// Exits only: an alloc flood that fills `EVENTS` cannot crowd them out.
 #[map]
-static STATS: Array<u64> = Array::with_max_entries(stat::LEN, 0);
+static EXITS: RingBuf = RingBuf::with_byte_size(EXITS_BYTES, 0);
+
+/// Counters of `stat`, per CPU (no contention on the hot paths; the agent sums them).
+#[map]
+static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(stat::LEN, 0);
+
+/// Node-wide rate limit of the trouble log, one window per `trouble` kind.
+#[map]
+static LOG_WINDOWS: Array<LogWindow> = Array::with_max_entries(trouble::COUNT, 0);
 
 /// Per-cgroup limits the entry probes enforce (filled by the agent).
 #[map]
@@ -201,40 +235,92 @@ pub fn alloc_return(ctx: RetProbeContext) -> u32 {
     } else {
         pending.size
     };
-    record_alloc(pid_tgid, pending.kind, pending.space, addr, size);
+    record_alloc(&ctx, pid_tgid, pending.kind, pending.space, addr, size);
     0
 }
 
-fn record_alloc(pid_tgid: u64, kind: u32, space: u32, addr: u64, size: u64) {
+fn record_alloc<C: EbpfContext>(ctx: &C, pid_tgid: u64, kind: u32, space: u32, addr: u64, size: u64) {
     let tgid = (pid_tgid >> 32) as u32;
     let Some(proc_usage) = proc_entry(tgid) else {
         bump(stat::UNTRACKED_ALLOCS, 1);
+        bump(stat::PROCS_FULL, 1);
+        if may_log(trouble::PROCS_FULL) {
+            warn!(ctx, "process usage map full: pid {}'s allocation of {} bytes is not accounted", tgid, size);
+        }
         return;
     };
     // SAFETY: the pointer comes from a successful map lookup and stays valid for this
     // program's run (RCU); the two fields read here are written once, at creation.
     let (cgroup_id, generation) = unsafe { ((*proc_usage).cgroup_id, (*proc_usage).generation) };
-    let key = AllocKey { tgid, space, addr };
-    // SAFETY: the record is copied out at once.
-    if let Some(old) = unsafe { ALLOCS.get(&key) }.copied() {
-        // The driver handed out an address this process still had on record: the old
-        // allocation was freed by a path no probe saw. Retire it before recording the new one.
-        if old.generation == generation && ALLOCS.remove(&key).is_ok() {
-            uncharge(proc_usage, &old);
+    let cgroup = cgroup_entry(cgroup_id);
+    if cgroup.is_none() {
+        bump(stat::CGROUPS_FULL, 1);
+        if may_log(trouble::CGROUPS_FULL) {
+            warn!(ctx, "cgroup usage map full: cgroup {} is not accounted", cgroup_id);
         }
     }
+    let key = AllocKey { tgid, space, addr };
+    // SAFETY: the record is copied out at once.
+    let replaces = match unsafe { ALLOCS.get(&key) }.copied() {
+        Some(old) => {
+            // The driver handed out an address this process still had on record: the old
+            // allocation was freed by a path no probe saw. Retire it before recording the
+            // new one (which then takes its place: no new entry).
+            if old.generation == generation && ALLOCS.remove(&key).is_ok() {
+                uncharge(proc_usage, &old);
+            }
+            true
+        }
+        None => false,
+    };
+    // The cap: a new entry only while the cgroup has fewer live records than its cap.
+    // SAFETY: cgroup is a live map value; a plain read of two counters (a racing update can
+    // let a few records more in, never fewer).
+    let at_cap = !replaces
+        && cgroup.is_some_and(|c| unsafe { (*c).live_allocations() } as i64 >= max_records_per_cgroup());
     let record = AllocRecord { size, cgroup_id, generation, kind, _pad: 0 };
-    if ALLOCS.insert(&key, &record, 0).is_err() {
-        bump(stat::UNTRACKED_ALLOCS, 1);
-        return;
-    }
+    let recorded = if at_cap {
+        bump(stat::RECORDS_CAPPED, 1);
+        if may_log(trouble::RECORDS_CAPPED) {
+            warn!(
+                ctx,
+                "cgroup {} is at its cap of {} allocation records: pid {}'s allocation of {} bytes is charged without a record",
+                cgroup_id,
+                max_records_per_cgroup(),
+                tgid,
+                size
+            );
+        }
+        false
+    } else if ALLOCS.insert(&key, &record, 0).is_err() {
+        bump(stat::ALLOCS_FULL, 1);
+        if may_log(trouble::ALLOCS_FULL) {
+            warn!(
+                ctx,
+                "allocation records map full: pid {} (cgroup {})'s allocation of {} bytes is charged without a record",
+                tgid,
+                cgroup_id,
+                size
+            );
+        }
+        false
+    } else {
+        true
+    };
     // SAFETY: proc_usage is a live map value (see above); the field is updated atomically.
-    charge(unsafe { &mut (*proc_usage).usage }, kind, size, false);
-    if let Some(cgroup) = cgroup_entry(cgroup_id) {
+    charge_new(unsafe { &mut (*proc_usage).usage }, kind, size, recorded);
+    if let Some(cgroup) = cgroup {
         // SAFETY: cgroup is a live map value; the field is updated atomically.
-        charge(unsafe { &mut *cgroup }, kind, size, false);
+        charge_new(unsafe { &mut *cgroup }, kind, size, recorded);
     }
-    emit(EventKind::Alloc, kind, pid_tgid, cgroup_id, generation, addr, size, RB_NO_WAKEUP);
+    if recorded {
+        emit(ctx, EventKind::Alloc, kind, pid_tgid, cgroup_id, generation, addr, size);
+    }
+}
+
+fn max_records_per_cgroup() -> i64 {
+    // SAFETY: a volatile read of a global the loader may have rewritten.
+    unsafe { core::ptr::read_volatile(&MAX_RECORDS_PER_CGROUP) as i64 }
 }
 
 /// The usage entry of `tgid`, created (charged to the current cgroup) on first use.
@@ -301,16 +387,7 @@ fn free(ctx: &ProbeContext, space: AddrSpace) -> u32 {
         return 0; // a record left by an earlier process with this pid
     }
     uncharge(proc_usage, &record);
-    emit(
-        EventKind::Free,
-        record.kind,
-        pid_tgid,
-        record.cgroup_id,
-        record.generation,
-        addr,
-        record.size,
-        RB_NO_WAKEUP,
-    );
+    emit(ctx, EventKind::Free, record.kind, pid_tgid, record.cgroup_id, record.generation, addr, record.size);
     0
 }
 
@@ -369,24 +446,64 @@ pub fn process_exit(ctx: TracePointContext) -> u32 {
             i += 1;
         }
         // Its live allocations end with it: count them as freed so allocs - frees stays the
-        // number of live allocations in the cgroup.
+        // number of live allocations in the cgroup; its unrecorded ones end too.
+        // SAFETY: as above.
         add(unsafe { &mut (*cgroup).frees }, dead.usage.live_allocations());
+        // SAFETY: as above.
+        add(unsafe { &mut (*cgroup).unrecorded }, dead.usage.unrecorded.wrapping_neg());
     }
     let _ = PROC_USAGE.remove(&tgid);
-    emit(
-        EventKind::Exit,
-        0,
-        pid_tgid,
-        dead.cgroup_id,
-        dead.generation,
-        0,
-        dead.usage.total_bytes(),
-        0,
-    );
+    emit(&ctx, EventKind::Exit, 0, pid_tgid, dead.cgroup_id, dead.generation, 0, dead.usage.total_bytes());
+    0
+}
+
+// ---- cgroup removal ----------------------------------------------------------------------
+
+/// `cgroup:cgroup_rmdir`: a removed cgroup2 cgroup's usage and limit entries go with it (an id
+/// is never reused while the node runs, so nothing else would ever delete them).
+#[tracepoint]
+pub fn cgroup_rmdir(ctx: TracePointContext) -> u32 {
+    // SAFETY: volatile reads of globals the loader may have rewritten.
+    let (root_offset, id_offset) =
+        unsafe { (core::ptr::read_volatile(&RMDIR_ROOT_OFFSET), core::ptr::read_volatile(&RMDIR_ID_OFFSET)) };
+    if root_offset == 0 || id_offset == 0 || root_offset > 256 || id_offset > 256 {
+        return 0;
+    }
+    // SAFETY: bpf_probe_read_kernel of fields inside the tracepoint record.
+    let (Ok(root), Ok(id)) = (unsafe { ctx.read_at::<i32>(root_offset as usize) }, unsafe {
+        ctx.read_at::<u64>(id_offset as usize)
+    }) else {
+        return 0;
+    };
+    // Hierarchy 0 is cgroup2, whose ids bpf_get_current_cgroup_id returns; a v1 hierarchy's
+    // ids are another numbering.
+    if root != 0 {
+        return 0;
+    }
+    let usage = CGROUP_USAGE.remove(&id).is_ok();
+    let limit = CGROUP_LIMITS.remove(&id).is_ok();
+    if usage || limit {
+        bump(stat::CGROUPS_REMOVED, 1);
+    }
     0
 }
 
 // ---- helpers -----------------------------------------------------------------------------
+
+/// Charges a new allocation of `size` bytes of `kind` to `usage`: a recorded one (counted in
+/// `allocs`) or one without a record (counted in `unrecorded`).
+fn charge_new(usage: &mut Usage, kind: u32, size: u64, recorded: bool) {
+    if recorded {
+        charge(usage, kind, size, false);
+        return;
+    }
+    let index = kind as usize;
+    if index >= KIND_COUNT {
+        return;
+    }
+    add(&mut usage.bytes[index], size);
+    add(&mut usage.unrecorded, 1);
+}
 
 /// Adds (or, with `negate`, subtracts) one allocation of `size` bytes of `kind` to `usage`.
 fn charge(usage: &mut Usage, kind: u32, size: u64, negate: bool) {
@@ -413,13 +530,43 @@ fn add(field: &mut u64, value: u64) {
 
 fn bump(index: u32, value: u64) {
     if let Some(counter) = STATS.get_ptr_mut(index) {
-        // SAFETY: an array element, valid for the program's run.
-        add(unsafe { &mut *counter }, value);
+        // SAFETY: this CPU's element of a per-CPU array, valid for the program's run; a
+        // program is not preempted by another on the same CPU mid-update.
+        unsafe { *counter += value };
     }
 }
 
+/// Whether one more line of trouble `kind` may be logged this second (node-wide); counts the
+/// line as suppressed if not. Racing CPUs can let a few more through at a second's turn,
+/// never an unbounded number.
+fn may_log(kind: u32) -> bool {
+    let Some(window) = LOG_WINDOWS.get_ptr_mut(kind) else {
+        return false;
+    };
+    // SAFETY: plain helper call without arguments.
+    let second = unsafe { bpf_ktime_get_ns() } / 1_000_000_000;
+    // SAFETY: an array element, valid for the program's run; volatile so the second's check
+    // and reset are real loads and stores; the line count is updated atomically.
+    let lines = unsafe {
+        if core::ptr::read_volatile(&(*window).second) != second {
+            core::ptr::write_volatile(&mut (*window).second, second);
+            core::ptr::write_volatile(&mut (*window).lines, 0);
+        }
+        add(&mut (*window).lines, 1);
+        core::ptr::read_volatile(&(*window).lines)
+    };
+    if lines <= trouble::LINES_PER_SECOND {
+        return true;
+    }
+    bump(stat::LOG_SUPPRESSED, 1);
+    false
+}
+
+/// Queues one event: exits on `EXITS`, waking the agent; allocations and frees on `EVENTS`
+/// without a wake-up. A full ring buffer is counted and logged.
 #[allow(clippy::too_many_arguments)]
-fn emit(
+fn emit<C: EbpfContext>(
+    ctx: &C,
     event: EventKind,
     kind: u32,
     pid_tgid: u64,
@@ -427,7 +574,6 @@ fn emit(
     generation: u64,
     addr: u64,
     size: u64,
-    flags: u64,
 ) {
     let record = Event {
         event: event as u32,
@@ -439,8 +585,18 @@ fn emit(
         addr,
         size,
     };
-    if EVENTS.output::<Event>(&record, flags).is_err() {
+    if matches!(event, EventKind::Exit) {
+        if EXITS.output::<Event>(&record, 0).is_err() {
+            bump(stat::EXITS_LOST, 1);
+            if may_log(trouble::EXIT_LOST) {
+                warn!(ctx, "exit ring buffer full: the exit of pid {} is not reported (the agent's sweep finds it)", record.tgid);
+            }
+        }
+    } else if EVENTS.output::<Event>(&record, RB_NO_WAKEUP).is_err() {
         bump(stat::EVENTS_LOST, 1);
+        if may_log(trouble::EVENT_LOST) {
+            warn!(ctx, "event ring buffer full: an allocation or free event of pid {} is dropped", record.tgid);
+        }
     }
 }
 
