@@ -19,7 +19,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the agent: probe libcuda, account GPU memory per cgroup and process, until SIGTERM.
-    Run(run::RunArgs),
+    Run(Box<run::RunArgs>),
     /// Print the processes using GPU memory, as seen by the running agent.
     Audit {
         /// Print JSON instead of a table.
@@ -66,7 +66,7 @@ fn main() -> Result<()> {
         Command::Run(args) => tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?
-            .block_on(run::run(args)),
+            .block_on(run::run(*args)),
         Command::Audit { json, socket } => {
             let snapshot = control::fetch(&socket)?;
             if json {

@@ -90,7 +90,7 @@ impl Reclaimer {
         // does not hold is dead (a process that started since would be in it).
         let mut table: Option<(ProcessTable, Instant)> = None;
         // Per ledger: its dead slots, each with when its death was detected.
-        let mut dead: Vec<(&Path, &LedgerHandle, Vec<(SlotView, Instant)>)> = Vec::new();
+        let mut dead: Vec<(&Path, &LedgerHandle, Vec<Gone>)> = Vec::new();
         for (path, ledger) in ledgers.iter() {
             let read_at = Instant::now();
             let slots = match ledger.slots() {
@@ -183,6 +183,9 @@ impl Reclaimer {
     }
 }
 
+/// A slot whose process was found gone, and when.
+type Gone = (SlotView, Instant);
+
 /// A slot freed by a sweep.
 struct Freed {
     view: SlotView,
@@ -197,7 +200,7 @@ struct Freed {
 /// the process judged dead; stops at the first failure of the worker itself, or once
 /// [`LEDGER_BUDGET`] is spent (the other slots wait for a later sweep: a bounded time and at
 /// most one log line per ledger and sweep, however many dead slots a workload makes).
-fn free(path: &Path, ledger: &LedgerHandle, gone: Vec<(SlotView, Instant)>) -> Vec<Freed> {
+fn free(path: &Path, ledger: &LedgerHandle, gone: Vec<Gone>) -> Vec<Freed> {
     let start = Instant::now();
     let mut freed = Vec::new();
     for (view, detected) in gone {
