@@ -1,4 +1,5 @@
-//! The agent's Prometheus metrics (served on `--metrics-addr` by [`crate::http`]).
+//! The agent's Prometheus metrics (rendered after each reconcile pass and served on
+//! `--metrics-addr` by [`crate::serve`]).
 //!
 //! Per ledger and device (labels `ledger`, the file's path, `device_index`, `device_uuid`,
 //! empty when the ledger does not know it): `vramguard_container_memory_used_bytes` (what the
@@ -26,8 +27,9 @@
 //! `vramguard_reconcile_pass_seconds`,
 //! `vramguard_events_lost_total`, `vramguard_over_limit_allocations_total`,
 //! `vramguard_enforcement_signals_total`, `vramguard_probes_attached{libcuda}`, `vramguard_ledgers`,
-//! `vramguard_ledgers_skipped`, `vramguard_ledgers_unreadable`. Gauges are rebuilt from the
-//! current state at every scrape.
+//! `vramguard_ledgers_skipped`, `vramguard_ledgers_unreadable`; families kept elsewhere join
+//! through [`Metrics::register`] (`vramguard_http_connections_total`, [`crate::serve::http`]).
+//! Gauges are rebuilt from the current state after every pass ([`Metrics::refresh`]).
 use std::{
     collections::{BTreeMap, BTreeSet},
     time::Duration,
@@ -265,6 +267,11 @@ impl Metrics {
             hami,
             agent: ProcessIdentity::current().ok(),
         })
+    }
+
+    /// Adds a family another module keeps up to date to what [`Metrics::encode`] renders.
+    pub fn register(&self, family: Box<dyn prometheus::core::Collector>) -> Result<()> {
+        Ok(self.registry.register(family)?)
     }
 
     /// Times one reconcile pass.

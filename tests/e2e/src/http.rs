@@ -1,10 +1,14 @@
 //! A tiny HTTP/1.1 client (one `GET` over a plain TCP connection, `Connection: close`) and a
 //! parser of the Prometheus text format, for scraping `vramguard run --metrics-addr`.
+//!
+//! The agent serves the metrics it rendered after its last reconcile pass (a pass runs at
+//! least every second): [`scrape`] reads that page as it is, [`fresh_scrape`] waits for the
+//! page of a pass that began after the call, for a test that has just changed the node.
 use std::{
     collections::BTreeMap,
     io::{Read, Write},
     net::{SocketAddr, TcpStream},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -29,11 +33,47 @@ pub fn get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
 
 /// `GET /metrics` from `addr`, parsed; fails unless the status is 200.
 pub fn scrape(addr: SocketAddr) -> Result<Vec<Sample>> {
+    parse_metrics(&page(addr)?)
+}
+
+/// The family that counts the agent's reconcile passes.
+pub const PASSES: &str = "vramguard_reconcile_pass_seconds_count";
+
+/// `GET /metrics` from `addr` once the agent has published a pass that began after the call:
+/// the body of a page that reflects the node as of now (fails unless the status is 200).
+pub fn fresh(addr: SocketAddr) -> Result<String> {
+    let first = page(addr)?;
+    let passes = |body: &str| -> Result<f64> {
+        metric(&parse_metrics(body)?, PASSES, &[]).ok_or_else(|| anyhow!("no {PASSES} in the scrape"))
+    };
+    let seen = passes(&first)?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        // The page being served at `first` was the last pass's, and no pass was running then
+        // (the agent renders a pass's page before it answers again): the next one began after.
+        let body = page(addr)?;
+        if passes(&body)? > seen {
+            return Ok(body);
+        }
+        if Instant::now() > deadline {
+            bail!("no reconcile pass published within 10 s of {seen} passes");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// [`fresh`], parsed.
+pub fn fresh_scrape(addr: SocketAddr) -> Result<Vec<Sample>> {
+    parse_metrics(&fresh(addr)?)
+}
+
+/// The body of `GET /metrics`; fails unless the status is 200.
+fn page(addr: SocketAddr) -> Result<String> {
     let (status, body) = get(addr, "/metrics")?;
     if status != 200 {
         bail!("GET /metrics: {status} {body}");
     }
-    parse_metrics(&body)
+    Ok(body)
 }
 
 /// The samples of family `name`.

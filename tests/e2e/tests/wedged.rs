@@ -37,7 +37,7 @@ fn a_ledger_locked_for_good_does_not_stop_the_agent() -> Result<()> {
     // The agent still answers and still reclaims in the other container.
     let audit = agent.audit()?;
     assert!(audit["processes"].as_array().is_some_and(|rows| !rows.is_empty()), "{audit}");
-    let all = http::scrape(addr)?;
+    let all = http::fresh_scrape(addr)?;
     assert_eq!(http::metric(&all, "vramguard_ledgers_unreadable", &[]), Some(1.0), "the held ledger is counted");
     let victim_pid = victim.pid();
     victim.kill()?;
@@ -47,7 +47,7 @@ fn a_ledger_locked_for_good_does_not_stop_the_agent() -> Result<()> {
     eprintln!("reclaimed {latency:?} after the kill while another ledger's lock was held");
 
     holder.join().map_err(|_| anyhow::anyhow!("the lock holder panicked"))??;
-    assert_eq!(http::metric(&http::scrape(addr)?, "vramguard_ledgers_unreadable", &[]), Some(0.0), "released: readable again");
+    assert_eq!(http::metric(&http::fresh_scrape(addr)?, "vramguard_ledgers_unreadable", &[]), Some(0.0), "released: readable again");
     drop((stuck, keeper));
     agent.stop()?;
     Ok(())
