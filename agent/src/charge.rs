@@ -13,10 +13,13 @@
 //! a dead process's like any other, and the next agent reclaims it.
 use std::collections::{BTreeMap, BTreeSet};
 
-use ledger::{Ledger, LedgerError, ProcessIdentity, RecordId, SlotId};
+use ledger::{ProcessIdentity, RecordId, SlotId};
 use tracing::{info, warn};
 
-use crate::{identity, ledgers::Ledgers};
+use crate::{
+    identity,
+    ledgers::{worker::Failure, AccessError, LedgerHandle, Ledgers},
+};
 
 /// The device the agent charges (see the module doc).
 const DEVICE: u32 = 0;
@@ -63,7 +66,7 @@ impl Charger {
     /// in it wants none), but for the `unreadable` ones, whose charges stay as they are.
     pub fn update(&mut self, ledgers: &Ledgers, wanted: &BTreeMap<String, u64>, unreadable: &BTreeSet<String>) {
         let Some(agent) = self.agent else { return };
-        let watched: BTreeMap<String, &Ledger> = ledgers.iter().map(|(path, l)| (path.display().to_string(), l)).collect();
+        let watched: BTreeMap<String, &LedgerHandle> = ledgers.iter().map(|(path, l)| (path.display().to_string(), l)).collect();
         // A ledger no longer watched: its file is gone or replaced, and the charge with it.
         self.held.retain(|path, _| watched.contains_key(path));
         self.failing.retain(|path, _| watched.contains_key(path));
@@ -127,14 +130,14 @@ impl Default for Charger {
 
 /// Makes the agent's charge in `ledger` `bytes`, registering its slot first if it has none
 /// (or lost it: a slot freed by someone who judged the agent dead).
-fn charge(ledger: &Ledger, agent: ProcessIdentity, held: Held, bytes: u64) -> Result<Held, LedgerError> {
+fn charge(ledger: &LedgerHandle, agent: ProcessIdentity, held: Held, bytes: u64) -> Result<Held, AccessError> {
     let slot = match held.slot {
         Some(slot) => slot,
         None if bytes == 0 => return Ok(Held::default()),
         None => ledger.register(agent)?,
     };
     let (record, charged) = match ledger.recharge(slot, agent, DEVICE, held.record, bytes) {
-        Err(LedgerError::UnknownSlot(_)) => {
+        Err(AccessError::Refused(Failure::UnknownSlot(_))) => {
             let slot = ledger.register(agent)?;
             let (record, charged) = ledger.recharge(slot, agent, DEVICE, None, bytes)?;
             return Ok(Held { slot: Some(slot), record, charged });
@@ -147,7 +150,7 @@ fn charge(ledger: &Ledger, agent: ProcessIdentity, held: Held, bytes: u64) -> Re
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ledger::{layout::CREATOR_AGENT, Charge, DeviceConfig, Geometry};
+    use ledger::{layout::CREATOR_AGENT, Charge, DeviceConfig, Geometry, Ledger};
 
     const MIB: u64 = 1 << 20;
 

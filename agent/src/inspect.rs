@@ -7,7 +7,11 @@ use anyhow::{bail, Context, Result};
 use ledger::{layout::KINDS, Kind, Ledger};
 use serde::Serialize;
 
-use crate::{identity, snapshot::human};
+use crate::{
+    identity,
+    ledgers::{LedgerHandle, Limits},
+    snapshot::human,
+};
 
 #[derive(Serialize)]
 struct Report {
@@ -71,7 +75,20 @@ struct RecordReport {
 }
 
 fn report(path: &Path) -> Result<Report> {
-    let ledger = Ledger::open(path).with_context(|| format!("cannot open the ledger {}", path.display()))?;
+    // A private copy: the file is its workload's to write while this (root) command reads it.
+    let file = {
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY)
+            .open(path)
+            .with_context(|| format!("cannot open the ledger {}", path.display()))?
+    };
+    if !file.metadata()?.is_file() {
+        bail!("{} is not a regular file", path.display());
+    }
+    let ledger = Ledger::private_copy(&file, path, crate::ledgers::Limits::default().max_bytes)
+        .with_context(|| format!("cannot read the ledger {}", path.display()))?;
     let header = *ledger.header();
     let usage = ledger.device_usage()?;
     let devices = (0..header.device_count as usize)
@@ -219,7 +236,8 @@ pub fn reclaim(path: &Path, only: Option<u32>) -> Result<()> {
              from here a running process of another namespace looks dead, and its slot would be freed"
         );
     }
-    let ledger = Ledger::open(path).with_context(|| format!("cannot open the ledger {}", path.display()))?;
+    // The locked part runs in a confined worker, as in the agent.
+    let ledger = LedgerHandle::open(path, &Limits::default()).map_err(|reason| anyhow::anyhow!("{} is not a ledger this tool works on: {reason}", path.display()))?;
     let slots = ledger.slots()?;
     if let Some(wanted) = only {
         let Some(view) = slots.iter().find(|v| v.id == wanted) else {

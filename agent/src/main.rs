@@ -37,6 +37,9 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Internal: the confined process the agent starts for each ledger it operates on.
+    #[command(hide = true)]
+    LedgerWorker,
     /// Free the slots of processes that are gone; a running process's slot is never freed.
     Reclaim {
         ledger: PathBuf,
@@ -47,6 +50,10 @@ enum Command {
 }
 
 fn main() -> Result<()> {
+    // Before anything else: a worker confines itself first and logs nothing.
+    if std::env::args_os().nth(1).is_some_and(|arg| arg == "ledger-worker") {
+        std::process::exit(agent::ledgers::worker::main());
+    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("VRAMGUARD_LOG")
@@ -71,5 +78,6 @@ fn main() -> Result<()> {
         }
         Command::Inspect { ledger, json } => inspect::inspect(&ledger, json),
         Command::Reclaim { ledger, slot } => inspect::reclaim(&ledger, slot),
+        Command::LedgerWorker => std::process::exit(agent::ledgers::worker::main()),
     }
 }

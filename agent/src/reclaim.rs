@@ -121,7 +121,9 @@ impl Reclaimer {
                 });
                 if let Some(host) = live {
                     if slot.host_pid != host {
-                        ledger.set_host_pid(view.id, host);
+                        if let Err(error) = ledger.set_host_pid(view.id, host) {
+                            warn!(ledger = %path.display(), slot = view.id, %error, "cannot record a slot's host pid");
+                        }
                     }
                     if self.pending.contains_key(&host) {
                         waiting.insert(host); // exiting, not a zombie yet

@@ -28,7 +28,7 @@ use crate::{
     charge::Charger,
     enforce,
     control,
-    ledgers::Ledgers,
+    ledgers::{Ledgers, Limits},
     libcuda::{self, FileId, LibcudaFile},
     metrics::Metrics,
     preflight,
@@ -79,6 +79,21 @@ pub struct RunArgs {
     /// milliseconds (exit events trigger a sweep at once).
     #[arg(long, default_value_t = 1000, value_name = "MS")]
     pub ledger_scan_ms: u64,
+    /// Most ledgers watched in all (files past it are skipped, with the reason).
+    #[arg(long, default_value_t = Limits::default().max_ledgers, value_name = "NUM")]
+    pub max_ledgers: usize,
+    /// Most files considered in one directory under --ledger-dir (a container's).
+    #[arg(long, default_value_t = Limits::default().max_per_dir, value_name = "NUM")]
+    pub max_ledgers_per_dir: usize,
+    /// Largest ledger geometry the agent works on: process slots...
+    #[arg(long, default_value_t = Limits::default().max_slots, value_name = "NUM")]
+    pub max_ledger_slots: u32,
+    /// ... allocation records ...
+    #[arg(long, default_value_t = Limits::default().max_records, value_name = "NUM")]
+    pub max_ledger_records: u32,
+    /// ... and file size in bytes. A larger ledger is skipped, with the reason.
+    #[arg(long, default_value_t = Limits::default().max_bytes, value_name = "BYTES")]
+    pub max_ledger_bytes: u64,
     /// Serve Prometheus metrics (`/metrics`), `/healthz` and `/readyz` on this address (port
     /// 0: any free port; the bound address is logged and reported by `vramguard audit`).
     #[arg(long, value_name = "ADDR")]
@@ -190,7 +205,14 @@ pub async fn run(args: RunArgs) -> Result<()> {
         attach(&mut ebpf, &mut attached, file)?;
     }
 
-    let mut ledgers = args.ledger_dir.clone().map(Ledgers::new);
+    let ledger_limits = Limits {
+        max_ledgers: args.max_ledgers,
+        max_per_dir: args.max_ledgers_per_dir,
+        max_slots: args.max_ledger_slots,
+        max_records: args.max_ledger_records,
+        max_bytes: args.max_ledger_bytes,
+    };
+    let mut ledgers = args.ledger_dir.clone().map(|dir| Ledgers::with_limits(dir, ledger_limits));
     let mut reclaimer = Reclaimer::new(ledgers.is_some());
     let mut metrics = Metrics::new(args.hami_metrics)?;
     let reconciler = Reconciler::new(reconcile::Config {

@@ -206,13 +206,57 @@ pub fn creation_lock(path: &Path) -> Result<File, LedgerError> {
 pub fn open(path: &Path) -> Result<Mapped, LedgerError> {
     let io_error = |source: io::Error| LedgerError::Io { path: path.to_path_buf(), source };
     let file = OpenOptions::new().read(true).write(true).open(path).map_err(io_error)?;
+    open_file(&file, path)
+}
+
+/// Validates the ledger open as `file` (read and write) and maps it; `path` names it in
+/// errors. For a process handed the descriptor rather than the path (the agent's ledger
+/// worker).
+pub fn open_file(file: &File, path: &Path) -> Result<Mapped, LedgerError> {
+    let io_error = |source: io::Error| LedgerError::Io { path: path.to_path_buf(), source };
     let size = file.metadata().map_err(io_error)?.len();
     if size < PAGE {
         return Err(LedgerError::Truncated { path: path.to_path_buf(), expected: PAGE, actual: size });
     }
-    let header = read_header(&file).map_err(io_error)?;
+    let header = read_header(file).map_err(io_error)?;
     validate(&header, size, path)?;
-    map(&file, header, path)
+    map(file, header, path)
+}
+
+/// Writes `host_pid` into slot `slot`'s `host_pid` field through the file (`pwrite`, never a
+/// mapping): what the node agent learned from /proc. `header` must be one the caller
+/// validated; nothing is read from the file, so a file its workload rewrote or resized cannot
+/// turn the write into anything but 4 bytes inside the slot table the validated header
+/// describes (out-of-range slots are refused). The field is a hint every reader verifies.
+pub fn write_host_pid(file: &File, header: &Header, slot: u32, host_pid: u32) -> io::Result<()> {
+    if slot >= header.slot_count {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("slot {slot} is past the ledger's {} slots", header.slot_count)));
+    }
+    let offset = header.slots_offset + u64::from(slot) * size_of::<Slot>() as u64 + std::mem::offset_of!(Slot, host_pid) as u64;
+    file.write_all_at(&host_pid.to_ne_bytes(), offset)
+}
+
+/// Maps the ledger open as `file` with `header`, a header the caller validated earlier (the
+/// node agent's record of it), whatever the file's own header says now: checked again
+/// against the file's size, never read from the file. `path` names it in errors.
+pub fn open_file_as(file: &File, header: Header, path: &Path) -> Result<Mapped, LedgerError> {
+    let size = file.metadata().map_err(|source| LedgerError::Io { path: path.to_path_buf(), source })?.len();
+    validate(&header, size, path)?;
+    map(file, header, path)
+}
+
+/// The header's bytes (what [`header_from_bytes`] reads back).
+pub fn header_bytes(header: &Header) -> &[u8] {
+    as_bytes(header)
+}
+
+/// A header from `bytes` (exactly its size), unvalidated.
+pub fn header_from_bytes(bytes: &[u8]) -> Option<Header> {
+    (bytes.len() == size_of::<Header>()).then(|| {
+        // SAFETY: exactly size_of::<Header>() bytes; Header is #[repr(C)] of integers and
+        // byte arrays, valid for every bit pattern; read_unaligned copes with alignment.
+        unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<Header>()) }
+    })
 }
 
 /// The header `file` (a ledger file) holds now, unvalidated (what [`open`] validates; what

@@ -81,7 +81,54 @@ impl Ledger {
 
     /// Opens and validates an existing ledger.
     pub fn open(path: &Path) -> Result<Ledger, LedgerError> {
-        let mapped = file::open(path)?;
+        Ledger::attach(file::open(path)?)
+    }
+
+    /// Validates and maps the ledger open as `file` (read and write); `path` names it in
+    /// errors. For a process handed the descriptor rather than the path.
+    pub fn from_file(file: &std::fs::File, path: &Path) -> Result<Ledger, LedgerError> {
+        Ledger::attach(file::open_file(file, path)?)
+    }
+
+    /// A private copy of the ledger open as `file` (at most `max_bytes`), in memory only this
+    /// process can write (a sealed-off `memfd`), with a fresh lock: for a reader that must
+    /// run the ledger's own code (`check`, `records`) on a file it cannot trust, without
+    /// mapping that file or running the lock's code on its bytes. The copy is taken without
+    /// the lock, so it may hold a mutation half-done (a raised `dirty` flag is copied too, and
+    /// makes the first operation on the copy repair it).
+    pub fn private_copy(file: &std::fs::File, path: &Path, max_bytes: u64) -> Result<Ledger, LedgerError> {
+        use std::os::unix::fs::FileExt;
+        let io_error = |source: std::io::Error| LedgerError::Io { path: path.to_path_buf(), source };
+        let size = file.metadata().map_err(io_error)?.len();
+        if size > max_bytes {
+            return Err(LedgerError::InvalidConfig(format!("{} is {size} bytes, more than the {max_bytes} allowed", path.display())));
+        }
+        let mut bytes = vec![0u8; size as usize];
+        file.read_exact_at(&mut bytes, 0).map_err(io_error)?;
+        // SAFETY: memfd_create with a valid C string and flags; the result is checked.
+        let fd = unsafe { libc::memfd_create(c"vramguard-ledger-copy".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io_error(std::io::Error::last_os_error()));
+        }
+        // SAFETY: memfd_create returned a new descriptor nothing else owns.
+        let copy = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        copy.write_all_at(&bytes, 0).map_err(io_error)?;
+        let mapped = file::open_file(&copy, path)?;
+        // SAFETY: the mapping is of the private copy, which no other thread or process uses.
+        unsafe { crate::lock::RobustMutex::init(std::ptr::addr_of_mut!((*state_ptr(&mapped)).lock)) }.map_err(io_error)?;
+        Ledger::attach(mapped)
+    }
+
+    /// [`Ledger::from_file`] with `header`, one the caller validated earlier, instead of the
+    /// file's own (the node agent's worker: the agent's limits hold whatever the file's
+    /// header was rewritten to).
+    pub fn from_file_as(file: &std::fs::File, header: Header, path: &Path) -> Result<Ledger, LedgerError> {
+        Ledger::attach(file::open_file_as(file, header, path)?)
+    }
+
+    fn attach(mapped: Mapped) -> Result<Ledger, LedgerError> {
+        let path = mapped.path.clone();
+        let path = path.as_path();
         let geometries = geometries(&mapped.header)?;
         let ledger = Ledger { mapped, geometries, lock_timeout: None };
         let mut tables = tables(&ledger.mapped, &ledger.geometries);

@@ -4,11 +4,14 @@
 //! * [`layout`]: the file's byte layout (header page with limits, state, slots, records,
 //!   per-device buddy spaces and block links).
 //! * [`file`]: atomic creation and validated opening.
+//! * [`copy`]: a bounded private copy of a ledger's state and slots, without mapping it or
+//!   taking its lock (how the node agent reads the files its workloads can write).
 //! * [`lock`]: the process-shared robust mutex in the file.
 //! * [`buddy`]: the buddy allocator with Linux `gpu_buddy` semantics over a word array.
 //! * [`Ledger`]: the operations (register, reserve, release, reclaim, repair, check).
 //! * [`process`]: process identity that survives pid reuse.
 pub mod buddy;
+pub mod copy;
 pub mod error;
 pub mod file;
 pub mod layout;

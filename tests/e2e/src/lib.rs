@@ -14,11 +14,13 @@
 //! e.g. [`FakeNode::devstat`] always asks the fake driver itself.
 //!
 //! [`agent`] starts a `vramguard run` for a test; [`cgroup`] makes a cgroup for one;
-//! [`http`] scrapes its metrics; [`ledgers`] reads (and scribbles on) ledger files.
+//! [`http`] scrapes its metrics; [`ledgers`] reads (and scribbles on) ledger files;
+//! [`hostile`] is what every attack test checks while its attack runs.
 //! [`TempDir`], [`wait_for`] and [`holding`] are the small helpers the agent's tests share.
 
 pub mod agent;
 pub mod cgroup;
+pub mod hostile;
 pub mod http;
 pub mod ledgers;
 

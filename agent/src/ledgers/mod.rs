@@ -1,0 +1,687 @@
+//! The ledgers under `--ledger-dir`, and the agent's only ways of touching them.
+//!
+//! # Discovery
+//!
+//! The DaemonSet mounts one directory per container there, holding that container's ledger
+//! file. Every regular file directly in the directory or in one of its direct subdirectories
+//! is a candidate; names starting with `.` are the hook's temporaries and lock files and are
+//! ignored. The directories belong to the workloads, so nothing found there is followed or
+//! trusted: subdirectories are opened with `openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)`
+//! relative to the ledger directory, files with `O_NOFOLLOW | O_NONBLOCK` relative to their
+//! directory's descriptor, and only a regular file whose descriptor is the inode the listing
+//! showed is opened as a ledger ([`Limits`]: at most `max_per_dir` files a directory and
+//! `max_ledgers` in all are considered, at most [`MAX_ENTRIES`] entries of a directory read).
+//! A file is validated from its descriptor (header read with `pread`, never mapped) and
+//! skipped, with the reason logged once and kept for `vramguard audit`, if it is not a valid
+//! ledger or its geometry exceeds what the agent allows; again only if it changes.
+//! [`Ledgers::scan`] runs at start and every second.
+//!
+//! # Access
+//!
+//! The agent never maps a ledger and never takes its lock (`../shared/security.md`, rule 1):
+//! [`LedgerHandle`] reads bounded private copies ([`ledger::copy`]), writes host pids with
+//! `pwrite` at offsets from the validated header, and hands the operations that need the
+//! lock (reclaim, the agent's own charge) to a confined worker process per ledger
+//! ([`worker`]) that it waits on for a bounded time.
+//!
+//! # Headers
+//!
+//! The header (the limits) is what the agent validated when it opened the file. Every scan
+//! also reads the header the file holds now: one that differs was rewritten under the
+//! ledger's processes (by a workload: the file is writable in its container), and processes
+//! started afterwards would take its values. [`Ledgers::header_change`] says how it differs;
+//! [`crate::reconcile`] reports the ledger's processes `tampered`, and the agent keeps
+//! enforcing the limits it validated ([`Ledgers::validated_header`]). A file removed or
+//! replaced while it had live slots passes its validated header on to the next file at its
+//! path: a workload cannot lift its limits by re-creating its ledger either (a new pod, whose
+//! predecessor's processes are gone and reclaimed, starts afresh).
+pub mod sandbox;
+pub mod worker;
+
+use std::{
+    collections::BTreeMap,
+    fs::{self, File},
+    os::{
+        fd::{AsRawFd, FromRawFd, OwnedFd},
+        unix::fs::MetadataExt,
+    },
+    path::{Path, PathBuf},
+    sync::Mutex,
+};
+
+use ledger::{
+    copy::LedgerCopy,
+    layout::{checksummed_bytes, fnv1a, DeviceUsage, Header, Slot},
+    LedgerError, ProcessIdentity, SlotView,
+};
+use nix::{
+    fcntl::{openat2, OFlag, OpenHow, ResolveFlag},
+    sys::stat::Mode,
+};
+use tracing::{info, warn};
+
+pub use worker::AccessError;
+use worker::{Launcher, Worker};
+
+/// How long a ledger worker waits for a ledger's lock before it answers that it is busy (a
+/// workload stopped inside it must not stop the agent; see
+/// [`ledger::Ledger::with_lock_timeout`]).
+pub const LOCK_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// Most directory entries read from one directory per scan (a workload can fill its own).
+pub const MAX_ENTRIES: usize = 256;
+
+/// What the agent accepts under `--ledger-dir` (flags of `vramguard run`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Ledgers watched in all.
+    pub max_ledgers: usize,
+    /// Candidate files considered in one directory (a container's).
+    pub max_per_dir: usize,
+    /// Most process slots of a ledger.
+    pub max_slots: u32,
+    /// Most allocation records of a ledger.
+    pub max_records: u32,
+    /// Largest ledger file, in bytes.
+    pub max_bytes: u64,
+}
+
+impl Default for Limits {
+    /// Room for the hook's ledgers (1024 slots, 65,536 records, a few MiB) four times over.
+    fn default() -> Limits {
+        Limits { max_ledgers: 1024, max_per_dir: 4, max_slots: 4096, max_records: 1 << 18, max_bytes: 64 << 20 }
+    }
+}
+
+impl Limits {
+    /// Why `header` is more than the agent allows, if it is.
+    fn exceeded_by(&self, header: &Header) -> Option<String> {
+        if header.slot_count > self.max_slots {
+            return Some(format!("{} slots, more than the {} the agent allows (--max-ledger-slots)", header.slot_count, self.max_slots));
+        }
+        if header.record_count > self.max_records {
+            return Some(format!("{} records, more than the {} the agent allows (--max-ledger-records)", header.record_count, self.max_records));
+        }
+        if header.total_size > self.max_bytes {
+            return Some(format!("{} bytes, more than the {} the agent allows (--max-ledger-bytes)", header.total_size, self.max_bytes));
+        }
+        None
+    }
+}
+
+/// Tells a file apart from the one that was at the same path before.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct FileKey {
+    dev: u64,
+    ino: u64,
+    len: u64,
+    mtime: i64,
+    mtime_nsec: i64,
+}
+
+impl FileKey {
+    fn of(metadata: &fs::Metadata) -> FileKey {
+        FileKey {
+            dev: metadata.dev(),
+            ino: metadata.ino(),
+            len: metadata.len(),
+            mtime: metadata.mtime(),
+            mtime_nsec: metadata.mtime_nsec(),
+        }
+    }
+
+    /// The same file (a ledger's size is fixed, and the hook writes it through a mapping,
+    /// which moves its mtime: only the inode identifies an open ledger).
+    fn same_inode(&self, other: &FileKey) -> bool {
+        self.dev == other.dev && self.ino == other.ino
+    }
+}
+
+/// The agent's handle on one watched ledger: its descriptor, the header it validated, and
+/// its worker. Everything it hands out is a private copy.
+pub struct LedgerHandle {
+    path: PathBuf,
+    key: FileKey,
+    /// Open read-write (the worker maps it; host pids are written with `pwrite`).
+    file: File,
+    /// The header the agent holds the ledger to: the one it validated when it opened the
+    /// file, or, for a file that replaced one still in use at the same path, that one's.
+    validated: Header,
+    /// How the header on disk differs from `validated`, if it does.
+    header_change: Option<String>,
+    worker: Mutex<Worker>,
+}
+
+impl LedgerHandle {
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The header the agent validated (its limits and geometry).
+    pub fn header(&self) -> &Header {
+        &self.validated
+    }
+
+    /// A private copy of the ledger's state and live slots ([`ledger::copy::read`]).
+    pub fn copy(&self) -> Result<LedgerCopy, LedgerError> {
+        ledger::copy::read(&self.file, &self.validated, &self.path)
+    }
+
+    /// Copies of the live slots.
+    pub fn slots(&self) -> Result<Vec<SlotView>, LedgerError> {
+        Ok(self.copy()?.slots)
+    }
+
+    /// Calls `f` with every live slot of a copy.
+    pub fn for_each_slot(&self, mut f: impl FnMut(u32, &Slot)) -> Result<(), LedgerError> {
+        for view in self.copy()?.slots {
+            f(view.id, &view.slot);
+        }
+        Ok(())
+    }
+
+    /// Per-device totals, as the file says.
+    pub fn device_usage(&self) -> Result<Vec<DeviceUsage>, LedgerError> {
+        Ok(self.copy()?.devices)
+    }
+
+    /// The container's names a hook recorded (informational; see [`ledger::ContainerNames`]).
+    pub fn names(&self) -> Option<(String, String, String)> {
+        self.copy().ok()?.names.text()
+    }
+
+    /// Records the host pid of `slot`'s process in the file (a hint for readers, who verify
+    /// it): a `pwrite` inside the slot table the validated header describes.
+    pub fn set_host_pid(&self, slot: u32, host_pid: u32) -> std::io::Result<()> {
+        ledger::file::write_host_pid(&self.file, &self.validated, slot, host_pid)
+    }
+
+    /// Frees `slot` if it still describes `process` ([`ledger::Ledger::reclaim_process`], in
+    /// the ledger's worker).
+    pub fn reclaim_process(&self, slot: u32, process: ProcessIdentity) -> Result<Option<u64>, AccessError> {
+        self.with_worker(|worker, file, header, path| worker.reclaim(file, header, path, slot, process))
+    }
+
+    /// Gives `process` a slot ([`ledger::Ledger::register`], in the ledger's worker).
+    pub fn register(&self, process: ProcessIdentity) -> Result<u32, AccessError> {
+        self.with_worker(|worker, file, header, path| worker.register(file, header, path, process))
+    }
+
+    /// [`ledger::Ledger::recharge`], in the ledger's worker.
+    pub fn recharge(
+        &self,
+        slot: u32,
+        process: ProcessIdentity,
+        device: u32,
+        previous: Option<u32>,
+        bytes: u64,
+    ) -> Result<(Option<u32>, u64), AccessError> {
+        self.with_worker(|worker, file, header, path| worker.recharge(file, header, path, slot, process, device, previous, bytes))
+    }
+
+    /// Why the ledger's worker is failing, while it is.
+    pub fn failing(&self) -> Option<String> {
+        self.worker.lock().ok()?.failing()
+    }
+
+    fn with_worker<R>(
+        &self,
+        f: impl FnOnce(&mut Worker, &File, &Header, &Path) -> Result<R, AccessError>,
+    ) -> Result<R, AccessError> {
+        let mut worker = self.worker.lock().map_err(|_| AccessError::Worker("its handle was poisoned".into()))?;
+        f(&mut worker, &self.file, &self.validated, &self.path)
+    }
+}
+
+/// A file under the directory the agent does not watch, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Skipped {
+    key: FileKey,
+    reason: String,
+}
+
+/// The ledgers under one directory.
+pub struct Ledgers {
+    dir: PathBuf,
+    limits: Limits,
+    launcher: Launcher,
+    open: BTreeMap<PathBuf, LedgerHandle>,
+    /// Files not watched, as they were when they were skipped.
+    skipped: BTreeMap<PathBuf, Skipped>,
+    /// The last error listing the directory (logged once until it changes).
+    dir_error: Option<String>,
+    /// Directories whose surplus entries were logged (once until they shrink).
+    crowded: BTreeMap<PathBuf, String>,
+    /// The validated headers of ledgers removed or replaced while they had live slots: a
+    /// file that appears at the same path is held to it.
+    replaced: BTreeMap<PathBuf, Header>,
+}
+
+impl Ledgers {
+    pub fn new(dir: PathBuf) -> Ledgers {
+        Ledgers::with_limits(dir, Limits::default())
+    }
+
+    pub fn with_limits(dir: PathBuf, limits: Limits) -> Ledgers {
+        Ledgers {
+            dir,
+            limits,
+            launcher: Launcher::default(),
+            open: BTreeMap::new(),
+            skipped: BTreeMap::new(),
+            dir_error: None,
+            crowded: BTreeMap::new(),
+            replaced: BTreeMap::new(),
+        }
+    }
+
+    /// The file (device, inode) of the ledger at `path`.
+    pub fn file_id(&self, path: &Path) -> Option<(u64, u64)> {
+        let key = self.open.get(path)?.key;
+        Some((key.dev, key.ino))
+    }
+
+    /// The header the agent holds the ledger at `path` to (its limits), see [`LedgerHandle`].
+    pub fn validated_header(&self, path: &Path) -> Option<&Header> {
+        Some(&self.open.get(path)?.validated)
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The watched ledgers, by path.
+    pub fn iter(&self) -> impl Iterator<Item = (&Path, &LedgerHandle)> {
+        self.open.iter().map(|(path, handle)| (path.as_path(), handle))
+    }
+
+    pub fn len(&self) -> usize {
+        self.open.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.open.is_empty()
+    }
+
+    /// How the header of the ledger at `path` now differs from the one the agent validated
+    /// (see the module doc), if it does.
+    pub fn header_change(&self, path: &Path) -> Option<&str> {
+        self.open.get(path)?.header_change.as_deref()
+    }
+
+    /// Files skipped (not valid ledgers, too large, past a cap).
+    pub fn skipped(&self) -> usize {
+        self.skipped.len()
+    }
+
+    /// The skipped files and why, by path.
+    pub fn skipped_reasons(&self) -> impl Iterator<Item = (&Path, &str)> {
+        self.skipped.iter().map(|(path, skipped)| (path.as_path(), skipped.reason.as_str()))
+    }
+
+    /// Brings the set up to date with the directory.
+    pub fn scan(&mut self) {
+        let (candidates, crowded) = match candidates(&self.dir, &self.limits) {
+            Ok(found) => {
+                if self.dir_error.take().is_some() {
+                    info!(dir = %self.dir.display(), "the ledger directory is readable again");
+                }
+                found
+            }
+            Err(error) => {
+                let text = error.to_string();
+                if self.dir_error.as_deref() != Some(text.as_str()) {
+                    warn!(dir = %self.dir.display(), reason = %text, "cannot list the ledger directory");
+                    self.dir_error = Some(text);
+                }
+                (BTreeMap::new(), BTreeMap::new())
+            }
+        };
+        for (dir, what) in &crowded {
+            if self.crowded.get(dir) != Some(what) {
+                warn!(dir = %dir.display(), what = %what, "a ledger directory holds more than the agent reads: the rest is ignored");
+            }
+        }
+        self.crowded = crowded;
+        let gone: Vec<PathBuf> = self
+            .open
+            .iter()
+            .filter(|(path, handle)| !candidates.get(*path).is_some_and(|key| key.same_inode(&handle.key)))
+            .map(|(path, _)| path.clone())
+            .collect();
+        for path in gone {
+            let Some(handle) = self.open.remove(&path) else { continue };
+            let in_use = handle.slots().map(|slots| !slots.is_empty()).unwrap_or(true);
+            if in_use {
+                warn!(ledger = %path.display(), "ledger removed or replaced while processes used it: a file at its path is held to its limits");
+                self.replaced.insert(path, handle.validated);
+            } else {
+                info!(ledger = %path.display(), "ledger removed or replaced: no longer watched");
+            }
+        }
+        for (path, handle) in self.open.iter_mut() {
+            let change = match ledger::file::read_header(&handle.file) {
+                Ok(now) => header_change(&handle.validated, &now),
+                Err(error) => Some(format!("its header cannot be read: {error}")),
+            };
+            if change != handle.header_change {
+                match &change {
+                    Some(what) => warn!(ledger = %path.display(), change = %what, "ledger header rewritten since the agent validated it: its processes are reported tampered, the validated limits stay enforced"),
+                    None => info!(ledger = %path.display(), "ledger header back to the one the agent validated"),
+                }
+                handle.header_change = change;
+            }
+        }
+        self.skipped.retain(|path, skipped| candidates.get(path) == Some(&skipped.key));
+        for (path, key) in candidates {
+            if self.open.contains_key(&path) || self.skipped.contains_key(&path) {
+                continue;
+            }
+            let opened = if self.open.len() >= self.limits.max_ledgers {
+                Err(format!("the agent already watches {} ledgers (--max-ledgers)", self.limits.max_ledgers))
+            } else {
+                self.open_ledger(&path, key)
+            };
+            match opened {
+                Ok(handle) => {
+                    info!(ledger = %path.display(), devices = handle.validated.device_count, "watching ledger");
+                    self.open.insert(path, handle);
+                }
+                Err(reason) => {
+                    warn!(file = %path.display(), reason = %reason, "skipping a file under the ledger directory");
+                    self.skipped.insert(path, Skipped { key, reason });
+                }
+            }
+        }
+    }
+
+    /// Opens `path` (listed as `key`) without following links, validates it as a ledger
+    /// within the agent's limits; the reason if it is not one.
+    fn open_ledger(&mut self, path: &Path, key: FileKey) -> Result<LedgerHandle, String> {
+        let file = open_beneath(&self.dir, path).map_err(|error| format!("cannot open it: {error}"))?;
+        let (opened, header) = examine(&file, path, &self.limits)?;
+        if !opened.same_inode(&key) {
+            return Err("replaced while being opened".into());
+        }
+        let validated = self.replaced.remove(path).unwrap_or(header);
+        let handle = LedgerHandle::new(path, opened, file, validated, &header, self.launcher.clone());
+        if let Some(what) = &handle.header_change {
+            warn!(ledger = %path.display(), change = %what, "ledger replaced under running processes with other limits: its processes are reported tampered, the limits before stay enforced");
+        }
+        Ok(handle)
+    }
+}
+
+impl LedgerHandle {
+    /// The ledger at `path` (an operator's command line: `vramguard reclaim`), opened without
+    /// following a final symbolic link, validated within `limits`.
+    pub fn open(path: &Path, limits: &Limits) -> Result<LedgerHandle, String> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let file = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY)
+            .open(path)
+            .map_err(|error| format!("cannot open {}: {error}", path.display()))?;
+        let (key, header) = examine(&file, path, limits)?;
+        Ok(LedgerHandle::new(path, key, file, header, &header, Launcher::default()))
+    }
+
+    fn new(path: &Path, key: FileKey, file: File, validated: Header, found: &Header, launcher: Launcher) -> LedgerHandle {
+        LedgerHandle {
+            path: path.to_path_buf(),
+            key,
+            file,
+            validated,
+            header_change: header_change(&validated, found),
+            worker: Mutex::new(Worker::new(launcher)),
+        }
+    }
+}
+
+/// Checks that `file` (at `path`) is a regular file holding a valid ledger within `limits`:
+/// its key and header, or the reason it is not one.
+fn examine(file: &File, path: &Path, limits: &Limits) -> Result<(FileKey, Header), String> {
+    let metadata = file.metadata().map_err(|error| format!("cannot stat it: {error}"))?;
+    if !metadata.is_file() {
+        return Err("not a regular file".into());
+    }
+    if metadata.len() > limits.max_bytes {
+        return Err(format!("{} bytes, more than the {} the agent allows (--max-ledger-bytes)", metadata.len(), limits.max_bytes));
+    }
+    if metadata.len() < ledger::layout::PAGE {
+        return Err(LedgerError::Truncated { path: path.to_path_buf(), expected: ledger::layout::PAGE, actual: metadata.len() }.to_string());
+    }
+    let header = ledger::file::read_header(file).map_err(|error| format!("cannot read its header: {error}"))?;
+    // Checked before validation, which computes the layout from the header's counts.
+    if let Some(reason) = limits.exceeded_by(&header) {
+        return Err(reason);
+    }
+    ledger::file::validate(&header, metadata.len(), path).map_err(|error| error.to_string())?;
+    Ok((FileKey::of(&metadata), header))
+}
+
+/// Opens `path` (under `root`) read-write, resolved beneath `root` without following any
+/// symbolic link, and without blocking on a FIFO.
+fn open_beneath(root: &Path, path: &Path) -> std::io::Result<File> {
+    let relative = path.strip_prefix(root).map_err(|_| std::io::Error::other("not under the ledger directory"))?;
+    let root = File::open(root)?;
+    let how = OpenHow::new()
+        .flags(OFlag::O_RDWR | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_CLOEXEC | OFlag::O_NOCTTY)
+        .mode(Mode::empty())
+        .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_SYMLINKS | ResolveFlag::RESOLVE_NO_MAGICLINKS);
+    let fd = openat2(root.as_raw_fd(), relative, how).map_err(std::io::Error::from)?;
+    // SAFETY: openat2 returned a new descriptor that nothing else owns.
+    Ok(File::from(unsafe { OwnedFd::from_raw_fd(fd) }))
+}
+
+/// How `now` differs from `validated` (the fields that set limits and layout), if it does.
+fn header_change(validated: &Header, now: &Header) -> Option<String> {
+    let mut changes = Vec::new();
+    if now.checksum != fnv1a(checksummed_bytes(now)) {
+        changes.push("checksum no longer matches".to_string());
+    }
+    let count = validated.device_count as usize;
+    if now.device_count != validated.device_count {
+        changes.push(format!("device_count {} -> {}", validated.device_count, now.device_count));
+    }
+    for (index, (was, is)) in validated.devices[..count].iter().zip(&now.devices[..count]).enumerate() {
+        for (field, before, after) in [
+            ("limit", was.limit, is.limit),
+            ("chunk", was.chunk, is.chunk),
+            ("context_reserve", was.context_reserve, is.context_reserve),
+            ("chunks", was.chunks, is.chunks),
+        ] {
+            if before != after {
+                changes.push(format!("device {index} {field} {before} -> {after}"));
+            }
+        }
+        if was.uuid != is.uuid {
+            changes.push(format!("device {index} uuid changed"));
+        }
+    }
+    if changes.is_empty() && checksummed_bytes(validated) != checksummed_bytes(now) {
+        changes.push("layout fields changed".to_string());
+    }
+    (!changes.is_empty()).then(|| changes.join(", "))
+}
+
+/// Regular files (not hidden, not links) in `dir` and its direct subdirectories, at most
+/// `limits.max_per_dir` a directory; and the directories that held more (with what).
+#[allow(clippy::type_complexity)]
+fn candidates(dir: &Path, limits: &Limits) -> std::io::Result<(BTreeMap<PathBuf, FileKey>, BTreeMap<PathBuf, String>)> {
+    let mut found = BTreeMap::new();
+    let mut crowded = BTreeMap::new();
+    let root = File::open(dir)?;
+    let (files, subdirs) = list(&root, dir, limits, &mut crowded)?;
+    found.extend(files);
+    for name in subdirs {
+        // Opened beneath the root without following links: a directory swapped for a link
+        // between the listing and now is not entered.
+        let how = OpenHow::new()
+            .flags(OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC)
+            .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_SYMLINKS | ResolveFlag::RESOLVE_NO_MAGICLINKS);
+        let Ok(fd) = openat2(root.as_raw_fd(), name.as_os_str(), how) else { continue };
+        // SAFETY: openat2 returned a new descriptor that nothing else owns.
+        let sub = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+        // A directory that vanished or cannot be read holds no ledger for now.
+        if let Ok((files, _)) = list(&sub, &dir.join(&name), limits, &mut crowded) {
+            found.extend(files);
+        }
+    }
+    Ok((found, crowded))
+}
+
+/// The regular files (at most `limits.max_per_dir`) and subdirectory names of the directory
+/// open as `handle` (at `path`), reading at most [`MAX_ENTRIES`] entries.
+#[allow(clippy::type_complexity)]
+fn list(
+    handle: &File,
+    path: &Path,
+    limits: &Limits,
+    crowded: &mut BTreeMap<PathBuf, String>,
+) -> std::io::Result<(Vec<(PathBuf, FileKey)>, Vec<std::ffi::OsString>)> {
+    use std::os::unix::ffi::OsStrExt;
+    let fd = nix::unistd::dup(handle.as_raw_fd()).map_err(std::io::Error::from)?;
+    let mut entries = nix::dir::Dir::from_fd(fd).map_err(std::io::Error::from)?;
+    let (mut files, mut dirs) = (Vec::new(), Vec::new());
+    let mut read = 0;
+    for entry in entries.iter() {
+        let Ok(entry) = entry else { continue };
+        let name = std::ffi::OsStr::from_bytes(entry.file_name().to_bytes()).to_os_string();
+        if name.as_bytes().first() == Some(&b'.') {
+            continue;
+        }
+        read += 1;
+        if read > MAX_ENTRIES {
+            crowded.insert(path.to_path_buf(), format!("more than {MAX_ENTRIES} entries"));
+            break;
+        }
+        // Of the entry itself, never of what a link points at.
+        let Ok(stat) = nix::sys::stat::fstatat(Some(handle.as_raw_fd()), name.as_os_str(), nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW) else {
+            continue;
+        };
+        match stat.st_mode & libc::S_IFMT {
+            libc::S_IFREG if files.len() < limits.max_per_dir => files.push((path.join(&name), FileKey::from_stat(&stat))),
+            libc::S_IFREG => {
+                crowded.insert(path.to_path_buf(), format!("more than {} files (--max-ledgers-per-dir)", limits.max_per_dir));
+            }
+            libc::S_IFDIR => dirs.push(name),
+            _ => {}
+        }
+    }
+    Ok((files, dirs))
+}
+
+impl FileKey {
+    fn from_stat(stat: &nix::sys::stat::FileStat) -> FileKey {
+        FileKey {
+            dev: stat.st_dev,
+            ino: stat.st_ino,
+            len: stat.st_size as u64,
+            mtime: stat.st_mtime,
+            mtime_nsec: stat.st_mtime_nsec,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ledger::{layout::CREATOR_AGENT, DeviceConfig, Geometry, Ledger};
+
+    fn geometry() -> Geometry {
+        Geometry {
+            slots: 4,
+            records: 64,
+            devices: vec![DeviceConfig { limit: 64 << 20, chunk: 2 << 20, ..Default::default() }],
+        }
+    }
+
+    #[test]
+    fn finds_ledgers_skips_the_rest_and_follows_changes() {
+        let dir = std::env::temp_dir().join(format!("vramguard-ledgers-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(dir.join("a")).expect("mkdir");
+        fs::create_dir_all(dir.join("b/deeper")).expect("mkdir");
+        Ledger::create(&dir.join("a/ledger"), &geometry(), CREATOR_AGENT).expect("create a");
+        Ledger::create(&dir.join("top"), &geometry(), CREATOR_AGENT).expect("create top");
+        Ledger::create(&dir.join("b/deeper/too-deep"), &geometry(), CREATOR_AGENT).expect("create deep");
+        fs::write(dir.join("b/garbage"), b"not a ledger").expect("write");
+        fs::write(dir.join("a/.ledger.lock"), b"").expect("write");
+
+        let mut ledgers = Ledgers::new(dir.clone());
+        ledgers.scan();
+        let paths: Vec<PathBuf> = ledgers.iter().map(|(p, _)| p.to_path_buf()).collect();
+        assert_eq!(paths, vec![dir.join("a/ledger"), dir.join("top")]);
+        assert_eq!(ledgers.skipped(), 1);
+
+        fs::remove_file(dir.join("top")).expect("rm");
+        fs::create_dir_all(dir.join("c")).expect("mkdir");
+        Ledger::create(&dir.join("c/ledger"), &geometry(), CREATOR_AGENT).expect("create c");
+        ledgers.scan();
+        let paths: Vec<PathBuf> = ledgers.iter().map(|(p, _)| p.to_path_buf()).collect();
+        assert_eq!(paths, vec![dir.join("a/ledger"), dir.join("c/ledger")]);
+
+        // A skipped file that becomes a ledger is picked up.
+        fs::remove_file(dir.join("b/garbage")).expect("rm");
+        Ledger::create(&dir.join("b/garbage"), &geometry(), CREATOR_AGENT).expect("create b");
+        ledgers.scan();
+        assert_eq!(ledgers.len(), 3);
+        assert_eq!(ledgers.skipped(), 0);
+
+        fs::remove_dir_all(&dir).expect("cleanup");
+        ledgers.scan();
+        assert_eq!(ledgers.len(), 0);
+    }
+
+    #[test]
+    fn a_header_rewritten_under_the_agent_is_noticed() {
+        use std::os::unix::fs::FileExt;
+        let dir = std::env::temp_dir().join(format!("vramguard-ledgers-header-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(dir.join("a")).expect("mkdir");
+        let path = dir.join("a/ledger");
+        let ledger = Ledger::create(&path, &geometry(), CREATOR_AGENT).expect("create");
+        let mut ledgers = Ledgers::new(dir.clone());
+        ledgers.scan();
+        assert_eq!(ledgers.header_change(&path), None);
+
+        let write = |header: &Header| {
+            let bytes = checksummed_bytes(header).to_vec();
+            let file = fs::OpenOptions::new().write(true).open(&path).expect("open");
+            file.write_all_at(&bytes, 0).expect("write");
+            file.write_all_at(&header.checksum.to_ne_bytes(), bytes.len() as u64).expect("write checksum");
+        };
+        let mut rewritten = *ledger.header();
+        rewritten.devices[0].limit *= 2;
+        write(&rewritten);
+        ledgers.scan();
+        let change = ledgers.header_change(&path).expect("noticed");
+        assert!(change.contains("device 0 limit 67108864 -> 134217728"), "{change}");
+        assert!(change.contains("checksum no longer matches"), "{change}");
+
+        // Put back: no longer reported.
+        write(ledger.header());
+        ledgers.scan();
+        assert_eq!(ledgers.header_change(&path), None);
+
+        // Re-created with twice the limit while a process uses it: held to the old one.
+        ledger.register(ledger::ProcessIdentity { pid: 1, pidns: 1, start_time: 1 }).expect("register");
+        fs::remove_file(&path).expect("rm");
+        let bigger = Geometry { devices: vec![DeviceConfig { limit: 128 << 20, chunk: 2 << 20, ..Default::default() }], ..geometry() };
+        Ledger::create(&path, &bigger, CREATOR_AGENT).expect("re-create");
+        ledgers.scan();
+        let change = ledgers.header_change(&path).expect("noticed");
+        assert!(change.contains("device 0 limit 67108864 -> 134217728"), "{change}");
+        assert_eq!(ledgers.validated_header(&path).map(|h| h.devices[0].limit), Some(64 << 20));
+        // Re-created when nobody used it (a new pod): a fresh start.
+        fs::remove_file(&path).expect("rm");
+        ledgers.scan();
+        Ledger::create(&path, &bigger, CREATOR_AGENT).expect("re-create");
+        ledgers.scan();
+        assert_eq!(ledgers.header_change(&path), None);
+        assert_eq!(ledgers.validated_header(&path).map(|h| h.devices[0].limit), Some(128 << 20));
+        fs::remove_dir_all(&dir).expect("cleanup");
+    }
+}
