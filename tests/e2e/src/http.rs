@@ -6,7 +6,7 @@
 //! page of a pass that began after the call, for a test that has just changed the node.
 use std::{
     collections::BTreeMap,
-    io::{Read, Write},
+    io::{ErrorKind, Read, Write},
     net::{SocketAddr, TcpStream},
     time::{Duration, Instant},
 };
@@ -15,11 +15,8 @@ use anyhow::{anyhow, bail, Context, Result};
 
 /// `GET path` from `addr`: (status, body).
 pub fn get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
-    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).with_context(|| format!("cannot connect to {addr}"))?;
-    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-    write!(stream, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n")?;
-    let mut response = Vec::new();
-    stream.read_to_end(&mut response).with_context(|| format!("reading the answer to GET {path}"))?;
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    let response = raw(addr, request.as_bytes()).with_context(|| format!("GET {path}"))?;
     let text = String::from_utf8(response).context("the answer is not UTF-8")?;
     let (head, body) = text.split_once("\r\n\r\n").ok_or_else(|| anyhow!("no end of head in {text:?}"))?;
     let status_line = head.lines().next().unwrap_or_default();
@@ -34,6 +31,22 @@ pub fn get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
 /// `GET /metrics` from `addr`, parsed; fails unless the status is 200.
 pub fn scrape(addr: SocketAddr) -> Result<Vec<Sample>> {
     parse_metrics(&page(addr)?)
+}
+
+/// Sends `request` as it is on a new connection to `addr` and returns every byte of the answer
+/// until the agent closes the connection (a reset after some of the answer ends it too: a
+/// server that refuses a request it has not read whole closes with unread bytes, and the
+/// kernel resets the connection then).
+pub fn raw(addr: SocketAddr, request: &[u8]) -> Result<Vec<u8>> {
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).with_context(|| format!("cannot connect to {addr}"))?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    stream.write_all(request).context("sending the request")?;
+    let mut response = Vec::new();
+    match stream.read_to_end(&mut response) {
+        Err(error) if error.kind() == ErrorKind::ConnectionReset && !response.is_empty() => Ok(response),
+        Err(error) => Err(error).context("reading the answer"),
+        Ok(_) => Ok(response),
+    }
 }
 
 /// The family that counts the agent's reconcile passes.
