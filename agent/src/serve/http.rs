@@ -420,7 +420,12 @@ mod tests {
         // A new pass's page is what the next request gets.
         board.send_replace(published("m 2\n"));
         assert!(String::from_utf8_lossy(&exchange(addr, b"GET /metrics HTTP/1.0\r\n\r\n").await).ends_with("m 2\n"));
-        counted(&connections, Outcome::Answered, 3).await;
+        // A page far larger than the read buffer comes whole.
+        let large = "x".repeat(4 << 20);
+        board.send_replace(published(&large));
+        let answer = exchange(addr, b"GET /metrics HTTP/1.1\r\n\r\n").await;
+        assert!(answer.ends_with(large.as_bytes()), "{} bytes", answer.len());
+        counted(&connections, Outcome::Answered, 4).await;
     }
 
     #[tokio::test]
