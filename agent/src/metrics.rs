@@ -1,5 +1,5 @@
-//! The agent's Prometheus metrics (rendered after each reconcile pass and served on
-//! `--metrics-addr` by [`crate::serve`]).
+//! The agent's Prometheus metrics (rendered from the last reconcile pass's state, at most once
+//! per pass, and served on `--metrics-addr` by [`crate::serve`]).
 //!
 //! Per ledger and device (labels `ledger`, the file's path, `device_index`, `device_uuid`,
 //! empty when the ledger does not know it): `vramguard_container_memory_used_bytes` (what the
@@ -29,7 +29,7 @@
 //! `vramguard_enforcement_signals_total`, `vramguard_probes_attached{libcuda}`, `vramguard_ledgers`,
 //! `vramguard_ledgers_skipped`, `vramguard_ledgers_unreadable`; families kept elsewhere join
 //! through [`Metrics::register`] (`vramguard_http_connections_total`, [`crate::serve::http`]).
-//! Gauges are rebuilt from the current state after every pass ([`Metrics::refresh`]).
+//! Gauges are rebuilt from the current state at each render ([`Metrics::refresh`]).
 use std::{
     collections::{BTreeMap, BTreeSet},
     time::Duration,

@@ -66,7 +66,7 @@
 //! most once a second per process ([`SlotProcesses`]).
 //!
 //! Passes run every second, for every `audit` (a `/metrics` scrape runs none: it is served
-//! the page rendered after the last pass, [`crate::serve`]), and (at most one per
+//! the page of the last pass, [`crate::serve`]), and (at most one per
 //! [`MIN_INTERVAL`]) after a drain of the event ring buffer that found events and a ledger
 //! sweep that reclaimed slots: a quiet node costs one pass a second.
 use std::{

@@ -1,13 +1,15 @@
 //! `vramguard run`: load and attach the eBPF programs, keep the view current, answer the
 //! control socket, watch the ledgers under `--ledger-dir` (reclaiming the slots of dead
 //! processes on their exit events and every `--ledger-scan-ms`), reconcile the ledgers with
-//! the eBPF view (after drains and sweeps, and every second), publish what `--metrics-addr`
-//! serves after each pass ([`crate::serve`]), and detach cleanly on SIGINT or SIGTERM.
+//! the eBPF view (after drains and sweeps, and every second), render the metrics page that
+//! `--metrics-addr` serves when a scrape finds it older than the last pass ([`crate::serve`]),
+//! and detach cleanly on SIGINT or SIGTERM.
 use std::{
     collections::BTreeMap,
     net::SocketAddr,
     path::PathBuf,
-    time::{Duration, Instant},
+    sync::Arc,
+    time::Duration,
 };
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -17,7 +19,7 @@ use tokio::{
     io::unix::AsyncFd,
     net::UnixStream,
     signal::unix::{signal, SignalKind},
-    sync::watch,
+    sync::Notify,
     time::{interval, MissedTickBehavior},
 };
 use tracing::{info, warn};
@@ -35,7 +37,7 @@ use crate::{
     probes::{self, AttachReport},
     reclaim::Reclaimer,
     reconcile::{self, Reconciler},
-    serve::{self, Published},
+    serve::{self, Published, Publisher},
     snapshot::Snapshot,
 };
 
@@ -138,6 +140,7 @@ enum Wake {
     Reconcile,
     ExitRetry,
     Client(UnixStream),
+    Render,
 }
 
 pub async fn run(args: RunArgs) -> Result<()> {
@@ -227,19 +230,20 @@ pub async fn run(args: RunArgs) -> Result<()> {
             metrics.reclaimed(latency);
         }
     }
-    // The listener serves what the loop publishes after each pass: the first one before it
-    // listens.
-    let (metrics_addr, mut publisher) = match args.metrics_addr {
+    // The listener serves the pages the loop renders (the first one before it listens) and
+    // rings `render_wanted` when a scrape finds the page older than the last pass.
+    let render_wanted = Arc::new(Notify::new());
+    let (metrics_addr, publisher) = match args.metrics_addr {
         Some(addr) => {
             let connections = serve::http::Connections::new()?;
             metrics.register(connections.collector())?;
             judge.pass(ledgers.as_ref(), &accounting, &metrics);
             let now = view(&mut accounting, &attached, ledgers.as_ref(), &reclaimer, &judge, limits.as_ref());
             let first = render(&mut metrics, ledgers.as_ref(), &judge, &now);
-            let (board, published) = watch::channel(first);
-            let bound = serve::http::serve(addr, serve::http::LIMITS, published, connections).await?;
+            let (publisher, board) = Publisher::new(first, render_wanted.clone());
+            let bound = serve::http::serve(addr, serve::http::LIMITS, board, connections).await?;
             info!(metrics_addr = %bound, limits = ?serve::http::LIMITS, "serving /metrics, /healthz and /readyz");
-            (Some(bound), Some(Publisher { board, passes: judge.passes, reclaims: reclaimer.total }))
+            (Some(bound), Some(publisher))
         }
         None => (None, None),
     };
@@ -278,6 +282,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
             _ = limits_refresh.tick(), if limits.is_some() => Wake::Limits,
             _ = reconcile_tick.tick() => Wake::Reconcile,
             _ = exit_retry.tick(), if ledgers.is_some() && reclaimer.pending() => Wake::ExitRetry,
+            _ = render_wanted.notified() => Wake::Render,
             client = listener.accept() => match client {
                 Ok((stream, _)) => Wake::Client(stream),
                 Err(error) => { warn!(%error, "control socket accept failed"); continue; }
@@ -349,17 +354,26 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 judge.pass(ledgers.as_ref(), &accounting, &metrics);
                 let mut snapshot = view(&mut accounting, &attached, ledgers.as_ref(), &reclaimer, &judge, limits.as_ref());
                 snapshot.metrics_addr = metrics_addr.map(|addr| addr.to_string());
+                // The answer awaits the client, and the listener may answer meanwhile: the
+                // pass is the last one from now on.
+                if let Some(publisher) = publisher.as_ref() {
+                    publisher.passed(judge.passes);
+                }
                 if let Err(error) = control::serve(stream, &snapshot).await {
                     warn!(%error, "answering a control client failed");
                 }
             }
+            // A scrape found the page older than the last pass: render that pass's (once,
+            // however many scrapes asked).
+            Wake::Render => {
+                if let Some(publisher) = publisher.as_ref().filter(|p| p.behind()) {
+                    let now = view(&mut accounting, &attached, ledgers.as_ref(), &reclaimer, &judge, limits.as_ref());
+                    publisher.publish(render(&mut metrics, ledgers.as_ref(), &judge, &now));
+                }
+            }
         }
-        // A pass (or a reclaim) since the last page: render the next one.
-        if let Some(publisher) = publisher.as_mut().filter(|p| p.passes != judge.passes || p.reclaims != reclaimer.total) {
-            publisher.passes = judge.passes;
-            publisher.reclaims = reclaimer.total;
-            let now = view(&mut accounting, &attached, ledgers.as_ref(), &reclaimer, &judge, limits.as_ref());
-            publisher.board.send_replace(render(&mut metrics, ledgers.as_ref(), &judge, &now));
+        if let Some(publisher) = publisher.as_ref() {
+            publisher.passed(judge.passes);
         }
     }
     if let Some(ledgers) = ledgers.as_ref() {
@@ -395,13 +409,6 @@ impl Judge {
     }
 }
 
-/// Where the loop leaves what `--metrics-addr` serves, and what the last page reflects.
-struct Publisher {
-    board: watch::Sender<Published>,
-    passes: u64,
-    reclaims: u64,
-}
-
 /// The current view for `vramguard audit` and the metrics, as of the last reconcile pass.
 fn view(
     accounting: &mut Accounting,
@@ -420,14 +427,14 @@ fn view(
     snapshot
 }
 
-/// What `--metrics-addr` serves until the next pass: the metrics rendered from `view` (as of
-/// the last pass), and the readiness (a libcuda probed: always, after start-up).
+/// A page for `--metrics-addr`: the metrics rendered from `view` (as of the last pass), and
+/// the readiness (a libcuda probed: always, after start-up).
 fn render(metrics: &mut Metrics, ledgers: Option<&Ledgers>, judge: &Judge, view: &Snapshot) -> Published {
     metrics.refresh(ledgers, view, &judge.reconciler, &judge.charger.charged());
     Published {
         metrics: metrics.encode().map(Bytes::from).map_err(|error| format!("{error:#}")),
         not_ready: view.libcuda.is_empty().then_some("no libcuda probed"),
-        at: Instant::now(),
+        passes: judge.passes,
     }
 }
 

@@ -1,8 +1,8 @@
 //! The HTTP listener of `--metrics-addr`: hyper's HTTP/1 server, one request per connection,
-//! answering `GET`/`HEAD` of `/metrics`, `/healthz` and `/readyz` from the [`Published`]
-//! state the event loop leaves after each pass. Answering never runs a pass, never waits
-//! for the event loop and never reads a ledger: a request costs a copy of a reference to
-//! the last rendered page.
+//! answering `GET`/`HEAD` of `/metrics`, `/healthz` and `/readyz` from the [`Board`]. A request
+//! never runs a pass and never reads a ledger: it is served the last rendered page (a copy of
+//! a reference), after asking the event loop for a page of its last pass if the page is
+//! older (at most [`RENDER_WAIT`]; the loop renders at most once per pass).
 //!
 //! It is the root agent's only network surface, so everything a client sends is bounded
 //! ([`Limits`]; [`LIMITS`] in production): connections open at once ([`Gate`]: past the cap
@@ -32,13 +32,13 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use prometheus::{core::Collector, IntCounterVec, Opts};
 use tokio::{
     net::{TcpListener, TcpStream},
-    sync::{oneshot, watch},
+    sync::oneshot,
 };
 use tracing::{debug, warn};
 
 use super::{
     gate::{Admission, Gate, Ticket},
-    Published,
+    Board, Progress, Published,
 };
 
 /// What the listener allows a client.
@@ -69,6 +69,10 @@ pub const LIMITS: Limits = Limits {
 /// How long the published state may go without a new pass before `/healthz` reports the
 /// event loop stuck (a pass runs at least every second).
 pub const STALE_AFTER: Duration = Duration::from_secs(30);
+
+/// How long a scrape waits for the event loop to render the page of its last pass before it
+/// takes the page there is.
+pub const RENDER_WAIT: Duration = Duration::from_secs(2);
 
 /// hyper's smallest read buffer.
 const MIN_BUFFER: usize = 8192;
@@ -153,20 +157,15 @@ impl Connections {
     }
 }
 
-/// Binds `addr` and serves it in the background from what `published` holds at each request.
-pub async fn serve(
-    addr: SocketAddr,
-    limits: Limits,
-    published: watch::Receiver<Published>,
-    connections: Connections,
-) -> Result<SocketAddr> {
+/// Binds `addr` and serves it in the background from what `board` holds at each request.
+pub async fn serve(addr: SocketAddr, limits: Limits, board: Board, connections: Connections) -> Result<SocketAddr> {
     let listener = TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr} for metrics"))?;
     let bound = listener.local_addr().context("the metrics listener has no address")?;
-    tokio::spawn(accept(listener, limits, published, connections));
+    tokio::spawn(accept(listener, limits, board, connections));
     Ok(bound)
 }
 
-async fn accept(listener: TcpListener, limits: Limits, published: watch::Receiver<Published>, connections: Connections) {
+async fn accept(listener: TcpListener, limits: Limits, board: Board, connections: Connections) {
     let gate = Gate::new(limits.connections);
     let mut builder = http1::Builder::new();
     builder
@@ -195,7 +194,7 @@ async fn accept(listener: TcpListener, limits: Limits, published: watch::Receive
                 true
             }
             Admission::Admitted { ticket, evicted, made_room } => {
-                let connection = Connection { ticket, evicted, published: published.clone(), connections: connections.clone() };
+                let connection = Connection { ticket, evicted, board: board.clone(), connections: connections.clone() };
                 tokio::spawn(connection.run(stream, peer, builder.clone(), limits.deadline));
                 made_room
             }
@@ -214,18 +213,18 @@ async fn accept(listener: TcpListener, limits: Limits, published: watch::Receive
 struct Connection {
     ticket: Arc<Ticket>,
     evicted: oneshot::Receiver<()>,
-    published: watch::Receiver<Published>,
+    board: Board,
     connections: Connections,
 }
 
 impl Connection {
     async fn run(mut self, stream: TcpStream, peer: SocketAddr, builder: http1::Builder, deadline: Duration) {
         let ticket = self.ticket.clone();
-        let published = self.published;
+        let board = self.board;
         let service = service_fn(move |request: Request<Incoming>| {
             ticket.arrived();
-            let response = respond(&request, &published.borrow(), Instant::now());
-            std::future::ready(Ok::<_, Infallible>(response))
+            let board = board.clone();
+            async move { Ok::<_, Infallible>(answer(&request, &board).await) }
         });
         let serving = builder.serve_connection(TokioIo::new(stream), service);
         let outcome = tokio::select! {
@@ -248,8 +247,22 @@ impl Connection {
     }
 }
 
-/// The answer to `request` from what the event loop last published.
-fn respond<B>(request: &Request<B>, published: &Published, now: Instant) -> Response<Full<Bytes>> {
+/// The answer to `request`: for `/metrics`, the page of the loop's last pass if the loop
+/// renders it within [`RENDER_WAIT`], else the page there is.
+async fn answer<B>(request: &Request<B>, board: &Board) -> Response<Full<Bytes>> {
+    let mut pages = board.pages.clone();
+    let behind = pages.borrow_and_update().passes < board.progress.borrow().passes;
+    if behind && request.uri().path() == "/metrics" {
+        board.wanted.notify_one();
+        let _ = tokio::time::timeout(RENDER_WAIT, pages.changed()).await;
+    }
+    let page = pages.borrow().clone();
+    let progress = *board.progress.borrow();
+    respond(request, &page, &progress, Instant::now())
+}
+
+/// The answer to `request` from `published` and the loop's `progress`.
+fn respond<B>(request: &Request<B>, published: &Published, progress: &Progress, now: Instant) -> Response<Full<Bytes>> {
     let path = request.uri().path();
     if !matches!(path, "/metrics" | "/healthz" | "/readyz") {
         return text(StatusCode::NOT_FOUND, "not found\n");
@@ -268,7 +281,7 @@ fn respond<B>(request: &Request<B>, published: &Published, now: Instant) -> Resp
             Err(error) => text(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot encode the metrics: {error}\n")),
         },
         "/healthz" => {
-            let age = now.saturating_duration_since(published.at);
+            let age = now.saturating_duration_since(progress.at);
             if age > STALE_AFTER {
                 text(StatusCode::SERVICE_UNAVAILABLE, format!("no reconcile pass for {} s\n", age.as_secs()))
             } else {
@@ -306,9 +319,15 @@ mod tests {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     use super::*;
+    use crate::serve::Publisher;
+    use tokio::sync::Notify;
 
     fn published(metrics: &str) -> Published {
-        Published { metrics: Ok(Bytes::from(metrics.to_string())), not_ready: None, at: Instant::now() }
+        Published { metrics: Ok(Bytes::from(metrics.to_string())), not_ready: None, passes: 0 }
+    }
+
+    fn progress() -> Progress {
+        Progress { passes: 0, at: Instant::now() }
     }
 
     fn request(method: Method, uri: &str, headers: &[(&'static str, &'static str)]) -> Request<()> {
@@ -319,8 +338,8 @@ mod tests {
         request.body(()).expect("request")
     }
 
-    async fn answer(request: &Request<()>, published: &Published, now: Instant) -> (StatusCode, String) {
-        let response = respond(request, published, now);
+    async fn answer_of(request: &Request<()>, published: &Published, now: Instant) -> (StatusCode, String) {
+        let response = respond(request, published, &Progress { at: now, ..progress() }, now);
         let status = response.status();
         let body = response.into_body().collect().await.expect("body").to_bytes();
         (status, String::from_utf8_lossy(&body).into_owned())
@@ -330,45 +349,49 @@ mod tests {
     async fn routes_get_and_head_of_three_paths() {
         let state = published("m 1\n");
         let now = Instant::now();
-        assert_eq!(answer(&request(Method::GET, "/metrics", &[]), &state, now).await, (StatusCode::OK, "m 1\n".into()));
-        assert_eq!(answer(&request(Method::GET, "/metrics?x=1", &[]), &state, now).await.0, StatusCode::OK);
-        assert_eq!(answer(&request(Method::HEAD, "/healthz", &[]), &state, now).await, (StatusCode::OK, "ok\n".into()));
-        assert_eq!(answer(&request(Method::GET, "/readyz", &[]), &state, now).await, (StatusCode::OK, "ready\n".into()));
-        assert_eq!(answer(&request(Method::GET, "/nothing", &[]), &state, now).await.0, StatusCode::NOT_FOUND);
-        assert_eq!(answer(&request(Method::POST, "/nothing", &[]), &state, now).await.0, StatusCode::NOT_FOUND);
-        let post = respond(&request(Method::POST, "/metrics", &[]), &state, now);
+        assert_eq!(answer_of(&request(Method::GET, "/metrics", &[]), &state, now).await, (StatusCode::OK, "m 1\n".into()));
+        assert_eq!(answer_of(&request(Method::GET, "/metrics?x=1", &[]), &state, now).await.0, StatusCode::OK);
+        assert_eq!(answer_of(&request(Method::HEAD, "/healthz", &[]), &state, now).await, (StatusCode::OK, "ok\n".into()));
+        assert_eq!(answer_of(&request(Method::GET, "/readyz", &[]), &state, now).await, (StatusCode::OK, "ready\n".into()));
+        assert_eq!(answer_of(&request(Method::GET, "/nothing", &[]), &state, now).await.0, StatusCode::NOT_FOUND);
+        assert_eq!(answer_of(&request(Method::POST, "/nothing", &[]), &state, now).await.0, StatusCode::NOT_FOUND);
+        let post = respond(&request(Method::POST, "/metrics", &[]), &state, &progress(), now);
         assert_eq!(post.status(), StatusCode::METHOD_NOT_ALLOWED);
         assert_eq!(post.headers().get(ALLOW).map(HeaderValue::as_bytes), Some(&b"GET, HEAD"[..]));
-        assert_eq!(answer(&request(Method::DELETE, "/healthz", &[]), &state, now).await.0, StatusCode::METHOD_NOT_ALLOWED);
+        assert_eq!(answer_of(&request(Method::DELETE, "/healthz", &[]), &state, now).await.0, StatusCode::METHOD_NOT_ALLOWED);
         // Bodies are refused; an explicit empty one is none.
-        assert_eq!(answer(&request(Method::GET, "/metrics", &[("content-length", "5")]), &state, now).await.0, StatusCode::PAYLOAD_TOO_LARGE);
-        assert_eq!(answer(&request(Method::GET, "/metrics", &[("transfer-encoding", "chunked")]), &state, now).await.0, StatusCode::PAYLOAD_TOO_LARGE);
-        assert_eq!(answer(&request(Method::GET, "/metrics", &[("content-length", "0")]), &state, now).await.0, StatusCode::OK);
+        assert_eq!(answer_of(&request(Method::GET, "/metrics", &[("content-length", "5")]), &state, now).await.0, StatusCode::PAYLOAD_TOO_LARGE);
+        assert_eq!(answer_of(&request(Method::GET, "/metrics", &[("transfer-encoding", "chunked")]), &state, now).await.0, StatusCode::PAYLOAD_TOO_LARGE);
+        assert_eq!(answer_of(&request(Method::GET, "/metrics", &[("content-length", "0")]), &state, now).await.0, StatusCode::OK);
     }
 
     #[tokio::test]
     async fn readiness_health_and_encoding_failures() {
         let not_ready = Published { not_ready: Some("no libcuda probed"), ..published("") };
         assert_eq!(
-            answer(&request(Method::GET, "/readyz", &[]), &not_ready, Instant::now()).await,
+            answer_of(&request(Method::GET, "/readyz", &[]), &not_ready, Instant::now()).await,
             (StatusCode::SERVICE_UNAVAILABLE, "no libcuda probed\n".into())
         );
         let state = published("");
-        let now = state.at;
-        assert_eq!(answer(&request(Method::GET, "/healthz", &[]), &state, now + STALE_AFTER).await.0, StatusCode::OK);
-        let (status, body) = answer(&request(Method::GET, "/healthz", &[]), &state, now + STALE_AFTER * 2).await;
+        let at = Instant::now();
+        let healthz = |now| respond(&request(Method::GET, "/healthz", &[]), &state, &Progress { at, passes: 0 }, now);
+        assert_eq!(healthz(at + STALE_AFTER).status(), StatusCode::OK);
+        let response = healthz(at + STALE_AFTER * 2);
+        let status = response.status();
+        let body = String::from_utf8_lossy(&response.into_body().collect().await.expect("body").to_bytes()).into_owned();
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "the event loop published nothing for a minute");
         assert!(body.starts_with("no reconcile pass for 60 s"), "{body}");
         let broken = Published { metrics: Err("bad family".into()), ..published("") };
-        assert_eq!(answer(&request(Method::GET, "/metrics", &[]), &broken, now).await.0, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(answer_of(&request(Method::GET, "/metrics", &[]), &broken, Instant::now()).await.0, StatusCode::INTERNAL_SERVER_ERROR);
     }
 
     /// A listener on a free loopback port serving `metrics`.
-    async fn listener(limits: Limits, metrics: Bytes) -> (SocketAddr, Connections, watch::Sender<Published>) {
+    async fn listener(limits: Limits, metrics: Bytes) -> (SocketAddr, Connections, Publisher, Arc<Notify>) {
         let connections = Connections::new().expect("counter");
-        let (board, view) = watch::channel(Published { metrics: Ok(metrics), not_ready: None, at: Instant::now() });
-        let addr = serve("127.0.0.1:0".parse().expect("addr"), limits, view, connections.clone()).await.expect("serve");
-        (addr, connections, board)
+        let wanted = Arc::new(Notify::new());
+        let (publisher, board) = Publisher::new(Published { metrics: Ok(metrics), not_ready: None, passes: 0 }, wanted.clone());
+        let addr = serve("127.0.0.1:0".parse().expect("addr"), limits, board, connections.clone()).await.expect("serve");
+        (addr, connections, publisher, wanted)
     }
 
     /// Sends `request` on a new connection and reads until the server closes it.
@@ -410,7 +433,7 @@ mod tests {
 
     #[tokio::test]
     async fn serves_over_tcp_and_head_has_no_body() {
-        let (addr, connections, board) = listener(small(4), Bytes::from_static(b"m 1\n")).await;
+        let (addr, connections, board, _) = listener(small(4), Bytes::from_static(b"m 1\n")).await;
         let answer = exchange(addr, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").await;
         let text = String::from_utf8_lossy(&answer);
         assert!(text.starts_with("HTTP/1.1 200 OK\r\n"), "{text}");
@@ -418,19 +441,40 @@ mod tests {
         let answer = String::from_utf8_lossy(&exchange(addr, b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n").await).into_owned();
         assert!(answer.starts_with("HTTP/1.1 200 OK\r\n") && answer.ends_with("\r\n\r\n"), "HEAD: no body: {answer}");
         // A new pass's page is what the next request gets.
-        board.send_replace(published("m 2\n"));
+        board.publish(published("m 2\n"));
         assert!(String::from_utf8_lossy(&exchange(addr, b"GET /metrics HTTP/1.0\r\n\r\n").await).ends_with("m 2\n"));
         // A page far larger than the read buffer comes whole.
         let large = "x".repeat(4 << 20);
-        board.send_replace(published(&large));
+        board.publish(published(&large));
         let answer = exchange(addr, b"GET /metrics HTTP/1.1\r\n\r\n").await;
         assert!(answer.ends_with(large.as_bytes()), "{} bytes", answer.len());
         counted(&connections, Outcome::Answered, 4).await;
     }
 
     #[tokio::test]
+    async fn a_scrape_behind_the_loop_asks_for_the_page_of_its_last_pass() {
+        let (addr, _connections, publisher, wanted) = listener(small(4), Bytes::from_static(b"pass 0\n")).await;
+        // The page is current: served as it is, the loop is not asked.
+        assert!(String::from_utf8_lossy(&exchange(addr, b"GET /metrics HTTP/1.1\r\n\r\n").await).ends_with("pass 0\n"));
+        // A pass: the next scrape rings, the loop renders, the scrape gets that page.
+        publisher.passed(1);
+        assert!(publisher.behind());
+        let publisher = Arc::new(publisher);
+        let event_loop = {
+            let publisher = publisher.clone();
+            tokio::spawn(async move {
+                wanted.notified().await;
+                publisher.publish(Published { passes: 1, ..published("pass 1\n") });
+            })
+        };
+        assert!(String::from_utf8_lossy(&exchange(addr, b"GET /metrics HTTP/1.1\r\n\r\n").await).ends_with("pass 1\n"));
+        event_loop.await.expect("loop");
+        assert!(!publisher.behind());
+    }
+
+    #[tokio::test]
     async fn oversized_heads_get_431() {
-        let (addr, connections, _board) = listener(small(4), Bytes::from_static(b"m 1\n")).await;
+        let (addr, connections, _board, _) = listener(small(4), Bytes::from_static(b"m 1\n")).await;
         let big = format!("GET /metrics HTTP/1.1\r\nHost: x\r\nX-Pad: {}\r\n\r\n", "a".repeat(9000));
         assert_eq!(status_of(&exchange(addr, big.as_bytes()).await), "HTTP/1.1 431 Request Header Fields Too Large");
         let many: String = (0..9).map(|i| format!("X-{i}: y\r\n")).collect();
@@ -444,7 +488,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_slow_head_is_cut_off() {
-        let (addr, connections, _board) = listener(small(4), Bytes::from_static(b"m 1\n")).await;
+        let (addr, connections, _board, _) = listener(small(4), Bytes::from_static(b"m 1\n")).await;
         let mut stream = TcpStream::connect(addr).await.expect("connect");
         stream.write_all(b"GET /metr").await.expect("send");
         let answer = read_all(&mut stream).await;
@@ -456,7 +500,7 @@ mod tests {
     async fn a_client_that_does_not_read_is_cut_off_at_the_deadline() {
         let body = Bytes::from(vec![b'x'; 64 << 20]);
         let limits = Limits { deadline: Duration::from_millis(500), ..small(4) };
-        let (addr, connections, _board) = listener(limits, body.clone()).await;
+        let (addr, connections, _board, _) = listener(limits, body.clone()).await;
         let mut stream = TcpStream::connect(addr).await.expect("connect");
         stream.write_all(b"GET /metrics HTTP/1.1\r\n\r\n").await.expect("send");
         counted(&connections, Outcome::TimedOut, 1).await;
@@ -467,7 +511,7 @@ mod tests {
     #[tokio::test]
     async fn idle_connections_past_the_cap_make_room() {
         let limits = Limits { header_timeout: Duration::from_secs(30), deadline: Duration::from_secs(30), ..small(4) };
-        let (addr, connections, _board) = listener(limits, Bytes::from_static(b"m 1\n")).await;
+        let (addr, connections, _board, _) = listener(limits, Bytes::from_static(b"m 1\n")).await;
         let mut idle = Vec::new();
         for n in 1..=10u64 {
             idle.push(TcpStream::connect(addr).await.expect("connect"));
@@ -490,7 +534,7 @@ mod tests {
     async fn past_the_cap_with_every_connection_answered_newcomers_are_refused() {
         let body = Bytes::from(vec![b'x'; 64 << 20]);
         let limits = Limits { header_timeout: Duration::from_secs(30), deadline: Duration::from_secs(30), ..small(2) };
-        let (addr, connections, _board) = listener(limits, body).await;
+        let (addr, connections, _board, _) = listener(limits, body).await;
         // Two clients that asked and do not read: their answers are stuck in flight.
         let mut stuck = Vec::new();
         for _ in 0..2 {
