@@ -1,9 +1,9 @@
 //! A tiny HTTP/1.1 client (one `GET` over a plain TCP connection, `Connection: close`) and a
 //! parser of the Prometheus text format, for scraping `vramguard run --metrics-addr`.
 //!
-//! The agent serves the metrics it rendered after its last reconcile pass (a pass runs at
-//! least every second): [`scrape`] reads that page as it is, [`fresh_scrape`] waits for the
-//! page of a pass that began after the call, for a test that has just changed the node.
+//! The agent serves the metrics page of its last reconcile pass (a pass runs at least every
+//! second; a scrape runs none): [`scrape`] reads it, [`fresh_scrape`] waits for the page of a
+//! pass that began after the call, for a test that has just changed the node.
 use std::{
     collections::BTreeMap,
     io::{ErrorKind, Read, Write},
@@ -62,8 +62,8 @@ pub fn fresh(addr: SocketAddr) -> Result<String> {
     let seen = passes(&first)?;
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        // The page being served at `first` was the last pass's, and no pass was running then
-        // (the agent renders a pass's page before it answers again): the next one began after.
+        // `first` was the page of the last pass, and no pass was running when it was served
+        // (the agent's event loop is one thread): the next pass began after.
         let body = page(addr)?;
         if passes(&body)? > seen {
             return Ok(body);
