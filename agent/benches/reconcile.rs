@@ -7,12 +7,17 @@
 //! given to the reconciler as its /proc look-ups would have found them (a running agent reads
 //! each once per process, see `reconcile`'s module doc); what is measured is the steady
 //! state: the ledgers read under their locks, the join, the judging.
+//! The metrics page the event loop renders for `--metrics-addr` (when a scrape finds it older
+//! than the last pass: at most once per pass) is measured on the 800-process node: the
+//! families rebuilt from the ledgers, the eBPF rows and the verdicts, then encoded.
 //! Run with `cargo bench -p agent` (or `cargo xtask bench`).
 use std::{hint::black_box, path::PathBuf};
 
 use agent::{
     ledgers::Ledgers,
+    metrics::Metrics,
     reconcile::{Config, EbpfProcess, Reconciler},
+    snapshot::{ProcessRow, Snapshot},
 };
 use criterion::{criterion_group, Criterion};
 use ledger::{layout::CREATOR_AGENT, Charge, DeviceConfig, Geometry, Ledger, ProcessIdentity};
@@ -87,7 +92,32 @@ fn reconcile_pass(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, reconcile_pass);
+fn metrics_page(c: &mut Criterion) {
+    let node = node(8);
+    let mut reconciler = Reconciler::new(Config::default());
+    for (pid, identity) in &node.identities {
+        reconciler.know(*pid, 1, *identity);
+    }
+    reconciler.pass(Some(&node.ledgers), &node.ebpf);
+    let snapshot = Snapshot {
+        processes: node
+            .ebpf
+            .iter()
+            .map(|p| ProcessRow { pid: p.pid, cgroup: format!("/kubepods/pod-{}", p.cgroup_id), total_bytes: p.bytes, ..Default::default() })
+            .collect(),
+        ..Default::default()
+    };
+    let mut metrics = Metrics::new(false).expect("metrics");
+    let charged = Default::default();
+    c.bench_function(&format!("metrics page, {LEDGERS} ledgers, {} processes", node.ebpf.len()), |b| {
+        b.iter(|| {
+            metrics.refresh(Some(&node.ledgers), black_box(&snapshot), &reconciler, &charged);
+            black_box(metrics.encode().expect("encode").len())
+        })
+    });
+}
+
+criterion_group!(benches, reconcile_pass, metrics_page);
 
 fn main() {
     benches();

@@ -1,4 +1,5 @@
-//! The agent's Prometheus metrics (served on `--metrics-addr` by [`crate::http`]).
+//! The agent's Prometheus metrics (rendered from the last reconcile pass's state, at most once
+//! per pass, and served on `--metrics-addr` by [`crate::serve`]).
 //!
 //! Per ledger and device (labels `ledger`, the file's path, `device_index`, `device_uuid`,
 //! empty when the ledger does not know it): `vramguard_container_memory_used_bytes` (what the
@@ -35,7 +36,9 @@
 //! `vramguard_cgroup_unrecorded_allocations{cgroup,cgroup_id}`, `vramguard_alloc_records`,
 //! `vramguard_alloc_records_per_cgroup_cap` and `vramguard_cgroups_removed_total{by}` (map
 //! entries of removed cgroups deleted by the `kernel` tracepoint or the agent's `sweep`).
-//! Gauges are rebuilt from the current state at every scrape.
+//! Families kept elsewhere join through [`Metrics::register`] (`vramguard_http_connections_total`,
+//! [`crate::serve::http`]). Gauges are rebuilt from the current state at each render
+//! ([`Metrics::refresh`]).
 use std::{
     collections::{BTreeMap, BTreeSet},
     time::Duration,
@@ -345,6 +348,11 @@ impl Metrics {
             hami,
             agent: ProcessIdentity::current().ok(),
         })
+    }
+
+    /// Adds a family another module keeps up to date to what [`Metrics::encode`] renders.
+    pub fn register(&self, family: Box<dyn prometheus::core::Collector>) -> Result<()> {
+        Ok(self.registry.register(family)?)
     }
 
     /// Times one reconcile pass.

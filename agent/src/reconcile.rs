@@ -65,7 +65,8 @@
 //! eBPF memory are looked up in /proc (whether their process still runs, and its cgroup) at
 //! most once a second per process ([`SlotProcesses`]).
 //!
-//! Passes run every second, for every scrape and `audit`, and (at most one per
+//! Passes run every second, for every `audit` (a `/metrics` scrape runs none: it is served
+//! the page of the last pass, [`crate::serve`]), and (at most one per
 //! [`MIN_INTERVAL`]) after a drain of the event ring buffer that found events and a ledger
 //! sweep that reclaimed slots: a quiet node costs one pass a second.
 use std::{

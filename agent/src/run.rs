@@ -1,22 +1,26 @@
 //! `vramguard run`: load and attach the eBPF programs, keep the view current, answer the
 //! control socket, watch the ledgers under `--ledger-dir` (reclaiming the slots of dead
 //! processes on their exit events and every `--ledger-scan-ms`), reconcile the ledgers with
-//! the eBPF view (after drains and sweeps, and every second), serve `--metrics-addr`, forward
-//! the eBPF programs' log lines into the agent's log, and detach cleanly on SIGINT or SIGTERM.
+//! the eBPF view (after drains and sweeps, and every second), render the metrics page that
+//! `--metrics-addr` serves when a scrape finds it older than the last pass ([`crate::serve`]),
+//! forward the eBPF programs' log lines into the agent's log, and detach cleanly on SIGINT or
+//! SIGTERM.
 use std::{
     collections::BTreeMap,
     net::SocketAddr,
     path::PathBuf,
+    sync::Arc,
     time::Duration,
 };
 
 use anyhow::{anyhow, bail, Context, Result};
 use aya::{programs::TracePoint, EbpfLoader};
+use bytes::Bytes;
 use tokio::{
     io::unix::AsyncFd,
     net::UnixStream,
     signal::unix::{signal, SignalKind},
-    sync::mpsc,
+    sync::Notify,
     time::{interval, MissedTickBehavior},
 };
 use tracing::{info, warn};
@@ -28,7 +32,6 @@ use crate::{
     enforce,
     control,
     discovery::{self, Caps, Discovery},
-    http::{self, Response},
     kernel,
     ledgers::{Ledgers, Limits},
     metrics::Metrics,
@@ -36,6 +39,7 @@ use crate::{
     probes::{self, Attacher},
     reclaim::Reclaimer,
     reconcile::{self, Reconciler},
+    serve::{self, Published, Publisher},
     snapshot::Snapshot,
 };
 
@@ -165,7 +169,7 @@ enum Wake {
     Reconcile,
     ExitRetry,
     Client(UnixStream),
-    Http(http::Request),
+    Render,
 }
 
 pub async fn run(args: RunArgs) -> Result<()> {
@@ -293,7 +297,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         threshold: args.drift_threshold,
         grace: Duration::from_millis(args.drift_grace_ms),
     });
-    let mut judge = Judge { reconciler, charger: Charger::new() };
+    let mut judge = Judge { reconciler, charger: Charger::new(), passes: 0 };
     if let Some(ledgers) = ledgers.as_mut() {
         ledgers.scan();
         info!(dir = %ledgers.dir().display(), ledgers = ledgers.len(), skipped = ledgers.skipped(), "watching ledgers");
@@ -301,14 +305,22 @@ pub async fn run(args: RunArgs) -> Result<()> {
             metrics.reclaimed(latency);
         }
     }
-    let (metrics_addr, mut requests) = match args.metrics_addr {
+    // The listener serves the pages the loop renders (the first one before it listens) and
+    // rings `render_wanted` when a scrape finds the page older than the last pass.
+    let render_wanted = Arc::new(Notify::new());
+    let (metrics_addr, publisher) = match args.metrics_addr {
         Some(addr) => {
-            let (bound, requests) = http::serve(addr).await?;
-            info!(metrics_addr = %bound, "serving /metrics, /healthz and /readyz");
-            (Some(bound), requests)
+            let connections = serve::http::Connections::new()?;
+            metrics.register(connections.collector())?;
+            judge.pass(ledgers.as_ref(), &accounting, &metrics);
+            let now = view(&mut accounting, &discovery, ledgers.as_ref(), &reclaimer, &judge, limits.as_ref());
+            let first = render(&mut metrics, ledgers.as_ref(), &judge, &now);
+            let (publisher, board) = Publisher::new(first, render_wanted.clone());
+            let bound = serve::http::serve(addr, serve::http::LIMITS, board, connections).await?;
+            info!(metrics_addr = %bound, limits = ?serve::http::LIMITS, "serving /metrics, /healthz and /readyz");
+            (Some(bound), Some(publisher))
         }
-        // A channel nobody sends on: the select below never wakes for it.
-        None => (None, mpsc::channel(1).1),
+        None => (None, None),
     };
 
     let listener = control::bind(&args.socket)?;
@@ -351,7 +363,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
             _ = limits_refresh.tick(), if limits.is_some() => Wake::Limits,
             _ = reconcile_tick.tick() => Wake::Reconcile,
             _ = exit_retry.tick(), if ledgers.is_some() && reclaimer.pending() => Wake::ExitRetry,
-            Some(request) = requests.recv() => Wake::Http(request),
+            _ = render_wanted.notified() => Wake::Render,
             client = listener.accept() => match client {
                 Ok((stream, _)) => Wake::Client(stream),
                 Err(error) => { warn!(%error, "control socket accept failed"); continue; }
@@ -417,35 +429,29 @@ pub async fn run(args: RunArgs) -> Result<()> {
             }
             Wake::Client(stream) => {
                 accounting.drain(&mut events, exits.get_mut());
-                let mut snapshot = snapshot(&mut accounting, &discovery, ledgers.as_ref(), &reclaimer, &mut judge, &metrics, metrics_addr);
-                snapshot.stats.cgroup_limits = limits.as_ref().map_or(0, |l| l.applied() as u64);
-                snapshot.kernel_maps.cgroup_limits = limits.as_ref().map_or_else(Vec::new, |l| l.ids());
+                judge.pass(ledgers.as_ref(), &accounting, &metrics);
+                let mut snapshot = view(&mut accounting, &discovery, ledgers.as_ref(), &reclaimer, &judge, limits.as_ref());
+                snapshot.metrics_addr = metrics_addr.map(|addr| addr.to_string());
+                // The answer awaits the client, and the listener may answer meanwhile: the
+                // pass is the last one from now on.
+                if let Some(publisher) = publisher.as_ref() {
+                    publisher.passed(judge.passes);
+                }
                 if let Err(error) = control::serve(stream, &snapshot).await {
                     warn!(%error, "answering a control client failed");
                 }
             }
-            Wake::Http(request) => {
-                let response = match request.path.as_str() {
-                    "/metrics" => {
-                        accounting.drain(&mut events, exits.get_mut());
-                        let mut snapshot = snapshot(&mut accounting, &discovery, ledgers.as_ref(), &reclaimer, &mut judge, &metrics, metrics_addr);
-                        snapshot.stats.cgroup_limits = limits.as_ref().map_or(0, |l| l.applied() as u64);
-                        metrics.refresh(ledgers.as_ref(), &snapshot, &judge.reconciler, &judge.charger.charged());
-                        match metrics.encode() {
-                            Ok(body) => Response { status: 200, content_type: prometheus::TEXT_FORMAT, body },
-                            Err(error) => Response::text(500, format!("cannot encode the metrics: {error:#}\n")),
-                        }
-                    }
-                    "/healthz" => Response::text(200, "ok\n"),
-                    // Ready once probes are attached (always, after start-up) and the ledger
-                    // directory, if any, could be listed.
-                    "/readyz" if discovery.probed().next().is_none() => Response::text(503, "no libcuda probed\n"),
-                    "/readyz" => Response::text(200, "ready\n"),
-                    _ => Response::text(404, "not found\n"),
-                };
-                // The client may have gone: nothing to do then.
-                let _ = request.reply.send(response);
+            // A scrape found the page older than the last pass: render that pass's (once,
+            // however many scrapes asked).
+            Wake::Render => {
+                if let Some(publisher) = publisher.as_ref().filter(|p| p.behind()) {
+                    let now = view(&mut accounting, &discovery, ledgers.as_ref(), &reclaimer, &judge, limits.as_ref());
+                    publisher.publish(render(&mut metrics, ledgers.as_ref(), &judge, &now));
+                }
             }
+        }
+        if let Some(publisher) = publisher.as_ref() {
+            publisher.passed(judge.passes);
         }
     }
     if let Some(ledgers) = ledgers.as_ref() {
@@ -467,6 +473,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
 struct Judge {
     reconciler: Reconciler,
     charger: Charger,
+    /// Passes run so far.
+    passes: u64,
 }
 
 impl Judge {
@@ -478,29 +486,40 @@ impl Judge {
             self.charger.update(ledgers, &self.reconciler.unaccounted_by_ledger(), self.reconciler.unreadable());
         }
         metrics.passed(started.elapsed());
+        self.passes += 1;
     }
 }
 
-/// The current view for `vramguard audit` and the metrics, reconciled as of now.
-fn snapshot(
+/// The current view for `vramguard audit` and the metrics, as of the last reconcile pass.
+fn view(
     accounting: &mut Accounting,
     discovery: &Discovery,
     ledgers: Option<&Ledgers>,
     reclaimer: &Reclaimer,
-    judge: &mut Judge,
-    metrics: &Metrics,
-    metrics_addr: Option<SocketAddr>,
+    judge: &Judge,
+    limits: Option<&enforce::Limits>,
 ) -> Snapshot {
     let mut snapshot = accounting.snapshot();
-    judge.pass(ledgers, accounting, metrics);
     judge.reconciler.annotate(&mut snapshot);
     snapshot.libcuda = discovery.probed().cloned().collect();
     snapshot.discovery = discovery.stats();
-    snapshot.metrics_addr = metrics_addr.map(|addr| addr.to_string());
     snapshot.ledgers = ledgers.map(|l| l.iter().map(|(path, _)| path.display().to_string()).collect()).unwrap_or_default();
     snapshot.ledger_problems = ledgers.map(Ledgers::problems).unwrap_or_default();
     snapshot.stats.slots_reclaimed = reclaimer.total;
+    snapshot.stats.cgroup_limits = limits.map_or(0, |l| l.applied() as u64);
+    snapshot.kernel_maps.cgroup_limits = limits.map_or_else(Vec::new, |l| l.ids());
     snapshot
+}
+
+/// A page for `--metrics-addr`: the metrics rendered from `view` (as of the last pass), and
+/// the readiness (a libcuda probed: always, after start-up).
+fn render(metrics: &mut Metrics, ledgers: Option<&Ledgers>, judge: &Judge, view: &Snapshot) -> Published {
+    metrics.refresh(ledgers, view, &judge.reconciler, &judge.charger.charged());
+    Published {
+        metrics: metrics.encode().map(Bytes::from).map_err(|error| format!("{error:#}")),
+        not_ready: view.libcuda.is_empty().then_some("no libcuda probed"),
+        passes: judge.passes,
+    }
 }
 
 /// The cgroups of each watched ledger's live processes (as the last reconcile pass found

@@ -1,21 +1,22 @@
 //! A tiny HTTP/1.1 client (one `GET` over a plain TCP connection, `Connection: close`) and a
 //! parser of the Prometheus text format, for scraping `vramguard run --metrics-addr`.
+//!
+//! The agent serves the metrics page of its last reconcile pass (a pass runs at least every
+//! second; a scrape runs none): [`scrape`] reads it, [`fresh_scrape`] waits for the page of a
+//! pass that began after the call, for a test that has just changed the node.
 use std::{
     collections::BTreeMap,
-    io::{Read, Write},
+    io::{ErrorKind, Read, Write},
     net::{SocketAddr, TcpStream},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use anyhow::{anyhow, bail, Context, Result};
 
 /// `GET path` from `addr`: (status, body).
 pub fn get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
-    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).with_context(|| format!("cannot connect to {addr}"))?;
-    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-    write!(stream, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n")?;
-    let mut response = Vec::new();
-    stream.read_to_end(&mut response).with_context(|| format!("reading the answer to GET {path}"))?;
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    let response = raw(addr, request.as_bytes()).with_context(|| format!("GET {path}"))?;
     let text = String::from_utf8(response).context("the answer is not UTF-8")?;
     let (head, body) = text.split_once("\r\n\r\n").ok_or_else(|| anyhow!("no end of head in {text:?}"))?;
     let status_line = head.lines().next().unwrap_or_default();
@@ -29,11 +30,63 @@ pub fn get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
 
 /// `GET /metrics` from `addr`, parsed; fails unless the status is 200.
 pub fn scrape(addr: SocketAddr) -> Result<Vec<Sample>> {
+    parse_metrics(&page(addr)?)
+}
+
+/// Sends `request` as it is on a new connection to `addr` and returns every byte of the answer
+/// until the agent closes the connection (a reset after some of the answer ends it too: a
+/// server that refuses a request it has not read whole closes with unread bytes, and the
+/// kernel resets the connection then).
+pub fn raw(addr: SocketAddr, request: &[u8]) -> Result<Vec<u8>> {
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).with_context(|| format!("cannot connect to {addr}"))?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    stream.write_all(request).context("sending the request")?;
+    let mut response = Vec::new();
+    match stream.read_to_end(&mut response) {
+        Err(error) if error.kind() == ErrorKind::ConnectionReset && !response.is_empty() => Ok(response),
+        Err(error) => Err(error).context("reading the answer"),
+        Ok(_) => Ok(response),
+    }
+}
+
+/// The family that counts the agent's reconcile passes.
+pub const PASSES: &str = "vramguard_reconcile_pass_seconds_count";
+
+/// `GET /metrics` from `addr` once the agent has published a pass that began after the call:
+/// the body of a page that reflects the node as of now (fails unless the status is 200).
+pub fn fresh(addr: SocketAddr) -> Result<String> {
+    let first = page(addr)?;
+    let passes = |body: &str| -> Result<f64> {
+        metric(&parse_metrics(body)?, PASSES, &[]).ok_or_else(|| anyhow!("no {PASSES} in the scrape"))
+    };
+    let seen = passes(&first)?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        // `first` was the page of the last pass, and no pass was running when it was served
+        // (the agent's event loop is one thread): the next pass began after.
+        let body = page(addr)?;
+        if passes(&body)? > seen {
+            return Ok(body);
+        }
+        if Instant::now() > deadline {
+            bail!("no reconcile pass published within 10 s of {seen} passes");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// [`fresh`], parsed.
+pub fn fresh_scrape(addr: SocketAddr) -> Result<Vec<Sample>> {
+    parse_metrics(&fresh(addr)?)
+}
+
+/// The body of `GET /metrics`; fails unless the status is 200.
+fn page(addr: SocketAddr) -> Result<String> {
     let (status, body) = get(addr, "/metrics")?;
     if status != 200 {
         bail!("GET /metrics: {status} {body}");
     }
-    parse_metrics(&body)
+    Ok(body)
 }
 
 /// The samples of family `name`.

@@ -12,7 +12,7 @@ use anyhow::{ensure, Context, Result};
 use e2e::{
     agent::Agent,
     holding, http,
-    http::{samples, scrape, Sample},
+    http::{fresh_scrape, samples, scrape, Sample},
     ledgers::{slots, used as ledger_used},
     wait_for, FakeNode, Running, TempDir, GIB, MIB,
 };
@@ -75,7 +75,7 @@ fn the_agent_watches_ledgers_reclaims_dead_slots_and_exports_metrics() -> Result
     wait_for(Duration::from_secs(3), "the agent records the live holder's host pid", || {
         Ok(slots(&ledger)?.contains(&(live.pid(), live.pid())))
     })?;
-    let all = scrape(addr)?;
+    let all = fresh_scrape(addr)?;
     assert_eq!(single(&all, "vramguard_ledgers")?, 1.0);
     assert_eq!(single(&all, "vramguard_ledgers_skipped")?, 1.0);
     assert_eq!(ledger_metrics(&all, &ledger), (Some(ledger_used(&ledger)?), Some(LIMIT)));
@@ -97,7 +97,7 @@ fn the_agent_watches_ledgers_reclaims_dead_slots_and_exports_metrics() -> Result
         wait_for(Duration::from_secs(3), "the victim's slot and usage", || {
             Ok(slots(&ledger)?.iter().any(|&(p, _)| p == pid) && ledger_used(&ledger)? == 2 * CTX + 300 * MIB)
         })?;
-        let all = scrape(addr)?;
+        let all = fresh_scrape(addr)?;
         assert_eq!(ledger_metrics(&all, &ledger).0, Some(2 * CTX + 300 * MIB), "round {round}: used with the victim");
         victim.signal(libc::SIGKILL)?;
         let elapsed = wait_for(Duration::from_secs(1), "the killed holder's slot reclaimed", || {
@@ -116,7 +116,7 @@ fn the_agent_watches_ledgers_reclaims_dead_slots_and_exports_metrics() -> Result
         latencies[VICTIMS / 2],
         latencies[VICTIMS - 1]
     );
-    let all = scrape(addr)?;
+    let all = fresh_scrape(addr)?;
     assert_eq!(single(&all, "vramguard_reclaims_total")?, VICTIMS as f64);
     let count = single(&all, "vramguard_reclaim_latency_seconds_count")?;
     let sum = single(&all, "vramguard_reclaim_latency_seconds_sum")?;
@@ -139,7 +139,7 @@ fn the_agent_watches_ledgers_reclaims_dead_slots_and_exports_metrics() -> Result
     wait_for(Duration::from_secs(3), "the second corrupt file is skipped", || {
         Ok(agent.log().contains(&corrupt_too.display().to_string()))
     })?;
-    assert_eq!(single(&scrape(addr)?, "vramguard_ledgers_skipped")?, 2.0);
+    assert_eq!(single(&fresh_scrape(addr)?, "vramguard_ledgers_skipped")?, 2.0);
     assert_eq!(http::get(addr, "/healthz")?.0, 200);
 
     // A removed container directory is dropped.

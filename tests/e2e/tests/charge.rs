@@ -15,7 +15,7 @@ use e2e::{
     agent::Agent,
     cgroup::TestCgroup,
     holding,
-    http::{metric, scrape},
+    http::{fresh_scrape, metric},
     ledgers::{rewrite_header, used},
     wait_for, FakeNode, TempDir, GIB, MIB,
 };
@@ -37,7 +37,7 @@ fn unhooked_memory_of_a_hooked_container_is_charged_and_a_rewritten_header_is_ta
     let own = 64 * MIB + 200 * MIB;
     let latency = wait_for(Duration::from_secs(5), "the un-hooked memory charged to the ledger", || Ok(used(&ledger)? == own + 512 * MIB))?;
     eprintln!("un-hooked memory charged to the container's ledger after {latency:?}");
-    let all = scrape(addr)?;
+    let all = fresh_scrape(addr)?;
     assert_eq!(metric(&all, "vramguard_container_unaccounted_bytes", &[("ledger", &ledger_label)]), Some((512 * MIB) as f64));
     let state = |pid: u32| -> Result<String> {
         let audit = agent.audit()?;
@@ -60,7 +60,7 @@ fn unhooked_memory_of_a_hooked_container_is_charged_and_a_rewritten_header_is_ta
     // The un-hooked process dies: its charge goes.
     bypass.kill()?;
     wait_for(Duration::from_secs(5), "the charge dropped", || Ok(used(&ledger)? == own))?;
-    let all = scrape(addr)?;
+    let all = fresh_scrape(addr)?;
     assert_eq!(metric(&all, "vramguard_container_unaccounted_bytes", &[("ledger", &ledger_label)]), Some(0.0));
 
     // The header rewritten under the running process (valid checksum, context reserve 0):
@@ -73,7 +73,7 @@ fn unhooked_memory_of_a_hooked_container_is_charged_and_a_rewritten_header_is_ta
     })?;
     ensure!(agent.log().contains("device 0 context_reserve 67108864 -> 0"), "the agent says what changed: {}", agent.log());
     assert_eq!(state(hooked.pid())?, "tampered");
-    let all = scrape(addr)?;
+    let all = fresh_scrape(addr)?;
     let pid = hooked.pid().to_string();
     assert_eq!(metric(&all, "vramguard_process_state", &[("pid", &pid), ("state", "tampered")]), Some(1.0));
 

@@ -14,7 +14,7 @@ use anyhow::{ensure, Context, Result};
 use e2e::{
     agent::Agent,
     holding,
-    http::{metric, scrape, Sample},
+    http::{fresh_scrape, metric, Sample},
     ledgers::zero_slot_bytes,
     wait_for, FakeNode, TempDir, GIB, MIB,
 };
@@ -70,7 +70,7 @@ fn reconcile_reports_ok_unhooked_tampered_and_counts_rejections() -> Result<()> 
     let table = String::from_utf8_lossy(&table.stdout);
     ensure!(table.contains("STATE") && table.lines().any(|l| l.contains(&c.pid().to_string()) && l.contains("unhooked")), "{table}");
 
-    let all = scrape(addr)?;
+    let all = fresh_scrape(addr)?;
     let state = |all: &[Sample], pid: u32, state: &str| metric(all, "vramguard_process_state", &[("pid", &pid.to_string()), ("state", state)]);
     assert_eq!(state(&all, a.pid(), "ok"), Some(1.0));
     assert_eq!(state(&all, a.pid(), "tampered"), Some(0.0));
@@ -103,7 +103,7 @@ fn reconcile_reports_ok_unhooked_tampered_and_counts_rejections() -> Result<()> 
         Ok(agent.log().lines().any(|l| l.contains("process state changed") && l.contains(&marker) && l.contains("to=tampered")))
     })?;
     eprintln!("slot zeroed to `tampered` in the agent's log: {latency:?}");
-    let all = scrape(addr)?;
+    let all = fresh_scrape(addr)?;
     assert_eq!(state(&all, t.pid(), "tampered"), Some(1.0));
     assert_eq!(state(&all, t.pid(), "ok"), Some(0.0));
     assert_eq!(state(&all, a.pid(), "ok"), Some(1.0), "A is unaffected");

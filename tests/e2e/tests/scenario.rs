@@ -24,7 +24,7 @@ use e2e::{
     agent::Agent,
     cgroup::TestCgroup,
     holding,
-    http::{metric, samples, scrape, Sample},
+    http::{fresh_scrape, metric, samples, scrape, Sample},
     ledgers, wait_for, FakeNode, TempDir, GIB, MIB,
 };
 use ledger::{Kind, Ledger};
@@ -182,7 +182,7 @@ fn three_containers_metrics_enforcement_reclaim_and_tampering() -> Result<()> {
     ensure!(finished.line("ok alloc c1 ").is_ok(), "C's first allocation went through: {:?}", finished.stdout);
     ensure!(!finished.stdout.iter().any(|l| l.starts_with("ok alloc c2")), "c2 never allocated: {:?}", finished.stdout);
     assert_eq!(node.used(0)?, 3 * CTX + 900 * MIB, "the fake driver never counted c2 (and C is gone)");
-    let all = scrape(addr)?;
+    let all = fresh_scrape(addr)?;
     ensure!(metric(&all, "vramguard_enforcement_signals_total", &[]).unwrap_or(0.0) >= 1.0, "the signal is counted");
     ensure!(metric(&all, "vramguard_over_limit_allocations_total", &[]).unwrap_or(0.0) >= 1.0, "c2 is counted");
 
@@ -195,7 +195,7 @@ fn three_containers_metrics_enforcement_reclaim_and_tampering() -> Result<()> {
     eprintln!("SIGKILL of one of A's processes to its slot reclaimed: {latency:?}");
     assert_eq!(ledgers::used(&ledger_a)?, CTX + 100 * MIB, "a2's usage went with its slot");
     drop(a2);
-    let all = scrape(addr)?;
+    let all = fresh_scrape(addr)?;
     assert_eq!(check_container(&all, &ledger_a, &a_labels, 100 * MIB)?, CTX + 100 * MIB);
 
     // a1 writes its own slot down to zero (done here from outside, through the file):

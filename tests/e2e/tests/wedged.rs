@@ -43,7 +43,7 @@ fn a_ledger_locked_for_good_does_not_stop_the_agent() -> Result<()> {
     // other container.
     let audit = agent.audit()?;
     assert!(audit["processes"].as_array().is_some_and(|rows| !rows.is_empty()), "{audit}");
-    let all = http::scrape(addr)?;
+    let all = http::fresh_scrape(addr)?;
     assert_eq!(http::metric(&all, "vramguard_ledgers_unreadable", &[]), Some(0.0), "a held lock does not stop reading");
     let victim_pid = victim.pid();
     victim.kill()?;

@@ -160,7 +160,7 @@ pub fn node_agent(bin: &Path, rows: &mut Vec<Row>, notes: &mut Vec<String>) -> R
          RssShmem {:.1} MiB: RssFile counts the binary's and the ledgers' mapped pages), VmHWM after it. CPU: \
          utime + stime from /proc/<pid>/stat across the window: {} clock ticks at {} Hz (resolution {:.2}%); the \
          restarted agent: {} ticks over {:.1} s, VmRSS {:.1} MiB. The pass figure is the mean of the agent's own \
-         `vramguard_reconcile_pass_seconds` over the {:.0} passes of the window (the scrapes' own passes included).",
+         `vramguard_reconcile_pass_seconds` over the {:.0} passes of the window.",
         SETTLE.as_secs(),
         idle.window.as_secs_f64(),
         idle.processes,
