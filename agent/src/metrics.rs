@@ -393,7 +393,7 @@ impl Metrics {
                         continue;
                     }
                 };
-                let slots = copy.slots;
+                let slots = copy.live_slots();
                 let path = path.display().to_string();
                 if let Some(uid) = pod_uid_of(&slots, self.agent) {
                     self.pod_uids.insert(path.clone(), uid);

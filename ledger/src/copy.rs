@@ -22,11 +22,11 @@ use crate::{
 /// How many times a copy is retried while a mutation is seen in progress.
 const ATTEMPTS: usize = 3;
 
-/// A private copy of a ledger's state and live slots.
+/// A private copy of a ledger's state and slot table.
 #[derive(Clone, Debug)]
 pub struct LedgerCopy {
-    /// Live slots, by index.
-    pub slots: Vec<SlotView>,
+    /// The slot table up to its high-water mark (live and free slots), by index.
+    table: Vec<Slot>,
     /// Per-device totals (`device_count` of the validated header).
     pub devices: Vec<DeviceUsage>,
     /// The container's names as a hook recorded them (informational; see [`ContainerNames`]).
@@ -35,6 +35,24 @@ pub struct LedgerCopy {
     pub repairs: u64,
     /// Whether the copy saw no mutation in progress (else it may mix two states).
     pub settled: bool,
+}
+
+impl LedgerCopy {
+    /// Calls `f` with every live slot, in place (no copy of the slots).
+    pub fn for_each_live(&self, mut f: impl FnMut(u32, &Slot)) {
+        for (id, slot) in self.table.iter().enumerate() {
+            if slot.state == SLOT_LIVE {
+                f(id as u32, slot);
+            }
+        }
+    }
+
+    /// Copies of the live slots.
+    pub fn live_slots(&self) -> Vec<SlotView> {
+        let mut views = Vec::new();
+        self.for_each_live(|id, slot| views.push(SlotView { id, slot: *slot }));
+        views
+    }
 }
 
 /// Copies the state and live slots of the ledger open as `file`, whose header the caller
@@ -47,15 +65,16 @@ pub fn read(file: &File, header: &Header, path: &Path) -> Result<LedgerCopy, Led
         return Err(LedgerError::Truncated { path: path.to_path_buf(), expected: header.total_size, actual: size });
     }
     let mut state = vec![0u8; size_of::<State>()];
-    let mut slots: Vec<u8> = Vec::new();
+    let mut table: Vec<Slot> = Vec::new();
     let mut settled = false;
     for _ in 0..ATTEMPTS {
         read_exact(file, &mut state, header.state_offset, header, path)?;
         let before = (field::<u64>(&state, offset_of!(State, mutations)), field::<u32>(&state, offset_of!(State, dirty)));
         // The high-water mark bounds the read; the validated slot count bounds the mark.
         let used = field::<u32>(&state, offset_of!(State, slots_in_use)).min(header.slot_count) as usize;
-        slots.resize(used * size_of::<Slot>(), 0);
-        read_exact(file, &mut slots, header.slots_offset, header, path)?;
+        // SAFETY: an all-zero Slot is a valid value (plain integers).
+        table.resize(used, unsafe { std::mem::zeroed() });
+        read_exact(file, slot_bytes(&mut table), header.slots_offset, header, path)?;
         let mut after = [0u8; 8];
         read_exact(file, &mut after, header.state_offset + offset_of!(State, mutations) as u64, header, path)?;
         if before.1 == 0 && u64::from_ne_bytes(after) == before.0 {
@@ -66,19 +85,21 @@ pub fn read(file: &File, header: &Header, path: &Path) -> Result<LedgerCopy, Led
     let devices = (0..(header.device_count as usize).min(MAX_DEVICES))
         .map(|device| field::<DeviceUsage>(&state, offset_of!(State, devices) + device * size_of::<DeviceUsage>()))
         .collect();
-    let slots = slots
-        .chunks_exact(size_of::<Slot>())
-        .enumerate()
-        .map(|(id, bytes)| SlotView { id: id as u32, slot: field::<Slot>(bytes, 0) })
-        .filter(|view| view.slot.state == SLOT_LIVE)
-        .collect();
     Ok(LedgerCopy {
-        slots,
+        table,
         devices,
         names: field(&state, offset_of!(State, names)),
         repairs: field(&state, offset_of!(State, repairs)),
         settled,
     })
+}
+
+/// The bytes of `table`, for reading the file's slot table straight into it.
+fn slot_bytes(table: &mut [Slot]) -> &mut [u8] {
+    // SAFETY: Slot is #[repr(C)] plain integers without padding (its size is a multiple of 8
+    // and every field is 4- or 8-byte sized in 8-byte pairs): any bytes written through this
+    // slice leave valid Slots; the slice covers exactly the table's memory.
+    unsafe { std::slice::from_raw_parts_mut(table.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(table)) }
 }
 
 fn read_exact(file: &File, buffer: &mut [u8], offset: u64, header: &Header, path: &Path) -> Result<(), LedgerError> {
@@ -97,7 +118,6 @@ fn read_exact(file: &File, buffer: &mut [u8], offset: u64, header: &Header, path
 trait PlainData: Copy {}
 impl PlainData for u32 {}
 impl PlainData for u64 {}
-impl PlainData for Slot {}
 impl PlainData for DeviceUsage {}
 impl PlainData for ContainerNames {}
 
@@ -135,9 +155,10 @@ mod tests {
         let file = File::open(&path).expect("open");
         let copy = read(&file, ledger.header(), &path).expect("copy");
         assert!(copy.settled);
-        assert_eq!(copy.slots.len(), 1);
-        assert_eq!(copy.slots[0].id, b);
-        assert_eq!(copy.slots[0].slot.pid, 11);
+        let live = copy.live_slots();
+        assert_eq!(live.len(), 1);
+        assert_eq!(live[0].id, b);
+        assert_eq!(live[0].slot.pid, 11);
         assert_eq!(copy.devices, ledger.device_usage().expect("usage"));
         assert_eq!(copy.devices[0].used_chunks, 2);
         assert_eq!(copy.names.text(), Some(("ns".into(), "pod".into(), "c".into())));
@@ -154,10 +175,10 @@ mod tests {
         file.write_all_at(&1u32.to_ne_bytes(), header.state_offset + offset_of!(State, dirty) as u64).expect("dirty");
         let copy = read(&file, &header, &path).expect("copy");
         assert!(!copy.settled);
-        assert_eq!(copy.slots.len(), 1);
+        assert_eq!(copy.live_slots().len(), 1);
         // A slots_in_use past the table: bounded by the validated header.
         file.write_all_at(&u32::MAX.to_ne_bytes(), header.state_offset + offset_of!(State, slots_in_use) as u64).expect("mark");
-        assert_eq!(read(&file, &header, &path).expect("copy").slots.len(), 1);
+        assert_eq!(read(&file, &header, &path).expect("copy").live_slots().len(), 1);
         file.set_len(header.total_size / 2).expect("truncate");
         assert!(matches!(read(&file, &header, &path), Err(LedgerError::Truncated { .. })));
         file.set_len(header.total_size * 2).expect("grow");

@@ -124,10 +124,11 @@ proptest! {
             for _ in 0..20 {
                 match copy::read(&handle, &header, &file.0) {
                     Ok(copy) => {
-                        prop_assert!(copy.slots.len() <= header.slot_count as usize);
-                        prop_assert!(copy.slots.iter().all(|v| v.id < header.slot_count));
+                        let live = copy.live_slots();
+                        prop_assert!(live.len() <= header.slot_count as usize);
+                        prop_assert!(live.iter().all(|v| v.id < header.slot_count));
                         prop_assert_eq!(copy.devices.len(), header.device_count as usize);
-                        for view in &copy.slots {
+                        for view in &live {
                             let _ = ledger::file::write_host_pid(&handle, &header, view.id, 4242);
                         }
                     }
@@ -157,7 +158,7 @@ fn a_copy_is_unsettled_while_the_dirty_flag_is_held_and_settled_after() {
     handle.write_all_at(&1u32.to_ne_bytes(), dirty).expect("raise");
     let held = copy::read(&handle, &header, &file.0).expect("copy");
     assert!(!held.settled);
-    assert_eq!(held.slots.len(), 6, "still read");
+    assert_eq!(held.live_slots().len(), 6, "still read");
     handle.write_all_at(&0u32.to_ne_bytes(), dirty).expect("lower");
     assert!(copy::read(&handle, &header, &file.0).expect("copy").settled);
 }

@@ -172,14 +172,12 @@ impl LedgerHandle {
 
     /// Copies of the live slots.
     pub fn slots(&self) -> Result<Vec<SlotView>, LedgerError> {
-        Ok(self.copy()?.slots)
+        Ok(self.copy()?.live_slots())
     }
 
     /// Calls `f` with every live slot of a copy.
-    pub fn for_each_slot(&self, mut f: impl FnMut(u32, &Slot)) -> Result<(), LedgerError> {
-        for view in self.copy()?.slots {
-            f(view.id, &view.slot);
-        }
+    pub fn for_each_slot(&self, f: impl FnMut(u32, &Slot)) -> Result<(), LedgerError> {
+        self.copy()?.for_each_live(f);
         Ok(())
     }
 

@@ -36,6 +36,10 @@ const FILE: &str = "VRAMGUARD_ATTACK_FILE";
 #[test]
 fn attacker() -> Result<()> {
     let (Ok(kind), Some(path)) = (std::env::var(KIND), std::env::var_os(FILE)) else { return Ok(()) };
+    // Never outlives the test thread that started it, nor two minutes.
+    // SAFETY: prctl with integer arguments.
+    unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
+    let deadline = Instant::now() + Duration::from_secs(120);
     let file = OpenOptions::new().read(true).write(true).open(&path)?;
     let size = file.metadata()?.len();
     let state = ledger::layout::PAGE;
@@ -48,7 +52,7 @@ fn attacker() -> Result<()> {
         seed ^= seed << 17;
         seed
     };
-    loop {
+    while Instant::now() < deadline {
         match kind.as_str() {
             "lock" => {
                 // glibc's x86-64 pthread_mutex_t: owner tid at 8, robust list prev/next at 24/32.
@@ -68,18 +72,39 @@ fn attacker() -> Result<()> {
         }
         std::thread::yield_now();
     }
+    Ok(())
+}
+
+/// An attacker process, killed and reaped when dropped (also when a test fails).
+struct Attacker(Child);
+
+impl Attacker {
+    /// Kills and reaps it now.
+    fn kill(mut self) -> Result<()> {
+        self.0.kill()?;
+        self.0.wait()?;
+        Ok(())
+    }
+}
+
+impl Drop for Attacker {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 /// Starts this binary as an attacker process of `kind` on `ledger`.
-fn attack(kind: &str, ledger: &Path) -> Result<Child> {
-    Command::new(std::env::current_exe()?)
+fn attack(kind: &str, ledger: &Path) -> Result<Attacker> {
+    let child = Command::new(std::env::current_exe()?)
         .args(["--exact", "attacker", "--nocapture", "--test-threads=1"])
         .env(KIND, kind)
         .env(FILE, ledger)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
-        .context("cannot start the attacker")
+        .context("cannot start the attacker")?;
+    Ok(Attacker(child))
 }
 
 /// An agent watching `dir` with a bystander container and the attacker's container (two
@@ -146,11 +171,10 @@ fn negative_control_nothing_reported_and_the_dead_slot_reclaimed() -> Result<()>
 #[test]
 fn lock_words_and_dirty_flag_rewritten_continuously() -> Result<()> {
     let mut scene = Scene::new("hostile-lock")?;
-    let mut attacker = attack("lock", &scene.ledger)?;
+    let attacker = attack("lock", &scene.ledger)?;
     scene.while_attacked()?;
     let problem = wait_for_problem(&scene)?;
     attacker.kill()?;
-    attacker.wait()?;
     assert!(
         problem.contains("lock stayed held") || problem.contains("worker") || problem.contains("mutation in progress"),
         "{problem}"
@@ -161,11 +185,10 @@ fn lock_words_and_dirty_flag_rewritten_continuously() -> Result<()> {
 #[test]
 fn random_bytes_over_the_whole_file() -> Result<()> {
     let mut scene = Scene::new("hostile-random")?;
-    let mut attacker = attack("random", &scene.ledger)?;
+    let attacker = attack("random", &scene.ledger)?;
     scene.while_attacked()?;
     let problem = wait_for_problem(&scene)?;
     attacker.kill()?;
-    attacker.wait()?;
     eprintln!("reported: {problem}");
     Ok(())
 }
@@ -229,14 +252,13 @@ fn the_largest_ledger_allowed_with_its_dirty_flag_held() -> Result<()> {
             ledger.register(ProcessIdentity { pid: 4_000_000 + pid, pidns, start_time: 1 })?;
         }
     }
-    let mut attacker = attack("dirty", &largest)?;
+    let attacker = attack("dirty", &largest)?;
     scene.while_attacked()?;
     wait_for(Duration::from_secs(3), "the largest ledger reported", || {
         let audit = scene.agent.audit()?;
         Ok(audit["ledger_problems"][largest.display().to_string()].as_str().is_some_and(|p| p.contains("unsettled") || p.contains("worker")))
     })?;
     attacker.kill()?;
-    attacker.wait()?;
     Ok(())
 }
 
