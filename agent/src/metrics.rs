@@ -29,7 +29,7 @@
 //! `vramguard_enforcement_signals_total`, `vramguard_probes_attached{libcuda}`,
 //! `vramguard_libcuda_files{state}` (probed, failed, capped),
 //! `vramguard_libcuda_capped_containers`, `vramguard_ledgers`,
-//! `vramguard_ledgers_skipped`, `vramguard_ledgers_unreadable`. Of the kernel side
+//! `vramguard_ledgers_skipped`, `vramguard_ledgers_unreadable`, `vramguard_ledger_workers`. Of the kernel side
 //! ([`crate::kernel`]): `vramguard_kernel_trouble_total{kind}` (records refused by the
 //! per-cgroup cap, full maps, lost events and exits, suppressed log lines),
 //! `vramguard_cgroup_alloc_records_capped{cgroup,cgroup_id}` (1 for a cgroup at its cap),
@@ -83,6 +83,7 @@ pub struct Metrics {
     capped_containers: IntGauge,
     ledgers: IntGauge,
     ledgers_skipped: IntGauge,
+    ledger_workers: IntGauge,
     ledgers_unreadable: IntGauge,
     process_state: IntGaugeVec,
     unhooked: IntGauge,
@@ -240,6 +241,11 @@ impl Metrics {
         let ledgers_skipped =
             IntGauge::new("vramguard_ledgers_skipped", "Files under --ledger-dir skipped as invalid ledgers")?;
         registry.register(Box::new(ledgers_skipped.clone()))?;
+        let ledger_workers = IntGauge::new(
+            "vramguard_ledger_workers",
+            "Confined ledger worker processes running (one per ledger with recent locked operations)",
+        )?;
+        registry.register(Box::new(ledger_workers.clone()))?;
         let ledgers_unreadable = IntGauge::new(
             "vramguard_ledgers_unreadable",
             "Watched ledgers the last reconcile pass could not read (their lock held too long)",
@@ -331,6 +337,7 @@ impl Metrics {
             capped_containers,
             ledgers,
             ledgers_skipped,
+            ledger_workers,
             ledgers_unreadable,
             process_state,
             unhooked,
@@ -383,6 +390,7 @@ impl Metrics {
         if let Some(ledgers) = ledgers {
             self.ledgers.set(ledgers.len() as i64);
             self.ledgers_skipped.set(ledgers.skipped() as i64);
+            self.ledger_workers.set(ledgers.workers() as i64);
             for (path, ledger) in ledgers.iter() {
                 let header = ledger.header();
                 // One private copy per ledger and pass (see crate::ledgers).

@@ -220,6 +220,11 @@ impl LedgerHandle {
         self.with_worker(|worker, file, header, path| worker.recharge(file, header, path, slot, process, device, previous, bytes))
     }
 
+    /// Whether the ledger's worker process runs now.
+    pub fn worker_running(&self) -> bool {
+        self.worker.lock().is_ok_and(|worker| worker.running())
+    }
+
     /// Why the ledger's worker is failing, while it is.
     pub fn failing(&self) -> Option<String> {
         self.worker.lock().ok()?.failing()
@@ -310,6 +315,11 @@ impl Ledgers {
         self.open.get(path)?.header_change.as_deref()
     }
 
+    /// Ledger worker processes running now.
+    pub fn workers(&self) -> usize {
+        self.open.values().filter(|handle| handle.worker_running()).count()
+    }
+
     /// Files skipped (not valid ledgers, too large, past a cap).
     pub fn skipped(&self) -> usize {
         self.skipped.len()
@@ -382,6 +392,11 @@ impl Ledgers {
                 self.replaced.insert(path, handle.validated);
             } else {
                 info!(ledger = %path.display(), "ledger removed or replaced: no longer watched");
+            }
+        }
+        for handle in self.open.values() {
+            if let Ok(mut worker) = handle.worker.lock() {
+                worker.stop_if_idle(worker::IDLE);
             }
         }
         for (path, handle) in self.open.iter_mut() {
@@ -660,14 +675,43 @@ mod tests {
         assert_eq!(ledgers.len(), 0);
     }
 
-    #[test]
-    fn a_header_rewritten_under_the_agent_is_noticed() {
-        use std::os::unix::fs::FileExt;
-        let dir = std::env::temp_dir().join(format!("vramguard-ledgers-header-{}", std::process::id()));
+    /// A fresh directory `vramguard-ledgers-<tag>-<pid>` with one ledger at `a/ledger`.
+    fn one_ledger(tag: &str) -> (PathBuf, PathBuf, Ledger) {
+        let dir = std::env::temp_dir().join(format!("vramguard-ledgers-{tag}-{}", std::process::id()));
         let _ = fs::remove_dir_all(&dir);
         fs::create_dir_all(dir.join("a")).expect("mkdir");
         let path = dir.join("a/ledger");
         let ledger = Ledger::create(&path, &geometry(), CREATOR_AGENT).expect("create");
+        (dir, path, ledger)
+    }
+
+    #[test]
+    fn a_dead_slot_is_freed_through_the_worker_which_stops_when_idle() {
+        let (dir, _, ledger) = one_ledger("worker");
+        let gone = ledger::ProcessIdentity { pid: 1, pidns: 1, start_time: 1 };
+        let slot = ledger.register(gone).expect("register");
+        let mut ledgers = Ledgers::new(dir.clone());
+        ledgers.scan();
+        let (_, handle) = ledgers.iter().next().expect("watched");
+        assert!(!handle.worker_running(), "started only when needed");
+        // Not the slot's process: nothing freed.
+        assert_eq!(handle.reclaim_process(slot, ledger::ProcessIdentity { start_time: 2, ..gone }).expect("asked"), None);
+        assert!(handle.reclaim_process(slot, gone).expect("reclaimed").is_some());
+        assert!(ledger.slots().expect("slots").is_empty());
+        assert_eq!(ledgers.workers(), 1);
+        if let Ok(mut worker) = ledgers.iter().next().expect("watched").1.worker.lock() {
+            worker.stop_if_idle(std::time::Duration::from_secs(3600));
+            assert!(worker.running(), "not idle long enough");
+            worker.stop_if_idle(std::time::Duration::ZERO);
+        }
+        assert_eq!(ledgers.workers(), 0);
+        fs::remove_dir_all(&dir).expect("cleanup");
+    }
+
+    #[test]
+    fn a_header_rewritten_under_the_agent_is_noticed() {
+        use std::os::unix::fs::FileExt;
+        let (dir, path, ledger) = one_ledger("header");
         let mut ledgers = Ledgers::new(dir.clone());
         ledgers.scan();
         assert_eq!(ledgers.header_change(&path), None);

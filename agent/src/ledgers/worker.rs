@@ -144,7 +144,13 @@ pub struct Worker {
     backoff: Backoff,
     /// When the lock was last found held past the wait (reported for [`RECENT`]).
     busy_at: Option<Instant>,
+    /// When the running worker last answered.
+    used_at: Instant,
 }
+
+/// A worker without a request for this long is stopped (started again when needed): ledgers
+/// whose processes die rarely keep no process of the agent's resident.
+pub const IDLE: Duration = Duration::from_secs(60);
 
 /// How long a lock found held keeps being reported.
 const RECENT: Duration = Duration::from_secs(10);
@@ -175,7 +181,7 @@ impl Backoff {
 
 impl Worker {
     pub fn new(launcher: Launcher) -> Worker {
-        Worker { launcher, running: None, backoff: Backoff::default(), busy_at: None }
+        Worker { launcher, running: None, backoff: Backoff::default(), busy_at: None, used_at: Instant::now() }
     }
 
     /// The reason of the last failure while its backoff lasts, or a lock found held in the
@@ -193,6 +199,7 @@ impl Worker {
             return Err(waiting);
         }
         let result = self.exchange(file, header, path, request);
+        self.used_at = Instant::now();
         match &result {
             Ok(_) | Err(AccessError::Refused(Failure::UnknownSlot(_))) => self.backoff = Backoff::default(),
             Err(AccessError::Refused(Failure::Busy)) => self.busy_at = Some(Instant::now()),
@@ -269,6 +276,18 @@ impl Worker {
             Some(running) => end(running, error),
             None => error.to_string(),
         }
+    }
+
+    /// Stops the worker if it has had no request for `idle` ([`IDLE`] in the agent).
+    pub fn stop_if_idle(&mut self, idle: Duration) {
+        if self.running.is_some() && self.used_at.elapsed() >= idle {
+            self.stop();
+        }
+    }
+
+    /// Whether a worker process runs.
+    pub fn running(&self) -> bool {
+        self.running.is_some()
     }
 
     /// Stops the worker, if one runs.

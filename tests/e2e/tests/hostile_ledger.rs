@@ -165,7 +165,34 @@ fn negative_control_nothing_reported_and_the_dead_slot_reclaimed() -> Result<()>
         Ok(ledgers::slots(&scene.ledger)?.iter().all(|(pid, _)| *pid != victim))
     })?;
     assert_eq!(scene.problem()?, None);
+    // The reclaims ran in confined workers, children of the agent, still running (idle ones
+    // stop after 60 s): uid and gid nobody, no capabilities, no new privileges, seccomp.
+    let workers = workers_of(scene.agent.pid())?;
+    assert!(!workers.is_empty(), "no ledger worker under the agent");
+    for status in workers {
+        for (field, want) in [("Uid:", "65534"), ("Gid:", "65534"), ("CapEff:", "0000000000000000"), ("CapPrm:", "0000000000000000"), ("NoNewPrivs:", "1"), ("Seccomp:", "2")] {
+            let line = status.lines().find(|l| l.starts_with(field)).with_context(|| format!("{field} in {status}"))?;
+            assert!(line.split_whitespace().skip(1).all(|v| v == want), "worker {line} (want {want})");
+        }
+    }
     Ok(())
+}
+
+/// `/proc/<pid>/status` of every `vramguard ledger-worker` child of process `agent`.
+fn workers_of(agent: u32) -> Result<Vec<String>> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc")?.flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        if !cmdline.split(|b| *b == 0).any(|arg| arg == b"ledger-worker") {
+            continue;
+        }
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+        if status.lines().any(|l| l.starts_with("PPid:") && l.split_whitespace().nth(1) == Some(&agent.to_string())) {
+            found.push(status);
+        }
+    }
+    Ok(found)
 }
 
 #[test]
