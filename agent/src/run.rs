@@ -33,7 +33,7 @@ use crate::{
     control,
     discovery::{self, Caps, Discovery},
     kernel,
-    ledgers::{Ledgers, Limits},
+    ledgers::{self, Ledgers, Limits},
     metrics::Metrics,
     preflight,
     probes::{self, Attacher},
@@ -290,6 +290,13 @@ pub async fn run(args: RunArgs) -> Result<()> {
         max_records: args.max_ledger_records,
         max_bytes: args.max_ledger_bytes,
     };
+    if args.ledger_dir.is_some() {
+        ledgers::worker::check().context(
+            "--ledger-dir needs ledger workers, which switch to uid 65534 and install a seccomp filter before they \
+             touch a ledger: give the agent CAP_SETUID and CAP_SETGID, and a seccomp profile that allows seccomp(2) \
+             (docs/security.md)",
+        )?;
+    }
     let mut ledgers = args.ledger_dir.clone().map(|dir| Ledgers::with_limits(dir, ledger_limits));
     let mut reclaimer = Reclaimer::new(ledgers.is_some());
     let mut metrics = Metrics::new(args.hami_metrics)?;

@@ -73,6 +73,8 @@ pub enum Request {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 enum Reply {
     Ready,
+    /// The answer to a hello without a ledger ([`check`]): confined, nothing else to do.
+    Confined,
     Slot(u32),
     Reclaimed(Option<u64>),
     Recharged { record: Option<u32>, bytes: u64 },
@@ -232,16 +234,7 @@ impl Worker {
         let fail = |what: &str, error: io::Error| AccessError::Worker(format!("cannot start it: {what}: {error}"));
         let (ours, theirs) = UnixStream::pair().map_err(|e| fail("socketpair", e))?;
         let child = match &self.launcher {
-            Launcher::Exec(program) => Some(
-                Command::new(program)
-                    .arg("ledger-worker")
-                    .env_clear()
-                    .stdin(Stdio::from(OwnedFd::from(theirs)))
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null())
-                    .spawn()
-                    .map_err(|e| fail("spawn", e))?,
-            ),
+            Launcher::Exec(program) => Some(spawn(program, theirs).map_err(|e| fail("spawn", e))?),
             #[cfg(test)]
             Launcher::Thread => {
                 std::thread::spawn(move || serve(theirs, false));
@@ -342,6 +335,49 @@ impl Drop for Worker {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// Starts a worker the way the agent does and checks that it confines itself (at start-up,
+/// so that a node where it cannot, e.g. a container without CAP_SETUID and CAP_SETGID or a
+/// runtime seccomp profile that forbids seccomp(2), is refused with the reason rather than
+/// found out at the first reclaim).
+pub fn check() -> Result<(), AccessError> {
+    let fail = |what: &str| AccessError::Worker(format!("a ledger worker cannot start confined: {what}"));
+    let mut worker = Worker::new(Launcher::default());
+    let launcher = worker.launcher.clone();
+    let (ours, theirs) = UnixStream::pair().map_err(|e| fail(&e.to_string()))?;
+    let child = match &launcher {
+        Launcher::Exec(program) => Some(spawn(program, theirs).map_err(|e| fail(&e.to_string()))?),
+        #[cfg(test)]
+        Launcher::Thread => {
+            std::thread::spawn(move || serve(theirs, false));
+            None
+        }
+    };
+    let reader = BufReader::new(ours.try_clone().map_err(|e| fail(&e.to_string()))?);
+    let mut running = Running { child, socket: ours, reader };
+    let hello = serde_json::to_string(&Hello { path: PathBuf::new(), header: String::new(), lock_wait_ms: 0 })
+        .map_err(|e| fail(&e.to_string()))?;
+    let null = File::open("/dev/null").map_err(|e| fail(&e.to_string()))?;
+    let answer = send_with_fd(&running.socket, &hello, &null).and_then(|()| read_line(&mut running.reader, DEADLINE * 4));
+    worker.running = Some(running);
+    let answer = answer.map_err(|error| fail(&worker.died(error)))?;
+    worker.stop();
+    match serde_json::from_str::<Reply>(&answer) {
+        Ok(Reply::Confined) => Ok(()),
+        Ok(Reply::Failed(failure)) => Err(fail(&failure.to_string())),
+        _ => Err(fail("it answered something that is not a reply")),
+    }
+}
+
+fn spawn(program: &Path, socket: UnixStream) -> io::Result<Child> {
+    Command::new(program)
+        .arg("ledger-worker")
+        .env_clear()
+        .stdin(Stdio::from(OwnedFd::from(socket)))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
 }
 
 /// Kills and reaps a worker after `error` (what went wrong talking to it); says how it ended.
@@ -462,6 +498,10 @@ fn serve(socket: UnixStream, confine: bool) -> i32 {
         let _ = reply(&mut writer, &Reply::Failed(Failure::Ledger("a first message that is not a hello".into())));
         return 2;
     };
+    if hello.header.is_empty() {
+        let _ = reply(&mut writer, &Reply::Confined);
+        return 0;
+    }
     let bytes: Option<Vec<u8>> = (0..hello.header.len())
         .step_by(2)
         .map(|at| hello.header.get(at..at + 2).and_then(|hex| u8::from_str_radix(hex, 16).ok()))
