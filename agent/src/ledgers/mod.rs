@@ -35,33 +35,25 @@
 //! replaced while it had live slots passes its validated header on to the next file at its
 //! path: a workload cannot lift its limits by re-creating its ledger either (a new pod, whose
 //! predecessor's processes are gone and reclaimed, starts afresh).
+mod directory;
+mod handle;
 pub mod sandbox;
 pub mod worker;
 
 use std::{
     collections::BTreeMap,
-    fs::{self, File},
-    os::{
-        fd::{AsRawFd, FromRawFd, OwnedFd},
-        unix::fs::MetadataExt,
-    },
     path::{Path, PathBuf},
-    sync::Mutex,
 };
 
-use ledger::{
-    copy::LedgerCopy,
-    layout::{checksummed_bytes, fnv1a, DeviceUsage, Header, Slot},
-    LedgerError, ProcessIdentity, SlotView,
-};
-use nix::{
-    fcntl::{openat2, OFlag, OpenHow, ResolveFlag},
-    sys::stat::Mode,
-};
+use ledger::layout::{checksummed_bytes, fnv1a, Header};
 use tracing::{info, warn};
 
+use directory::{candidates, open_beneath, FileKey};
+use handle::examine;
+pub use directory::MAX_ENTRIES;
+pub use handle::LedgerHandle;
 pub use worker::AccessError;
-use worker::{Launcher, Worker};
+use worker::Launcher;
 
 /// How long a ledger worker waits for a ledger's lock before it answers that it is busy (a
 /// workload stopped inside it must not stop the agent; see
@@ -70,9 +62,6 @@ pub const LOCK_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
 
 /// How [`Ledgers::header_change`] begins when the header could not be read at all.
 const HEADER_UNREADABLE: &str = "its header cannot be read";
-
-/// Most directory entries read from one directory per scan (a workload can fill its own).
-pub const MAX_ENTRIES: usize = 256;
 
 /// What the agent accepts under `--ledger-dir` (flags of `vramguard run`).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -109,133 +98,6 @@ impl Limits {
             return Some(format!("{} bytes, more than the {} the agent allows (--max-ledger-bytes)", header.total_size, self.max_bytes));
         }
         None
-    }
-}
-
-/// Tells a file apart from the one that was at the same path before.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct FileKey {
-    dev: u64,
-    ino: u64,
-    len: u64,
-    mtime: i64,
-    mtime_nsec: i64,
-}
-
-impl FileKey {
-    fn of(metadata: &fs::Metadata) -> FileKey {
-        FileKey {
-            dev: metadata.dev(),
-            ino: metadata.ino(),
-            len: metadata.len(),
-            mtime: metadata.mtime(),
-            mtime_nsec: metadata.mtime_nsec(),
-        }
-    }
-
-    /// The same file (a ledger's size is fixed, and the hook writes it through a mapping,
-    /// which moves its mtime: only the inode identifies an open ledger).
-    fn same_inode(&self, other: &FileKey) -> bool {
-        self.dev == other.dev && self.ino == other.ino
-    }
-}
-
-/// The agent's handle on one watched ledger: its descriptor, the header it validated, and
-/// its worker. Everything it hands out is a private copy.
-pub struct LedgerHandle {
-    path: PathBuf,
-    key: FileKey,
-    /// Open read-write (the worker maps it; host pids are written with `pwrite`).
-    file: File,
-    /// The header the agent holds the ledger to: the one it validated when it opened the
-    /// file, or, for a file that replaced one still in use at the same path, that one's.
-    validated: Header,
-    /// How the header on disk differs from `validated`, if it does.
-    header_change: Option<String>,
-    worker: Mutex<Worker>,
-}
-
-impl LedgerHandle {
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
-    /// The header the agent validated (its limits and geometry).
-    pub fn header(&self) -> &Header {
-        &self.validated
-    }
-
-    /// A private copy of the ledger's state and live slots ([`ledger::copy::read`]).
-    pub fn copy(&self) -> Result<LedgerCopy, LedgerError> {
-        ledger::copy::read(&self.file, &self.validated, &self.path)
-    }
-
-    /// Copies of the live slots.
-    pub fn slots(&self) -> Result<Vec<SlotView>, LedgerError> {
-        Ok(self.copy()?.live_slots())
-    }
-
-    /// Calls `f` with every live slot of a copy.
-    pub fn for_each_slot(&self, f: impl FnMut(u32, &Slot)) -> Result<(), LedgerError> {
-        self.copy()?.for_each_live(f);
-        Ok(())
-    }
-
-    /// Per-device totals, as the file says.
-    pub fn device_usage(&self) -> Result<Vec<DeviceUsage>, LedgerError> {
-        Ok(self.copy()?.devices)
-    }
-
-    /// The container's names a hook recorded (informational; see [`ledger::ContainerNames`]).
-    pub fn names(&self) -> Option<(String, String, String)> {
-        self.copy().ok()?.names.text()
-    }
-
-    /// Records the host pid of `slot`'s process in the file (a hint for readers, who verify
-    /// it): a `pwrite` inside the slot table the validated header describes.
-    pub fn set_host_pid(&self, slot: u32, host_pid: u32) -> std::io::Result<()> {
-        ledger::file::write_host_pid(&self.file, &self.validated, slot, host_pid)
-    }
-
-    /// Frees `slot` if it still describes `process` ([`ledger::Ledger::reclaim_process`], in
-    /// the ledger's worker).
-    pub fn reclaim_process(&self, slot: u32, process: ProcessIdentity) -> Result<Option<u64>, AccessError> {
-        self.with_worker(|worker, file, header, path| worker.reclaim(file, header, path, slot, process))
-    }
-
-    /// Gives `process` a slot ([`ledger::Ledger::register`], in the ledger's worker).
-    pub fn register(&self, process: ProcessIdentity) -> Result<u32, AccessError> {
-        self.with_worker(|worker, file, header, path| worker.register(file, header, path, process))
-    }
-
-    /// [`ledger::Ledger::recharge`], in the ledger's worker.
-    pub fn recharge(
-        &self,
-        slot: u32,
-        process: ProcessIdentity,
-        device: u32,
-        previous: Option<u32>,
-        bytes: u64,
-    ) -> Result<(Option<u32>, u64), AccessError> {
-        self.with_worker(|worker, file, header, path| worker.recharge(file, header, path, slot, process, device, previous, bytes))
-    }
-
-    /// Whether the ledger's worker process runs now.
-    pub fn worker_running(&self) -> bool {
-        self.worker.lock().is_ok_and(|worker| worker.running())
-    }
-
-    /// Why the ledger's worker is failing, while it is.
-    pub fn failing(&self) -> Option<String> {
-        self.worker.lock().ok()?.failing()
-    }
-
-    fn with_worker<R>(
-        &self,
-        f: impl FnOnce(&mut Worker, &File, &Header, &Path) -> Result<R, AccessError>,
-    ) -> Result<R, AccessError> {
-        let mut worker = self.worker.lock().map_err(|_| AccessError::Worker("its handle was poisoned".into()))?;
-        f(&mut worker, &self.file, &self.validated, &self.path)
     }
 }
 
@@ -452,71 +314,8 @@ impl Ledgers {
     }
 }
 
-impl LedgerHandle {
-    /// The ledger at `path` (an operator's command line: `vramguard reclaim`), opened without
-    /// following a final symbolic link, validated within `limits`.
-    pub fn open(path: &Path, limits: &Limits) -> Result<LedgerHandle, String> {
-        use std::os::unix::fs::OpenOptionsExt;
-        let file = fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY)
-            .open(path)
-            .map_err(|error| format!("cannot open {}: {error}", path.display()))?;
-        let (key, header) = examine(&file, path, limits)?;
-        Ok(LedgerHandle::new(path, key, file, header, &header, Launcher::default()))
-    }
-
-    fn new(path: &Path, key: FileKey, file: File, validated: Header, found: &Header, launcher: Launcher) -> LedgerHandle {
-        LedgerHandle {
-            path: path.to_path_buf(),
-            key,
-            file,
-            validated,
-            header_change: header_change(&validated, found),
-            worker: Mutex::new(Worker::new(launcher)),
-        }
-    }
-}
-
-/// Checks that `file` (at `path`) is a regular file holding a valid ledger within `limits`:
-/// its key and header, or the reason it is not one.
-fn examine(file: &File, path: &Path, limits: &Limits) -> Result<(FileKey, Header), String> {
-    let metadata = file.metadata().map_err(|error| format!("cannot stat it: {error}"))?;
-    if !metadata.is_file() {
-        return Err("not a regular file".into());
-    }
-    if metadata.len() > limits.max_bytes {
-        return Err(format!("{} bytes, more than the {} the agent allows (--max-ledger-bytes)", metadata.len(), limits.max_bytes));
-    }
-    if metadata.len() < ledger::layout::PAGE {
-        return Err(LedgerError::Truncated { path: path.to_path_buf(), expected: ledger::layout::PAGE, actual: metadata.len() }.to_string());
-    }
-    let header = ledger::file::read_header(file).map_err(|error| format!("cannot read its header: {error}"))?;
-    // Validation bounds every count by the format's maxima before anything is sized by them.
-    ledger::file::validate(&header, metadata.len(), path).map_err(|error| error.to_string())?;
-    if let Some(reason) = limits.exceeded_by(&header) {
-        return Err(reason);
-    }
-    Ok((FileKey::of(&metadata), header))
-}
-
-/// Opens `path` (under `root`) read-write, resolved beneath `root` without following any
-/// symbolic link, and without blocking on a FIFO.
-fn open_beneath(root: &Path, path: &Path) -> std::io::Result<File> {
-    let relative = path.strip_prefix(root).map_err(|_| std::io::Error::other("not under the ledger directory"))?;
-    let root = File::open(root)?;
-    let how = OpenHow::new()
-        .flags(OFlag::O_RDWR | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_CLOEXEC | OFlag::O_NOCTTY)
-        .mode(Mode::empty())
-        .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_SYMLINKS | ResolveFlag::RESOLVE_NO_MAGICLINKS);
-    let fd = openat2(root.as_raw_fd(), relative, how).map_err(std::io::Error::from)?;
-    // SAFETY: openat2 returned a new descriptor that nothing else owns.
-    Ok(File::from(unsafe { OwnedFd::from_raw_fd(fd) }))
-}
-
 /// How `now` differs from `validated` (the fields that set limits and layout), if it does.
-fn header_change(validated: &Header, now: &Header) -> Option<String> {
+pub(super) fn header_change(validated: &Header, now: &Header) -> Option<String> {
     let mut changes = Vec::new();
     if now.checksum != fnv1a(checksummed_bytes(now)) {
         changes.push("checksum no longer matches".to_string());
@@ -546,88 +345,11 @@ fn header_change(validated: &Header, now: &Header) -> Option<String> {
     (!changes.is_empty()).then(|| changes.join(", "))
 }
 
-/// Regular files (not hidden, not links) in `dir` and its direct subdirectories, at most
-/// `limits.max_per_dir` a directory; and the directories that held more (with what).
-#[allow(clippy::type_complexity)]
-fn candidates(dir: &Path, limits: &Limits) -> std::io::Result<(BTreeMap<PathBuf, FileKey>, BTreeMap<PathBuf, String>)> {
-    let mut found = BTreeMap::new();
-    let mut crowded = BTreeMap::new();
-    let root = File::open(dir)?;
-    let (files, subdirs) = list(&root, dir, limits, &mut crowded)?;
-    found.extend(files);
-    for name in subdirs {
-        // Opened beneath the root without following links: a directory swapped for a link
-        // between the listing and now is not entered.
-        let how = OpenHow::new()
-            .flags(OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC)
-            .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_SYMLINKS | ResolveFlag::RESOLVE_NO_MAGICLINKS);
-        let Ok(fd) = openat2(root.as_raw_fd(), name.as_os_str(), how) else { continue };
-        // SAFETY: openat2 returned a new descriptor that nothing else owns.
-        let sub = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
-        // A directory that vanished or cannot be read holds no ledger for now.
-        if let Ok((files, _)) = list(&sub, &dir.join(&name), limits, &mut crowded) {
-            found.extend(files);
-        }
-    }
-    Ok((found, crowded))
-}
-
-/// The regular files (at most `limits.max_per_dir`) and subdirectory names of the directory
-/// open as `handle` (at `path`), reading at most [`MAX_ENTRIES`] entries.
-#[allow(clippy::type_complexity)]
-fn list(
-    handle: &File,
-    path: &Path,
-    limits: &Limits,
-    crowded: &mut BTreeMap<PathBuf, String>,
-) -> std::io::Result<(Vec<(PathBuf, FileKey)>, Vec<std::ffi::OsString>)> {
-    use std::os::unix::ffi::OsStrExt;
-    let fd = nix::unistd::dup(handle.as_raw_fd()).map_err(std::io::Error::from)?;
-    let mut entries = nix::dir::Dir::from_fd(fd).map_err(std::io::Error::from)?;
-    let (mut files, mut dirs) = (Vec::new(), Vec::new());
-    let mut read = 0;
-    for entry in entries.iter() {
-        let Ok(entry) = entry else { continue };
-        let name = std::ffi::OsStr::from_bytes(entry.file_name().to_bytes()).to_os_string();
-        if name.as_bytes().first() == Some(&b'.') {
-            continue;
-        }
-        read += 1;
-        if read > MAX_ENTRIES {
-            crowded.insert(path.to_path_buf(), format!("more than {MAX_ENTRIES} entries"));
-            break;
-        }
-        // Of the entry itself, never of what a link points at.
-        let Ok(stat) = nix::sys::stat::fstatat(Some(handle.as_raw_fd()), name.as_os_str(), nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW) else {
-            continue;
-        };
-        match stat.st_mode & libc::S_IFMT {
-            libc::S_IFREG if files.len() < limits.max_per_dir => files.push((path.join(&name), FileKey::from_stat(&stat))),
-            libc::S_IFREG => {
-                crowded.insert(path.to_path_buf(), format!("more than {} files (--max-ledgers-per-dir)", limits.max_per_dir));
-            }
-            libc::S_IFDIR => dirs.push(name),
-            _ => {}
-        }
-    }
-    Ok((files, dirs))
-}
-
-impl FileKey {
-    fn from_stat(stat: &nix::sys::stat::FileStat) -> FileKey {
-        FileKey {
-            dev: stat.st_dev,
-            ino: stat.st_ino,
-            len: stat.st_size as u64,
-            mtime: stat.st_mtime,
-            mtime_nsec: stat.st_mtime_nsec,
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::fs;
+
     use ledger::{layout::CREATOR_AGENT, DeviceConfig, Geometry, Ledger};
 
     fn geometry() -> Geometry {

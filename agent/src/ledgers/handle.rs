@@ -1,0 +1,169 @@
+//! The agent's handle on one ledger file: the descriptor it opened, the header it validated,
+//! bounded private copies of the rest ([`ledger::copy`]), host pids written with `pwrite`, and
+//! the ledger's confined worker for the operations that need the lock ([`super::worker`]).
+use std::{
+    fs::{self, File},
+    path::{Path, PathBuf},
+    sync::Mutex,
+};
+
+use ledger::{
+    copy::LedgerCopy,
+    layout::{DeviceUsage, Header, Slot},
+    LedgerError, ProcessIdentity, SlotView,
+};
+
+use super::{
+    directory::FileKey,
+    header_change,
+    worker::{AccessError, Launcher, Worker},
+    Limits,
+};
+
+/// The agent's handle on one watched ledger: its descriptor, the header it validated, and
+/// its worker. Everything it hands out is a private copy.
+pub struct LedgerHandle {
+    path: PathBuf,
+    pub(super) key: FileKey,
+    /// Open read-write (the worker maps it; host pids are written with `pwrite`).
+    pub(super) file: File,
+    /// The header the agent holds the ledger to: the one it validated when it opened the
+    /// file, or, for a file that replaced one still in use at the same path, that one's.
+    pub(super) validated: Header,
+    /// How the header on disk differs from `validated`, if it does.
+    pub(super) header_change: Option<String>,
+    pub(super) worker: Mutex<Worker>,
+}
+
+impl LedgerHandle {
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The header the agent validated (its limits and geometry).
+    pub fn header(&self) -> &Header {
+        &self.validated
+    }
+
+    /// A private copy of the ledger's state and live slots ([`ledger::copy::read`]).
+    pub fn copy(&self) -> Result<LedgerCopy, LedgerError> {
+        ledger::copy::read(&self.file, &self.validated, &self.path)
+    }
+
+    /// Copies of the live slots.
+    pub fn slots(&self) -> Result<Vec<SlotView>, LedgerError> {
+        Ok(self.copy()?.live_slots())
+    }
+
+    /// Calls `f` with every live slot of a copy.
+    pub fn for_each_slot(&self, f: impl FnMut(u32, &Slot)) -> Result<(), LedgerError> {
+        self.copy()?.for_each_live(f);
+        Ok(())
+    }
+
+    /// Per-device totals, as the file says.
+    pub fn device_usage(&self) -> Result<Vec<DeviceUsage>, LedgerError> {
+        Ok(self.copy()?.devices)
+    }
+
+    /// The container's names a hook recorded (informational; see [`ledger::ContainerNames`]).
+    pub fn names(&self) -> Option<(String, String, String)> {
+        self.copy().ok()?.names.text()
+    }
+
+    /// Records the host pid of `slot`'s process in the file (a hint for readers, who verify
+    /// it): a `pwrite` inside the slot table the validated header describes.
+    pub fn set_host_pid(&self, slot: u32, host_pid: u32) -> std::io::Result<()> {
+        ledger::file::write_host_pid(&self.file, &self.validated, slot, host_pid)
+    }
+
+    /// Frees `slot` if it still describes `process` ([`ledger::Ledger::reclaim_process`], in
+    /// the ledger's worker).
+    pub fn reclaim_process(&self, slot: u32, process: ProcessIdentity) -> Result<Option<u64>, AccessError> {
+        self.with_worker(|worker, file, header, path| worker.reclaim(file, header, path, slot, process))
+    }
+
+    /// Gives `process` a slot ([`ledger::Ledger::register`], in the ledger's worker).
+    pub fn register(&self, process: ProcessIdentity) -> Result<u32, AccessError> {
+        self.with_worker(|worker, file, header, path| worker.register(file, header, path, process))
+    }
+
+    /// [`ledger::Ledger::recharge`], in the ledger's worker.
+    pub fn recharge(
+        &self,
+        slot: u32,
+        process: ProcessIdentity,
+        device: u32,
+        previous: Option<u32>,
+        bytes: u64,
+    ) -> Result<(Option<u32>, u64), AccessError> {
+        self.with_worker(|worker, file, header, path| worker.recharge(file, header, path, slot, process, device, previous, bytes))
+    }
+
+    /// Whether the ledger's worker process runs now.
+    pub fn worker_running(&self) -> bool {
+        self.worker.lock().is_ok_and(|worker| worker.running())
+    }
+
+    /// Why the ledger's worker is failing, while it is.
+    pub fn failing(&self) -> Option<String> {
+        self.worker.lock().ok()?.failing()
+    }
+
+    fn with_worker<R>(
+        &self,
+        f: impl FnOnce(&mut Worker, &File, &Header, &Path) -> Result<R, AccessError>,
+    ) -> Result<R, AccessError> {
+        let mut worker = self.worker.lock().map_err(|_| AccessError::Worker("its handle was poisoned".into()))?;
+        f(&mut worker, &self.file, &self.validated, &self.path)
+    }
+}
+
+impl LedgerHandle {
+    /// The ledger at `path` (an operator's command line: `vramguard reclaim`), opened without
+    /// following a final symbolic link, validated within `limits`.
+    pub fn open(path: &Path, limits: &Limits) -> Result<LedgerHandle, String> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let file = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY)
+            .open(path)
+            .map_err(|error| format!("cannot open {}: {error}", path.display()))?;
+        let (key, header) = examine(&file, path, limits)?;
+        Ok(LedgerHandle::new(path, key, file, header, &header, Launcher::default()))
+    }
+
+    pub(super) fn new(path: &Path, key: FileKey, file: File, validated: Header, found: &Header, launcher: Launcher) -> LedgerHandle {
+        LedgerHandle {
+            path: path.to_path_buf(),
+            key,
+            file,
+            validated,
+            header_change: header_change(&validated, found),
+            worker: Mutex::new(Worker::new(launcher)),
+        }
+    }
+}
+
+/// Checks that `file` (at `path`) is a regular file holding a valid ledger within `limits`:
+/// its key and header, or the reason it is not one.
+pub(super) fn examine(file: &File, path: &Path, limits: &Limits) -> Result<(FileKey, Header), String> {
+    let metadata = file.metadata().map_err(|error| format!("cannot stat it: {error}"))?;
+    if !metadata.is_file() {
+        return Err("not a regular file".into());
+    }
+    if metadata.len() > limits.max_bytes {
+        return Err(format!("{} bytes, more than the {} the agent allows (--max-ledger-bytes)", metadata.len(), limits.max_bytes));
+    }
+    if metadata.len() < ledger::layout::PAGE {
+        return Err(LedgerError::Truncated { path: path.to_path_buf(), expected: ledger::layout::PAGE, actual: metadata.len() }.to_string());
+    }
+    let header = ledger::file::read_header(file).map_err(|error| format!("cannot read its header: {error}"))?;
+    // Validation bounds every count by the format's maxima before anything is sized by them.
+    ledger::file::validate(&header, metadata.len(), path).map_err(|error| error.to_string())?;
+    if let Some(reason) = limits.exceeded_by(&header) {
+        return Err(reason);
+    }
+    Ok((FileKey::of(&metadata), header))
+}
