@@ -16,7 +16,7 @@ use ledger::{
 use super::{
     directory::FileKey,
     header_change,
-    worker::{AccessError, Launcher, Worker},
+    worker::{AccessError, Launcher, Request, Worker},
     Limits,
 };
 
@@ -97,7 +97,8 @@ impl LedgerHandle {
         previous: Option<u32>,
         bytes: u64,
     ) -> Result<(Option<u32>, u64), AccessError> {
-        self.with_worker(|worker, file, header, path| worker.recharge(file, header, path, slot, process, device, previous, bytes))
+        let request = Request::Recharge { slot, process: process.into(), device, previous, bytes };
+        self.with_worker(|worker, file, header, path| worker.recharge(file, header, path, &request))
     }
 
     /// Whether the ledger's worker process runs now.

@@ -304,20 +304,9 @@ impl Worker {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
-    pub fn recharge(
-        &mut self,
-        file: &File,
-        header: &Header,
-        path: &Path,
-        slot: u32,
-        process: ProcessIdentity,
-        device: u32,
-        previous: Option<u32>,
-        bytes: u64,
-    ) -> Result<(Option<u32>, u64), AccessError> {
-        let request = Request::Recharge { slot, process: process.into(), device, previous, bytes };
-        match self.call(file, header, path, &request)? {
+    /// A [`Request::Recharge`].
+    pub fn recharge(&mut self, file: &File, header: &Header, path: &Path, request: &Request) -> Result<(Option<u32>, u64), AccessError> {
+        match self.call(file, header, path, request)? {
             Reply::Recharged { record, bytes } => Ok((record, bytes)),
             other => Err(self.unexpected(other)),
         }
