@@ -9,7 +9,7 @@ use serde::Serialize;
 
 use crate::{
     identity,
-    ledgers::{LedgerHandle, Limits},
+    ledgers::{open_no_follow, LedgerHandle, Limits},
     snapshot::human,
 };
 
@@ -76,14 +76,7 @@ struct RecordReport {
 
 fn report(path: &Path) -> Result<Report> {
     // A private copy: the file is its workload's to write while this (root) command reads it.
-    let file = {
-        use std::os::unix::fs::OpenOptionsExt;
-        std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY)
-            .open(path)
-            .with_context(|| format!("cannot open the ledger {}", path.display()))?
-    };
+    let file = open_no_follow(path, false).with_context(|| format!("cannot open the ledger {}", path.display()))?;
     if !file.metadata()?.is_file() {
         bail!("{} is not a regular file", path.display());
     }

@@ -59,7 +59,8 @@
 //!
 //! # Cost
 //!
-//! A pass reads the slots in place under each ledger's lock ([`ledger::Ledger::for_each_slot`])
+//! A pass reads each ledger's slots from a private copy, without its lock
+//! ([`crate::ledgers::LedgerHandle::for_each_slot`])
 //! and looks up each eBPF process's identity in /proc once per process (cached by pid and the
 //! probes' generation of the process, which changes when a pid is reused). Slots without
 //! eBPF memory are looked up in /proc (whether their process still runs, and its cgroup) at

@@ -9,7 +9,7 @@ use std::{
 
 use ledger::{
     copy::LedgerCopy,
-    layout::{DeviceUsage, Header, Slot},
+    layout::{Header, Slot},
     LedgerError, ProcessIdentity, SlotView,
 };
 
@@ -59,16 +59,6 @@ impl LedgerHandle {
     pub fn for_each_slot(&self, f: impl FnMut(u32, &Slot)) -> Result<(), LedgerError> {
         self.copy()?.for_each_live(f);
         Ok(())
-    }
-
-    /// Per-device totals, as the file says.
-    pub fn device_usage(&self) -> Result<Vec<DeviceUsage>, LedgerError> {
-        Ok(self.copy()?.devices)
-    }
-
-    /// The container's names a hook recorded (informational; see [`ledger::ContainerNames`]).
-    pub fn names(&self) -> Option<(String, String, String)> {
-        self.copy().ok()?.names.text()
     }
 
     /// Records the host pid of `slot`'s process in the file (a hint for readers, who verify
@@ -124,13 +114,7 @@ impl LedgerHandle {
     /// The ledger at `path` (an operator's command line: `vramguard reclaim`), opened without
     /// following a final symbolic link, validated within `limits`.
     pub fn open(path: &Path, limits: &Limits) -> Result<LedgerHandle, String> {
-        use std::os::unix::fs::OpenOptionsExt;
-        let file = fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY)
-            .open(path)
-            .map_err(|error| format!("cannot open {}: {error}", path.display()))?;
+        let file = open_no_follow(path, true).map_err(|error| format!("cannot open {}: {error}", path.display()))?;
         let (key, header) = examine(&file, path, limits)?;
         Ok(LedgerHandle::new(path, key, file, header, &header, Launcher::default()))
     }
@@ -145,6 +129,17 @@ impl LedgerHandle {
             worker: Mutex::new(Worker::new(launcher)),
         }
     }
+}
+
+/// Opens `path` (given by an operator) for reading, and writing if `write`, without following a
+/// final symbolic link and without blocking on a FIFO.
+pub fn open_no_follow(path: &Path, write: bool) -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    fs::OpenOptions::new()
+        .read(true)
+        .write(write)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)
 }
 
 /// Checks that `file` (at `path`) is a regular file holding a valid ledger within `limits`:

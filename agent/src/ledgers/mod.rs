@@ -51,7 +51,7 @@ use tracing::{info, warn};
 use directory::{candidates, open_beneath, FileKey};
 use handle::examine;
 pub use directory::MAX_ENTRIES;
-pub use handle::LedgerHandle;
+pub use handle::{open_no_follow, LedgerHandle};
 pub use worker::AccessError;
 use worker::Launcher;
 
@@ -185,11 +185,6 @@ impl Ledgers {
     /// Files skipped (not valid ledgers, too large, past a cap).
     pub fn skipped(&self) -> usize {
         self.skipped.len()
-    }
-
-    /// The skipped files and why, by path.
-    pub fn skipped_reasons(&self) -> impl Iterator<Item = (&Path, &str)> {
-        self.skipped.iter().map(|(path, skipped)| (path.as_path(), skipped.reason.as_str()))
     }
 
     /// Every file under the directory the agent does not work on as it should, with the

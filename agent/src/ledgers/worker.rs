@@ -107,8 +107,8 @@ pub enum AccessError {
 #[derive(Serialize, Deserialize)]
 struct Hello {
     path: PathBuf,
-    /// The validated header's bytes, in hex.
-    header: String,
+    /// The validated header's bytes (none: a [`check`] of the confinement only).
+    header: Vec<u8>,
     lock_wait_ms: u64,
 }
 
@@ -231,34 +231,17 @@ impl Worker {
     }
 
     fn start(&mut self, file: &File, header: &Header, path: &Path) -> Result<Running, AccessError> {
-        let fail = |what: &str, error: io::Error| AccessError::Worker(format!("cannot start it: {what}: {error}"));
-        let (ours, theirs) = UnixStream::pair().map_err(|e| fail("socketpair", e))?;
-        let child = match &self.launcher {
-            Launcher::Exec(program) => Some(spawn(program, theirs).map_err(|e| fail("spawn", e))?),
-            #[cfg(test)]
-            Launcher::Thread => {
-                std::thread::spawn(move || serve(theirs, false));
-                None
-            }
-        };
-        let reader = BufReader::new(ours.try_clone().map_err(|e| fail("socket", e))?);
-        let mut running = Running { child, socket: ours, reader };
-        let header = ledger::file::header_bytes(header).iter().map(|b| format!("{b:02x}")).collect();
+        let header = ledger::file::header_bytes(header).to_vec();
         let hello = Hello { path: path.to_path_buf(), header, lock_wait_ms: super::LOCK_WAIT.as_millis() as u64 };
-        let line = serde_json::to_string(&hello).map_err(|e| AccessError::Worker(e.to_string()))?;
-        let answer = match send_with_fd(&running.socket, &line, file).and_then(|()| read_line(&mut running.reader, DEADLINE * 4)) {
-            Ok(answer) => answer,
-            Err(error) => return Err(AccessError::Worker(end(running, error))),
-        };
-        match serde_json::from_str::<Reply>(&answer) {
-            Ok(Reply::Ready) => Ok(running),
-            Ok(Reply::Failed(failure)) => {
+        match launch(&self.launcher, &hello, file)? {
+            (running, Reply::Ready) => Ok(running),
+            (running, Reply::Failed(failure)) => {
                 end(running, io::Error::other("refused"));
                 Err(AccessError::Worker(format!("it refused the ledger: {failure}")))
             }
-            _ => {
+            (running, other) => {
                 end(running, io::Error::other("nonsense"));
-                Err(AccessError::Worker("it answered something that is not a reply".into()))
+                Err(AccessError::Worker(format!("it answered {other:?} to its hello")))
             }
         }
     }
@@ -332,30 +315,43 @@ impl Drop for Worker {
 /// found out at the first reclaim).
 pub fn check() -> Result<(), AccessError> {
     let fail = |what: &str| AccessError::Worker(format!("a ledger worker cannot start confined: {what}"));
-    let mut worker = Worker::new(Launcher::default());
-    let launcher = worker.launcher.clone();
-    let (ours, theirs) = UnixStream::pair().map_err(|e| fail(&e.to_string()))?;
-    let child = match &launcher {
-        Launcher::Exec(program) => Some(spawn(program, theirs).map_err(|e| fail(&e.to_string()))?),
+    let hello = Hello { path: PathBuf::new(), header: Vec::new(), lock_wait_ms: 0 };
+    let null = File::open("/dev/null").map_err(|e| fail(&e.to_string()))?;
+    let (running, reply) = launch(&Launcher::default(), &hello, &null).map_err(|e| fail(&e.to_string()))?;
+    end(running, io::Error::other("checked"));
+    match reply {
+        Reply::Confined => Ok(()),
+        Reply::Failed(failure) => Err(fail(&failure.to_string())),
+        other => Err(fail(&format!("it answered {other:?} to a check"))),
+    }
+}
+
+/// Starts a worker with `launcher` and sends it `hello` with the descriptor `fd`; the worker
+/// and its first answer.
+fn launch(launcher: &Launcher, hello: &Hello, fd: &File) -> Result<(Running, Reply), AccessError> {
+    let fail = |what: &str, error: io::Error| AccessError::Worker(format!("cannot start it: {what}: {error}"));
+    let (ours, theirs) = UnixStream::pair().map_err(|e| fail("socketpair", e))?;
+    let child = match launcher {
+        Launcher::Exec(program) => Some(spawn(program, theirs).map_err(|e| fail("spawn", e))?),
         #[cfg(test)]
         Launcher::Thread => {
             std::thread::spawn(move || serve(theirs, false));
             None
         }
     };
-    let reader = BufReader::new(ours.try_clone().map_err(|e| fail(&e.to_string()))?);
+    let reader = BufReader::new(ours.try_clone().map_err(|e| fail("socket", e))?);
     let mut running = Running { child, socket: ours, reader };
-    let hello = serde_json::to_string(&Hello { path: PathBuf::new(), header: String::new(), lock_wait_ms: 0 })
-        .map_err(|e| fail(&e.to_string()))?;
-    let null = File::open("/dev/null").map_err(|e| fail(&e.to_string()))?;
-    let answer = send_with_fd(&running.socket, &hello, &null).and_then(|()| read_line(&mut running.reader, DEADLINE * 4));
-    worker.running = Some(running);
-    let answer = answer.map_err(|error| fail(&worker.died(error)))?;
-    worker.stop();
+    let line = serde_json::to_string(hello).map_err(|e| AccessError::Worker(e.to_string()))?;
+    let answer = match send_with_fd(&running.socket, &line, fd).and_then(|()| read_line(&mut running.reader, DEADLINE * 4)) {
+        Ok(answer) => answer,
+        Err(error) => return Err(AccessError::Worker(end(running, error))),
+    };
     match serde_json::from_str::<Reply>(&answer) {
-        Ok(Reply::Confined) => Ok(()),
-        Ok(Reply::Failed(failure)) => Err(fail(&failure.to_string())),
-        _ => Err(fail("it answered something that is not a reply")),
+        Ok(reply) => Ok((running, reply)),
+        Err(_) => {
+            end(running, io::Error::other("nonsense"));
+            Err(AccessError::Worker("it answered something that is not a reply".into()))
+        }
     }
 }
 
@@ -491,11 +487,7 @@ fn serve(socket: UnixStream, confine: bool) -> i32 {
         let _ = reply(&mut writer, &Reply::Confined);
         return 0;
     }
-    let bytes: Option<Vec<u8>> = (0..hello.header.len())
-        .step_by(2)
-        .map(|at| hello.header.get(at..at + 2).and_then(|hex| u8::from_str_radix(hex, 16).ok()))
-        .collect();
-    let Some(header) = bytes.as_deref().and_then(ledger::file::header_from_bytes) else {
+    let Some(header) = ledger::file::header_from_bytes(&hello.header) else {
         let _ = reply(&mut writer, &Reply::Failed(Failure::Ledger("a hello without a header".into())));
         return 2;
     };
