@@ -156,10 +156,14 @@ fn pod_uid_of(slots: &[SlotView], agent: Option<ProcessIdentity>) -> Option<Stri
     })
 }
 
+/// `collector`, registered with `registry`.
+fn registered<C: prometheus::core::Collector + Clone + 'static>(registry: &Registry, collector: C) -> Result<C> {
+    registry.register(Box::new(collector.clone()))?;
+    Ok(collector)
+}
+
 fn gauge_vec(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> Result<IntGaugeVec> {
-    let gauge = IntGaugeVec::new(Opts::new(name, help), labels)?;
-    registry.register(Box::new(gauge.clone())).with_context(|| format!("registering {name}"))?;
-    Ok(gauge)
+    registered(registry, IntGaugeVec::new(Opts::new(name, help), labels)?).with_context(|| format!("registering {name}"))
 }
 
 /// Brings a counter up to a total kept elsewhere (the kernel's counts only grow).
@@ -204,61 +208,49 @@ impl Metrics {
             "Files discovery looked at, by state: probed, failed (unreadable, malformed, refused by the kernel), capped (a libcuda left unprobed by --max-probed-per-container or --max-probed-files)",
             &["state"],
         )?;
-        let capped_containers = IntGauge::new(
+        let capped_containers = registered(&registry, IntGauge::new(
             "vramguard_libcuda_capped_containers",
             "Containers (cgroups) whose processes mapped more libcuda files than --max-probed-per-container",
-        )?;
-        registry.register(Box::new(capped_containers.clone()))?;
-        let reclaims = IntCounter::new("vramguard_reclaims_total", "Ledger slots of dead processes reclaimed")?;
-        registry.register(Box::new(reclaims.clone()))?;
-        let latency = Histogram::with_opts(
+        )?)?;
+        let reclaims = registered(&registry, IntCounter::new("vramguard_reclaims_total", "Ledger slots of dead processes reclaimed")?)?;
+        let latency = registered(&registry, Histogram::with_opts(
             HistogramOpts::new(
                 "vramguard_reclaim_latency_seconds",
                 "From a process's exit event (or the sweep that found it dead) to its slot reclaimed",
             )
             .buckets(LATENCY_BUCKETS.to_vec()),
-        )?;
-        registry.register(Box::new(latency.clone()))?;
-        let pass = Histogram::with_opts(
+        )?)?;
+        let pass = registered(&registry, Histogram::with_opts(
             HistogramOpts::new(
                 "vramguard_reconcile_pass_seconds",
                 "One reconcile pass: the eBPF view read, joined with the ledgers, judged, and the charges updated",
             )
             .buckets(PASS_BUCKETS.to_vec()),
-        )?;
-        registry.register(Box::new(pass.clone()))?;
-        let events_lost = IntCounter::new("vramguard_events_lost_total", "eBPF events lost to a full ring buffer")?;
-        registry.register(Box::new(events_lost.clone()))?;
-        let over_limit = IntCounter::new(
+        )?)?;
+        let events_lost = registered(&registry, IntCounter::new("vramguard_events_lost_total", "eBPF events lost to a full ring buffer")?)?;
+        let over_limit = registered(&registry, IntCounter::new(
             "vramguard_over_limit_allocations_total",
             "Allocations by un-hooked workloads that would pass their cgroup's limit (limits file)",
-        )?;
-        registry.register(Box::new(over_limit.clone()))?;
-        let signals = IntCounter::new("vramguard_enforcement_signals_total", "Signals sent to stop allocations over a cgroup's limit")?;
-        registry.register(Box::new(signals.clone()))?;
-        let ledgers = IntGauge::new("vramguard_ledgers", "Ledgers watched under --ledger-dir")?;
-        registry.register(Box::new(ledgers.clone()))?;
+        )?)?;
+        let signals = registered(&registry, IntCounter::new("vramguard_enforcement_signals_total", "Signals sent to stop allocations over a cgroup's limit")?)?;
+        let ledgers = registered(&registry, IntGauge::new("vramguard_ledgers", "Ledgers watched under --ledger-dir")?)?;
         let ledgers_skipped =
-            IntGauge::new("vramguard_ledgers_skipped", "Files under --ledger-dir skipped as invalid ledgers")?;
-        registry.register(Box::new(ledgers_skipped.clone()))?;
-        let ledger_workers = IntGauge::new(
+            registered(&registry, IntGauge::new("vramguard_ledgers_skipped", "Files under --ledger-dir skipped as invalid ledgers")?)?;
+        let ledger_workers = registered(&registry, IntGauge::new(
             "vramguard_ledger_workers",
             "Confined ledger worker processes running (one per ledger with recent locked operations)",
-        )?;
-        registry.register(Box::new(ledger_workers.clone()))?;
-        let ledgers_unreadable = IntGauge::new(
+        )?)?;
+        let ledgers_unreadable = registered(&registry, IntGauge::new(
             "vramguard_ledgers_unreadable",
-            "Watched ledgers the last reconcile pass could not read (their lock held too long)",
-        )?;
-        registry.register(Box::new(ledgers_unreadable.clone()))?;
+            "Watched ledgers the last reconcile pass could not read (cut or grown under the agent)",
+        )?)?;
         let process_state = gauge_vec(
             &registry,
             "vramguard_process_state",
             "Reconciliation state of a process (1 for its current state): ok, drift, unhooked, stale, tampered",
             &["pid", "state"],
         )?;
-        let unhooked = IntGauge::new("vramguard_unhooked_processes", "Processes holding GPU memory without a ledger slot")?;
-        registry.register(Box::new(unhooked.clone()))?;
+        let unhooked = registered(&registry, IntGauge::new("vramguard_unhooked_processes", "Processes holding GPU memory without a ledger slot")?)?;
         let container_ebpf = gauge_vec(
             &registry,
             "vramguard_container_ebpf_memory_bytes",
@@ -271,19 +263,17 @@ impl Metrics {
             "GPU memory the agent charges a container's ledger for memory its processes hold outside it (un-hooked or tampering processes)",
             &with_container(&["ledger"]),
         )?;
-        let rejections = IntCounterVec::new(
+        let rejections = registered(&registry, IntCounterVec::new(
             Opts::new("vramguard_container_rejections_total", "Reservations a container's ledger refused"),
             &with_container(&["ledger", "device_index"]),
-        )?;
-        registry.register(Box::new(rejections.clone()))?;
-        let kernel_trouble = IntCounterVec::new(
+        )?)?;
+        let kernel_trouble = registered(&registry, IntCounterVec::new(
             Opts::new(
                 "vramguard_kernel_trouble_total",
                 "Trouble the eBPF programs met, by kind: records_capped, allocs_map_full, procs_map_full, cgroups_map_full, events_lost, exit_events_lost, untracked_allocs, log_lines_suppressed",
             ),
             &["kind"],
-        )?;
-        registry.register(Box::new(kernel_trouble.clone()))?;
+        )?)?;
         let cgroup_labels = ["cgroup", "cgroup_id"];
         let capped = gauge_vec(
             &registry,
@@ -297,21 +287,18 @@ impl Metrics {
             "Live allocations of a cgroup charged without a record (past its cap, or the node's record map full)",
             &cgroup_labels,
         )?;
-        let alloc_records = IntGauge::new("vramguard_alloc_records", "Allocation records in the kernel map now")?;
-        registry.register(Box::new(alloc_records.clone()))?;
-        let records_cap = IntGauge::new(
+        let alloc_records = registered(&registry, IntGauge::new("vramguard_alloc_records", "Allocation records in the kernel map now")?)?;
+        let records_cap = registered(&registry, IntGauge::new(
             "vramguard_alloc_records_per_cgroup_cap",
             "Live allocation records one cgroup may have (--max-alloc-records-per-cgroup)",
-        )?;
-        registry.register(Box::new(records_cap.clone()))?;
-        let cgroups_removed = IntCounterVec::new(
+        )?)?;
+        let cgroups_removed = registered(&registry, IntCounterVec::new(
             Opts::new(
                 "vramguard_cgroups_removed_total",
                 "Removed cgroups whose kernel map entries were deleted, by the cgroup_rmdir tracepoint (by=kernel, cgroups) or the agent's sweep (by=sweep, entries)",
             ),
             &["by"],
-        )?;
-        registry.register(Box::new(cgroups_removed.clone()))?;
+        )?)?;
         let hami = if hami {
             let labels = ["namespace", "pod", "container", "vdevice_index", "device_uuid"];
             Some(Hami {
@@ -393,7 +380,7 @@ impl Metrics {
             self.ledger_workers.set(ledgers.workers() as i64);
             for (path, ledger) in ledgers.iter() {
                 let header = ledger.header();
-                // One private copy per ledger and pass (see crate::ledgers).
+                // One private copy per ledger and render (see crate::ledgers).
                 let copy = match ledger.copy() {
                     Ok(copy) => copy,
                     Err(error) => {

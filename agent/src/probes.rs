@@ -105,8 +105,10 @@ pub struct Attacher<'a>(pub &'a mut Ebpf);
 impl Prober for Attacher<'_> {
     /// Attaches every probe whose symbol the file exports, by file offset, through
     /// `/proc/self/fd/<n>` (the kernel resolves the agent's own descriptor: no path of the
-    /// workload's is walked), then checks that what that path names now is still the file
-    /// that was parsed; on any failure the probes attached to it are detached again.
+    /// workload's is walked), then checks that what that path names is the file that was
+    /// parsed (true by construction, the descriptor being the agent's; a guard against the
+    /// agent's own mistakes, not a tenant's); on any failure the probes attached to it are
+    /// detached again.
     fn attach(&mut self, file: &Opened, offsets: &BTreeMap<&'static str, u64>) -> Result<AttachReport> {
         let target = PathBuf::from(format!("/proc/self/fd/{}", file.file.as_raw_fd()));
         let mut links: Vec<(&'static str, UProbeLinkId)> = Vec::new();

@@ -439,6 +439,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 judge.pass(ledgers.as_ref(), &accounting, &metrics);
                 let mut snapshot = view(&mut accounting, &discovery, ledgers.as_ref(), &reclaimer, &judge, limits.as_ref());
                 snapshot.metrics_addr = metrics_addr.map(|addr| addr.to_string());
+                // For audit only (the metrics page does not show it): a copy of each ledger.
+                snapshot.ledger_problems = ledgers.as_ref().map(Ledgers::problems).unwrap_or_default();
                 // The answer awaits the client, and the listener may answer meanwhile: the
                 // pass is the last one from now on.
                 if let Some(publisher) = publisher.as_ref() {
@@ -497,7 +499,8 @@ impl Judge {
     }
 }
 
-/// The current view for `vramguard audit` and the metrics, as of the last reconcile pass.
+/// The current view for `vramguard audit` and the metrics: the probes' maps as they are now,
+/// with the states of the last reconcile pass.
 fn view(
     accounting: &mut Accounting,
     discovery: &Discovery,
@@ -511,7 +514,6 @@ fn view(
     snapshot.libcuda = discovery.probed().cloned().collect();
     snapshot.discovery = discovery.stats();
     snapshot.ledgers = ledgers.map(|l| l.iter().map(|(path, _)| path.display().to_string()).collect()).unwrap_or_default();
-    snapshot.ledger_problems = ledgers.map(Ledgers::problems).unwrap_or_default();
     snapshot.stats.slots_reclaimed = reclaimer.total;
     snapshot.stats.cgroup_limits = limits.map_or(0, |l| l.applied() as u64);
     snapshot.kernel_maps.cgroup_limits = limits.map_or_else(Vec::new, |l| l.ids());

@@ -186,7 +186,7 @@ impl Snapshot {
             let _ = writeln!(
                 out,
                 "capped: {} ({}) holds {} allocations ({} without a record) against a cap of {} records",
-                if row.cgroup.is_empty() { "(removed)" } else { row.cgroup.as_str() },
+                if row.cgroup.is_empty() { "(removed)".to_string() } else { truncate(&row.cgroup, 80) },
                 row.cgroup_id,
                 row.live_allocations.saturating_add(row.unrecorded),
                 row.unrecorded,
@@ -205,9 +205,12 @@ impl Snapshot {
     }
 }
 
+/// `text` cut from the left to `width` characters, control characters shown as `?` (cgroup
+/// and process names are the workloads' to choose).
 fn truncate(text: &str, width: usize) -> String {
+    let text: String = text.chars().map(|c| if c.is_control() { '?' } else { c }).collect();
     if text.chars().count() <= width {
-        return text.to_string();
+        return text;
     }
     let tail: String = text.chars().rev().take(width - 1).collect::<Vec<_>>().into_iter().rev().collect();
     format!("…{tail}")

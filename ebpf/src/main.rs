@@ -547,13 +547,20 @@ fn may_log(kind: u32) -> bool {
     let second = unsafe { bpf_ktime_get_ns() } / 1_000_000_000;
     // SAFETY: an array element, valid for the program's run; volatile so the second's check
     // and reset are real loads and stores; the line count is updated atomically.
+    // Once the second's budget is spent the shared count is only read, not written: a flood
+    // of trouble does not keep every CPU writing one cache line.
     let lines = unsafe {
         if core::ptr::read_volatile(&(*window).second) != second {
             core::ptr::write_volatile(&mut (*window).second, second);
             core::ptr::write_volatile(&mut (*window).lines, 0);
         }
-        add(&mut (*window).lines, 1);
-        core::ptr::read_volatile(&(*window).lines)
+        let seen = core::ptr::read_volatile(&(*window).lines);
+        if seen <= trouble::LINES_PER_SECOND {
+            add(&mut (*window).lines, 1);
+            seen + 1
+        } else {
+            seen
+        }
     };
     if lines <= trouble::LINES_PER_SECOND {
         return true;

@@ -25,14 +25,8 @@ impl Mapping<'_> {
 /// The file-backed executable mappings in the text of a `/proc/<pid>/maps`, one per file
 /// (device and inode), in order of appearance.
 pub fn executable_files(maps: &str) -> Vec<Mapping<'_>> {
-    let mut found: Vec<Mapping<'_>> = Vec::new();
-    for line in maps.lines() {
-        let Some(mapping) = parse_line(line) else { continue };
-        if !found.iter().any(|m| (m.dev, m.ino) == (mapping.dev, mapping.ino)) {
-            found.push(mapping);
-        }
-    }
-    found
+    let mut seen = std::collections::HashSet::new();
+    maps.lines().filter_map(parse_line).filter(|m| seen.insert((m.dev, m.ino))).collect()
 }
 
 /// `start-end perms offset major:minor inode [path]`; `None` unless it is executable and

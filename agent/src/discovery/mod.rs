@@ -15,7 +15,9 @@
 //! content ([`IDENTITY`]: a renamed copy of libcuda is a libcuda; a library merely named
 //! `libcuda.so.1` is not), its exports read from the descriptor within fixed bounds
 //! ([`elf`]), and the probes attached through `/proc/self/fd/<n>` by file offset
-//! ([`Prober`]), the attached `(dev, ino)` checked against the `fstat` taken before.
+//! ([`Prober`]), the attached `(dev, ino)` checked against the `fstat` taken before (the
+//! kernel resolves the agent's own descriptor, so they agree unless the agent's bookkeeping is
+//! wrong: what cannot be redirected is the open through `map_files`).
 //!
 //! The verdict on each file is remembered by `(dev, ino)` and stamp ([`memo`]): a file that
 //! failed to parse or attach, or that is not a libcuda, is not read again until it changes.
@@ -183,9 +185,8 @@ pub struct Discovery {
     caps: Caps,
     memo: Memo,
     probed: BTreeMap<FileId, AttachReport>,
-    /// Discovered files probed, per cgroup and in all.
+    /// Discovered files probed, per cgroup (their sum: the node's).
     per_cgroup: HashMap<u64, usize>,
-    discovered: usize,
     /// Cgroups (and the node, as `None`) logged as past their cap.
     capped_logged: BTreeSet<Option<u64>>,
     skipped: VecDeque<SkippedFile>,
@@ -204,7 +205,6 @@ impl Discovery {
             memo: Memo::default(),
             probed: BTreeMap::new(),
             per_cgroup: HashMap::new(),
-            discovered: 0,
             capped_logged: BTreeSet::new(),
             skipped: VecDeque::new(),
             seen: HashMap::new(),
@@ -390,7 +390,6 @@ impl Discovery {
                 if let Origin::Process { cgroup, .. } = origin {
                     report.cgroup = Some(cgroup);
                     *self.per_cgroup.entry(cgroup).or_default() += 1;
-                    self.discovered += 1;
                 }
                 self.probed.insert(id, report);
                 Verdict::Probed
@@ -433,7 +432,7 @@ impl Discovery {
             Ok(Identity::Libcuda(offsets)) => offsets,
         };
         if let Origin::Process { cgroup, .. } = origin {
-            if self.discovered >= self.caps.per_node {
+            if self.per_cgroup.values().sum::<usize>() >= self.caps.per_node {
                 return Outcome::Capped("node");
             }
             if self.per_cgroup.get(&cgroup).copied().unwrap_or(0) >= self.caps.per_container {

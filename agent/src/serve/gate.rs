@@ -97,10 +97,13 @@ impl Gate {
 }
 
 impl Ticket {
-    /// The connection's request has arrived: from now on it is answered, never evicted.
+    /// The connection's request has arrived: from now on it is answered, never evicted. One
+    /// that an admission took from the waiting list a moment before stays evicted (its signal
+    /// is on its way): it is not marked arrived.
     pub fn arrived(&self) {
-        self.arrived.store(true, Ordering::Relaxed);
-        self.gate.waiting().by_age.remove(&self.id);
+        if self.gate.waiting().by_age.remove(&self.id).is_some() {
+            self.arrived.store(true, Ordering::Relaxed);
+        }
     }
 
     /// Whether a request arrived on this connection.
