@@ -14,6 +14,7 @@ pub mod metrics;
 pub mod pod;
 pub mod preflight;
 pub mod probes;
+pub mod provision;
 pub mod reclaim;
 pub mod reconcile;
 pub mod run;

@@ -18,6 +18,7 @@ pub mod layout;
 mod ledger;
 pub mod lock;
 pub mod process;
+pub mod provisioned;
 mod tables;
 
 pub use error::{LedgerError, ReserveError};

@@ -1,0 +1,1 @@
+//! The Kubernetes API client (work in progress).

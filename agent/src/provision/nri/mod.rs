@@ -1,0 +1,1 @@
+//! The NRI plugin (work in progress).
