@@ -12,6 +12,7 @@ use std::{
     collections::HashMap,
     ffi::c_int,
     io::Write as _,
+    os::unix::fs::OpenOptionsExt as _,
     sync::{
         atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering},
         Mutex,
@@ -191,7 +192,7 @@ pub fn quota_by_uuid(uuid: &str) -> Option<(u64, u64)> {
 /// [`quota_by_uuid`] from the container's ledger as it is, without a session.
 fn quota_without_driver(uuid: &str) -> Option<(u64, u64)> {
     let config = Config::from_env().ok()?;
-    let ledger = Ledger::open(&config.ledger).ok()?;
+    let ledger = open_ledger(&config, None).ok()?;
     quota_in(&ledger, ledger_device_named(ledger.header(), uuid)?)
 }
 
@@ -290,11 +291,14 @@ fn open_session(config: &Config) -> Result<Session, SetupError> {
             })
             .collect(),
     };
-    let ledger = Ledger::open_or_create(&config.ledger, &geometry, CREATOR_HOOK).map_err(|e| e.to_string())?;
+    let ledger = open_ledger(config, Some(&geometry))?;
     // The downward API's names, for the agent's labels (written once: the ledger keeps the
-    // same names untouched). Informational only, so a failure here stops nothing.
-    if let Err(error) = ledger.set_names(&config.names) {
-        say(&format!("cannot record the container's names in {}: {error}", config.ledger.display()));
+    // same names untouched). Informational only, so a failure here stops nothing. A
+    // provisioned container's names are the agent's (from the runtime), not written here.
+    if config.provisioned.is_none() {
+        if let Err(error) = ledger.set_names(&config.names) {
+            say(&format!("cannot record the container's names in {}: {error}", config.ledger.display()));
+        }
     }
     let header = *ledger.header();
     let mut devices = [None; MAX_DEVICES];
@@ -329,6 +333,24 @@ fn open_session(config: &Config) -> Result<Session, SetupError> {
         allocations: std::array::from_fn(|_| Mutex::new(HashMap::new())),
         pid: identity.pid,
     })
+}
+
+/// The ledger `config` names: a provisioned container's, mapped with the agent's header; else
+/// the file at the path, created with `geometry` when there is none and one is given.
+fn open_ledger(config: &Config, geometry: Option<&Geometry>) -> Result<Ledger, String> {
+    let path = &config.ledger;
+    let ledger = match (&config.provisioned, geometry) {
+        (Some(header), _) => std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(path)
+            .map_err(|error| ledger::LedgerError::Io { path: path.clone(), source: error })
+            .and_then(|file| Ledger::from_file_as(&file, *header, path)),
+        (None, Some(geometry)) => Ledger::open_or_create(path, geometry, CREATOR_HOOK),
+        (None, None) => Ledger::open(path),
+    };
+    ledger.map_err(|error| error.to_string())
 }
 
 fn device_count(driver: &real::Driver) -> Result<c_int, SetupError> {
