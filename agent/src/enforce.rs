@@ -89,7 +89,7 @@ pub fn parse_rules(text: &str) -> Result<Vec<Rule>> {
 }
 
 /// Whether `text` matches `pattern`, where `*` matches any run of characters.
-fn matches(pattern: &str, text: &str) -> bool {
+pub(crate) fn matches(pattern: &str, text: &str) -> bool {
     let mut parts = pattern.split('*');
     let first = parts.next().unwrap_or("");
     let Some(mut rest) = text.strip_prefix(first) else { return false };

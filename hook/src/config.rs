@@ -30,8 +30,8 @@ use ledger::{
 };
 
 pub const DEFAULT_LEDGER: &str = "/tmp/vramguard.ledger";
-pub const DEFAULT_CONTEXT_RESERVE: u64 = 518 << 20;
-pub const CHUNK: u64 = 2 << 20;
+pub const DEFAULT_CONTEXT_RESERVE: u64 = ledger::layout::CONTAINER_CONTEXT_RESERVE;
+pub const CHUNK: u64 = ledger::layout::CONTAINER_CHUNK;
 
 #[derive(Debug, Clone)]
 pub struct Config {

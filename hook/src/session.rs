@@ -28,8 +28,8 @@ use ledger::{
 use crate::{config::Config, real};
 
 /// Slots and records of a ledger the hook creates.
-const SLOTS: u32 = 1024;
-const RECORDS: u32 = 1 << 16;
+const SLOTS: u32 = ledger::layout::CONTAINER_SLOTS;
+const RECORDS: u32 = ledger::layout::CONTAINER_RECORDS;
 const SHARDS: usize = 64;
 
 /// Where an allocation's identifier lives: device pointers and VMM handles can collide.
