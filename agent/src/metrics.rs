@@ -15,13 +15,14 @@
 //! (the ledger's own count of refused reservations).
 //!
 //! Every per-ledger family also has the container's labels: `namespace`, `pod`, `container`
-//! (the names the hook recorded in the ledger from the downward API, [`ledger::Ledger::names`];
-//! informational, since a workload can write them; empty when none are recorded) and
+//! (for a container the agent provisioned, the runtime's names; otherwise the names the hook
+//! recorded in the ledger from the downward API, [`ledger::Ledger::names`]: informational,
+//! since a workload can write them; empty when none are recorded) and
 //! `pod_uid` (from the cgroup path of a live slot's host process, [`crate::pod`]; kept once
 //! found while the ledger is watched; empty until then). With `--hami-metrics` the used and
 //! limit bytes are also published under HAMi's monitor names,
 //! `hami_vgpu_memory_used_bytes` and `hami_vgpu_memory_limit_bytes` with labels `namespace`,
-//! `pod`, `container`, `vdevice_index`, `device_uuid`, for ledgers whose names are known
+//! `pod`, `container`, `vdevice_index`, `device_uuid` and HAMi's constant `zone="vGPU"`, for ledgers whose names are known
 //! (without them the series of different containers would collide). Of the agent itself:
 //! `vramguard_reclaims_total`, `vramguard_reclaim_latency_seconds`,
 //! `vramguard_reconcile_pass_seconds`,
@@ -301,9 +302,14 @@ impl Metrics {
         )?)?;
         let hami = if hami {
             let labels = ["namespace", "pod", "container", "vdevice_index", "device_uuid"];
+            // HAMi's monitor marks its per-container families with a constant zone.
+            let hami_gauge = |name: &str, help: &str| -> Result<IntGaugeVec> {
+                let opts = Opts::new(name, help).const_label("zone", "vGPU");
+                registered(&registry, IntGaugeVec::new(opts, &labels)?).with_context(|| format!("registering {name}"))
+            };
             Some(Hami {
-                used: gauge_vec(&registry, "hami_vgpu_memory_used_bytes", "GPU memory a container uses (HAMi's monitor name)", &labels)?,
-                limit: gauge_vec(&registry, "hami_vgpu_memory_limit_bytes", "GPU memory limit of a container (HAMi's monitor name)", &labels)?,
+                used: hami_gauge("hami_vgpu_memory_used_bytes", "GPU memory a container uses (HAMi's monitor name)")?,
+                limit: hami_gauge("hami_vgpu_memory_limit_bytes", "GPU memory limit of a container (HAMi's monitor name)")?,
             })
         } else {
             None
@@ -393,9 +399,18 @@ impl Metrics {
                 if let Some(uid) = pod_uid_of(&slots, self.agent) {
                     self.pod_uids.insert(path.clone(), uid);
                 }
-                let (namespace, pod, container) = copy.names.text().unwrap_or_default();
-                let pod_uid = self.pod_uids.get(&path).cloned().unwrap_or_default();
-                let container = Container { namespace, pod, container, pod_uid };
+                // A provisioned container's names are the runtime's; others' are what a hook wrote.
+                let container = match ledgers.pinned(std::path::Path::new(&path)) {
+                    Some(pin) => {
+                        let [namespace, pod, container, pod_uid] = pin.names.clone();
+                        Container { namespace, pod, container, pod_uid }
+                    }
+                    None => {
+                        let (namespace, pod, container) = copy.names.text().unwrap_or_default();
+                        let pod_uid = self.pod_uids.get(&path).cloned().unwrap_or_default();
+                        Container { namespace, pod, container, pod_uid }
+                    }
+                };
                 self.container_ebpf
                     .with_label_values(&labels(&[path.as_str()], &container))
                     .set(value(ebpf_by_ledger.get(path.as_str()).copied().unwrap_or(0)));
@@ -610,8 +625,8 @@ mod tests {
             "vramguard_container_unaccounted_bytes{{container=\"main\",ledger=\"{named_path}\",namespace=\"team-a\",pod=\"trainer-0\",pod_uid=\"\"}} 6291456"
         );
         assert!(text.contains(&unaccounted), "{text}");
-        assert!(text.contains("hami_vgpu_memory_limit_bytes{container=\"main\",device_uuid=\"\",namespace=\"team-a\",pod=\"trainer-0\",vdevice_index=\"0\"} 67108864"), "{text}");
-        assert!(text.contains("hami_vgpu_memory_used_bytes{container=\"main\",device_uuid=\"\",namespace=\"team-a\",pod=\"trainer-0\",vdevice_index=\"0\"} 0"), "{text}");
+        assert!(text.contains("hami_vgpu_memory_limit_bytes{container=\"main\",device_uuid=\"\",namespace=\"team-a\",pod=\"trainer-0\",vdevice_index=\"0\",zone=\"vGPU\"} 67108864"), "{text}");
+        assert!(text.contains("hami_vgpu_memory_used_bytes{container=\"main\",device_uuid=\"\",namespace=\"team-a\",pod=\"trainer-0\",vdevice_index=\"0\",zone=\"vGPU\"} 0"), "{text}");
         assert_eq!(text.matches("hami_vgpu_memory_used_bytes{").count(), 1, "only the named ledger: {text}");
         assert!(!Metrics::new(false).expect("metrics").encode().expect("encode").contains("hami_"));
         std::fs::remove_dir_all(&dir).expect("cleanup");
