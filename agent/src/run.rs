@@ -33,10 +33,11 @@ use crate::{
     control,
     discovery::{self, Caps, Discovery},
     kernel,
-    ledgers::{self, Ledgers, Limits},
+    ledgers::{self, Ledgers, Limits, Pin},
     metrics::Metrics,
     preflight,
     probes::{self, Attacher},
+    provision::{self, ProvisionArgs, Provisioner},
     reclaim::Reclaimer,
     reconcile::{self, Reconciler},
     serve::{self, Published, Publisher},
@@ -152,6 +153,8 @@ pub struct RunArgs {
     /// maps, and exits have a ring buffer of their own.
     #[arg(long, default_value_t = common::EVENTS_BYTES, value_name = "BYTES")]
     pub event_ring_bytes: u32,
+    #[command(flatten)]
+    pub provision: ProvisionArgs,
 }
 
 fn parse_threshold(text: &str) -> Result<u64, String> {
@@ -170,6 +173,7 @@ enum Wake {
     ExitRetry,
     Client(UnixStream),
     Render,
+    Provisioned,
 }
 
 pub async fn run(args: RunArgs) -> Result<()> {
@@ -298,6 +302,11 @@ pub async fn run(args: RunArgs) -> Result<()> {
         )?;
     }
     let mut ledgers = args.ledger_dir.clone().map(|dir| Ledgers::with_limits(dir, ledger_limits));
+    let provisioner = provisioner(&args)?;
+    let mut provisioned_changes = provisioner.as_ref().map(|p| p.changes());
+    if let Some(provisioner) = provisioner.as_ref() {
+        apply_provisioned(provisioner, ledgers.as_mut(), limits.as_mut());
+    }
     let mut reclaimer = Reclaimer::new(ledgers.is_some());
     let mut metrics = Metrics::new(args.hami_metrics)?;
     let reconciler = Reconciler::new(reconcile::Config {
@@ -371,6 +380,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
             _ = reconcile_tick.tick() => Wake::Reconcile,
             _ = exit_retry.tick(), if ledgers.is_some() && reclaimer.pending() => Wake::ExitRetry,
             _ = render_wanted.notified() => Wake::Render,
+            _ = changed(&mut provisioned_changes) => Wake::Provisioned,
             client = listener.accept() => match client {
                 Ok((stream, _)) => Wake::Client(stream),
                 Err(error) => { warn!(%error, "control socket accept failed"); continue; }
@@ -448,6 +458,14 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 }
                 if let Err(error) = control::serve(stream, &snapshot).await {
                     warn!(%error, "answering a control client failed");
+                }
+            }
+            Wake::Provisioned => {
+                if let Some(provisioner) = provisioner.as_ref() {
+                    apply_provisioned(provisioner, ledgers.as_mut(), limits.as_mut());
+                    if let Some(ledgers) = ledgers.as_mut() {
+                        ledgers.scan();
+                    }
                 }
             }
             // A scrape found the page older than the last pass: render that pass's (once,
@@ -529,6 +547,57 @@ fn render(metrics: &mut Metrics, ledgers: Option<&Ledgers>, judge: &Judge, view:
         not_ready: view.libcuda.is_empty().then_some("no libcuda probed"),
         passes: judge.passes,
     }
+}
+
+/// The provisioner `--nri` asks for, with its quota sources; `None` without `--nri`.
+fn provisioner(args: &RunArgs) -> Result<Option<Arc<Provisioner>>> {
+    let wanted = &args.provision;
+    if !wanted.nri {
+        if wanted.quota_file.is_some() || wanted.quota_from_annotation || wanted.refuse_overcommit {
+            bail!("--quota-file, --quota-from-annotation and --refuse-overcommit provision containers: they need --nri");
+        }
+        return Ok(None);
+    }
+    let Some(ledger_dir) = args.ledger_dir.as_deref() else {
+        bail!("--nri needs --ledger-dir: the ledgers of provisioned containers are created and watched there");
+    };
+    let file = wanted.quota_file.as_deref().map(provision::quota::QuotaFile::open).transpose().map_err(|e| anyhow!(e))?;
+    let sources = provision::Sources { kube: None, file, annotation: wanted.quota_from_annotation };
+    if sources.kube.is_none() && sources.file.is_none() && !sources.annotation {
+        bail!("--nri needs a quota source: --kube, --quota-file FILE or --quota-from-annotation");
+    }
+    let provisioner = Provisioner::new(wanted, ledger_dir, sources).map_err(|e| anyhow!("cannot provision containers: {e}"))?;
+    Ok(Some(Arc::new(provisioner)))
+}
+
+/// Holds the provisioned containers' ledgers to the agent's headers and their cgroups to
+/// their limits.
+fn apply_provisioned(provisioner: &Provisioner, ledgers: Option<&mut Ledgers>, limits: Option<&mut enforce::Limits>) {
+    if let Some(ledgers) = ledgers {
+        let pins = provisioner
+            .provisioned()
+            .into_iter()
+            .map(|p| {
+                let r = p.record;
+                (p.ledger, Pin { header: p.header, names: [r.namespace, r.pod, r.container, r.pod_uid] })
+            })
+            .collect();
+        ledgers.set_pins(pins);
+    }
+    if let Some(limits) = limits {
+        limits.set_provisioned(provisioner.cgroup_limits());
+    }
+}
+
+/// The next change of the provisioned set; never, without provisioning.
+async fn changed(changes: &mut Option<tokio::sync::watch::Receiver<u64>>) {
+    if let Some(changes) = changes {
+        if changes.changed().await.is_ok() {
+            return;
+        }
+    }
+    std::future::pending().await
+
 }
 
 /// The cgroups of each watched ledger's live processes (as the last reconcile pass found

@@ -338,7 +338,7 @@ impl Provisioner {
     /// while the agent was away are logged (they run without the hook; their cgroup limit
     /// still holds them once the agent knows their quota).
     pub fn synchronize(&self, existing: &[String]) {
-        self.remove_where(|record| !existing.iter().any(|id| *id == record.container_id));
+        self.remove_where(|record| !existing.contains(&record.container_id));
         info!(containers = self.lock().len(), "synchronized with the runtime");
     }
 
