@@ -232,7 +232,7 @@ extern "C" fn release_at_exit() {
 fn set_up() -> Option<Mode> {
     let config = match Config::from_env() {
         Ok(config) => config,
-        Err(error) => return Some(refuse_or_pass(false, format!("bad setting: {error}"))),
+        Err(error) => return Some(refuse(format!("bad setting: {error}"), provisioned_container())),
     };
     if !config.has_limits() && !config.ledger.exists() {
         return Some(Mode::PassThrough);
@@ -240,10 +240,10 @@ fn set_up() -> Option<Mode> {
     match open_session(&config) {
         Ok(session) => Some(Mode::Enforce(session)),
         Err(SetupError::NotInitialised) => None,
-        Err(SetupError::Failed(error)) => Some(refuse_or_pass(
-            config.fail_open,
-            format!("cannot use the ledger {}: {error}", config.ledger.display()),
-        )),
+        Err(SetupError::Failed(error)) => {
+            let problem = format!("cannot use the ledger {}: {error}", config.ledger.display());
+            Some(if config.fail_open { pass(problem) } else { refuse(problem, config.provisioned.is_some()) })
+        }
     }
 }
 
@@ -258,14 +258,26 @@ impl From<String> for SetupError {
     }
 }
 
-fn refuse_or_pass(fail_open: bool, problem: String) -> Mode {
-    if fail_open {
-        say(&format!("{problem}; VRAMGUARD_FAIL_OPEN=1: running WITHOUT GPU memory limits"));
-        Mode::PassThrough
+/// Runs without limits, said once.
+fn pass(problem: String) -> Mode {
+    say(&format!("{problem}; VRAMGUARD_FAIL_OPEN=1: running WITHOUT GPU memory limits"));
+    Mode::PassThrough
+}
+
+/// Refuses every allocation, said once (with the way out, except in a provisioned container,
+/// which has none: its quota is the operator's).
+fn refuse(problem: String, provisioned: bool) -> Mode {
+    if provisioned {
+        say(&format!("{problem}; refusing GPU allocations (this container's quota is provisioned by the node's vramguard agent)"));
     } else {
         say(&format!("{problem}; refusing GPU allocations (set VRAMGUARD_FAIL_OPEN=1 to run without limits instead)"));
-        Mode::Refuse(problem)
     }
+    Mode::Refuse(problem)
+}
+
+/// Whether the agent's limits are mounted here (see [`crate::config`]).
+fn provisioned_container() -> bool {
+    std::path::Path::new(ledger::provisioned::LIMITS).exists()
 }
 
 /// One line on stderr, prefixed.
