@@ -30,7 +30,8 @@
 //! `vramguard_enforcement_signals_total`, `vramguard_probes_attached{libcuda}`,
 //! `vramguard_libcuda_files{state}` (probed, failed, capped),
 //! `vramguard_libcuda_capped_containers`, `vramguard_ledgers`,
-//! `vramguard_ledgers_skipped`, `vramguard_ledgers_unreadable`, `vramguard_ledger_workers`. Of the kernel side
+//! `vramguard_ledgers_skipped`, `vramguard_ledgers_unreadable`, `vramguard_ledger_workers`,
+//! `vramguard_provisioned_containers`, `vramguard_nri_connected` (with `--nri`). Of the kernel side
 //! ([`crate::kernel`]): `vramguard_kernel_trouble_total{kind}` (records refused by the
 //! per-cgroup cap, full maps, lost events and exits, suppressed log lines),
 //! `vramguard_cgroup_alloc_records_capped{cgroup,cgroup_id}` (1 for a cgroup at its cap),
@@ -85,6 +86,8 @@ pub struct Metrics {
     ledgers: IntGauge,
     ledgers_skipped: IntGauge,
     ledger_workers: IntGauge,
+    provisioned: IntGauge,
+    nri_connected: IntGauge,
     ledgers_unreadable: IntGauge,
     process_state: IntGaugeVec,
     unhooked: IntGauge,
@@ -241,6 +244,14 @@ impl Metrics {
             "vramguard_ledger_workers",
             "Confined ledger worker processes running (one per ledger with recent locked operations)",
         )?)?;
+        let provisioned = registered(&registry, IntGauge::new(
+            "vramguard_provisioned_containers",
+            "Containers the agent provisioned (--nri) that the runtime still has",
+        )?)?;
+        let nri_connected = registered(&registry, IntGauge::new(
+            "vramguard_nri_connected",
+            "1 while the agent is registered with the container runtime as an NRI plugin (--nri)",
+        )?)?;
         let ledgers_unreadable = registered(&registry, IntGauge::new(
             "vramguard_ledgers_unreadable",
             "Watched ledgers the last reconcile pass could not read (cut or grown under the agent)",
@@ -331,6 +342,8 @@ impl Metrics {
             ledgers,
             ledgers_skipped,
             ledger_workers,
+            provisioned,
+            nri_connected,
             ledgers_unreadable,
             process_state,
             unhooked,
@@ -353,6 +366,12 @@ impl Metrics {
     /// Adds a family another module keeps up to date to what [`Metrics::encode`] renders.
     pub fn register(&self, family: Box<dyn prometheus::core::Collector>) -> Result<()> {
         Ok(self.registry.register(family)?)
+    }
+
+    /// Provisioning's state: containers provisioned, whether NRI is connected.
+    pub fn set_provisioning(&self, containers: usize, nri_connected: bool) {
+        self.provisioned.set(containers as i64);
+        self.nri_connected.set(i64::from(nri_connected));
     }
 
     /// Times one reconcile pass.

@@ -304,9 +304,15 @@ pub async fn run(args: RunArgs) -> Result<()> {
     let mut ledgers = args.ledger_dir.clone().map(|dir| Ledgers::with_limits(dir, ledger_limits));
     let provisioner = provisioner(&args)?;
     let mut provisioned_changes = provisioner.as_ref().map(|p| p.changes());
-    if let Some(provisioner) = provisioner.as_ref() {
-        apply_provisioned(provisioner, ledgers.as_mut(), limits.as_mut());
-    }
+    let provisioning = match provisioner.as_ref() {
+        Some(provisioner) => {
+            apply_provisioned(provisioner, ledgers.as_mut(), limits.as_mut());
+            let (connected_tx, connected) = tokio::sync::watch::channel(false);
+            spawn_nri(&args.provision, provisioner.clone(), connected_tx);
+            Some(Provisioning { provisioner: provisioner.clone(), connected })
+        }
+        None => None,
+    };
     let mut reclaimer = Reclaimer::new(ledgers.is_some());
     let mut metrics = Metrics::new(args.hami_metrics)?;
     let reconciler = Reconciler::new(reconcile::Config {
@@ -330,7 +336,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
             metrics.register(connections.collector())?;
             judge.pass(ledgers.as_ref(), &accounting, &metrics);
             let now = view(&mut accounting, &discovery, ledgers.as_ref(), &reclaimer, &judge, limits.as_ref());
-            let first = render(&mut metrics, ledgers.as_ref(), &judge, &now);
+            let first = render(&mut metrics, ledgers.as_ref(), &judge, &now, provisioning.as_ref());
             let (publisher, board) = Publisher::new(first, render_wanted.clone());
             let bound = serve::http::serve(addr, serve::http::LIMITS, board, connections).await?;
             info!(metrics_addr = %bound, limits = ?serve::http::LIMITS, "serving /metrics, /healthz and /readyz");
@@ -451,6 +457,10 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 snapshot.metrics_addr = metrics_addr.map(|addr| addr.to_string());
                 // For audit only (the metrics page does not show it): a copy of each ledger.
                 snapshot.ledger_problems = ledgers.as_ref().map(Ledgers::problems).unwrap_or_default();
+                if let Some(p) = provisioning.as_ref() {
+                    snapshot.provisioned = p.provisioner.provisioned().into_iter().map(|p| p.record).collect();
+                    snapshot.nri_connected = Some(*p.connected.borrow());
+                }
                 // The answer awaits the client, and the listener may answer meanwhile: the
                 // pass is the last one from now on.
                 if let Some(publisher) = publisher.as_ref() {
@@ -473,7 +483,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
             Wake::Render => {
                 if let Some(publisher) = publisher.as_ref().filter(|p| p.behind()) {
                     let now = view(&mut accounting, &discovery, ledgers.as_ref(), &reclaimer, &judge, limits.as_ref());
-                    publisher.publish(render(&mut metrics, ledgers.as_ref(), &judge, &now));
+                    publisher.publish(render(&mut metrics, ledgers.as_ref(), &judge, &now, provisioning.as_ref()));
                 }
             }
         }
@@ -540,13 +550,26 @@ fn view(
 
 /// A page for `--metrics-addr`: the metrics rendered from `view` (as of the last pass), and
 /// the readiness (a libcuda probed: always, after start-up).
-fn render(metrics: &mut Metrics, ledgers: Option<&Ledgers>, judge: &Judge, view: &Snapshot) -> Published {
+fn render(metrics: &mut Metrics, ledgers: Option<&Ledgers>, judge: &Judge, view: &Snapshot, provisioning: Option<&Provisioning>) -> Published {
     metrics.refresh(ledgers, view, &judge.reconciler, &judge.charger.charged());
-    Published {
-        metrics: metrics.encode().map(Bytes::from).map_err(|error| format!("{error:#}")),
-        not_ready: view.libcuda.is_empty().then_some("no libcuda probed"),
-        passes: judge.passes,
+    let nri_down = provisioning.is_some_and(|p| !*p.connected.borrow());
+    if let Some(p) = provisioning {
+        metrics.set_provisioning(p.provisioner.len(), !nri_down);
     }
+    let not_ready = if view.libcuda.is_empty() {
+        Some("no libcuda probed")
+    } else if nri_down {
+        Some("not registered with the container runtime (NRI): new containers start without their quota")
+    } else {
+        None
+    };
+    Published { metrics: metrics.encode().map(Bytes::from).map_err(|error| format!("{error:#}")), not_ready, passes: judge.passes }
+}
+
+/// Provisioning as the loop sees it: the provisioner and whether NRI is connected.
+struct Provisioning {
+    provisioner: Arc<Provisioner>,
+    connected: tokio::sync::watch::Receiver<bool>,
 }
 
 /// The provisioner `--nri` asks for, with its quota sources; `None` without `--nri`.
@@ -568,6 +591,12 @@ fn provisioner(args: &RunArgs) -> Result<Option<Arc<Provisioner>>> {
     }
     let provisioner = Provisioner::new(wanted, ledger_dir, sources).map_err(|e| anyhow!("cannot provision containers: {e}"))?;
     Ok(Some(Arc::new(provisioner)))
+}
+
+/// Starts the NRI plugin (it reconnects by itself for as long as the agent runs).
+fn spawn_nri(args: &ProvisionArgs, provisioner: Arc<Provisioner>, connected: tokio::sync::watch::Sender<bool>) {
+    let _ = (args, provisioner, connected);
+    warn!("the NRI plugin is not built in yet: nothing will be provisioned");
 }
 
 /// Holds the provisioned containers' ledgers to the agent's headers and their cgroups to

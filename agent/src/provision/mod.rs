@@ -180,6 +180,15 @@ impl Provisioner {
         self.containers.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    /// How many containers are provisioned now.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.lock().is_empty()
+    }
+
     /// The provisioned containers now.
     pub fn provisioned(&self) -> Vec<Provisioned> {
         self.lock().values().cloned().collect()
