@@ -16,7 +16,7 @@ use std::{
 };
 
 use anyhow::{bail, Context, Result};
-use e2e::containerd::{Cache, PACKAGES, VERSIONS_FILE};
+use e2e::containerd::{cached_name, Cache, PACKAGES, VERSIONS_FILE};
 
 /// Debian's archive, as the machine's own apt sources name it.
 const ARCHIVE: &str = "http://deb.debian.org/debian";
@@ -81,9 +81,8 @@ fn fetch(work: &Path, dir: &Path) -> Result<String> {
         let version = output(Command::new("dpkg-deb").args(["--showformat=${Version}", "--show"]).arg(&deb))?;
         versions.push_str(&format!("{} {} ({})\n", package.name, version.trim(), package.suite));
         for file in package.files {
-            let name = Path::new(file).file_name().context("a cached file without a name")?;
             let from = unpacked.join(file);
-            fs::rename(&from, fresh.join("bin").join(name))
+            fs::rename(&from, fresh.join("bin").join(cached_name(file)))
                 .with_context(|| format!("{} has no {file} (package layout changed?)", deb.display()))?;
         }
     }

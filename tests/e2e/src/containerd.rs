@@ -39,8 +39,13 @@ pub struct Package {
     pub name: &'static str,
     /// The suite it comes from.
     pub suite: &'static str,
-    /// Files inside the package, cached as `bin/<file name>`.
+    /// Files inside the package, cached as `bin/<file name>` ([`cached_name`]).
     pub files: &'static [&'static str],
+}
+
+/// The name in the cache's `bin/` of a file of a package (`usr/bin/ctr` → `ctr`).
+pub fn cached_name(file: &str) -> &str {
+    file.rsplit('/').next().unwrap_or(file)
 }
 
 /// What `cargo xtask setup` fetches: containerd 1.7 with NRI from trixie (a stable suite, so
@@ -110,7 +115,7 @@ impl Cache {
 
     /// The names of every cached binary.
     pub fn file_names() -> impl Iterator<Item = &'static str> {
-        PACKAGES.iter().flat_map(|p| p.files.iter()).filter_map(|f| f.rsplit('/').next())
+        PACKAGES.iter().flat_map(|p| p.files.iter()).map(|f| cached_name(f))
     }
 
     /// A cached binary, e.g. `bin("containerd")`.
@@ -506,8 +511,17 @@ impl Containerd {
         };
         let path = logs.join(format!("{name}.log"));
         let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
-        // Each line: `<time> <stream> <P|F> <text>`.
-        Ok(text.lines().filter_map(|l| l.splitn(4, ' ').nth(3)).map(|l| format!("{l}\n")).collect())
+        // Each line: `<time> <stream> <tag> <text>`; tag `P`: a partial line, continued by the next.
+        let mut out = String::new();
+        for line in text.lines() {
+            let mut parts = line.splitn(4, ' ');
+            let (Some(_), Some(_), Some(tag), Some(message)) = (parts.next(), parts.next(), parts.next(), parts.next()) else { continue };
+            out.push_str(message);
+            if tag != "P" {
+                out.push('\n');
+            }
+        }
+        Ok(out)
     }
 
     fn write_config(&self) -> Result<()> {
