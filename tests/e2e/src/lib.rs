@@ -16,10 +16,13 @@
 //! [`agent`] starts a `vramguard run` for a test; [`cgroup`] makes a cgroup for one;
 //! [`http`] scrapes its metrics; [`ledgers`] reads (and scribbles on) ledger files;
 //! [`hostile`] is what every attack test checks while its attack runs.
+//! [`containerd`] runs a real containerd with NRI (from the cache `cargo xtask setup` fills)
+//! and drives it through CRI.
 //! [`TempDir`], [`wait_for`] and [`holding`] are the small helpers the agent's tests share.
 
 pub mod agent;
 pub mod cgroup;
+pub mod containerd;
 pub mod hostile;
 pub mod http;
 pub mod ledgers;
