@@ -163,7 +163,7 @@ pub async fn run<H: Handler>(config: Config, handler: Arc<H>, connected: watch::
     let mut failures: u64 = 0;
     loop {
         let outcome = session::serve(&config, &handler, &connected).await;
-        connected.send_replace(false);
+        set_connected(&connected, false);
         if outcome.synced {
             backoff = BACKOFF_MIN;
             failures = 0;
@@ -179,6 +179,11 @@ pub async fn run<H: Handler>(config: Config, handler: Arc<H>, connected: watch::
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(BACKOFF_MAX);
     }
+}
+
+/// Sets `connected`, waking its watchers only on a change.
+fn set_connected(connected: &watch::Sender<bool>, up: bool) {
+    connected.send_if_modified(|now| std::mem::replace(now, up) != up);
 }
 
 impl From<proto::PodSandbox> for Pod {

@@ -164,7 +164,7 @@ impl<H: Handler> Session<'_, H> {
                 Some(done) = calls.join_next() => match done {
                     Ok(Done::Synced) => {
                         self.synced = true;
-                        connected.send_replace(true);
+                        super::set_connected(connected, true);
                         info!(socket = %self.config.socket.display(), "NRI: registered and synchronized");
                     }
                     Ok(Done::Answered) => {}
