@@ -89,7 +89,7 @@ pub fn parse_rules(text: &str) -> Result<Vec<Rule>> {
 }
 
 /// Whether `text` matches `pattern`, where `*` matches any run of characters.
-fn matches(pattern: &str, text: &str) -> bool {
+pub(crate) fn matches(pattern: &str, text: &str) -> bool {
     let mut parts = pattern.split('*');
     let first = parts.next().unwrap_or("");
     let Some(mut rest) = text.strip_prefix(first) else { return false };
@@ -113,6 +113,8 @@ pub struct Limits {
     /// within a second); `text` is what its rules were parsed from.
     file: Option<(PathBuf, String)>,
     rules: Vec<Rule>,
+    /// Cgroup path -> limit, of the provisioned containers.
+    provisioned: BTreeMap<String, u64>,
     /// Cgroup id -> limit, from the watched ledgers.
     ledger_limits: BTreeMap<u64, u64>,
     mode: u32,
@@ -143,12 +145,18 @@ impl Limits {
         }
         let map = ebpf.take_map(names::CGROUP_LIMITS).context("the eBPF object has no CGROUP_LIMITS map")?;
         let map = HashMap::try_from(map).context("CGROUP_LIMITS has an unexpected type")?;
-        Ok(Limits { file, rules, ledger_limits: BTreeMap::new(), mode, signal: signal as u32, map, applied: BTreeMap::new() })
+        Ok(Limits { file, rules, provisioned: BTreeMap::new(), ledger_limits: BTreeMap::new(), mode, signal: signal as u32, map, applied: BTreeMap::new() })
     }
 
     /// The cgroups of the watched ledgers' live processes and their ledgers' limits.
     pub fn set_ledger_limits(&mut self, limits: BTreeMap<u64, u64>) {
         self.ledger_limits = limits;
+    }
+
+    /// The cgroups of the provisioned containers (paths relative to the cgroup2 root) and
+    /// their limits: after the limits file's rules, before the ledgers' limits.
+    pub fn set_provisioned(&mut self, limits: BTreeMap<String, u64>) {
+        self.provisioned = limits;
     }
 
     /// Re-reads the limits file if it changed: new rules replace the old ones; a file that
@@ -187,11 +195,15 @@ impl Limits {
         self.reload();
         let mut wanted = BTreeMap::new();
         let mut walked = false;
-        if !self.rules.is_empty() {
+        if !self.rules.is_empty() || !self.provisioned.is_empty() {
             walked = true;
             for (id, path) in names.all() {
-                if let Some(rule) = self.rules.iter().find(|rule| matches(&rule.pattern, path)) {
-                    wanted.insert(*id, CgroupLimit { limit: rule.limit, mode: self.mode, signal: self.signal });
+                let limit = match self.rules.iter().find(|rule| matches(&rule.pattern, path)) {
+                    Some(rule) => Some(rule.limit),
+                    None => self.provisioned.get(path).copied(),
+                };
+                if let Some(limit) = limit {
+                    wanted.insert(*id, CgroupLimit { limit, mode: self.mode, signal: self.signal });
                 }
             }
         }

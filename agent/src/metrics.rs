@@ -15,13 +15,14 @@
 //! (the ledger's own count of refused reservations).
 //!
 //! Every per-ledger family also has the container's labels: `namespace`, `pod`, `container`
-//! (the names the hook recorded in the ledger from the downward API, [`ledger::Ledger::names`];
-//! informational, since a workload can write them; empty when none are recorded) and
+//! (for a container the agent provisioned, the runtime's names; otherwise the names the hook
+//! recorded in the ledger from the downward API, [`ledger::Ledger::names`]: informational,
+//! since a workload can write them; empty when none are recorded) and
 //! `pod_uid` (from the cgroup path of a live slot's host process, [`crate::pod`]; kept once
 //! found while the ledger is watched; empty until then). With `--hami-metrics` the used and
 //! limit bytes are also published under HAMi's monitor names,
 //! `hami_vgpu_memory_used_bytes` and `hami_vgpu_memory_limit_bytes` with labels `namespace`,
-//! `pod`, `container`, `vdevice_index`, `device_uuid`, for ledgers whose names are known
+//! `pod`, `container`, `vdevice_index`, `device_uuid` and HAMi's constant `zone="vGPU"`, for ledgers whose names are known
 //! (without them the series of different containers would collide). Of the agent itself:
 //! `vramguard_reclaims_total`, `vramguard_reclaim_latency_seconds`,
 //! `vramguard_reconcile_pass_seconds`,
@@ -29,7 +30,8 @@
 //! `vramguard_enforcement_signals_total`, `vramguard_probes_attached{libcuda}`,
 //! `vramguard_libcuda_files{state}` (probed, failed, capped),
 //! `vramguard_libcuda_capped_containers`, `vramguard_ledgers`,
-//! `vramguard_ledgers_skipped`, `vramguard_ledgers_unreadable`, `vramguard_ledger_workers`. Of the kernel side
+//! `vramguard_ledgers_skipped`, `vramguard_ledgers_unreadable`, `vramguard_ledger_workers`,
+//! `vramguard_provisioned_containers`, `vramguard_nri_connected` (with `--nri`). Of the kernel side
 //! ([`crate::kernel`]): `vramguard_kernel_trouble_total{kind}` (records refused by the
 //! per-cgroup cap, full maps, lost events and exits, suppressed log lines),
 //! `vramguard_cgroup_alloc_records_capped{cgroup,cgroup_id}` (1 for a cgroup at its cap),
@@ -84,6 +86,8 @@ pub struct Metrics {
     ledgers: IntGauge,
     ledgers_skipped: IntGauge,
     ledger_workers: IntGauge,
+    provisioned: IntGauge,
+    nri_connected: IntGauge,
     ledgers_unreadable: IntGauge,
     process_state: IntGaugeVec,
     unhooked: IntGauge,
@@ -240,6 +244,14 @@ impl Metrics {
             "vramguard_ledger_workers",
             "Confined ledger worker processes running (one per ledger with recent locked operations)",
         )?)?;
+        let provisioned = registered(&registry, IntGauge::new(
+            "vramguard_provisioned_containers",
+            "Containers the agent provisioned (--nri) that the runtime still has",
+        )?)?;
+        let nri_connected = registered(&registry, IntGauge::new(
+            "vramguard_nri_connected",
+            "1 while the agent is registered with the container runtime as an NRI plugin (--nri)",
+        )?)?;
         let ledgers_unreadable = registered(&registry, IntGauge::new(
             "vramguard_ledgers_unreadable",
             "Watched ledgers the last reconcile pass could not read (cut or grown under the agent)",
@@ -301,9 +313,14 @@ impl Metrics {
         )?)?;
         let hami = if hami {
             let labels = ["namespace", "pod", "container", "vdevice_index", "device_uuid"];
+            // HAMi's monitor marks its per-container families with a constant zone.
+            let hami_gauge = |name: &str, help: &str| -> Result<IntGaugeVec> {
+                let opts = Opts::new(name, help).const_label("zone", "vGPU");
+                registered(&registry, IntGaugeVec::new(opts, &labels)?).with_context(|| format!("registering {name}"))
+            };
             Some(Hami {
-                used: gauge_vec(&registry, "hami_vgpu_memory_used_bytes", "GPU memory a container uses (HAMi's monitor name)", &labels)?,
-                limit: gauge_vec(&registry, "hami_vgpu_memory_limit_bytes", "GPU memory limit of a container (HAMi's monitor name)", &labels)?,
+                used: hami_gauge("hami_vgpu_memory_used_bytes", "GPU memory a container uses (HAMi's monitor name)")?,
+                limit: hami_gauge("hami_vgpu_memory_limit_bytes", "GPU memory limit of a container (HAMi's monitor name)")?,
             })
         } else {
             None
@@ -325,6 +342,8 @@ impl Metrics {
             ledgers,
             ledgers_skipped,
             ledger_workers,
+            provisioned,
+            nri_connected,
             ledgers_unreadable,
             process_state,
             unhooked,
@@ -347,6 +366,12 @@ impl Metrics {
     /// Adds a family another module keeps up to date to what [`Metrics::encode`] renders.
     pub fn register(&self, family: Box<dyn prometheus::core::Collector>) -> Result<()> {
         Ok(self.registry.register(family)?)
+    }
+
+    /// Provisioning's state: containers provisioned, whether NRI is connected.
+    pub fn set_provisioning(&self, containers: usize, nri_connected: bool) {
+        self.provisioned.set(containers as i64);
+        self.nri_connected.set(i64::from(nri_connected));
     }
 
     /// Times one reconcile pass.
@@ -393,9 +418,18 @@ impl Metrics {
                 if let Some(uid) = pod_uid_of(&slots, self.agent) {
                     self.pod_uids.insert(path.clone(), uid);
                 }
-                let (namespace, pod, container) = copy.names.text().unwrap_or_default();
-                let pod_uid = self.pod_uids.get(&path).cloned().unwrap_or_default();
-                let container = Container { namespace, pod, container, pod_uid };
+                // A provisioned container's names are the runtime's; others' are what a hook wrote.
+                let container = match ledgers.pinned(std::path::Path::new(&path)) {
+                    Some(pin) => {
+                        let [namespace, pod, container, pod_uid] = pin.names.clone();
+                        Container { namespace, pod, container, pod_uid }
+                    }
+                    None => {
+                        let (namespace, pod, container) = copy.names.text().unwrap_or_default();
+                        let pod_uid = self.pod_uids.get(&path).cloned().unwrap_or_default();
+                        Container { namespace, pod, container, pod_uid }
+                    }
+                };
                 self.container_ebpf
                     .with_label_values(&labels(&[path.as_str()], &container))
                     .set(value(ebpf_by_ledger.get(path.as_str()).copied().unwrap_or(0)));
@@ -610,8 +644,8 @@ mod tests {
             "vramguard_container_unaccounted_bytes{{container=\"main\",ledger=\"{named_path}\",namespace=\"team-a\",pod=\"trainer-0\",pod_uid=\"\"}} 6291456"
         );
         assert!(text.contains(&unaccounted), "{text}");
-        assert!(text.contains("hami_vgpu_memory_limit_bytes{container=\"main\",device_uuid=\"\",namespace=\"team-a\",pod=\"trainer-0\",vdevice_index=\"0\"} 67108864"), "{text}");
-        assert!(text.contains("hami_vgpu_memory_used_bytes{container=\"main\",device_uuid=\"\",namespace=\"team-a\",pod=\"trainer-0\",vdevice_index=\"0\"} 0"), "{text}");
+        assert!(text.contains("hami_vgpu_memory_limit_bytes{container=\"main\",device_uuid=\"\",namespace=\"team-a\",pod=\"trainer-0\",vdevice_index=\"0\",zone=\"vGPU\"} 67108864"), "{text}");
+        assert!(text.contains("hami_vgpu_memory_used_bytes{container=\"main\",device_uuid=\"\",namespace=\"team-a\",pod=\"trainer-0\",vdevice_index=\"0\",zone=\"vGPU\"} 0"), "{text}");
         assert_eq!(text.matches("hami_vgpu_memory_used_bytes{").count(), 1, "only the named ledger: {text}");
         assert!(!Metrics::new(false).expect("metrics").encode().expect("encode").contains("hami_"));
         std::fs::remove_dir_all(&dir).expect("cleanup");

@@ -33,10 +33,11 @@ use crate::{
     control,
     discovery::{self, Caps, Discovery},
     kernel,
-    ledgers::{self, Ledgers, Limits},
+    ledgers::{self, Ledgers, Limits, Pin},
     metrics::Metrics,
     preflight,
     probes::{self, Attacher},
+    provision::{self, ProvisionArgs, Provisioner},
     reclaim::Reclaimer,
     reconcile::{self, Reconciler},
     serve::{self, Published, Publisher},
@@ -152,6 +153,8 @@ pub struct RunArgs {
     /// maps, and exits have a ring buffer of their own.
     #[arg(long, default_value_t = common::EVENTS_BYTES, value_name = "BYTES")]
     pub event_ring_bytes: u32,
+    #[command(flatten)]
+    pub provision: ProvisionArgs,
 }
 
 fn parse_threshold(text: &str) -> Result<u64, String> {
@@ -170,6 +173,7 @@ enum Wake {
     ExitRetry,
     Client(UnixStream),
     Render,
+    Provisioned,
 }
 
 pub async fn run(args: RunArgs) -> Result<()> {
@@ -298,6 +302,17 @@ pub async fn run(args: RunArgs) -> Result<()> {
         )?;
     }
     let mut ledgers = args.ledger_dir.clone().map(|dir| Ledgers::with_limits(dir, ledger_limits));
+    let provisioner = provisioner(&args)?;
+    let mut provisioned_changes = provisioner.as_ref().map(|p| p.changes());
+    let provisioning = match provisioner.as_ref() {
+        Some(provisioner) => {
+            apply_provisioned(provisioner, ledgers.as_mut(), limits.as_mut());
+            let (connected_tx, connected) = tokio::sync::watch::channel(false);
+            spawn_nri(&args.provision, provisioner.clone(), connected_tx);
+            Some(Provisioning { provisioner: provisioner.clone(), connected })
+        }
+        None => None,
+    };
     let mut reclaimer = Reclaimer::new(ledgers.is_some());
     let mut metrics = Metrics::new(args.hami_metrics)?;
     let reconciler = Reconciler::new(reconcile::Config {
@@ -321,7 +336,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
             metrics.register(connections.collector())?;
             judge.pass(ledgers.as_ref(), &accounting, &metrics);
             let now = view(&mut accounting, &discovery, ledgers.as_ref(), &reclaimer, &judge, limits.as_ref());
-            let first = render(&mut metrics, ledgers.as_ref(), &judge, &now);
+            let first = render(&mut metrics, ledgers.as_ref(), &judge, &now, provisioning.as_ref());
             let (publisher, board) = Publisher::new(first, render_wanted.clone());
             let bound = serve::http::serve(addr, serve::http::LIMITS, board, connections).await?;
             info!(metrics_addr = %bound, limits = ?serve::http::LIMITS, "serving /metrics, /healthz and /readyz");
@@ -371,6 +386,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
             _ = reconcile_tick.tick() => Wake::Reconcile,
             _ = exit_retry.tick(), if ledgers.is_some() && reclaimer.pending() => Wake::ExitRetry,
             _ = render_wanted.notified() => Wake::Render,
+            _ = changed(&mut provisioned_changes) => Wake::Provisioned,
             client = listener.accept() => match client {
                 Ok((stream, _)) => Wake::Client(stream),
                 Err(error) => { warn!(%error, "control socket accept failed"); continue; }
@@ -441,6 +457,10 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 snapshot.metrics_addr = metrics_addr.map(|addr| addr.to_string());
                 // For audit only (the metrics page does not show it): a copy of each ledger.
                 snapshot.ledger_problems = ledgers.as_ref().map(Ledgers::problems).unwrap_or_default();
+                if let Some(p) = provisioning.as_ref() {
+                    snapshot.provisioned = p.provisioner.provisioned().into_iter().map(|p| p.record).collect();
+                    snapshot.nri_connected = Some(*p.connected.borrow());
+                }
                 // The answer awaits the client, and the listener may answer meanwhile: the
                 // pass is the last one from now on.
                 if let Some(publisher) = publisher.as_ref() {
@@ -450,12 +470,20 @@ pub async fn run(args: RunArgs) -> Result<()> {
                     warn!(%error, "answering a control client failed");
                 }
             }
+            Wake::Provisioned => {
+                if let Some(provisioner) = provisioner.as_ref() {
+                    apply_provisioned(provisioner, ledgers.as_mut(), limits.as_mut());
+                    if let Some(ledgers) = ledgers.as_mut() {
+                        ledgers.scan();
+                    }
+                }
+            }
             // A scrape found the page older than the last pass: render that pass's (once,
             // however many scrapes asked).
             Wake::Render => {
                 if let Some(publisher) = publisher.as_ref().filter(|p| p.behind()) {
                     let now = view(&mut accounting, &discovery, ledgers.as_ref(), &reclaimer, &judge, limits.as_ref());
-                    publisher.publish(render(&mut metrics, ledgers.as_ref(), &judge, &now));
+                    publisher.publish(render(&mut metrics, ledgers.as_ref(), &judge, &now, provisioning.as_ref()));
                 }
             }
         }
@@ -522,13 +550,83 @@ fn view(
 
 /// A page for `--metrics-addr`: the metrics rendered from `view` (as of the last pass), and
 /// the readiness (a libcuda probed: always, after start-up).
-fn render(metrics: &mut Metrics, ledgers: Option<&Ledgers>, judge: &Judge, view: &Snapshot) -> Published {
+fn render(metrics: &mut Metrics, ledgers: Option<&Ledgers>, judge: &Judge, view: &Snapshot, provisioning: Option<&Provisioning>) -> Published {
     metrics.refresh(ledgers, view, &judge.reconciler, &judge.charger.charged());
-    Published {
-        metrics: metrics.encode().map(Bytes::from).map_err(|error| format!("{error:#}")),
-        not_ready: view.libcuda.is_empty().then_some("no libcuda probed"),
-        passes: judge.passes,
+    let nri_down = provisioning.is_some_and(|p| !*p.connected.borrow());
+    if let Some(p) = provisioning {
+        metrics.set_provisioning(p.provisioner.len(), !nri_down);
     }
+    let not_ready = if view.libcuda.is_empty() {
+        Some("no libcuda probed")
+    } else if nri_down {
+        Some("not registered with the container runtime (NRI): new containers start without their quota")
+    } else {
+        None
+    };
+    Published { metrics: metrics.encode().map(Bytes::from).map_err(|error| format!("{error:#}")), not_ready, passes: judge.passes }
+}
+
+/// Provisioning as the loop sees it: the provisioner and whether NRI is connected.
+struct Provisioning {
+    provisioner: Arc<Provisioner>,
+    connected: tokio::sync::watch::Receiver<bool>,
+}
+
+/// The provisioner `--nri` asks for, with its quota sources; `None` without `--nri`.
+fn provisioner(args: &RunArgs) -> Result<Option<Arc<Provisioner>>> {
+    let wanted = &args.provision;
+    if !wanted.nri {
+        if wanted.quota_file.is_some() || wanted.quota_from_annotation || wanted.refuse_overcommit {
+            bail!("--quota-file, --quota-from-annotation and --refuse-overcommit provision containers: they need --nri");
+        }
+        return Ok(None);
+    }
+    let Some(ledger_dir) = args.ledger_dir.as_deref() else {
+        bail!("--nri needs --ledger-dir: the ledgers of provisioned containers are created and watched there");
+    };
+    let file = wanted.quota_file.as_deref().map(provision::quota::QuotaFile::open).transpose().map_err(|e| anyhow!(e))?;
+    let sources = provision::Sources { kube: None, file, annotation: wanted.quota_from_annotation };
+    if sources.kube.is_none() && sources.file.is_none() && !sources.annotation {
+        bail!("--nri needs a quota source: --kube, --quota-file FILE or --quota-from-annotation");
+    }
+    let provisioner = Provisioner::new(wanted, ledger_dir, sources).map_err(|e| anyhow!("cannot provision containers: {e}"))?;
+    Ok(Some(Arc::new(provisioner)))
+}
+
+/// Starts the NRI plugin (it reconnects by itself for as long as the agent runs).
+fn spawn_nri(args: &ProvisionArgs, provisioner: Arc<Provisioner>, connected: tokio::sync::watch::Sender<bool>) {
+    let _ = (args, provisioner, connected);
+    warn!("the NRI plugin is not built in yet: nothing will be provisioned");
+}
+
+/// Holds the provisioned containers' ledgers to the agent's headers and their cgroups to
+/// their limits.
+fn apply_provisioned(provisioner: &Provisioner, ledgers: Option<&mut Ledgers>, limits: Option<&mut enforce::Limits>) {
+    if let Some(ledgers) = ledgers {
+        let pins = provisioner
+            .provisioned()
+            .into_iter()
+            .map(|p| {
+                let r = p.record;
+                (p.ledger, Pin { header: p.header, names: [r.namespace, r.pod, r.container, r.pod_uid] })
+            })
+            .collect();
+        ledgers.set_pins(pins);
+    }
+    if let Some(limits) = limits {
+        limits.set_provisioned(provisioner.cgroup_limits());
+    }
+}
+
+/// The next change of the provisioned set; never, without provisioning.
+async fn changed(changes: &mut Option<tokio::sync::watch::Receiver<u64>>) {
+    if let Some(changes) = changes {
+        if changes.changed().await.is_ok() {
+            return;
+        }
+    }
+    std::future::pending().await
+
 }
 
 /// The cgroups of each watched ledger's live processes (as the last reconcile pass found

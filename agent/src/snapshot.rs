@@ -35,6 +35,12 @@ pub struct Snapshot {
     /// cgroups' entries go).
     #[serde(default)]
     pub kernel_maps: KernelMaps,
+    /// The containers the agent provisioned (`--nri`), with their quotas.
+    #[serde(default)]
+    pub provisioned: Vec<crate::provision::Record>,
+    /// Whether the agent is registered with the runtime as an NRI plugin (absent without `--nri`).
+    #[serde(default)]
+    pub nri_connected: Option<bool>,
 }
 
 /// The cgroup ids with an entry in each per-cgroup kernel map, ascending.

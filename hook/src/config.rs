@@ -12,13 +12,26 @@
 //!
 //! Limits only matter when the hook creates the ledger: an existing ledger (written by the
 //! agent, or by the container's first process) is authoritative.
-use std::path::PathBuf;
+//!
+//! # Provisioned containers
+//!
+//! In a container the agent provisioned (issue 10: the quota is the operator's), the runtime
+//! mounted the agent's copy of the ledger's header read-only at
+//! [`ledger::provisioned::LIMITS`]. When that file exists, every variable above is ignored:
+//! the ledger is [`ledger::provisioned::LEDGER`], its limits are those of the agent's header
+//! (whatever the ledger file's own header says), and `VRAMGUARD_FAIL_OPEN` does not apply (a
+//! process cannot lift its container's quota by its environment). A limits file that exists
+//! but cannot be read or is not a header the agent wrote is an error: allocations are refused.
+use std::{io::Read, path::{Path, PathBuf}};
 
-use ledger::{layout::MAX_DEVICES, ContainerNames};
+use ledger::{
+    layout::{Header, MAX_DEVICES},
+    provisioned, ContainerNames,
+};
 
 pub const DEFAULT_LEDGER: &str = "/tmp/vramguard.ledger";
-pub const DEFAULT_CONTEXT_RESERVE: u64 = 518 << 20;
-pub const CHUNK: u64 = 2 << 20;
+pub const DEFAULT_CONTEXT_RESERVE: u64 = ledger::layout::CONTAINER_CONTEXT_RESERVE;
+pub const CHUNK: u64 = ledger::layout::CONTAINER_CHUNK;
 
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -29,12 +42,35 @@ pub struct Config {
     pub fail_open: bool,
     /// The container's names from the downward API (empty where unset): labels only.
     pub names: ContainerNames,
+    /// In a provisioned container: the agent's header, the ledger's only source of limits.
+    pub provisioned: Option<Header>,
 }
 
 impl Config {
-    /// Reads the environment; an unusable value is an error naming the variable.
+    /// The agent's limits when this is a provisioned container, else the environment; an
+    /// unusable value is an error naming the file or the variable.
     pub fn from_env() -> Result<Config, String> {
-        Self::from_lookup(|name| std::env::var(name).ok())
+        match provisioned_header(Path::new(provisioned::LIMITS))? {
+            Some(header) => Ok(Config::provisioned(header)),
+            None => Self::from_lookup(|name| std::env::var(name).ok()),
+        }
+    }
+
+    /// The settings of a provisioned container whose agent wrote `header`.
+    pub fn provisioned(header: Header) -> Config {
+        let count = (header.device_count as usize).min(MAX_DEVICES);
+        let mut limits = [None; MAX_DEVICES];
+        for (limit, device) in limits.iter_mut().zip(&header.devices[..count]) {
+            *limit = Some(device.limit);
+        }
+        Config {
+            ledger: PathBuf::from(provisioned::LEDGER),
+            limits,
+            context_reserve: header.devices.first().map_or(DEFAULT_CONTEXT_RESERVE, |d| d.context_reserve),
+            fail_open: false,
+            names: ContainerNames::default(),
+            provisioned: Some(header),
+        }
     }
 
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Config, String> {
@@ -64,13 +100,33 @@ impl Config {
         };
         let name = |key: &str| get(key).map(|v| v.trim().to_string()).unwrap_or_default();
         let names = ContainerNames::new(&name("POD_NAMESPACE"), &name("POD_NAME"), &name("CONTAINER_NAME"));
-        Ok(Config { ledger, limits, context_reserve, fail_open, names })
+        Ok(Config { ledger, limits, context_reserve, fail_open, names, provisioned: None })
     }
 
     /// Whether any device has a quota.
     pub fn has_limits(&self) -> bool {
         self.limits.iter().any(Option::is_some)
     }
+}
+
+/// The header the agent wrote at `path` (a provisioned container's limits), `None` when there
+/// is no such file (not a provisioned container).
+pub fn provisioned_header(path: &Path) -> Result<Option<Header>, String> {
+    let file = match std::fs::File::open(path) {
+        Ok(file) => file,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(error) => return Err(format!("{} (this container's limits, from the agent) cannot be opened: {error}", path.display())),
+    };
+    let size = std::mem::size_of::<Header>();
+    let mut bytes = Vec::with_capacity(size + 1);
+    // One byte more than a header: a longer file is not one.
+    file.take(size as u64 + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|error| format!("{} (this container's limits, from the agent) cannot be read: {error}", path.display()))?;
+    // Validated with the ledger file, when the session maps it (`Ledger::from_file_as`).
+    let header = ledger::file::header_from_bytes(&bytes)
+        .ok_or_else(|| format!("{} is not a ledger header written by the agent ({} bytes)", path.display(), bytes.len()))?;
+    Ok(Some(header))
 }
 
 #[cfg(test)]
@@ -115,5 +171,35 @@ mod tests {
         assert!(error.contains("CUDA_DEVICE_MEMORY_LIMIT_3"), "{error}");
         let error = config(&[("VRAMGUARD_FAIL_OPEN", "yes")]).unwrap_err();
         assert!(error.contains("VRAMGUARD_FAIL_OPEN"), "{error}");
+    }
+
+    #[test]
+    fn a_provisioned_containers_limits_come_from_the_agents_header_only() {
+        let dir = std::env::temp_dir().join(format!("vramguard-hook-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        let path = dir.join("limits");
+        assert!(provisioned_header(&path).expect("no file is fine").is_none(), "no file: not provisioned");
+
+        let geometry = ledger::Geometry {
+            slots: 4,
+            records: 64,
+            devices: vec![ledger::DeviceConfig { limit: 1 << 30, chunk: CHUNK, context_reserve: 1 << 20, ..Default::default() }; 2],
+        };
+        let header = ledger::file::plan(&geometry, ledger::layout::CREATOR_AGENT, 0).expect("plan");
+        std::fs::write(&path, ledger::file::header_bytes(&header)).expect("write");
+        let config = Config::provisioned(provisioned_header(&path).expect("read").expect("provisioned"));
+        assert_eq!(config.ledger, PathBuf::from(provisioned::LEDGER));
+        assert_eq!(&config.limits[..3], &[Some(1 << 30), Some(1 << 30), None]);
+        assert_eq!(config.context_reserve, 1 << 20);
+        assert!(!config.fail_open);
+
+        std::fs::write(&path, b"8g").expect("write");
+        let error = provisioned_header(&path).expect_err("not a header");
+        assert!(error.contains("not a ledger header written by the agent"), "{error}");
+        let mut longer = ledger::file::header_bytes(&header).to_vec();
+        longer.push(0);
+        std::fs::write(&path, longer).expect("write");
+        assert!(provisioned_header(&path).is_err(), "a longer file is not a header");
+        std::fs::remove_dir_all(&dir).expect("cleanup");
     }
 }

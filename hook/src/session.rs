@@ -12,6 +12,7 @@ use std::{
     collections::HashMap,
     ffi::c_int,
     io::Write as _,
+    os::unix::fs::OpenOptionsExt as _,
     sync::{
         atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering},
         Mutex,
@@ -27,8 +28,8 @@ use ledger::{
 use crate::{config::Config, real};
 
 /// Slots and records of a ledger the hook creates.
-const SLOTS: u32 = 1024;
-const RECORDS: u32 = 1 << 16;
+const SLOTS: u32 = ledger::layout::CONTAINER_SLOTS;
+const RECORDS: u32 = ledger::layout::CONTAINER_RECORDS;
 const SHARDS: usize = 64;
 
 /// Where an allocation's identifier lives: device pointers and VMM handles can collide.
@@ -191,7 +192,7 @@ pub fn quota_by_uuid(uuid: &str) -> Option<(u64, u64)> {
 /// [`quota_by_uuid`] from the container's ledger as it is, without a session.
 fn quota_without_driver(uuid: &str) -> Option<(u64, u64)> {
     let config = Config::from_env().ok()?;
-    let ledger = Ledger::open(&config.ledger).ok()?;
+    let ledger = open_ledger(&config, None).ok()?;
     quota_in(&ledger, ledger_device_named(ledger.header(), uuid)?)
 }
 
@@ -231,7 +232,7 @@ extern "C" fn release_at_exit() {
 fn set_up() -> Option<Mode> {
     let config = match Config::from_env() {
         Ok(config) => config,
-        Err(error) => return Some(refuse_or_pass(false, format!("bad setting: {error}"))),
+        Err(error) => return Some(refuse(format!("bad setting: {error}"), provisioned_container())),
     };
     if !config.has_limits() && !config.ledger.exists() {
         return Some(Mode::PassThrough);
@@ -239,10 +240,10 @@ fn set_up() -> Option<Mode> {
     match open_session(&config) {
         Ok(session) => Some(Mode::Enforce(session)),
         Err(SetupError::NotInitialised) => None,
-        Err(SetupError::Failed(error)) => Some(refuse_or_pass(
-            config.fail_open,
-            format!("cannot use the ledger {}: {error}", config.ledger.display()),
-        )),
+        Err(SetupError::Failed(error)) => {
+            let problem = format!("cannot use the ledger {}: {error}", config.ledger.display());
+            Some(if config.fail_open { pass(problem) } else { refuse(problem, config.provisioned.is_some()) })
+        }
     }
 }
 
@@ -257,14 +258,26 @@ impl From<String> for SetupError {
     }
 }
 
-fn refuse_or_pass(fail_open: bool, problem: String) -> Mode {
-    if fail_open {
-        say(&format!("{problem}; VRAMGUARD_FAIL_OPEN=1: running WITHOUT GPU memory limits"));
-        Mode::PassThrough
+/// Runs without limits, said once.
+fn pass(problem: String) -> Mode {
+    say(&format!("{problem}; VRAMGUARD_FAIL_OPEN=1: running WITHOUT GPU memory limits"));
+    Mode::PassThrough
+}
+
+/// Refuses every allocation, said once (with the way out, except in a provisioned container,
+/// which has none: its quota is the operator's).
+fn refuse(problem: String, provisioned: bool) -> Mode {
+    if provisioned {
+        say(&format!("{problem}; refusing GPU allocations (this container's quota is provisioned by the node's vramguard agent)"));
     } else {
         say(&format!("{problem}; refusing GPU allocations (set VRAMGUARD_FAIL_OPEN=1 to run without limits instead)"));
-        Mode::Refuse(problem)
     }
+    Mode::Refuse(problem)
+}
+
+/// Whether the agent's limits are mounted here (see [`crate::config`]).
+fn provisioned_container() -> bool {
+    std::path::Path::new(ledger::provisioned::LIMITS).exists()
 }
 
 /// One line on stderr, prefixed.
@@ -290,11 +303,14 @@ fn open_session(config: &Config) -> Result<Session, SetupError> {
             })
             .collect(),
     };
-    let ledger = Ledger::open_or_create(&config.ledger, &geometry, CREATOR_HOOK).map_err(|e| e.to_string())?;
+    let ledger = open_ledger(config, Some(&geometry))?;
     // The downward API's names, for the agent's labels (written once: the ledger keeps the
-    // same names untouched). Informational only, so a failure here stops nothing.
-    if let Err(error) = ledger.set_names(&config.names) {
-        say(&format!("cannot record the container's names in {}: {error}", config.ledger.display()));
+    // same names untouched). Informational only, so a failure here stops nothing. A
+    // provisioned container's names are the agent's (from the runtime), not written here.
+    if config.provisioned.is_none() {
+        if let Err(error) = ledger.set_names(&config.names) {
+            say(&format!("cannot record the container's names in {}: {error}", config.ledger.display()));
+        }
     }
     let header = *ledger.header();
     let mut devices = [None; MAX_DEVICES];
@@ -329,6 +345,24 @@ fn open_session(config: &Config) -> Result<Session, SetupError> {
         allocations: std::array::from_fn(|_| Mutex::new(HashMap::new())),
         pid: identity.pid,
     })
+}
+
+/// The ledger `config` names: a provisioned container's, mapped with the agent's header; else
+/// the file at the path, created with `geometry` when there is none and one is given.
+fn open_ledger(config: &Config, geometry: Option<&Geometry>) -> Result<Ledger, String> {
+    let path = &config.ledger;
+    let ledger = match (&config.provisioned, geometry) {
+        (Some(header), _) => std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(path)
+            .map_err(|error| ledger::LedgerError::Io { path: path.clone(), source: error })
+            .and_then(|file| Ledger::from_file_as(&file, *header, path)),
+        (None, Some(geometry)) => Ledger::open_or_create(path, geometry, CREATOR_HOOK),
+        (None, None) => Ledger::open(path),
+    };
+    ledger.map_err(|error| error.to_string())
 }
 
 fn device_count(driver: &real::Driver) -> Result<c_int, SetupError> {

@@ -60,6 +60,14 @@ pub struct Header {
 }
 
 pub const CREATOR_AGENT: u32 = 1;
+/// A container's ledger as the hook and the agent create it: process slots.
+pub const CONTAINER_SLOTS: u32 = 1024;
+/// ... allocation records.
+pub const CONTAINER_RECORDS: u32 = 1 << 16;
+/// ... the unit of the buddy allocator, in bytes (every charge is rounded up to it).
+pub const CONTAINER_CHUNK: u64 = 2 << 20;
+/// ... the charge once per process and device for its CUDA context (an H100's).
+pub const CONTAINER_CONTEXT_RESERVE: u64 = 518 << 20;
 pub const CREATOR_HOOK: u32 = 2;
 
 /// One device's quota and the places of its buddy space.

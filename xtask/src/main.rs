@@ -2,7 +2,8 @@
 //!
 //! - `setup`: install what building needs and is missing (rust-src for the nightly toolchain,
 //!   `bpf-linker` built against the nightly toolchain's own LLVM, and `kubernetes-validate` in
-//!   a Python environment at `target/pyenv`); a no-op when all is there.
+//!   a Python environment at `target/pyenv`, and containerd, runc and busybox from Debian's
+//!   archive in `target/containerd` for the end-to-end tests); a no-op when all is there.
 //! - `build-ebpf`: compile `ebpf/` for `bpfel-unknown-none` (the agent embeds the object).
 //! - `fake-driver`: build the fake CUDA driver; print the directory holding `libcuda.so.1` (and
 //!   `libnvidia-ml.so.1`: the fake is a fake NVML too).
@@ -12,6 +13,7 @@
 //! - `demo`: the agent, the fake driver and sample workloads, end to end (needs root).
 //! - `bench`: what the eBPF probes cost per alloc/free pair; writes docs/BENCHMARKS.md.
 mod bench;
+mod containerd;
 mod demo;
 mod manifests;
 mod setup;
@@ -33,7 +35,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Task {
-    /// Install what is missing: the eBPF toolchain pieces (rust-src, bpf-linker) and the manifests' validator.
+    /// Install what is missing: the eBPF toolchain pieces (rust-src, bpf-linker), the manifests'
+    /// validator, and the containerd the end-to-end tests run (target/containerd).
     Setup,
     /// Compile the eBPF programs for bpfel-unknown-none.
     BuildEbpf,

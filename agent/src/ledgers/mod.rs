@@ -35,6 +35,10 @@
 //! replaced while it had live slots passes its validated header on to the next file at its
 //! path: a workload cannot lift its limits by re-creating its ledger either (a new pod, whose
 //! predecessor's processes are gone and reclaimed, starts afresh).
+//!
+//! A ledger the agent created itself (a provisioned container's, [`crate::provision`]) is
+//! *pinned* ([`Ledgers::pin`]): whatever file is at its path, whenever it was opened, is held
+//! to the header the agent created, and any other header is tampering.
 mod directory;
 mod handle;
 pub mod sandbox;
@@ -123,6 +127,17 @@ pub struct Ledgers {
     /// The validated headers of ledgers removed or replaced while they had live slots: a
     /// file that appears at the same path is held to it.
     replaced: BTreeMap<PathBuf, Header>,
+    /// The ledgers the agent created (see the module doc).
+    pinned: BTreeMap<PathBuf, Pin>,
+}
+
+/// A ledger the agent created: the header it created it with and the container's names as
+/// the runtime gave them (trusted, unlike the names a hook writes into a ledger).
+#[derive(Clone, Debug)]
+pub struct Pin {
+    pub header: Header,
+    /// Namespace, pod, container, pod UID.
+    pub names: [String; 4],
 }
 
 impl Ledgers {
@@ -140,7 +155,25 @@ impl Ledgers {
             dir_error: None,
             crowded: BTreeMap::new(),
             replaced: BTreeMap::new(),
+            pinned: BTreeMap::new(),
         }
+    }
+
+    /// Holds the ledgers at these paths to these headers, the ones the agent created (see
+    /// the module doc); paths pinned before and not in `pins` are let go. Takes effect at
+    /// once for a file already watched (its header is compared at the next scan).
+    pub fn set_pins(&mut self, pins: BTreeMap<PathBuf, Pin>) {
+        for (path, pin) in &pins {
+            if let Some(handle) = self.open.get_mut(path) {
+                handle.validated = pin.header;
+            }
+        }
+        self.pinned = pins;
+    }
+
+    /// The pin of the ledger at `path`, if the agent created it.
+    pub fn pinned(&self, path: &Path) -> Option<&Pin> {
+        self.pinned.get(path)
     }
 
     /// The file (device, inode) of the ledger at `path`.
@@ -300,7 +333,8 @@ impl Ledgers {
         if !opened.same_inode(&key) {
             return Err("replaced while being opened".into());
         }
-        let validated = self.replaced.remove(path).unwrap_or(header);
+        let replaced = self.replaced.remove(path);
+        let validated = self.pinned.get(path).map(|pin| pin.header).or(replaced).unwrap_or(header);
         let handle = LedgerHandle::new(path, opened, file, validated, &header, self.launcher.clone());
         if let Some(what) = &handle.header_change {
             warn!(ledger = %path.display(), change = %what, "ledger replaced under running processes with other limits: its processes are reported tampered, the limits before stay enforced");
@@ -468,6 +502,33 @@ mod tests {
         ledgers.scan();
         assert_eq!(ledgers.header_change(&path), None);
         assert_eq!(ledgers.validated_header(&path).map(|h| h.devices[0].limit), Some(128 << 20));
+        fs::remove_dir_all(&dir).expect("cleanup");
+    }
+
+    #[test]
+    fn a_pinned_ledger_is_held_to_the_agents_header_whatever_the_file_says() {
+        let (dir, path, ledger) = one_ledger("pinned");
+        let agents = *ledger.header();
+        drop(ledger);
+        let mut ledgers = Ledgers::new(dir.clone());
+        let names = ["ns", "pod", "c", "uid"].map(String::from);
+        ledgers.set_pins(BTreeMap::from([(path.clone(), Pin { header: agents, names })]));
+        assert!(ledgers.pinned(&path).is_some());
+        ledgers.scan();
+        assert_eq!(ledgers.header_change(&path), None);
+        // Deleted and re-created with a larger limit, nobody using it: still the agent's
+        // header (an unpinned ledger would start afresh here).
+        fs::remove_file(&path).expect("rm");
+        ledgers.scan();
+        let bigger = Geometry { devices: vec![DeviceConfig { limit: 8 << 30, chunk: 2 << 20, ..Default::default() }], ..geometry() };
+        Ledger::create(&path, &bigger, CREATOR_AGENT).expect("re-create");
+        ledgers.scan();
+        let change = ledgers.header_change(&path).expect("tampered");
+        assert!(change.contains("device 0 limit 67108864 -> 8589934592"), "{change}");
+        assert_eq!(ledgers.validated_header(&path).map(|h| h.devices[0].limit), Some(64 << 20));
+        assert!(ledgers.problems().get(&path.display().to_string()).is_some_and(|p| p.starts_with("tampered")));
+        ledgers.set_pins(BTreeMap::new());
+        assert!(ledgers.pinned(&path).is_none());
         fs::remove_dir_all(&dir).expect("cleanup");
     }
 }

@@ -1,11 +1,449 @@
-//! Provisioning: quotas that belong to the operator (issue 10).
+//! Provisioning: quotas that belong to the operator.
 //!
 //! A container whose quota comes from a trusted party (the pod spec's
-//! `vramguard.io/gpu-memory` limit, or an operator's quota file) gets, before it starts, a
-//! ledger the agent created with the agent's limits, a read-only copy of those limits, the
-//! hook library and `/etc/ld.so.preload`, all injected by the container runtime through NRI.
+//! `vramguard.io/gpu-memory` limit through [`kube`], the operator's quota file, or, behind an
+//! admin flag, a pod annotation: [`quota`]) gets, before it starts, injected by the container
+//! runtime through NRI ([`nri`]):
+//!
+//! | in the container | from the host | |
+//! |---|---|---|
+//! | [`ledger::provisioned::LEDGER`] | `<ledger-dir>/<container id>/ledger`, created by the agent with the quota on each GPU | read-write, alone: it can be written, not removed or replaced |
+//! | [`ledger::provisioned::LIMITS`] | the header of that ledger as the agent created it ([`store`]) | read-only: the hook's only source of limits |
+//! | [`ledger::provisioned::HOOK`] | `--hook-library` | read-only |
+//! | [`ledger::provisioned::PRELOAD`] | `<state-dir>/ld.so.preload`, naming the hook | read-only: every dynamically linked process loads the hook |
+//! | env `VRAMGUARD_LEDGER`, `CUDA_DEVICE_MEMORY_LIMIT`, `POD_NAME`, `POD_NAMESPACE`, `CONTAINER_NAME` | the agent's values (they win over the pod's) | for tools; the hook ignores them here |
+//!
+//! The agent holds the ledger to the header it created ([`crate::ledgers::Ledgers::pin`]: a
+//! rewritten or re-created file is `tampered`, never adopted) and pushes the container's
+//! cgroup limit (the quota times the GPUs it sees) to the eBPF probes, the backstop for
+//! processes the hook does not see. Pods without a quota are not touched.
 //!
 //! * [`nri`]: the NRI plugin: the runtime's socket, its wire protocol, the event loop.
 //! * [`kube`]: the Kubernetes API side: pod lookup, the node's advertised capacity.
+//! * [`quota`]: the quota file and the annotation.
+//! * [`store`]: what the agent keeps on the host per provisioned container.
 pub mod kube;
 pub mod nri;
+pub mod quota;
+pub mod store;
+
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex},
+};
+
+use ledger::provisioned;
+use tracing::{info, warn};
+
+pub use store::{Provisioned, Record};
+use quota::{QuotaFile, Subject};
+use store::Store;
+
+/// The flags of provisioning (`vramguard run`).
+#[derive(clap::Args, Clone, Debug)]
+pub struct ProvisionArgs {
+    /// Provision containers through the container runtime's NRI socket (needs --ledger-dir
+    /// and a quota source: --kube, --quota-file or --quota-from-annotation).
+    #[arg(long)]
+    pub nri: bool,
+    /// The runtime's NRI socket.
+    #[arg(long, default_value = "/var/run/nri/nri.sock")]
+    pub nri_socket: PathBuf,
+    /// Where the agent keeps what it provisioned (only the agent may write there).
+    #[arg(long, default_value = "/var/lib/vramguard")]
+    pub state_dir: PathBuf,
+    /// The hook library on the host, mounted read-only into provisioned containers.
+    #[arg(long, default_value = "/var/lib/vramguard/lib/libvramguard.so")]
+    pub hook_library: PathBuf,
+    /// A file of quota rules (selectors on namespace, pod, pod UID, container, cgroup; see
+    /// docs/operations.md), for nodes without Kubernetes.
+    #[arg(long)]
+    pub quota_file: Option<PathBuf>,
+    /// Take quotas from the pod annotation `vramguard.io/gpu-memory[.<container>]`: only
+    /// where whoever creates pods is trusted to set quotas.
+    #[arg(long)]
+    pub quota_from_annotation: bool,
+    /// Each GPU's memory, one size per GPU (e.g. `80g,80g`): the ledgers' devices, the
+    /// overcommit check and the advertised capacity.
+    #[arg(long, value_delimiter = ',', value_parser = parse_size_arg)]
+    pub gpu_memory: Vec<u64>,
+    /// Refuse a container whose quota would make a GPU's summed quotas exceed its memory.
+    #[arg(long)]
+    pub refuse_overcommit: bool,
+}
+
+fn parse_size_arg(text: &str) -> Result<u64, String> {
+    parse_quota(text).ok_or_else(|| format!("{text:?} is not a size (bytes, k/m/g/t, or a Kubernetes quantity such as 80Gi)"))
+}
+
+/// A size as a quota is written: a Kubernetes quantity (`8Gi`, `8G`, `8589934592`) or the
+/// hook's sizes (`8g`, 1024-based).
+pub fn parse_quota(text: &str) -> Option<u64> {
+    kube::parse_quantity(text).or_else(|| cuda_abi::parse_size(text))
+}
+
+/// A container being created, as the runtime describes it.
+#[derive(Clone, Debug, Default)]
+pub struct Workload {
+    pub pod_id: String,
+    pub pod_uid: String,
+    pub namespace: String,
+    pub pod: String,
+    pub container_id: String,
+    pub container: String,
+    pub cgroups_path: String,
+    pub env: Vec<(String, String)>,
+    pub annotations: BTreeMap<String, String>,
+}
+
+/// A bind mount the runtime adds to a container.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BindMount {
+    pub source: PathBuf,
+    pub destination: String,
+    pub read_only: bool,
+}
+
+/// What the runtime adds to a provisioned container.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Injection {
+    pub mounts: Vec<BindMount>,
+    pub env: Vec<(String, String)>,
+}
+
+/// Where quotas come from, in this order: the Kubernetes pod spec, the quota file, the
+/// annotation.
+#[derive(Default)]
+pub struct Sources {
+    pub kube: Option<kube::Quotas>,
+    pub file: Option<QuotaFile>,
+    pub annotation: bool,
+}
+
+/// The provisioned containers and how to provision more.
+pub struct Provisioner {
+    store: Store,
+    sources: Sources,
+    hook: PathBuf,
+    preload: PathBuf,
+    /// Each GPU's memory (empty: unknown, one GPU assumed).
+    gpu_memory: Vec<u64>,
+    refuse_overcommit: bool,
+    /// By container id.
+    containers: Mutex<BTreeMap<String, Provisioned>>,
+    /// Bumped at every change, for the agent's loop.
+    generation: tokio::sync::watch::Sender<u64>,
+}
+
+impl Provisioner {
+    /// Checks the files it injects, writes the preload list, and reads back what it
+    /// provisioned before a restart.
+    pub fn new(args: &ProvisionArgs, ledger_dir: &Path, sources: Sources) -> Result<Provisioner, String> {
+        let hook = std::fs::metadata(&args.hook_library)
+            .map_err(|e| format!("--hook-library {}: {e}", args.hook_library.display()))?;
+        if !hook.is_file() {
+            return Err(format!("--hook-library {} is not a file", args.hook_library.display()));
+        }
+        let store = Store::open(&args.state_dir, ledger_dir)?;
+        let preload = args.state_dir.join("ld.so.preload");
+        std::fs::write(&preload, format!("{}\n", provisioned::HOOK)).map_err(|e| format!("cannot write {}: {e}", preload.display()))?;
+        store.remove_unfinished();
+        let (found, problems) = store.load();
+        for problem in problems {
+            warn!(%problem, "a provisioned container's record cannot be read: it is not restored");
+        }
+        info!(containers = found.len(), state_dir = %args.state_dir.display(), "provisioned containers restored from the state directory");
+        let containers = found.into_iter().map(|p| (p.record.container_id.clone(), p)).collect();
+        Ok(Provisioner {
+            store,
+            sources,
+            hook: args.hook_library.clone(),
+            preload,
+            gpu_memory: args.gpu_memory.clone(),
+            refuse_overcommit: args.refuse_overcommit,
+            containers: Mutex::new(containers),
+            generation: tokio::sync::watch::channel(0).0,
+        })
+    }
+
+    /// A receiver that sees every change of the provisioned set.
+    pub fn changes(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.generation.subscribe()
+    }
+
+    fn changed(&self) {
+        self.generation.send_modify(|generation| *generation += 1);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Provisioned>> {
+        self.containers.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// How many containers are provisioned now.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.lock().is_empty()
+    }
+
+    /// The provisioned containers now.
+    pub fn provisioned(&self) -> Vec<Provisioned> {
+        self.lock().values().cloned().collect()
+    }
+
+    /// The container's quota per GPU and where it came from; `None`: not provisioned.
+    async fn quota(&self, workload: &Workload) -> Result<Option<(u64, &'static str)>, String> {
+        if let Some(kube) = &self.sources.kube {
+            let quota = kube
+                .container_quota(&workload.namespace, &workload.pod, &workload.pod_uid, &workload.container)
+                .await
+                .map_err(|error| format!("cannot look up the pod's quota in the Kubernetes API: {error}"))?;
+            if let Some(quota) = quota {
+                return Ok(Some((quota, "kubernetes")));
+            }
+        }
+        if let Some(file) = &self.sources.file {
+            let cgroup = cgroup_dir(&workload.cgroups_path).unwrap_or_default();
+            let subject = Subject {
+                namespace: &workload.namespace,
+                pod: &workload.pod,
+                pod_uid: &workload.pod_uid,
+                container: &workload.container,
+                cgroup: &cgroup,
+            };
+            if let Some(quota) = file.quota(&subject) {
+                return Ok(Some((quota, "quota file")));
+            }
+        }
+        if self.sources.annotation {
+            if let Some(quota) = quota::from_annotations(&workload.annotations, &workload.container)? {
+                return Ok(Some((quota, "annotation")));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Provisions `workload` if it has a quota: what the runtime must add to it, or why it
+    /// must not be created (the error fails the creation).
+    pub async fn create_container(&self, workload: &Workload) -> Result<Injection, String> {
+        let Some((quota, source)) = self.quota(workload).await? else {
+            return Ok(Injection::default());
+        };
+        if quota == 0 {
+            info!(namespace = %workload.namespace, pod = %workload.pod, container = %workload.container, source, "quota 0: not provisioned");
+            return Ok(Injection::default());
+        }
+        let devices = u32::try_from(self.gpu_memory.len()).unwrap_or(u32::MAX).max(1);
+        let seen = visible_gpus(&workload.env, devices);
+        let record = Record {
+            container_id: workload.container_id.clone(),
+            pod_id: workload.pod_id.clone(),
+            pod_uid: workload.pod_uid.clone(),
+            namespace: workload.namespace.clone(),
+            pod: workload.pod.clone(),
+            container: workload.container.clone(),
+            cgroups_path: workload.cgroups_path.clone(),
+            quota,
+            devices,
+            gpus: seen.iter().map(|&gpu| gpu as u32).collect(),
+            source: source.to_string(),
+        };
+        if self.refuse_overcommit {
+            self.check_overcommit(&record, &seen)?;
+        }
+        let made = self.store.create(record)?;
+        info!(
+            namespace = %workload.namespace, pod = %workload.pod, container = %workload.container,
+            id = %workload.container_id, quota, source, ledger = %made.ledger.display(),
+            "container provisioned"
+        );
+        let injection = self.injection(&made);
+        self.lock().insert(made.record.container_id.clone(), made);
+        self.changed();
+        Ok(injection)
+    }
+
+    /// Refuses `record` if a GPU it sees would have more quota than memory.
+    fn check_overcommit(&self, record: &Record, seen: &[usize]) -> Result<(), String> {
+        let containers = self.lock();
+        for &gpu in seen {
+            let Some(&memory) = self.gpu_memory.get(gpu) else { continue };
+            let others: u64 = containers
+                .values()
+                .filter(|p| p.record.container_id != record.container_id)
+                .filter(|p| p.record.gpus.contains(&(gpu as u32)))
+                .map(|p| p.record.quota)
+                .sum();
+            if others.saturating_add(record.quota) > memory {
+                return Err(format!(
+                    "vramguard: GPU {gpu} has {memory} bytes and {others} bytes of quotas already: {} more would overcommit it (--refuse-overcommit)",
+                    record.quota
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn injection(&self, made: &Provisioned) -> Injection {
+        let r = &made.record;
+        let bind = |source: &Path, destination: &str, read_only| BindMount {
+            source: source.to_path_buf(),
+            destination: destination.to_string(),
+            read_only,
+        };
+        Injection {
+            mounts: vec![
+                bind(&made.ledger, provisioned::LEDGER, false),
+                bind(&made.limits, provisioned::LIMITS, true),
+                bind(&self.hook, provisioned::HOOK, true),
+                bind(&self.preload, provisioned::PRELOAD, true),
+            ],
+            env: vec![
+                ("VRAMGUARD_LEDGER".into(), provisioned::LEDGER.into()),
+                ("CUDA_DEVICE_MEMORY_LIMIT".into(), r.quota.to_string()),
+                ("POD_NAME".into(), r.pod.clone()),
+                ("POD_NAMESPACE".into(), r.namespace.clone()),
+                ("CONTAINER_NAME".into(), r.container.clone()),
+            ],
+        }
+    }
+
+    /// Forgets containers `gone` says are gone, and removes their files.
+    fn remove_where(&self, gone: impl Fn(&Record) -> bool) {
+        let removed: Vec<String> = {
+            let mut containers = self.lock();
+            let ids: Vec<String> = containers.values().filter(|p| gone(&p.record)).map(|p| p.record.container_id.clone()).collect();
+            for id in &ids {
+                containers.remove(id);
+            }
+            ids
+        };
+        for id in &removed {
+            match self.store.remove(id) {
+                Ok(()) => info!(id = %id, "provisioned container gone: its ledger and record removed"),
+                Err(error) => warn!(id = %id, %error, "cannot remove a gone container's ledger and record"),
+            }
+        }
+        if !removed.is_empty() {
+            self.changed();
+        }
+    }
+
+    /// The runtime removed container `id`.
+    pub fn remove_container(&self, id: &str) {
+        self.remove_where(|record| record.container_id == id);
+    }
+
+    /// The runtime removed pod sandbox `pod_id`: its containers' files go.
+    pub fn remove_pod(&self, pod_id: &str) {
+        self.remove_where(|record| record.pod_id == pod_id);
+    }
+
+    /// The runtime's full list of containers (NRI Synchronize): records of containers it
+    /// does not have are removed; containers it has that want a quota but were created
+    /// while the agent was away are logged (they run without the hook; their cgroup limit
+    /// still holds them once the agent knows their quota).
+    pub fn synchronize(&self, existing: &[String]) {
+        self.remove_where(|record| !existing.contains(&record.container_id));
+        info!(containers = self.lock().len(), "synchronized with the runtime");
+    }
+
+    /// The cgroup limits of the provisioned containers: cgroup path (relative to the cgroup2
+    /// root) -> bytes (the quota times the GPUs each sees).
+    pub fn cgroup_limits(&self) -> BTreeMap<String, u64> {
+        self.lock()
+            .values()
+            .filter_map(|p| Some((cgroup_dir(&p.record.cgroups_path)?, p.record.cgroup_limit())))
+            .collect()
+    }
+}
+
+/// The GPUs a container with `env` sees, as indices of the node's `devices`:
+/// `NVIDIA_VISIBLE_DEVICES` when it lists indices, every GPU otherwise (`all`, absent, or
+/// UUIDs the agent cannot map: the larger limit, never the smaller).
+fn visible_gpus(env: &[(String, String)], devices: u32) -> Vec<usize> {
+    let all: Vec<usize> = (0..devices as usize).collect();
+    let Some((_, value)) = env.iter().rev().find(|(key, _)| key == "NVIDIA_VISIBLE_DEVICES") else { return all };
+    let indices: Option<Vec<usize>> = value.split(',').map(|part| part.trim().parse::<usize>().ok().filter(|&i| i < devices as usize)).collect();
+    match indices {
+        Some(mut indices) if !indices.is_empty() => {
+            indices.sort_unstable();
+            indices.dedup();
+            indices
+        }
+        _ => all,
+    }
+}
+
+/// The cgroup directory, relative to the cgroup2 root, of a runtime's `cgroups_path`: a
+/// path (cgroupfs driver, `/k8s.io/<id>`) as it is; systemd's `slice:prefix:name` as
+/// systemd lays it out (`a-b.slice` under `a.slice`, the unit `prefix-name.scope` in it).
+pub fn cgroup_dir(cgroups_path: &str) -> Option<String> {
+    if cgroups_path.starts_with('/') {
+        return Some(cgroups_path.trim_end_matches('/').to_string()).filter(|p| !p.is_empty());
+    }
+    let mut parts = cgroups_path.split(':');
+    let (Some(slice), Some(prefix), Some(name), None) = (parts.next(), parts.next(), parts.next(), parts.next()) else {
+        return None;
+    };
+    let mut path = String::new();
+    if !slice.is_empty() && slice != "-.slice" {
+        let stem = slice.strip_suffix(".slice")?;
+        let mut acc = String::new();
+        for piece in stem.split('-') {
+            if !acc.is_empty() {
+                acc.push('-');
+            }
+            acc.push_str(piece);
+            path.push('/');
+            path.push_str(&acc);
+            path.push_str(".slice");
+        }
+    }
+    let unit = if prefix.is_empty() { format!("{name}.scope") } else { format!("{prefix}-{name}.scope") };
+    path.push('/');
+    path.push_str(&unit);
+    Some(path)
+}
+
+/// Shared handle the NRI plugin and the agent's loop hold.
+pub type SharedProvisioner = Arc<Provisioner>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cgroup_dirs() {
+        assert_eq!(cgroup_dir("/k8s.io/abc").as_deref(), Some("/k8s.io/abc"));
+        assert_eq!(
+            cgroup_dir("kubepods-besteffort-pod12.slice:cri-containerd:abc").as_deref(),
+            Some("/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod12.slice/cri-containerd-abc.scope")
+        );
+        assert_eq!(cgroup_dir("system.slice:docker:abc").as_deref(), Some("/system.slice/docker-abc.scope"));
+        assert_eq!(cgroup_dir(""), None);
+        assert_eq!(cgroup_dir("a:b"), None);
+    }
+
+    #[test]
+    fn visible() {
+        let env = |v: &str| vec![("NVIDIA_VISIBLE_DEVICES".to_string(), v.to_string())];
+        assert_eq!(visible_gpus(&[], 4), vec![0, 1, 2, 3]);
+        assert_eq!(visible_gpus(&env("all"), 2), vec![0, 1]);
+        assert_eq!(visible_gpus(&env("2,0,2"), 4), vec![0, 2]);
+        assert_eq!(visible_gpus(&env("GPU-1234"), 2), vec![0, 1]);
+        assert_eq!(visible_gpus(&env("7"), 2), vec![0, 1]);
+    }
+
+    #[test]
+    fn quotas_are_quantities_or_sizes() {
+        assert_eq!(parse_quota("1Gi"), Some(1 << 30));
+        assert_eq!(parse_quota("1g"), Some(1 << 30));
+        assert_eq!(parse_quota("1G"), Some(1_000_000_000));
+        assert_eq!(parse_quota("1024"), Some(1024));
+        assert_eq!(parse_quota("lots"), None);
+    }
+}

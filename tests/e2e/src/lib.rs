@@ -16,10 +16,13 @@
 //! [`agent`] starts a `vramguard run` for a test; [`cgroup`] makes a cgroup for one;
 //! [`http`] scrapes its metrics; [`ledgers`] reads (and scribbles on) ledger files;
 //! [`hostile`] is what every attack test checks while its attack runs.
+//! [`containerd`] runs a real containerd with NRI (from the cache `cargo xtask setup` fills)
+//! and drives it through CRI.
 //! [`TempDir`], [`wait_for`] and [`holding`] are the small helpers the agent's tests share.
 
 pub mod agent;
 pub mod cgroup;
+pub mod containerd;
 pub mod hostile;
 pub mod http;
 pub mod ledgers;
@@ -323,6 +326,9 @@ pub struct Workload {
     lib_dirs: Vec<PathBuf>,
     /// A cgroup to join before exec, as its path under the cgroup2 root.
     cgroup: Option<PathBuf>,
+    /// A program (and its arguments) that runs the workload: the workload's command line
+    /// follows them.
+    wrapper: Vec<OsString>,
 }
 
 impl Workload {
@@ -378,9 +384,23 @@ impl Workload {
         self
     }
 
+    /// Runs the workload through `program` with `args` (then the workload's own command
+    /// line), e.g. a shell that prepares a mount namespace and `exec`s the rest.
+    pub fn wrapped<S: Into<OsString>>(mut self, program: impl Into<OsString>, args: impl IntoIterator<Item = S>) -> Workload {
+        self.wrapper = std::iter::once(program.into()).chain(args.into_iter().map(Into::into)).collect();
+        self
+    }
+
     /// The command, ready to spawn.
     pub fn command(&self) -> Result<Command> {
-        let mut cmd = Command::new(workload_bin()?);
+        let mut cmd = match self.wrapper.split_first() {
+            Some((program, args)) => {
+                let mut cmd = Command::new(program);
+                cmd.args(args).arg(workload_bin()?);
+                cmd
+            }
+            None => Command::new(workload_bin()?),
+        };
         let mut path: Vec<PathBuf> = self.lib_dirs.clone();
         path.push(fake_driver_dir()?);
         if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {

@@ -160,7 +160,7 @@ fn three_containers_metrics_enforcement_reclaim_and_tampering() -> Result<()> {
         let ebpf = metric(&all, "vramguard_ebpf_process_memory_bytes", &[("pid", &pid.to_string())]);
         assert_eq!(ebpf, Some(bytes as f64), "the eBPF view of pid {pid}");
     }
-    let hami_a = [("namespace", "team-a"), ("pod", "trainer-0"), ("container", "main"), ("vdevice_index", "0")];
+    let hami_a = [("namespace", "team-a"), ("pod", "trainer-0"), ("container", "main"), ("vdevice_index", "0"), ("zone", "vGPU")];
     assert_eq!(metric(&all, "hami_vgpu_memory_used_bytes", &hami_a), Some(used_a as f64));
     assert_eq!(metric(&all, "hami_vgpu_memory_limit_bytes", &hami_a), Some(QUOTA as f64));
 

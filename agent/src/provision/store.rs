@@ -1,0 +1,281 @@
+//! What the agent keeps on the host for each container it provisioned, and only the agent
+//! can write: under `--state-dir`, `containers/<container id>/` holds `record.json` (who the
+//! container is, its quota, its cgroup, its ledger) and `limits` (the header of the ledger
+//! the agent created: the limits the hook enforces, mounted read-only into the container);
+//! the ledger itself is `<ledger-dir>/<container id>/ledger`, the one file the container can
+//! write (mounted alone, read-write). After a restart the agent reads its records back
+//! ([`Store::load`]) before the runtime's Synchronize says which containers still exist.
+//!
+//! Container ids come from the runtime (trusted) but name directories: only ids of letters,
+//! digits, `-`, `_` and `.` (not starting with `.`), at most 128 bytes, are accepted.
+use std::{
+    fs,
+    io::Write as _,
+    os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _},
+    path::{Path, PathBuf},
+};
+
+use ledger::{
+    layout::{Header, CONTAINER_CHUNK, CONTAINER_CONTEXT_RESERVE, CONTAINER_RECORDS, CONTAINER_SLOTS, CREATOR_AGENT},
+    DeviceConfig, Geometry, Ledger,
+};
+use serde::{Deserialize, Serialize};
+
+/// Who a provisioned container is and what it was given (`record.json`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Record {
+    pub container_id: String,
+    pub pod_id: String,
+    pub pod_uid: String,
+    pub namespace: String,
+    pub pod: String,
+    pub container: String,
+    /// The runtime's `linux.cgroups_path` for the container.
+    pub cgroups_path: String,
+    /// The quota on each GPU, in bytes.
+    pub quota: u64,
+    /// GPUs in the ledger (the node's).
+    pub devices: u32,
+    /// The GPUs the container sees, as indices of the node's (its cgroup's eBPF limit is
+    /// `quota` times their number).
+    pub gpus: Vec<u32>,
+    /// Where the quota came from (`kubernetes`, `quota file`, `annotation`).
+    pub source: String,
+}
+
+impl Record {
+    /// The cgroup's limit as the eBPF probes see it (all its GPUs together).
+    pub fn cgroup_limit(&self) -> u64 {
+        self.quota.saturating_mul(self.gpus.len().max(1) as u64)
+    }
+}
+
+/// A provisioned container as the agent holds it: its record, the header it created, and
+/// where the files are.
+#[derive(Clone, Debug)]
+pub struct Provisioned {
+    pub record: Record,
+    pub header: Header,
+    /// The ledger on the host (mounted at [`ledger::provisioned::LEDGER`]).
+    pub ledger: PathBuf,
+    /// The header's copy on the host (mounted at [`ledger::provisioned::LIMITS`]).
+    pub limits: PathBuf,
+}
+
+/// The state directory and the ledger directory.
+#[derive(Clone, Debug)]
+pub struct Store {
+    containers: PathBuf,
+    ledger_dir: PathBuf,
+}
+
+/// Whether `id` can name a directory (see the module doc).
+pub fn valid_container_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 128
+        && !id.starts_with('.')
+        && id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+}
+
+impl Store {
+    /// The store under `state_dir` (created, mode 0700) for ledgers under `ledger_dir`.
+    pub fn open(state_dir: &Path, ledger_dir: &Path) -> Result<Store, String> {
+        let containers = state_dir.join("containers");
+        fs::create_dir_all(&containers).map_err(|e| format!("cannot create {}: {e}", containers.display()))?;
+        fs::set_permissions(&containers, fs::Permissions::from_mode(0o700))
+            .map_err(|e| format!("cannot restrict {}: {e}", containers.display()))?;
+        Ok(Store { containers, ledger_dir: ledger_dir.to_path_buf() })
+    }
+
+    fn paths(&self, id: &str) -> (PathBuf, PathBuf, PathBuf) {
+        let state = self.containers.join(id);
+        (state.join("record.json"), state.join("limits"), self.ledger_dir.join(id).join("ledger"))
+    }
+
+    /// Creates the container's ledger with `record`'s quota on each of its devices, its
+    /// limits file and its record. A container provisioned before (the runtime retried) gets
+    /// what it was given then.
+    pub fn create(&self, record: Record) -> Result<Provisioned, String> {
+        let id = record.container_id.clone();
+        if !valid_container_id(&id) {
+            return Err(format!("container id {id:?} cannot name a directory"));
+        }
+        if let Some(existing) = self.load_one(&id)? {
+            return Ok(existing);
+        }
+        let (record_path, limits, ledger_path) = self.paths(&id);
+        let ledger_parent = ledger_path.parent().unwrap_or(&self.ledger_dir);
+        // A ledger left by an earlier try that did not finish (no record): made again.
+        let _ = fs::remove_dir_all(ledger_parent);
+        fs::create_dir_all(ledger_parent).map_err(|e| format!("cannot create {}: {e}", ledger_parent.display()))?;
+        let geometry = Geometry {
+            slots: CONTAINER_SLOTS,
+            records: CONTAINER_RECORDS,
+            devices: (0..record.devices.max(1))
+                .map(|_| DeviceConfig {
+                    limit: record.quota,
+                    chunk: CONTAINER_CHUNK,
+                    context_reserve: CONTAINER_CONTEXT_RESERVE,
+                    ..Default::default()
+                })
+                .collect(),
+        };
+        // Mapped here only while nobody else can reach the file: no container has it yet.
+        let header = *Ledger::create(&ledger_path, &geometry, CREATOR_AGENT)
+            .map_err(|e| format!("cannot create the ledger {}: {e}", ledger_path.display()))?
+            .header();
+        // Every uid of the container writes it (it is reachable from that container only).
+        fs::set_permissions(&ledger_path, fs::Permissions::from_mode(0o666))
+            .map_err(|e| format!("cannot open up {}: {e}", ledger_path.display()))?;
+        let state = record_path.parent().unwrap_or(&self.containers);
+        fs::create_dir_all(state).map_err(|e| format!("cannot create {}: {e}", state.display()))?;
+        write_new(&limits, ledger::file::header_bytes(&header), 0o444)?;
+        let json = serde_json::to_vec_pretty(&record).map_err(|e| format!("cannot encode the record of {id}: {e}"))?;
+        // Written last: a record names a container whose files are all there.
+        write_new(&record_path, &json, 0o600)?;
+        Ok(Provisioned { record, header, ledger: ledger_path, limits })
+    }
+
+    /// The container `id`'s files, if it was provisioned and they are whole.
+    fn load_one(&self, id: &str) -> Result<Option<Provisioned>, String> {
+        let (record_path, limits, ledger) = self.paths(id);
+        let json = match fs::read(&record_path) {
+            Ok(json) => json,
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(error) => return Err(format!("cannot read {}: {error}", record_path.display())),
+        };
+        let record: Record = serde_json::from_slice(&json).map_err(|e| format!("{} is not a record: {e}", record_path.display()))?;
+        if record.container_id != id {
+            return Err(format!("{} names container {:?}", record_path.display(), record.container_id));
+        }
+        let bytes = fs::read(&limits).map_err(|e| format!("cannot read {}: {e}", limits.display()))?;
+        let header = ledger::file::header_from_bytes(&bytes).ok_or_else(|| format!("{} is not a ledger header", limits.display()))?;
+        Ok(Some(Provisioned { record, header, ledger, limits }))
+    }
+
+    /// Every provisioned container on record, and the reasons of those that could not be read.
+    pub fn load(&self) -> (Vec<Provisioned>, Vec<String>) {
+        let (mut found, mut problems) = (Vec::new(), Vec::new());
+        let entries = match fs::read_dir(&self.containers) {
+            Ok(entries) => entries,
+            Err(error) => return (found, vec![format!("cannot list {}: {error}", self.containers.display())]),
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let Some(id) = name.to_str().filter(|id| valid_container_id(id)) else { continue };
+            match self.load_one(id) {
+                Ok(Some(provisioned)) => found.push(provisioned),
+                Ok(None) => problems.push(format!("{}: no record (an unfinished provisioning): removed", entry.path().display())),
+                Err(error) => problems.push(error),
+            }
+        }
+        found.sort_by(|a, b| a.record.container_id.cmp(&b.record.container_id));
+        (found, problems)
+    }
+
+    /// Removes what the agent keeps for container `id` (its ledger included).
+    pub fn remove(&self, id: &str) -> Result<(), String> {
+        if !valid_container_id(id) {
+            return Err(format!("container id {id:?} cannot name a directory"));
+        }
+        let (record_path, _, ledger) = self.paths(id);
+        // The record first: what is left without it is an unfinished provisioning.
+        for dir in [record_path.parent(), ledger.parent()].into_iter().flatten() {
+            match fs::remove_dir_all(dir) {
+                Ok(()) => {}
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+                Err(error) => return Err(format!("cannot remove {}: {error}", dir.display())),
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes state directories without a record (a provisioning cut short by a crash).
+    pub fn remove_unfinished(&self) {
+        let Ok(entries) = fs::read_dir(&self.containers) else { return };
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let Some(id) = name.to_str().filter(|id| valid_container_id(id)) else { continue };
+            if !entry.path().join("record.json").exists() {
+                let _ = self.remove(id);
+            }
+        }
+    }
+}
+
+/// Writes `bytes` to a new file at `path` (replacing any) with `mode`, through a temporary
+/// file renamed into place.
+fn write_new(path: &Path, bytes: &[u8], mode: u32) -> Result<(), String> {
+    let temporary = path.with_extension("new");
+    let _ = fs::remove_file(&temporary);
+    let mut file = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .open(&temporary)
+        .map_err(|e| format!("cannot create {}: {e}", temporary.display()))?;
+    file.write_all(bytes).and_then(|()| file.sync_all()).map_err(|e| format!("cannot write {}: {e}", temporary.display()))?;
+    fs::rename(&temporary, path).map_err(|e| format!("cannot rename {} to {}: {e}", temporary.display(), path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(id: &str) -> Record {
+        Record {
+            container_id: id.into(),
+            pod_id: "sandbox".into(),
+            pod_uid: "uid-1".into(),
+            namespace: "team-a".into(),
+            pod: "trainer".into(),
+            container: "main".into(),
+            cgroups_path: "/k8s.io/abc".into(),
+            quota: 1 << 30,
+            devices: 2,
+            gpus: vec![1],
+            source: "quota file".into(),
+        }
+    }
+
+    #[test]
+    fn create_load_remove() {
+        let root = std::env::temp_dir().join(format!("vramguard-store-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&root);
+        let store = Store::open(&root.join("state"), &root.join("ledgers")).expect("store");
+        let made = store.create(record("c1")).expect("create");
+        assert_eq!(made.header.device_count, 2);
+        assert!(made.header.devices[..2].iter().all(|d| d.limit == 1 << 30));
+        assert_eq!(made.ledger, root.join("ledgers/c1/ledger"));
+        let mode = |p: &Path| fs::metadata(p).expect("stat").permissions().mode() & 0o777;
+        assert_eq!((mode(&made.ledger), mode(&made.limits)), (0o666, 0o444));
+        assert_eq!(fs::read(&made.limits).expect("limits"), ledger::file::header_bytes(&made.header));
+        // The same container again: the same files, not a new ledger.
+        let again = store.create(record("c1")).expect("again");
+        assert_eq!(ledger::file::header_bytes(&again.header), ledger::file::header_bytes(&made.header));
+
+        store.create(record("c2")).expect("c2");
+        fs::create_dir_all(root.join("state/containers/c3")).expect("unfinished");
+        let (found, problems) = store.load();
+        assert_eq!(found.iter().map(|p| p.record.container_id.as_str()).collect::<Vec<_>>(), ["c1", "c2"]);
+        assert_eq!(found[0].record, record("c1"));
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        store.remove_unfinished();
+        assert!(!root.join("state/containers/c3").exists());
+
+        store.remove("c1").expect("remove");
+        assert!(!root.join("ledgers/c1").exists() && !root.join("state/containers/c1").exists());
+        assert_eq!(store.load().0.len(), 1);
+        assert!(store.create(record("../x")).is_err());
+        assert!(store.remove("..").is_err());
+        fs::remove_dir_all(&root).expect("cleanup");
+    }
+
+    #[test]
+    fn container_ids() {
+        assert!(valid_container_id("3f9a0c1b2d_e-f.1"));
+        for bad in ["", ".", "..", ".hidden", "a/b", "a b", &"x".repeat(129)] {
+            assert!(!valid_container_id(bad), "{bad:?}");
+        }
+    }
+}
