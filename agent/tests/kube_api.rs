@@ -341,13 +341,13 @@ async fn the_watch_picks_up_pods_created_after_start() {
     assert_eq!(mock.count(is_pod_get), gets, "answered from the cache");
 
     // A bookmark moves the version on; a watch the server ends resumes from it, no relist.
-    mock.event("BOOKMARK", json!({"kind": "Pod", "apiVersion": "v1", "metadata": {"resourceVersion": "48999", "creationTimestamp": null}, "spec": {"containers": null}, "status": {}}));
     mock.event("ADDED", json!({"kind": "Pod", "apiVersion": "v1", "metadata": {"name": "x", "namespace": "y", "uid": "z", "resourceVersion": "48500"}, "spec": {"nodeName": NODE, "containers": [{"name": "c"}]}}));
+    mock.event("BOOKMARK", json!({"kind": "Pod", "apiVersion": "v1", "metadata": {"resourceVersion": "48999", "creationTimestamp": null}, "spec": {"containers": null}, "status": {}}));
     eventually("the second pod", || cache.state().pods() == 2).await;
     mock.end_watches();
     eventually("a second watch", || mock.count(is_watch) == 2).await;
     let rewatch = mock.requests().into_iter().filter(is_watch).nth(1).expect("second watch");
-    assert!(rewatch.target.contains("resourceVersion=48500"), "{}", rewatch.target);
+    assert!(rewatch.target.contains("resourceVersion=48999"), "{}", rewatch.target);
     assert_eq!(cache.state().lists(), 1, "no relist after a watch that simply ended");
 
     // DELETED takes it out of the cache: the lookup goes to the API server, which says 404.

@@ -196,31 +196,19 @@ fn answer(limit: Limit, namespace: &str, pod: &str, container: &str) -> Result<O
     })
 }
 
-/// What ended a watch.
-enum WatchEnd {
-    /// The server closed it (its timeout): watch again from the last version.
-    Closed,
-    /// The version is too old (410): list again.
-    Gone,
-}
-
 async fn run(client: Client, node: String, shared: Arc<Shared>, tuning: Tuning) {
     let mut backoff = Backoff::new(tuning.backoff_min, tuning.backoff_max);
     let mut version: Option<String> = None;
     loop {
+        // A watch that ends without error (the server's timeout) is resumed from the last
+        // version seen.
         let result = match version.clone() {
-            None => list(&client, &node, &shared, tuning).await.map(|v| {
-                version = Some(v);
-                WatchEnd::Closed
-            }),
+            None => list(&client, &node, &shared, tuning).await.map(|v| version = Some(v)),
             Some(from) => watch(&client, &node, &shared, tuning, from, &mut version, &mut backoff).await,
         };
         match result {
-            Ok(WatchEnd::Closed) => {}
-            Ok(WatchEnd::Gone) => {
-                info!("kube: the pods' watch is too old (410 Gone): listing again");
-                version = None;
-            }
+            Ok(()) => {}
+            // As the watch's answer, or as an ERROR event in it.
             Err(KubeError::Status { code: 410, .. }) => {
                 info!("kube: the pods' list or watch is too old (410 Gone): listing again");
                 version = None;
@@ -279,7 +267,7 @@ async fn watch(
     from: String,
     version: &mut Option<String>,
     backoff: &mut Backoff,
-) -> Result<WatchEnd, KubeError> {
+) -> Result<(), KubeError> {
     let path = format!(
         "/api/v1/pods?fieldSelector=spec.nodeName%3D{node}&watch=1&allowWatchBookmarks=true&timeoutSeconds={}&resourceVersion={}",
         tuning.watch_timeout.as_secs().max(1),
@@ -303,7 +291,7 @@ async fn watch(
             } else {
                 tokio::time::sleep(backoff.next()).await;
             }
-            return Ok(WatchEnd::Closed);
+            return Ok(());
         };
         let event: WatchEvent = serde_json::from_slice(&line)
             .map_err(|e| KubeError::Decode { what: "a pods' watch event".into(), reason: e.to_string() })?;
@@ -330,9 +318,6 @@ async fn watch(
             }
             "ERROR" => {
                 let status: Status = serde_json::from_value(event.object).unwrap_or_default();
-                if status.code == 410 {
-                    return Ok(WatchEnd::Gone);
-                }
                 return Err(KubeError::Status { code: status.code, what: "the pods' watch".into(), message: status.message });
             }
             other => debug!("kube: pods' watch: ignoring an event of type {other:?}"),
