@@ -60,6 +60,8 @@ struct MockState {
     node: Value,
     /// Watches to answer with HTTP 410 before serving one.
     watches_gone: usize,
+    /// Requests to answer with HTTP 401 before serving one.
+    unauthorized: usize,
     /// The open watches' event senders, oldest first.
     watches: Vec<mpsc::UnboundedSender<Bytes>>,
 }
@@ -174,6 +176,11 @@ impl Mock {
         };
         let mut state = self.state.lock().expect("mock state");
         state.requests.push(recorded.clone());
+        if state.unauthorized > 0 {
+            state.unauthorized -= 1;
+            let status = json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": "Unauthorized", "reason": "Unauthorized", "code": 401});
+            return json_answer(StatusCode::UNAUTHORIZED, &status);
+        }
         let path = parts.uri.path();
         let query: HashMap<&str, &str> =
             parts.uri.query().unwrap_or_default().split('&').filter_map(|kv| kv.split_once('=')).collect();
@@ -461,6 +468,19 @@ async fn the_token_is_read_again_after_rotation() {
     let gets: Vec<_> = mock.requests().into_iter().filter(is_pod_get).map(|r| r.authorization).collect();
     assert_eq!(gets, vec![Some("Bearer first-token".to_owned()), Some("Bearer second-token".to_owned())]);
     assert!(mock.requests().iter().all(|r| r.authorization.is_some()), "every request carries a token");
+
+    // A 401 makes the client read the file again and retry once; a second 401 is an error.
+    // (The cache's list and watch are done first, so the 401s go to the lookups.)
+    eventually("the watch open", || mock.with(|s| !s.watches.is_empty())).await;
+    let late = fixture("pod-late.json");
+    mock.with(|s| s.pods.insert(key(&late), late));
+    mock.with(|s| s.unauthorized = 1);
+    let found = cache.container_quota("ml", "late-job-7xq2m", LATE_UID, "job").await;
+    assert_eq!(found.expect("retried after the 401"), Some(3 * GI / 2));
+    mock.with(|s| s.unauthorized = 2);
+    let refused = cache.container_quota("ml", "late-job-7xq2m", LATE_UID, "job").await;
+    assert!(matches!(refused, Err(KubeError::Status { code: 401, .. })), "{refused:?}");
+    assert_eq!(mock.count(is_pod_get), 6, "two lookups, then two tried twice each");
     std::fs::remove_dir_all(&dir).ok();
 }
 
