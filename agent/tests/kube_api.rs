@@ -510,7 +510,6 @@ async fn an_api_server_that_does_not_answer_is_an_error_within_the_deadline() {
 
 #[tokio::test]
 async fn tls_with_the_configured_ca() {
-    let _ = rustls::crypto::ring::default_provider().install_default();
     let dir = temp_dir("tls");
     let (server_config, ca_pem) = self_signed("127.0.0.1");
     let ca = dir.join("ca.crt");
