@@ -145,6 +145,14 @@ pub fn open_no_follow(path: &Path, write: bool) -> std::io::Result<File> {
 /// Checks that `file` (at `path`) is a regular file holding a valid ledger within `limits`:
 /// its key and header, or the reason it is not one.
 pub(super) fn examine(file: &File, path: &Path, limits: &Limits) -> Result<(FileKey, Header), String> {
+    examine_as(file, path, limits, None).map(|(key, header, _)| (key, header))
+}
+
+/// [`examine`] for a ledger held to `pinned` (one the agent created) when given: the file must
+/// fit that header or be a valid ledger of its own (re-created), and is held to `pinned`
+/// either way; its own header is returned to compare. Returns the key, the file's header and
+/// the header to hold the ledger to.
+pub(super) fn examine_as(file: &File, path: &Path, limits: &Limits, pinned: Option<&Header>) -> Result<(FileKey, Header, Header), String> {
     let metadata = file.metadata().map_err(|error| format!("cannot stat it: {error}"))?;
     if !metadata.is_file() {
         return Err("not a regular file".into());
@@ -155,11 +163,16 @@ pub(super) fn examine(file: &File, path: &Path, limits: &Limits) -> Result<(File
     if metadata.len() < ledger::layout::PAGE {
         return Err(LedgerError::Truncated { path: path.to_path_buf(), expected: ledger::layout::PAGE, actual: metadata.len() }.to_string());
     }
-    let header = ledger::file::read_header(file).map_err(|error| format!("cannot read its header: {error}"))?;
+    let found = ledger::file::read_header(file).map_err(|error| format!("cannot read its header: {error}"))?;
     // Validation bounds every count by the format's maxima before anything is sized by them.
-    ledger::file::validate(&header, metadata.len(), path).map_err(|error| error.to_string())?;
-    if let Some(reason) = limits.exceeded_by(&header) {
+    let valid = |header: &Header| ledger::file::validate(header, metadata.len(), path).map_err(|error| error.to_string());
+    let held = match pinned {
+        Some(pinned) if valid(pinned).is_ok() => *pinned,
+        Some(pinned) => valid(&found).map(|()| *pinned)?,
+        None => valid(&found).map(|()| found)?,
+    };
+    if let Some(reason) = limits.exceeded_by(&held) {
         return Err(reason);
     }
-    Ok((FileKey::of(&metadata), header))
+    Ok((FileKey::of(&metadata), found, held))
 }

@@ -53,7 +53,7 @@ use ledger::layout::{checksummed_bytes, fnv1a, Header};
 use tracing::{info, warn};
 
 use directory::{candidates, open_beneath, FileKey};
-use handle::examine;
+use handle::examine_as;
 pub use directory::MAX_ENTRIES;
 pub use handle::{open_no_follow, LedgerHandle};
 pub use worker::AccessError;
@@ -329,12 +329,13 @@ impl Ledgers {
     /// within the agent's limits; the reason if it is not one.
     fn open_ledger(&mut self, path: &Path, key: FileKey) -> Result<LedgerHandle, String> {
         let file = open_beneath(&self.dir, path).map_err(|error| format!("cannot open it: {error}"))?;
-        let (opened, header) = examine(&file, path, &self.limits)?;
+        let pinned = self.pinned.get(path).map(|pin| pin.header);
+        let (opened, header, held) = examine_as(&file, path, &self.limits, pinned.as_ref())?;
         if !opened.same_inode(&key) {
             return Err("replaced while being opened".into());
         }
         let replaced = self.replaced.remove(path);
-        let validated = self.pinned.get(path).map(|pin| pin.header).or(replaced).unwrap_or(header);
+        let validated = if pinned.is_some() { held } else { replaced.unwrap_or(held) };
         let handle = LedgerHandle::new(path, opened, file, validated, &header, self.launcher.clone());
         if let Some(what) = &handle.header_change {
             warn!(ledger = %path.display(), change = %what, "ledger replaced under running processes with other limits: its processes are reported tampered, the limits before stay enforced");
@@ -527,6 +528,25 @@ mod tests {
         assert!(change.contains("device 0 limit 67108864 -> 8589934592"), "{change}");
         assert_eq!(ledgers.validated_header(&path).map(|h| h.devices[0].limit), Some(64 << 20));
         assert!(ledgers.problems().get(&path.display().to_string()).is_some_and(|p| p.starts_with("tampered")));
+        // A fresh agent (restarted) finds a file whose header says another limit without the
+        // layout to match (invalid on its own): held to the pin, tampered, not skipped.
+        fs::remove_file(&path).expect("rm");
+        let again = Ledger::create(&path, &geometry(), CREATOR_AGENT).expect("re-create");
+        let mut lifted = *again.header();
+        drop(again);
+        lifted.devices[0].limit = 8 << 30;
+        lifted.checksum = fnv1a(checksummed_bytes(&lifted));
+        {
+            use std::os::unix::fs::FileExt;
+            let file = fs::OpenOptions::new().write(true).open(&path).expect("open");
+            file.write_all_at(ledger::file::header_bytes(&lifted), 0).expect("write");
+        }
+        let mut restarted = Ledgers::new(dir.clone());
+        let names = ["ns", "pod", "c", "uid"].map(String::from);
+        restarted.set_pins(BTreeMap::from([(path.clone(), Pin { header: agents, names })]));
+        restarted.scan();
+        assert_eq!(restarted.skipped(), 0);
+        assert!(restarted.header_change(&path).is_some_and(|c| c.contains("limit 67108864 -> 8589934592")));
         ledgers.set_pins(BTreeMap::new());
         assert!(ledgers.pinned(&path).is_none());
         fs::remove_dir_all(&dir).expect("cleanup");

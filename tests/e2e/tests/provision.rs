@@ -216,7 +216,8 @@ fn a_container_without_a_quota_is_untouched_and_unhooked() -> Result<()> {
     let env = node.containerd.container_env(&app)?;
     ensure!(!env.iter().any(|e| e.starts_with("VRAMGUARD_") || e.starts_with("CUDA_DEVICE_MEMORY_LIMIT")), "{env:?}");
     let mounts = node.containerd.container_mounts(&app)?;
-    ensure!(!mounts.iter().any(|(dest, _, _)| dest.contains("vramguard") || dest == "/etc/ld.so.preload"), "{mounts:?}");
+    let injected = |dest: &str| dest.starts_with("/run/vramguard") || dest.starts_with("/usr/lib/vramguard") || dest == "/etc/ld.so.preload";
+    ensure!(!mounts.iter().any(|(dest, _, _)| injected(dest)), "{mounts:?}");
     ensure!(node.provisioned(&app)?.is_none(), "no record for it");
     let pid = node.containerd.container_pid(&app)?;
     wait_for(timeout(), "the un-hooked allocation judged", || {
@@ -262,7 +263,8 @@ fn a_restarted_agent_restores_its_state_and_synchronize_prunes_it() -> Result<()
         Ok(node.provisioned(&gone)?.is_none() && !node.ledger_of(&gone).exists() && !node.path("state/containers").join(&gone.0).exists())
     })?;
     // The restored record still holds the ledger to the agent's header.
-    wait_for(Duration::from_secs(5), "the rewritten header reported", || Ok(node.ledger_problem(&kept)?.is_some_and(|p| p.starts_with("tampered"))))?;
+    wait_for(Duration::from_secs(5), "the rewritten header reported", || Ok(node.ledger_problem(&kept)?.is_some_and(|p| p.starts_with("tampered"))))
+        .with_context(|| format!("audit: {}\nlog: {}", node.agent().audit().map(|a| a.to_string()).unwrap_or_default(), node.agent().log()))?;
     assert_held(&node.workload(&kept, &[], &OVER)?)?;
     node.fake.cleanup();
     Ok(())
