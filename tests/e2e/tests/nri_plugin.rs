@@ -2,7 +2,7 @@
 //! driven through CRI: it registers and is synchronized with the pods and containers already
 //! there; a container created through CRI gets the handler's environment (replacing the pod's
 //! own value) and a read-only single-file bind mount, seen from inside with exec; a handler
-//! error fails the creation and the plugin stays; removals reach the handler; after containerd
+//! error, or a handler past the plugin's deadline, fails the creation and the plugin stays; removals reach the handler; after containerd
 //! restarts, the plugin is back by itself. Needs root and the cache `cargo xtask setup` fills.
 use std::path::{Path, PathBuf};
 use std::sync::{mpsc, Arc, Mutex};
@@ -18,6 +18,8 @@ const LIMITS: &str = "/run/vramguard/limits";
 /// The annotation that makes the test handler refuse a container.
 const REFUSE: &str = "vramguard.test/refuse";
 const REFUSAL: &str = "refused by the test handler";
+/// The annotation that makes the test handler take an hour.
+const STALL: &str = "vramguard.test/stall";
 
 /// What the test handler was called with (a few records: their size does not matter).
 #[derive(Debug)]
@@ -30,7 +32,8 @@ enum Seen {
 }
 
 /// Mounts `limits` read-only and sets two variables in containers named `provisioned*`;
-/// refuses those annotated [`REFUSE`]; leaves the others alone.
+/// refuses those annotated [`REFUSE`], stalls on those annotated [`STALL`]; leaves the others
+/// alone.
 struct TestHandler {
     seen: Mutex<mpsc::Sender<Seen>>,
     limits: PathBuf,
@@ -53,6 +56,9 @@ impl Handler for TestHandler {
         self.record(Seen::Create(pod.clone(), container.clone()));
         if container.annotations.contains_key(REFUSE) {
             return Err(REFUSAL.into());
+        }
+        if container.annotations.contains_key(STALL) {
+            tokio::time::sleep(Duration::from_secs(3600)).await;
         }
         if !container.name.starts_with("provisioned") {
             return Ok(Adjustment::default());
@@ -220,7 +226,16 @@ fn a_handler_error_fails_the_creation_and_the_plugin_stays() {
     // containerd undoes the creation, and tells the plugins.
     assert!(matches!(plugin.next(), Seen::RemoveContainer(id) if id == refused.id));
 
-    // The plugin is still registered: the next container gets its adjustment.
+    // A handler slower than the runtime's 2 s: the plugin answers an error at its deadline
+    // (1.5 s), so the creation fails and the runtime keeps the plugin.
+    let spec = ContainerSpec::new("provisioned-slow").annotation(STALL, "yes");
+    let error = containerd.create_container(&pod, &spec).expect_err("the plugin gives up on it");
+    assert!(format!("{error:#}").contains("not provisioned within"), "{error:#}");
+    let Seen::Create(_, stalled) = plugin.next() else { panic!("CreateContainer") };
+    assert!(matches!(plugin.next(), Seen::RemoveContainer(id) if id == stalled.id));
+
+    // The plugin is still registered (no new Synchronize came): the next container gets its
+    // adjustment.
     let container = containerd.run_container(&pod, &ContainerSpec::new("provisioned-2")).unwrap();
     let next = plugin.next();
     assert!(matches!(&next, Seen::Create(_, c) if c.id == container.0), "{next:?}");
