@@ -473,22 +473,24 @@ impl Reply {
     }
 
     async fn send(&self, answer: Result<Vec<u8>, proto::Status>) {
-        let response = match answer {
-            Ok(payload) => proto::Response {
-                status: Some(status(code::OK, String::new())),
-                payload,
-            },
-            Err(status) => proto::Response {
-                status: Some(status),
-                payload: vec![],
-            },
+        let response = |status, payload| proto::Response {
+            status: Some(status),
+            payload,
         };
-        let message = wire::encode_message(
-            self.stream,
-            wire::TYPE_RESPONSE,
-            0,
-            &response.encode_to_vec(),
-        );
+        let mut encoded = match answer {
+            Ok(payload) => response(status(code::OK, String::new()), payload),
+            Err(status) => response(status, vec![]),
+        }
+        .encode_to_vec();
+        if encoded.len() > wire::MAX_OUTGOING_PAYLOAD {
+            let problem = format!(
+                "vramguard: an answer of {} bytes, over ttRPC's limit",
+                encoded.len()
+            );
+            warn!("NRI: {problem}; an error sent instead");
+            encoded = response(status(code::RESOURCE_EXHAUSTED, problem), vec![]).encode_to_vec();
+        }
+        let message = wire::encode_message(self.stream, wire::TYPE_RESPONSE, 0, &encoded);
         // A closed channel: the session is ending and nobody is waiting for this answer.
         let _ = self
             .out
