@@ -21,8 +21,9 @@ use super::proto::{self, code, event};
 use super::wire::{self, FrameHeader, Message, Reassembler, WireError};
 use super::{Adjustment, Config, Container, Handler, Pod};
 
-/// From connecting to the end of the first Synchronize: longer, and the runtime has given up on
-/// the plugin (its own registration timeout is 5 s), so the plugin starts again.
+/// How long registration, Configure and the first Synchronize may take from connecting; past
+/// it the runtime has given up on the plugin too (its registration timeout is 5 s), and the
+/// plugin dials again.
 const REGISTRATION_TIMEOUT: Duration = Duration::from_secs(10);
 /// The stream id of the plugin's one call, RegisterPlugin (a client's streams are odd).
 const REGISTER_STREAM: u32 = 1;
