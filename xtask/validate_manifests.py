@@ -8,7 +8,8 @@ usage: validate_manifests.py KUBERNETES_VERSION ROOT
   not include: the fields this project uses, checked by hand below.
 - Cross-checks against the agent's source: every vramguard_* metric a manifest names is
   registered in agent/src/metrics.rs, and every `vramguard run` flag the DaemonSet passes is
-  declared in agent/src/run.rs.
+  declared in agent/src/run.rs or in an argument struct under agent/src/provision/ that
+  `RunArgs` flattens.
 - YAML itself: every document parses, and no mapping repeats a key.
 
 Prints one line per error (`FILE: KIND/NAME: where: what`) and exits 1 if there was any.
@@ -112,7 +113,8 @@ CRDS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): check_service_monitor,
     ("monitoring.coreos.com/v1", "PrometheusRule"): check_prometheus_rule,
 }
-CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
+CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy",
+                  "ValidatingAdmissionPolicyBinding"}
 
 
 def check_agent_names(doc, metrics_source, run_source):
@@ -132,7 +134,8 @@ def check_agent_names(doc, metrics_source, run_source):
             for arg in args[1:]:
                 flag = re.match(r"^--([a-z][a-z0-9-]*)", arg)
                 if flag and not re.search(rf"\bpub {flag.group(1).replace('-', '_')}:", run_source):
-                    errors.append(f"container {container['name']}: flag --{flag.group(1)}: not declared in agent/src/run.rs")
+                    errors.append(f"container {container['name']}: flag --{flag.group(1)}: not declared in agent/src/run.rs "
+                                  "or agent/src/provision/")
     return errors
 
 
@@ -162,7 +165,9 @@ def check_document(doc, path, version, metrics_source, run_source):
 def main():
     version, root = sys.argv[1], pathlib.Path(sys.argv[2])
     metrics_source = (root / "agent/src/metrics.rs").read_text()
-    run_source = (root / "agent/src/run.rs").read_text()
+    # `vramguard run`'s flags: RunArgs, and the argument structs it flattens.
+    run_source = "\n".join(p.read_text() for p in [root / "agent/src/run.rs",
+                                                   *sorted((root / "agent/src/provision").rglob("*.rs"))])
     files = sorted(p for p in (root / "deploy").rglob("*") if p.suffix in (".yaml", ".yml"))
     if not files:
         print("no manifests under deploy/")

@@ -47,6 +47,9 @@ use crate::{
 /// How often a reconcile pass runs however quiet the node is.
 const RECONCILE_EVERY: Duration = Duration::from_secs(1);
 
+/// How long the agent takes at most to answer the runtime's NRI calls (its own limit is 2 s).
+const NRI_DEADLINE: Duration = Duration::from_millis(1500);
+
 /// How often an exit event whose process is not a zombie yet is looked at again.
 const EXIT_RETRY: Duration = Duration::from_millis(5);
 
@@ -302,7 +305,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         )?;
     }
     let mut ledgers = args.ledger_dir.clone().map(|dir| Ledgers::with_limits(dir, ledger_limits));
-    let provisioner = provisioner(&args)?;
+    let (provisioner, _capacity) = provisioner(&args)?.unzip();
     let mut provisioned_changes = provisioner.as_ref().map(|p| p.changes());
     let provisioning = match provisioner.as_ref() {
         Some(provisioner) => {
@@ -560,6 +563,8 @@ fn render(metrics: &mut Metrics, ledgers: Option<&Ledgers>, judge: &Judge, view:
         Some("no libcuda probed")
     } else if nri_down {
         Some("not registered with the container runtime (NRI): new containers start without their quota")
+    } else if provisioning.and_then(|p| p.provisioner.kube_synced()) == Some(false) {
+        Some("the pods of this node are not listed from the Kubernetes API yet")
     } else {
         None
     };
@@ -572,12 +577,13 @@ struct Provisioning {
     connected: tokio::sync::watch::Receiver<bool>,
 }
 
-/// The provisioner `--nri` asks for, with its quota sources; `None` without `--nri`.
-fn provisioner(args: &RunArgs) -> Result<Option<Arc<Provisioner>>> {
+/// The provisioner `--nri` asks for, with its quota sources, and the node's advertised
+/// capacity (with `--kube` and `--gpu-memory`); `None` without `--nri`.
+fn provisioner(args: &RunArgs) -> Result<Option<(Arc<Provisioner>, Option<provision::kube::Capacity>)>> {
     let wanted = &args.provision;
     if !wanted.nri {
-        if wanted.quota_file.is_some() || wanted.quota_from_annotation || wanted.refuse_overcommit {
-            bail!("--quota-file, --quota-from-annotation and --refuse-overcommit provision containers: they need --nri");
+        if wanted.quota_file.is_some() || wanted.quota_from_annotation || wanted.refuse_overcommit || wanted.kube.kube {
+            bail!("--kube, --quota-file, --quota-from-annotation and --refuse-overcommit provision containers: they need --nri");
         }
         return Ok(None);
     }
@@ -585,18 +591,39 @@ fn provisioner(args: &RunArgs) -> Result<Option<Arc<Provisioner>>> {
         bail!("--nri needs --ledger-dir: the ledgers of provisioned containers are created and watched there");
     };
     let file = wanted.quota_file.as_deref().map(provision::quota::QuotaFile::open).transpose().map_err(|e| anyhow!(e))?;
-    let sources = provision::Sources { kube: None, file, annotation: wanted.quota_from_annotation };
+    let (kube, capacity) = match wanted.kube.config()? {
+        Some(config) => {
+            let node = wanted.kube.node()?;
+            let client = provision::kube::Client::new(&config)?;
+            let pods = provision::kube::PodCache::start(client.clone(), node)?;
+            let capacity = if wanted.gpu_memory.is_empty() {
+                warn!("no --gpu-memory: the node's vramguard.io/gpu-memory capacity is not advertised");
+                None
+            } else {
+                let every = wanted.kube.capacity_every();
+                Some(provision::kube::Capacity::start(client, node, wanted.gpu_memory.clone(), wanted.kube.overcommit, every)?)
+            };
+            (Some(pods), capacity)
+        }
+        None => (None, None),
+    };
+    let sources = provision::Sources { kube, file, annotation: wanted.quota_from_annotation };
     if sources.kube.is_none() && sources.file.is_none() && !sources.annotation {
         bail!("--nri needs a quota source: --kube, --quota-file FILE or --quota-from-annotation");
     }
     let provisioner = Provisioner::new(wanted, ledger_dir, sources).map_err(|e| anyhow!("cannot provision containers: {e}"))?;
-    Ok(Some(Arc::new(provisioner)))
+    Ok(Some((Arc::new(provisioner), capacity)))
 }
 
 /// Starts the NRI plugin (it reconnects by itself for as long as the agent runs).
 fn spawn_nri(args: &ProvisionArgs, provisioner: Arc<Provisioner>, connected: tokio::sync::watch::Sender<bool>) {
-    let _ = (args, provisioner, connected);
-    warn!("the NRI plugin is not built in yet: nothing will be provisioned");
+    let config = provision::nri::Config {
+        socket: args.nri_socket.clone(),
+        name: "vramguard".into(),
+        index: "10".into(),
+        handler_deadline: NRI_DEADLINE,
+    };
+    tokio::spawn(provision::nri::run(config, provisioner, connected));
 }
 
 /// Holds the provisioned containers' ledgers to the agent's headers and their cgroups to

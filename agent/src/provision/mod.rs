@@ -36,6 +36,7 @@ use std::{
 use ledger::provisioned;
 use tracing::{info, warn};
 
+use nri::{Adjustment, Mount};
 pub use store::{Provisioned, Record};
 use quota::{QuotaFile, Subject};
 use store::Store;
@@ -64,13 +65,16 @@ pub struct ProvisionArgs {
     /// where whoever creates pods is trusted to set quotas.
     #[arg(long)]
     pub quota_from_annotation: bool,
-    /// Each GPU's memory, one size per GPU (e.g. `80g,80g`): the ledgers' devices, the
-    /// overcommit check and the advertised capacity.
+    /// Each GPU's memory, one size per GPU (Kubernetes quantities or sizes: `80Gi,80Gi`): the
+    /// ledgers' devices, the overcommit check and the capacity advertised with --kube (their
+    /// sum times --overcommit; none without it).
     #[arg(long, value_delimiter = ',', value_parser = parse_size_arg)]
     pub gpu_memory: Vec<u64>,
     /// Refuse a container whose quota would make a GPU's summed quotas exceed its memory.
     #[arg(long)]
     pub refuse_overcommit: bool,
+    #[command(flatten)]
+    pub kube: kube::KubeArgs,
 }
 
 fn parse_size_arg(text: &str) -> Result<u64, String> {
@@ -97,26 +101,11 @@ pub struct Workload {
     pub annotations: BTreeMap<String, String>,
 }
 
-/// A bind mount the runtime adds to a container.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct BindMount {
-    pub source: PathBuf,
-    pub destination: String,
-    pub read_only: bool,
-}
-
-/// What the runtime adds to a provisioned container.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Injection {
-    pub mounts: Vec<BindMount>,
-    pub env: Vec<(String, String)>,
-}
-
 /// Where quotas come from, in this order: the Kubernetes pod spec, the quota file, the
 /// annotation.
 #[derive(Default)]
 pub struct Sources {
-    pub kube: Option<kube::Quotas>,
+    pub kube: Option<kube::PodCache>,
     pub file: Option<QuotaFile>,
     pub annotation: bool,
 }
@@ -180,6 +169,11 @@ impl Provisioner {
         self.containers.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    /// Whether the Kubernetes pod cache has its first list (`None` without `--kube`).
+    pub fn kube_synced(&self) -> Option<bool> {
+        self.sources.kube.as_ref().map(|pods| pods.state().synced())
+    }
+
     /// How many containers are provisioned now.
     pub fn len(&self) -> usize {
         self.lock().len()
@@ -228,13 +222,13 @@ impl Provisioner {
 
     /// Provisions `workload` if it has a quota: what the runtime must add to it, or why it
     /// must not be created (the error fails the creation).
-    pub async fn create_container(&self, workload: &Workload) -> Result<Injection, String> {
+    pub async fn create_container(&self, workload: &Workload) -> Result<Adjustment, String> {
         let Some((quota, source)) = self.quota(workload).await? else {
-            return Ok(Injection::default());
+            return Ok(Adjustment::default());
         };
         if quota == 0 {
             info!(namespace = %workload.namespace, pod = %workload.pod, container = %workload.container, source, "quota 0: not provisioned");
-            return Ok(Injection::default());
+            return Ok(Adjustment::default());
         }
         let devices = u32::try_from(self.gpu_memory.len()).unwrap_or(u32::MAX).max(1);
         let seen = visible_gpus(&workload.env, devices);
@@ -287,14 +281,14 @@ impl Provisioner {
         Ok(())
     }
 
-    fn injection(&self, made: &Provisioned) -> Injection {
+    fn injection(&self, made: &Provisioned) -> Adjustment {
         let r = &made.record;
-        let bind = |source: &Path, destination: &str, read_only| BindMount {
+        let bind = |source: &Path, destination: &str, read_only| Mount {
             source: source.to_path_buf(),
             destination: destination.to_string(),
             read_only,
         };
-        Injection {
+        Adjustment {
             mounts: vec![
                 bind(&made.ledger, provisioned::LEDGER, false),
                 bind(&made.limits, provisioned::LIMITS, true),
@@ -358,6 +352,47 @@ impl Provisioner {
             .values()
             .filter_map(|p| Some((cgroup_dir(&p.record.cgroups_path)?, p.record.cgroup_limit())))
             .collect()
+    }
+}
+
+impl Workload {
+    /// The container `container` of `pod` as the runtime describes it.
+    pub fn of(pod: &nri::Pod, container: &nri::Container) -> Workload {
+        Workload {
+            pod_id: pod.id.clone(),
+            pod_uid: pod.uid.clone(),
+            namespace: pod.namespace.clone(),
+            pod: pod.name.clone(),
+            container_id: container.id.clone(),
+            container: container.name.clone(),
+            cgroups_path: container.cgroups_path.clone(),
+            env: container.env.clone(),
+            annotations: pod.annotations.clone(),
+        }
+    }
+}
+
+impl nri::Handler for Provisioner {
+    async fn synchronize(&self, _pods: Vec<nri::Pod>, containers: Vec<nri::Container>) {
+        let existing: Vec<String> = containers.into_iter().map(|c| c.id).collect();
+        Provisioner::synchronize(self, &existing);
+    }
+
+    async fn create_container(&self, pod: nri::Pod, container: nri::Container) -> Result<Adjustment, String> {
+        let workload = Workload::of(&pod, &container);
+        let answer = Provisioner::create_container(self, &workload).await;
+        if let Err(error) = &answer {
+            warn!(namespace = %pod.namespace, pod = %pod.name, container = %container.name, %error, "container refused");
+        }
+        answer
+    }
+
+    async fn remove_container(&self, _pod: nri::Pod, container: nri::Container) {
+        Provisioner::remove_container(self, &container.id);
+    }
+
+    async fn remove_pod(&self, pod: nri::Pod) {
+        Provisioner::remove_pod(self, &pod.id);
     }
 }
 

@@ -1,0 +1,269 @@
+//! Provisioning through NRI with a real containerd (issue "Quotas belong to the operator",
+//! Must show): the agent runs as containerd's NRI plugin with a quota file (`namespace=team-a
+//! 1g`), pods are created through the CRI API, and workloads inside the containers allocate
+//! through the fake driver.
+//!
+//! Needs the containerd cache (`cargo xtask setup`) and the built binaries (`cargo xtask test`).
+use std::{
+    ffi::OsStr,
+    os::unix::fs::{FileExt as _, MetadataExt as _},
+    path::{Path, PathBuf},
+    time::{Duration, Instant},
+};
+
+use anyhow::{ensure, Context, Result};
+use e2e::{
+    agent::Agent,
+    containerd::{workload_path, ContainerId, ContainerSpec, Containerd, PodId},
+    hook_lib, timeout, wait_for, FakeNode, TempDir, GIB,
+};
+use serde_json::Value;
+
+const QUOTA: u64 = GIB;
+
+/// A node: the fake GPU (8 GiB, contexts charged what the agent's ledgers reserve), a
+/// containerd with NRI, and the agent provisioning from a quota file.
+struct Node {
+    dir: TempDir,
+    fake: FakeNode,
+    containerd: Containerd,
+    agent: Option<Agent>,
+}
+
+impl Node {
+    fn new(tag: &str) -> Result<Node> {
+        let dir = TempDir::new(tag)?;
+        let fake = FakeNode::new(tag).with_env("FAKECUDA_DEVICE_BYTES", "8g").with_env("FAKECUDA_CONTEXT_BYTES", "518m");
+        std::fs::create_dir_all(dir.path().join("ledgers"))?;
+        std::fs::write(dir.path().join("quotas"), "namespace=team-a 1g\n")?;
+        let containerd = Containerd::start(&dir.path().join("nri.sock"))?;
+        let mut node = Node { dir, fake, containerd, agent: None };
+        node.start_agent()?;
+        Ok(node)
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn start_agent(&mut self) -> Result<()> {
+        let (sock, state, hook, quotas) = (self.path("nri.sock"), self.path("state"), hook_lib()?, self.path("quotas"));
+        let args: Vec<&OsStr> = vec![
+            OsStr::new("--nri"),
+            OsStr::new("--nri-socket"),
+            sock.as_os_str(),
+            OsStr::new("--state-dir"),
+            state.as_os_str(),
+            OsStr::new("--hook-library"),
+            hook.as_os_str(),
+            OsStr::new("--quota-file"),
+            quotas.as_os_str(),
+            OsStr::new("--gpu-memory"),
+            OsStr::new("8g"),
+        ];
+        let agent = Agent::watching(&self.path("ledgers"), &args)?;
+        let began = Instant::now();
+        wait_for(timeout(), "the agent registered with containerd", || Ok(agent.audit()?["nri_connected"] == true))
+            .with_context(|| agent.log())?;
+        eprintln!("agent registered as an NRI plugin {:?} after it answered", began.elapsed());
+        self.agent = Some(agent);
+        Ok(())
+    }
+
+    fn agent(&self) -> &Agent {
+        self.agent.as_ref().expect("the agent runs")
+    }
+
+    /// A pod and its container `main`, sleeping, with the fake driver.
+    fn pod(&self, name: &str, namespace: &str, uid: &str) -> Result<(PodId, ContainerId)> {
+        let pod = self.containerd.pod(name, namespace, uid, &[])?;
+        let container = self.containerd.run_container(&pod, &ContainerSpec::new("main").fake_driver(&self.fake)?)?;
+        Ok((pod, container))
+    }
+
+    /// Runs `fakecuda-workload` in `container` with `env` (through `env`) and these steps.
+    fn workload(&self, container: &ContainerId, env: &[&str], steps: &[&str]) -> Result<Vec<String>> {
+        let workload = workload_path();
+        let argv: Vec<&str> = ["env"].into_iter().chain(env.iter().copied()).chain([workload.as_str()]).chain(steps.iter().copied()).collect();
+        let out = self.containerd.exec_sync(container, &argv)?;
+        ensure!(out.exit_code == 0, "{argv:?} in the container: {out:?}");
+        Ok(out.stdout.lines().map(str::to_owned).collect())
+    }
+
+    /// The agent's record of provisioned container `id`.
+    fn provisioned(&self, id: &ContainerId) -> Result<Option<Value>> {
+        let audit = self.agent().audit()?;
+        let rows = audit["provisioned"].as_array().context("no provisioned list in the audit")?;
+        Ok(rows.iter().find(|r| r["container_id"] == id.0.as_str()).cloned())
+    }
+
+    /// The agent's problem with the ledger of container `id`, if it has one.
+    fn ledger_problem(&self, id: &ContainerId) -> Result<Option<String>> {
+        let audit = self.agent().audit()?;
+        let path = self.ledger_of(id).display().to_string();
+        Ok(audit["ledger_problems"][path.as_str()].as_str().map(str::to_owned))
+    }
+
+    /// The host path of container `id`'s ledger.
+    fn ledger_of(&self, id: &ContainerId) -> PathBuf {
+        self.path("ledgers").join(&id.0).join("ledger")
+    }
+}
+
+/// Allocations that fit a 1 GiB quota with one 518 MiB context (256 MiB) and one that does
+/// not (512 MiB more).
+const OVER: [&str; 4] = ["ctx 0", "alloc a 256m", "expect-oom alloc b 512m", "meminfo"];
+
+fn assert_held(lines: &[String]) -> Result<()> {
+    ensure!(lines.iter().any(|l| l == "oom b"), "b must be refused: {lines:?}");
+    let meminfo = lines.iter().find(|l| l.starts_with("meminfo")).context("no meminfo line")?;
+    ensure!(meminfo.contains(&format!("total={QUOTA}")), "the quota is the GPU the workload sees: {meminfo}");
+    Ok(())
+}
+
+/// Rewrites the first device's limit in the ledger header at `path` to 64 GiB, as the
+/// container (which can write its ledger) could.
+fn lift_limit(path: &Path) -> Result<()> {
+    let file = std::fs::OpenOptions::new().read(true).write(true).open(path)?;
+    let mut header = ledger::file::read_header(&file)?;
+    header.devices[0].limit = 64 * GIB;
+    header.checksum = ledger::layout::fnv1a(ledger::layout::checksummed_bytes(&header));
+    file.write_all_at(ledger::file::header_bytes(&header), 0)?;
+    Ok(())
+}
+
+#[test]
+fn a_container_with_a_quota_gets_hook_env_and_ledger_and_is_held_to_it() -> Result<()> {
+    let node = Node::new("prov-main")?;
+    let (_pod, main) = node.pod("trainer", "team-a", "uid-a")?;
+
+    // Injected: the env (the agent's values), the four mounts, the agent's record.
+    let env = node.containerd.container_env(&main)?;
+    for want in [
+        "VRAMGUARD_LEDGER=/run/vramguard/ledger".to_string(),
+        format!("CUDA_DEVICE_MEMORY_LIMIT={QUOTA}"),
+        "POD_NAME=trainer".into(),
+        "POD_NAMESPACE=team-a".into(),
+        "CONTAINER_NAME=main".into(),
+    ] {
+        ensure!(env.contains(&want), "{want} not in the container's env: {env:?}");
+    }
+    let mounts = node.containerd.container_mounts(&main)?;
+    let mount = |at: &str| mounts.iter().find(|(dest, _, _)| dest == at).cloned();
+    for (at, read_only) in [
+        ("/run/vramguard/ledger", false),
+        ("/run/vramguard/limits", true),
+        ("/usr/lib/vramguard/libvramguard.so", true),
+        ("/etc/ld.so.preload", true),
+    ] {
+        let (_, _, options) = mount(at).with_context(|| format!("no mount at {at}: {mounts:?}"))?;
+        ensure!(options.iter().any(|o| o == "ro") == read_only, "{at}: options {options:?}");
+    }
+    let record = node.provisioned(&main)?.context("the agent has no record of the container")?;
+    ensure!(record["quota"] == QUOTA && record["namespace"] == "team-a" && record["source"] == "quota file", "{record}");
+
+    // Past the quota: refused. Re-exec'd with a lying environment: still refused.
+    assert_held(&node.workload(&main, &[], &OVER)?)?;
+    assert_held(&node.workload(&main, &["CUDA_DEVICE_MEMORY_LIMIT=64g", "VRAMGUARD_LEDGER=/tmp/mine", "VRAMGUARD_FAIL_OPEN=1"], &OVER)?)?;
+    let out = node.containerd.exec_sync(&main, &["ls", "/tmp/mine"])?;
+    ensure!(out.exit_code != 0, "the environment's ledger was created: {out:?}");
+
+    // The container's cgroup has its limit in the probes' map.
+    let cgroup = std::fs::metadata(node.containerd.container_cgroup(&main)?)?.ino();
+    wait_for(Duration::from_secs(5), "the container's cgroup limit pushed", || {
+        let audit = node.agent().audit()?;
+        Ok(audit["kernel_maps"]["cgroup_limits"].as_array().is_some_and(|ids| ids.iter().any(|id| id.as_u64() == Some(cgroup))))
+    })?;
+
+    // Inside, the files cannot be removed, replaced or written where read-only.
+    for argv in [&["rm", "/run/vramguard/ledger"][..], &["sh", "-c", "echo 64g > /run/vramguard/limits"], &["rm", "/etc/ld.so.preload"]] {
+        let out = node.containerd.exec_sync(&main, argv)?;
+        ensure!(out.exit_code != 0, "{argv:?} succeeded in the container: {out:?}");
+    }
+
+    // The ledger's header rewritten (the container can write its ledger): tampered, and
+    // nothing changes.
+    lift_limit(&node.ledger_of(&main))?;
+    wait_for(Duration::from_secs(5), "the rewritten header reported", || Ok(node.ledger_problem(&main)?.is_some_and(|p| p.starts_with("tampered"))))?;
+    assert_held(&node.workload(&main, &[], &OVER)?)?;
+
+    // Deleted and re-created with a larger quota on the host side: tampered too, and the
+    // container still holds the agent's ledger.
+    let ledger_path = node.ledger_of(&main);
+    let header = ledger::file::read_header(&std::fs::File::open(&ledger_path)?)?;
+    std::fs::remove_file(&ledger_path)?;
+    let bigger = ledger::Geometry {
+        slots: header.slot_count,
+        records: header.record_count,
+        devices: vec![ledger::DeviceConfig { limit: 8 * GIB, chunk: header.devices[0].chunk, ..Default::default() }],
+    };
+    drop(ledger::Ledger::create(&ledger_path, &bigger, ledger::layout::CREATOR_HOOK)?);
+    wait_for(Duration::from_secs(5), "the re-created ledger reported", || {
+        Ok(node.ledger_problem(&main)?.is_some_and(|p| p.starts_with("tampered") && p.contains("limit")))
+    })?;
+    assert_held(&node.workload(&main, &[], &OVER)?)?;
+    node.fake.cleanup();
+    Ok(())
+}
+
+#[test]
+fn a_container_without_a_quota_is_untouched_and_unhooked() -> Result<()> {
+    let node = Node::new("prov-none")?;
+    let pod = node.containerd.pod("web", "team-b", "uid-b", &[])?;
+    let workload = workload_path();
+    let spec = ContainerSpec::new("app").command([workload.as_str(), "ctx 0", "alloc a 64m", "hold"]).fake_driver(&node.fake)?;
+    let app = node.containerd.run_container(&pod, &spec)?;
+    let env = node.containerd.container_env(&app)?;
+    ensure!(!env.iter().any(|e| e.starts_with("VRAMGUARD_") || e.starts_with("CUDA_DEVICE_MEMORY_LIMIT")), "{env:?}");
+    let mounts = node.containerd.container_mounts(&app)?;
+    ensure!(!mounts.iter().any(|(dest, _, _)| dest.contains("vramguard") || dest == "/etc/ld.so.preload"), "{mounts:?}");
+    ensure!(node.provisioned(&app)?.is_none(), "no record for it");
+    let pid = node.containerd.container_pid(&app)?;
+    wait_for(timeout(), "the un-hooked allocation judged", || {
+        let audit = node.agent().audit()?;
+        let row = audit["processes"].as_array().and_then(|rows| rows.iter().find(|r| r["pid"].as_u64() == Some(u64::from(pid))).cloned());
+        Ok(row.is_some_and(|r| r["state"] == "unhooked"))
+    })
+    .with_context(|| node.agent().log())?;
+    node.fake.cleanup();
+    Ok(())
+}
+
+#[test]
+fn the_plugin_is_back_after_the_runtime_restarts() -> Result<()> {
+    let mut node = Node::new("prov-restart")?;
+    node.containerd.restart()?;
+    let began = Instant::now();
+    wait_for(Duration::from_secs(10), "the plugin registered again", || Ok(node.agent().audit()?["nri_connected"] == true))
+        .with_context(|| node.agent().log())?;
+    eprintln!("plugin back {:?} after containerd restarted", began.elapsed());
+    // It provisions again.
+    let (_pod, main) = node.pod("trainer", "team-a", "uid-r")?;
+    ensure!(node.provisioned(&main)?.is_some(), "not provisioned after the restart");
+    assert_held(&node.workload(&main, &[], &OVER)?)?;
+    node.fake.cleanup();
+    Ok(())
+}
+
+#[test]
+fn a_restarted_agent_restores_its_state_and_synchronize_prunes_it() -> Result<()> {
+    let mut node = Node::new("prov-agent")?;
+    let (_kept_pod, kept) = node.pod("kept", "team-a", "uid-k")?;
+    let (gone_pod, gone) = node.pod("gone", "team-a", "uid-g")?;
+    ensure!(node.provisioned(&kept)?.is_some() && node.provisioned(&gone)?.is_some(), "both provisioned");
+    node.agent.take().context("agent")?.stop()?;
+    // While the agent is away: one pod goes, and the other's ledger header is rewritten.
+    node.containerd.stop_container(&gone, Duration::from_secs(1))?;
+    node.containerd.remove_pod(&gone_pod)?;
+    lift_limit(&node.ledger_of(&kept))?;
+    node.start_agent()?;
+    ensure!(node.provisioned(&kept)?.is_some(), "the kept container's record restored");
+    wait_for(Duration::from_secs(5), "the gone container's files removed", || {
+        Ok(node.provisioned(&gone)?.is_none() && !node.ledger_of(&gone).exists() && !node.path("state/containers").join(&gone.0).exists())
+    })?;
+    // The restored record still holds the ledger to the agent's header.
+    wait_for(Duration::from_secs(5), "the rewritten header reported", || Ok(node.ledger_problem(&kept)?.is_some_and(|p| p.starts_with("tampered"))))?;
+    assert_held(&node.workload(&kept, &[], &OVER)?)?;
+    node.fake.cleanup();
+    Ok(())
+}
