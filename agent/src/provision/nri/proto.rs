@@ -32,6 +32,7 @@ pub mod code {
     pub const UNKNOWN: i32 = 2;
     pub const INVALID_ARGUMENT: i32 = 3;
     pub const DEADLINE_EXCEEDED: i32 = 4;
+    pub const RESOURCE_EXHAUSTED: i32 = 8;
     pub const UNIMPLEMENTED: i32 = 12;
 }
 

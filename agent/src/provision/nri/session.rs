@@ -21,8 +21,9 @@ use super::proto::{self, code, event};
 use super::wire::{self, FrameHeader, Message, Reassembler, WireError};
 use super::{Adjustment, Config, Container, Handler, Pod};
 
-/// From connecting to the end of the first Synchronize: longer, and the runtime has given up on
-/// the plugin (its own registration timeout is 5 s), so the plugin starts again.
+/// How long registration, Configure and the first Synchronize may take from connecting; past
+/// it the runtime has given up on the plugin too (its registration timeout is 5 s), and the
+/// plugin dials again.
 const REGISTRATION_TIMEOUT: Duration = Duration::from_secs(10);
 /// The stream id of the plugin's one call, RegisterPlugin (a client's streams are odd).
 const REGISTER_STREAM: u32 = 1;
@@ -473,22 +474,24 @@ impl Reply {
     }
 
     async fn send(&self, answer: Result<Vec<u8>, proto::Status>) {
-        let response = match answer {
-            Ok(payload) => proto::Response {
-                status: Some(status(code::OK, String::new())),
-                payload,
-            },
-            Err(status) => proto::Response {
-                status: Some(status),
-                payload: vec![],
-            },
+        let response = |status, payload| proto::Response {
+            status: Some(status),
+            payload,
         };
-        let message = wire::encode_message(
-            self.stream,
-            wire::TYPE_RESPONSE,
-            0,
-            &response.encode_to_vec(),
-        );
+        let mut encoded = match answer {
+            Ok(payload) => response(status(code::OK, String::new()), payload),
+            Err(status) => response(status, vec![]),
+        }
+        .encode_to_vec();
+        if encoded.len() > wire::MAX_OUTGOING_PAYLOAD {
+            let problem = format!(
+                "vramguard: an answer of {} bytes, over ttRPC's limit",
+                encoded.len()
+            );
+            warn!("NRI: {problem}; an error sent instead");
+            encoded = response(status(code::RESOURCE_EXHAUSTED, problem), vec![]).encode_to_vec();
+        }
+        let message = wire::encode_message(self.stream, wire::TYPE_RESPONSE, 0, &encoded);
         // A closed channel: the session is ending and nobody is waiting for this answer.
         let _ = self
             .out

@@ -386,6 +386,10 @@ impl Handler for Recorder {
                     std::future::pending::<()>().await;
                     Ok(Adjustment::default())
                 }
+                "huge" => Ok(Adjustment {
+                    mounts: vec![],
+                    env: vec![("BIG".into(), "x".repeat(5 << 20))],
+                }),
                 "bad-env" => Ok(Adjustment {
                     mounts: vec![],
                     env: vec![("A=B".into(), "x".into())],
@@ -692,6 +696,13 @@ async fn a_handler_error_is_a_ttrpc_error_and_the_connection_stays() {
         answer.message
     );
     assert_eq!(plugin.next_seen().await, Seen::Create("c3".into()));
+
+    // An answer over ttRPC's 4 MiB (which the runtime would drop) becomes an error.
+    let answer = peer
+        .call("CreateContainer", &create_request("c8", "huge"), None)
+        .await;
+    assert_eq!(answer.code, 8, "gRPC ResourceExhausted: {}", answer.message);
+    assert_eq!(plugin.next_seen().await, Seen::Create("c8".into()));
 
     // Still connected: the next container gets its adjustment.
     let answer = peer

@@ -20,6 +20,8 @@ pub const MESSAGE_HEADER_LEN: usize = 10;
 /// The largest ttRPC message payload accepted (ttRPC's own is 4 MiB; a large node's
 /// Synchronize from an older runtime may be bigger).
 pub const MAX_MESSAGE_PAYLOAD: usize = 1 << 24;
+/// The largest ttRPC message payload the plugin sends: what ttRPC's Go side accepts.
+pub const MAX_OUTGOING_PAYLOAD: usize = 4 << 20;
 /// The first frame of an outgoing message holds at most this many bytes of it, then the rest
 /// follows in one frame (as Go's ttRPC writes through its 4 KiB buffer, so a Go reader gets
 /// frames no larger than the reads it makes).
@@ -87,7 +89,7 @@ pub struct Message {
 }
 
 /// A ttRPC message's bytes: header, then payload. The payload's size is the caller's to keep
-/// within [`MAX_MESSAGE_PAYLOAD`].
+/// within [`MAX_OUTGOING_PAYLOAD`].
 pub fn encode_message(stream: u32, kind: u8, flags: u8, payload: &[u8]) -> Vec<u8> {
     let len = u32::try_from(payload.len()).unwrap_or(u32::MAX);
     let mut out = Vec::with_capacity(MESSAGE_HEADER_LEN + payload.len());
