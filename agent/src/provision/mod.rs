@@ -473,6 +473,111 @@ mod tests {
         assert_eq!(visible_gpus(&env("7"), 2), vec![0, 1]);
     }
 
+    /// The flags of a provisioner under `root` with 2 GPUs of 8 GiB.
+    fn args(root: &Path, refuse_overcommit: bool) -> ProvisionArgs {
+        let kube = clap::Command::new("x");
+        let kube = <kube::KubeArgs as clap::Args>::augment_args(kube).get_matches_from(["x"]);
+        ProvisionArgs {
+            nri: true,
+            nri_socket: root.join("nri.sock"),
+            state_dir: root.join("state"),
+            hook_library: root.join("hook.so"),
+            quota_file: Some(root.join("quotas")),
+            quota_from_annotation: false,
+            gpu_memory: vec![8 << 30, 8 << 30],
+            refuse_overcommit,
+            kube: <kube::KubeArgs as clap::FromArgMatches>::from_arg_matches(&kube).expect("kube args"),
+        }
+    }
+
+    /// A provisioner of [`args`] over `root`'s quota file.
+    fn provisioner_in(root: &Path, refuse_overcommit: bool) -> Provisioner {
+        let file = QuotaFile::open(&root.join("quotas")).expect("quota file");
+        let sources = Sources { kube: None, file: Some(file), annotation: false };
+        Provisioner::new(&args(root, refuse_overcommit), &root.join("ledgers"), sources).expect("provisioner")
+    }
+
+    /// A provisioner under a fresh directory, with `rules` as its quota file.
+    fn provisioner(tag: &str, rules: &str, refuse_overcommit: bool) -> (PathBuf, Provisioner) {
+        let root = std::env::temp_dir().join(format!("vramguard-provision-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        std::fs::create_dir_all(root.join("ledgers")).expect("mkdir");
+        std::fs::write(root.join("hook.so"), b"").expect("hook");
+        std::fs::write(root.join("quotas"), rules).expect("quotas");
+        let provisioner = provisioner_in(&root, refuse_overcommit);
+        (root, provisioner)
+    }
+
+    fn workload(namespace: &str, pod: &str, id: &str, gpus: &str) -> Workload {
+        Workload {
+            pod_id: format!("sandbox-{pod}"),
+            pod_uid: format!("uid-{pod}"),
+            namespace: namespace.into(),
+            pod: pod.into(),
+            container_id: id.into(),
+            container: "main".into(),
+            cgroups_path: format!("/k8s.io/{id}"),
+            env: vec![("NVIDIA_VISIBLE_DEVICES".into(), gpus.into())],
+            annotations: BTreeMap::new(),
+        }
+    }
+
+    fn block_on<F: std::future::Future>(future: F) -> F::Output {
+        tokio::runtime::Builder::new_current_thread().build().expect("runtime").block_on(future)
+    }
+
+    #[test]
+    fn a_container_with_a_quota_is_provisioned_and_one_without_is_not() {
+        let (root, p) = provisioner("create", "namespace=team-a 1g\nnamespace=team-z 0\n", false);
+        let adjustment = block_on(p.create_container(&workload("team-a", "trainer", "c1", "1"))).expect("provisioned");
+        let at: Vec<(&str, bool)> = adjustment.mounts.iter().map(|m| (m.destination.as_str(), m.read_only)).collect();
+        assert_eq!(at, [(provisioned::LEDGER, false), (provisioned::LIMITS, true), (provisioned::HOOK, true), (provisioned::PRELOAD, true)]);
+        assert_eq!(adjustment.mounts[0].source, root.join("ledgers/c1/ledger"));
+        assert!(adjustment.env.contains(&("CUDA_DEVICE_MEMORY_LIMIT".into(), (1u64 << 30).to_string())));
+        assert!(adjustment.env.contains(&("POD_NAMESPACE".into(), "team-a".into())));
+        assert_eq!(std::fs::read_to_string(root.join("state/ld.so.preload")).expect("preload"), format!("{}\n", provisioned::HOOK));
+        // The ledger: both GPUs at the quota; the cgroup: the quota times the one GPU it sees.
+        let made = &p.provisioned()[0];
+        assert_eq!(made.header.device_count, 2);
+        assert_eq!(p.cgroup_limits(), BTreeMap::from([("/k8s.io/c1".to_string(), 1 << 30)]));
+        // No rule, or a rule of 0: untouched.
+        assert_eq!(block_on(p.create_container(&workload("team-b", "web", "c2", "0"))), Ok(Adjustment::default()));
+        assert_eq!(block_on(p.create_container(&workload("team-z", "web", "c3", "0"))), Ok(Adjustment::default()));
+        assert_eq!(p.len(), 1);
+        std::fs::remove_dir_all(&root).expect("cleanup");
+    }
+
+    #[test]
+    fn overcommit_is_refused_per_gpu_when_asked() {
+        let (root, p) = provisioner("overcommit", "namespace=team-a 5g\n", true);
+        block_on(p.create_container(&workload("team-a", "a", "c1", "0"))).expect("5 of GPU 0's 8 GiB");
+        block_on(p.create_container(&workload("team-a", "b", "c2", "1"))).expect("GPU 1 is free");
+        let error = block_on(p.create_container(&workload("team-a", "c", "c3", "0"))).expect_err("10 GiB on GPU 0");
+        assert!(error.contains("GPU 0 has 8589934592 bytes") && error.contains("--refuse-overcommit"), "{error}");
+        assert!(!root.join("ledgers/c3").exists(), "nothing made for a refused container");
+        std::fs::remove_dir_all(&root).expect("cleanup");
+    }
+
+    #[test]
+    fn removal_and_synchronize_clean_up_and_a_restart_restores() {
+        let (root, p) = provisioner("cleanup", "namespace=team-a 1g\n", false);
+        for (pod, id) in [("a", "c1"), ("a", "c2"), ("b", "c3"), ("c", "c4")] {
+            block_on(p.create_container(&workload("team-a", pod, id, "0"))).expect("provisioned");
+        }
+        p.remove_container("c2");
+        p.remove_pod("sandbox-b");
+        assert_eq!(p.provisioned().iter().map(|x| x.record.container_id.as_str()).collect::<Vec<_>>(), ["c1", "c4"]);
+        assert!(!root.join("ledgers/c2").exists() && !root.join("ledgers/c3").exists());
+        drop(p);
+        // Restarted: both records back; the runtime then says only c4 exists.
+        let again = provisioner_in(&root, false);
+        assert_eq!(again.len(), 2);
+        again.synchronize(&["c4".to_string(), "unrelated".to_string()]);
+        assert_eq!(again.provisioned().iter().map(|x| x.record.container_id.as_str()).collect::<Vec<_>>(), ["c4"]);
+        assert!(!root.join("ledgers/c1").exists() && !root.join("state/containers/c1").exists());
+        std::fs::remove_dir_all(&root).expect("cleanup");
+    }
+
     #[test]
     fn quotas_are_quantities_or_sizes() {
         assert_eq!(parse_quota("1Gi"), Some(1 << 30));

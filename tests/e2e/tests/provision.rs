@@ -60,6 +60,7 @@ impl Node {
             quotas.as_os_str(),
             OsStr::new("--gpu-memory"),
             OsStr::new("8g"),
+            OsStr::new("--hami-metrics"),
         ];
         let agent = Agent::watching(&self.path("ledgers"), &args)?;
         let began = Instant::now();
@@ -173,6 +174,13 @@ fn a_container_with_a_quota_gets_hook_env_and_ledger_and_is_held_to_it() -> Resu
     wait_for(Duration::from_secs(5), "the container's cgroup limit pushed", || {
         let audit = node.agent().audit()?;
         Ok(audit["kernel_maps"]["cgroup_limits"].as_array().is_some_and(|ids| ids.iter().any(|id| id.as_u64() == Some(cgroup))))
+    })?;
+
+    // HAMi's families carry the runtime's names (not what a hook wrote) and zone="vGPU".
+    let labels = [("namespace", "team-a"), ("pod", "trainer"), ("container", "main"), ("vdevice_index", "0"), ("zone", "vGPU")];
+    let addr = node.agent().metrics_addr()?;
+    wait_for(Duration::from_secs(5), "the HAMi limit series of the provisioned container", || {
+        Ok(e2e::http::metric(&e2e::http::scrape(addr)?, "hami_vgpu_memory_limit_bytes", &labels) == Some(QUOTA as f64))
     })?;
 
     // Inside, the files cannot be removed, replaced or written where read-only.
