@@ -121,6 +121,10 @@ pub struct Provisioner {
     refuse_overcommit: bool,
     /// By container id.
     containers: Mutex<BTreeMap<String, Provisioned>>,
+    /// Containers with a quota that the runtime created while the agent was away (found in
+    /// Synchronize): not provisioned (no hook, no ledger), held by their cgroup limit only.
+    /// By container id: (pod sandbox id, cgroup path, limit).
+    unprovisioned: Mutex<BTreeMap<String, (String, String, u64)>>,
     /// Bumped at every change, for the agent's loop.
     generation: tokio::sync::watch::Sender<u64>,
 }
@@ -152,6 +156,7 @@ impl Provisioner {
             gpu_memory: args.gpu_memory.clone(),
             refuse_overcommit: args.refuse_overcommit,
             containers: Mutex::new(containers),
+            unprovisioned: Mutex::new(BTreeMap::new()),
             generation: tokio::sync::watch::channel(0).0,
         })
     }
@@ -328,30 +333,72 @@ impl Provisioner {
 
     /// The runtime removed container `id`.
     pub fn remove_container(&self, id: &str) {
+        if let Ok(mut late) = self.unprovisioned.lock() {
+            late.remove(id);
+        }
         self.remove_where(|record| record.container_id == id);
     }
 
     /// The runtime removed pod sandbox `pod_id`: its containers' files go.
     pub fn remove_pod(&self, pod_id: &str) {
+        if let Ok(mut late) = self.unprovisioned.lock() {
+            late.retain(|_, (pod, _, _)| pod != pod_id);
+        }
         self.remove_where(|record| record.pod_id == pod_id);
     }
 
     /// The runtime's full list of containers (NRI Synchronize): records of containers it
-    /// does not have are removed; containers it has that want a quota but were created
-    /// while the agent was away are logged (they run without the hook; their cgroup limit
-    /// still holds them once the agent knows their quota).
+    /// does not have are removed.
     pub fn synchronize(&self, existing: &[String]) {
         self.remove_where(|record| !existing.contains(&record.container_id));
+        if let Ok(mut late) = self.unprovisioned.lock() {
+            late.retain(|id, _| existing.contains(id));
+        }
         info!(containers = self.lock().len(), "synchronized with the runtime");
+    }
+
+    /// Containers the runtime has, with a quota, that the agent did not provision (created
+    /// while it was away): they run without the hook, so their cgroups get their limit (the
+    /// quota times the GPUs they see), the eBPF probes' backstop; each is logged.
+    pub async fn hold_unprovisioned(&self, workloads: &[Workload]) {
+        for workload in workloads {
+            if self.lock().contains_key(&workload.container_id) {
+                continue;
+            }
+            let quota = match self.quota(workload).await {
+                Ok(Some((quota, _))) if quota > 0 => quota,
+                Ok(_) => continue,
+                Err(error) => {
+                    warn!(namespace = %workload.namespace, pod = %workload.pod, container = %workload.container, %error, "cannot tell the quota of a container created while the agent was away");
+                    continue;
+                }
+            };
+            let Some(cgroup) = cgroup_dir(&workload.cgroups_path) else { continue };
+            let devices = u32::try_from(self.gpu_memory.len()).unwrap_or(u32::MAX).max(1);
+            let limit = quota.saturating_mul(visible_gpus(&workload.env, devices).len().max(1) as u64);
+            warn!(
+                namespace = %workload.namespace, pod = %workload.pod, container = %workload.container, quota, cgroup = %cgroup,
+                "a container with a quota was created while the agent was away: it runs without the hook; its cgroup is held to its limit by the eBPF probes"
+            );
+            if let Ok(mut late) = self.unprovisioned.lock() {
+                late.insert(workload.container_id.clone(), (workload.pod_id.clone(), cgroup, limit));
+            }
+        }
+        self.changed();
     }
 
     /// The cgroup limits of the provisioned containers: cgroup path (relative to the cgroup2
     /// root) -> bytes (the quota times the GPUs each sees).
     pub fn cgroup_limits(&self) -> BTreeMap<String, u64> {
-        self.lock()
+        let mut limits: BTreeMap<String, u64> = self
+            .lock()
             .values()
             .filter_map(|p| Some((cgroup_dir(&p.record.cgroups_path)?, p.record.cgroup_limit())))
-            .collect()
+            .collect();
+        if let Ok(late) = self.unprovisioned.lock() {
+            limits.extend(late.values().map(|(_, cgroup, limit)| (cgroup.clone(), *limit)));
+        }
+        limits
     }
 }
 
@@ -373,9 +420,14 @@ impl Workload {
 }
 
 impl nri::Handler for Provisioner {
-    async fn synchronize(&self, _pods: Vec<nri::Pod>, containers: Vec<nri::Container>) {
-        let existing: Vec<String> = containers.into_iter().map(|c| c.id).collect();
+    async fn synchronize(&self, pods: Vec<nri::Pod>, containers: Vec<nri::Container>) {
+        let existing: Vec<String> = containers.iter().map(|c| c.id.clone()).collect();
         Provisioner::synchronize(self, &existing);
+        let workloads: Vec<Workload> = containers
+            .iter()
+            .filter_map(|container| pods.iter().find(|pod| pod.id == container.pod_id).map(|pod| Workload::of(pod, container)))
+            .collect();
+        self.hold_unprovisioned(&workloads).await;
     }
 
     async fn create_container(&self, pod: nri::Pod, container: nri::Container) -> Result<Adjustment, String> {
@@ -575,6 +627,21 @@ mod tests {
         again.synchronize(&["c4".to_string(), "unrelated".to_string()]);
         assert_eq!(again.provisioned().iter().map(|x| x.record.container_id.as_str()).collect::<Vec<_>>(), ["c4"]);
         assert!(!root.join("ledgers/c1").exists() && !root.join("state/containers/c1").exists());
+        std::fs::remove_dir_all(&root).expect("cleanup");
+    }
+
+    #[test]
+    fn containers_created_while_the_agent_was_away_get_their_cgroup_limit() {
+        let (root, p) = provisioner("late", "namespace=team-a 1g\n", false);
+        block_on(p.create_container(&workload("team-a", "a", "c1", "0"))).expect("provisioned");
+        let late = [workload("team-a", "b", "c2", "0,1"), workload("team-b", "c", "c3", "0")];
+        block_on(p.hold_unprovisioned(&late));
+        // c1 is provisioned (its own limit), c2 held to 2 GPUs' quota, c3 has no quota.
+        let want = BTreeMap::from([("/k8s.io/c1".to_string(), 1 << 30), ("/k8s.io/c2".to_string(), 2 << 30)]);
+        assert_eq!(p.cgroup_limits(), want);
+        assert_eq!(p.len(), 1, "c2 is not provisioned (no ledger)");
+        p.remove_pod("sandbox-b");
+        assert_eq!(p.cgroup_limits().len(), 1);
         std::fs::remove_dir_all(&root).expect("cleanup");
     }
 

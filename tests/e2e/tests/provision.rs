@@ -265,7 +265,17 @@ fn a_restarted_agent_restores_its_state_and_synchronize_prunes_it() -> Result<()
     node.containerd.stop_container(&gone, Duration::from_secs(1))?;
     node.containerd.remove_pod(&gone_pod)?;
     lift_limit(&node.ledger_of(&kept))?;
+    let (_late_pod, late) = node.pod("late", "team-a", "uid-l")?;
+    ensure!(!node.containerd.container_env(&late)?.iter().any(|e| e.starts_with("VRAMGUARD_LEDGER=")), "nobody to inject it");
     node.start_agent()?;
+    // The container made while the agent was away: not provisioned, but its cgroup is held
+    // to its quota by the probes.
+    ensure!(node.provisioned(&late)?.is_none(), "a running container cannot be provisioned");
+    let cgroup = std::fs::metadata(node.containerd.container_cgroup(&late)?)?.ino();
+    wait_for(Duration::from_secs(5), "the late container's cgroup limit pushed", || {
+        let audit = node.agent().audit()?;
+        Ok(audit["kernel_maps"]["cgroup_limits"].as_array().is_some_and(|ids| ids.iter().any(|id| id.as_u64() == Some(cgroup))))
+    })?;
     ensure!(node.provisioned(&kept)?.is_some(), "the kept container's record restored");
     wait_for(Duration::from_secs(5), "the gone container's files removed", || {
         Ok(node.provisioned(&gone)?.is_none() && !node.ledger_of(&gone).exists() && !node.path("state/containers").join(&gone.0).exists())
