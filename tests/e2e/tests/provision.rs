@@ -32,13 +32,17 @@ struct Node {
 
 impl Node {
     fn new(tag: &str) -> Result<Node> {
+        Node::with_agent_args(tag, &[])
+    }
+
+    fn with_agent_args(tag: &str, more: &[&OsStr]) -> Result<Node> {
         let dir = TempDir::new(tag)?;
         let fake = FakeNode::new(tag).with_env("FAKECUDA_DEVICE_BYTES", "8g").with_env("FAKECUDA_CONTEXT_BYTES", "518m");
         std::fs::create_dir_all(dir.path().join("ledgers"))?;
         std::fs::write(dir.path().join("quotas"), "namespace=team-a 1g\n")?;
         let containerd = Containerd::start(&dir.path().join("nri.sock"))?;
         let mut node = Node { dir, fake, containerd, agent: None };
-        node.start_agent()?;
+        node.start_agent_with(more)?;
         Ok(node)
     }
 
@@ -47,6 +51,10 @@ impl Node {
     }
 
     fn start_agent(&mut self) -> Result<()> {
+        self.start_agent_with(&[])
+    }
+
+    fn start_agent_with(&mut self, more: &[&OsStr]) -> Result<()> {
         let (sock, state, hook, quotas) = (self.path("nri.sock"), self.path("state"), hook_lib()?, self.path("quotas"));
         let args: Vec<&OsStr> = vec![
             OsStr::new("--nri"),
@@ -62,6 +70,7 @@ impl Node {
             OsStr::new("8g"),
             OsStr::new("--hami-metrics"),
         ];
+        let args: Vec<&OsStr> = args.into_iter().chain(more.iter().copied()).collect();
         let agent = Agent::watching(&self.path("ledgers"), &args)?;
         let began = Instant::now();
         wait_for(timeout(), "the agent registered with containerd", || Ok(agent.audit()?["nri_connected"] == true))
@@ -210,6 +219,39 @@ fn a_container_with_a_quota_gets_hook_env_and_ledger_and_is_held_to_it() -> Resu
         Ok(node.ledger_problem(&main)?.is_some_and(|p| p.starts_with("tampered") && p.contains("limit")))
     })?;
     assert_held(&node.workload(&main, &[], &OVER)?)?;
+    node.fake.cleanup();
+    Ok(())
+}
+
+/// A hostile process that gets out of the hook's reach (a user and mount namespace of its
+/// own, a tmpfs over /run/vramguard: the hook then finds no limits and follows the
+/// environment's 64 GiB) is still held to the container's quota by its cgroup's limit in the
+/// eBPF probes: with `--enforce signal`, killed before the driver allocates.
+#[test]
+fn a_process_that_escapes_the_hook_is_held_by_the_cgroup_limit() -> Result<()> {
+    let signal: [&OsStr; 3] = [OsStr::new("--enforce"), OsStr::new("signal"), OsStr::new("--cgroup2-separates-containers")];
+    let node = Node::with_agent_args("prov-escape", &signal)?;
+    let (_pod, main) = node.pod("trainer", "team-a", "uid-e")?;
+    let cgroup = std::fs::metadata(node.containerd.container_cgroup(&main)?)?.ino();
+    wait_for(Duration::from_secs(5), "the container's cgroup limit pushed", || {
+        let audit = node.agent().audit()?;
+        Ok(audit["kernel_maps"]["cgroup_limits"].as_array().is_some_and(|ids| ids.iter().any(|id| id.as_u64() == Some(cgroup))))
+    })?;
+    let escape = |steps: &str| -> Result<e2e::containerd::Exec> {
+        let script = format!(
+            "mount -t tmpfs tmpfs /run/vramguard && test ! -e /run/vramguard/limits && exec env CUDA_DEVICE_MEMORY_LIMIT=64g {} {steps}",
+            workload_path()
+        );
+        node.containerd.exec_sync(&main, &["busybox", "unshare", "-r", "-m", "sh", "-c", &script])
+    };
+    // Within the quota the escaped process runs (the escape itself works here).
+    let fits = escape("'ctx 0' 'alloc a 256m' meminfo")?;
+    ensure!(fits.exit_code == 0, "{fits:?}");
+    ensure!(fits.stdout.contains("total=8589934592"), "the hook saw no limits (the device's 8 GiB): {fits:?}");
+    // Past it: killed at the allocation by the probes (SIGKILL: 128 + 9).
+    let over = escape("'ctx 0' 'alloc a 2g' 'alloc b 2g'")?;
+    ensure!(over.exit_code == 137, "the escaped process must be killed: {over:?}");
+    ensure!(!over.stdout.contains("ok alloc b"), "{over:?}");
     node.fake.cleanup();
     Ok(())
 }
