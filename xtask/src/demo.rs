@@ -9,12 +9,20 @@
 //! training workload to show its ledger slot reclaimed, lets the others exit, stops the agent
 //! and removes everything it made.
 //!
+//! A second scene ([`provisioning`]) shows quotas provisioned by the runtime: a private
+//! containerd with NRI, `vramguard run --nri` with a quota file, a pod the file gives a quota
+//! next to one it does not, what containerd injected into each, the same allocations refused
+//! in one and granted in the other, and the audit (`ok`, `unhooked`). It runs on the fake
+//! driver also under `--libcuda` (and says why); without the containerd cache of `cargo xtask
+//! setup` the demo fails with that advice.
+//!
 //! One implementation serves both uses: [`show`] writes through a [`Transcript`] (stdout, and
 //! kept as text). `cargo xtask demo` is [`demo`]: build, then [`show`]. `cargo xtask test`
 //! (and `cargo xtask demo --check`) runs [`check`]: the same [`show`], then
 //! [`check_transcript`] on its text (the refusal, the un-hooked process reported `unhooked`,
-//! the reclaim, the agent stopped cleanly) and [`check_clean`] on the machine (no cgroup,
-//! fake device file, directory or child process left behind).
+//! the reclaim, the agent stopped cleanly; scene 2's injection, refusals and states) and
+//! [`check_clean`] on the machine (no cgroup, fake device file, directory, mount, child
+//! process, containerd or shim left behind).
 use std::{
     ffi::OsStr,
     fmt::Write as _,
@@ -33,6 +41,8 @@ use e2e::{
 };
 
 use crate::{build_ebpf, cargo, run, setup};
+
+mod provisioning;
 
 /// A container of the demo: its name (also its ledger's directory and its pod name), its
 /// quota under the hook (`None`: not hooked), and its workload's steps, which reach a
@@ -124,6 +134,8 @@ pub struct Footprint {
     agent_dir: PathBuf,
     /// The cgroups' directories.
     cgroups: Vec<PathBuf>,
+    /// What the second scene (provisioning through containerd) made.
+    provisioning: provisioning::Footprint,
 }
 
 /// `cargo xtask demo [--check] [--libcuda PATH]`: builds what it runs, then [`show`] (with
@@ -282,20 +294,27 @@ pub fn show(out: &mut Transcript, driver: &Driver) -> Result<Footprint> {
     for line in log.lines().filter(|l| ["reclaimed the slot", "stopping", AGENT_STOPPED].iter().any(|w| l.contains(w))) {
         writeln!(out, "   agent: {line}")?;
     }
-    let footprint = Footprint {
-        training: pids.0,
-        inference: pids.1,
-        batch: pids.2,
-        node: node.name().to_string(),
-        state_dir: node.state_dir().to_path_buf(),
-        ledger_root: root.path().to_path_buf(),
-        agent_dir,
-        cgroups,
-    };
+    let (node_name, state_dir, ledger_root) = (node.name().to_string(), node.state_dir().to_path_buf(), root.path().to_path_buf());
     drop(node);
     drop(root);
     writeln!(out, "== done: probes detached; the cgroups, the fake device's files and the ledger root removed")?;
-    Ok(footprint)
+
+    let real = match driver {
+        Driver::Fake => None,
+        Driver::Real(path) => Some(path.as_path()),
+    };
+    let provisioning = provisioning::show(out, real)?;
+    Ok(Footprint {
+        training: pids.0,
+        inference: pids.1,
+        batch: pids.2,
+        node: node_name,
+        state_dir,
+        ledger_root,
+        agent_dir,
+        cgroups,
+        provisioning,
+    })
 }
 
 /// A workload that loads the `libcuda.so.1` (and NVML) of `libcuda`'s directory.
@@ -416,7 +435,7 @@ pub fn check_transcript(text: &str, footprint: &Footprint) -> Result<()> {
         "vramguard_reclaims_total never counted the killed workload's slot"
     );
     ensure!(text.lines().any(|l| l.starts_with("   agent: ") && l.contains(AGENT_STOPPED)), "the agent's {AGENT_STOPPED:?} line is missing");
-    Ok(())
+    provisioning::check_transcript(text, &footprint.provisioning).context("scene 2 (provisioning through containerd)")
 }
 
 /// Checks that nothing the demo made is left: its cgroups, the fake node's device files, the
@@ -429,24 +448,31 @@ pub fn check_clean(footprint: &Footprint) -> Result<()> {
             left.push(dir.display().to_string());
         }
     }
-    // The node's files: `<node>-dev<i>`, `<node>.ledger`, and their temporaries (`.<node>…`).
-    let ours = |name: &str| {
-        let name = name.strip_prefix('.').unwrap_or(name);
-        name.strip_prefix(footprint.node.as_str()).is_some_and(|rest| rest.starts_with(['-', '.']))
-    };
-    let entries =
-        fs::read_dir(&footprint.state_dir).with_context(|| format!("cannot list {}", footprint.state_dir.display()))?;
-    for entry in entries {
-        let name = entry?.file_name().to_string_lossy().into_owned();
-        if ours(&name) {
-            left.push(footprint.state_dir.join(name).display().to_string());
-        }
-    }
+    left.extend(node_files(&footprint.node, &footprint.state_dir)?);
     for (pid, comm) in children_of(std::process::id())? {
         left.push(format!("process {pid} ({comm})"));
     }
+    left.extend(provisioning::leftovers(&footprint.provisioning)?);
     ensure!(left.is_empty(), "left behind: {}", left.join(", "));
     Ok(())
+}
+
+/// The files fake node `node` has in `state_dir`: `<node>-dev<i>`, `<node>.ledger`, and
+/// their temporaries (`.<node>…`).
+fn node_files(node: &str, state_dir: &Path) -> Result<Vec<String>> {
+    let ours = |name: &str| {
+        let name = name.strip_prefix('.').unwrap_or(name);
+        name.strip_prefix(node).is_some_and(|rest| rest.starts_with(['-', '.']))
+    };
+    let entries = fs::read_dir(state_dir).with_context(|| format!("cannot list {}", state_dir.display()))?;
+    let mut left = Vec::new();
+    for entry in entries {
+        let name = entry?.file_name().to_string_lossy().into_owned();
+        if ours(&name) {
+            left.push(state_dir.join(name).display().to_string());
+        }
+    }
+    Ok(left)
 }
 
 /// (pid, command) of every process whose parent is `parent`, zombies included.
@@ -466,7 +492,7 @@ fn children_of(parent: u32) -> Result<Vec<(u32, String)>> {
 
 #[cfg(test)]
 mod tests {
-    use std::path::Path;
+    use std::{os::unix::process::CommandExt as _, path::Path};
 
     use super::*;
 
@@ -480,6 +506,18 @@ mod tests {
             ledger_root: dir.join("ledgers"),
             agent_dir: dir.join("agent"),
             cgroups: vec![dir.join("cgroup")],
+            provisioning: provisioning::Footprint {
+                provisioned_pid: 201,
+                plain_pid: 202,
+                provisioned_id: "734a3ca099690e7117be9959fe80a007e1f8a8faeed1abae617be32c64564ac1".into(),
+                plain_id: "6c6af85a802b6dd3e8f1e37be76b0a2d6b418551763d75cdadfd0395241d34df".into(),
+                dir: dir.join("nri"),
+                containerd_dir: dir.join("containerd"),
+                cgroup_parent: dir.join("containerd-cgroup"),
+                agent_dir: dir.join("nri-agent"),
+                node: "e2e-demo-nri-1-5".into(),
+                state_dir: dir.join("shm"),
+            },
         }
     }
 
@@ -502,6 +540,29 @@ libcuda probed: /x/fakecuda/libcuda.so.1; events: 9 received, 0 lost
    vramguard_unhooked_processes 1
    vramguard_reclaims_total 1
    agent: 2026-05-20T10:00:00.000000Z  INFO vramguard::run: vramguard agent stopped
+
+
+######## scene 2: quotas provisioned by the runtime (containerd's NRI) ########
+== what the runtime injected (vramguard's env and mounts in the spec containerd gave runc)
+   team-a/trainer: env   VRAMGUARD_LEDGER=/run/vramguard/ledger
+   team-a/trainer: env   CUDA_DEVICE_MEMORY_LIMIT=2147483648
+   team-a/trainer: env   POD_NAMESPACE=team-a
+   team-a/trainer: mount /etc/ld.so.preload (ro) <- /tmp/n/state/ld.so.preload
+   team-a/trainer: mount /run/vramguard/ledger (rw) <- /tmp/n/ledgers/734a3ca099690e7117be9959fe80a007e1f8a8faeed1abae617be32c64564ac1/ledger
+   team-a/trainer: mount /usr/lib/vramguard/libvramguard.so (ro) <- /x/libvramguard.so
+   team-b/web: nothing injected (no VRAMGUARD_/CUDA_DEVICE_MEMORY_ env, no hook, no ledger)
+   trainer: ok alloc a 0x700000000000 268435456
+   trainer: oom b
+   trainer (CUDA_DEVICE_MEMORY_LIMIT=64g): ok alloc a 0x700000000000 268435456
+   trainer (CUDA_DEVICE_MEMORY_LIMIT=64g): oom b
+   web: ok alloc a 0x700000000000 268435456
+   web: ok alloc b 0x700010000000 1073741824
+     PID  COMM             CGROUP                                       DEVICE    MANAGED      ASYNC        VMM      TOTAL  ALLOCS     LEDGER  STATE
+     201  fakecuda-worklo  …e80a007e1f8a8faeed1abae617be32c64564ac1  256.0 MiB        0 B        0 B        0 B  256.0 MiB       1  256.0 MiB  ok
+     202  fakecuda-worklo  …d6b418551763d75cdadfd0395241d34df1a6398    2.0 GiB        0 B        0 B        0 B    2.0 GiB       1          -  unhooked
+-- provisioned (vramguard audit --json: .provisioned)
+   734a3ca09969  team-a/trainer/main  quota 2048 MiB per GPU  from the quota file  cgroup /c/poddemo-trainer/734a3ca099690e7117be9959fe80a007e1f8a8faeed1abae617be32c64564ac1
+   nri agent: 2026-11-23T23:20:39.745546Z  INFO agent::run: vramguard agent stopped
 "#;
 
     #[test]
@@ -521,7 +582,26 @@ libcuda probed: /x/fakecuda/libcuda.so.1; events: 9 received, 0 lost
             ("a hooked row", without("/vramguard-test-demo-training-")),
             ("the unhooked count", without("vramguard_unhooked_processes")),
             ("the reclaim", without("vramguard_reclaims_total")),
-            ("the clean stop", without(AGENT_STOPPED)),
+            ("the clean stop", GOOD.replace("   agent: ", "   ")),
+            ("scene 2", GOOD.split("\n\n######## scene 2").next().expect("scene 1").to_string()),
+            ("the injected ledger env", without("trainer: env   VRAMGUARD_LEDGER=")),
+            ("the injected quota env", without("trainer: env   CUDA_DEVICE_MEMORY_LIMIT=")),
+            ("the injected preload", without("trainer: mount /etc/ld.so.preload")),
+            ("the injected ledger mount", without("trainer: mount /run/vramguard/ledger")),
+            ("the injected hook", without("trainer: mount /usr/lib/vramguard/")),
+            ("the plain container's clean spec", without("team-b/web: nothing injected")),
+            ("the plain container's clean spec", GOOD.replace("   team-b/web: nothing injected", "   team-b/web: env   LD_PRELOAD=/x.so\n   team-b/web: nothing injected")),
+            ("the provisioned refusal", without("   trainer: oom b")),
+            ("the refusal under the lying env", without("(CUDA_DEVICE_MEMORY_LIMIT=64g): oom b")),
+            ("the plain container's grant", without("web: ok alloc b")),
+            ("the provisioned process ok", GOOD.replace("256.0 MiB  ok", "256.0 MiB  drift")),
+            ("the plain process unhooked", GOOD.replace("-  unhooked\n-- provisioned", "-  ok\n-- provisioned")),
+            ("the provisioned list", without("734a3ca09969  team-a/trainer/main")),
+            (
+                "the provisioned list",
+                GOOD.replace("   734a3ca09969  team-a", "   6c6af85a802b  team-b/web/main  quota 2048 MiB per GPU\n   734a3ca09969  team-a"),
+            ),
+            ("scene 2's clean stop", without("nri agent: ")),
         ];
         for (what, text) in cases {
             assert!(check_transcript(&text, &footprint).is_err(), "a transcript without {what} must fail the check");
@@ -536,13 +616,14 @@ libcuda probed: /x/fakecuda/libcuda.so.1; events: 9 received, 0 lost
         let footprint = footprint(&dir);
         check_clean(&footprint).expect("nothing left yet");
 
-        for leftover in [dir.join("cgroup"), dir.join("ledgers"), dir.join("agent")] {
+        let scene = &footprint.provisioning;
+        for leftover in [dir.join("cgroup"), dir.join("ledgers"), dir.join("agent"), scene.dir.clone(), scene.containerd_dir.clone(), scene.cgroup_parent.clone(), scene.agent_dir.clone()] {
             fs::create_dir(&leftover).expect("mkdir");
             let error = check_clean(&footprint).expect_err("a directory left behind");
             assert!(format!("{error:#}").contains(&leftover.display().to_string()), "{error:#}");
             fs::remove_dir(&leftover).expect("rmdir");
         }
-        for name in ["e2e-demo-1-0-dev0", ".e2e-demo-1-0-dev0.tmp", "e2e-demo-1-0.ledger"] {
+        for name in ["e2e-demo-1-0-dev0", ".e2e-demo-1-0-dev0.tmp", "e2e-demo-1-0.ledger", "e2e-demo-nri-1-5-dev0"] {
             fs::write(dir.join("shm").join(name), b"").expect("write");
             assert!(check_clean(&footprint).is_err(), "{name} left behind");
             fs::remove_file(dir.join("shm").join(name)).expect("rm");
@@ -558,6 +639,18 @@ libcuda probed: /x/fakecuda/libcuda.so.1; events: 9 received, 0 lost
         child.kill().expect("kill");
         assert!(check_clean(&footprint).is_err(), "a child not reaped yet (a zombie) is still left behind");
         child.wait().expect("wait");
+        check_clean(&footprint).expect("clean again");
+
+        // A process naming containerd's directory in its command line, as its shims do.
+        let mut shim = std::process::Command::new("sleep")
+            .arg0(scene.containerd_dir.join("containerd-shim-runc-v2"))
+            .arg("30")
+            .spawn()
+            .expect("spawn sleep");
+        let error = check_clean(&footprint).expect_err("a process naming containerd's directory");
+        assert!(format!("{error:#}").contains(&format!("process {} ({}", shim.id(), scene.containerd_dir.display())), "{error:#}");
+        shim.kill().expect("kill");
+        shim.wait().expect("wait");
         check_clean(&footprint).expect("clean again");
         fs::remove_dir_all(&dir).expect("cleanup");
     }

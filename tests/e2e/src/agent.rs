@@ -1,7 +1,7 @@
 //! A `vramguard run` started for one test: probes the fake driver only, listens on a socket
 //! of its own, and is stopped with SIGTERM (which must succeed) or killed on drop.
 use std::{
-    ffi::OsStr,
+    ffi::{OsStr, OsString},
     fs::File,
     path::{Path, PathBuf},
     sync::atomic::{AtomicU32, Ordering},
@@ -21,6 +21,25 @@ pub fn agent_bin() -> Result<PathBuf> {
         bail!("{} is not built: run the tests with `cargo xtask test`", path.display());
     }
     Ok(path)
+}
+
+/// The arguments that make `vramguard run` containerd's NRI plugin on `nri_socket`,
+/// provisioning from `quota_file` with the built hook, its state under `state_dir`, on a node
+/// of `gpu_memory` per GPU (e.g. `8g`): `--nri --nri-socket ... --gpu-memory ...`.
+pub fn provisioning_args(nri_socket: &Path, state_dir: &Path, quota_file: &Path, gpu_memory: &str) -> Result<Vec<OsString>> {
+    Ok(vec![
+        "--nri".into(),
+        "--nri-socket".into(),
+        nri_socket.into(),
+        "--state-dir".into(),
+        state_dir.into(),
+        "--hook-library".into(),
+        crate::hook_lib()?.into(),
+        "--quota-file".into(),
+        quota_file.into(),
+        "--gpu-memory".into(),
+        gpu_memory.into(),
+    ])
 }
 
 pub struct Agent {

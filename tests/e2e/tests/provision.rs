@@ -5,7 +5,7 @@
 //!
 //! Needs the containerd cache (`cargo xtask setup`) and the built binaries (`cargo xtask test`).
 use std::{
-    ffi::OsStr,
+    ffi::{OsStr, OsString},
     os::unix::fs::{FileExt as _, MetadataExt as _},
     path::{Path, PathBuf},
     time::{Duration, Instant},
@@ -13,9 +13,9 @@ use std::{
 
 use anyhow::{ensure, Context, Result};
 use e2e::{
-    agent::Agent,
+    agent::{provisioning_args, Agent},
     containerd::{workload_path, ContainerId, ContainerSpec, Containerd, PodId},
-    hook_lib, timeout, wait_for, FakeNode, TempDir, GIB,
+    timeout, wait_for, FakeNode, TempDir, GIB,
 };
 use serde_json::Value;
 
@@ -55,22 +55,9 @@ impl Node {
     }
 
     fn start_agent_with(&mut self, more: &[&OsStr]) -> Result<()> {
-        let (sock, state, hook, quotas) = (self.path("nri.sock"), self.path("state"), hook_lib()?, self.path("quotas"));
-        let args: Vec<&OsStr> = vec![
-            OsStr::new("--nri"),
-            OsStr::new("--nri-socket"),
-            sock.as_os_str(),
-            OsStr::new("--state-dir"),
-            state.as_os_str(),
-            OsStr::new("--hook-library"),
-            hook.as_os_str(),
-            OsStr::new("--quota-file"),
-            quotas.as_os_str(),
-            OsStr::new("--gpu-memory"),
-            OsStr::new("8g"),
-            OsStr::new("--hami-metrics"),
-        ];
-        let args: Vec<&OsStr> = args.into_iter().chain(more.iter().copied()).collect();
+        let args = provisioning_args(&self.path("nri.sock"), &self.path("state"), &self.path("quotas"), "8g")?;
+        let args: Vec<&OsStr> =
+            args.iter().map(OsString::as_os_str).chain([OsStr::new("--hami-metrics")]).chain(more.iter().copied()).collect();
         let agent = Agent::watching(&self.path("ledgers"), &args)?;
         let began = Instant::now();
         wait_for(timeout(), "the agent registered with containerd", || Ok(agent.audit()?["nri_connected"] == true))
