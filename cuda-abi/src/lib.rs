@@ -121,9 +121,30 @@ pub const CU_MEM_ALLOC_GRANULARITY_RECOMMENDED: c_int = 1;
 pub const CU_MEM_ATTACH_GLOBAL: c_uint = 1;
 pub const CU_MEM_ATTACH_HOST: c_uint = 2;
 
-// `CUmemPool_attribute` (values of those read here are `cuuint64_t`).
+// `CUmemPool_attribute`: the `REUSE_*` switches are `int`, the others `cuuint64_t`.
+pub const CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES: c_int = 1;
+pub const CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC: c_int = 2;
+pub const CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES: c_int = 3;
+pub const CU_MEMPOOL_ATTR_RELEASE_THRESHOLD: c_int = 4;
 pub const CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT: c_int = 5;
+pub const CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH: c_int = 6;
 pub const CU_MEMPOOL_ATTR_USED_MEM_CURRENT: c_int = 7;
+pub const CU_MEMPOOL_ATTR_USED_MEM_HIGH: c_int = 8;
+
+/// `CUmemPoolProps` (`CUmemPoolProps_v1`, 88 bytes).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct CUmemPoolProps {
+    /// `CUmemAllocationType`.
+    pub alloc_type: c_int,
+    /// `CUmemAllocationHandleType`.
+    pub handle_types: c_int,
+    pub location: CUmemLocation,
+    pub win32_security_attributes: *mut c_void,
+    pub max_size: usize,
+    pub usage: u16,
+    pub reserved: [u8; 54],
+}
 
 // CUdriverProcAddress_flags (a bit set, passed as `cuuint64_t flags`).
 pub const CU_GET_PROC_ADDRESS_LEGACY_STREAM: u64 = 1 << 0;

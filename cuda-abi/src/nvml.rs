@@ -54,6 +54,18 @@ pub const NVML_ERROR_UNKNOWN: nvmlReturn_t = 999;
 /// `NVML_DEVICE_UUID_BUFFER_SIZE` and `NVML_DEVICE_UUID_V2_BUFFER_SIZE`: buffers that always
 /// hold a UUID string with its NUL.
 pub const NVML_DEVICE_UUID_BUFFER_SIZE: usize = 80;
+pub const NVML_DEVICE_NAME_V2_BUFFER_SIZE: usize = 96;
+pub const NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE: usize = 80;
+
+/// `nvmlProcessInfo_t` as `nvmlDeviceGetComputeRunningProcesses_v3` fills it (`_v2` layout).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct nvmlProcessInfo_t {
+    pub pid: c_uint,
+    pub used_gpu_memory: u64,
+    pub gpu_instance_id: c_uint,
+    pub compute_instance_id: c_uint,
+}
 pub const NVML_DEVICE_UUID_V2_BUFFER_SIZE: usize = 96;
 
 /// A GPU's UUID as NVML and `nvidia-smi` write it:

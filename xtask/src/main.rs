@@ -1,8 +1,9 @@
 //! Project automation, run as `cargo xtask <command>`:
 //!
 //! - `setup`: install what building needs and is missing (rust-src for the nightly toolchain,
-//!   `bpf-linker` built against the nightly toolchain's own LLVM, and `kubernetes-validate` in
-//!   a Python environment at `target/pyenv`, and containerd, runc and busybox from Debian's
+//!   `bpf-linker` built against the nightly toolchain's own LLVM, `kubernetes-validate` and
+//!   the real CUDA clients the e2e tests run (cuda-bindings, numba-cuda, nvidia-ml-py, nvitop;
+//!   pinned) in a Python environment at `target/pyenv`, and containerd, runc and busybox from Debian's
 //!   archive in `target/containerd` for the end-to-end tests); a no-op when all is there.
 //! - `build-ebpf`: compile `ebpf/` for `bpfel-unknown-none` (the agent embeds the object).
 //! - `fake-driver`: build the fake CUDA driver; print the directory holding `libcuda.so.1` (and
@@ -13,6 +14,7 @@
 //! - `demo`: the agent, the fake driver and sample workloads, end to end (needs root).
 //! - `bench`: what the eBPF probes cost per alloc/free pair; writes docs/BENCHMARKS.md.
 mod bench;
+mod clients;
 mod containerd;
 mod demo;
 mod manifests;

@@ -14,14 +14,17 @@ pub const KUBERNETES_VERSION: &str = "1.30";
 /// The validator, pinned: its schemas decide what passes.
 const KUBERNETES_VALIDATE: &str = "kubernetes-validate==1.37.0";
 
-fn pyenv() -> PathBuf {
+/// The project's Python environment, `target/pyenv` (also holds the real CUDA clients the
+/// end-to-end tests run: [`crate::clients`]).
+pub fn pyenv() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| root().join("target"))
         .join("pyenv")
 }
 
-fn python() -> PathBuf {
+/// The environment's interpreter.
+pub fn python() -> PathBuf {
     pyenv().join("bin/python")
 }
 
@@ -40,14 +43,20 @@ pub fn setup() -> Result<()> {
         println!("setup: {KUBERNETES_VALIDATE} in {}: present", pyenv().display());
         return Ok(());
     }
-    if !python().exists() {
-        println!("setup: creating the Python environment {}", pyenv().display());
-        run(Command::new("python3").arg("-m").arg("venv").arg(pyenv()))
-            .context("creating the manifests' Python environment (needs python3 with venv)")?;
-    }
+    create_pyenv()?;
     println!("setup: installing {KUBERNETES_VALIDATE}");
     run(Command::new(python()).args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", KUBERNETES_VALIDATE, "pyyaml"]))
         .context("installing kubernetes-validate")
+}
+
+/// Creates the environment unless it exists.
+pub fn create_pyenv() -> Result<()> {
+    if !python().exists() {
+        println!("setup: creating the Python environment {}", pyenv().display());
+        run(Command::new("python3").arg("-m").arg("venv").arg(pyenv()))
+            .context("creating the project's Python environment (needs python3 with venv)")?;
+    }
+    Ok(())
 }
 
 /// Validates every manifest under deploy/; fails naming each file and error.

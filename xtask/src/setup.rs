@@ -1,6 +1,6 @@
 //! `cargo xtask setup`: the eBPF toolchain, installed only where missing (DESIGN.md §7);
-//! also the manifests' validator ([`crate::manifests`]) and the containerd the end-to-end
-//! tests run ([`crate::containerd`]).
+//! also the manifests' validator ([`crate::manifests`]), the real CUDA clients
+//! ([`crate::clients`]) and the containerd the end-to-end tests run ([`crate::containerd`]).
 //!
 //! The eBPF programs build with the nightly toolchain (`-Z build-std=core` needs its
 //! `rust-src`) and link with `bpf-linker`, which must use the same LLVM as that nightly
@@ -23,6 +23,7 @@ const BPF_LINKER_VERSION: &str = "^0.13";
 
 pub fn setup() -> Result<()> {
     crate::manifests::setup()?;
+    crate::clients::setup()?;
     crate::containerd::setup()?;
     let sysroot = nightly_sysroot()?;
     if sysroot.join("lib/rustlib/src/rust/library/core").is_dir() {

@@ -329,6 +329,9 @@ pub struct Workload {
     /// A program (and its arguments) that runs the workload: the workload's command line
     /// follows them.
     wrapper: Vec<OsString>,
+    /// Another program run in the workload's place (a real client), with the same
+    /// environment and command line (`args -- steps`).
+    program: Option<PathBuf>,
 }
 
 impl Workload {
@@ -391,6 +394,13 @@ impl Workload {
         self
     }
 
+    /// Runs `program` instead of `fakecuda-workload`: same environment (fake driver, node,
+    /// hook settings), command line `args -- steps`.
+    pub fn program(mut self, program: impl Into<PathBuf>) -> Workload {
+        self.program = Some(program.into());
+        self
+    }
+
     /// The command, ready to spawn.
     pub fn command(&self) -> Result<Command> {
         let mut cmd = match self.wrapper.split_first() {
@@ -399,7 +409,10 @@ impl Workload {
                 cmd.args(args).arg(workload_bin()?);
                 cmd
             }
-            None => Command::new(workload_bin()?),
+            None => Command::new(match &self.program {
+                Some(program) => program.clone(),
+                None => workload_bin()?,
+            }),
         };
         let mut path: Vec<PathBuf> = self.lib_dirs.clone();
         path.push(fake_driver_dir()?);

@@ -307,6 +307,15 @@ impl DeviceFile {
             .fold(0u64, |sum, s| sum.saturating_add(self.u64_at(s, OFF_CHARGED).load(Ordering::Relaxed)))
     }
 
+    /// `(pid, bytes)` of every process holding memory on the device (pids as the processes
+    /// recorded them, in their own pid namespace).
+    pub fn processes(&self, _lock: &Locked<'_>) -> Vec<(u32, u64)> {
+        self.live_slots()
+            .map(|s| (self.u32_at(s, OFF_PID).load(Ordering::Relaxed), self.u64_at(s, OFF_CHARGED).load(Ordering::Relaxed)))
+            .filter(|&(pid, bytes)| pid != 0 && bytes != 0)
+            .collect()
+    }
+
     /// Frees the slots of dead processes; returns how many bytes that gave back.
     pub fn reap(&self, _lock: &Locked<'_>, me: &ProcId) -> u64 {
         let mut freed = 0u64;

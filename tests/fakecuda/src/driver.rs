@@ -78,14 +78,34 @@ pub struct Dev {
     slot_hint: Option<usize>,
     usage: Usage,
     primary_refs: u32,
-    /// Bytes of live allocations from the default pool.
-    pool_used: u64,
+}
+
+/// A stream-ordered memory pool (a device's default pool, or one from `cuMemPoolCreate`).
+#[derive(Debug, Clone, Copy)]
+pub struct Pool {
+    pub dev: usize,
+    /// Bytes held from the device (charged), in whole 2 MiB pages.
+    pub reserved: u64,
+    /// Bytes of live allocations.
+    pub used: u64,
+    pub reserved_high: u64,
+    pub used_high: u64,
+    /// `CU_MEMPOOL_ATTR_RELEASE_THRESHOLD`: reserved memory kept at a synchronization.
+    pub release_threshold: u64,
+    /// `CUmemPoolProps.maxSize` (0: no limit but the device's).
+    pub max_size: u64,
+    /// The three `CU_MEMPOOL_ATTR_REUSE_*` switches (1 by default).
+    pub reuse: [i32; 3],
+    /// Destroyed while allocations were live: goes once they are freed.
+    destroyed: bool,
 }
 
 #[derive(Debug, Clone, Copy)]
 struct Ctx {
     dev: usize,
     primary: bool,
+    /// The `CU_CTX_*` flags it was created with.
+    flags: u32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -94,8 +114,8 @@ enum Kind {
     Device,
     /// `cuMemAllocManaged`: charged as resident device memory; freed with its context.
     Managed,
-    /// Stream-ordered, from the device's default pool.
-    Pool,
+    /// Stream-ordered, from the pool with this handle.
+    Pool(u64),
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -104,6 +124,35 @@ struct Alloc {
     ctx: u64,
     size: u64,
     kind: Kind,
+}
+
+/// Host memory backing a managed allocation, so the host can read and write it.
+struct HostMap {
+    addr: u64,
+    len: usize,
+}
+
+impl HostMap {
+    fn new(len: u64) -> R<HostMap> {
+        let len = usize::try_from(len).map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)?;
+        // SAFETY: an anonymous private mapping at an address the kernel picks; no memory of
+        // this process is touched.
+        let addr = unsafe {
+            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
+        };
+        if addr == libc::MAP_FAILED {
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        Ok(HostMap { addr: addr as u64, len })
+    }
+}
+
+impl Drop for HostMap {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly the mapping `new` made, which nothing else refers to once
+        // the allocation is freed.
+        unsafe { libc::munmap(self.addr as *mut libc::c_void, self.len) };
+    }
 }
 
 #[derive(Debug)]
@@ -160,6 +209,10 @@ pub struct Driver {
     pub devs: Vec<Dev>,
     contexts: HashMap<u64, Ctx>,
     allocs: HashMap<u64, Alloc>,
+    /// Host mappings of managed allocations, by address.
+    host_maps: HashMap<u64, HostMap>,
+    pools: HashMap<u64, Pool>,
+    next_pool: u64,
     handles: HashMap<u64, VmmHandle>,
     reservations: BTreeMap<u64, Reservation>,
     large_va: VaRegion,
@@ -262,6 +315,22 @@ fn primary_handle(dev: usize) -> u64 {
     PRIMARY_CTX_BASE + dev as u64 * 0x1000
 }
 
+impl Pool {
+    fn new(dev: usize, max_size: u64) -> Pool {
+        Pool {
+            dev,
+            reserved: 0,
+            used: 0,
+            reserved_high: 0,
+            used_high: 0,
+            release_threshold: 0,
+            max_size,
+            reuse: [1; 3],
+            destroyed: false,
+        }
+    }
+}
+
 /// The handle of device `dev`'s default memory pool.
 pub fn pool_handle(dev: usize) -> u64 {
     POOL_BASE + dev as u64 * 0x1000
@@ -302,14 +371,18 @@ impl Driver {
             let lock = file.lock()?;
             file.reap(&lock, &me);
             drop(lock);
-            devs.push(Dev { file, slot_hint: None, usage: Usage::default(), primary_refs: 0, pool_used: 0 });
+            devs.push(Dev { file, slot_hint: None, usage: Usage::default(), primary_refs: 0 });
         }
+        let pools = (0..devs.len()).map(|d| (pool_handle(d), Pool::new(d, 0))).collect();
         Ok(Driver {
             me,
             cfg,
             devs,
             contexts: HashMap::new(),
             allocs: HashMap::new(),
+            host_maps: HashMap::new(),
+            pools,
+            next_pool: 0,
             handles: HashMap::new(),
             reservations: BTreeMap::new(),
             large_va: VaRegion::new(LARGE_VA),
@@ -373,6 +446,33 @@ impl Driver {
         Ok(())
     }
 
+    /// `cuCtxPushCurrent_v2`: `ctx` becomes current on top of the calling thread's stack.
+    pub fn push_current(&self, ctx: u64) -> R<()> {
+        if !self.contexts.contains_key(&ctx) {
+            return Err(CUDA_ERROR_INVALID_CONTEXT);
+        }
+        with_stack(|s| s.push(ctx));
+        Ok(())
+    }
+
+    /// `cuCtxPopCurrent_v2`: removes the current context from the calling thread's stack.
+    pub fn pop_current(&self) -> R<u64> {
+        let mut popped = None;
+        with_stack(|s| popped = s.pop());
+        popped.ok_or(CUDA_ERROR_INVALID_CONTEXT)
+    }
+
+    /// The flags of the calling thread's current context.
+    pub fn current_flags(&self) -> R<u32> {
+        let (h, _) = self.current()?;
+        self.contexts.get(&h).map(|c| c.flags).ok_or(CUDA_ERROR_INVALID_CONTEXT)
+    }
+
+    /// Whether device `dev`'s primary context is active (retained at least once).
+    pub fn primary_active(&self, dev: c_int) -> R<bool> {
+        Ok(self.dev(self.dev_index(dev)?)?.primary_refs > 0)
+    }
+
     /// `cuDevicePrimaryCtxRetain`: the first retain creates the context and charges its reserve.
     pub fn primary_retain(&mut self, dev: c_int) -> R<u64> {
         let dev = self.dev_index(dev)?;
@@ -382,7 +482,7 @@ impl Driver {
                 u.contexts += 1;
                 Some(())
             })?;
-            self.contexts.insert(h, Ctx { dev, primary: true });
+            self.contexts.insert(h, Ctx { dev, primary: true, flags: 0 });
         }
         let d = self.devs.get_mut(dev).ok_or(CUDA_ERROR_INVALID_DEVICE)?;
         d.primary_refs = d.primary_refs.checked_add(1).ok_or(CUDA_ERROR_INVALID_VALUE)?;
@@ -422,7 +522,7 @@ impl Driver {
         })?;
         self.next_ctx += 1;
         let h = CREATED_CTX_BASE + self.next_ctx * 0x1000;
-        self.contexts.insert(h, Ctx { dev, primary: false });
+        self.contexts.insert(h, Ctx { dev, primary: false, flags });
         with_stack(|s| s.push(h));
         Ok(h)
     }
@@ -448,7 +548,7 @@ impl Driver {
         let owned: Vec<u64> = self
             .allocs
             .iter()
-            .filter(|(_, a)| a.ctx == h && a.kind != Kind::Pool)
+            .filter(|(_, a)| a.ctx == h && !matches!(a.kind, Kind::Pool(_)))
             .map(|(p, _)| *p)
             .collect();
         for p in owned {
@@ -492,7 +592,14 @@ impl Driver {
         if size == 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        let (addr, small) = self.take_va(size)?;
+        // Managed memory lives at its host mapping's address (the host can use it); other
+        // allocations get a device address.
+        let host = if managed { Some(HostMap::new(size)?) } else { None };
+        let (addr, small) = match &host {
+            Some(h) if self.allocs.contains_key(&h.addr) => return Err(CUDA_ERROR_OUT_OF_MEMORY),
+            Some(h) => (h.addr, size < PAGE),
+            None => self.take_va(size)?,
+        };
         let charged = self.recharge(dev, |u| {
             if small {
                 u.small = u.small.checked_add(size)?;
@@ -502,18 +609,23 @@ impl Driver {
             Some(())
         });
         if let Err(e) = charged {
-            self.give_va(addr, size);
+            if host.is_none() {
+                self.give_va(addr, size);
+            }
             return Err(e);
         }
         let kind = if managed { Kind::Managed } else { Kind::Device };
         self.allocs.insert(addr, Alloc { dev, ctx, size, kind });
+        if let Some(h) = host {
+            self.host_maps.insert(addr, h);
+        }
         Ok(addr)
     }
 
     /// Frees any allocation made by this process (`async_only`: only pool allocations).
     pub fn free(&mut self, ptr: u64, async_only: bool) -> R<()> {
         let a = *self.allocs.get(&ptr).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        if async_only && a.kind != Kind::Pool {
+        if async_only && !matches!(a.kind, Kind::Pool(_)) {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         match a.kind {
@@ -525,69 +637,122 @@ impl Driver {
                 }
                 Some(())
             })?,
-            Kind::Pool => {
-                // Freed memory stays reserved by the pool until trimmed.
-                let d = self.devs.get_mut(a.dev).ok_or(CUDA_ERROR_INVALID_DEVICE)?;
-                d.pool_used = d.pool_used.saturating_sub(a.size);
+            Kind::Pool(pool) => {
+                // Freed memory stays reserved by the pool until trimmed or synchronized.
+                let p = self.pools.get_mut(&pool).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+                p.used = p.used.saturating_sub(a.size);
+                if p.destroyed && p.used == 0 {
+                    self.pool_trim(pool, 0)?;
+                    self.pools.remove(&pool);
+                }
             }
         }
         self.allocs.remove(&ptr);
-        self.give_va(ptr, a.size);
+        if self.host_maps.remove(&ptr).is_none() {
+            self.give_va(ptr, a.size);
+        }
         Ok(())
     }
 
     // ---- stream-ordered pools -------------------------------------------------------------
 
-    /// The device whose default pool is `pool`.
-    pub fn pool_dev(&self, pool: u64) -> R<usize> {
-        (0..self.devs.len()).find(|&d| pool_handle(d) == pool).ok_or(CUDA_ERROR_INVALID_VALUE)
+    /// A live pool of this process.
+    pub fn pool(&self, pool: u64) -> R<&Pool> {
+        self.pools.get(&pool).filter(|p| !p.destroyed).ok_or(CUDA_ERROR_INVALID_VALUE)
     }
 
-    /// An allocation from device `dev`'s default pool: the pool's reserve grows in 2 MiB
-    /// steps only when its live allocations would exceed it.
-    pub fn pool_alloc(&mut self, dev: usize, size: u64) -> R<u64> {
+    /// A live pool of this process, to change its attributes.
+    pub fn pool_mut(&mut self, pool: u64) -> R<&mut Pool> {
+        self.pools.get_mut(&pool).filter(|p| !p.destroyed).ok_or(CUDA_ERROR_INVALID_VALUE)
+    }
+
+    /// `cuMemPoolCreate`: an empty pool on device `dev` (reserves nothing yet).
+    pub fn pool_create(&mut self, dev: usize, max_size: u64) -> R<u64> {
+        self.dev(dev)?;
+        self.next_pool += 1;
+        let h = POOL_BASE + (self.devs.len() as u64 + self.next_pool) * 0x1000;
+        self.pools.insert(h, Pool::new(dev, max_size));
+        Ok(h)
+    }
+
+    /// `cuMemPoolDestroy`: not for a default pool. Its free memory goes back at once; memory
+    /// of allocations still live goes when they are freed, as the driver defers it.
+    pub fn pool_destroy(&mut self, pool: u64) -> R<()> {
+        let dev = self.pool(pool)?.dev;
+        if pool == pool_handle(dev) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        self.pool_trim(pool, 0)?;
+        if self.pool(pool)?.used == 0 {
+            self.pools.remove(&pool);
+        } else if let Some(p) = self.pools.get_mut(&pool) {
+            p.destroyed = true;
+        }
+        Ok(())
+    }
+
+    /// An allocation from `pool`: the pool's reserve grows in 2 MiB steps only when its live
+    /// allocations would exceed it (and never past its `maxSize`).
+    pub fn pool_alloc(&mut self, pool: u64, size: u64) -> R<u64> {
         let (ctx, _) = self.current()?;
         if size == 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        let used = self.dev(dev)?.pool_used.checked_add(size).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
+        let p = *self.pool(pool)?;
+        let used = p.used.checked_add(size).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
+        let reserved = if used > p.reserved { round_up(used, PAGE).ok_or(CUDA_ERROR_OUT_OF_MEMORY)? } else { p.reserved };
+        if p.max_size != 0 && reserved > p.max_size {
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        }
         let (addr, _) = self.take_va(size)?;
-        let charged = self.recharge(dev, |u| {
-            if used > u.pool_reserved {
-                u.pool_reserved = round_up(used, PAGE)?;
-            }
+        let charged = self.recharge(p.dev, |u| {
+            u.pool_reserved = u.pool_reserved.checked_sub(p.reserved)?.checked_add(reserved)?;
             Some(())
         });
         if let Err(e) = charged {
             self.give_va(addr, size);
             return Err(e);
         }
-        if let Some(d) = self.devs.get_mut(dev) {
-            d.pool_used = used;
+        if let Some(p) = self.pools.get_mut(&pool) {
+            p.used = used;
+            p.reserved = reserved;
+            p.used_high = p.used_high.max(used);
+            p.reserved_high = p.reserved_high.max(reserved);
         }
-        self.allocs.insert(addr, Alloc { dev, ctx, size, kind: Kind::Pool });
+        self.allocs.insert(addr, Alloc { dev: p.dev, ctx, size, kind: Kind::Pool(pool) });
         Ok(addr)
-    }
-
-    /// (reserved, used) bytes of device `dev`'s default pool, as this process sees them.
-    pub fn pool_usage(&self, dev: usize) -> R<(u64, u64)> {
-        let d = self.dev(dev)?;
-        Ok((d.usage.pool_reserved, d.pool_used))
     }
 
     /// `cuMemPoolTrimTo`: releases reserved memory down to
     /// `max(round_up(used, 2 MiB), round_up(min(reserved, keep), 2 MiB))`.
-    pub fn pool_trim(&mut self, dev: usize, keep: u64) -> R<()> {
-        let d = self.dev(dev)?;
-        let reserved = d.usage.pool_reserved;
-        let floor = round_up(d.pool_used, PAGE).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        let kept = round_up(reserved.min(keep), PAGE).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    pub fn pool_trim(&mut self, pool: u64, keep: u64) -> R<()> {
+        let p = *self.pools.get(&pool).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let floor = round_up(p.used, PAGE).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let kept = round_up(p.reserved.min(keep), PAGE).ok_or(CUDA_ERROR_INVALID_VALUE)?;
         let target = floor.max(kept);
-        if target < reserved {
-            self.recharge(dev, |u| {
-                u.pool_reserved = target;
+        if target < p.reserved {
+            self.recharge(p.dev, |u| {
+                u.pool_reserved = u.pool_reserved.checked_sub(p.reserved - target)?;
                 Some(())
             })?;
+            if let Some(p) = self.pools.get_mut(&pool) {
+                p.reserved = target;
+            }
+        }
+        Ok(())
+    }
+
+    /// What a synchronization does to pools, as the driver: each pool of device `dev` (every
+    /// device for `None`) gives back reserved memory above its release threshold.
+    pub fn pools_synchronized(&mut self, dev: Option<usize>) -> R<()> {
+        let due: Vec<(u64, u64)> = self
+            .pools
+            .iter()
+            .filter(|(_, p)| dev.is_none_or(|d| d == p.dev) && p.reserved > p.release_threshold)
+            .map(|(h, p)| (*h, p.release_threshold))
+            .collect();
+        for (h, threshold) in due {
+            self.pool_trim(h, threshold)?;
         }
         Ok(())
     }

@@ -188,7 +188,26 @@ pub unsafe extern "C" fn cuCtxCreate_v2(pctx: *mut CUcontext, flags: c_uint, dev
     unsafe { call_out(Api::CtxCreateV2, pctx, |d| Ok(d.ctx_create(flags, dev)? as CUcontext)) }
 }
 
-/// CUDA 13's `cuCtxCreate`. Execution-affinity and CIG parameters are not supported.
+/// CUDA 11.4's `cuCtxCreate` (execution-affinity parameters are not supported).
+#[no_mangle]
+pub unsafe extern "C" fn cuCtxCreate_v3(
+    pctx: *mut CUcontext,
+    paramsArray: *mut c_void,
+    numParams: c_int,
+    flags: c_uint,
+    dev: CUdevice,
+) -> CUresult {
+    let create = |d: &mut Driver| {
+        if numParams != 0 || !paramsArray.is_null() {
+            return Err(CUDA_ERROR_NOT_SUPPORTED);
+        }
+        Ok(d.ctx_create(flags, dev)? as CUcontext)
+    };
+    // SAFETY: the caller passes NULL or a valid CUcontext pointer.
+    unsafe { call_out(Api::CtxCreateV3, pctx, create) }
+}
+
+/// CUDA 12.5's `cuCtxCreate` (the one CUDA 13's header names). Execution-affinity and CIG parameters are not supported.
 #[no_mangle]
 pub unsafe extern "C" fn cuCtxCreate_v4(
     pctx: *mut CUcontext,
@@ -315,7 +334,7 @@ exports_sharing_body! {
         let _ = hStream;
         let alloc = |d: &mut Driver| {
             let (_, dev) = d.current()?;
-            d.pool_alloc(dev, bytesize as u64)
+            d.pool_alloc(driver::pool_handle(dev), bytesize as u64)
         };
         // SAFETY: the caller passes NULL or a valid CUdeviceptr pointer.
         unsafe { call_out(api, dptr, alloc) }
@@ -340,16 +359,13 @@ exports_sharing_body! {
     cuMemAllocFromPoolAsync_ptsz = MemAllocFromPoolAsyncPtsz;
     fn(dptr: *mut CUdeviceptr, bytesize: usize, pool: CUmemoryPool, hStream: CUstream) |api| {
         let _ = hStream;
-        let alloc = |d: &mut Driver| {
-            let dev = d.pool_dev(pool as u64)?;
-            d.pool_alloc(dev, bytesize as u64)
-        };
+        let alloc = |d: &mut Driver| d.pool_alloc(pool as u64, bytesize as u64);
         // SAFETY: the caller passes NULL or a valid CUdeviceptr pointer.
         unsafe { call_out(api, dptr, alloc) }
     }
 }
 
-/// The device's default pool (the only kind of pool the fake has).
+/// The device's current pool: always its default pool (`cuDeviceSetMemPool` is not modelled).
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetMemPool(pool: *mut CUmemoryPool, dev: CUdevice) -> CUresult {
     let handle = |d: &mut Driver| Ok(driver::pool_handle(d.dev_index(dev)?) as CUmemoryPool);
@@ -360,26 +376,9 @@ pub unsafe extern "C" fn cuDeviceGetMemPool(pool: *mut CUmemoryPool, dev: CUdevi
 #[no_mangle]
 pub unsafe extern "C" fn cuMemPoolTrimTo(pool: CUmemoryPool, minBytesToKeep: usize) -> CUresult {
     call(Api::MemPoolTrimTo, |d| {
-        let dev = d.pool_dev(pool as u64)?;
-        d.pool_trim(dev, minBytesToKeep as u64)
+        d.pool(pool as u64)?;
+        d.pool_trim(pool as u64, minBytesToKeep as u64)
     })
-}
-
-/// `cuMemPoolGetAttribute`: `CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT` and
-/// `CU_MEMPOOL_ATTR_USED_MEM_CURRENT` (both `cuuint64_t`); other attributes are not modelled
-/// and return `CUDA_ERROR_NOT_SUPPORTED`.
-#[no_mangle]
-pub unsafe extern "C" fn cuMemPoolGetAttribute(pool: CUmemoryPool, attr: c_int, value: *mut c_void) -> CUresult {
-    let read = |d: &mut Driver| {
-        let (reserved, used) = d.pool_usage(d.pool_dev(pool as u64)?)?;
-        match attr {
-            CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT => Ok(reserved),
-            CU_MEMPOOL_ATTR_USED_MEM_CURRENT => Ok(used),
-            _ => Err(CUDA_ERROR_NOT_SUPPORTED),
-        }
-    };
-    // SAFETY: for these attributes the caller passes NULL or a valid cuuint64_t pointer.
-    unsafe { call_out(Api::MemPoolGetAttribute, value.cast::<u64>(), read) }
 }
 
 // ---- virtual memory management ------------------------------------------------------------------------

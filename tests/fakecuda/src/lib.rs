@@ -14,11 +14,14 @@
 //! (and a `libnvidia-ml.so.1` one, for NVML; the e2e kit's `fake_driver_dir` makes both).
 
 pub mod api;
+pub mod attributes;
 pub mod config;
 pub mod devfile;
 pub mod driver;
 pub mod errors;
 pub mod exports;
 pub mod nvml;
+pub mod pools;
 pub mod procaddr;
 pub mod procinfo;
+pub mod streams;

@@ -1,9 +1,20 @@
 //! A minimal fake NVML (`libnvidia-ml.so.1`), exported from the same library as the fake
 //! driver: the e2e kit's driver directory links `libnvidia-ml.so.1` to it too. It covers what
-//! a tool asks a GPU's memory with: `nvmlInit_v2` / `nvmlInit`, `nvmlShutdown`,
-//! `nvmlDeviceGetCount_v2`, `nvmlDeviceGetHandleByIndex_v2`, `nvmlDeviceGetUUID`,
-//! `nvmlDeviceGetMemoryInfo`, `nvmlDeviceGetMemoryInfo_v2` and `nvmlErrorString`, with
-//! `nvml.h`'s signatures and result codes ([`cuda_abi::nvml`]).
+//! a tool asks a GPU's memory with, and what pynvml-based tools (nvitop, gpustat) call at
+//! start: `nvmlInit_v2` / `nvmlInit` / `nvmlInitWithFlags`, `nvmlShutdown`,
+//! `nvmlSystemGetDriverVersion`, `nvmlSystemGetCudaDriverVersion(_v2)`,
+//! `nvmlDeviceGetCount_v2`, `nvmlDeviceGetHandleByIndex_v2`, `nvmlDeviceGetIndex`,
+//! `nvmlDeviceGetName`, `nvmlDeviceGetUUID`, `nvmlDeviceGetMemoryInfo`,
+//! `nvmlDeviceGetMemoryInfo_v2`, `nvmlDeviceGetComputeRunningProcesses_v3` and
+//! `nvmlErrorString`, with `nvml.h`'s signatures and result codes ([`cuda_abi::nvml`]).
+//! A tool's other queries find no symbol, which pynvml reports as
+//! `NVML_ERROR_FUNCTION_NOT_FOUND` and the tools show as N/A.
+//!
+//! Names are `NVIDIA H100 80GB HBM3` (the fake's devices are H100-like, see
+//! [`crate::attributes`]); the driver version is `580.65.06` (a CUDA 13.0 driver, as
+//! `cuDriverGetVersion` says). Running processes are every live process's slot in the
+//! device file, with the bytes it holds (`usedGpuMemory`); the pids are those the processes
+//! have in their own pid namespace.
 //!
 //! Semantics, as the real library's:
 //! * Like `nvidia-smi`, NVML needs no `cuInit`: `nvmlInit_v2` reads the `FAKECUDA_*`
@@ -31,7 +42,7 @@
 // NVML's names and parameter names; the shared Safety section above covers every export.
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
-use std::ffi::{c_char, c_uint, CStr};
+use std::ffi::{c_char, c_int, c_uint, CStr};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use cuda_abi::nvml::*;
@@ -165,6 +176,13 @@ pub unsafe extern "C" fn nvmlInit() -> nvmlReturn_t {
     init(Api::NvmlInit)
 }
 
+/// Flags (`NVML_INIT_FLAG_NO_GPUS`, `NVML_INIT_FLAG_NO_ATTACH`) change nothing here.
+#[no_mangle]
+pub unsafe extern "C" fn nvmlInitWithFlags(flags: c_uint) -> nvmlReturn_t {
+    let _ = flags;
+    init(Api::NvmlInitWithFlags)
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn nvmlShutdown() -> nvmlReturn_t {
     count(Api::NvmlShutdown);
@@ -202,19 +220,9 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex_v2(index: c_uint, device: *m
 pub unsafe extern "C" fn nvmlDeviceGetUUID(device: nvmlDevice_t, uuid: *mut c_char, length: c_uint) -> nvmlReturn_t {
     with_nvml(Api::NvmlDeviceGetUuid, |n| {
         let i = n.index(device)?;
-        if uuid.is_null() {
-            return Err(NVML_ERROR_INVALID_ARGUMENT);
-        }
         let text = gpu_uuid_text(&device_uuid(&n.cfg.node, i));
-        if (length as usize) < text.len() + 1 {
-            return Err(NVML_ERROR_INSUFFICIENT_SIZE);
-        }
-        // SAFETY: the caller's buffer holds `length` bytes, at least the text and its NUL.
-        unsafe {
-            std::ptr::copy_nonoverlapping(text.as_ptr().cast::<c_char>(), uuid, text.len());
-            uuid.add(text.len()).write(0);
-        }
-        Ok(())
+        // SAFETY: the caller passes NULL or a buffer of `length` bytes.
+        unsafe { write_text(uuid, length, &text) }
     })
 }
 
@@ -242,6 +250,103 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(device: nvmlDevice_t, memory
         let value = nvmlMemory_v2_t { version, total, reserved: 0, free: total - used, used };
         // SAFETY: as above.
         unsafe { out(memory, value) }
+    })
+}
+
+/// The driver version NVML reports.
+pub const DRIVER_VERSION_TEXT: &str = "580.65.06";
+/// The device name NVML reports.
+pub const DEVICE_NAME: &str = "NVIDIA H100 80GB HBM3";
+
+/// Copies `text` and a NUL into a caller's buffer of `length` bytes.
+///
+/// # Safety
+/// `buf` must be NULL or valid for `length` bytes of writes.
+unsafe fn write_text(buf: *mut c_char, length: c_uint, text: &str) -> R<()> {
+    if buf.is_null() {
+        return Err(NVML_ERROR_INVALID_ARGUMENT);
+    }
+    if (length as usize) < text.len() + 1 {
+        return Err(NVML_ERROR_INSUFFICIENT_SIZE);
+    }
+    // SAFETY: the buffer holds `length` bytes, at least the text and its NUL.
+    unsafe {
+        std::ptr::copy_nonoverlapping(text.as_ptr().cast::<c_char>(), buf, text.len());
+        buf.add(text.len()).write(0);
+    }
+    Ok(())
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlSystemGetDriverVersion(version: *mut c_char, length: c_uint) -> nvmlReturn_t {
+    // SAFETY: the caller passes NULL or a buffer of `length` bytes.
+    with_nvml(Api::NvmlSystemGetDriverVersion, |_| unsafe { write_text(version, length, DRIVER_VERSION_TEXT) })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlSystemGetCudaDriverVersion(version: *mut c_int) -> nvmlReturn_t {
+    // SAFETY: the caller passes NULL or a valid int pointer.
+    with_nvml(Api::NvmlSystemGetCudaDriverVersion, |_| unsafe { out(version, crate::exports::DRIVER_VERSION) })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlSystemGetCudaDriverVersion_v2(version: *mut c_int) -> nvmlReturn_t {
+    // SAFETY: the caller passes NULL or a valid int pointer.
+    with_nvml(Api::NvmlSystemGetCudaDriverVersionV2, |_| unsafe { out(version, crate::exports::DRIVER_VERSION) })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetName(device: nvmlDevice_t, name: *mut c_char, length: c_uint) -> nvmlReturn_t {
+    with_nvml(Api::NvmlDeviceGetName, |n| {
+        n.index(device)?;
+        // SAFETY: the caller passes NULL or a buffer of `length` bytes.
+        unsafe { write_text(name, length, DEVICE_NAME) }
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetIndex(device: nvmlDevice_t, index: *mut c_uint) -> nvmlReturn_t {
+    with_nvml(Api::NvmlDeviceGetIndex, |n| {
+        let i = n.index(device)?;
+        // SAFETY: the caller passes NULL or a valid unsigned int pointer.
+        unsafe { out(index, i as c_uint) }
+    })
+}
+
+/// As NVML: with `*infoCount` too small (or `infos` NULL while processes exist) the count
+/// needed is written and `NVML_ERROR_INSUFFICIENT_SIZE` returned.
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
+    device: nvmlDevice_t,
+    infoCount: *mut c_uint,
+    infos: *mut nvmlProcessInfo_t,
+) -> nvmlReturn_t {
+    with_nvml(Api::NvmlDeviceGetComputeRunningProcessesV3, |n| {
+        let file = n.devs.get(n.index(device)?).ok_or(NVML_ERROR_INVALID_ARGUMENT)?;
+        if infoCount.is_null() {
+            return Err(NVML_ERROR_INVALID_ARGUMENT);
+        }
+        let procs = {
+            let lock = file.lock().map_err(|_| NVML_ERROR_UNKNOWN)?;
+            file.reap(&lock, &n.me);
+            file.processes(&lock)
+        };
+        // SAFETY: non-null, and the caller passes a valid unsigned int pointer.
+        let room = unsafe { infoCount.read() } as usize;
+        // SAFETY: as above.
+        unsafe { infoCount.write(procs.len() as c_uint) };
+        if procs.is_empty() {
+            return Ok(());
+        }
+        if infos.is_null() || room < procs.len() {
+            return Err(NVML_ERROR_INSUFFICIENT_SIZE);
+        }
+        for (i, (pid, bytes)) in procs.into_iter().enumerate() {
+            let info = nvmlProcessInfo_t { pid, used_gpu_memory: bytes, gpu_instance_id: u32::MAX, compute_instance_id: u32::MAX };
+            // SAFETY: `i < procs.len() <= room`: inside the caller's array of `room` entries.
+            unsafe { infos.add(i).write(info) };
+        }
+        Ok(())
     })
 }
 

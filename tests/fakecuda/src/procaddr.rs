@@ -1,79 +1,166 @@
-//! `cuGetProcAddress{,_v2}`: resolves a driver API base name (as cudart and the CUDA headers
-//! ask for it, e.g. `"cuMemAlloc"`) at a CUDA version to the exported function the real driver
-//! would return, e.g. `cuMemAlloc_v2` from 3.2 on. The pointer handed out is the address of
-//! the exported symbol itself, so uprobes on that symbol see calls made through it.
+//! `cuGetProcAddress{,_v2}`: resolves a driver API base name (as cudart, cuda-bindings and
+//! the CUDA headers ask for it, e.g. `"cuCtxCreate"`) at a CUDA version to the exported
+//! function the real driver would return. The pointer handed out is the address of the
+//! exported symbol itself, so uprobes on that symbol see calls made through it.
 //!
-//! Rules follow the CUDA headers' `#define`s: `cuMemAlloc`, `cuMemAllocPitch`, `cuMemFree`,
-//! `cuMemGetInfo`, `cuDeviceTotalMem` -> `_v2` (>= 3020); `cuCtxDestroy` -> `_v2` (>= 4000);
-//! `cuCtxCreate` -> `_v2` (>= 3020), `_v4` from 13000 as in CUDA 13's header;
-//! `cuDevicePrimaryCtxRelease` -> `_v2` (>= 11000); `cuDeviceGetUuid` -> `_v2` (>= 11040);
-//! `cuGetProcAddress` -> `_v2` (>= 12000). With `CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM`
-//! (flag value 2, `1 << 1` in `cuda.h`) the stream-ordered calls resolve to their `_ptsz`
-//! variants. Versioned names (`"cuMemAlloc_v2"`), names the fake does not implement, and the
-//! pre-3.2 `_v1` entry points are `CUDA_ERROR_NOT_FOUND` with status
-//! `CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND`; a version older than the symbol is
-//! `CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT`.
+//! [`TABLE`] is `cuda.h`'s versioned names as data: for each base name, the CUDA version from
+//! which each of its versioned forms is the one the name stands for (`cuCtxCreate`: `_v2`
+//! from 3020, `_v3` from 11040, `_v4` from 12050), the same versions NVIDIA's cuda-bindings
+//! requests them with. A request at version `v` gets the form with the highest version not
+//! above `v`; a form the fake does not export (the pre-3.2 `_v1` entry points) is
+//! `CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND`, and a version older than every form is
+//! `CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT`. With
+//! `CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM` (flag value 2, `1 << 1` in `cuda.h`) the
+//! stream-ordered calls resolve to their `_ptsz` variants. Versioned names
+//! (`"cuMemAlloc_v2"`) and names not in the table are `CUDA_ERROR_NOT_FOUND` with status
+//! `CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND`. A test checks that every exported CUDA entry
+//! point is reachable through the table.
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 
 use cuda_abi::*;
 
-use crate::exports as e;
+use crate::{attributes as a, exports as e, pools as p, streams as s};
+
+/// One base name: `(since, export)` per versioned form, oldest first (`None`: a form the
+/// fake does not export), and the `_ptsz` export used under per-thread default streams.
+pub struct Entry {
+    pub base: &'static str,
+    pub forms: &'static [(c_int, Option<&'static str>)],
+    pub ptsz: Option<&'static str>,
+}
+
+macro_rules! table {
+    ($($base:literal: [$($since:literal => $form:tt),+] $(ptsz $ptsz:literal)?;)*) => {
+        /// `cuda.h`'s versioned names for every entry point the fake exports.
+        pub const TABLE: &[Entry] = &[$(Entry {
+            base: $base,
+            forms: &[$(($since, table!(@form $form))),+],
+            ptsz: table!(@ptsz $($ptsz)?),
+        },)*];
+    };
+    (@form -) => { None };
+    (@form $name:literal) => { Some($name) };
+    (@ptsz) => { None };
+    (@ptsz $name:literal) => { Some($name) };
+}
+
+table! {
+    "cuInit": [2000 => "cuInit"];
+    "cuDriverGetVersion": [2020 => "cuDriverGetVersion"];
+    "cuDeviceGet": [2000 => "cuDeviceGet"];
+    "cuDeviceGetCount": [2000 => "cuDeviceGetCount"];
+    "cuDeviceGetName": [2000 => "cuDeviceGetName"];
+    "cuDeviceGetUuid": [9020 => "cuDeviceGetUuid", 11040 => "cuDeviceGetUuid_v2"];
+    "cuDeviceTotalMem": [2000 => -, 3020 => "cuDeviceTotalMem_v2"];
+    "cuDeviceGetAttribute": [2000 => "cuDeviceGetAttribute"];
+    "cuDevicePrimaryCtxRetain": [7000 => "cuDevicePrimaryCtxRetain"];
+    "cuDevicePrimaryCtxRelease": [7000 => "cuDevicePrimaryCtxRelease", 11000 => "cuDevicePrimaryCtxRelease_v2"];
+    "cuDevicePrimaryCtxGetState": [7000 => "cuDevicePrimaryCtxGetState"];
+    "cuCtxCreate": [2000 => -, 3020 => "cuCtxCreate_v2", 11040 => "cuCtxCreate_v3", 12050 => "cuCtxCreate_v4"];
+    "cuCtxDestroy": [2000 => -, 4000 => "cuCtxDestroy_v2"];
+    "cuCtxPushCurrent": [2000 => -, 4000 => "cuCtxPushCurrent_v2"];
+    "cuCtxPopCurrent": [2000 => -, 4000 => "cuCtxPopCurrent_v2"];
+    "cuCtxSetCurrent": [4000 => "cuCtxSetCurrent"];
+    "cuCtxGetCurrent": [4000 => "cuCtxGetCurrent"];
+    "cuCtxGetDevice": [2000 => "cuCtxGetDevice"];
+    "cuCtxGetFlags": [7000 => "cuCtxGetFlags"];
+    "cuCtxGetApiVersion": [3020 => "cuCtxGetApiVersion"];
+    "cuCtxGetStreamPriorityRange": [5050 => "cuCtxGetStreamPriorityRange"];
+    "cuCtxSynchronize": [2000 => "cuCtxSynchronize"];
+    "cuMemGetInfo": [2000 => -, 3020 => "cuMemGetInfo_v2"];
+    "cuMemAlloc": [2000 => -, 3020 => "cuMemAlloc_v2"];
+    "cuMemAllocPitch": [2000 => -, 3020 => "cuMemAllocPitch_v2"];
+    "cuMemFree": [2000 => -, 3020 => "cuMemFree_v2"];
+    "cuMemAllocManaged": [6000 => "cuMemAllocManaged"];
+    "cuMemAllocAsync": [11020 => "cuMemAllocAsync"] ptsz "cuMemAllocAsync_ptsz";
+    "cuMemFreeAsync": [11020 => "cuMemFreeAsync"] ptsz "cuMemFreeAsync_ptsz";
+    "cuMemAllocFromPoolAsync": [11020 => "cuMemAllocFromPoolAsync"] ptsz "cuMemAllocFromPoolAsync_ptsz";
+    "cuDeviceGetMemPool": [11020 => "cuDeviceGetMemPool"];
+    "cuDeviceGetDefaultMemPool": [11020 => "cuDeviceGetDefaultMemPool"];
+    "cuMemPoolCreate": [11020 => "cuMemPoolCreate"];
+    "cuMemPoolDestroy": [11020 => "cuMemPoolDestroy"];
+    "cuMemPoolTrimTo": [11020 => "cuMemPoolTrimTo"];
+    "cuMemPoolGetAttribute": [11020 => "cuMemPoolGetAttribute"];
+    "cuMemPoolSetAttribute": [11020 => "cuMemPoolSetAttribute"];
+    "cuMemCreate": [10020 => "cuMemCreate"];
+    "cuMemRelease": [10020 => "cuMemRelease"];
+    "cuMemAddressReserve": [10020 => "cuMemAddressReserve"];
+    "cuMemAddressFree": [10020 => "cuMemAddressFree"];
+    "cuMemMap": [10020 => "cuMemMap"];
+    "cuMemUnmap": [10020 => "cuMemUnmap"];
+    "cuMemSetAccess": [10020 => "cuMemSetAccess"];
+    "cuMemGetAllocationGranularity": [10020 => "cuMemGetAllocationGranularity"];
+    "cuStreamCreate": [2000 => "cuStreamCreate"];
+    "cuStreamCreateWithPriority": [5050 => "cuStreamCreateWithPriority"];
+    "cuStreamDestroy": [2000 => -, 4000 => "cuStreamDestroy_v2"];
+    "cuStreamSynchronize": [2000 => "cuStreamSynchronize"];
+    "cuStreamQuery": [2000 => "cuStreamQuery"];
+    "cuEventCreate": [2000 => "cuEventCreate"];
+    "cuEventRecord": [2000 => "cuEventRecord"];
+    "cuEventQuery": [2000 => "cuEventQuery"];
+    "cuEventSynchronize": [2000 => "cuEventSynchronize"];
+    "cuEventDestroy": [2000 => -, 4000 => "cuEventDestroy_v2"];
+    "cuGetProcAddress": [11030 => "cuGetProcAddress", 12000 => "cuGetProcAddress_v2"];
+    "cuGetErrorString": [6000 => "cuGetErrorString"];
+    "cuGetErrorName": [6000 => "cuGetErrorName"];
+}
+
+/// The address of the exported function named `export`, if the fake exports it.
+pub fn address(export: &str) -> Option<usize> {
+    macro_rules! by_name {
+        ($($m:ident::$f:ident),* $(,)?) => {
+            match export {
+                $(stringify!($f) => Some($m::$f as *const () as usize),)*
+                _ => None,
+            }
+        };
+    }
+    by_name!(
+        e::cuInit, e::cuDriverGetVersion, e::cuDeviceGet, e::cuDeviceGetCount, e::cuDeviceGetName,
+        e::cuDeviceGetUuid, e::cuDeviceGetUuid_v2, e::cuDeviceTotalMem_v2, a::cuDeviceGetAttribute,
+        e::cuDevicePrimaryCtxRetain, e::cuDevicePrimaryCtxRelease, e::cuDevicePrimaryCtxRelease_v2,
+        s::cuDevicePrimaryCtxGetState, e::cuCtxCreate_v2, e::cuCtxCreate_v3, e::cuCtxCreate_v4,
+        e::cuCtxDestroy_v2, s::cuCtxPushCurrent_v2, s::cuCtxPopCurrent_v2, e::cuCtxSetCurrent,
+        e::cuCtxGetCurrent, e::cuCtxGetDevice, s::cuCtxGetFlags, s::cuCtxGetApiVersion,
+        s::cuCtxGetStreamPriorityRange, s::cuCtxSynchronize, e::cuMemGetInfo_v2, e::cuMemAlloc_v2,
+        e::cuMemAllocPitch_v2, e::cuMemFree_v2, e::cuMemAllocManaged, e::cuMemAllocAsync,
+        e::cuMemAllocAsync_ptsz, e::cuMemFreeAsync, e::cuMemFreeAsync_ptsz, e::cuMemAllocFromPoolAsync,
+        e::cuMemAllocFromPoolAsync_ptsz, e::cuDeviceGetMemPool, p::cuDeviceGetDefaultMemPool,
+        p::cuMemPoolCreate, p::cuMemPoolDestroy, e::cuMemPoolTrimTo, p::cuMemPoolGetAttribute,
+        p::cuMemPoolSetAttribute, e::cuMemCreate, e::cuMemRelease, e::cuMemAddressReserve,
+        e::cuMemAddressFree, e::cuMemMap, e::cuMemUnmap, e::cuMemSetAccess,
+        e::cuMemGetAllocationGranularity, s::cuStreamCreate, s::cuStreamCreateWithPriority,
+        s::cuStreamDestroy_v2, s::cuStreamSynchronize, s::cuStreamQuery, s::cuEventCreate,
+        s::cuEventRecord, s::cuEventQuery, s::cuEventSynchronize, s::cuEventDestroy_v2,
+        e::cuGetProcAddress, e::cuGetProcAddress_v2, e::cuGetErrorString, e::cuGetErrorName,
+    )
+}
+
+/// The name of the export `symbol` resolves to at `version`, or the query status saying why
+/// none.
+pub fn resolve_name(symbol: &str, version: c_int, flags: u64) -> Result<&'static str, c_int> {
+    let entry = TABLE.iter().find(|e| e.base == symbol).ok_or(CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND)?;
+    if flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM != 0 {
+        if let Some(ptsz) = entry.ptsz {
+            if entry.forms.first().is_some_and(|(since, _)| *since <= version) {
+                return Ok(ptsz);
+            }
+        }
+    }
+    let (_, form) = entry
+        .forms
+        .iter()
+        .rev()
+        .find(|(since, _)| *since <= version)
+        .ok_or(CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT)?;
+    form.ok_or(CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND)
+}
 
 /// The address an entry point resolves to, or the query status explaining why none.
 pub fn resolve(symbol: &str, version: c_int, flags: u64) -> Result<usize, c_int> {
-    let ptds = flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM != 0;
-    let v = version;
-    let (since, addr): (c_int, usize) = match symbol {
-        "cuInit" => (2000, e::cuInit as *const () as usize),
-        "cuDriverGetVersion" => (2020, e::cuDriverGetVersion as *const () as usize),
-        "cuDeviceGet" => (2000, e::cuDeviceGet as *const () as usize),
-        "cuDeviceGetCount" => (2000, e::cuDeviceGetCount as *const () as usize),
-        "cuDeviceGetName" => (2000, e::cuDeviceGetName as *const () as usize),
-        "cuDeviceGetUuid" if v >= 11040 => (11040, e::cuDeviceGetUuid_v2 as *const () as usize),
-        "cuDeviceGetUuid" => (9020, e::cuDeviceGetUuid as *const () as usize),
-        "cuDeviceTotalMem" => (3020, e::cuDeviceTotalMem_v2 as *const () as usize),
-        "cuDevicePrimaryCtxRetain" => (7000, e::cuDevicePrimaryCtxRetain as *const () as usize),
-        "cuDevicePrimaryCtxRelease" if v >= 11000 => (11000, e::cuDevicePrimaryCtxRelease_v2 as *const () as usize),
-        "cuDevicePrimaryCtxRelease" => (7000, e::cuDevicePrimaryCtxRelease as *const () as usize),
-        "cuCtxCreate" if v >= 13000 => (13000, e::cuCtxCreate_v4 as *const () as usize),
-        "cuCtxCreate" => (3020, e::cuCtxCreate_v2 as *const () as usize),
-        "cuCtxDestroy" => (4000, e::cuCtxDestroy_v2 as *const () as usize),
-        "cuCtxSetCurrent" => (4000, e::cuCtxSetCurrent as *const () as usize),
-        "cuCtxGetCurrent" => (4000, e::cuCtxGetCurrent as *const () as usize),
-        "cuCtxGetDevice" => (2000, e::cuCtxGetDevice as *const () as usize),
-        "cuMemAlloc" => (3020, e::cuMemAlloc_v2 as *const () as usize),
-        "cuMemAllocPitch" => (3020, e::cuMemAllocPitch_v2 as *const () as usize),
-        "cuMemAllocManaged" => (6000, e::cuMemAllocManaged as *const () as usize),
-        "cuMemFree" => (3020, e::cuMemFree_v2 as *const () as usize),
-        "cuMemGetInfo" => (3020, e::cuMemGetInfo_v2 as *const () as usize),
-        "cuMemAllocAsync" if ptds => (11020, e::cuMemAllocAsync_ptsz as *const () as usize),
-        "cuMemAllocAsync" => (11020, e::cuMemAllocAsync as *const () as usize),
-        "cuMemFreeAsync" if ptds => (11020, e::cuMemFreeAsync_ptsz as *const () as usize),
-        "cuMemFreeAsync" => (11020, e::cuMemFreeAsync as *const () as usize),
-        "cuMemAllocFromPoolAsync" if ptds => (11020, e::cuMemAllocFromPoolAsync_ptsz as *const () as usize),
-        "cuMemAllocFromPoolAsync" => (11020, e::cuMemAllocFromPoolAsync as *const () as usize),
-        "cuDeviceGetMemPool" => (11020, e::cuDeviceGetMemPool as *const () as usize),
-        "cuMemPoolTrimTo" => (11020, e::cuMemPoolTrimTo as *const () as usize),
-        "cuMemPoolGetAttribute" => (11020, e::cuMemPoolGetAttribute as *const () as usize),
-        "cuMemCreate" => (10020, e::cuMemCreate as *const () as usize),
-        "cuMemRelease" => (10020, e::cuMemRelease as *const () as usize),
-        "cuMemAddressReserve" => (10020, e::cuMemAddressReserve as *const () as usize),
-        "cuMemAddressFree" => (10020, e::cuMemAddressFree as *const () as usize),
-        "cuMemMap" => (10020, e::cuMemMap as *const () as usize),
-        "cuMemUnmap" => (10020, e::cuMemUnmap as *const () as usize),
-        "cuMemSetAccess" => (10020, e::cuMemSetAccess as *const () as usize),
-        "cuMemGetAllocationGranularity" => (10020, e::cuMemGetAllocationGranularity as *const () as usize),
-        "cuGetProcAddress" if v >= 12000 => (12000, e::cuGetProcAddress_v2 as *const () as usize),
-        "cuGetProcAddress" => (11030, e::cuGetProcAddress as *const () as usize),
-        "cuGetErrorString" => (6000, e::cuGetErrorString as *const () as usize),
-        "cuGetErrorName" => (6000, e::cuGetErrorName as *const () as usize),
-        _ => return Err(CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND),
-    };
-    if v < since {
-        return Err(CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT);
-    }
-    Ok(addr)
+    let name = resolve_name(symbol, version, flags)?;
+    address(name).ok_or(CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND)
 }
 
 /// The shared body of both exported forms (`status` may be NULL).
@@ -112,6 +199,48 @@ pub unsafe fn get_proc_address(
             unsafe { pfn.write(std::ptr::null_mut()) };
             report(s);
             CUDA_ERROR_NOT_FOUND
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::Api;
+
+    #[test]
+    fn versions_follow_cuda_h() {
+        assert_eq!(resolve_name("cuCtxCreate", 3020, 0), Ok("cuCtxCreate_v2"));
+        assert_eq!(resolve_name("cuCtxCreate", 11030, 0), Ok("cuCtxCreate_v2"));
+        assert_eq!(resolve_name("cuCtxCreate", 11040, 0), Ok("cuCtxCreate_v3"));
+        assert_eq!(resolve_name("cuCtxCreate", 12040, 0), Ok("cuCtxCreate_v3"));
+        assert_eq!(resolve_name("cuCtxCreate", 12050, 0), Ok("cuCtxCreate_v4"));
+        assert_eq!(resolve_name("cuCtxCreate", 13000, 0), Ok("cuCtxCreate_v4"));
+        assert_eq!(resolve_name("cuCtxCreate", 2000, 0), Err(CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND));
+        assert_eq!(resolve_name("cuCtxCreate", 1000, 0), Err(CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT));
+        assert_eq!(resolve_name("cuDeviceGetUuid", 11030, 0), Ok("cuDeviceGetUuid"));
+        assert_eq!(resolve_name("cuMemAlloc", 12000, 0), Ok("cuMemAlloc_v2"));
+        assert_eq!(resolve_name("cuMemAllocAsync", 12000, 2), Ok("cuMemAllocAsync_ptsz"));
+        assert_eq!(resolve_name("cuMemAllocAsync", 11010, 2), Err(CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT));
+        assert_eq!(resolve_name("cuMemAlloc_v2", 12000, 0), Err(CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND));
+        assert_eq!(resolve_name("cuNoSuchThing", 12000, 0), Err(CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND));
+    }
+
+    #[test]
+    fn every_export_is_in_the_table_and_every_form_is_exported() {
+        let forms: Vec<&str> = TABLE.iter().flat_map(|e| e.forms.iter().filter_map(|f| f.1).chain(e.ptsz)).collect();
+        for name in &forms {
+            assert!(address(name).is_some(), "{name} is in the table but not exported");
+        }
+        for api in Api::ALL {
+            let n = api.name();
+            if n.starts_with("cu") {
+                assert!(forms.contains(&n), "{n} is exported but cuGetProcAddress cannot reach it");
+            }
+        }
+        for (i, e) in TABLE.iter().enumerate() {
+            assert!(e.forms.windows(2).all(|w| w[0].0 < w[1].0), "{}: versions not ascending", e.base);
+            assert!(TABLE[i + 1..].iter().all(|o| o.base != e.base), "{} listed twice", e.base);
         }
     }
 }

@@ -13,6 +13,17 @@ pub use cuda_abi::*;
 /// The CUDA version the workload asks `cuGetProcAddress_v2` for.
 pub const GETPROC_VERSION: c_int = 12000;
 
+/// The version a base name is asked for at: [`GETPROC_VERSION`], except `cuCtxCreate`, which
+/// stands for `cuCtxCreate_v3` from 11040 in `cuda.h` and is asked for at 11030 so that it is
+/// still the `cuCtxCreate_v2` the workload calls.
+pub fn getproc_version(query: &str) -> c_int {
+    if query == "cuCtxCreate" {
+        11030
+    } else {
+        GETPROC_VERSION
+    }
+}
+
 pub type FnGetProcAddressV2 = unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> CUresult;
 
 /// How entry points are found.
@@ -38,7 +49,7 @@ macro_rules! entry_points {
                         Via::Dlsym => unsafe { lib.get::<unsafe extern "C" fn($($arg),*) -> CUresult>($export.as_bytes()) }
                             .ok()
                             .map(|s| *s),
-                        Via::Getproc => getproc_raw(getproc, $query, GETPROC_VERSION, $flags)
+                        Via::Getproc => getproc_raw(getproc, $query, getproc_version($query), $flags)
                             .ok()
                             // SAFETY: cuGetProcAddress_v2 returned the entry point for this
                             // base name, whose signature in cuda.h is this type.
