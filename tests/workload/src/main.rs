@@ -42,6 +42,8 @@ Each argument (or script line; # starts a comment) is one step. Sizes take k/m/g
   create NAME SIZE        cuMemCreate on the current device
   vmm NAME SIZE           cuMemCreate + cuMemAddressReserve + cuMemMap + cuMemSetAccess
   vmm-free NAME           cuMemUnmap + cuMemRelease + cuMemAddressFree
+  unmap NAME              cuMemUnmap + cuMemAddressFree of a vmm mapping (the handle
+                          stays unreleased: `release NAME` releases it)
   free NAME               cuMemFree_v2
   free-async[-ptsz] NAME  cuMemFreeAsync[_ptsz]
   release NAME            cuMemRelease
@@ -323,6 +325,15 @@ impl Runner {
                 self.call(|s| {
                     cu!(s, verb, mem_unmap(n.addr, n.bytes as usize));
                     cu!(s, verb, mem_release(n.handle));
+                    cu!(s, verb, mem_address_free(n.addr, n.bytes as usize));
+                    Ok(())
+                })?;
+                say!("ok {verb} {name} {:#x} {}", n.addr, n.bytes);
+            }
+            Step::Unmap { name } => {
+                let n = self.named(name).map_err(Err)?;
+                self.call(|s| {
+                    cu!(s, verb, mem_unmap(n.addr, n.bytes as usize));
                     cu!(s, verb, mem_address_free(n.addr, n.bytes as usize));
                     Ok(())
                 })?;

@@ -20,6 +20,8 @@ pub enum Step {
     Create { name: String, size: u64 },
     Vmm { name: String, size: u64 },
     VmmFree { name: String },
+    /// `cuMemUnmap` + `cuMemAddressFree` of a `vmm` mapping; its handle is not released.
+    Unmap { name: String },
     Free { name: String },
     FreeAsync { name: String, ptsz: bool },
     Release { name: String },
@@ -85,6 +87,7 @@ impl Step {
             Step::Create { .. } => "create",
             Step::Vmm { .. } => "vmm",
             Step::VmmFree { .. } => "vmm-free",
+            Step::Unmap { .. } => "unmap",
             Step::Free { .. } => "free",
             Step::FreeAsync { ptsz: false, .. } => "free-async",
             Step::FreeAsync { ptsz: true, .. } => "free-async-ptsz",
@@ -179,7 +182,7 @@ impl Step {
                 let elem = u32::try_from(int(args[3])?).map_err(|_| err("bad element size"))?;
                 Step::Pitch { name: name(0), width: size(args[1])?, height: size(args[2])?, elem }
             }
-            "free" | "free-async" | "free-async-ptsz" | "release" | "vmm-free" => {
+            "free" | "free-async" | "free-async-ptsz" | "release" | "vmm-free" | "unmap" => {
                 want(1, &format!("{verb} NAME"))?;
                 let name = name(0);
                 match *verb {
@@ -187,6 +190,7 @@ impl Step {
                     "free-async" => Step::FreeAsync { name, ptsz: false },
                     "free-async-ptsz" => Step::FreeAsync { name, ptsz: true },
                     "release" => Step::Release { name },
+                    "unmap" => Step::Unmap { name },
                     _ => Step::VmmFree { name },
                 }
             }
