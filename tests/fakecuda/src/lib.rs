@@ -6,7 +6,8 @@
 //! dead process's memory returns to the device. Allocation granularity, context reserve,
 //! stream-ordered pools and VMM handles follow what was measured on an H100 ([`driver`]).
 //! Configuration comes from `FAKECUDA_*` environment variables ([`config`]). The exported
-//! entry points are in [`exports`]; `cuGetProcAddress` resolution is in [`procaddr`]. The same
+//! entry points are in [`exports`] (arrays, graph memory and `cuCtxCreate_v3` in
+//! [`resources`]); `cuGetProcAddress` resolution is in [`procaddr`]. The same
 //! library is a minimal NVML too ([`nvml`]: init, device handles and UUIDs, memory info).
 //!
 //! Build: `cargo build -p fakecuda` gives `target/<profile>/libcuda.so` with soname
@@ -22,3 +23,4 @@ pub mod exports;
 pub mod nvml;
 pub mod procaddr;
 pub mod procinfo;
+pub mod resources;
