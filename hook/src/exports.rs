@@ -258,14 +258,14 @@ pub(crate) fn settle_estimate(space: Space, address: u64, estimate: u64, actual:
     }
     let Mode::Enforce(session) = mode() else { return CUDA_SUCCESS };
     let Some((device, estimated)) = session.forget(space, address) else { return CUDA_SUCCESS };
+    // The estimate goes first, so an actual size below it always fits in its place.
+    let _ = session.ledger.release(session.slot, estimated);
     match session.ledger.reserve(session.slot, device, Charge::Device(actual), address) {
         Ok(record) => {
-            let _ = session.ledger.release(session.slot, estimated);
             session.remember(space, address, device, record);
             CUDA_SUCCESS
         }
         Err(_) => {
-            let _ = session.ledger.release(session.slot, estimated);
             undo();
             CUDA_ERROR_OUT_OF_MEMORY
         }
