@@ -7,10 +7,10 @@
 //! * [`real`]: the real libcuda, the process's NVML and the real `dlsym`.
 //! * [`session`]: this process's ledger, slot and allocations, across fork and exit.
 //! * [`pools`]: stream-ordered pools and graph memory pools, charged for the memory they hold.
-//! * [`vmm`]: VMM handles, charged until released and unmapped.
-//! * [`contexts`]: every context, charged from its creation to its destruction.
-//! * [`arrays`]: CUDA arrays and mipmapped arrays, charged by their real footprint.
-//! * [`graphs`]: graph memory nodes, charged when a launch takes memory into the graph pool.
+//! * `vmm`: VMM handles, charged until released and unmapped.
+//! * `contexts`: every context, charged from its creation to its destruction.
+//! * `arrays`: CUDA arrays and mipmapped arrays, charged by their real footprint.
+//! * `graphs`: graph memory nodes, charged when a launch takes memory into the graph pool.
 //! * `exports`: the memory wrappers, `dlsym` and `cuGetProcAddress(_v2)`.
 //!
 //! Intercepted (exported, handed out by `dlsym` on any handle, and for the driver's also by
@@ -33,12 +33,12 @@
 //! Stream-ordered (`cuMemAllocAsync`, pool) allocations charge what their pool holds,
 //! including memory it keeps reserved after frees until trimmed (falling back to one charge
 //! per allocation where the driver cannot report pool usage).
-pub mod arrays;
+mod arrays;
 pub mod config;
-pub mod contexts;
+mod contexts;
 mod exports;
-pub mod graphs;
+mod graphs;
 pub mod pools;
 pub mod real;
 pub mod session;
-pub mod vmm;
+mod vmm;

@@ -3,8 +3,8 @@
 //! charges to the machine-wide device state ([`crate::devfile`]).
 //!
 //! What a process holds on a device (its slot's `charged`) is, in bytes:
-//! `contexts x FAKECUDA_CONTEXT_BYTES + large + round_up(small, 2 MiB) + pool reserved + VMM
-//! + resources` (arrays and the graph memory pool, see [`crate::resources`]),
+//! `contexts x FAKECUDA_CONTEXT_BYTES + large + round_up(small, 2 MiB) + pool reserved +
+//! VMM + resources` (arrays and the graph memory pool, see [`crate::resources`]),
 //! where `large` is the sum of allocations of 2 MiB or more, each rounded up to whole 2 MiB
 //! pages, and `small` the sum of the sizes of live smaller allocations (packed into shared
 //! 2 MiB pages per process and device). This reproduces the H100 measurements of DESIGN §4.
