@@ -7,7 +7,9 @@
 //! Context creation and destruction are serialised per process, so a second thread cannot slip
 //! a context past a charge that is about to be refused. Not covered: the legacy `cuCtxCreate`
 //! and `cuCtxDestroy` (pre-3.2 ABI) and `cuDevicePrimaryCtxReset(_v2)` (the driver keeps the
-//! primary context's references through a reset).
+//! primary context's references through a reset). The allocations a destroyed context takes
+//! with it (the driver frees them) stay charged until the process frees them or exits: an
+//! over-charge, never an under-charge.
 #![allow(non_snake_case)] // parameter names as in cuda.h
 use std::{collections::HashMap, ffi::c_int, ffi::c_uint, ffi::c_void, sync::Mutex};
 
