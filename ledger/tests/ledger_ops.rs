@@ -112,6 +112,12 @@ fn every_context_of_a_process_is_charged_and_released_on_its_own() {
     assert!(first != second && second != third);
     assert_eq!(used(&ledger), 48 * MIB);
     assert_sound(&ledger);
+    // A repair keeps every context record (none is taken for a duplicate).
+    let repairs = ledger.repairs().unwrap();
+    assert!(ledger.panic_inside_lock().is_err());
+    assert_eq!(used(&ledger), 48 * MIB);
+    assert_eq!(ledger.repairs().unwrap(), repairs + 1);
+    assert_sound(&ledger);
     // A fourth does not fit in 48 MiB.
     assert!(matches!(ledger.reserve(slot, 0, Charge::AnotherContext, 0), Err(ReserveError::OverQuota { .. })));
     // Released in any order; the process's first context stays linked until it goes.
