@@ -18,9 +18,11 @@
 use std::ffi::{c_char, c_int, c_uint, c_void};
 
 pub mod nvml;
+mod resources;
 mod size;
 
 pub use nvml::gpu_uuid_text;
+pub use resources::*;
 pub use size::parse_size;
 
 /// `CUresult` (a C enum).

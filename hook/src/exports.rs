@@ -21,20 +21,22 @@ use cuda_abi::{
         nvmlDevice_t, nvmlMemory_t, nvmlMemory_v2_t, nvmlReturn_t, NVML_DEVICE_UUID_V2_BUFFER_SIZE, NVML_ERROR_FUNCTION_NOT_FOUND,
         NVML_ERROR_LIBRARY_NOT_FOUND, NVML_SUCCESS,
     },
-    CUcontext, CUctxCreateParams, CUdevice, CUdeviceptr, CUmemAllocationProp, CUmemoryPool, CUresult, CUstream,
-    CUDA_ERROR_NOT_FOUND, CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS, CU_MEM_LOCATION_TYPE_DEVICE,
+    CUdevice, CUdeviceptr, CUmemoryPool, CUresult, CUstream, CUDA_ERROR_NOT_FOUND, CUDA_ERROR_NOT_INITIALIZED,
+    CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS,
 };
 use ledger::{Charge, RecordId, ReserveError};
 
 use crate::{
-    pools::PoolOutcome,
+    arrays, contexts, graphs,
+    pools::{PoolOutcome, Source},
     real::{self, Driver, Nvml},
     session::{self, mode, say, Mode, Session, Space},
+    vmm,
 };
 
 // ---- admission -----------------------------------------------------------------------------
 
-enum Admission {
+pub(crate) enum Admission {
     /// Not enforced here: call the driver as is.
     Pass,
     /// Refused: return CUDA_ERROR_OUT_OF_MEMORY without calling the driver.
@@ -43,7 +45,7 @@ enum Admission {
 }
 
 /// Reserves `charge` on the ledger device of `ordinal` (default: the current context's).
-fn admit(driver: &Driver, charge: Charge, ordinal: Option<CUdevice>) -> Admission {
+pub(crate) fn admit(driver: &Driver, charge: Charge, ordinal: Option<CUdevice>) -> Admission {
     let session = match mode() {
         Mode::PassThrough => return Admission::Pass,
         Mode::Refuse(_) => return Admission::Refuse,
@@ -63,7 +65,7 @@ fn admit(driver: &Driver, charge: Charge, ordinal: Option<CUdevice>) -> Admissio
 
 /// Reserves `charge` on ledger `device`; on refusal sweeps dead processes' slots and tries
 /// once more, and reports the first refusal of the process on stderr.
-fn reserve_or_report(session: &Session, device: u32, charge: Charge, ptr: u64) -> Option<RecordId> {
+pub(crate) fn reserve_or_report(session: &Session, device: u32, charge: Charge, ptr: u64) -> Option<RecordId> {
     let mut swept = false;
     loop {
         match session.ledger.reserve(session.slot, device, charge, ptr) {
@@ -95,7 +97,7 @@ fn reserve_or_report(session: &Session, device: u32, charge: Charge, ptr: u64) -
     }
 }
 
-fn current_device(driver: &Driver) -> Option<CUdevice> {
+pub(crate) fn current_device(driver: &Driver) -> Option<CUdevice> {
     let get = driver.ctx_get_device?;
     let mut device: CUdevice = 0;
     // SAFETY: the out-pointer is a live local.
@@ -106,7 +108,7 @@ fn current_device(driver: &Driver) -> Option<CUdevice> {
 ///
 /// # Safety
 /// `out` is the caller's out-pointer of the driver call (read after a successful call).
-unsafe fn allocate(
+pub(crate) unsafe fn allocate(
     driver: &Driver,
     space: Space,
     charge: Charge,
@@ -136,7 +138,7 @@ unsafe fn allocate(
 }
 
 /// Calls the driver's free and, if it succeeds, releases what the hook charged.
-fn free(space: Space, address: u64, call: impl FnOnce() -> CUresult) -> CUresult {
+pub(crate) fn free(space: Space, address: u64, call: impl FnOnce() -> CUresult) -> CUresult {
     let Mode::Enforce(session) = mode() else { return call() };
     let entry = session.forget(space, address);
     let result = call();
@@ -161,38 +163,8 @@ fn free_pointer(driver: &Driver, address: u64, call: impl FnOnce() -> CUresult) 
     free(Space::Pointer, address, call)
 }
 
-/// Charges the context reserve of `ordinal` once per process, then calls the driver.
-/// Context creation is serialised per process, so a second thread cannot slip a context
-/// past a charge that is about to be refused.
-fn context(driver: &Driver, ordinal: CUdevice, call: impl FnOnce() -> CUresult) -> CUresult {
-    let session = match mode() {
-        Mode::PassThrough => return call(),
-        // A context is real device memory too: an unusable ledger refuses it.
-        Mode::Refuse(_) => return CUDA_ERROR_OUT_OF_MEMORY,
-        Mode::Enforce(session) => session,
-    };
-    let Some(device) = session.ledger_device(ordinal) else { return call() };
-    let _serial = session.context_lock();
-    if session.context_charged(device) {
-        return call();
-    }
-    match admit(driver, Charge::Context, Some(ordinal)) {
-        Admission::Refuse => CUDA_ERROR_OUT_OF_MEMORY,
-        Admission::Pass => call(),
-        Admission::Charged(session, _, record) => {
-            let result = call();
-            if result == CUDA_SUCCESS {
-                session.set_context_charged(device);
-            } else {
-                let _ = session.ledger.release(session.slot, record);
-            }
-            result
-        }
-    }
-}
-
 /// The real driver, or the error every wrapper returns without one.
-fn driver() -> Result<&'static Driver, CUresult> {
+pub(crate) fn driver() -> Result<&'static Driver, CUresult> {
     real::driver().map_err(|error| {
         static REPORTED: AtomicBool = AtomicBool::new(false);
         if !REPORTED.swap(true, Ordering::Relaxed) {
@@ -206,19 +178,21 @@ macro_rules! real_or_return {
     ($driver:expr, $field:ident) => {
         match $driver.$field {
             Some(f) => f,
-            None => return CUDA_ERROR_NOT_FOUND,
+            None => return cuda_abi::CUDA_ERROR_NOT_FOUND,
         }
     };
 }
+pub(crate) use real_or_return;
 
 macro_rules! driver_or_return {
     () => {
-        match driver() {
+        match $crate::exports::driver() {
             Ok(driver) => driver,
             Err(code) => return code,
         }
     };
 }
+pub(crate) use driver_or_return;
 
 // ---- allocation and free ---------------------------------------------------------------------
 
@@ -267,23 +241,32 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(
     // Charge the real pitch x height if the driver chose another pitch.
     // SAFETY: the driver succeeded, so both out-pointers are written.
     let (address, actual) = unsafe { (*dptr, (*pPitch).saturating_mul(Height) as u64) };
+    settle_estimate(Space::Pointer, address, estimate, actual, || {
+        if let Some(free) = driver.mem_free {
+            // SAFETY: frees the allocation the driver just made.
+            unsafe { free(address) };
+        }
+    })
+}
+
+/// Re-charges `(space, address)`, admitted for `estimate` bytes, at the `actual` bytes the
+/// driver says it took. If that does not fit in the quota, `undo` frees it again and the
+/// allocation is refused (`CUDA_ERROR_OUT_OF_MEMORY`).
+pub(crate) fn settle_estimate(space: Space, address: u64, estimate: u64, actual: u64, undo: impl FnOnce()) -> CUresult {
     if actual == estimate {
-        return result;
+        return CUDA_SUCCESS;
     }
-    let Mode::Enforce(session) = mode() else { return result };
-    let Some((device, estimated)) = session.forget(Space::Pointer, address) else { return result };
+    let Mode::Enforce(session) = mode() else { return CUDA_SUCCESS };
+    let Some((device, estimated)) = session.forget(space, address) else { return CUDA_SUCCESS };
+    // The estimate goes first, so an actual size below it always fits in its place.
+    let _ = session.ledger.release(session.slot, estimated);
     match session.ledger.reserve(session.slot, device, Charge::Device(actual), address) {
         Ok(record) => {
-            let _ = session.ledger.release(session.slot, estimated);
-            session.remember(Space::Pointer, address, device, record);
-            result
+            session.remember(space, address, device, record);
+            CUDA_SUCCESS
         }
         Err(_) => {
-            let _ = session.ledger.release(session.slot, estimated);
-            if let Some(free) = driver.mem_free {
-                // SAFETY: frees the allocation the driver just made.
-                unsafe { free(address) };
-            }
+            undo();
             CUDA_ERROR_OUT_OF_MEMORY
         }
     }
@@ -325,7 +308,7 @@ unsafe fn pool_allocate(
         session.pools.allocate(
             session,
             driver,
-            pool,
+            Source::Pool(pool),
             device,
             size as u64,
             |charge| reserve_or_report(session, device, charge, pool as u64),
@@ -396,69 +379,15 @@ async_free!(cuMemFreeAsync, mem_free_async);
 async_free!(cuMemFreeAsync_ptsz, mem_free_async_ptsz);
 
 #[no_mangle]
-pub unsafe extern "C" fn cuMemCreate(handle: *mut u64, size: usize, prop: *const CUmemAllocationProp, flags: u64) -> CUresult {
-    let driver = driver_or_return!();
-    let real = real_or_return!(driver, mem_create);
-    let call = || {
-        // SAFETY: forwards the caller's arguments unchanged.
-        unsafe { real(handle, size, prop, flags) }
-    };
-    // Only device-located physical memory counts against the GPU quota.
-    // SAFETY: a non-null prop points to the caller's CUmemAllocationProp.
-    let location = (!prop.is_null()).then(|| unsafe { (*prop).location });
-    match location {
-        Some(location) if location.type_ == CU_MEM_LOCATION_TYPE_DEVICE => {
-            // SAFETY: handle is the caller's out-pointer for this call.
-            unsafe { allocate(driver, Space::Handle, Charge::Device(size as u64), Some(location.id), handle, call) }
-        }
-        _ => call(),
-    }
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuMemRelease(handle: u64) -> CUresult {
-    let driver = driver_or_return!();
-    let real = real_or_return!(driver, mem_release);
-    // SAFETY: forwards the caller's argument unchanged.
-    free(Space::Handle, handle, || unsafe { real(handle) })
-}
-
-#[no_mangle]
 pub unsafe extern "C" fn cuMemPoolTrimTo(pool: CUmemoryPool, minBytesToKeep: usize) -> CUresult {
     let driver = driver_or_return!();
     let real = real_or_return!(driver, mem_pool_trim_to);
     // SAFETY: forwards the caller's arguments unchanged.
     let call = || unsafe { real(pool, minBytesToKeep) };
     match mode() {
-        Mode::Enforce(session) => session.pools.after(session, driver, pool, call),
+        Mode::Enforce(session) => session.pools.after(session, driver, Source::Pool(pool), call),
         _ => call(),
     }
-}
-
-// ---- contexts ----------------------------------------------------------------------------------
-
-#[no_mangle]
-pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut CUcontext, dev: CUdevice) -> CUresult {
-    let driver = driver_or_return!();
-    let real = real_or_return!(driver, primary_ctx_retain);
-    // SAFETY: forwards the caller's arguments unchanged.
-    context(driver, dev, || unsafe { real(pctx, dev) })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuCtxCreate_v2(pctx: *mut CUcontext, flags: c_uint, dev: CUdevice) -> CUresult {
-    let driver = driver_or_return!();
-    let real = real_or_return!(driver, ctx_create);
-    // SAFETY: forwards the caller's arguments unchanged.
-    context(driver, dev, || unsafe { real(pctx, flags, dev) })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuCtxCreate_v4(pctx: *mut CUcontext, params: *mut CUctxCreateParams, flags: c_uint, dev: CUdevice) -> CUresult {
-    let driver = driver_or_return!();
-    let real = real_or_return!(driver, ctx_create_v4);
-    // SAFETY: forwards the caller's arguments unchanged.
-    context(driver, dev, || unsafe { real(pctx, params, flags, dev) })
 }
 
 // ---- what the workload sees --------------------------------------------------------------------
@@ -628,11 +557,30 @@ fn wrapper_named(symbol: &CStr) -> Option<usize> {
         b"cuMemFreeAsync" => cuMemFreeAsync as *const () as usize,
         b"cuMemFreeAsync_ptsz" => cuMemFreeAsync_ptsz as *const () as usize,
         b"cuMemPoolTrimTo" => cuMemPoolTrimTo as *const () as usize,
-        b"cuMemCreate" => cuMemCreate as *const () as usize,
-        b"cuMemRelease" => cuMemRelease as *const () as usize,
-        b"cuDevicePrimaryCtxRetain" => cuDevicePrimaryCtxRetain as *const () as usize,
-        b"cuCtxCreate_v2" => cuCtxCreate_v2 as *const () as usize,
-        b"cuCtxCreate_v4" => cuCtxCreate_v4 as *const () as usize,
+        b"cuMemCreate" => vmm::cuMemCreate as *const () as usize,
+        b"cuMemRelease" => vmm::cuMemRelease as *const () as usize,
+        b"cuMemMap" => vmm::cuMemMap as *const () as usize,
+        b"cuMemUnmap" => vmm::cuMemUnmap as *const () as usize,
+        b"cuMemRetainAllocationHandle" => vmm::cuMemRetainAllocationHandle as *const () as usize,
+        b"cuDevicePrimaryCtxRetain" => contexts::cuDevicePrimaryCtxRetain as *const () as usize,
+        b"cuDevicePrimaryCtxRelease" => contexts::cuDevicePrimaryCtxRelease as *const () as usize,
+        b"cuDevicePrimaryCtxRelease_v2" => contexts::cuDevicePrimaryCtxRelease_v2 as *const () as usize,
+        b"cuCtxCreate_v2" => contexts::cuCtxCreate_v2 as *const () as usize,
+        b"cuCtxCreate_v3" => contexts::cuCtxCreate_v3 as *const () as usize,
+        b"cuCtxCreate_v4" => contexts::cuCtxCreate_v4 as *const () as usize,
+        b"cuCtxDestroy_v2" => contexts::cuCtxDestroy_v2 as *const () as usize,
+        b"cuArrayCreate_v2" => arrays::cuArrayCreate_v2 as *const () as usize,
+        b"cuArray3DCreate_v2" => arrays::cuArray3DCreate_v2 as *const () as usize,
+        b"cuArrayDestroy" => arrays::cuArrayDestroy as *const () as usize,
+        b"cuMipmappedArrayCreate" => arrays::cuMipmappedArrayCreate as *const () as usize,
+        b"cuMipmappedArrayDestroy" => arrays::cuMipmappedArrayDestroy as *const () as usize,
+        b"cuGraphAddMemAllocNode" => graphs::cuGraphAddMemAllocNode as *const () as usize,
+        b"cuGraphInstantiateWithFlags" => graphs::cuGraphInstantiateWithFlags as *const () as usize,
+        b"cuGraphLaunch" => graphs::cuGraphLaunch as *const () as usize,
+        b"cuGraphLaunch_ptsz" => graphs::cuGraphLaunch_ptsz as *const () as usize,
+        b"cuGraphExecDestroy" => graphs::cuGraphExecDestroy as *const () as usize,
+        b"cuGraphDestroy" => graphs::cuGraphDestroy as *const () as usize,
+        b"cuDeviceGraphMemTrim" => graphs::cuDeviceGraphMemTrim as *const () as usize,
         b"cuMemGetInfo_v2" => cuMemGetInfo_v2 as *const () as usize,
         b"cuDeviceTotalMem_v2" => cuDeviceTotalMem_v2 as *const () as usize,
         b"cuGetProcAddress" => cuGetProcAddress as *const () as usize,

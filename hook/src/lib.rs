@@ -6,14 +6,23 @@
 //! * [`config`]: the environment (HAMi-core's variables and vramguard's own).
 //! * [`real`]: the real libcuda, the process's NVML and the real `dlsym`.
 //! * [`session`]: this process's ledger, slot and allocations, across fork and exit.
-//! * [`pools`]: stream-ordered pools, charged for the memory they hold.
-//! * `exports`: the wrappers, `dlsym` and `cuGetProcAddress(_v2)`.
+//! * [`pools`]: stream-ordered pools and graph memory pools, charged for the memory they hold.
+//! * `vmm`: VMM handles, charged until released and unmapped.
+//! * `contexts`: every context, charged from its creation to its destruction.
+//! * `arrays`: CUDA arrays and mipmapped arrays, charged by their real footprint.
+//! * `graphs`: graph memory nodes, charged when a launch takes memory into the graph pool.
+//! * `exports`: the memory wrappers, `dlsym` and `cuGetProcAddress(_v2)`.
 //!
 //! Intercepted (exported, handed out by `dlsym` on any handle, and for the driver's also by
 //! `cuGetProcAddress(_v2)`): the allocations and frees `cuMemAlloc_v2`, `cuMemAllocPitch_v2`,
 //! `cuMemAllocManaged`, `cuMemAllocAsync(_ptsz)`, `cuMemAllocFromPoolAsync(_ptsz)`,
-//! `cuMemFree_v2`, `cuMemFreeAsync(_ptsz)`, `cuMemCreate`, `cuMemRelease`, `cuMemPoolTrimTo`;
-//! the contexts `cuDevicePrimaryCtxRetain`, `cuCtxCreate_v2`, `cuCtxCreate_v4`; what the
+//! `cuMemFree_v2`, `cuMemFreeAsync(_ptsz)`, `cuMemPoolTrimTo`; VMM: `cuMemCreate`,
+//! `cuMemRelease`, `cuMemMap`, `cuMemUnmap`, `cuMemRetainAllocationHandle`; arrays:
+//! `cuArrayCreate_v2`, `cuArray3DCreate_v2`, `cuMipmappedArrayCreate`, `cuArrayDestroy`,
+//! `cuMipmappedArrayDestroy`; graph memory: `cuGraphAddMemAllocNode`,
+//! `cuGraphInstantiateWithFlags`, `cuGraphLaunch(_ptsz)`, `cuDeviceGraphMemTrim`,
+//! `cuGraphExecDestroy`, `cuGraphDestroy`; the contexts `cuDevicePrimaryCtxRetain`,
+//! `cuDevicePrimaryCtxRelease(_v2)`, `cuCtxCreate_v2/_v3/_v4`, `cuCtxDestroy_v2`; what the
 //! workload sees: `cuMemGetInfo_v2`, `cuDeviceTotalMem_v2` and NVML's
 //! `nvmlDeviceGetMemoryInfo(_v2)` (total = the quota, free = the quota less the container's
 //! usage, each at most what the device reports; NVML's device is matched to the ledger by its
@@ -24,8 +33,12 @@
 //! Stream-ordered (`cuMemAllocAsync`, pool) allocations charge what their pool holds,
 //! including memory it keeps reserved after frees until trimmed (falling back to one charge
 //! per allocation where the driver cannot report pool usage).
+mod arrays;
 pub mod config;
+mod contexts;
 mod exports;
+mod graphs;
 pub mod pools;
 pub mod real;
 pub mod session;
+mod vmm;

@@ -1,20 +1,25 @@
-//! Stream-ordered memory pools (`cuMemAllocAsync`, `cuMemAllocFromPoolAsync`): what such a
-//! pool costs the device is its reserved memory, which freed allocations leave in place until
-//! the pool is trimmed, so that is what the ledger is charged.
+//! Memory pools whose reserved memory outlives the allocations in them: stream-ordered pools
+//! (`cuMemAllocAsync`, `cuMemAllocFromPoolAsync`) and each device's graph memory pool (graph
+//! memory nodes, see `graphs`). What such a pool costs the device is its reserved memory,
+//! which freed allocations leave in place until the pool is trimmed, so that is what the
+//! ledger is charged.
 //!
 //! Before an allocation that the pool's free part cannot cover, the worst-case growth (the
 //! size rounded up to whole chunks) is admitted in the ledger; after the driver call, the
 //! charge is settled to the pool's reserved memory as the driver reports it
-//! (`CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT`). Frees and `cuMemPoolTrimTo` settle it again.
-//! A pool's charge is a stack of ledger records, released from the top while the rest still
-//! covers what the pool holds.
+//! (`CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT`, `CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT`). Frees
+//! and trims settle it again. A pool's charge is a stack of ledger records, released from the
+//! top while the rest still covers what the pool holds.
 use std::{
     collections::HashMap,
     ffi::c_void,
     sync::Mutex,
 };
 
-use cuda_abi::{CUmemoryPool, CUresult, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, CU_MEMPOOL_ATTR_USED_MEM_CURRENT, CUDA_SUCCESS};
+use cuda_abi::{
+    CUdevice, CUmemoryPool, CUresult, CUDA_SUCCESS, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT,
+    CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
+};
 use ledger::{Charge, RecordId};
 
 use crate::{real::Driver, session::Session};
@@ -48,11 +53,49 @@ pub enum PoolOutcome {
     Refused,
 }
 
+/// A pool: a stream-ordered one, or a device's graph memory pool (by driver ordinal).
+#[derive(Clone, Copy)]
+pub enum Source {
+    Pool(CUmemoryPool),
+    Graph(CUdevice),
+}
+
+impl Source {
+    /// The key of its charge: pool handles are addresses, never the top of the address space.
+    fn key(self) -> u64 {
+        match self {
+            Source::Pool(pool) => pool as u64,
+            Source::Graph(ordinal) => u64::MAX - ordinal as u32 as u64,
+        }
+    }
+
+    fn reserved(self, driver: &Driver) -> Option<u64> {
+        match self {
+            Source::Pool(pool) => attribute(driver, pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT),
+            Source::Graph(ordinal) => graph_attribute(driver, ordinal, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT),
+        }
+    }
+
+    fn used(self, driver: &Driver) -> Option<u64> {
+        match self {
+            Source::Pool(pool) => attribute(driver, pool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT),
+            Source::Graph(ordinal) => graph_attribute(driver, ordinal, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT),
+        }
+    }
+}
+
 fn attribute(driver: &Driver, pool: CUmemoryPool, attr: i32) -> Option<u64> {
     let get = driver.mem_pool_get_attribute?;
     let mut value: u64 = 0;
     // SAFETY: for these attributes the driver writes one cuuint64_t to the live local.
     (unsafe { get(pool, attr, (&mut value as *mut u64).cast::<c_void>()) } == CUDA_SUCCESS).then_some(value)
+}
+
+fn graph_attribute(driver: &Driver, ordinal: CUdevice, attr: i32) -> Option<u64> {
+    let get = driver.device_get_graph_mem_attribute?;
+    let mut value: u64 = 0;
+    // SAFETY: for these attributes the driver writes one cuuint64_t to the live local.
+    (unsafe { get(ordinal, attr, (&mut value as *mut u64).cast::<c_void>()) } == CUDA_SUCCESS).then_some(value)
 }
 
 impl Pools {
@@ -64,18 +107,18 @@ impl Pools {
         &self,
         session: &Session,
         driver: &Driver,
-        pool: CUmemoryPool,
+        pool: Source,
         device: u32,
         size: u64,
         admit: impl FnOnce(Charge) -> Option<RecordId>,
         call: impl FnOnce() -> (CUresult, Option<u64>),
     ) -> Option<PoolOutcome> {
-        let reserved = attribute(driver, pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?;
-        let used = attribute(driver, pool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?;
+        let reserved = pool.reserved(driver)?;
+        let used = pool.used(driver)?;
         let chunk = session.ledger.header().devices[device as usize].chunk;
         let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let state = &mut *guard;
-        let charge = state.charges.entry(pool as u64).or_insert(PoolCharge { device, records: Vec::new(), charged: 0 });
+        let charge = state.charges.entry(pool.key()).or_insert(PoolCharge { device, records: Vec::new(), charged: 0 });
         // Bring the charge up to what the pool holds now, then admit the worst-case growth.
         settle(session, charge, reserved, chunk);
         if size > reserved.saturating_sub(used) {
@@ -85,10 +128,10 @@ impl Pools {
             charge.charged += growth;
         }
         let (result, address) = call();
-        let reserved = attribute(driver, pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT).unwrap_or(reserved);
+        let reserved = pool.reserved(driver).unwrap_or(reserved);
         settle(session, charge, reserved, chunk);
         if let (CUDA_SUCCESS, Some(address)) = (result, address) {
-            state.origin.insert(address, pool as u64);
+            state.origin.insert(address, pool.key());
         }
         Some(PoolOutcome::Called(result))
     }
@@ -103,25 +146,40 @@ impl Pools {
         let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let result = call();
         if result == CUDA_SUCCESS {
-            if let Some(pool) = guard.origin.remove(&address) {
-                settle_pool(session, driver, &mut guard, pool);
+            if let Some(key) = guard.origin.remove(&address) {
+                // Only stream-ordered pools hand out addresses that are freed one by one.
+                settle_pool(session, driver, &mut guard, Source::Pool(key as CUmemoryPool));
             }
         }
         result
     }
 
-    /// Calls `cuMemPoolTrimTo` (or anything else that changes what `pool` holds), then settles.
-    pub fn after(&self, session: &Session, driver: &Driver, pool: CUmemoryPool, call: impl FnOnce() -> CUresult) -> CUresult {
+    /// Calls `cuMemPoolTrimTo`, `cuDeviceGraphMemTrim` (or anything else that changes what
+    /// `pool` holds), then settles.
+    pub fn after(&self, session: &Session, driver: &Driver, pool: Source, call: impl FnOnce() -> CUresult) -> CUresult {
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let result = call();
-        settle_pool(session, driver, &mut state, pool as u64);
+        settle_pool(session, driver, &mut state, pool);
         result
     }
 }
 
-fn settle_pool(session: &Session, driver: &Driver, state: &mut PoolState, pool: u64) {
-    let Some(charge) = state.charges.get_mut(&pool) else { return };
-    let Some(reserved) = attribute(driver, pool as CUmemoryPool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT) else { return };
+impl Pools {
+    /// [`Pools::after`] for a pool this process may not have charged yet (a device's graph
+    /// pool, grown by a launch the hook could not admit beforehand): its charge on ledger
+    /// `device` starts here.
+    pub fn settle_after(&self, session: &Session, driver: &Driver, pool: Source, device: u32, call: impl FnOnce() -> CUresult) -> CUresult {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let result = call();
+        state.charges.entry(pool.key()).or_insert(PoolCharge { device, records: Vec::new(), charged: 0 });
+        settle_pool(session, driver, &mut state, pool);
+        result
+    }
+}
+
+fn settle_pool(session: &Session, driver: &Driver, state: &mut PoolState, pool: Source) {
+    let Some(charge) = state.charges.get_mut(&pool.key()) else { return };
+    let Some(reserved) = pool.reserved(driver) else { return };
     let chunk = session.ledger.header().devices[charge.device as usize].chunk;
     settle(session, charge, reserved, chunk);
 }

@@ -12,7 +12,9 @@ use std::{
 
 use cuda_abi::{
     nvml::{nvmlDevice_t, nvmlMemory_t, nvmlMemory_v2_t},
-    CUcontext, CUctxCreateParams, CUdevice, CUdeviceptr, CUmemAllocationProp, CUmemoryPool, CUresult, CUstream, CUuuid,
+    CUarray, CUcontext, CUctxCreateParams, CUdevice, CUdeviceptr, CUgraph, CUgraphExec, CUgraphNode, CUmemAllocationProp,
+    CUmemoryPool, CUmipmappedArray, CUresult, CUstream, CUuuid, CUDA_ARRAY3D_DESCRIPTOR, CUDA_ARRAY_DESCRIPTOR,
+    CUDA_ARRAY_MEMORY_REQUIREMENTS, CUDA_MEM_ALLOC_NODE_PARAMS,
 };
 
 type DlsymFn = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
@@ -107,6 +109,29 @@ driver_api! {
         ctx_get_device = c"cuCtxGetDevice": fn(*mut CUdevice);
         device_get_count = c"cuDeviceGetCount": fn(*mut c_int);
         device_get_uuid = c"cuDeviceGetUuid_v2": fn(*mut CUuuid, CUdevice);
+        // Lifetimes (see `vmm`, `contexts`, `arrays`, `graphs`).
+        mem_map = c"cuMemMap": fn(CUdeviceptr, usize, usize, u64, u64);
+        mem_unmap = c"cuMemUnmap": fn(CUdeviceptr, usize);
+        mem_retain_allocation_handle = c"cuMemRetainAllocationHandle": fn(*mut u64, *mut c_void);
+        ctx_create_v3 = c"cuCtxCreate_v3": fn(*mut CUcontext, *mut c_void, c_int, c_uint, CUdevice);
+        ctx_destroy = c"cuCtxDestroy_v2": fn(CUcontext);
+        primary_ctx_release = c"cuDevicePrimaryCtxRelease": fn(CUdevice);
+        primary_ctx_release_v2 = c"cuDevicePrimaryCtxRelease_v2": fn(CUdevice);
+        array_create = c"cuArrayCreate_v2": fn(*mut CUarray, *const CUDA_ARRAY_DESCRIPTOR);
+        array_3d_create = c"cuArray3DCreate_v2": fn(*mut CUarray, *const CUDA_ARRAY3D_DESCRIPTOR);
+        array_destroy = c"cuArrayDestroy": fn(CUarray);
+        array_get_memory_requirements = c"cuArrayGetMemoryRequirements": fn(*mut CUDA_ARRAY_MEMORY_REQUIREMENTS, CUarray, CUdevice);
+        mipmapped_array_create = c"cuMipmappedArrayCreate": fn(*mut CUmipmappedArray, *const CUDA_ARRAY3D_DESCRIPTOR, c_uint);
+        mipmapped_array_destroy = c"cuMipmappedArrayDestroy": fn(CUmipmappedArray);
+        mipmapped_array_get_memory_requirements = c"cuMipmappedArrayGetMemoryRequirements": fn(*mut CUDA_ARRAY_MEMORY_REQUIREMENTS, CUmipmappedArray, CUdevice);
+        graph_add_mem_alloc_node = c"cuGraphAddMemAllocNode": fn(*mut CUgraphNode, CUgraph, *const CUgraphNode, usize, *mut CUDA_MEM_ALLOC_NODE_PARAMS);
+        graph_instantiate_with_flags = c"cuGraphInstantiateWithFlags": fn(*mut CUgraphExec, CUgraph, u64);
+        graph_launch = c"cuGraphLaunch": fn(CUgraphExec, CUstream);
+        graph_launch_ptsz = c"cuGraphLaunch_ptsz": fn(CUgraphExec, CUstream);
+        graph_exec_destroy = c"cuGraphExecDestroy": fn(CUgraphExec);
+        graph_destroy = c"cuGraphDestroy": fn(CUgraph);
+        device_graph_mem_trim = c"cuDeviceGraphMemTrim": fn(CUdevice);
+        device_get_graph_mem_attribute = c"cuDeviceGetGraphMemAttribute": fn(CUdevice, c_int, *mut c_void);
     }
 }
 

@@ -14,7 +14,7 @@ use std::{
     io::Write as _,
     os::unix::fs::OpenOptionsExt as _,
     sync::{
-        atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering},
+        atomic::{AtomicPtr, AtomicU64, Ordering},
         Mutex,
     },
 };
@@ -32,11 +32,15 @@ const SLOTS: u32 = ledger::layout::CONTAINER_SLOTS;
 const RECORDS: u32 = ledger::layout::CONTAINER_RECORDS;
 const SHARDS: usize = 64;
 
-/// Where an allocation's identifier lives: device pointers and VMM handles can collide.
+/// Where an allocation's identifier lives: device pointers and handles of other kinds can
+/// collide.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Space {
     Pointer,
-    Handle,
+    /// CUDA arrays (`CUarray`).
+    Array,
+    /// Mipmapped arrays (`CUmipmappedArray`).
+    Mipmap,
 }
 
 /// The allocations one shard of the map knows: (space, pointer or handle) -> (ledger device,
@@ -60,11 +64,12 @@ pub struct Session {
     devices: [Option<u32>; MAX_DEVICES],
     /// The driver's UUID of each ordinal (zero where it did not say).
     uuids: [[u8; 16]; MAX_DEVICES],
-    /// Whether the context reserve was charged for a ledger device.
-    contexts: [AtomicBool; MAX_DEVICES],
-    context_creation: Mutex<()>,
-    /// Charges of the stream-ordered pools this process allocates from.
+    /// Charges of the stream-ordered pools and graph pools this process allocates from.
     pub pools: crate::pools::Pools,
+    /// The VMM handles, contexts and graphs this process holds (see those modules).
+    pub vmm: crate::vmm::Vmm,
+    pub contexts: crate::contexts::Contexts,
+    pub graphs: crate::graphs::Graphs,
     allocations: [Mutex<Charges>; SHARDS],
     pid: u32,
 }
@@ -111,22 +116,6 @@ impl Session {
         &self.allocations[index]
     }
 
-    /// Serialises context creation in this process.
-    pub fn context_lock(&self) -> std::sync::MutexGuard<'_, ()> {
-        self.context_creation.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Whether the context reserve of `device` is charged.
-    pub fn context_charged(&self, device: u32) -> bool {
-        self.contexts.get(device as usize).is_some_and(|c| c.load(Ordering::Acquire))
-    }
-
-    /// Notes that the context reserve of `device` is charged.
-    pub fn set_context_charged(&self, device: u32) {
-        if let Some(charged) = self.contexts.get(device as usize) {
-            charged.store(true, Ordering::Release);
-        }
-    }
 }
 
 /// The mode while the driver is not initialised (no `cuInit` yet): nothing to enforce on.
@@ -339,9 +328,10 @@ fn open_session(config: &Config) -> Result<Session, SetupError> {
         slot,
         devices,
         uuids: ordinal_uuids,
-        contexts: std::array::from_fn(|_| AtomicBool::new(false)),
-        context_creation: Mutex::new(()),
         pools: Default::default(),
+        vmm: Default::default(),
+        contexts: Default::default(),
+        graphs: Default::default(),
         allocations: std::array::from_fn(|_| Mutex::new(HashMap::new())),
         pid: identity.pid,
     })

@@ -39,6 +39,9 @@ pub enum Charge {
     Managed(u64),
     /// The context reserve of the device (once per process; again returns the same record).
     Context,
+    /// The context reserve of one more context of the process on the device (each
+    /// `cuCtxCreate` and each primary context is one): a record of its own every time.
+    AnotherContext,
 }
 
 /// A mapped, validated ledger file.

@@ -229,6 +229,7 @@ fn try_reserve(
             }
             (Kind::Context, t.header.devices[d].context_reserve)
         }
+        Charge::AnotherContext => (Kind::Context, t.header.devices[d].context_reserve),
     };
     if t.state.devices[d].used_chunks > t.header.devices[d].chunks {
         return Err(Damaged); // a damaged counter (take() also checks it against the buddy)
@@ -274,7 +275,7 @@ fn try_reserve(
     if kind != Kind::Small {
         sd.chunks[kind as usize] = sd.chunks[kind as usize].saturating_add(chunks);
     }
-    if kind == Kind::Context {
+    if charge == Charge::Context {
         sd.context = id + 1;
     }
     t.slots[s].allocs = t.slots[s].allocs.saturating_add(1);
@@ -338,7 +339,7 @@ fn try_release(t: &mut Tables<'_>, id: RecordId) -> Result<(), Damaged> {
     } else {
         sd.chunks[kind as usize] = sd.chunks[kind as usize].saturating_sub(record.chunks);
     }
-    if kind == Kind::Context {
+    if kind == Kind::Context && t.slots[s].devices[d].context == id + 1 {
         t.slots[s].devices[d].context = 0;
     }
     t.slots[s].frees = t.slots[s].frees.saturating_add(1);
@@ -438,7 +439,6 @@ pub fn repair(t: &mut Tables<'_>) {
             && d < count
             && match kind {
                 Some(Kind::Small) => record.bytes < t.header.devices[d].chunk,
-                Some(Kind::Context) => t.slots[s].devices[d].context == 0,
                 Some(_) => true,
                 None => false,
             };
@@ -462,7 +462,8 @@ pub fn repair(t: &mut Tables<'_>) {
         if kind != Kind::Small {
             sd.chunks[kind as usize] = sd.chunks[kind as usize].saturating_add(held);
         }
-        if kind == Kind::Context {
+        // The first context record of a slot is the one `Charge::Context` returns again.
+        if kind == Kind::Context && sd.context == 0 {
             sd.context = id as u32 + 1;
         }
     }
@@ -597,12 +598,14 @@ pub fn check(t: &mut Tables<'_>) -> Vec<String> {
             if want.chunks[Kind::Small as usize] != small {
                 problems.push(format!("slot {s} device {d}: small pool holds {} chunks for {} live small bytes", want.chunks[Kind::Small as usize], want.bytes[Kind::Small as usize]));
             }
-            // The slot's links to its pool and context (operations follow them).
+            // The slot's links to its pool and context (operations follow them). A slot may
+            // hold several contexts (`Charge::AnotherContext`): its link is one of them or none.
             for (what, link, records) in [("small pool", have.small_pool, pools.get(&(s, d))), ("context", have.context, contexts.get(&(s, d)))] {
                 match records.map(Vec::as_slice).unwrap_or_default() {
                     [] if link == 0 => {}
                     [one] if link == one + 1 => {}
                     [] => problems.push(format!("slot {s} device {d}: {what} link {link} but it has no {what} record")),
+                    many if what == "context" && (link == 0 || many.contains(&(link - 1))) => {}
                     [one] => problems.push(format!("slot {s} device {d}: {what} link {link} but its {what} is record {one}")),
                     many => problems.push(format!("slot {s} device {d}: {} {what} records {many:?}", many.len())),
                 }

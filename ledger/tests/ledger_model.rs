@@ -196,7 +196,7 @@ fn kind_of(charge: Charge, chunk: u64) -> Kind {
         Charge::Device(b) if b < chunk => Kind::Small,
         Charge::Device(_) => Kind::Data,
         Charge::Managed(_) => Kind::Managed,
-        Charge::Context => Kind::Context,
+        Charge::Context | Charge::AnotherContext => Kind::Context,
     }
 }
 
@@ -271,7 +271,7 @@ fn run(setup: Setup, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 }
                 let bytes = match charge {
                     Charge::Device(b) | Charge::Managed(b) => b,
-                    Charge::Context => m.reserves[device as usize],
+                    Charge::Context | Charge::AnotherContext => m.reserves[device as usize],
                 };
                 let before = m.slot_chunks(ms, device);
                 let mut after_slot = ms.clone();

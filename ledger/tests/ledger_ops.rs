@@ -102,6 +102,38 @@ fn quota_is_never_exceeded_and_refusals_say_why() {
 }
 
 #[test]
+fn every_context_of_a_process_is_charged_and_released_on_its_own() {
+    let dir = TempDir::new("contexts");
+    let ledger = Ledger::create(&dir.file(), &geometry(48 * MIB, 16 * MIB), CREATOR_AGENT).unwrap();
+    let slot = ledger.register(fake_process(1)).unwrap();
+    let first = ledger.reserve(slot, 0, Charge::Context, 0).unwrap();
+    let second = ledger.reserve(slot, 0, Charge::AnotherContext, 0x5ca2).unwrap();
+    let third = ledger.reserve(slot, 0, Charge::AnotherContext, 0x5ca3).unwrap();
+    assert!(first != second && second != third);
+    assert_eq!(used(&ledger), 48 * MIB);
+    assert_sound(&ledger);
+    // A repair keeps every context record (none is taken for a duplicate).
+    let repairs = ledger.repairs().unwrap();
+    assert!(ledger.panic_inside_lock().is_err());
+    assert_eq!(used(&ledger), 48 * MIB);
+    assert_eq!(ledger.repairs().unwrap(), repairs + 1);
+    assert_sound(&ledger);
+    // A fourth does not fit in 48 MiB.
+    assert!(matches!(ledger.reserve(slot, 0, Charge::AnotherContext, 0), Err(ReserveError::OverQuota { .. })));
+    // Released in any order; the process's first context stays linked until it goes.
+    ledger.release(slot, second).unwrap();
+    assert_eq!(used(&ledger), 32 * MIB);
+    assert_eq!(ledger.reserve(slot, 0, Charge::Context, 0).unwrap(), first);
+    assert_sound(&ledger);
+    ledger.release(slot, first).unwrap();
+    assert_eq!(used(&ledger), 16 * MIB);
+    assert_sound(&ledger);
+    ledger.release(slot, third).unwrap();
+    assert_eq!(used(&ledger), 0);
+    assert_sound(&ledger);
+}
+
+#[test]
 fn reclaim_frees_exactly_one_slots_blocks() {
     let dir = TempDir::new("reclaim");
     let ledger = Ledger::create(&dir.file(), &geometry(256 * MIB, 0), CREATOR_AGENT).unwrap();

@@ -428,6 +428,11 @@ const EXPORTS: &[&str] = &[
     "nvmlInit", "nvmlInit_v2", "nvmlShutdown", "nvmlDeviceGetCount_v2", "nvmlDeviceGetHandleByIndex_v2",
     "nvmlDeviceGetUUID", "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetMemoryInfo_v2", "nvmlErrorString",
     "fakecuda_device_usage", "fakecuda_api_calls",
+    // Arrays, graph memory, VMM references, cuCtxCreate_v3 (fakecuda's resources.rs).
+    "cuMemRetainAllocationHandle", "cuArrayCreate_v2", "cuArray3DCreate_v2", "cuMipmappedArrayCreate", "cuArrayDestroy",
+    "cuMipmappedArrayDestroy", "cuArrayGetMemoryRequirements", "cuMipmappedArrayGetMemoryRequirements", "cuGraphCreate",
+    "cuGraphAddMemAllocNode", "cuGraphInstantiateWithFlags", "cuGraphLaunch", "cuGraphLaunch_ptsz", "cuDeviceGraphMemTrim",
+    "cuDeviceGetGraphMemAttribute", "cuGraphExecDestroy", "cuGraphDestroy", "cuCtxCreate_v3",
 ];
 
 #[test]

@@ -3,7 +3,8 @@
 //! charges to the machine-wide device state ([`crate::devfile`]).
 //!
 //! What a process holds on a device (its slot's `charged`) is, in bytes:
-//! `contexts x FAKECUDA_CONTEXT_BYTES + large + round_up(small, 2 MiB) + pool reserved + VMM`,
+//! `contexts x FAKECUDA_CONTEXT_BYTES + large + round_up(small, 2 MiB) + pool reserved +
+//! VMM + resources` (arrays and the graph memory pool, see [`crate::resources`]),
 //! where `large` is the sum of allocations of 2 MiB or more, each rounded up to whole 2 MiB
 //! pages, and `small` the sum of the sizes of live smaller allocations (packed into shared
 //! 2 MiB pages per process and device). This reproduces the H100 measurements of DESIGN §4.
@@ -59,6 +60,8 @@ struct Usage {
     small: u64,
     pool_reserved: u64,
     vmm: u64,
+    /// Arrays and graph memory ([`crate::resources`]).
+    resources: u64,
 }
 
 impl Usage {
@@ -68,7 +71,8 @@ impl Usage {
             .checked_add(self.large)?
             .checked_add(round_up(self.small, PAGE)?)?
             .checked_add(self.pool_reserved)?
-            .checked_add(self.vmm)
+            .checked_add(self.vmm)?
+            .checked_add(self.resources)
     }
 }
 
@@ -157,9 +161,11 @@ impl Drop for HostMap {
 
 #[derive(Debug)]
 struct VmmHandle {
-    dev: usize,
+    /// `None`: host-located memory, which no device holds.
+    dev: Option<usize>,
     size: u64,
-    released: bool,
+    /// `cuMemCreate` and each `cuMemRetainAllocationHandle`, less each `cuMemRelease`.
+    references: u32,
     mappings: u32,
 }
 
@@ -219,6 +225,8 @@ pub struct Driver {
     small_va: VaRegion,
     next_ctx: u64,
     next_handle: u64,
+    /// Arrays, graphs and the graph memory pools.
+    pub(crate) resources: crate::resources::Resources,
 }
 
 static DRIVER: Mutex<Option<Driver>> = Mutex::new(None);
@@ -389,6 +397,7 @@ impl Driver {
             small_va: VaRegion::new(SMALL_VA),
             next_ctx: 0,
             next_handle: 1,
+            resources: Default::default(),
         })
     }
 
@@ -414,6 +423,14 @@ impl Driver {
         d.file.recharge(&me, &mut d.slot_hint, current, new)?;
         d.usage = usage;
         Ok(())
+    }
+
+    /// Charges `grow` more bytes of arrays or graph memory on `dev`, then gives back `shrink`.
+    pub(crate) fn recharge_resources(&mut self, dev: usize, grow: u64, shrink: u64) -> R<()> {
+        self.recharge(dev, |u| {
+            u.resources = u.resources.checked_add(grow)?.checked_sub(shrink)?;
+            Some(())
+        })
     }
 
     // ---- contexts -------------------------------------------------------------------------
@@ -770,49 +787,74 @@ impl Driver {
             .ok_or(CUDA_ERROR_INVALID_VALUE)
     }
 
-    /// `cuMemCreate`: physical memory on a device, charged at once.
+    /// `cuMemCreate`: physical memory on a device, charged at once; or, at a host location
+    /// (`CU_MEM_LOCATION_TYPE_HOST*`), host memory that no device holds.
     pub fn mem_create(&mut self, size: u64, prop: &CUmemAllocationProp, flags: u64) -> R<u64> {
-        let dev = self.check_prop(prop)?;
+        let host = [CU_MEM_LOCATION_TYPE_HOST, CU_MEM_LOCATION_TYPE_HOST_NUMA, CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT];
+        let dev = if prop.type_ == CU_MEM_ALLOCATION_TYPE_PINNED && host.contains(&prop.location.type_) {
+            None
+        } else {
+            Some(self.check_prop(prop)?)
+        };
         if flags != 0 || size == 0 || !size.is_multiple_of(PAGE) {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        self.recharge(dev, |u| {
-            u.vmm = u.vmm.checked_add(size)?;
-            Some(())
-        })?;
+        if let Some(dev) = dev {
+            self.recharge(dev, |u| {
+                u.vmm = u.vmm.checked_add(size)?;
+                Some(())
+            })?;
+        }
         let h = VMM_HANDLE_TAG | self.next_handle;
         self.next_handle += 1;
-        self.handles.insert(h, VmmHandle { dev, size, released: false, mappings: 0 });
+        self.handles.insert(h, VmmHandle { dev, size, references: 1, mappings: 0 });
         Ok(h)
     }
 
     /// Uncharges a handle once it is both released and unmapped everywhere.
     fn settle_handle(&mut self, h: u64) -> R<()> {
         let (dev, size) = match self.handles.get(&h) {
-            Some(v) if v.released && v.mappings == 0 => (v.dev, v.size),
+            Some(v) if v.references == 0 && v.mappings == 0 => (v.dev, v.size),
             _ => return Ok(()),
         };
-        self.recharge(dev, |u| {
-            u.vmm = u.vmm.checked_sub(size)?;
-            Some(())
-        })?;
+        if let Some(dev) = dev {
+            self.recharge(dev, |u| {
+                u.vmm = u.vmm.checked_sub(size)?;
+                Some(())
+            })?;
+        }
         self.handles.remove(&h);
         Ok(())
     }
 
-    /// `cuMemRelease`: memory goes back once every mapping of it is gone too.
+    /// `cuMemRelease`: memory goes back once every reference and mapping of it is gone too.
     pub fn mem_release(&mut self, h: u64) -> R<()> {
         match self.handles.get_mut(&h) {
-            Some(v) if !v.released => v.released = true,
+            Some(v) if v.references > 0 => v.references -= 1,
             _ => return Err(CUDA_ERROR_INVALID_VALUE),
         }
         if let Err(e) = self.settle_handle(h) {
             if let Some(v) = self.handles.get_mut(&h) {
-                v.released = false;
+                v.references += 1;
             }
             return Err(e);
         }
         Ok(())
+    }
+
+    /// `cuMemRetainAllocationHandle`: the handle mapped at `addr`, with one more reference.
+    pub fn mem_retain(&mut self, addr: u64) -> R<u64> {
+        let r = self.reservation_of(addr, 1)?;
+        let h = r
+            .mappings
+            .range(..=addr)
+            .next_back()
+            .filter(|(&start, &(size, _))| addr < start + size)
+            .map(|(_, &(_, h))| h)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let v = self.handles.get_mut(&h).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        v.references = v.references.checked_add(1).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        Ok(h)
     }
 
     /// `cuMemAddressReserve` (the address hint is ignored, as the driver may).
@@ -851,7 +893,7 @@ impl Driver {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         match self.handles.get(&h) {
-            Some(v) if !v.released && offset.checked_add(size).is_some_and(|e| e <= v.size) => {}
+            Some(v) if v.references > 0 && offset.checked_add(size).is_some_and(|e| e <= v.size) => {}
             _ => return Err(CUDA_ERROR_INVALID_VALUE),
         }
         let r = self.reservation_of(ptr, size)?;

@@ -383,7 +383,8 @@ pub unsafe extern "C" fn cuMemPoolTrimTo(pool: CUmemoryPool, minBytesToKeep: usi
 
 // ---- virtual memory management ------------------------------------------------------------------------
 
-/// Device-located pinned memory only; `size` must be a multiple of 2 MiB. Handles carry
+/// Pinned memory located on a device (charged to it) or on the host (`CU_MEM_LOCATION_TYPE_HOST*`:
+/// charged to no device); `size` must be a multiple of 2 MiB. Handles carry
 /// [`driver::VMM_HANDLE_TAG`] in their top bits, so they never equal a device pointer.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemCreate(
@@ -404,6 +405,12 @@ pub unsafe extern "C" fn cuMemCreate(
 #[no_mangle]
 pub unsafe extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> CUresult {
     call(Api::MemRelease, |d| d.mem_release(handle))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemRetainAllocationHandle(handle: *mut CUmemGenericAllocationHandle, addr: *mut c_void) -> CUresult {
+    // SAFETY: the caller passes NULL or a valid CUmemGenericAllocationHandle pointer.
+    unsafe { call_out(Api::MemRetainAllocationHandle, handle, |d| d.mem_retain(addr as u64)) }
 }
 
 #[no_mangle]

@@ -6,7 +6,8 @@
 //! dead process's memory returns to the device. Allocation granularity, context reserve,
 //! stream-ordered pools and VMM handles follow what was measured on an H100 ([`driver`]).
 //! Configuration comes from `FAKECUDA_*` environment variables ([`config`]). The exported
-//! entry points are in [`exports`]; `cuGetProcAddress` resolution is in [`procaddr`]. The same
+//! entry points are in [`exports`] (arrays and graph memory in
+//! [`resources`]); `cuGetProcAddress` resolution is in [`procaddr`]. The same
 //! library is a minimal NVML too ([`nvml`]: init, device handles and UUIDs, memory info).
 //!
 //! Build: `cargo build -p fakecuda` gives `target/<profile>/libcuda.so` with soname
@@ -24,4 +25,5 @@ pub mod nvml;
 pub mod pools;
 pub mod procaddr;
 pub mod procinfo;
+pub mod resources;
 pub mod streams;

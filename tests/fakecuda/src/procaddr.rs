@@ -20,7 +20,7 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 
 use cuda_abi::*;
 
-use crate::{attributes as a, exports as e, pools as p, streams as s};
+use crate::{attributes as a, exports as e, pools as p, resources as r, streams as s};
 
 /// One base name: `(since, export)` per versioned form, oldest first (`None`: a form the
 /// fake does not export), and the `_ptsz` export used under per-thread default streams.
@@ -91,6 +91,23 @@ table! {
     "cuMemUnmap": [10020 => "cuMemUnmap"];
     "cuMemSetAccess": [10020 => "cuMemSetAccess"];
     "cuMemGetAllocationGranularity": [10020 => "cuMemGetAllocationGranularity"];
+    "cuMemRetainAllocationHandle": [11000 => "cuMemRetainAllocationHandle"];
+    "cuArrayCreate": [2000 => -, 3020 => "cuArrayCreate_v2"];
+    "cuArray3DCreate": [2000 => -, 3020 => "cuArray3DCreate_v2"];
+    "cuArrayDestroy": [2000 => "cuArrayDestroy"];
+    "cuArrayGetMemoryRequirements": [11060 => "cuArrayGetMemoryRequirements"];
+    "cuMipmappedArrayCreate": [5000 => "cuMipmappedArrayCreate"];
+    "cuMipmappedArrayDestroy": [5000 => "cuMipmappedArrayDestroy"];
+    "cuMipmappedArrayGetMemoryRequirements": [11060 => "cuMipmappedArrayGetMemoryRequirements"];
+    "cuGraphCreate": [10000 => "cuGraphCreate"];
+    "cuGraphAddMemAllocNode": [11040 => "cuGraphAddMemAllocNode"];
+    "cuGraphInstantiate": [10000 => -, 11000 => -, 12000 => "cuGraphInstantiateWithFlags"];
+    "cuGraphInstantiateWithFlags": [11040 => "cuGraphInstantiateWithFlags"];
+    "cuGraphLaunch": [10000 => "cuGraphLaunch"] ptsz "cuGraphLaunch_ptsz";
+    "cuGraphExecDestroy": [10000 => "cuGraphExecDestroy"];
+    "cuGraphDestroy": [10000 => "cuGraphDestroy"];
+    "cuDeviceGraphMemTrim": [11040 => "cuDeviceGraphMemTrim"];
+    "cuDeviceGetGraphMemAttribute": [11040 => "cuDeviceGetGraphMemAttribute"];
     "cuStreamCreate": [2000 => "cuStreamCreate"];
     "cuStreamCreateWithPriority": [5050 => "cuStreamCreateWithPriority"];
     "cuStreamDestroy": [2000 => -, 4000 => "cuStreamDestroy_v2"];
@@ -134,6 +151,11 @@ pub fn address(export: &str) -> Option<usize> {
         s::cuStreamDestroy_v2, s::cuStreamSynchronize, s::cuStreamQuery, s::cuEventCreate,
         s::cuEventRecord, s::cuEventQuery, s::cuEventSynchronize, s::cuEventDestroy_v2,
         e::cuGetProcAddress, e::cuGetProcAddress_v2, e::cuGetErrorString, e::cuGetErrorName,
+        e::cuMemRetainAllocationHandle, r::cuArrayCreate_v2, r::cuArray3DCreate_v2, r::cuArrayDestroy,
+        r::cuArrayGetMemoryRequirements, r::cuMipmappedArrayCreate, r::cuMipmappedArrayDestroy,
+        r::cuMipmappedArrayGetMemoryRequirements, r::cuGraphCreate, r::cuGraphAddMemAllocNode,
+        r::cuGraphInstantiateWithFlags, r::cuGraphLaunch, r::cuGraphLaunch_ptsz, r::cuGraphExecDestroy,
+        r::cuGraphDestroy, r::cuDeviceGraphMemTrim, r::cuDeviceGetGraphMemAttribute,
     )
 }
 

@@ -93,6 +93,22 @@ entry_points! {
     mem_unmap: fn(CUdeviceptr, usize) = "cuMemUnmap" / "cuMemUnmap" / 0;
     mem_set_access: fn(CUdeviceptr, usize, *const CUmemAccessDesc, usize) = "cuMemSetAccess" / "cuMemSetAccess" / 0;
     get_error_name: fn(CUresult, *mut *const c_char) = "cuGetErrorName" / "cuGetErrorName" / 0;
+    // Lifetimes: VMM references, context variants, arrays, graph memory.
+    mem_retain_allocation_handle: fn(*mut CUmemGenericAllocationHandle, *mut c_void) = "cuMemRetainAllocationHandle" / "cuMemRetainAllocationHandle" / 0;
+    ctx_create_v3: fn(*mut CUcontext, *mut c_void, c_int, c_uint, CUdevice) = "cuCtxCreate_v3" / "cuCtxCreate_v3" / 0;
+    ctx_create_v4: fn(*mut CUcontext, *mut CUctxCreateParams, c_uint, CUdevice) = "cuCtxCreate_v4" / "cuCtxCreate_v4" / 0;
+    array_create: fn(*mut CUarray, *const CUDA_ARRAY_DESCRIPTOR) = "cuArrayCreate_v2" / "cuArrayCreate" / 0;
+    array_3d_create: fn(*mut CUarray, *const CUDA_ARRAY3D_DESCRIPTOR) = "cuArray3DCreate_v2" / "cuArray3DCreate" / 0;
+    array_destroy: fn(CUarray) = "cuArrayDestroy" / "cuArrayDestroy" / 0;
+    mipmapped_array_create: fn(*mut CUmipmappedArray, *const CUDA_ARRAY3D_DESCRIPTOR, c_uint) = "cuMipmappedArrayCreate" / "cuMipmappedArrayCreate" / 0;
+    mipmapped_array_destroy: fn(CUmipmappedArray) = "cuMipmappedArrayDestroy" / "cuMipmappedArrayDestroy" / 0;
+    graph_create: fn(*mut CUgraph, c_uint) = "cuGraphCreate" / "cuGraphCreate" / 0;
+    graph_add_mem_alloc_node: fn(*mut CUgraphNode, CUgraph, *const CUgraphNode, usize, *mut CUDA_MEM_ALLOC_NODE_PARAMS) = "cuGraphAddMemAllocNode" / "cuGraphAddMemAllocNode" / 0;
+    graph_instantiate_with_flags: fn(*mut CUgraphExec, CUgraph, u64) = "cuGraphInstantiateWithFlags" / "cuGraphInstantiateWithFlags" / 0;
+    graph_launch: fn(CUgraphExec, CUstream) = "cuGraphLaunch" / "cuGraphLaunch" / 0;
+    graph_exec_destroy: fn(CUgraphExec) = "cuGraphExecDestroy" / "cuGraphExecDestroy" / 0;
+    graph_destroy: fn(CUgraph) = "cuGraphDestroy" / "cuGraphDestroy" / 0;
+    device_graph_mem_trim: fn(CUdevice) = "cuDeviceGraphMemTrim" / "cuDeviceGraphMemTrim" / 0;
 }
 
 /// `cuGetProcAddress_v2(query, version, flags)`: the address, or (result, symbol status).

@@ -33,15 +33,31 @@ usage: fakecuda-workload [--via dlsym|getproc] [--no-init] [--script FILE] [STEP
 Each argument (or script line; # starts a comment) is one step. Sizes take k/m/g/t suffixes.
   ctx DEV                 cuDeviceGet + cuDevicePrimaryCtxRetain + cuCtxSetCurrent
   ctx-create DEV          cuCtxCreate_v2
-  ctx-destroy             undo the latest ctx/ctx-create (release / destroy)
+  ctx-create-v3 DEV       cuCtxCreate_v3 (no affinity parameters)
+  ctx-create-v4 DEV       cuCtxCreate_v4 (NULL parameters)
+  ctx-destroy             undo the latest ctx/ctx-create* (release / destroy)
   alloc NAME SIZE         cuMemAlloc_v2
   pitch NAME W H ELEM     cuMemAllocPitch_v2
   managed NAME SIZE       cuMemAllocManaged (CU_MEM_ATTACH_GLOBAL)
   async[-ptsz] NAME SIZE  cuMemAllocAsync[_ptsz] on the NULL stream
   pool[-ptsz] NAME SIZE   cuDeviceGetMemPool + cuMemAllocFromPoolAsync[_ptsz]
   create NAME SIZE        cuMemCreate on the current device
+  create-host NAME SIZE   cuMemCreate of host memory (CU_MEM_LOCATION_TYPE_HOST)
   vmm NAME SIZE           cuMemCreate + cuMemAddressReserve + cuMemMap + cuMemSetAccess
   vmm-free NAME           cuMemUnmap + cuMemRelease + cuMemAddressFree
+  unmap NAME              cuMemUnmap + cuMemAddressFree of a vmm mapping (the handle
+                          stays unreleased: `release NAME` releases it)
+  retain NAME             cuMemRetainAllocationHandle of a vmm mapping (one more reference:
+                          `release NAME` drops it); prints: ok retain NAME 0xHANDLE
+  array NAME W H D        cuArrayCreate_v2 (D = 0) or cuArray3DCreate_v2, float x 4 channels
+  mipmap NAME W H D LEVELS  cuMipmappedArrayCreate, float x 4 channels
+  array-destroy NAME      cuArrayDestroy
+  mipmap-destroy NAME     cuMipmappedArrayDestroy
+  graph NAME SIZE         cuGraphCreate + cuGraphAddMemAllocNode (SIZE on the current
+                          device) + cuGraphInstantiateWithFlags
+  launch NAME             cuGraphLaunch of graph NAME on the NULL stream
+  graph-destroy NAME      cuGraphExecDestroy + cuGraphDestroy
+  graph-trim              cuDeviceGraphMemTrim of the current device
   free NAME               cuMemFree_v2
   free-async[-ptsz] NAME  cuMemFreeAsync[_ptsz]
   release NAME            cuMemRelease
@@ -145,6 +161,18 @@ macro_rules! cu {
     }};
 }
 
+/// A float4 3D array descriptor.
+fn float4_3d(width: u64, height: u64, depth: u64) -> CUDA_ARRAY3D_DESCRIPTOR {
+    CUDA_ARRAY3D_DESCRIPTOR {
+        width: width as usize,
+        height: height as usize,
+        depth: depth as usize,
+        format: CU_AD_FORMAT_FLOAT,
+        num_channels: 4,
+        flags: 0,
+    }
+}
+
 fn null() -> *mut std::ffi::c_void {
     std::ptr::null_mut()
 }
@@ -226,6 +254,21 @@ impl Runner {
                 })?;
                 self.ctxs.push((ctx as u64, d, false));
                 say!("ctx-create dev={} handle={:#x}", d, ctx as u64);
+            }
+            Step::CtxCreateV { dev, version } => {
+                let mut d: CUdevice = 0;
+                let mut ctx: CUcontext = null();
+                self.call(|s| {
+                    cu!(s, verb, device_get(&mut d, *dev));
+                    if *version == 3 {
+                        cu!(s, verb, ctx_create_v3(&mut ctx, null(), 0, 0, d));
+                    } else {
+                        cu!(s, verb, ctx_create_v4(&mut ctx, std::ptr::null_mut(), 0, d));
+                    }
+                    Ok(())
+                })?;
+                self.ctxs.push((ctx as u64, d, false));
+                say!("{verb} dev={} handle={:#x}", d, ctx as u64);
             }
             Step::CtxDestroy => {
                 let Some(&(h, dev, primary)) = self.ctxs.last() else {
@@ -318,11 +361,115 @@ impl Runner {
                 })?;
                 self.record(step, p, *size, h);
             }
+            Step::CreateHost { size, .. } => {
+                let mut h: CUmemGenericAllocationHandle = 0;
+                self.call(|s| {
+                    let mut prop = s.device_prop(verb)?;
+                    prop.location = CUmemLocation { type_: CU_MEM_LOCATION_TYPE_HOST, id: 0 };
+                    cu!(s, verb, mem_create(&mut h, *size as usize, &prop, 0));
+                    Ok(())
+                })?;
+                self.record(step, h, *size, h);
+            }
+            Step::Retain { name } => {
+                let n = self.named(name).map_err(Err)?;
+                let mut h: CUmemGenericAllocationHandle = 0;
+                self.call(|s| {
+                    cu!(s, verb, mem_retain_allocation_handle(&mut h, n.addr as *mut std::ffi::c_void));
+                    Ok(())
+                })?;
+                say!("ok {verb} {name} {h:#x}");
+            }
+            Step::Array { width, height, depth, .. } => {
+                let mut a: CUarray = null();
+                self.call(|s| {
+                    if *depth == 0 {
+                        let desc = CUDA_ARRAY_DESCRIPTOR { width: *width as usize, height: *height as usize, format: CU_AD_FORMAT_FLOAT, num_channels: 4 };
+                        cu!(s, verb, array_create(&mut a, &desc));
+                    } else {
+                        let desc = float4_3d(*width, *height, *depth);
+                        cu!(s, verb, array_3d_create(&mut a, &desc));
+                    }
+                    Ok(())
+                })?;
+                self.record(step, a as u64, width * height.max(&1) * depth.max(&1) * 16, 0);
+            }
+            Step::Mipmap { width, height, depth, levels, .. } => {
+                let mut m: CUmipmappedArray = null();
+                self.call(|s| {
+                    cu!(s, verb, mipmapped_array_create(&mut m, &float4_3d(*width, *height, *depth), *levels));
+                    Ok(())
+                })?;
+                self.record(step, m as u64, width * height.max(&1) * depth.max(&1) * 16, 0);
+            }
+            Step::ArrayDestroy { name } | Step::MipmapDestroy { name } | Step::Launch { name } | Step::GraphDestroy { name } => {
+                let n = self.named(name).map_err(Err)?;
+                let handle = n.addr as *mut std::ffi::c_void;
+                self.call(|s| {
+                    match step {
+                        Step::ArrayDestroy { .. } => cu!(s, verb, array_destroy(handle)),
+                        Step::MipmapDestroy { .. } => cu!(s, verb, mipmapped_array_destroy(handle)),
+                        Step::Launch { .. } => cu!(s, verb, graph_launch(handle, null())),
+                        _ => {
+                            cu!(s, verb, graph_exec_destroy(handle));
+                            cu!(s, verb, graph_destroy(n.handle as *mut std::ffi::c_void));
+                        }
+                    }
+                    Ok(())
+                })?;
+                say!("ok {verb} {name} {:#x} {}", n.addr, n.bytes);
+            }
+            Step::Graph { size, .. } => {
+                let (mut graph, mut node, mut exec): (CUgraph, CUgraphNode, CUgraphExec) = (null(), null(), null());
+                let mut dptr: CUdeviceptr = 0;
+                self.call(|s| {
+                    let dev = s.current_device(verb)?;
+                    cu!(s, verb, graph_create(&mut graph, 0));
+                    let mut params = CUDA_MEM_ALLOC_NODE_PARAMS {
+                        pool_props: CUmemPoolProps {
+                            alloc_type: CU_MEM_ALLOCATION_TYPE_PINNED,
+                            handle_types: 0,
+                            location: CUmemLocation { type_: CU_MEM_LOCATION_TYPE_DEVICE, id: dev },
+                            win32_security_attributes: null(),
+                            max_size: 0,
+                            usage: 0,
+                            reserved: [0; 54],
+                        },
+                        access_descs: std::ptr::null(),
+                        access_desc_count: 0,
+                        bytesize: *size as usize,
+                        dptr: 0,
+                    };
+                    cu!(s, verb, graph_add_mem_alloc_node(&mut node, graph, std::ptr::null(), 0, &mut params));
+                    dptr = params.dptr;
+                    cu!(s, verb, graph_instantiate_with_flags(&mut exec, graph, 0));
+                    Ok(())
+                })?;
+                say!("graph {} dptr={dptr:#x}", step.name().unwrap_or("?"));
+                self.record(step, exec as u64, *size, graph as u64);
+            }
+            Step::GraphTrim => {
+                self.call(|s| {
+                    let dev = s.current_device(verb)?;
+                    cu!(s, verb, device_graph_mem_trim(dev));
+                    Ok(())
+                })?;
+                say!("graph-trim");
+            }
             Step::VmmFree { name } => {
                 let n = self.named(name).map_err(Err)?;
                 self.call(|s| {
                     cu!(s, verb, mem_unmap(n.addr, n.bytes as usize));
                     cu!(s, verb, mem_release(n.handle));
+                    cu!(s, verb, mem_address_free(n.addr, n.bytes as usize));
+                    Ok(())
+                })?;
+                say!("ok {verb} {name} {:#x} {}", n.addr, n.bytes);
+            }
+            Step::Unmap { name } => {
+                let n = self.named(name).map_err(Err)?;
+                self.call(|s| {
+                    cu!(s, verb, mem_unmap(n.addr, n.bytes as usize));
                     cu!(s, verb, mem_address_free(n.addr, n.bytes as usize));
                     Ok(())
                 })?;

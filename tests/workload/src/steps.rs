@@ -11,6 +11,8 @@ use cuda_abi::parse_size;
 pub enum Step {
     Ctx(i32),
     CtxCreate(i32),
+    /// `cuCtxCreate_v3` (version 3) or `_v4` (version 4), without affinity or CIG parameters.
+    CtxCreateV { dev: i32, version: u8 },
     CtxDestroy,
     Alloc { name: String, size: u64 },
     Pitch { name: String, width: u64, height: u64, elem: u32 },
@@ -18,8 +20,26 @@ pub enum Step {
     Async { name: String, size: u64, ptsz: bool },
     Pool { name: String, size: u64, ptsz: bool },
     Create { name: String, size: u64 },
+    /// `cuMemCreate` of host-located memory (`CU_MEM_LOCATION_TYPE_HOST`).
+    CreateHost { name: String, size: u64 },
+    /// `cuMemRetainAllocationHandle` of a `vmm` mapping.
+    Retain { name: String },
+    /// A float4 array: `cuArrayCreate_v2` (depth 0) or `cuArray3DCreate_v2`.
+    Array { name: String, width: u64, height: u64, depth: u64 },
+    /// A float4 `cuMipmappedArrayCreate`.
+    Mipmap { name: String, width: u64, height: u64, depth: u64, levels: u32 },
+    ArrayDestroy { name: String },
+    MipmapDestroy { name: String },
+    /// `cuGraphCreate` + `cuGraphAddMemAllocNode` on the current device +
+    /// `cuGraphInstantiateWithFlags`.
+    Graph { name: String, size: u64 },
+    Launch { name: String },
+    GraphDestroy { name: String },
+    GraphTrim,
     Vmm { name: String, size: u64 },
     VmmFree { name: String },
+    /// `cuMemUnmap` + `cuMemAddressFree` of a `vmm` mapping; its handle is not released.
+    Unmap { name: String },
     Free { name: String },
     FreeAsync { name: String, ptsz: bool },
     Release { name: String },
@@ -74,6 +94,18 @@ impl Step {
         match self {
             Step::Ctx(_) => "ctx",
             Step::CtxCreate(_) => "ctx-create",
+            Step::CtxCreateV { version: 3, .. } => "ctx-create-v3",
+            Step::CtxCreateV { .. } => "ctx-create-v4",
+            Step::CreateHost { .. } => "create-host",
+            Step::Retain { .. } => "retain",
+            Step::Array { .. } => "array",
+            Step::Mipmap { .. } => "mipmap",
+            Step::ArrayDestroy { .. } => "array-destroy",
+            Step::MipmapDestroy { .. } => "mipmap-destroy",
+            Step::Graph { .. } => "graph",
+            Step::Launch { .. } => "launch",
+            Step::GraphDestroy { .. } => "graph-destroy",
+            Step::GraphTrim => "graph-trim",
             Step::CtxDestroy => "ctx-destroy",
             Step::Alloc { .. } => "alloc",
             Step::Pitch { .. } => "pitch",
@@ -85,6 +117,7 @@ impl Step {
             Step::Create { .. } => "create",
             Step::Vmm { .. } => "vmm",
             Step::VmmFree { .. } => "vmm-free",
+            Step::Unmap { .. } => "unmap",
             Step::Free { .. } => "free",
             Step::FreeAsync { ptsz: false, .. } => "free-async",
             Step::FreeAsync { ptsz: true, .. } => "free-async-ptsz",
@@ -125,6 +158,10 @@ impl Step {
             | Step::Async { name, .. }
             | Step::Pool { name, .. }
             | Step::Create { name, .. }
+            | Step::CreateHost { name, .. }
+            | Step::Array { name, .. }
+            | Step::Mipmap { name, .. }
+            | Step::Graph { name, .. }
             | Step::Vmm { name, .. } => Some(name),
             _ => None,
         }
@@ -156,6 +193,43 @@ impl Step {
                 want(1, "ctx-create DEV")?;
                 Step::CtxCreate(dev(args[0])?)
             }
+            "ctx-create-v3" | "ctx-create-v4" => {
+                want(1, &format!("{verb} DEV"))?;
+                Step::CtxCreateV { dev: dev(args[0])?, version: if *verb == "ctx-create-v3" { 3 } else { 4 } }
+            }
+            "create-host" | "graph" => {
+                want(2, &format!("{verb} NAME SIZE"))?;
+                let (name, size) = (name(0), size(args[1])?);
+                if *verb == "graph" {
+                    Step::Graph { name, size }
+                } else {
+                    Step::CreateHost { name, size }
+                }
+            }
+            "retain" | "array-destroy" | "mipmap-destroy" | "launch" | "graph-destroy" => {
+                want(1, &format!("{verb} NAME"))?;
+                let name = name(0);
+                match *verb {
+                    "retain" => Step::Retain { name },
+                    "array-destroy" => Step::ArrayDestroy { name },
+                    "mipmap-destroy" => Step::MipmapDestroy { name },
+                    "launch" => Step::Launch { name },
+                    _ => Step::GraphDestroy { name },
+                }
+            }
+            "array" => {
+                want(4, "array NAME WIDTH HEIGHT DEPTH")?;
+                Step::Array { name: name(0), width: size(args[1])?, height: size(args[2])?, depth: size(args[3])? }
+            }
+            "mipmap" => {
+                want(5, "mipmap NAME WIDTH HEIGHT DEPTH LEVELS")?;
+                let levels = u32::try_from(int(args[4])?).map_err(|_| err("bad level count"))?;
+                Step::Mipmap { name: name(0), width: size(args[1])?, height: size(args[2])?, depth: size(args[3])?, levels }
+            }
+            "graph-trim" => {
+                want(0, "graph-trim")?;
+                Step::GraphTrim
+            }
             "ctx-destroy" => {
                 want(0, "ctx-destroy")?;
                 Step::CtxDestroy
@@ -179,7 +253,7 @@ impl Step {
                 let elem = u32::try_from(int(args[3])?).map_err(|_| err("bad element size"))?;
                 Step::Pitch { name: name(0), width: size(args[1])?, height: size(args[2])?, elem }
             }
-            "free" | "free-async" | "free-async-ptsz" | "release" | "vmm-free" => {
+            "free" | "free-async" | "free-async-ptsz" | "release" | "vmm-free" | "unmap" => {
                 want(1, &format!("{verb} NAME"))?;
                 let name = name(0);
                 match *verb {
@@ -187,6 +261,7 @@ impl Step {
                     "free-async" => Step::FreeAsync { name, ptsz: false },
                     "free-async-ptsz" => Step::FreeAsync { name, ptsz: true },
                     "release" => Step::Release { name },
+                    "unmap" => Step::Unmap { name },
                     _ => Step::VmmFree { name },
                 }
             }
@@ -368,6 +443,19 @@ mod tests {
         assert!(Step::parse("fill 0 8m").is_err());
         assert!(Step::parse("fill 2 0").is_err());
         assert_eq!(Step::parse("free-fill").ok(), Some(Step::FreeFill));
+        assert_eq!(Step::parse("unmap v").ok(), Some(Step::Unmap { name: "v".into() }));
+        assert_eq!(Step::parse("ctx-create-v3 1").ok(), Some(Step::CtxCreateV { dev: 1, version: 3 }));
+        assert_eq!(
+            Step::parse("array a 1000 1000 0").ok(),
+            Some(Step::Array { name: "a".into(), width: 1000, height: 1000, depth: 0 })
+        );
+        assert_eq!(
+            Step::parse("mipmap m 256 256 256 2").ok(),
+            Some(Step::Mipmap { name: "m".into(), width: 256, height: 256, depth: 256, levels: 2 })
+        );
+        assert_eq!(Step::parse("graph g 512m").ok(), Some(Step::Graph { name: "g".into(), size: 512 << 20 }));
+        assert!(Step::parse("launch").is_err());
+        assert_eq!(Step::parse("graph-trim").ok(), Some(Step::GraphTrim));
         assert_eq!(Step::parse("meminfo-null").ok(), Some(Step::MeminfoNull));
         assert_eq!(
             Step::parse("fork ctx 0; alloc b 2m ;checkpoint c").ok(),

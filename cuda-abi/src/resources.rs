@@ -1,0 +1,112 @@
+//! The driver API's other holders of device memory, as `cuda.h` (CUDA 12/13) declares them:
+//! CUDA arrays and mipmapped arrays, graph memory nodes, context creation with execution
+//! affinity (`cuCtxCreate_v3`) and the host locations of VMM allocations. Fields are in snake
+//! case, as in the rest of this crate.
+#![allow(non_camel_case_types)]
+
+use std::ffi::{c_int, c_uint, c_void};
+
+use crate::{CUdeviceptr, CUmemAccessDesc, CUmemPoolProps};
+
+/// `CUarray` (`struct CUarray_st *`).
+pub type CUarray = *mut c_void;
+/// `CUmipmappedArray` (`struct CUmipmappedArray_st *`).
+pub type CUmipmappedArray = *mut c_void;
+/// `CUgraph` (`struct CUgraph_st *`).
+pub type CUgraph = *mut c_void;
+/// `CUgraphNode` (`struct CUgraphNode_st *`).
+pub type CUgraphNode = *mut c_void;
+/// `CUgraphExec` (`struct CUgraphExec_st *`).
+pub type CUgraphExec = *mut c_void;
+
+/// `CUDA_ARRAY_DESCRIPTOR` (`_v2`: `cuArrayCreate_v2`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CUDA_ARRAY_DESCRIPTOR {
+    pub width: usize,
+    pub height: usize,
+    /// `CUarray_format`.
+    pub format: c_int,
+    pub num_channels: c_uint,
+}
+
+/// `CUDA_ARRAY3D_DESCRIPTOR` (`_v2`: `cuArray3DCreate_v2`, `cuMipmappedArrayCreate`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CUDA_ARRAY3D_DESCRIPTOR {
+    pub width: usize,
+    pub height: usize,
+    pub depth: usize,
+    /// `CUarray_format`.
+    pub format: c_int,
+    pub num_channels: c_uint,
+    pub flags: c_uint,
+}
+
+/// `CUDA_ARRAY_MEMORY_REQUIREMENTS` (`_v1`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CUDA_ARRAY_MEMORY_REQUIREMENTS {
+    pub size: usize,
+    pub alignment: usize,
+    pub reserved: [c_uint; 4],
+}
+
+/// `CUDA_MEM_ALLOC_NODE_PARAMS` (`_v1`, `cuGraphAddMemAllocNode`); the driver writes `dptr`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct CUDA_MEM_ALLOC_NODE_PARAMS {
+    pub pool_props: CUmemPoolProps,
+    pub access_descs: *const CUmemAccessDesc,
+    pub access_desc_count: usize,
+    pub bytesize: usize,
+    pub dptr: CUdeviceptr,
+}
+
+// CUarray_format (the basic formats; the driver knows more).
+pub const CU_AD_FORMAT_UNSIGNED_INT8: c_int = 0x01;
+pub const CU_AD_FORMAT_UNSIGNED_INT16: c_int = 0x02;
+pub const CU_AD_FORMAT_UNSIGNED_INT32: c_int = 0x03;
+pub const CU_AD_FORMAT_SIGNED_INT8: c_int = 0x08;
+pub const CU_AD_FORMAT_SIGNED_INT16: c_int = 0x09;
+pub const CU_AD_FORMAT_SIGNED_INT32: c_int = 0x0a;
+pub const CU_AD_FORMAT_HALF: c_int = 0x10;
+pub const CU_AD_FORMAT_FLOAT: c_int = 0x20;
+
+/// Bytes of one channel of the basic `CUarray_format`s (`None`: another format).
+pub fn array_format_bytes(format: c_int) -> Option<u64> {
+    match format {
+        CU_AD_FORMAT_UNSIGNED_INT8 | CU_AD_FORMAT_SIGNED_INT8 => Some(1),
+        CU_AD_FORMAT_UNSIGNED_INT16 | CU_AD_FORMAT_SIGNED_INT16 | CU_AD_FORMAT_HALF => Some(2),
+        CU_AD_FORMAT_UNSIGNED_INT32 | CU_AD_FORMAT_SIGNED_INT32 | CU_AD_FORMAT_FLOAT => Some(4),
+        _ => None,
+    }
+}
+
+// CUmemLocationType: the host locations (memory in the host's RAM, never the GPU's).
+pub const CU_MEM_LOCATION_TYPE_HOST: c_int = 2;
+pub const CU_MEM_LOCATION_TYPE_HOST_NUMA: c_int = 3;
+pub const CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT: c_int = 4;
+
+// CUgraphMem_attribute (values are `cuuint64_t`).
+pub const CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT: c_int = 0;
+pub const CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT: c_int = 2;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::mem::{offset_of, size_of};
+
+    #[test]
+    fn layouts_match_cuda_h() {
+        assert_eq!(size_of::<CUDA_ARRAY_DESCRIPTOR>(), 24);
+        assert_eq!(size_of::<CUDA_ARRAY3D_DESCRIPTOR>(), 40);
+        assert_eq!(offset_of!(CUDA_ARRAY3D_DESCRIPTOR, flags), 32);
+        assert_eq!(size_of::<CUDA_ARRAY_MEMORY_REQUIREMENTS>(), 32);
+        assert_eq!(size_of::<CUmemPoolProps>(), 88);
+        assert_eq!(offset_of!(CUmemPoolProps, max_size), 24);
+        assert_eq!(size_of::<CUDA_MEM_ALLOC_NODE_PARAMS>(), 120);
+        assert_eq!(offset_of!(CUDA_MEM_ALLOC_NODE_PARAMS, bytesize), 104);
+        assert_eq!(offset_of!(CUDA_MEM_ALLOC_NODE_PARAMS, dptr), 112);
+    }
+}
