@@ -7,9 +7,10 @@
 //! * [`real`]: the real libcuda, the process's NVML and the real `dlsym`.
 //! * [`session`]: this process's ledger, slot and allocations, across fork and exit.
 //! * [`pools`]: stream-ordered pools, charged for the memory they hold.
-//! * `exports`: the wrappers, `dlsym` and `cuGetProcAddress(_v2)`.
+//! * `exports`: the wrappers, `dlsym`, `dlvsym` and `cuGetProcAddress(_v2)`.
+//! * `symbols`: lookups in the loaded objects' symbol tables, without `dlsym`.
 //!
-//! Intercepted (exported, handed out by `dlsym` on any handle, and for the driver's also by
+//! Intercepted (exported, handed out by `dlsym` and `dlvsym` on any handle, and for the driver's also by
 //! `cuGetProcAddress(_v2)`): the allocations and frees `cuMemAlloc_v2`, `cuMemAllocPitch_v2`,
 //! `cuMemAllocManaged`, `cuMemAllocAsync(_ptsz)`, `cuMemAllocFromPoolAsync(_ptsz)`,
 //! `cuMemFree_v2`, `cuMemFreeAsync(_ptsz)`, `cuMemCreate`, `cuMemRelease`, `cuMemPoolTrimTo`;
@@ -17,7 +18,9 @@
 //! workload sees: `cuMemGetInfo_v2`, `cuDeviceTotalMem_v2` and NVML's
 //! `nvmlDeviceGetMemoryInfo(_v2)` (total = the quota, free = the quota less the container's
 //! usage, each at most what the device reports; NVML's device is matched to the ledger by its
-//! UUID); and the routes `cuGetProcAddress(_v2)` and `dlsym`. `dlvsym` is not interposed.
+//! UUID); and the routes `cuGetProcAddress(_v2)`, `dlsym` and `dlvsym`. Every other lookup
+//! gets exactly the C library's answer (`RTLD_NEXT` relative to the real caller), and no
+//! lookup loads libcuda or NVML.
 //!
 //! Policy, when the ledger cannot be created or fails validation: print what is wrong once
 //! and refuse GPU allocations (`CUDA_ERROR_OUT_OF_MEMORY`), unless `VRAMGUARD_FAIL_OPEN=1`.
@@ -29,3 +32,4 @@ mod exports;
 pub mod pools;
 pub mod real;
 pub mod session;
+mod symbols;
