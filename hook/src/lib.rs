@@ -22,8 +22,10 @@
 //! gets exactly the C library's answer (`RTLD_NEXT` relative to the real caller), and no
 //! lookup loads libcuda or NVML.
 //!
-//! Policy, when the ledger cannot be created or fails validation: print what is wrong once
-//! and refuse GPU allocations (`CUDA_ERROR_OUT_OF_MEMORY`), unless `VRAMGUARD_FAIL_OPEN=1`.
+//! Policy, when the ledger cannot be created or fails validation, a setting cannot be read, or
+//! a visible GPU is not in the ledger: print what is wrong once and refuse GPU allocations
+//! (`CUDA_ERROR_OUT_OF_MEMORY`; there, for a GPU), unless `VRAMGUARD_FAIL_OPEN=1` (not in a
+//! provisioned container), which runs without limits and says so once.
 //! Stream-ordered (`cuMemAllocAsync`, pool) allocations charge what their pool holds,
 //! including memory it keeps reserved after frees until trimmed (falling back to one charge
 //! per allocation where the driver cannot report pool usage).
