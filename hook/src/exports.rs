@@ -739,10 +739,11 @@ unsafe fn wrapped_name<'a>(symbol: *const c_char) -> Option<&'a CStr> {
 }
 
 /// `found` (the definition of `name` glibc's lookup gives), or our wrapper where it is the real
-/// driver's or NVML's entry point of that name.
+/// driver's or NVML's entry point of that name. Neither is loaded by this: an address can only
+/// be one of theirs if the process has loaded them already.
 fn substitute_found(name: &CStr, found: *mut c_void) -> *mut c_void {
-    if found.is_null() {
-        return found;
+    if found.is_null() || wrapper_named(name) == Some(found as usize) {
+        return found; // nothing, or our own wrapper (found first where the hook is preloaded)
     }
     let wrapper = if name.to_bytes().starts_with(b"nvml") {
         loading(|| nvml_wrapper_for(found as usize))
