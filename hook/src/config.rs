@@ -7,7 +7,7 @@
 //! | `CUDA_DEVICE_MEMORY_LIMIT_<i>` | quota of visible device `i`, overriding the above |
 //! | `VRAMGUARD_LEDGER` | the ledger file (else `CUDA_DEVICE_MEMORY_SHARED_CACHE`, else `/tmp/vramguard.ledger`) |
 //! | `VRAMGUARD_CONTEXT_RESERVE` | charged once per process and device for its CUDA context (default `518m`, an H100's) |
-//! | `VRAMGUARD_FAIL_OPEN` | `1`: when the ledger is unusable, run without limits instead of refusing allocations |
+//! | `VRAMGUARD_FAIL_OPEN` | `1`: when the ledger is unusable, a setting above is not, or a GPU is not in the ledger, run without limits (said once on stderr) instead of refusing allocations |
 //! | `POD_NAMESPACE`, `POD_NAME`, `CONTAINER_NAME` | the container's names (from the downward API), recorded in the ledger for the agent's metrics |
 //!
 //! Limits only matter when the hook creates the ledger: an existing ledger (written by the
@@ -107,6 +107,12 @@ impl Config {
     pub fn has_limits(&self) -> bool {
         self.limits.iter().any(Option::is_some)
     }
+}
+
+/// Whether the environment asks for fail-open (`VRAMGUARD_FAIL_OPEN=1`), read on its own: the
+/// answer when another setting is unusable.
+pub fn fail_open_asked() -> bool {
+    std::env::var_os("VRAMGUARD_FAIL_OPEN").is_some_and(|v| v == "1")
 }
 
 /// The header the agent wrote at `path` (a provisioned container's limits), `None` when there

@@ -13,7 +13,7 @@
 use std::{
     cell::Cell,
     ffi::{c_char, c_int, c_uint, c_void, CStr},
-    sync::{atomic::{AtomicBool, Ordering}, OnceLock},
+    sync::atomic::{AtomicBool, Ordering},
 };
 
 use cuda_abi::{
@@ -55,7 +55,7 @@ pub(crate) fn admit(driver: &Driver, charge: Charge, ordinal: Option<CUdevice>) 
         return Admission::Pass; // no context: the driver refuses the call itself
     };
     let Some(device) = session.ledger_device(ordinal) else {
-        return Admission::Pass;
+        return if session.refuses(ordinal) { Admission::Refuse } else { Admission::Pass };
     };
     match reserve_or_report(session, device, charge, 0) {
         Some(record) => Admission::Charged(session, device, record),
@@ -301,7 +301,9 @@ unsafe fn pool_allocate(
         Mode::Enforce(session) => session,
     };
     let Some(ordinal) = current_device(driver) else { return call() };
-    let Some(device) = session.ledger_device(ordinal) else { return call() };
+    let Some(device) = session.ledger_device(ordinal) else {
+        return if session.refuses(ordinal) { CUDA_ERROR_OUT_OF_MEMORY } else { call() };
+    };
     let pool = pool.or_else(|| current_pool(driver, ordinal));
     let mut call = Some(call);
     let outcome = pool.and_then(|pool| {
@@ -532,7 +534,7 @@ fn nvml_wrapper_for(real_address: usize) -> Option<usize> {
 
 /// Our wrapper for a real libcuda entry point's address, if we wrap it.
 fn wrapper_for(real_address: usize) -> Option<usize> {
-    static TABLE: OnceLock<Vec<(usize, usize)>> = OnceLock::new();
+    static TABLE: real::Racy<Vec<(usize, usize)>> = real::Racy::new();
     let driver = real::driver().ok()?;
     let table = TABLE.get_or_init(|| {
         driver
@@ -642,7 +644,8 @@ pub unsafe extern "C" fn cuGetProcAddress_v2(
 }
 
 thread_local! {
-    /// Set while this thread loads the real driver from inside `dlsym`.
+    /// Set while this thread loads the real driver or NVML (their initialisers may look
+    /// symbols up while the library is half loaded): lookups then get the C library's answer.
     static LOADING: Cell<bool> = const { Cell::new(false) };
 }
 
@@ -655,26 +658,200 @@ fn loading<T>(f: impl FnOnce() -> T) -> T {
     result
 }
 
-/// `dlsym` as the C library's, except that a CUDA or NVML entry point we wrap comes back as
-/// our wrapper, whichever handle it was looked up on.
-#[no_mangle]
-pub unsafe extern "C" fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void {
-    let Some(real_dlsym) = real::real_dlsym() else { return std::ptr::null_mut() };
-    // SAFETY: the caller's arguments, forwarded unchanged.
-    let found = unsafe { real_dlsym(handle, symbol) };
-    if found.is_null() || symbol.is_null() || LOADING.with(Cell::get) {
-        return found;
+// ---- dlsym and dlvsym ----------------------------------------------------------------------
+//
+// Both are exported as small assembly trampolines, so that a lookup the hook has nothing to do
+// with reaches the C library's function as a tail call, with the application's own return
+// address: glibc resolves `RTLD_NEXT` (and a caller's namespace) from that address, so every
+// such lookup gets exactly glibc's answer. Only a name the hook wraps (an exact name from
+// [`wrapper_named`]) is answered here: looked up as glibc would (`RTLD_NEXT` among the objects
+// after the caller's, [`crate::symbols`]), and a real libcuda or NVML entry point replaced by
+// our wrapper. Nothing here loads libcuda or NVML: an address can only be one of theirs if the
+// process has loaded them already. The trampolines take no lock.
+
+/// What a trampoline does next: 0, return what the route wrote to its `out`; else jump to this
+/// address (the C library's function) with the caller's arguments and return address.
+type Next = usize;
+
+/// Whether `symbol` is a name this library answers for (null or unknown: glibc's).
+///
+/// # Safety
+/// `symbol` is null or a NUL-terminated string.
+unsafe fn wrapped_name<'a>(symbol: *const c_char) -> Option<&'a CStr> {
+    if symbol.is_null() {
+        return None;
     }
-    // SAFETY: a non-null symbol is the caller's NUL-terminated name.
-    let name = unsafe { CStr::from_ptr(symbol) }.to_bytes();
-    let wrapper = if name.starts_with(b"cu") {
-        loading(|| wrapper_for(found as usize))
-    } else if name.starts_with(b"nvml") {
+    // SAFETY: per the contract.
+    let name = unsafe { CStr::from_ptr(symbol) };
+    (wrapper_named(name).is_some() && !LOADING.with(Cell::get)).then_some(name)
+}
+
+/// `found` (the definition of `name` glibc's lookup gives), or our wrapper where it is the real
+/// driver's or NVML's entry point of that name. Neither is loaded by this: an address can only
+/// be one of theirs if the process has loaded them already.
+fn substitute_found(name: &CStr, found: *mut c_void) -> *mut c_void {
+    if found.is_null() || wrapper_named(name) == Some(found as usize) {
+        return found; // nothing, or our own wrapper (found first where the hook is preloaded)
+    }
+    let wrapper = if name.to_bytes().starts_with(b"nvml") {
         loading(|| nvml_wrapper_for(found as usize))
+    } else if real::driver_loaded() {
+        loading(|| wrapper_for(found as usize))
     } else {
-        None
+        None // libcuda is not loaded: `found` is not one of its entry points
     };
     wrapper.map_or(found, |w| w as *mut c_void)
+}
+
+/// The route of a lookup of `symbol` on `handle` called from return address `caller`: `real`
+/// is the C library's function (its address), `lookup` calls it with the caller's arguments.
+///
+/// # Safety
+/// `symbol` is null or NUL-terminated; `out` is writable.
+unsafe fn route(
+    handle: *mut c_void,
+    symbol: *const c_char,
+    caller: usize,
+    out: *mut *mut c_void,
+    real: Option<Next>,
+    lookup: impl FnOnce() -> *mut c_void,
+) -> Next {
+    let Some(real) = real else {
+        // SAFETY: per the contract.
+        unsafe { *out = std::ptr::null_mut() };
+        return 0;
+    };
+    // SAFETY: per the contract.
+    let Some(name) = (unsafe { wrapped_name(symbol) }) else { return real };
+    let found = if handle == libc::RTLD_NEXT {
+        match crate::symbols::next_definition(caller, name) {
+            Some(found) => found as *mut c_void,
+            None => return real, // not found: glibc's answer (and dlerror)
+        }
+    } else {
+        // Other handles of the caller's namespace do not depend on who calls.
+        lookup()
+    };
+    // SAFETY: per the contract.
+    unsafe { *out = substitute_found(name, found) };
+    0
+}
+
+/// The route of `dlsym(handle, symbol)` called from return address `caller` (`_version` is
+/// whatever the trampoline found in the third argument's register).
+///
+/// # Safety
+/// The caller's `dlsym` arguments; `out` is writable.
+unsafe extern "C" fn dlsym_route(
+    handle: *mut c_void,
+    symbol: *const c_char,
+    _version: *const c_char,
+    caller: usize,
+    out: *mut *mut c_void,
+) -> Next {
+    let real = real::real_dlsym();
+    // SAFETY: per the contract; the lookup forwards the caller's arguments.
+    unsafe { route(handle, symbol, caller, out, real.map(|f| f as Next), || real.map_or(std::ptr::null_mut(), |f| f(handle, symbol))) }
+}
+
+/// The route of `dlvsym(handle, symbol, version)` called from return address `caller`: as
+/// `dlsym`'s (the CUDA and NVML entry points are unversioned, so the version does not change
+/// which definition `RTLD_NEXT` finds).
+///
+/// # Safety
+/// The caller's `dlvsym` arguments; `out` is writable.
+unsafe extern "C" fn dlvsym_route(
+    handle: *mut c_void,
+    symbol: *const c_char,
+    version: *const c_char,
+    caller: usize,
+    out: *mut *mut c_void,
+) -> Next {
+    let real = real::real_dlvsym();
+    // SAFETY: per the contract; the lookup forwards the caller's arguments.
+    unsafe {
+        route(handle, symbol, caller, out, real.map(|f| f as Next), || real.map_or(std::ptr::null_mut(), |f| f(handle, symbol, version)))
+    }
+}
+
+/// Defines an exported lookup function as a trampoline into `$route(arg0, arg1, arg2, caller's
+/// return address, &answer)`: it returns the answer, or jumps to the address the route returns
+/// with the caller's arguments and return address untouched.
+macro_rules! lookup_trampoline {
+    ($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),*) => $route:ident) => {
+        $(#[$doc])*
+        #[cfg(target_arch = "x86_64")]
+        #[unsafe(naked)]
+        #[no_mangle]
+        pub unsafe extern "C" fn $name($($arg: $ty),*) -> *mut c_void {
+            // Frame: [rsp] = the answer, [rsp+16] = rdx, [rsp+24] = rsi, [rsp+32] = rdi,
+            // [rsp+40] = the caller's return address (rsp is 16-byte aligned at the call).
+            std::arch::naked_asm!(
+                "endbr64",
+                "push rdi",
+                "push rsi",
+                "push rdx",
+                "sub rsp, 16",
+                "mov rcx, [rsp + 40]",
+                "mov r8, rsp",
+                "call {route}",
+                "mov r11, rax",
+                "mov rax, [rsp]",
+                "add rsp, 16",
+                "pop rdx",
+                "pop rsi",
+                "pop rdi",
+                "test r11, r11",
+                "jnz 2f",
+                "ret",
+                "2:",
+                "jmp r11",
+                route = sym $route,
+            )
+        }
+
+        $(#[$doc])*
+        #[cfg(target_arch = "aarch64")]
+        #[unsafe(naked)]
+        #[no_mangle]
+        pub unsafe extern "C" fn $name($($arg: $ty),*) -> *mut c_void {
+            // Frame (48 bytes): x29/x30, x0/x1 at +16, x2 at +32, the answer at +40; the
+            // caller's return address is x30.
+            std::arch::naked_asm!(
+                "bti c",
+                "stp x29, x30, [sp, #-48]!",
+                "mov x29, sp",
+                "stp x0, x1, [sp, #16]",
+                "str x2, [sp, #32]",
+                "mov x3, x30",
+                "add x4, sp, #40",
+                "bl {route}",
+                "mov x16, x0",
+                "ldr x17, [sp, #40]",
+                "ldp x0, x1, [sp, #16]",
+                "ldr x2, [sp, #32]",
+                "ldp x29, x30, [sp], #48",
+                "cbnz x16, 2f",
+                "mov x0, x17",
+                "ret",
+                "2:",
+                "br x16",
+                route = sym $route,
+            )
+        }
+    };
+}
+
+lookup_trampoline! {
+    /// `dlsym` as the C library's, except that a CUDA or NVML entry point we wrap comes back
+    /// as our wrapper, whichever handle it was looked up on.
+    fn dlsym(handle: *mut c_void, symbol: *const c_char) => dlsym_route
+}
+
+lookup_trampoline! {
+    /// `dlvsym` as the C library's, except that a CUDA or NVML entry point we wrap comes back
+    /// as our wrapper.
+    fn dlvsym(handle: *mut c_void, symbol: *const c_char, version: *const c_char) => dlvsym_route
 }
 
 #[cfg(test)]

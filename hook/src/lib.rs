@@ -11,9 +11,10 @@
 //! * `contexts`: every context, charged from its creation to its destruction.
 //! * `arrays`: CUDA arrays and mipmapped arrays, charged by their real footprint.
 //! * `graphs`: graph memory nodes, charged when a launch takes memory into the graph pool.
-//! * `exports`: the memory wrappers, `dlsym` and `cuGetProcAddress(_v2)`.
+//! * `exports`: the memory wrappers, `dlsym`, `dlvsym` and `cuGetProcAddress(_v2)`.
+//! * `symbols`: lookups in the loaded objects' symbol tables, without `dlsym`.
 //!
-//! Intercepted (exported, handed out by `dlsym` on any handle, and for the driver's also by
+//! Intercepted (exported, handed out by `dlsym` and `dlvsym` on any handle, and for the driver's also by
 //! `cuGetProcAddress(_v2)`): the allocations and frees `cuMemAlloc_v2`, `cuMemAllocPitch_v2`,
 //! `cuMemAllocManaged`, `cuMemAllocAsync(_ptsz)`, `cuMemAllocFromPoolAsync(_ptsz)`,
 //! `cuMemFree_v2`, `cuMemFreeAsync(_ptsz)`, `cuMemPoolTrimTo`; VMM: `cuMemCreate`,
@@ -26,10 +27,14 @@
 //! workload sees: `cuMemGetInfo_v2`, `cuDeviceTotalMem_v2` and NVML's
 //! `nvmlDeviceGetMemoryInfo(_v2)` (total = the quota, free = the quota less the container's
 //! usage, each at most what the device reports; NVML's device is matched to the ledger by its
-//! UUID); and the routes `cuGetProcAddress(_v2)` and `dlsym`. `dlvsym` is not interposed.
+//! UUID); and the routes `cuGetProcAddress(_v2)`, `dlsym` and `dlvsym`. Every other lookup
+//! gets exactly the C library's answer (`RTLD_NEXT` relative to the real caller), and no
+//! lookup loads libcuda or NVML.
 //!
-//! Policy, when the ledger cannot be created or fails validation: print what is wrong once
-//! and refuse GPU allocations (`CUDA_ERROR_OUT_OF_MEMORY`), unless `VRAMGUARD_FAIL_OPEN=1`.
+//! Policy, when the ledger cannot be created or fails validation, a setting cannot be read, or
+//! a visible GPU is not in the ledger: print what is wrong once and refuse GPU allocations
+//! (`CUDA_ERROR_OUT_OF_MEMORY`; there, for a GPU), unless `VRAMGUARD_FAIL_OPEN=1` (not in a
+//! provisioned container), which runs without limits and says so once.
 //! Stream-ordered (`cuMemAllocAsync`, pool) allocations charge what their pool holds,
 //! including memory it keeps reserved after frees until trimmed (falling back to one charge
 //! per allocation where the driver cannot report pool usage).
@@ -42,3 +47,4 @@ pub mod pools;
 pub mod real;
 pub mod session;
 mod vmm;
+mod symbols;

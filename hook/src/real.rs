@@ -3,11 +3,13 @@
 //! `dlsym`; likewise the process's own NVML (`libnvidia-ml.so.1`), for the memory queries
 //! this library wraps.
 //!
-//! Lookups go through the real `dlsym` obtained with `dlvsym(RTLD_NEXT, ...)`, never through
-//! the `dlsym` this library exports (which would hand back our own wrappers).
+//! Lookups go through the C library's `dlsym`, found in its symbol table ([`crate::symbols`]),
+//! never through the `dlsym` this library exports (which would hand back our own wrappers).
+//! Nothing here waits on a lock of the hook's own: values are published with [`Racy`], so a
+//! child forked while another thread loads the driver does not hang.
 use std::{
     ffi::{c_char, c_int, c_uint, c_void, CStr},
-    sync::OnceLock,
+    sync::atomic::{AtomicPtr, Ordering},
 };
 
 use cuda_abi::{
@@ -18,26 +20,67 @@ use cuda_abi::{
 };
 
 type DlsymFn = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
+type DlvsymFn = unsafe extern "C" fn(*mut c_void, *const c_char, *const c_char) -> *mut c_void;
 
-/// The C library's function `name` (looked up past this library, under the symbol versions
-/// glibc has used for it). This library must never export `dlvsym` itself: this lookup
-/// would then find its own, and versioned lookups are left to the C library (the eBPF
-/// probes see calls into libcuda however their address was found).
+/// A value computed on first use and published without a lock: threads that race compute it
+/// each and all but the first drop theirs. Nothing waits, so a child forked while another
+/// thread computes it is never left waiting for a thread it does not have.
+pub struct Racy<T>(AtomicPtr<T>);
+
+impl<T> Default for Racy<T> {
+    fn default() -> Racy<T> {
+        Racy::new()
+    }
+}
+
+impl<T> Racy<T> {
+    pub const fn new() -> Racy<T> {
+        Racy(AtomicPtr::new(std::ptr::null_mut()))
+    }
+
+    pub fn get(&self) -> Option<&T> {
+        // SAFETY: a non-null pointer is a leaked box, never freed.
+        unsafe { self.0.load(Ordering::Acquire).as_ref() }
+    }
+
+    pub fn get_or_init(&self, init: impl FnOnce() -> T) -> &T {
+        if let Some(value) = self.get() {
+            return value;
+        }
+        let mine = Box::into_raw(Box::new(init()));
+        match self.0.compare_exchange(std::ptr::null_mut(), mine, Ordering::AcqRel, Ordering::Acquire) {
+            // SAFETY: just published; never freed.
+            Ok(_) => unsafe { &*mine },
+            Err(theirs) => {
+                // SAFETY: `mine` was never shared; `theirs` is a published, leaked box.
+                drop(unsafe { Box::from_raw(mine) });
+                unsafe { &*theirs }
+            }
+        }
+    }
+}
+
+/// The C library's function `name`: its definition next after this library, found in the
+/// objects' symbol tables ([`crate::symbols`]), since this library's own `dlsym` and
+/// `dlvsym` are the ones a lookup through those names would reach.
 fn libc_function(name: &CStr) -> Option<usize> {
-    [c"GLIBC_2.34", c"GLIBC_2.2.5", c"GLIBC_2.17"].iter().find_map(|version| {
-        // SAFETY: the C library's own dlvsym (not interposed by this library), RTLD_NEXT and
-        // NUL-terminated names; it returns null on failure.
-        let found = unsafe { libc::dlvsym(libc::RTLD_NEXT, name.as_ptr(), version.as_ptr()) };
-        (!found.is_null()).then_some(found as usize)
-    })
+    crate::symbols::next_after_this_library(name)
 }
 
 /// The C library's `dlsym`.
 pub fn real_dlsym() -> Option<DlsymFn> {
-    static REAL: OnceLock<Option<usize>> = OnceLock::new();
+    static REAL: Racy<Option<usize>> = Racy::new();
     let address = *REAL.get_or_init(|| libc_function(c"dlsym"));
     // SAFETY: the address is the C library's dlsym, whose signature this type spells.
     address.map(|a| unsafe { std::mem::transmute::<usize, DlsymFn>(a) })
+}
+
+/// The C library's `dlvsym`.
+pub fn real_dlvsym() -> Option<DlvsymFn> {
+    static REAL: Racy<Option<usize>> = Racy::new();
+    let address = *REAL.get_or_init(|| libc_function(c"dlvsym"));
+    // SAFETY: the address is the C library's dlvsym, whose signature this type spells.
+    address.map(|a| unsafe { std::mem::transmute::<usize, DlvsymFn>(a) })
 }
 
 /// Defines a library's entry points as a struct of optional function pointers (`CUresult` and
@@ -147,7 +190,7 @@ driver_api! {
 /// Why the real driver is not available.
 pub type DriverError = String;
 
-static DRIVER: OnceLock<Result<Driver, DriverError>> = OnceLock::new();
+static DRIVER: Racy<Result<Driver, DriverError>> = Racy::new();
 
 /// The real driver, loaded on first use.
 pub fn driver() -> Result<&'static Driver, &'static DriverError> {
@@ -171,7 +214,7 @@ pub fn driver_loaded() -> bool {
 /// NVML's soname, as applications load it.
 const NVML_SONAME: &str = "libnvidia-ml.so.1";
 
-static NVML: OnceLock<Result<Nvml, String>> = OnceLock::new();
+static NVML: Racy<Result<Nvml, String>> = Racy::new();
 
 /// The process's NVML: the `libnvidia-ml.so.1` already loaded (looked up with `RTLD_NOLOAD`,
 /// so it is the one the application uses), else the one the process would load. Only the

@@ -11,10 +11,9 @@
 use std::{
     collections::HashMap,
     ffi::c_int,
-    io::Write as _,
     os::unix::fs::OpenOptionsExt as _,
     sync::{
-        atomic::{AtomicPtr, AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering},
         Mutex,
     },
 };
@@ -62,6 +61,8 @@ pub struct Session {
     pub slot: SlotId,
     /// Ledger device of each driver ordinal (None: not in the ledger, not enforced).
     devices: [Option<u32>; MAX_DEVICES],
+    /// Ordinals not in the ledger whose allocations are refused (not fail-open).
+    refused: [bool; MAX_DEVICES],
     /// The driver's UUID of each ordinal (zero where it did not say).
     uuids: [[u8; 16]; MAX_DEVICES],
     /// Charges of the stream-ordered pools and graph pools this process allocates from.
@@ -78,6 +79,13 @@ impl Session {
     /// The ledger device of driver ordinal `ordinal`, if it is enforced.
     pub fn ledger_device(&self, ordinal: CUdevice) -> Option<u32> {
         usize::try_from(ordinal).ok().and_then(|i| self.devices.get(i).copied().flatten())
+    }
+
+    /// Whether allocations on driver ordinal `ordinal`, a GPU the ledger does not know, are
+    /// refused (said once at set-up; not with `VRAMGUARD_FAIL_OPEN=1`, outside a provisioned
+    /// container).
+    pub fn refuses(&self, ordinal: CUdevice) -> bool {
+        usize::try_from(ordinal).ok().is_some_and(|i| self.refused.get(i).copied().unwrap_or(false))
     }
 
     /// The enforced ledger device of the GPU whose UUID NVML writes as `uuid` (`GPU-…`): the
@@ -124,7 +132,51 @@ static NOT_YET: Mode = Mode::PassThrough;
 static CURRENT: AtomicPtr<Mode> = AtomicPtr::new(std::ptr::null_mut());
 static CURRENT_GENERATION: AtomicU64 = AtomicU64::new(u64::MAX);
 static FORK_GENERATION: AtomicU64 = AtomicU64::new(0);
-static SETUP: Mutex<()> = Mutex::new(());
+
+/// The turn to set this process's mode up. Not a mutex: a child forked while another thread
+/// holds it would wait forever for a thread it does not have, so the child's fork handler
+/// frees it (the child has one thread, which was forking, not setting up).
+static SETUP: AtomicBool = AtomicBool::new(false);
+
+/// Holds [`SETUP`] until dropped.
+struct SetupTurn;
+
+impl SetupTurn {
+    fn take() -> SetupTurn {
+        let mut spins = 0u32;
+        while SETUP.compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
+            // Set-up happens once per process and takes milliseconds: wait politely.
+            spins += 1;
+            if spins < 100 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        }
+        SetupTurn
+    }
+}
+
+impl Drop for SetupTurn {
+    fn drop(&mut self) {
+        SETUP.store(false, Ordering::Release);
+    }
+}
+
+/// Registered when the library is loaded, before any thread can take a lock of the hook's:
+/// the fork handler and the release of this process's slot at exit.
+#[used]
+#[link_section = ".init_array"]
+static AT_LOAD: extern "C" fn() = at_load;
+
+extern "C" fn at_load() {
+    // SAFETY: registering plain extern "C" handlers with no arguments, which live as long as
+    // the process (the library is preloaded, never unloaded).
+    unsafe {
+        libc::pthread_atfork(None, None, Some(after_fork_in_child));
+        libc::atexit(release_at_exit);
+    }
+}
 
 /// This process's mode, set up on first use (and again in a forked child).
 pub fn mode() -> &'static Mode {
@@ -134,7 +186,7 @@ pub fn mode() -> &'static Mode {
         // SAFETY: modes are leaked boxes, never freed; the pointer stays valid forever.
         return unsafe { &*current };
     }
-    let _guard = SETUP.lock().unwrap_or_else(|p| p.into_inner());
+    let _turn = SetupTurn::take();
     let current = CURRENT.load(Ordering::Acquire);
     if !current.is_null() && CURRENT_GENERATION.load(Ordering::Acquire) == generation {
         // SAFETY: as above.
@@ -147,14 +199,6 @@ pub fn mode() -> &'static Mode {
     let mode: &'static Mode = Box::leak(Box::new(mode));
     CURRENT.store((mode as *const Mode).cast_mut(), Ordering::Release);
     CURRENT_GENERATION.store(generation, Ordering::Release);
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        // SAFETY: registering plain extern "C" handlers with no arguments.
-        unsafe {
-            libc::pthread_atfork(None, None, Some(after_fork_in_child));
-            libc::atexit(release_at_exit);
-        }
-    });
     mode
 }
 
@@ -200,8 +244,10 @@ fn quota_in(ledger: &Ledger, device: u32) -> Option<(u64, u64)> {
 }
 
 extern "C" fn after_fork_in_child() {
-    // The child's CUDA state is not the parent's: it gets its own slot on first use.
+    // The child's CUDA state is not the parent's: it gets its own slot on first use. A turn
+    // to set up that another thread of the parent held is nobody's in the child.
     FORK_GENERATION.fetch_add(1, Ordering::AcqRel);
+    SETUP.store(false, Ordering::Release);
 }
 
 extern "C" fn release_at_exit() {
@@ -221,7 +267,13 @@ extern "C" fn release_at_exit() {
 fn set_up() -> Option<Mode> {
     let config = match Config::from_env() {
         Ok(config) => config,
-        Err(error) => return Some(refuse(format!("bad setting: {error}"), provisioned_container())),
+        Err(error) => {
+            // An unusable setting is a problem like an unusable ledger: fail-open (if that
+            // setting itself is usable) runs without limits, except in a provisioned container.
+            let problem = format!("bad setting: {error}");
+            let provisioned = provisioned_container();
+            return Some(if !provisioned && crate::config::fail_open_asked() { pass(problem) } else { refuse(problem, provisioned) });
+        }
     };
     if !config.has_limits() && !config.ledger.exists() {
         return Some(Mode::PassThrough);
@@ -269,9 +321,20 @@ fn provisioned_container() -> bool {
     std::path::Path::new(ledger::provisioned::LIMITS).exists()
 }
 
-/// One line on stderr, prefixed.
+/// One line on stderr, prefixed, in one `write` (not through Rust's stderr, whose lock a
+/// thread of a forking parent may hold).
 pub fn say(message: &str) {
-    let _ = writeln!(std::io::stderr(), "vramguard: {message}");
+    let line = format!("vramguard: {message}\n");
+    let mut rest = line.as_bytes();
+    while !rest.is_empty() {
+        // SAFETY: writes bytes of a live buffer to the standard error descriptor.
+        let written = unsafe { libc::write(libc::STDERR_FILENO, rest.as_ptr().cast(), rest.len()) };
+        match usize::try_from(written) {
+            Ok(n) if n > 0 => rest = &rest[n..],
+            _ if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted => {}
+            _ => return,
+        }
+    }
 }
 
 fn open_session(config: &Config) -> Result<Session, SetupError> {
@@ -319,6 +382,8 @@ fn open_session(config: &Config) -> Result<Session, SetupError> {
             None => None,
         };
     }
+    let missing: Vec<c_int> = (0..count.min(MAX_DEVICES as c_int)).filter(|&o| devices[o as usize].is_none()).collect();
+    let refused = unknown_devices(config, &header, &missing, &ordinal_uuids);
     let identity = ProcessIdentity::current().map_err(|e| format!("cannot read this process's identity: {e}"))?;
     // Slots of processes that died without a word go first (the agent does this too).
     let _ = ledger.reclaim_dead();
@@ -327,6 +392,7 @@ fn open_session(config: &Config) -> Result<Session, SetupError> {
         ledger,
         slot,
         devices,
+        refused,
         uuids: ordinal_uuids,
         pools: Default::default(),
         vmm: Default::default(),
@@ -335,6 +401,43 @@ fn open_session(config: &Config) -> Result<Session, SetupError> {
         allocations: std::array::from_fn(|_| Mutex::new(HashMap::new())),
         pid: identity.pid,
     })
+}
+
+/// Says which visible GPUs (`missing` ordinals) the ledger does not know, in one line, and
+/// returns the ordinals whose allocations are refused: all of them, unless fail-open outside a
+/// provisioned container (then none, said too).
+fn unknown_devices(config: &Config, header: &Header, missing: &[c_int], uuids: &[[u8; 16]; MAX_DEVICES]) -> [bool; MAX_DEVICES] {
+    let mut refused = [false; MAX_DEVICES];
+    if missing.is_empty() {
+        return refused;
+    }
+    let named: Vec<String> = missing
+        .iter()
+        .map(|&o| match uuids[o as usize] {
+            uuid if uuid == [0; 16] => format!("GPU {o}"),
+            uuid => format!("GPU {o} ({})", gpu_uuid_text(&uuid)),
+        })
+        .collect();
+    let problem = format!(
+        "{} not in the ledger {} (it has {} device(s))",
+        if named.len() == 1 { format!("{} is", named[0]) } else { format!("{} are", named.join(", ")) },
+        config.ledger.display(),
+        header.device_count
+    );
+    if config.fail_open && config.provisioned.is_none() {
+        say(&format!("{problem}; VRAMGUARD_FAIL_OPEN=1: running WITHOUT GPU memory limits there"));
+        return refused;
+    }
+    let why = if config.provisioned.is_some() {
+        "this container's quota is provisioned by the node's vramguard agent"
+    } else {
+        "set VRAMGUARD_FAIL_OPEN=1 to run without limits there instead"
+    };
+    say(&format!("{problem}; refusing GPU allocations there ({why})"));
+    for &o in missing {
+        refused[o as usize] = true;
+    }
+    refused
 }
 
 /// The ledger `config` names: a provisioned container's, mapped with the agent's header; else

@@ -12,7 +12,7 @@
 use std::{
     fs::{self, File, OpenOptions},
     io,
-    os::unix::fs::{FileExt, OpenOptionsExt},
+    os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt},
     path::{Path, PathBuf},
 };
 
@@ -168,6 +168,9 @@ pub fn create(
         .mode(0o666)
         .open(&temporary)
         .map_err(io_error)?;
+    // Every process of a container, whatever its uid, shares the ledger: 0666 whatever the
+    // creator's umask (fchmod is not masked). Set before the file appears under its name.
+    file.set_permissions(fs::Permissions::from_mode(0o666)).map_err(io_error)?;
     let result = (|| {
         file.set_len(header.total_size).map_err(io_error)?;
         file.write_all_at(as_bytes(header), 0).map_err(io_error)?;
@@ -195,6 +198,9 @@ pub fn creation_lock(path: &Path) -> Result<File, LedgerError> {
     let name = path.file_name().ok_or_else(|| LedgerError::InvalidConfig(format!("{} has no file name", path.display())))?;
     let lock_path = path.with_file_name(format!(".{}.lock", name.to_string_lossy()));
     let file = OpenOptions::new().create(true).truncate(false).write(true).mode(0o666).open(&lock_path).map_err(io_error)?;
+    // 0666 whatever the umask, for the container's other uids; only its owner can (and needs
+    // to) change it, so a failure here is someone else's file, already shared.
+    let _ = file.set_permissions(fs::Permissions::from_mode(0o666));
     // SAFETY: flock on a descriptor this function owns; released when the File is dropped.
     if unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&file), libc::LOCK_EX) } != 0 {
         return Err(io_error(io::Error::last_os_error()));

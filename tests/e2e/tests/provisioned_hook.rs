@@ -135,3 +135,24 @@ fn a_broken_limits_file_refuses_even_fail_open() -> Result<()> {
     node.cleanup();
     Ok(())
 }
+
+#[test]
+fn a_gpu_the_agent_did_not_provision_is_refused_even_fail_open() -> Result<()> {
+    // The agent's header has one device; this process sees two.
+    let node = node("prov-missing").with_env("FAKECUDA_DEVICE_COUNT", "2");
+    let dir = TempDir::new("prov-missing")?;
+    let (ledger, limits, _) = provision(&dir)?;
+    let own = dir.path().join("own.ledger");
+    let workload = node.hooked(&own, 64 * GIB)?.env("VRAMGUARD_FAIL_OPEN", "1").steps(["ctx 0", "alloc a 512m", "expect-oom ctx 1"]);
+    let done = inside(workload, &ledger, &limits).run()?.success()?;
+    ensure!(done.stdout.iter().any(|l| l == "oom ctx"), "GPU 1 refused: {:?}", done.stdout);
+    ensure!(
+        done.stderr.contains("GPU 1")
+            && done.stderr.contains("refusing GPU allocations there (this container's quota is provisioned")
+            && !done.stderr.contains("WITHOUT"),
+        "one clear line: {}",
+        done.stderr
+    );
+    node.cleanup();
+    Ok(())
+}
