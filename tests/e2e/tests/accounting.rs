@@ -227,9 +227,10 @@ fn failed_allocations_are_not_counted() -> Result<()> {
 }
 
 /// VMM memory lives as the driver keeps it (issue 11, item 1): a handle released while still
-/// mapped stays charged to its process and cgroup until its last mapping goes; a handle
-/// released unmapped is uncharged at once (the control); host-located `cuMemCreate` (NCCL's
-/// host buffers) is never GPU memory.
+/// mapped stays charged to its process and cgroup until its last mapping goes; a reference
+/// from `cuMemRetainAllocationHandle` keeps it after release and unmap until it is released
+/// too; a handle released unmapped is uncharged at once (the control); host-located
+/// `cuMemCreate` (NCCL's host buffers) is never GPU memory.
 #[test]
 fn vmm_memory_stays_charged_until_released_and_unmapped_and_host_memory_never_counts() -> Result<()> {
     let agent = agent()?;
@@ -253,6 +254,13 @@ fn vmm_memory_stays_charged_until_released_and_unmapped_and_host_memory_never_co
             "checkpoint one",
             "unmap b",
             "checkpoint none",
+            "vmm r 8m",
+            "retain r",
+            "release r",
+            "unmap r",
+            "checkpoint retained",
+            "release r",
+            "checkpoint gone",
             "release n",
         ])
         .spawn()?;
@@ -272,6 +280,12 @@ fn vmm_memory_stays_charged_until_released_and_unmapped_and_host_memory_never_co
     workload.resume()?;
     workload.wait_checkpoint("none")?;
     assert_usage(&agent, &cgroup, pid, (0, 0, 0, 0), 0, "after the last unmap")?;
+    workload.resume()?;
+    workload.wait_checkpoint("retained")?;
+    assert_usage(&agent, &cgroup, pid, (0, 0, 0, 8 * MIB), 1, "released and unmapped, one retained reference left")?;
+    workload.resume()?;
+    workload.wait_checkpoint("gone")?;
+    assert_usage(&agent, &cgroup, pid, (0, 0, 0, 0), 0, "the retained reference released")?;
     workload.resume()?;
     workload.wait()?.success()?;
     assert_eq!(stat(&agent.audit()?, "vmm_pinned"), 0, "no mapping went unrecorded");
