@@ -1,7 +1,7 @@
 //! The user-space half of the eBPF accounting: owns the maps taken out of the loaded object,
-//! counts the ring buffers' events (allocations and frees on `EVENTS`, drained on a timer;
-//! exits on `EXITS`, which wakes the agent), deletes the allocation records of dead
-//! processes, and builds [`Snapshot`]s.
+//! reads the exits on `EXITS` (which wakes the agent; allocations and frees are not events,
+//! the maps and the kernel's counters say them), deletes the allocation and mapping records
+//! of dead processes, and builds [`Snapshot`]s.
 //!
 //! Usage is kept by the kernel side (`PROC_USAGE`, `CGROUP_USAGE`) and a process's usage is
 //! dropped by the `process_exit` tracepoint the moment it dies. What is left to user space
@@ -24,12 +24,6 @@ use crate::{
     snapshot::{BytesByKind, CgroupRow, KernelMaps, ProcessRow, Snapshot, Stats},
 };
 
-/// The event ring buffers: allocations and frees (no wake-up), and exits (wake-up).
-pub struct Rings {
-    pub events: RingBuf<MapData>,
-    pub exits: RingBuf<MapData>,
-}
-
 pub struct Accounting {
     allocs: HashMap<MapData, AllocKey, AllocRecord>,
     procs: HashMap<MapData, u32, ProcUsage>,
@@ -49,9 +43,9 @@ pub struct Accounting {
 }
 
 impl Accounting {
-    /// Takes the accounting maps and the event ring buffers out of the loaded object, which
-    /// was loaded with `records_cap` as its per-cgroup cap.
-    pub fn new(ebpf: &mut Ebpf, records_cap: u64) -> Result<(Accounting, Rings)> {
+    /// Takes the accounting maps and the exit ring buffer out of the loaded object, which was
+    /// loaded with `records_cap` as its per-cgroup cap.
+    pub fn new(ebpf: &mut Ebpf, records_cap: u64) -> Result<(Accounting, RingBuf<MapData>)> {
         let accounting = Accounting {
             allocs: take(ebpf, names::ALLOCS)?,
             procs: take(ebpf, names::PROC_USAGE)?,
@@ -64,19 +58,23 @@ impl Accounting {
             lost_seen: 0,
             exited: Vec::new(),
         };
-        Ok((accounting, Rings { events: take(ebpf, names::EVENTS)?, exits: take(ebpf, names::EXITS)? }))
+        Ok((accounting, take(ebpf, names::EXITS)?))
     }
 
-    /// Consumes every queued event of both ring buffers, exits first; returns how many there
-    /// were.
-    pub fn drain(&mut self, events: &mut RingBuf<MapData>, exits: &mut RingBuf<MapData>) -> usize {
+    /// Consumes every queued exit, and notes whether allocations or frees happened since the
+    /// last drain; returns how many exits there were plus 1 if the maps changed.
+    pub fn drain(&mut self, exits: &mut RingBuf<MapData>) -> usize {
         let lost = self.counters.get(stat::EXITS_LOST);
         if lost != self.lost_seen {
             // Exits were lost: the sweep finds their processes gone.
             self.lost_seen = lost;
             self.exits_pending = true;
         }
-        self.drain_ring(exits) + self.drain_ring(events)
+        let (allocs, frees) = (self.counters.get(stat::ALLOCS_SEEN), self.counters.get(stat::FREES_SEEN));
+        let changed = (allocs, frees) != (self.stats.events_alloc, self.stats.events_free);
+        self.stats.events_alloc = allocs;
+        self.stats.events_free = frees;
+        self.drain_ring(exits) + usize::from(changed)
     }
 
     fn drain_ring(&mut self, ring: &mut RingBuf<MapData>) -> usize {
@@ -90,8 +88,6 @@ impl Accounting {
             // side as an Event (plain integers, any bit pattern valid); read unaligned.
             let event: Event = unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) };
             match event.event {
-                e if e == EventKind::Alloc as u32 => self.stats.events_alloc += 1,
-                e if e == EventKind::Free as u32 => self.stats.events_free += 1,
                 e if e == EventKind::Exit as u32 => {
                     tracing::debug!(
                         pid = event.tgid,
@@ -176,7 +172,7 @@ impl Accounting {
         let mut cgroups: Vec<CgroupRow> = Vec::new();
         let rows: Vec<(u64, Usage)> = self.cgroups.iter().filter_map(Result::ok).collect();
         for (cgroup_id, usage) in rows {
-            if usage.total_bytes() == 0 && usage.live_allocations() == 0 && usage.unrecorded == 0 {
+            if usage.total_bytes() == 0 && usage.live_records() == 0 && usage.unrecorded == 0 {
                 continue;
             }
             cgroups.push(CgroupRow {
@@ -217,11 +213,11 @@ impl Accounting {
     }
 }
 
-/// Whether a cgroup holds at least its cap of live allocations, recorded or not: it is at its
-/// cap, or was and still holds what it allocated past it.
+/// Whether a cgroup holds at least its cap of live records (allocations and VMM mappings) and
+/// unrecorded allocations: it is at its cap, or was and still holds what it allocated past it.
 pub fn is_capped(usage: &Usage, cap: u64) -> bool {
     // The counters are updated without a lock: frees may briefly run ahead of allocations.
-    let live = u64::try_from(usage.live_allocations() as i64).unwrap_or(0);
+    let live = u64::try_from(usage.live_records() as i64).unwrap_or(0);
     live.saturating_add(usage.unrecorded) >= cap
 }
 

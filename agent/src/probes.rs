@@ -40,8 +40,9 @@ const fn free(symbol: &'static str, entry: &'static str) -> ProbeSpec {
     ProbeSpec { symbol, entry, returns: false }
 }
 
-/// Every driver API vramguard accounts (DESIGN.md §5).
-pub const PROBES: [ProbeSpec; 12] = [
+/// Every driver API vramguard accounts (DESIGN.md §5), and the VMM calls that decide how
+/// long a `cuMemCreate` handle's memory lives (mapping, unmapping, retaining).
+pub const PROBES: [ProbeSpec; 15] = [
     alloc("cuMemAlloc_v2", "mem_alloc"),
     alloc("cuMemAllocPitch_v2", "mem_alloc_pitch"),
     alloc("cuMemAllocManaged", "mem_alloc_managed"),
@@ -54,6 +55,9 @@ pub const PROBES: [ProbeSpec; 12] = [
     free("cuMemFreeAsync", "mem_free"),
     free("cuMemFreeAsync_ptsz", "mem_free"),
     free("cuMemRelease", "mem_release"),
+    alloc("cuMemMap", "mem_map"),
+    free("cuMemUnmap", "mem_unmap"),
+    alloc("cuMemRetainAllocationHandle", "mem_retain"),
 ];
 
 /// The return probe shared by every allocation API.

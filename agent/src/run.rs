@@ -151,11 +151,6 @@ pub struct RunArgs {
     /// cgroup is reported `capped`, so one tenant cannot fill the node's records.
     #[arg(long, default_value_t = common::DEFAULT_RECORDS_PER_CGROUP, value_name = "NUM")]
     pub max_alloc_records_per_cgroup: u32,
-    /// Bytes of the allocation and free event ring buffer (a power of two, at least 4096;
-    /// about 56 bytes an event). Events past it are only counted: the accounting lives in
-    /// maps, and exits have a ring buffer of their own.
-    #[arg(long, default_value_t = common::EVENTS_BYTES, value_name = "BYTES")]
-    pub event_ring_bytes: u32,
     #[command(flatten)]
     pub provision: ProvisionArgs,
 }
@@ -190,9 +185,6 @@ pub async fn run(args: RunArgs) -> Result<()> {
             args.max_alloc_records
         );
     }
-    if !args.event_ring_bytes.is_power_of_two() || args.event_ring_bytes < 4096 {
-        bail!("--event-ring-bytes {} must be a power of two of at least 4096", args.event_ring_bytes);
-    }
     let platform = preflight::check()?;
     let layout = preflight::cgroup_layout();
     if args.enforce == enforce::Mode::Signal {
@@ -209,7 +201,6 @@ pub async fn run(args: RunArgs) -> Result<()> {
         .override_global(common::names::RMDIR_ROOT_OFFSET, &rmdir_root, true)
         .override_global(common::names::RMDIR_ID_OFFSET, &rmdir_id, true)
         .map_max_entries(common::names::ALLOCS, args.max_alloc_records)
-        .map_max_entries(common::names::EVENTS, args.event_ring_bytes)
         .load(EBPF_OBJECT)
         .context("the kernel refused the eBPF object")?;
     // Before any program runs, so that no line is lost.
@@ -259,13 +250,11 @@ pub async fn run(args: RunArgs) -> Result<()> {
         limits.refresh(&mut cgroups);
         info!(mode = ?args.enforce, cgroups = limits.applied(), "cgroup limits pushed to the probes");
     }
-    let (mut accounting, rings) = Accounting::new(&mut ebpf, records_cap)?;
-    // Allocation and free events are queued without a wake-up and drained on the timer;
-    // exits wake the agent.
-    let mut events = rings.events;
+    let (mut accounting, exits_ring) = Accounting::new(&mut ebpf, records_cap)?;
+    // Exits wake the agent (allocations and frees emit no events: the maps say them).
     // SAFETY: the ring buffer owns its map fd, which stays open and unchanged until the
     // AsyncFd (which owns the ring buffer) is dropped.
-    let mut exits = unsafe { AsyncFd::register_with_interest(rings.exits, tokio::io::Interest::READABLE) }
+    let mut exits = unsafe { AsyncFd::register_with_interest(exits_ring, tokio::io::Interest::READABLE) }
         .map_err(|error| anyhow!("cannot poll the exit ring buffer: {error}"))?;
     info!(
         max_alloc_records = args.max_alloc_records,
@@ -409,7 +398,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 }
             }
             Wake::Events | Wake::Drain => {
-                let drained = accounting.drain(&mut events, exits.get_mut());
+                let drained = accounting.drain(exits.get_mut());
                 let exits = accounting.take_exits();
                 if let Some(ledgers) = ledgers.as_ref().filter(|_| !exits.is_empty()) {
                     for (tgid, at) in exits {
@@ -428,7 +417,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 }
             }
             Wake::Reconcile => {
-                accounting.drain(&mut events, exits.get_mut());
+                accounting.drain(exits.get_mut());
                 judge.pass(ledgers.as_ref(), &accounting, &metrics);
             }
             Wake::Ledgers | Wake::ExitRetry => {
@@ -446,7 +435,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 }
             }
             Wake::Sweep => {
-                accounting.drain(&mut events, exits.get_mut());
+                accounting.drain(exits.get_mut());
                 accounting.sweep();
                 kernel::cgroups::sweep(&mut accounting, limits.as_mut(), &mut cgroups);
             }
@@ -454,7 +443,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 discovery.scan(&mut Attacher(&mut ebpf));
             }
             Wake::Client(stream) => {
-                accounting.drain(&mut events, exits.get_mut());
+                accounting.drain(exits.get_mut());
                 judge.pass(ledgers.as_ref(), &accounting, &metrics);
                 let mut snapshot = view(&mut accounting, &discovery, ledgers.as_ref(), &reclaimer, &judge, limits.as_ref());
                 snapshot.metrics_addr = metrics_addr.map(|addr| addr.to_string());
@@ -500,7 +489,6 @@ pub async fn run(args: RunArgs) -> Result<()> {
     drop(listener);
     let _ = std::fs::remove_file(&args.socket);
     drop(accounting);
-    drop(events);
     drop(exits);
     kernel_log.get_mut().flush();
     drop(kernel_log);

@@ -104,6 +104,8 @@ pub struct CgroupRow {
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Stats {
     /// Events received from the ring buffer, by kind.
+    /// (Allocations and frees are not events: these are the probes' own counts of what they
+    /// charged and uncharged, never lost.)
     pub events_alloc: u64,
     pub events_free: u64,
     pub events_exit: u64,
@@ -153,6 +155,10 @@ pub struct Stats {
     /// Removed cgroups whose map entries the `cgroup_rmdir` tracepoint deleted.
     #[serde(default)]
     pub cgroups_removed_by_kernel: u64,
+    /// VMM handles left charged until their process exits because one of their mappings
+    /// could not be recorded (cgroup at its cap of records, map full).
+    #[serde(default)]
+    pub vmm_pinned: u64,
     /// Map entries of removed cgroups the agent's sweep deleted.
     #[serde(default)]
     pub cgroup_entries_swept: u64,

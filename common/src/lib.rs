@@ -64,7 +64,35 @@ pub enum AddrSpace {
     Pointer = 0,
     /// A `CUmemGenericAllocationHandle`.
     Handle = 1,
+    /// The start of a VMM mapping (`cuMemMap`) of a recorded handle: its record is not an
+    /// allocation (nothing is charged for it) but keeps its handle charged until unmapped.
+    Mapping = 2,
 }
+
+/// The lifetime of a VMM handle's charge, kept in its record's [`AllocRecord::link`]: the
+/// driver's references (`cuMemCreate`, `cuMemRetainAllocationHandle`, each undone by a
+/// `cuMemRelease`) in the high 32 bits, its live recorded mappings in the low 32. Every
+/// change is one atomic fetch-add; the one that brings the word to exactly 0 deletes the
+/// record and uncharges the handle.
+pub mod vmm {
+    /// One reference.
+    pub const REF: u64 = 1 << 32;
+    /// One mapping.
+    pub const MAP: u64 = 1;
+    /// Added once to a handle one of whose mappings could not be recorded (map full, cgroup
+    /// at its cap): the word can then never come back to 0, so the handle stays charged
+    /// until its process exits (over-counted, never under-counted).
+    pub const PINNED: u64 = 1 << 31;
+    /// Mappings one `cuMemUnmap` may remove (the driver unmaps a range of whole adjacent
+    /// mappings); a longer run is left charged until the process exits.
+    pub const MAX_UNMAP_RUN: u32 = 16;
+}
+
+/// `CUmemLocationType`s of host memory (`HOST`, `HOST_NUMA`, `HOST_NUMA_CURRENT`): a
+/// `cuMemCreate` located there is not GPU memory and is never charged.
+pub const HOST_LOCATION_TYPES: [i32; 3] = [2, 3, 4];
+/// Byte offset of `location.type` in `CUmemAllocationProp`.
+pub const PROP_LOCATION_TYPE_OFFSET: u64 = 8;
 
 /// Key of the `ALLOCS` map: one live allocation of one process.
 #[repr(C)]
@@ -92,23 +120,47 @@ pub struct AllocRecord {
     /// An [`AllocKind`] as `u32`.
     pub kind: u32,
     pub _pad: u32,
+    /// For a [`AddrSpace::Handle`] record, the handle's lifetime word ([`vmm`]); for a
+    /// [`AddrSpace::Mapping`] record, the handle it maps; 0 otherwise.
+    pub link: u64,
 }
 
-/// Value of the `PENDING` map (key: the thread's `pid_tgid`): what an allocation's entry
-/// probe saw, for its return probe to complete.
+/// Value of the `PENDING` map (key: the thread's `pid_tgid`): what a call's entry probe saw,
+/// for its return probe to complete. A thread's entry stays in the map between calls and is
+/// rewritten in place (`op` [`pending::NONE`] once its return has been seen), so a pair
+/// costs two lookups and no insert or delete.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PendingAlloc {
-    /// User address where the driver will write the pointer or handle.
+    /// User address where the driver will write the pointer or handle; for `cuMemMap`, the
+    /// mapped address.
     pub out_ptr: u64,
     /// Requested bytes; for a pitched allocation, the height in rows.
     pub size: u64,
-    /// For `cuMemAllocPitch_v2`, the user address of the returned pitch; 0 otherwise.
+    /// For `cuMemAllocPitch_v2`, the user address of the returned pitch; for `cuMemMap`, the
+    /// handle; 0 otherwise.
     pub pitch_ptr: u64,
     /// An [`AllocKind`] as `u32`.
     pub kind: u32,
     /// An [`AddrSpace`] as `u32`.
     pub space: u32,
+    /// What the return probe completes: a [`pending`] value.
+    pub op: u32,
+    pub _pad: u32,
+}
+
+/// Values of [`PendingAlloc::op`].
+pub mod pending {
+    /// Nothing: the entry's call has returned (or its entry probe was not seen).
+    pub const NONE: u32 = 0;
+    /// An allocation: charge it on success.
+    pub const ALLOC: u32 = 1;
+    /// `cuMemMap`: record the mapping on success.
+    pub const MAP: u32 = 2;
+    /// `cuMemRetainAllocationHandle`: one more reference on success.
+    pub const RETAIN: u32 = 3;
+    /// A call that charges nothing (a host-located `cuMemCreate`).
+    pub const IGNORE: u32 = 4;
 }
 
 /// GPU memory in use, by kind, with call counters. Value of `CGROUP_USAGE` (key: cgroup id)
@@ -128,6 +180,9 @@ pub struct Usage {
     /// stay charged (so a cgroup limit still fires) until their process exits, since their
     /// frees cannot be matched. For a cgroup, those of its exited processes are taken off.
     pub unrecorded: u64,
+    /// Live records of VMM mappings ([`AddrSpace::Mapping`]); they count against the
+    /// cgroup's cap of records with its live allocations.
+    pub mapped: u64,
 }
 
 impl Usage {
@@ -146,6 +201,11 @@ impl Usage {
     pub fn live_allocations(&self) -> u64 {
         self.allocs.wrapping_sub(self.frees)
     }
+
+    /// Records this usage holds in `ALLOCS`: live allocations and mappings.
+    pub fn live_records(&self) -> u64 {
+        self.live_allocations().wrapping_add(self.mapped)
+    }
 }
 
 /// Value of `PROC_USAGE` (key: tgid): one process's usage and the cgroup it is charged to.
@@ -161,19 +221,16 @@ pub struct ProcUsage {
     pub usage: Usage,
 }
 
-/// What an [`Event`] reports.
+/// What an [`Event`] reports. Allocations and frees are not events: the maps say them, and
+/// `STATS` counts them ([`stat::ALLOCS_SEEN`], [`stat::FREES_SEEN`]).
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EventKind {
-    Alloc = 1,
-    Free = 2,
     /// The last thread of a process that had GPU memory exited; `size` is what it still held.
     Exit = 3,
 }
 
-/// One entry of the `EVENTS` ring buffer (allocations and frees, no wake-up: the agent
-/// drains it on a timer) or of the `EXITS` ring buffer (exits only, each waking the agent, so
-/// no flood of allocations can crowd an exit out).
+/// One entry of the `EXITS` ring buffer (exits only, each waking the agent).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Event {
@@ -214,7 +271,9 @@ pub mod enforce {
 /// Indices into the `STATS` per-CPU array map (the agent sums the CPUs): the kernel side's
 /// counts of its own trouble.
 pub mod stat {
-    /// Allocation and free events that did not fit in the `EVENTS` ring buffer.
+    /// Allocation and free events lost to a full ring buffer: none since the probes stopped
+    /// emitting them (the maps and [`ALLOCS_SEEN`]/[`FREES_SEEN`] say what they said); the
+    /// index stays so the agent's `events_lost` keeps its meaning (0).
     pub const EVENTS_LOST: u32 = 0;
     /// Successful allocations neither recorded nor charged: the process's entry could not be
     /// made (`PROC_USAGE` full) or the driver's result could not be read.
@@ -242,6 +301,13 @@ pub mod stat {
     /// Removed cgroups whose `CGROUP_USAGE` or `CGROUP_LIMITS` entry the `cgroup_rmdir`
     /// tracepoint deleted.
     pub const CGROUPS_REMOVED: u32 = 11;
+    /// Allocations the probes charged (with a record or not).
+    pub const ALLOCS_SEEN: u32 = 12;
+    /// Frees (and VMM handles settled by their last release or unmap) the probes uncharged.
+    pub const FREES_SEEN: u32 = 13;
+    /// VMM handles left charged until their process exits because a mapping of theirs could
+    /// not be recorded (cgroup at its cap, map full) or an unmap could not be matched.
+    pub const VMM_PINNED: u32 = 14;
     /// Number of entries.
     pub const LEN: u32 = 16;
 }
@@ -258,12 +324,10 @@ pub mod trouble {
     pub const PROCS_FULL: u32 = 2;
     /// `CGROUP_USAGE` full.
     pub const CGROUPS_FULL: u32 = 3;
-    /// An allocation or free event dropped (`EVENTS` full).
-    pub const EVENT_LOST: u32 = 4;
     /// An exit event dropped (`EXITS` full).
-    pub const EXIT_LOST: u32 = 5;
+    pub const EXIT_LOST: u32 = 4;
     /// Number of kinds.
-    pub const COUNT: u32 = 6;
+    pub const COUNT: u32 = 5;
     /// Lines per kind per second.
     pub const LINES_PER_SECOND: u64 = 5;
 }
@@ -283,7 +347,6 @@ pub mod names {
     pub const PENDING: &str = "PENDING";
     pub const PROC_USAGE: &str = "PROC_USAGE";
     pub const CGROUP_USAGE: &str = "CGROUP_USAGE";
-    pub const EVENTS: &str = "EVENTS";
     pub const EXITS: &str = "EXITS";
     pub const STATS: &str = "STATS";
     pub const CGROUP_LIMITS: &str = "CGROUP_LIMITS";
@@ -300,6 +363,11 @@ pub mod names {
     pub const RMDIR_ID_OFFSET: &str = "RMDIR_ID_OFFSET";
     pub const CGROUP_RMDIR: &str = "cgroup_rmdir";
     pub const ALLOC_RETURN: &str = "alloc_return";
+    /// Programs that do nothing, never attached by the agent: `cargo xtask bench` puts them
+    /// where the agent puts its own, to measure the kernel's floor (an entry and a return
+    /// probe).
+    pub const NOP_ENTRY: &str = "nop_entry";
+    pub const NOP_RETURN: &str = "nop_return";
 }
 
 /// Default capacity of the `ALLOCS` map (live allocations recorded across the node; the
@@ -311,8 +379,6 @@ pub const DEFAULT_RECORDS_PER_CGROUP: u32 = 1 << 14;
 pub const MAX_PROCS: u32 = 1 << 14;
 /// Capacity of `CGROUP_USAGE`.
 pub const MAX_CGROUPS: u32 = 1 << 12;
-/// Bytes in the `EVENTS` ring buffer.
-pub const EVENTS_BYTES: u32 = 1 << 22;
 /// Bytes in the `EXITS` ring buffer (about 4,600 exits between two drains).
 pub const EXITS_BYTES: u32 = 1 << 18;
 

@@ -59,7 +59,12 @@ enum Task {
         libcuda: Option<PathBuf>,
     },
     /// Measure the probes' cost per alloc/free pair; write docs/BENCHMARKS.md.
-    Bench,
+    Bench {
+        /// Only the eBPF probes' rows (no probes, the nop floor, ours), printed; the report is
+        /// left as it is.
+        #[arg(long)]
+        probes_only: bool,
+    },
 }
 
 fn main() -> Result<()> {
@@ -70,7 +75,7 @@ fn main() -> Result<()> {
         Task::ValidateManifests => manifests::validate(),
         Task::Test => test(),
         Task::Demo { check, libcuda } => demo::demo(check, libcuda.map_or(demo::Driver::Fake, demo::Driver::Real)),
-        Task::Bench => bench::bench(),
+        Task::Bench { probes_only } => bench::bench(probes_only),
     }
 }
 

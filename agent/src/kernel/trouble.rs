@@ -35,6 +35,7 @@ impl Counters {
         stats.exit_events_lost = self.get(stat::EXITS_LOST);
         stats.log_lines_suppressed = self.get(stat::LOG_SUPPRESSED);
         stats.cgroups_removed_by_kernel = self.get(stat::CGROUPS_REMOVED);
+        stats.vmm_pinned = self.get(stat::VMM_PINNED);
     }
 }
 
