@@ -231,7 +231,7 @@ impl Metrics {
             )
             .buckets(PASS_BUCKETS.to_vec()),
         )?)?;
-        let events_lost = registered(&registry, IntCounter::new("vramguard_events_lost_total", "eBPF events lost to a full ring buffer")?)?;
+        let events_lost = registered(&registry, IntCounter::new("vramguard_events_lost_total", "Allocation and free events lost (always 0: the probes count them in maps and send no such events any more; exits: vramguard_kernel_trouble_total{kind=\"exit_events_lost\"})")?)?;
         let over_limit = registered(&registry, IntCounter::new(
             "vramguard_over_limit_allocations_total",
             "Allocations by un-hooked workloads that would pass their cgroup's limit (limits file)",
