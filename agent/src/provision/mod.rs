@@ -30,7 +30,7 @@ pub mod store;
 use std::{
     collections::BTreeMap,
     path::{Path, PathBuf},
-    sync::{Arc, Mutex},
+    sync::Mutex,
 };
 
 use ledger::provisioned;
@@ -495,9 +495,6 @@ pub fn cgroup_dir(cgroups_path: &str) -> Option<String> {
     path.push_str(&unit);
     Some(path)
 }
-
-/// Shared handle the NRI plugin and the agent's loop hold.
-pub type SharedProvisioner = Arc<Provisioner>;
 
 #[cfg(test)]
 mod tests {
