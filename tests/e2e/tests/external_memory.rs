@@ -118,3 +118,41 @@ fn imported_external_memory_is_shown_never_charged_and_goes_with_destroy_and_exi
     agent.stop()?;
     Ok(())
 }
+
+/// A cgroup's import records are bounded by `--max-alloc-records-per-cgroup`: past it an import
+/// is counted as unrecorded (bytes unknown), and a destroy below the cap makes room again.
+#[test]
+fn import_records_stop_at_the_per_cgroup_cap() -> Result<()> {
+    let agent = Agent::start_on_fake_driver(&[OsStr::new("--max-alloc-records-per-cgroup"), OsStr::new("2")])?;
+    let node = FakeNode::new("extcap");
+    let cgroup = TestCgroup::create("extcap")?;
+    let mut workload = node
+        .workload()
+        .in_cgroup(&cgroup)
+        .steps([
+            "ctx 0",
+            "import a 1m",
+            "import b 2m",
+            "import c 4m",
+            "checkpoint capped",
+            "import-destroy a",
+            "import d 8m",
+            "checkpoint room",
+        ])
+        .spawn()?;
+    let pid = workload.pid();
+    workload.wait_checkpoint("capped")?;
+    let audit = agent.audit()?;
+    assert_eq!(imported(&audit, pid, cgroup.id), [(3 * MIB, 2); 2], "two records, the third past the cap: {audit}");
+    let row = external(&audit, "cgroups", "cgroup_id", cgroup.id).context("cgroup row")?;
+    assert_eq!(row["unrecorded"].as_u64(), Some(1), "the import past the cap is counted: {audit}");
+    workload.resume()?;
+    workload.wait_checkpoint("room")?;
+    let audit = agent.audit()?;
+    assert_eq!(imported(&audit, pid, cgroup.id), [(10 * MIB, 2); 2], "a destroy below the cap made room: {audit}");
+    assert_eq!(gpu_usage(&audit, pid, cgroup.id), [None, None], "nothing charged: {audit}");
+    workload.resume()?;
+    workload.wait()?.success()?;
+    agent.stop()?;
+    Ok(())
+}
