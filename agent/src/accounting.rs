@@ -7,7 +7,8 @@
 //! dropped by the `process_exit` tracepoint the moment it dies. What is left to user space
 //! is its records in `ALLOCS`: a record whose process entry is gone, or belongs to a newer
 //! process with the same pid, is stale. The sweep deletes those; it runs after every exit
-//! event and on a timer, so a lost event delays the clean-up but never loses it.
+//! event and on a timer, so a lost event delays the clean-up but never loses it. Imported
+//! external memory, kept apart and never charged, is [`crate::extmem`]'s, swept with them.
 use std::{collections::BTreeMap, fs, time::Instant};
 
 use anyhow::{anyhow, Context, Result};
@@ -19,6 +20,7 @@ use common::{names, stat, AllocKey, AllocKind, AllocRecord, Event, EventKind, Pr
 
 use crate::{
     cgroup::CgroupNames,
+    extmem::External,
     kernel::trouble::Counters,
     reconcile::EbpfProcess,
     snapshot::{BytesByKind, CgroupRow, KernelMaps, ProcessRow, Snapshot, Stats},
@@ -29,6 +31,7 @@ pub struct Accounting {
     procs: HashMap<MapData, u32, ProcUsage>,
     cgroups: HashMap<MapData, u64, Usage>,
     counters: Counters,
+    external: External,
     /// Live records a cgroup may have (the probes' `MAX_RECORDS_PER_CGROUP`).
     records_cap: u64,
     names: CgroupNames,
@@ -51,6 +54,7 @@ impl Accounting {
             procs: take(ebpf, names::PROC_USAGE)?,
             cgroups: take(ebpf, names::CGROUP_USAGE)?,
             counters: Counters::new(take(ebpf, names::STATS)?),
+            external: External::new(ebpf)?,
             records_cap,
             names: CgroupNames::new(),
             stats: Stats::default(),
@@ -129,6 +133,7 @@ impl Accounting {
                 self.stats.stale_records_removed += 1;
             }
         }
+        self.stats.stale_records_removed += self.external.sweep();
     }
 
     /// Every process the probes saw allocate: the eBPF side of [`crate::reconcile`], cheaper
@@ -192,14 +197,17 @@ impl Accounting {
         stats.records = self.allocs.keys().filter(Result::is_ok).count() as u64;
         self.counters.fill(&mut stats);
         stats.records_cap = self.records_cap;
-        let mut kernel_maps = KernelMaps { cgroup_usage: self.cgroup_ids(), ..KernelMaps::default() };
+        let mut kernel_maps = KernelMaps { cgroup_usage: self.cgroups.keys().filter_map(Result::ok).collect(), ..KernelMaps::default() };
         kernel_maps.cgroup_usage.sort_unstable();
-        Snapshot { processes, cgroups, stats, kernel_maps, ..Snapshot::default() }
+        let external_memory = self.external.view(&mut self.names);
+        Snapshot { processes, cgroups, stats, kernel_maps, external_memory, ..Snapshot::default() }
     }
 
-    /// The ids of the cgroups with an entry in `CGROUP_USAGE`.
+    /// The ids of the cgroups with an entry in `CGROUP_USAGE` (or `EXTMEM_CGROUPS`).
     pub fn cgroup_ids(&self) -> Vec<u64> {
-        self.cgroups.keys().filter_map(Result::ok).collect()
+        let mut ids: Vec<u64> = self.cgroups.keys().filter_map(Result::ok).collect();
+        ids.extend(self.external.cgroup_ids());
+        ids
     }
 
     /// Counts map entries of removed cgroups the agent's sweep deleted.
@@ -207,9 +215,10 @@ impl Accounting {
         self.stats.cgroup_entries_swept += entries as u64;
     }
 
-    /// Deletes the `CGROUP_USAGE` entries of these (removed) cgroups; returns how many went.
+    /// Deletes the `CGROUP_USAGE` (and `EXTMEM_CGROUPS`) entries of these (removed) cgroups;
+    /// returns how many went.
     pub fn forget_cgroups(&mut self, ids: &[u64]) -> usize {
-        ids.iter().filter(|id| self.cgroups.remove(id).is_ok()).count()
+        ids.iter().filter(|id| self.cgroups.remove(id).is_ok()).count() + self.external.forget_cgroups(ids)
     }
 }
 
@@ -228,7 +237,7 @@ fn by_kind(usage: &Usage) -> BytesByKind {
         .collect::<BTreeMap<_, _>>()
 }
 
-fn take<T>(ebpf: &mut Ebpf, name: &str) -> Result<T>
+pub(crate) fn take<T>(ebpf: &mut Ebpf, name: &str) -> Result<T>
 where
     T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>,
 {

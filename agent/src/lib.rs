@@ -6,6 +6,7 @@ pub mod charge;
 pub mod control;
 pub mod discovery;
 pub mod enforce;
+pub mod extmem;
 pub mod identity;
 pub mod inspect;
 pub mod kernel;

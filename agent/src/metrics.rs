@@ -36,6 +36,7 @@
 //! per-cgroup cap, full maps, lost events and exits, suppressed log lines),
 //! `vramguard_cgroup_alloc_records_capped{cgroup,cgroup_id}` (1 for a cgroup at its cap),
 //! `vramguard_cgroup_unrecorded_allocations{cgroup,cgroup_id}`, `vramguard_alloc_records`,
+//! `vramguard_external_memory_bytes{cgroup,cgroup_id}` (imported external memory: never charged),
 //! `vramguard_alloc_records_per_cgroup_cap` and `vramguard_cgroups_removed_total{by}` (map
 //! entries of removed cgroups deleted by the `kernel` tracepoint or the agent's `sweep`).
 //! Families kept elsewhere join through [`Metrics::register`] (`vramguard_http_connections_total`,
@@ -94,6 +95,7 @@ pub struct Metrics {
     kernel_trouble: IntCounterVec,
     capped: IntGaugeVec,
     unrecorded: IntGaugeVec,
+    external: IntGaugeVec,
     alloc_records: IntGauge,
     records_cap: IntGauge,
     cgroups_removed: IntCounterVec,
@@ -299,6 +301,12 @@ impl Metrics {
             "Live allocations of a cgroup charged without a record (past its cap, or the node's record map full)",
             &cgroup_labels,
         )?;
+        let external = gauge_vec(
+            &registry,
+            "vramguard_external_memory_bytes",
+            "Bytes of external memory (cuImportExternalMemory) a cgroup's processes imported and have not destroyed: the exporter's memory, never charged to the cgroup",
+            &cgroup_labels,
+        )?;
         let alloc_records = registered(&registry, IntGauge::new("vramguard_alloc_records", "Allocation records in the kernel map now")?)?;
         let records_cap = registered(&registry, IntGauge::new(
             "vramguard_alloc_records_per_cgroup_cap",
@@ -350,6 +358,7 @@ impl Metrics {
             kernel_trouble,
             capped,
             unrecorded,
+            external,
             alloc_records,
             records_cap,
             cgroups_removed,
@@ -514,6 +523,11 @@ impl Metrics {
                 self.unrecorded.with_label_values(&labels).set(value(row.unrecorded));
             }
         }
+        self.external.reset();
+        for row in &snapshot.external_memory.cgroups {
+            let id = row.cgroup_id.to_string();
+            self.external.with_label_values(&[row.cgroup.as_str(), id.as_str()]).set(value(row.bytes));
+        }
         self.alloc_records.set(value(snapshot.stats.records));
         self.records_cap.set(value(snapshot.stats.records_cap));
         self.probes.reset();
@@ -601,6 +615,13 @@ mod tests {
         assert!(text.contains("vramguard_kernel_trouble_total{kind=\"exit_events_lost\"} 0"), "{text}");
         assert!(text.contains("vramguard_alloc_records_per_cgroup_cap 100"), "{text}");
         assert!(text.contains("vramguard_cgroups_removed_total{by=\"kernel\"} 2"), "{text}");
+        snapshot.external_memory.cgroups =
+            vec![crate::extmem::ExternalRow { cgroup_id: 8, cgroup: "/calm".into(), imports: 1, bytes: 64 << 20, ..Default::default() }];
+        metrics.refresh(None, &snapshot, &reconciler, &BTreeMap::new());
+        let text = metrics.encode().expect("encode");
+        assert!(text.contains("vramguard_external_memory_bytes{cgroup=\"/calm\",cgroup_id=\"8\"} 67108864"), "{text}");
+        assert!(!text.contains("vramguard_external_memory_bytes{cgroup=\"/flood\""), "{text}");
+        snapshot.external_memory.cgroups.clear();
         // The flooder leaves: its series go.
         snapshot.cgroups.remove(0);
         metrics.refresh(None, &snapshot, &reconciler, &BTreeMap::new());

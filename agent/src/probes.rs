@@ -6,6 +6,8 @@
 //! path could be redirected). A symbol the
 //! library does not export (an older driver) is skipped and reported; two symbols at one
 //! address (an alias) get one set of probes, or every call through them would count twice.
+//! The external-memory probes ([`EXTMEM_PROBES`]) are optional: a library without those
+//! symbols is probed as before (they are listed as missing).
 use std::{
     collections::{BTreeMap, HashMap},
     os::{fd::AsRawFd, unix::fs::MetadataExt},
@@ -60,6 +62,13 @@ pub const PROBES: [ProbeSpec; 15] = [
     alloc("cuMemRetainAllocationHandle", "mem_retain"),
 ];
 
+/// External-memory imports and destroys (never charged, shown: [`crate::extmem`]), each with
+/// its own return program, if any.
+pub const EXTMEM_PROBES: [(&str, &str, Option<&str>); 2] = [
+    ("cuImportExternalMemory", common::extmem::names::IMPORT, Some(common::extmem::names::IMPORT_RETURN)),
+    ("cuDestroyExternalMemory", common::extmem::names::DESTROY, None),
+];
+
 /// The return probe shared by every allocation API.
 pub const RETURN_PROGRAM: &str = common::names::ALLOC_RETURN;
 
@@ -93,6 +102,7 @@ pub struct AttachReport {
 pub fn load_programs(ebpf: &mut Ebpf) -> Result<()> {
     let mut names: Vec<&str> = PROBES.iter().map(|probe| probe.entry).collect();
     names.push(RETURN_PROGRAM);
+    names.extend(EXTMEM_PROBES.iter().flat_map(|(_, entry, ret)| std::iter::once(*entry).chain(*ret)));
     names.sort_unstable();
     names.dedup();
     for name in names {
@@ -167,6 +177,21 @@ fn attach_all(
     }
     if report.attached.is_empty() {
         bail!("it exports none of the CUDA allocation symbols vramguard probes");
+    }
+    for (symbol, entry, ret) in EXTMEM_PROBES {
+        let Some(&offset) = offsets.get(symbol) else {
+            report.missing.push(symbol.to_string());
+            continue;
+        };
+        if seen.insert(offset, symbol).is_some() {
+            report.aliases.push(symbol.to_string());
+            continue;
+        }
+        links.push((entry, attach_one(ebpf, entry, offset, target)?));
+        if let Some(ret) = ret {
+            links.push((ret, attach_one(ebpf, ret, offset, target)?));
+        }
+        report.attached.push(symbol.to_string());
     }
     Ok(report)
 }

@@ -212,6 +212,14 @@ pub async fn run(args: RunArgs) -> Result<()> {
     exit.load().context("the kernel refused the process-exit program")?;
     exit.attach("sched", "sched_process_exit")
         .context("cannot attach to the sched:sched_process_exit tracepoint")?;
+    let ext_exit: &mut TracePoint = ebpf
+        .program_mut(common::extmem::names::EXIT)
+        .ok_or_else(|| anyhow!("the embedded eBPF object has no `{}` program", common::extmem::names::EXIT))?
+        .try_into()?;
+    ext_exit.load().context("the kernel refused the external-memory exit program")?;
+    ext_exit
+        .attach("sched", "sched_process_exit")
+        .context("cannot attach the external-memory exit program to sched:sched_process_exit")?;
     match &platform.rmdir_offsets {
         Ok(_) => {
             let rmdir: &mut TracePoint = ebpf

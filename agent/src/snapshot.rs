@@ -41,6 +41,10 @@ pub struct Snapshot {
     /// Whether the agent is registered with the runtime as an NRI plugin (absent without `--nri`).
     #[serde(default)]
     pub nri_connected: Option<bool>,
+    /// Imported external memory (`cuImportExternalMemory`), live, per process and cgroup:
+    /// shown, never charged.
+    #[serde(default)]
+    pub external_memory: crate::extmem::ExternalMemory,
 }
 
 /// The cgroup ids with an entry in each per-cgroup kernel map, ascending.
@@ -193,6 +197,17 @@ impl Snapshot {
         }
         if self.processes.is_empty() {
             let _ = writeln!(out, "(no process holds GPU memory)");
+        }
+        for row in &self.external_memory.processes {
+            let _ = writeln!(
+                out,
+                "external memory (imported, not charged): pid {} in {}: {} in {} imports{}",
+                row.pid,
+                if row.cgroup.is_empty() { "(removed)".to_string() } else { truncate(&row.cgroup, 80) },
+                human(row.bytes),
+                row.imports,
+                if row.unrecorded > 0 { format!(" ({} more past the record cap)", row.unrecorded) } else { String::new() }
+            );
         }
         for row in self.cgroups.iter().filter(|row| row.capped) {
             let _ = writeln!(

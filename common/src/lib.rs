@@ -7,6 +7,8 @@
 //! implement [`aya::Pod`] so the agent can read them out of maps.
 #![no_std]
 
+pub mod extmem;
+
 /// What kind of GPU memory an allocation is, by the family of driver API that made it.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -105,6 +105,7 @@ pub const CUDA_ERROR_NO_DEVICE: CUresult = 100;
 pub const CUDA_ERROR_INVALID_DEVICE: CUresult = 101;
 pub const CUDA_ERROR_INVALID_CONTEXT: CUresult = 201;
 pub const CUDA_ERROR_OPERATING_SYSTEM: CUresult = 304;
+pub const CUDA_ERROR_INVALID_HANDLE: CUresult = 400;
 pub const CUDA_ERROR_NOT_FOUND: CUresult = 500;
 pub const CUDA_ERROR_NOT_SUPPORTED: CUresult = 801;
 

@@ -1,6 +1,7 @@
 //! The driver API's other holders of device memory, as `cuda.h` (CUDA 12/13) declares them:
 //! CUDA arrays and mipmapped arrays, graph memory nodes, context creation with execution
-//! affinity (`cuCtxCreate_v3`) and the host locations of VMM allocations. Fields are in snake
+//! affinity (`cuCtxCreate_v3`), the host locations of VMM allocations and external memory
+//! (`cuImportExternalMemory`). Fields are in snake
 //! case, as in the rest of this crate.
 #![allow(non_camel_case_types)]
 
@@ -18,6 +19,8 @@ pub type CUgraph = *mut c_void;
 pub type CUgraphNode = *mut c_void;
 /// `CUgraphExec` (`struct CUgraphExec_st *`).
 pub type CUgraphExec = *mut c_void;
+/// `CUexternalMemory` (`struct CUextMemory_st *`).
+pub type CUexternalMemory = *mut c_void;
 
 /// `CUDA_ARRAY_DESCRIPTOR` (`_v2`: `cuArrayCreate_v2`).
 #[repr(C)]
@@ -62,6 +65,56 @@ pub struct CUDA_MEM_ALLOC_NODE_PARAMS {
     pub bytesize: usize,
     pub dptr: CUdeviceptr,
 }
+
+/// The `win32` member of the handle union of [`CUDA_EXTERNAL_MEMORY_HANDLE_DESCRIPTOR`].
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct CUexternalMemoryWin32Handle {
+    pub handle: *mut c_void,
+    pub name: *const c_void,
+}
+
+/// The handle union of [`CUDA_EXTERNAL_MEMORY_HANDLE_DESCRIPTOR`]: which member holds the
+/// handle depends on the descriptor's `type_`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub union CUexternalMemoryHandle {
+    pub fd: c_int,
+    pub win32: CUexternalMemoryWin32Handle,
+    pub nv_sci_buf_object: *const c_void,
+}
+
+/// `CUDA_EXTERNAL_MEMORY_HANDLE_DESCRIPTOR` (`_v1`, `cuImportExternalMemory`): `size` is the
+/// bytes of the imported memory.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct CUDA_EXTERNAL_MEMORY_HANDLE_DESCRIPTOR {
+    /// `CUexternalMemoryHandleType`.
+    pub type_: c_int,
+    pub handle: CUexternalMemoryHandle,
+    pub size: u64,
+    pub flags: c_uint,
+    pub reserved: [c_uint; 16],
+}
+
+/// Byte offset of `size` in [`CUDA_EXTERNAL_MEMORY_HANDLE_DESCRIPTOR`] (the eBPF probe reads
+/// it from the caller's memory).
+pub const EXTERNAL_MEMORY_SIZE_OFFSET: u64 = std::mem::offset_of!(CUDA_EXTERNAL_MEMORY_HANDLE_DESCRIPTOR, size) as u64;
+
+/// `CUDA_EXTERNAL_MEMORY_BUFFER_DESC` (`_v1`, `cuExternalMemoryGetMappedBuffer`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CUDA_EXTERNAL_MEMORY_BUFFER_DESC {
+    pub offset: u64,
+    pub size: u64,
+    pub flags: c_uint,
+    pub reserved: [c_uint; 16],
+}
+
+// CUexternalMemoryHandleType.
+pub const CU_EXTERNAL_MEMORY_HANDLE_TYPE_OPAQUE_FD: c_int = 1;
+pub const CU_EXTERNAL_MEMORY_HANDLE_TYPE_OPAQUE_WIN32: c_int = 2;
+pub const CU_EXTERNAL_MEMORY_HANDLE_TYPE_NVSCIBUF: c_int = 8;
 
 // CUarray_format (the basic formats; the driver knows more).
 pub const CU_AD_FORMAT_UNSIGNED_INT8: c_int = 0x01;
@@ -108,5 +161,14 @@ mod tests {
         assert_eq!(size_of::<CUDA_MEM_ALLOC_NODE_PARAMS>(), 120);
         assert_eq!(offset_of!(CUDA_MEM_ALLOC_NODE_PARAMS, bytesize), 104);
         assert_eq!(offset_of!(CUDA_MEM_ALLOC_NODE_PARAMS, dptr), 112);
+        assert_eq!(size_of::<CUDA_EXTERNAL_MEMORY_HANDLE_DESCRIPTOR>(), 104);
+        assert_eq!(offset_of!(CUDA_EXTERNAL_MEMORY_HANDLE_DESCRIPTOR, handle), 8);
+        assert_eq!(size_of::<CUexternalMemoryHandle>(), 16);
+        assert_eq!(offset_of!(CUDA_EXTERNAL_MEMORY_HANDLE_DESCRIPTOR, size), 24);
+        assert_eq!(EXTERNAL_MEMORY_SIZE_OFFSET, 24);
+        assert_eq!(offset_of!(CUDA_EXTERNAL_MEMORY_HANDLE_DESCRIPTOR, flags), 32);
+        assert_eq!(offset_of!(CUDA_EXTERNAL_MEMORY_HANDLE_DESCRIPTOR, reserved), 36);
+        assert_eq!(size_of::<CUDA_EXTERNAL_MEMORY_BUFFER_DESC>(), 88);
+        assert_eq!(offset_of!(CUDA_EXTERNAL_MEMORY_BUFFER_DESC, flags), 16);
     }
 }

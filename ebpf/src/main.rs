@@ -52,6 +52,7 @@ use aya_ebpf::{
     EbpfContext,
 };
 use aya_log_ebpf::warn;
+use common::extmem::{self, ExtKey, ExtPending, ExtRecord, ExtUsage};
 use common::{
     enforce, pending, stat, trouble, vmm, AddrSpace, AllocKey, AllocKind, AllocRecord, CgroupLimit, Event, EventKind,
     LogWindow, PendingAlloc, ProcUsage, Usage, DEFAULT_MAX_ALLOCS, DEFAULT_RECORDS_PER_CGROUP, EXITS_BYTES,
@@ -720,17 +721,7 @@ pub fn deny_probe(ctx: ProbeContext) -> u32 {
 /// `sched:sched_process_exit`, once per exiting thread; acts when the whole process is gone.
 #[tracepoint]
 pub fn process_exit(ctx: TracePointContext) -> u32 {
-    // SAFETY: a volatile read of a global the loader may have rewritten.
-    let offset = unsafe { core::ptr::read_volatile(&GROUP_DEAD_OFFSET) };
-    if offset == 0 || offset > 256 {
-        return 0;
-    }
-    // SAFETY: bpf_probe_read_kernel of one byte inside the tracepoint record.
-    let group_dead: u8 = match unsafe { ctx.read_at(offset as usize) } {
-        Ok(value) => value,
-        Err(_) => return 0,
-    };
-    if group_dead == 0 {
+    if !group_dead(&ctx) {
         return 0;
     }
     let pid_tgid = bpf_get_current_pid_tgid();
@@ -759,6 +750,19 @@ pub fn process_exit(ctx: TracePointContext) -> u32 {
     let _ = PROC_USAGE.remove(&tgid);
     emit_exit(&ctx, pid_tgid, dead.cgroup_id, dead.generation, dead.usage.total_bytes());
     0
+}
+
+/// Whether this `sched_process_exit` is the exit of the whole process (its last thread).
+#[inline(always)]
+fn group_dead(ctx: &TracePointContext) -> bool {
+    // SAFETY: a volatile read of a global the loader may have rewritten.
+    let offset = unsafe { core::ptr::read_volatile(&GROUP_DEAD_OFFSET) };
+    if offset == 0 || offset > 256 {
+        return false;
+    }
+    // SAFETY: bpf_probe_read_kernel of one byte inside the tracepoint record.
+    let group_dead: Result<u8, _> = unsafe { ctx.read_at(offset as usize) };
+    group_dead.is_ok_and(|value| value != 0)
 }
 
 // ---- cgroup removal ----------------------------------------------------------------------
@@ -790,6 +794,186 @@ pub fn cgroup_rmdir(ctx: TracePointContext) -> u32 {
         bump(stat::CGROUPS_REMOVED, 1);
     }
     0
+}
+
+// ---- external memory: visible, never charged ----------------------------------------------
+//
+// `cuImportExternalMemory` brings in memory another API (Vulkan, D3D, an fd, NvSciBuf)
+// exported: it belongs to the exporter and is not charged to any quota, but it is kept here
+// (apart from the accounting maps, which no limit reads) so the agent can show it. One record
+// per imported handle (at most `MAX_RECORDS_PER_CGROUP` per cgroup), totals per process and
+// per cgroup; `ext_exit` takes a dead process's totals out of its cgroup's, and the agent's
+// sweep deletes its records.
+
+#[map]
+static EXTMEM: HashMap<ExtKey, ExtRecord> = HashMap::with_max_entries(extmem::MAX_RECORDS, BPF_F_NO_PREALLOC);
+
+/// Per-thread `cuImportExternalMemory` between entry and return (LRU: gone threads' entries
+/// cannot fill it).
+#[map]
+static EXTMEM_PENDING: LruHashMap<u64, ExtPending> = LruHashMap::with_max_entries(4096, 0);
+
+#[map]
+static EXTMEM_PROCS: HashMap<u32, ExtUsage> = HashMap::with_max_entries(MAX_PROCS, BPF_F_NO_PREALLOC);
+
+#[map]
+static EXTMEM_CGROUPS: HashMap<u64, ExtUsage> = HashMap::with_max_entries(MAX_CGROUPS, BPF_F_NO_PREALLOC);
+
+/// One zeroed `ExtUsage` per CPU, from which new entries are made.
+#[map]
+static EXT_SCRATCH: PerCpuArray<ExtUsage> = PerCpuArray::with_max_entries(1, 0);
+
+/// `cuImportExternalMemory(CUexternalMemory *extMem_out, const
+/// CUDA_EXTERNAL_MEMORY_HANDLE_DESCRIPTOR *memHandleDesc)`: saves the out pointer and the
+/// descriptor's `size` (read from the caller's memory; a descriptor that cannot be read is one
+/// the driver refuses too).
+#[uprobe]
+pub fn ext_import(ctx: ProbeContext) -> u32 {
+    let (Some(out_ptr), Some(desc)) = (ctx.arg::<u64>(0), ctx.arg::<u64>(1)) else {
+        return 0;
+    };
+    // SAFETY: bpf_probe_read_user checks the user address and fails cleanly if it is bad.
+    let size = unsafe { bpf_probe_read_user(desc.wrapping_add(extmem::DESCRIPTOR_SIZE_OFFSET) as *const u64) };
+    let pending = ExtPending { out_ptr, size: size.unwrap_or(0) };
+    let _ = EXTMEM_PENDING.insert(&bpf_get_current_pid_tgid(), &pending, 0);
+    0
+}
+
+/// Return of `cuImportExternalMemory`: on `CUDA_SUCCESS`, records the handle it wrote.
+#[uretprobe]
+pub fn ext_import_return(ctx: RetProbeContext) -> u32 {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    // SAFETY: copied out at once.
+    let Some(pending) = (unsafe { EXTMEM_PENDING.get(&pid_tgid) }).copied() else {
+        return 0;
+    };
+    let _ = EXTMEM_PENDING.remove(&pid_tgid);
+    let result: u64 = ctx.ret();
+    if result as u32 != 0 {
+        return 0;
+    }
+    // SAFETY: bpf_probe_read_user checks the user address and fails cleanly if it is bad.
+    let Ok(handle) = (unsafe { bpf_probe_read_user(pending.out_ptr as *const u64) }) else {
+        return 0;
+    };
+    let tgid = (pid_tgid >> 32) as u32;
+    let Some(proc_usage) = ext_entry(&EXTMEM_PROCS, &tgid, true) else {
+        return 0;
+    };
+    // SAFETY: a live map value; these two fields are written once, at creation.
+    let (cgroup_id, generation) = unsafe { ((*proc_usage).cgroup_id, (*proc_usage).generation) };
+    let Some(cgroup) = ext_entry(&EXTMEM_CGROUPS, &cgroup_id, false) else {
+        return 0;
+    };
+    // SAFETY: a plain read of a counter of a live map value.
+    if unsafe { (*cgroup).imports } as i64 >= max_records_per_cgroup() {
+        // SAFETY: live map values; the fields are updated atomically.
+        unsafe {
+            add(&mut (*cgroup).unrecorded, 1);
+            add(&mut (*proc_usage).unrecorded, 1);
+        }
+        return 0;
+    }
+    let record = ExtRecord { size: pending.size, cgroup_id, generation };
+    if EXTMEM.insert(&ExtKey { tgid, _pad: 0, handle }, &record, BPF_NOEXIST as u64).is_err() {
+        return 0;
+    }
+    // SAFETY: live map values; the fields are updated atomically.
+    unsafe {
+        add(&mut (*proc_usage).bytes, pending.size);
+        add(&mut (*proc_usage).imports, 1);
+        add(&mut (*cgroup).bytes, pending.size);
+        add(&mut (*cgroup).imports, 1);
+    }
+    0
+}
+
+/// `cuDestroyExternalMemory(CUexternalMemory)`: the import leaves the totals. At entry, as
+/// the frees: once destroyed, the driver may hand the handle out again.
+#[uprobe]
+pub fn ext_destroy(ctx: ProbeContext) -> u32 {
+    let Some(handle) = ctx.arg::<u64>(0) else {
+        return 0;
+    };
+    let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    let key = ExtKey { tgid, _pad: 0, handle };
+    // SAFETY: copied out at once.
+    let Some(record) = (unsafe { EXTMEM.get(&key) }).copied() else {
+        return 0;
+    };
+    if EXTMEM.remove(&key).is_err() {
+        return 0; // another thread destroyed it meanwhile
+    }
+    let Some(proc_usage) = EXTMEM_PROCS.get_ptr_mut(&tgid) else {
+        return 0;
+    };
+    // SAFETY: live map values; generation is written once, at creation; the counters are
+    // updated atomically. A record of an earlier process with this pid left its totals when
+    // that process exited.
+    unsafe {
+        if (*proc_usage).generation != record.generation {
+            return 0;
+        }
+        add(&mut (*proc_usage).bytes, record.size.wrapping_neg());
+        add(&mut (*proc_usage).imports, 1u64.wrapping_neg());
+    }
+    if let Some(cgroup) = EXTMEM_CGROUPS.get_ptr_mut(&record.cgroup_id) {
+        // SAFETY: as above.
+        unsafe {
+            add(&mut (*cgroup).bytes, record.size.wrapping_neg());
+            add(&mut (*cgroup).imports, 1u64.wrapping_neg());
+        }
+    }
+    0
+}
+
+/// `sched:sched_process_exit`: a dead process's imports leave its cgroup's totals and its
+/// entry goes (its records are the agent's sweep's).
+#[tracepoint]
+pub fn ext_exit(ctx: TracePointContext) -> u32 {
+    if !group_dead(&ctx) {
+        return 0;
+    }
+    let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    // SAFETY: copied out at once.
+    let Some(dead) = (unsafe { EXTMEM_PROCS.get(&tgid) }).copied() else {
+        return 0;
+    };
+    if let Some(cgroup) = EXTMEM_CGROUPS.get_ptr_mut(&dead.cgroup_id) {
+        // SAFETY: a live map value; the fields are updated atomically.
+        unsafe {
+            add(&mut (*cgroup).bytes, dead.bytes.wrapping_neg());
+            add(&mut (*cgroup).imports, dead.imports.wrapping_neg());
+            add(&mut (*cgroup).unrecorded, dead.unrecorded.wrapping_neg());
+        }
+    }
+    let _ = EXTMEM_PROCS.remove(&tgid);
+    0
+}
+
+/// The entry of `key` in `map`, made from a zeroed value on first use; a process's (`owner`)
+/// carries the current cgroup and a new generation.
+#[inline(always)]
+fn ext_entry<K>(map: &HashMap<K, ExtUsage>, key: &K, owner: bool) -> Option<*mut ExtUsage> {
+    if let Some(entry) = map.get_ptr_mut(key) {
+        return Some(entry);
+    }
+    let fresh = EXT_SCRATCH.get_ptr_mut(0)?;
+    // SAFETY: this CPU's scratch value, valid for the program's run; a program is not
+    // preempted by another on the same CPU. Its counters are never written, so stay zero.
+    let fresh = unsafe {
+        if owner {
+            (*fresh).cgroup_id = bpf_get_current_cgroup_id();
+            (*fresh).generation = bpf_ktime_get_ns();
+        } else {
+            (*fresh).cgroup_id = 0;
+            (*fresh).generation = 0;
+        }
+        &*fresh
+    };
+    // Two threads may race here: NOEXIST lets exactly one create it.
+    let _ = map.insert(key, fresh, BPF_NOEXIST as u64);
+    map.get_ptr_mut(key)
 }
 
 // ---- helpers -----------------------------------------------------------------------------

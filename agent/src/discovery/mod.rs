@@ -132,6 +132,7 @@ pub enum Identity {
 /// Identifies the open file (of `size` bytes) by its exports.
 pub fn identify(file: &File, size: u64) -> Result<Identity, elf::ElfError> {
     let mut wanted: Vec<&'static str> = probes::PROBES.iter().map(|probe| probe.symbol).collect();
+    wanted.extend(probes::EXTMEM_PROBES.iter().map(|(symbol, ..)| *symbol));
     wanted.extend(IDENTITY);
     let found = elf::exported(file, size, &wanted)?;
     let missing: Vec<&'static str> = IDENTITY.into_iter().filter(|symbol| !found.contains_key(symbol)).collect();

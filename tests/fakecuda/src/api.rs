@@ -127,4 +127,8 @@ apis! {
     NvmlErrorString = "nvmlErrorString",
     DeviceUsage = "fakecuda_device_usage",
     ApiCalls = "fakecuda_api_calls",
+    // External memory (crate::external).
+    ImportExternalMemory = "cuImportExternalMemory",
+    ExternalMemoryGetMappedBuffer = "cuExternalMemoryGetMappedBuffer",
+    DestroyExternalMemory = "cuDestroyExternalMemory",
 }

@@ -227,6 +227,8 @@ pub struct Driver {
     next_handle: u64,
     /// Arrays, graphs and the graph memory pools.
     pub(crate) resources: crate::resources::Resources,
+    /// Imported external memory (never charged).
+    pub(crate) external: crate::external::External,
 }
 
 static DRIVER: Mutex<Option<Driver>> = Mutex::new(None);
@@ -398,6 +400,7 @@ impl Driver {
             next_ctx: 0,
             next_handle: 1,
             resources: Default::default(),
+            external: Default::default(),
         })
     }
 

@@ -7,7 +7,7 @@
 //! stream-ordered pools and VMM handles follow what was measured on an H100 ([`driver`]).
 //! Configuration comes from `FAKECUDA_*` environment variables ([`config`]). The exported
 //! entry points are in [`exports`] (arrays and graph memory in
-//! [`resources`]); `cuGetProcAddress` resolution is in [`procaddr`]. The same
+//! [`resources`], imported external memory in [`external`]); `cuGetProcAddress` resolution is in [`procaddr`]. The same
 //! library is a minimal NVML too ([`nvml`]: init, device handles and UUIDs, memory info).
 //!
 //! Build: `cargo build -p fakecuda` gives `target/<profile>/libcuda.so` with soname
@@ -21,6 +21,7 @@ pub mod devfile;
 pub mod driver;
 pub mod errors;
 pub mod exports;
+pub mod external;
 pub mod nvml;
 pub mod pools;
 pub mod procaddr;

@@ -20,7 +20,7 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 
 use cuda_abi::*;
 
-use crate::{attributes as a, exports as e, pools as p, resources as r, streams as s};
+use crate::{attributes as a, exports as e, external as x, pools as p, resources as r, streams as s};
 
 /// One base name: `(since, export)` per versioned form, oldest first (`None`: a form the
 /// fake does not export), and the `_ptsz` export used under per-thread default streams.
@@ -108,6 +108,9 @@ table! {
     "cuGraphDestroy": [10000 => "cuGraphDestroy"];
     "cuDeviceGraphMemTrim": [11040 => "cuDeviceGraphMemTrim"];
     "cuDeviceGetGraphMemAttribute": [11040 => "cuDeviceGetGraphMemAttribute"];
+    "cuImportExternalMemory": [10000 => "cuImportExternalMemory"];
+    "cuExternalMemoryGetMappedBuffer": [10000 => "cuExternalMemoryGetMappedBuffer"];
+    "cuDestroyExternalMemory": [10000 => "cuDestroyExternalMemory"];
     "cuStreamCreate": [2000 => "cuStreamCreate"];
     "cuStreamCreateWithPriority": [5050 => "cuStreamCreateWithPriority"];
     "cuStreamDestroy": [2000 => -, 4000 => "cuStreamDestroy_v2"];
@@ -156,6 +159,7 @@ pub fn address(export: &str) -> Option<usize> {
         r::cuMipmappedArrayGetMemoryRequirements, r::cuGraphCreate, r::cuGraphAddMemAllocNode,
         r::cuGraphInstantiateWithFlags, r::cuGraphLaunch, r::cuGraphLaunch_ptsz, r::cuGraphExecDestroy,
         r::cuGraphDestroy, r::cuDeviceGraphMemTrim, r::cuDeviceGetGraphMemAttribute,
+        x::cuImportExternalMemory, x::cuExternalMemoryGetMappedBuffer, x::cuDestroyExternalMemory,
     )
 }
 

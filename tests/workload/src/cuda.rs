@@ -109,6 +109,9 @@ entry_points! {
     graph_exec_destroy: fn(CUgraphExec) = "cuGraphExecDestroy" / "cuGraphExecDestroy" / 0;
     graph_destroy: fn(CUgraph) = "cuGraphDestroy" / "cuGraphDestroy" / 0;
     device_graph_mem_trim: fn(CUdevice) = "cuDeviceGraphMemTrim" / "cuDeviceGraphMemTrim" / 0;
+    import_external_memory: fn(*mut CUexternalMemory, *const CUDA_EXTERNAL_MEMORY_HANDLE_DESCRIPTOR) = "cuImportExternalMemory" / "cuImportExternalMemory" / 0;
+    external_memory_get_mapped_buffer: fn(*mut CUdeviceptr, CUexternalMemory, *const CUDA_EXTERNAL_MEMORY_BUFFER_DESC) = "cuExternalMemoryGetMappedBuffer" / "cuExternalMemoryGetMappedBuffer" / 0;
+    destroy_external_memory: fn(CUexternalMemory) = "cuDestroyExternalMemory" / "cuDestroyExternalMemory" / 0;
 }
 
 /// `cuGetProcAddress_v2(query, version, flags)`: the address, or (result, symbol status).

@@ -52,6 +52,8 @@ Each argument (or script line; # starts a comment) is one step. Sizes take k/m/g
   array NAME W H D        cuArrayCreate_v2 (D = 0) or cuArray3DCreate_v2, float x 4 channels
   mipmap NAME W H D LEVELS  cuMipmappedArrayCreate, float x 4 channels
   array-destroy NAME      cuArrayDestroy
+  import NAME SIZE        cuImportExternalMemory (opaque fd 0, SIZE bytes) + cuExternalMemoryGetMappedBuffer
+  import-destroy NAME     cuDestroyExternalMemory
   mipmap-destroy NAME     cuMipmappedArrayDestroy
   graph NAME SIZE         cuGraphCreate + cuGraphAddMemAllocNode (SIZE on the current
                           device) + cuGraphInstantiateWithFlags
@@ -415,6 +417,32 @@ impl Runner {
                             cu!(s, verb, graph_destroy(n.handle as *mut std::ffi::c_void));
                         }
                     }
+                    Ok(())
+                })?;
+                say!("ok {verb} {name} {:#x} {}", n.addr, n.bytes);
+            }
+            Step::Import { size, .. } => {
+                let mut ext: CUexternalMemory = null();
+                let mut dptr: CUdeviceptr = 0;
+                self.call(|s| {
+                    let desc = CUDA_EXTERNAL_MEMORY_HANDLE_DESCRIPTOR {
+                        type_: CU_EXTERNAL_MEMORY_HANDLE_TYPE_OPAQUE_FD,
+                        handle: CUexternalMemoryHandle { fd: 0 },
+                        size: *size,
+                        flags: 0,
+                        reserved: [0; 16],
+                    };
+                    cu!(s, verb, import_external_memory(&mut ext, &desc));
+                    let buffer = CUDA_EXTERNAL_MEMORY_BUFFER_DESC { offset: 0, size: *size, ..Default::default() };
+                    cu!(s, verb, external_memory_get_mapped_buffer(&mut dptr, ext, &buffer));
+                    Ok(())
+                })?;
+                self.record(step, ext as u64, *size, dptr);
+            }
+            Step::ImportDestroy { name } => {
+                let n = self.named(name).map_err(Err)?;
+                self.call(|s| {
+                    cu!(s, verb, destroy_external_memory(n.addr as CUexternalMemory));
                     Ok(())
                 })?;
                 say!("ok {verb} {name} {:#x} {}", n.addr, n.bytes);

@@ -36,6 +36,11 @@ pub enum Step {
     Launch { name: String },
     GraphDestroy { name: String },
     GraphTrim,
+    /// `cuImportExternalMemory` of an opaque fd (the workload's stdin) of this size, then
+    /// `cuExternalMemoryGetMappedBuffer` of all of it.
+    Import { name: String, size: u64 },
+    /// `cuDestroyExternalMemory`.
+    ImportDestroy { name: String },
     Vmm { name: String, size: u64 },
     VmmFree { name: String },
     /// `cuMemUnmap` + `cuMemAddressFree` of a `vmm` mapping; its handle is not released.
@@ -106,6 +111,8 @@ impl Step {
             Step::Launch { .. } => "launch",
             Step::GraphDestroy { .. } => "graph-destroy",
             Step::GraphTrim => "graph-trim",
+            Step::Import { .. } => "import",
+            Step::ImportDestroy { .. } => "import-destroy",
             Step::CtxDestroy => "ctx-destroy",
             Step::Alloc { .. } => "alloc",
             Step::Pitch { .. } => "pitch",
@@ -162,6 +169,7 @@ impl Step {
             | Step::Array { name, .. }
             | Step::Mipmap { name, .. }
             | Step::Graph { name, .. }
+            | Step::Import { name, .. }
             | Step::Vmm { name, .. } => Some(name),
             _ => None,
         }
@@ -197,20 +205,21 @@ impl Step {
                 want(1, &format!("{verb} DEV"))?;
                 Step::CtxCreateV { dev: dev(args[0])?, version: if *verb == "ctx-create-v3" { 3 } else { 4 } }
             }
-            "create-host" | "graph" => {
+            "create-host" | "graph" | "import" => {
                 want(2, &format!("{verb} NAME SIZE"))?;
                 let (name, size) = (name(0), size(args[1])?);
-                if *verb == "graph" {
-                    Step::Graph { name, size }
-                } else {
-                    Step::CreateHost { name, size }
+                match *verb {
+                    "graph" => Step::Graph { name, size },
+                    "import" => Step::Import { name, size },
+                    _ => Step::CreateHost { name, size },
                 }
             }
-            "retain" | "array-destroy" | "mipmap-destroy" | "launch" | "graph-destroy" => {
+            "retain" | "array-destroy" | "mipmap-destroy" | "launch" | "graph-destroy" | "import-destroy" => {
                 want(1, &format!("{verb} NAME"))?;
                 let name = name(0);
                 match *verb {
                     "retain" => Step::Retain { name },
+                    "import-destroy" => Step::ImportDestroy { name },
                     "array-destroy" => Step::ArrayDestroy { name },
                     "mipmap-destroy" => Step::MipmapDestroy { name },
                     "launch" => Step::Launch { name },
@@ -456,6 +465,9 @@ mod tests {
         assert_eq!(Step::parse("graph g 512m").ok(), Some(Step::Graph { name: "g".into(), size: 512 << 20 }));
         assert!(Step::parse("launch").is_err());
         assert_eq!(Step::parse("graph-trim").ok(), Some(Step::GraphTrim));
+        assert_eq!(Step::parse("import x 64m").ok(), Some(Step::Import { name: "x".into(), size: 64 << 20 }));
+        assert_eq!(Step::parse("import-destroy x").ok(), Some(Step::ImportDestroy { name: "x".into() }));
+        assert!(Step::parse("import x").is_err());
         assert_eq!(Step::parse("meminfo-null").ok(), Some(Step::MeminfoNull));
         assert_eq!(
             Step::parse("fork ctx 0; alloc b 2m ;checkpoint c").ok(),

@@ -1,0 +1,118 @@
+//! External memory imported into CUDA (`cuImportExternalMemory`: Vulkan, D3D, fd or NvSciBuf
+//! memory), as the probes' `EXTMEM*` maps keep it (see `common::extmem`): owns those maps,
+//! deletes the records of dead processes, and says per process and per cgroup how many
+//! imports are live and how many bytes they span, for `vramguard audit` and the
+//! `vramguard_external_memory_bytes` metric. The memory belongs to whoever exported it, so it
+//! is never charged: nothing here reaches the usage the limits enforce.
+use aya::{
+    maps::{HashMap, MapData},
+    Ebpf,
+};
+use common::extmem::{names, ExtKey, ExtRecord, ExtUsage};
+use serde::{Deserialize, Serialize};
+
+use crate::{accounting::take, cgroup::CgroupNames};
+
+/// Imported external memory, live (imported and not destroyed), as the audit shows it.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ExternalMemory {
+    /// One row per process with a live import, by pid.
+    pub processes: Vec<ExternalRow>,
+    /// One row per cgroup with a live import, by cgroup id.
+    pub cgroups: Vec<ExternalRow>,
+}
+
+/// One process's or cgroup's live imports.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ExternalRow {
+    /// Host pid (0 in a cgroup's row).
+    #[serde(default)]
+    pub pid: u32,
+    pub cgroup_id: u64,
+    /// Path under the cgroup2 root; empty if the cgroup is gone.
+    pub cgroup: String,
+    /// Live imports with a record, and the bytes their descriptors gave.
+    pub imports: u64,
+    pub bytes: u64,
+    /// Imports past the cgroup's record cap: counted, their bytes unknown.
+    pub unrecorded: u64,
+}
+
+pub struct External {
+    records: HashMap<MapData, ExtKey, ExtRecord>,
+    procs: HashMap<MapData, u32, ExtUsage>,
+    cgroups: HashMap<MapData, u64, ExtUsage>,
+}
+
+impl External {
+    /// Takes the external-memory maps out of the loaded object.
+    pub fn new(ebpf: &mut Ebpf) -> anyhow::Result<External> {
+        Ok(External { records: take(ebpf, names::EXTMEM)?, procs: take(ebpf, names::EXTMEM_PROCS)?, cgroups: take(ebpf, names::EXTMEM_CGROUPS)? })
+    }
+
+    /// Deletes the records of processes that are gone (their entry was deleted by `ext_exit`,
+    /// or belongs to a newer process with the same pid); returns how many went.
+    pub fn sweep(&mut self) -> u64 {
+        let records: Vec<(ExtKey, ExtRecord)> = self.records.iter().filter_map(Result::ok).collect();
+        let mut removed = 0;
+        for (key, record) in records {
+            let current = self.procs.get(&key.tgid, 0).ok();
+            if current.is_none_or(|p| p.generation != record.generation) && self.records.remove(&key).is_ok() {
+                removed += 1;
+            }
+        }
+        removed
+    }
+
+    /// The ids of the cgroups with an entry in `EXTMEM_CGROUPS`.
+    pub fn cgroup_ids(&self) -> Vec<u64> {
+        self.cgroups.keys().filter_map(Result::ok).collect()
+    }
+
+    /// Deletes the entries of these (removed) cgroups; returns how many went.
+    pub fn forget_cgroups(&mut self, ids: &[u64]) -> usize {
+        ids.iter().filter(|id| self.cgroups.remove(id).is_ok()).count()
+    }
+
+    /// The live imports now.
+    pub fn view(&self, names: &mut CgroupNames) -> ExternalMemory {
+        let mut processes: Vec<ExternalRow> = self
+            .procs
+            .iter()
+            .filter_map(Result::ok)
+            .map(|(pid, usage)| row(pid, usage.cgroup_id, &usage, names))
+            .filter(live)
+            .collect();
+        processes.sort_by_key(|row| row.pid);
+        let mut cgroups: Vec<ExternalRow> =
+            self.cgroups.iter().filter_map(Result::ok).map(|(id, usage)| row(0, id, &usage, names)).filter(live).collect();
+        cgroups.sort_by_key(|row| row.cgroup_id);
+        ExternalMemory { processes, cgroups }
+    }
+}
+
+fn row(pid: u32, cgroup_id: u64, usage: &ExtUsage, names: &mut CgroupNames) -> ExternalRow {
+    ExternalRow {
+        pid,
+        cgroup_id,
+        cgroup: names.path(cgroup_id).unwrap_or_default(),
+        imports: usage.imports,
+        bytes: usage.bytes,
+        unrecorded: usage.unrecorded,
+    }
+}
+
+fn live(row: &ExternalRow) -> bool {
+    row.imports != 0 || row.bytes != 0 || row.unrecorded != 0
+}
+
+#[cfg(test)]
+mod tests {
+    use std::mem::offset_of;
+
+    #[test]
+    fn the_probe_reads_the_size_where_cuda_h_puts_it() {
+        assert_eq!(common::extmem::DESCRIPTOR_SIZE_OFFSET, cuda_abi::EXTERNAL_MEMORY_SIZE_OFFSET);
+        assert_eq!(offset_of!(cuda_abi::CUDA_EXTERNAL_MEMORY_HANDLE_DESCRIPTOR, size) as u64, common::extmem::DESCRIPTOR_SIZE_OFFSET);
+    }
+}
