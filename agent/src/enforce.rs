@@ -20,6 +20,10 @@
 //!
 //! A limit is only ever pushed for a cgroup that exists when it is pushed: the kernel deletes
 //! a removed cgroup's entry (`cgroup_rmdir`), and the agent must not bring it back.
+//!
+//! The kernel word `LIMITS_ON` tells the entry probes whether to look limits up at all: it is
+//! set before the first limit is pushed and cleared only once every limit the agent pushed is
+//! removed again, so a node without limits pays no lookup per allocation.
 use std::{
     collections::BTreeMap,
     fs,
@@ -28,7 +32,7 @@ use std::{
 
 use anyhow::{bail, Context, Result};
 use aya::{
-    maps::{HashMap, MapData},
+    maps::{Array, HashMap, MapData},
     programs::UProbe,
     Ebpf,
 };
@@ -121,6 +125,9 @@ pub struct Limits {
     signal: u32,
     map: HashMap<MapData, u64, CgroupLimit>,
     applied: BTreeMap<u64, CgroupLimit>,
+    /// `LIMITS_ON`, and what was last written to it.
+    on: Array<MapData, u32>,
+    on_now: bool,
 }
 
 impl Limits {
@@ -145,7 +152,20 @@ impl Limits {
         }
         let map = ebpf.take_map(names::CGROUP_LIMITS).context("the eBPF object has no CGROUP_LIMITS map")?;
         let map = HashMap::try_from(map).context("CGROUP_LIMITS has an unexpected type")?;
-        Ok(Limits { file, rules, provisioned: BTreeMap::new(), ledger_limits: BTreeMap::new(), mode, signal: signal as u32, map, applied: BTreeMap::new() })
+        let on = ebpf.take_map(names::LIMITS_ON).context("the eBPF object has no LIMITS_ON map")?;
+        let on = Array::try_from(on).context("LIMITS_ON has an unexpected type")?;
+        Ok(Limits {
+            file,
+            rules,
+            provisioned: BTreeMap::new(),
+            ledger_limits: BTreeMap::new(),
+            mode,
+            signal: signal as u32,
+            map,
+            applied: BTreeMap::new(),
+            on,
+            on_now: false,
+        })
     }
 
     /// The cgroups of the watched ledgers' live processes and their ledgers' limits.
@@ -222,6 +242,7 @@ impl Limits {
             let _ = self.map.remove(&id);
             self.applied.remove(&id);
         }
+        self.switch_on(!wanted.is_empty() || !self.applied.is_empty());
         for (id, limit) in wanted {
             if self.applied.get(&id) != Some(&limit) {
                 match self.map.insert(id, limit, 0) {
@@ -254,12 +275,27 @@ impl Limits {
     /// Forgets the limits of these (removed) cgroups, in the kernel map and in the agent's
     /// record; returns how many kernel entries went.
     pub fn forget(&mut self, ids: &[u64]) -> usize {
-        ids.iter()
+        let gone = ids
+            .iter()
             .filter(|id| {
                 self.applied.remove(id);
                 self.map.remove(id).is_ok()
             })
-            .count()
+            .count();
+        self.switch_on(!self.applied.is_empty());
+        gone
+    }
+
+    /// Writes `LIMITS_ON` if it changes: on before a limit is pushed, off only once no
+    /// pushed limit is left (the probes skip the lookup while it is off).
+    fn switch_on(&mut self, on: bool) {
+        if on == self.on_now {
+            return;
+        }
+        match self.on.set(0, u32::from(on), 0) {
+            Ok(()) => self.on_now = on,
+            Err(error) => tracing::warn!(on, %error, "cannot write LIMITS_ON: the entry probes may not check limits"),
+        }
     }
 }
 

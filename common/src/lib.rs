@@ -352,6 +352,9 @@ pub mod names {
     pub const EXITS: &str = "EXITS";
     pub const STATS: &str = "STATS";
     pub const CGROUP_LIMITS: &str = "CGROUP_LIMITS";
+    /// One-word array: non-zero while `CGROUP_LIMITS` may hold an entry (the entry probes
+    /// skip the limit check while it is 0).
+    pub const LIMITS_ON: &str = "LIMITS_ON";
     /// A program that writes its context's return register: loads only where the kernel lets
     /// uprobes change registers (the "deny" mode's prerequisite).
     pub const DENY_PROBE: &str = "deny_probe";

@@ -118,6 +118,13 @@ static LOG_WINDOWS: Array<LogWindow> = Array::with_max_entries(trouble::COUNT, 0
 #[map]
 static CGROUP_LIMITS: HashMap<u64, CgroupLimit> = HashMap::with_max_entries(MAX_CGROUPS, BPF_F_NO_PREALLOC);
 
+/// One word: non-zero while `CGROUP_LIMITS` may hold an entry. The agent sets it before it
+/// pushes a limit and clears it only once it has removed every limit it pushed, so an entry
+/// probe that reads 0 can skip the cgroup lookup (an array read the verifier inlines, where
+/// the lookup is a helper call and a hash).
+#[map]
+static LIMITS_ON: Array<u32> = Array::with_max_entries(1, 0);
+
 // ---- entry probes of the allocation APIs -------------------------------------------------
 
 /// `cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)`.
@@ -211,6 +218,10 @@ fn save_sized(ctx: &ProbeContext, kind: AllocKind, space: AddrSpace) -> u32 {
 /// and, in signal mode, signals the process: the signal is delivered on the way back to user
 /// space, before the driver runs, so a fatal one stops the allocation from ever happening.
 fn check_limit(size: u64) {
+    // SAFETY: a plain read of a live array element.
+    if LIMITS_ON.get_ptr(0).is_none_or(|on| unsafe { core::ptr::read_volatile(on) } == 0) {
+        return; // no limit pushed: nothing to check
+    }
     // SAFETY: plain helper call without arguments.
     let cgroup_id = unsafe { bpf_get_current_cgroup_id() };
     // SAFETY: copied out at once.

@@ -5,7 +5,8 @@
 //!   nop programs on the same attach points (`cuMemAlloc_v2` entry and return,
 //!   `cuMemFree_v2` entry: the kernel's own floor) and with vramguard's programs there
 //!   (attached by the benchmark, so the three configurations can alternate run by run); the
-//!   ratio of what ours add to what the floor adds, against the issue's 1.15. Two cases:
+//!   ratio of what ours add to what the floor adds, against the issue's 1.15, per round
+//!   (median and interquartile range over [`PROBE_ROUNDS`] rounds). Two cases:
 //!   1 KiB while another small allocation stays live (the fake's charge does not change, so
 //!   the pair is cheap and the probes dominate) and 2 MiB (each call changes the device's
 //!   shared counters under the fake's file lock).
@@ -45,6 +46,8 @@ struct Row {
     ratio: Ratio,
     /// Decimals shown of the figure.
     decimals: usize,
+    /// Interquartile range of the samples the figure is the median of, where given.
+    spread: Option<(f64, f64)>,
 }
 
 /// What a row's ratio is.
@@ -61,17 +64,35 @@ enum Ratio {
 impl Row {
     /// A cost added to a bare baseline (ratio [`Ratio::Added`]).
     fn added(name: impl Into<String>, figure: f64, unit: &'static str, baseline: f64, baseline_unit: &'static str) -> Row {
-        Row { name: name.into(), figure, unit, baseline, baseline_unit, ratio: Ratio::Added, decimals: 0 }
+        Row { name: name.into(), figure, unit, baseline, baseline_unit, ratio: Ratio::Added, decimals: 0, spread: None }
     }
 
     /// A figure against a target (ratio [`Ratio::OfTarget`]), shown with `decimals`.
     fn target(name: impl Into<String>, figure: f64, unit: &'static str, decimals: usize, target: f64, target_unit: &'static str) -> Row {
-        Row { name: name.into(), figure, unit, baseline: target, baseline_unit: target_unit, ratio: Ratio::OfTarget, decimals }
+        Row { name: name.into(), figure, unit, baseline: target, baseline_unit: target_unit, ratio: Ratio::OfTarget, decimals, spread: None }
     }
 
     /// A figure without a baseline (ratio [`Ratio::Reported`]).
     fn reported(name: impl Into<String>, figure: f64, unit: &'static str, decimals: usize) -> Row {
-        Row { name: name.into(), figure, unit, baseline: f64::NAN, baseline_unit: "", ratio: Ratio::Reported, decimals }
+        Row { name: name.into(), figure, unit, baseline: f64::NAN, baseline_unit: "", ratio: Ratio::Reported, decimals, spread: None }
+    }
+
+    /// The same row with the interquartile range of its samples.
+    fn with_spread(self, spread: Spread) -> Row {
+        Row { figure: spread.median, spread: Some((spread.q1, spread.q3)), ..self }
+    }
+
+    /// The figure column: the figure and, where given, its interquartile range.
+    fn figure(&self) -> String {
+        match self.spread {
+            Some((q1, q3)) => format!("{:.*} (IQR {:.*}-{:.*})", self.decimals, self.figure, self.decimals, q1, self.decimals, q3),
+            None => format!("{:.*}", self.decimals, self.figure),
+        }
+    }
+
+    /// The row as a line of the report's table.
+    fn line(&self) -> String {
+        format!("| {} | {} | {} | {} | {} |", self.name, self.figure(), self.unit, self.baseline(), self.ratio())
     }
 
     fn ratio(&self) -> String {
@@ -156,7 +177,7 @@ pub fn bench(probes_only: bool) -> Result<()> {
     if probes_only {
         let _ = fs::remove_dir_all(&scratch);
         for row in &rows {
-            println!("| {} | {:.*} | {} | {} | {} |", row.name, row.decimals, row.figure, row.unit, row.baseline(), row.ratio());
+            println!("{}", row.line());
         }
         return Ok(());
     }
@@ -172,47 +193,118 @@ pub fn bench(probes_only: bool) -> Result<()> {
 /// on the same attach points add.
 const FLOOR_TARGET: f64 = 1.15;
 
-/// Repeats of each probe configuration, interleaved (none, nop, ours, none, ...) so that a
-/// busy machine's drift hits the three alike; the median of each is reported.
-const PROBE_REPEATS: usize = 11;
+/// Rounds of the probe measurement. Each round runs the three configurations (no probes, nop
+/// programs, ours) back to back, starting with a different one each round so none always
+/// follows another; what a round's probes add is taken against that round's own bare run,
+/// so a busy machine's drift between rounds cancels out. `VRAMGUARD_BENCH_ROUNDS` overrides
+/// it (a quick look; the report's figures use the default).
+const PROBE_ROUNDS: usize = 21;
 
 fn probes(setup: &Setup, object: &Path, rows: &mut Vec<Row>) -> Result<()> {
     let libcuda = setup.lib_dir.join("libcuda.so.1");
+    let rounds = std::env::var("VRAMGUARD_BENCH_ROUNDS").ok().and_then(|n| n.parse().ok()).unwrap_or(PROBE_ROUNDS);
     for (name, steps, pairs) in [("1 KiB", &SMALL_PAIR[..], 200_000u64), ("2 MiB", &BIG_PAIR[..], 50_000)] {
-        let (mut bare, mut floor, mut probed) = (Vec::new(), Vec::new(), Vec::new());
-        for _ in 0..PROBE_REPEATS {
-            bare.push(one_pair(setup, steps)?);
-            let nop = Attached::programs(object, &libcuda, [names::NOP_ENTRY, names::NOP_RETURN, names::NOP_ENTRY])?;
-            floor.push(one_pair(setup, steps)?);
-            drop(nop);
-            let ours = Attached::programs(object, &libcuda, ["mem_alloc", names::ALLOC_RETURN, "mem_free"])?;
-            probed.push(one_pair(setup, steps)?);
-            let seen = ours.allocs_seen()?;
-            if seen < pairs {
-                bail!("vramguard's programs saw {seen} allocations of a run of {pairs} pairs: not attached?");
+        let (mut bare, mut floor_added, mut ours_added, mut ratios) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for round in 0..rounds {
+            let mut ns = [0.0f64; 3];
+            for config in (0..3).map(|i| (round + i) % 3) {
+                ns[config] = match config {
+                    0 => one_pair(setup, steps)?,
+                    1 => {
+                        let _nop = Attached::programs(object, &libcuda, [names::NOP_ENTRY, names::NOP_RETURN, names::NOP_ENTRY])?;
+                        one_pair(setup, steps)?
+                    }
+                    _ => {
+                        let ours = Attached::programs(object, &libcuda, ["mem_alloc", names::ALLOC_RETURN, "mem_free"])?;
+                        let ns = one_pair(setup, steps)?;
+                        let seen = ours.allocs_seen()?;
+                        if seen < pairs {
+                            bail!("vramguard's programs saw {seen} allocations of a run of {pairs} pairs: not attached?");
+                        }
+                        ns
+                    }
+                };
             }
+            let [none, nop, ours] = ns;
+            println!("probes, {name} pair, round {round}: {none:.0} ns bare, {nop:.0} ns with nop programs, {ours:.0} ns probed");
+            bare.push(none);
+            floor_added.push(nop - none);
+            ours_added.push(ours - none);
+            ratios.push((ours - none) / (nop - none));
         }
-        let (bare, floor, probed) = (median(bare), median(floor), median(probed));
-        let ratio = (probed - bare) / (floor - bare);
-        println!("probes, {name} pair: {bare:.0} ns bare, {floor:.0} ns with nop programs, {probed:.0} ns probed: {ratio:.2}x the floor");
-        rows.push(Row::added(
-            format!("eBPF floor: nop programs on the same attach points (alloc entry, alloc return, free entry), alloc+free {name} pair"),
-            floor - bare,
-            "ns added per pair",
-            bare,
-            "ns per pair, no probes",
-        ));
-        rows.push(Row::added(format!("eBPF probes, alloc+free {name} pair"), probed - bare, "ns added per pair", bare, "ns per pair, no probes"));
-        rows.push(Row::target(
-            format!("eBPF probes against the floor, alloc+free {name} pair: ours added / nop added"),
-            ratio,
-            "x",
-            2,
-            FLOOR_TARGET,
-            "x, target",
-        ));
+        let (bare, floor_added, ours_added, ratio) =
+            (Spread::of(bare), Spread::of(floor_added), Spread::of(ours_added), Spread::of(ratios));
+        println!(
+            "probes, {name} pair: {:.0} ns bare; the floor adds {:.0} ns, ours {:.0} ns; ours / floor {:.2}x (IQR {:.2}-{:.2}) over {rounds} rounds",
+            bare.median, floor_added.median, ours_added.median, ratio.median, ratio.q1, ratio.q3
+        );
+        let base = bare.median;
+        rows.push(
+            Row::added(
+                format!("eBPF floor: nop programs on the same attach points (alloc entry, alloc return, free entry), alloc+free {name} pair"),
+                0.0,
+                "ns added per pair",
+                base,
+                "ns per pair, no probes",
+            )
+            .with_spread(floor_added),
+        );
+        rows.push(
+            Row::added(format!("eBPF probes, alloc+free {name} pair"), 0.0, "ns added per pair", base, "ns per pair, no probes")
+                .with_spread(ours_added),
+        );
+        rows.push(
+            Row::target(
+                format!("eBPF probes against the floor, alloc+free {name} pair: ours added / nop added, per round"),
+                0.0,
+                "x",
+                2,
+                FLOOR_TARGET,
+                "x, target",
+            )
+            .with_spread(ratio),
+        );
+        // Where the difference lies: the programs' own run time, as the kernel counts it.
+        for (label, programs) in [
+            ("nop programs", [names::NOP_ENTRY, names::NOP_RETURN, names::NOP_ENTRY]),
+            ("vramguard's programs", ["mem_alloc", names::ALLOC_RETURN, "mem_free"]),
+        ] {
+            let attached = Attached::programs(object, &libcuda, programs)?;
+            let stats = aya::sys::enable_stats(aya::sys::Stats::RunTime).context("cannot turn the kernel's eBPF run-time statistics on")?;
+            one_pair(setup, steps)?;
+            drop(stats);
+            let mut run_ns = 0;
+            for (program, ns, runs) in attached.run_time(&programs)? {
+                println!("probes, {name} pair: `{program}` runs {:.0} ns a run ({runs} runs, bpf_stats)", ns as f64 / runs.max(1) as f64);
+                run_ns += ns;
+            }
+            let per_pair = run_ns as f64 / pairs as f64;
+            println!("probes, {name} pair: {label} run {per_pair:.0} ns per pair (bpf_stats)");
+            rows.push(Row::reported(
+                format!("eBPF {label}' own run time (kernel bpf_stats, one run), alloc+free {name} pair"),
+                per_pair,
+                "ns per pair",
+                0,
+            ));
+        }
     }
     Ok(())
+}
+
+/// The median and the quartiles of some samples (nearest rank).
+#[derive(Clone, Copy)]
+struct Spread {
+    q1: f64,
+    median: f64,
+    q3: f64,
+}
+
+impl Spread {
+    fn of(mut samples: Vec<f64>) -> Spread {
+        samples.sort_by(f64::total_cmp);
+        let at = |q: usize| samples.get((samples.len().saturating_sub(1) * q + 2) / 4).copied().unwrap_or(f64::NAN);
+        Spread { q1: at(1), median: at(2), q3: at(3) }
+    }
 }
 
 /// ns per pair of one run of the workload.
@@ -249,6 +341,25 @@ impl Attached {
                 .with_context(|| format!("attaching `{program}` to {symbol} of {}", libcuda.display()))?;
         }
         Ok(Attached { ebpf })
+    }
+
+    /// The run time (ns) and the runs the kernel counted of each of `programs` (each named
+    /// once), while its statistics were on.
+    fn run_time<'a>(&self, programs: &[&'a str]) -> Result<Vec<(&'a str, u64, u64)>> {
+        let mut counted = Vec::new();
+        for (i, program) in programs.iter().copied().enumerate() {
+            if programs[..i].contains(&program) {
+                continue;
+            }
+            let info = self
+                .ebpf
+                .program(program)
+                .with_context(|| format!("the eBPF object has no program `{program}`"))?
+                .info()
+                .with_context(|| format!("cannot read the kernel's information on `{program}`"))?;
+            counted.push((program, info.run_time().as_nanos() as u64, info.run_count()));
+        }
+        Ok(counted)
     }
 
     /// Allocations the programs charged (vramguard's `STATS`).
@@ -343,15 +454,16 @@ fn field(output: &std::process::Output, prefix: &str, key: &str) -> Result<f64> 
         .with_context(|| format!("the workload printed no `{prefix}... {key}` line: {stdout}"))
 }
 
-fn median(mut samples: Vec<f64>) -> f64 {
-    samples.sort_by(f64::total_cmp);
-    samples.get(samples.len() / 2).copied().unwrap_or(f64::NAN)
+fn median(samples: Vec<f64>) -> f64 {
+    Spread::of(samples).median
 }
 
 fn write_report(rows: &[Row], notes: &[String]) -> Result<()> {
     let mut text = String::from(
         "# Benchmarks\n\nWritten by `cargo xtask bench` against the fake driver (release builds); single-process \
-         figures are the median of 7 runs. The ledger's and the agent's criterion benchmarks \
+         figures are the median of 7 runs. The eBPF rows come from 21 rounds of the three \
+         configurations, interleaved (each round starting with another); each figure is the \
+         median over the rounds, against its round's bare run, with its interquartile range. The ledger's and the agent's criterion benchmarks \
          (`cargo bench -p ledger`, `cargo bench -p agent`) run with 1 s of warm-up and 3 s of \
          measurement; their rows give criterion's median estimate (where the ledger's time goes: \
          ledger-benchmarks.md).\n\n",
@@ -359,16 +471,7 @@ fn write_report(rows: &[Row], notes: &[String]) -> Result<()> {
     let _ = writeln!(text, "Machine: {}; date: {}.\n", machine(), today());
     text.push_str("| name | figure | unit | baseline | ratio |\n|---|---|---|---|---|\n");
     for row in rows {
-        let _ = writeln!(
-            text,
-            "| {} | {:.*} | {} | {} | {} |",
-            row.name,
-            row.decimals,
-            row.figure,
-            row.unit,
-            row.baseline(),
-            row.ratio()
-        );
+        let _ = writeln!(text, "{}", row.line());
     }
     text.push_str(
         "\nTwo kinds of rows. Costs (the hook and the probes): the figure is what vramguard adds, \
