@@ -179,6 +179,11 @@ impl Provisioner {
         self.sources.kube.as_ref().map(|pods| pods.state().synced())
     }
 
+    /// The node's GPUs (`--gpu-memory`'s count; one when it is not given).
+    fn node_gpus(&self) -> u32 {
+        u32::try_from(self.gpu_memory.len()).unwrap_or(u32::MAX).max(1)
+    }
+
     /// How many containers are provisioned now.
     pub fn len(&self) -> usize {
         self.lock().len()
@@ -235,7 +240,7 @@ impl Provisioner {
             info!(namespace = %workload.namespace, pod = %workload.pod, container = %workload.container, source, "quota 0: not provisioned");
             return Ok(Adjustment::default());
         }
-        let devices = u32::try_from(self.gpu_memory.len()).unwrap_or(u32::MAX).max(1);
+        let devices = self.node_gpus();
         let seen = visible_gpus(&workload.env, devices);
         let record = Record {
             container_id: workload.container_id.clone(),
@@ -374,8 +379,7 @@ impl Provisioner {
                 }
             };
             let Some(cgroup) = cgroup_dir(&workload.cgroups_path) else { continue };
-            let devices = u32::try_from(self.gpu_memory.len()).unwrap_or(u32::MAX).max(1);
-            let limit = quota.saturating_mul(visible_gpus(&workload.env, devices).len().max(1) as u64);
+            let limit = store::cgroup_limit(quota, visible_gpus(&workload.env, self.node_gpus()).len());
             warn!(
                 namespace = %workload.namespace, pod = %workload.pod, container = %workload.container, quota, cgroup = %cgroup,
                 "a container with a quota was created while the agent was away: it runs without the hook; its cgroup is held to its limit by the eBPF probes"

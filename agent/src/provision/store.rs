@@ -46,8 +46,14 @@ pub struct Record {
 impl Record {
     /// The cgroup's limit as the eBPF probes see it (all its GPUs together).
     pub fn cgroup_limit(&self) -> u64 {
-        self.quota.saturating_mul(self.gpus.len().max(1) as u64)
+        cgroup_limit(self.quota, self.gpus.len())
     }
+}
+
+/// A container's cgroup limit as the eBPF probes see it: `quota` on each of the `gpus` it
+/// sees (at least one).
+pub fn cgroup_limit(quota: u64, gpus: usize) -> u64 {
+    quota.saturating_mul(gpus.max(1) as u64)
 }
 
 /// A provisioned container as the agent holds it: its record, the header it created, and
