@@ -16,7 +16,7 @@ use aya::{
     maps::{HashMap, MapData, RingBuf},
     Ebpf,
 };
-use common::{names, stat, AllocKey, AllocKind, AllocRecord, Event, EventKind, ProcUsage, Usage};
+use common::{names, spare, stat, AddrSpace, AllocKey, AllocKind, AllocRecord, Event, EventKind, ProcUsage, Usage};
 
 use crate::{
     cgroup::CgroupNames,
@@ -194,7 +194,12 @@ impl Accounting {
         }
         cgroups.sort_by_key(|row| row.cgroup_id);
         let mut stats = self.stats.clone();
-        stats.records = self.allocs.keys().filter(Result::is_ok).count() as u64;
+        for (key, record) in self.allocs.iter().filter_map(Result::ok) {
+            stats.records += 1;
+            if key.space == AddrSpace::Pointer as u32 && record.link & spare::STATE == spare::SPARE {
+                stats.spare_records += 1;
+            }
+        }
         self.counters.fill(&mut stats);
         stats.records_cap = self.records_cap;
         let mut kernel_maps = KernelMaps { cgroup_usage: self.cgroups.keys().filter_map(Result::ok).collect(), ..KernelMaps::default() };

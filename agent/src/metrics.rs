@@ -35,7 +35,7 @@
 //! ([`crate::kernel`]): `vramguard_kernel_trouble_total{kind}` (records refused by the
 //! per-cgroup cap, full maps, lost events and exits, suppressed log lines),
 //! `vramguard_cgroup_alloc_records_capped{cgroup,cgroup_id}` (1 for a cgroup at its cap),
-//! `vramguard_cgroup_unrecorded_allocations{cgroup,cgroup_id}`, `vramguard_alloc_records`,
+//! `vramguard_cgroup_unrecorded_allocations{cgroup,cgroup_id}`, `vramguard_alloc_records`, `vramguard_alloc_spare_records`,
 //! `vramguard_external_memory_bytes{cgroup,cgroup_id}` (imported external memory: never charged),
 //! `vramguard_alloc_records_per_cgroup_cap` and `vramguard_cgroups_removed_total{by}` (map
 //! entries of removed cgroups deleted by the `kernel` tracepoint or the agent's `sweep`).
@@ -97,6 +97,7 @@ pub struct Metrics {
     unrecorded: IntGaugeVec,
     external: IntGaugeVec,
     alloc_records: IntGauge,
+    spare_records: IntGauge,
     records_cap: IntGauge,
     cgroups_removed: IntCounterVec,
     container_ebpf: IntGaugeVec,
@@ -308,6 +309,10 @@ impl Metrics {
             &cgroup_labels,
         )?;
         let alloc_records = registered(&registry, IntGauge::new("vramguard_alloc_records", "Allocation records in the kernel map now")?)?;
+        let spare_records = registered(&registry, IntGauge::new(
+            "vramguard_alloc_spare_records",
+            "Of the allocation records, those of freed device pointers kept for the driver's reuse of the address",
+        )?)?;
         let records_cap = registered(&registry, IntGauge::new(
             "vramguard_alloc_records_per_cgroup_cap",
             "Live allocation records one cgroup may have (--max-alloc-records-per-cgroup)",
@@ -360,6 +365,7 @@ impl Metrics {
             unrecorded,
             external,
             alloc_records,
+            spare_records,
             records_cap,
             cgroups_removed,
             container_ebpf,
@@ -529,6 +535,7 @@ impl Metrics {
             self.external.with_label_values(&[row.cgroup.as_str(), id.as_str()]).set(value(row.bytes));
         }
         self.alloc_records.set(value(snapshot.stats.records));
+        self.spare_records.set(value(snapshot.stats.spare_records));
         self.records_cap.set(value(snapshot.stats.records_cap));
         self.probes.reset();
         for report in probes {

@@ -121,6 +121,10 @@ pub struct Stats {
     pub orphan_returns: u64,
     /// Allocation records in the kernel map now (stale ones included until swept).
     pub records: u64,
+    /// Of `records`, those of freed device pointers kept for the driver's reuse of their
+    /// address (`common::spare`).
+    #[serde(default)]
+    pub spare_records: u64,
     /// Records of dead processes the agent deleted.
     pub stale_records_removed: u64,
     /// Allocations that would have passed their cgroup's limit (limits file).

@@ -90,6 +90,34 @@ pub mod vmm {
     pub const MAX_UNMAP_RUN: u32 = 16;
 }
 
+/// The life of a device pointer's record ([`AddrSpace::Pointer`]), kept in its
+/// [`AllocRecord::link`]: a state in the low two bits and, above them, an epoch that grows
+/// every time the record is taken for a new allocation. Every change of state is one
+/// compare-and-swap of the whole word, so a probe that read a record can tell whether it is
+/// still the record it read, and of two racing probes exactly one changes it.
+///
+/// A freed pointer's record is kept as a *spare* rather than deleted (at most
+/// [`MAX_SPARES_PER_PROCESS`](spare::MAX_SPARES_PER_PROCESS) per process, and none while the
+/// cgroup holds more than half its cap of records): drivers hand a freed address out again
+/// for the next allocation of its size, which then takes the spare over in place. An
+/// allocation and a free then cost map lookups only, where a new record costs a map insert
+/// and a delete (each takes a bucket lock and the map's allocator). Spares count against the
+/// cgroup's cap of records ([`Usage::spares`]) and go with their process's other records.
+pub mod spare {
+    /// The record is a live allocation.
+    pub const LIVE: u64 = 0;
+    /// The record is a spare: its allocation was freed and uncharged.
+    pub const SPARE: u64 = 1;
+    /// A probe is rewriting the record (it will be live again, or deleted).
+    pub const BUSY: u64 = 2;
+    /// The state bits.
+    pub const STATE: u64 = 3;
+    /// One step of the epoch.
+    pub const EPOCH: u64 = 4;
+    /// Spares one process may keep.
+    pub const MAX_SPARES_PER_PROCESS: u64 = 16;
+}
+
 /// `CUmemLocationType`s of host memory (`HOST`, `HOST_NUMA`, `HOST_NUMA_CURRENT`): a
 /// `cuMemCreate` located there is not GPU memory and is never charged.
 pub const HOST_LOCATION_TYPES: [i32; 3] = [2, 3, 4];
@@ -122,8 +150,9 @@ pub struct AllocRecord {
     /// An [`AllocKind`] as `u32`.
     pub kind: u32,
     pub _pad: u32,
-    /// For a [`AddrSpace::Handle`] record, the handle's lifetime word ([`vmm`]); for a
-    /// [`AddrSpace::Mapping`] record, the handle it maps; 0 otherwise.
+    /// For a [`AddrSpace::Pointer`] record, its state and epoch ([`spare`]); for a
+    /// [`AddrSpace::Handle`] record, the handle's lifetime word ([`vmm`]); for a
+    /// [`AddrSpace::Mapping`] record, the handle it maps.
     pub link: u64,
 }
 
@@ -185,6 +214,9 @@ pub struct Usage {
     /// Live records of VMM mappings ([`AddrSpace::Mapping`]); they count against the
     /// cgroup's cap of records with its live allocations.
     pub mapped: u64,
+    /// Records of freed device pointers kept for the driver's reuse of the address
+    /// ([`spare`]); they count against the cgroup's cap of records too.
+    pub spares: u64,
 }
 
 impl Usage {
@@ -204,9 +236,9 @@ impl Usage {
         self.allocs.wrapping_sub(self.frees)
     }
 
-    /// Records this usage holds in `ALLOCS`: live allocations and mappings.
+    /// Records this usage holds in `ALLOCS`: live allocations, mappings and spares.
     pub fn live_records(&self) -> u64 {
-        self.live_allocations().wrapping_add(self.mapped)
+        self.live_allocations().wrapping_add(self.mapped).wrapping_add(self.spares)
     }
 }
 

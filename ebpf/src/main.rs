@@ -6,7 +6,9 @@
 //! `CUDA_SUCCESS`, reads the new pointer or handle and charges it). Each free API gets an
 //! entry uprobe that uncharges a known allocation. Accounting lives in maps: one record per
 //! live allocation keyed by (tgid, space, pointer/handle), usage per process (`PROC_USAGE`)
-//! and per cgroup (`CGROUP_USAGE`). Allocations and frees emit no event (the maps say it all;
+//! and per cgroup (`CGROUP_USAGE`). A freed device pointer's record is kept as a spare
+//! ([`common::spare`]) that the next allocation the driver hands the same address takes over
+//! in place: the usual alloc/free cycle then does no map insert or delete. Allocations and frees emit no event (the maps say it all;
 //! `STATS` counts them); the `process_exit` tracepoint drops a dead process's usage at once
 //! and tells the agent on the `EXITS` ring buffer, which wakes it; the agent then deletes the
 //! process's records.
@@ -38,7 +40,7 @@
 #![allow(internal_features)]
 #![feature(core_intrinsics)]
 
-use core::intrinsics::{atomic_xadd, AtomicOrdering};
+use core::intrinsics::{atomic_cxchg, atomic_xadd, AtomicOrdering};
 
 use aya_ebpf::{
     bindings::{BPF_ANY, BPF_F_NO_PREALLOC, BPF_NOEXIST},
@@ -54,7 +56,7 @@ use aya_ebpf::{
 use aya_log_ebpf::warn;
 use common::extmem::{self, ExtKey, ExtPending, ExtRecord, ExtUsage};
 use common::{
-    enforce, pending, stat, trouble, vmm, AddrSpace, AllocKey, AllocKind, AllocRecord, CgroupLimit, Event, EventKind,
+    enforce, pending, spare, stat, trouble, vmm, AddrSpace, AllocKey, AllocKind, AllocRecord, CgroupLimit, Event, EventKind,
     LogWindow, PendingAlloc, ProcUsage, Usage, DEFAULT_MAX_ALLOCS, DEFAULT_RECORDS_PER_CGROUP, EXITS_BYTES,
     HOST_LOCATION_TYPES, KIND_COUNT, MAX_CGROUPS, MAX_PROCS, PROP_LOCATION_TYPE_OFFSET,
 };
@@ -399,6 +401,19 @@ fn record_alloc<C: EbpfContext>(ctx: &C, pid_tgid: u64, kind: u32, space: u32, a
         return;
     };
     let key = AllocKey { tgid, space, addr };
+    if space == AddrSpace::Pointer as u32 {
+        if let Some(existing) = ALLOCS.get_ptr_mut(&key) {
+            let recorded = take_over(existing, proc_usage, cgroup, generation, kind, size, cgroup_id);
+            // SAFETY: proc_usage is a live map value (see `owner`); the fields are updated atomically.
+            charge_new(unsafe { &mut (*proc_usage).usage }, kind, size, recorded);
+            if !cgroup.is_null() {
+                // SAFETY: as above.
+                charge_new(unsafe { &mut *cgroup }, kind, size, recorded);
+            }
+            bump(stat::ALLOCS_SEEN, 1);
+            return;
+        }
+    }
     // A VMM handle starts with the reference its creation holds.
     let link = if space == AddrSpace::Handle as u32 { vmm::REF } else { 0 };
     let record = AllocRecord { size, cgroup_id, generation, kind, _pad: 0, link };
@@ -418,8 +433,11 @@ fn record_alloc<C: EbpfContext>(ctx: &C, pid_tgid: u64, kind: u32, space: u32, a
     } else {
         match ALLOCS.insert(&key, &record, BPF_NOEXIST as u64) {
             Ok(()) => true,
+            // A device pointer's record made since the lookup above, by a racing probe: the
+            // allocation is charged without a record.
+            Err(EEXIST) if space == AddrSpace::Pointer as u32 => false,
             Err(EEXIST) => {
-                // The driver handed out an address this process still had on record: the old
+                // The driver handed out a handle this process still had on record: the old
                 // allocation was freed by a path no probe saw. Retire it; the new record
                 // takes its place (no new entry, so no cap check).
                 // SAFETY: the record is copied out at once.
@@ -452,6 +470,69 @@ fn record_alloc<C: EbpfContext>(ctx: &C, pid_tgid: u64, kind: u32, space: u32, a
         charge_new(unsafe { &mut *cgroup }, kind, size, recorded);
     }
     bump(stat::ALLOCS_SEEN, 1);
+}
+
+/// Makes the record of a device pointer the driver just handed out (again) the record of
+/// this allocation, in place: a spare, or a live record whose free no probe saw (a stale one:
+/// its allocation is uncharged first). Records of an earlier process with this pid left the
+/// books with it and are simply taken. `false` if another probe is rewriting the record (the
+/// allocation is then charged without a record).
+#[inline(always)]
+fn take_over(
+    record: *mut AllocRecord,
+    proc_usage: *mut ProcUsage,
+    cgroup: *mut Usage,
+    generation: u64,
+    kind: u32,
+    size: u64,
+    cgroup_id: u64,
+) -> bool {
+    // SAFETY: a live map value; its word changes only by compare-and-swap, and its other
+    // fields only between a successful swap to BUSY and the swap back (see `common::spare`),
+    // so the copy is the record the word said once the claim below succeeds.
+    let (word, old) = unsafe { (core::ptr::read_volatile(&(*record).link), core::ptr::read_volatile(record)) };
+    let state = word & spare::STATE;
+    // SAFETY: as above.
+    if state == spare::BUSY || !unsafe { swap_if(&mut (*record).link, word, (word & !spare::STATE) | spare::BUSY) } {
+        return false;
+    }
+    if old.generation == generation {
+        if state == spare::SPARE {
+            count_spare(proc_usage, cgroup, 1u64.wrapping_neg());
+        } else {
+            uncharge_from(proc_usage, cgroup, &old);
+        }
+    }
+    // SAFETY: the record is this probe's until the word is published again.
+    unsafe {
+        use core::ptr::{addr_of_mut, write_volatile};
+        write_volatile(addr_of_mut!((*record).size), size);
+        write_volatile(addr_of_mut!((*record).cgroup_id), cgroup_id);
+        write_volatile(addr_of_mut!((*record).generation), generation);
+        write_volatile(addr_of_mut!((*record).kind), kind);
+        write_volatile(addr_of_mut!((*record).link), (word & !spare::STATE).wrapping_add(spare::EPOCH) | spare::LIVE);
+    }
+    true
+}
+
+/// Adds `delta` to the spares of a process and its cgroup (null if it has no entry).
+fn count_spare(proc_usage: *mut ProcUsage, cgroup: *mut Usage, delta: u64) {
+    // SAFETY: live map values; the fields are updated atomically.
+    add(unsafe { &mut (*proc_usage).usage.spares }, delta);
+    if !cgroup.is_null() {
+        // SAFETY: as above.
+        add(unsafe { &mut (*cgroup).spares }, delta);
+    }
+}
+
+/// Whether a freed pointer's record may be kept as a spare: the process keeps fewer than
+/// its share and the cgroup holds less than half its cap of records.
+fn may_keep_spare(proc_usage: *mut ProcUsage, cgroup: *mut Usage) -> bool {
+    // SAFETY: live map values (or a null cgroup); plain reads of counters.
+    unsafe {
+        (*proc_usage).usage.spares < spare::MAX_SPARES_PER_PROCESS
+            && (cgroup.is_null() || ((*cgroup).live_records() as i64) < max_records_per_cgroup() / 2)
+    }
 }
 
 fn max_records_per_cgroup() -> i64 {
@@ -662,7 +743,37 @@ pub fn mem_free(ctx: ProbeContext) -> u32 {
         return 0;
     };
     let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
-    settle(&AllocKey { tgid, space: AddrSpace::Pointer as u32, addr });
+    let key = AllocKey { tgid, space: AddrSpace::Pointer as u32, addr };
+    let Some(record) = ALLOCS.get_ptr_mut(&key) else {
+        return 0; // not an allocation we saw: the driver will say what it is
+    };
+    // SAFETY: as in take_over: the copy is the record the word said if the swap succeeds.
+    let (word, old) = unsafe { (core::ptr::read_volatile(&(*record).link), core::ptr::read_volatile(record)) };
+    if word & spare::STATE != spare::LIVE {
+        return 0; // freed already (a spare), or being rewritten: nothing live here
+    }
+    let proc_usage = PROC_USAGE.get_ptr_mut(&tgid).unwrap_or(core::ptr::null_mut());
+    // SAFETY: null or a live map value; generation is written once, at creation.
+    let ours = !proc_usage.is_null() && unsafe { (*proc_usage).generation } == old.generation;
+    let cgroup = CGROUP_USAGE.get_ptr_mut(&old.cgroup_id).unwrap_or(core::ptr::null_mut());
+    if ours && may_keep_spare(proc_usage, cgroup) {
+        // SAFETY: a live map value's word, changed only by compare-and-swap.
+        if !unsafe { swap_if(&mut (*record).link, word, word | spare::SPARE) } {
+            return 0; // another free of it came first
+        }
+        count_spare(proc_usage, cgroup, 1);
+    } else {
+        // Claimed first, so that of a racing free and this one only one uncharges.
+        // SAFETY: as above.
+        if !unsafe { swap_if(&mut (*record).link, word, word | spare::BUSY) } || ALLOCS.remove(&key).is_err() {
+            return 0;
+        }
+        if !ours {
+            return 0; // a record left by an earlier process with this pid
+        }
+    }
+    uncharge_from(proc_usage, cgroup, &old);
+    bump(stat::FREES_SEEN, 1);
     0
 }
 
@@ -690,9 +801,15 @@ pub fn mem_release(ctx: ProbeContext) -> u32 {
 }
 
 fn uncharge(proc_usage: *mut ProcUsage, record: &AllocRecord) {
+    let cgroup = CGROUP_USAGE.get_ptr_mut(&record.cgroup_id).unwrap_or(core::ptr::null_mut());
+    uncharge_from(proc_usage, cgroup, record);
+}
+
+/// Uncharges `record` from its process and its cgroup (null if it has no entry).
+fn uncharge_from(proc_usage: *mut ProcUsage, cgroup: *mut Usage, record: &AllocRecord) {
     // SAFETY: live map value; fields are updated atomically.
     charge(unsafe { &mut (*proc_usage).usage }, record.kind, record.size, true);
-    if let Some(cgroup) = CGROUP_USAGE.get_ptr_mut(&record.cgroup_id) {
+    if !cgroup.is_null() {
         // SAFETY: live map value; fields are updated atomically.
         charge(unsafe { &mut *cgroup }, record.kind, record.size, true);
     }
@@ -757,6 +874,8 @@ pub fn process_exit(ctx: TracePointContext) -> u32 {
         // Its mapping records go with its other records (the agent's sweep deletes them).
         // SAFETY: as above.
         add(unsafe { &mut (*cgroup).mapped }, dead.usage.mapped.wrapping_neg());
+        // SAFETY: as above.
+        add(unsafe { &mut (*cgroup).spares }, dead.usage.spares.wrapping_neg());
     }
     let _ = PROC_USAGE.remove(&tgid);
     emit_exit(&ctx, pid_tgid, dead.cgroup_id, dead.generation, dead.usage.total_bytes());
@@ -1034,6 +1153,14 @@ unsafe fn fetch_add(field: *mut u64, value: u64) -> u64 {
     // SAFETY: the caller's `field` points into a map value, valid and 8-aligned for the
     // program's run; other CPUs update it only through atomic adds too.
     unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::SeqCst }>(field, value) }
+}
+
+/// Atomic compare-and-swap (BPF ISA v3): whether `field` held `old`, now replaced by `new`.
+#[inline(always)]
+unsafe fn swap_if(field: *mut u64, old: u64, new: u64) -> bool {
+    // SAFETY: the caller's `field` points into a map value, valid and 8-aligned for the
+    // program's run; other CPUs change it only atomically too.
+    unsafe { atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(field, old, new).1 }
 }
 
 fn bump(index: u32, value: u64) {

@@ -71,6 +71,10 @@ Each argument (or script line; # starts a comment) is one step. Sizes take k/m/g
   checkpoint NAME         prints: checkpoint NAME, then waits for a line (or EOF) on stdin
   sleep MS | hold | exit CODE | kill
   stress THREADS PAIRS SIZE   prints: stress pairs=N
+  race-free THREADS ROUNDS SIZE
+                          each round cuMemAlloc_v2s SIZE, then THREADS threads cuMemFree_v2
+                          that one pointer at once (a hostile double free);
+                          prints: race-free rounds=N freed=M (frees the driver took)
   fill THREADS SIZE       each thread cuMemAlloc_v2s SIZE until refused (any error but
                           CUDA_ERROR_OUT_OF_MEMORY fails); keeps the allocations;
                           prints: fill allocations=N refusals=M
@@ -586,6 +590,15 @@ impl Runner {
                 result.map_err(Ok)?;
                 say!("stress pairs={}", u64::from(*threads) * pairs);
             }
+            Step::RaceFree { threads, rounds, size } => {
+                let mut ctx: CUcontext = null();
+                self.call(|s| {
+                    cu!(s, verb, ctx_get_current(&mut ctx));
+                    Ok(())
+                })?;
+                let freed = self.race_frees(verb, ctx as u64, *threads, *rounds, *size).map_err(Ok)?;
+                say!("race-free rounds={rounds} freed={freed}");
+            }
             Step::Fill { threads, size } => {
                 let mut ctx: CUcontext = null();
                 self.call(|s| {
@@ -810,6 +823,63 @@ impl Runner {
 
     /// `pairs` cuMemAlloc_v2/cuMemFree_v2 pairs on this thread (after making `ctx` current,
     /// unless it is 0).
+    /// `rounds` allocations, each freed by `threads` threads at once; how many frees the
+    /// driver took.
+    fn race_frees(&self, step: &'static str, ctx: u64, threads: u32, rounds: u64, size: u64) -> Res<u64> {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        use std::sync::Barrier;
+        let free = self.drv.fns.mem_free.ok_or(Failure { step, code: CUDA_ERROR_NOT_FOUND })?;
+        let (target, freed) = (AtomicU64::new(0), AtomicU64::new(0));
+        let barrier = Barrier::new(threads as usize + 1);
+        let this = self;
+        std::thread::scope(|scope| {
+            let workers: Vec<_> = (0..threads)
+                .map(|_| {
+                    scope.spawn(|| {
+                        let mut ready = Ok(());
+                        if ctx != 0 {
+                            ready = (|| {
+                                cu!(this, step, ctx_set_current(ctx as CUcontext));
+                                Ok(())
+                            })();
+                        }
+                        for _ in 0..rounds {
+                            barrier.wait();
+                            let p = target.load(Ordering::SeqCst);
+                            // SAFETY: the driver's cuMemFree_v2, given a pointer value (the
+                            // driver refuses one it does not know).
+                            if ready.is_ok() && p != 0 && unsafe { free(p) } == CUDA_SUCCESS {
+                                freed.fetch_add(1, Ordering::SeqCst);
+                            }
+                            barrier.wait();
+                        }
+                        ready
+                    })
+                })
+                .collect();
+            // Every round runs its barriers even after a failure, so no worker waits forever.
+            let mut outcome = Ok(());
+            for _ in 0..rounds {
+                let mut p: CUdeviceptr = 0;
+                if outcome.is_ok() {
+                    outcome = (|| {
+                        cu!(this, step, mem_alloc(&mut p, size as usize));
+                        Ok(())
+                    })();
+                }
+                target.store(p, Ordering::SeqCst);
+                barrier.wait();
+                barrier.wait();
+            }
+            for worker in workers {
+                let joined = worker.join().unwrap_or(Err(Failure { step, code: -1 }));
+                outcome = outcome.and(joined);
+            }
+            outcome
+        })?;
+        Ok(freed.load(Ordering::SeqCst))
+    }
+
     fn pairs(&self, step: &'static str, ctx: u64, pairs: u64, size: u64) -> Res<()> {
         if ctx != 0 {
             cu!(self, step, ctx_set_current(ctx as CUcontext));

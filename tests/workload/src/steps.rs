@@ -56,6 +56,7 @@ pub enum Step {
     Checkpoint(String),
     Sleep(u64),
     Stress { threads: u32, pairs: u64, size: u64 },
+    RaceFree { threads: u32, rounds: u64, size: u64 },
     Bench { pairs: u64, size: u64 },
     Hold,
     Exit(i32),
@@ -137,6 +138,7 @@ impl Step {
             Step::Checkpoint(_) => "checkpoint",
             Step::Sleep(_) => "sleep",
             Step::Stress { .. } => "stress",
+            Step::RaceFree { .. } => "race-free",
             Step::Bench { .. } => "bench",
             Step::Hold => "hold",
             Step::Exit(_) => "exit",
@@ -314,6 +316,15 @@ impl Step {
                     return Err(err("THREADS must be 1..=1024"));
                 }
                 Step::Stress { threads, pairs, size: size(args[2])? }
+            }
+            "race-free" => {
+                want(3, "race-free THREADS ROUNDS SIZE")?;
+                let threads = u32::try_from(int(args[0])?).map_err(|_| err("bad thread count"))?;
+                let rounds = u64::try_from(int(args[1])?).map_err(|_| err("bad round count"))?;
+                if threads == 0 || threads > 1024 {
+                    return Err(err("THREADS must be 1..=1024"));
+                }
+                Step::RaceFree { threads, rounds, size: size(args[2])? }
             }
             "fill" => {
                 want(2, "fill THREADS SIZE")?;
