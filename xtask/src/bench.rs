@@ -123,6 +123,8 @@ struct Setup {
     lib_dir: PathBuf,
     hook: PathBuf,
     scratch: PathBuf,
+    /// The cgroup every workload runs in (a limit can be pushed for it).
+    cgroup: e2e::cgroup::TestCgroup,
 }
 
 impl Setup {
@@ -136,6 +138,9 @@ impl Setup {
             .env("FAKECUDA_CONTEXT_BYTES", "64m")
             .args(steps)
             .stdin(Stdio::null());
+        if let Err(error) = self.cgroup.enter(&mut command) {
+            eprintln!("bench: the workload stays in this cgroup: {error:#}");
+        }
         if let Some(ledger) = ledger {
             command
                 .env("LD_PRELOAD", &self.hook)
@@ -171,6 +176,7 @@ pub fn bench(probes_only: bool) -> Result<()> {
         lib_dir: e2e::fake_driver_dir_in(&release)?,
         hook: release.join("libvramguard.so"),
         scratch: scratch.clone(),
+        cgroup: e2e::cgroup::TestCgroup::create("bench")?,
     };
     let mut rows = Vec::new();
     probes(&setup, &object, &mut rows)?;
@@ -205,9 +211,10 @@ fn probes(setup: &Setup, object: &Path, rows: &mut Vec<Row>) -> Result<()> {
     let rounds = std::env::var("VRAMGUARD_BENCH_ROUNDS").ok().and_then(|n| n.parse().ok()).unwrap_or(PROBE_ROUNDS);
     for (name, steps, pairs) in [("1 KiB", &SMALL_PAIR[..], 200_000u64), ("2 MiB", &BIG_PAIR[..], 50_000)] {
         let (mut bare, mut floor_added, mut ours_added, mut ratios) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut limited_added, mut limited_ratios) = (Vec::new(), Vec::new());
         for round in 0..rounds {
-            let mut ns = [0.0f64; 3];
-            for config in (0..3).map(|i| (round + i) % 3) {
+            let mut ns = [0.0f64; 4];
+            for config in (0..4).map(|i| (round + i) % 4) {
                 ns[config] = match config {
                     0 => one_pair(setup, steps)?,
                     1 => {
@@ -215,7 +222,10 @@ fn probes(setup: &Setup, object: &Path, rows: &mut Vec<Row>) -> Result<()> {
                         one_pair(setup, steps)?
                     }
                     _ => {
-                        let ours = Attached::programs(object, &libcuda, ["mem_alloc", names::ALLOC_RETURN, "mem_free"])?;
+                        let mut ours = Attached::programs(object, &libcuda, ["mem_alloc", names::ALLOC_RETURN, "mem_free"])?;
+                        if config == 3 {
+                            ours.push_limit(setup.cgroup.id)?;
+                        }
                         let ns = one_pair(setup, steps)?;
                         let seen = ours.allocs_seen()?;
                         if seen < pairs {
@@ -225,18 +235,24 @@ fn probes(setup: &Setup, object: &Path, rows: &mut Vec<Row>) -> Result<()> {
                     }
                 };
             }
-            let [none, nop, ours] = ns;
-            println!("probes, {name} pair, round {round}: {none:.0} ns bare, {nop:.0} ns with nop programs, {ours:.0} ns probed");
+            let [none, nop, ours, limited] = ns;
+            println!(
+                "probes, {name} pair, round {round}: {none:.0} ns bare, {nop:.0} ns with nop programs, {ours:.0} ns probed, {limited:.0} ns probed with a limit"
+            );
             bare.push(none);
             floor_added.push(nop - none);
             ours_added.push(ours - none);
             ratios.push((ours - none) / (nop - none));
+            limited_added.push(limited - none);
+            limited_ratios.push((limited - none) / (nop - none));
         }
         let (bare, floor_added, ours_added, ratio) =
             (Spread::of(bare), Spread::of(floor_added), Spread::of(ours_added), Spread::of(ratios));
+        let (limited_added, limited_ratio) = (Spread::of(limited_added), Spread::of(limited_ratios));
         println!(
-            "probes, {name} pair: {:.0} ns bare; the floor adds {:.0} ns, ours {:.0} ns; ours / floor {:.2}x (IQR {:.2}-{:.2}) over {rounds} rounds",
-            bare.median, floor_added.median, ours_added.median, ratio.median, ratio.q1, ratio.q3
+            "probes, {name} pair: {:.0} ns bare; the floor adds {:.0} ns, ours {:.0} ns; ours / floor {:.2}x (IQR {:.2}-{:.2}) over {rounds} rounds; with a limit pushed {:.2}x (IQR {:.2}-{:.2})",
+            bare.median, floor_added.median, ours_added.median, ratio.median, ratio.q1, ratio.q3,
+            limited_ratio.median, limited_ratio.q1, limited_ratio.q3
         );
         let base = bare.median;
         rows.push(
@@ -264,12 +280,37 @@ fn probes(setup: &Setup, object: &Path, rows: &mut Vec<Row>) -> Result<()> {
             )
             .with_spread(ratio),
         );
+        rows.push(
+            Row::added(
+                format!("eBPF probes with a cgroup limit pushed (as for every provisioned container), alloc+free {name} pair"),
+                0.0,
+                "ns added per pair",
+                base,
+                "ns per pair, no probes",
+            )
+            .with_spread(limited_added),
+        );
+        rows.push(
+            Row::target(
+                format!("eBPF probes with a cgroup limit pushed against the floor, alloc+free {name} pair: added / nop added, per round"),
+                0.0,
+                "x",
+                2,
+                FLOOR_TARGET,
+                "x, target",
+            )
+            .with_spread(limited_ratio),
+        );
         // Where the difference lies: the programs' own run time, as the kernel counts it.
-        for (label, programs) in [
-            ("nop programs", [names::NOP_ENTRY, names::NOP_RETURN, names::NOP_ENTRY]),
-            ("vramguard's programs", ["mem_alloc", names::ALLOC_RETURN, "mem_free"]),
+        for (label, programs, limited) in [
+            ("nop programs", [names::NOP_ENTRY, names::NOP_RETURN, names::NOP_ENTRY], false),
+            ("vramguard's programs", ["mem_alloc", names::ALLOC_RETURN, "mem_free"], false),
+            ("vramguard's programs with a limit pushed", ["mem_alloc", names::ALLOC_RETURN, "mem_free"], true),
         ] {
-            let attached = Attached::programs(object, &libcuda, programs)?;
+            let mut attached = Attached::programs(object, &libcuda, programs)?;
+            if limited {
+                attached.push_limit(setup.cgroup.id)?;
+            }
             let stats = aya::sys::enable_stats(aya::sys::Stats::RunTime).context("cannot turn the kernel's eBPF run-time statistics on")?;
             one_pair(setup, steps)?;
             drop(stats);
@@ -360,6 +401,18 @@ impl Attached {
             counted.push((program, info.run_time().as_nanos() as u64, info.run_count()));
         }
         Ok(counted)
+    }
+
+    /// Pushes a limit for cgroup `id` as the agent does for a provisioned container (far above
+    /// what the benchmark allocates, audit mode): the entry probe then looks the cgroup's limit
+    /// and usage up on every allocation.
+    fn push_limit(&mut self, id: u64) -> Result<()> {
+        let on = self.ebpf.map_mut(names::LIMITS_ON).context("the eBPF object has no LIMITS_ON map")?;
+        aya::maps::Array::<_, u32>::try_from(on)?.set(0, 1, 0)?;
+        let limits = self.ebpf.map_mut(names::CGROUP_LIMITS).context("the eBPF object has no CGROUP_LIMITS map")?;
+        let mut limits = aya::maps::HashMap::<_, u64, common::CgroupLimit>::try_from(limits)?;
+        limits.insert(id, common::CgroupLimit { limit: 1 << 50, mode: common::enforce::AUDIT, signal: 0 }, 0)?;
+        Ok(())
     }
 
     /// Allocations the programs charged (vramguard's `STATS`).
