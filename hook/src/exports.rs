@@ -152,12 +152,12 @@ pub(crate) fn free(space: Space, address: u64, call: impl FnOnce() -> CUresult) 
     result
 }
 
-/// Frees a device pointer: a pool allocation settles its pool, anything else releases what
-/// was charged for it.
-fn free_pointer(driver: &Driver, address: u64, call: impl FnOnce() -> CUresult) -> CUresult {
+/// Frees a device pointer (stream-ordered on `stream` for `cuMemFreeAsync`): a pool
+/// allocation settles its pool, anything else releases what was charged for it.
+fn free_pointer(driver: &Driver, address: u64, stream: Option<CUstream>, call: impl FnOnce() -> CUresult) -> CUresult {
     if let Mode::Enforce(session) = mode() {
         if session.pools.owns(address) {
-            return session.pools.free(session, driver, address, call);
+            return session.pools.free(session, driver, address, stream, call);
         }
     }
     free(Space::Pointer, address, call)
@@ -277,7 +277,7 @@ pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
     let driver = driver_or_return!();
     let real = real_or_return!(driver, mem_free);
     // SAFETY: forwards the caller's argument unchanged.
-    free_pointer(driver, dptr, || unsafe { real(dptr) })
+    free_pointer(driver, dptr, None, || unsafe { real(dptr) })
 }
 
 /// An allocation from a stream-ordered pool (`None`: the current device's current pool),
@@ -373,7 +373,7 @@ macro_rules! async_free {
             let driver = driver_or_return!();
             let real = real_or_return!(driver, $field);
             // SAFETY: forwards the caller's arguments unchanged.
-            free_pointer(driver, dptr, || unsafe { real(dptr, hStream) })
+            free_pointer(driver, dptr, Some(hStream), || unsafe { real(dptr, hStream) })
         }
     };
 }
@@ -388,6 +388,18 @@ pub unsafe extern "C" fn cuMemPoolTrimTo(pool: CUmemoryPool, minBytesToKeep: usi
     let call = || unsafe { real(pool, minBytesToKeep) };
     match mode() {
         Mode::Enforce(session) => session.pools.after(session, driver, Source::Pool(pool), call),
+        _ => call(),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemPoolDestroy(pool: CUmemoryPool) -> CUresult {
+    let driver = driver_or_return!();
+    let real = real_or_return!(driver, mem_pool_destroy);
+    // SAFETY: forwards the caller's argument unchanged.
+    let call = || unsafe { real(pool) };
+    match mode() {
+        Mode::Enforce(session) => session.pools.destroy(session, driver, pool, call),
         _ => call(),
     }
 }
@@ -559,6 +571,7 @@ fn wrapper_named(symbol: &CStr) -> Option<usize> {
         b"cuMemFreeAsync" => cuMemFreeAsync as *const () as usize,
         b"cuMemFreeAsync_ptsz" => cuMemFreeAsync_ptsz as *const () as usize,
         b"cuMemPoolTrimTo" => cuMemPoolTrimTo as *const () as usize,
+        b"cuMemPoolDestroy" => cuMemPoolDestroy as *const () as usize,
         b"cuMemCreate" => vmm::cuMemCreate as *const () as usize,
         b"cuMemRelease" => vmm::cuMemRelease as *const () as usize,
         b"cuMemMap" => vmm::cuMemMap as *const () as usize,

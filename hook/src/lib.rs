@@ -17,7 +17,7 @@
 //! Intercepted (exported, handed out by `dlsym` and `dlvsym` on any handle, and for the driver's also by
 //! `cuGetProcAddress(_v2)`): the allocations and frees `cuMemAlloc_v2`, `cuMemAllocPitch_v2`,
 //! `cuMemAllocManaged`, `cuMemAllocAsync(_ptsz)`, `cuMemAllocFromPoolAsync(_ptsz)`,
-//! `cuMemFree_v2`, `cuMemFreeAsync(_ptsz)`, `cuMemPoolTrimTo`; VMM: `cuMemCreate`,
+//! `cuMemFree_v2`, `cuMemFreeAsync(_ptsz)`, `cuMemPoolTrimTo`, `cuMemPoolDestroy`; VMM: `cuMemCreate`,
 //! `cuMemRelease`, `cuMemMap`, `cuMemUnmap`, `cuMemRetainAllocationHandle`; arrays:
 //! `cuArrayCreate_v2`, `cuArray3DCreate_v2`, `cuMipmappedArrayCreate`, `cuArrayDestroy`,
 //! `cuMipmappedArrayDestroy`; graph memory: `cuGraphAddMemAllocNode`,

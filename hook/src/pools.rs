@@ -10,6 +10,18 @@
 //! (`CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT`, `CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT`). Frees
 //! and trims settle it again. A pool's charge is a stack of ledger records, released from the
 //! top while the rest still covers what the pool holds.
+//!
+//! `cuMemPoolDestroy` ends a pool's charge as the driver ends its memory (measured on an H100,
+//! driver 580.159: the free part goes back at once; what live allocations use stays until the
+//! last of them is freed and that free has run). A pool with no live allocation releases its
+//! whole charge at once. Otherwise the charge is *retired*: cut down to what its live
+//! allocations need (each rounded up to whole chunks: the destroyed pool can no longer be
+//! asked), kept while any of them lives (the driver releases the pool's resources once none
+//! is outstanding), and released after the last one is freed, at once for
+//! `cuMemFree_v2` and, for `cuMemFreeAsync`, once its stream has nothing left to run
+//! (`cuStreamQuery`, asked then and at each later pool call of the process). A retired charge
+//! is no longer filed under the pool's handle, so a new pool the driver gives the same handle
+//! starts from nothing.
 use std::{
     collections::HashMap,
     ffi::c_void,
@@ -17,7 +29,7 @@ use std::{
 };
 
 use cuda_abi::{
-    CUdevice, CUmemoryPool, CUresult, CUDA_SUCCESS, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT,
+    CUdevice, CUmemoryPool, CUresult, CUstream, CUDA_SUCCESS, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT,
     CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
 };
 use ledger::{Charge, RecordId};
@@ -41,8 +53,29 @@ pub struct Pools {
 #[derive(Default)]
 struct PoolState {
     charges: HashMap<u64, PoolCharge>,
-    /// Live pool allocation → its pool.
-    origin: HashMap<u64, u64>,
+    /// Live pool allocation → its pool's charge, and its size.
+    origin: HashMap<u64, (Owner, u64)>,
+    /// Charges of destroyed pools that still had live allocations, by [`Owner::Retired`] id.
+    retired: HashMap<u64, Retired>,
+    next_retired: u64,
+}
+
+/// Whose charge a live pool allocation is part of.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Owner {
+    /// A pool's, by [`Source::key`].
+    Live(u64),
+    /// A destroyed pool's.
+    Retired(u64),
+}
+
+/// A destroyed pool's charge, kept while the driver still holds memory for it.
+struct Retired {
+    charge: PoolCharge,
+    /// How many of its allocations are live.
+    live: usize,
+    /// After the last free, a `cuMemFreeAsync`'s stream (as an address) still to run it.
+    draining: Option<usize>,
 }
 
 /// What an allocation through a pool came to.
@@ -118,6 +151,7 @@ impl Pools {
         let chunk = session.ledger.header().devices[device as usize].chunk;
         let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let state = &mut *guard;
+        drain(session, driver, state);
         let charge = state.charges.entry(pool.key()).or_insert(PoolCharge { device, records: Vec::new(), charged: 0 });
         // Bring the charge up to what the pool holds now, then admit the worst-case growth.
         settle(session, charge, reserved, chunk);
@@ -131,7 +165,7 @@ impl Pools {
         let reserved = pool.reserved(driver).unwrap_or(reserved);
         settle(session, charge, reserved, chunk);
         if let (CUDA_SUCCESS, Some(address)) = (result, address) {
-            state.origin.insert(address, pool.key());
+            state.origin.insert(address, (Owner::Live(pool.key()), size));
         }
         Some(PoolOutcome::Called(result))
     }
@@ -141,16 +175,74 @@ impl Pools {
         self.state.lock().unwrap_or_else(|p| p.into_inner()).origin.contains_key(&address)
     }
 
-    /// Calls the driver's free of pool allocation `address`, then settles its pool.
-    pub fn free(&self, session: &Session, driver: &Driver, address: u64, call: impl FnOnce() -> CUresult) -> CUresult {
+    /// Calls the driver's free of pool allocation `address` (stream-ordered on `stream` for
+    /// `cuMemFreeAsync`), then settles its pool, or its destroyed pool's retired charge.
+    pub fn free(
+        &self,
+        session: &Session,
+        driver: &Driver,
+        address: u64,
+        stream: Option<CUstream>,
+        call: impl FnOnce() -> CUresult,
+    ) -> CUresult {
         let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let state = &mut *guard;
         let result = call();
         if result == CUDA_SUCCESS {
-            if let Some(key) = guard.origin.remove(&address) {
+            match state.origin.remove(&address) {
                 // Only stream-ordered pools hand out addresses that are freed one by one.
-                settle_pool(session, driver, &mut guard, Source::Pool(key as CUmemoryPool));
+                Some((Owner::Live(key), _)) => settle_pool(session, driver, state, Source::Pool(key as CUmemoryPool)),
+                Some((Owner::Retired(id), _)) => {
+                    if let Some(retired) = state.retired.get_mut(&id) {
+                        retired.live = retired.live.saturating_sub(1);
+                        if retired.live > 0 {
+                            // Not the last: the driver still holds what the destroy left.
+                        } else if let (Some(stream), Some(_)) = (stream, driver.stream_query) {
+                            // The last one, stream-ordered: the memory goes once this free has run.
+                            retired.draining = Some(stream as usize);
+                        } else {
+                            release_all(session, &mut retired.charge);
+                            state.retired.remove(&id);
+                        }
+                    }
+                }
+                None => {}
             }
+            drain(session, driver, state);
         }
+        result
+    }
+
+    /// Calls `cuMemPoolDestroy` and, if the driver destroyed `pool`, ends its charge: all of
+    /// it at once with no live allocation from it, otherwise retired (see the module doc).
+    pub fn destroy(&self, session: &Session, driver: &Driver, pool: CUmemoryPool, call: impl FnOnce() -> CUresult) -> CUresult {
+        let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let state = &mut *guard;
+        let result = call();
+        let key = Source::Pool(pool).key();
+        if result != CUDA_SUCCESS {
+            return result;
+        }
+        let Some(mut charge) = state.charges.remove(&key) else { return result };
+        let chunk = session.ledger.header().devices[charge.device as usize].chunk;
+        let (mut live, mut needed) = (0, 0u64);
+        for (_, size) in state.origin.values().filter(|(owner, _)| *owner == Owner::Live(key)) {
+            live += 1;
+            needed = needed.saturating_add(size.div_ceil(chunk).saturating_mul(chunk));
+        }
+        if live == 0 {
+            release_all(session, &mut charge);
+        } else {
+            let target = needed.min(charge.charged);
+            settle(session, &mut charge, target, chunk);
+            state.next_retired += 1;
+            let id = state.next_retired;
+            for (owner, _) in state.origin.values_mut().filter(|(owner, _)| *owner == Owner::Live(key)) {
+                *owner = Owner::Retired(id);
+            }
+            state.retired.insert(id, Retired { charge, live, draining: None });
+        }
+        drain(session, driver, state);
         result
     }
 
@@ -160,6 +252,7 @@ impl Pools {
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let result = call();
         settle_pool(session, driver, &mut state, pool);
+        drain(session, driver, &mut state);
         result
     }
 }
@@ -175,6 +268,36 @@ impl Pools {
         settle_pool(session, driver, &mut state, pool);
         result
     }
+}
+
+/// `cuStreamQuery`'s answer for a stream with work still to run.
+const CUDA_ERROR_NOT_READY: CUresult = 600;
+
+/// Releases the retired charges whose last free (a `cuMemFreeAsync`) has run: its stream is
+/// idle (any answer but `CUDA_ERROR_NOT_READY`: a stream the application destroyed has run
+/// its work).
+fn drain(session: &Session, driver: &Driver, state: &mut PoolState) {
+    state.retired.retain(|_, retired| {
+        let Some(stream) = retired.draining else { return true };
+        let done = match driver.stream_query {
+            // SAFETY: a stream handle the application passed to cuMemFreeAsync (the driver
+            // answers one destroyed since with an error code).
+            Some(query) => (unsafe { query(stream as CUstream) }) != CUDA_ERROR_NOT_READY,
+            None => true,
+        };
+        if done {
+            release_all(session, &mut retired.charge);
+        }
+        !done
+    });
+}
+
+/// Releases every record of `charge`.
+fn release_all(session: &Session, charge: &mut PoolCharge) {
+    for (record, _) in charge.records.drain(..) {
+        let _ = session.ledger.release(session.slot, record);
+    }
+    charge.charged = 0;
 }
 
 fn settle_pool(session: &Session, driver: &Driver, state: &mut PoolState, pool: Source) {
@@ -194,6 +317,18 @@ fn settle(session: &Session, charge: &mut PoolCharge, reserved: u64, chunk: u64)
         let _ = session.ledger.release(session.slot, record);
         charge.records.pop();
         charge.charged -= bytes;
+    }
+    // Records are as large as the growths they admitted: cut the top one down to what is
+    // still needed, the smaller charge taken before the larger goes (if the quota has no
+    // room for both at once, the larger one stays: never less than the pool holds).
+    let excess = charge.charged.saturating_sub(target);
+    if let Some(&(record, bytes)) = charge.records.last().filter(|_| excess > 0) {
+        if let Ok(smaller) = session.ledger.reserve(session.slot, charge.device, Charge::Device(bytes - excess), 0) {
+            let _ = session.ledger.release(session.slot, record);
+            charge.records.pop();
+            charge.records.push((smaller, bytes - excess));
+            charge.charged -= excess;
+        }
     }
     if charge.charged < target {
         let missing = target - charge.charged;

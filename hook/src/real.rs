@@ -140,6 +140,9 @@ driver_api! {
         device_get_mem_pool = c"cuDeviceGetMemPool": fn(*mut CUmemoryPool, CUdevice);
         mem_pool_trim_to = c"cuMemPoolTrimTo": fn(CUmemoryPool, usize);
         mem_pool_get_attribute = c"cuMemPoolGetAttribute": fn(CUmemoryPool, c_int, *mut c_void);
+        // A destroyed pool's charge (see `pools`).
+        mem_pool_destroy = c"cuMemPoolDestroy": fn(CUmemoryPool);
+        stream_query = c"cuStreamQuery": fn(CUstream);
         mem_create = c"cuMemCreate": fn(*mut u64, usize, *const CUmemAllocationProp, u64);
         mem_release = c"cuMemRelease": fn(u64);
         primary_ctx_retain = c"cuDevicePrimaryCtxRetain": fn(*mut CUcontext, CUdevice);

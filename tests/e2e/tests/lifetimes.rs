@@ -246,3 +246,79 @@ fn every_context_is_charged_until_destroyed_and_refused_over_quota() -> Result<(
     assert_eq!(e2e::field(out.line("devstat ")?, "used")?, 900 * MIB, "the driver holds the three admitted contexts");
     Ok(())
 }
+
+// ---- destroyed memory pools (cuMemPoolDestroy) ---------------------------------------------
+
+/// A pool from `cuMemPoolCreate` keeps freed memory reserved (and charged); `cuMemPoolDestroy`
+/// of the emptied pool gives it all back, to the driver and to the ledger, so the whole quota
+/// can be allocated again. Control: without the destroy, the pool's reserve stays charged and
+/// the same full-quota allocation is refused.
+#[test]
+fn destroying_an_emptied_pool_releases_its_charge() -> Result<()> {
+    let node = node("pool-destroy", "0");
+    let ledger = node.ledger_path();
+    let fill = |destroy: bool| {
+        let mut steps = vec!["ctx 0", "mempool p", "mempool-alloc a 256m p", "mempool-alloc b 256m p", "free-async a", "free-async b"];
+        steps.push("checkpoint freed");
+        if destroy {
+            steps.extend(["mempool-destroy p", "checkpoint destroyed", "alloc x 1g", "checkpoint full", "free x"]);
+        } else {
+            steps.extend(["expect-oom alloc x 1g", "checkpoint kept"]);
+        }
+        steps
+    };
+    let mut w = node.hooked(&ledger, LIMIT)?.steps(fill(true)).spawn()?;
+    // Freed memory stays in the pool, charged, until the pool goes.
+    at(&mut w, "freed", &node, &ledger, 512 * MIB)?;
+    at(&mut w, "destroyed", &node, &ledger, 0)?;
+    at(&mut w, "full", &node, &ledger, GIB)?;
+    let out = w.wait()?.success()?;
+    assert_eq!(out.lines("oom ").count(), 0, "nothing refused once the pool is destroyed");
+
+    let mut w = node.hooked(&ledger, LIMIT)?.steps(fill(false)).spawn()?;
+    at(&mut w, "freed", &node, &ledger, 512 * MIB)?;
+    at(&mut w, "kept", &node, &ledger, 512 * MIB)?;
+    let out = w.wait()?.success()?;
+    assert_eq!(out.lines("oom ").collect::<Vec<_>>(), ["oom x"], "the undestroyed pool's reserve still counts");
+    Ok(())
+}
+
+/// A pool destroyed while allocations from it are live: the driver gives the free part back at
+/// once and the rest when the last of them is freed (`cuMemFreeAsync` or `cuMemFree_v2`); the
+/// ledger follows, never charging less than the driver holds, so the quota is only usable
+/// again once the last one is freed.
+#[test]
+fn a_pool_destroyed_with_live_allocations_stays_charged_until_they_are_freed() -> Result<()> {
+    let node = node("pool-destroy-live", "0");
+    let ledger = node.ledger_path();
+    let mut w = node
+        .hooked(&ledger, LIMIT)?
+        .steps([
+            "ctx 0",
+            "mempool p",
+            "mempool-alloc a 256m p",
+            "mempool-alloc b 256m p",
+            "mempool-alloc c 100m p",
+            "free-async b",
+            "mempool-destroy p",
+            "checkpoint destroyed",
+            "expect-oom alloc x 1g",
+            "free-async a",
+            "checkpoint one-left",
+            "free c",
+            "checkpoint none-left",
+            "alloc x 1g",
+            "checkpoint full",
+            "free x",
+        ])
+        .spawn()?;
+    // b's 256 MiB went back with the destroy; a and c still hold theirs.
+    at(&mut w, "destroyed", &node, &ledger, 356 * MIB)?;
+    // The pool's remaining memory stays until its last allocation goes.
+    at(&mut w, "one-left", &node, &ledger, 356 * MIB)?;
+    at(&mut w, "none-left", &node, &ledger, 0)?;
+    at(&mut w, "full", &node, &ledger, GIB)?;
+    let out = w.wait()?.success()?;
+    assert_eq!(out.lines("oom ").collect::<Vec<_>>(), ["oom x"], "refused only while the destroyed pool's allocations lived");
+    Ok(())
+}

@@ -85,6 +85,8 @@ entry_points! {
     mem_alloc_from_pool_ptsz: fn(*mut CUdeviceptr, usize, CUmemoryPool, CUstream) = "cuMemAllocFromPoolAsync_ptsz" / "cuMemAllocFromPoolAsync" / CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM;
     device_get_mem_pool: fn(*mut CUmemoryPool, CUdevice) = "cuDeviceGetMemPool" / "cuDeviceGetMemPool" / 0;
     mem_pool_trim_to: fn(CUmemoryPool, usize) = "cuMemPoolTrimTo" / "cuMemPoolTrimTo" / 0;
+    mem_pool_create: fn(*mut CUmemoryPool, *const CUmemPoolProps) = "cuMemPoolCreate" / "cuMemPoolCreate" / 0;
+    mem_pool_destroy: fn(CUmemoryPool) = "cuMemPoolDestroy" / "cuMemPoolDestroy" / 0;
     mem_create: fn(*mut CUmemGenericAllocationHandle, usize, *const CUmemAllocationProp, u64) = "cuMemCreate" / "cuMemCreate" / 0;
     mem_release: fn(CUmemGenericAllocationHandle) = "cuMemRelease" / "cuMemRelease" / 0;
     mem_address_reserve: fn(*mut CUdeviceptr, usize, usize, CUdeviceptr, u64) = "cuMemAddressReserve" / "cuMemAddressReserve" / 0;

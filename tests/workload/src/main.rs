@@ -41,6 +41,9 @@ Each argument (or script line; # starts a comment) is one step. Sizes take k/m/g
   managed NAME SIZE       cuMemAllocManaged (CU_MEM_ATTACH_GLOBAL)
   async[-ptsz] NAME SIZE  cuMemAllocAsync[_ptsz] on the NULL stream
   pool[-ptsz] NAME SIZE   cuDeviceGetMemPool + cuMemAllocFromPoolAsync[_ptsz]
+  mempool POOL            cuMemPoolCreate on the current device; prints: ok mempool POOL 0xHANDLE 0
+  mempool-alloc NAME SIZE POOL  cuMemAllocFromPoolAsync from POOL on the NULL stream
+  mempool-destroy POOL    cuMemPoolDestroy
   create NAME SIZE        cuMemCreate on the current device
   create-host NAME SIZE   cuMemCreate of host memory (CU_MEM_LOCATION_TYPE_HOST)
   vmm NAME SIZE           cuMemCreate + cuMemAddressReserve + cuMemMap + cuMemSetAccess
@@ -176,6 +179,19 @@ fn float4_3d(width: u64, height: u64, depth: u64) -> CUDA_ARRAY3D_DESCRIPTOR {
         format: CU_AD_FORMAT_FLOAT,
         num_channels: 4,
         flags: 0,
+    }
+}
+
+/// Pool properties of pinned memory on device `dev`, without a size limit.
+fn device_pool_props(dev: CUdevice) -> CUmemPoolProps {
+    CUmemPoolProps {
+        alloc_type: CU_MEM_ALLOCATION_TYPE_PINNED,
+        handle_types: 0,
+        location: CUmemLocation { type_: CU_MEM_LOCATION_TYPE_DEVICE, id: dev },
+        win32_security_attributes: null(),
+        max_size: 0,
+        usage: 0,
+        reserved: [0; 54],
     }
 }
 
@@ -345,6 +361,33 @@ impl Runner {
                 })?;
                 self.record(step, p, *size, 0);
             }
+            Step::MemPool { .. } => {
+                let mut pool: CUmemoryPool = null();
+                self.call(|s| {
+                    let dev = s.current_device(verb)?;
+                    let props = device_pool_props(dev);
+                    cu!(s, verb, mem_pool_create(&mut pool, &props));
+                    Ok(())
+                })?;
+                self.record(step, pool as u64, 0, pool as u64);
+            }
+            Step::MemPoolAlloc { size, pool, .. } => {
+                let pool = self.named(pool).map_err(Err)?.handle as CUmemoryPool;
+                let mut p: CUdeviceptr = 0;
+                self.call(|s| {
+                    cu!(s, verb, mem_alloc_from_pool(&mut p, *size as usize, pool, null()));
+                    Ok(())
+                })?;
+                self.record(step, p, *size, 0);
+            }
+            Step::MemPoolDestroy { name } => {
+                let n = self.named(name).map_err(Err)?;
+                self.call(|s| {
+                    cu!(s, verb, mem_pool_destroy(n.handle as CUmemoryPool));
+                    Ok(())
+                })?;
+                say!("ok {verb} {name} {:#x} 0", n.handle);
+            }
             Step::Create { size, .. } => {
                 let mut h: CUmemGenericAllocationHandle = 0;
                 self.call(|s| {
@@ -458,15 +501,7 @@ impl Runner {
                     let dev = s.current_device(verb)?;
                     cu!(s, verb, graph_create(&mut graph, 0));
                     let mut params = CUDA_MEM_ALLOC_NODE_PARAMS {
-                        pool_props: CUmemPoolProps {
-                            alloc_type: CU_MEM_ALLOCATION_TYPE_PINNED,
-                            handle_types: 0,
-                            location: CUmemLocation { type_: CU_MEM_LOCATION_TYPE_DEVICE, id: dev },
-                            win32_security_attributes: null(),
-                            max_size: 0,
-                            usage: 0,
-                            reserved: [0; 54],
-                        },
+                        pool_props: device_pool_props(dev),
                         access_descs: std::ptr::null(),
                         access_desc_count: 0,
                         bytesize: *size as usize,

@@ -19,6 +19,12 @@ pub enum Step {
     Managed { name: String, size: u64 },
     Async { name: String, size: u64, ptsz: bool },
     Pool { name: String, size: u64, ptsz: bool },
+    /// `cuMemPoolCreate` of a pool on the current device (pinned, no size limit).
+    MemPool { name: String },
+    /// `cuMemAllocFromPoolAsync` from a pool made by `mempool`, on the NULL stream.
+    MemPoolAlloc { name: String, size: u64, pool: String },
+    /// `cuMemPoolDestroy` of a pool made by `mempool`.
+    MemPoolDestroy { name: String },
     Create { name: String, size: u64 },
     /// `cuMemCreate` of host-located memory (`CU_MEM_LOCATION_TYPE_HOST`).
     CreateHost { name: String, size: u64 },
@@ -122,6 +128,9 @@ impl Step {
             Step::Async { ptsz: true, .. } => "async-ptsz",
             Step::Pool { ptsz: false, .. } => "pool",
             Step::Pool { ptsz: true, .. } => "pool-ptsz",
+            Step::MemPool { .. } => "mempool",
+            Step::MemPoolAlloc { .. } => "mempool-alloc",
+            Step::MemPoolDestroy { .. } => "mempool-destroy",
             Step::Create { .. } => "create",
             Step::Vmm { .. } => "vmm",
             Step::VmmFree { .. } => "vmm-free",
@@ -166,6 +175,8 @@ impl Step {
             | Step::Managed { name, .. }
             | Step::Async { name, .. }
             | Step::Pool { name, .. }
+            | Step::MemPool { name }
+            | Step::MemPoolAlloc { name, .. }
             | Step::Create { name, .. }
             | Step::CreateHost { name, .. }
             | Step::Array { name, .. }
@@ -258,6 +269,15 @@ impl Step {
                     "create" => Step::Create { name, size },
                     _ => Step::Vmm { name, size },
                 }
+            }
+            "mempool" | "mempool-destroy" => {
+                want(1, &format!("{verb} POOL"))?;
+                let name = name(0);
+                if *verb == "mempool" { Step::MemPool { name } } else { Step::MemPoolDestroy { name } }
+            }
+            "mempool-alloc" => {
+                want(3, "mempool-alloc NAME SIZE POOL")?;
+                Step::MemPoolAlloc { name: name(0), size: size(args[1])?, pool: name(2) }
             }
             "pitch" => {
                 want(4, "pitch NAME WIDTH HEIGHT ELEM")?;
