@@ -472,7 +472,7 @@ fn nvml_quota(nvml: &Nvml, device: nvmlDevice_t) -> Option<(u64, u64)> {
     if unsafe { get_uuid(device, buffer.as_mut_ptr(), buffer.len() as c_uint) } != NVML_SUCCESS {
         return None;
     }
-    let bytes = buffer.map(|c| c as u8);
+    let bytes = buffer.map(|c| u8::from_ne_bytes(c.to_ne_bytes())); // c_char: i8 or u8 by target
     let uuid = CStr::from_bytes_until_nul(&bytes).ok()?.to_str().ok()?;
     session::quota_by_uuid(uuid)
 }
