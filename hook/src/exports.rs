@@ -484,7 +484,7 @@ fn nvml_quota(nvml: &Nvml, device: nvmlDevice_t) -> Option<(u64, u64)> {
     if unsafe { get_uuid(device, buffer.as_mut_ptr(), buffer.len() as c_uint) } != NVML_SUCCESS {
         return None;
     }
-    let bytes = buffer.map(|c| c as u8);
+    let bytes = buffer.map(|c| u8::from_ne_bytes(c.to_ne_bytes())); // c_char: i8 or u8 by target
     let uuid = CStr::from_bytes_until_nul(&bytes).ok()?.to_str().ok()?;
     session::quota_by_uuid(uuid)
 }
@@ -716,14 +716,16 @@ fn substitute_found(name: &CStr, found: *mut c_void) -> *mut c_void {
     wrapper.map_or(found, |w| w as *mut c_void)
 }
 
-/// The route of a lookup of `symbol` on `handle` called from return address `caller`: `real`
-/// is the C library's function (its address), `lookup` calls it with the caller's arguments.
+/// The route of a lookup of `symbol` (of `version`, for `dlvsym`) on `handle` called from
+/// return address `caller`: `real` is the C library's function (its address), `lookup` calls it
+/// with the caller's arguments.
 ///
 /// # Safety
 /// `symbol` is null or NUL-terminated; `out` is writable.
 unsafe fn route(
     handle: *mut c_void,
     symbol: *const c_char,
+    version: Option<&CStr>,
     caller: usize,
     out: *mut *mut c_void,
     real: Option<Next>,
@@ -737,7 +739,7 @@ unsafe fn route(
     // SAFETY: per the contract.
     let Some(name) = (unsafe { wrapped_name(symbol) }) else { return real };
     let found = if handle == libc::RTLD_NEXT {
-        match crate::symbols::next_definition(caller, name) {
+        match crate::symbols::next_definition(caller, name, version) {
             Some(found) => found as *mut c_void,
             None => return real, // not found: glibc's answer (and dlerror)
         }
@@ -764,12 +766,15 @@ unsafe extern "C" fn dlsym_route(
 ) -> Next {
     let real = real::real_dlsym();
     // SAFETY: per the contract; the lookup forwards the caller's arguments.
-    unsafe { route(handle, symbol, caller, out, real.map(|f| f as Next), || real.map_or(std::ptr::null_mut(), |f| f(handle, symbol))) }
+    unsafe { route(handle, symbol, None, caller, out, real.map(|f| f as Next), || real.map_or(std::ptr::null_mut(), |f| f(handle, symbol))) }
 }
 
 /// The route of `dlvsym(handle, symbol, version)` called from return address `caller`: as
-/// `dlsym`'s (the CUDA and NVML entry points are unversioned, so the version does not change
-/// which definition `RTLD_NEXT` finds).
+/// `dlsym`'s, `RTLD_NEXT` finding only a definition of that version as glibc matches it. The
+/// real driver's and NVML's entry points are unversioned in objects that have version tables,
+/// so glibc finds none of them through `dlvsym`, whatever the version, and neither does this;
+/// a driver entry point glibc does return (from an object without version tables) comes back
+/// as our wrapper, as through `dlsym`. A null version is glibc's to answer.
 ///
 /// # Safety
 /// The caller's `dlvsym` arguments; `out` is writable.
@@ -781,9 +786,16 @@ unsafe extern "C" fn dlvsym_route(
     out: *mut *mut c_void,
 ) -> Next {
     let real = real::real_dlvsym();
+    if version.is_null() {
+        if let Some(real) = real {
+            return real as Next;
+        }
+    }
+    // SAFETY: per the contract, `version` is null or NUL-terminated.
+    let wanted = (!version.is_null()).then(|| unsafe { CStr::from_ptr(version) });
     // SAFETY: per the contract; the lookup forwards the caller's arguments.
     unsafe {
-        route(handle, symbol, caller, out, real.map(|f| f as Next), || real.map_or(std::ptr::null_mut(), |f| f(handle, symbol, version)))
+        route(handle, symbol, wanted, caller, out, real.map(|f| f as Next), || real.map_or(std::ptr::null_mut(), |f| f(handle, symbol, version)))
     }
 }
 

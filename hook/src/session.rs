@@ -489,5 +489,5 @@ fn device_uuid(driver: &real::Driver, ordinal: c_int) -> [u8; 16] {
     if unsafe { get(&mut uuid, ordinal) } != CUDA_SUCCESS {
         return [0; 16];
     }
-    uuid.bytes.map(|b| b as u8)
+    uuid.bytes.map(|b| u8::from_ne_bytes(b.to_ne_bytes())) // c_char: i8 or u8 by target
 }

@@ -12,8 +12,10 @@
 //!
 //! The objects are visited with `dl_iterate_phdr`, which holds the dynamic linker's lock, so
 //! none is unloaded while its tables are read. Only defined, non-IFUNC symbols count (an
-//! IFUNC's value is its resolver, not the function); a hidden (non-default) version is taken
-//! only where no default one exists.
+//! IFUNC's value is its resolver, not the function). Without a version asked for (`dlsym`), a
+//! hidden (non-default) version is taken only where no default one exists; with one (`dlvsym`),
+//! glibc's rule: in an object without version tables any definition matches, in one with them
+//! only the definition of exactly that version (hidden or not), so never an unversioned one.
 use std::{
     ffi::{c_int, c_void, CStr},
     sync::atomic::{AtomicUsize, Ordering},
@@ -27,6 +29,8 @@ const DT_STRTAB: i64 = 5;
 const DT_SYMTAB: i64 = 6;
 const DT_GNU_HASH: i64 = 0x6fff_fef5;
 const DT_VERSYM: i64 = 0x6fff_fff0;
+const DT_VERDEF: i64 = 0x6fff_fffc;
+const VER_FLG_BASE: u16 = 1;
 const STT_GNU_IFUNC: u8 = 10;
 const VERSYM_HIDDEN: u16 = 0x8000;
 
@@ -48,6 +52,25 @@ struct Dyn {
     d_val: u64,
 }
 
+/// `Elf64_Verdef`.
+#[repr(C)]
+struct Verdef {
+    vd_version: u16,
+    vd_flags: u16,
+    vd_ndx: u16,
+    vd_cnt: u16,
+    vd_hash: u32,
+    vd_aux: u32,
+    vd_next: u32,
+}
+
+/// `Elf64_Verdaux`.
+#[repr(C)]
+struct Verdaux {
+    vda_name: u32,
+    vda_next: u32,
+}
+
 /// One loaded object's dynamic symbol table.
 struct Image {
     base: usize,
@@ -56,6 +79,7 @@ struct Image {
     gnu_hash: *const u32,
     hash: *const u32,
     versym: *const u16,
+    verdef: *const Verdef,
 }
 
 impl Image {
@@ -79,6 +103,7 @@ impl Image {
             gnu_hash: std::ptr::null(),
             hash: std::ptr::null(),
             versym: std::ptr::null(),
+            verdef: std::ptr::null(),
         };
         loop {
             // SAFETY: the dynamic section is an array ended by DT_NULL, mapped with the object.
@@ -90,6 +115,8 @@ impl Image {
                 DT_GNU_HASH => image.gnu_hash = address(entry.d_val) as *const u32,
                 DT_HASH => image.hash = address(entry.d_val) as *const u32,
                 DT_VERSYM => image.versym = address(entry.d_val) as *const u16,
+                // glibc leaves this one unrelocated: `address` adds the base.
+                DT_VERDEF => image.verdef = address(entry.d_val) as *const Verdef,
                 _ => {}
             }
             // SAFETY: not past DT_NULL yet.
@@ -99,8 +126,33 @@ impl Image {
         (!image.symtab.is_null() && !image.strtab.is_null() && hashed).then_some(image)
     }
 
-    /// The address `name` is defined at in this object.
-    fn lookup(&self, name: &CStr) -> Option<usize> {
+    /// The name of the version this object defines at index `index` (not its base version,
+    /// the object's own name, which glibc does not count as a version).
+    fn version_name(&self, index: u16) -> Option<&CStr> {
+        let mut entry = self.verdef;
+        while !entry.is_null() {
+            // SAFETY: DT_VERDEF is a chain of entries linked by byte offsets, ended by 0.
+            let definition = unsafe { &*entry };
+            if definition.vd_flags & VER_FLG_BASE == 0 && definition.vd_ndx & !VERSYM_HIDDEN == index && definition.vd_cnt > 0 {
+                // SAFETY: an entry's first auxiliary entry (its name) is vd_aux bytes on; the
+                // name is an offset into this object's string table.
+                return Some(unsafe {
+                    let aux = &*entry.cast::<u8>().add(definition.vd_aux as usize).cast::<Verdaux>();
+                    CStr::from_ptr(self.strtab.add(aux.vda_name as usize).cast())
+                });
+            }
+            if definition.vd_next == 0 {
+                break;
+            }
+            // SAFETY: as above.
+            entry = unsafe { entry.cast::<u8>().add(definition.vd_next as usize).cast() };
+        }
+        None
+    }
+
+    /// The address `name` is defined at in this object; with `version`, the definition of
+    /// that version, as glibc's `dlvsym` matches it (see the module's note).
+    fn lookup(&self, name: &CStr, version: Option<&CStr>) -> Option<usize> {
         let mut hidden = None;
         let mut visit = |index: u32| -> Option<usize> {
             // SAFETY: indexes come from this object's hash table, so they are in its symbol table.
@@ -115,8 +167,12 @@ impl Image {
             }
             let address = self.base + sym.st_value as usize;
             // SAFETY: DT_VERSYM has one entry per symbol-table entry.
-            let version = (!self.versym.is_null()).then(|| unsafe { *self.versym.add(index as usize) });
-            if version.is_some_and(|v| v & VERSYM_HIDDEN != 0) {
+            let index = (!self.versym.is_null()).then(|| unsafe { *self.versym.add(index as usize) });
+            if let Some(wanted) = version {
+                let matches = index.is_none_or(|index| self.version_name(index & !VERSYM_HIDDEN) == Some(wanted));
+                return matches.then_some(address);
+            }
+            if index.is_some_and(|v| v & VERSYM_HIDDEN != 0) {
                 hidden.get_or_insert(address);
                 return None;
             }
@@ -243,6 +299,7 @@ fn initial(info: &libc::dl_phdr_info) -> bool {
 
 struct Search<'a> {
     name: &'a CStr,
+    version: Option<&'a CStr>,
     /// The object whose successors are searched (`None`: every object but `skip`'s).
     after: Option<usize>,
     /// An object never searched (the one containing this address).
@@ -274,22 +331,23 @@ unsafe extern "C" fn visit_object(info: *mut libc::dl_phdr_info, _size: libc::si
         return 0;
     }
     // SAFETY: the object stays mapped while dl_iterate_phdr holds the loader's lock.
-    search.found = unsafe { Image::of(info) }.and_then(|image| image.lookup(search.name));
+    search.found = unsafe { Image::of(info) }.and_then(|image| image.lookup(search.name, search.version));
     c_int::from(search.found.is_some())
 }
 
-fn search(name: &CStr, after: Option<usize>, skip: usize) -> Option<usize> {
-    let mut search = Search { name, after, skip, passed: false, initial_only: false, found: None };
+fn search(name: &CStr, version: Option<&CStr>, after: Option<usize>, skip: usize) -> Option<usize> {
+    let mut search = Search { name, version, after, skip, passed: false, initial_only: false, found: None };
     // SAFETY: the callback only reads the objects' tables and writes `search`, which outlives
     // the call.
     unsafe { libc::dl_iterate_phdr(Some(visit_object), std::ptr::addr_of_mut!(search).cast()) };
     search.found
 }
 
-/// The first definition of `name` in the objects listed after the one containing `caller`:
-/// what `dlsym(RTLD_NEXT, name)` called from there finds (see the module's note).
-pub fn next_definition(caller: usize, name: &CStr) -> Option<usize> {
-    search(name, Some(caller), caller)
+/// The first definition of `name` (of `version`, if given) in the objects listed after the one
+/// containing `caller`: what `dlsym(RTLD_NEXT, name)` (`dlvsym(RTLD_NEXT, name, version)`)
+/// called from there finds (see the module's note).
+pub fn next_definition(caller: usize, name: &CStr, version: Option<&CStr>) -> Option<usize> {
+    search(name, version, Some(caller), caller)
 }
 
 /// The definition of `name` the C library's own functions would be reached by from this
@@ -297,5 +355,45 @@ pub fn next_definition(caller: usize, name: &CStr) -> Option<usize> {
 /// library) the first one in any other object.
 pub fn next_after_this_library(name: &CStr) -> Option<usize> {
     let here = next_after_this_library as *const () as usize;
-    next_definition(here, name).or_else(|| search(name, None, here))
+    next_definition(here, name, None).or_else(|| search(name, None, None, here))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `dlvsym(RTLD_NEXT, name, version)` called from this test's object (not a tail call).
+    #[inline(never)]
+    fn glibc_next(name: &CStr, version: &CStr) -> usize {
+        // SAFETY: NUL-terminated name and version.
+        let found = unsafe { libc::dlvsym(libc::RTLD_NEXT, name.as_ptr(), version.as_ptr()) };
+        std::hint::black_box(found) as usize
+    }
+
+    /// x86_64 only: the versions named are the C library's there.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn versioned_next_definitions_are_glibcs() {
+        let here = versioned_next_definitions_are_glibcs as *const () as usize;
+        let cases = [
+            // Two versions of one name in the C library: the old (hidden) one and the default.
+            (c"realpath", c"GLIBC_2.2.5", true),
+            (c"realpath", c"GLIBC_2.3", true),
+            (c"sched_setaffinity", c"GLIBC_2.3.3", true),
+            (c"sched_setaffinity", c"GLIBC_2.3.4", true),
+            // A version the name does not have, and one no object defines.
+            (c"realpath", c"GLIBC_2.3.4", false),
+            (c"getpid", c"VRAMGUARD_9", false),
+        ];
+        for (name, version, exists) in cases {
+            let ours = next_definition(here, name, Some(version)).unwrap_or(0);
+            assert_eq!(ours, glibc_next(name, version), "{name:?} {version:?}");
+            assert_eq!(ours != 0, exists, "{name:?} {version:?}");
+        }
+        // The two versions of realpath are two functions; without a version, the default one.
+        let old = next_definition(here, c"realpath", Some(c"GLIBC_2.2.5"));
+        let new = next_definition(here, c"realpath", Some(c"GLIBC_2.3"));
+        assert_ne!(old, new);
+        assert_eq!(next_definition(here, c"realpath", None), new);
+    }
 }

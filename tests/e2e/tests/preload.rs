@@ -4,7 +4,13 @@
 //! (`libinterposer.so`, in either order), no symbol lookup loads libcuda, and a child forked
 //! while other threads set the hook up or allocate does not hang.
 //!
-//! The programs are `preload-probe` and `libinterposer.so` (tests/interposer).
+//! `dlvsym` likewise: a preloaded library wrapping a function that has two versions reaches each
+//! version through `dlvsym(RTLD_NEXT, ...)` beside the hook, and every `dlvsym` answers what
+//! it answers without the hook.
+//!
+//! The programs are `preload-probe` and `libinterposer.so` (tests/interposer), and the C kit in
+//! tests/interposer/versioned, which the dlvsym test compiles with the system's `cc` (gcc is on
+//! every machine of this project: CI's is the developers' kind).
 //! Build first: `cargo build -p hook -p fakecuda -p interposer` (or `cargo xtask test`).
 use std::{
     ffi::OsString,
@@ -16,7 +22,7 @@ use std::{
 };
 
 use anyhow::{bail, ensure, Context, Result};
-use e2e::{fake_driver_dir, hook_lib, target_dir, FakeNode};
+use e2e::{fake_driver_dir, hook_lib, target_dir, FakeNode, TempDir};
 
 fn built(name: &str) -> Result<PathBuf> {
     let path = target_dir()?.join(name);
@@ -209,5 +215,152 @@ fn a_child_forked_while_threads_set_up_or_allocate_does_not_hang() -> Result<()>
         fork_while_setting_up(&node, &with).with_context(|| order.to_string())?;
         node.cleanup();
     }
+    Ok(())
+}
+
+// ---- dlvsym ------------------------------------------------------------------------------------
+
+/// The C kit of tests/interposer/versioned, compiled into `dir`: libvgbase.so (two versions of
+/// `vg_versioned` and of `cuMemAlloc_v2`, an unversioned `vg_plain`), libvgnover.so (no
+/// version tables; `cuMemFree_v2`), libvgwrap.so (the preloadable wrapper) and vgprobe (linked
+/// against the first two).
+fn build_versioned_kit(dir: &std::path::Path) -> Result<()> {
+    let sources = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../interposer/versioned");
+    let src = |name: &str| sources.join(name).into_os_string();
+    let out = |name: &str| dir.join(name).into_os_string();
+    let mut map = OsString::from("-Wl,--version-script=");
+    map.push(src("base.map"));
+    let builds: [Vec<OsString>; 4] = [
+        vec!["-shared".into(), "-fPIC".into(), "-Wl,-soname,libvgbase.so".into(), map, "-o".into(), out("libvgbase.so"), src("base.c")],
+        vec!["-shared".into(), "-fPIC".into(), "-nostdlib".into(), "-Wl,-soname,libvgnover.so".into(), "-o".into(), out("libvgnover.so"), src("nover.c")],
+        vec!["-shared".into(), "-fPIC".into(), "-O0".into(), "-o".into(), out("libvgwrap.so"), src("wrap.c"), "-ldl".into()],
+        vec![
+            "-O0".into(),
+            "-o".into(),
+            out("vgprobe"),
+            src("probe.c"),
+            "-L".into(),
+            dir.as_os_str().into(),
+            "-Wl,--no-as-needed".into(),
+            "-lvgbase".into(),
+            "-lvgnover".into(),
+            "-Wl,-rpath,$ORIGIN".into(),
+            "-ldl".into(),
+        ],
+    ];
+    for args in builds {
+        let output = Command::new("cc").args(&args).output().context("running cc (the C compiler: gcc on this project's machines)")?;
+        ensure!(output.status.success(), "cc {args:?} failed: {}", String::from_utf8_lossy(&output.stderr));
+    }
+    // The kit is what it claims: two versions of one name, and an object with no version tables.
+    let dynamic = |lib: &str| -> Result<String> {
+        let output = Command::new("readelf").args(["--dyn-syms", "--dynamic"]).arg(dir.join(lib)).output().context("readelf")?;
+        Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+    };
+    let base = dynamic("libvgbase.so")?;
+    ensure!(base.contains("vg_versioned@VG_1") && base.contains("vg_versioned@@VG_2") && base.contains("cuMemAlloc_v2@VG_1"), "{base}");
+    ensure!(!dynamic("libvgnover.so")?.contains("VERSYM"), "libvgnover.so has version tables");
+    Ok(())
+}
+
+/// `vgprobe ARGS` with `LD_PRELOAD=preload` and `node`'s settings (as [`probe`]).
+fn vgprobe(node: &FakeNode, kit: &std::path::Path, preload: &OsString, args: &[&str]) -> Result<String> {
+    let command = probe(node, preload, args)?;
+    let mut vgprobe = Command::new(kit.join("vgprobe"));
+    vgprobe.args(args);
+    for (key, value) in command.get_envs() {
+        match value {
+            Some(value) => vgprobe.env(key, value),
+            None => vgprobe.env_remove(key),
+        };
+    }
+    run(&mut vgprobe)
+}
+
+/// The answer of one lookup line (`WHO:WHAT -> ANSWER`).
+fn answer<'a>(out: &'a str, what: &str) -> Result<&'a str> {
+    let prefix = format!("{what} -> ");
+    out.lines().find_map(|l| l.strip_prefix(prefix.as_str())).with_context(|| format!("no `{what}` line in:\n{out}"))
+}
+
+#[test]
+fn dlvsym_gets_glibcs_answer_beside_the_hook_for_every_handle_and_version() -> Result<()> {
+    let node = FakeNode::new("preload-dlvsym");
+    let kit = TempDir::new("dlvsym-kit")?;
+    build_versioned_kit(kit.path())?;
+    let hook = hook_lib()?.into_os_string();
+    let wrapper = kit.path().join("libvgwrap.so").into_os_string();
+    let join = |a: &OsString, b: &OsString| {
+        let mut joined = a.clone();
+        joined.push(":");
+        joined.push(b);
+        joined
+    };
+    let orders = [
+        ("hook alone", OsString::new(), hook.clone()),
+        ("hook, then the wrapper", wrapper.clone(), join(&hook, &wrapper)),
+        ("the wrapper, then the hook", wrapper.clone(), join(&wrapper, &hook)),
+    ];
+    // Names the hook exports: glibc's `dlsym(RTLD_NEXT)` finds the hook's own definition where
+    // the hook comes after the caller (`dlvsym` never does: it is unversioned in an object with
+    // version tables).
+    let hook_exports = ["cuMemAlloc_v2", "cuMemFree_v2"];
+    for (order, without, with) in &orders {
+        for mode in [&[][..], &["cuda"][..]] {
+            let label = format!("{order}, {}", if mode.is_empty() { "libcuda not loaded" } else { "libcuda loaded" });
+            let baseline = vgprobe(&node, kit.path(), without, mode)?;
+            let hooked = vgprobe(&node, kit.path(), with, mode)?;
+            let wrapped = !without.is_empty();
+
+            // glibc's rules, as the run without the hook shows them (what the hook must mirror).
+            let call = if wrapped { "call vg_versioned=1002" } else { "call vg_versioned=2" };
+            ensure!(baseline.contains(call), "{label}: the program's call reaches VG_2 (through the wrapper): {baseline}");
+            let who = if wrapped { "wrap" } else { "main" };
+            for (what, expected) in [
+                ("dlvsym(RTLD_NEXT,vg_versioned,VG_1)", "libvgbase.so:vg_versioned=1"),
+                ("dlvsym(RTLD_NEXT,vg_versioned,VG_3)", "-"),
+                ("dlvsym(RTLD_NEXT,cuMemAlloc_v2,VG_1)", "libvgbase.so:cu_mem_alloc_1=101"),
+                ("dlvsym(RTLD_NEXT,cuMemAlloc_v2,GLIBC_2.2.5)", "-"),
+                // An unversioned definition in an object that has version tables: never.
+                ("dlvsym(RTLD_NEXT,vg_plain,VG_1)", "-"),
+                // An object without version tables: its definition, whatever the version.
+                ("dlvsym(RTLD_NEXT,cuMemFree_v2,VG_3)", "libvgnover.so:cuMemFree_v2=201"),
+            ] {
+                let found = answer(&baseline, &format!("{who}:{what}"))?;
+                ensure!(found == expected, "{label}: without the hook, {who}:{what} -> {found}, expected {expected}");
+            }
+            ensure!(answer(&baseline, &format!("{who}:dlvsym(RTLD_NEXT,vg_versioned,VG_2)"))?.ends_with("=2"), "{label}: {baseline}");
+            ensure!(answer(&baseline, "main:dlvsym(RTLD_DEFAULT,cuMemAlloc_v2,VG_1)")? == "libvgbase.so:cu_mem_alloc_1=101", "{label}: {baseline}");
+
+            // With the hook: the same program output, line for line, but for the hook's own
+            // exports found by `dlsym(RTLD_NEXT)` from a caller the hook comes after.
+            ensure!(hooked.contains(call), "{label}: with the hook: {hooked}");
+            let (before, after): (Vec<&str>, Vec<&str>) = (baseline.lines().collect(), hooked.lines().collect());
+            ensure!(before.len() == after.len(), "{label}: different lookups:\nwithout the hook:\n{baseline}\nwith it:\n{hooked}");
+            for (line, (b, h)) in before.iter().zip(&after).enumerate() {
+                if b == h || h.starts_with("main:dlsym(libcuda,") {
+                    continue; // the driver's entry point substituted: checked below
+                }
+                let (what, found) = h.split_once(" -> ").unwrap_or((h, ""));
+                let hook_after_caller = what.starts_with("main:") || *order == "the wrapper, then the hook";
+                let own_export = hook_exports.iter().any(|name| what.contains(&format!("dlsym(RTLD_NEXT,{name})")) && found == format!("libvramguard.so:{name}"));
+                ensure!(
+                    hook_after_caller && own_export,
+                    "{label}: line {line} differs: without the hook `{b}`, with it `{h}` (only a dlsym(RTLD_NEXT) finding the hook's own export may)"
+                );
+            }
+            let loaded = if mode.is_empty() { "libcuda loaded=0" } else { "libcuda loaded=1" };
+            ensure!(hooked.lines().last() == Some(loaded), "{label}: no lookup loaded libcuda (control: the cuda mode loads it): {hooked}");
+            if !mode.is_empty() {
+                // The control of the substitution: in this very process the hook hands out its
+                // wrapper for the driver's entry point through dlsym; dlvsym finds none (the
+                // driver's symbols are unversioned in an object with version tables).
+                ensure!(answer(&baseline, "main:dlsym(libcuda,cuMemAlloc_v2)")? == "libcuda.so.1:cuMemAlloc_v2", "{label}: {baseline}");
+                ensure!(answer(&hooked, "main:dlsym(libcuda,cuMemAlloc_v2)")? == "libvramguard.so:cuMemAlloc_v2", "{label}: {hooked}");
+                ensure!(answer(&hooked, "main:dlvsym(libcuda,cuMemAlloc_v2,VG_2)")? == "-", "{label}: {hooked}");
+            }
+        }
+    }
+    node.cleanup();
     Ok(())
 }
