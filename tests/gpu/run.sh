@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# GPU checks for vramguard: see README.md. Usage: run.sh DIR_WITH_RELEASE_BUILDS
+# GPU checks for vramguard: see README.md. Usage: run.sh DIR_WITH_RELEASE_BUILDS [ebpf|pairs]
+# (`ebpf`: only the checks of the agent against the real libcuda, at the end; `pairs`: only
+# the alloc+free pair on the real driver, bare and with vramguard's probes, interleaved).
 set -u
 bin=${1:?usage: run.sh target/release}
 here=$(cd "$(dirname "$0")" && pwd)
@@ -8,6 +10,25 @@ agent="$bin/vramguard"
 limit=$((4 << 30))
 failed=0
 echo "date: $(date -u +%F) gpu: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
+libcuda=$(ldconfig -p | awk '/libcuda.so.1 / {print $NF; exit}')
+libcuda=${libcuda:-/usr/local/nvidia/lib64/libcuda.so.1}
+if [ "${2:-all}" = pairs ]; then
+  # 7 rounds, each a bare run and a run with a `vramguard run` attached, alternating which
+  # goes first; every run is the median of 7 batches of 4000 pairs of 1 MiB.
+  for round in $(seq 7); do
+    for config in $( [ $((round % 2)) = 1 ] && echo "bare probed" || echo "probed bare"); do
+      if [ $config = probed ]; then
+        "$agent" run --libcuda "$libcuda" --no-discover --socket /tmp/vramguard-pairs.sock >/dev/null 2>&1 &
+        agent_pid=$!
+        sleep 2
+      fi
+      echo "round $round $config $(python3 "$here/pair_cost.py" 4000 $((1 << 20)))"
+      if [ $config = probed ]; then kill -TERM $agent_pid; wait $agent_pid; fi
+    done
+  done
+  exit 0
+fi
+if [ "${2:-all}" != ebpf ]; then
 
 for mode in "" "expandable_segments:True" "backend:cudaMallocAsync"; do
   ledger=$(mktemp -u /tmp/vramguard-gpu.XXXXXX)
@@ -15,6 +36,28 @@ for mode in "" "expandable_segments:True" "backend:cudaMallocAsync"; do
     python3 "$here/hook_pytorch.py" $limit || failed=1
   rm -f "$ledger"
 done
+
+echo "== CuPy (default pool, stream-ordered pool)"
+ledger=$(mktemp -u /tmp/vramguard-gpu.XXXXXX)
+LD_PRELOAD=$hook CUDA_DEVICE_MEMORY_LIMIT=$limit VRAMGUARD_LEDGER=$ledger python3 "$here/hook_cupy.py" $limit || failed=1
+rm -f "$ledger"
+
+echo "== a raw driver program: what the driver takes, then the same paths under the hook"
+python3 "$here/raw_driver.py" facts || failed=1
+ledger=$(mktemp -u /tmp/vramguard-gpu.XXXXXX)
+# The context reserve (518 MiB) + 1 GiB + 64 MiB: one 1 GiB VMM handle fits, a second does not.
+LD_PRELOAD=$hook CUDA_DEVICE_MEMORY_LIMIT=$(( (518 + 1024 + 64) << 20 )) VRAMGUARD_LEDGER=$ledger \
+  python3 "$here/raw_driver.py" hooked || failed=1
+rm -f "$ledger"
+
+echo "== a destroyed memory pool (what the driver does)"
+python3 "$here/pool_destroy.py" || failed=1
+
+echo "== an alloc+free pair on the driver: bare, under the hook"
+python3 "$here/pair_cost.py" 20000 $((1 << 20)) || failed=1
+ledger=$(mktemp -u /tmp/vramguard-gpu.XXXXXX)
+LD_PRELOAD=$hook CUDA_DEVICE_MEMORY_LIMIT=$limit VRAMGUARD_LEDGER=$ledger python3 "$here/pair_cost.py" 20000 $((1 << 20)) || failed=1
+rm -f "$ledger"
 
 # 8 processes started together; sample the footprint nvidia-smi reports for them.
 ledger=$(mktemp -u /tmp/vramguard-gpu.XXXXXX)
@@ -38,16 +81,44 @@ echo "8 processes: peak footprint ${peak} MiB, quota $((limit >> 20)) MiB"
 [ $peak -le $((limit >> 20)) ] || { echo "FAILED: footprint over quota"; failed=1; }
 rm -f "$ledger"
 
+fi
+
 # eBPF accounting against the real libcuda.
-libcuda=$(ldconfig -p | awk '/libcuda.so.1 / {print $NF; exit}')
-libcuda=${libcuda:-/usr/local/nvidia/lib64/libcuda.so.1}
 sock=/tmp/vramguard-gpu.sock
-"$agent" run --libcuda "$libcuda" --no-discover --socket $sock &
+ledgers=$(mktemp -d /tmp/vramguard-ledgers.XXXXXX)
+mkdir -p "$ledgers/hooked"
+"$agent" run --libcuda "$libcuda" --no-discover --socket $sock --ledger-dir "$ledgers" &
 agent_pid=$!
 sleep 2
-python3 -c "import torch,time; x=torch.empty(1<<30,dtype=torch.uint8,device='cuda'); torch.cuda.synchronize(); time.sleep(3)" &
-sleep 2
+echo "== the same pair with vramguard's probes attached to the real libcuda ($libcuda)"
+python3 "$here/pair_cost.py" 20000 $((1 << 20)) || failed=1
+# Two PyTorch processes holding 1 GiB each, one hooked (its ledger watched by the agent), one not.
+hold='import torch,time; x=torch.empty(1<<30,dtype=torch.uint8,device="cuda"); torch.cuda.synchronize(); print("held", flush=True); time.sleep(8)'
+python3 -c "$hold" > /tmp/vramguard-unhooked.out &
+unhooked=$!
+LD_PRELOAD=$hook CUDA_DEVICE_MEMORY_LIMIT=$limit VRAMGUARD_LEDGER="$ledgers/hooked/ledger" python3 -c "$hold" > /tmp/vramguard-hooked.out &
+hooked=$!
+for _ in $(seq 120); do
+  grep -q held /tmp/vramguard-unhooked.out && grep -q held /tmp/vramguard-hooked.out && break
+  sleep 0.25
+done
+sleep 1.5  # the agent's reconcile pass
+echo "== vramguard audit while two PyTorch processes hold 1 GiB each (pid $hooked hooked, pid $unhooked not)"
 "$agent" audit --socket $sock
-wait $!
+"$agent" audit --socket $sock --json > /tmp/vramguard-audit.json
+python3 - "$hooked" "$unhooked" <<'PY' || failed=1
+import json, sys
+hooked, unhooked = int(sys.argv[1]), int(sys.argv[2])
+rows = {row["pid"]: row for row in json.load(open("/tmp/vramguard-audit.json"))["processes"]}
+ok = True
+for pid, state in ((hooked, "ok"), (unhooked, "unhooked")):
+    row = rows.get(pid, {})
+    held = row.get("total_bytes", 0) >= 1 << 30
+    print(f"pid {pid}: eBPF bytes {row.get('total_bytes')}, ledger bytes {row.get('ledger_bytes')}, state {row.get('state')} (want >= 1 GiB and {state})")
+    ok = ok and held and row.get("state") == state
+sys.exit(0 if ok else 1)
+PY
+wait $hooked $unhooked
 kill -TERM $agent_pid; wait $agent_pid || failed=1
+rm -rf "$ledgers"
 exit $failed
