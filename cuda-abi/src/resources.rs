@@ -154,6 +154,34 @@ pub struct CUDA_GRAPH_INSTANTIATE_PARAMS {
     pub result_out: c_int,
 }
 
+/// `CUgraphNodeParams` (`cuGraphAddNode`, `cuGraphAddNode_v2`, 256 bytes): `params` is the
+/// union of each node type's parameters, read as the member `type_` names (for
+/// `CU_GRAPH_NODE_TYPE_GRAPH`, a [`CUDA_CHILD_GRAPH_NODE_PARAMS`] at its start).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct CUgraphNodeParams {
+    /// `CUgraphNodeType`.
+    pub type_: c_int,
+    pub reserved0: [c_int; 3],
+    pub params: [i64; 29],
+    pub reserved2: i64,
+}
+
+/// `CUDA_CHILD_GRAPH_NODE_PARAMS`: the child graph member of [`CUgraphNodeParams`].
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct CUDA_CHILD_GRAPH_NODE_PARAMS {
+    pub graph: CUgraph,
+    /// `CUgraphChildGraphNodeOwnership`.
+    pub ownership: c_int,
+}
+
+// CUgraphChildGraphNodeOwnership: CLONE (the default) copies the child graph into the node and
+// refuses allocation/free nodes in it; MOVE (CUDA 12.9) hands the graph itself to the node,
+// allocation nodes included.
+pub const CU_GRAPH_CHILD_GRAPH_OWNERSHIP_CLONE: c_int = 0;
+pub const CU_GRAPH_CHILD_GRAPH_OWNERSHIP_MOVE: c_int = 1;
+
 // CUgraphNodeType (the kinds that hold or contain graph memory).
 pub const CU_GRAPH_NODE_TYPE_GRAPH: c_int = 4;
 pub const CU_GRAPH_NODE_TYPE_EMPTY: c_int = 5;
@@ -194,6 +222,9 @@ mod tests {
         assert_eq!(offset_of!(CUDA_MEM_ALLOC_NODE_PARAMS, bytesize), 104);
         assert_eq!(offset_of!(CUDA_MEM_ALLOC_NODE_PARAMS, dptr), 112);
         assert_eq!(size_of::<CUDA_GRAPH_INSTANTIATE_PARAMS>(), 32);
+        assert_eq!(size_of::<CUgraphNodeParams>(), 256);
+        assert_eq!(offset_of!(CUgraphNodeParams, params), 16);
+        assert_eq!(size_of::<CUDA_CHILD_GRAPH_NODE_PARAMS>(), 16);
         assert_eq!(offset_of!(CUDA_GRAPH_INSTANTIATE_PARAMS, result_out), 24);
         assert_eq!(size_of::<CUDA_EXTERNAL_MEMORY_HANDLE_DESCRIPTOR>(), 104);
         assert_eq!(offset_of!(CUDA_EXTERNAL_MEMORY_HANDLE_DESCRIPTOR, handle), 8);

@@ -434,7 +434,7 @@ const EXPORTS: &[&str] = &[
     "cuGraphAddMemAllocNode", "cuGraphInstantiateWithFlags", "cuGraphLaunch", "cuGraphLaunch_ptsz", "cuDeviceGraphMemTrim",
     "cuDeviceGetGraphMemAttribute", "cuGraphExecDestroy", "cuGraphDestroy", "cuCtxCreate_v3",
     // Graphs: capture, clones, child graphs, instantiation (fakecuda's graphs.rs).
-    "cuGraphAddChildGraphNode", "cuGraphClone", "cuGraphGetNodes", "cuGraphNodeGetType", "cuGraphMemAllocNodeGetParams",
+    "cuGraphAddChildGraphNode", "cuGraphAddNode", "cuGraphAddNode_v2", "cuGraphClone", "cuGraphGetNodes", "cuGraphNodeGetType", "cuGraphMemAllocNodeGetParams",
     "cuGraphChildGraphNodeGetGraph", "cuGraphInstantiate", "cuGraphInstantiate_v2", "cuGraphInstantiateWithParams",
     "cuGraphInstantiateWithParams_ptsz", "cuGraphUpload", "cuGraphUpload_ptsz", "cuStreamBeginCapture_v2",
     "cuStreamBeginCapture_v2_ptsz", "cuStreamEndCapture", "cuStreamEndCapture_ptsz", "cuStreamIsCapturing",

@@ -133,6 +133,8 @@ apis! {
     DestroyExternalMemory = "cuDestroyExternalMemory",
     // ---- graphs: capture, clones, child graphs, instantiation (crate::graphs) ----
     GraphAddChildGraphNode = "cuGraphAddChildGraphNode",
+    GraphAddNode = "cuGraphAddNode",
+    GraphAddNodeV2 = "cuGraphAddNode_v2",
     GraphClone = "cuGraphClone",
     GraphGetNodes = "cuGraphGetNodes",
     GraphNodeGetType = "cuGraphNodeGetType",

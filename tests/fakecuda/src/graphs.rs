@@ -3,10 +3,15 @@
 //! `resources` part of the process's footprint, see [`crate::driver`]).
 //!
 //! **Graphs**: `cuGraphCreate`, `cuGraphAddMemAllocNode` (device-located pinned pools only; the
-//! node's `dptr` is written), `cuGraphAddChildGraphNode` (the child graph is cloned into the
-//! node; allocation nodes are allowed in it, as in drivers that let a child graph node own its
-//! graph), `cuGraphClone`, `cuGraphGetNodes`, `cuGraphNodeGetType`,
-//! `cuGraphMemAllocNodeGetParams`, `cuGraphChildGraphNodeGetGraph`, `cuGraphDestroy`.
+//! node's `dptr` is written), child graph nodes, `cuGraphClone`, `cuGraphGetNodes`,
+//! `cuGraphNodeGetType`, `cuGraphMemAllocNodeGetParams`, `cuGraphChildGraphNodeGetGraph`,
+//! `cuGraphDestroy`. As on the real driver (measured: H100, driver 580.159), a graph holding
+//! allocation or free nodes cannot be cloned (`cuGraphClone`) or cloned into a child graph node
+//! (`cuGraphAddChildGraphNode`, or `cuGraphAddNode(_v2)` with
+//! `CU_GRAPH_CHILD_GRAPH_OWNERSHIP_CLONE`): `CUDA_ERROR_NOT_SUPPORTED`. It can be *moved* into
+//! one (`cuGraphAddNode(_v2)` with `CU_GRAPH_CHILD_GRAPH_OWNERSHIP_MOVE`, CUDA 12.9): the node
+//! then owns it (it cannot be destroyed, instantiated or made a child again by itself).
+//! `cuGraphAddNode(_v2)` adds child graph nodes only (other node types: not supported).
 //! **Stream capture**: `cuStreamBeginCapture_v2`, `cuStreamEndCapture`, `cuStreamIsCapturing`
 //! (each with its `_ptsz` form): while a stream is being captured, `cuMemAllocAsync` and
 //! `cuMemAllocFromPoolAsync` on it add an allocation node to the capture's graph (and return
@@ -29,7 +34,7 @@
 // CUDA's names and parameter names; the Safety section of `crate::exports` covers these too.
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::{c_char, c_int, c_uint, c_void};
 
 use cuda_abi::*;
@@ -76,6 +81,8 @@ pub struct GraphState {
     pools: HashMap<usize, GraphPool>,
     /// Stream being captured → the graph it records into.
     captures: HashMap<u64, u64>,
+    /// Graphs moved into a child graph node (owned by the node).
+    moved: HashSet<u64>,
 }
 
 fn state(d: &mut Driver) -> &mut GraphState {
@@ -111,8 +118,30 @@ fn add_alloc(d: &mut Driver, graph: u64, dev: usize, bytesize: usize) -> R<(u64,
     }
 }
 
-/// A deep copy of `graph` (child graphs copied too).
+/// Whether `graph` (or a graph in it) holds allocation or free nodes.
+fn has_memory_nodes(s: &GraphState, graph: u64) -> bool {
+    s.graphs.get(&graph).into_iter().flatten().any(|node| match s.nodes.get(node) {
+        Some(Node::Alloc { .. } | Node::Free) => true,
+        Some(Node::Child { graph }) => has_memory_nodes(s, *graph),
+        None => false,
+    })
+}
+
+/// A graph the application may use by itself (not one moved into a node).
+fn own_graph(d: &mut Driver, graph: u64) -> R<u64> {
+    let s = state(d);
+    if !s.graphs.contains_key(&graph) || s.moved.contains(&graph) {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    Ok(graph)
+}
+
+/// A deep copy of `graph` (child graphs copied too); not of one with memory nodes, as the
+/// driver.
 fn clone_graph(d: &mut Driver, graph: u64) -> R<u64> {
+    if has_memory_nodes(state(d), graph) {
+        return Err(CUDA_ERROR_NOT_SUPPORTED);
+    }
     let nodes = state(d).graphs.get(&graph).cloned().ok_or(CUDA_ERROR_INVALID_VALUE)?;
     let copy = new_graph(d);
     for node in nodes {
@@ -127,6 +156,7 @@ fn clone_graph(d: &mut Driver, graph: u64) -> R<u64> {
 }
 
 fn destroy_graph(d: &mut Driver, graph: u64) -> R<()> {
+    state(d).moved.remove(&graph);
     let nodes = state(d).graphs.remove(&graph).ok_or(CUDA_ERROR_INVALID_VALUE)?;
     for node in nodes {
         if let Some(Node::Child { graph }) = state(d).nodes.remove(&node) {
@@ -207,17 +237,90 @@ pub unsafe extern "C" fn cuGraphAddChildGraphNode(
         if numDependencies != 0 && dependencies.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        let copy = clone_graph(d, childGraph as u64)?;
-        Ok(add_node(d, hGraph as u64, |_| Node::Child { graph: copy })? as CUgraphNode)
+        add_child(d, hGraph as u64, childGraph as u64, CU_GRAPH_CHILD_GRAPH_OWNERSHIP_CLONE)
     };
     // SAFETY: the caller passes NULL or a valid CUgraphNode pointer.
     unsafe { call_out(Api::GraphAddChildGraphNode, phGraphNode, add) }
 }
 
+/// Adds a child graph node holding `child` to `graph`: a copy of it, or (`MOVE`) itself.
+fn add_child(d: &mut Driver, graph: u64, child: u64, ownership: c_int) -> R<CUgraphNode> {
+    own_graph(d, graph)?;
+    let child = match ownership {
+        CU_GRAPH_CHILD_GRAPH_OWNERSHIP_CLONE => {
+            let child = own_graph(d, child)?;
+            clone_graph(d, child)?
+        }
+        CU_GRAPH_CHILD_GRAPH_OWNERSHIP_MOVE if child != graph && !state(d).captures.values().any(|&g| g == child) => {
+            own_graph(d, child)?
+        }
+        _ => return Err(CUDA_ERROR_INVALID_VALUE),
+    };
+    let node = add_node(d, graph, |_| Node::Child { graph: child })?;
+    if ownership == CU_GRAPH_CHILD_GRAPH_OWNERSHIP_MOVE {
+        state(d).moved.insert(child);
+    }
+    Ok(node as CUgraphNode)
+}
+
+/// The shared body of `cuGraphAddNode` and `cuGraphAddNode_v2`: child graph nodes only.
+///
+/// # Safety
+/// `params` must be NULL or a valid `CUgraphNodeParams`; `ph` NULL or valid for a write.
+unsafe fn add_node_with_params(api: Api, ph: *mut CUgraphNode, graph: CUgraph, deps: *const CUgraphNode, n: usize, params: *mut CUgraphNodeParams) -> CUresult {
+    let add = |d: &mut Driver| {
+        if n != 0 && deps.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // SAFETY: NULL or the caller's valid parameters, per this function's contract.
+        let params = unsafe { params.as_ref() }.ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        if params.type_ != CU_GRAPH_NODE_TYPE_GRAPH {
+            return Err(CUDA_ERROR_NOT_SUPPORTED);
+        }
+        // SAFETY: for a child graph node the union holds CUDA_CHILD_GRAPH_NODE_PARAMS, which
+        // fits in its 232 bytes and is 8-aligned like them.
+        let child = unsafe { *params.params.as_ptr().cast::<CUDA_CHILD_GRAPH_NODE_PARAMS>() };
+        add_child(d, graph as u64, child.graph as u64, child.ownership)
+    };
+    // SAFETY: per this function's contract.
+    unsafe { call_out(api, ph, add) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuGraphAddNode(
+    phGraphNode: *mut CUgraphNode,
+    hGraph: CUgraph,
+    dependencies: *const CUgraphNode,
+    numDependencies: usize,
+    nodeParams: *mut CUgraphNodeParams,
+) -> CUresult {
+    // SAFETY: the caller's arguments, per the C contract.
+    unsafe { add_node_with_params(Api::GraphAddNode, phGraphNode, hGraph, dependencies, numDependencies, nodeParams) }
+}
+
+/// As `cuGraphAddNode`; the edge data (NULL: default edges) is not modelled.
+#[no_mangle]
+pub unsafe extern "C" fn cuGraphAddNode_v2(
+    phGraphNode: *mut CUgraphNode,
+    hGraph: CUgraph,
+    dependencies: *const CUgraphNode,
+    dependencyData: *const c_void,
+    numDependencies: usize,
+    nodeParams: *mut CUgraphNodeParams,
+) -> CUresult {
+    let _ = dependencyData;
+    // SAFETY: the caller's arguments, per the C contract.
+    unsafe { add_node_with_params(Api::GraphAddNodeV2, phGraphNode, hGraph, dependencies, numDependencies, nodeParams) }
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn cuGraphClone(phGraphClone: *mut CUgraph, originalGraph: CUgraph) -> CUresult {
+    let clone = |d: &mut Driver| {
+        let original = own_graph(d, originalGraph as u64)?;
+        Ok(clone_graph(d, original)? as CUgraph)
+    };
     // SAFETY: the caller passes NULL or a valid CUgraph pointer.
-    unsafe { call_out(Api::GraphClone, phGraphClone, |d| Ok(clone_graph(d, originalGraph as u64)? as CUgraph)) }
+    unsafe { call_out(Api::GraphClone, phGraphClone, clone) }
 }
 
 /// `nodes` NULL: the count in `*numNodes`; else up to `*numNodes` nodes, the rest of the array
@@ -292,7 +395,10 @@ pub unsafe extern "C" fn cuGraphChildGraphNodeGetGraph(hNode: CUgraphNode, phGra
 
 #[no_mangle]
 pub unsafe extern "C" fn cuGraphDestroy(hGraph: CUgraph) -> CUresult {
-    call(Api::GraphDestroy, |d| destroy_graph(d, hGraph as u64))
+    call(Api::GraphDestroy, |d| {
+        let graph = own_graph(d, hGraph as u64)?;
+        destroy_graph(d, graph)
+    })
 }
 
 // ---- stream capture -------------------------------------------------------------------------------
@@ -390,6 +496,7 @@ exports_sharing_body! {
 
 /// Instantiates `graph`; with `upload`, grows the pools for it at once (all or nothing).
 fn instantiate(d: &mut Driver, graph: u64, upload: bool) -> R<CUgraphExec> {
+    let graph = own_graph(d, graph)?;
     let mut total = Vec::new();
     needs(state(d), graph, &mut total)?;
     let h = d.resources.handle();

@@ -110,6 +110,7 @@ table! {
     "cuDeviceGetGraphMemAttribute": [11040 => "cuDeviceGetGraphMemAttribute"];
     // ---- graphs: capture, clones, child graphs, instantiation (crate::graphs) ----
     "cuGraphAddChildGraphNode": [10000 => "cuGraphAddChildGraphNode"];
+    "cuGraphAddNode": [12020 => "cuGraphAddNode", 12030 => "cuGraphAddNode_v2"];
     "cuGraphClone": [10000 => "cuGraphClone"];
     "cuGraphGetNodes": [10000 => "cuGraphGetNodes"];
     "cuGraphNodeGetType": [10000 => "cuGraphNodeGetType"];
@@ -173,7 +174,7 @@ pub fn address(export: &str) -> Option<usize> {
         // ---- graphs (crate::graphs) ----
         g::cuGraphCreate, g::cuGraphAddMemAllocNode, g::cuGraphInstantiateWithFlags, g::cuGraphLaunch,
         g::cuGraphLaunch_ptsz, g::cuGraphExecDestroy, g::cuGraphDestroy, g::cuDeviceGraphMemTrim,
-        g::cuDeviceGetGraphMemAttribute, g::cuGraphAddChildGraphNode, g::cuGraphClone, g::cuGraphGetNodes,
+        g::cuDeviceGetGraphMemAttribute, g::cuGraphAddChildGraphNode, g::cuGraphAddNode, g::cuGraphAddNode_v2, g::cuGraphClone, g::cuGraphGetNodes,
         g::cuGraphNodeGetType, g::cuGraphMemAllocNodeGetParams, g::cuGraphChildGraphNodeGetGraph,
         g::cuGraphInstantiate, g::cuGraphInstantiate_v2, g::cuGraphInstantiateWithParams,
         g::cuGraphInstantiateWithParams_ptsz, g::cuGraphUpload, g::cuGraphUpload_ptsz,
