@@ -15,13 +15,14 @@ pub const GETPROC_VERSION: c_int = 12000;
 
 /// The version a base name is asked for at: [`GETPROC_VERSION`], except `cuCtxCreate`, which
 /// stands for `cuCtxCreate_v3` from 11040 in `cuda.h` and is asked for at 11030 so that it is
-/// still the `cuCtxCreate_v2` the workload calls, and `cuGraphInstantiate`, which stands for
+/// still the `cuCtxCreate_v2` the workload calls, `cuGraphInstantiate`, which stands for
 /// `cuGraphInstantiateWithFlags` from 12000 and is asked for at 11000, where it is the legacy
-/// `cuGraphInstantiate_v2`.
+/// `cuGraphInstantiate_v2`, and `cuGraphAddNode`, which is `cuGraphAddNode_v2` from 12030.
 pub fn getproc_version(query: &str) -> c_int {
     match query {
         "cuCtxCreate" => 11030,
         "cuGraphInstantiate" => 11000,
+        "cuGraphAddNode" => 12030,
         _ => GETPROC_VERSION,
     }
 }
@@ -117,7 +118,7 @@ entry_points! {
     stream_begin_capture: fn(CUstream, c_int) = "cuStreamBeginCapture_v2" / "cuStreamBeginCapture" / 0;
     stream_end_capture: fn(CUstream, *mut CUgraph) = "cuStreamEndCapture" / "cuStreamEndCapture" / 0;
     graph_clone: fn(*mut CUgraph, CUgraph) = "cuGraphClone" / "cuGraphClone" / 0;
-    graph_add_child_graph_node: fn(*mut CUgraphNode, CUgraph, *const CUgraphNode, usize, CUgraph) = "cuGraphAddChildGraphNode" / "cuGraphAddChildGraphNode" / 0;
+    graph_add_node_v2: fn(*mut CUgraphNode, CUgraph, *const CUgraphNode, *const c_void, usize, *mut CUgraphNodeParams) = "cuGraphAddNode_v2" / "cuGraphAddNode" / 0;
     graph_instantiate_v2: fn(*mut CUgraphExec, CUgraph, *mut CUgraphNode, *mut c_char, usize) = "cuGraphInstantiate_v2" / "cuGraphInstantiate" / 0;
     graph_instantiate_with_params: fn(*mut CUgraphExec, CUgraph, *mut CUDA_GRAPH_INSTANTIATE_PARAMS) = "cuGraphInstantiateWithParams" / "cuGraphInstantiateWithParams" / 0;
     graph_upload: fn(CUgraphExec, CUstream) = "cuGraphUpload" / "cuGraphUpload" / 0;

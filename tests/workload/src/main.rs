@@ -59,9 +59,10 @@ Each argument (or script line; # starts a comment) is one step. Sizes take k/m/g
                           device) + cuGraphInstantiateWithFlags
   graph-capture NAME SIZE cuMemAllocAsync + cuMemFreeAsync of SIZE captured from a new stream
                           (cuStreamBeginCapture_v2 .. cuStreamEndCapture) + cuGraphInstantiateWithParams
-  graph-clone NAME SIZE   the `graph` graph cuGraphClone'd (original destroyed) + cuGraphInstantiate_v2
-  graph-child NAME SIZE   a graph holding the `graph` graph as a child graph node
-                          (cuGraphAddChildGraphNode, original destroyed) + cuGraphInstantiateWithFlags
+  graph-clone NAME SIZE   the `graph` graph cuGraphClone'd (original destroyed) + cuGraphInstantiateWithFlags
+                          (drivers refuse to clone allocation nodes: CUDA_ERROR_NOT_SUPPORTED)
+  graph-child NAME SIZE   a graph holding the `graph` graph in a child graph node (cuGraphAddNode_v2,
+                          ownership moved) + cuGraphInstantiate_v2
   launch NAME             cuGraphLaunch of graph NAME on the NULL stream
   upload NAME             cuGraphUpload of graph NAME on the NULL stream
   graph-destroy NAME      cuGraphExecDestroy + cuGraphDestroy
@@ -506,15 +507,19 @@ impl Runner {
                             alloc_graph(&mut original, &mut dptr)?;
                             cu!(s, verb, graph_clone(&mut graph, original));
                             cu!(s, verb, graph_destroy(original));
-                            cu!(s, verb, graph_instantiate_v2(&mut exec, graph, std::ptr::null_mut(), std::ptr::null_mut(), 0));
+                            cu!(s, verb, graph_instantiate_with_flags(&mut exec, graph, 0));
                         }
                         GraphHow::Child => {
                             let (mut child, mut node): (CUgraph, CUgraphNode) = (null(), null());
                             alloc_graph(&mut child, &mut dptr)?;
                             cu!(s, verb, graph_create(&mut graph, 0));
-                            cu!(s, verb, graph_add_child_graph_node(&mut node, graph, std::ptr::null(), 0, child));
-                            cu!(s, verb, graph_destroy(child));
-                            cu!(s, verb, graph_instantiate_with_flags(&mut exec, graph, 0));
+                            // Moved, not cloned: a graph with allocation nodes cannot be cloned.
+                            let mut params = CUgraphNodeParams { type_: CU_GRAPH_NODE_TYPE_GRAPH, reserved0: [0; 3], params: [0; 29], reserved2: 0 };
+                            let moved = CUDA_CHILD_GRAPH_NODE_PARAMS { graph: child, ownership: CU_GRAPH_CHILD_GRAPH_OWNERSHIP_MOVE };
+                            // SAFETY: the union's first bytes hold the child graph parameters (16 of 232 bytes, 8-aligned).
+                            unsafe { params.params.as_mut_ptr().cast::<CUDA_CHILD_GRAPH_NODE_PARAMS>().write(moved) };
+                            cu!(s, verb, graph_add_node_v2(&mut node, graph, std::ptr::null(), std::ptr::null(), 0, &mut params));
+                            cu!(s, verb, graph_instantiate_v2(&mut exec, graph, std::ptr::null_mut(), std::ptr::null_mut(), 0));
                         }
                         GraphHow::Capture => {
                             let mut stream: CUstream = null();

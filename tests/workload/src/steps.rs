@@ -16,10 +16,12 @@ pub enum GraphHow {
     /// (`cuStreamBeginCapture_v2` ... `cuStreamEndCapture`) + `cuGraphInstantiateWithParams`.
     Capture,
     /// `graph-clone`: the `graph` graph, `cuGraphClone`d (the original destroyed) +
-    /// `cuGraphInstantiate_v2` (the legacy export).
+    /// `cuGraphInstantiateWithFlags`. Drivers refuse to clone allocation nodes
+    /// (`CUDA_ERROR_NOT_SUPPORTED`).
     Clone,
     /// `graph-child`: a graph holding the `graph` graph in a child graph node
-    /// (`cuGraphAddChildGraphNode`; the original destroyed) + `cuGraphInstantiateWithFlags`.
+    /// (`cuGraphAddNode_v2`, `CU_GRAPH_CHILD_GRAPH_OWNERSHIP_MOVE`) + `cuGraphInstantiate_v2`
+    /// (the legacy export).
     Child,
 }
 
