@@ -16,7 +16,14 @@
 //! itself: its nodes (`cuGraphGetNodes`, `cuGraphNodeGetType`), the parameters of each
 //! allocation node (`cuGraphMemAllocNodeGetParams`) and, recursively, the graphs of child
 //! graph nodes (`cuGraphChildGraphNodeGetGraph`). So graphs built node by node, captured from
-//! streams, cloned (`cuGraphClone`) or nested are all known the same way. The walk is bounded
+//! streams (`cuMemAllocAsync` on a capturing stream adds an allocation node) or nested (a graph
+//! moved into a child graph node with `cuGraphAddNode`, CUDA 12.9) are all known the same way;
+//! so would clones be, though drivers refuse to clone allocation nodes (measured on an H100,
+//! driver 580.159: `cuGraphClone` and `cuGraphAddChildGraphNode` return
+//! `CUDA_ERROR_NOT_SUPPORTED`). The same driver confirmed what this relies on: a captured
+//! allocation is a `CU_GRAPH_NODE_TYPE_MEM_ALLOC` node with the requested `bytesize`, the pool
+//! grows at launch, at `cuGraphUpload` and at instantiation with the upload flag, never at a
+//! plain instantiation. The walk is bounded
 //! ([`MAX_NODES`] nodes in all, [`MAX_DEPTH`] levels of child graphs): a graph past the bounds,
 //! or a driver without those entry points, leaves the executable graph unknown, and an unknown
 //! graph's launch is charged after it instead (the pool's growth settled, and reported on

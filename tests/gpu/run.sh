@@ -38,6 +38,12 @@ echo "8 processes: peak footprint ${peak} MiB, quota $((limit >> 20)) MiB"
 [ $peak -le $((limit >> 20)) ] || { echo "FAILED: footprint over quota"; failed=1; }
 rm -f "$ledger"
 
+# Graph memory from stream capture and child graphs: refused past the quota before launch.
+ledger=$(mktemp -u /tmp/vramguard-gpu.XXXXXX)
+LD_PRELOAD=$hook CUDA_DEVICE_MEMORY_LIMIT=$limit VRAMGUARD_LEDGER=$ledger python3 "$here/hook_graphs.py" $limit || failed=1
+python3 "$here/hook_graphs.py" $limit --control || failed=1
+rm -f "$ledger"
+
 # eBPF accounting against the real libcuda.
 libcuda=$(ldconfig -p | awk '/libcuda.so.1 / {print $NF; exit}')
 libcuda=${libcuda:-/usr/local/nvidia/lib64/libcuda.so.1}
