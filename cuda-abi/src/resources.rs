@@ -1,5 +1,6 @@
 //! The driver API's other holders of device memory, as `cuda.h` (CUDA 12/13) declares them:
-//! CUDA arrays and mipmapped arrays, graph memory nodes, context creation with execution
+//! CUDA arrays and mipmapped arrays, graph memory nodes (and what reads a graph's nodes:
+//! node types, instantiation parameters, stream capture), context creation with execution
 //! affinity (`cuCtxCreate_v3`), the host locations of VMM allocations and external memory
 //! (`cuImportExternalMemory`). Fields are in snake
 //! case, as in the rest of this crate.
@@ -141,6 +142,65 @@ pub const CU_MEM_LOCATION_TYPE_HOST: c_int = 2;
 pub const CU_MEM_LOCATION_TYPE_HOST_NUMA: c_int = 3;
 pub const CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT: c_int = 4;
 
+/// `CUDA_GRAPH_INSTANTIATE_PARAMS` (`cuGraphInstantiateWithParams`): the driver writes
+/// `h_err_node_out` and `result_out`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct CUDA_GRAPH_INSTANTIATE_PARAMS {
+    pub flags: u64,
+    pub h_upload_stream: crate::CUstream,
+    pub h_err_node_out: CUgraphNode,
+    /// `CUgraphInstantiateResult`.
+    pub result_out: c_int,
+}
+
+/// `CUgraphNodeParams` (`cuGraphAddNode`, `cuGraphAddNode_v2`, 256 bytes): `params` is the
+/// union of each node type's parameters, read as the member `type_` names (for
+/// `CU_GRAPH_NODE_TYPE_GRAPH`, a [`CUDA_CHILD_GRAPH_NODE_PARAMS`] at its start).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct CUgraphNodeParams {
+    /// `CUgraphNodeType`.
+    pub type_: c_int,
+    pub reserved0: [c_int; 3],
+    pub params: [i64; 29],
+    pub reserved2: i64,
+}
+
+/// `CUDA_CHILD_GRAPH_NODE_PARAMS`: the child graph member of [`CUgraphNodeParams`].
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct CUDA_CHILD_GRAPH_NODE_PARAMS {
+    pub graph: CUgraph,
+    /// `CUgraphChildGraphNodeOwnership`.
+    pub ownership: c_int,
+}
+
+// CUgraphChildGraphNodeOwnership: CLONE (the default) copies the child graph into the node and
+// refuses allocation/free nodes in it; MOVE (CUDA 12.9) hands the graph itself to the node,
+// allocation nodes included.
+pub const CU_GRAPH_CHILD_GRAPH_OWNERSHIP_CLONE: c_int = 0;
+pub const CU_GRAPH_CHILD_GRAPH_OWNERSHIP_MOVE: c_int = 1;
+
+// CUgraphNodeType (the kinds that hold or contain graph memory).
+pub const CU_GRAPH_NODE_TYPE_GRAPH: c_int = 4;
+pub const CU_GRAPH_NODE_TYPE_EMPTY: c_int = 5;
+pub const CU_GRAPH_NODE_TYPE_MEM_ALLOC: c_int = 10;
+pub const CU_GRAPH_NODE_TYPE_MEM_FREE: c_int = 11;
+
+// CUstreamCaptureMode and CUstreamCaptureStatus.
+pub const CU_STREAM_CAPTURE_MODE_GLOBAL: c_int = 0;
+pub const CU_STREAM_CAPTURE_MODE_THREAD_LOCAL: c_int = 1;
+pub const CU_STREAM_CAPTURE_MODE_RELAXED: c_int = 2;
+pub const CU_STREAM_CAPTURE_STATUS_NONE: c_int = 0;
+pub const CU_STREAM_CAPTURE_STATUS_ACTIVE: c_int = 1;
+pub const CU_STREAM_CAPTURE_STATUS_INVALIDATED: c_int = 2;
+
+// CUresult values of stream capture.
+pub const CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: crate::CUresult = 900;
+pub const CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: crate::CUresult = 901;
+pub const CUDA_ERROR_ILLEGAL_STATE: crate::CUresult = 401;
+
 // CUgraphMem_attribute (values are `cuuint64_t`).
 pub const CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT: c_int = 0;
 pub const CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT: c_int = 2;
@@ -161,6 +221,11 @@ mod tests {
         assert_eq!(size_of::<CUDA_MEM_ALLOC_NODE_PARAMS>(), 120);
         assert_eq!(offset_of!(CUDA_MEM_ALLOC_NODE_PARAMS, bytesize), 104);
         assert_eq!(offset_of!(CUDA_MEM_ALLOC_NODE_PARAMS, dptr), 112);
+        assert_eq!(size_of::<CUDA_GRAPH_INSTANTIATE_PARAMS>(), 32);
+        assert_eq!(size_of::<CUgraphNodeParams>(), 256);
+        assert_eq!(offset_of!(CUgraphNodeParams, params), 16);
+        assert_eq!(size_of::<CUDA_CHILD_GRAPH_NODE_PARAMS>(), 16);
+        assert_eq!(offset_of!(CUDA_GRAPH_INSTANTIATE_PARAMS, result_out), 24);
         assert_eq!(size_of::<CUDA_EXTERNAL_MEMORY_HANDLE_DESCRIPTOR>(), 104);
         assert_eq!(offset_of!(CUDA_EXTERNAL_MEMORY_HANDLE_DESCRIPTOR, handle), 8);
         assert_eq!(size_of::<CUexternalMemoryHandle>(), 16);

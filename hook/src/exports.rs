@@ -22,7 +22,7 @@ use cuda_abi::{
         NVML_ERROR_LIBRARY_NOT_FOUND, NVML_SUCCESS,
     },
     CUdevice, CUdeviceptr, CUmemoryPool, CUresult, CUstream, CUDA_ERROR_NOT_FOUND, CUDA_ERROR_NOT_INITIALIZED,
-    CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS,
+    CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS, CU_STREAM_CAPTURE_STATUS_NONE,
 };
 use ledger::{Charge, RecordId, ReserveError};
 
@@ -338,33 +338,52 @@ fn current_pool(driver: &Driver, ordinal: CUdevice) -> Option<CUmemoryPool> {
     (unsafe { get(&mut pool, ordinal) } == CUDA_SUCCESS && !pool.is_null()).then_some(pool)
 }
 
+/// Whether `stream` is being captured into a graph (`is_capturing`: `cuStreamIsCapturing` or
+/// its `_ptsz` form, as the allocation's): then a stream-ordered allocation on it only adds an
+/// allocation node to the graph, whose memory is charged when the graph is launched (see
+/// `graphs`), so it is neither admitted nor charged here.
+fn capturing(is_capturing: Option<unsafe extern "C" fn(CUstream, *mut c_int) -> CUresult>, stream: CUstream) -> bool {
+    let Some(is_capturing) = is_capturing else { return false };
+    let mut status = CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: the caller's stream, and a live local for the status.
+    (unsafe { is_capturing(stream, &mut status) }) == CUDA_SUCCESS && status != CU_STREAM_CAPTURE_STATUS_NONE
+}
+
 macro_rules! async_alloc {
-    ($name:ident, $field:ident) => {
+    ($name:ident, $field:ident, $capturing:ident) => {
         #[no_mangle]
         pub unsafe extern "C" fn $name(dptr: *mut CUdeviceptr, bytesize: usize, hStream: CUstream) -> CUresult {
             let driver = driver_or_return!();
             let real = real_or_return!(driver, $field);
+            if capturing(driver.$capturing, hStream) {
+                // SAFETY: forwards the caller's arguments unchanged.
+                return unsafe { real(dptr, bytesize, hStream) };
+            }
             // SAFETY: forwards the caller's arguments unchanged.
             unsafe { pool_allocate(driver, None, dptr, bytesize, || real(dptr, bytesize, hStream)) }
         }
     };
 }
-async_alloc!(cuMemAllocAsync, mem_alloc_async);
-async_alloc!(cuMemAllocAsync_ptsz, mem_alloc_async_ptsz);
+async_alloc!(cuMemAllocAsync, mem_alloc_async, stream_is_capturing);
+async_alloc!(cuMemAllocAsync_ptsz, mem_alloc_async_ptsz, stream_is_capturing_ptsz);
 
 macro_rules! pool_alloc {
-    ($name:ident, $field:ident) => {
+    ($name:ident, $field:ident, $capturing:ident) => {
         #[no_mangle]
         pub unsafe extern "C" fn $name(dptr: *mut CUdeviceptr, bytesize: usize, pool: CUmemoryPool, hStream: CUstream) -> CUresult {
             let driver = driver_or_return!();
             let real = real_or_return!(driver, $field);
+            if capturing(driver.$capturing, hStream) {
+                // SAFETY: forwards the caller's arguments unchanged.
+                return unsafe { real(dptr, bytesize, pool, hStream) };
+            }
             // SAFETY: forwards the caller's arguments unchanged.
             unsafe { pool_allocate(driver, Some(pool), dptr, bytesize, || real(dptr, bytesize, pool, hStream)) }
         }
     };
 }
-pool_alloc!(cuMemAllocFromPoolAsync, mem_alloc_from_pool);
-pool_alloc!(cuMemAllocFromPoolAsync_ptsz, mem_alloc_from_pool_ptsz);
+pool_alloc!(cuMemAllocFromPoolAsync, mem_alloc_from_pool, stream_is_capturing);
+pool_alloc!(cuMemAllocFromPoolAsync_ptsz, mem_alloc_from_pool_ptsz, stream_is_capturing_ptsz);
 
 macro_rules! async_free {
     ($name:ident, $field:ident) => {
@@ -589,12 +608,16 @@ fn wrapper_named(symbol: &CStr) -> Option<usize> {
         b"cuArrayDestroy" => arrays::cuArrayDestroy as *const () as usize,
         b"cuMipmappedArrayCreate" => arrays::cuMipmappedArrayCreate as *const () as usize,
         b"cuMipmappedArrayDestroy" => arrays::cuMipmappedArrayDestroy as *const () as usize,
-        b"cuGraphAddMemAllocNode" => graphs::cuGraphAddMemAllocNode as *const () as usize,
+        b"cuGraphInstantiate" => graphs::cuGraphInstantiate as *const () as usize,
+        b"cuGraphInstantiate_v2" => graphs::cuGraphInstantiate_v2 as *const () as usize,
         b"cuGraphInstantiateWithFlags" => graphs::cuGraphInstantiateWithFlags as *const () as usize,
+        b"cuGraphInstantiateWithParams" => graphs::cuGraphInstantiateWithParams as *const () as usize,
+        b"cuGraphInstantiateWithParams_ptsz" => graphs::cuGraphInstantiateWithParams_ptsz as *const () as usize,
         b"cuGraphLaunch" => graphs::cuGraphLaunch as *const () as usize,
         b"cuGraphLaunch_ptsz" => graphs::cuGraphLaunch_ptsz as *const () as usize,
+        b"cuGraphUpload" => graphs::cuGraphUpload as *const () as usize,
+        b"cuGraphUpload_ptsz" => graphs::cuGraphUpload_ptsz as *const () as usize,
         b"cuGraphExecDestroy" => graphs::cuGraphExecDestroy as *const () as usize,
-        b"cuGraphDestroy" => graphs::cuGraphDestroy as *const () as usize,
         b"cuDeviceGraphMemTrim" => graphs::cuDeviceGraphMemTrim as *const () as usize,
         b"cuMemGetInfo_v2" => cuMemGetInfo_v2 as *const () as usize,
         b"cuDeviceTotalMem_v2" => cuDeviceTotalMem_v2 as *const () as usize,

@@ -20,9 +20,10 @@
 //! `cuMemFree_v2`, `cuMemFreeAsync(_ptsz)`, `cuMemPoolTrimTo`, `cuMemPoolDestroy`; VMM: `cuMemCreate`,
 //! `cuMemRelease`, `cuMemMap`, `cuMemUnmap`, `cuMemRetainAllocationHandle`; arrays:
 //! `cuArrayCreate_v2`, `cuArray3DCreate_v2`, `cuMipmappedArrayCreate`, `cuArrayDestroy`,
-//! `cuMipmappedArrayDestroy`; graph memory: `cuGraphAddMemAllocNode`,
-//! `cuGraphInstantiateWithFlags`, `cuGraphLaunch(_ptsz)`, `cuDeviceGraphMemTrim`,
-//! `cuGraphExecDestroy`, `cuGraphDestroy`; the contexts `cuDevicePrimaryCtxRetain`,
+//! `cuMipmappedArrayDestroy`; graph memory: `cuGraphInstantiate(_v2)`,
+//! `cuGraphInstantiateWithFlags`, `cuGraphInstantiateWithParams(_ptsz)`,
+//! `cuGraphLaunch(_ptsz)`, `cuGraphUpload(_ptsz)`, `cuDeviceGraphMemTrim`,
+//! `cuGraphExecDestroy`; the contexts `cuDevicePrimaryCtxRetain`,
 //! `cuDevicePrimaryCtxRelease(_v2)`, `cuCtxCreate_v2/_v3/_v4`, `cuCtxDestroy_v2`; what the
 //! workload sees: `cuMemGetInfo_v2`, `cuDeviceTotalMem_v2` and NVML's
 //! `nvmlDeviceGetMemoryInfo(_v2)` (total = the quota, free = the quota less the container's

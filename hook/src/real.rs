@@ -16,7 +16,7 @@ use cuda_abi::{
     nvml::{nvmlDevice_t, nvmlMemory_t, nvmlMemory_v2_t},
     CUarray, CUcontext, CUctxCreateParams, CUdevice, CUdeviceptr, CUgraph, CUgraphExec, CUgraphNode, CUmemAllocationProp,
     CUmemoryPool, CUmipmappedArray, CUresult, CUstream, CUuuid, CUDA_ARRAY3D_DESCRIPTOR, CUDA_ARRAY_DESCRIPTOR,
-    CUDA_ARRAY_MEMORY_REQUIREMENTS, CUDA_MEM_ALLOC_NODE_PARAMS,
+    CUDA_ARRAY_MEMORY_REQUIREMENTS, CUDA_GRAPH_INSTANTIATE_PARAMS, CUDA_MEM_ALLOC_NODE_PARAMS,
 };
 
 type DlsymFn = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
@@ -170,12 +170,23 @@ driver_api! {
         mipmapped_array_create = c"cuMipmappedArrayCreate": fn(*mut CUmipmappedArray, *const CUDA_ARRAY3D_DESCRIPTOR, c_uint);
         mipmapped_array_destroy = c"cuMipmappedArrayDestroy": fn(CUmipmappedArray);
         mipmapped_array_get_memory_requirements = c"cuMipmappedArrayGetMemoryRequirements": fn(*mut CUDA_ARRAY_MEMORY_REQUIREMENTS, CUmipmappedArray, CUdevice);
-        graph_add_mem_alloc_node = c"cuGraphAddMemAllocNode": fn(*mut CUgraphNode, CUgraph, *const CUgraphNode, usize, *mut CUDA_MEM_ALLOC_NODE_PARAMS);
         graph_instantiate_with_flags = c"cuGraphInstantiateWithFlags": fn(*mut CUgraphExec, CUgraph, u64);
         graph_launch = c"cuGraphLaunch": fn(CUgraphExec, CUstream);
         graph_launch_ptsz = c"cuGraphLaunch_ptsz": fn(CUgraphExec, CUstream);
+        // What an executable graph allocates, read from its graph (see `graphs`).
+        graph_instantiate = c"cuGraphInstantiate": fn(*mut CUgraphExec, CUgraph, *mut CUgraphNode, *mut c_char, usize);
+        graph_instantiate_v2 = c"cuGraphInstantiate_v2": fn(*mut CUgraphExec, CUgraph, *mut CUgraphNode, *mut c_char, usize);
+        graph_instantiate_with_params = c"cuGraphInstantiateWithParams": fn(*mut CUgraphExec, CUgraph, *mut CUDA_GRAPH_INSTANTIATE_PARAMS);
+        graph_instantiate_with_params_ptsz = c"cuGraphInstantiateWithParams_ptsz": fn(*mut CUgraphExec, CUgraph, *mut CUDA_GRAPH_INSTANTIATE_PARAMS);
+        graph_upload = c"cuGraphUpload": fn(CUgraphExec, CUstream);
+        graph_upload_ptsz = c"cuGraphUpload_ptsz": fn(CUgraphExec, CUstream);
+        graph_get_nodes = c"cuGraphGetNodes": fn(CUgraph, *mut CUgraphNode, *mut usize);
+        graph_node_get_type = c"cuGraphNodeGetType": fn(CUgraphNode, *mut c_int);
+        graph_mem_alloc_node_get_params = c"cuGraphMemAllocNodeGetParams": fn(CUgraphNode, *mut CUDA_MEM_ALLOC_NODE_PARAMS);
+        graph_child_graph_node_get_graph = c"cuGraphChildGraphNodeGetGraph": fn(CUgraphNode, *mut CUgraph);
+        stream_is_capturing = c"cuStreamIsCapturing": fn(CUstream, *mut c_int);
+        stream_is_capturing_ptsz = c"cuStreamIsCapturing_ptsz": fn(CUstream, *mut c_int);
         graph_exec_destroy = c"cuGraphExecDestroy": fn(CUgraphExec);
-        graph_destroy = c"cuGraphDestroy": fn(CUgraph);
         device_graph_mem_trim = c"cuDeviceGraphMemTrim": fn(CUdevice);
         device_get_graph_mem_attribute = c"cuDeviceGetGraphMemAttribute": fn(CUdevice, c_int, *mut c_void);
     }

@@ -81,6 +81,11 @@ echo "8 processes: peak footprint ${peak} MiB, quota $((limit >> 20)) MiB"
 [ $peak -le $((limit >> 20)) ] || { echo "FAILED: footprint over quota"; failed=1; }
 rm -f "$ledger"
 
+# Graph memory from stream capture and child graphs: refused past the quota before launch.
+ledger=$(mktemp -u /tmp/vramguard-gpu.XXXXXX)
+LD_PRELOAD=$hook CUDA_DEVICE_MEMORY_LIMIT=$limit VRAMGUARD_LEDGER=$ledger python3 "$here/hook_graphs.py" $limit || failed=1
+python3 "$here/hook_graphs.py" $limit --control || failed=1
+rm -f "$ledger"
 fi
 
 # eBPF accounting against the real libcuda.

@@ -433,6 +433,12 @@ const EXPORTS: &[&str] = &[
     "cuMipmappedArrayDestroy", "cuArrayGetMemoryRequirements", "cuMipmappedArrayGetMemoryRequirements", "cuGraphCreate",
     "cuGraphAddMemAllocNode", "cuGraphInstantiateWithFlags", "cuGraphLaunch", "cuGraphLaunch_ptsz", "cuDeviceGraphMemTrim",
     "cuDeviceGetGraphMemAttribute", "cuGraphExecDestroy", "cuGraphDestroy", "cuCtxCreate_v3",
+    // Graphs: capture, clones, child graphs, instantiation (fakecuda's graphs.rs).
+    "cuGraphAddChildGraphNode", "cuGraphAddNode", "cuGraphAddNode_v2", "cuGraphClone", "cuGraphGetNodes", "cuGraphNodeGetType", "cuGraphMemAllocNodeGetParams",
+    "cuGraphChildGraphNodeGetGraph", "cuGraphInstantiate", "cuGraphInstantiate_v2", "cuGraphInstantiateWithParams",
+    "cuGraphInstantiateWithParams_ptsz", "cuGraphUpload", "cuGraphUpload_ptsz", "cuStreamBeginCapture_v2",
+    "cuStreamBeginCapture_v2_ptsz", "cuStreamEndCapture", "cuStreamEndCapture_ptsz", "cuStreamIsCapturing",
+    "cuStreamIsCapturing_ptsz",
 ];
 
 #[test]

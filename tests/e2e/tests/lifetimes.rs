@@ -199,6 +199,88 @@ fn graph_memory_is_charged_from_launch_until_trimmed_and_refused_over_quota() ->
     Ok(())
 }
 
+/// A graph whose allocation node came from stream capture (`graph-capture`) or sits in a child
+/// graph (`graph-child`: moved into a child graph node with `cuGraphAddNode_v2`),
+/// instantiated through `cuGraphInstantiateWithParams` and `cuGraphInstantiate_v2`:
+/// the hook reads the executable graph's bytes from the driver's graph at instantiation, so
+/// a launch (or upload) that would pass the quota is refused before the driver runs it (the
+/// driver's usage does not move), and one that fits is charged from its launch until
+/// `cuDeviceGraphMemTrim`. Capturing a graph bigger than the quota is not refused: captured
+/// allocations take no memory until launch.
+fn graph_memory_admitted_before_launch(how: &str) -> Result<()> {
+    let node = node(&format!("graphs-{how}"), "64m");
+    let ledger = node.ledger_path();
+    let mut w = node
+        .hooked(&ledger, LIMIT)?
+        .steps([
+            "ctx 0".to_string(),
+            format!("graph-{how} g 512m"),
+            format!("graph-{how} h 1g"),
+            "checkpoint instantiated".to_string(),
+            "expect-oom launch h".to_string(),
+            "expect-oom upload h".to_string(),
+            "checkpoint refused".to_string(),
+            "launch g".to_string(),
+            "checkpoint launched".to_string(),
+            "launch g".to_string(),
+            "expect-oom launch h".to_string(),
+            "checkpoint relaunched".to_string(),
+            "graph-trim".to_string(),
+            "checkpoint trimmed".to_string(),
+            "graph-destroy g".to_string(),
+            "graph-destroy h".to_string(),
+        ])
+        .spawn()?;
+    at(&mut w, "instantiated", &node, &ledger, CTX)?;
+    at(&mut w, "refused", &node, &ledger, CTX)?;
+    at(&mut w, "launched", &node, &ledger, CTX + 512 * MIB)?;
+    at(&mut w, "relaunched", &node, &ledger, CTX + 512 * MIB)?;
+    at(&mut w, "trimmed", &node, &ledger, CTX)?;
+    let out = w.wait()?.success()?;
+    assert_eq!(out.lines("oom ").collect::<Vec<_>>(), ["oom launch", "oom upload", "oom launch"]);
+    assert!(!out.stderr.contains("cannot tell what an executable graph allocates"), "{}", out.stderr);
+    Ok(())
+}
+
+#[test]
+fn captured_graph_memory_is_admitted_before_launch() -> Result<()> {
+    graph_memory_admitted_before_launch("capture")
+}
+
+/// A graph holding allocation nodes cannot be cloned (the real driver says
+/// `CUDA_ERROR_NOT_SUPPORTED`, measured on an H100 with driver 580.159, and so does the fake):
+/// the hook hands the driver's answer back.
+#[test]
+fn cloning_graph_memory_is_refused_by_the_driver() -> Result<()> {
+    let node = node("graphs-clone", "64m");
+    let ledger = node.ledger_path();
+    let out = node.hooked(&ledger, LIMIT)?.steps(["ctx 0", "graph-clone c 512m"]).run()?;
+    ensure!(!out.status.success(), "the clone was not refused: {:?}", out.stdout);
+    assert!(out.stderr.contains("error graph-clone 801 CUDA_ERROR_NOT_SUPPORTED"), "{}", out.stderr);
+    Ok(())
+}
+
+#[test]
+fn child_graph_memory_is_admitted_before_launch() -> Result<()> {
+    graph_memory_admitted_before_launch("child")
+}
+
+/// The negative control: without the hook the same launches reach the driver, which has the
+/// memory (8 GiB) and takes it.
+#[test]
+fn without_the_hook_graph_launches_past_the_quota_take_device_memory() -> Result<()> {
+    for how in ["capture", "child"] {
+        let node = node(&format!("graphs-{how}-unhooked"), "64m");
+        let out = node
+            .workload()
+            .steps(["ctx 0".to_string(), format!("graph-{how} h 1g"), "launch h".to_string(), "devstat 0".to_string()])
+            .run()?
+            .success()?;
+        assert_eq!(e2e::field(out.line("devstat ")?, "used")?, CTX + GIB, "{how}: the driver ran the launch");
+    }
+    Ok(())
+}
+
 /// Every context holds memory: the primary one and each created one (`cuCtxCreate_v2/_v3/_v4`)
 /// is charged until it is released or destroyed, and one past the quota is refused.
 #[test]

@@ -19,12 +19,15 @@ const ERRORS: &[(CUresult, &CStr, &CStr)] = &[
     (201, c"CUDA_ERROR_INVALID_CONTEXT", c"invalid device context"),
     (304, c"CUDA_ERROR_OPERATING_SYSTEM", c"OS call failed or operation not supported on this OS"),
     (400, c"CUDA_ERROR_INVALID_HANDLE", c"invalid resource handle"),
+    (401, c"CUDA_ERROR_ILLEGAL_STATE", c"the operation cannot be performed in the present state"),
     (500, c"CUDA_ERROR_NOT_FOUND", c"named symbol not found"),
     (600, c"CUDA_ERROR_NOT_READY", c"device not ready"),
     (708, c"CUDA_ERROR_PRIMARY_CONTEXT_ACTIVE", c"primary context active"),
     (709, c"CUDA_ERROR_CONTEXT_IS_DESTROYED", c"context is destroyed"),
     (800, c"CUDA_ERROR_NOT_PERMITTED", c"operation not permitted"),
     (801, c"CUDA_ERROR_NOT_SUPPORTED", c"operation not supported"),
+    (900, c"CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED", c"operation not permitted when stream is capturing"),
+    (901, c"CUDA_ERROR_STREAM_CAPTURE_INVALIDATED", c"operation failed due to a previous error during capture"),
     (999, c"CUDA_ERROR_UNKNOWN", c"unknown error"),
 ];
 

@@ -54,6 +54,7 @@ macro_rules! exports_sharing_body {
         )+
     };
 }
+pub(crate) use exports_sharing_body;
 
 /// The driver version the fake reports (CUDA 13.0).
 pub const DRIVER_VERSION: c_int = 13000;
@@ -331,9 +332,12 @@ exports_sharing_body! {
     cuMemAllocAsync = MemAllocAsync,
     cuMemAllocAsync_ptsz = MemAllocAsyncPtsz;
     fn(dptr: *mut CUdeviceptr, bytesize: usize, hStream: CUstream) |api| {
-        let _ = hStream;
         let alloc = |d: &mut Driver| {
             let (_, dev) = d.current()?;
+            // While the stream is captured: an allocation node (crate::graphs).
+            if let Some(node) = crate::graphs::capture_alloc(d, hStream, api == Api::MemAllocAsyncPtsz, |_| Ok(dev), bytesize as u64) {
+                return node;
+            }
             d.pool_alloc(driver::pool_handle(dev), bytesize as u64)
         };
         // SAFETY: the caller passes NULL or a valid CUdeviceptr pointer.
@@ -346,9 +350,12 @@ exports_sharing_body! {
     cuMemFreeAsync = MemFreeAsync,
     cuMemFreeAsync_ptsz = MemFreeAsyncPtsz;
     fn(dptr: CUdeviceptr, hStream: CUstream) |api| {
-        let _ = hStream;
         call(api, |d| {
             d.current()?;
+            // While the stream is captured: a free node (crate::graphs).
+            if let Some(node) = crate::graphs::capture_free(d, hStream, api == Api::MemFreeAsyncPtsz) {
+                return node;
+            }
             d.free(dptr, true)
         })
     }
@@ -358,8 +365,14 @@ exports_sharing_body! {
     cuMemAllocFromPoolAsync = MemAllocFromPoolAsync,
     cuMemAllocFromPoolAsync_ptsz = MemAllocFromPoolAsyncPtsz;
     fn(dptr: *mut CUdeviceptr, bytesize: usize, pool: CUmemoryPool, hStream: CUstream) |api| {
-        let _ = hStream;
-        let alloc = |d: &mut Driver| d.pool_alloc(pool as u64, bytesize as u64);
+        let alloc = |d: &mut Driver| {
+            // While the stream is captured: an allocation node on the pool's device (crate::graphs).
+            let ptsz = api == Api::MemAllocFromPoolAsyncPtsz;
+            if let Some(node) = crate::graphs::capture_alloc(d, hStream, ptsz, |d| Ok(d.pool(pool as u64)?.dev), bytesize as u64) {
+                return node;
+            }
+            d.pool_alloc(pool as u64, bytesize as u64)
+        };
         // SAFETY: the caller passes NULL or a valid CUdeviceptr pointer.
         unsafe { call_out(api, dptr, alloc) }
     }

@@ -6,8 +6,9 @@
 //! dead process's memory returns to the device. Allocation granularity, context reserve,
 //! stream-ordered pools and VMM handles follow what was measured on an H100 ([`driver`]).
 //! Configuration comes from `FAKECUDA_*` environment variables ([`config`]). The exported
-//! entry points are in [`exports`] (arrays and graph memory in
-//! [`resources`], imported external memory in [`external`]); `cuGetProcAddress` resolution is in [`procaddr`]. The same
+//! entry points are in [`exports`] (arrays in [`resources`], graphs, stream capture and graph
+//! memory in [`graphs`], imported external memory in [`external`]); `cuGetProcAddress`
+//! resolution is in [`procaddr`]. The same
 //! library is a minimal NVML too ([`nvml`]: init, device handles and UUIDs, memory info).
 //!
 //! Build: `cargo build -p fakecuda` gives `target/<profile>/libcuda.so` with soname
@@ -22,6 +23,7 @@ pub mod driver;
 pub mod errors;
 pub mod exports;
 pub mod external;
+pub mod graphs;
 pub mod nvml;
 pub mod pools;
 pub mod procaddr;

@@ -20,7 +20,7 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 
 use cuda_abi::*;
 
-use crate::{attributes as a, exports as e, external as x, pools as p, resources as r, streams as s};
+use crate::{attributes as a, exports as e, external as x, graphs as g, pools as p, resources as r, streams as s};
 
 /// One base name: `(since, export)` per versioned form, oldest first (`None`: a form the
 /// fake does not export), and the `_ptsz` export used under per-thread default streams.
@@ -101,13 +101,27 @@ table! {
     "cuMipmappedArrayGetMemoryRequirements": [11060 => "cuMipmappedArrayGetMemoryRequirements"];
     "cuGraphCreate": [10000 => "cuGraphCreate"];
     "cuGraphAddMemAllocNode": [11040 => "cuGraphAddMemAllocNode"];
-    "cuGraphInstantiate": [10000 => -, 11000 => -, 12000 => "cuGraphInstantiateWithFlags"];
+    "cuGraphInstantiate": [10000 => "cuGraphInstantiate", 11000 => "cuGraphInstantiate_v2", 12000 => "cuGraphInstantiateWithFlags"];
     "cuGraphInstantiateWithFlags": [11040 => "cuGraphInstantiateWithFlags"];
     "cuGraphLaunch": [10000 => "cuGraphLaunch"] ptsz "cuGraphLaunch_ptsz";
     "cuGraphExecDestroy": [10000 => "cuGraphExecDestroy"];
     "cuGraphDestroy": [10000 => "cuGraphDestroy"];
     "cuDeviceGraphMemTrim": [11040 => "cuDeviceGraphMemTrim"];
     "cuDeviceGetGraphMemAttribute": [11040 => "cuDeviceGetGraphMemAttribute"];
+    // ---- graphs: capture, clones, child graphs, instantiation (crate::graphs) ----
+    "cuGraphAddChildGraphNode": [10000 => "cuGraphAddChildGraphNode"];
+    "cuGraphAddNode": [12020 => "cuGraphAddNode", 12030 => "cuGraphAddNode_v2"];
+    "cuGraphClone": [10000 => "cuGraphClone"];
+    "cuGraphGetNodes": [10000 => "cuGraphGetNodes"];
+    "cuGraphNodeGetType": [10000 => "cuGraphNodeGetType"];
+    "cuGraphMemAllocNodeGetParams": [11040 => "cuGraphMemAllocNodeGetParams"];
+    "cuGraphChildGraphNodeGetGraph": [10000 => "cuGraphChildGraphNodeGetGraph"];
+    "cuGraphInstantiateWithParams": [12000 => "cuGraphInstantiateWithParams"] ptsz "cuGraphInstantiateWithParams_ptsz";
+    "cuGraphUpload": [11010 => "cuGraphUpload"] ptsz "cuGraphUpload_ptsz";
+    "cuStreamBeginCapture": [10000 => -, 10010 => "cuStreamBeginCapture_v2"] ptsz "cuStreamBeginCapture_v2_ptsz";
+    "cuStreamEndCapture": [10000 => "cuStreamEndCapture"] ptsz "cuStreamEndCapture_ptsz";
+    "cuStreamIsCapturing": [10000 => "cuStreamIsCapturing"] ptsz "cuStreamIsCapturing_ptsz";
+    // ---- end graphs ----
     "cuImportExternalMemory": [10000 => "cuImportExternalMemory"];
     "cuExternalMemoryGetMappedBuffer": [10000 => "cuExternalMemoryGetMappedBuffer"];
     "cuDestroyExternalMemory": [10000 => "cuDestroyExternalMemory"];
@@ -156,9 +170,17 @@ pub fn address(export: &str) -> Option<usize> {
         e::cuGetProcAddress, e::cuGetProcAddress_v2, e::cuGetErrorString, e::cuGetErrorName,
         e::cuMemRetainAllocationHandle, r::cuArrayCreate_v2, r::cuArray3DCreate_v2, r::cuArrayDestroy,
         r::cuArrayGetMemoryRequirements, r::cuMipmappedArrayCreate, r::cuMipmappedArrayDestroy,
-        r::cuMipmappedArrayGetMemoryRequirements, r::cuGraphCreate, r::cuGraphAddMemAllocNode,
-        r::cuGraphInstantiateWithFlags, r::cuGraphLaunch, r::cuGraphLaunch_ptsz, r::cuGraphExecDestroy,
-        r::cuGraphDestroy, r::cuDeviceGraphMemTrim, r::cuDeviceGetGraphMemAttribute,
+        r::cuMipmappedArrayGetMemoryRequirements,
+        // ---- graphs (crate::graphs) ----
+        g::cuGraphCreate, g::cuGraphAddMemAllocNode, g::cuGraphInstantiateWithFlags, g::cuGraphLaunch,
+        g::cuGraphLaunch_ptsz, g::cuGraphExecDestroy, g::cuGraphDestroy, g::cuDeviceGraphMemTrim,
+        g::cuDeviceGetGraphMemAttribute, g::cuGraphAddChildGraphNode, g::cuGraphAddNode, g::cuGraphAddNode_v2, g::cuGraphClone, g::cuGraphGetNodes,
+        g::cuGraphNodeGetType, g::cuGraphMemAllocNodeGetParams, g::cuGraphChildGraphNodeGetGraph,
+        g::cuGraphInstantiate, g::cuGraphInstantiate_v2, g::cuGraphInstantiateWithParams,
+        g::cuGraphInstantiateWithParams_ptsz, g::cuGraphUpload, g::cuGraphUpload_ptsz,
+        g::cuStreamBeginCapture_v2, g::cuStreamBeginCapture_v2_ptsz, g::cuStreamEndCapture,
+        g::cuStreamEndCapture_ptsz, g::cuStreamIsCapturing, g::cuStreamIsCapturing_ptsz,
+        // ---- end graphs ----
         x::cuImportExternalMemory, x::cuExternalMemoryGetMappedBuffer, x::cuDestroyExternalMemory,
     )
 }
@@ -249,6 +271,10 @@ mod tests {
         assert_eq!(resolve_name("cuMemAllocAsync", 12000, 2), Ok("cuMemAllocAsync_ptsz"));
         assert_eq!(resolve_name("cuMemAllocAsync", 11010, 2), Err(CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT));
         assert_eq!(resolve_name("cuMemAlloc_v2", 12000, 0), Err(CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND));
+        assert_eq!(resolve_name("cuGraphInstantiate", 10020, 0), Ok("cuGraphInstantiate"));
+        assert_eq!(resolve_name("cuGraphInstantiate", 11080, 0), Ok("cuGraphInstantiate_v2"));
+        assert_eq!(resolve_name("cuGraphInstantiate", 12000, 0), Ok("cuGraphInstantiateWithFlags"));
+        assert_eq!(resolve_name("cuStreamBeginCapture", 10010, 2), Ok("cuStreamBeginCapture_v2_ptsz"));
         assert_eq!(resolve_name("cuNoSuchThing", 12000, 0), Err(CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND));
     }
 

@@ -1,4 +1,4 @@
-//! The fake's CUDA arrays and graph memory: state ([`Resources`], part of
+//! The fake's CUDA arrays and the handles of its graph objects: state ([`Resources`], part of
 //! the process's [`Driver`]) and exports, charged to the device like everything else
 //! (the `resources` part of a process's footprint, see [`crate::driver`]).
 //!
@@ -11,22 +11,13 @@
 //! report (alignment 2 MiB). Formats: the basic integer, half and float ones; 1, 2 or 4
 //! channels.
 //!
-//! **Graph memory**: `cuGraphCreate`, `cuGraphAddMemAllocNode` (device-located pinned pools
-//! only; the node's `dptr` is written), `cuGraphInstantiateWithFlags`, `cuGraphLaunch(_ptsz)`,
-//! `cuDeviceGraphMemTrim`, `cuDeviceGetGraphMemAttribute`, `cuGraphExecDestroy`,
-//! `cuGraphDestroy`. Each device has one graph memory pool. A launch needs, on each device, the
-//! bytes of its graph's allocation nodes (each rounded up to 2 MiB): the pool grows to cover
-//! them (charged to the device; over what the device has, the launch fails with
-//! `CUDA_ERROR_OUT_OF_MEMORY` and does nothing). Work is synchronous and every allocation is
-//! taken to be freed inside its graph (as with a matching free node), so after a launch the
-//! memory is back in the pool: reserved, unused, until `cuDeviceGraphMemTrim` gives it back.
-//! Allocations that outlive their graph's launch are not modelled.
+//! **Graph memory**: see [`crate::graphs`]; its state is kept here, with the handles.
 
 // CUDA's names and parameter names; the Safety section of `crate::exports` covers these too.
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
 use std::collections::HashMap;
-use std::ffi::{c_int, c_uint, c_void};
+use std::ffi::{c_int, c_uint};
 
 use cuda_abi::*;
 
@@ -36,9 +27,7 @@ use crate::driver::{call, call_out, Driver, PAGE};
 type R<T> = Result<T, CUresult>;
 
 /// Handles of arrays, graphs, nodes and executable graphs: fake pointers in a range of their own.
-const RESOURCE_BASE: u64 = 0x0000_5ca4_0000_0000;
-/// Device addresses handed to graph allocation nodes.
-const GRAPH_VA_BASE: u64 = 0x7f00_0000_0000;
+pub(crate) const RESOURCE_BASE: u64 = 0x0000_5ca4_0000_0000;
 
 #[derive(Debug, Clone, Copy)]
 struct Array {
@@ -47,27 +36,18 @@ struct Array {
     mipmapped: bool,
 }
 
-/// The graph memory pool of one device.
-#[derive(Debug, Clone, Copy, Default)]
-struct GraphPool {
-    reserved: u64,
-    reserved_high: u64,
-}
-
 /// This process's arrays, graphs and graph pools.
 #[derive(Debug, Default)]
 pub struct Resources {
     next: u64,
     arrays: HashMap<u64, Array>,
-    /// Graph → (device, bytes) of each allocation node.
-    graphs: HashMap<u64, Vec<(usize, u64)>>,
-    /// Executable graph → bytes it needs per device.
-    execs: HashMap<u64, Vec<(usize, u64)>>,
-    pools: HashMap<usize, GraphPool>,
+    /// Graphs, their nodes, executable graphs, captures and the graph pools.
+    pub(crate) graphs: crate::graphs::GraphState,
 }
 
 impl Resources {
-    fn handle(&mut self) -> u64 {
+    /// A new handle, never handed out before in this process.
+    pub(crate) fn handle(&mut self) -> u64 {
         self.next += 1;
         RESOURCE_BASE + self.next * 0x100
     }
@@ -199,153 +179,6 @@ pub unsafe extern "C" fn cuMipmappedArrayGetMemoryRequirements(
     // SAFETY: the caller passes NULL or a valid struct pointer.
     unsafe { call_out(Api::MipmappedArrayGetMemoryRequirements, memoryRequirements, |d| requirements(d, mipmap as u64, true, device)) }
 }
-
-// ---- graph memory ---------------------------------------------------------------------------------
-
-#[no_mangle]
-pub unsafe extern "C" fn cuGraphCreate(phGraph: *mut CUgraph, flags: c_uint) -> CUresult {
-    let create = |d: &mut Driver| {
-        if flags != 0 {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let h = d.resources.handle();
-        d.resources.graphs.insert(h, Vec::new());
-        Ok(h as CUgraph)
-    };
-    // SAFETY: the caller passes NULL or a valid CUgraph pointer.
-    unsafe { call_out(Api::GraphCreate, phGraph, create) }
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuGraphAddMemAllocNode(
-    phGraphNode: *mut CUgraphNode,
-    hGraph: CUgraph,
-    dependencies: *const CUgraphNode,
-    numDependencies: usize,
-    nodeParams: *mut CUDA_MEM_ALLOC_NODE_PARAMS,
-) -> CUresult {
-    let add = |d: &mut Driver| {
-        if numDependencies != 0 && dependencies.is_null() {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        // SAFETY: the caller passes NULL or a valid parameter struct, which the driver writes.
-        let params = unsafe { nodeParams.as_mut() }.ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        let props = params.pool_props;
-        if props.alloc_type != CU_MEM_ALLOCATION_TYPE_PINNED || props.location.type_ != CU_MEM_LOCATION_TYPE_DEVICE || params.bytesize == 0 {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let dev = d.dev_index(props.location.id)?;
-        let bytes = (params.bytesize as u64).checked_next_multiple_of(PAGE).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        let h = d.resources.handle();
-        let nodes = d.resources.graphs.get_mut(&(hGraph as u64)).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        nodes.push((dev, bytes));
-        params.dptr = GRAPH_VA_BASE + (h - RESOURCE_BASE) * 0x1000;
-        Ok(h as CUgraphNode)
-    };
-    // SAFETY: the caller passes NULL or a valid CUgraphNode pointer.
-    unsafe { call_out(Api::GraphAddMemAllocNode, phGraphNode, add) }
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuGraphInstantiateWithFlags(phGraphExec: *mut CUgraphExec, hGraph: CUgraph, flags: u64) -> CUresult {
-    let instantiate = |d: &mut Driver| {
-        if flags != 0 {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let nodes = d.resources.graphs.get(&(hGraph as u64)).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        let mut needs: Vec<(usize, u64)> = Vec::new();
-        for &(dev, bytes) in nodes {
-            match needs.iter_mut().find(|(d, _)| *d == dev) {
-                Some((_, total)) => *total = total.checked_add(bytes).ok_or(CUDA_ERROR_INVALID_VALUE)?,
-                None => needs.push((dev, bytes)),
-            }
-        }
-        let h = d.resources.handle();
-        d.resources.execs.insert(h, needs);
-        Ok(h as CUgraphExec)
-    };
-    // SAFETY: the caller passes NULL or a valid CUgraphExec pointer.
-    unsafe { call_out(Api::GraphInstantiateWithFlags, phGraphExec, instantiate) }
-}
-
-/// Grows each device's graph pool to cover what `exec` allocates (all or nothing).
-fn launch(d: &mut Driver, exec: u64) -> R<()> {
-    d.current()?;
-    let needs = d.resources.execs.get(&exec).cloned().ok_or(CUDA_ERROR_INVALID_VALUE)?;
-    let mut grown: Vec<(usize, u64)> = Vec::new();
-    for (dev, bytes) in needs {
-        let pool = d.resources.pools.get(&dev).copied().unwrap_or_default();
-        let growth = bytes.saturating_sub(pool.reserved);
-        if let Err(e) = d.recharge_resources(dev, growth, 0) {
-            for &(dev, growth) in &grown {
-                let _ = d.recharge_resources(dev, 0, growth);
-                if let Some(pool) = d.resources.pools.get_mut(&dev) {
-                    pool.reserved -= growth;
-                }
-            }
-            return Err(e);
-        }
-        let pool = d.resources.pools.entry(dev).or_default();
-        pool.reserved += growth;
-        pool.reserved_high = pool.reserved_high.max(pool.reserved);
-        grown.push((dev, growth));
-    }
-    Ok(())
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuGraphLaunch(hGraphExec: CUgraphExec, hStream: CUstream) -> CUresult {
-    let _ = hStream;
-    call(Api::GraphLaunch, |d| launch(d, hGraphExec as u64))
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuGraphLaunch_ptsz(hGraphExec: CUgraphExec, hStream: CUstream) -> CUresult {
-    let _ = hStream;
-    call(Api::GraphLaunchPtsz, |d| launch(d, hGraphExec as u64))
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuDeviceGraphMemTrim(device: CUdevice) -> CUresult {
-    call(Api::DeviceGraphMemTrim, |d| {
-        let dev = d.dev_index(device)?;
-        // Nothing is in use between launches: all of the reserve goes back.
-        let reserved = d.resources.pools.get(&dev).map_or(0, |p| p.reserved);
-        d.recharge_resources(dev, 0, reserved)?;
-        if let Some(pool) = d.resources.pools.get_mut(&dev) {
-            pool.reserved = 0;
-        }
-        Ok(())
-    })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuDeviceGetGraphMemAttribute(device: CUdevice, attr: c_int, value: *mut c_void) -> CUresult {
-    let get = |d: &mut Driver| {
-        let dev = d.dev_index(device)?;
-        let pool = d.resources.pools.get(&dev).copied().unwrap_or_default();
-        match attr {
-            // Used: nothing outlives a launch (see the module docs).
-            CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT | 1 => Ok(0u64),
-            CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT => Ok(pool.reserved),
-            3 => Ok(pool.reserved_high),
-            _ => Err(CUDA_ERROR_INVALID_VALUE),
-        }
-    };
-    // SAFETY: for these attributes the caller passes NULL or a valid cuuint64_t pointer.
-    unsafe { call_out(Api::DeviceGetGraphMemAttribute, value.cast::<u64>(), get) }
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuGraphExecDestroy(hGraphExec: CUgraphExec) -> CUresult {
-    call(Api::GraphExecDestroy, |d| d.resources.execs.remove(&(hGraphExec as u64)).map(|_| ()).ok_or(CUDA_ERROR_INVALID_VALUE))
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuGraphDestroy(hGraph: CUgraph) -> CUresult {
-    call(Api::GraphDestroy, |d| d.resources.graphs.remove(&(hGraph as u64)).map(|_| ()).ok_or(CUDA_ERROR_INVALID_VALUE))
-}
-
 
 #[cfg(test)]
 mod tests {

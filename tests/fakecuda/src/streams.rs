@@ -58,7 +58,7 @@ fn new_handle(d: &Driver, base: u64, events: bool) -> Result<u64, CUresult> {
 }
 
 /// The device a stream belongs to (`None` for the default streams: the current context's).
-fn stream_dev(d: &Driver, stream: CUstream) -> Result<usize, CUresult> {
+pub(crate) fn stream_dev(d: &Driver, stream: CUstream) -> Result<usize, CUresult> {
     let s = stream as u64;
     if DEFAULT_STREAMS.contains(&s) {
         return Ok(d.current()?.1);

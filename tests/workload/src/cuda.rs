@@ -15,12 +15,15 @@ pub const GETPROC_VERSION: c_int = 12000;
 
 /// The version a base name is asked for at: [`GETPROC_VERSION`], except `cuCtxCreate`, which
 /// stands for `cuCtxCreate_v3` from 11040 in `cuda.h` and is asked for at 11030 so that it is
-/// still the `cuCtxCreate_v2` the workload calls.
+/// still the `cuCtxCreate_v2` the workload calls, `cuGraphInstantiate`, which stands for
+/// `cuGraphInstantiateWithFlags` from 12000 and is asked for at 11000, where it is the legacy
+/// `cuGraphInstantiate_v2`, and `cuGraphAddNode`, which is `cuGraphAddNode_v2` from 12030.
 pub fn getproc_version(query: &str) -> c_int {
-    if query == "cuCtxCreate" {
-        11030
-    } else {
-        GETPROC_VERSION
+    match query {
+        "cuCtxCreate" => 11030,
+        "cuGraphInstantiate" => 11000,
+        "cuGraphAddNode" => 12030,
+        _ => GETPROC_VERSION,
     }
 }
 
@@ -111,6 +114,16 @@ entry_points! {
     graph_exec_destroy: fn(CUgraphExec) = "cuGraphExecDestroy" / "cuGraphExecDestroy" / 0;
     graph_destroy: fn(CUgraph) = "cuGraphDestroy" / "cuGraphDestroy" / 0;
     device_graph_mem_trim: fn(CUdevice) = "cuDeviceGraphMemTrim" / "cuDeviceGraphMemTrim" / 0;
+    // Graphs captured from a stream, cloned, nested; their instantiation entry points.
+    stream_create: fn(*mut CUstream, c_uint) = "cuStreamCreate" / "cuStreamCreate" / 0;
+    stream_destroy: fn(CUstream) = "cuStreamDestroy_v2" / "cuStreamDestroy" / 0;
+    stream_begin_capture: fn(CUstream, c_int) = "cuStreamBeginCapture_v2" / "cuStreamBeginCapture" / 0;
+    stream_end_capture: fn(CUstream, *mut CUgraph) = "cuStreamEndCapture" / "cuStreamEndCapture" / 0;
+    graph_clone: fn(*mut CUgraph, CUgraph) = "cuGraphClone" / "cuGraphClone" / 0;
+    graph_add_node_v2: fn(*mut CUgraphNode, CUgraph, *const CUgraphNode, *const c_void, usize, *mut CUgraphNodeParams) = "cuGraphAddNode_v2" / "cuGraphAddNode" / 0;
+    graph_instantiate_v2: fn(*mut CUgraphExec, CUgraph, *mut CUgraphNode, *mut c_char, usize) = "cuGraphInstantiate_v2" / "cuGraphInstantiate" / 0;
+    graph_instantiate_with_params: fn(*mut CUgraphExec, CUgraph, *mut CUDA_GRAPH_INSTANTIATE_PARAMS) = "cuGraphInstantiateWithParams" / "cuGraphInstantiateWithParams" / 0;
+    graph_upload: fn(CUgraphExec, CUstream) = "cuGraphUpload" / "cuGraphUpload" / 0;
     import_external_memory: fn(*mut CUexternalMemory, *const CUDA_EXTERNAL_MEMORY_HANDLE_DESCRIPTOR) = "cuImportExternalMemory" / "cuImportExternalMemory" / 0;
     external_memory_get_mapped_buffer: fn(*mut CUdeviceptr, CUexternalMemory, *const CUDA_EXTERNAL_MEMORY_BUFFER_DESC) = "cuExternalMemoryGetMappedBuffer" / "cuExternalMemoryGetMappedBuffer" / 0;
     destroy_external_memory: fn(CUexternalMemory) = "cuDestroyExternalMemory" / "cuDestroyExternalMemory" / 0;

@@ -24,7 +24,7 @@ use std::io::{BufRead, Write};
 use std::time::{Duration, Instant};
 
 use cuda::*;
-use steps::Step;
+use steps::{GraphHow, Step};
 
 const USAGE: &str = "\
 usage: fakecuda-workload [--via dlsym|getproc] [--no-init] [--script FILE] [STEP]...
@@ -60,7 +60,14 @@ Each argument (or script line; # starts a comment) is one step. Sizes take k/m/g
   mipmap-destroy NAME     cuMipmappedArrayDestroy
   graph NAME SIZE         cuGraphCreate + cuGraphAddMemAllocNode (SIZE on the current
                           device) + cuGraphInstantiateWithFlags
+  graph-capture NAME SIZE cuMemAllocAsync + cuMemFreeAsync of SIZE captured from a new stream
+                          (cuStreamBeginCapture_v2 .. cuStreamEndCapture) + cuGraphInstantiateWithParams
+  graph-clone NAME SIZE   the `graph` graph cuGraphClone'd (original destroyed) + cuGraphInstantiateWithFlags
+                          (drivers refuse to clone allocation nodes: CUDA_ERROR_NOT_SUPPORTED)
+  graph-child NAME SIZE   a graph holding the `graph` graph in a child graph node (cuGraphAddNode_v2,
+                          ownership moved) + cuGraphInstantiate_v2
   launch NAME             cuGraphLaunch of graph NAME on the NULL stream
+  upload NAME             cuGraphUpload of graph NAME on the NULL stream
   graph-destroy NAME      cuGraphExecDestroy + cuGraphDestroy
   graph-trim              cuDeviceGraphMemTrim of the current device
   free NAME               cuMemFree_v2
@@ -168,6 +175,17 @@ macro_rules! cu {
             return Err(Failure { step: $step, code: rc });
         }
     }};
+}
+
+/// The parameters of an allocation node of `size` bytes on device `dev`.
+fn alloc_node_params(dev: CUdevice, size: u64) -> CUDA_MEM_ALLOC_NODE_PARAMS {
+    CUDA_MEM_ALLOC_NODE_PARAMS {
+        pool_props: device_pool_props(dev),
+        access_descs: std::ptr::null(),
+        access_desc_count: 0,
+        bytesize: size as usize,
+        dptr: 0,
+    }
 }
 
 /// A float4 3D array descriptor.
@@ -451,7 +469,11 @@ impl Runner {
                 })?;
                 self.record(step, m as u64, width * height.max(&1) * depth.max(&1) * 16, 0);
             }
-            Step::ArrayDestroy { name } | Step::MipmapDestroy { name } | Step::Launch { name } | Step::GraphDestroy { name } => {
+            Step::ArrayDestroy { name }
+            | Step::MipmapDestroy { name }
+            | Step::Launch { name }
+            | Step::Upload { name }
+            | Step::GraphDestroy { name } => {
                 let n = self.named(name).map_err(Err)?;
                 let handle = n.addr as *mut std::ffi::c_void;
                 self.call(|s| {
@@ -459,6 +481,7 @@ impl Runner {
                         Step::ArrayDestroy { .. } => cu!(s, verb, array_destroy(handle)),
                         Step::MipmapDestroy { .. } => cu!(s, verb, mipmapped_array_destroy(handle)),
                         Step::Launch { .. } => cu!(s, verb, graph_launch(handle, null())),
+                        Step::Upload { .. } => cu!(s, verb, graph_upload(handle, null())),
                         _ => {
                             cu!(s, verb, graph_exec_destroy(handle));
                             cu!(s, verb, graph_destroy(n.handle as *mut std::ffi::c_void));
@@ -494,22 +517,62 @@ impl Runner {
                 })?;
                 say!("ok {verb} {name} {:#x} {}", n.addr, n.bytes);
             }
-            Step::Graph { size, .. } => {
-                let (mut graph, mut node, mut exec): (CUgraph, CUgraphNode, CUgraphExec) = (null(), null(), null());
+            Step::Graph { size, how, .. } => {
+                let (mut graph, mut exec): (CUgraph, CUgraphExec) = (null(), null());
                 let mut dptr: CUdeviceptr = 0;
                 self.call(|s| {
                     let dev = s.current_device(verb)?;
-                    cu!(s, verb, graph_create(&mut graph, 0));
-                    let mut params = CUDA_MEM_ALLOC_NODE_PARAMS {
-                        pool_props: device_pool_props(dev),
-                        access_descs: std::ptr::null(),
-                        access_desc_count: 0,
-                        bytesize: *size as usize,
-                        dptr: 0,
+                    // One allocation node in a new graph (the `graph`, `graph-clone` and
+                    // `graph-child` steps start from it).
+                    let alloc_graph = |graph: &mut CUgraph, dptr: &mut CUdeviceptr| {
+                        let mut node: CUgraphNode = null();
+                        cu!(s, verb, graph_create(graph, 0));
+                        let mut params = alloc_node_params(dev, *size);
+                        cu!(s, verb, graph_add_mem_alloc_node(&mut node, *graph, std::ptr::null(), 0, &mut params));
+                        *dptr = params.dptr;
+                        Ok(())
                     };
-                    cu!(s, verb, graph_add_mem_alloc_node(&mut node, graph, std::ptr::null(), 0, &mut params));
-                    dptr = params.dptr;
-                    cu!(s, verb, graph_instantiate_with_flags(&mut exec, graph, 0));
+                    match how {
+                        GraphHow::Nodes => {
+                            alloc_graph(&mut graph, &mut dptr)?;
+                            cu!(s, verb, graph_instantiate_with_flags(&mut exec, graph, 0));
+                        }
+                        GraphHow::Clone => {
+                            let mut original: CUgraph = null();
+                            alloc_graph(&mut original, &mut dptr)?;
+                            cu!(s, verb, graph_clone(&mut graph, original));
+                            cu!(s, verb, graph_destroy(original));
+                            cu!(s, verb, graph_instantiate_with_flags(&mut exec, graph, 0));
+                        }
+                        GraphHow::Child => {
+                            let (mut child, mut node): (CUgraph, CUgraphNode) = (null(), null());
+                            alloc_graph(&mut child, &mut dptr)?;
+                            cu!(s, verb, graph_create(&mut graph, 0));
+                            // Moved, not cloned: a graph with allocation nodes cannot be cloned.
+                            let mut params = CUgraphNodeParams { type_: CU_GRAPH_NODE_TYPE_GRAPH, reserved0: [0; 3], params: [0; 29], reserved2: 0 };
+                            let moved = CUDA_CHILD_GRAPH_NODE_PARAMS { graph: child, ownership: CU_GRAPH_CHILD_GRAPH_OWNERSHIP_MOVE };
+                            // SAFETY: the union's first bytes hold the child graph parameters (16 of 232 bytes, 8-aligned).
+                            unsafe { params.params.as_mut_ptr().cast::<CUDA_CHILD_GRAPH_NODE_PARAMS>().write(moved) };
+                            cu!(s, verb, graph_add_node_v2(&mut node, graph, std::ptr::null(), std::ptr::null(), 0, &mut params));
+                            cu!(s, verb, graph_instantiate_v2(&mut exec, graph, std::ptr::null_mut(), std::ptr::null_mut(), 0));
+                        }
+                        GraphHow::Capture => {
+                            let mut stream: CUstream = null();
+                            cu!(s, verb, stream_create(&mut stream, 1));
+                            cu!(s, verb, stream_begin_capture(stream, CU_STREAM_CAPTURE_MODE_GLOBAL));
+                            cu!(s, verb, mem_alloc_async(&mut dptr, *size as usize, stream));
+                            cu!(s, verb, mem_free_async(dptr, stream));
+                            cu!(s, verb, stream_end_capture(stream, &mut graph));
+                            cu!(s, verb, stream_destroy(stream));
+                            let mut params = CUDA_GRAPH_INSTANTIATE_PARAMS {
+                                flags: 0,
+                                h_upload_stream: null(),
+                                h_err_node_out: null(),
+                                result_out: 0,
+                            };
+                            cu!(s, verb, graph_instantiate_with_params(&mut exec, graph, &mut params));
+                        }
+                    }
                     Ok(())
                 })?;
                 say!("graph {} dptr={dptr:#x}", step.name().unwrap_or("?"));

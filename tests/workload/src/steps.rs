@@ -6,6 +6,25 @@ use std::fmt;
 
 use cuda_abi::parse_size;
 
+/// How a `graph` step builds and instantiates its graph (one allocation node of the step's
+/// size on the current device, however it got there).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GraphHow {
+    /// `graph`: `cuGraphCreate` + `cuGraphAddMemAllocNode` + `cuGraphInstantiateWithFlags`.
+    Nodes,
+    /// `graph-capture`: `cuMemAllocAsync` + `cuMemFreeAsync` captured from a new stream
+    /// (`cuStreamBeginCapture_v2` ... `cuStreamEndCapture`) + `cuGraphInstantiateWithParams`.
+    Capture,
+    /// `graph-clone`: the `graph` graph, `cuGraphClone`d (the original destroyed) +
+    /// `cuGraphInstantiateWithFlags`. Drivers refuse to clone allocation nodes
+    /// (`CUDA_ERROR_NOT_SUPPORTED`).
+    Clone,
+    /// `graph-child`: a graph holding the `graph` graph in a child graph node
+    /// (`cuGraphAddNode_v2`, `CU_GRAPH_CHILD_GRAPH_OWNERSHIP_MOVE`) + `cuGraphInstantiate_v2`
+    /// (the legacy export).
+    Child,
+}
+
 /// One step.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Step {
@@ -36,10 +55,12 @@ pub enum Step {
     Mipmap { name: String, width: u64, height: u64, depth: u64, levels: u32 },
     ArrayDestroy { name: String },
     MipmapDestroy { name: String },
-    /// `cuGraphCreate` + `cuGraphAddMemAllocNode` on the current device +
-    /// `cuGraphInstantiateWithFlags`.
-    Graph { name: String, size: u64 },
+    /// A graph allocating `size` bytes on the current device, built and instantiated as
+    /// [`GraphHow`] says.
+    Graph { name: String, size: u64, how: GraphHow },
     Launch { name: String },
+    /// `cuGraphUpload` of an executable graph.
+    Upload { name: String },
     GraphDestroy { name: String },
     GraphTrim,
     /// `cuImportExternalMemory` of an opaque fd (the workload's stdin) of this size, then
@@ -114,7 +135,11 @@ impl Step {
             Step::Mipmap { .. } => "mipmap",
             Step::ArrayDestroy { .. } => "array-destroy",
             Step::MipmapDestroy { .. } => "mipmap-destroy",
-            Step::Graph { .. } => "graph",
+            Step::Graph { how: GraphHow::Nodes, .. } => "graph",
+            Step::Graph { how: GraphHow::Capture, .. } => "graph-capture",
+            Step::Graph { how: GraphHow::Clone, .. } => "graph-clone",
+            Step::Graph { how: GraphHow::Child, .. } => "graph-child",
+            Step::Upload { .. } => "upload",
             Step::Launch { .. } => "launch",
             Step::GraphDestroy { .. } => "graph-destroy",
             Step::GraphTrim => "graph-trim",
@@ -218,16 +243,19 @@ impl Step {
                 want(1, &format!("{verb} DEV"))?;
                 Step::CtxCreateV { dev: dev(args[0])?, version: if *verb == "ctx-create-v3" { 3 } else { 4 } }
             }
-            "create-host" | "graph" | "import" => {
+            "create-host" | "graph" | "graph-capture" | "graph-clone" | "graph-child" | "import" => {
                 want(2, &format!("{verb} NAME SIZE"))?;
                 let (name, size) = (name(0), size(args[1])?);
                 match *verb {
-                    "graph" => Step::Graph { name, size },
+                    "graph" => Step::Graph { name, size, how: GraphHow::Nodes },
+                    "graph-capture" => Step::Graph { name, size, how: GraphHow::Capture },
+                    "graph-clone" => Step::Graph { name, size, how: GraphHow::Clone },
+                    "graph-child" => Step::Graph { name, size, how: GraphHow::Child },
                     "import" => Step::Import { name, size },
                     _ => Step::CreateHost { name, size },
                 }
             }
-            "retain" | "array-destroy" | "mipmap-destroy" | "launch" | "graph-destroy" | "import-destroy" => {
+            "retain" | "array-destroy" | "mipmap-destroy" | "launch" | "upload" | "graph-destroy" | "import-destroy" => {
                 want(1, &format!("{verb} NAME"))?;
                 let name = name(0);
                 match *verb {
@@ -236,6 +264,7 @@ impl Step {
                     "array-destroy" => Step::ArrayDestroy { name },
                     "mipmap-destroy" => Step::MipmapDestroy { name },
                     "launch" => Step::Launch { name },
+                    "upload" => Step::Upload { name },
                     _ => Step::GraphDestroy { name },
                 }
             }
@@ -493,7 +522,10 @@ mod tests {
             Step::parse("mipmap m 256 256 256 2").ok(),
             Some(Step::Mipmap { name: "m".into(), width: 256, height: 256, depth: 256, levels: 2 })
         );
-        assert_eq!(Step::parse("graph g 512m").ok(), Some(Step::Graph { name: "g".into(), size: 512 << 20 }));
+        assert_eq!(Step::parse("graph g 512m").ok(), Some(Step::Graph { name: "g".into(), size: 512 << 20, how: GraphHow::Nodes }));
+        assert_eq!(Step::parse("graph-capture g 2m").ok(), Some(Step::Graph { name: "g".into(), size: 2 << 20, how: GraphHow::Capture }));
+        assert_eq!(Step::parse("graph-child g 2m").map(|s| s.verb()).ok(), Some("graph-child"));
+        assert_eq!(Step::parse("upload g").ok(), Some(Step::Upload { name: "g".into() }));
         assert!(Step::parse("launch").is_err());
         assert_eq!(Step::parse("graph-trim").ok(), Some(Step::GraphTrim));
         assert_eq!(Step::parse("import x 64m").ok(), Some(Step::Import { name: "x".into(), size: 64 << 20 }));
