@@ -4,9 +4,12 @@
 //! - eBPF probes: an alloc/free pair side by side with no probes, with the eBPF object's
 //!   nop programs on the same attach points (`cuMemAlloc_v2` entry and return,
 //!   `cuMemFree_v2` entry: the kernel's own floor) and with vramguard's programs there
-//!   (attached by the benchmark, so the three configurations can alternate run by run); the
-//!   ratio of what ours add to what the floor adds, against the issue's 1.15, per round
-//!   (median and interquartile range over [`PROBE_ROUNDS`] rounds). Two cases:
+//!   (attached by the benchmark, so the configurations can alternate run by run), and with
+//!   vramguard's programs and a cgroup limit pushed for the workload's cgroup (as for every
+//!   provisioned container); the ratio of what ours add to what the floor adds, against the
+//!   issue's 1.15, per round (median and interquartile range over [`PROBE_ROUNDS`] rounds).
+//!   The pair's address is freed and allocated again, as drivers hand it out, so ours take
+//!   over the spare record in place (`common::spare`). Two cases:
 //!   1 KiB while another small allocation stays live (the fake's charge does not change, so
 //!   the pair is cheap and the probes dominate) and 2 MiB (each call changes the device's
 //!   shared counters under the fake's file lock).
@@ -199,8 +202,8 @@ pub fn bench(probes_only: bool) -> Result<()> {
 /// on the same attach points add.
 const FLOOR_TARGET: f64 = 1.15;
 
-/// Rounds of the probe measurement. Each round runs the three configurations (no probes, nop
-/// programs, ours) back to back, starting with a different one each round so none always
+/// Rounds of the probe measurement. Each round runs the four configurations (no probes, nop
+/// programs, ours, ours with a limit pushed) back to back, starting with a different one each round so none always
 /// follows another; what a round's probes add is taken against that round's own bare run,
 /// so a busy machine's drift between rounds cancels out. `VRAMGUARD_BENCH_ROUNDS` overrides
 /// it (a quick look; the report's figures use the default).
@@ -514,7 +517,7 @@ fn median(samples: Vec<f64>) -> f64 {
 fn write_report(rows: &[Row], notes: &[String]) -> Result<()> {
     let mut text = String::from(
         "# Benchmarks\n\nWritten by `cargo xtask bench` against the fake driver (release builds); single-process \
-         figures are the median of 7 runs. The eBPF rows come from 21 rounds of the three \
+         figures are the median of 7 runs. The eBPF rows come from 21 rounds of the four \
          configurations, interleaved (each round starting with another); each figure is the \
          median over the rounds, against its round's bare run, with its interquartile range. The ledger's and the agent's criterion benchmarks \
          (`cargo bench -p ledger`, `cargo bench -p agent`) run with 1 s of warm-up and 3 s of \
