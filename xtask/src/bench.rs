@@ -325,7 +325,7 @@ fn probes(setup: &Setup, object: &Path, rows: &mut Vec<Row>) -> Result<()> {
             let per_pair = run_ns as f64 / pairs as f64;
             println!("probes, {name} pair: {label} run {per_pair:.0} ns per pair (bpf_stats)");
             rows.push(Row::reported(
-                format!("eBPF {label}' own run time (kernel bpf_stats, one run), alloc+free {name} pair"),
+                format!("eBPF {label}, their own run time (kernel bpf_stats, one run), alloc+free {name} pair"),
                 per_pair,
                 "ns per pair",
                 0,
