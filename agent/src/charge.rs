@@ -5,7 +5,7 @@
 //! what would pass the quota.
 //!
 //! The agent holds one slot of its own in each ledger it charges (registered with its own
-//! process identity) and one record in it, replaced with [`Ledger::recharge`] at every pass
+//! process identity) and one record in it, replaced with [`ledger::Ledger::recharge`] at every pass
 //! (so a charge follows the amount, grows back once the quota has room, and is made again if
 //! a workload freed it), and dropped when the amount falls to zero. Over quota the charge is
 //! cut to what the quota still holds. The probes cannot tell devices apart, so the charge goes to the

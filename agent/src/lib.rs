@@ -1,12 +1,9 @@
 //! The `vramguard` node agent as a library: the binary (`src/main.rs`) is its command line,
 //! and the benchmarks under `benches/` drive its modules directly.
-pub mod accounting;
 pub mod cgroup;
 pub mod charge;
 pub mod control;
 pub mod discovery;
-pub mod enforce;
-pub mod extmem;
 pub mod identity;
 pub mod inspect;
 pub mod kernel;
@@ -14,7 +11,6 @@ pub mod ledgers;
 pub mod metrics;
 pub mod pod;
 pub mod preflight;
-pub mod probes;
 pub mod provision;
 pub mod reclaim;
 pub mod reconcile;

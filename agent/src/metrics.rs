@@ -571,7 +571,7 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{probes::AttachReport, reconcile::Observation};
+    use crate::{kernel::probes::AttachReport, reconcile::Observation};
 
     #[test]
     fn encodes_every_family() {
@@ -623,7 +623,7 @@ mod tests {
         assert!(text.contains("vramguard_alloc_records_per_cgroup_cap 100"), "{text}");
         assert!(text.contains("vramguard_cgroups_removed_total{by=\"kernel\"} 2"), "{text}");
         snapshot.external_memory.cgroups =
-            vec![crate::extmem::ExternalRow { cgroup_id: 8, cgroup: "/calm".into(), imports: 1, bytes: 64 << 20, ..Default::default() }];
+            vec![crate::kernel::extmem::ExternalRow { cgroup_id: 8, cgroup: "/calm".into(), imports: 1, bytes: 64 << 20, ..Default::default() }];
         metrics.refresh(None, &snapshot, &reconciler, &BTreeMap::new());
         let text = metrics.encode().expect("encode");
         assert!(text.contains("vramguard_external_memory_bytes{cgroup=\"/calm\",cgroup_id=\"8\"} 67108864"), "{text}");

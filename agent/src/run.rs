@@ -26,17 +26,17 @@ use tokio::{
 use tracing::{info, warn};
 
 use crate::{
-    accounting::Accounting,
+    kernel::accounting::Accounting,
     cgroup::CgroupNames,
     charge::Charger,
-    enforce,
+    kernel::enforce,
     control,
     discovery::{self, Caps, Discovery},
     kernel,
     ledgers::{self, Ledgers, Limits, Pin},
     metrics::Metrics,
     preflight,
-    probes::{self, Attacher},
+    kernel::probes::{self, Attacher},
     provision::{self, ProvisionArgs, Provisioner},
     reclaim::Reclaimer,
     reconcile::{self, Reconciler},

@@ -4,7 +4,7 @@ use std::{collections::BTreeMap, fmt::Write as _};
 
 use serde::{Deserialize, Serialize};
 
-use crate::{discovery::DiscoveryStats, probes::AttachReport, reconcile::State};
+use crate::{discovery::DiscoveryStats, kernel::probes::AttachReport, reconcile::State};
 
 /// Live bytes by allocation kind (`device`, `managed`, `async`, `vmm`).
 pub type BytesByKind = BTreeMap<String, u64>;
@@ -44,7 +44,7 @@ pub struct Snapshot {
     /// Imported external memory (`cuImportExternalMemory`), live, per process and cgroup:
     /// shown, never charged.
     #[serde(default)]
-    pub external_memory: crate::extmem::ExternalMemory,
+    pub external_memory: crate::kernel::extmem::ExternalMemory,
 }
 
 /// The cgroup ids with an entry in each per-cgroup kernel map, ascending.

@@ -31,7 +31,7 @@
 //! event, a capped cgroup) is counted in the per-CPU `STATS` and logged through aya-log, at
 //! most `trouble::LINES_PER_SECOND` lines per kind per second (`LOG_WINDOWS`).
 //!
-//! The agent decides which symbol each program is attached to (agent/src/probes.rs).
+//! The agent decides which symbol each program is attached to (agent/src/kernel/probes.rs).
 #![no_std]
 #![no_main]
 // The BPF target has atomic add but no compare-and-swap, so core's Atomic* types do not offer

@@ -39,7 +39,7 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use tracing::{debug, info, warn};
 
-use crate::{cgroup, probes::{self, AttachReport}};
+use crate::{cgroup, kernel::probes::{self, AttachReport}};
 
 pub mod elf;
 pub mod maps;

@@ -4,7 +4,7 @@
 //! tracepoint, a limit pushed while the cgroup was going).
 use std::collections::BTreeSet;
 
-use crate::{accounting::Accounting, cgroup::CgroupNames, enforce::Limits};
+use crate::{kernel::accounting::Accounting, cgroup::CgroupNames, kernel::enforce::Limits};
 
 /// Of `ids`, those no cgroup2 cgroup has: absent from two walks of the tree, so that a cgroup
 /// renamed during one walk is not taken for gone. Empty if the tree cannot be walked.

@@ -37,7 +37,7 @@
 //! predecessor's processes are gone and reclaimed, starts afresh).
 //!
 //! A ledger the agent created itself (a provisioned container's, [`crate::provision`]) is
-//! *pinned* ([`Ledgers::pin`]): whatever file is at its path, whenever it was opened, is held
+//! *pinned* ([`Ledgers::set_pins`]): whatever file is at its path, whenever it was opened, is held
 //! to the header the agent created, and any other header is tampering.
 mod directory;
 mod handle;

@@ -11,7 +11,7 @@
 //!
 //! The agent waits at most [`DEADLINE`] for an answer. A worker that does not answer in time,
 //! answers nonsense, or dies (a signal, a damaged file) is killed and reaped, and its ledger
-//! gets no worker for a while ([`Backoff`]): whatever its workload does to the file, the agent
+//! gets no worker for a while (`Backoff`): whatever its workload does to the file, the agent
 //! spends a bounded time on it and goes on with the other ledgers, and says why.
 //!
 //! The protocol is one JSON line each way per operation; the first message also carries the
@@ -187,7 +187,7 @@ impl Worker {
     }
 
     /// The reason of the last failure while its backoff lasts, or a lock found held in the
-    /// last [`RECENT`].
+    /// last `RECENT`.
     pub fn failing(&self) -> Option<String> {
         self.backoff.waiting().map(|_| self.backoff.reason.clone()).or_else(|| {
             let ago = self.busy_at?.elapsed();

@@ -13,7 +13,7 @@
 //! | [`ledger::provisioned::PRELOAD`] | `<state-dir>/ld.so.preload`, naming the hook | read-only: every dynamically linked process loads the hook |
 //! | env `VRAMGUARD_LEDGER`, `CUDA_DEVICE_MEMORY_LIMIT`, `POD_NAME`, `POD_NAMESPACE`, `CONTAINER_NAME` | the agent's values (they win over the pod's) | for tools; the hook ignores them here |
 //!
-//! The agent holds the ledger to the header it created ([`crate::ledgers::Ledgers::pin`]: a
+//! The agent holds the ledger to the header it created ([`crate::ledgers::Ledgers::set_pins`]: a
 //! rewritten or re-created file is `tampered`, never adopted) and pushes the container's
 //! cgroup limit (the quota times the GPUs it sees) to the eBPF probes, the backstop for
 //! processes the hook does not see. Pods without a quota are not touched.

@@ -8,7 +8,7 @@
 //! is its records in `ALLOCS`: a record whose process entry is gone, or belongs to a newer
 //! process with the same pid, is stale. The sweep deletes those; it runs after every exit
 //! event and on a timer, so a lost event delays the clean-up but never loses it. Imported
-//! external memory, kept apart and never charged, is [`crate::extmem`]'s, swept with them.
+//! external memory, kept apart and never charged, is [`crate::kernel::extmem`]'s, swept with them.
 use std::{collections::BTreeMap, fs, time::Instant};
 
 use anyhow::{anyhow, Context, Result};
@@ -20,7 +20,7 @@ use common::{names, spare, stat, AddrSpace, AllocKey, AllocKind, AllocRecord, Ev
 
 use crate::{
     cgroup::CgroupNames,
-    extmem::External,
+    kernel::extmem::External,
     kernel::trouble::Counters,
     reconcile::EbpfProcess,
     snapshot::{BytesByKind, CgroupRow, KernelMaps, ProcessRow, Snapshot, Stats},

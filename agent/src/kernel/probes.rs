@@ -62,7 +62,7 @@ pub const PROBES: [ProbeSpec; 15] = [
     alloc("cuMemRetainAllocationHandle", "mem_retain"),
 ];
 
-/// External-memory imports and destroys (never charged, shown: [`crate::extmem`]), each with
+/// External-memory imports and destroys (never charged, shown: [`crate::kernel::extmem`]), each with
 /// its own return program, if any.
 pub const EXTMEM_PROBES: [(&str, &str, Option<&str>); 2] = [
     ("cuImportExternalMemory", common::extmem::names::IMPORT, Some(common::extmem::names::IMPORT_RETURN)),
