@@ -1,18 +1,14 @@
 //! The `vramguard` node agent as a library: the binary (`src/main.rs`) is its command line,
 //! and the benchmarks under `benches/` drive its modules directly.
 pub mod cgroup;
-pub mod charge;
-pub mod control;
 pub mod discovery;
 pub mod identity;
 pub mod inspect;
 pub mod kernel;
 pub mod ledgers;
-pub mod metrics;
 pub mod pod;
 pub mod preflight;
 pub mod provision;
-pub mod reclaim;
 pub mod reconcile;
 pub mod run;
 pub mod serve;

@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-use agent::{control, inspect, run};
+use agent::{inspect, run, serve::control};
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 

@@ -52,7 +52,7 @@
 //! is that container's ([`Reconciler::cgroup_ledgers`]; one shared by several ledgers is
 //! nobody's, and is held to the smallest of their limits). The agent enforces the ledger's
 //! limits on its cgroups ([`crate::kernel::enforce`]),
-//! and charges the ledger, through a slot of its own ([`crate::charge`]), what the probes
+//! and charges the ledger, through a slot of its own ([`crate::ledgers::charge`]), what the probes
 //! see the container hold outside it ([`Reconciler::unaccounted_by_ledger`]): the memory of
 //! `unhooked` processes in its cgroups and what `tampered` processes hold beyond their
 //! charge. The agent's own slot is never judged.

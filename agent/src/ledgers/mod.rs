@@ -39,8 +39,10 @@
 //! A ledger the agent created itself (a provisioned container's, [`crate::provision`]) is
 //! *pinned* ([`Ledgers::set_pins`]): whatever file is at its path, whenever it was opened, is held
 //! to the header the agent created, and any other header is tampering.
+pub mod charge;
 mod directory;
 mod handle;
+pub mod reclaim;
 pub mod sandbox;
 pub mod worker;
 

@@ -1,10 +1,13 @@
-//! Serving the agent's state over HTTP (`--metrics-addr`): [`http`] is the listener and its
-//! limits, [`gate`] its connection cap, and this module the [`Board`] between the event loop
-//! and the listener. After every reconcile pass the event loop says so ([`Progress`], cheap);
+//! Serving the agent's state: to `vramguard audit` on the control socket ([`control`]), and
+//! over HTTP (`--metrics-addr`): [`metrics`] renders the Prometheus page, [`http`] is the
+//! listener and its limits, [`gate`] its connection cap, and this module the [`Board`]
+//! between the event loop and the listener. After every reconcile pass the event loop says so ([`Progress`], cheap);
 //! it renders the metrics page only when a scrape finds the page older than the last pass
 //! (at most one render per pass, however many scrapes), and never runs a pass for a scrape.
+pub mod control;
 pub mod gate;
 pub mod http;
+pub mod metrics;
 
 use std::{sync::Arc, time::Instant};
 

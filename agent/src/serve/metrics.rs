@@ -10,7 +10,7 @@
 //! one), `vramguard_unhooked_processes`, `vramguard_container_ebpf_memory_bytes{ledger}` (the
 //! eBPF bytes of the ledger's processes, comparable with the ledger's data, small and managed
 //! bytes), `vramguard_container_unaccounted_bytes{ledger}` (what the agent charges the ledger
-//! for memory its container holds outside it, [`crate::charge`]; also counted in the `data`
+//! for memory its container holds outside it, [`crate::ledgers::charge`]; also counted in the `data`
 //! kind of the used bytes) and `vramguard_container_rejections_total{ledger,device_index}`
 //! (the ledger's own count of refused reservations).
 //!
@@ -151,7 +151,7 @@ fn labels<'a>(own: &[&'a str], container: &'a Container) -> Vec<&'a str> {
 }
 
 /// The pod UID of the first live slot whose host process still is the slot's process and
-/// runs in a pod's cgroup; the agent's own slot (`agent`, [`crate::charge`]) is not the
+/// runs in a pod's cgroup; the agent's own slot (`agent`, [`crate::ledgers::charge`]) is not the
 /// container's.
 fn pod_uid_of(slots: &[SlotView], agent: Option<ProcessIdentity>) -> Option<String> {
     slots.iter().filter(|view| view.slot.host_pid != 0).find_map(|view| {
