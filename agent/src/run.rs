@@ -151,6 +151,12 @@ pub struct RunArgs {
     /// cgroup is reported `capped`, so one tenant cannot fill the node's records.
     #[arg(long, default_value_t = common::DEFAULT_RECORDS_PER_CGROUP, value_name = "NUM")]
     pub max_alloc_records_per_cgroup: u32,
+    /// Records of freed device pointers one process may keep for the driver's reuse of the
+    /// address (the next allocation there takes the record over: no map insert or delete);
+    /// they count against the cgroup's records, and none is kept while the cgroup holds half
+    /// its cap. 0 keeps none.
+    #[arg(long, default_value_t = common::spare::MAX_SPARES_PER_PROCESS, value_name = "NUM")]
+    pub max_spare_records_per_process: u64,
     #[command(flatten)]
     pub provision: ProvisionArgs,
 }
@@ -198,6 +204,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
     let mut ebpf = EbpfLoader::new()
         .override_global(common::names::GROUP_DEAD_OFFSET, &platform.group_dead_offset, true)
         .override_global(common::names::MAX_RECORDS_PER_CGROUP, &records_cap, true)
+        .override_global(common::names::MAX_SPARES_PER_PROCESS, &args.max_spare_records_per_process, true)
         .override_global(common::names::RMDIR_ROOT_OFFSET, &rmdir_root, true)
         .override_global(common::names::RMDIR_ID_OFFSET, &rmdir_id, true)
         .map_max_entries(common::names::ALLOCS, args.max_alloc_records)
@@ -267,7 +274,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
     info!(
         max_alloc_records = args.max_alloc_records,
         max_alloc_records_per_cgroup = records_cap,
-        "allocation records: node-wide and per-cgroup caps"
+        max_spare_records_per_process = args.max_spare_records_per_process,
+        "allocation records: node-wide and per-cgroup caps, spares a process may keep"
     );
 
     let mut discovery = Discovery::new(Caps { per_container: args.max_probed_per_container, per_node: args.max_probed_files });

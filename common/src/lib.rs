@@ -114,7 +114,8 @@ pub mod spare {
     pub const STATE: u64 = 3;
     /// One step of the epoch.
     pub const EPOCH: u64 = 4;
-    /// Spares one process may keep.
+    /// Spares one process may keep by default (the agent's `--max-spare-records-per-process`;
+    /// 0 keeps none: every free deletes its record).
     pub const MAX_SPARES_PER_PROCESS: u64 = 16;
 }
 
@@ -395,6 +396,8 @@ pub mod names {
     pub const PROCESS_EXIT: &str = "process_exit";
     /// Global: live allocation records a cgroup may have in `ALLOCS`.
     pub const MAX_RECORDS_PER_CGROUP: &str = "MAX_RECORDS_PER_CGROUP";
+    /// Global: spare records a process may keep (`common::spare`), set at load time.
+    pub const MAX_SPARES_PER_PROCESS: &str = "MAX_SPARES_PER_PROCESS";
     /// Globals: byte offsets of `root` and `id` in the `cgroup_rmdir` record.
     pub const RMDIR_ROOT_OFFSET: &str = "RMDIR_ROOT_OFFSET";
     pub const RMDIR_ID_OFFSET: &str = "RMDIR_ID_OFFSET";

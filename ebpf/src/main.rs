@@ -73,6 +73,10 @@ static GROUP_DEAD_OFFSET: u32 = 0;
 #[no_mangle]
 static MAX_RECORDS_PER_CGROUP: u64 = DEFAULT_RECORDS_PER_CGROUP as u64;
 
+/// Spare records a process may keep (set by the agent at load time; 0: none).
+#[no_mangle]
+static MAX_SPARES_PER_PROCESS: u64 = spare::MAX_SPARES_PER_PROCESS;
+
 /// Byte offsets of `root` (the hierarchy: 0 is cgroup2) and `id` in the `cgroup_rmdir`
 /// record, read by the agent from the tracepoint's format file; 0: not set (ignored).
 #[no_mangle]
@@ -526,11 +530,11 @@ fn count_spare(proc_usage: *mut ProcUsage, cgroup: *mut Usage, delta: u64) {
 }
 
 /// Whether a freed pointer's record may be kept as a spare: the process keeps fewer than
-/// its share and the cgroup holds less than half its cap of records.
+/// its share (`MAX_SPARES_PER_PROCESS`) and the cgroup holds less than half its cap of records.
 fn may_keep_spare(proc_usage: *mut ProcUsage, cgroup: *mut Usage) -> bool {
     // SAFETY: live map values (or a null cgroup); plain reads of counters.
     unsafe {
-        (*proc_usage).usage.spares < spare::MAX_SPARES_PER_PROCESS
+        (*proc_usage).usage.spares < core::ptr::read_volatile(&MAX_SPARES_PER_PROCESS)
             && (cgroup.is_null() || ((*cgroup).live_records() as i64) < max_records_per_cgroup() / 2)
     }
 }

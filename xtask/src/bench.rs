@@ -6,7 +6,8 @@
 //!   `cuMemFree_v2` entry: the kernel's own floor) and with vramguard's programs there
 //!   (attached by the benchmark, so the configurations can alternate run by run), and with
 //!   vramguard's programs and a cgroup limit pushed for the workload's cgroup (as for every
-//!   provisioned container); the ratio of what ours add to what the floor adds, against the
+//!   provisioned container), and with vramguard's programs keeping no spare record (what a
+//!   pair costs at an address the driver hands out for the first time); the ratio of what ours add to what the floor adds, against the
 //!   issue's 1.15, per round (median and interquartile range over [`PROBE_ROUNDS`] rounds).
 //!   The pair's address is freed and allocated again, as drivers hand it out, so ours take
 //!   over the spare record in place (`common::spare`). Two cases:
@@ -202,35 +203,63 @@ pub fn bench(probes_only: bool) -> Result<()> {
 /// on the same attach points add.
 const FLOOR_TARGET: f64 = 1.15;
 
-/// Rounds of the probe measurement. Each round runs the four configurations (no probes, nop
-/// programs, ours, ours with a limit pushed) back to back, starting with a different one each round so none always
+/// Rounds of the probe measurement. Each round runs every one of [`CONFIGURATIONS`] back to
+/// back, starting with a different one each round so none always
 /// follows another; what a round's probes add is taken against that round's own bare run,
 /// so a busy machine's drift between rounds cancels out. `VRAMGUARD_BENCH_ROUNDS` overrides
 /// it (a quick look; the report's figures use the default).
 const PROBE_ROUNDS: usize = 21;
 
+/// What is attached for one configuration of the probe measurement.
+#[derive(Clone, Copy)]
+enum Probed {
+    /// Nothing: the bare pair.
+    Nothing,
+    /// The nop programs: the kernel's floor.
+    Nop,
+    /// vramguard's programs, with a limit pushed for the workload's cgroup or not, keeping
+    /// spare records (the agent's default) or none.
+    Ours { limit: bool, spares: bool },
+}
+
+/// The configurations, each round running every one; those of vramguard's programs get their
+/// rows, named here.
+const CONFIGURATIONS: [(Probed, &str); 5] = [
+    (Probed::Nothing, "no probes"),
+    (Probed::Nop, "nop programs"),
+    (Probed::Ours { limit: false, spares: true }, "eBPF probes"),
+    (Probed::Ours { limit: true, spares: true }, "eBPF probes with a cgroup limit pushed (as for every provisioned container)"),
+    (
+        Probed::Ours { limit: false, spares: false },
+        "eBPF probes keeping no spare record (each pair inserts and deletes its record, as at an address the driver hands out for the first time)",
+    ),
+];
+
 fn probes(setup: &Setup, object: &Path, rows: &mut Vec<Row>) -> Result<()> {
     let libcuda = setup.lib_dir.join("libcuda.so.1");
     let rounds = std::env::var("VRAMGUARD_BENCH_ROUNDS").ok().and_then(|n| n.parse().ok()).unwrap_or(PROBE_ROUNDS);
+    let ours = ["mem_alloc", names::ALLOC_RETURN, "mem_free"];
+    let nops = [names::NOP_ENTRY, names::NOP_RETURN, names::NOP_ENTRY];
+    let count = CONFIGURATIONS.len();
     for (name, steps, pairs) in [("1 KiB", &SMALL_PAIR[..], 200_000u64), ("2 MiB", &BIG_PAIR[..], 50_000)] {
-        let (mut bare, mut floor_added, mut ours_added, mut ratios) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let (mut limited_added, mut limited_ratios) = (Vec::new(), Vec::new());
+        // Per configuration: what it adds to the round's bare pair, and that over the floor's.
+        let (mut bare, mut added, mut ratios) = (Vec::new(), vec![Vec::new(); count], vec![Vec::new(); count]);
         for round in 0..rounds {
-            let mut ns = [0.0f64; 4];
-            for config in (0..4).map(|i| (round + i) % 4) {
-                ns[config] = match config {
-                    0 => one_pair(setup, steps)?,
-                    1 => {
-                        let _nop = Attached::programs(object, &libcuda, [names::NOP_ENTRY, names::NOP_RETURN, names::NOP_ENTRY])?;
+            let mut ns = vec![0.0f64; count];
+            for config in (0..count).map(|i| (round + i) % count) {
+                ns[config] = match CONFIGURATIONS[config].0 {
+                    Probed::Nothing => one_pair(setup, steps)?,
+                    Probed::Nop => {
+                        let _nop = Attached::programs(object, &libcuda, nops, true)?;
                         one_pair(setup, steps)?
                     }
-                    _ => {
-                        let mut ours = Attached::programs(object, &libcuda, ["mem_alloc", names::ALLOC_RETURN, "mem_free"])?;
-                        if config == 3 {
-                            ours.push_limit(setup.cgroup.id)?;
+                    Probed::Ours { limit, spares } => {
+                        let mut attached = Attached::programs(object, &libcuda, ours, spares)?;
+                        if limit {
+                            attached.push_limit(setup.cgroup.id)?;
                         }
                         let ns = one_pair(setup, steps)?;
-                        let seen = ours.allocs_seen()?;
+                        let seen = attached.allocs_seen()?;
                         if seen < pairs {
                             bail!("vramguard's programs saw {seen} allocations of a run of {pairs} pairs: not attached?");
                         }
@@ -238,26 +267,15 @@ fn probes(setup: &Setup, object: &Path, rows: &mut Vec<Row>) -> Result<()> {
                     }
                 };
             }
-            let [none, nop, ours, limited] = ns;
-            println!(
-                "probes, {name} pair, round {round}: {none:.0} ns bare, {nop:.0} ns with nop programs, {ours:.0} ns probed, {limited:.0} ns probed with a limit"
-            );
-            bare.push(none);
-            floor_added.push(nop - none);
-            ours_added.push(ours - none);
-            ratios.push((ours - none) / (nop - none));
-            limited_added.push(limited - none);
-            limited_ratios.push((limited - none) / (nop - none));
+            let shown: Vec<String> = CONFIGURATIONS.iter().zip(&ns).map(|((_, label), ns)| format!("{label}: {ns:.0} ns")).collect();
+            println!("probes, {name} pair, round {round}: {}", shown.join("; "));
+            bare.push(ns[0]);
+            for config in 1..count {
+                added[config].push(ns[config] - ns[0]);
+                ratios[config].push((ns[config] - ns[0]) / (ns[1] - ns[0]));
+            }
         }
-        let (bare, floor_added, ours_added, ratio) =
-            (Spread::of(bare), Spread::of(floor_added), Spread::of(ours_added), Spread::of(ratios));
-        let (limited_added, limited_ratio) = (Spread::of(limited_added), Spread::of(limited_ratios));
-        println!(
-            "probes, {name} pair: {:.0} ns bare; the floor adds {:.0} ns, ours {:.0} ns; ours / floor {:.2}x (IQR {:.2}-{:.2}) over {rounds} rounds; with a limit pushed {:.2}x (IQR {:.2}-{:.2})",
-            bare.median, floor_added.median, ours_added.median, ratio.median, ratio.q1, ratio.q3,
-            limited_ratio.median, limited_ratio.q1, limited_ratio.q3
-        );
-        let base = bare.median;
+        let base = Spread::of(bare).median;
         rows.push(
             Row::added(
                 format!("eBPF floor: nop programs on the same attach points (alloc entry, alloc return, free entry), alloc+free {name} pair"),
@@ -266,52 +284,39 @@ fn probes(setup: &Setup, object: &Path, rows: &mut Vec<Row>) -> Result<()> {
                 base,
                 "ns per pair, no probes",
             )
-            .with_spread(floor_added),
+            .with_spread(Spread::of(added[1].clone())),
         );
-        rows.push(
-            Row::added(format!("eBPF probes, alloc+free {name} pair"), 0.0, "ns added per pair", base, "ns per pair, no probes")
-                .with_spread(ours_added),
-        );
-        rows.push(
-            Row::target(
-                format!("eBPF probes against the floor, alloc+free {name} pair: ours added / nop added, per round"),
-                0.0,
-                "x",
-                2,
-                FLOOR_TARGET,
-                "x, target",
-            )
-            .with_spread(ratio),
-        );
-        rows.push(
-            Row::added(
-                format!("eBPF probes with a cgroup limit pushed (as for every provisioned container), alloc+free {name} pair"),
-                0.0,
-                "ns added per pair",
-                base,
-                "ns per pair, no probes",
-            )
-            .with_spread(limited_added),
-        );
-        rows.push(
-            Row::target(
-                format!("eBPF probes with a cgroup limit pushed against the floor, alloc+free {name} pair: added / nop added, per round"),
-                0.0,
-                "x",
-                2,
-                FLOOR_TARGET,
-                "x, target",
-            )
-            .with_spread(limited_ratio),
-        );
+        for config in 2..count {
+            let label = CONFIGURATIONS[config].1;
+            let ratio = Spread::of(ratios[config].clone());
+            println!(
+                "probes, {name} pair: {label}: {:.2}x the floor (IQR {:.2}-{:.2}) over {rounds} rounds",
+                ratio.median, ratio.q1, ratio.q3
+            );
+            rows.push(
+                Row::added(format!("{label}, alloc+free {name} pair"), 0.0, "ns added per pair", base, "ns per pair, no probes")
+                    .with_spread(Spread::of(added[config].clone())),
+            );
+            rows.push(
+                Row::target(
+                    format!("{label} against the floor, alloc+free {name} pair: added / nop added, per round"),
+                    0.0,
+                    "x",
+                    2,
+                    FLOOR_TARGET,
+                    "x, target",
+                )
+                .with_spread(ratio),
+            );
+        }
         // Where the difference lies: the programs' own run time, as the kernel counts it.
-        for (label, programs, limited) in [
-            ("nop programs", [names::NOP_ENTRY, names::NOP_RETURN, names::NOP_ENTRY], false),
-            ("vramguard's programs", ["mem_alloc", names::ALLOC_RETURN, "mem_free"], false),
-            ("vramguard's programs with a limit pushed", ["mem_alloc", names::ALLOC_RETURN, "mem_free"], true),
-        ] {
-            let mut attached = Attached::programs(object, &libcuda, programs)?;
-            if limited {
+        for (config, (probed, label)) in CONFIGURATIONS.iter().enumerate().skip(1) {
+            let (programs, limit, spares) = match *probed {
+                Probed::Ours { limit, spares } => (ours, limit, spares),
+                _ => (nops, false, true),
+            };
+            let mut attached = Attached::programs(object, &libcuda, programs, spares)?;
+            if limit {
                 attached.push_limit(setup.cgroup.id)?;
             }
             let stats = aya::sys::enable_stats(aya::sys::Stats::RunTime).context("cannot turn the kernel's eBPF run-time statistics on")?;
@@ -319,13 +324,13 @@ fn probes(setup: &Setup, object: &Path, rows: &mut Vec<Row>) -> Result<()> {
             drop(stats);
             let mut run_ns = 0;
             for (program, ns, runs) in attached.run_time(&programs)? {
-                println!("probes, {name} pair: `{program}` runs {:.0} ns a run ({runs} runs, bpf_stats)", ns as f64 / runs.max(1) as f64);
+                println!("probes, {name} pair, {label}: `{program}` runs {:.0} ns a run ({runs} runs, bpf_stats)", ns as f64 / runs.max(1) as f64);
                 run_ns += ns;
             }
             let per_pair = run_ns as f64 / pairs as f64;
-            println!("probes, {name} pair: {label} run {per_pair:.0} ns per pair (bpf_stats)");
+            let what = if config == 1 { "eBPF nop programs".to_string() } else { (*label).to_string() };
             rows.push(Row::reported(
-                format!("eBPF {label}, their own run time (kernel bpf_stats, one run), alloc+free {name} pair"),
+                format!("{what}: the programs' own run time (kernel bpf_stats, one run), alloc+free {name} pair"),
                 per_pair,
                 "ns per pair",
                 0,
@@ -363,15 +368,21 @@ fn one_pair(setup: &Setup, steps: &[&str]) -> Result<f64> {
 /// `cuMemFree_v2` entry (in that order), attached as the agent attaches them (by symbol here:
 /// the cost of a probe hit does not depend on how it was attached), for as long as this
 /// lives. The agent's other work (discovery, ledgers, the exit tracepoint) is not part of a
-/// pair's cost.
+/// pair's cost. Without `spares`, the object is loaded keeping no spare record (the agent's
+/// `--max-spare-records-per-process 0`).
 struct Attached {
     ebpf: aya::Ebpf,
 }
 
 impl Attached {
-    fn programs(object: &Path, libcuda: &Path, programs: [&str; 3]) -> Result<Attached> {
+    fn programs(object: &Path, libcuda: &Path, programs: [&str; 3], spares: bool) -> Result<Attached> {
         use aya::programs::{uprobe::UProbeScope, UProbe};
-        let mut ebpf = aya::Ebpf::load_file(object).with_context(|| format!("cannot load {}", object.display()))?;
+        let none: u64 = 0;
+        let mut loader = aya::EbpfLoader::new();
+        if !spares {
+            loader.override_global(names::MAX_SPARES_PER_PROCESS, &none, true);
+        }
+        let mut ebpf = loader.load_file(object).with_context(|| format!("cannot load {}", object.display()))?;
         for (program, symbol) in programs.into_iter().zip(["cuMemAlloc_v2", "cuMemAlloc_v2", "cuMemFree_v2"]) {
             let probe: &mut UProbe = ebpf
                 .program_mut(program)
@@ -517,7 +528,7 @@ fn median(samples: Vec<f64>) -> f64 {
 fn write_report(rows: &[Row], notes: &[String]) -> Result<()> {
     let mut text = String::from(
         "# Benchmarks\n\nWritten by `cargo xtask bench` against the fake driver (release builds); single-process \
-         figures are the median of 7 runs. The eBPF rows come from 21 rounds of the four \
+         figures are the median of 7 runs. The eBPF rows come from 21 rounds of the five \
          configurations, interleaved (each round starting with another); each figure is the \
          median over the rounds, against its round's bare run, with its interquartile range. The ledger's and the agent's criterion benchmarks \
          (`cargo bench -p ledger`, `cargo bench -p agent`) run with 1 s of warm-up and 3 s of \

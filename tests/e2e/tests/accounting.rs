@@ -427,13 +427,47 @@ fn no_spare_is_kept_while_the_cgroup_holds_half_its_cap_of_records() -> Result<(
     Ok(())
 }
 
+/// `--max-spare-records-per-process 0` keeps none: every free deletes its record, as before
+/// spares (the control of the test above: the same pairs keep one spare with the default).
+#[test]
+fn with_no_spares_allowed_every_free_deletes_its_record() -> Result<()> {
+    let agent = Agent::start_on_fake_driver(&[OsStr::new("--max-spare-records-per-process"), OsStr::new("0")])?;
+    let node = FakeNode::new("nospares");
+    let cgroup = TestCgroup::create("nospares")?;
+    let before = stat(&agent.audit()?, "records");
+    let mut workload = node
+        .workload()
+        .in_cgroup(&cgroup)
+        .steps(["ctx 0", "bench 100 1m", "alloc a 2m", "alloc b 3m", "free a", "checkpoint cycled", "free b"])
+        .spawn()?;
+    let pid = workload.pid();
+    workload.wait_checkpoint("cycled")?;
+    assert_usage(&agent, &cgroup, pid, (3 * MIB, 0, 0, 0), 1, "100 pairs and a free, no spares")?;
+    assert_records(&agent, before, 1, 0, "100 pairs and a free: only the live allocation's record")?;
+    workload.resume()?;
+    workload.wait()?.success()?;
+    agent.stop()?;
+    Ok(())
+}
+
 /// Hostile: eight threads free the same pointer at once, 2000 times over (each time at the
 /// address the spare of the previous round holds). The driver takes one free of each; the
 /// books take exactly one too: nothing is uncharged twice, so the 3 MiB the process keeps
 /// stay charged.
 #[test]
 fn a_pointer_freed_by_eight_threads_at_once_is_uncharged_once() -> Result<()> {
-    let agent = agent()?;
+    racing_frees_uncharge_once(&[])
+}
+
+/// The same with no spares kept: each free claims the record before deleting it, so of the
+/// racing frees only the claim's winner uncharges.
+#[test]
+fn a_pointer_freed_by_eight_threads_at_once_is_uncharged_once_without_spares() -> Result<()> {
+    racing_frees_uncharge_once(&[OsStr::new("--max-spare-records-per-process"), OsStr::new("0")])
+}
+
+fn racing_frees_uncharge_once(agent_args: &[&OsStr]) -> Result<()> {
+    let agent = Agent::start_on_fake_driver(agent_args)?;
     let node = FakeNode::new("racefree");
     let cgroup = TestCgroup::create("racefree")?;
     let mut workload = node
