@@ -282,6 +282,40 @@ pub struct Event {
     pub size: u64,
 }
 
+/// Value of `CGROUP_USAGE` (key: cgroup id): the cgroup's usage, and the limit the entry
+/// probes last read for it from `CGROUP_LIMITS`.
+///
+/// The cache spares the entry probe one map lookup per allocation. It is good for one
+/// generation of the limits: the agent writes `LIMITS_ON` (0: no limit anywhere; else a
+/// generation) after every change of `CGROUP_LIMITS`, and an entry whose `generation` is not
+/// the current one is read again from the map. A probe takes the cache for writing by a
+/// compare-and-swap of `generation` to [`LimitCache::WRITING`] and publishes it by writing the
+/// generation back last; a reader checks the generation before and after reading the values
+/// (else it reads the map), so it never uses a half-written entry.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CgroupUsage {
+    pub usage: Usage,
+    pub cache: LimitCache,
+}
+
+/// A copy of a cgroup's `CGROUP_LIMITS` entry, or of its absence (see [`CgroupUsage`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LimitCache {
+    /// The `LIMITS_ON` generation the copy was read at; 0: none yet.
+    pub generation: u64,
+    /// The limit, if `mode` is not [`LimitCache::NONE`].
+    pub limit: CgroupLimit,
+}
+
+impl LimitCache {
+    /// `generation` while a probe writes the entry.
+    pub const WRITING: u64 = u64::MAX;
+    /// `limit.mode` of a cgroup without a limit.
+    pub const NONE: u32 = u32::MAX;
+}
+
 /// A cgroup's GPU-memory limit as the eBPF entry probes enforce it (value of
 /// `CGROUP_LIMITS`, key: cgroup id).
 #[repr(C)]
@@ -434,5 +468,6 @@ mod pod {
     unsafe impl aya::Pod for super::ProcUsage {}
     unsafe impl aya::Pod for super::Event {}
     unsafe impl aya::Pod for super::CgroupLimit {}
+    unsafe impl aya::Pod for super::CgroupUsage {}
     unsafe impl aya::Pod for super::LogWindow {}
 }

@@ -56,7 +56,8 @@ use aya_ebpf::{
 use aya_log_ebpf::warn;
 use common::extmem::{self, ExtKey, ExtPending, ExtRecord, ExtUsage};
 use common::{
-    enforce, pending, spare, stat, trouble, vmm, AddrSpace, AllocKey, AllocKind, AllocRecord, CgroupLimit, Event, EventKind,
+    enforce, pending, spare, stat, trouble, vmm, AddrSpace, AllocKey, AllocKind, AllocRecord, CgroupLimit, CgroupUsage, Event, EventKind,
+    LimitCache,
     LogWindow, PendingAlloc, ProcUsage, Usage, DEFAULT_MAX_ALLOCS, DEFAULT_RECORDS_PER_CGROUP, EXITS_BYTES,
     HOST_LOCATION_TYPES, KIND_COUNT, MAX_CGROUPS, MAX_PROCS, PROP_LOCATION_TYPE_OFFSET,
 };
@@ -99,7 +100,7 @@ static PROC_USAGE: HashMap<u32, ProcUsage> =
     HashMap::with_max_entries(MAX_PROCS, BPF_F_NO_PREALLOC);
 
 #[map]
-static CGROUP_USAGE: HashMap<u64, Usage> =
+static CGROUP_USAGE: HashMap<u64, CgroupUsage> =
     HashMap::with_max_entries(MAX_CGROUPS, BPF_F_NO_PREALLOC);
 
 /// Exits of processes that had GPU memory (allocations emit no events, so none can crowd an
@@ -111,6 +112,10 @@ static EXITS: RingBuf = RingBuf::with_byte_size(EXITS_BYTES, 0);
 /// value built on the stack would be a call to a byte-wise `memset`).
 #[map]
 static SCRATCH: PerCpuArray<ProcUsage> = PerCpuArray::with_max_entries(1, 0);
+
+/// One zeroed `CgroupUsage` per CPU, from which new cgroup entries are made.
+#[map]
+static CGROUP_SCRATCH: PerCpuArray<CgroupUsage> = PerCpuArray::with_max_entries(1, 0);
 
 /// Counters of `stat`, per CPU (no contention on the hot paths; the agent sums them).
 #[map]
@@ -124,10 +129,11 @@ static LOG_WINDOWS: Array<LogWindow> = Array::with_max_entries(trouble::COUNT, 0
 #[map]
 static CGROUP_LIMITS: HashMap<u64, CgroupLimit> = HashMap::with_max_entries(MAX_CGROUPS, BPF_F_NO_PREALLOC);
 
-/// One word: non-zero while `CGROUP_LIMITS` may hold an entry. The agent sets it before it
-/// pushes a limit and clears it only once it has removed every limit it pushed, so an entry
-/// probe that reads 0 can skip the cgroup lookup (an array read the verifier inlines, where
-/// the lookup is a helper call and a hash).
+/// One word: 0 while `CGROUP_LIMITS` holds no entry, else the generation of its contents
+/// ([`CgroupUsage`]'s cache). The agent makes it non-zero before it pushes a limit, moves it
+/// on after every change of the map, and clears it only once it has removed every limit it
+/// pushed, so an entry probe that reads 0 can skip the cgroup lookup (an array read the
+/// verifier inlines, where the lookup is a helper call and a hash).
 #[map]
 static LIMITS_ON: Array<u32> = Array::with_max_entries(1, 0);
 
@@ -225,17 +231,21 @@ fn save_sized(ctx: &ProbeContext, kind: AllocKind, space: AddrSpace) -> u32 {
 /// space, before the driver runs, so a fatal one stops the allocation from ever happening.
 fn check_limit(size: u64) {
     // SAFETY: a plain read of a live array element.
-    if LIMITS_ON.get_ptr(0).is_none_or(|on| unsafe { core::ptr::read_volatile(on) } == 0) {
+    let generation = LIMITS_ON.get_ptr(0).map_or(0, |on| unsafe { core::ptr::read_volatile(on) });
+    if generation == 0 {
         return; // no limit pushed: nothing to check
     }
     // SAFETY: plain helper call without arguments.
     let cgroup_id = unsafe { bpf_get_current_cgroup_id() };
-    // SAFETY: copied out at once.
-    let Some(limit) = (unsafe { CGROUP_LIMITS.get(&cgroup_id) }).copied() else {
+    let (limit, used) = match CGROUP_USAGE.get_ptr_mut(&cgroup_id) {
+        // SAFETY: a live map value; its counters are read plainly.
+        Some(cgroup) => (cached_limit(cgroup, cgroup_id, u64::from(generation)), unsafe { (*cgroup).usage.total_bytes() }),
+        // SAFETY: copied out at once.
+        None => ((unsafe { CGROUP_LIMITS.get(&cgroup_id) }).copied(), 0),
+    };
+    let Some(limit) = limit else {
         return;
     };
-    // SAFETY: copied out at once.
-    let used = unsafe { CGROUP_USAGE.get(&cgroup_id) }.map_or(0, |usage| usage.total_bytes());
     if used.saturating_add(size) <= limit.limit {
         return;
     }
@@ -245,6 +255,33 @@ fn check_limit(size: u64) {
         if unsafe { bpf_send_signal(limit.signal) } == 0 {
             bump(stat::SIGNALS_SENT, 1);
         }
+    }
+}
+
+/// The cgroup's limit as of `generation`: from the cache in its usage entry if that is of this
+/// generation, else from `CGROUP_LIMITS`, then cached (if no other probe is writing the
+/// cache). See [`CgroupUsage`] for why a reader never uses a half-written cache.
+#[inline(always)]
+fn cached_limit(cgroup: *mut CgroupUsage, cgroup_id: u64, generation: u64) -> Option<CgroupLimit> {
+    use core::ptr::{addr_of_mut, read_volatile, write_volatile};
+    // SAFETY: a live map value; the cache's generation changes only by compare-and-swap (to
+    // WRITING) and by the writer that won it, its other fields only in between.
+    unsafe {
+        let cache = addr_of_mut!((*cgroup).cache);
+        let seen = read_volatile(addr_of_mut!((*cache).generation));
+        if seen == generation {
+            let limit = read_volatile(addr_of_mut!((*cache).limit));
+            if read_volatile(addr_of_mut!((*cache).generation)) == generation {
+                return (limit.mode != LimitCache::NONE).then_some(limit);
+            }
+        }
+        let fresh = CGROUP_LIMITS.get(&cgroup_id).copied();
+        if seen != LimitCache::WRITING && swap_if(addr_of_mut!((*cache).generation), seen, LimitCache::WRITING) {
+            let limit = fresh.unwrap_or(CgroupLimit { limit: 0, mode: LimitCache::NONE, signal: 0 });
+            write_volatile(addr_of_mut!((*cache).limit), limit);
+            write_volatile(addr_of_mut!((*cache).generation), generation);
+        }
+        fresh
     }
 }
 
@@ -563,13 +600,21 @@ fn proc_entry(tgid: u32) -> Option<*mut ProcUsage> {
 }
 
 fn cgroup_entry(cgroup_id: u64) -> Option<*mut Usage> {
-    if let Some(entry) = CGROUP_USAGE.get_ptr_mut(&cgroup_id) {
+    if let Some(entry) = cgroup_usage(cgroup_id) {
         return Some(entry);
     }
-    // SAFETY: as in proc_entry: the scratch's usage is all zero.
-    let zero = unsafe { &(*SCRATCH.get_ptr(0)?).usage };
+    // SAFETY: this CPU's scratch value, never written, so all zero (the cache's generation 0
+    // is none).
+    let zero = unsafe { &*CGROUP_SCRATCH.get_ptr(0)? };
     let _ = CGROUP_USAGE.insert(&cgroup_id, zero, BPF_NOEXIST as u64);
-    CGROUP_USAGE.get_ptr_mut(&cgroup_id)
+    cgroup_usage(cgroup_id)
+}
+
+/// The usage in `cgroup_id`'s `CGROUP_USAGE` entry, if it has one.
+#[inline(always)]
+fn cgroup_usage(cgroup_id: u64) -> Option<*mut Usage> {
+    // SAFETY: only the field's address is taken.
+    CGROUP_USAGE.get_ptr_mut(&cgroup_id).map(|entry| unsafe { core::ptr::addr_of_mut!((*entry).usage) })
 }
 
 // ---- VMM handles and mappings ------------------------------------------------------------
@@ -674,7 +719,7 @@ fn unlink_mapping(tgid: u32, mapping: &AllocRecord) {
     }
     // SAFETY: live map values; the fields are updated atomically.
     add(unsafe { &mut (*proc_usage).usage.mapped }, 1u64.wrapping_neg());
-    if let Some(cgroup) = CGROUP_USAGE.get_ptr_mut(&mapping.cgroup_id) {
+    if let Some(cgroup) = cgroup_usage(mapping.cgroup_id) {
         // SAFETY: as above.
         add(unsafe { &mut (*cgroup).mapped }, 1u64.wrapping_neg());
     }
@@ -759,7 +804,7 @@ pub fn mem_free(ctx: ProbeContext) -> u32 {
     let proc_usage = PROC_USAGE.get_ptr_mut(&tgid).unwrap_or(core::ptr::null_mut());
     // SAFETY: null or a live map value; generation is written once, at creation.
     let ours = !proc_usage.is_null() && unsafe { (*proc_usage).generation } == old.generation;
-    let cgroup = CGROUP_USAGE.get_ptr_mut(&old.cgroup_id).unwrap_or(core::ptr::null_mut());
+    let cgroup = cgroup_usage(old.cgroup_id).unwrap_or(core::ptr::null_mut());
     if ours && may_keep_spare(proc_usage, cgroup) {
         // SAFETY: a live map value's word, changed only by compare-and-swap.
         if !unsafe { swap_if(&mut (*record).link, word, word | spare::SPARE) } {
@@ -805,7 +850,7 @@ pub fn mem_release(ctx: ProbeContext) -> u32 {
 }
 
 fn uncharge(proc_usage: *mut ProcUsage, record: &AllocRecord) {
-    let cgroup = CGROUP_USAGE.get_ptr_mut(&record.cgroup_id).unwrap_or(core::ptr::null_mut());
+    let cgroup = cgroup_usage(record.cgroup_id).unwrap_or(core::ptr::null_mut());
     uncharge_from(proc_usage, cgroup, record);
 }
 
@@ -862,7 +907,7 @@ pub fn process_exit(ctx: TracePointContext) -> u32 {
     let Some(dead) = (unsafe { PROC_USAGE.get(&tgid) }).copied() else {
         return 0; // never had GPU memory
     };
-    if let Some(cgroup) = CGROUP_USAGE.get_ptr_mut(&dead.cgroup_id) {
+    if let Some(cgroup) = cgroup_usage(dead.cgroup_id) {
         let mut i = 0;
         while i < KIND_COUNT {
             // SAFETY: live map value; fields are updated atomically.

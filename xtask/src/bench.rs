@@ -421,11 +421,12 @@ impl Attached {
     /// what the benchmark allocates, audit mode): the entry probe then looks the cgroup's limit
     /// and usage up on every allocation.
     fn push_limit(&mut self, id: u64) -> Result<()> {
-        let on = self.ebpf.map_mut(names::LIMITS_ON).context("the eBPF object has no LIMITS_ON map")?;
-        aya::maps::Array::<_, u32>::try_from(on)?.set(0, 1, 0)?;
         let limits = self.ebpf.map_mut(names::CGROUP_LIMITS).context("the eBPF object has no CGROUP_LIMITS map")?;
         let mut limits = aya::maps::HashMap::<_, u64, common::CgroupLimit>::try_from(limits)?;
         limits.insert(id, common::CgroupLimit { limit: 1 << 50, mode: common::enforce::AUDIT, signal: 0 }, 0)?;
+        // The map's first generation, written after the map as the agent does.
+        let on = self.ebpf.map_mut(names::LIMITS_ON).context("the eBPF object has no LIMITS_ON map")?;
+        aya::maps::Array::<_, u32>::try_from(on)?.set(0, 1, 0)?;
         Ok(())
     }
 

@@ -16,7 +16,7 @@ use aya::{
     maps::{HashMap, MapData, RingBuf},
     Ebpf,
 };
-use common::{names, spare, stat, AddrSpace, AllocKey, AllocKind, AllocRecord, Event, EventKind, ProcUsage, Usage};
+use common::{names, spare, stat, AddrSpace, AllocKey, AllocKind, AllocRecord, CgroupUsage, Event, EventKind, ProcUsage, Usage};
 
 use crate::{
     cgroup::CgroupNames,
@@ -29,7 +29,7 @@ use crate::{
 pub struct Accounting {
     allocs: HashMap<MapData, AllocKey, AllocRecord>,
     procs: HashMap<MapData, u32, ProcUsage>,
-    cgroups: HashMap<MapData, u64, Usage>,
+    cgroups: HashMap<MapData, u64, CgroupUsage>,
     counters: Counters,
     external: External,
     /// Live records a cgroup may have (the probes' `MAX_RECORDS_PER_CGROUP`).
@@ -175,7 +175,7 @@ impl Accounting {
         }
         processes.sort_by_key(|row| row.pid);
         let mut cgroups: Vec<CgroupRow> = Vec::new();
-        let rows: Vec<(u64, Usage)> = self.cgroups.iter().filter_map(Result::ok).collect();
+        let rows: Vec<(u64, Usage)> = self.cgroups.iter().filter_map(Result::ok).map(|(id, entry)| (id, entry.usage)).collect();
         for (cgroup_id, usage) in rows {
             if usage.total_bytes() == 0 && usage.live_records() == 0 && usage.unrecorded == 0 {
                 continue;

@@ -23,7 +23,10 @@
 //!
 //! The kernel word `LIMITS_ON` tells the entry probes whether to look limits up at all: it is
 //! set before the first limit is pushed and cleared only once every limit the agent pushed is
-//! removed again, so a node without limits pays no lookup per allocation.
+//! removed again, so a node without limits pays no lookup per allocation. While set, it is the
+//! generation of `CGROUP_LIMITS`'s contents, moved on after every change of the map: the
+//! probes keep a copy of each cgroup's limit beside its usage, good for one generation
+//! (`common::CgroupUsage`), which spares them a lookup per allocation.
 use std::{
     collections::BTreeMap,
     fs,
@@ -125,9 +128,9 @@ pub struct Limits {
     signal: u32,
     map: HashMap<MapData, u64, CgroupLimit>,
     applied: BTreeMap<u64, CgroupLimit>,
-    /// `LIMITS_ON`, and what was last written to it.
+    /// `LIMITS_ON`, and what was last written to it (0: off; else the map's generation).
     on: Array<MapData, u32>,
-    on_now: bool,
+    generation: u32,
 }
 
 impl Limits {
@@ -164,7 +167,7 @@ impl Limits {
             map,
             applied: BTreeMap::new(),
             on,
-            on_now: false,
+            generation: 0,
         })
     }
 
@@ -238,13 +241,18 @@ impl Limits {
                 wanted.retain(|id, _| existing.contains_key(id));
             }
         }
+        let mut changed = false;
         for id in self.applied.keys().filter(|id| !wanted.contains_key(id)).copied().collect::<Vec<_>>() {
             let _ = self.map.remove(&id);
             self.applied.remove(&id);
+            changed = true;
         }
-        self.switch_on(!wanted.is_empty() || !self.applied.is_empty());
+        if !wanted.is_empty() {
+            self.switch_on();
+        }
         for (id, limit) in wanted {
             if self.applied.get(&id) != Some(&limit) {
+                changed = true;
                 match self.map.insert(id, limit, 0) {
                     Ok(()) => {
                         self.applied.insert(id, limit);
@@ -252,6 +260,9 @@ impl Limits {
                     Err(error) => tracing::warn!(cgroup = id, %error, "cannot push a cgroup limit to the kernel"),
                 }
             }
+        }
+        if changed {
+            self.changed();
         }
     }
 
@@ -282,19 +293,30 @@ impl Limits {
                 self.map.remove(id).is_ok()
             })
             .count();
-        self.switch_on(!self.applied.is_empty());
+        if !ids.is_empty() {
+            self.changed();
+        }
         gone
     }
 
-    /// Writes `LIMITS_ON` if it changes: on before a limit is pushed, off only once no
-    /// pushed limit is left (the probes skip the lookup while it is off).
-    fn switch_on(&mut self, on: bool) {
-        if on == self.on_now {
-            return;
+    /// Sets `LIMITS_ON` before a limit is pushed, if it is off.
+    fn switch_on(&mut self) {
+        if self.generation == 0 {
+            self.write_generation(1);
         }
-        match self.on.set(0, u32::from(on), 0) {
-            Ok(()) => self.on_now = on,
-            Err(error) => tracing::warn!(on, %error, "cannot write LIMITS_ON: the entry probes may not check limits"),
+    }
+
+    /// After a change of the map: `LIMITS_ON` moves on to the next generation (so the probes'
+    /// copies of the old limits are read again), or goes off once no pushed limit is left.
+    fn changed(&mut self) {
+        let next = if self.applied.is_empty() { 0 } else { self.generation.wrapping_add(1).max(1) };
+        self.write_generation(next);
+    }
+
+    fn write_generation(&mut self, generation: u32) {
+        match self.on.set(0, generation, 0) {
+            Ok(()) => self.generation = generation,
+            Err(error) => tracing::warn!(generation, %error, "cannot write LIMITS_ON: the entry probes may not check limits"),
         }
     }
 }

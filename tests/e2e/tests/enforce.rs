@@ -82,14 +82,16 @@ fn audit_mode_counts_but_lets_the_workload_through() -> Result<()> {
     Ok(())
 }
 
-/// An edited limits file (a ConfigMap update) applies without restarting the agent.
+/// An edited limits file (a ConfigMap update) applies without restarting the agent, also to
+/// a cgroup whose old limit the probes hold a copy of (its second allocation made the copy:
+/// the agent's new generation of the limits makes them read the map again).
 #[test]
 fn a_changed_limits_file_applies_without_a_restart() -> Result<()> {
     let cgroup = TestCgroup::create("reload")?;
     let limits = limits_file(&cgroup)?;
     let agent = agent("audit", &limits)?;
     let node = FakeNode::new("reload");
-    let steps = ["ctx 0", "alloc a 600m", "checkpoint one", "alloc b 100m", "checkpoint two"];
+    let steps = ["ctx 0", "alloc a 300m", "alloc c 300m", "checkpoint one", "alloc b 100m", "checkpoint two"];
     let mut workload = node.workload().in_cgroup(&cgroup).steps(steps).spawn()?;
     workload.wait_checkpoint("one")?;
     assert_eq!(stat(&agent.audit()?, "over_limit"), 0, "600 MiB is within 1 GiB");
