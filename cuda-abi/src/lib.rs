@@ -107,6 +107,7 @@ pub const CUDA_ERROR_INVALID_CONTEXT: CUresult = 201;
 pub const CUDA_ERROR_OPERATING_SYSTEM: CUresult = 304;
 pub const CUDA_ERROR_INVALID_HANDLE: CUresult = 400;
 pub const CUDA_ERROR_NOT_FOUND: CUresult = 500;
+pub const CUDA_ERROR_NOT_READY: CUresult = 600;
 pub const CUDA_ERROR_NOT_SUPPORTED: CUresult = 801;
 
 // CUmemAllocationType / CUmemLocationType / CUmemAccess_flags.

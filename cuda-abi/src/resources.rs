@@ -142,6 +142,10 @@ pub const CU_MEM_LOCATION_TYPE_HOST: c_int = 2;
 pub const CU_MEM_LOCATION_TYPE_HOST_NUMA: c_int = 3;
 pub const CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT: c_int = 4;
 
+/// `CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD`: instantiation uploads the graph (and so grows the
+/// graph memory pool) at once.
+pub const CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD: u64 = 2;
+
 /// `CUDA_GRAPH_INSTANTIATE_PARAMS` (`cuGraphInstantiateWithParams`): the driver writes
 /// `h_err_node_out` and `result_out`.
 #[repr(C)]

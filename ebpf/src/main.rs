@@ -8,8 +8,8 @@
 //! live allocation keyed by (tgid, space, pointer/handle), usage per process (`PROC_USAGE`)
 //! and per cgroup (`CGROUP_USAGE`). A freed device pointer's record is kept as a spare
 //! ([`common::spare`]) that the next allocation the driver hands the same address takes over
-//! in place: the usual alloc/free cycle then does no map insert or delete. Allocations and frees emit no event (the maps say it all;
-//! `STATS` counts them); the `process_exit` tracepoint drops a dead process's usage at once
+//! in place: the usual alloc/free cycle then does no map insert or delete. Allocations and
+//! frees emit no event (the maps say it all; `STATS` counts them); the `process_exit` tracepoint drops a dead process's usage at once
 //! and tells the agent on the `EXITS` ring buffer, which wakes it; the agent then deletes the
 //! process's records.
 //!
@@ -34,8 +34,8 @@
 //! The agent decides which symbol each program is attached to (agent/src/kernel/probes.rs).
 #![no_std]
 #![no_main]
-// The BPF target has atomic add but no compare-and-swap, so core's Atomic* types do not offer
-// fetch_add there; the intrinsics compile to the BPF atomic add instructions (fetching ones
+// core's Atomic* types offer no fetch_add or compare_exchange on the BPF target; the
+// intrinsics compile to the BPF atomic instructions (the fetching add and compare-and-swap
 // need ISA v3: ebpf/.cargo/config.toml).
 #![allow(internal_features)]
 #![feature(core_intrinsics)]
@@ -237,15 +237,17 @@ fn check_limit(size: u64) {
     }
     // SAFETY: plain helper call without arguments.
     let cgroup_id = unsafe { bpf_get_current_cgroup_id() };
-    let (limit, used) = match CGROUP_USAGE.get_ptr_mut(&cgroup_id) {
-        // SAFETY: a live map value; its counters are read plainly.
-        Some(cgroup) => (cached_limit(cgroup, cgroup_id, u64::from(generation)), unsafe { (*cgroup).usage.total_bytes() }),
+    let cgroup = CGROUP_USAGE.get_ptr_mut(&cgroup_id);
+    let limit = match cgroup {
+        Some(cgroup) => cached_limit(cgroup, cgroup_id, u64::from(generation)),
         // SAFETY: copied out at once.
-        None => ((unsafe { CGROUP_LIMITS.get(&cgroup_id) }).copied(), 0),
+        None => (unsafe { CGROUP_LIMITS.get(&cgroup_id) }).copied(),
     };
     let Some(limit) = limit else {
         return;
     };
+    // SAFETY: a live map value; its counters are read plainly.
+    let used = cgroup.map_or(0, |cgroup| unsafe { (*cgroup).usage.total_bytes() });
     if used.saturating_add(size) <= limit.limit {
         return;
     }

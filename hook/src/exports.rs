@@ -280,14 +280,16 @@ pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
     free_pointer(driver, dptr, None, || unsafe { real(dptr) })
 }
 
-/// An allocation from a stream-ordered pool (`None`: the current device's current pool),
-/// charged for what the pool holds (see `pools`).
+/// An allocation from a stream-ordered pool (`None`: the current device's current pool) on
+/// `stream`, charged for what the pool holds (see `pools`); passed through while the stream
+/// is being captured (`is_capturing`: the allocation's form of `cuStreamIsCapturing`).
 ///
 /// # Safety
 /// `dptr` is the caller's out-pointer of the driver call.
 unsafe fn pool_allocate(
     driver: &Driver,
     pool: Option<CUmemoryPool>,
+    (stream, is_capturing): (CUstream, Option<IsCapturing>),
     dptr: *mut CUdeviceptr,
     size: usize,
     call: impl FnOnce() -> CUresult,
@@ -304,6 +306,9 @@ unsafe fn pool_allocate(
     let Some(device) = session.ledger_device(ordinal) else {
         return if session.refuses(ordinal) { CUDA_ERROR_OUT_OF_MEMORY } else { call() };
     };
+    if capturing(is_capturing, stream) {
+        return call();
+    }
     let pool = pool.or_else(|| current_pool(driver, ordinal));
     let mut call = Some(call);
     let outcome = pool.and_then(|pool| {
@@ -338,11 +343,14 @@ fn current_pool(driver: &Driver, ordinal: CUdevice) -> Option<CUmemoryPool> {
     (unsafe { get(&mut pool, ordinal) } == CUDA_SUCCESS && !pool.is_null()).then_some(pool)
 }
 
+/// `cuStreamIsCapturing(CUstream, CUstreamCaptureStatus *)`.
+type IsCapturing = unsafe extern "C" fn(CUstream, *mut c_int) -> CUresult;
+
 /// Whether `stream` is being captured into a graph (`is_capturing`: `cuStreamIsCapturing` or
 /// its `_ptsz` form, as the allocation's): then a stream-ordered allocation on it only adds an
 /// allocation node to the graph, whose memory is charged when the graph is launched (see
 /// `graphs`), so it is neither admitted nor charged here.
-fn capturing(is_capturing: Option<unsafe extern "C" fn(CUstream, *mut c_int) -> CUresult>, stream: CUstream) -> bool {
+fn capturing(is_capturing: Option<IsCapturing>, stream: CUstream) -> bool {
     let Some(is_capturing) = is_capturing else { return false };
     let mut status = CU_STREAM_CAPTURE_STATUS_NONE;
     // SAFETY: the caller's stream, and a live local for the status.
@@ -355,12 +363,9 @@ macro_rules! async_alloc {
         pub unsafe extern "C" fn $name(dptr: *mut CUdeviceptr, bytesize: usize, hStream: CUstream) -> CUresult {
             let driver = driver_or_return!();
             let real = real_or_return!(driver, $field);
-            if capturing(driver.$capturing, hStream) {
-                // SAFETY: forwards the caller's arguments unchanged.
-                return unsafe { real(dptr, bytesize, hStream) };
-            }
+            let stream = (hStream, driver.$capturing);
             // SAFETY: forwards the caller's arguments unchanged.
-            unsafe { pool_allocate(driver, None, dptr, bytesize, || real(dptr, bytesize, hStream)) }
+            unsafe { pool_allocate(driver, None, stream, dptr, bytesize, || real(dptr, bytesize, hStream)) }
         }
     };
 }
@@ -373,12 +378,9 @@ macro_rules! pool_alloc {
         pub unsafe extern "C" fn $name(dptr: *mut CUdeviceptr, bytesize: usize, pool: CUmemoryPool, hStream: CUstream) -> CUresult {
             let driver = driver_or_return!();
             let real = real_or_return!(driver, $field);
-            if capturing(driver.$capturing, hStream) {
-                // SAFETY: forwards the caller's arguments unchanged.
-                return unsafe { real(dptr, bytesize, pool, hStream) };
-            }
+            let stream = (hStream, driver.$capturing);
             // SAFETY: forwards the caller's arguments unchanged.
-            unsafe { pool_allocate(driver, Some(pool), dptr, bytesize, || real(dptr, bytesize, pool, hStream)) }
+            unsafe { pool_allocate(driver, Some(pool), stream, dptr, bytesize, || real(dptr, bytesize, pool, hStream)) }
         }
     };
 }

@@ -42,7 +42,7 @@ use std::{
 
 use cuda_abi::{
     CUdevice, CUgraph, CUgraphExec, CUgraphNode, CUresult, CUstream, CUDA_ERROR_NOT_FOUND, CUDA_ERROR_OUT_OF_MEMORY,
-    CUDA_GRAPH_INSTANTIATE_PARAMS, CUDA_MEM_ALLOC_NODE_PARAMS, CUDA_SUCCESS, CU_GRAPH_NODE_TYPE_GRAPH,
+    CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD, CUDA_GRAPH_INSTANTIATE_PARAMS, CUDA_MEM_ALLOC_NODE_PARAMS, CUDA_SUCCESS, CU_GRAPH_NODE_TYPE_GRAPH,
     CU_GRAPH_NODE_TYPE_MEM_ALLOC, CU_MEM_LOCATION_TYPE_DEVICE,
 };
 
@@ -57,10 +57,6 @@ use crate::{
 pub const MAX_NODES: usize = 1 << 20;
 /// The most levels of child graphs one walk descends.
 pub const MAX_DEPTH: u32 = 64;
-
-/// `CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD`: instantiation uploads the graph (and so grows the
-/// graph pool) at once.
-const INSTANTIATE_FLAG_UPLOAD: u64 = 2;
 
 /// Bytes of allocation nodes, by driver ordinal.
 type Needs = Vec<(CUdevice, u64)>;
@@ -170,13 +166,18 @@ fn unknown(why: &str) {
 /// After an instantiation returned `result`: records what executable graph `*phGraphExec`
 /// (instantiated from `hGraph`) allocates.
 fn instantiated(driver: &Driver, result: CUresult, phGraphExec: *mut CUgraphExec, hGraph: CUgraph) -> CUresult {
+    instantiated_as(result, phGraphExec, || needs_of(driver, hGraph))
+}
+
+/// [`instantiated`] with the graph's needs from `walk` (a walk already made is not made twice).
+fn instantiated_as(result: CUresult, phGraphExec: *mut CUgraphExec, walk: impl FnOnce() -> Result<Needs, String>) -> CUresult {
     if result != CUDA_SUCCESS || phGraphExec.is_null() {
         return result;
     }
     let Mode::Enforce(session) = mode() else { return result };
     // SAFETY: the driver succeeded, so it wrote the caller's out-pointer.
     let exec = unsafe { *phGraphExec } as u64;
-    match needs_of(driver, hGraph) {
+    match walk() {
         Ok(needs) => {
             session.graphs.lock().insert(exec, needs);
         }
@@ -233,13 +234,16 @@ macro_rules! instantiate_with_params {
             // SAFETY: forwards the caller's arguments unchanged.
             let call = || unsafe { real(phGraphExec, hGraph, instantiateParams) };
             // SAFETY: NULL or the caller's parameters (the driver validates them too).
-            let upload = unsafe { instantiateParams.as_ref() }.is_some_and(|p| p.flags & INSTANTIATE_FLAG_UPLOAD != 0);
-            let result = match (upload, mode()) {
-                // Uploading grows the graph pool now: admitted like a launch.
-                (true, Mode::Enforce(_)) => grow(driver, needs_of(driver, hGraph).ok(), call),
-                _ => call(),
-            };
-            instantiated(driver, result, phGraphExec, hGraph)
+            let upload = unsafe { instantiateParams.as_ref() }.is_some_and(|p| p.flags & CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD != 0);
+            match (upload, mode()) {
+                // Uploading grows the graph pool now: admitted like a launch, with one walk.
+                (true, Mode::Enforce(_)) => {
+                    let needs = needs_of(driver, hGraph);
+                    let result = grow(driver, needs.clone().ok(), call);
+                    instantiated_as(result, phGraphExec, || needs)
+                }
+                _ => instantiated(driver, call(), phGraphExec, hGraph),
+            }
         }
     };
 }

@@ -30,8 +30,7 @@ use std::{
 
 use cuda_abi::{
     CUdevice, CUmemoryPool, CUresult, CUstream, CUDA_SUCCESS, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT,
-    CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
-};
+    CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, CU_MEMPOOL_ATTR_USED_MEM_CURRENT, CUDA_ERROR_NOT_READY};
 use ledger::{Charge, RecordId};
 
 use crate::{real::Driver, session::Session};
@@ -225,8 +224,12 @@ impl Pools {
         }
         let Some(mut charge) = state.charges.remove(&key) else { return result };
         let chunk = session.ledger.header().devices[charge.device as usize].chunk;
+        // The pool's live allocations pass to the retired charge (an unused id if none).
+        state.next_retired += 1;
+        let id = state.next_retired;
         let (mut live, mut needed) = (0, 0u64);
-        for (_, size) in state.origin.values().filter(|(owner, _)| *owner == Owner::Live(key)) {
+        for (owner, size) in state.origin.values_mut().filter(|(owner, _)| *owner == Owner::Live(key)) {
+            *owner = Owner::Retired(id);
             live += 1;
             needed = needed.saturating_add(size.div_ceil(chunk).saturating_mul(chunk));
         }
@@ -235,11 +238,6 @@ impl Pools {
         } else {
             let target = needed.min(charge.charged);
             settle(session, &mut charge, target, chunk);
-            state.next_retired += 1;
-            let id = state.next_retired;
-            for (owner, _) in state.origin.values_mut().filter(|(owner, _)| *owner == Owner::Live(key)) {
-                *owner = Owner::Retired(id);
-            }
             state.retired.insert(id, Retired { charge, live, draining: None });
         }
         drain(session, driver, state);
@@ -270,21 +268,15 @@ impl Pools {
     }
 }
 
-/// `cuStreamQuery`'s answer for a stream with work still to run.
-const CUDA_ERROR_NOT_READY: CUresult = 600;
-
 /// Releases the retired charges whose last free (a `cuMemFreeAsync`) has run: its stream is
 /// idle (any answer but `CUDA_ERROR_NOT_READY`: a stream the application destroyed has run
 /// its work).
 fn drain(session: &Session, driver: &Driver, state: &mut PoolState) {
     state.retired.retain(|_, retired| {
         let Some(stream) = retired.draining else { return true };
-        let done = match driver.stream_query {
-            // SAFETY: a stream handle the application passed to cuMemFreeAsync (the driver
-            // answers one destroyed since with an error code).
-            Some(query) => (unsafe { query(stream as CUstream) }) != CUDA_ERROR_NOT_READY,
-            None => true,
-        };
+        // SAFETY: a stream handle the application passed to cuMemFreeAsync (the driver answers
+        // one destroyed since with an error code).
+        let done = driver.stream_query.is_none_or(|query| (unsafe { query(stream as CUstream) }) != CUDA_ERROR_NOT_READY);
         if done {
             release_all(session, &mut retired.charge);
         }
@@ -318,16 +310,14 @@ fn settle(session: &Session, charge: &mut PoolCharge, reserved: u64, chunk: u64)
         charge.records.pop();
         charge.charged -= bytes;
     }
-    // Records are as large as the growths they admitted: cut the top one down to what is
-    // still needed, the smaller charge taken before the larger goes (if the quota has no
-    // room for both at once, the larger one stays: never less than the pool holds).
+    // Records are as large as the growths they admitted: the top one is cut down to what is
+    // still needed, replaced in one step under the ledger's lock (`Ledger::recharge`).
     let excess = charge.charged.saturating_sub(target);
     if let Some(&(record, bytes)) = charge.records.last().filter(|_| excess > 0) {
-        if let Ok(smaller) = session.ledger.reserve(session.slot, charge.device, Charge::Device(bytes - excess), 0) {
-            let _ = session.ledger.release(session.slot, record);
+        if let Ok((smaller, kept)) = session.ledger.recharge(session.slot, session.identity, charge.device, Some(record), bytes - excess) {
             charge.records.pop();
-            charge.records.push((smaller, bytes - excess));
-            charge.charged -= excess;
+            charge.records.extend(smaller.map(|smaller| (smaller, kept)));
+            charge.charged = charge.charged - bytes + kept;
         }
     }
     if charge.charged < target {

@@ -72,7 +72,8 @@ pub struct Session {
     pub contexts: crate::contexts::Contexts,
     pub graphs: crate::graphs::Graphs,
     allocations: [Mutex<Charges>; SHARDS],
-    pid: u32,
+    /// This process as its slot records it.
+    pub identity: ProcessIdentity,
 }
 
 impl Session {
@@ -257,7 +258,7 @@ extern "C" fn release_at_exit() {
     }
     // SAFETY: modes are leaked, never freed.
     if let Mode::Enforce(session) = unsafe { &*current } {
-        if session.pid == std::process::id() {
+        if session.identity.pid == std::process::id() {
             let _ = session.ledger.reclaim(session.slot);
         }
     }
@@ -399,7 +400,7 @@ fn open_session(config: &Config) -> Result<Session, SetupError> {
         contexts: Default::default(),
         graphs: Default::default(),
         allocations: std::array::from_fn(|_| Mutex::new(HashMap::new())),
-        pid: identity.pid,
+        identity,
     })
 }
 

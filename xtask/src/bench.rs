@@ -275,7 +275,7 @@ fn probes(setup: &Setup, object: &Path, rows: &mut Vec<Row>) -> Result<()> {
                 ratios[config].push((ns[config] - ns[0]) / (ns[1] - ns[0]));
             }
         }
-        let base = Spread::of(bare).median;
+        let base = Spread::of(&bare).median;
         rows.push(
             Row::added(
                 format!("eBPF floor: nop programs on the same attach points (alloc entry, alloc return, free entry), alloc+free {name} pair"),
@@ -284,18 +284,18 @@ fn probes(setup: &Setup, object: &Path, rows: &mut Vec<Row>) -> Result<()> {
                 base,
                 "ns per pair, no probes",
             )
-            .with_spread(Spread::of(added[1].clone())),
+            .with_spread(Spread::of(&added[1])),
         );
         for config in 2..count {
             let label = CONFIGURATIONS[config].1;
-            let ratio = Spread::of(ratios[config].clone());
+            let ratio = Spread::of(&ratios[config]);
             println!(
                 "probes, {name} pair: {label}: {:.2}x the floor (IQR {:.2}-{:.2}) over {rounds} rounds",
                 ratio.median, ratio.q1, ratio.q3
             );
             rows.push(
                 Row::added(format!("{label}, alloc+free {name} pair"), 0.0, "ns added per pair", base, "ns per pair, no probes")
-                    .with_spread(Spread::of(added[config].clone())),
+                    .with_spread(Spread::of(&added[config])),
             );
             rows.push(
                 Row::target(
@@ -349,7 +349,8 @@ struct Spread {
 }
 
 impl Spread {
-    fn of(mut samples: Vec<f64>) -> Spread {
+    fn of(samples: &[f64]) -> Spread {
+        let mut samples = samples.to_vec();
         samples.sort_by(f64::total_cmp);
         let at = |q: usize| samples.get((samples.len().saturating_sub(1) * q + 2) / 4).copied().unwrap_or(f64::NAN);
         Spread { q1: at(1), median: at(2), q3: at(3) }
@@ -523,7 +524,7 @@ fn field(output: &std::process::Output, prefix: &str, key: &str) -> Result<f64> 
 }
 
 fn median(samples: Vec<f64>) -> f64 {
-    Spread::of(samples).median
+    Spread::of(&samples).median
 }
 
 fn write_report(rows: &[Row], notes: &[String]) -> Result<()> {

@@ -8,7 +8,8 @@
 //! is its records in `ALLOCS`: a record whose process entry is gone, or belongs to a newer
 //! process with the same pid, is stale. The sweep deletes those; it runs after every exit
 //! event and on a timer, so a lost event delays the clean-up but never loses it. Imported
-//! external memory, kept apart and never charged, is [`crate::kernel::extmem`]'s, swept with them.
+//! external memory, kept apart and never charged, is [`super::extmem`]'s, swept
+//! with them.
 use std::{collections::BTreeMap, fs, time::Instant};
 
 use anyhow::{anyhow, Context, Result};
@@ -18,10 +19,9 @@ use aya::{
 };
 use common::{names, spare, stat, AddrSpace, AllocKey, AllocKind, AllocRecord, CgroupUsage, Event, EventKind, ProcUsage, Usage};
 
+use super::{extmem::External, trouble::Counters};
 use crate::{
     cgroup::CgroupNames,
-    kernel::extmem::External,
-    kernel::trouble::Counters,
     reconcile::EbpfProcess,
     snapshot::{BytesByKind, CgroupRow, KernelMaps, ProcessRow, Snapshot, Stats},
 };

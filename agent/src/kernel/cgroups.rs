@@ -4,7 +4,8 @@
 //! tracepoint, a limit pushed while the cgroup was going).
 use std::collections::BTreeSet;
 
-use crate::{kernel::accounting::Accounting, cgroup::CgroupNames, kernel::enforce::Limits};
+use super::{accounting::Accounting, enforce::Limits};
+use crate::cgroup::CgroupNames;
 
 /// Of `ids`, those no cgroup2 cgroup has: absent from two walks of the tree, so that a cgroup
 /// renamed during one walk is not taken for gone. Empty if the tree cannot be walked.

@@ -286,6 +286,7 @@ impl Limits {
     /// Forgets the limits of these (removed) cgroups, in the kernel map and in the agent's
     /// record; returns how many kernel entries went.
     pub fn forget(&mut self, ids: &[u64]) -> usize {
+        let pushed = self.applied.len();
         let gone = ids
             .iter()
             .filter(|id| {
@@ -293,7 +294,7 @@ impl Limits {
                 self.map.remove(id).is_ok()
             })
             .count();
-        if !ids.is_empty() {
+        if self.applied.len() != pushed {
             self.changed();
         }
         gone

@@ -11,7 +11,8 @@ use aya::{
 use common::extmem::{names, ExtKey, ExtRecord, ExtUsage};
 use serde::{Deserialize, Serialize};
 
-use crate::{kernel::accounting::take, cgroup::CgroupNames};
+use super::accounting::take;
+use crate::cgroup::CgroupNames;
 
 /// Imported external memory, live (imported and not destroyed), as the audit shows it.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]

@@ -48,8 +48,6 @@ type R<T> = Result<T, CUresult>;
 
 /// Device addresses handed to graph allocation nodes.
 const GRAPH_VA_BASE: u64 = 0x7f00_0000_0000;
-/// `CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD`.
-const INSTANTIATE_FLAG_UPLOAD: u64 = 2;
 /// The handles of the legacy and the per-thread default stream (`CU_STREAM_LEGACY`,
 /// `CU_STREAM_PER_THREAD`).
 const STREAM_LEGACY: u64 = 1;
@@ -536,10 +534,10 @@ exports_sharing_body! {
         let instantiate = |d: &mut Driver| {
             // SAFETY: the caller passes NULL or a valid parameter struct, which the driver writes.
             let params = unsafe { instantiateParams.as_mut() }.ok_or(CUDA_ERROR_INVALID_VALUE)?;
-            if params.flags & !INSTANTIATE_FLAG_UPLOAD != 0 {
+            if params.flags & !CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD != 0 {
                 return Err(CUDA_ERROR_INVALID_VALUE);
             }
-            let exec = instantiate(d, hGraph as u64, params.flags & INSTANTIATE_FLAG_UPLOAD != 0);
+            let exec = instantiate(d, hGraph as u64, params.flags & CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD != 0);
             params.h_err_node_out = std::ptr::null_mut();
             params.result_out = if exec.is_ok() { 0 } else { 1 };
             exec
