@@ -312,6 +312,7 @@ impl Limits {
     fn changed(&mut self) {
         let next = if self.applied.is_empty() { 0 } else { self.generation.wrapping_add(1).max(1) };
         self.write_generation(next);
+        tracing::info!(generation = next, cgroups = self.applied.len(), "cgroup limits in the probes changed");
     }
 
     fn write_generation(&mut self, generation: u32) {

@@ -95,8 +95,10 @@ fn a_changed_limits_file_applies_without_a_restart() -> Result<()> {
     let mut workload = node.workload().in_cgroup(&cgroup).steps(steps).spawn()?;
     workload.wait_checkpoint("one")?;
     assert_eq!(stat(&agent.audit()?, "over_limit"), 0, "600 MiB is within 1 GiB");
+    let pushes = || agent.log().matches("cgroup limits in the probes changed").count();
+    let before = pushes();
     std::fs::write(&limits, format!("{} 256m\n", cgroup.path))?;
-    e2e::wait_for(std::time::Duration::from_secs(3), "the edited rule in force", || Ok(agent.log().contains("limits file changed")))?;
+    e2e::wait_for(std::time::Duration::from_secs(3), "the edited rule in the probes", || Ok(pushes() > before))?;
     workload.resume()?;
     workload.wait_checkpoint("two")?;
     let audit = agent.audit()?;
