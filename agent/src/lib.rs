@@ -13,3 +13,4 @@ pub mod reconcile;
 pub mod run;
 pub mod serve;
 pub mod snapshot;
+pub mod task;

@@ -49,6 +49,11 @@ enum Command {
     },
 }
 
+/// The async runtime's threads (the tasks; none of them blocks).
+const RUNTIME_THREADS: usize = 2;
+/// The blocking pool's threads at most (the tasks' steps: scans, sweeps, passes, renders).
+const BLOCKING_THREADS: usize = 16;
+
 fn main() -> Result<()> {
     // Before anything else: a worker confines itself first and logs nothing.
     if std::env::args_os().nth(1).is_some_and(|arg| arg == "ledger-worker") {
@@ -63,7 +68,13 @@ fn main() -> Result<()> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     match Cli::parse().command {
-        Command::Run(args) => tokio::runtime::Builder::new_current_thread()
+        // Two runtime threads for the tasks (the nodes' agents get a CPU or two); tenant-sized
+        // and blocking work goes to the blocking pool, bounded so that many slow tenants queue
+        // there rather than grow the agent's threads.
+        Command::Run(args) => tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(RUNTIME_THREADS)
+            .max_blocking_threads(BLOCKING_THREADS)
+            .thread_name("vramguard")
             .enable_all()
             .build()?
             .block_on(run::run(*args)),

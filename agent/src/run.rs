@@ -1,57 +1,82 @@
-//! `vramguard run`: load and attach the eBPF programs, keep the view current, answer the
-//! control socket, watch the ledgers under `--ledger-dir` (reclaiming the slots of dead
-//! processes on their exit events and every `--ledger-scan-ms`), reconcile the ledgers with
-//! the eBPF view (after drains and sweeps, and every second), render the metrics page that
-//! `--metrics-addr` serves when a scrape finds it older than the last pass ([`crate::serve`]),
-//! forward the eBPF programs' log lines into the agent's log, and detach cleanly on SIGINT or
-//! SIGTERM.
-use std::{
-    collections::BTreeMap,
-    net::SocketAddr,
-    path::PathBuf,
-    sync::Arc,
-    time::Duration,
-};
+//! `vramguard run`: loads and attaches the eBPF programs, then wires the agent's tasks and
+//! waits for SIGTERM or SIGINT to stop them. Each task owns its state and lives in its room;
+//! this module only starts them and connects them with bounded channels and watches:
+//!
+//! | task | owns | does | tenants can lengthen it |
+//! |---|---|---|---|
+//! | health ([`serve::health`]) | its listener | `/healthz`, `/readyz` from the tasks' heartbeats | no |
+//! | kernel ([`kernel::task`]) | accounting maps, exit ring, cgroup limits, programs' log | drains exits, sweeps records, pushes limits | no |
+//! | reclaim ([`ledgers::task`]) | the watched ledgers, the reclaimer | scans `--ledger-dir`, frees dead processes' slots | within per-ledger budgets |
+//! | reconcile ([`reconcile::task`]) | reconciler, charges, metrics registry | passes, charges, metrics page, audit snapshots | yes (bounded per ledger) |
+//! | discovery ([`discovery::task`]) | the loaded programs, discovery state | finds libcuda files, attaches probes | yes (bounded per file) |
+//! | NRI ([`provision::nri`]) | its connection | answers the runtime within [`NRI_DEADLINE`] | no |
+//! | control ([`serve::control`]) | the control socket | hands audits to reconcile | no |
+//!
+//! Blocking and tenant-sized work runs on tokio's blocking pool (bounded in `main`), the
+//! task's state moved there and back; the critical tasks (health, kernel, reclaim, NRI) never
+//! wait for a reconcile pass, a discovery scan or a metrics render. The metrics listener
+//! ([`serve::http`]) serves the page the reconcile task renders.
+use std::{collections::BTreeMap, net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
 use anyhow::{anyhow, bail, Context, Result};
 use aya::{programs::TracePoint, EbpfLoader};
-use bytes::Bytes;
 use tokio::{
     io::unix::AsyncFd,
-    net::UnixStream,
     signal::unix::{signal, SignalKind},
-    sync::Notify,
-    time::{interval, MissedTickBehavior},
+    sync::{mpsc, watch, Notify},
 };
 use tracing::{info, warn};
 
 use crate::{
-    kernel::accounting::Accounting,
     cgroup::CgroupNames,
-    ledgers::charge::Charger,
-    kernel::enforce,
-    serve::control,
-    discovery::{self, Caps, Discovery},
-    kernel,
-    ledgers::{self, Ledgers, Limits, Pin},
-    serve::metrics::Metrics,
+    discovery::{
+        self,
+        task::{Found, Scanner},
+        Caps, Discovery,
+    },
+    kernel::{
+        self,
+        accounting::Accounting,
+        enforce,
+        probes::{self, Attacher},
+        task::Kernel,
+    },
+    ledgers::{self, charge::Charger, reclaim::Reclaimer, task::Reclaim, Ledgers, Limits},
     preflight,
-    kernel::probes::{self, Attacher},
     provision::{self, ProvisionArgs, Provisioner},
-    ledgers::reclaim::Reclaimer,
-    reconcile::{self, Reconciler},
-    serve::{self, Published, Publisher},
-    snapshot::Snapshot,
+    reconcile::{
+        self,
+        task::{not_ready, Judge, Provisioning},
+        Reconciler,
+    },
+    serve::{self, control, health::Health, metrics::Metrics, Publisher},
+    task::Liveness,
 };
 
-/// How often a reconcile pass runs however quiet the node is.
-const RECONCILE_EVERY: Duration = Duration::from_secs(1);
-
-/// How long the agent takes at most to answer the runtime's NRI calls (its own limit is 2 s).
+/// How long the runtime's NRI calls wait at most for the agent (the runtime's own limit is 2 s).
 const NRI_DEADLINE: Duration = Duration::from_millis(1500);
 
-/// How often an exit event whose process is not a zombie yet is looked at again.
-const EXIT_RETRY: Duration = Duration::from_millis(5);
+/// Requests for the kernel task's view waiting at once (the reconcile task asks one at a time).
+const KERNEL_REQUESTS: usize = 4;
+
+/// Exits waiting for the reclaim task (past it, an exit is dropped and its process found dead
+/// by the next sweep, within `--ledger-scan-ms`).
+const EXIT_QUEUE: usize = 4096;
+
+/// `vramguard audit` requests waiting for the reconcile task.
+const AUDIT_QUEUE: usize = 16;
+
+/// How long the kernel task may go without coming round its loop before `/healthz` fails (it
+/// comes round at every drain, 100 ms by default).
+const KERNEL_ALLOWED: Duration = Duration::from_secs(10);
+
+/// ... the reclaim task (a sweep is bounded: a worker deadline and a budget per ledger, every
+/// ledger in parallel).
+const RECLAIM_ALLOWED: Duration = Duration::from_secs(20);
+
+/// ... the reconcile and discovery tasks, whose steps tenants can lengthen within their
+/// budgets: they fail health only when really stuck.
+const TENANT_WORK_ALLOWED: Duration = Duration::from_secs(300);
 
 /// The eBPF object built by `cargo xtask build-ebpf`, embedded at build time.
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/vramguard.bpf.o"));
@@ -119,6 +144,11 @@ pub struct RunArgs {
     /// 0: any free port; the bound address is logged and reported by `vramguard audit`).
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<SocketAddr>,
+    /// Serve `/healthz` and `/readyz` on this address, on a listener of their own that no
+    /// scrape and no tenant's work can delay (port 0: any free port; the bound address is
+    /// logged and reported by `vramguard audit`). The DaemonSet's probes point there.
+    #[arg(long, value_name = "ADDR")]
+    pub health_addr: Option<SocketAddr>,
     /// Also publish the ledgers' used and limit bytes under HAMi's monitor names
     /// (`hami_vgpu_memory_used_bytes`, `hami_vgpu_memory_limit_bytes`), for its dashboards.
     #[arg(long)]
@@ -165,20 +195,6 @@ fn parse_threshold(text: &str) -> Result<u64, String> {
     cuda_abi::parse_size(text).ok_or_else(|| format!("{text:?} is not a size (bytes, or a number with k, m, g or t)"))
 }
 
-enum Wake {
-    Stop(&'static str),
-    Events,
-    Drain,
-    Sweep,
-    Rescan,
-    Ledgers,
-    Limits,
-    Reconcile,
-    ExitRetry,
-    Client(UnixStream),
-    Render,
-    Provisioned,
-}
 
 pub async fn run(args: RunArgs) -> Result<()> {
     if args.rescan_ms == 0 || args.drain_ms == 0 || args.sweep_ms == 0 || args.ledger_scan_ms == 0 {
@@ -191,6 +207,22 @@ pub async fn run(args: RunArgs) -> Result<()> {
             args.max_alloc_records
         );
     }
+    // Health first: it answers while the agent starts, and whatever it does after.
+    let liveness = Liveness::new();
+    let health = Health::new(liveness.clone());
+    let health_connections = serve::http::Connections::named(
+        "vramguard_health_connections_total",
+        "Connections to --health-addr by how they ended: answered, closed, refused (past the cap), evicted (idle past the cap), timed_out, bad_request, error",
+    )?;
+    let health_addr = match args.health_addr {
+        Some(addr) => {
+            let site = serve::http::Site::Health(health.clone());
+            let bound = serve::http::serve_site(addr, serve::http::LIMITS, site, health_connections.clone()).await?;
+            info!(health_addr = %bound, "serving /healthz and /readyz");
+            Some(bound)
+        }
+        None => None,
+    };
     let platform = preflight::check()?;
     let layout = preflight::cgroup_layout();
     if args.enforce == enforce::Mode::Signal {
@@ -211,7 +243,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         .load(EBPF_OBJECT)
         .context("the kernel refused the eBPF object")?;
     // Before any program runs, so that no line is lost.
-    let mut kernel_log = kernel::log::init(&mut ebpf)?;
+    let kernel_log = kernel::log::init(&mut ebpf)?;
     let exit: &mut TracePoint = ebpf
         .program_mut(common::names::PROCESS_EXIT)
         .ok_or_else(|| anyhow!("the embedded eBPF object has no `process_exit` program"))?
@@ -265,11 +297,11 @@ pub async fn run(args: RunArgs) -> Result<()> {
         limits.refresh(&mut cgroups);
         info!(mode = ?args.enforce, cgroups = limits.applied(), "cgroup limits pushed to the probes");
     }
-    let (mut accounting, exits_ring) = Accounting::new(&mut ebpf, records_cap)?;
-    // Exits wake the agent (allocations and frees emit no events: the maps say them).
+    let (accounting, exits_ring) = Accounting::new(&mut ebpf, records_cap)?;
+    // Exits wake the kernel task (allocations and frees emit no events: the maps say them).
     // SAFETY: the ring buffer owns its map fd, which stays open and unchanged until the
     // AsyncFd (which owns the ring buffer) is dropped.
-    let mut exits = unsafe { AsyncFd::register_with_interest(exits_ring, tokio::io::Interest::READABLE) }
+    let exits_ring = unsafe { AsyncFd::register_with_interest(exits_ring, tokio::io::Interest::READABLE) }
         .map_err(|error| anyhow!("cannot poll the exit ring buffer: {error}"))?;
     info!(
         max_alloc_records = args.max_alloc_records,
@@ -284,7 +316,13 @@ pub async fn run(args: RunArgs) -> Result<()> {
     }
     if !args.no_discover {
         discovery.add_well_known(&mut Attacher(&mut ebpf));
-        discovery.scan(&mut Attacher(&mut ebpf));
+        // The first scan, on the blocking pool (health answers meanwhile): the agent starts
+        // with what the running processes map already probed.
+        let scanned = tokio::task::spawn_blocking(move || {
+            discovery.scan(&mut Attacher(&mut ebpf));
+            (discovery, ebpf)
+        });
+        (discovery, ebpf) = scanned.await.context("the first discovery scan failed")?;
     }
     if discovery.probed().next().is_none() {
         bail!(
@@ -311,274 +349,154 @@ pub async fn run(args: RunArgs) -> Result<()> {
     }
     let mut ledgers = args.ledger_dir.clone().map(|dir| Ledgers::with_limits(dir, ledger_limits));
     let (provisioner, _capacity) = provisioner(&args)?.unzip();
-    let mut provisioned_changes = provisioner.as_ref().map(|p| p.changes());
+    let metrics = Metrics::new(args.hami_metrics)?;
+    let judge = Judge {
+        reconciler: Reconciler::new(reconcile::Config {
+            threshold: args.drift_threshold,
+            grace: Duration::from_millis(args.drift_grace_ms),
+        }),
+        charger: Charger::new(),
+        metrics,
+        passes: 0,
+        view: None,
+    };
+
+    // The wiring: every task owns its state; these are all they share.
+    let (stop_tx, stop) = watch::channel(false);
+    let changed = Arc::new(Notify::new());
+    let (kernel_tx, kernel_rx) = mpsc::channel(KERNEL_REQUESTS);
+    let (exits_tx, exits_rx) = mpsc::channel(EXIT_QUEUE);
+    let (ledger_limits_tx, ledger_limits_rx) = watch::channel(BTreeMap::new());
+    let (found_tx, found_rx) = watch::channel(Arc::new(Found::of(&discovery)));
+    let (audits_tx, audits_rx) = mpsc::channel(AUDIT_QUEUE);
+    let mut provisioned_limits = None;
+    let mut pins = None;
     let provisioning = match provisioner.as_ref() {
         Some(provisioner) => {
-            apply_provisioned(provisioner, ledgers.as_mut(), limits.as_mut());
-            let (connected_tx, connected) = tokio::sync::watch::channel(false);
+            let (pins_tx, pins_rx) = watch::channel(provisioner.pins());
+            let (limits_tx, limits_rx) = watch::channel(provisioner.cgroup_limits());
+            if let Some(ledgers) = ledgers.as_mut() {
+                ledgers.set_pins(provisioner.pins());
+            }
+            if let Some(limits) = limits.as_mut() {
+                limits.set_provisioned(provisioner.cgroup_limits());
+            }
+            tokio::spawn(provisioner.clone().publish(pins_tx, limits_tx));
+            (pins, provisioned_limits) = (Some(pins_rx), Some(limits_rx));
+            let (connected_tx, connected) = watch::channel(false);
             spawn_nri(&args.provision, provisioner.clone(), connected_tx);
             Some(Provisioning { provisioner: provisioner.clone(), connected })
         }
         None => None,
     };
-    let mut reclaimer = Reclaimer::new(ledgers.is_some());
-    let mut metrics = Metrics::new(args.hami_metrics)?;
-    let reconciler = Reconciler::new(reconcile::Config {
-        threshold: args.drift_threshold,
-        grace: Duration::from_millis(args.drift_grace_ms),
+
+    let mut tasks = Vec::new();
+    let reclaim = ledgers.map(|ledgers| {
+        let (published_tx, published_rx) = watch::channel(Arc::new(ledgers.clone()));
+        let wiring = ledgers::task::Wiring {
+            exits: exits_rx,
+            pins,
+            published: published_tx,
+            changed: changed.clone(),
+            reclaims: judge.metrics.reclaims(),
+            heartbeat: liveness.register("reclaim", RECLAIM_ALLOWED),
+            stop: stop.clone(),
+        };
+        let task = Reclaim { ledgers, reclaimer: Reclaimer::new(true) };
+        (tokio::spawn(task.run(Duration::from_millis(args.ledger_scan_ms), wiring)), published_rx)
     });
-    let mut judge = Judge { reconciler, charger: Charger::new(), passes: 0 };
-    if let Some(ledgers) = ledgers.as_mut() {
-        ledgers.scan();
-        info!(dir = %ledgers.dir().display(), ledgers = ledgers.len(), skipped = ledgers.skipped(), "watching ledgers");
-        for latency in reclaimer.sweep(ledgers) {
-            metrics.reclaimed(latency);
-        }
-    }
-    // The listener serves the pages the loop renders (the first one before it listens) and
-    // rings `render_wanted` when a scrape finds the page older than the last pass.
-    let render_wanted = Arc::new(Notify::new());
+    let (reclaim, ledgers_rx) = reclaim.unzip();
+
+    // The metrics listener serves the pages the reconcile task renders (the first one before
+    // it listens) and rings `render_wanted` when a scrape finds the page older than the last
+    // pass.
+    let mut judge = judge;
     let (metrics_addr, publisher) = match args.metrics_addr {
         Some(addr) => {
             let connections = serve::http::Connections::new()?;
-            metrics.register(connections.collector())?;
-            judge.pass(ledgers.as_ref(), &accounting, &metrics);
-            let now = view(&mut accounting, &discovery, ledgers.as_ref(), &reclaimer, &judge, limits.as_ref());
-            let first = render(&mut metrics, ledgers.as_ref(), &judge, &now, provisioning.as_ref());
+            judge.metrics.register(connections.collector())?;
+            judge.metrics.register(health_connections.collector())?;
+            let first = judge.render(None, &found_rx.borrow(), provisioning.as_ref());
+            let render_wanted = Arc::new(Notify::new());
             let (publisher, board) = Publisher::new(first, render_wanted.clone());
             let bound = serve::http::serve(addr, serve::http::LIMITS, board, connections).await?;
             info!(metrics_addr = %bound, limits = ?serve::http::LIMITS, "serving /metrics, /healthz and /readyz");
-            (Some(bound), Some(publisher))
+            (Some(bound), Some((publisher, render_wanted)))
         }
         None => (None, None),
     };
-
+    let kernel = Kernel { accounting, exits: exits_ring, log: kernel_log, limits, cgroups };
+    let kernel_wiring = kernel::task::Wiring {
+        requests: kernel_rx,
+        ledger_limits: ledger_limits_rx,
+        provisioned: provisioned_limits,
+        exits: exits_tx,
+        changed: changed.clone(),
+        heartbeat: liveness.register("kernel", KERNEL_ALLOWED),
+        stop: stop.clone(),
+    };
+    let every = kernel::task::Every {
+        drain: Duration::from_millis(args.drain_ms),
+        sweep: Duration::from_millis(args.sweep_ms),
+        limits: Duration::from_millis(args.rescan_ms),
+    };
+    let kernel = tokio::spawn(kernel.run(every, kernel_wiring));
+    let probed_files = discovery.probed().count();
+    let scanner = Scanner { discovery, ebpf };
+    let discovery = tokio::spawn(scanner.run(
+        Duration::from_millis(args.rescan_ms),
+        !args.no_discover,
+        found_tx,
+        liveness.register("discovery", TENANT_WORK_ALLOWED),
+        stop.clone(),
+    ));
+    let judge_wiring = reconcile::task::Wiring {
+        kernel: kernel_tx,
+        ledgers: ledgers_rx,
+        found: found_rx.clone(),
+        ledger_limits: ledger_limits_tx,
+        publisher,
+        changed,
+        audits: audits_rx,
+        provisioning: provisioning.clone(),
+        metrics_addr,
+        health_addr,
+        heartbeat: liveness.register("reconcile", TENANT_WORK_ALLOWED),
+        stop: stop.clone(),
+    };
+    tasks.push(tokio::spawn(judge.run(judge_wiring)));
     let listener = control::bind(&args.socket)?;
+    let control = tokio::spawn(control::listen(listener, audits_tx));
+    let _ = health.ready.set(Box::new(move || not_ready(&found_rx.borrow(), provisioning.as_ref())));
+    info!(socket = %args.socket.display(), files = probed_files, cgroups = ?layout, "vramguard agent running");
+
     let mut sigterm = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
     let mut sigint = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
-    let mut drain = interval(Duration::from_millis(args.drain_ms));
-    drain.set_missed_tick_behavior(MissedTickBehavior::Delay);
-    let mut sweep = interval(Duration::from_millis(args.sweep_ms));
-    sweep.set_missed_tick_behavior(MissedTickBehavior::Delay);
-    let mut rescan = interval(Duration::from_millis(args.rescan_ms));
-    rescan.set_missed_tick_behavior(MissedTickBehavior::Delay);
-    let mut ledger_scan = interval(Duration::from_millis(args.ledger_scan_ms));
-    ledger_scan.set_missed_tick_behavior(MissedTickBehavior::Delay);
-    let mut limits_refresh = interval(Duration::from_millis(args.rescan_ms));
-    limits_refresh.set_missed_tick_behavior(MissedTickBehavior::Delay);
-    let mut reconcile_tick = interval(RECONCILE_EVERY);
-    reconcile_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
-    let mut exit_retry = interval(EXIT_RETRY);
-    exit_retry.set_missed_tick_behavior(MissedTickBehavior::Delay);
-    info!(socket = %args.socket.display(), files = discovery.probed().count(), cgroups = ?layout, "vramguard agent running");
-
-    loop {
-        let wake = tokio::select! {
-            _ = sigterm.recv() => Wake::Stop("SIGTERM"),
-            _ = sigint.recv() => Wake::Stop("SIGINT"),
-            guard = exits.readable_mut() => {
-                guard.context("polling the exit ring buffer")?.clear_ready();
-                Wake::Events
-            }
-            guard = kernel_log.readable_mut() => {
-                let mut guard = guard.context("polling the eBPF programs' log")?;
-                guard.get_inner_mut().flush();
-                guard.clear_ready();
-                continue;
-            }
-            _ = drain.tick() => Wake::Drain,
-            _ = sweep.tick() => Wake::Sweep,
-            _ = rescan.tick(), if !args.no_discover => Wake::Rescan,
-            _ = ledger_scan.tick(), if ledgers.is_some() => Wake::Ledgers,
-            _ = limits_refresh.tick(), if limits.is_some() => Wake::Limits,
-            _ = reconcile_tick.tick() => Wake::Reconcile,
-            _ = exit_retry.tick(), if ledgers.is_some() && reclaimer.pending() => Wake::ExitRetry,
-            _ = render_wanted.notified() => Wake::Render,
-            _ = changed(&mut provisioned_changes) => Wake::Provisioned,
-            client = listener.accept() => match client {
-                Ok((stream, _)) => Wake::Client(stream),
-                Err(error) => { warn!(%error, "control socket accept failed"); continue; }
-            },
-        };
-        match wake {
-            Wake::Stop(signal) => {
-                info!(signal, "stopping: detaching probes");
-                break;
-            }
-            Wake::Limits => {
-                if let Some(limits) = limits.as_mut() {
-                    if let Some(ledgers) = ledgers.as_ref() {
-                        limits.set_ledger_limits(ledger_cgroup_limits(ledgers, &judge.reconciler));
-                    }
-                    limits.refresh(&mut cgroups);
-                }
-            }
-            Wake::Events | Wake::Drain => {
-                let drained = accounting.drain(exits.get_mut());
-                let exits = accounting.take_exits();
-                if let Some(ledgers) = ledgers.as_ref().filter(|_| !exits.is_empty()) {
-                    for (tgid, at) in exits {
-                        reclaimer.exited(tgid, at);
-                    }
-                    for latency in reclaimer.sweep(ledgers) {
-                        metrics.reclaimed(latency);
-                    }
-                }
-                if accounting.sweep_due() {
-                    accounting.sweep();
-                }
-                // Something changed: pass now (a quiet node gets the timer's pass only).
-                if drained > 0 && judge.reconciler.due() {
-                    judge.pass(ledgers.as_ref(), &accounting, &metrics);
-                }
-            }
-            Wake::Reconcile => {
-                accounting.drain(exits.get_mut());
-                judge.pass(ledgers.as_ref(), &accounting, &metrics);
-            }
-            Wake::Ledgers | Wake::ExitRetry => {
-                if let Some(ledgers) = ledgers.as_mut() {
-                    if matches!(wake, Wake::Ledgers) {
-                        ledgers.scan();
-                    }
-                    let reclaimed = reclaimer.sweep(ledgers);
-                    for latency in &reclaimed {
-                        metrics.reclaimed(*latency);
-                    }
-                    if !reclaimed.is_empty() && judge.reconciler.due() {
-                        judge.pass(Some(ledgers), &accounting, &metrics);
-                    }
-                }
-            }
-            Wake::Sweep => {
-                accounting.drain(exits.get_mut());
-                accounting.sweep();
-                kernel::cgroups::sweep(&mut accounting, limits.as_mut(), &mut cgroups);
-            }
-            Wake::Rescan => {
-                discovery.scan(&mut Attacher(&mut ebpf));
-            }
-            Wake::Client(stream) => {
-                accounting.drain(exits.get_mut());
-                judge.pass(ledgers.as_ref(), &accounting, &metrics);
-                let mut snapshot = view(&mut accounting, &discovery, ledgers.as_ref(), &reclaimer, &judge, limits.as_ref());
-                snapshot.metrics_addr = metrics_addr.map(|addr| addr.to_string());
-                // For audit only (the metrics page does not show it): a copy of each ledger.
-                snapshot.ledger_problems = ledgers.as_ref().map(Ledgers::problems).unwrap_or_default();
-                if let Some(p) = provisioning.as_ref() {
-                    snapshot.provisioned = p.provisioner.provisioned().into_iter().map(|p| p.record).collect();
-                    snapshot.nri_connected = Some(*p.connected.borrow());
-                }
-                // The answer awaits the client, and the listener may answer meanwhile: the
-                // pass is the last one from now on.
-                if let Some(publisher) = publisher.as_ref() {
-                    publisher.passed(judge.passes);
-                }
-                if let Err(error) = control::serve(stream, &snapshot).await {
-                    warn!(%error, "answering a control client failed");
-                }
-            }
-            Wake::Provisioned => {
-                if let Some(provisioner) = provisioner.as_ref() {
-                    apply_provisioned(provisioner, ledgers.as_mut(), limits.as_mut());
-                    if let Some(ledgers) = ledgers.as_mut() {
-                        ledgers.scan();
-                    }
-                }
-            }
-            // A scrape found the page older than the last pass: render that pass's (once,
-            // however many scrapes asked).
-            Wake::Render => {
-                if let Some(publisher) = publisher.as_ref().filter(|p| p.behind()) {
-                    let now = view(&mut accounting, &discovery, ledgers.as_ref(), &reclaimer, &judge, limits.as_ref());
-                    publisher.publish(render(&mut metrics, ledgers.as_ref(), &judge, &now, provisioning.as_ref()));
-                }
-            }
-        }
-        if let Some(publisher) = publisher.as_ref() {
-            publisher.passed(judge.passes);
-        }
+    let signal = tokio::select! {
+        _ = sigterm.recv() => "SIGTERM",
+        _ = sigint.recv() => "SIGINT",
+    };
+    info!(signal, "stopping: detaching probes");
+    // The reconcile task frees the agent's charges while the ledgers are still open; then the
+    // others stop, the programs (held by discovery) last: dropping them detaches every probe.
+    let _ = stop_tx.send(true);
+    control.abort();
+    for task in tasks {
+        let _ = task.await;
     }
-    if let Some(ledgers) = ledgers.as_ref() {
-        judge.charger.release_all(ledgers);
+    if let Some(reclaim) = reclaim {
+        let _ = reclaim.await;
     }
-    drop(listener);
+    match kernel.await {
+        Ok(Err(error)) => warn!(error = %format!("{error:#}"), "the kernel task failed"),
+        Err(error) => warn!(%error, "the kernel task failed"),
+        Ok(Ok(())) => {}
+    }
+    let ebpf = discovery.await.ok().flatten();
     let _ = std::fs::remove_file(&args.socket);
-    drop(accounting);
-    drop(exits);
-    kernel_log.get_mut().flush();
-    drop(kernel_log);
-    drop(ebpf); // dropping the programs detaches every uprobe and the tracepoint
+    drop(ebpf); // dropping the programs detaches every uprobe and the tracepoints
     info!("vramguard agent stopped");
     Ok(())
-}
-
-/// The reconciler and the charges that follow its passes.
-struct Judge {
-    reconciler: Reconciler,
-    charger: Charger,
-    /// Passes run so far.
-    passes: u64,
-}
-
-impl Judge {
-    /// One reconcile pass, then the agent's charges brought in line with it; timed.
-    fn pass(&mut self, ledgers: Option<&Ledgers>, accounting: &Accounting, metrics: &Metrics) {
-        let started = std::time::Instant::now();
-        self.reconciler.pass(ledgers, &accounting.processes());
-        if let Some(ledgers) = ledgers {
-            self.charger.update(ledgers, &self.reconciler.unaccounted_by_ledger(), self.reconciler.unreadable());
-        }
-        metrics.passed(started.elapsed());
-        self.passes += 1;
-    }
-}
-
-/// The current view for `vramguard audit` and the metrics: the probes' maps as they are now,
-/// with the states of the last reconcile pass.
-fn view(
-    accounting: &mut Accounting,
-    discovery: &Discovery,
-    ledgers: Option<&Ledgers>,
-    reclaimer: &Reclaimer,
-    judge: &Judge,
-    limits: Option<&enforce::Limits>,
-) -> Snapshot {
-    let mut snapshot = accounting.snapshot();
-    judge.reconciler.annotate(&mut snapshot);
-    snapshot.libcuda = discovery.probed().cloned().collect();
-    snapshot.discovery = discovery.stats();
-    snapshot.ledgers = ledgers.map(|l| l.iter().map(|(path, _)| path.display().to_string()).collect()).unwrap_or_default();
-    snapshot.stats.slots_reclaimed = reclaimer.total;
-    snapshot.stats.cgroup_limits = limits.map_or(0, |l| l.applied() as u64);
-    snapshot.kernel_maps.cgroup_limits = limits.map_or_else(Vec::new, |l| l.ids());
-    snapshot
-}
-
-/// A page for `--metrics-addr`: the metrics rendered from `view` (as of the last pass), and
-/// the readiness (a libcuda probed: always, after start-up).
-fn render(metrics: &mut Metrics, ledgers: Option<&Ledgers>, judge: &Judge, view: &Snapshot, provisioning: Option<&Provisioning>) -> Published {
-    metrics.refresh(ledgers, view, &judge.reconciler, &judge.charger.charged());
-    let nri_down = provisioning.is_some_and(|p| !*p.connected.borrow());
-    if let Some(p) = provisioning {
-        metrics.set_provisioning(p.provisioner.len(), !nri_down);
-    }
-    let not_ready = if view.libcuda.is_empty() {
-        Some("no libcuda probed")
-    } else if nri_down {
-        Some("not registered with the container runtime (NRI): new containers start without their quota")
-    } else if provisioning.and_then(|p| p.provisioner.kube_synced()) == Some(false) {
-        Some("the pods of this node are not listed from the Kubernetes API yet")
-    } else {
-        None
-    };
-    Published { metrics: metrics.encode().map(Bytes::from).map_err(|error| format!("{error:#}")), not_ready, passes: judge.passes }
-}
-
-/// Provisioning as the loop sees it: the provisioner and whether NRI is connected.
-struct Provisioning {
-    provisioner: Arc<Provisioner>,
-    connected: tokio::sync::watch::Receiver<bool>,
 }
 
 /// The provisioner `--nri` asks for, with its quota sources, and the node's advertised
@@ -628,51 +546,4 @@ fn spawn_nri(args: &ProvisionArgs, provisioner: Arc<Provisioner>, connected: tok
         handler_deadline: NRI_DEADLINE,
     };
     tokio::spawn(provision::nri::run(config, provisioner, connected));
-}
-
-/// Holds the provisioned containers' ledgers to the agent's headers and their cgroups to
-/// their limits.
-fn apply_provisioned(provisioner: &Provisioner, ledgers: Option<&mut Ledgers>, limits: Option<&mut enforce::Limits>) {
-    if let Some(ledgers) = ledgers {
-        let pins = provisioner
-            .provisioned()
-            .into_iter()
-            .map(|p| {
-                let r = p.record;
-                (p.ledger, Pin { header: p.header, names: [r.namespace, r.pod, r.container, r.pod_uid] })
-            })
-            .collect();
-        ledgers.set_pins(pins);
-    }
-    if let Some(limits) = limits {
-        limits.set_provisioned(provisioner.cgroup_limits());
-    }
-}
-
-/// The next change of the provisioned set; never, without provisioning.
-async fn changed(changes: &mut Option<tokio::sync::watch::Receiver<u64>>) {
-    if let Some(changes) = changes {
-        if changes.changed().await.is_ok() {
-            return;
-        }
-    }
-    std::future::pending().await
-
-}
-
-/// The cgroups of each watched ledger's live processes (as the last reconcile pass found
-/// them) and the ledger's limit as the agent validated it (the sum of its devices' limits). A
-/// cgroup with processes of several ledgers is held to the smallest of their limits: a
-/// workload cannot lift its cgroup's limit by registering a process in a second ledger.
-fn ledger_cgroup_limits(ledgers: &Ledgers, reconciler: &Reconciler) -> BTreeMap<u64, u64> {
-    let mut limits = BTreeMap::new();
-    for (path, ledger) in ledgers.iter() {
-        let header = ledgers.validated_header(path).unwrap_or(ledger.header());
-        let limit: u64 = header.devices[..header.device_count as usize].iter().map(|d| d.limit).sum();
-        let Some(cgroups) = reconciler.ledger_cgroups().get(&path.display().to_string()) else { continue };
-        for cgroup in cgroups {
-            limits.entry(*cgroup).and_modify(|held: &mut u64| *held = (*held).min(limit)).or_insert(limit);
-        }
-    }
-    limits
 }

@@ -24,6 +24,9 @@ pub struct Snapshot {
     /// Where `/metrics` is served (the bound address, also when port 0 was asked for).
     #[serde(default)]
     pub metrics_addr: Option<String>,
+    /// Where `/healthz` and `/readyz` are served on a listener of their own (`--health-addr`).
+    #[serde(default)]
+    pub health_addr: Option<String>,
     /// The ledgers watched under `--ledger-dir`.
     #[serde(default)]
     pub ledgers: Vec<String>,

@@ -516,3 +516,4 @@ fn running_pids() -> Vec<u32> {
 
 #[cfg(test)]
 mod tests;
+pub mod task;

@@ -13,3 +13,4 @@ pub mod extmem;
 pub mod log;
 pub mod probes;
 pub mod trouble;
+pub mod task;

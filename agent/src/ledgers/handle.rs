@@ -15,7 +15,6 @@ use ledger::{
 
 use super::{
     directory::FileKey,
-    header_change,
     worker::{AccessError, Launcher, Request, Worker},
     Limits,
 };
@@ -29,9 +28,9 @@ pub struct LedgerHandle {
     pub(super) file: File,
     /// The header the agent holds the ledger to: the one it validated when it opened the
     /// file, or, for a file that replaced one still in use at the same path, that one's.
+    /// (How the header on disk differs from it is [`super::Ledgers`]'s to know: a handle is
+    /// shared by the agent's tasks and never changes.)
     pub(super) validated: Header,
-    /// How the header on disk differs from `validated`, if it does.
-    pub(super) header_change: Option<String>,
     pub(super) worker: Mutex<Worker>,
 }
 
@@ -116,18 +115,17 @@ impl LedgerHandle {
     pub fn open(path: &Path, limits: &Limits) -> Result<LedgerHandle, String> {
         let file = open_no_follow(path, true).map_err(|error| format!("cannot open {}: {error}", path.display()))?;
         let (key, header) = examine(&file, path, limits)?;
-        Ok(LedgerHandle::new(path, key, file, header, &header, Launcher::default()))
+        Ok(LedgerHandle::new(path, key, file, header, Launcher::default()))
     }
 
-    pub(super) fn new(path: &Path, key: FileKey, file: File, validated: Header, found: &Header, launcher: Launcher) -> LedgerHandle {
-        LedgerHandle {
-            path: path.to_path_buf(),
-            key,
-            file,
-            validated,
-            header_change: header_change(&validated, found),
-            worker: Mutex::new(Worker::new(launcher)),
-        }
+    pub(super) fn new(path: &Path, key: FileKey, file: File, validated: Header, launcher: Launcher) -> LedgerHandle {
+        LedgerHandle { path: path.to_path_buf(), key, file, validated, worker: Mutex::new(Worker::new(launcher)) }
+    }
+
+    /// The same file held to `validated` instead, with a worker of its own (a pin that came
+    /// after the file was opened).
+    pub(super) fn held_to(&self, validated: Header, launcher: Launcher) -> std::io::Result<LedgerHandle> {
+        Ok(LedgerHandle::new(&self.path, self.key, self.file.try_clone()?, validated, launcher))
     }
 }
 

@@ -44,11 +44,13 @@ mod directory;
 mod handle;
 pub mod reclaim;
 pub mod sandbox;
+pub mod task;
 pub mod worker;
 
 use std::{
     collections::BTreeMap,
     path::{Path, PathBuf},
+    sync::Arc,
 };
 
 use ledger::layout::{checksummed_bytes, fnv1a, Header};
@@ -114,12 +116,17 @@ struct Skipped {
     reason: String,
 }
 
-/// The ledgers under one directory.
+/// The ledgers under one directory. The task that scans owns it; a clone (cheap: the handles
+/// are shared) is what the other tasks read.
+#[derive(Clone)]
 pub struct Ledgers {
     dir: PathBuf,
     limits: Limits,
     launcher: Launcher,
-    open: BTreeMap<PathBuf, LedgerHandle>,
+    open: BTreeMap<PathBuf, Arc<LedgerHandle>>,
+    /// How the header on disk of a watched ledger differs from the one the agent holds it
+    /// to, where it does.
+    changes: BTreeMap<PathBuf, String>,
     /// Files not watched, as they were when they were skipped.
     skipped: BTreeMap<PathBuf, Skipped>,
     /// The last error listing the directory (logged once until it changes).
@@ -153,6 +160,7 @@ impl Ledgers {
             limits,
             launcher: Launcher::default(),
             open: BTreeMap::new(),
+            changes: BTreeMap::new(),
             skipped: BTreeMap::new(),
             dir_error: None,
             crowded: BTreeMap::new(),
@@ -166,8 +174,17 @@ impl Ledgers {
     /// once for a file already watched (its header is compared at the next scan).
     pub fn set_pins(&mut self, pins: BTreeMap<PathBuf, Pin>) {
         for (path, pin) in &pins {
-            if let Some(handle) = self.open.get_mut(path) {
-                handle.validated = pin.header;
+            let Some(handle) = self.open.get_mut(path) else { continue };
+            if checksummed_bytes(&handle.validated) == checksummed_bytes(&pin.header) {
+                continue;
+            }
+            match handle.held_to(pin.header, self.launcher.clone()) {
+                Ok(held) => *handle = Arc::new(held),
+                Err(error) => {
+                    // Opened again (with the pin) by the next scan.
+                    warn!(ledger = %path.display(), %error, "cannot hold a watched ledger to its pin");
+                    self.open.remove(path);
+                }
             }
         }
         self.pinned = pins;
@@ -195,7 +212,7 @@ impl Ledgers {
 
     /// The watched ledgers, by path.
     pub fn iter(&self) -> impl Iterator<Item = (&Path, &LedgerHandle)> {
-        self.open.iter().map(|(path, handle)| (path.as_path(), handle))
+        self.open.iter().map(|(path, handle)| (path.as_path(), handle.as_ref()))
     }
 
     pub fn len(&self) -> usize {
@@ -209,7 +226,7 @@ impl Ledgers {
     /// How the header of the ledger at `path` now differs from the one the agent validated
     /// (see the module doc), if it does.
     pub fn header_change(&self, path: &Path) -> Option<&str> {
-        self.open.get(path)?.header_change.as_deref()
+        self.changes.get(path).map(String::as_str)
     }
 
     /// Ledger worker processes running now.
@@ -231,7 +248,7 @@ impl Ledgers {
         for (path, handle) in &self.open {
             // A rewritten header first (a replaced file is also another size), unless the
             // header went with a cut.
-            let rewritten = handle.header_change.as_ref().filter(|change| !change.starts_with(HEADER_UNREADABLE));
+            let rewritten = self.changes.get(path).filter(|change| !change.starts_with(HEADER_UNREADABLE));
             let problem = match (rewritten, handle.copy()) {
                 (Some(change), _) => Some(format!("tampered: its header was rewritten ({change})")),
                 (None, Err(error)) => Some(format!("unreadable: {error}")),
@@ -291,17 +308,23 @@ impl Ledgers {
                 worker.stop_if_idle(worker::IDLE);
             }
         }
-        for (path, handle) in self.open.iter_mut() {
+        self.changes.retain(|path, _| self.open.contains_key(path));
+        for (path, handle) in &self.open {
             let change = match ledger::file::read_header(&handle.file) {
                 Ok(now) => header_change(&handle.validated, &now),
                 Err(error) => Some(format!("{HEADER_UNREADABLE}: {error}")),
             };
-            if change != handle.header_change {
-                match &change {
-                    Some(what) => warn!(ledger = %path.display(), change = %what, "ledger header rewritten since the agent validated it: its processes are reported tampered, the validated limits stay enforced"),
-                    None => info!(ledger = %path.display(), "ledger header back to the one the agent validated"),
+            if change.as_ref() != self.changes.get(path) {
+                match change {
+                    Some(what) => {
+                        warn!(ledger = %path.display(), change = %what, "ledger header rewritten since the agent validated it: its processes are reported tampered, the validated limits stay enforced");
+                        self.changes.insert(path.clone(), what);
+                    }
+                    None => {
+                        info!(ledger = %path.display(), "ledger header back to the one the agent validated");
+                        self.changes.remove(path);
+                    }
                 }
-                handle.header_change = change;
             }
         }
         self.skipped.retain(|path, skipped| candidates.get(path) == Some(&skipped.key));
@@ -315,9 +338,12 @@ impl Ledgers {
                 self.open_ledger(&path, key)
             };
             match opened {
-                Ok(handle) => {
+                Ok((handle, change)) => {
                     info!(ledger = %path.display(), devices = handle.validated.device_count, "watching ledger");
-                    self.open.insert(path, handle);
+                    if let Some(change) = change {
+                        self.changes.insert(path.clone(), change);
+                    }
+                    self.open.insert(path, Arc::new(handle));
                 }
                 Err(reason) => {
                     warn!(file = %path.display(), reason = %reason, "skipping a file that is not a valid ledger (or more than the agent allows)");
@@ -329,7 +355,8 @@ impl Ledgers {
 
     /// Opens `path` (listed as `key`) without following links, validates it as a ledger
     /// within the agent's limits; the reason if it is not one.
-    fn open_ledger(&mut self, path: &Path, key: FileKey) -> Result<LedgerHandle, String> {
+    /// Also says how the file's header differs from the one it is held to, if it does.
+    fn open_ledger(&mut self, path: &Path, key: FileKey) -> Result<(LedgerHandle, Option<String>), String> {
         let file = open_beneath(&self.dir, path).map_err(|error| format!("cannot open it: {error}"))?;
         let pinned = self.pinned.get(path).map(|pin| pin.header);
         let (opened, header, held) = examine_as(&file, path, &self.limits, pinned.as_ref())?;
@@ -338,11 +365,11 @@ impl Ledgers {
         }
         let replaced = self.replaced.remove(path);
         let validated = if pinned.is_some() { held } else { replaced.unwrap_or(held) };
-        let handle = LedgerHandle::new(path, opened, file, validated, &header, self.launcher.clone());
-        if let Some(what) = &handle.header_change {
+        let change = header_change(&validated, &header);
+        if let Some(what) = &change {
             warn!(ledger = %path.display(), change = %what, "ledger replaced under running processes with other limits: its processes are reported tampered, the limits before stay enforced");
         }
-        Ok(handle)
+        Ok((LedgerHandle::new(path, opened, file, validated, self.launcher.clone()), change))
     }
 }
 

@@ -30,7 +30,7 @@ pub mod store;
 use std::{
     collections::BTreeMap,
     path::{Path, PathBuf},
-    sync::Mutex,
+    sync::{Arc, Mutex},
 };
 
 use ledger::provisioned;
@@ -196,6 +196,35 @@ impl Provisioner {
     /// The provisioned containers now.
     pub fn provisioned(&self) -> Vec<Provisioned> {
         self.lock().values().cloned().collect()
+    }
+
+    /// The provisioned containers' ledgers, each held to the header the agent created it with
+    /// and named as the runtime named its container.
+    pub fn pins(&self) -> BTreeMap<PathBuf, crate::ledgers::Pin> {
+        self.provisioned()
+            .into_iter()
+            .map(|p| {
+                let r = p.record;
+                (p.ledger, crate::ledgers::Pin { header: p.header, names: [r.namespace, r.pod, r.container, r.pod_uid] })
+            })
+            .collect()
+    }
+
+    /// Keeps `pins` (for the reclaim task) and `limits` (cgroup path -> bytes, for the kernel
+    /// task) in step with the provisioned set, for as long as the agent runs.
+    pub async fn publish(
+        self: Arc<Self>,
+        pins: tokio::sync::watch::Sender<BTreeMap<PathBuf, crate::ledgers::Pin>>,
+        limits: tokio::sync::watch::Sender<BTreeMap<String, u64>>,
+    ) {
+        let mut changes = self.changes();
+        loop {
+            pins.send_replace(self.pins());
+            limits.send_replace(self.cgroup_limits());
+            if changes.changed().await.is_err() {
+                return;
+            }
+        }
     }
 
     /// The container's quota per GPU and where it came from; `None`: not provisioned.

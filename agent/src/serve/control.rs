@@ -37,6 +37,39 @@ pub fn bind(path: &Path) -> Result<tokio::net::UnixListener> {
     Ok(listener)
 }
 
+/// Answers every client with a snapshot asked of the reconcile task (`audits`), each client
+/// on a task of its own, until the listener is dropped.
+pub async fn listen(listener: tokio::net::UnixListener, audits: tokio::sync::mpsc::Sender<tokio::sync::oneshot::Sender<Snapshot>>) {
+    loop {
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(error) => {
+                tracing::warn!(%error, "control socket accept failed");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let audits = audits.clone();
+        tokio::spawn(async move {
+            let (ask, answer) = tokio::sync::oneshot::channel();
+            if audits.send(ask).await.is_err() {
+                return;
+            }
+            match tokio::time::timeout(AUDIT_WAIT, answer).await {
+                Ok(Ok(snapshot)) => {
+                    if let Err(error) = serve(stream, &snapshot).await {
+                        tracing::warn!(%error, "answering a control client failed");
+                    }
+                }
+                _ => tracing::warn!("no snapshot for a control client: the reconcile task did not answer in time"),
+            }
+        });
+    }
+}
+
+/// How long a control client waits for its snapshot.
+const AUDIT_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Sends one snapshot to a connected client.
 pub async fn serve(mut stream: tokio::net::UnixStream, snapshot: &Snapshot) -> Result<()> {
     use tokio::io::AsyncWriteExt;

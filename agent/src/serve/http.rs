@@ -38,6 +38,7 @@ use tracing::{debug, warn};
 
 use super::{
     gate::{Admission, Gate, Ticket},
+    health::Health,
     Board, Progress, Published,
 };
 
@@ -128,14 +129,17 @@ impl Outcome {
 pub struct Connections(IntCounterVec);
 
 impl Connections {
+    /// `vramguard_http_connections_total`, of the metrics listener.
     pub fn new() -> Result<Connections> {
-        let counter = IntCounterVec::new(
-            Opts::new(
-                "vramguard_http_connections_total",
-                "Connections to --metrics-addr by how they ended: answered, closed, refused (past the cap), evicted (idle past the cap), timed_out, bad_request, error",
-            ),
-            &["outcome"],
-        )?;
+        Connections::named(
+            "vramguard_http_connections_total",
+            "Connections to --metrics-addr by how they ended: answered, closed, refused (past the cap), evicted (idle past the cap), timed_out, bad_request, error",
+        )
+    }
+
+    /// The same family under another name (the health listener's).
+    pub fn named(name: &str, help: &str) -> Result<Connections> {
+        let counter = IntCounterVec::new(Opts::new(name, help), &["outcome"])?;
         for outcome in Outcome::ALL {
             counter.with_label_values(&[outcome.name()]);
         }
@@ -157,15 +161,38 @@ impl Connections {
     }
 }
 
+/// What a listener serves: the metrics page (with `/healthz` and `/readyz` as the event loop's
+/// progress says them), or health alone ([`super::health`]).
+#[derive(Clone)]
+pub enum Site {
+    Metrics(Board),
+    Health(Health),
+}
+
+impl Site {
+    fn name(&self) -> &'static str {
+        match self {
+            Site::Metrics(_) => "metrics",
+            Site::Health(_) => "health",
+        }
+    }
+}
+
 /// Binds `addr` and serves it in the background from what `board` holds at each request.
 pub async fn serve(addr: SocketAddr, limits: Limits, board: Board, connections: Connections) -> Result<SocketAddr> {
-    let listener = TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr} for metrics"))?;
-    let bound = listener.local_addr().context("the metrics listener has no address")?;
-    tokio::spawn(accept(listener, limits, board, connections));
+    serve_site(addr, limits, Site::Metrics(board), connections).await
+}
+
+/// Binds `addr` and serves `site` in the background.
+pub async fn serve_site(addr: SocketAddr, limits: Limits, site: Site, connections: Connections) -> Result<SocketAddr> {
+    let name = site.name();
+    let listener = TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr} for {name}"))?;
+    let bound = listener.local_addr().with_context(|| format!("the {name} listener has no address"))?;
+    tokio::spawn(accept(listener, limits, site, connections));
     Ok(bound)
 }
 
-async fn accept(listener: TcpListener, limits: Limits, board: Board, connections: Connections) {
+async fn accept(listener: TcpListener, limits: Limits, board: Site, connections: Connections) {
     let gate = Gate::new(limits.connections);
     let mut builder = http1::Builder::new();
     builder
@@ -213,7 +240,7 @@ async fn accept(listener: TcpListener, limits: Limits, board: Board, connections
 struct Connection {
     ticket: Arc<Ticket>,
     evicted: oneshot::Receiver<()>,
-    board: Board,
+    board: Site,
     connections: Connections,
 }
 
@@ -247,9 +274,20 @@ impl Connection {
     }
 }
 
+/// The answer to `request`: from `site`.
+async fn answer<B>(request: &Request<B>, site: &Site) -> Response<Full<Bytes>> {
+    match site {
+        Site::Metrics(board) => answer_metrics(request, board).await,
+        Site::Health(health) => match refuse(request, &["/healthz", "/readyz"]) {
+            Some(refusal) => refusal,
+            None => health.answer(request.uri().path()),
+        },
+    }
+}
+
 /// The answer to `request`: for `/metrics`, the page of the loop's last pass if the loop
 /// renders it within [`RENDER_WAIT`], else the page there is.
-async fn answer<B>(request: &Request<B>, board: &Board) -> Response<Full<Bytes>> {
+async fn answer_metrics<B>(request: &Request<B>, board: &Board) -> Response<Full<Bytes>> {
     let mut pages = board.pages.clone();
     let behind = pages.borrow_and_update().passes < board.progress.borrow().passes;
     if behind && request.uri().path() == "/metrics" {
@@ -263,19 +301,10 @@ async fn answer<B>(request: &Request<B>, board: &Board) -> Response<Full<Bytes>>
 
 /// The answer to `request` from `published` and the loop's `progress`.
 fn respond<B>(request: &Request<B>, published: &Published, progress: &Progress, now: Instant) -> Response<Full<Bytes>> {
-    let path = request.uri().path();
-    if !matches!(path, "/metrics" | "/healthz" | "/readyz") {
-        return text(StatusCode::NOT_FOUND, "not found\n");
+    if let Some(refusal) = refuse(request, &["/metrics", "/healthz", "/readyz"]) {
+        return refusal;
     }
-    if request.method() != Method::GET && request.method() != Method::HEAD {
-        let mut response = text(StatusCode::METHOD_NOT_ALLOWED, "only GET and HEAD\n");
-        response.headers_mut().insert(ALLOW, HeaderValue::from_static("GET, HEAD"));
-        return response;
-    }
-    if carries_body(request.headers()) {
-        return text(StatusCode::PAYLOAD_TOO_LARGE, "requests with a body are refused\n");
-    }
-    match path {
+    match request.uri().path() {
         "/metrics" => match &published.metrics {
             Ok(body) => page(StatusCode::OK, prometheus::TEXT_FORMAT, body.clone()),
             Err(error) => text(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot encode the metrics: {error}\n")),
@@ -295,12 +324,29 @@ fn respond<B>(request: &Request<B>, published: &Published, progress: &Progress, 
     }
 }
 
+/// The refusal of a request for a path not in `paths`, of a method other than `GET` and
+/// `HEAD`, or with a body; `None` for a request to answer.
+fn refuse<B>(request: &Request<B>, paths: &[&str]) -> Option<Response<Full<Bytes>>> {
+    if !paths.contains(&request.uri().path()) {
+        return Some(text(StatusCode::NOT_FOUND, "not found\n"));
+    }
+    if request.method() != Method::GET && request.method() != Method::HEAD {
+        let mut response = text(StatusCode::METHOD_NOT_ALLOWED, "only GET and HEAD\n");
+        response.headers_mut().insert(ALLOW, HeaderValue::from_static("GET, HEAD"));
+        return Some(response);
+    }
+    if carries_body(request.headers()) {
+        return Some(text(StatusCode::PAYLOAD_TOO_LARGE, "requests with a body are refused\n"));
+    }
+    None
+}
+
 /// Whether a request says it carries a body.
 fn carries_body(headers: &HeaderMap) -> bool {
     headers.contains_key(TRANSFER_ENCODING) || headers.get(CONTENT_LENGTH).is_some_and(|length| length.as_bytes() != b"0")
 }
 
-fn text(status: StatusCode, body: impl Into<String>) -> Response<Full<Bytes>> {
+pub(super) fn text(status: StatusCode, body: impl Into<String>) -> Response<Full<Bytes>> {
     page(status, "text/plain; charset=utf-8", Bytes::from(body.into()))
 }
 

@@ -186,6 +186,26 @@ fn value(bytes: u64) -> i64 {
     i64::try_from(bytes).unwrap_or(i64::MAX)
 }
 
+/// The reclaim counters, shared with the task that reclaims.
+#[derive(Clone)]
+pub struct Reclaims {
+    count: IntCounter,
+    latency: Histogram,
+}
+
+impl Reclaims {
+    /// Counts one reclaim.
+    pub fn observe(&self, latency: Duration) {
+        self.count.inc();
+        self.latency.observe(latency.as_secs_f64());
+    }
+
+    /// Reclaims so far.
+    pub fn total(&self) -> u64 {
+        self.count.get()
+    }
+}
+
 impl Metrics {
     /// The agent's metrics; `hami`: also HAMi's monitor families.
     pub fn new(hami: bool) -> Result<Metrics> {
@@ -396,8 +416,12 @@ impl Metrics {
 
     /// Counts one reclaim.
     pub fn reclaimed(&self, latency: Duration) {
-        self.reclaims.inc();
-        self.latency.observe(latency.as_secs_f64());
+        self.reclaims().observe(latency);
+    }
+
+    /// The reclaim counters, for the task that reclaims.
+    pub fn reclaims(&self) -> Reclaims {
+        Reclaims { count: self.reclaims.clone(), latency: self.latency.clone() }
     }
 
     /// Rebuilds the gauges from the current state.

@@ -6,6 +6,7 @@
 //! (at most one render per pass, however many scrapes), and never runs a pass for a scrape.
 pub mod control;
 pub mod gate;
+pub mod health;
 pub mod http;
 pub mod metrics;
 

@@ -70,6 +70,8 @@
 //! the page of the last pass, [`crate::serve`]), and (at most one per
 //! [`MIN_INTERVAL`]) after a drain of the event ring buffer that found events and a ledger
 //! sweep that reclaimed slots: a quiet node costs one pass a second.
+pub mod task;
+
 use std::{
     collections::{BTreeMap, BTreeSet},
     time::{Duration, Instant},

@@ -1,0 +1,151 @@
+//! The kernel task: owns the maps the agent reads and writes while it runs (the accounting
+//! maps and their exit ring buffer, the cgroup limits, the programs' log) and does only work
+//! whose size no tenant sets: map sizes are capped at load time, the limits file and the cgroup
+//! tree are the operator's. It never touches a ledger, a tenant's file or a worker, so the
+//! limits pushed to the probes and the exits handed to reclaim never wait on tenant work.
+//!
+//! Each turn of its loop is one of: drain the exit ring buffer (woken by the ring, or every
+//! `--drain-ms`), sweeping the allocation records of dead processes after exits; sweep every
+//! record and removed cgroups' entries (`--sweep-ms`); push the cgroup limits (every
+//! `--rescan-ms`, and at once when the provisioned containers change); answer a request for
+//! the current view (a [`KernelView`], for reconcile passes and `vramguard audit`); forward
+//! the programs' log lines.
+use std::{collections::BTreeMap, sync::Arc, time::Duration};
+
+use anyhow::{Context, Result};
+use aya::maps::{MapData, RingBuf};
+use tokio::{
+    io::unix::AsyncFd,
+    sync::{mpsc, oneshot, watch},
+    time::{interval, MissedTickBehavior},
+};
+use tracing::warn;
+
+use super::{accounting::Accounting, enforce, log::Logger};
+use crate::{
+    cgroup::CgroupNames,
+    task::{changed, Heartbeat},
+    reconcile::EbpfProcess,
+    snapshot::Snapshot,
+};
+
+/// The eBPF side as of one drain: the processes (for reconcile) and the whole view.
+pub struct KernelView {
+    pub processes: Vec<EbpfProcess>,
+    pub snapshot: Snapshot,
+}
+
+/// How the task is told things and what it tells.
+pub struct Wiring {
+    /// Asks for a [`KernelView`] (drained just before it is taken).
+    pub requests: mpsc::Receiver<oneshot::Sender<KernelView>>,
+    /// The limits the ledgers' containers are held to (cgroup id -> bytes), from reconcile.
+    pub ledger_limits: watch::Receiver<BTreeMap<u64, u64>>,
+    /// The provisioned containers' limits (cgroup path -> bytes), when the agent provisions.
+    pub provisioned: Option<watch::Receiver<BTreeMap<String, u64>>>,
+    /// Exits for the reclaim task: a bounded queue of exits only (allocations are not events);
+    /// an exit that finds it full is dropped, and the reclaim sweep finds that process gone
+    /// within a second.
+    pub exits: mpsc::Sender<(u32, std::time::Instant)>,
+    /// Rung when a drain found something (a pass is worth running).
+    pub changed: Arc<tokio::sync::Notify>,
+    pub heartbeat: Heartbeat,
+    pub stop: watch::Receiver<bool>,
+}
+
+/// How often the task does each thing.
+pub struct Every {
+    pub drain: Duration,
+    pub sweep: Duration,
+    pub limits: Duration,
+}
+
+/// The task's state.
+pub struct Kernel {
+    pub accounting: Accounting,
+    pub exits: AsyncFd<RingBuf<MapData>>,
+    pub log: Logger,
+    pub limits: Option<enforce::Limits>,
+    pub cgroups: CgroupNames,
+}
+
+impl Kernel {
+    /// Runs until `stop` turns true; then flushes the programs' log.
+    pub async fn run(mut self, every: Every, mut wiring: Wiring) -> Result<()> {
+        let tick = |period: Duration| {
+            let mut timer = interval(period);
+            timer.set_missed_tick_behavior(MissedTickBehavior::Delay);
+            timer
+        };
+        let (mut drain, mut sweep, mut limits_tick) = (tick(every.drain), tick(every.sweep), tick(every.limits));
+        let mut provisioned = wiring.provisioned.clone();
+        let mut dropped_exits = 0u64;
+        loop {
+            wiring.heartbeat.beat();
+            tokio::select! {
+                _ = wiring.stop.changed() => break,
+                guard = self.exits.readable_mut() => {
+                    guard.context("polling the exit ring buffer")?.clear_ready();
+                    self.drain(&wiring, &mut dropped_exits);
+                }
+                guard = self.log.readable_mut() => {
+                    let mut guard = guard.context("polling the eBPF programs' log")?;
+                    guard.get_inner_mut().flush();
+                    guard.clear_ready();
+                }
+                _ = drain.tick() => self.drain(&wiring, &mut dropped_exits),
+                _ = sweep.tick() => {
+                    self.drain(&wiring, &mut dropped_exits);
+                    self.accounting.sweep();
+                    super::cgroups::sweep(&mut self.accounting, self.limits.as_mut(), &mut self.cgroups);
+                }
+                _ = limits_tick.tick(), if self.limits.is_some() => self.push_limits(&mut wiring),
+                _ = changed(&mut provisioned) => self.push_limits(&mut wiring),
+                request = wiring.requests.recv() => {
+                    let Some(reply) = request else { continue };
+                    self.drain(&wiring, &mut dropped_exits);
+                    let _ = reply.send(self.view());
+                }
+            }
+        }
+        self.log.get_mut().flush();
+        Ok(())
+    }
+
+    /// Drains the ring; hands the exits to reclaim and sweeps their records.
+    fn drain(&mut self, wiring: &Wiring, dropped: &mut u64) {
+        let drained = self.accounting.drain(self.exits.get_mut());
+        for exit in self.accounting.take_exits() {
+            if wiring.exits.try_send(exit).is_err() {
+                *dropped += 1;
+                if dropped.is_power_of_two() {
+                    warn!(dropped = *dropped, "the reclaim task's exit queue is full: exits dropped (its sweep finds them)");
+                }
+            }
+        }
+        if self.accounting.sweep_due() {
+            self.accounting.sweep();
+        }
+        if drained > 0 {
+            wiring.changed.notify_one();
+        }
+    }
+
+    /// Brings the limits in the probes in line with the ledgers' and the provisioned ones.
+    fn push_limits(&mut self, wiring: &mut Wiring) {
+        let Some(limits) = self.limits.as_mut() else { return };
+        if let Some(provisioned) = wiring.provisioned.as_mut() {
+            limits.set_provisioned(provisioned.borrow_and_update().clone());
+        }
+        limits.set_ledger_limits(wiring.ledger_limits.borrow_and_update().clone());
+        limits.refresh(&mut self.cgroups);
+    }
+
+    /// The probes' maps as they are now.
+    fn view(&mut self) -> KernelView {
+        let mut snapshot = self.accounting.snapshot();
+        snapshot.stats.cgroup_limits = self.limits.as_ref().map_or(0, |l| l.applied() as u64);
+        snapshot.kernel_maps.cgroup_limits = self.limits.as_ref().map_or_else(Vec::new, |l| l.ids());
+        KernelView { processes: self.accounting.processes(), snapshot }
+    }
+}

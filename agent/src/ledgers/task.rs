@@ -1,0 +1,123 @@
+//! The reclaim task: owns the watched [`Ledgers`] (the only task that scans `--ledger-dir` and
+//! applies the provisioned ledgers' pins) and the [`Reclaimer`], frees the slots of dead
+//! processes on their exit events and every `--ledger-scan-ms`, and publishes each new state
+//! of the set (a cheap clone: the handles are shared) for the reconcile task.
+//!
+//! Its steps run on the blocking pool, its state moved there and back, so a slow file never
+//! holds a runtime thread; a step on one ledger is bounded as [`super::reclaim`] says (every
+//! ledger's dead slots freed on a thread of its own, under a budget), and nothing a reconcile
+//! pass does (copies, charges) runs here: reclaim for one tenant waits on no other tenant's
+//! pass.
+use std::{collections::BTreeMap, path::PathBuf, sync::Arc, time::Duration};
+
+use tokio::{
+    sync::{mpsc, watch, Notify},
+    time::{interval, MissedTickBehavior},
+};
+use tracing::{info, warn};
+
+use super::{reclaim::Reclaimer, Ledgers, Pin};
+use crate::{task::{changed, Heartbeat}, serve::metrics::Reclaims};
+
+/// How often an exit event whose process is not a zombie yet is looked at again.
+const EXIT_RETRY: Duration = Duration::from_millis(5);
+
+/// How the task is told things and what it tells.
+pub struct Wiring {
+    /// Exits from the kernel task (tgid, arrival).
+    pub exits: mpsc::Receiver<(u32, std::time::Instant)>,
+    /// The provisioned containers' ledgers and what they are held to.
+    pub pins: Option<watch::Receiver<BTreeMap<PathBuf, Pin>>>,
+    /// Every new state of the set.
+    pub published: watch::Sender<Arc<Ledgers>>,
+    /// Rung when slots were reclaimed (a pass is worth running).
+    pub changed: Arc<Notify>,
+    pub reclaims: Reclaims,
+    pub heartbeat: Heartbeat,
+    pub stop: watch::Receiver<bool>,
+}
+
+/// The task's state.
+pub struct Reclaim {
+    pub ledgers: Ledgers,
+    pub reclaimer: Reclaimer,
+}
+
+/// What a step asks for.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Step {
+    /// List the directory first, then sweep.
+    Scan,
+    Sweep,
+}
+
+impl Reclaim {
+    /// Scans and sweeps once (before the agent reports itself running), then runs until
+    /// `stop` turns true.
+    pub async fn run(mut self, scan_every: Duration, mut wiring: Wiring) {
+        self = self.step(Step::Scan, &mut wiring).await;
+        info!(dir = %self.ledgers.dir().display(), ledgers = self.ledgers.len(), skipped = self.ledgers.skipped(), "watching ledgers");
+        let mut scan = interval(scan_every);
+        scan.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut retry = interval(EXIT_RETRY);
+        retry.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut pins = wiring.pins.clone();
+        loop {
+            wiring.heartbeat.beat();
+            let step = tokio::select! {
+                _ = wiring.stop.changed() => break,
+                exit = wiring.exits.recv() => {
+                    let Some((tgid, at)) = exit else { break };
+                    self.reclaimer.exited(tgid, at);
+                    while let Ok((tgid, at)) = wiring.exits.try_recv() {
+                        self.reclaimer.exited(tgid, at);
+                    }
+                    Step::Sweep
+                }
+                _ = retry.tick(), if self.reclaimer.pending() => Step::Sweep,
+                _ = scan.tick() => Step::Scan,
+                _ = changed(&mut pins) => {
+                    if let Some(pins) = pins.as_mut() {
+                        self.ledgers.set_pins(pins.borrow_and_update().clone());
+                    }
+                    Step::Scan
+                }
+            };
+            self = self.step(step, &mut wiring).await;
+        }
+    }
+
+    /// One step on the blocking pool; publishes the set after a scan.
+    async fn step(self, step: Step, wiring: &mut Wiring) -> Reclaim {
+        let reclaims = wiring.reclaims.clone();
+        let heartbeat = wiring.heartbeat.clone();
+        let work = tokio::task::spawn_blocking(move || {
+            let mut state = self;
+            if step == Step::Scan {
+                state.ledgers.scan();
+            }
+            heartbeat.beat();
+            let reclaimed = state.reclaimer.sweep(&state.ledgers);
+            for latency in &reclaimed {
+                reclaims.observe(*latency);
+            }
+            (state, !reclaimed.is_empty())
+        });
+        match work.await {
+            Ok((state, reclaimed)) => {
+                if step == Step::Scan {
+                    wiring.published.send_replace(Arc::new(state.ledgers.clone()));
+                }
+                if reclaimed {
+                    wiring.changed.notify_one();
+                }
+                state
+            }
+            Err(error) => {
+                // A panic in a sweep is a bug; the task cannot go on without its state.
+                warn!(%error, "the reclaim step failed: the agent stops reclaiming");
+                std::future::pending().await
+            }
+        }
+    }
+}

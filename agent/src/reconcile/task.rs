@@ -1,0 +1,269 @@
+//! The reconcile task: owns the [`Reconciler`], the agent's charges ([`Charger`]) and the
+//! metrics registry, and does the work tenants can make expensive that joins the views: a
+//! pass (copies of every ledger, the probes' processes, `/proc` look-ups), the charges that
+//! follow it (worker calls), the metrics page a scrape asks for, and the snapshot `vramguard
+//! audit` asks for. Each of those runs on the blocking pool with the task's state moved there
+//! and back; nothing critical waits for it: it reads the kernel task's view and the reclaim
+//! task's ledgers when it needs them, and hands on the limits of the ledgers' containers
+//! (cgroup id -> bytes) for the kernel task to push.
+//!
+//! Passes run every second, after a drain or a reclaim that changed something (at most one
+//! per [`super::MIN_INTERVAL`]), and for every `audit`.
+use std::{collections::BTreeMap, net::SocketAddr, sync::Arc, time::Duration};
+
+use bytes::Bytes;
+use tokio::{
+    sync::{mpsc, oneshot, watch, Notify},
+    time::{interval, timeout, MissedTickBehavior},
+};
+use tracing::warn;
+
+use super::Reconciler;
+use crate::{
+    discovery::task::Found,
+    kernel::task::KernelView,
+    ledgers::{charge::Charger, Ledgers},
+    provision::Provisioner,
+    serve::{metrics::Metrics, Published, Publisher},
+    snapshot::Snapshot,
+    task::Heartbeat,
+};
+
+/// How often a pass runs however quiet the node is.
+pub const EVERY: Duration = Duration::from_secs(1);
+
+/// How long a pass waits for the kernel task's view (it answers within a drain).
+const KERNEL_WAIT: Duration = Duration::from_secs(2);
+
+/// Provisioning as this task reports it: the provisioner and whether NRI is connected.
+#[derive(Clone)]
+pub struct Provisioning {
+    pub provisioner: Arc<Provisioner>,
+    pub connected: watch::Receiver<bool>,
+}
+
+/// How the task is told things and what it tells.
+pub struct Wiring {
+    /// Asks the kernel task for its view.
+    pub kernel: mpsc::Sender<oneshot::Sender<KernelView>>,
+    /// The reclaim task's ledgers (none without `--ledger-dir`).
+    pub ledgers: Option<watch::Receiver<Arc<Ledgers>>>,
+    pub found: watch::Receiver<Arc<Found>>,
+    /// The limits of the ledgers' containers, for the kernel task.
+    pub ledger_limits: watch::Sender<BTreeMap<u64, u64>>,
+    /// The metrics listener's board (none without `--metrics-addr`), and its bell.
+    pub publisher: Option<(Publisher, Arc<Notify>)>,
+    /// Rung by the kernel and reclaim tasks when a pass is worth running.
+    pub changed: Arc<Notify>,
+    /// `vramguard audit`'s requests.
+    pub audits: mpsc::Receiver<oneshot::Sender<Snapshot>>,
+    pub provisioning: Option<Provisioning>,
+    pub metrics_addr: Option<SocketAddr>,
+    pub health_addr: Option<SocketAddr>,
+    pub heartbeat: Heartbeat,
+    pub stop: watch::Receiver<bool>,
+}
+
+/// The task's state.
+pub struct Judge {
+    pub reconciler: Reconciler,
+    pub charger: Charger,
+    pub metrics: Metrics,
+    /// Passes run so far.
+    pub passes: u64,
+    /// The kernel's view of the last pass.
+    pub view: Option<Snapshot>,
+}
+
+/// What a step is for.
+enum Step {
+    Pass,
+    Render,
+    Audit(oneshot::Sender<Snapshot>),
+}
+
+impl Judge {
+    /// Runs until `stop` turns true; then frees the agent's charges.
+    pub async fn run(mut self, mut wiring: Wiring) {
+        let mut tick = interval(EVERY);
+        tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let wanted = wiring.publisher.as_ref().map(|(_, wanted)| wanted.clone());
+        loop {
+            wiring.heartbeat.beat();
+            let step = tokio::select! {
+                _ = wiring.stop.changed() => break,
+                _ = tick.tick() => Step::Pass,
+                _ = wiring.changed.notified() => {
+                    if !self.reconciler.due() {
+                        continue;
+                    }
+                    Step::Pass
+                }
+                _ = rung(wanted.as_deref()) => Step::Render,
+                request = wiring.audits.recv() => match request {
+                    Some(reply) => Step::Audit(reply),
+                    None => continue,
+                },
+            };
+            self = self.step(step, &wiring).await;
+        }
+        if let Some(ledgers) = wiring.ledgers.as_ref().map(|l| l.borrow().clone()) {
+            let charger = &mut self.charger;
+            tokio::task::block_in_place(|| charger.release_all(&ledgers));
+        }
+    }
+
+    async fn step(self, step: Step, wiring: &Wiring) -> Judge {
+        let ledgers = wiring.ledgers.as_ref().map(|l| l.borrow().clone());
+        let found = wiring.found.borrow().clone();
+        let provisioning = wiring.provisioning.clone();
+        let (metrics_addr, health_addr) = (wiring.metrics_addr, wiring.health_addr);
+        let page_behind = wiring.publisher.as_ref().is_some_and(|(publisher, _)| publisher.behind());
+        let kernel = match step {
+            Step::Render => None,
+            Step::Pass | Step::Audit(_) => {
+                let (ask, answer) = oneshot::channel();
+                match wiring.kernel.send(ask).await {
+                    Ok(()) => timeout(KERNEL_WAIT, answer).await.ok().and_then(Result::ok),
+                    Err(_) => None,
+                }
+            }
+        };
+        if matches!(step, Step::Render) && !page_behind {
+            return self;
+        }
+        let work = tokio::task::spawn_blocking(move || {
+            let mut state = self;
+            let ledgers = ledgers.as_deref();
+            if let Some(view) = kernel {
+                state.pass(ledgers, view);
+            }
+            let out = match step {
+                Step::Pass => Out::Passed,
+                Step::Render => Out::Page(state.render(ledgers, &found, provisioning.as_ref())),
+                Step::Audit(reply) => {
+                    let mut snapshot = state.snapshot(ledgers, &found);
+                    snapshot.metrics_addr = metrics_addr.map(|addr| addr.to_string());
+                    snapshot.health_addr = health_addr.map(|addr| addr.to_string());
+                    // For audit only (the metrics page does not show it): a copy of each ledger.
+                    snapshot.ledger_problems = ledgers.map(Ledgers::problems).unwrap_or_default();
+                    if let Some(p) = provisioning.as_ref() {
+                        snapshot.provisioned = p.provisioner.provisioned().into_iter().map(|p| p.record).collect();
+                        snapshot.nri_connected = Some(*p.connected.borrow());
+                    }
+                    Out::Audit(reply, snapshot)
+                }
+            };
+            let limits = ledgers.map(|l| ledger_cgroup_limits(l, &state.reconciler)).unwrap_or_default();
+            (state, out, limits)
+        });
+        let (state, out, limits) = match work.await {
+            Ok(done) => done,
+            Err(error) => {
+                // A panic in a pass is a bug; the task cannot go on without its state (its
+                // heartbeat stops, and health says so).
+                warn!(%error, "a reconcile step failed: no more passes");
+                return std::future::pending().await;
+            }
+        };
+        wiring.ledger_limits.send_if_modified(|held| {
+            let changed = *held != limits;
+            *held = limits;
+            changed
+        });
+        if let Some((publisher, _)) = wiring.publisher.as_ref() {
+            if let Out::Page(page) = out {
+                publisher.publish(page);
+            } else {
+                publisher.passed(state.passes);
+                if let Out::Audit(reply, snapshot) = out {
+                    let _ = reply.send(snapshot);
+                }
+            }
+        } else if let Out::Audit(reply, snapshot) = out {
+            let _ = reply.send(snapshot);
+        }
+        state
+    }
+
+    /// One reconcile pass, then the agent's charges brought in line with it; timed.
+    fn pass(&mut self, ledgers: Option<&Ledgers>, view: KernelView) {
+        let started = std::time::Instant::now();
+        self.reconciler.pass(ledgers, &view.processes);
+        if let Some(ledgers) = ledgers {
+            self.charger.update(ledgers, &self.reconciler.unaccounted_by_ledger(), self.reconciler.unreadable());
+        }
+        self.metrics.passed(started.elapsed());
+        self.passes += 1;
+        self.view = Some(view.snapshot);
+    }
+
+    /// The current view for `vramguard audit` and the metrics: the probes' maps as of the
+    /// last pass, with that pass's states.
+    pub fn snapshot(&self, ledgers: Option<&Ledgers>, found: &Found) -> Snapshot {
+        let mut snapshot = self.view.clone().unwrap_or_default();
+        self.reconciler.annotate(&mut snapshot);
+        snapshot.libcuda = found.probed.clone();
+        snapshot.discovery = found.stats.clone();
+        snapshot.ledgers = ledgers.map(|l| l.iter().map(|(path, _)| path.display().to_string()).collect()).unwrap_or_default();
+        snapshot.stats.slots_reclaimed = self.metrics.reclaims().total();
+        snapshot
+    }
+
+    /// A page for `--metrics-addr`: the metrics as of the last pass, and the readiness.
+    pub fn render(&mut self, ledgers: Option<&Ledgers>, found: &Found, provisioning: Option<&Provisioning>) -> Published {
+        let view = self.snapshot(ledgers, found);
+        self.metrics.refresh(ledgers, &view, &self.reconciler, &self.charger.charged());
+        if let Some(p) = provisioning {
+            self.metrics.set_provisioning(p.provisioner.len(), *p.connected.borrow());
+        }
+        let not_ready = not_ready(found, provisioning);
+        Published { metrics: self.metrics.encode().map(Bytes::from).map_err(|error| format!("{error:#}")), not_ready, passes: self.passes }
+    }
+}
+
+/// What a step produced.
+enum Out {
+    Passed,
+    Page(Published),
+    Audit(oneshot::Sender<Snapshot>, Snapshot),
+}
+
+/// Why the agent is not ready, if it is not: nothing probed, not registered with the runtime,
+/// or the node's pods not listed yet.
+pub fn not_ready(found: &Found, provisioning: Option<&Provisioning>) -> Option<&'static str> {
+    if found.probed.is_empty() {
+        Some("no libcuda probed")
+    } else if provisioning.is_some_and(|p| !*p.connected.borrow()) {
+        Some("not registered with the container runtime (NRI): new containers start without their quota")
+    } else if provisioning.and_then(|p| p.provisioner.kube_synced()) == Some(false) {
+        Some("the pods of this node are not listed from the Kubernetes API yet")
+    } else {
+        None
+    }
+}
+
+/// The bell's next ring; never, without a metrics listener.
+async fn rung(bell: Option<&Notify>) {
+    match bell {
+        Some(bell) => bell.notified().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The cgroups of each watched ledger's live processes (as the last reconcile pass found
+/// them) and the ledger's limit as the agent validated it (the sum of its devices' limits). A
+/// cgroup with processes of several ledgers is held to the smallest of their limits: a
+/// workload cannot lift its cgroup's limit by registering a process in a second ledger.
+fn ledger_cgroup_limits(ledgers: &Ledgers, reconciler: &Reconciler) -> BTreeMap<u64, u64> {
+    let mut limits = BTreeMap::new();
+    for (path, ledger) in ledgers.iter() {
+        let header = ledgers.validated_header(path).unwrap_or(ledger.header());
+        let limit: u64 = header.devices[..header.device_count as usize].iter().map(|d| d.limit).sum();
+        let Some(cgroups) = reconciler.ledger_cgroups().get(&path.display().to_string()) else { continue };
+        for cgroup in cgroups {
+            limits.entry(*cgroup).and_modify(|held: &mut u64| *held = (*held).min(limit)).or_insert(limit);
+        }
+    }
+    limits
+}
