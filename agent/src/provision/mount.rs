@@ -174,4 +174,22 @@ mod tests {
         let dir = Path::new("/var/lib/vramguard/ledgers");
         assert_eq!(mounts_under(table, dir), [dir.join("a b"), dir.join("abc")]);
     }
+
+    /// Through a namespace path (here the agent's own, entered by the mount thread), as the
+    /// DaemonSet's `/proc/1/ns/mnt`: mounted, seen, unmounted.
+    #[test]
+    fn mounts_through_a_namespace_path() {
+        let root = std::env::temp_dir().join(format!("vramguard-mount-ns-{}", std::process::id()));
+        let dir = root.join("c1");
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        let mounter = Mounter::new(Some(PathBuf::from("/proc/self/ns/mnt")));
+        mounter.mount(&dir, 10_000).expect("mount");
+        assert_eq!(mounter.ours(&root), std::slice::from_ref(&dir));
+        let free = nix::sys::statvfs::statvfs(&dir).expect("statvfs");
+        assert_eq!(free.blocks() as u64 * free.fragment_size() as u64, 12_288, "rounded up to pages");
+        mounter.unmount(&dir).expect("unmount");
+        mounter.unmount(&dir).expect("not mounted: fine");
+        assert!(mounter.ours(&root).is_empty());
+        std::fs::remove_dir_all(&root).expect("cleanup");
+    }
 }

@@ -386,7 +386,7 @@ mod capped {
         let store = Store::open(&root.join("state"), &ledgers, Some(mounter.clone())).expect("store");
         let made = store.create(tests_record("m1")).expect("create");
         let dir = made.ledger.parent().expect("dir").to_path_buf();
-        assert_eq!(mounter.ours(&ledgers), [dir.clone()]);
+        assert_eq!(mounter.ours(&ledgers), std::slice::from_ref(&dir));
         let size = made.header.total_size;
         eprintln!("ledger of {size} bytes; tmpfs free {} bytes", statvfs_free(&dir));
         let file = fs::OpenOptions::new().read(true).write(true).open(&made.ledger).expect("open");
