@@ -90,6 +90,9 @@ impl Charger {
                     self.failing.remove(&path);
                     self.held.insert(path, now);
                 }
+                // Left alone for a while (its lock stayed held, its worker failed): said when
+                // that happened; the charge stays as it was.
+                Err(AccessError::Backoff { .. }) => {}
                 Err(error) => {
                     // Logged when it starts or changes, not at every pass it lasts.
                     let text = error.to_string();

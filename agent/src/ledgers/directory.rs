@@ -64,6 +64,22 @@ pub(super) fn open_beneath(root: &Path, path: &Path) -> std::io::Result<File> {
     Ok(File::from(unsafe { OwnedFd::from_raw_fd(fd) }))
 }
 
+/// The key of the regular file at `path` (under `root`), looked up directly, resolved beneath
+/// `root` without following any link and without opening the file itself (`O_PATH`); `None`
+/// if there is no regular file there.
+pub(super) fn key_beneath(root: &Path, path: &Path) -> Option<FileKey> {
+    let relative = path.strip_prefix(root).ok()?;
+    let root = File::open(root).ok()?;
+    let how = OpenHow::new()
+        .flags(OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC)
+        .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_SYMLINKS | ResolveFlag::RESOLVE_NO_MAGICLINKS);
+    let fd = openat2(root.as_raw_fd(), relative, how).ok()?;
+    // SAFETY: openat2 returned a new descriptor that nothing else owns.
+    let file = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    let stat = nix::sys::stat::fstat(file.as_raw_fd()).ok()?;
+    (stat.st_mode & libc::S_IFMT == libc::S_IFREG).then(|| FileKey::from_stat(&stat))
+}
+
 /// Regular files (not hidden, not links) in `dir` and its direct subdirectories, at most
 /// `limits.max_per_dir` a directory; and the directories that held more (with what).
 #[allow(clippy::type_complexity)]

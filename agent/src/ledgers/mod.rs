@@ -14,7 +14,10 @@
 //! A file is validated from its descriptor (header read with `pread`, never mapped) and
 //! skipped, with the reason logged once and kept for `vramguard audit`, if it is not a valid
 //! ledger or its geometry exceeds what the agent allows; again only if it changes.
-//! [`Ledgers::scan`] runs at start and every second.
+//! The ledgers the agent created (pinned, below) are looked up at their paths directly, not
+//! found by listing, and count against no cap. A directory that holds more than the agent
+//! reads is reported (`crowded` in `vramguard audit`, `vramguard_ledger_dirs_crowded`).
+//! [`Ledgers::scan`] runs at start and every second, in the reclaim task ([`task`]).
 //!
 //! # Access
 //!
@@ -234,6 +237,16 @@ impl Ledgers {
         self.open.values().filter(|handle| handle.worker_running()).count()
     }
 
+    /// Ledgers left alone for a while (their lock stayed held, their worker failed).
+    pub fn backed_off(&self) -> usize {
+        self.open.values().filter(|handle| handle.failing().is_some()).count()
+    }
+
+    /// Directories holding more than the agent reads.
+    pub fn crowded(&self) -> usize {
+        self.crowded.len()
+    }
+
     /// Files skipped (not valid ledgers, too large, past a cap).
     pub fn skipped(&self) -> usize {
         self.skipped.len()
@@ -245,6 +258,9 @@ impl Ledgers {
     pub fn problems(&self) -> BTreeMap<String, String> {
         let mut problems: BTreeMap<String, String> =
             self.skipped.iter().map(|(path, skipped)| (path.display().to_string(), format!("skipped: {}", skipped.reason))).collect();
+        for (dir, what) in &self.crowded {
+            problems.insert(dir.display().to_string(), format!("crowded: {what} (the rest is not watched)"));
+        }
         for (path, handle) in &self.open {
             // A rewritten header first (a replaced file is also another size), unless the
             // header went with a cut.
@@ -281,6 +297,16 @@ impl Ledgers {
                 (BTreeMap::new(), BTreeMap::new())
             }
         };
+        // The ledgers the agent created are looked up directly: however many entries a
+        // workload makes around them, they are watched.
+        let mut candidates = candidates;
+        for path in self.pinned.keys() {
+            if !candidates.contains_key(path) {
+                if let Some(key) = directory::key_beneath(&self.dir, path) {
+                    candidates.insert(path.clone(), key);
+                }
+            }
+        }
         for (dir, what) in &crowded {
             if self.crowded.get(dir) != Some(what) {
                 warn!(dir = %dir.display(), what = %what, "a ledger directory holds more than the agent reads: the rest is ignored");
@@ -332,7 +358,7 @@ impl Ledgers {
             if self.open.contains_key(&path) || self.skipped.contains_key(&path) {
                 continue;
             }
-            let opened = if self.open.len() >= self.limits.max_ledgers {
+            let opened = if self.open.len() >= self.limits.max_ledgers && !self.pinned.contains_key(&path) {
                 Err(format!("the agent already watches {} ledgers (--max-ledgers)", self.limits.max_ledgers))
             } else {
                 self.open_ledger(&path, key)

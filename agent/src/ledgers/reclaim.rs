@@ -4,12 +4,12 @@
 //! recorded host pid still runs the slot's process is alive (its pid namespace, pid in it and
 //! start time checked the first time, since the workload can write the field; its start time
 //! after that); the others are looked up in one scan of /proc ([`ProcessTable`], made only
-//! when a sweep has such a slot, and scanned again for a ledger whose slots were read before
-//! the last scan began, so that a process that started after a scan is never taken for a dead
-//! one). A live process gets its host pid written into its slot ([`Ledger::set_host_pid`]); a
-//! slot the table does not find is dead and is freed with [`Ledger::reclaim_process`], which
-//! refuses if the slot was freed and reused meanwhile. A zombie counts as dead. However many
-//! dead slots a workload makes, a sweep scans /proc at most once per ledger.
+//! when a sweep has such a slot, after every ledger was read, so that a process that
+//! registered a slot before its ledger was read is in it if it lives). A live process gets its
+//! host pid written into its slot ([`Ledger::set_host_pid`]); a slot the table does not find
+//! is dead and is freed with [`Ledger::reclaim_process`], which refuses if the slot was freed
+//! and reused meanwhile. A zombie counts as dead. However many ledgers and dead slots
+//! workloads make, a sweep scans /proc at most once.
 //!
 //! Sweeps run every second and at once on the eBPF exit event of a process with GPU memory.
 //! That event fires inside `do_exit`, before the process becomes a zombie, so its tgid stays
@@ -84,15 +84,22 @@ impl Reclaimer {
     /// whose worker is slow (a workload holding its lock or damaging it) costs the sweep at
     /// most one worker deadline in all and never delays the other ledgers' reclaims.
     pub fn sweep(&mut self, ledgers: &Ledgers) -> Vec<Duration> {
+        self.sweep_with(ledgers, &mut Vec::new)
+    }
+
+    /// [`Reclaimer::sweep`], taking the exit events that arrived while it ran from `late`
+    /// before it says which reclaims an exit event drove (a process can die, and be found
+    /// dead, while its event is on its way).
+    pub fn sweep_with(&mut self, ledgers: &Ledgers, late: &mut dyn FnMut() -> Vec<(u32, Instant)>) -> Vec<Duration> {
         let mut waiting: HashSet<u32> = HashSet::new();
         let mut verified: HashSet<(u32, ProcessIdentity)> = HashSet::new();
-        // The /proc table and when its scan began: a slot read before that whose process it
-        // does not hold is dead (a process that started since would be in it).
-        let mut table: Option<(ProcessTable, Instant)> = None;
-        // Per ledger: its dead slots, each with when its death was detected.
-        let mut dead: Vec<(&Path, &LedgerHandle, Vec<Gone>)> = Vec::new();
+        // First every ledger's slots are read; a slot whose recorded host pid still runs its
+        // process is alive without more ado (checked in full the first time, by start time
+        // after that). The others are judged by one scan of /proc made after every read: a
+        // process that registered a slot before its ledger was read is in it if it lives.
+        let mut read: Vec<(&Path, &LedgerHandle, Vec<(SlotView, Option<u32>)>)> = Vec::new();
+        let mut unresolved = false;
         for (path, ledger) in ledgers.iter() {
-            let read_at = Instant::now();
             let slots = match ledger.slots() {
                 Ok(slots) => slots,
                 Err(error) => {
@@ -100,33 +107,37 @@ impl Reclaimer {
                     continue;
                 }
             };
-            let mut gone = Vec::new();
-            for view in slots {
-                let slot = view.slot;
-                let detected = Instant::now();
-                // The recorded host pid still runs the slot's process: alive, without the
-                // table (checked in full the first time, by start time after that). Otherwise
-                // the table decides.
-                let process = slot.process();
-                let recorded = (slot.host_pid != 0 && {
-                    let known = self.verified.contains(&(slot.host_pid, process));
-                    if known {
-                        ledger::process::running_start_time_of(slot.host_pid) == Some(slot.start_time)
-                    } else {
-                        identity::is_process(slot.host_pid, &process)
+            let judged: Vec<(SlotView, Option<u32>)> = slots
+                .into_iter()
+                .map(|view| {
+                    let slot = view.slot;
+                    let process = slot.process();
+                    let recorded = (slot.host_pid != 0 && {
+                        if self.verified.contains(&(slot.host_pid, process)) {
+                            ledger::process::running_start_time_of(slot.host_pid) == Some(slot.start_time)
+                        } else {
+                            identity::is_process(slot.host_pid, &process)
+                        }
+                    })
+                    .then_some(slot.host_pid);
+                    if let Some(host) = recorded {
+                        verified.insert((host, process));
                     }
+                    unresolved |= recorded.is_none();
+                    (view, recorded)
                 })
-                .then_some(slot.host_pid);
-                if let Some(host) = recorded {
-                    verified.insert((host, process));
-                }
-                let live = recorded.or_else(|| {
-                    if table.as_ref().is_none_or(|(_, scanned_at)| *scanned_at < read_at) {
-                        let scanned_at = Instant::now();
-                        table = Some((ProcessTable::scan(), scanned_at));
-                    }
-                    table.as_ref().and_then(|(table, _)| table.find(&slot))
-                });
+                .collect();
+            read.push((path, ledger, judged));
+        }
+        let table = unresolved.then(ProcessTable::scan);
+        // Per ledger: its dead slots, each with when its death was detected.
+        let mut dead: Vec<(&Path, &LedgerHandle, Vec<Gone>)> = Vec::new();
+        let detected = Instant::now();
+        for (path, ledger, judged) in read {
+            let mut gone = Vec::new();
+            for (view, recorded) in judged {
+                let slot = view.slot;
+                let live = recorded.or_else(|| table.as_ref().and_then(|table| table.find(&slot)));
                 if let Some(host) = live {
                     if slot.host_pid != host {
                         if let Err(error) = ledger.set_host_pid(view.id, host) {
@@ -151,6 +162,9 @@ impl Reclaimer {
                 .collect();
             running.into_iter().filter_map(|(path, thread)| Some((path, thread.join().ok()?))).collect()
         });
+        for (tgid, at) in late() {
+            self.exited(tgid, at);
+        }
         let mut reclaimed = Vec::new();
         for (path, slots) in freed {
             for Freed { view, detected, chunks, at } in slots {
@@ -210,6 +224,9 @@ fn free(path: &Path, ledger: &LedgerHandle, gone: Vec<Gone>) -> Vec<Freed> {
         match ledger.reclaim_process(view.id, view.slot.process()) {
             Ok(Some(chunks)) => freed.push(Freed { view, detected, chunks, at: Instant::now() }),
             Ok(None) => {} // freed (or freed and reused) meanwhile, by the hook
+            // Left alone for a while: said when it started (its lock stayed held, its worker
+            // failed), and in `vramguard audit` while it lasts; the slots wait.
+            Err(AccessError::Backoff { .. }) => break,
             Err(error @ AccessError::Refused(_)) => {
                 warn!(ledger = %path.display(), slot = view.id, %error, "cannot reclaim a dead process's slot")
             }

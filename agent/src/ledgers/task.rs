@@ -55,7 +55,8 @@ impl Reclaim {
     /// Scans and sweeps once (before the agent reports itself running), then runs until
     /// `stop` turns true.
     pub async fn run(mut self, scan_every: Duration, mut wiring: Wiring) {
-        self = self.step(Step::Scan, &mut wiring).await;
+        let mut exits = std::mem::replace(&mut wiring.exits, mpsc::channel(1).1);
+        self = self.step(Step::Scan, &mut exits, &mut wiring).await;
         info!(dir = %self.ledgers.dir().display(), ledgers = self.ledgers.len(), skipped = self.ledgers.skipped(), "watching ledgers");
         let mut scan = interval(scan_every);
         scan.set_missed_tick_behavior(MissedTickBehavior::Delay);
@@ -66,12 +67,9 @@ impl Reclaim {
             wiring.heartbeat.beat();
             let step = tokio::select! {
                 _ = wiring.stop.changed() => break,
-                exit = wiring.exits.recv() => {
+                exit = exits.recv() => {
                     let Some((tgid, at)) = exit else { break };
                     self.reclaimer.exited(tgid, at);
-                    while let Ok((tgid, at)) = wiring.exits.try_recv() {
-                        self.reclaimer.exited(tgid, at);
-                    }
                     Step::Sweep
                 }
                 _ = retry.tick(), if self.reclaimer.pending() => Step::Sweep,
@@ -83,28 +81,37 @@ impl Reclaim {
                     Step::Scan
                 }
             };
-            self = self.step(step, &mut wiring).await;
+            self = self.step(step, &mut exits, &mut wiring).await;
         }
     }
 
     /// One step on the blocking pool; publishes the set after a scan.
-    async fn step(self, step: Step, wiring: &mut Wiring) -> Reclaim {
+    /// The exits queued meanwhile are taken at the start of the step and at the end of its
+    /// sweep (the queue moves to the blocking pool with the state, and back).
+    async fn step(self, step: Step, exits: &mut mpsc::Receiver<(u32, std::time::Instant)>, wiring: &mut Wiring) -> Reclaim {
         let reclaims = wiring.reclaims.clone();
         let heartbeat = wiring.heartbeat.clone();
+        let (_, mut queue) = mpsc::channel(1);
+        std::mem::swap(exits, &mut queue);
         let work = tokio::task::spawn_blocking(move || {
             let mut state = self;
+            let mut late = || std::iter::from_fn(|| queue.try_recv().ok()).collect::<Vec<_>>();
+            for (tgid, at) in late() {
+                state.reclaimer.exited(tgid, at);
+            }
             if step == Step::Scan {
                 state.ledgers.scan();
             }
             heartbeat.beat();
-            let reclaimed = state.reclaimer.sweep(&state.ledgers);
+            let reclaimed = state.reclaimer.sweep_with(&state.ledgers, &mut late);
             for latency in &reclaimed {
                 reclaims.observe(*latency);
             }
-            (state, !reclaimed.is_empty())
+            (state, !reclaimed.is_empty(), queue)
         });
         match work.await {
-            Ok((state, reclaimed)) => {
+            Ok((state, reclaimed, queue)) => {
+                *exits = queue;
                 if step == Step::Scan {
                     wiring.published.send_replace(Arc::new(state.ledgers.clone()));
                 }

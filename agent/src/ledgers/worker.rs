@@ -204,7 +204,13 @@ impl Worker {
         self.used_at = Instant::now();
         match &result {
             Ok(_) | Err(AccessError::Refused(Failure::UnknownSlot(_))) => self.backoff = Backoff::default(),
-            Err(AccessError::Refused(Failure::Busy)) => self.busy_at = Some(Instant::now()),
+            // A lock held past the wait: the worker is fine, but the ledger is left alone for
+            // a while like one whose worker failed (a workload that holds its lock must not
+            // cost the agent a wait at every pass).
+            Err(AccessError::Refused(Failure::Busy)) => {
+                self.busy_at = Some(Instant::now());
+                self.backoff.failed(Failure::Busy.to_string());
+            }
             Err(error) => {
                 self.stop();
                 self.backoff.failed(error.to_string());

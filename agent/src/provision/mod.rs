@@ -7,7 +7,7 @@
 //!
 //! | in the container | from the host | |
 //! |---|---|---|
-//! | [`ledger::provisioned::LEDGER`] | `<ledger-dir>/<container id>/ledger`, created by the agent with the quota on each GPU | read-write, alone: it can be written, not removed or replaced |
+//! | [`ledger::provisioned::LEDGER`] | `<ledger-dir>/<container id>/ledger`, created by the agent with the quota on each GPU, in a tmpfs of the ledger's size ([`mount`]) | read-write, alone: it can be written, not removed, replaced or grown past its size |
 //! | [`ledger::provisioned::LIMITS`] | the header of that ledger as the agent created it ([`store`]) | read-only: the hook's only source of limits |
 //! | [`ledger::provisioned::HOOK`] | `--hook-library` | read-only |
 //! | [`ledger::provisioned::PRELOAD`] | `<state-dir>/ld.so.preload`, naming the hook | read-only: every dynamically linked process loads the hook |
@@ -22,7 +22,9 @@
 //! * [`kube`]: the Kubernetes API side: pod lookup, the node's advertised capacity.
 //! * [`quota`]: the quota file and the annotation.
 //! * [`store`]: what the agent keeps on the host per provisioned container.
+//! * [`mount`]: the size-capped tmpfs of each provisioned ledger.
 pub mod kube;
+pub mod mount;
 pub mod nri;
 pub mod quota;
 pub mod store;
@@ -73,6 +75,12 @@ pub struct ProvisionArgs {
     /// Refuse a container whose quota would make a GPU's summed quotas exceed its memory.
     #[arg(long)]
     pub refuse_overcommit: bool,
+    /// The mount namespace where the runtime finds the ledgers' host paths, as a
+    /// `/proc/<pid>/ns/mnt` path (the DaemonSet: `/proc/1/ns/mnt`, the host's): each
+    /// provisioned ledger's size-capped tmpfs is mounted there. Without it: the agent's own
+    /// (an agent running on the host).
+    #[arg(long)]
+    pub ledger_mount_namespace: Option<PathBuf>,
     #[command(flatten)]
     pub kube: kube::KubeArgs,
 }
@@ -133,15 +141,23 @@ impl Provisioner {
     /// Checks the files it injects, writes the preload list, and reads back what it
     /// provisioned before a restart.
     pub fn new(args: &ProvisionArgs, ledger_dir: &Path, sources: Sources) -> Result<Provisioner, String> {
+        let mounts = mount::Mounter::new(args.ledger_mount_namespace.clone());
+        Provisioner::with_mounts(args, ledger_dir, sources, Some(mounts))
+    }
+
+    /// [`Provisioner::new`] with ledger directories mounted by `mounts` (`None`: plain
+    /// directories, for unit tests).
+    fn with_mounts(args: &ProvisionArgs, ledger_dir: &Path, sources: Sources, mounts: Option<mount::Mounter>) -> Result<Provisioner, String> {
         let hook = std::fs::metadata(&args.hook_library)
             .map_err(|e| format!("--hook-library {}: {e}", args.hook_library.display()))?;
         if !hook.is_file() {
             return Err(format!("--hook-library {} is not a file", args.hook_library.display()));
         }
-        let store = Store::open(&args.state_dir, ledger_dir)?;
+        let store = Store::open(&args.state_dir, ledger_dir, mounts)?;
         let preload = args.state_dir.join("ld.so.preload");
         std::fs::write(&preload, format!("{}\n", provisioned::HOOK)).map_err(|e| format!("cannot write {}: {e}", preload.display()))?;
         store.remove_unfinished();
+        store.unmount_leftovers();
         let (found, problems) = store.load();
         for problem in problems {
             warn!(%problem, "a provisioned container's record cannot be read: it is not restored");
@@ -568,6 +584,7 @@ mod tests {
             quota_from_annotation: false,
             gpu_memory: vec![8 << 30, 8 << 30],
             refuse_overcommit,
+            ledger_mount_namespace: None,
             kube: <kube::KubeArgs as clap::FromArgMatches>::from_arg_matches(&kube).expect("kube args"),
         }
     }
@@ -576,7 +593,7 @@ mod tests {
     fn provisioner_in(root: &Path, refuse_overcommit: bool) -> Provisioner {
         let file = QuotaFile::open(&root.join("quotas")).expect("quota file");
         let sources = Sources { kube: None, file: Some(file), annotation: false };
-        Provisioner::new(&args(root, refuse_overcommit), &root.join("ledgers"), sources).expect("provisioner")
+        Provisioner::with_mounts(&args(root, refuse_overcommit), &root.join("ledgers"), sources, None).expect("provisioner")
     }
 
     /// A provisioner under a fresh directory, with `rules` as its quota file.

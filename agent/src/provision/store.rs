@@ -6,6 +6,10 @@
 //! write (mounted alone, read-write). After a restart the agent reads its records back
 //! ([`Store::load`]) before the runtime's Synchronize says which containers still exist.
 //!
+//! With a [`Mounter`] (the agent always has one; unit tests may go without), each container's
+//! ledger directory is a tmpfs of the ledger's size ([`super::mount`]): the container cannot
+//! make its ledger, or anything else there, larger than the ledger's geometry.
+//!
 //! Container ids come from the runtime (trusted) but name directories: only ids of letters,
 //! digits, `-`, `_` and `.` (not starting with `.`), at most 128 bytes, are accepted.
 use std::{
@@ -20,6 +24,9 @@ use ledger::{
     DeviceConfig, Geometry, Ledger,
 };
 use serde::{Deserialize, Serialize};
+use tracing::{info, warn};
+
+use super::mount::Mounter;
 
 /// Who a provisioned container is and what it was given (`record.json`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -73,6 +80,9 @@ pub struct Provisioned {
 pub struct Store {
     containers: PathBuf,
     ledger_dir: PathBuf,
+    /// Mounts each ledger directory as a tmpfs of the ledger's size (`None`: plain
+    /// directories, for unit tests).
+    mounts: Option<Mounter>,
 }
 
 /// Whether `id` can name a directory (see the module doc).
@@ -84,13 +94,14 @@ pub fn valid_container_id(id: &str) -> bool {
 }
 
 impl Store {
-    /// The store under `state_dir` (created, mode 0700) for ledgers under `ledger_dir`.
-    pub fn open(state_dir: &Path, ledger_dir: &Path) -> Result<Store, String> {
+    /// The store under `state_dir` (created, mode 0700) for ledgers under `ledger_dir`, each
+    /// in a tmpfs of its own made by `mounts`.
+    pub fn open(state_dir: &Path, ledger_dir: &Path, mounts: Option<Mounter>) -> Result<Store, String> {
         let containers = state_dir.join("containers");
         fs::create_dir_all(&containers).map_err(|e| format!("cannot create {}: {e}", containers.display()))?;
         fs::set_permissions(&containers, fs::Permissions::from_mode(0o700))
             .map_err(|e| format!("cannot restrict {}: {e}", containers.display()))?;
-        Ok(Store { containers, ledger_dir: ledger_dir.to_path_buf() })
+        Ok(Store { containers, ledger_dir: ledger_dir.to_path_buf(), mounts })
     }
 
     fn paths(&self, id: &str) -> (PathBuf, PathBuf, PathBuf) {
@@ -112,7 +123,7 @@ impl Store {
         let (record_path, limits, ledger_path) = self.paths(&id);
         let ledger_parent = ledger_path.parent().unwrap_or(&self.ledger_dir);
         // A ledger left by an earlier try that did not finish (no record): made again.
-        let _ = fs::remove_dir_all(ledger_parent);
+        self.remove_ledger_dir(ledger_parent)?;
         fs::create_dir_all(ledger_parent).map_err(|e| format!("cannot create {}: {e}", ledger_parent.display()))?;
         let geometry = Geometry {
             slots: CONTAINER_SLOTS,
@@ -126,10 +137,26 @@ impl Store {
                 })
                 .collect(),
         };
+        if let Some(mounts) = &self.mounts {
+            let planned = ledger::file::plan(&geometry, CREATOR_AGENT, 0)
+                .map_err(|e| format!("cannot lay out the ledger of {id}: {e}"))?;
+            if let Err(error) = mounts.mount(ledger_parent, planned.total_size) {
+                let _ = fs::remove_dir(ledger_parent);
+                return Err(error);
+            }
+        }
         // Mapped here only while nobody else can reach the file: no container has it yet.
-        let header = *Ledger::create(&ledger_path, &geometry, CREATOR_AGENT)
-            .map_err(|e| format!("cannot create the ledger {}: {e}", ledger_path.display()))?
-            .header();
+        let header = match Ledger::create(&ledger_path, &geometry, CREATOR_AGENT) {
+            Ok(ledger) => *ledger.header(),
+            Err(error) => {
+                let _ = self.remove_ledger_dir(ledger_parent);
+                return Err(format!("cannot create the ledger {}: {error}", ledger_path.display()));
+            }
+        };
+        // Not allocated here: a page the agent touched would be charged to the agent's memory
+        // (tmpfs pages belong to the cgroup that first writes them), and 5 MiB a container
+        // would grow the agent with the node's pods. The container's hook touches its pages,
+        // which are then its own; whatever it writes past the ledger is bounded by its tmpfs.
         // Every uid of the container writes it (it is reachable from that container only).
         fs::set_permissions(&ledger_path, fs::Permissions::from_mode(0o666))
             .map_err(|e| format!("cannot open up {}: {e}", ledger_path.display()))?;
@@ -186,14 +213,38 @@ impl Store {
         }
         let (record_path, _, ledger) = self.paths(id);
         // The record first: what is left without it is an unfinished provisioning.
-        for dir in [record_path.parent(), ledger.parent()].into_iter().flatten() {
-            match fs::remove_dir_all(dir) {
-                Ok(()) => {}
-                Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
-                Err(error) => return Err(format!("cannot remove {}: {error}", dir.display())),
+        if let Some(state) = record_path.parent() {
+            remove_all(state)?;
+        }
+        match ledger.parent() {
+            Some(dir) => self.remove_ledger_dir(dir),
+            None => Ok(()),
+        }
+    }
+
+    /// Removes a container's ledger directory: its tmpfs unmounted first (the files go with
+    /// it once no container holds them), then the directory.
+    fn remove_ledger_dir(&self, dir: &Path) -> Result<(), String> {
+        if let Some(mounts) = &self.mounts {
+            mounts.unmount(dir)?;
+        }
+        remove_all(dir)
+    }
+
+    /// Unmounts the ledger tmpfs mounts of containers without a record (left by a crash
+    /// between the removal of a record and its ledger's), and removes their directories.
+    pub fn unmount_leftovers(&self) {
+        let Some(mounts) = &self.mounts else { return };
+        for dir in mounts.ours(&self.ledger_dir) {
+            let Some(id) = dir.file_name().and_then(|n| n.to_str()).filter(|id| valid_container_id(id)) else { continue };
+            if self.containers.join(id).join("record.json").exists() {
+                continue;
+            }
+            match self.remove_ledger_dir(&dir) {
+                Ok(()) => info!(dir = %dir.display(), "a ledger tmpfs left without its container's record: unmounted and removed"),
+                Err(error) => warn!(dir = %dir.display(), %error, "cannot remove a ledger tmpfs left without its container's record"),
             }
         }
-        Ok(())
     }
 
     /// Removes state directories without a record (a provisioning cut short by a crash).
@@ -206,6 +257,15 @@ impl Store {
                 let _ = self.remove(id);
             }
         }
+    }
+}
+
+/// Removes `dir` and everything in it; absent is not an error.
+fn remove_all(dir: &Path) -> Result<(), String> {
+    match fs::remove_dir_all(dir) {
+        Ok(()) => Ok(()),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(error) => Err(format!("cannot remove {}: {error}", dir.display())),
     }
 }
 
@@ -248,7 +308,7 @@ mod tests {
     fn create_load_remove() {
         let root = std::env::temp_dir().join(format!("vramguard-store-{}", std::process::id()));
         let _ = fs::remove_dir_all(&root);
-        let store = Store::open(&root.join("state"), &root.join("ledgers")).expect("store");
+        let store = Store::open(&root.join("state"), &root.join("ledgers"), None).expect("store");
         let made = store.create(record("c1")).expect("create");
         assert_eq!(made.header.device_count, 2);
         assert!(made.header.devices[..2].iter().all(|d| d.limit == 1 << 30));
@@ -282,6 +342,87 @@ mod tests {
         assert!(valid_container_id("3f9a0c1b2d_e-f.1"));
         for bad in ["", ".", "..", ".hidden", "a/b", "a b", &"x".repeat(129)] {
             assert!(!valid_container_id(bad), "{bad:?}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod capped {
+    use std::os::unix::fs::{FileExt as _, MetadataExt as _};
+
+    use super::*;
+
+    fn statvfs_free(path: &Path) -> u64 {
+        let stat = nix::sys::statvfs::statvfs(path).expect("statvfs");
+        stat.blocks_free() as u64 * stat.fragment_size() as u64
+    }
+
+    /// A ledger in its own tmpfs: what is written or allocated past its end is bounded by its
+    /// size (ENOSPC then); an extending ftruncate allocates nothing; the agent itself touches
+    /// only the first pages; removal and leftover clean-up unmount it.
+    #[test]
+    fn a_ledger_lives_in_a_tmpfs_of_its_size() {
+        let root = std::env::temp_dir().join(format!("vramguard-store-capped-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&root);
+        let ledgers = root.join("ledgers");
+        let mounter = Mounter::default();
+        let store = Store::open(&root.join("state"), &ledgers, Some(mounter.clone())).expect("store");
+        let made = store.create(tests_record("m1")).expect("create");
+        let dir = made.ledger.parent().expect("dir").to_path_buf();
+        assert_eq!(mounter.ours(&ledgers), std::slice::from_ref(&dir));
+        let size = made.header.total_size;
+        eprintln!("ledger of {size} bytes; tmpfs free {} bytes", statvfs_free(&dir));
+        let file = fs::OpenOptions::new().read(true).write(true).open(&made.ledger).expect("open");
+        assert!(file.metadata().expect("stat").blocks() * 512 < size / 2, "the agent touched only the ledger's first pages");
+        // Written past its end page by page: ENOSPC once the tmpfs is full, within the
+        // ledger's size (rounded to pages), however much is tried.
+        let page = vec![0x5a_u8; 4096];
+        let mut written = 0u64;
+        let error = loop {
+            match file.write_at(&page, size + written) {
+                Ok(n) => written += n as u64,
+                Err(error) => break error,
+            }
+            assert!(written <= size, "{written} bytes written past a ledger of {size}");
+        };
+        assert_eq!(error.raw_os_error(), Some(libc::ENOSPC), "{error}");
+        assert!(file.metadata().expect("stat").blocks() * 512 <= size.next_multiple_of(4096), "the tmpfs holds no more than the ledger's size");
+        assert_eq!(statvfs_free(&dir), 0, "its tmpfs full");
+        // SAFETY: fallocate(2) on a descriptor this test owns.
+        let rc = unsafe { libc::fallocate(std::os::fd::AsRawFd::as_raw_fd(&file), 0, (size * 3) as libc::off_t, 4096) };
+        assert_eq!((rc, std::io::Error::last_os_error().raw_os_error()), (-1, Some(libc::ENOSPC)), "fallocate past the size");
+        let blocks = file.metadata().expect("stat").blocks();
+        file.set_len(size * 8).expect("an extending ftruncate succeeds on tmpfs");
+        assert_eq!(file.metadata().expect("stat").blocks(), blocks, "and allocates nothing");
+        let error = file.write_at(&page, size * 6).expect_err("write into the extension");
+        assert_eq!(error.raw_os_error(), Some(libc::ENOSPC), "{error}");
+        drop(file);
+
+        // The record gone but not the ledger (a crash between the two): unmounted at start.
+        fs::remove_dir_all(root.join("state/containers/m1")).expect("record");
+        store.unmount_leftovers();
+        assert!(mounter.ours(&ledgers).is_empty() && !dir.exists());
+        // Created and removed: unmounted.
+        store.create(tests_record("m2")).expect("create");
+        assert_eq!(mounter.ours(&ledgers).len(), 1);
+        store.remove("m2").expect("remove");
+        assert!(mounter.ours(&ledgers).is_empty() && !ledgers.join("m2").exists());
+        fs::remove_dir_all(&root).expect("cleanup");
+    }
+
+    fn tests_record(id: &str) -> Record {
+        Record {
+            container_id: id.into(),
+            pod_id: "sandbox".into(),
+            pod_uid: "uid-1".into(),
+            namespace: "team-a".into(),
+            pod: "trainer".into(),
+            container: "main".into(),
+            cgroups_path: "/k8s.io/abc".into(),
+            quota: 1 << 30,
+            devices: 1,
+            gpus: vec![0],
+            source: "quota file".into(),
         }
     }
 }

@@ -31,6 +31,8 @@
 //! `vramguard_libcuda_files{state}` (probed, failed, capped),
 //! `vramguard_libcuda_capped_containers`, `vramguard_ledgers`,
 //! `vramguard_ledgers_skipped`, `vramguard_ledgers_unreadable`, `vramguard_ledger_workers`,
+//! `vramguard_ledgers_backed_off` (ledgers left alone for a while: lock held, worker failed),
+//! `vramguard_ledger_dirs_crowded` (directories with more entries than the agent reads),
 //! `vramguard_provisioned_containers`, `vramguard_nri_connected` (with `--nri`). Of the kernel side
 //! ([`crate::kernel`]): `vramguard_kernel_trouble_total{kind}` (records refused by the
 //! per-cgroup cap, full maps, lost events and exits, suppressed log lines),
@@ -90,6 +92,8 @@ pub struct Metrics {
     provisioned: IntGauge,
     nri_connected: IntGauge,
     ledgers_unreadable: IntGauge,
+    ledgers_backed_off: IntGauge,
+    ledger_dirs_crowded: IntGauge,
     process_state: IntGaugeVec,
     unhooked: IntGauge,
     kernel_trouble: IntCounterVec,
@@ -279,6 +283,14 @@ impl Metrics {
             "vramguard_ledgers_unreadable",
             "Watched ledgers the last reconcile pass could not read (cut or grown under the agent)",
         )?)?;
+        let ledgers_backed_off = registered(&registry, IntGauge::new(
+            "vramguard_ledgers_backed_off",
+            "Watched ledgers the agent leaves alone for a while (their lock stayed held, or their worker failed or timed out): see vramguard audit's ledger_problems",
+        )?)?;
+        let ledger_dirs_crowded = registered(&registry, IntGauge::new(
+            "vramguard_ledger_dirs_crowded",
+            "Directories under --ledger-dir holding more entries or ledgers than the agent reads (the rest is not watched): see vramguard audit's ledger_problems",
+        )?)?;
         let process_state = gauge_vec(
             &registry,
             "vramguard_process_state",
@@ -378,6 +390,8 @@ impl Metrics {
             provisioned,
             nri_connected,
             ledgers_unreadable,
+            ledgers_backed_off,
+            ledger_dirs_crowded,
             process_state,
             unhooked,
             kernel_trouble,
@@ -442,6 +456,8 @@ impl Metrics {
             self.ledgers.set(ledgers.len() as i64);
             self.ledgers_skipped.set(ledgers.skipped() as i64);
             self.ledger_workers.set(ledgers.workers() as i64);
+            self.ledgers_backed_off.set(ledgers.backed_off() as i64);
+            self.ledger_dirs_crowded.set(ledgers.crowded() as i64);
             for (path, ledger) in ledgers.iter() {
                 let header = ledger.header();
                 // One private copy per ledger and render (see crate::ledgers).

@@ -192,9 +192,14 @@ fn a_container_with_a_quota_gets_hook_env_and_ledger_and_is_held_to_it() -> Resu
     assert_held(&node.workload(&main, &[], &OVER)?)?;
 
     // Deleted and re-created with a larger quota on the host side: tampered too, and the
-    // container still holds the agent's ledger.
+    // container still holds the agent's ledger. (The ledger's tmpfs is full, and the
+    // container's mount keeps the deleted file's pages: host root makes room first.)
     let ledger_path = node.ledger_of(&main);
     let header = ledger::file::read_header(&std::fs::File::open(&ledger_path)?)?;
+    let dir = ledger_path.parent().context("ledger dir")?;
+    let remount = format!("remount,size={}", 4 * header.total_size);
+    let status = std::process::Command::new("mount").args(["-o", &remount]).arg(dir).status()?;
+    ensure!(status.success(), "mount -o {remount} {}: {status}", dir.display());
     std::fs::remove_file(&ledger_path)?;
     let bigger = ledger::Geometry {
         slots: header.slot_count,
@@ -313,6 +318,105 @@ fn a_restarted_agent_restores_its_state_and_synchronize_prunes_it() -> Result<()
     wait_for(Duration::from_secs(5), "the rewritten header reported", || Ok(node.ledger_problem(&kept)?.is_some_and(|p| p.starts_with("tampered"))))
         .with_context(|| format!("audit: {}\nlog: {}", node.agent().audit().map(|a| a.to_string()).unwrap_or_default(), node.agent().log()))?;
     assert_held(&node.workload(&kept, &[], &OVER)?)?;
+    node.fake.cleanup();
+    Ok(())
+}
+
+/// Free bytes of the filesystem holding `path`.
+fn free_bytes(path: &Path) -> Result<u64> {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())?;
+    // SAFETY: statvfs(2) into a zeroed struct, with a NUL-terminated path.
+    let mut stat: libc::statvfs = unsafe { std::mem::zeroed() };
+    ensure!(unsafe { libc::statvfs(c.as_ptr(), &mut stat) } == 0, "statvfs {}: {}", path.display(), std::io::Error::last_os_error());
+    Ok(stat.f_bavail * stat.f_frsize)
+}
+
+/// The ledger tmpfs mounts (the agent's, by their source name) whose mount point is `dir`.
+fn ledger_mounts_at(dir: &Path) -> Result<usize> {
+    let table = std::fs::read_to_string("/proc/self/mountinfo")?;
+    let point = dir.display().to_string();
+    Ok(table.lines().filter(|l| l.split(' ').nth(4) == Some(point.as_str()) && l.contains(" - tmpfs vramguard-ledger ")).count())
+}
+
+const MIB: u64 = 1 << 20;
+
+/// Issue 17, "Ledgers cannot grow the node's disk": a provisioned container writes past its
+/// ledger's size (`dd`), allocates past it (`fallocate`) and extends it (`truncate`), as
+/// busybox does with write(2), fallocate(2) and ftruncate(2). The first two fail with ENOSPC
+/// once the ledger's tmpfs is full (it holds the ledger's size, no more); the third succeeds
+/// (a tmpfs file is sparse and cannot be sealed) but allocates nothing, and a write into the
+/// extension fails with ENOSPC. The host filesystem
+/// under the ledger directory does not lose the space; the same commands on a plain host
+/// directory mounted into the container (the negative control) take it. The hook still
+/// holds the container afterwards, and the ledger's tmpfs is unmounted when the pod goes.
+#[test]
+fn a_provisioned_container_cannot_grow_the_node_disk_through_its_ledger() -> Result<()> {
+    let node = Node::new("prov-disk")?;
+    let scratch = node.path("scratch");
+    std::fs::create_dir_all(&scratch)?;
+    let pod = node.containerd.pod("filler", "team-a", "uid-d", &[])?;
+    let spec = ContainerSpec::new("main").fake_driver(&node.fake)?.mount(&scratch, "/scratch", false);
+    let main = node.containerd.run_container(&pod, &spec)?;
+    ensure!(node.provisioned(&main)?.is_some(), "not provisioned");
+    assert_held(&node.workload(&main, &[], &OVER)?)?;
+
+    let ledger = node.ledger_of(&main);
+    let dir = ledger.parent().context("ledger dir")?.to_path_buf();
+    ensure!(ledger_mounts_at(&dir)? == 1, "the ledger directory is not the agent's tmpfs");
+    let size = std::fs::metadata(&ledger)?.len();
+    let run = |argv: &[&str]| node.containerd.exec_sync(&main, argv);
+    let refused = |argv: &[&str]| -> Result<()> {
+        let out = run(argv)?;
+        ensure!(out.exit_code != 0 && out.stderr.contains("No space left on device"), "{argv:?} must fail with ENOSPC: {out:?}");
+        Ok(())
+    };
+    let pages = (size / 4096).to_string();
+    let past = size.to_string();
+    let disk_before = free_bytes(&node.path("ledgers"))?;
+
+    // write(2): 256 MiB from the ledger's end, refused once its tmpfs is full (within the
+    // ledger's size); then fallocate(2) of 1 GiB and a single byte further on, refused.
+    let seek = format!("seek={pages}");
+    refused(&["busybox", "dd", "if=/dev/zero", "of=/run/vramguard/ledger", "bs=4096", "count=65536", &seek, "conv=notrunc"])?;
+    let meta = std::fs::metadata(&ledger)?;
+    ensure!(meta.blocks() * 512 <= size && meta.len() <= 2 * size, "the tmpfs holds more than the ledger's size: {} bytes, {} blocks", meta.len(), meta.blocks());
+    let end = meta.len().to_string();
+    refused(&["busybox", "fallocate", "-o", &end, "-l", "1073741824", "/run/vramguard/ledger"])?;
+    refused(&["busybox", "dd", "if=/dev/zero", "of=/run/vramguard/ledger", "bs=1", "count=1", &format!("seek={end}"), "conv=notrunc"])?;
+    let blocks = std::fs::metadata(&ledger)?.blocks();
+    // ftruncate(2) to 4 GiB: allowed by tmpfs, nothing allocated; a write into it refused.
+    let grown = run(&["busybox", "truncate", "-s", "4294967296", "/run/vramguard/ledger"])?;
+    ensure!(grown.exit_code == 0, "{grown:?}");
+    let meta = std::fs::metadata(&ledger)?;
+    ensure!(meta.len() == 4 << 30 && meta.blocks() == blocks, "an extended ledger allocates nothing: {} bytes, {} blocks", meta.len(), meta.blocks());
+    refused(&["busybox", "dd", "if=/dev/zero", "of=/run/vramguard/ledger", "bs=1048576", "count=64", "seek=1024", "conv=notrunc"])?;
+    let disk_after = free_bytes(&node.path("ledgers"))?;
+    let lost = disk_before.saturating_sub(disk_after);
+    eprintln!("host filesystem: {lost} bytes fewer free after 1.25 GiB written or allocated past the ledger");
+    // Other processes of the machine write too: a margin, far below what was tried.
+    ensure!(lost < 64 * MIB, "the node's disk lost {lost} bytes to the ledger's container");
+    // Shrunk back (allowed: the ledger's bytes are intact), the hook holds the container still.
+    let back = run(&["busybox", "truncate", "-s", &past, "/run/vramguard/ledger"])?;
+    ensure!(back.exit_code == 0, "{back:?}");
+    assert_held(&node.workload(&main, &[], &OVER)?)?;
+
+    // Negative control: the same writes to a plain file of a host directory take the disk.
+    let control = scratch.join("file");
+    let before = free_bytes(&scratch)?;
+    let out = run(&["busybox", "dd", "if=/dev/zero", "of=/scratch/file", "bs=1048576", "count=64", "conv=fsync"])?;
+    ensure!(out.exit_code == 0, "{out:?}");
+    let out = run(&["busybox", "fallocate", "-o", &(64 * MIB).to_string(), "-l", &(64 * MIB).to_string(), "/scratch/file"])?;
+    ensure!(out.exit_code == 0, "{out:?}");
+    let taken = std::fs::metadata(&control)?.blocks() * 512;
+    let lost = before.saturating_sub(free_bytes(&scratch)?);
+    eprintln!("control: {taken} bytes allocated, host filesystem {lost} bytes fewer free");
+    ensure!(taken >= 128 * MIB && lost >= 96 * MIB, "the control file must take the disk: {taken} bytes allocated, {lost} fewer free");
+    std::fs::remove_file(&control)?;
+
+    // The pod gone: its ledger's tmpfs unmounted and its directory removed.
+    node.containerd.stop_container(&main, Duration::from_secs(1))?;
+    node.containerd.remove_pod(&pod)?;
+    wait_for(Duration::from_secs(5), "the ledger's tmpfs unmounted", || Ok(ledger_mounts_at(&dir)? == 0 && !dir.exists()))?;
     node.fake.cleanup();
     Ok(())
 }
