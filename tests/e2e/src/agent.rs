@@ -157,6 +157,14 @@ impl Agent {
         text.parse().with_context(|| format!("bad metrics address {text:?}"))
     }
 
+    /// Where the agent serves `/healthz` and `/readyz` on their own listener (started with
+    /// `--health-addr`), as it reports it.
+    pub fn health_addr(&self) -> Result<std::net::SocketAddr> {
+        let audit = self.audit()?;
+        let text = audit["health_addr"].as_str().context("the agent serves no health listener (no --health-addr)")?;
+        text.parse().with_context(|| format!("bad health address {text:?}"))
+    }
+
     /// The agent's process id.
     pub fn pid(&self) -> u32 {
         self.child.as_ref().map_or(0, Child::id)

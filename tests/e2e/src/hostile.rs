@@ -97,3 +97,46 @@ pub fn assert_serving(agent: &Agent) -> Result<()> {
     }
     Ok(())
 }
+
+/// How fast `/healthz` must answer while an attack runs (issue 17).
+pub const HEALTH_WITHIN: Duration = Duration::from_millis(250);
+
+/// `/healthz` asked every `every` on a thread of its own while an attack runs; each answer's
+/// status and latency kept.
+pub struct HealthProbe {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<Vec<(Duration, Result<u16, String>)>>,
+}
+
+impl HealthProbe {
+    pub fn start(addr: std::net::SocketAddr, every: Duration) -> HealthProbe {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let stopped = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut answers = Vec::new();
+            while !stopped.load(Ordering::Relaxed) {
+                let start = std::time::Instant::now();
+                let answer = http::get(addr, "/healthz").map(|(status, _)| status).map_err(|e| format!("{e:#}"));
+                answers.push((start.elapsed(), answer));
+                std::thread::sleep(every.saturating_sub(start.elapsed()));
+            }
+            answers
+        });
+        HealthProbe { stop, thread }
+    }
+
+    /// Stops probing; fails unless every answer was `200` within [`HEALTH_WITHIN`] (and there
+    /// were some); returns the slowest.
+    pub fn finish(self) -> Result<Duration> {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let answers = self.thread.join().map_err(|_| anyhow::anyhow!("the health prober panicked"))?;
+        let slowest = answers.iter().map(|(took, _)| *took).max().context("no /healthz probe ran")?;
+        let bad: Vec<_> = answers.iter().filter(|(took, answer)| *took > HEALTH_WITHIN || !matches!(answer, Ok(200))).collect();
+        eprintln!("/healthz: {} probes, slowest {slowest:?}, {} late or failed", answers.len(), bad.len());
+        if !bad.is_empty() {
+            bail!("/healthz late (over {HEALTH_WITHIN:?}) or failing: {bad:?}");
+        }
+        Ok(slowest)
+    }
+}

@@ -11,6 +11,9 @@
 //! - a burst of scrapes runs no reconcile pass: `vramguard_reconcile_pass_seconds_count` grows
 //!   by what the one-a-second timer explains, far less than the number of scrapes, while the
 //!   same number of `vramguard audit`s (which do run a pass each) moves it by as many.
+//! - (issue 17) the health listener (`--health-addr`) answers `/healthz` within 250 ms
+//!   throughout while the slowloris holds the metrics listener past its cap with idle and
+//!   dripping connections; the same probes with no attack are the negative control.
 //!
 //! Needs root; run with `cargo xtask test`.
 use std::{
@@ -27,7 +30,7 @@ use std::{
 use anyhow::{anyhow, ensure, Context, Result};
 use e2e::{
     agent::Agent,
-    hostile::{assert_serving, Bystander},
+    hostile::{assert_serving, Bystander, HealthProbe},
     http::{self, fresh_scrape, metric, Sample, PASSES},
     FakeNode, TempDir,
 };
@@ -35,11 +38,12 @@ use e2e::{
 /// The listener's connection cap (`LIMITS.connections` in `agent/src/serve/http.rs`).
 const CAP: usize = 64;
 
-/// An agent watching a fresh ledger directory, with a bystander container in it.
+/// An agent watching a fresh ledger directory (and serving health on a listener of its own),
+/// with a bystander container in it.
 fn agent_with_bystander(tag: &str) -> Result<(TempDir, Agent, Bystander)> {
     let node = FakeNode::new(tag);
     let dir = TempDir::new(tag)?;
-    let agent = Agent::watching(&dir.0, &[])?;
+    let agent = Agent::watching(&dir.0, &[std::ffi::OsStr::new("--health-addr"), std::ffi::OsStr::new("127.0.0.1:0")])?;
     let bystander = Bystander::start(&node, &dir, &agent)?;
     Ok((dir, agent, bystander))
 }
@@ -169,6 +173,38 @@ fn a_slowloris_past_the_cap_does_not_keep_scrapers_out() -> Result<()> {
     ensure!(agent.log().contains("at its connection cap"), "the cap is logged: {}", agent.log());
     agent.stop()?;
     Ok(())
+}
+
+/// `/healthz` on the health listener, every 100 ms for 3 s, with `attack` on the metrics
+/// listener (or none); fails unless every probe answered 200 within 250 ms.
+fn health_while(attack: bool) -> Result<()> {
+    let (_dir, agent, mut bystander) = agent_with_bystander(if attack { "hostile-serve-health" } else { "hostile-serve-health-control" })?;
+    let (metrics, health) = (agent.metrics_addr()?, agent.health_addr()?);
+    ensure!(metrics != health, "one listener for both");
+    let slowloris = attack.then(|| Slowloris::start(metrics, 4 * CAP));
+    // Let it fill the metrics listener.
+    std::thread::sleep(Duration::from_secs(1));
+    let probe = HealthProbe::start(health, Duration::from_millis(100));
+    std::thread::sleep(Duration::from_secs(3));
+    probe.finish()?;
+    bystander.kill_and_expect_reclaim(&agent)?;
+    if let Some(slowloris) = slowloris {
+        let held = slowloris.stop()?;
+        ensure!(held.most_open > CAP, "the slowloris held {} connections at most, the cap is {CAP}", held.most_open);
+    }
+    assert_serving(&agent)?;
+    agent.stop()?;
+    Ok(())
+}
+
+#[test]
+fn the_health_listener_answers_while_the_metrics_listener_is_held_past_its_cap() -> Result<()> {
+    health_while(true)
+}
+
+#[test]
+fn the_health_listener_answers_without_an_attack() -> Result<()> {
+    health_while(false)
 }
 
 #[test]
