@@ -154,6 +154,8 @@ pub struct ContainerSpec {
     pub env: Vec<(String, String)>,
     pub mounts: Vec<Mount>,
     pub annotations: Vec<(String, String)>,
+    /// Host device nodes and their paths in the container (the runtime's `linux.devices`).
+    pub devices: Vec<(PathBuf, String)>,
 }
 
 impl ContainerSpec {
@@ -178,6 +180,13 @@ impl ContainerSpec {
     /// A bind mount.
     pub fn mount(mut self, host: impl Into<PathBuf>, container: impl Into<PathBuf>, readonly: bool) -> ContainerSpec {
         self.mounts.push(Mount { host: host.into(), container: container.into(), readonly });
+        self
+    }
+
+    /// The host device node `host` at `container` (read, write, mknod), as a device plugin
+    /// gives one.
+    pub fn device(mut self, host: impl Into<PathBuf>, container: &str) -> ContainerSpec {
+        self.devices.push((host.into(), container.into()));
         self
     }
 
@@ -370,6 +379,11 @@ impl Containerd {
                 .map(|m| cri::Mount { container_path: path(&m.container), host_path: path(&m.host), readonly: m.readonly })
                 .collect(),
             annotations: spec.annotations.iter().cloned().collect(),
+            devices: spec
+                .devices
+                .iter()
+                .map(|(host, container)| cri::Device { container_path: container.clone(), host_path: path(host), permissions: "rwm".into() })
+                .collect(),
             log_path: format!("{}.log", spec.name),
             linux: Some(cri::LinuxContainerConfig {
                 security_context: Some(cri::LinuxContainerSecurityContext { namespace_options: Some(namespaces()) }),
