@@ -470,6 +470,12 @@ impl Containerd {
         }
     }
 
+    /// Where this containerd reads CDI specs (`cdi_spec_dirs`): a spec written there names
+    /// devices a container gets through a `cdi.k8s.io/<name>` annotation.
+    pub fn cdi_dir(&self) -> PathBuf {
+        self.dir.path().join("cdi")
+    }
+
     /// The host pid of the container's first process (0 once it has exited).
     pub fn container_pid(&self, container: &ContainerId) -> Result<u32> {
         let info = self.info(container)?;
@@ -540,7 +546,7 @@ impl Containerd {
 
     fn write_config(&self) -> Result<()> {
         let dir = self.dir.path();
-        for sub in ["root", "state", "runc", "opt", "cni", "nri-plugins", "nri-conf"] {
+        for sub in ["root", "state", "runc", "opt", "cni", "nri-plugins", "nri-conf", "cdi"] {
             std::fs::create_dir_all(dir.join(sub)).with_context(|| format!("cannot create {}", dir.join(sub).display()))?;
         }
         let quote = |p: PathBuf| toml_string(&p.to_string_lossy());
@@ -564,6 +570,10 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
   sandbox_image = {image}
   restrict_oom_score_adj = true
   disable_apparmor = true
+  # CDI devices named in a container's `cdi.k8s.io/` annotations, from the specs a test
+  # writes in [`Containerd::cdi_dir`].
+  enable_cdi = true
+  cdi_spec_dirs = [{cdi}]
   [plugins."io.containerd.grpc.v1.cri".containerd]
     snapshotter = "native"
     default_runtime_name = "runc"
@@ -595,6 +605,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
             nri = quote(self.nri_socket.clone()),
             nri_plugins = quote(dir.join("nri-plugins")),
             nri_conf = quote(dir.join("nri-conf")),
+            cdi = quote(self.cdi_dir()),
         );
         let path = dir.join("config.toml");
         std::fs::write(&path, config).with_context(|| format!("cannot write {}", path.display()))

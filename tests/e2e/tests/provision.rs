@@ -394,3 +394,45 @@ fn a_container_whose_env_names_gpus_it_was_not_given_is_held_to_the_runtime_s() 
     node.fake.cleanup();
     Ok(())
 }
+
+/// The same through CDI, as the kubelet asks for a device plugin's CDI devices: a CDI spec of
+/// kind `nvidia.com/gpu` whose device `2` is a stand-in `/dev/nvidia2`, named in the
+/// container's `cdi.k8s.io/` annotation; containerd injects the node, the agent counts GPU 2
+/// alone although the env names all four. Control: `nvidia.com/gpu=0` and `=3` give two.
+#[test]
+fn a_container_given_gpus_by_cdi_is_held_to_them_whatever_its_env_says() -> Result<()> {
+    let node = Node::with_gpus("prov-cdi", "8g,8g,8g,8g", &[])?;
+    let devices: Vec<Value> = (0..4)
+        .map(|n| -> Result<Value> {
+            let host = fake_gpu_node(&node, n)?;
+            Ok(serde_json::json!({
+                "name": n.to_string(),
+                "containerEdits": { "deviceNodes": [{ "path": format!("/dev/nvidia{n}"), "hostPath": host }] }
+            }))
+        })
+        .collect::<Result<_>>()?;
+    let spec = serde_json::json!({ "cdiVersion": "0.5.0", "kind": "nvidia.com/gpu", "devices": devices });
+    std::fs::write(node.containerd.cdi_dir().join("gpus.json"), serde_json::to_vec(&spec)?)?;
+    let run = |name: &str, cdi: &str| -> Result<ContainerId> {
+        let pod = node.containerd.pod(name, "team-a", &format!("uid-{name}"), &[])?;
+        let spec = ContainerSpec::new("main")
+            .fake_driver(&node.fake)?
+            .env("NVIDIA_VISIBLE_DEVICES", "0,1,2,3")
+            .annotation("cdi.k8s.io/vramguard-test_main", cdi);
+        node.containerd.run_container(&pod, &spec)
+    };
+    let one = run("one", "nvidia.com/gpu=2")?;
+    let out = node.containerd.exec_sync(&one, &["ls", "/dev/nvidia2"])?;
+    ensure!(out.exit_code == 0, "containerd injected the CDI device: {out:?}");
+    let record = node.provisioned(&one)?.context("not provisioned")?;
+    ensure!(record["gpus"] == serde_json::json!([2]), "{record}");
+    ensure!(ledger_limits(&node, &one)? == [(0, QUOTA)], "{:?}", ledger_limits(&node, &one)?);
+    assert_held(&node.workload(&one, &[], &OVER)?)?;
+
+    let two = run("two", "nvidia.com/gpu=0,nvidia.com/gpu=3")?;
+    let record = node.provisioned(&two)?.context("not provisioned")?;
+    ensure!(record["gpus"] == serde_json::json!([0, 3]), "{record}");
+    ensure!(ledger_limits(&node, &two)? == [(0, QUOTA), (1, QUOTA)], "{:?}", ledger_limits(&node, &two)?);
+    node.fake.cleanup();
+    Ok(())
+}
