@@ -7,7 +7,7 @@
 //!
 //! | in the container | from the host | |
 //! |---|---|---|
-//! | [`ledger::provisioned::LEDGER`] | `<ledger-dir>/<container id>/ledger`, created by the agent with the quota on each GPU, in a tmpfs of the ledger's size ([`mount`]) | read-write, alone: it can be written, not removed, replaced or grown past its size |
+//! | [`ledger::provisioned::LEDGER`] | `<ledger-dir>/<container id>/ledger`, created by the agent with the quota on each GPU the runtime gave the container, in a tmpfs of the ledger's size ([`mount`]) | read-write, alone: it can be written, not removed, replaced or grown past its size |
 //! | [`ledger::provisioned::LIMITS`] | the header of that ledger as the agent created it ([`store`]) | read-only: the hook's only source of limits |
 //! | [`ledger::provisioned::HOOK`] | `--hook-library` | read-only |
 //! | [`ledger::provisioned::PRELOAD`] | `<state-dir>/ld.so.preload`, naming the hook | read-only: every dynamically linked process loads the hook |
@@ -15,14 +15,22 @@
 //!
 //! The agent holds the ledger to the header it created ([`crate::ledgers::Ledgers::set_pins`]: a
 //! rewritten or re-created file is `tampered`, never adopted) and pushes the container's
-//! cgroup limit (the quota times the GPUs it sees) to the eBPF probes, the backstop for
+//! cgroup limit (the quota times the GPUs it was given) to the eBPF probes, the backstop for
 //! processes the hook does not see. Pods without a quota are not touched.
 //!
+//! The GPUs a container was given are the runtime's word ([`gpus`]: its device nodes and CDI
+//! devices), never the container's environment: the ledger has one device per such GPU (in
+//! the node's order, as the driver numbers them in the container), the cgroup limit and the
+//! over-commit check count them. A container whose GPUs the runtime does not say gets the
+//! quota on every GPU, a log line and a count ([`Provisioner::gpus_undetermined`]).
+//!
 //! * [`nri`]: the NRI plugin: the runtime's socket, its wire protocol, the event loop.
+//! * [`gpus`]: which GPUs the runtime gave a container.
 //! * [`kube`]: the Kubernetes API side: pod lookup, the node's advertised capacity.
 //! * [`quota`]: the quota file and the annotation.
 //! * [`store`]: what the agent keeps on the host per provisioned container.
 //! * [`mount`]: the size-capped tmpfs of each provisioned ledger.
+pub mod gpus;
 pub mod kube;
 pub mod mount;
 pub mod nri;
@@ -32,7 +40,10 @@ pub mod store;
 use std::{
     collections::BTreeMap,
     path::{Path, PathBuf},
-    sync::{Arc, Mutex},
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc, Mutex,
+    },
 };
 
 use ledger::provisioned;
@@ -105,7 +116,13 @@ pub struct Workload {
     pub container_id: String,
     pub container: String,
     pub cgroups_path: String,
-    pub env: Vec<(String, String)>,
+    /// The paths of the OCI spec's device nodes (the runtime's).
+    pub devices: Vec<String>,
+    /// The CDI devices the runtime reports.
+    pub cdi_devices: Vec<String>,
+    /// The container's annotations (the CDI ones are the kubelet's).
+    pub container_annotations: BTreeMap<String, String>,
+    /// The pod's annotations.
     pub annotations: BTreeMap<String, String>,
 }
 
@@ -133,6 +150,11 @@ pub struct Provisioner {
     /// Synchronize): not provisioned (no hook, no ledger), held by their cgroup limit only.
     /// By container id: (pod sandbox id, cgroup path, limit).
     unprovisioned: Mutex<BTreeMap<String, (String, String, u64)>>,
+    /// Containers the runtime has whose GPUs it did not say (held to every GPU), by container
+    /// id: their pod sandbox id. Each is logged once.
+    undetermined: Mutex<BTreeMap<String, String>>,
+    /// How many containers were held to every GPU because their GPUs were undetermined.
+    undetermined_total: AtomicU64,
     /// Bumped at every change, for the agent's loop.
     generation: tokio::sync::watch::Sender<u64>,
 }
@@ -173,6 +195,8 @@ impl Provisioner {
             refuse_overcommit: args.refuse_overcommit,
             containers: Mutex::new(containers),
             unprovisioned: Mutex::new(BTreeMap::new()),
+            undetermined: Mutex::new(BTreeMap::new()),
+            undetermined_total: AtomicU64::new(0),
             generation: tokio::sync::watch::channel(0).0,
         })
     }
@@ -198,6 +222,43 @@ impl Provisioner {
     /// The node's GPUs (`--gpu-memory`'s count; one when it is not given).
     fn node_gpus(&self) -> u32 {
         u32::try_from(self.gpu_memory.len()).unwrap_or(u32::MAX).max(1)
+    }
+
+    /// How many containers with a quota were held to every GPU since the agent started because
+    /// the runtime did not say which GPUs they were given (each counted once).
+    pub fn gpus_undetermined(&self) -> u64 {
+        self.undetermined_total.load(Ordering::Relaxed)
+    }
+
+    /// The GPUs the runtime gave `workload`, as indices of the node's; every GPU when it does
+    /// not say (logged and counted once per container).
+    fn given_gpus(&self, workload: &Workload) -> Vec<usize> {
+        let gpus = self.node_gpus();
+        match gpus::given(&workload.devices, &workload.cdi_devices, &workload.container_annotations, gpus) {
+            Ok(given) => given,
+            Err(reason) => {
+                let first = self
+                    .undetermined
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner())
+                    .insert(workload.container_id.clone(), workload.pod_id.clone())
+                    .is_none();
+                if first {
+                    self.undetermined_total.fetch_add(1, Ordering::Relaxed);
+                    warn!(
+                        namespace = %workload.namespace, pod = %workload.pod, container = %workload.container,
+                        id = %workload.container_id, %reason, gpus,
+                        "the runtime does not say which GPUs the container was given: its quota holds on every GPU"
+                    );
+                }
+                (0..gpus as usize).collect()
+            }
+        }
+    }
+
+    /// Forgets the undetermined containers `gone` says are gone.
+    fn forget_undetermined(&self, gone: impl Fn(&str, &str) -> bool) {
+        self.undetermined.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).retain(|id, pod| !gone(id, pod));
     }
 
     /// How many containers are provisioned now.
@@ -286,7 +347,7 @@ impl Provisioner {
             return Ok(Adjustment::default());
         }
         let devices = self.node_gpus();
-        let seen = visible_gpus(&workload.env, devices);
+        let seen = self.given_gpus(workload);
         let record = Record {
             container_id: workload.container_id.clone(),
             pod_id: workload.pod_id.clone(),
@@ -315,7 +376,7 @@ impl Provisioner {
         Ok(injection)
     }
 
-    /// Refuses `record` if a GPU it sees would have more quota than memory.
+    /// Refuses `record` if a GPU it was given would have more quota than memory.
     fn check_overcommit(&self, record: &Record, seen: &[usize]) -> Result<(), String> {
         let containers = self.lock();
         for &gpu in seen {
@@ -386,6 +447,7 @@ impl Provisioner {
         if let Ok(mut late) = self.unprovisioned.lock() {
             late.remove(id);
         }
+        self.forget_undetermined(|container, _| container == id);
         self.remove_where(|record| record.container_id == id);
     }
 
@@ -394,6 +456,7 @@ impl Provisioner {
         if let Ok(mut late) = self.unprovisioned.lock() {
             late.retain(|_, (pod, _, _)| pod != pod_id);
         }
+        self.forget_undetermined(|_, pod| pod == pod_id);
         self.remove_where(|record| record.pod_id == pod_id);
     }
 
@@ -404,12 +467,13 @@ impl Provisioner {
         if let Ok(mut late) = self.unprovisioned.lock() {
             late.retain(|id, _| existing.contains(id));
         }
+        self.forget_undetermined(|id, _| !existing.iter().any(|e| e == id));
         info!(containers = self.lock().len(), "synchronized with the runtime");
     }
 
     /// Containers the runtime has, with a quota, that the agent did not provision (created
     /// while it was away): they run without the hook, so their cgroups get their limit (the
-    /// quota times the GPUs they see), the eBPF probes' backstop; each is logged.
+    /// quota times the GPUs the runtime gave them), the eBPF probes' backstop; each is logged.
     pub async fn hold_unprovisioned(&self, workloads: &[Workload]) {
         for workload in workloads {
             if self.lock().contains_key(&workload.container_id) {
@@ -424,7 +488,7 @@ impl Provisioner {
                 }
             };
             let Some(cgroup) = cgroup_dir(&workload.cgroups_path) else { continue };
-            let limit = store::cgroup_limit(quota, visible_gpus(&workload.env, self.node_gpus()).len());
+            let limit = store::cgroup_limit(quota, self.given_gpus(workload).len());
             warn!(
                 namespace = %workload.namespace, pod = %workload.pod, container = %workload.container, quota, cgroup = %cgroup,
                 "a container with a quota was created while the agent was away: it runs without the hook; its cgroup is held to its limit by the eBPF probes"
@@ -437,7 +501,7 @@ impl Provisioner {
     }
 
     /// The cgroup limits of the provisioned containers: cgroup path (relative to the cgroup2
-    /// root) -> bytes (the quota times the GPUs each sees).
+    /// root) -> bytes (the quota times the GPUs each was given).
     pub fn cgroup_limits(&self) -> BTreeMap<String, u64> {
         let mut limits: BTreeMap<String, u64> = self
             .lock()
@@ -462,7 +526,9 @@ impl Workload {
             container_id: container.id.clone(),
             container: container.name.clone(),
             cgroups_path: container.cgroups_path.clone(),
-            env: container.env.clone(),
+            devices: container.devices.clone(),
+            cdi_devices: container.cdi_devices.clone(),
+            container_annotations: container.annotations.clone(),
             annotations: pod.annotations.clone(),
         }
     }
@@ -494,23 +560,6 @@ impl nri::Handler for Provisioner {
 
     async fn remove_pod(&self, pod: nri::Pod) {
         Provisioner::remove_pod(self, &pod.id);
-    }
-}
-
-/// The GPUs a container with `env` sees, as indices of the node's `devices`:
-/// `NVIDIA_VISIBLE_DEVICES` when it lists indices, every GPU otherwise (`all`, absent, or
-/// UUIDs the agent cannot map: the larger limit, never the smaller).
-fn visible_gpus(env: &[(String, String)], devices: u32) -> Vec<usize> {
-    let all: Vec<usize> = (0..devices as usize).collect();
-    let Some((_, value)) = env.iter().rev().find(|(key, _)| key == "NVIDIA_VISIBLE_DEVICES") else { return all };
-    let indices: Option<Vec<usize>> = value.split(',').map(|part| part.trim().parse::<usize>().ok().filter(|&i| i < devices as usize)).collect();
-    match indices {
-        Some(mut indices) if !indices.is_empty() => {
-            indices.sort_unstable();
-            indices.dedup();
-            indices
-        }
-        _ => all,
     }
 }
 
@@ -561,16 +610,6 @@ mod tests {
         assert_eq!(cgroup_dir("a:b"), None);
     }
 
-    #[test]
-    fn visible() {
-        let env = |v: &str| vec![("NVIDIA_VISIBLE_DEVICES".to_string(), v.to_string())];
-        assert_eq!(visible_gpus(&[], 4), vec![0, 1, 2, 3]);
-        assert_eq!(visible_gpus(&env("all"), 2), vec![0, 1]);
-        assert_eq!(visible_gpus(&env("2,0,2"), 4), vec![0, 2]);
-        assert_eq!(visible_gpus(&env("GPU-1234"), 2), vec![0, 1]);
-        assert_eq!(visible_gpus(&env("7"), 2), vec![0, 1]);
-    }
-
     /// The flags of a provisioner under `root` with 2 GPUs of 8 GiB.
     fn args(root: &Path, refuse_overcommit: bool) -> ProvisionArgs {
         let kube = clap::Command::new("x");
@@ -607,18 +646,29 @@ mod tests {
         (root, provisioner)
     }
 
+    /// Container `id` of `pod` as the runtime hands it over, given the device nodes of `gpus`
+    /// (`"0,1"`: `/dev/nvidia0` and `/dev/nvidia1`; `""`: none) beside `/dev/nvidiactl`,
+    /// with an environment that names every GPU (which must not count).
     fn workload(namespace: &str, pod: &str, id: &str, gpus: &str) -> Workload {
-        Workload {
-            pod_id: format!("sandbox-{pod}"),
-            pod_uid: format!("uid-{pod}"),
+        let mut devices = vec!["/dev/null".to_string(), "/dev/nvidiactl".to_string()];
+        devices.extend(gpus.split(',').filter(|g| !g.is_empty()).map(|g| format!("/dev/nvidia{g}")));
+        let pod = nri::Pod {
+            id: format!("sandbox-{pod}"),
+            uid: format!("uid-{pod}"),
             namespace: namespace.into(),
-            pod: pod.into(),
-            container_id: id.into(),
-            container: "main".into(),
+            name: pod.into(),
+            ..nri::Pod::default()
+        };
+        let container = nri::Container {
+            id: id.into(),
+            pod_id: pod.id.clone(),
+            name: "main".into(),
+            env: vec![("NVIDIA_VISIBLE_DEVICES".into(), "0,1".into())],
             cgroups_path: format!("/k8s.io/{id}"),
-            env: vec![("NVIDIA_VISIBLE_DEVICES".into(), gpus.into())],
-            annotations: BTreeMap::new(),
-        }
+            devices,
+            ..nri::Container::default()
+        };
+        Workload::of(&pod, &container)
     }
 
     fn block_on<F: std::future::Future>(future: F) -> F::Output {
@@ -635,9 +685,10 @@ mod tests {
         assert!(adjustment.env.contains(&("CUDA_DEVICE_MEMORY_LIMIT".into(), (1u64 << 30).to_string())));
         assert!(adjustment.env.contains(&("POD_NAMESPACE".into(), "team-a".into())));
         assert_eq!(std::fs::read_to_string(root.join("state/ld.so.preload")).expect("preload"), format!("{}\n", provisioned::HOOK));
-        // The ledger: both GPUs at the quota; the cgroup: the quota times the one GPU it sees.
+        // The ledger and the cgroup: the quota on the one GPU the runtime gave (not the two
+        // of its environment).
         let made = &p.provisioned()[0];
-        assert_eq!(made.header.device_count, 2);
+        assert_eq!((made.header.device_count, made.record.gpus.as_slice()), (1, &[1][..]));
         assert_eq!(p.cgroup_limits(), BTreeMap::from([("/k8s.io/c1".to_string(), 1 << 30)]));
         // No rule, or a rule of 0: untouched.
         assert_eq!(block_on(p.create_container(&workload("team-b", "web", "c2", "0"))), Ok(Adjustment::default()));
@@ -654,6 +705,77 @@ mod tests {
         let error = block_on(p.create_container(&workload("team-a", "c", "c3", "0"))).expect_err("10 GiB on GPU 0");
         assert!(error.contains("GPU 0 has 8589934592 bytes") && error.contains("--refuse-overcommit"), "{error}");
         assert!(!root.join("ledgers/c3").exists(), "nothing made for a refused container");
+        std::fs::remove_dir_all(&root).expect("cleanup");
+    }
+
+    #[test]
+    fn the_runtime_s_devices_decide_and_the_environment_does_not() {
+        let (root, p) = provisioner("runtime-gpus", "namespace=team-a 5g\n", true);
+        // Its environment names GPUs 0 and 1; the runtime gave GPU 1: the ledger holds one
+        // device at the quota, the cgroup one quota, the over-commit check counts GPU 1 alone.
+        block_on(p.create_container(&workload("team-a", "a", "c1", "1"))).expect("5 of GPU 1's 8 GiB");
+        let made = &p.provisioned()[0];
+        assert_eq!((made.record.gpus.as_slice(), made.header.device_count, made.header.devices[0].limit), (&[1][..], 1, 5 << 30));
+        assert_eq!(p.cgroup_limits(), BTreeMap::from([("/k8s.io/c1".to_string(), 5 << 30)]));
+        block_on(p.create_container(&workload("team-a", "b", "c2", "0"))).expect("GPU 0 is free whatever c1's env says");
+        let error = block_on(p.create_container(&workload("team-a", "c", "c3", "1"))).expect_err("10 GiB on GPU 1");
+        assert!(error.contains("GPU 1 has"), "{error}");
+        // CDI names, when the spec has no GPU device nodes yet.
+        let mut cdi = workload("team-a", "d", "c4", "");
+        cdi.cdi_devices = vec!["nvidia.com/gpu=1".into()];
+        assert!(block_on(p.create_container(&cdi)).is_err(), "GPU 1 is full: the CDI name counts");
+        assert_eq!(p.gpus_undetermined(), 0);
+        std::fs::remove_dir_all(&root).expect("cleanup");
+    }
+
+    /// Runs `f` with this thread's logs in the returned text.
+    fn logged<T>(f: impl FnOnce() -> T) -> (T, String) {
+        #[derive(Clone, Default)]
+        struct Sink(std::sync::Arc<Mutex<Vec<u8>>>);
+        impl std::io::Write for Sink {
+            fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap_or_else(|p| p.into_inner()).extend_from_slice(bytes);
+                Ok(bytes.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let sink = Sink::default();
+        let writer = sink.clone();
+        let subscriber = tracing_subscriber::fmt().with_writer(move || writer.clone()).with_ansi(false).finish();
+        let out = tracing::subscriber::with_default(subscriber, f);
+        let text = String::from_utf8_lossy(&sink.0.lock().unwrap_or_else(|p| p.into_inner())).into_owned();
+        (out, text)
+    }
+
+    #[test]
+    fn undetermined_gpus_hold_every_gpu_logged_and_counted_once_per_container() {
+        let (root, p) = provisioner("undetermined", "namespace=team-a 1g\n", false);
+        let ((), logs) = logged(|| {
+            // No GPU device node, no CDI device (its env names GPUs 0 and 1: no matter).
+            block_on(p.create_container(&workload("team-a", "a", "c1", ""))).expect("provisioned");
+            // The runtime tries the same container again; a Synchronize lists it.
+            block_on(p.create_container(&workload("team-a", "a", "c1", ""))).expect("again");
+            block_on(p.hold_unprovisioned(&[workload("team-a", "a", "c1", "")]));
+        });
+        assert_eq!(logs.matches("does not say which GPUs").count(), 1, "{logs}");
+        assert!(logs.contains("c1") && logs.contains("no GPU device node"), "{logs}");
+        assert_eq!(p.gpus_undetermined(), 1);
+        let made = &p.provisioned()[0];
+        assert_eq!((made.record.gpus.as_slice(), made.header.device_count), (&[0, 1][..], 2));
+        assert_eq!(p.cgroup_limits(), BTreeMap::from([("/k8s.io/c1".to_string(), 2 << 30)]));
+        // A GPU index past the node's: undetermined too; a container created while the agent
+        // was away the same.
+        let mut past = workload("team-a", "b", "c2", "");
+        past.cdi_devices = vec!["nvidia.com/gpu=5".into()];
+        let ((), logs) = logged(|| {
+            block_on(p.create_container(&past)).expect("provisioned");
+            block_on(p.hold_unprovisioned(&[workload("team-a", "c", "c3", "")]));
+        });
+        assert!(logs.contains("names GPU 5, the node has 2"), "{logs}");
+        assert_eq!(p.gpus_undetermined(), 3);
+        assert_eq!(p.cgroup_limits().get("/k8s.io/c3"), Some(&(2 << 30)));
         std::fs::remove_dir_all(&root).expect("cleanup");
     }
 

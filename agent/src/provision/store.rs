@@ -41,10 +41,11 @@ pub struct Record {
     pub cgroups_path: String,
     /// The quota on each GPU, in bytes.
     pub quota: u64,
-    /// GPUs in the ledger (the node's).
+    /// The node's GPUs (`--gpu-memory`'s count).
     pub devices: u32,
-    /// The GPUs the container sees, as indices of the node's (its cgroup's eBPF limit is
-    /// `quota` times their number).
+    /// The GPUs the runtime gave the container, as indices of the node's, in order: the
+    /// ledger's devices (ledger device `i` is GPU `gpus[i]`, the container's driver ordinal
+    /// `i`), each at `quota`; its cgroup's eBPF limit is `quota` times their number.
     pub gpus: Vec<u32>,
     /// Where the quota came from (`kubernetes`, `quota file`, `annotation`).
     pub source: String,
@@ -109,7 +110,7 @@ impl Store {
         (state.join("record.json"), state.join("limits"), self.ledger_dir.join(id).join("ledger"))
     }
 
-    /// Creates the container's ledger with `record`'s quota on each of its devices, its
+    /// Creates the container's ledger with `record`'s quota on each of its GPUs, its
     /// limits file and its record. A container provisioned before (the runtime retried) gets
     /// what it was given then.
     pub fn create(&self, record: Record) -> Result<Provisioned, String> {
@@ -128,7 +129,7 @@ impl Store {
         let geometry = Geometry {
             slots: CONTAINER_SLOTS,
             records: CONTAINER_RECORDS,
-            devices: (0..record.devices.max(1))
+            devices: (0..record.gpus.len().max(1))
                 .map(|_| DeviceConfig {
                     limit: record.quota,
                     chunk: CONTAINER_CHUNK,
@@ -298,8 +299,8 @@ mod tests {
             container: "main".into(),
             cgroups_path: "/k8s.io/abc".into(),
             quota: 1 << 30,
-            devices: 2,
-            gpus: vec![1],
+            devices: 4,
+            gpus: vec![1, 3],
             source: "quota file".into(),
         }
     }
@@ -310,6 +311,7 @@ mod tests {
         let _ = fs::remove_dir_all(&root);
         let store = Store::open(&root.join("state"), &root.join("ledgers"), None).expect("store");
         let made = store.create(record("c1")).expect("create");
+        // One ledger device per GPU given (GPUs 1 and 3 of the node's 4), each at the quota.
         assert_eq!(made.header.device_count, 2);
         assert!(made.header.devices[..2].iter().all(|d| d.limit == 1 << 30));
         assert_eq!(made.ledger, root.join("ledgers/c1/ledger"));

@@ -215,7 +215,7 @@ impl Judge {
         let view = self.snapshot(ledgers, found);
         self.metrics.refresh(ledgers, &view, &self.reconciler, &self.charger.charged());
         if let Some(p) = provisioning {
-            self.metrics.set_provisioning(p.provisioner.len(), *p.connected.borrow());
+            self.metrics.set_provisioning(p.provisioner.len(), *p.connected.borrow(), p.provisioner.gpus_undetermined());
         }
         let not_ready = not_ready(found, provisioning);
         Published { metrics: self.metrics.encode().map(Bytes::from).map_err(|error| format!("{error:#}")), not_ready, passes: self.passes }

@@ -33,7 +33,8 @@
 //! `vramguard_ledgers_skipped`, `vramguard_ledgers_unreadable`, `vramguard_ledger_workers`,
 //! `vramguard_ledgers_backed_off` (ledgers left alone for a while: lock held, worker failed),
 //! `vramguard_ledger_dirs_crowded` (directories with more entries than the agent reads),
-//! `vramguard_provisioned_containers`, `vramguard_nri_connected` (with `--nri`). Of the kernel side
+//! `vramguard_provisioned_containers`, `vramguard_nri_connected`,
+//! `vramguard_provision_gpus_undetermined_total` (with `--nri`). Of the kernel side
 //! ([`crate::kernel`]): `vramguard_kernel_trouble_total{kind}` (records refused by the
 //! per-cgroup cap, full maps, lost events and exits, suppressed log lines),
 //! `vramguard_cgroup_alloc_records_capped{cgroup,cgroup_id}` (1 for a cgroup at its cap),
@@ -91,6 +92,7 @@ pub struct Metrics {
     ledger_workers: IntGauge,
     provisioned: IntGauge,
     nri_connected: IntGauge,
+    gpus_undetermined: IntCounter,
     ledgers_unreadable: IntGauge,
     ledgers_backed_off: IntGauge,
     ledger_dirs_crowded: IntGauge,
@@ -275,6 +277,10 @@ impl Metrics {
             "vramguard_provisioned_containers",
             "Containers the agent provisioned (--nri) that the runtime still has",
         )?)?;
+        let gpus_undetermined = registered(&registry, IntCounter::new(
+            "vramguard_provision_gpus_undetermined_total",
+            "Containers with a quota held to every GPU because the runtime did not say which GPUs they were given",
+        )?)?;
         let nri_connected = registered(&registry, IntGauge::new(
             "vramguard_nri_connected",
             "1 while the agent is registered with the container runtime as an NRI plugin (--nri)",
@@ -389,6 +395,7 @@ impl Metrics {
             ledger_workers,
             provisioned,
             nri_connected,
+            gpus_undetermined,
             ledgers_unreadable,
             ledgers_backed_off,
             ledger_dirs_crowded,
@@ -418,7 +425,8 @@ impl Metrics {
     }
 
     /// Provisioning's state: containers provisioned, whether NRI is connected.
-    pub fn set_provisioning(&self, containers: usize, nri_connected: bool) {
+    pub fn set_provisioning(&self, containers: usize, nri_connected: bool, gpus_undetermined: u64) {
+        catch_up(&self.gpus_undetermined, gpus_undetermined);
         self.provisioned.set(containers as i64);
         self.nri_connected.set(i64::from(nri_connected));
     }

@@ -154,6 +154,8 @@ pub struct ContainerSpec {
     pub env: Vec<(String, String)>,
     pub mounts: Vec<Mount>,
     pub annotations: Vec<(String, String)>,
+    /// Host device nodes and their paths in the container (the runtime's `linux.devices`).
+    pub devices: Vec<(PathBuf, String)>,
 }
 
 impl ContainerSpec {
@@ -178,6 +180,13 @@ impl ContainerSpec {
     /// A bind mount.
     pub fn mount(mut self, host: impl Into<PathBuf>, container: impl Into<PathBuf>, readonly: bool) -> ContainerSpec {
         self.mounts.push(Mount { host: host.into(), container: container.into(), readonly });
+        self
+    }
+
+    /// The host device node `host` at `container` (read, write, mknod), as a device plugin
+    /// gives one.
+    pub fn device(mut self, host: impl Into<PathBuf>, container: &str) -> ContainerSpec {
+        self.devices.push((host.into(), container.into()));
         self
     }
 
@@ -370,6 +379,11 @@ impl Containerd {
                 .map(|m| cri::Mount { container_path: path(&m.container), host_path: path(&m.host), readonly: m.readonly })
                 .collect(),
             annotations: spec.annotations.iter().cloned().collect(),
+            devices: spec
+                .devices
+                .iter()
+                .map(|(host, container)| cri::Device { container_path: container.clone(), host_path: path(host), permissions: "rwm".into() })
+                .collect(),
             log_path: format!("{}.log", spec.name),
             linux: Some(cri::LinuxContainerConfig {
                 security_context: Some(cri::LinuxContainerSecurityContext { namespace_options: Some(namespaces()) }),
@@ -456,6 +470,12 @@ impl Containerd {
         }
     }
 
+    /// Where this containerd reads CDI specs (`cdi_spec_dirs`): a spec written there names
+    /// devices a container gets through a `cdi.k8s.io/<name>` annotation.
+    pub fn cdi_dir(&self) -> PathBuf {
+        self.dir.path().join("cdi")
+    }
+
     /// The host pid of the container's first process (0 once it has exited).
     pub fn container_pid(&self, container: &ContainerId) -> Result<u32> {
         let info = self.info(container)?;
@@ -526,7 +546,7 @@ impl Containerd {
 
     fn write_config(&self) -> Result<()> {
         let dir = self.dir.path();
-        for sub in ["root", "state", "runc", "opt", "cni", "nri-plugins", "nri-conf"] {
+        for sub in ["root", "state", "runc", "opt", "cni", "nri-plugins", "nri-conf", "cdi"] {
             std::fs::create_dir_all(dir.join(sub)).with_context(|| format!("cannot create {}", dir.join(sub).display()))?;
         }
         let quote = |p: PathBuf| toml_string(&p.to_string_lossy());
@@ -550,6 +570,10 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
   sandbox_image = {image}
   restrict_oom_score_adj = true
   disable_apparmor = true
+  # CDI devices named in a container's `cdi.k8s.io/` annotations, from the specs a test
+  # writes in [`Containerd::cdi_dir`].
+  enable_cdi = true
+  cdi_spec_dirs = [{cdi}]
   [plugins."io.containerd.grpc.v1.cri".containerd]
     snapshotter = "native"
     default_runtime_name = "runc"
@@ -581,6 +605,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
             nri = quote(self.nri_socket.clone()),
             nri_plugins = quote(dir.join("nri-plugins")),
             nri_conf = quote(dir.join("nri-conf")),
+            cdi = quote(self.cdi_dir()),
         );
         let path = dir.join("config.toml");
         std::fs::write(&path, config).with_context(|| format!("cannot write {}", path.display()))

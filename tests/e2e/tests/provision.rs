@@ -13,7 +13,7 @@ use std::{
 
 use anyhow::{ensure, Context, Result};
 use e2e::{
-    agent::{provisioning_args, Agent},
+    agent::{agent_bin, provisioning_args, Agent},
     containerd::{workload_path, ContainerId, ContainerSpec, Containerd, PodId},
     timeout, wait_for, FakeNode, TempDir, GIB,
 };
@@ -28,6 +28,8 @@ struct Node {
     fake: FakeNode,
     containerd: Containerd,
     agent: Option<Agent>,
+    /// `--gpu-memory`: the node's GPUs.
+    gpu_memory: String,
 }
 
 impl Node {
@@ -36,12 +38,17 @@ impl Node {
     }
 
     fn with_agent_args(tag: &str, more: &[&OsStr]) -> Result<Node> {
+        Node::with_gpus(tag, "8g", more)
+    }
+
+    /// A node whose agent is told the GPUs of `gpu_memory` (`--gpu-memory`) and `more`.
+    fn with_gpus(tag: &str, gpu_memory: &str, more: &[&OsStr]) -> Result<Node> {
         let dir = TempDir::new(tag)?;
         let fake = FakeNode::new(tag).with_env("FAKECUDA_DEVICE_BYTES", "8g").with_env("FAKECUDA_CONTEXT_BYTES", "518m");
         std::fs::create_dir_all(dir.path().join("ledgers"))?;
         std::fs::write(dir.path().join("quotas"), "namespace=team-a 1g\n")?;
         let containerd = Containerd::start(&dir.path().join("nri.sock"))?;
-        let mut node = Node { dir, fake, containerd, agent: None };
+        let mut node = Node { dir, fake, containerd, agent: None, gpu_memory: gpu_memory.into() };
         node.start_agent_with(more)?;
         Ok(node)
     }
@@ -55,7 +62,7 @@ impl Node {
     }
 
     fn start_agent_with(&mut self, more: &[&OsStr]) -> Result<()> {
-        let args = provisioning_args(&self.path("nri.sock"), &self.path("state"), &self.path("quotas"), "8g")?;
+        let args = provisioning_args(&self.path("nri.sock"), &self.path("state"), &self.path("quotas"), &self.gpu_memory)?;
         let args: Vec<&OsStr> =
             args.iter().map(OsString::as_os_str).chain([OsStr::new("--hami-metrics")]).chain(more.iter().copied()).collect();
         let agent = Agent::watching(&self.path("ledgers"), &args)?;
@@ -417,6 +424,119 @@ fn a_provisioned_container_cannot_grow_the_node_disk_through_its_ledger() -> Res
     node.containerd.stop_container(&main, Duration::from_secs(1))?;
     node.containerd.remove_pod(&pod)?;
     wait_for(Duration::from_secs(5), "the ledger's tmpfs unmounted", || Ok(ledger_mounts_at(&dir)? == 0 && !dir.exists()))?;
+    node.fake.cleanup();
+    Ok(())
+}
+
+/// A stand-in for the GPU device node `/dev/nvidia<n>` a device plugin would give: a character
+/// device with /dev/null's numbers (1, 3) at `<dir>/nvidia<n>`, for the runtime to put in a
+/// container's `linux.devices` at `/dev/nvidia<n>`.
+fn fake_gpu_node(node: &Node, n: u32) -> Result<PathBuf> {
+    let path = node.path(&format!("nvidia{n}"));
+    if !path.exists() {
+        let out = std::process::Command::new("mknod").arg(&path).args(["c", "1", "3"]).output()?;
+        ensure!(out.status.success(), "mknod {}: {}", path.display(), String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(path)
+}
+
+/// `vramguard inspect --json` of container `id`'s ledger: (index, limit) of each device.
+fn ledger_limits(node: &Node, id: &ContainerId) -> Result<Vec<(u64, u64)>> {
+    let out = std::process::Command::new(agent_bin()?).args(["inspect", "--json"]).arg(node.ledger_of(id)).output()?;
+    ensure!(out.status.success(), "inspect: {}", String::from_utf8_lossy(&out.stderr));
+    let report: Value = serde_json::from_slice(&out.stdout)?;
+    let devices = report["devices"].as_array().with_context(|| format!("no devices in {report}"))?;
+    devices
+        .iter()
+        .map(|d| Ok((d["index"].as_u64().context("index")?, d["limit_bytes"].as_u64().context("limit_bytes")?)))
+        .collect()
+}
+
+/// Issue 17, item 7: the GPUs a container was given are the runtime's (its device nodes),
+/// never its environment's. Four GPUs of 2.5 GiB, a 1 GiB quota, `--refuse-overcommit`.
+#[test]
+fn a_container_whose_env_names_gpus_it_was_not_given_is_held_to_the_runtime_s() -> Result<()> {
+    let node = Node::with_gpus("prov-gpus", "2560Mi,2560Mi,2560Mi,2560Mi", &[OsStr::new("--refuse-overcommit")])?;
+    let spec = |env: &str, gpus: &[u32]| -> Result<ContainerSpec> {
+        let mut spec = ContainerSpec::new("main").fake_driver(&node.fake)?.env("NVIDIA_VISIBLE_DEVICES", env);
+        for &n in gpus {
+            spec = spec.device(fake_gpu_node(&node, n)?, &format!("/dev/nvidia{n}"));
+        }
+        Ok(spec)
+    };
+    let run = |name: &str, spec: &ContainerSpec| -> Result<ContainerId> {
+        let pod = node.containerd.pod(name, "team-a", &format!("uid-{name}"), &[])?;
+        node.containerd.run_container(&pod, spec)
+    };
+    let gpus_of = |id: &ContainerId| -> Result<Value> {
+        Ok(node.provisioned(id)?.with_context(|| format!("{} not provisioned", id.0))?["gpus"].clone())
+    };
+
+    // Its env names all four GPUs; the runtime gave GPU 1: the ledger holds the quota on that
+    // one GPU, the record says GPU 1.
+    let liar = run("liar", &spec("0,1,2,3", &[1])?)?;
+    let out = node.containerd.exec_sync(&liar, &["ls", "/dev/nvidia1"])?;
+    ensure!(out.exit_code == 0, "the runtime's device is in the container: {out:?}");
+    ensure!(gpus_of(&liar)? == serde_json::json!([1]), "{}", gpus_of(&liar)?);
+    ensure!(ledger_limits(&node, &liar)? == [(0, QUOTA)], "one device at the quota: {:?}", ledger_limits(&node, &liar)?);
+    assert_held(&node.workload(&liar, &[], &OVER)?)?;
+
+    // Negative control: given all four by the runtime (its env names one): all four.
+    let given = run("given", &spec("1", &[0, 1, 2, 3])?)?;
+    ensure!(gpus_of(&given)? == serde_json::json!([0, 1, 2, 3]), "{}", gpus_of(&given)?);
+    let want: Vec<(u64, u64)> = (0..4).map(|i| (i, QUOTA)).collect();
+    ensure!(ledger_limits(&node, &given)? == want, "four devices at the quota: {:?}", ledger_limits(&node, &given)?);
+
+    // GPU 1 now holds 2 GiB of quotas, the others 1 GiB. The over-commit check counts the
+    // runtime's devices: a container on GPU 2 whose env names GPU 1 is admitted...
+    let fits = run("fits", &spec("1", &[2])?)?;
+    ensure!(gpus_of(&fits)? == serde_json::json!([2]), "{}", gpus_of(&fits)?);
+    // ... and one given GPU 1 whose env names GPU 3 is refused (GPU 1 would hold 3 GiB).
+    let error = run("full", &spec("3", &[1])?).expect_err("a third quota on GPU 1 overcommits it");
+    let error = format!("{error:#}");
+    ensure!(error.contains("GPU 1 has") && error.contains("--refuse-overcommit"), "{error}");
+    node.fake.cleanup();
+    Ok(())
+}
+
+/// The same through CDI, as the kubelet asks for a device plugin's CDI devices: a CDI spec of
+/// kind `nvidia.com/gpu` whose device `2` is a stand-in `/dev/nvidia2`, named in the
+/// container's `cdi.k8s.io/` annotation; containerd injects the node, the agent counts GPU 2
+/// alone although the env names all four. Control: `nvidia.com/gpu=0` and `=3` give two.
+#[test]
+fn a_container_given_gpus_by_cdi_is_held_to_them_whatever_its_env_says() -> Result<()> {
+    let node = Node::with_gpus("prov-cdi", "8g,8g,8g,8g", &[])?;
+    let devices: Vec<Value> = (0..4)
+        .map(|n| -> Result<Value> {
+            let host = fake_gpu_node(&node, n)?;
+            Ok(serde_json::json!({
+                "name": n.to_string(),
+                "containerEdits": { "deviceNodes": [{ "path": format!("/dev/nvidia{n}"), "hostPath": host }] }
+            }))
+        })
+        .collect::<Result<_>>()?;
+    let spec = serde_json::json!({ "cdiVersion": "0.5.0", "kind": "nvidia.com/gpu", "devices": devices });
+    std::fs::write(node.containerd.cdi_dir().join("gpus.json"), serde_json::to_vec(&spec)?)?;
+    let run = |name: &str, cdi: &str| -> Result<ContainerId> {
+        let pod = node.containerd.pod(name, "team-a", &format!("uid-{name}"), &[])?;
+        let spec = ContainerSpec::new("main")
+            .fake_driver(&node.fake)?
+            .env("NVIDIA_VISIBLE_DEVICES", "0,1,2,3")
+            .annotation("cdi.k8s.io/vramguard-test_main", cdi);
+        node.containerd.run_container(&pod, &spec)
+    };
+    let one = run("one", "nvidia.com/gpu=2")?;
+    let out = node.containerd.exec_sync(&one, &["ls", "/dev/nvidia2"])?;
+    ensure!(out.exit_code == 0, "containerd injected the CDI device: {out:?}");
+    let record = node.provisioned(&one)?.context("not provisioned")?;
+    ensure!(record["gpus"] == serde_json::json!([2]), "{record}");
+    ensure!(ledger_limits(&node, &one)? == [(0, QUOTA)], "{:?}", ledger_limits(&node, &one)?);
+    assert_held(&node.workload(&one, &[], &OVER)?)?;
+
+    let two = run("two", "nvidia.com/gpu=0,nvidia.com/gpu=3")?;
+    let record = node.provisioned(&two)?.context("not provisioned")?;
+    ensure!(record["gpus"] == serde_json::json!([0, 3]), "{record}");
+    ensure!(ledger_limits(&node, &two)? == [(0, QUOTA), (1, QUOTA)], "{:?}", ledger_limits(&node, &two)?);
     node.fake.cleanup();
     Ok(())
 }

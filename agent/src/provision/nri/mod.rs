@@ -54,11 +54,16 @@ pub struct Container {
     pub pod_id: String,
     pub name: String,
     /// The container's environment as the runtime will start it (before this plugin's
-    /// adjustment), in order; entries without `=` are left out.
+    /// adjustment), in order; entries without `=` are left out. The pod spec's to set: never
+    /// a source of what the container was given.
     pub env: Vec<(String, String)>,
     pub annotations: BTreeMap<String, String>,
     /// The OCI spec's `linux.cgroupsPath` (systemd `slice:prefix:name` or a path).
     pub cgroups_path: String,
+    /// The paths in the container of the OCI spec's `linux.devices` (the runtime's).
+    pub devices: Vec<String>,
+    /// The CDI devices the runtime injected, fully qualified (newer NRI; empty otherwise).
+    pub cdi_devices: Vec<String>,
     /// The container's first process, once it has one (Synchronize of running containers).
     pub pid: Option<u32>,
 }
@@ -210,16 +215,20 @@ impl From<proto::Container> for Container {
                     .map(|(key, value)| (key.to_owned(), value.to_owned()))
             })
             .collect();
+        let linux = container.linux.unwrap_or_default();
         Self {
             id: container.id,
             pod_id: container.pod_sandbox_id,
             name: container.name,
             env,
             annotations: container.annotations,
-            cgroups_path: container
-                .linux
-                .map(|linux| linux.cgroups_path)
-                .unwrap_or_default(),
+            cgroups_path: linux.cgroups_path,
+            devices: linux.devices.into_iter().map(|device| device.path).collect(),
+            cdi_devices: container
+                .cdi_devices
+                .into_iter()
+                .map(|device| device.name)
+                .collect(),
             pid: (container.pid != 0).then_some(container.pid),
         }
     }

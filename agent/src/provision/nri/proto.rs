@@ -190,13 +190,33 @@ pub struct Container {
     pub linux: Option<LinuxContainer>,
     #[prost(uint32, tag = "12")]
     pub pid: u32,
+    /// The CDI devices the runtime injected (newer NRI).
+    #[prost(message, repeated, tag = "20")]
+    pub cdi_devices: Vec<CdiDevice>,
+}
+
+/// NRI `CDIDevice`: a fully qualified CDI device name (`vendor/class=name`).
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct CdiDevice {
+    #[prost(string, tag = "1")]
+    pub name: String,
 }
 
 /// NRI `LinuxContainer`.
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct LinuxContainer {
+    /// The OCI spec's `linux.devices`: the device nodes the container gets.
+    #[prost(message, repeated, tag = "2")]
+    pub devices: Vec<LinuxDevice>,
     #[prost(string, tag = "5")]
     pub cgroups_path: String,
+}
+
+/// NRI `LinuxDevice` (only its path in the container: the GPU's index is in its name).
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct LinuxDevice {
+    #[prost(string, tag = "1")]
+    pub path: String,
 }
 
 /// NRI `ContainerAdjustment` (mounts and env only: the runtime's default validator may

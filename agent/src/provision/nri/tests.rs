@@ -496,7 +496,12 @@ fn pod_bytes(id: &str) -> Vec<u8> {
 }
 
 fn container_bytes(id: &str, pod_id: &str, name: &str) -> Vec<u8> {
-    let linux = Writer::default().str(5, "kubepods-besteffort.slice:cri-containerd:c1");
+    let device = |path: &str| Writer::default().str(1, path).str(2, "c").uint(3, 195).uint(4, 1).0;
+    let linux = Writer::default()
+        .bytes(2, &device("/dev/nvidia1"))
+        .bytes(2, &device("/dev/nvidiactl"))
+        .str(5, "kubepods-besteffort.slice:cri-containerd:c1");
+    let cdi = Writer::default().str(1, "nvidia.com/gpu=1");
     Writer::default()
         .str(1, id)
         .str(2, pod_id)
@@ -508,6 +513,7 @@ fn container_bytes(id: &str, pod_id: &str, name: &str) -> Vec<u8> {
         .str(8, "NOEQUALS")
         .bytes(11, &linux.0)
         .uint(12, 4242)
+        .bytes(20, &cdi.0)
         .0
 }
 
@@ -542,6 +548,8 @@ fn expected_container(id: &str, pod_id: &str, name: &str) -> Container {
             .into_iter()
             .collect(),
         cgroups_path: "kubepods-besteffort.slice:cri-containerd:c1".into(),
+        devices: vec!["/dev/nvidia1".into(), "/dev/nvidiactl".into()],
+        cdi_devices: vec!["nvidia.com/gpu=1".into()],
         pid: Some(4242),
     }
 }

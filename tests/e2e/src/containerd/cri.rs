@@ -60,6 +60,18 @@ pub struct Mount {
     pub readonly: bool,
 }
 
+/// A host device node given to a container (the kubelet passes a device plugin's this way).
+#[derive(Clone, PartialEq, Message)]
+pub struct Device {
+    #[prost(string, tag = "1")]
+    pub container_path: String,
+    #[prost(string, tag = "2")]
+    pub host_path: String,
+    /// cgroup permissions: `r`, `w`, `m`.
+    #[prost(string, tag = "3")]
+    pub permissions: String,
+}
+
 #[derive(Clone, PartialEq, Message)]
 pub struct NamespaceOption {
     #[prost(int32, tag = "1")]
@@ -206,6 +218,8 @@ pub struct ContainerConfig {
     pub envs: Vec<KeyValue>,
     #[prost(message, repeated, tag = "7")]
     pub mounts: Vec<Mount>,
+    #[prost(message, repeated, tag = "8")]
+    pub devices: Vec<Device>,
     #[prost(map = "string, string", tag = "9")]
     pub labels: HashMap<String, String>,
     #[prost(map = "string, string", tag = "10")]
