@@ -1,9 +1,11 @@
 //! Serving the agent's state: to `vramguard audit` on the control socket ([`control`]), and
 //! over HTTP (`--metrics-addr`): [`metrics`] renders the Prometheus page, [`http`] is the
 //! listener and its limits, [`gate`] its connection cap, and this module the [`Board`]
-//! between the event loop and the listener. After every reconcile pass the event loop says so ([`Progress`], cheap);
-//! it renders the metrics page only when a scrape finds the page older than the last pass
-//! (at most one render per pass, however many scrapes), and never runs a pass for a scrape.
+//! between the reconcile task ([`crate::reconcile::task`]) and the listener. After every
+//! pass the task says so ([`Progress`], cheap); it renders the metrics page only when a
+//! scrape finds the page older than the last pass (at most one render per pass, however many
+//! scrapes), and never runs a pass for a scrape. [`health`] is `--health-addr`: `/healthz` and
+//! `/readyz` on a listener of their own, from the tasks' heartbeats.
 pub mod control;
 pub mod gate;
 pub mod health;
@@ -22,11 +24,11 @@ pub struct Published {
     pub metrics: Result<Bytes, String>,
     /// `/readyz`: why the agent is not ready (`None`: ready).
     pub not_ready: Option<&'static str>,
-    /// The passes the event loop had run when it rendered this.
+    /// The passes the reconcile task had run when it rendered this.
     pub passes: u64,
 }
 
-/// The event loop's progress: how many passes it has run, and when the last one ended
+/// The reconcile task's progress: how many passes it has run, and when the last one ended
 /// (`/healthz` fails once that is [`http::STALE_AFTER`] old).
 #[derive(Clone, Copy, Debug)]
 pub struct Progress {
@@ -43,7 +45,7 @@ pub struct Board {
     pub wanted: Arc<Notify>,
 }
 
-/// The event loop's side of the [`Board`].
+/// The reconcile task's side of the [`Board`].
 pub struct Publisher {
     pages: watch::Sender<Published>,
     progress: watch::Sender<Progress>,
