@@ -21,7 +21,7 @@
 //! sweep that detected the death.
 use std::{
     collections::{HashMap, HashSet},
-    path::Path,
+    path::{Path, PathBuf},
     time::{Duration, Instant},
 };
 
@@ -49,6 +49,8 @@ pub struct Reclaimer {
     /// (host pid, slot identity) pairs checked in full by an earlier sweep and seen by the
     /// last one: their start time suffices from then on.
     verified: HashSet<(u32, ProcessIdentity)>,
+    /// Ledgers whose slots the last sweep could not read (each said once while it lasts).
+    unreadable: HashSet<PathBuf>,
     /// Reclaims performed.
     pub total: u64,
 }
@@ -63,7 +65,7 @@ impl Reclaimer {
                  dead process from an invisible one, so it reclaims no ledger slot"
             );
         }
-        Reclaimer { enabled, pending: HashMap::new(), verified: HashSet::new(), total: 0 }
+        Reclaimer { enabled, pending: HashMap::new(), verified: HashSet::new(), unreadable: HashSet::new(), total: 0 }
     }
 
     /// Notes the exit event of process `tgid`, which arrived at `at`.
@@ -98,12 +100,17 @@ impl Reclaimer {
         // after that). The others are judged by one scan of /proc made after every read: a
         // process that registered a slot before its ledger was read is in it if it lives.
         let mut read: Vec<(&Path, &LedgerHandle, Vec<(SlotView, Option<u32>)>)> = Vec::new();
+        let mut unreadable = HashSet::new();
         let mut unresolved = false;
         for (path, ledger) in ledgers.iter() {
             let slots = match ledger.slots() {
                 Ok(slots) => slots,
                 Err(error) => {
-                    warn!(ledger = %path.display(), %error, "cannot read the ledger's slots");
+                    // Said once, when it starts (a workload can keep its ledger unreadable).
+                    if !self.unreadable.contains(path) {
+                        warn!(ledger = %path.display(), %error, "cannot read the ledger's slots (said once while it lasts)");
+                    }
+                    unreadable.insert(path.to_path_buf());
                     continue;
                 }
             };
@@ -193,6 +200,7 @@ impl Reclaimer {
         }
         self.pending.retain(|tgid, (at, _)| waiting.contains(tgid) && at.elapsed() < PENDING_MAX);
         self.verified = verified;
+        self.unreadable = unreadable;
         reclaimed
     }
 }

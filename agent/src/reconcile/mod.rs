@@ -263,7 +263,7 @@ impl Reconciler {
     pub fn pass(&mut self, ledgers: Option<&Ledgers>, ebpf: &[EbpfProcess]) {
         self.probed.update(ebpf.iter().map(|p| (p.pid, p.generation)), identity::identity_of);
         let (observations, mut ledger_cgroups, unreadable) =
-            observe(ledgers, ebpf, &mut self.probed, &mut self.slot_processes, self.agent);
+            observe(ledgers, ebpf, &mut self.probed, &mut self.slot_processes, self.agent, &self.unreadable);
         // A ledger that could not be read this time (its lock held too long) keeps the
         // cgroups it had: its limits stay enforced.
         for ledger in &unreadable {
@@ -416,6 +416,7 @@ pub fn observe(
     probed: &mut identity::ProbedProcesses,
     slot_processes: &mut SlotProcesses,
     agent: Option<ProcessIdentity>,
+    was_unreadable: &BTreeSet<String>,
 ) -> (Vec<Observation>, BTreeMap<String, BTreeSet<u64>>, BTreeSet<String>) {
     slot_processes.begin_pass();
     let mut unreadable = BTreeSet::new();
@@ -450,7 +451,10 @@ pub fn observe(
             // else: not identified yet; the reclaimer records its host pid soon
         });
         if let Err(error) = visited {
-            warn!(ledger = %path.display(), %error, "cannot read the ledger's slots to reconcile");
+            // Said once, when it starts (a workload can keep its ledger unreadable for good).
+            if !was_unreadable.contains(&name) {
+                warn!(ledger = %path.display(), %error, "cannot read the ledger's slots to reconcile (said once while it lasts)");
+            }
             unreadable.insert(name);
             continue;
         }
