@@ -169,8 +169,12 @@ impl Reclaimer {
                 .collect();
             running.into_iter().filter_map(|(path, thread)| Some((path, thread.join().ok()?))).collect()
         });
+        // Exits that arrived while this sweep ran: their slots may have been read alive, so
+        // they stay pending for the next sweep (below) whatever this one found.
+        let mut arrived = HashSet::new();
         for (tgid, at) in late() {
             self.exited(tgid, at);
+            arrived.insert(tgid);
         }
         let mut reclaimed = Vec::new();
         for (path, slots) in freed {
@@ -198,7 +202,7 @@ impl Reclaimer {
                 reclaimed.push(latency);
             }
         }
-        self.pending.retain(|tgid, (at, _)| waiting.contains(tgid) && at.elapsed() < PENDING_MAX);
+        self.pending.retain(|tgid, (at, _)| (waiting.contains(tgid) || arrived.contains(tgid)) && at.elapsed() < PENDING_MAX);
         self.verified = verified;
         self.unreadable = unreadable;
         reclaimed

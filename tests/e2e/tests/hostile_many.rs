@@ -1,7 +1,8 @@
 //! The adversarial suite, many tenants at once (issue 17, "No tenant can stall, starve or fill
 //! the node through the agent"): 50 hostile ledgers beside a healthy container, each with its
 //! lock held by a live process for the whole test, a slot of a process that does not exist
-//! (the reclaimer owes it a reclaim, which needs the lock), and, in ten of them, a hooked
+//! (the reclaimer owes it a reclaim, which needs the lock; the holder's `dirty` flag written
+//! down, so that the agent's copies settle and it goes for the lock), and, in ten of them, a hooked
 //! process that wrote its own charge down (the agent owes the ledger a charge, which needs the
 //! lock too). While they are there, the healthy container's killed processes are reclaimed
 //! within a second, `/healthz` on the health listener answers within 250 ms every 100 ms, and
@@ -10,6 +11,7 @@
 //! hostile ledgers. Needs root; run with `cargo xtask test`.
 use std::{
     ffi::OsStr,
+    os::unix::fs::FileExt,
     path::PathBuf,
     sync::{Arc, Barrier},
     thread::JoinHandle,
@@ -37,56 +39,73 @@ const HELD_FOR: Duration = Duration::from_secs(40);
 struct Hostile {
     paths: Vec<PathBuf>,
     holders: Vec<JoinHandle<()>>,
-    _processes: Vec<Running>,
+    processes: Vec<Running>,
 }
 
 impl Hostile {
+    /// The ledgers, made before the agent starts (so that it watches them from the start).
     fn make(dir: &TempDir, count: usize) -> Result<Hostile> {
+        let paths = (0..count)
+            .map(|i| {
+                let path = dir.ledger(&format!("hostile-{i:02}"))?;
+                ledgers::create(&path, 16, 256, GIB, 64 * MIB)?;
+                Ok(path)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Hostile { paths, holders: Vec::new(), processes: Vec::new() })
+    }
+
+    /// The attack, once the agent runs (so that its probes see the hooked processes allocate).
+    fn attack(&mut self) -> Result<()> {
         let node = FakeNode::new("hostile-many").with_env("FAKECUDA_CONTEXT_BYTES", "64m");
         let pidns = std::fs::metadata("/proc/self/ns/pid").map(|m| std::os::unix::fs::MetadataExt::ino(&m))?;
-        let (mut paths, mut processes) = (Vec::new(), Vec::new());
-        for i in 0..count {
-            let path = dir.ledger(&format!("hostile-{i:02}"))?;
-            ledgers::create(&path, 16, 256, GIB, 64 * MIB)?;
-            // A slot no process has: dead, owed a reclaim.
-            Ledger::open(&path)?.register(ProcessIdentity { pid: 4_100_000 + i as u32, pidns, start_time: 1 })?;
+        for (i, path) in self.paths.iter().enumerate() {
             if i < OWED {
                 // A hooked process that allocates, then writes its charge down: tampered, and
                 // the agent owes its ledger what the probes see beyond the charge.
-                let running = holding(node.hooked(&path, GIB)?, &["ctx 0", "alloc a 128m"])?;
-                ledgers::zero_slot_bytes(&path, running.pid())?;
-                processes.push(running);
+                let running = holding(node.hooked(path, GIB)?, &["ctx 0", "alloc a 128m"])?;
+                ledgers::zero_slot_bytes(path, running.pid())?;
+                self.processes.push(running);
             }
-            paths.push(path);
+            // A slot no process has: dead, owed a reclaim (made after the hooks started: a
+            // hook frees the dead slots of its own pid namespace when it opens the ledger).
+            Ledger::open(path)?.register(ProcessIdentity { pid: 4_100_000 + i as u32, pidns, start_time: 1 })?;
         }
-        // Every lock taken before the agent looks, and held (by a live process: this one)
-        // until well after the test's checks.
-        let taken = Arc::new(Barrier::new(count + 1));
-        let holders = paths
+        // Every lock taken and held (by a live process: this one) until well after the
+        // test's checks; the `dirty` flag the holder raised is then written down through the
+        // file, as a tenant would, so that the agent's copies settle and it goes for the lock
+        // (a ledger left dirty is only reported unsettled).
+        let dirty = ledger::layout::PAGE + std::mem::offset_of!(ledger::layout::State, dirty) as u64;
+        let taken = Arc::new(Barrier::new(self.paths.len() + 1));
+        self.holders = self
+            .paths
             .iter()
             .map(|path| {
                 let ledger = Ledger::open(path)?;
+                let file = std::fs::OpenOptions::new().write(true).open(path)?;
                 let taken = taken.clone();
                 Ok(std::thread::spawn(move || {
                     let holding = std::thread::spawn(move || ledger.hold_lock_for(HELD_FOR));
                     std::thread::sleep(Duration::from_millis(200));
+                    let _ = file.write_all_at(&0u32.to_ne_bytes(), dirty);
                     taken.wait();
                     let _ = holding.join();
                 }))
             })
             .collect::<Result<Vec<_>>>()?;
         taken.wait();
-        Ok(Hostile { paths, holders, _processes: processes })
+        Ok(())
     }
 }
 
 /// The scene with `hostile` hostile ledgers (0: the negative control).
 fn scene(hostile: usize) -> Result<()> {
     let dir = TempDir::new(if hostile > 0 { "hostile-many" } else { "hostile-many-control" })?;
-    let attack = Hostile::make(&dir, hostile)?;
+    let mut attack = Hostile::make(&dir, hostile)?;
     let agent = Agent::watching(dir.path(), &[OsStr::new("--health-addr"), OsStr::new("127.0.0.1:0")])?;
     let health = agent.health_addr()?;
     let probe = HealthProbe::start(health, Duration::from_millis(100));
+    attack.attack()?;
     let node = FakeNode::new("hostile-many-bystander");
     let mut bystander = Bystander::start(&node, &dir, &agent)?;
 
@@ -99,6 +118,14 @@ fn scene(hostile: usize) -> Result<()> {
         Ok(names.iter().all(|name| problems[name.as_str()].as_str().is_some_and(|p| p.contains("lock stayed held"))))
     })
     .with_context(|| format!("audit: {}\nlog:\n{}", agent.audit().map(|a| a["ledger_problems"].to_string()).unwrap_or_default(), agent.log()))?;
+    // The processes that wrote their charge down are found out (the charge the agent then
+    // owes their ledgers is what their locks refuse).
+    let owed: Vec<u32> = attack.processes.iter().map(Running::pid).collect();
+    wait_for(Duration::from_secs(10), "the processes that wrote their charge down reported tampered", || {
+        let audit = agent.audit()?;
+        let rows = audit["processes"].as_array().cloned().unwrap_or_default();
+        Ok(owed.iter().all(|pid| rows.iter().any(|row| row["pid"].as_u64() == Some(u64::from(*pid)) && row["state"] == "tampered")))
+    })?;
     let backed_off = http::metric(&http::fresh_scrape(agent.metrics_addr()?)?, "vramguard_ledgers_backed_off", &[]).unwrap_or(-1.0);
     ensure!(backed_off >= hostile as f64, "vramguard_ledgers_backed_off is {backed_off}, {hostile} hostile ledgers");
     if hostile == 0 {
