@@ -2,12 +2,12 @@
 //! (`<ledger-dir>/<container id>/`) is a tmpfs of its own, mounted by the agent before it
 //! creates the ledger in it, sized to the ledger (its size rounded up to pages) with room for
 //! four inodes. The container gets the ledger file alone (read-write), so whatever it does to
-//! that file lands in that tmpfs: a `write` or `fallocate` past the size fails with `ENOSPC`
-//! (once the tmpfs is full: the ledger is sparse, the agent touches its first pages only);
+//! that file lands in that tmpfs: a `write` or `fallocate` past the size fails with `ENOSPC`;
 //! an `ftruncate` that extends the file succeeds (tmpfs files are sparse and cannot be sealed)
 //! but allocates nothing, and every store into the extended range then fails (`ENOSPC`, or
-//! `SIGBUS` through a mapping). The node's disk is never touched; the memory is at most the
-//! ledger's size, charged to the cgroup of whoever touches each page.
+//! `SIGBUS` through a mapping). The node's disk is never touched; the memory is the ledger's
+//! size, charged to the agent's memory cgroup (it writes every page when it creates the
+//! ledger: the free-record list spans the file).
 //!
 //! The runtime resolves the ledger's host path in the host's mount namespace, so the tmpfs
 //! must be mounted there: with `--ledger-mount-namespace` (the DaemonSet passes

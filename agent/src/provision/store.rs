@@ -154,10 +154,14 @@ impl Store {
                 return Err(format!("cannot create the ledger {}: {error}", ledger_path.display()));
             }
         };
-        // Not allocated here: a page the agent touched would be charged to the agent's memory
-        // (tmpfs pages belong to the cgroup that first writes them), and 5 MiB a container
-        // would grow the agent with the node's pods. The container's hook touches its pages,
-        // which are then its own; whatever it writes past the ledger is bounded by its tmpfs.
+        if self.mounts.is_some() {
+            // Every page of the ledger allocated now (creating it wrote most of them already):
+            // its tmpfs is then full, so the container gets ENOSPC at the ledger's end.
+            if let Err(error) = allocate_whole(&ledger_path, header.total_size) {
+                let _ = self.remove_ledger_dir(ledger_parent);
+                return Err(error);
+            }
+        }
         // Every uid of the container writes it (it is reachable from that container only).
         fs::set_permissions(&ledger_path, fs::Permissions::from_mode(0o666))
             .map_err(|e| format!("cannot open up {}: {e}", ledger_path.display()))?;
@@ -261,6 +265,19 @@ impl Store {
     }
 }
 
+/// Allocates the first `size` bytes of the file at `path` (fallocate(2), the size unchanged).
+fn allocate_whole(path: &Path, size: u64) -> Result<(), String> {
+    let file = fs::OpenOptions::new().write(true).open(path).map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+    let length = libc::off_t::try_from(size).map_err(|_| format!("{}: size {size} out of range", path.display()))?;
+    // SAFETY: fallocate(2) on a descriptor owned by `file`, alive across the call.
+    let rc = unsafe { libc::fallocate(std::os::fd::AsRawFd::as_raw_fd(&file), 0, 0, length) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(format!("cannot allocate the {size} bytes of {}: {}", path.display(), std::io::Error::last_os_error()))
+    }
+}
+
 /// Removes `dir` and everything in it; absent is not an error.
 fn remove_all(dir: &Path) -> Result<(), String> {
     match fs::remove_dir_all(dir) {
@@ -359,9 +376,8 @@ mod capped {
         stat.blocks_free() as u64 * stat.fragment_size() as u64
     }
 
-    /// A ledger in its own tmpfs: what is written or allocated past its end is bounded by its
-    /// size (ENOSPC then); an extending ftruncate allocates nothing; the agent itself touches
-    /// only the first pages; removal and leftover clean-up unmount it.
+    /// A ledger in its own tmpfs: the file cannot be written or allocated past its size; an
+    /// extending ftruncate allocates nothing; removal and leftover clean-up unmount it.
     #[test]
     fn a_ledger_lives_in_a_tmpfs_of_its_size() {
         let root = std::env::temp_dir().join(format!("vramguard-store-capped-{}", std::process::id()));
@@ -375,28 +391,18 @@ mod capped {
         let size = made.header.total_size;
         eprintln!("ledger of {size} bytes; tmpfs free {} bytes", statvfs_free(&dir));
         let file = fs::OpenOptions::new().read(true).write(true).open(&made.ledger).expect("open");
-        assert!(file.metadata().expect("stat").blocks() * 512 < size / 2, "the agent touched only the ledger's first pages");
-        // Written past its end page by page: ENOSPC once the tmpfs is full, within the
-        // ledger's size (rounded to pages), however much is tried.
-        let page = vec![0x5a_u8; 4096];
-        let mut written = 0u64;
-        let error = loop {
-            match file.write_at(&page, size + written) {
-                Ok(n) => written += n as u64,
-                Err(error) => break error,
-            }
-            assert!(written <= size, "{written} bytes written past a ledger of {size}");
-        };
-        assert_eq!(error.raw_os_error(), Some(libc::ENOSPC), "{error}");
-        assert!(file.metadata().expect("stat").blocks() * 512 <= size.next_multiple_of(4096), "the tmpfs holds no more than the ledger's size");
+        assert_eq!(file.metadata().expect("stat").blocks() * 512, size, "the ledger allocated whole");
         assert_eq!(statvfs_free(&dir), 0, "its tmpfs full");
+        let page = vec![0x5a_u8; 4096];
+        let error = file.write_at(&page, size).expect_err("write past the size");
+        assert_eq!(error.raw_os_error(), Some(libc::ENOSPC), "{error}");
         // SAFETY: fallocate(2) on a descriptor this test owns.
-        let rc = unsafe { libc::fallocate(std::os::fd::AsRawFd::as_raw_fd(&file), 0, (size * 3) as libc::off_t, 4096) };
+        let rc = unsafe { libc::fallocate(std::os::fd::AsRawFd::as_raw_fd(&file), 0, size as libc::off_t, 4096) };
         assert_eq!((rc, std::io::Error::last_os_error().raw_os_error()), (-1, Some(libc::ENOSPC)), "fallocate past the size");
         let blocks = file.metadata().expect("stat").blocks();
-        file.set_len(size * 8).expect("an extending ftruncate succeeds on tmpfs");
+        file.set_len(size * 4).expect("an extending ftruncate succeeds on tmpfs");
         assert_eq!(file.metadata().expect("stat").blocks(), blocks, "and allocates nothing");
-        let error = file.write_at(&page, size * 6).expect_err("write into the extension");
+        let error = file.write_at(&page, size * 2).expect_err("write into the extension");
         assert_eq!(error.raw_os_error(), Some(libc::ENOSPC), "{error}");
         drop(file);
 

@@ -350,9 +350,8 @@ const MIB: u64 = 1 << 20;
 /// Issue 17, "Ledgers cannot grow the node's disk": a provisioned container writes past its
 /// ledger's size (`dd`), allocates past it (`fallocate`) and extends it (`truncate`), as
 /// busybox does with write(2), fallocate(2) and ftruncate(2). The first two fail with ENOSPC
-/// once the ledger's tmpfs is full (it holds the ledger's size, no more); the third succeeds
-/// (a tmpfs file is sparse and cannot be sealed) but allocates nothing, and a write into the
-/// extension fails with ENOSPC. The host filesystem
+/// at the ledger's end; the third succeeds (a tmpfs file is sparse and cannot be sealed) but
+/// allocates nothing, and a write into the extension fails with ENOSPC. The host filesystem
 /// under the ledger directory does not lose the space; the same commands on a plain host
 /// directory mounted into the container (the negative control) take it. The hook still
 /// holds the container afterwards, and the ledger's tmpfs is unmounted when the pod goes.
@@ -371,6 +370,8 @@ fn a_provisioned_container_cannot_grow_the_node_disk_through_its_ledger() -> Res
     let dir = ledger.parent().context("ledger dir")?.to_path_buf();
     ensure!(ledger_mounts_at(&dir)? == 1, "the ledger directory is not the agent's tmpfs");
     let size = std::fs::metadata(&ledger)?.len();
+    let blocks = std::fs::metadata(&ledger)?.blocks();
+    ensure!(size % 4096 == 0 && blocks * 512 == size, "the ledger ({size} bytes) is allocated whole: {blocks} blocks");
     let run = |argv: &[&str]| node.containerd.exec_sync(&main, argv);
     let refused = |argv: &[&str]| -> Result<()> {
         let out = run(argv)?;
@@ -381,16 +382,13 @@ fn a_provisioned_container_cannot_grow_the_node_disk_through_its_ledger() -> Res
     let past = size.to_string();
     let disk_before = free_bytes(&node.path("ledgers"))?;
 
-    // write(2): 256 MiB from the ledger's end, refused once its tmpfs is full (within the
-    // ledger's size); then fallocate(2) of 1 GiB and a single byte further on, refused.
+    // write(2): 256 MiB from the ledger's end; fallocate(2): 1 GiB from it.
     let seek = format!("seek={pages}");
     refused(&["busybox", "dd", "if=/dev/zero", "of=/run/vramguard/ledger", "bs=4096", "count=65536", &seek, "conv=notrunc"])?;
-    let meta = std::fs::metadata(&ledger)?;
-    ensure!(meta.blocks() * 512 <= size && meta.len() <= 2 * size, "the tmpfs holds more than the ledger's size: {} bytes, {} blocks", meta.len(), meta.blocks());
-    let end = meta.len().to_string();
-    refused(&["busybox", "fallocate", "-o", &end, "-l", "1073741824", "/run/vramguard/ledger"])?;
-    refused(&["busybox", "dd", "if=/dev/zero", "of=/run/vramguard/ledger", "bs=1", "count=1", &format!("seek={end}"), "conv=notrunc"])?;
-    let blocks = std::fs::metadata(&ledger)?.blocks();
+    refused(&["busybox", "fallocate", "-o", &past, "-l", "1073741824", "/run/vramguard/ledger"])?;
+    // One byte past the end is already refused (the error is at the size, not later).
+    refused(&["busybox", "dd", "if=/dev/zero", "of=/run/vramguard/ledger", "bs=1", "count=1", &format!("seek={size}"), "conv=notrunc"])?;
+    ensure!(std::fs::metadata(&ledger)?.len() == size, "the ledger's size changed");
     // ftruncate(2) to 4 GiB: allowed by tmpfs, nothing allocated; a write into it refused.
     let grown = run(&["busybox", "truncate", "-s", "4294967296", "/run/vramguard/ledger"])?;
     ensure!(grown.exit_code == 0, "{grown:?}");
