@@ -249,8 +249,9 @@ impl Symbols<'_> {
         if first == 0 {
             return Ok(None);
         }
-        let mut index = first.checked_sub(symoffset).ok_or(ElfError::Invalid("a .gnu.hash bucket points below its first symbol"))? as u64;
-        for _ in 0..MAX_CHAIN {
+        let start = first.checked_sub(symoffset).ok_or(ElfError::Invalid("a .gnu.hash bucket points below its first symbol"))? as u64;
+        // A chain is consecutive entries from the bucket's first until one marked last.
+        for index in (start..).take(MAX_CHAIN) {
             self.deadline.check()?;
             let entry = words.get(chains_at + index).map_err(|_| ElfError::Invalid("a .gnu.hash chain runs past its table"))?;
             if entry | 1 == hash | 1 {
@@ -261,7 +262,6 @@ impl Symbols<'_> {
             if entry & 1 == 1 {
                 return Ok(None);
             }
-            index += 1;
         }
         Err(ElfError::Bound { what: ".gnu.hash chain", size: MAX_CHAIN as u64 + 1, limit: MAX_CHAIN as u64 })
     }

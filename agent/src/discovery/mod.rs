@@ -335,10 +335,12 @@ impl Discovery {
                 has = true;
                 return;
             }
-            // Once per file and scan, whatever came of it (a file that must wait for a later
-            // scan waits for it, however many times the process maps it).
-            let verdict = self.look_at_mapping(pid, mapping, &mut cgroup, budget, prober);
-            let libcuda = matches!(verdict, Some(Verdict::Probed | Verdict::Capped));
+            // (Each file comes once per process: a file that must wait for a later scan is not
+            // tried again for each of its mappings.)
+            let Some(verdict) = self.look_at_mapping(pid, mapping, &mut cgroup, budget, prober) else {
+                return;
+            };
+            let libcuda = matches!(verdict, Verdict::Probed | Verdict::Capped);
             looked.insert(key, libcuda);
             has |= libcuda;
         });
