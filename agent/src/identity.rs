@@ -7,7 +7,7 @@
 //! [`host_pid`] scans /proc for one slot; [`ProcessTable`] scans it once for many slots (the
 //! agent's sweep); [`ProbedProcesses`] keeps the identities of the processes the probes
 //! report, read once per process (the reconcile pass).
-use std::{collections::HashMap, fs, os::unix::fs::MetadataExt};
+use std::{collections::HashMap, fs, ops::ControlFlow, os::unix::fs::MetadataExt};
 
 use ledger::{layout::Slot, ProcessIdentity};
 
@@ -222,18 +222,25 @@ impl ProbedProcesses {
 }
 
 /// Whether host process `pid` maps the file (device, inode) `file` (`/proc/<pid>/maps` names
-/// a mapping's file by `major:minor inode`).
+/// a mapping's file by `major:minor inode`), read within the bounds of [`crate::procmaps`]:
+/// a mapping past them is not seen, so a process whose maps are over them maps no file as far
+/// as the agent can tell (it is logged).
 pub fn maps_file(pid: u32, (dev, ino): (u64, u64)) -> bool {
-    let Ok(maps) = fs::read_to_string(format!("/proc/{pid}/maps")) else { return false };
     // The kernel's encoding of a device number (linux/kdev_t.h, huge_encode_dev).
     let major = ((dev >> 8) & 0xfff) | ((dev >> 32) & !0xfff);
     let minor = (dev & 0xff) | ((dev >> 12) & !0xff);
     let (device, inode) = (format!("{major:02x}:{minor:02x}"), ino.to_string());
+    let mut found = false;
     // address perms offset device inode [path]
-    maps.lines().any(|line| {
+    let read = crate::procmaps::each_line(pid, |line| {
         let mut fields = line.split_whitespace().skip(3);
-        fields.next() == Some(device.as_str()) && fields.next() == Some(inode.as_str())
-    })
+        found = fields.next() == Some(device.as_str()) && fields.next() == Some(inode.as_str());
+        if found { ControlFlow::Break(()) } else { ControlFlow::Continue(()) }
+    });
+    if let Ok(crate::procmaps::Summary { over: Some(bound), .. }) = read {
+        tracing::warn!(pid, dev, ino, %bound, "cannot tell whether a process maps a ledger: it is taken not to");
+    }
+    found
 }
 
 /// The pid of host process `pid` inside its own (innermost) pid namespace.

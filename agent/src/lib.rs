@@ -8,6 +8,7 @@ pub mod kernel;
 pub mod ledgers;
 pub mod pod;
 pub mod preflight;
+pub mod procmaps;
 pub mod provision;
 pub mod reconcile;
 pub mod run;

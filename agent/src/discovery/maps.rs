@@ -1,7 +1,11 @@
 //! The candidates in a process's `/proc/<pid>/maps`: its file-backed executable mappings,
 //! each named by its address range (for `/proc/<pid>/map_files/<start>-<end>`) and by the
 //! device and inode the kernel reports for it. The path in the line is the workload's to
-//! choose and is used for log lines only.
+//! choose and is used for log lines only. The file is streamed within the bounds of
+//! [`crate::procmaps`], never read whole.
+use std::{collections::HashSet, io, ops::ControlFlow};
+
+use crate::procmaps::{self, Summary};
 
 /// One file-backed executable mapping.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -22,11 +26,17 @@ impl Mapping<'_> {
     }
 }
 
-/// The file-backed executable mappings in the text of a `/proc/<pid>/maps`, one per file
-/// (device and inode), in order of appearance.
-pub fn executable_files(maps: &str) -> Vec<Mapping<'_>> {
-    let mut seen = std::collections::HashSet::new();
-    maps.lines().filter_map(parse_line).filter(|m| seen.insert((m.dev, m.ino))).collect()
+/// Hands each file-backed executable mapping of a `/proc/<pid>/maps` (`source`) to `each`,
+/// once per file (device and inode), in order of appearance, within the bounds of
+/// [`procmaps`] (the summary says whether the file went over them).
+pub fn executable_files(source: impl io::Read, mut each: impl FnMut(&Mapping<'_>)) -> io::Result<Summary> {
+    let mut seen = HashSet::new();
+    procmaps::each_line_of(source, |line| {
+        if let Some(mapping) = parse_line(line).filter(|m| seen.insert((m.dev, m.ino))) {
+            each(&mapping);
+        }
+        ControlFlow::Continue(())
+    })
 }
 
 /// `start-end perms offset major:minor inode [path]`; `None` unless it is executable and
@@ -68,7 +78,9 @@ mod tests {
 7ffd00000000-7ffd00001000 r-xp 00000000 00:00 0                          [vdso]
 7f0000009000-7f000000a000 r-xp 00000000 00:1a 126 /memfd:jit (deleted)
 ";
-        let found = executable_files(maps);
+        let mut found = Vec::new();
+        let summary = executable_files(maps.as_bytes(), |m| found.push(Mapping { path: m.path.to_string().leak(), ..*m })).expect("read");
+        assert_eq!((summary.lines, summary.over), (8, None));
         assert_eq!(found.len(), 3, "{found:?}");
         assert_eq!(found[0].map_files_name(), "7f0000001000-7f0000002000");
         assert_eq!((found[0].dev, found[0].ino), (libc::makedev(0xfd, 1), 123));

@@ -24,7 +24,12 @@
 //! Work is bounded: at most [`PARSES_PER_CONTAINER_PER_SCAN`] new files are read per
 //! container (cgroup) per scan, and at most `--max-probed-per-container` and
 //! `--max-probed-files` discovered files get probes; a container past its cap is logged once
-//! and counted (`vramguard_libcuda_files{state="capped"}`). No discovered file can stop the
+//! and counted (`vramguard_libcuda_files{state="capped"}`). A file's exports are read within
+//! [`elf`]'s bounds of bytes and time (hash-table lookups, [`elf::TIME_BUDGET`]): a file over
+//! them fails, and is remembered, like any other. A process's maps are streamed within the
+//! bounds of [`crate::procmaps`]: a process over them is looked at up to the bound, reported
+//! once (log, `discovery.maps_over_bound` and `skipped` in `vramguard audit`) and not read
+//! again while it runs. No discovered file can stop the
 //! agent: each failure is a log line, a count and an entry in `vramguard audit`'s `discovery`.
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap, VecDeque},
@@ -168,6 +173,9 @@ pub struct DiscoveryStats {
     pub capped: u64,
     /// Containers (cgroups) that reached their cap.
     pub capped_containers: u64,
+    /// Processes whose `/proc/<pid>/maps` went over the agent's bounds (each reported once).
+    #[serde(default)]
+    pub maps_over_bound: u64,
     /// The most recent files skipped for a reason worth telling (failures, caps, files named
     /// like a libcuda that are not one), newest last.
     pub skipped: Vec<SkippedFile>,
@@ -191,9 +199,12 @@ pub struct Discovery {
     /// Cgroups (and the node, as `None`) logged as past their cap.
     capped_logged: BTreeSet<Option<u64>>,
     skipped: VecDeque<SkippedFile>,
-    /// Pid -> when a scan first saw it, and whether it was seen mapping a libcuda (a young
-    /// process that has one is not read again until the next full scan).
-    seen: HashMap<u32, (Instant, bool)>,
+    /// Pid -> when a scan first saw it, whether it was seen mapping a libcuda (a young
+    /// process that has one is not read again until the next full scan), and whether its
+    /// maps went over their bound (reported once, not read again while it runs).
+    seen: HashMap<u32, (Instant, bool, bool)>,
+    /// Processes reported for maps over their bound.
+    maps_over_bound: u64,
     scans: u64,
     /// Files whose exports were read (for tests of the memo).
     examined: u64,
@@ -209,6 +220,7 @@ impl Discovery {
             capped_logged: BTreeSet::new(),
             skipped: VecDeque::new(),
             seen: HashMap::new(),
+            maps_over_bound: 0,
             scans: 0,
             examined: 0,
         }
@@ -225,6 +237,7 @@ impl Discovery {
             failed: self.memo.count(|v| matches!(v, Verdict::Failed(_))) as u64,
             capped: self.memo.count(|v| *v == Verdict::Capped) as u64,
             capped_containers: self.capped_logged.iter().filter(|c| c.is_some()).count() as u64,
+            maps_over_bound: self.maps_over_bound,
             skipped: self.skipped.iter().cloned().collect(),
         }
     }
@@ -282,50 +295,67 @@ impl Discovery {
         let mut looked: HashMap<FileId, bool> = HashMap::new();
         let mut budget: HashMap<u64, usize> = HashMap::new();
         for pid in pids {
-            let (first, mapped) = self.seen.get(&pid).copied().unwrap_or((now, false));
+            let (first, mapped, mut over) = self.seen.get(&pid).copied().unwrap_or((now, false, false));
             let young = now.saturating_duration_since(first) < YOUNG;
             let mut has = mapped;
-            if full || (young && !mapped) {
-                has |= self.scan_process(pid, &mut looked, &mut budget, prober);
+            if (full || (young && !mapped)) && !over {
+                let (libcuda, bounded) = self.scan_process(pid, &mut looked, &mut budget, prober);
+                has |= libcuda;
+                over = bounded;
             }
-            seen.insert(pid, (first, has));
+            seen.insert(pid, (first, has, over));
         }
         self.seen = seen;
     }
 
-    /// Looks at every executable file `pid` maps; whether one of them is a libcuda.
+    /// Looks at every executable file `pid` maps: whether one of them is a libcuda, and
+    /// whether its maps went over the bounds of [`crate::procmaps`] (then only the files
+    /// before the bound were looked at, and the process is reported).
     fn scan_process(
         &mut self,
         pid: u32,
         looked: &mut HashMap<FileId, bool>,
         budget: &mut HashMap<u64, usize>,
         prober: &mut dyn Prober,
-    ) -> bool {
+    ) -> (bool, bool) {
         // Processes come and go while we scan: an unreadable maps file is skipped.
-        let Ok(text) = fs::read_to_string(format!("/proc/{pid}/maps")) else {
-            return false;
+        let Ok(file) = File::open(format!("/proc/{pid}/maps")) else {
+            return (false, false);
         };
         let mut cgroup = None;
         let mut has = false;
-        for mapping in maps::executable_files(&text) {
+        let read = maps::executable_files(file, |mapping| {
             let key = (mapping.dev, mapping.ino);
             if let Some(libcuda) = looked.get(&key) {
                 has |= libcuda;
-                continue;
+                return;
             }
             if self.memo.probed(key) {
                 looked.insert(key, true);
                 has = true;
-                continue;
+                return;
             }
-            let Some(verdict) = self.look_at_mapping(pid, &mapping, &mut cgroup, budget, prober) else {
-                continue;
+            // (Each file comes once per process: a file that must wait for a later scan is not
+            // tried again for each of its mappings.)
+            let Some(verdict) = self.look_at_mapping(pid, mapping, &mut cgroup, budget, prober) else {
+                return;
             };
             let libcuda = matches!(verdict, Verdict::Probed | Verdict::Capped);
             looked.insert(key, libcuda);
             has |= libcuda;
+        });
+        let over = match read {
+            Ok(summary) => summary.over,
+            Err(_) => None, // gone while it was read
+        };
+        if let Some(bound) = over {
+            let cgroup = *cgroup.get_or_insert_with(|| cgroup::id_of_pid(pid).unwrap_or(0));
+            let reason = format!("{bound}: only the files mapped before it were looked at");
+            warn!(pid, cgroup, %reason, "a process's maps are over the bound (not read again while it runs)");
+            self.maps_over_bound += 1;
+            self.note_skipped(&format!("/proc/{pid}/maps"), (0, 0), Origin::Process { pid, cgroup }, reason);
         }
-        has
+        (has, over.is_some())
     }
 
     /// Opens the file mapped at `mapping` and decides about it, unless it is remembered;
@@ -463,7 +493,7 @@ impl Discovery {
     /// Makes every process known to the last scan older than [`YOUNG`].
     #[cfg(test)]
     fn age(&mut self) {
-        for (first, _) in self.seen.values_mut() {
+        for (first, ..) in self.seen.values_mut() {
             *first = first.checked_sub(YOUNG).unwrap_or(*first);
         }
     }

@@ -196,3 +196,87 @@ fn discovery_reads_new_processes_and_every_process_on_full_scans() {
     assert_eq!(prober.attached.len(), 2, "the full scan finds it");
     drop(map);
 }
+
+/// A child process that maps the first page of `file` `count` times (each its own line of
+/// its maps), then waits to be killed.
+struct Bloated(libc::pid_t);
+
+impl Bloated {
+    fn start(file: &File, count: usize) -> Bloated {
+        use std::os::fd::AsRawFd;
+        let mut pipe = [0; 2];
+        // SAFETY: pipe(2) into a two-int array.
+        assert_eq!(unsafe { libc::pipe(pipe.as_mut_ptr()) }, 0);
+        // SAFETY: the child calls only mmap, write, pause and _exit (async-signal-safe), on
+        // descriptors opened before the fork.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork");
+        if pid == 0 {
+            for _ in 0..count {
+                // SAFETY: a new private read-only mapping of an open file, never used.
+                let at = unsafe { libc::mmap(std::ptr::null_mut(), 4096, libc::PROT_READ, libc::MAP_PRIVATE, file.as_raw_fd(), 0) };
+                if at == libc::MAP_FAILED {
+                    // SAFETY: ends the child at once.
+                    unsafe { libc::_exit(1) };
+                }
+            }
+            // SAFETY: one byte to the pipe, then wait for the parent's SIGKILL.
+            unsafe {
+                libc::write(pipe[1], [1u8].as_ptr().cast(), 1);
+                loop {
+                    libc::pause();
+                }
+            }
+        }
+        let mut byte = [0u8];
+        // SAFETY: reads one byte into a local buffer; closes our copies of the pipe.
+        unsafe {
+            libc::close(pipe[1]);
+            assert_eq!(libc::read(pipe[0], byte.as_mut_ptr().cast(), 1), 1, "the child mapped the file");
+            libc::close(pipe[0]);
+        }
+        Bloated(pid)
+    }
+}
+
+impl Drop for Bloated {
+    fn drop(&mut self) {
+        // SAFETY: kill and reap our own child.
+        unsafe {
+            libc::kill(self.0, libc::SIGKILL);
+            libc::waitpid(self.0, std::ptr::null_mut(), 0);
+        }
+    }
+}
+
+#[test]
+fn a_process_with_maps_over_the_bound_is_reported_once_and_not_read_again() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let scratch = Scratch::new("bloat");
+    // A path of about 3.8 KB: 15 directories of 250 characters.
+    let mut deep = scratch.0.clone();
+    for i in 0..15 {
+        deep.push(format!("{i:02}{}", "d".repeat(248)));
+    }
+    fs::create_dir_all(&deep).expect("mkdir");
+    let page = deep.join("page");
+    fs::write(&page, [0u8; 4096]).expect("write");
+    let file = File::open(&page).expect("open");
+    let line = page.as_os_str().len() + 80;
+    let over = Bloated::start(&file, crate::procmaps::MAX_BYTES as usize / line + 100);
+    let under = Bloated::start(&file, 100);
+
+    let mut discovery = Discovery::new(caps(4, 64));
+    let mut prober = Recorder::default();
+    discovery.scan_among(vec![under.0 as u32, over.0 as u32], &mut prober);
+    let stats = discovery.stats();
+    assert_eq!(stats.maps_over_bound, 1, "{stats:?}");
+    let reported: Vec<_> = stats.skipped.iter().filter(|s| s.path.ends_with("/maps")).collect();
+    assert_eq!(reported.len(), 1, "only the process over the bound: {stats:?}");
+    assert_eq!(reported[0].path, format!("/proc/{}/maps", over.0));
+    assert!(reported[0].reason.contains("over the agent's bound of"), "{stats:?}");
+    for _ in 0..FULL_SCAN_EVERY {
+        discovery.scan_among(vec![under.0 as u32, over.0 as u32], &mut prober);
+    }
+    assert_eq!(discovery.stats().maps_over_bound, 1, "not read (nor reported) again while it runs");
+}

@@ -15,7 +15,8 @@
 //!
 //! [`agent`] starts a `vramguard run` for a test; [`cgroup`] makes a cgroup for one;
 //! [`http`] scrapes its metrics; [`ledgers`] reads (and scribbles on) ledger files;
-//! [`hostile`] is what every attack test checks while its attack runs.
+//! [`hostile`] is what every attack test checks while its attack runs; [`crafted_elf`] makes
+//! the ELF files of the attacks on discovery's time.
 //! [`containerd`] runs a real containerd with NRI (from the cache `cargo xtask setup` fills)
 //! and drives it through CRI.
 //! [`TempDir`], [`wait_for`] and [`holding`] are the small helpers the agent's tests share.
@@ -23,6 +24,7 @@
 pub mod agent;
 pub mod cgroup;
 pub mod containerd;
+pub mod crafted_elf;
 pub mod hostile;
 pub mod http;
 pub mod ledgers;

@@ -6,8 +6,13 @@
 //! `cargo xtask test`.
 use std::{
     ffi::OsStr,
+    net::SocketAddr,
     os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
     time::{Duration, Instant},
 };
 
@@ -16,7 +21,7 @@ use e2e::{
     agent::Agent,
     cgroup::TestCgroup,
     hostile::{assert_serving, Bystander},
-    wait_for, FakeNode, TempDir, MIB,
+    http, wait_for, FakeNode, TempDir, MIB,
 };
 use serde_json::Value;
 
@@ -279,6 +284,199 @@ fn a_renamed_libcuda_is_probed_and_its_allocations_audited() -> Result<()> {
     // Killed, not stopped: a discovering agent on this shared machine also probes other
     // tests' driver copies, and detaching each probe waits for an RCU grace period, which
     // can take the SIGTERM shutdown past the harness's 10 s on a loaded machine.
+    drop(agent);
+    Ok(())
+}
+
+/// Where the agent answers `/healthz`: (address, path). The one place that says so.
+fn healthz_url(agent: &Agent) -> Result<(SocketAddr, &'static str)> {
+    Ok((agent.metrics_addr()?, "/healthz"))
+}
+
+/// The bound on `/healthz`: answered within this, probed this often.
+const HEALTH_EVERY: Duration = Duration::from_millis(250);
+
+/// Asks `/healthz` every [`HEALTH_EVERY`] on a thread of its own until [`HealthProbe::finish`],
+/// which fails unless every answer was a 200 that came within [`HEALTH_EVERY`].
+struct HealthProbe {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<Vec<(Duration, Result<u16, String>)>>,
+}
+
+impl HealthProbe {
+    fn start((addr, path): (SocketAddr, &'static str)) -> HealthProbe {
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = Arc::clone(&stop);
+        let thread = std::thread::spawn(move || {
+            let mut answers = Vec::new();
+            while !stopped.load(Ordering::Relaxed) {
+                let asked = Instant::now();
+                let answer = http::get(addr, path).map(|(status, _)| status).map_err(|e| format!("{e:#}"));
+                answers.push((asked.elapsed(), answer));
+                std::thread::sleep(HEALTH_EVERY.saturating_sub(asked.elapsed()));
+            }
+            answers
+        });
+        HealthProbe { stop, thread }
+    }
+
+    fn finish(self, agent: &Agent) -> Result<usize> {
+        self.stop.store(true, Ordering::Relaxed);
+        let answers = self.thread.join().map_err(|_| anyhow::anyhow!("the probe thread panicked"))?;
+        let late: Vec<_> = answers.iter().filter(|(took, answer)| *took > HEALTH_EVERY || *answer != Ok(200)).collect();
+        let slowest = answers.iter().map(|(took, _)| *took).max().unwrap_or_default();
+        eprintln!("/healthz: {} probes, slowest {slowest:?}", answers.len());
+        if !late.is_empty() {
+            bail!("/healthz missed {} of {} probes ({late:?}); agent log:\n{}", late.len(), answers.len(), agent.log());
+        }
+        Ok(answers.len())
+    }
+}
+
+/// The agent's peak resident memory (`VmHWM`), in bytes.
+fn peak_rss(agent: &Agent) -> Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{}/status", agent.pid()))?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:")).context("no VmHWM")?;
+    let kib: u64 = line.split_whitespace().nth(1).context("no VmHWM figure")?.parse()?;
+    Ok(kib * 1024)
+}
+
+/// `vramguard audit`'s `discovery.skipped` entry for file `id`, if any.
+fn skipped_entry(agent: &Agent, id: FileId) -> Result<Option<Value>> {
+    let audit = agent.audit()?;
+    let skipped = audit["discovery"]["skipped"].as_array().context("no discovery.skipped in the audit")?;
+    Ok(skipped.iter().find(|s| (s["dev"].as_u64(), s["ino"].as_u64()) == (Some(id.0), Some(id.1))).cloned())
+}
+
+/// `setpriv` arguments that run the workload as nobody (uid and gid 65534, no groups).
+fn as_nobody() -> [&'static str; 3] {
+    ["--reuid=65534", "--regid=65534", "--clear-groups"]
+}
+
+/// Crafted ELF files (the issue's: 174,762 symbols, 4 MiB of names without a NUL byte, no
+/// hash table; and one whose `.gnu.hash` puts every symbol in one endless chain of the hash
+/// of `cuInit`) mapped executable by an unprivileged process, one before the agent starts,
+/// one while it runs: `/healthz` answers within 2 s of the start and then every 250 ms, each
+/// file is listed in `audit` with the bound it broke. Negative control: a copy of the fake
+/// driver mapped the same way by the same process is probed, and not listed.
+#[test]
+fn crafted_elf_files_never_keep_the_agent_from_answering() -> Result<()> {
+    use e2e::crafted_elf::{Crafted, Hash, Names, MOST_SYMBOLS};
+    let dir = TempDir::new("hd-elf-ledgers")?;
+    let attacker = TempDir::new("hd-elf-attacker")?;
+    let before = attacker.path().join("libcuda.so.1");
+    std::fs::write(&before, Crafted::new(MOST_SYMBOLS, Names::WithoutNul, Hash::None).bytes())?;
+    let during = attacker.path().join("libchain.so");
+    std::fs::write(&during, Crafted::new(MOST_SYMBOLS, Names::Proper, Hash::GnuOneChain).bytes())?;
+    let control = attacker.path().join("libnotcuda.so");
+    std::fs::copy(e2e::fake_driver_lib()?, &control)?;
+    let ids = (id_of(&before)?, id_of(&during)?, id_of(&control)?);
+
+    let node = FakeNode::new("hd-elf");
+    let cgroup = TestCgroup::create("hd-elf")?;
+    let map = |files: &[&Path]| -> Result<e2e::Running> {
+        let mut steps: Vec<String> = files.iter().map(|f| format!("map {}", f.display())).collect();
+        steps.extend(["checkpoint mapped".into(), "hold".into()]);
+        let mut running = node.workload().in_cgroup(&cgroup).wrapped("setpriv", as_nobody()).steps(steps).spawn()?;
+        running.wait_checkpoint("mapped")?;
+        Ok(running)
+    };
+    let first = map(&[&before, &control])?;
+
+    let started = Instant::now();
+    let agent = discovering_agent(&dir)?;
+    let health = healthz_url(&agent)?;
+    wait_for(Duration::from_secs(2).saturating_sub(started.elapsed()), "/healthz answered within 2 s of the agent's start", || {
+        Ok(http::get(health.0, health.1).is_ok_and(|(status, _)| status == 200))
+    })
+    .with_context(|| format!("agent log:\n{}", agent.log()))?;
+    eprintln!("/healthz answered {:?} after the start", started.elapsed());
+    let probe = HealthProbe::start(health);
+
+    let reason = |entry: Option<Value>| entry.and_then(|e| e["reason"].as_str().map(String::from));
+    wait_for(Duration::from_secs(5), "the file mapped before the start reported", || Ok(skipped_entry(&agent, ids.0)?.is_some()))?;
+    wait_for(Duration::from_secs(5), "the fake driver's copy probed", || Ok(probed(&agent)?.contains(&ids.2)))?;
+    std::thread::sleep(Duration::from_secs(1));
+    let second = map(&[&during])?;
+    wait_for(Duration::from_secs(5), "the file mapped while it runs reported", || Ok(skipped_entry(&agent, ids.1)?.is_some()))?;
+    std::thread::sleep(Duration::from_secs(2));
+    let probes = probe.finish(&agent)?;
+    assert!(probes >= 12, "{probes} probes");
+
+    let first_reason = reason(skipped_entry(&agent, ids.0)?).context("no reason")?;
+    assert!(first_reason.contains("without a hash table") && first_reason.contains("65536"), "{first_reason}");
+    let second_reason = reason(skipped_entry(&agent, ids.1)?).context("no reason")?;
+    assert!(second_reason.contains(".gnu.hash chain"), "{second_reason}");
+    assert!(skipped_entry(&agent, ids.2)?.is_none(), "the fake driver's copy was reported: {}", agent.audit()?);
+    let now = probed(&agent)?;
+    assert!(!now.contains(&ids.0) && !now.contains(&ids.1), "a crafted file was probed: {now:?}");
+    assert_serving(&agent)?;
+    drop((first, second));
+    // Killed, not stopped (see above).
+    drop(agent);
+    Ok(())
+}
+
+/// An unprivileged process maps the first page of one file 64,000 times under a 3.8 KB path
+/// (a 250 MB `/proc/<pid>/maps`) before the agent starts: the agent keeps answering
+/// `/healthz` every 250 ms, reports the process as over the bound, and its peak RSS stays
+/// under 128 MiB. The figure: the DaemonSet's limit is 256 Mi; the agent reads at most 16 MiB
+/// of one process's maps, a line at a time through a 64 KiB buffer, so its peak is its own
+/// working set (tens of MiB in a debug build) and nothing of the maps; half the limit leaves
+/// room for the agent's growth elsewhere and still fails a reader that holds the maps whole
+/// (250 MB). Negative control: the attack is real (the test reads the maps' size).
+#[test]
+fn a_bloated_maps_file_costs_the_agent_no_memory() -> Result<()> {
+    const MAPPINGS: u64 = 64_000;
+    const PEAK: u64 = 128 * MIB;
+    let limit: u64 = std::fs::read_to_string("/proc/sys/vm/max_map_count")?.trim().parse()?;
+    assert!(limit > MAPPINGS + 1000, "vm.max_map_count is {limit}: the attack needs {MAPPINGS} mappings");
+    let dir = TempDir::new("hd-maps-ledgers")?;
+    let attacker = TempDir::new("hd-maps-attacker")?;
+    // A path of about 3.8 KB: 15 directories of 250 characters.
+    let mut deep = attacker.path().to_path_buf();
+    for i in 0..15 {
+        deep.push(format!("{i:02}{}", "d".repeat(248)));
+    }
+    std::fs::create_dir_all(&deep)?;
+    let file = deep.join("page");
+    std::fs::write(&file, vec![0u8; 4096])?;
+    assert!(file.as_os_str().len() > 3700, "{}", file.as_os_str().len());
+
+    let node = FakeNode::new("hd-maps");
+    let cgroup = TestCgroup::create("hd-maps")?;
+    let mut attack = node
+        .workload()
+        .in_cgroup(&cgroup)
+        .wrapped("setpriv", as_nobody())
+        .steps([format!("map-many {MAPPINGS} {}", file.display()), "checkpoint mapped".into(), "hold".into()])
+        .spawn()?;
+    attack.wait_checkpoint("mapped")?;
+    let maps_bytes = std::io::copy(&mut std::fs::File::open(format!("/proc/{}/maps", attack.pid()))?, &mut std::io::sink())?;
+    eprintln!("the attacker's maps: {} MiB", maps_bytes / MIB);
+    assert!(maps_bytes > 200 * MIB, "the attack is not running: its maps are {maps_bytes} bytes");
+
+    let agent = discovering_agent(&dir)?;
+    let probe = HealthProbe::start(healthz_url(&agent)?);
+    let pid = attack.pid() as u64;
+    let reported = |agent: &Agent| -> Result<Option<Value>> {
+        let audit = agent.audit()?;
+        let skipped = audit["discovery"]["skipped"].as_array().context("no discovery.skipped")?.clone();
+        Ok(skipped.into_iter().find(|s| s["path"].as_str() == Some(&*format!("/proc/{pid}/maps"))))
+    };
+    wait_for(Duration::from_secs(5), "the process reported as over the bound", || Ok(reported(&agent)?.is_some()))?;
+    // Two full scans more (every second): it is not read again.
+    std::thread::sleep(Duration::from_millis(2500));
+    probe.finish(&agent)?;
+    let entry = reported(&agent)?.context("reported")?;
+    assert!(entry["reason"].as_str().is_some_and(|r| r.contains("over the agent's bound")), "{entry}");
+    let audit = agent.audit()?;
+    assert_eq!(audit["discovery"]["maps_over_bound"].as_u64(), Some(1), "reported once: {}", audit["discovery"]);
+    let peak = peak_rss(&agent)?;
+    eprintln!("agent peak RSS: {} MiB", peak / MIB);
+    assert!(peak < PEAK, "the agent's peak RSS is {} MiB, over {} MiB", peak / MIB, PEAK / MIB);
+    assert_serving(&agent)?;
+    drop(attack);
     drop(agent);
     Ok(())
 }

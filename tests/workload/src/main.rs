@@ -110,6 +110,8 @@ Each argument (or script line; # starts a comment) is one step. Sizes take k/m/g
   calls SYMBOL...         prints: calls SYMBOL N (fakecuda_api_calls)
   map PATH                mmap PATH read+exec (as ld.so maps code) and keep it;
                           prints: map PATH
+  map-many N PATH         mmap PATH's first page read-only N times (N lines of
+                          /proc/self/maps) and keep them; prints: map-many N
   swap PATH PATH          exchange the two paths (renameat2 RENAME_EXCHANGE) forever;
                           prints: swap started";
 
@@ -804,6 +806,10 @@ impl Runner {
                 map_exec(path).map_err(Err)?;
                 say!("map {path}");
             }
+            Step::MapMany(count, path) => {
+                map_many(*count, path).map_err(Err)?;
+                say!("map-many {count}");
+            }
             Step::Swap(a, b) => {
                 say!("swap started");
                 swap_forever(a, b).map_err(Err)?;
@@ -1094,6 +1100,21 @@ fn map_exec(path: &str) -> Result<(), String> {
     };
     if address == libc::MAP_FAILED {
         return Err(format!("map: mmap {path}: {}", std::io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+/// Maps the first page of `path` read-only `count` times and leaves the mappings. Each maps
+/// file offset 0, so no two can merge into one mapping, wherever the kernel puts them.
+fn map_many(count: u64, path: &str) -> Result<(), String> {
+    let file = std::fs::File::open(path).map_err(|e| format!("map-many: cannot open {path}: {e}"))?;
+    for done in 0..count {
+        // SAFETY: a new private read-only mapping of an open file; the kernel picks the
+        // address and the mapping is never unmapped, so no Rust reference is invalidated.
+        let address = unsafe { libc::mmap(null(), 4096, libc::PROT_READ, libc::MAP_PRIVATE, std::os::fd::AsRawFd::as_raw_fd(&file), 0) };
+        if address == libc::MAP_FAILED {
+            return Err(format!("map-many: mmap {path} (after {done}): {}", std::io::Error::last_os_error()));
+        }
     }
     Ok(())
 }

@@ -100,6 +100,9 @@ pub enum Step {
     NvmlUuid(u32),
     /// Maps a file executable (as the dynamic loader maps a library's code) and keeps it.
     Map(String),
+    /// Maps the first page of a file read-only this many times (each its own mapping: one
+    /// line of `/proc/self/maps` each) and keeps them.
+    MapMany(u64, String),
     /// Exchanges two paths (`renameat2(RENAME_EXCHANGE)`) over and over, forever.
     Swap(String, String),
 }
@@ -188,6 +191,7 @@ impl Step {
             Step::NvmlNull(_) => "nvml-null",
             Step::NvmlUuid(_) => "nvml-uuid",
             Step::Map(_) => "map",
+            Step::MapMany(..) => "map-many",
             Step::Swap(..) => "swap",
         }
     }
@@ -445,6 +449,10 @@ impl Step {
                 want(1, "map PATH")?;
                 Step::Map(name(0))
             }
+            "map-many" => {
+                want(2, "map-many COUNT PATH")?;
+                Step::MapMany(u64::try_from(int(args[0])?).map_err(|_| err("bad count"))?, name(1))
+            }
             "swap" => {
                 want(2, "swap PATH PATH")?;
                 Step::Swap(name(0), name(1))
@@ -548,6 +556,7 @@ mod tests {
         assert_eq!(Step::parse("nvml-null 0").ok(), Some(Step::NvmlNull(0)));
         assert_eq!(Step::parse("nvml-uuid 2").ok(), Some(Step::NvmlUuid(2)));
         assert_eq!(Step::parse("map /x/lib.so").ok(), Some(Step::Map("/x/lib.so".into())));
+        assert_eq!(Step::parse("map-many 3 /x/f").ok(), Some(Step::MapMany(3, "/x/f".into())));
         assert_eq!(Step::parse("swap /a /b").ok(), Some(Step::Swap("/a".into(), "/b".into())));
         assert!(Step::parse("swap /a").is_err());
         assert!(Step::parse("fork ctx 0; frobnicate").is_err());
