@@ -116,7 +116,7 @@ impl LedgerHandle {
     pub fn open(path: &Path, limits: &Limits) -> Result<LedgerHandle, String> {
         let file = open_no_follow(path, true).map_err(|error| format!("cannot open {}: {error}", path.display()))?;
         let (key, header) = examine(&file, path, limits)?;
-        Ok(LedgerHandle::new(path, key, file, header, &header, Launcher::default()))
+        Ok(LedgerHandle::new(path, key, file, header, &header, Launcher::for_ledgers(limits.max_bytes)))
     }
 
     pub(super) fn new(path: &Path, key: FileKey, file: File, validated: Header, found: &Header, launcher: Launcher) -> LedgerHandle {
