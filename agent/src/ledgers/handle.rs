@@ -101,6 +101,11 @@ impl LedgerHandle {
         self.worker.lock().ok()?.failing()
     }
 
+    /// Why the last call to the ledger's worker failed, if none succeeded since.
+    pub fn last_failure(&self) -> Option<String> {
+        self.worker.lock().ok()?.last_failure()
+    }
+
     fn with_worker<R>(
         &self,
         f: impl FnOnce(&mut Worker, &File, &Header, &Path) -> Result<R, AccessError>,

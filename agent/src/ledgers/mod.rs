@@ -234,8 +234,9 @@ impl Ledgers {
             let rewritten = handle.header_change.as_ref().filter(|change| !change.starts_with(HEADER_UNREADABLE));
             let problem = match (rewritten, handle.copy()) {
                 (Some(change), _) => Some(format!("tampered: its header was rewritten ({change})")),
-                // A worker that died of the damage (SIGBUS on a cut file) says so too.
-                (None, Err(error)) => Some(match handle.failing() {
+                // A worker that died of the damage (SIGBUS on a cut file) says so too, for as
+                // long as the file stays unreadable (its worker is not called again).
+                (None, Err(error)) => Some(match handle.last_failure() {
                     Some(reason) => format!("unreadable: {error}; worker failing: {reason}"),
                     None => format!("unreadable: {error}"),
                 }),

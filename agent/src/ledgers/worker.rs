@@ -315,6 +315,13 @@ impl Worker {
         })
     }
 
+    /// The reason of the last failed call if none has succeeded since, its backoff over or
+    /// not (for a ledger the agent no longer calls its worker on, e.g. cut: what happened to
+    /// the last one).
+    pub fn last_failure(&self) -> Option<String> {
+        self.backoff.until.map(|_| self.backoff.reason.clone())
+    }
+
     /// Runs `request` on the ledger open as `file` (validated as `header`, named `path`).
     fn call(&mut self, file: &File, header: &Header, path: &Path, request: &Request) -> Result<Reply, AccessError> {
         if let Some(waiting) = self.backoff.waiting() {
