@@ -13,7 +13,7 @@
 //! the request (and four times that for the first answer, to the hello, which includes the
 //! worker's start): every read of the answer waits only for what is left of that time, so a
 //! worker that dribbles its answer a byte at a time is cut off at the deadline like a silent
-//! one. A worker that does not answer in time, answers nonsense or more than [`MAX_LINE`], or
+//! one. A worker that does not answer in time, answers nonsense or a line over 16 KiB, or
 //! dies (a signal, a damaged file, one of its resource limits) is killed and reaped, and its
 //! ledger gets no worker for a while (`Backoff`): whatever its workload does to the file, the
 //! agent spends a bounded time on it and goes on with the other ledgers, and says why. A
@@ -37,15 +37,18 @@
 //!   worker maps exactly one ledger, whole) + [`WORKER_OVERHEAD`] (64 MiB: the C library and
 //!   loader, the stack up to its 8 MiB limit, the heap of a process that holds one 16 KiB line
 //!   buffer and a few small values). With the defaults and a ~20 MiB release binary: about
-//!   150 MiB of address space; a worker measured on the largest ledger allowed touches far
-//!   less. An allocation past it fails (the worker aborts: `SIGABRT`), a mapping past it fails
-//!   (the worker refuses the ledger).
+//!   150 MiB of address space. Measured (debug build, a 121 MiB program file, so a 249 MiB
+//!   limit): a worker's peak address space (`VmPeak`) was 27 MiB on a 5 MiB container ledger
+//!   and 41 MiB on the largest geometry the default limits admit (the hostile suite's, 4,096
+//!   slots and 262,144 records). An allocation past the limit fails (the worker aborts:
+//!   `SIGABRT`), a mapping past it fails (the worker refuses the ledger); either is reported
+//!   like any other worker failure.
 //! - `RLIMIT_CPU` = [`WorkerLimits::CPU_SECONDS`] soft (`SIGXCPU`), one more hard (`SIGKILL`).
 //!   A worker is single-threaded (it cannot start a thread or process) and is killed when an
 //!   answer is late, so one call costs it at most its deadline in CPU time (one second for the
 //!   hello, [`DEADLINE`] for an operation). Before each call the agent reads the worker's CPU
 //!   time (`/proc/<pid>/stat`) and, once it has used half its limit, stops it quietly and starts
-//!   a fresh one ([`RECYCLE_CPU`]): an honest worker, however long it lives, never reaches its
+//!   a fresh one: an honest worker, however long it lives, never reaches its
 //!   limit (at most half + one second), and one that burns CPU between calls (a worker turned
 //!   by its ledger) is killed by the kernel within the limit.
 //!
