@@ -100,6 +100,11 @@ impl LedgerHandle {
         self.worker.lock().ok()?.failing()
     }
 
+    /// Why the last call to the ledger's worker failed, if none succeeded since.
+    pub fn last_failure(&self) -> Option<String> {
+        self.worker.lock().ok()?.last_failure()
+    }
+
     fn with_worker<R>(
         &self,
         f: impl FnOnce(&mut Worker, &File, &Header, &Path) -> Result<R, AccessError>,
@@ -115,7 +120,7 @@ impl LedgerHandle {
     pub fn open(path: &Path, limits: &Limits) -> Result<LedgerHandle, String> {
         let file = open_no_follow(path, true).map_err(|error| format!("cannot open {}: {error}", path.display()))?;
         let (key, header) = examine(&file, path, limits)?;
-        Ok(LedgerHandle::new(path, key, file, header, Launcher::default()))
+        Ok(LedgerHandle::new(path, key, file, header, Launcher::for_ledgers(limits.max_bytes)))
     }
 
     pub(super) fn new(path: &Path, key: FileKey, file: File, validated: Header, launcher: Launcher) -> LedgerHandle {

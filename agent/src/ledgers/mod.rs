@@ -160,8 +160,8 @@ impl Ledgers {
     pub fn with_limits(dir: PathBuf, limits: Limits) -> Ledgers {
         Ledgers {
             dir,
+            launcher: Launcher::for_ledgers(limits.max_bytes),
             limits,
-            launcher: Launcher::default(),
             open: BTreeMap::new(),
             changes: BTreeMap::new(),
             skipped: BTreeMap::new(),
@@ -267,7 +267,12 @@ impl Ledgers {
             let rewritten = self.changes.get(path).filter(|change| !change.starts_with(HEADER_UNREADABLE));
             let problem = match (rewritten, handle.copy()) {
                 (Some(change), _) => Some(format!("tampered: its header was rewritten ({change})")),
-                (None, Err(error)) => Some(format!("unreadable: {error}")),
+                // A worker that died of the damage (SIGBUS on a cut file) says so too, for as
+                // long as the file stays unreadable (its worker is not called again).
+                (None, Err(error)) => Some(match handle.last_failure() {
+                    Some(reason) => format!("unreadable: {error}; worker failing: {reason}"),
+                    None => format!("unreadable: {error}"),
+                }),
                 (None, Ok(copy)) => handle.failing().map(|reason| format!("worker failing: {reason}")).or_else(|| {
                     (!copy.settled).then(|| "unsettled: every copy caught a mutation in progress (dirty flag held raised?)".to_string())
                 }),
@@ -329,8 +334,11 @@ impl Ledgers {
                 info!(ledger = %path.display(), "ledger removed or replaced: no longer watched");
             }
         }
-        for handle in self.open.values() {
+        for (path, handle) in &self.open {
             if let Ok(mut worker) = handle.worker.lock() {
+                if let Some(reason) = worker.reap_if_dead() {
+                    warn!(ledger = %path.display(), %reason, "the ledger's worker died between calls: reaped, no worker for this ledger for a while");
+                }
                 worker.stop_if_idle(worker::IDLE);
             }
         }

@@ -3,7 +3,9 @@
 //! privileges, resource limits, and a seccomp filter that allows only what operating on a
 //! mapped file and answering on its socket needs. What a workload can make a worker do by
 //! corrupting its ledger stays inside that process: it cannot open a file, start a process,
-//! signal another, trace one, or reach the network.
+//! signal another, trace one, or reach the network. Its address space and CPU time limits
+//! (`RLIMIT_AS`, `RLIMIT_CPU`) are set by the agent before the worker's program starts
+//! ([`super::worker::WorkerLimits`]); this confinement takes away the means to raise them.
 use std::collections::BTreeMap;
 
 use seccompiler::{

@@ -9,10 +9,48 @@
 //! confines itself ([`super::sandbox`]: uid nobody, no capabilities, seccomp) before it
 //! receives the ledger's descriptor over its socket and maps it.
 //!
-//! The agent waits at most [`DEADLINE`] for an answer. A worker that does not answer in time,
-//! answers nonsense, or dies (a signal, a damaged file) is killed and reaped, and its ledger
-//! gets no worker for a while (`Backoff`): whatever its workload does to the file, the agent
-//! spends a bounded time on it and goes on with the other ledgers, and says why.
+//! The agent waits at most [`DEADLINE`] for a whole answer, counted from the moment it sends
+//! the request (and four times that for the first answer, to the hello, which includes the
+//! worker's start): every read of the answer waits only for what is left of that time, so a
+//! worker that dribbles its answer a byte at a time is cut off at the deadline like a silent
+//! one. A worker that does not answer in time, answers nonsense or a line over 16 KiB, or
+//! dies (a signal, a damaged file, one of its resource limits) is killed and reaped, and its
+//! ledger gets no worker for a while (`Backoff`): whatever its workload does to the file, the
+//! agent spends a bounded time on it and goes on with the other ledgers, and says why. A
+//! worker found dead between calls is reaped by the next scan ([`Worker::reap_if_dead`]) and
+//! backed off the same way.
+//!
+//! # Resource limits
+//!
+//! Every worker runs under `RLIMIT_AS` and `RLIMIT_CPU` ([`WorkerLimits`]), set by the agent
+//! in the child between `fork` and `exec` (`pre_exec`), so they hold from the worker's first
+//! instruction, before it has seen a byte of the ledger, whatever its own code does (its
+//! confinement, [`super::sandbox`], then takes away the capability to raise them and the
+//! system calls to try). Setting them in the worker's own confinement would hold as well
+//! against a hostile ledger (the worker maps the ledger only after confining itself), but it
+//! would leave the limits to the code being limited and to the worker's knowledge of the
+//! agent's `--max-ledger-bytes`; the agent knows the figures and the child cannot skip them.
+//!
+//! - `RLIMIT_AS` = the size of the worker's program file (its loadable segments are no larger;
+//!   a debug build's debug info only makes the room more generous) + the largest ledger the
+//!   agent allows ([`super::Limits::max_bytes`], `--max-ledger-bytes`, 64 MiB by default: the
+//!   worker maps exactly one ledger, whole) + [`WORKER_OVERHEAD`] (64 MiB: the C library and
+//!   loader, the stack up to its 8 MiB limit, the heap of a process that holds one 16 KiB line
+//!   buffer and a few small values). With the defaults and a ~20 MiB release binary: about
+//!   150 MiB of address space. Measured (debug build, a 121 MiB program file, so a 249 MiB
+//!   limit): a worker's peak address space (`VmPeak`) was 27 MiB on a 5 MiB container ledger
+//!   and 41 MiB on the largest geometry the default limits admit (the hostile suite's, 4,096
+//!   slots and 262,144 records). An allocation past the limit fails (the worker aborts:
+//!   `SIGABRT`), a mapping past it fails (the worker refuses the ledger); either is reported
+//!   like any other worker failure.
+//! - `RLIMIT_CPU` = [`WorkerLimits::CPU_SECONDS`] soft (`SIGXCPU`), one more hard (`SIGKILL`).
+//!   A worker is single-threaded (it cannot start a thread or process) and is killed when an
+//!   answer is late, so one call costs it at most its deadline in CPU time (one second for the
+//!   hello, [`DEADLINE`] for an operation). Before each call the agent reads the worker's CPU
+//!   time (`/proc/<pid>/stat`) and, once it has used half its limit, stops it quietly and starts
+//!   a fresh one: an honest worker, however long it lives, never reaches its
+//!   limit (at most half + one second), and one that burns CPU between calls (a worker turned
+//!   by its ledger) is killed by the kernel within the limit.
 //!
 //! The protocol is one JSON line each way per operation; the first message also carries the
 //! ledger's descriptor (`SCM_RIGHTS`) and the header the agent validated, which the worker
@@ -31,12 +69,68 @@ use std::{
 
 use ledger::{layout::Header, Ledger, LedgerError, ProcessIdentity};
 use serde::{Deserialize, Serialize};
+use tracing::info;
 
 /// How long the agent waits for a worker's answer (the worker itself waits at most
 /// [`super::LOCK_WAIT`] for the lock, then answers [`Failure::Busy`]).
 pub const DEADLINE: Duration = Duration::from_millis(250);
+/// How long the agent waits for the answer to its hello (the worker starts, confines itself
+/// and maps the ledger first).
+pub const HELLO_DEADLINE: Duration = Duration::from_millis(4 * DEADLINE.as_millis() as u64);
 /// The longest line either side accepts.
 const MAX_LINE: u64 = 16 << 10;
+/// Address space a worker needs besides its program and its ledger (see the module doc).
+pub const WORKER_OVERHEAD: u64 = 64 << 20;
+/// A worker whose CPU time has reached this fraction of its limit is replaced before its next
+/// call (the numerator over 2: half).
+const RECYCLE_CPU: u64 = 2;
+
+/// The resource limits every worker runs under (see the module doc).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WorkerLimits {
+    /// `RLIMIT_AS`, in bytes (soft and hard).
+    pub address_space: u64,
+    /// `RLIMIT_CPU` soft limit in seconds (`SIGXCPU`); the hard limit is one more (`SIGKILL`).
+    pub cpu_seconds: u64,
+}
+
+impl WorkerLimits {
+    /// The CPU time a worker may use in its life, in seconds.
+    pub const CPU_SECONDS: u64 = 4;
+
+    /// The limits of a worker run from `program` for ledgers of at most `max_ledger_bytes`.
+    pub fn for_program(program: &Path, max_ledger_bytes: u64) -> WorkerLimits {
+        // A program that cannot be measured is given the room of a large one.
+        let program = std::fs::metadata(program).map(|m| m.len()).unwrap_or(512 << 20);
+        WorkerLimits {
+            address_space: program.saturating_add(max_ledger_bytes).saturating_add(WORKER_OVERHEAD),
+            cpu_seconds: Self::CPU_SECONDS,
+        }
+    }
+
+    /// CPU time after which a worker is replaced before its next call.
+    fn recycle_at(&self) -> Duration {
+        Duration::from_secs(self.cpu_seconds) / RECYCLE_CPU as u32
+    }
+
+    /// Sets these limits on the calling process. Runs in a forked child before `exec`: only
+    /// system calls, no allocation.
+    fn apply(&self) -> io::Result<()> {
+        let set = |resource, soft: u64, hard: u64| {
+            let limit = libc::rlimit { rlim_cur: soft, rlim_max: hard };
+            // SAFETY: `limit` is a valid rlimit for the call's duration.
+            if unsafe { libc::setrlimit(resource, &limit) } == 0 {
+                Ok(())
+            } else {
+                Err(io::Error::last_os_error())
+            }
+        };
+        // No core dump of a ledger's bytes either (the worker's confinement says so again).
+        set(libc::RLIMIT_CORE, 0, 0)?;
+        set(libc::RLIMIT_AS, self.address_space, self.address_space)?;
+        set(libc::RLIMIT_CPU, self.cpu_seconds, self.cpu_seconds.saturating_add(1))
+    }
+}
 
 /// A process as the protocol carries it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -113,21 +207,50 @@ struct Hello {
 }
 
 /// How a worker is started: the agent's own binary (`/proc/self/exe`, also after the file on
-/// disk was replaced by an upgrade), or, in unit tests, a thread serving the protocol
-/// in-process (no confinement).
+/// disk was replaced by an upgrade) under [`WorkerLimits`], or, in unit tests, a thread
+/// serving the protocol in-process (no confinement) or a shell script standing in for a
+/// misbehaving worker (a process, under the limits it is given).
 #[derive(Clone, Debug)]
 pub enum Launcher {
-    Exec(PathBuf),
+    Exec { program: PathBuf, limits: WorkerLimits },
     #[cfg(test)]
     Thread,
+    #[cfg(test)]
+    Script { script: String, limits: WorkerLimits },
+}
+
+impl Launcher {
+    /// How the agent starts the workers of ledgers of at most `max_ledger_bytes`.
+    pub fn for_ledgers(max_ledger_bytes: u64) -> Launcher {
+        #[cfg(test)]
+        {
+            let _ = max_ledger_bytes;
+            Launcher::Thread
+        }
+        #[cfg(not(test))]
+        {
+            let program = PathBuf::from("/proc/self/exe");
+            let limits = WorkerLimits::for_program(&program, max_ledger_bytes);
+            Launcher::Exec { program, limits }
+        }
+    }
+
+    /// The limits a started worker runs under (none for a thread).
+    fn limits(&self) -> Option<WorkerLimits> {
+        match self {
+            Launcher::Exec { limits, .. } => Some(*limits),
+            #[cfg(test)]
+            Launcher::Script { limits, .. } => Some(*limits),
+            #[cfg(test)]
+            Launcher::Thread => None,
+        }
+    }
 }
 
 impl Default for Launcher {
+    /// [`Launcher::for_ledgers`] with the default ledger limits.
     fn default() -> Launcher {
-        #[cfg(test)]
-        return Launcher::Thread;
-        #[cfg(not(test))]
-        Launcher::Exec(PathBuf::from("/proc/self/exe"))
+        Launcher::for_ledgers(super::Limits::default().max_bytes)
     }
 }
 
@@ -195,11 +318,19 @@ impl Worker {
         })
     }
 
+    /// The reason of the last failed call if none has succeeded since, its backoff over or
+    /// not (for a ledger the agent no longer calls its worker on, e.g. cut: what happened to
+    /// the last one).
+    pub fn last_failure(&self) -> Option<String> {
+        self.backoff.until.map(|_| self.backoff.reason.clone())
+    }
+
     /// Runs `request` on the ledger open as `file` (validated as `header`, named `path`).
     fn call(&mut self, file: &File, header: &Header, path: &Path, request: &Request) -> Result<Reply, AccessError> {
         if let Some(waiting) = self.backoff.waiting() {
             return Err(waiting);
         }
+        self.recycle_if_spent();
         let result = self.exchange(file, header, path, request);
         self.used_at = Instant::now();
         match &result {
@@ -225,8 +356,10 @@ impl Worker {
         }
         let running = self.running.as_mut().ok_or_else(|| AccessError::Worker("not running".into()))?;
         let line = serde_json::to_string(request).map_err(|error| AccessError::Worker(error.to_string()))?;
-        let answer = write_line(&mut running.socket, &line)
-            .and_then(|()| read_line(&mut running.reader, DEADLINE))
+        // The deadline is for the whole answer, from the moment the request goes out.
+        let deadline = Instant::now() + DEADLINE;
+        let answer = write_line(&mut running.socket, &line, deadline)
+            .and_then(|()| read_line(&mut running.reader, deadline, DEADLINE))
             .map_err(|error| AccessError::Worker(self.died(error)))?;
         let reply: Reply = serde_json::from_str(&answer)
             .map_err(|error| AccessError::Worker(format!("answered something that is not a reply ({error})")))?;
@@ -258,6 +391,36 @@ impl Worker {
             Some(running) => end(running, error),
             None => error.to_string(),
         }
+    }
+
+    /// Replaces the running worker, quietly (not a failure), once it has used half of its CPU
+    /// time limit (see the module doc): an honest worker never reaches the limit.
+    fn recycle_if_spent(&mut self) {
+        let (Some(limits), Some(pid)) = (self.launcher.limits(), self.pid()) else { return };
+        // A worker whose CPU time cannot be read is replaced too.
+        if cpu_time(pid).is_none_or(|used| used >= limits.recycle_at()) {
+            info!(pid, "replacing a ledger worker that has used half of its CPU time limit");
+            self.stop();
+        }
+    }
+
+    /// A worker that died since its last call (of one of its limits, or anything else) is
+    /// reaped, and its ledger backed off like after a failed call; the reason, if it died.
+    pub fn reap_if_dead(&mut self) -> Option<String> {
+        let running = self.running.as_mut()?;
+        let child = running.child.as_mut()?;
+        // Still running, or cannot tell (then the next call finds out).
+        if !matches!(child.try_wait(), Ok(Some(_))) {
+            return None;
+        }
+        let reason = self.died(io::Error::other("it died between calls"));
+        self.backoff.failed(reason.clone());
+        Some(reason)
+    }
+
+    /// The process id of the running worker, if it is a process.
+    pub fn pid(&self) -> Option<u32> {
+        self.running.as_ref()?.child.as_ref().map(Child::id)
     }
 
     /// Stops the worker if it has had no request for `idle` ([`IDLE`] in the agent).
@@ -338,17 +501,23 @@ fn launch(launcher: &Launcher, hello: &Hello, fd: &File) -> Result<(Running, Rep
     let fail = |what: &str, error: io::Error| AccessError::Worker(format!("cannot start it: {what}: {error}"));
     let (ours, theirs) = UnixStream::pair().map_err(|e| fail("socketpair", e))?;
     let child = match launcher {
-        Launcher::Exec(program) => Some(spawn(program, theirs).map_err(|e| fail("spawn", e))?),
+        Launcher::Exec { program, limits } => Some(spawn(program, &["ledger-worker"], theirs, limits).map_err(|e| fail("spawn", e))?),
         #[cfg(test)]
         Launcher::Thread => {
             std::thread::spawn(move || serve(theirs, false));
             None
         }
+        #[cfg(test)]
+        Launcher::Script { script, limits } => {
+            Some(spawn(Path::new("/bin/sh"), &["-c", script], theirs, limits).map_err(|e| fail("spawn", e))?)
+        }
     };
     let reader = BufReader::new(ours.try_clone().map_err(|e| fail("socket", e))?);
     let mut running = Running { child, socket: ours, reader };
     let line = serde_json::to_string(hello).map_err(|e| AccessError::Worker(e.to_string()))?;
-    let answer = match send_with_fd(&running.socket, &line, fd).and_then(|()| read_line(&mut running.reader, DEADLINE * 4)) {
+    let deadline = Instant::now() + HELLO_DEADLINE;
+    let sent = running.socket.set_write_timeout(Some(HELLO_DEADLINE)).and_then(|()| send_with_fd(&running.socket, &line, fd));
+    let answer = match sent.and_then(|()| read_line(&mut running.reader, deadline, HELLO_DEADLINE)) {
         Ok(answer) => answer,
         Err(error) => return Err(AccessError::Worker(end(running, error))),
     };
@@ -361,14 +530,28 @@ fn launch(launcher: &Launcher, hello: &Hello, fd: &File) -> Result<(Running, Rep
     }
 }
 
-fn spawn(program: &Path, socket: UnixStream) -> io::Result<Child> {
-    Command::new(program)
-        .arg("ledger-worker")
-        .env_clear()
-        .stdin(Stdio::from(OwnedFd::from(socket)))
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
+/// Starts `program` with `args` under `limits`, `socket` as its standard input.
+fn spawn(program: &Path, args: &[&str], socket: UnixStream, limits: &WorkerLimits) -> io::Result<Child> {
+    use std::os::unix::process::CommandExt;
+    let mut command = Command::new(program);
+    command.args(args).env_clear().stdin(Stdio::from(OwnedFd::from(socket))).stdout(Stdio::null()).stderr(Stdio::null());
+    let limits = *limits;
+    // SAFETY: the closure runs in the forked child before exec; it makes two setrlimit calls
+    // (async-signal-safe) and allocates nothing.
+    unsafe { command.pre_exec(move || limits.apply()) };
+    command.spawn()
+}
+
+/// The CPU time (user and system) process `pid` has used, from `/proc/<pid>/stat`.
+fn cpu_time(pid: u32) -> Option<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The fields after the command name (which may hold spaces and parentheses): state is
+    // field 3, utime and stime fields 14 and 15.
+    let mut fields = stat.rsplit_once(')')?.1.split_whitespace().skip(11);
+    let ticks = fields.next()?.parse::<u64>().ok()? + fields.next()?.parse::<u64>().ok()?;
+    // SAFETY: sysconf with a valid name.
+    let per_second = u64::try_from(unsafe { libc::sysconf(libc::_SC_CLK_TCK) }).ok().filter(|t| *t > 0)?;
+    Some(Duration::from_millis(ticks.saturating_mul(1000) / per_second))
 }
 
 /// Kills and reaps a worker after `error` (what went wrong talking to it); says how it ended.
@@ -383,8 +566,9 @@ fn end(mut running: Running, error: io::Error) -> String {
     let signal = status.and_then(|s| std::os::unix::process::ExitStatusExt::signal(&s));
     match (exited, signal, status.and_then(|s| s.code())) {
         (_, Some(signal), _) if signal != libc::SIGKILL => format!("it died of signal {signal} ({})", signal_name(signal)),
+        (Some(_), Some(_), _) => "it was killed (SIGKILL, not by the agent: its hard CPU time limit, or the kernel's OOM killer)".into(),
         (Some(_), _, Some(code)) => format!("it exited with status {code} ({error})"),
-        _ if timed_out => format!("no answer within {}ms (killed)", DEADLINE.as_millis()),
+        _ if timed_out => format!("{error} (killed)"),
         _ => format!("it stopped answering ({error}; killed)"),
     }
 }
@@ -394,29 +578,62 @@ fn signal_name(signal: i32) -> &'static str {
         libc::SIGBUS => "SIGBUS: the file was cut under its mapping",
         libc::SIGSEGV => "SIGSEGV: damaged bookkeeping",
         libc::SIGSYS => "SIGSYS: a forbidden system call",
+        libc::SIGXCPU => "SIGXCPU: over its CPU time limit, RLIMIT_CPU",
         libc::SIGABRT => "SIGABRT",
         _ => "a signal",
     }
 }
 
-fn write_line(socket: &mut UnixStream, line: &str) -> io::Result<()> {
+/// Writes `line` and its newline, giving up at `deadline`.
+fn write_line(socket: &mut UnixStream, line: &str, deadline: Instant) -> io::Result<()> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(io::Error::new(io::ErrorKind::TimedOut, "no time left to send the request"));
+    }
+    socket.set_write_timeout(Some(left))?;
     socket.write_all(format!("{line}\n").as_bytes())
 }
 
-/// One line (without its newline), waiting at most `wait`; a line longer than [`MAX_LINE`]
-/// or an end of file is an error.
-fn read_line(reader: &mut BufReader<UnixStream>, wait: Duration) -> io::Result<String> {
-    reader.get_ref().set_read_timeout(Some(wait))?;
-    let mut line = String::new();
-    let read = reader.by_ref().take(MAX_LINE).read_line(&mut line)?;
-    if read == 0 {
-        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the worker closed its socket"));
+/// One line (without its newline), whole by `deadline` (`wait` after the request: named in
+/// the error), however it arrives: each read waits only for the time left. A line longer
+/// than [`MAX_LINE`] (its newline included), not UTF-8, or an end of file is an error.
+fn read_line(reader: &mut BufReader<UnixStream>, deadline: Instant, wait: Duration) -> io::Result<String> {
+    let late = || io::Error::new(io::ErrorKind::TimedOut, format!("no whole answer within {}ms", wait.as_millis()));
+    let too_long = || io::Error::new(io::ErrorKind::InvalidData, "a line too long");
+    let max = MAX_LINE as usize;
+    let mut line = Vec::new();
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(late());
+        }
+        reader.get_ref().set_read_timeout(Some(left))?;
+        let available = match reader.fill_buf() {
+            Ok(available) => available,
+            Err(error) if error.kind() == io::ErrorKind::Interrupted => continue,
+            Err(error) if matches!(error.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => return Err(late()),
+            Err(error) => return Err(error),
+        };
+        if available.is_empty() {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the worker closed its socket"));
+        }
+        if let Some(end) = available.iter().position(|byte| *byte == b'\n') {
+            if line.len() + end + 1 > max {
+                return Err(too_long());
+            }
+            line.extend_from_slice(&available[..end]);
+            reader.consume(end + 1);
+            break;
+        }
+        // No newline yet: what came must leave room for one.
+        let taken = available.len();
+        if line.len() + taken + 1 > max {
+            return Err(too_long());
+        }
+        line.extend_from_slice(available);
+        reader.consume(taken);
     }
-    if !line.ends_with('\n') {
-        return Err(io::Error::new(io::ErrorKind::InvalidData, "a line too long"));
-    }
-    line.pop();
-    Ok(line)
+    String::from_utf8(line).map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "a line that is not UTF-8"))
 }
 
 fn send_with_fd(socket: &UnixStream, line: &str, file: &File) -> io::Result<()> {
@@ -469,7 +686,7 @@ pub fn main() -> i32 {
 /// the agent's unit tests, where the worker is a thread of the test process).
 fn serve(socket: UnixStream, confine: bool) -> i32 {
     let reply = |socket: &mut UnixStream, reply: &Reply| {
-        serde_json::to_string(reply).map_err(io::Error::other).and_then(|line| write_line(socket, &line))
+        serde_json::to_string(reply).map_err(io::Error::other).and_then(|line| socket.write_all(format!("{line}\n").as_bytes()))
     };
     let mut writer = match socket.try_clone() {
         Ok(writer) => writer,
@@ -541,4 +758,175 @@ fn perform(ledger: &Ledger, request: Request) -> Reply {
             other => Failure::Ledger(other.to_string()),
         })
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ledger::{layout::CREATOR_AGENT, DeviceConfig, Geometry};
+
+    /// A ledger in a directory of its own, for calls the stand-ins ignore.
+    struct Scratch {
+        dir: PathBuf,
+        path: PathBuf,
+        file: File,
+        header: Header,
+    }
+
+    impl Scratch {
+        fn new(tag: &str) -> Scratch {
+            let dir = std::env::temp_dir().join(format!("vramguard-worker-{tag}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).expect("mkdir");
+            let path = dir.join("ledger");
+            let geometry = Geometry { slots: 4, records: 16, devices: vec![DeviceConfig { limit: 64 << 20, chunk: 2 << 20, ..Default::default() }] };
+            let header = *Ledger::create(&path, &geometry, CREATOR_AGENT).expect("create").header();
+            let file = File::open(&path).expect("open");
+            Scratch { dir, path, file, header }
+        }
+
+        fn register(&self, worker: &mut Worker) -> Result<u32, AccessError> {
+            worker.register(&self.file, &self.header, &self.path, ProcessIdentity { pid: 1, pidns: 1, start_time: 1 })
+        }
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+
+    fn limits() -> WorkerLimits {
+        WorkerLimits::for_program(Path::new("/bin/sh"), super::super::Limits::default().max_bytes)
+    }
+
+    /// A stand-in worker: a shell running `body` after the hello, answered `"Ready"`.
+    fn stand_in(body: &str, limits: WorkerLimits) -> Worker {
+        let script = format!("exec 1>&0; PATH=/usr/bin:/bin; read -r hello; echo '\"Ready\"'; {body}");
+        Worker::new(Launcher::Script { script, limits })
+    }
+
+    /// Answers its first request at once, then its second after `before_second` (shell).
+    fn second_answer_after(before_second: &str) -> Worker {
+        stand_in(&format!("read -r r; echo '{{\"Slot\":1}}'; read -r r; {before_second} echo '{{\"Slot\":2}}'; read -r r"), limits())
+    }
+
+    /// Twenty spaces (JSON allows them before a value), one every 200 ms: each read finds a
+    /// byte well within 250 ms, the whole answer takes four seconds.
+    const DRIBBLE: &str = "for i in 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20; do printf ' '; sleep 0.2; done;";
+
+    fn gone(pid: u32) -> bool {
+        !Path::new(&format!("/proc/{pid}")).exists()
+    }
+
+    #[test]
+    fn a_dribbled_answer_is_cut_off_at_the_deadline_and_its_worker_reaped() {
+        let scratch = Scratch::new("dribble");
+        let mut worker = second_answer_after(DRIBBLE);
+        assert_eq!(scratch.register(&mut worker).expect("first answer"), 1);
+        let pid = worker.pid().expect("a process");
+        let start = Instant::now();
+        let error = scratch.register(&mut worker).expect_err("a dribbled answer");
+        let took = start.elapsed();
+        assert!(took < Duration::from_secs(2), "the call returned after {took:?}");
+        assert!(took >= DEADLINE, "the call returned before its deadline: {took:?}");
+        let text = error.to_string();
+        assert!(matches!(error, AccessError::Worker(_)) && text.contains("no whole answer within 250ms (killed)"), "{text}");
+        assert!(gone(pid), "the dribbling worker {pid} was not killed and reaped");
+        assert!(!worker.running());
+        assert!(worker.failing().is_some_and(|reason| reason.contains("no whole answer within 250ms")));
+        assert!(matches!(scratch.register(&mut worker), Err(AccessError::Backoff { .. })), "backed off");
+    }
+
+    #[test]
+    fn negative_control_a_prompt_stand_in_answers() {
+        let scratch = Scratch::new("prompt");
+        let mut worker = second_answer_after("printf '   ';");
+        assert_eq!(scratch.register(&mut worker).expect("first answer"), 1);
+        let pid = worker.pid().expect("a process");
+        assert_eq!(scratch.register(&mut worker).expect("second answer"), 2);
+        assert_eq!(worker.pid(), Some(pid));
+        assert_eq!(worker.failing(), None);
+    }
+
+    #[test]
+    fn a_dribbled_hello_is_cut_off_at_its_deadline() {
+        let scratch = Scratch::new("hello");
+        let script = format!("exec 1>&0; PATH=/usr/bin:/bin; read -r hello; {DRIBBLE} echo '\"Ready\"'; read -r r");
+        let mut worker = Worker::new(Launcher::Script { script, limits: limits() });
+        let start = Instant::now();
+        let error = scratch.register(&mut worker).expect_err("a dribbled hello");
+        let took = start.elapsed();
+        assert!(took < Duration::from_secs(2), "the call returned after {took:?}");
+        assert!(error.to_string().contains("no whole answer within 1000ms (killed)"), "{error}");
+    }
+
+    #[test]
+    fn a_worker_runs_under_its_address_space_and_cpu_limits() {
+        let scratch = Scratch::new("rlimits");
+        let limits = limits();
+        let mut worker = stand_in("read -r r; echo '{\"Slot\":1}'; read -r r", limits);
+        assert_eq!(scratch.register(&mut worker).expect("answer"), 1);
+        let pid = worker.pid().expect("a process");
+        let table = std::fs::read_to_string(format!("/proc/{pid}/limits")).expect("limits");
+        let row = |name: &str| -> Vec<String> {
+            let line = table.lines().find(|l| l.starts_with(name)).unwrap_or_else(|| panic!("{name} in {table}"));
+            line[name.len()..].split_whitespace().map(str::to_string).collect()
+        };
+        let bytes = limits.address_space.to_string();
+        assert_eq!(row("Max address space")[..2], [bytes.clone(), bytes]);
+        assert_eq!(row("Max cpu time")[..2], ["4".to_string(), "5".to_string()]);
+        assert_eq!(row("Max core file size")[..2], ["0".to_string(), "0".to_string()]);
+        // Room for the program, the largest ledger allowed and the overhead.
+        let program = std::fs::metadata("/bin/sh").expect("sh").len();
+        assert_eq!(limits.address_space, program + (64 << 20) + WORKER_OVERHEAD);
+    }
+
+    /// Waits up to thirty seconds for `done` (a CPU-bound stand-in on a loaded machine).
+    fn within_thirty_seconds(what: &str, mut done: impl FnMut() -> bool) {
+        let start = Instant::now();
+        while !done() {
+            assert!(start.elapsed() < Duration::from_secs(30), "{what}: not within 30 s");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    #[test]
+    fn a_worker_over_its_cpu_limit_is_killed_reaped_and_restarted_after_its_backoff() {
+        let scratch = Scratch::new("spin");
+        // Answers, then spins between calls (what a worker turned by its ledger could do).
+        let mut worker = stand_in("read -r r; echo '{\"Slot\":1}'; while :; do :; done", WorkerLimits { cpu_seconds: 1, ..limits() });
+        assert_eq!(scratch.register(&mut worker).expect("answer"), 1);
+        let pid = worker.pid().expect("a process");
+        let mut reason = None;
+        within_thirty_seconds("the spinning worker killed by RLIMIT_CPU and reaped", || {
+            reason = worker.reap_if_dead();
+            reason.is_some()
+        });
+        let reason = reason.unwrap_or_default();
+        assert!(reason.contains("SIGXCPU"), "{reason}");
+        assert!(gone(pid) && !worker.running());
+        assert_eq!(worker.failing().as_deref(), Some(reason.as_str()));
+        assert!(matches!(scratch.register(&mut worker), Err(AccessError::Backoff { .. })), "backed off");
+        std::thread::sleep(Backoff::FIRST);
+        assert_eq!(scratch.register(&mut worker).expect("a fresh worker answers"), 1);
+        assert!(worker.pid().is_some_and(|fresh| fresh != pid));
+        assert_eq!(worker.failing(), None);
+    }
+
+    #[test]
+    fn a_worker_near_its_cpu_limit_is_replaced_quietly_before_its_next_call() {
+        let scratch = Scratch::new("recycle");
+        // Answers, then uses 1.1 s of CPU (a long life of honest calls), then would answer.
+        let burn = "while :; do read -r s < /proc/$$/stat; set -- $s; [ $(( ${14} + ${15} )) -ge 110 ] && break; done;";
+        let mut worker = stand_in(&format!("read -r r; echo '{{\"Slot\":1}}'; {burn} read -r r; echo '{{\"Slot\":2}}'; read -r r"), WorkerLimits { cpu_seconds: 2, ..limits() });
+        assert_eq!(scratch.register(&mut worker).expect("answer"), 1);
+        let pid = worker.pid().expect("a process");
+        within_thirty_seconds("the worker uses half its CPU limit", || cpu_time(pid).is_some_and(|used| used >= Duration::from_secs(1)));
+        // Replaced, not asked: the fresh worker's first answer, no failure, no backoff.
+        assert_eq!(scratch.register(&mut worker).expect("a fresh worker answers"), 1);
+        assert!(gone(pid), "the old worker {pid} was not reaped");
+        assert!(worker.pid().is_some_and(|fresh| fresh != pid));
+        assert_eq!(worker.failing(), None);
+    }
 }

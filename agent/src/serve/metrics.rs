@@ -29,7 +29,7 @@
 //! `vramguard_events_lost_total`, `vramguard_over_limit_allocations_total`,
 //! `vramguard_enforcement_signals_total`, `vramguard_probes_attached{libcuda}`,
 //! `vramguard_libcuda_files{state}` (probed, failed, capped),
-//! `vramguard_libcuda_capped_containers`, `vramguard_ledgers`,
+//! `vramguard_libcuda_capped_containers`, `vramguard_discovery_maps_over_bound_total`, `vramguard_ledgers`,
 //! `vramguard_ledgers_skipped`, `vramguard_ledgers_unreadable`, `vramguard_ledger_workers`,
 //! `vramguard_ledgers_backed_off` (ledgers left alone for a while: lock held, worker failed),
 //! `vramguard_ledger_dirs_crowded` (directories with more entries than the agent reads),
@@ -87,6 +87,7 @@ pub struct Metrics {
     probes: IntGaugeVec,
     libcuda_files: IntGaugeVec,
     capped_containers: IntGauge,
+    maps_over_bound: IntCounter,
     ledgers: IntGauge,
     ledgers_skipped: IntGauge,
     ledger_workers: IntGauge,
@@ -241,6 +242,10 @@ impl Metrics {
             "Files discovery looked at, by state: probed, failed (unreadable, malformed, refused by the kernel), capped (a libcuda left unprobed by --max-probed-per-container or --max-probed-files)",
             &["state"],
         )?;
+        let maps_over_bound = registered(&registry, IntCounter::new(
+            "vramguard_discovery_maps_over_bound_total",
+            "Processes whose /proc/<pid>/maps was over the bytes or lines discovery reads (read up to the bound, not again while they run; listed in vramguard audit's discovery.skipped)",
+        )?)?;
         let capped_containers = registered(&registry, IntGauge::new(
             "vramguard_libcuda_capped_containers",
             "Containers (cgroups) whose processes mapped more libcuda files than --max-probed-per-container",
@@ -390,6 +395,7 @@ impl Metrics {
             probes,
             libcuda_files,
             capped_containers,
+            maps_over_bound,
             ledgers,
             ledgers_skipped,
             ledger_workers,
@@ -594,6 +600,7 @@ impl Metrics {
             self.libcuda_files.with_label_values(&[state]).set(value(files));
         }
         self.capped_containers.set(value(discovery.capped_containers));
+        catch_up(&self.maps_over_bound, discovery.maps_over_bound);
     }
 
     /// Brings the rejection counter of (ledger, device index, container labels) to the

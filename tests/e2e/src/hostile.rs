@@ -1,8 +1,14 @@
 //! What every attack test of the adversarial suite (`tests/hostile_*.rs`) checks while its
 //! attack runs (`../shared/security.md`, "How we test it"): the agent is still alive and still
-//! serving `/metrics` ([`assert_serving`]), and it still reclaims the slot of a SIGKILLed
-//! process of *another* container within a second ([`Bystander`]).
-use std::{path::PathBuf, time::Duration};
+//! serving `/metrics` ([`assert_serving`]), it still reclaims the slot of a SIGKILLed
+//! process of *another* container within a second ([`Bystander`]), and it never maps a ledger
+//! file, nor does any of its workers but the one ledger it works on ([`assert_no_ledger_mapped`]).
+use std::{
+    collections::BTreeSet,
+    os::unix::fs::MetadataExt,
+    path::{Path, PathBuf},
+    time::Duration,
+};
 
 use anyhow::{bail, Context, Result};
 
@@ -127,8 +133,8 @@ impl HealthProbe {
     }
 
     /// Stops probing; fails unless every answer was `200` within [`HEALTH_WITHIN`] (and there
-    /// were some); returns the slowest.
-    pub fn finish(self) -> Result<Duration> {
+    /// were some); returns how many there were.
+    pub fn finish(self) -> Result<usize> {
         self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
         let answers = self.thread.join().map_err(|_| anyhow::anyhow!("the health prober panicked"))?;
         let slowest = answers.iter().map(|(took, _)| *took).max().context("no /healthz probe ran")?;
@@ -137,6 +143,95 @@ impl HealthProbe {
         if !bad.is_empty() {
             bail!("/healthz late (over {HEALTH_WITHIN:?}) or failing: {bad:?}");
         }
-        Ok(slowest)
+        Ok(answers.len())
     }
+}
+
+/// The pids of the `vramguard ledger-worker` children of process `agent`.
+pub fn worker_pids(agent: u32) -> Vec<u32> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        if !cmdline.split(|b| *b == 0).any(|arg| arg == b"ledger-worker") {
+            continue;
+        }
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+        if status.lines().any(|l| l.starts_with("PPid:") && l.split_whitespace().nth(1) == Some(&agent.to_string())) {
+            found.push(pid);
+        }
+    }
+    found
+}
+
+/// The rule "the agent never maps a ledger" (`../shared/security.md`, rule 1), read from the
+/// kernel: no file under `dir` (the agent's `--ledger-dir`: every ledger of the test, those
+/// removed or replaced since included) is in `/proc/<agent>/maps`, and each of the agent's
+/// ledger workers maps at most one (the ledger it works on, as designed).
+pub fn assert_no_ledger_mapped(agent: &Agent, dir: &Path) -> Result<()> {
+    let dir = dir.canonicalize().with_context(|| format!("cannot resolve {}", dir.display()))?;
+    let mut files = BTreeSet::new();
+    regular_files(&dir, 3, &mut files);
+    let mapped = ledgers_mapped(agent.pid(), &dir, &files);
+    if !mapped.is_empty() {
+        bail!("the agent (pid {}) maps ledger files: {mapped:?}", agent.pid());
+    }
+    for worker in worker_pids(agent.pid()) {
+        let mapped = ledgers_mapped(worker, &dir, &files);
+        if mapped.len() > 1 {
+            bail!("ledger worker {worker} maps more than its one ledger: {mapped:?}");
+        }
+    }
+    Ok(())
+}
+
+/// The ledger workers of process `agent` that map the file `ledger` (its own worker, while
+/// it runs).
+pub fn workers_mapping(agent: u32, ledger: &Path) -> Result<Vec<u32>> {
+    let metadata = ledger.metadata().with_context(|| format!("cannot stat {}", ledger.display()))?;
+    let file = BTreeSet::from([(dev_of_maps(metadata.dev()), metadata.ino())]);
+    // A path no mapping has: only the file's identity counts.
+    let nowhere = Path::new("/nonexistent-vramguard-dir");
+    Ok(worker_pids(agent).into_iter().filter(|pid| !ledgers_mapped(*pid, nowhere, &file).is_empty()).collect())
+}
+
+/// (device, inode) of the regular files under `dir`, `depth` levels down.
+fn regular_files(dir: &Path, depth: u32, found: &mut BTreeSet<(u64, u64)>) {
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let Ok(metadata) = entry.path().symlink_metadata() else { continue };
+        if metadata.is_file() {
+            found.insert((dev_of_maps(metadata.dev()), metadata.ino()));
+        } else if metadata.is_dir() && depth > 1 {
+            regular_files(&entry.path(), depth - 1, found);
+        }
+    }
+}
+
+/// A `st_dev` as `/proc/<pid>/maps` writes it: major and minor in one number, `major << 32 | minor`.
+fn dev_of_maps(dev: u64) -> u64 {
+    let major = ((dev >> 32) & 0xffff_f000) | ((dev >> 8) & 0xfff);
+    let minor = ((dev >> 12) & 0xffff_ff00) | (dev & 0xff);
+    major << 32 | minor
+}
+
+/// The distinct files of `files` (or named under `dir`: removed ones) that process `pid`
+/// maps, as `/proc/<pid>/maps` names them (nothing for a process that is gone).
+fn ledgers_mapped(pid: u32, dir: &Path, files: &BTreeSet<(u64, u64)>) -> BTreeSet<String> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
+    let mut mapped = BTreeSet::new();
+    for line in maps.lines() {
+        // address perms offset dev inode path
+        let mut fields = line.split_whitespace();
+        let (Some(dev), Some(inode)) = (fields.nth(3), fields.next()) else { continue };
+        let path = fields.collect::<Vec<_>>().join(" ");
+        let key = dev.split_once(':').and_then(|(major, minor)| {
+            let major = u64::from_str_radix(major, 16).ok()?;
+            let minor = u64::from_str_radix(minor, 16).ok()?;
+            Some((major << 32 | minor, inode.parse::<u64>().ok()?))
+        });
+        if key.is_some_and(|key| key.1 != 0 && files.contains(&key)) || Path::new(&path).starts_with(dir) {
+            mapped.insert(format!("{path} ({dev} {inode})"));
+        }
+    }
+    mapped
 }

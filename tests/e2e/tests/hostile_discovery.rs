@@ -6,13 +6,8 @@
 //! `cargo xtask test`.
 use std::{
     ffi::OsStr,
-    net::SocketAddr,
     os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
-    sync::{
-        atomic::{AtomicBool, Ordering},
-        Arc,
-    },
     time::{Duration, Instant},
 };
 
@@ -20,7 +15,7 @@ use anyhow::{bail, Context, Result};
 use e2e::{
     agent::Agent,
     cgroup::TestCgroup,
-    hostile::{assert_serving, Bystander},
+    hostile::{assert_serving, Bystander, HealthProbe},
     http, wait_for, FakeNode, TempDir, MIB,
 };
 use serde_json::Value;
@@ -42,6 +37,8 @@ fn discovering_agent(dir: &TempDir) -> Result<Agent> {
         OsStr::new("--ledger-dir"),
         dir.path().as_os_str(),
         OsStr::new("--metrics-addr"),
+        OsStr::new("127.0.0.1:0"),
+        OsStr::new("--health-addr"),
         OsStr::new("127.0.0.1:0"),
         OsStr::new("--rescan-ms"),
         OsStr::new("100"),
@@ -288,50 +285,9 @@ fn a_renamed_libcuda_is_probed_and_its_allocations_audited() -> Result<()> {
     Ok(())
 }
 
-/// Where the agent answers `/healthz`: (address, path). The one place that says so.
-fn healthz_url(agent: &Agent) -> Result<(SocketAddr, &'static str)> {
-    Ok((agent.metrics_addr()?, "/healthz"))
-}
-
-/// The bound on `/healthz`: answered within this, probed this often.
+/// How often `/healthz` is asked while an attack runs (each answer within
+/// [`e2e::hostile::HEALTH_WITHIN`], 250 ms).
 const HEALTH_EVERY: Duration = Duration::from_millis(250);
-
-/// Asks `/healthz` every [`HEALTH_EVERY`] on a thread of its own until [`HealthProbe::finish`],
-/// which fails unless every answer was a 200 that came within [`HEALTH_EVERY`].
-struct HealthProbe {
-    stop: Arc<AtomicBool>,
-    thread: std::thread::JoinHandle<Vec<(Duration, Result<u16, String>)>>,
-}
-
-impl HealthProbe {
-    fn start((addr, path): (SocketAddr, &'static str)) -> HealthProbe {
-        let stop = Arc::new(AtomicBool::new(false));
-        let stopped = Arc::clone(&stop);
-        let thread = std::thread::spawn(move || {
-            let mut answers = Vec::new();
-            while !stopped.load(Ordering::Relaxed) {
-                let asked = Instant::now();
-                let answer = http::get(addr, path).map(|(status, _)| status).map_err(|e| format!("{e:#}"));
-                answers.push((asked.elapsed(), answer));
-                std::thread::sleep(HEALTH_EVERY.saturating_sub(asked.elapsed()));
-            }
-            answers
-        });
-        HealthProbe { stop, thread }
-    }
-
-    fn finish(self, agent: &Agent) -> Result<usize> {
-        self.stop.store(true, Ordering::Relaxed);
-        let answers = self.thread.join().map_err(|_| anyhow::anyhow!("the probe thread panicked"))?;
-        let late: Vec<_> = answers.iter().filter(|(took, answer)| *took > HEALTH_EVERY || *answer != Ok(200)).collect();
-        let slowest = answers.iter().map(|(took, _)| *took).max().unwrap_or_default();
-        eprintln!("/healthz: {} probes, slowest {slowest:?}", answers.len());
-        if !late.is_empty() {
-            bail!("/healthz missed {} of {} probes ({late:?}); agent log:\n{}", late.len(), answers.len(), agent.log());
-        }
-        Ok(answers.len())
-    }
-}
 
 /// The agent's peak resident memory (`VmHWM`), in bytes.
 fn peak_rss(agent: &Agent) -> Result<u64> {
@@ -385,13 +341,13 @@ fn crafted_elf_files_never_keep_the_agent_from_answering() -> Result<()> {
 
     let started = Instant::now();
     let agent = discovering_agent(&dir)?;
-    let health = healthz_url(&agent)?;
+    let health = agent.health_addr()?;
     wait_for(Duration::from_secs(2).saturating_sub(started.elapsed()), "/healthz answered within 2 s of the agent's start", || {
-        Ok(http::get(health.0, health.1).is_ok_and(|(status, _)| status == 200))
+        Ok(http::get(health, "/healthz").is_ok_and(|(status, _)| status == 200))
     })
     .with_context(|| format!("agent log:\n{}", agent.log()))?;
     eprintln!("/healthz answered {:?} after the start", started.elapsed());
-    let probe = HealthProbe::start(health);
+    let probe = HealthProbe::start(health, HEALTH_EVERY);
 
     let reason = |entry: Option<Value>| entry.and_then(|e| e["reason"].as_str().map(String::from));
     wait_for(Duration::from_secs(5), "the file mapped before the start reported", || Ok(skipped_entry(&agent, ids.0)?.is_some()))?;
@@ -400,7 +356,7 @@ fn crafted_elf_files_never_keep_the_agent_from_answering() -> Result<()> {
     let second = map(&[&during])?;
     wait_for(Duration::from_secs(5), "the file mapped while it runs reported", || Ok(skipped_entry(&agent, ids.1)?.is_some()))?;
     std::thread::sleep(Duration::from_secs(2));
-    let probes = probe.finish(&agent)?;
+    let probes = probe.finish().with_context(|| format!("agent log:\n{}", agent.log()))?;
     assert!(probes >= 12, "{probes} probes");
 
     let first_reason = reason(skipped_entry(&agent, ids.0)?).context("no reason")?;
@@ -457,7 +413,7 @@ fn a_bloated_maps_file_costs_the_agent_no_memory() -> Result<()> {
     assert!(maps_bytes > 200 * MIB, "the attack is not running: its maps are {maps_bytes} bytes");
 
     let agent = discovering_agent(&dir)?;
-    let probe = HealthProbe::start(healthz_url(&agent)?);
+    let probe = HealthProbe::start(agent.health_addr()?, HEALTH_EVERY);
     let pid = attack.pid() as u64;
     let reported = |agent: &Agent| -> Result<Option<Value>> {
         let audit = agent.audit()?;
@@ -467,7 +423,7 @@ fn a_bloated_maps_file_costs_the_agent_no_memory() -> Result<()> {
     wait_for(Duration::from_secs(5), "the process reported as over the bound", || Ok(reported(&agent)?.is_some()))?;
     // Two full scans more (every second): it is not read again.
     std::thread::sleep(Duration::from_millis(2500));
-    probe.finish(&agent)?;
+    probe.finish().with_context(|| format!("agent log:\n{}", agent.log()))?;
     let entry = reported(&agent)?.context("reported")?;
     assert!(entry["reason"].as_str().is_some_and(|r| r.contains("over the agent's bound")), "{entry}");
     let audit = agent.audit()?;

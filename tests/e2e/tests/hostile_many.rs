@@ -137,8 +137,8 @@ fn scene(hostile: usize) -> Result<()> {
         bystander.kill_and_expect_reclaim(&agent)?;
     }
     assert_serving(&agent)?;
-    let slowest = probe.finish()?;
-    eprintln!("{hostile} hostile ledgers: /healthz slowest {slowest:?}");
+    let probes = probe.finish()?;
+    ensure!(probes >= 20, "{probes} /healthz probes");
     let log = agent.log();
     ensure!(!log.contains("panicked"), "the agent panicked: {log}");
     // Each hostile ledger's lock was met (and logged) a bounded number of times: backed off,
