@@ -350,7 +350,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
     let mut ledgers = args.ledger_dir.clone().map(|dir| Ledgers::with_limits(dir, ledger_limits));
     let (provisioner, _capacity) = provisioner(&args)?.unzip();
     let metrics = Metrics::new(args.hami_metrics)?;
-    let judge = Judge {
+    let mut judge = Judge {
         reconciler: Reconciler::new(reconcile::Config {
             threshold: args.drift_threshold,
             grace: Duration::from_millis(args.drift_grace_ms),
@@ -390,7 +390,6 @@ pub async fn run(args: RunArgs) -> Result<()> {
         None => None,
     };
 
-    let mut tasks = Vec::new();
     let reclaim = ledgers.map(|ledgers| {
         let (published_tx, published_rx) = watch::channel(Arc::new(ledgers.clone()));
         let wiring = ledgers::task::Wiring {
@@ -410,7 +409,6 @@ pub async fn run(args: RunArgs) -> Result<()> {
     // The metrics listener serves the pages the reconcile task renders (the first one before
     // it listens) and rings `render_wanted` when a scrape finds the page older than the last
     // pass.
-    let mut judge = judge;
     let (metrics_addr, publisher) = match args.metrics_addr {
         Some(addr) => {
             let connections = serve::http::Connections::new()?;
@@ -440,7 +438,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         sweep: Duration::from_millis(args.sweep_ms),
         limits: Duration::from_millis(args.rescan_ms),
     };
-    let kernel = tokio::spawn(kernel.run(every, kernel_wiring));
+    let mut kernel = tokio::spawn(kernel.run(every, kernel_wiring));
     let probed_files = discovery.probed().count();
     let scanner = Scanner { discovery, ebpf };
     let discovery = tokio::spawn(scanner.run(
@@ -464,7 +462,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         heartbeat: liveness.register("reconcile", TENANT_WORK_ALLOWED),
         stop: stop.clone(),
     };
-    tasks.push(tokio::spawn(judge.run(judge_wiring)));
+    let judge = tokio::spawn(judge.run(judge_wiring));
     let listener = control::bind(&args.socket)?;
     let control = tokio::spawn(control::listen(listener, audits_tx));
     let _ = health.ready.set(Box::new(move || not_ready(&found_rx.borrow(), provisioning.as_ref())));
@@ -472,29 +470,37 @@ pub async fn run(args: RunArgs) -> Result<()> {
 
     let mut sigterm = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
     let mut sigint = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
-    let signal = tokio::select! {
-        _ = sigterm.recv() => "SIGTERM",
-        _ = sigint.recv() => "SIGINT",
+    // Until a signal, or the kernel task's end (it ends only on an error: without it no exit
+    // is seen and no limit pushed, so the agent stops, saying why, and is restarted).
+    let (signal, ended) = tokio::select! {
+        _ = sigterm.recv() => ("SIGTERM", None),
+        _ = sigint.recv() => ("SIGINT", None),
+        ended = &mut kernel => ("the kernel task's end", Some(ended)),
     };
     info!(signal, "stopping: detaching probes");
     // The reconcile task frees the agent's charges while the ledgers are still open; then the
     // others stop, the programs (held by discovery) last: dropping them detaches every probe.
     let _ = stop_tx.send(true);
     control.abort();
-    for task in tasks {
-        let _ = task.await;
-    }
+    let _ = judge.await;
     if let Some(reclaim) = reclaim {
         let _ = reclaim.await;
     }
-    match kernel.await {
-        Ok(Err(error)) => warn!(error = %format!("{error:#}"), "the kernel task failed"),
-        Err(error) => warn!(%error, "the kernel task failed"),
-        Ok(Ok(())) => {}
+    let failed = match ended {
+        Some(ended) => Some(ended),
+        None => Some(kernel.await),
     }
+    .and_then(|ended| match ended {
+        Ok(Ok(())) => None,
+        Ok(Err(error)) => Some(format!("{error:#}")),
+        Err(error) => Some(error.to_string()),
+    });
     let ebpf = discovery.await.ok().flatten();
     let _ = std::fs::remove_file(&args.socket);
     drop(ebpf); // dropping the programs detaches every uprobe and the tracepoints
+    if let Some(error) = failed {
+        bail!("the kernel task failed: {error}");
+    }
     info!("vramguard agent stopped");
     Ok(())
 }
