@@ -1,12 +1,20 @@
 //! What every attack test of the adversarial suite (`tests/hostile_*.rs`) checks while its
 //! attack runs (`../shared/security.md`, "How we test it"): the agent is still alive and still
 //! serving `/metrics` ([`assert_serving`]), and it still reclaims the slot of a SIGKILLed
-//! process of *another* container within a second ([`Bystander`]).
-use std::{path::PathBuf, time::Duration};
+//! process of *another* container within a second ([`Bystander`]), and `/healthz` answers
+//! in time throughout ([`HealthProbe`]). [`HostileLedgers`] is the many-tenants attack
+//! (issue 17): ledgers whose locks are held and that are owed reclaims and charges.
+use std::{
+    path::{Path, PathBuf},
+    sync::{Arc, Barrier},
+    thread::JoinHandle,
+    time::Duration,
+};
 
 use anyhow::{bail, Context, Result};
+use ledger::{Ledger, ProcessIdentity};
 
-use crate::{agent::Agent, holding, http, ledgers, wait_for, FakeNode, Running, TempDir, GIB};
+use crate::{agent::Agent, holding, http, ledgers, wait_for, FakeNode, Running, TempDir, GIB, MIB};
 
 /// How soon the slot of a killed bystander process must be free.
 pub const RECLAIM_WITHIN: Duration = Duration::from_secs(1);
@@ -138,5 +146,94 @@ impl HealthProbe {
             bail!("/healthz late (over {HEALTH_WITHIN:?}) or failing: {bad:?}");
         }
         Ok(slowest)
+    }
+}
+
+/// What the agent says of a ledger whose lock it could not take (`ledger_problems`).
+pub const LOCK_HELD: &str = "lock stayed held";
+
+/// Hostile ledgers, as many small tenants would leave them: each at
+/// `<dir>/hostile-NN/ledger`, with a slot of a process that does not exist (dead: the agent
+/// owes it a reclaim, which needs the lock) and its lock held by a thread of the test for a
+/// given time; the first `owed` of them also have a hooked process that allocated, then wrote
+/// its own charge down (tampered: the agent owes the ledger a charge, which needs the lock
+/// too). Dropping it kills those processes; the lock holders let go by themselves.
+pub struct HostileLedgers {
+    paths: Vec<PathBuf>,
+    holders: Vec<JoinHandle<()>>,
+    _processes: Vec<Running>,
+    _node: FakeNode,
+}
+
+impl HostileLedgers {
+    /// Makes `count` hostile ledgers under `dir` (the agent's `--ledger-dir`, made before the
+    /// agent starts so that it watches them) and returns once every lock is taken, to be held
+    /// for `held_for` (longer than the test's attack: see [`HostileLedgers::held`]).
+    pub fn make(dir: &Path, count: usize, owed: usize, held_for: Duration) -> Result<HostileLedgers> {
+        let node = FakeNode::new("hostile-ledgers").with_env("FAKECUDA_CONTEXT_BYTES", "64m");
+        let pidns = std::fs::metadata("/proc/self/ns/pid").map(|m| std::os::unix::fs::MetadataExt::ino(&m))?;
+        let (mut paths, mut processes) = (Vec::new(), Vec::new());
+        for i in 0..count {
+            let container = dir.join(format!("hostile-{i:02}"));
+            std::fs::create_dir_all(&container).with_context(|| format!("cannot create {}", container.display()))?;
+            let path = container.join("ledger");
+            ledgers::create(&path, 16, 256, GIB, 64 * MIB)?;
+            if i < owed {
+                // A hooked process that allocates, then writes its charge down: tampered, and
+                // the agent owes its ledger what the probes see beyond the charge.
+                let running = holding(node.hooked(&path, GIB)?, &["ctx 0", "alloc a 128m"])?;
+                ledgers::zero_slot_bytes(&path, running.pid())?;
+                processes.push(running);
+            }
+            // A slot no process has: dead, owed a reclaim. Registered after the hooked
+            // process started: the hook frees dead slots when it opens its session.
+            Ledger::open(&path)?.register(ProcessIdentity { pid: 4_100_000 + i as u32, pidns, start_time: 1 })?;
+            paths.push(path);
+        }
+        // Every lock taken before the agent looks, and held (by a live process: this one)
+        // for `held_for`.
+        let taken = Arc::new(Barrier::new(count + 1));
+        let holders = paths
+            .iter()
+            .map(|path| {
+                let ledger = Ledger::open(path)?;
+                let taken = taken.clone();
+                Ok(std::thread::spawn(move || {
+                    let holding = std::thread::spawn(move || ledger.hold_lock_for(held_for));
+                    std::thread::sleep(Duration::from_millis(200));
+                    taken.wait();
+                    let _ = holding.join();
+                }))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        taken.wait();
+        Ok(HostileLedgers { paths, holders, _processes: processes, _node: node })
+    }
+
+    /// The ledger files.
+    pub fn paths(&self) -> &[PathBuf] {
+        &self.paths
+    }
+
+    /// Every lock is still held (no holder has let go yet): the attack is in effect.
+    pub fn held(&self) -> bool {
+        self.holders.iter().all(|h| !h.is_finished())
+    }
+
+    /// Waits up to `within` until `vramguard audit` reports every hostile ledger in
+    /// `ledger_problems` with the reason [`LOCK_HELD`] (its reclaim and its charge refused by
+    /// its lock); with none, checks nothing.
+    pub fn wait_reported(&self, agent: &Agent, within: Duration) -> Result<()> {
+        let names: Vec<String> = self.paths.iter().map(|p| p.display().to_string()).collect();
+        wait_for(within, "every hostile ledger reported as backed off", || {
+            let audit = agent.audit()?;
+            let problems = &audit["ledger_problems"];
+            Ok(names.iter().all(|name| problems[name.as_str()].as_str().is_some_and(|p| p.contains(LOCK_HELD))))
+        })
+        .with_context(|| {
+            let problems = agent.audit().map(|a| a["ledger_problems"].to_string()).unwrap_or_default();
+            format!("audit: {problems}\nlog:\n{}", agent.log())
+        })?;
+        Ok(())
     }
 }
