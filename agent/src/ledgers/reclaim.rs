@@ -14,7 +14,8 @@
 //! Sweeps run every second and at once on the eBPF exit event of a process with GPU memory.
 //! That event fires inside `do_exit`, before the process becomes a zombie, so its tgid stays
 //! pending (and the caller sweeps every few milliseconds) until its slot is found dead, no
-//! live slot is its, or [`PENDING_MAX`] passes. Its slot is the one with that host pid, or
+//! live slot is its, or [`PENDING_MAX`] passes; an event that arrives while a sweep runs
+//! (judged on slots read before it) waits for the next sweep. Its slot is the one with that host pid, or
 //! (for a process that died before a sweep saw it alive) the one with the identity read from
 //! /proc when the event arrived (a zombie's /proc entry still tells it). The latency of a
 //! reclaim is measured from the exit event's arrival when there was one, else from the
@@ -169,7 +170,12 @@ impl Reclaimer {
                 .collect();
             running.into_iter().filter_map(|(path, thread)| Some((path, thread.join().ok()?))).collect()
         });
+        // Exits that arrived while this sweep ran were judged on slots read before them: they
+        // stay pending for the next sweep (soon: the caller sweeps while exits are pending),
+        // unless this one freed their slot.
+        let mut arrived = HashSet::new();
         for (tgid, at) in late() {
+            arrived.insert(tgid);
             self.exited(tgid, at);
         }
         let mut reclaimed = Vec::new();
@@ -198,7 +204,7 @@ impl Reclaimer {
                 reclaimed.push(latency);
             }
         }
-        self.pending.retain(|tgid, (at, _)| waiting.contains(tgid) && at.elapsed() < PENDING_MAX);
+        self.pending.retain(|tgid, (at, _)| (waiting.contains(tgid) || arrived.contains(tgid)) && at.elapsed() < PENDING_MAX);
         self.verified = verified;
         self.unreadable = unreadable;
         reclaimed

@@ -52,6 +52,10 @@ fn scene(hostile: usize) -> Result<()> {
     eprintln!("{hostile} hostile ledgers: /healthz slowest {slowest:?}");
     let log = agent.log();
     ensure!(!log.contains("panicked"), "the agent panicked: {log}");
+    // Each of those reclaims was driven by the process's exit event, not left to the next
+    // periodic sweep (which also lands within the second, but only by its period).
+    let driven = log.matches("from_exit_event=true").count();
+    ensure!(driven >= 3, "{driven} of the bystander's 3 reclaims driven by exit events: {log}");
     // Each hostile ledger's lock was met (and logged) a bounded number of times: backed off,
     // not retried at every pass (about 20 s of the scene: at most a handful per ledger).
     let busy = log.matches(LOCK_HELD).count();
