@@ -1,18 +1,24 @@
 //! What every attack test of the adversarial suite (`tests/hostile_*.rs`) checks while its
 //! attack runs (`../shared/security.md`, "How we test it"): the agent is still alive and still
 //! serving `/metrics` ([`assert_serving`]), it still reclaims the slot of a SIGKILLed
-//! process of *another* container within a second ([`Bystander`]), and it never maps a ledger
-//! file, nor does any of its workers but the one ledger it works on ([`assert_no_ledger_mapped`]).
+//! process of *another* container within a second ([`Bystander`]), `/healthz` answers in
+//! time throughout ([`HealthProbe`]), and it never maps a ledger file, nor does any of its
+//! workers but the one ledger it works on ([`assert_no_ledger_mapped`]). [`HostileLedgers`] is
+//! the many-tenants attack (issue 17): ledgers whose locks are held and that are owed reclaims
+//! and charges.
 use std::{
     collections::BTreeSet,
-    os::unix::fs::MetadataExt,
+    os::unix::fs::{FileExt, MetadataExt},
     path::{Path, PathBuf},
+    sync::{Arc, Barrier},
+    thread::JoinHandle,
     time::Duration,
 };
 
 use anyhow::{bail, Context, Result};
+use ledger::{Ledger, ProcessIdentity};
 
-use crate::{agent::Agent, holding, http, ledgers, wait_for, FakeNode, Running, TempDir, GIB};
+use crate::{agent::Agent, holding, http, ledgers, wait_for, FakeNode, Running, TempDir, GIB, MIB};
 
 /// How soon the slot of a killed bystander process must be free.
 pub const RECLAIM_WITHIN: Duration = Duration::from_secs(1);
@@ -234,4 +240,116 @@ fn ledgers_mapped(pid: u32, dir: &Path, files: &BTreeSet<(u64, u64)>) -> BTreeSe
         }
     }
     mapped
+}
+
+/// What the agent says of a ledger whose lock it could not take (`ledger_problems`).
+pub const LOCK_HELD: &str = "lock stayed held";
+
+/// Hostile ledgers, as many small tenants would leave them, at `<dir>/hostile-NN/ledger`:
+/// made before the agent starts ([`HostileLedgers::make`], so that it watches them), then,
+/// once it runs, attacked ([`HostileLedgers::attack`]): each gets a slot of a process that does
+/// not exist (dead: the agent owes it a reclaim, which needs the lock) and its lock held by a
+/// thread of the test for a given time, with the `dirty` flag the holder raised written down
+/// again through the file, as a tenant would (so that the agent's copies settle and it goes
+/// for the lock: a ledger left dirty is only reported unsettled); the first `owed` of them
+/// also get a hooked process that allocates (seen by the agent's probes), then writes its own
+/// charge down (tampered: the agent owes the ledger a charge, which needs the lock too).
+/// Dropping it kills those processes; the lock holders let go by themselves.
+pub struct HostileLedgers {
+    paths: Vec<PathBuf>,
+    owed: usize,
+    holders: Vec<JoinHandle<()>>,
+    processes: Vec<Running>,
+    node: FakeNode,
+}
+
+impl HostileLedgers {
+    /// `count` ledgers under `dir` (the agent's `--ledger-dir`), `owed` of which will be owed a
+    /// charge.
+    pub fn make(dir: &Path, count: usize, owed: usize) -> Result<HostileLedgers> {
+        let paths = (0..count)
+            .map(|i| {
+                let container = dir.join(format!("hostile-{i:02}"));
+                std::fs::create_dir_all(&container).with_context(|| format!("cannot create {}", container.display()))?;
+                let path = container.join("ledger");
+                ledgers::create(&path, 16, 256, GIB, 64 * MIB)?;
+                Ok(path)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let node = FakeNode::new("hostile-ledgers").with_env("FAKECUDA_CONTEXT_BYTES", "64m");
+        Ok(HostileLedgers { paths, owed, holders: Vec::new(), processes: Vec::new(), node })
+    }
+
+    /// The attack, once the agent runs (its probes see the owed processes allocate); returns
+    /// once every lock is taken, to be held for `held_for` (longer than the test's checks: see
+    /// [`HostileLedgers::held`]).
+    pub fn attack(&mut self, held_for: Duration) -> Result<()> {
+        let pidns = std::fs::metadata("/proc/self/ns/pid").map(|m| m.ino())?;
+        for (i, path) in self.paths.iter().enumerate() {
+            if i < self.owed {
+                let running = holding(self.node.hooked(path, GIB)?, &["ctx 0", "alloc a 128m"])?;
+                ledgers::zero_slot_bytes(path, running.pid())?;
+                self.processes.push(running);
+            }
+            // Registered after the hooked process started: a hook frees the dead slots of its
+            // pid namespace when it opens its session.
+            Ledger::open(path)?.register(ProcessIdentity { pid: 4_100_000 + i as u32, pidns, start_time: 1 })?;
+        }
+        let dirty = ledger::layout::PAGE + std::mem::offset_of!(ledger::layout::State, dirty) as u64;
+        let taken = Arc::new(Barrier::new(self.paths.len() + 1));
+        self.holders = self
+            .paths
+            .iter()
+            .map(|path| {
+                let ledger = Ledger::open(path)?;
+                let file = std::fs::OpenOptions::new().write(true).open(path)?;
+                let taken = taken.clone();
+                Ok(std::thread::spawn(move || {
+                    let holding = std::thread::spawn(move || ledger.hold_lock_for(held_for));
+                    std::thread::sleep(Duration::from_millis(200));
+                    let _ = file.write_all_at(&0u32.to_ne_bytes(), dirty);
+                    taken.wait();
+                    let _ = holding.join();
+                }))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        taken.wait();
+        Ok(())
+    }
+
+    /// The ledger files.
+    pub fn paths(&self) -> &[PathBuf] {
+        &self.paths
+    }
+
+    /// The pids of the processes that wrote their charge down.
+    pub fn owed_pids(&self) -> Vec<u32> {
+        self.processes.iter().map(Running::pid).collect()
+    }
+
+    /// Every lock is still held (no holder has let go yet): the attack is in effect.
+    pub fn held(&self) -> bool {
+        !self.holders.is_empty() && self.holders.iter().all(|h| !h.is_finished())
+    }
+
+    /// Waits up to `within` until `vramguard audit` reports every hostile ledger in
+    /// `ledger_problems` with the reason [`LOCK_HELD`] (its reclaim and its charge refused by
+    /// its lock), and every process that wrote its charge down `tampered`.
+    pub fn wait_reported(&self, agent: &Agent, within: Duration) -> Result<()> {
+        let names: Vec<String> = self.paths.iter().map(|p| p.display().to_string()).collect();
+        let owed = self.owed_pids();
+        wait_for(within, "every hostile ledger reported as backed off, every owed process tampered", || {
+            let audit = agent.audit()?;
+            let problems = &audit["ledger_problems"];
+            let rows = audit["processes"].as_array().cloned().unwrap_or_default();
+            let tampered = |pid: u32| rows.iter().any(|row| row["pid"].as_u64() == Some(u64::from(pid)) && row["state"] == "tampered");
+            Ok(names.iter().all(|name| problems[name.as_str()].as_str().is_some_and(|p| p.contains(LOCK_HELD)))
+                && owed.iter().all(|pid| tampered(*pid)))
+        })
+        .with_context(|| {
+            let problems = agent.audit().map(|a| a["ledger_problems"].to_string()).unwrap_or_default();
+            format!("audit: {problems}\nlog:\n{}", agent.log())
+        })?;
+        Ok(())
+    }
 }

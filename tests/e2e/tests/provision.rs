@@ -1,7 +1,9 @@
 //! Provisioning through NRI with a real containerd (issue "Quotas belong to the operator",
 //! Must show): the agent runs as containerd's NRI plugin with a quota file (`namespace=team-a
 //! 1g`), pods are created through the CRI API, and workloads inside the containers allocate
-//! through the fake driver.
+//! through the fake driver. Issue 17's NRI part of "many hostile tenants" is here too: pods
+//! created beside 50 hostile ledgers ([`e2e::hostile::HostileLedgers`]) get their answer from
+//! the agent within the runtime's NRI deadline.
 //!
 //! Needs the containerd cache (`cargo xtask setup`) and the built binaries (`cargo xtask test`).
 use std::{
@@ -15,6 +17,7 @@ use anyhow::{ensure, Context, Result};
 use e2e::{
     agent::{agent_bin, provisioning_args, Agent},
     containerd::{workload_path, ContainerId, ContainerSpec, Containerd, PodId},
+    hostile::{HealthProbe, HostileLedgers},
     timeout, wait_for, FakeNode, TempDir, GIB,
 };
 use serde_json::Value;
@@ -43,14 +46,20 @@ impl Node {
 
     /// A node whose agent is told the GPUs of `gpu_memory` (`--gpu-memory`) and `more`.
     fn with_gpus(tag: &str, gpu_memory: &str, more: &[&OsStr]) -> Result<Node> {
+        let mut node = Node::without_agent(tag, gpu_memory)?;
+        node.start_agent_with(more)?;
+        Ok(node)
+    }
+
+    /// The node with its containerd running and its ledger directory made, the agent not
+    /// started yet (see [`Node::start_agent_with`]).
+    fn without_agent(tag: &str, gpu_memory: &str) -> Result<Node> {
         let dir = TempDir::new(tag)?;
         let fake = FakeNode::new(tag).with_env("FAKECUDA_DEVICE_BYTES", "8g").with_env("FAKECUDA_CONTEXT_BYTES", "518m");
         std::fs::create_dir_all(dir.path().join("ledgers"))?;
         std::fs::write(dir.path().join("quotas"), "namespace=team-a 1g\n")?;
         let containerd = Containerd::start(&dir.path().join("nri.sock"))?;
-        let mut node = Node { dir, fake, containerd, agent: None, gpu_memory: gpu_memory.into() };
-        node.start_agent_with(more)?;
-        Ok(node)
+        Ok(Node { dir, fake, containerd, agent: None, gpu_memory: gpu_memory.into() })
     }
 
     fn path(&self, name: &str) -> PathBuf {
@@ -80,9 +89,20 @@ impl Node {
 
     /// A pod and its container `main`, sleeping, with the fake driver.
     fn pod(&self, name: &str, namespace: &str, uid: &str) -> Result<(PodId, ContainerId)> {
-        let pod = self.containerd.pod(name, namespace, uid, &[])?;
-        let container = self.containerd.run_container(&pod, &ContainerSpec::new("main").fake_driver(&self.fake)?)?;
+        let (pod, container, _) = self.timed_pod(name, namespace, uid)?;
         Ok((pod, container))
+    }
+
+    /// [`Node::pod`], also returning how long the CRI `CreateContainer` call took (the
+    /// runtime's NRI `CreateContainer` round trip to the agent is within it).
+    fn timed_pod(&self, name: &str, namespace: &str, uid: &str) -> Result<(PodId, ContainerId, Duration)> {
+        let pod = self.containerd.pod(name, namespace, uid, &[])?;
+        let spec = ContainerSpec::new("main").fake_driver(&self.fake)?;
+        let began = Instant::now();
+        let container = self.containerd.create_container(&pod, &spec)?;
+        let took = began.elapsed();
+        self.containerd.start_container(&container)?;
+        Ok((pod, container, took))
     }
 
     /// Runs `fakecuda-workload` in `container` with `env` (through `env`) and these steps.
@@ -537,4 +557,77 @@ fn a_container_given_gpus_by_cdi_is_held_to_them_whatever_its_env_says() -> Resu
     ensure!(ledger_limits(&node, &two)? == [(0, QUOTA), (1, QUOTA)], "{:?}", ledger_limits(&node, &two)?);
     node.fake.cleanup();
     Ok(())
+}
+
+/// How long the runtime waits for an NRI plugin's answer: containerd's default
+/// `plugin_request_timeout` (the harness's containerd keeps it), the deadline issue 17 names.
+const NRI_DEADLINE: Duration = Duration::from_secs(2);
+
+/// Issue 17, "many hostile tenants", the NRI part: 50 hostile ledgers in the agent's
+/// `--ledger-dir` (made before it starts, so it watches them; not provisioned): each with its
+/// lock held by a thread of this test, a dead slot owed a reclaim, and in ten a hooked process
+/// that wrote its charge down (a charge owed). Pods are created through CRI as soon as the
+/// agent is registered with the runtime, and again once it has reported every hostile ledger: each CRI `CreateContainer`
+/// returns within the runtime's NRI deadline, each container is provisioned (record, env,
+/// ledger), and `/healthz` on the health listener answers within 250 ms every 100 ms
+/// throughout. The attack is shown in effect: every hostile ledger reported with its lock
+/// held, the locks still held at the end. The negative control runs the same without them.
+fn provisioning_beside_hostile_ledgers(hostile: usize) -> Result<()> {
+    const OWED: usize = 10;
+    const PODS: usize = 4;
+    // Longer than the scene (containerd's start, the agent's, four pods, the checks).
+    const HELD_FOR: Duration = Duration::from_secs(120);
+    let mut node = Node::without_agent(if hostile > 0 { "prov-hostile" } else { "prov-hostile-control" }, "8g")?;
+    let mut attack = HostileLedgers::make(&node.path("ledgers"), hostile, OWED.min(hostile))?;
+    node.start_agent_with(&[OsStr::new("--health-addr"), OsStr::new("127.0.0.1:0")])?;
+    let probe = HealthProbe::start(node.agent().health_addr()?, Duration::from_millis(100));
+    attack.attack(HELD_FOR)?;
+
+    let mut made = Vec::new();
+    for i in 0..PODS {
+        if i == PODS / 2 {
+            // Every hostile ledger found and reported: its lock stays held (the reclaim of
+            // its dead slot, and the charge it is owed, are refused by its lock).
+            attack.wait_reported(node.agent(), Duration::from_secs(20))?;
+        }
+        let (_pod, container, took) = node.timed_pod(&format!("trainer-{i}"), "team-a", &format!("uid-h{i}"))?;
+        eprintln!("{hostile} hostile ledgers: CreateContainer of pod {i} took {took:?}");
+        made.push((container, took));
+    }
+    for (id, took) in &made {
+        ensure!(*took < NRI_DEADLINE, "CreateContainer of {} took {took:?}, past the NRI deadline {NRI_DEADLINE:?}", id.0);
+        let record = node.provisioned(id)?.with_context(|| format!("{} not provisioned; log:\n{}", id.0, node.agent().log()))?;
+        ensure!(record["quota"] == QUOTA && record["namespace"] == "team-a", "{record}");
+        let env = node.containerd.container_env(id)?;
+        for want in ["VRAMGUARD_LEDGER=/run/vramguard/ledger".to_string(), format!("CUDA_DEVICE_MEMORY_LIMIT={QUOTA}")] {
+            ensure!(env.contains(&want), "{want} not in {}'s env: {env:?}", id.0);
+        }
+        ensure!(node.ledger_of(id).is_file(), "{}: no ledger at {}", id.0, node.ledger_of(id).display());
+        ensure!(node.ledger_problem(id)?.is_none(), "{}: {:?}", id.0, node.ledger_problem(id)?);
+    }
+    // The provisioned ledger holds its container, hostile neighbours or not.
+    assert_held(&node.workload(&made[0].0, &[], &OVER)?)?;
+
+    // The attack was in effect throughout: the locks are still held, still reported.
+    ensure!(hostile == 0 || attack.held(), "a hostile ledger's lock was let go before the checks ended (HELD_FOR too short)");
+    attack.wait_reported(node.agent(), Duration::from_secs(1))?;
+    if hostile == 0 {
+        let audit = node.agent().audit()?;
+        ensure!(audit["ledger_problems"].as_object().is_none_or(|p| p.is_empty()), "problems without an attack: {}", audit["ledger_problems"]);
+    }
+    probe.finish()?;
+    let log = node.agent().log();
+    ensure!(!log.contains("panicked"), "the agent panicked: {log}");
+    node.fake.cleanup();
+    Ok(())
+}
+
+#[test]
+fn fifty_hostile_ledgers_delay_neither_nri_create_container_nor_health() -> Result<()> {
+    provisioning_beside_hostile_ledgers(50)
+}
+
+#[test]
+fn negative_control_the_same_pods_without_hostile_ledgers() -> Result<()> {
+    provisioning_beside_hostile_ledgers(0)
 }
