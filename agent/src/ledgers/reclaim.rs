@@ -99,7 +99,7 @@ impl Reclaimer {
         // process is alive without more ado (checked in full the first time, by start time
         // after that). The others are judged by one scan of /proc made after every read: a
         // process that registered a slot before its ledger was read is in it if it lives.
-        let mut read: Vec<(&Path, &LedgerHandle, Vec<(SlotView, Option<u32>)>)> = Vec::new();
+        let mut read: Vec<(&Path, &LedgerHandle, Vec<Judged>)> = Vec::new();
         let mut unreadable = HashSet::new();
         let mut unresolved = false;
         for (path, ledger) in ledgers.iter() {
@@ -114,7 +114,7 @@ impl Reclaimer {
                     continue;
                 }
             };
-            let judged: Vec<(SlotView, Option<u32>)> = slots
+            let judged: Vec<Judged> = slots
                 .into_iter()
                 .map(|view| {
                     let slot = view.slot;
@@ -208,6 +208,9 @@ impl Reclaimer {
         reclaimed
     }
 }
+
+/// A slot as read, with its recorded host pid if that still runs the slot's process.
+type Judged = (SlotView, Option<u32>);
 
 /// A slot whose process was found gone, and when.
 type Gone = (SlotView, Instant);

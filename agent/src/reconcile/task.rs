@@ -140,7 +140,7 @@ impl Judge {
             }
             let out = match step {
                 Step::Pass => Out::Passed,
-                Step::Render => Out::Page(state.render(ledgers, &found, provisioning.as_ref())),
+                Step::Render => Out::Page(Box::new(state.render(ledgers, &found, provisioning.as_ref()))),
                 Step::Audit(reply) => {
                     let mut snapshot = state.snapshot(ledgers, &found);
                     snapshot.metrics_addr = metrics_addr.map(|addr| addr.to_string());
@@ -151,7 +151,7 @@ impl Judge {
                         snapshot.provisioned = p.provisioner.provisioned().into_iter().map(|p| p.record).collect();
                         snapshot.nri_connected = Some(*p.connected.borrow());
                     }
-                    Out::Audit(reply, snapshot)
+                    Out::Audit(reply, Box::new(snapshot))
                 }
             };
             let limits = ledgers.map(|l| ledger_cgroup_limits(l, &state.reconciler)).unwrap_or_default();
@@ -173,15 +173,15 @@ impl Judge {
         });
         if let Some((publisher, _)) = wiring.publisher.as_ref() {
             if let Out::Page(page) = out {
-                publisher.publish(page);
+                publisher.publish(*page);
             } else {
                 publisher.passed(state.passes);
                 if let Out::Audit(reply, snapshot) = out {
-                    let _ = reply.send(snapshot);
+                    let _ = reply.send(*snapshot);
                 }
             }
         } else if let Out::Audit(reply, snapshot) = out {
-            let _ = reply.send(snapshot);
+            let _ = reply.send(*snapshot);
         }
         state
     }
@@ -225,8 +225,8 @@ impl Judge {
 /// What a step produced.
 enum Out {
     Passed,
-    Page(Published),
-    Audit(oneshot::Sender<Snapshot>, Snapshot),
+    Page(Box<Published>),
+    Audit(oneshot::Sender<Snapshot>, Box<Snapshot>),
 }
 
 /// Why the agent is not ready, if it is not: nothing probed, not registered with the runtime,
