@@ -32,6 +32,12 @@
 //! * NULL out-pointers, indices past the device count and unknown device handles are
 //!   `NVML_ERROR_INVALID_ARGUMENT`.
 //!
+//! A knob for the tests of NVML's callers, read from the environment of the process that
+//! loads the fake at each call: `FAKECUDA_NVML=absent` makes the init calls return
+//! `NVML_ERROR_DRIVER_NOT_LOADED` (a node without the driver), `fail` makes every call after
+//! a successful init return `NVML_ERROR_UNKNOWN`, `hang` makes every call but
+//! `nvmlErrorString` sleep `FAKECUDA_NVML_HANG_MS` (default 10000) before it answers.
+//!
 //! Device handles are the addresses of a static array's elements, one per possible device.
 //!
 //! # Safety
@@ -70,6 +76,20 @@ static NVML: Mutex<Option<Nvml>> = Mutex::new(None);
 static HANDLES: [u64; MAX_DEVICES as usize] = [0; MAX_DEVICES as usize];
 
 type R<T> = Result<T, nvmlReturn_t>;
+
+/// What `FAKECUDA_NVML` asks of this call (see the module doc): `Some(rc)` to fail with it.
+fn knob(init: bool) -> Option<nvmlReturn_t> {
+    match std::env::var("FAKECUDA_NVML").as_deref() {
+        Ok("absent") if init => Some(NVML_ERROR_DRIVER_NOT_LOADED),
+        Ok("fail") if !init => Some(NVML_ERROR_UNKNOWN),
+        Ok("hang") => {
+            let ms = std::env::var("FAKECUDA_NVML_HANG_MS").ok().and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(10_000);
+            std::thread::sleep(std::time::Duration::from_millis(ms));
+            None
+        }
+        _ => None,
+    }
+}
 
 fn lock() -> MutexGuard<'static, Option<Nvml>> {
     NVML.lock().unwrap_or_else(PoisonError::into_inner)
@@ -117,6 +137,9 @@ impl Nvml {
 /// `nvmlErrorString`.
 fn with_nvml(api: Api, f: impl FnOnce(&mut Nvml) -> R<()>) -> nvmlReturn_t {
     count(api);
+    if let Some(rc) = knob(false) {
+        return rc;
+    }
     let mut guard = lock();
     let (rc, trace) = match guard.as_mut() {
         Some(n) => (n.refresh().and_then(|()| f(n)).err().unwrap_or(NVML_SUCCESS), n.cfg.trace),
@@ -144,6 +167,9 @@ unsafe fn out<T>(ptr: *mut T, value: T) -> R<()> {
 
 fn init(api: Api) -> nvmlReturn_t {
     count(api);
+    if let Some(rc) = knob(true) {
+        return rc;
+    }
     let mut guard = lock();
     if let Some(n) = guard.as_mut() {
         n.refs = n.refs.saturating_add(1);
