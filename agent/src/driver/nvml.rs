@@ -55,7 +55,10 @@ impl Nvml {
         // SAFETY: nvmlInit_v2 takes no argument; the library stays loaded while `nvml` lives.
         let rc = unsafe { (nvml.init_fn()?)() };
         if rc != NVML_SUCCESS {
-            return Err(Trouble::failing(format!("nvmlInit_v2 in {}: {}", path.display(), nvml.error(rc))));
+            let reason = format!("nvmlInit_v2 in {}: {}", path.display(), nvml.error(rc));
+            // No driver behind the library (a node without GPUs, a fake without devices).
+            let absent = matches!(rc, NVML_ERROR_DRIVER_NOT_LOADED | NVML_ERROR_LIBRARY_NOT_FOUND);
+            return Err(if absent { Trouble::absent(reason) } else { Trouble::failing(reason) });
         }
         Ok(nvml)
     }

@@ -391,14 +391,15 @@ impl Reconciler {
             };
             if state == State::Unprobed && self.unprobed_logged.insert(seen.pid) {
                 let (pid, ebpf_bytes, ledger_bytes, driver_bytes) = (seen.pid, seen.ebpf_bytes, seen.ledger_bytes, seen.driver.map(|d| d.bytes));
-                warn!(pid, ?driver_bytes, ebpf_bytes, ?ledger_bytes, "the driver reports a process holding more GPU memory than the probes and its ledger explain: unprobed");
+                warn!(pid, ?driver_bytes, ebpf_bytes, ?ledger_bytes, "the driver reports a process holding more GPU memory than the probes and its ledger explain: unprobed (said once per process)");
             }
             let before = previous.get(&seen.pid).copied();
-            if before != Some(state) && (before.is_some() || state != State::Ok) {
+            // An `unprobed` process is said once, above, with its driver bytes.
+            if before != Some(state) && (before.is_some() || state != State::Ok) && state != State::Unprobed {
                 let from = before.map_or("new", State::name);
                 let ledger = seen.ledger.as_deref().unwrap_or("");
                 let (pid, ebpf_bytes, ledger_bytes) = (seen.pid, seen.ebpf_bytes, seen.ledger_bytes);
-                if state == State::Tampered || state == State::Drift || state == State::Unprobed {
+                if state == State::Tampered || state == State::Drift {
                     warn!(pid, from = %from, to = %state.name(), ledger = %ledger, ?ledger_bytes, ebpf_bytes, "process state changed");
                 } else {
                     info!(pid, from = %from, to = %state.name(), ledger = %ledger, ?ledger_bytes, ebpf_bytes, "process state changed");
