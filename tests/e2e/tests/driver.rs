@@ -189,3 +189,47 @@ fn without_nvml_the_agent_runs_and_says_why() -> Result<()> {
     }
     Ok(())
 }
+
+/// A process in a pid namespace of its own (as a container's) is reported by its host pid,
+/// the pid the agent sees (the fake's NVML, as the real one, answers in the caller's
+/// namespace): its row is its host pid's, and no row is made for the pid it has inside.
+#[test]
+fn a_process_in_another_pid_namespace_is_joined_by_its_host_pid() -> Result<()> {
+    let dir = TempDir::new("drv-pidns")?;
+    let node = FakeNode::new("drv-pidns").with_env("FAKECUDA_CONTEXT_BYTES", "64m");
+    let libcuda = e2e::fake_driver_dir()?.join("libcuda.so.1");
+    let agent = Agent::start_with_env(&args(&libcuda, dir.path(), &[OsStr::new("--no-discover")]), node.env())?;
+    // Unprobed by construction: the agent probes the fake driver's file, the workload maps a
+    // copy of it.
+    let copy = dir.path().join("copy");
+    std::fs::create_dir(&copy)?;
+    std::fs::copy(e2e::fake_driver_lib()?, copy.join("libcuda.so.1"))?;
+    let mut inside = node
+        .workload()
+        .lib_dir(&copy)
+        .wrapped("unshare", ["--pid", "--fork", "--mount-proc"])
+        .steps(["ctx 0", "alloc a 96m", "checkpoint held", "hold"])
+        .spawn()?;
+    inside.wait_checkpoint("held")?;
+    // The workload is unshare's child: its host pid.
+    let children = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", inside.pid()))?;
+    let host_pid: u32 = children.split_whitespace().next().context("unshare has no child")?.parse()?;
+    let status = std::fs::read_to_string(format!("/proc/{host_pid}/status"))?;
+    let nspid = status.lines().find(|l| l.starts_with("NSpid:")).context("no NSpid")?.to_string();
+    let inner: u32 = nspid.split_whitespace().last().context("empty NSpid")?.parse()?;
+    assert_ne!(inner, host_pid, "not in a pid namespace of its own: {nspid}");
+    wait_for(Duration::from_secs(3), "the namespaced process unprobed under its host pid", || {
+        std::thread::sleep(Duration::from_millis(20));
+        Ok(row(&agent.audit()?, host_pid).is_some_and(|r| r["state"] == "unprobed"))
+    })
+    .with_context(|| format!("agent log:\n{}", agent.log()))?;
+    let audit = agent.audit()?;
+    let seen = row(&audit, host_pid).context("no row")?;
+    assert_eq!(seen["driver_bytes"].as_u64(), Some(96 * MIB + CONTEXT), "{seen}");
+    if let Some(other) = row(&audit, inner) {
+        assert!(other["driver_bytes"].is_null(), "the inner pid {inner} got the driver's figure: {other}");
+    }
+    drop(inside);
+    drop(agent);
+    Ok(())
+}

@@ -13,8 +13,10 @@
 //! Names are `NVIDIA H100 80GB HBM3` (the fake's devices are H100-like, see
 //! [`crate::attributes`]); the driver version is `580.65.06` (a CUDA 13.0 driver, as
 //! `cuDriverGetVersion` says). Running processes are every live process's slot in the
-//! device file, with the bytes it holds (`usedGpuMemory`); the pids are those the processes
-//! have in their own pid namespace.
+//! device file, with the bytes it holds (`usedGpuMemory`: its contexts and allocations through
+//! every copy of the fake, released when it exits); the pids are those the processes have in
+//! the caller's pid namespace, as the real NVML reports them (a process the caller cannot
+//! see, in another container's namespace seen from inside one, is left out).
 //!
 //! Semantics, as the real library's:
 //! * Like `nvidia-smi`, NVML needs no `cuInit`: `nvmlInit_v2` reads the `FAKECUDA_*`
@@ -59,7 +61,7 @@ use crate::config::{Config, MAX_DEVICES};
 use crate::devfile::DeviceFile;
 use crate::driver::{self, count};
 use crate::exports::device_uuid;
-use crate::procinfo::ProcId;
+use crate::procinfo::{self, ProcId};
 
 /// One NVML session of this process (between the first init and the last shutdown).
 struct Nvml {
@@ -352,11 +354,13 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
         if infoCount.is_null() {
             return Err(NVML_ERROR_INVALID_ARGUMENT);
         }
-        let procs = {
+        let holders = {
             let lock = file.lock().map_err(|_| NVML_ERROR_UNKNOWN)?;
             file.reap(&lock, &n.me);
-            file.processes(&lock)
+            file.holders(&lock)
         };
+        // Pids as the caller sees them; processes it cannot see are left out.
+        let procs: Vec<(u32, u64)> = holders.iter().filter_map(|(owner, bytes)| Some((procinfo::pid_seen_by(owner, &n.me)?, *bytes))).collect();
         // SAFETY: non-null, and the caller passes a valid unsigned int pointer.
         let room = unsafe { infoCount.read() } as usize;
         // SAFETY: as above.
