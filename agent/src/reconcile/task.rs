@@ -156,7 +156,7 @@ impl Judge {
                         snapshot.provisioned = p.provisioner.provisioned().into_iter().map(|p| p.record).collect();
                         snapshot.nri_connected = Some(*p.connected.borrow());
                     }
-                    Out::Audit(reply, snapshot)
+                    Out::Audit(reply, Box::new(snapshot))
                 }
             };
             let limits = ledgers.map(|l| ledger_cgroup_limits(l, &state.reconciler)).unwrap_or_default();
@@ -182,11 +182,11 @@ impl Judge {
             } else {
                 publisher.passed(state.passes);
                 if let Out::Audit(reply, snapshot) = out {
-                    let _ = reply.send(snapshot);
+                    let _ = reply.send(*snapshot);
                 }
             }
         } else if let Out::Audit(reply, snapshot) = out {
-            let _ = reply.send(snapshot);
+            let _ = reply.send(*snapshot);
         }
         state
     }
@@ -232,7 +232,7 @@ impl Judge {
 enum Out {
     Passed,
     Page(Published),
-    Audit(oneshot::Sender<Snapshot>, Snapshot),
+    Audit(oneshot::Sender<Snapshot>, Box<Snapshot>),
 }
 
 /// Why the agent is not ready, if it is not: nothing probed, not registered with the runtime,

@@ -136,7 +136,9 @@ fn without_nvml_the_agent_runs_and_says_why() -> Result<()> {
     let broken = TempDir::new("drv-broken")?;
     let not_a_library = broken.path().join("libnvidia-ml.so.1");
     std::fs::write(&not_a_library, b"not an ELF file")?;
-    let cases: [(&str, Option<&Path>, &[(&str, &str)], &str, &str); 4] = [
+    /// (name, --nvml, the fake's knobs, the state, a word of the reason).
+    type Case<'a> = (&'a str, Option<&'a Path>, &'a [(&'a str, &'a str)], &'a str, &'a str);
+    let cases: [Case; 4] = [
         ("broken", Some(&not_a_library), &[], "absent", "cannot load"),
         ("absent", None, &[("FAKECUDA_NVML", "absent")], "absent", "Driver Not Loaded"),
         ("fail", None, &[("FAKECUDA_NVML", "fail")], "failing", "Unknown Error"),
