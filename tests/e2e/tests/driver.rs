@@ -192,6 +192,16 @@ fn without_nvml_the_agent_runs_and_says_why() -> Result<()> {
     Ok(())
 }
 
+/// SIGKILLs a process this test started indirectly (through `unshare`) when dropped.
+struct KillOnDrop(u32);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) on the pid of the workload this test started (found as unshare's child).
+        unsafe { libc::kill(self.0 as i32, libc::SIGKILL) };
+    }
+}
+
 /// A process in a pid namespace of its own (as a container's) is reported by its host pid,
 /// the pid the agent sees (the fake's NVML, as the real one, answers in the caller's
 /// namespace): its row is its host pid's, and no row is made for the pid it has inside.
@@ -209,13 +219,16 @@ fn a_process_in_another_pid_namespace_is_joined_by_its_host_pid() -> Result<()> 
     let mut inside = node
         .workload()
         .lib_dir(&copy)
-        .wrapped("unshare", ["--pid", "--fork", "--mount-proc"])
+        // --kill-child: the workload (the namespace's init) dies with unshare, which the
+        // harness kills; without it the workload would outlive the test.
+        .wrapped("unshare", ["--pid", "--fork", "--kill-child", "--mount-proc"])
         .steps(["ctx 0", "alloc a 96m", "checkpoint held", "hold"])
         .spawn()?;
     inside.wait_checkpoint("held")?;
     // The workload is unshare's child: its host pid.
     let children = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", inside.pid()))?;
     let host_pid: u32 = children.split_whitespace().next().context("unshare has no child")?.parse()?;
+    let _reaper = KillOnDrop(host_pid);
     let status = std::fs::read_to_string(format!("/proc/{host_pid}/status"))?;
     let nspid = status.lines().find(|l| l.starts_with("NSpid:")).context("no NSpid")?.to_string();
     let inner: u32 = nspid.split_whitespace().last().context("empty NSpid")?.parse()?;
