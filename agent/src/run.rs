@@ -8,6 +8,7 @@
 //! | kernel ([`kernel::task`]) | accounting maps, exit ring, cgroup limits, programs' log | drains exits, sweeps records, pushes limits | no |
 //! | reclaim ([`ledgers::task`]) | the watched ledgers, the reclaimer | scans `--ledger-dir`, frees dead processes' slots | within per-ledger budgets |
 //! | reconcile ([`reconcile::task`]) | reconciler, charges, metrics registry | passes, charges, metrics page, audit snapshots | yes (bounded per ledger) |
+//! | driver ([`driver::task`]) | NVML, its reader thread | reads every device's processes once a second, within a budget | no |
 //! | discovery ([`discovery::task`]) | the loaded programs, discovery state | finds libcuda files, attaches probes | yes (bounded per file) |
 //! | NRI ([`provision::nri`]) | its connection | answers the runtime within [`NRI_DEADLINE`] | no |
 //! | control ([`serve::control`]) | the control socket | hands audits to reconcile | no |
@@ -29,6 +30,7 @@ use tracing::{info, warn};
 
 use crate::{
     cgroup::CgroupNames,
+    driver::{self, task::Driver, DriverView},
     discovery::{
         self,
         task::{Found, Scanner},
@@ -77,6 +79,9 @@ const RECLAIM_ALLOWED: Duration = Duration::from_secs(20);
 /// ... the reconcile and discovery tasks, whose steps tenants can lengthen within their
 /// budgets: they fail health only when really stuck.
 const TENANT_WORK_ALLOWED: Duration = Duration::from_secs(300);
+
+/// ... the driver task (it never waits for NVML: a read past its budget is reported `hung`).
+const DRIVER_ALLOWED: Duration = Duration::from_secs(10);
 
 /// The eBPF object built by `cargo xtask build-ebpf`, embedded at build time.
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/vramguard.bpf.o"));
@@ -172,6 +177,16 @@ pub struct RunArgs {
     /// process is reported `drift`, in milliseconds.
     #[arg(long, default_value_t = reconcile::DEFAULT_GRACE_MS, value_name = "MS")]
     pub drift_grace_ms: u64,
+    /// The NVML library to read each process's GPU memory from (default: `libnvidia-ml.so.1`
+    /// beside each --libcuda file, else at the usual install paths). Without one the agent runs
+    /// on the probes and the ledgers alone, and says so.
+    #[arg(long, value_name = "PATH")]
+    pub nvml: Option<PathBuf>,
+    /// What the context of a process without a ledger slot may hold on one device (bytes, or
+    /// k/m/g/t): beyond it plus a 2 MiB page, memory the driver reports and the probes do not
+    /// explain makes the process `unprobed` (docs/gpu.md).
+    #[arg(long, default_value = "600m", value_name = "SIZE", value_parser = parse_threshold)]
+    pub context_allowance: u64,
     /// Live allocation records the probes keep across the node (the kernel map's size; each
     /// takes about 100 bytes of kernel memory while it exists).
     #[arg(long, default_value_t = common::DEFAULT_MAX_ALLOCS, value_name = "NUM")]
@@ -354,6 +369,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         reconciler: Reconciler::new(reconcile::Config {
             threshold: args.drift_threshold,
             grace: Duration::from_millis(args.drift_grace_ms),
+            context_allowance: args.context_allowance,
         }),
         charger: Charger::new(),
         metrics,
@@ -369,6 +385,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
     let (ledger_limits_tx, ledger_limits_rx) = watch::channel(BTreeMap::new());
     let (found_tx, found_rx) = watch::channel(Arc::new(Found::of(&discovery)));
     let (audits_tx, audits_rx) = mpsc::channel(AUDIT_QUEUE);
+    let (driver_tx, driver_rx) = watch::channel(Arc::new(DriverView::default()));
     let mut provisioned_limits = None;
     let mut pins = None;
     let provisioning = match provisioner.as_ref() {
@@ -448,10 +465,13 @@ pub async fn run(args: RunArgs) -> Result<()> {
         liveness.register("discovery", TENANT_WORK_ALLOWED),
         stop.clone(),
     ));
+    let driver_task = Driver { candidates: driver::locate(args.nvml.as_deref(), &args.libcuda) };
+    let driver_task = tokio::spawn(driver_task.run(driver_tx, liveness.register("driver", DRIVER_ALLOWED), stop.clone()));
     let judge_wiring = reconcile::task::Wiring {
         kernel: kernel_tx,
         ledgers: ledgers_rx,
         found: found_rx.clone(),
+        driver: driver_rx,
         ledger_limits: ledger_limits_tx,
         publisher,
         changed,
@@ -482,6 +502,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
     // others stop, the programs (held by discovery) last: dropping them detaches every probe.
     let _ = stop_tx.send(true);
     control.abort();
+    driver_task.abort();
     let _ = judge.await;
     if let Some(reclaim) = reclaim {
         let _ = reclaim.await;

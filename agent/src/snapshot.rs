@@ -44,6 +44,9 @@ pub struct Snapshot {
     /// Whether the agent is registered with the runtime as an NRI plugin (absent without `--nri`).
     #[serde(default)]
     pub nri_connected: Option<bool>,
+    /// The driver view's state (NVML): `ok`, or why there is none.
+    #[serde(default)]
+    pub driver: crate::driver::DriverStatus,
     /// Imported external memory (`cuImportExternalMemory`), live, per process and cgroup:
     /// shown, never charged.
     #[serde(default)]
@@ -86,6 +89,10 @@ pub struct ProcessRow {
     /// what `total_bytes` is compared with.
     #[serde(default)]
     pub ledger_bytes: Option<u64>,
+    /// What the driver (NVML) reports the process holding over every device, its contexts
+    /// included; absent when the driver view has no figure for it.
+    #[serde(default)]
+    pub driver_bytes: Option<u64>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -181,14 +188,14 @@ impl Snapshot {
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "{:>8}  {:<16} {:<40} {:>10} {:>10} {:>10} {:>10} {:>10} {:>7} {:>10}  {:<8}",
-            "PID", "COMM", "CGROUP", "DEVICE", "MANAGED", "ASYNC", "VMM", "TOTAL", "ALLOCS", "LEDGER", "STATE"
+            "{:>8}  {:<16} {:<40} {:>10} {:>10} {:>10} {:>10} {:>10} {:>7} {:>10} {:>10}  {:<8}",
+            "PID", "COMM", "CGROUP", "DEVICE", "MANAGED", "ASYNC", "VMM", "TOTAL", "ALLOCS", "LEDGER", "DRIVER", "STATE"
         );
         for row in &self.processes {
             let kind = |name: &str| human(row.bytes.get(name).copied().unwrap_or(0));
             let _ = writeln!(
                 out,
-                "{:>8}  {:<16} {:<40} {:>10} {:>10} {:>10} {:>10} {:>10} {:>7} {:>10}  {:<8}",
+                "{:>8}  {:<16} {:<40} {:>10} {:>10} {:>10} {:>10} {:>10} {:>7} {:>10} {:>10}  {:<8}",
                 row.pid,
                 truncate(&row.comm, 16),
                 truncate(&row.cgroup, 40),
@@ -199,6 +206,7 @@ impl Snapshot {
                 human(row.total_bytes),
                 row.live_allocations,
                 row.ledger_bytes.map_or_else(|| "-".to_string(), human),
+                row.driver_bytes.map_or_else(|| "-".to_string(), human),
                 row.state.map_or("-", State::name)
             );
         }
@@ -227,6 +235,12 @@ impl Snapshot {
                 self.stats.records_cap
             );
         }
+        let _ = writeln!(
+            out,
+            "driver view (NVML): {}{}",
+            self.driver.state.name(),
+            self.driver.reason.as_deref().map(|reason| format!(": {reason}")).unwrap_or_default()
+        );
         let probed: Vec<&str> = self.libcuda.iter().map(|f| f.path.as_str()).collect();
         let _ = writeln!(
             out,
@@ -286,10 +300,10 @@ mod tests {
         };
         let table = snapshot.render_table();
         let lines: Vec<&str> = table.lines().collect();
-        assert!(lines[0].trim_end().ends_with("LEDGER  STATE"), "{table}");
-        assert!(lines[1].trim_end().ends_with("0 B  tampered"), "{table}");
-        assert!(lines[2].trim_end().ends_with("-  unhooked"), "{table}");
-        assert!(lines[3].trim_end().ends_with("-  -"), "{table}");
+        assert!(lines[0].trim_end().ends_with("LEDGER     DRIVER  STATE"), "{table}");
+        assert!(lines[1].trim_end().ends_with("0 B          -  tampered"), "{table}");
+        assert!(lines[2].trim_end().ends_with("-          -  unhooked"), "{table}");
+        assert!(lines[3].trim_end().ends_with("-          -  -"), "{table}");
         let json = serde_json::to_value(&snapshot.processes[0]).expect("json");
         assert_eq!(json["state"], "tampered");
         assert_eq!(json["ledger_bytes"], 0);

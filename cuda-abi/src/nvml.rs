@@ -68,6 +68,22 @@ pub struct nvmlProcessInfo_t {
 }
 pub const NVML_DEVICE_UUID_V2_BUFFER_SIZE: usize = 96;
 
+/// `NVML_VALUE_NOT_AVAILABLE` as `usedGpuMemory` holds it (`(unsigned long long)-1`): the
+/// driver does not say (e.g. without the rights to see the process).
+pub const NVML_VALUE_NOT_AVAILABLE: u64 = u64::MAX;
+
+/// `nvmlInit_v2`.
+pub type NvmlInitV2 = unsafe extern "C" fn() -> nvmlReturn_t;
+/// `nvmlDeviceGetCount_v2(unsigned int *deviceCount)`.
+pub type NvmlDeviceGetCountV2 = unsafe extern "C" fn(*mut c_uint) -> nvmlReturn_t;
+/// `nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device)`.
+pub type NvmlDeviceGetHandleByIndexV2 = unsafe extern "C" fn(c_uint, *mut nvmlDevice_t) -> nvmlReturn_t;
+/// `nvmlDeviceGetComputeRunningProcesses_v3` and `nvmlDeviceGetGraphicsRunningProcesses_v3`
+/// `(nvmlDevice_t device, unsigned int *infoCount, nvmlProcessInfo_t *infos)`.
+pub type NvmlDeviceGetRunningProcessesV3 = unsafe extern "C" fn(nvmlDevice_t, *mut c_uint, *mut nvmlProcessInfo_t) -> nvmlReturn_t;
+/// `const char *nvmlErrorString(nvmlReturn_t result)`.
+pub type NvmlErrorString = unsafe extern "C" fn(nvmlReturn_t) -> *const std::ffi::c_char;
+
 /// A GPU's UUID as NVML and `nvidia-smi` write it:
 /// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`, lower-case hex of the 16 bytes
 /// `cuDeviceGetUuid_v2` returns, in order.
@@ -97,6 +113,11 @@ mod tests {
         assert_eq!(offset_of!(nvmlMemory_v2_t, free), 24);
         assert_eq!(offset_of!(nvmlMemory_v2_t, used), 32);
         assert_eq!(NVML_MEMORY_V2, 0x0200_0028);
+        // nvmlProcessInfo_t (v2 layout): pid, padding, usedGpuMemory, two instance ids.
+        assert_eq!(size_of::<nvmlProcessInfo_t>(), 24);
+        assert_eq!(offset_of!(nvmlProcessInfo_t, used_gpu_memory), 8);
+        assert_eq!(offset_of!(nvmlProcessInfo_t, gpu_instance_id), 16);
+        assert_eq!(offset_of!(nvmlProcessInfo_t, compute_instance_id), 20);
     }
 
     #[test]

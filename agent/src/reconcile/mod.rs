@@ -39,6 +39,16 @@
 //!   for longer than the grace period.
 //! * `unhooked`: the probes see GPU memory, and no watched ledger has a slot for the process.
 //! * `stale`: a slot whose process is gone (the reclaimer normally frees it within a second).
+//! * `unprobed`: the driver ([`crate::driver`], NVML) reports the process holding more than
+//!   the probes and its ledger explain: more than the larger of its eBPF and ledger bytes plus,
+//!   on each device it holds memory on, a context and one 2 MiB page. The context is the
+//!   ledger's context reserve when the process has a slot, else `--context-allowance`
+//!   ([`DEFAULT_CONTEXT_ALLOWANCE`], 600 MiB: an H100's context measured 518 MiB,
+//!   `docs/gpu.md`). Memory allocated through a libcuda no probe is on (a renamed copy loaded
+//!   and used before discovery reaches it, one past the per-container cap) looks like this.
+//!   The driver's figure is from its last read (up to about two seconds old): it is compared
+//!   with the largest figure the other views gave since a pass before that read started, so a
+//!   free the probes saw after the read is not taken for an escape.
 //! * `ok`: otherwise.
 //!
 //! A ledger whose header was rewritten since the agent validated it
@@ -85,7 +95,14 @@ use ledger::{layout::Slot, Kind, ProcessIdentity};
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
-use crate::{identity, ledgers::Ledgers, snapshot::Snapshot};
+use std::sync::Arc;
+
+use crate::{
+    driver::{DriverProcess, DriverView},
+    identity,
+    ledgers::Ledgers,
+    snapshot::Snapshot,
+};
 
 /// Default `--drift-threshold`: 64 MiB.
 pub const DEFAULT_THRESHOLD: u64 = 64 << 20;
@@ -97,6 +114,14 @@ pub const DEFAULT_GRACE_MS: u64 = 5000;
 pub const TAMPER_CONFIRM: Duration = Duration::from_millis(250);
 /// Passes triggered by events are at least this far apart (the timer's are not affected).
 pub const MIN_INTERVAL: Duration = Duration::from_millis(100);
+/// Default `--context-allowance`: what an unknown process's context may hold on one device
+/// (600 MiB: an H100's measured 518 MiB with room for other drivers' and GPUs', docs/gpu.md).
+pub const DEFAULT_CONTEXT_ALLOWANCE: u64 = 600 << 20;
+/// What a device rounds the memory of a process up to beyond its allocations: one 2 MiB page.
+pub const DRIVER_PAGE: u64 = 2 << 20;
+/// How long the figures the probes and ledgers gave a process are remembered, to compare a
+/// driver read that is behind them with what they said when it started.
+const EXPLAINED_MEMORY: Duration = Duration::from_secs(4);
 
 /// A process's reconciliation state.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -107,10 +132,11 @@ pub enum State {
     Unhooked,
     Stale,
     Tampered,
+    Unprobed,
 }
 
 impl State {
-    pub const ALL: [State; 5] = [State::Ok, State::Drift, State::Unhooked, State::Stale, State::Tampered];
+    pub const ALL: [State; 6] = [State::Ok, State::Drift, State::Unhooked, State::Stale, State::Tampered, State::Unprobed];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -119,6 +145,7 @@ impl State {
             State::Unhooked => "unhooked",
             State::Stale => "stale",
             State::Tampered => "tampered",
+            State::Unprobed => "unprobed",
         }
     }
 }
@@ -153,6 +180,10 @@ pub struct Observation {
     pub gone: bool,
     /// The ledger's header was rewritten since the agent validated it.
     pub header_changed: bool,
+    /// What the driver reports the process holding, if it reports it.
+    pub driver: Option<DriverProcess>,
+    /// The context reserve of the process's ledger (per device), if it has a slot.
+    pub context_reserve: Option<u64>,
 }
 
 /// One process's state, as the last pass judged it.
@@ -165,6 +196,9 @@ pub struct Verdict {
     pub ledger: Option<String>,
     pub ledger_bytes: Option<u64>,
     pub ebpf_bytes: u64,
+    /// What the driver reports the process holding (context included), if it reports it.
+    #[serde(default)]
+    pub driver_bytes: Option<u64>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -173,11 +207,13 @@ pub struct Config {
     pub threshold: u64,
     /// How long a difference (ledger ahead) may last before it is `drift`.
     pub grace: Duration,
+    /// What the context of a process without a ledger slot may hold per device.
+    pub context_allowance: u64,
 }
 
 impl Default for Config {
     fn default() -> Config {
-        Config { threshold: DEFAULT_THRESHOLD, grace: Duration::from_millis(DEFAULT_GRACE_MS) }
+        Config { threshold: DEFAULT_THRESHOLD, grace: Duration::from_millis(DEFAULT_GRACE_MS), context_allowance: DEFAULT_CONTEXT_ALLOWANCE }
     }
 }
 
@@ -199,6 +235,12 @@ pub struct Reconciler {
     ledger_cgroups: BTreeMap<String, BTreeSet<u64>>,
     /// The ledgers the last pass could not read.
     unreadable: BTreeSet<String>,
+    /// The driver's latest view, for the next pass.
+    driver: Option<Arc<DriverView>>,
+    /// What the probes and ledgers explained of each process at recent passes.
+    explained: HashMap<u32, Vec<(Instant, u64)>>,
+    /// Processes already logged as `unprobed` (said once per process).
+    unprobed_logged: BTreeSet<u32>,
 }
 
 impl Reconciler {
@@ -214,7 +256,20 @@ impl Reconciler {
             agent: ProcessIdentity::current().ok(),
             ledger_cgroups: BTreeMap::new(),
             unreadable: BTreeSet::new(),
+            driver: None,
+            explained: HashMap::new(),
+            unprobed_logged: BTreeSet::new(),
         }
+    }
+
+    /// The driver view the last pass joined, if any.
+    pub fn driver(&self) -> Option<&DriverView> {
+        self.driver.as_deref()
+    }
+
+    /// The driver's view the next passes join (the latest published; `None` without one).
+    pub fn set_driver(&mut self, view: Option<Arc<DriverView>>) {
+        self.driver = view;
     }
 
     /// Records the identity of eBPF process (`pid`, `generation`) as if read from /proc (for
@@ -273,7 +328,26 @@ impl Reconciler {
         }
         self.ledger_cgroups = ledger_cgroups;
         self.unreadable = unreadable;
+        let mut observations = observations;
+        if let Some(driver) = self.driver.clone() {
+            join_driver(&mut observations, &driver.processes);
+        }
         self.judge(observations, Instant::now());
+    }
+
+    /// Whether the driver's figure for `seen` is beyond what the other views explain (see
+    /// the module doc), remembering what they explain now.
+    fn escaped(&mut self, seen: &Observation, now: Instant) -> bool {
+        let explained_now = seen.ebpf_bytes.max(seen.ledger_bytes.unwrap_or(0));
+        let history = self.explained.entry(seen.pid).or_default();
+        history.retain(|(at, _)| now.saturating_duration_since(*at) < EXPLAINED_MEMORY);
+        history.push((now, explained_now));
+        let Some(driver) = seen.driver else { return false };
+        let since = self.driver.as_ref().and_then(|d| d.read_at).map(|at| at.checked_sub(task::EVERY).unwrap_or(at));
+        let explained = history.iter().filter(|(at, _)| since.is_none_or(|since| *at >= since)).map(|(_, bytes)| *bytes).max().unwrap_or(0);
+        let context = seen.context_reserve.unwrap_or(self.config.context_allowance);
+        let allowance = u64::from(driver.devices).saturating_mul(context.saturating_add(DRIVER_PAGE));
+        driver.bytes > explained.max(explained_now).saturating_add(allowance)
     }
 
     /// Judges `observations` as of `now`, logging every change of state.
@@ -282,10 +356,15 @@ impl Reconciler {
         let mut diverged = HashMap::new();
         let mut behind = HashMap::new();
         let previous: HashMap<u32, State> = self.verdicts.iter().map(|v| (v.pid, v.state)).collect();
+        let seen_pids: BTreeSet<u32> = observations.iter().map(|o| o.pid).collect();
+        self.explained.retain(|pid, _| seen_pids.contains(pid));
+        self.unprobed_logged.retain(|pid| seen_pids.contains(pid));
         for seen in observations {
+            let escaped = !seen.gone && self.escaped(&seen, now);
             let state = match seen.ledger_bytes {
                 _ if seen.gone => State::Stale,
                 Some(_) if seen.header_changed => State::Tampered,
+                _ if escaped => State::Unprobed,
                 None if seen.ebpf_bytes > 0 => State::Unhooked,
                 None => State::Ok,
                 Some(ledger) if seen.ebpf_bytes.saturating_sub(ledger) > self.config.threshold => {
@@ -310,8 +389,13 @@ impl Reconciler {
                 }
                 Some(_) => State::Ok,
             };
+            if state == State::Unprobed && self.unprobed_logged.insert(seen.pid) {
+                let (pid, ebpf_bytes, ledger_bytes, driver_bytes) = (seen.pid, seen.ebpf_bytes, seen.ledger_bytes, seen.driver.map(|d| d.bytes));
+                warn!(pid, ?driver_bytes, ebpf_bytes, ?ledger_bytes, "the driver reports a process holding more GPU memory than the probes and its ledger explain: unprobed (said once per process)");
+            }
             let before = previous.get(&seen.pid).copied();
-            if before != Some(state) && (before.is_some() || state != State::Ok) {
+            // An `unprobed` process is said once, above, with its driver bytes.
+            if before != Some(state) && (before.is_some() || state != State::Ok) && state != State::Unprobed {
                 let from = before.map_or("new", State::name);
                 let ledger = seen.ledger.as_deref().unwrap_or("");
                 let (pid, ebpf_bytes, ledger_bytes) = (seen.pid, seen.ebpf_bytes, seen.ledger_bytes);
@@ -328,6 +412,7 @@ impl Reconciler {
                 ledger: seen.ledger,
                 ledger_bytes: seen.ledger_bytes,
                 ebpf_bytes: seen.ebpf_bytes,
+                driver_bytes: seen.driver.map(|d| d.bytes),
             });
         }
         verdicts.sort_by_key(|v| (v.pid, v.state));
@@ -393,8 +478,25 @@ impl Reconciler {
             row.state = Some(verdict.state);
             row.ledger = verdict.ledger.clone();
             row.ledger_bytes = verdict.ledger_bytes;
+            row.driver_bytes = verdict.driver_bytes;
+            if row.cgroup_id == 0 {
+                row.cgroup_id = verdict.cgroup_id;
+            }
         }
         snapshot.processes.sort_by_key(|row| row.pid);
+    }
+}
+
+/// Adds the driver's figure to each process's observation; a live process only the driver
+/// reports gets one of its own (its cgroup read from /proc).
+fn join_driver(observations: &mut Vec<Observation>, driver: &BTreeMap<u32, DriverProcess>) {
+    for (&pid, process) in driver {
+        if let Some(seen) = observations.iter_mut().find(|o| o.pid == pid && !o.gone) {
+            seen.driver = Some(*process);
+            continue;
+        }
+        let Some(cgroup_id) = crate::cgroup::id_of_pid(pid) else { continue }; // gone since the read
+        observations.push(Observation { pid, cgroup_id, driver: Some(*process), ..Default::default() });
     }
 }
 
@@ -423,6 +525,7 @@ pub fn observe(
     // By eBPF row: (index in `names`, ledger bytes, header changed) of the slots joined to it.
     let mut joined: Vec<Option<(usize, u64, bool)>> = vec![None; ebpf.len()];
     let mut names: Vec<String> = Vec::new();
+    let mut contexts: Vec<Option<u64>> = Vec::new();
     let mut observations = Vec::new();
     let mut ledger_cgroups: BTreeMap<String, BTreeSet<u64>> = BTreeMap::new();
     for (path, ledger) in ledgers.into_iter().flat_map(Ledgers::iter) {
@@ -431,6 +534,8 @@ pub fn observe(
         let index = names.len();
         names.push(name.clone());
         let header_changed = ledgers.is_some_and(|l| l.header_change(path).is_some());
+        let context_reserve = ledger.header().devices[..devices.min(ledger.header().devices.len())].iter().map(|d| d.context_reserve).max();
+        contexts.push(context_reserve);
         let file = ledgers.and_then(|l| l.file_id(path)).unwrap_or_default();
         // Slots joined to an eBPF row, and slots without eBPF memory: judged after the lock
         // is released.
@@ -483,15 +588,17 @@ pub fn observe(
                 ebpf_bytes: 0,
                 gone,
                 header_changed,
+                driver: None,
+                context_reserve,
             });
         }
         ledger_cgroups.insert(name, cgroups);
     }
     for (process, joined) in ebpf.iter().zip(joined) {
         let (pid, cgroup_id, bytes) = (process.pid, process.cgroup_id, process.bytes);
-        let (ledger, ledger_bytes, header_changed) = match joined {
-            Some((ledger, charged, changed)) => (Some(names[ledger].clone()), Some(charged), changed),
-            None => (None, None, false),
+        let (ledger, ledger_bytes, header_changed, context_reserve) = match joined {
+            Some((ledger, charged, changed)) => (Some(names[ledger].clone()), Some(charged), changed, contexts[ledger]),
+            None => (None, None, false, None),
         };
         // A process the probes saw with a slot found by its host pid only (its identity
         // could not be read, e.g. it is exiting): merge rather than report it twice.
@@ -501,7 +608,7 @@ pub fn observe(
                 continue;
             }
         }
-        observations.push(Observation { pid, cgroup_id, ledger, ledger_bytes, ebpf_bytes: bytes, gone: false, header_changed });
+        observations.push(Observation { pid, cgroup_id, ledger, ledger_bytes, ebpf_bytes: bytes, gone: false, header_changed, driver: None, context_reserve });
     }
     slot_processes.end_pass();
     (observations, ledger_cgroups, unreadable)
@@ -617,6 +724,38 @@ mod tests {
     }
 
     #[test]
+    fn memory_only_the_driver_explains_is_unprobed() {
+        let config = Config { context_allowance: 64 * MIB, ..Config::default() };
+        let mut r = Reconciler::new(config);
+        let start = Instant::now();
+        let driver = |bytes, devices| Some(DriverProcess { bytes, devices });
+        r.set_driver(Some(Arc::new(DriverView { read_at: Some(start), ..Default::default() })));
+        // 96 MiB through an unprobed copy, and its 64 MiB context: beyond the allowance.
+        let escaped = Observation { pid: 20, driver: driver(160 * MIB, 1), ..Default::default() };
+        // A hooked, probed process: its ledger's context reserve and a page explain the rest.
+        let hooked = Observation { driver: driver(160 * MIB, 1), context_reserve: Some(64 * MIB), ..seen(21, Some(96 * MIB), 96 * MIB) };
+        // Exactly at the allowance: context and page on each of two devices.
+        let at_edge = Observation { pid: 22, driver: driver(2 * (64 * MIB + DRIVER_PAGE), 2), ..Default::default() };
+        r.judge(vec![escaped, hooked, at_edge], start);
+        assert_eq!(states(&r), vec![(20, State::Unprobed), (21, State::Ok), (22, State::Ok)]);
+        assert_eq!(r.verdicts()[0].driver_bytes, Some(160 * MIB));
+
+        // A process the probes saw free 1 GiB after the driver's read started: the read's
+        // figure is compared with what the probes said then.
+        let mut r = Reconciler::new(config);
+        let held = Observation { pid: 30, ..seen(30, None, 1024 * MIB) };
+        r.judge(vec![held], start);
+        r.set_driver(Some(Arc::new(DriverView { read_at: Some(start + Duration::from_millis(100)), ..Default::default() })));
+        let freed = Observation { driver: driver(1088 * MIB, 1), ..seen(30, None, 0) };
+        r.judge(vec![freed.clone()], start + Duration::from_millis(900));
+        assert_eq!(states(&r), vec![(30, State::Ok)]);
+        // A later read that still says so: unprobed.
+        r.set_driver(Some(Arc::new(DriverView { read_at: Some(start + Duration::from_millis(2500)), ..Default::default() })));
+        r.judge(vec![freed], start + Duration::from_millis(3000));
+        assert_eq!(states(&r), vec![(30, State::Unprobed)]);
+    }
+
+    #[test]
     fn a_ledger_behind_for_a_moment_is_not_tampering() {
         let mut r = Reconciler::new(Config::default());
         let now = Instant::now();
@@ -646,7 +785,7 @@ mod tests {
 
     #[test]
     fn drift_needs_the_grace_period_and_resets() {
-        let config = Config { threshold: 64 * MIB, grace: Duration::from_secs(5) };
+        let config = Config { threshold: 64 * MIB, grace: Duration::from_secs(5), ..Config::default() };
         let mut r = Reconciler::new(config);
         let start = Instant::now();
         let ahead = || vec![seen(7, Some(200 * MIB), 100 * MIB)];
@@ -707,7 +846,7 @@ mod tests {
         r.agent = None;
         r.pass(Some(&ledgers), &[me(charged)]);
         let name = path.display().to_string();
-        let ok = Verdict { pid, cgroup_id, state: State::Ok, ledger: Some(name.clone()), ledger_bytes: Some(charged), ebpf_bytes: charged };
+        let ok = Verdict { pid, cgroup_id, state: State::Ok, ledger: Some(name.clone()), ledger_bytes: Some(charged), ebpf_bytes: charged, driver_bytes: None };
         assert_eq!(r.verdicts(), [ok]);
         assert_eq!(r.ledger_cgroups().get(&name), Some(&BTreeSet::from([cgroup_id])));
         assert_eq!(r.unaccounted_by_ledger(), BTreeMap::new());

@@ -21,6 +21,7 @@ use tracing::warn;
 use super::Reconciler;
 use crate::{
     discovery::task::Found,
+    driver::DriverView,
     kernel::task::KernelView,
     ledgers::{charge::Charger, Ledgers},
     provision::Provisioner,
@@ -49,6 +50,8 @@ pub struct Wiring {
     /// The reclaim task's ledgers (none without `--ledger-dir`).
     pub ledgers: Option<watch::Receiver<Arc<Ledgers>>>,
     pub found: watch::Receiver<Arc<Found>>,
+    /// The driver task's latest view (NVML), read as it is when a pass starts.
+    pub driver: watch::Receiver<Arc<DriverView>>,
     /// The limits of the ledgers' containers, for the kernel task.
     pub ledger_limits: watch::Sender<BTreeMap<u64, u64>>,
     /// The metrics listener's board (none without `--metrics-addr`), and its bell.
@@ -116,6 +119,7 @@ impl Judge {
     async fn step(self, step: Step, wiring: &Wiring) -> Judge {
         let ledgers = wiring.ledgers.as_ref().map(|l| l.borrow().clone());
         let found = wiring.found.borrow().clone();
+        let driver = wiring.driver.borrow().clone();
         let provisioning = wiring.provisioning.clone();
         let (metrics_addr, health_addr) = (wiring.metrics_addr, wiring.health_addr);
         let page_behind = wiring.publisher.as_ref().is_some_and(|(publisher, _)| publisher.behind());
@@ -135,6 +139,7 @@ impl Judge {
         let work = tokio::task::spawn_blocking(move || {
             let mut state = self;
             let ledgers = ledgers.as_deref();
+            state.reconciler.set_driver(Some(driver));
             if let Some(view) = kernel {
                 state.pass(ledgers, view);
             }
@@ -207,6 +212,7 @@ impl Judge {
         snapshot.discovery = found.stats.clone();
         snapshot.ledgers = ledgers.map(|l| l.iter().map(|(path, _)| path.display().to_string()).collect()).unwrap_or_default();
         snapshot.stats.slots_reclaimed = self.metrics.reclaims().total();
+        snapshot.driver = self.reconciler.driver().map(|d| d.status.clone()).unwrap_or_default();
         snapshot
     }
 

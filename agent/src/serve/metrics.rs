@@ -7,7 +7,9 @@
 //! usage) and `vramguard_container_memory_limit_bytes`. From the eBPF view:
 //! `vramguard_ebpf_process_memory_bytes{pid,cgroup}`. From [`crate::reconcile`]:
 //! `vramguard_process_state{pid,state}` (one series per state, 1 for the process's current
-//! one), `vramguard_unhooked_processes`, `vramguard_container_ebpf_memory_bytes{ledger}` (the
+//! one), `vramguard_unhooked_processes`, from the driver view ([`crate::driver`]):
+//! `vramguard_driver_up`, `vramguard_driver_state{state,reason}` and
+//! `vramguard_driver_process_memory_bytes{pid,cgroup}`, `vramguard_container_ebpf_memory_bytes{ledger}` (the
 //! eBPF bytes of the ledger's processes, comparable with the ledger's data, small and managed
 //! bytes), `vramguard_container_unaccounted_bytes{ledger}` (what the agent charges the ledger
 //! for memory its container holds outside it, [`crate::ledgers::charge`]; also counted in the `data`
@@ -99,6 +101,9 @@ pub struct Metrics {
     ledger_dirs_crowded: IntGauge,
     process_state: IntGaugeVec,
     unhooked: IntGauge,
+    driver_up: IntGauge,
+    driver_state: IntGaugeVec,
+    driver_process: IntGaugeVec,
     kernel_trouble: IntCounterVec,
     capped: IntGaugeVec,
     unrecorded: IntGaugeVec,
@@ -305,8 +310,21 @@ impl Metrics {
         let process_state = gauge_vec(
             &registry,
             "vramguard_process_state",
-            "Reconciliation state of a process (1 for its current state): ok, drift, unhooked, stale, tampered",
+            "Reconciliation state of a process (1 for its current state): ok, drift, unhooked, stale, tampered, unprobed",
             &["pid", "state"],
+        )?;
+        let driver_up = registered(&registry, IntGauge::new("vramguard_driver_up", "1 while the driver view (NVML) answers, else 0 (see vramguard_driver_state and vramguard audit's driver.reason)")?)?;
+        let driver_state = gauge_vec(
+            &registry,
+            "vramguard_driver_state",
+            "The driver view's state (1 for the current one): starting, ok, absent, failing, hung; `reason` says why it is not ok",
+            &["state", "reason"],
+        )?;
+        let driver_process = gauge_vec(
+            &registry,
+            "vramguard_driver_process_memory_bytes",
+            "GPU memory the driver (NVML) reports a process holding over every device, its contexts included",
+            &["pid", "cgroup"],
         )?;
         let unhooked = registered(&registry, IntGauge::new("vramguard_unhooked_processes", "Processes holding GPU memory without a ledger slot")?)?;
         let container_ebpf = gauge_vec(
@@ -407,6 +425,9 @@ impl Metrics {
             ledger_dirs_crowded,
             process_state,
             unhooked,
+            driver_up,
+            driver_state,
+            driver_process,
             kernel_trouble,
             capped,
             unrecorded,
@@ -554,6 +575,16 @@ impl Metrics {
         }
         self.unhooked.set(reconciler.verdicts().iter().filter(|v| v.state == State::Unhooked).count() as i64);
         self.ledgers_unreadable.set(reconciler.unreadable().len() as i64);
+        self.driver_up.set(i64::from(snapshot.driver.state == crate::driver::State::Ok));
+        self.driver_state.reset();
+        let reason = snapshot.driver.reason.as_deref().unwrap_or("");
+        self.driver_state.with_label_values(&[snapshot.driver.state.name(), reason]).set(1);
+        self.driver_process.reset();
+        for row in &snapshot.processes {
+            if let Some(bytes) = row.driver_bytes {
+                self.driver_process.with_label_values(&[row.pid.to_string().as_str(), &row.cgroup]).set(value(bytes));
+            }
+        }
         self.ebpf_process.reset();
         for row in &snapshot.processes {
             self.ebpf_process.with_label_values(&[row.pid.to_string().as_str(), &row.cgroup]).set(value(row.total_bytes));

@@ -81,6 +81,16 @@ impl Agent {
     /// [`Agent::start_with`] for the agent binary at `bin` (e.g. a release build, where the
     /// tests' profile is another); `vramguard audit` still comes from the tests' profile.
     pub fn start_binary(bin: &Path, args: &[&OsStr]) -> Result<Agent> {
+        Self::start_binary_env(bin, args, &[])
+    }
+
+    /// [`Agent::start_with`] with these variables set for the agent too (e.g. a
+    /// [`crate::FakeNode::env`], so that the fake NVML it loads sees that node's devices).
+    pub fn start_with_env(args: &[&OsStr], env: &[(OsString, OsString)]) -> Result<Agent> {
+        Self::start_binary_env(&agent_bin()?, args, env)
+    }
+
+    fn start_binary_env(bin: &Path, args: &[&OsStr], env: &[(OsString, OsString)]) -> Result<Agent> {
         static COUNTER: AtomicU32 = AtomicU32::new(0);
         let dir = std::env::temp_dir().join(format!(
             "vramguard-agent-{}-{}",
@@ -96,6 +106,7 @@ impl Agent {
             .arg("--socket")
             .arg(&socket)
             .args(args)
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()

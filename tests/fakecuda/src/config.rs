@@ -8,6 +8,8 @@
 //! | `FAKECUDA_NODE`          | name prefix of the device state files          | `fakecuda` |
 //! | `FAKECUDA_STATE_DIR`     | directory of the device state files            | `/dev/shm` |
 //! | `FAKECUDA_TRACE`         | `1`: one stderr line per API call              | `0`        |
+//! | `FAKECUDA_NVML`          | `absent`, `fail` or `hang`: NVML misbehaves ([`crate::nvml`]) | unset |
+//! | `FAKECUDA_NVML_HANG_MS`  | how long `hang` sleeps per NVML call           | 10000      |
 //!
 //! Sizes are plain bytes or a number with a `k`/`m`/`g`/`t` suffix (1024-based, parsed by
 //! [`cuda_abi::parse_size`]). An empty variable counts as unset.

@@ -307,12 +307,11 @@ impl DeviceFile {
             .fold(0u64, |sum, s| sum.saturating_add(self.u64_at(s, OFF_CHARGED).load(Ordering::Relaxed)))
     }
 
-    /// `(pid, bytes)` of every process holding memory on the device (pids as the processes
-    /// recorded them, in their own pid namespace).
-    pub fn processes(&self, _lock: &Locked<'_>) -> Vec<(u32, u64)> {
+    /// `(who, bytes)` of every process holding memory on the device.
+    pub fn holders(&self, _lock: &Locked<'_>) -> Vec<(ProcId, u64)> {
         self.live_slots()
-            .map(|s| (self.u32_at(s, OFF_PID).load(Ordering::Relaxed), self.u64_at(s, OFF_CHARGED).load(Ordering::Relaxed)))
-            .filter(|&(pid, bytes)| pid != 0 && bytes != 0)
+            .map(|s| (self.slot_owner(s), self.u64_at(s, OFF_CHARGED).load(Ordering::Relaxed)))
+            .filter(|&(owner, bytes)| owner.pid != 0 && bytes != 0)
             .collect()
     }
 

@@ -13,8 +13,10 @@
 //! Names are `NVIDIA H100 80GB HBM3` (the fake's devices are H100-like, see
 //! [`crate::attributes`]); the driver version is `580.65.06` (a CUDA 13.0 driver, as
 //! `cuDriverGetVersion` says). Running processes are every live process's slot in the
-//! device file, with the bytes it holds (`usedGpuMemory`); the pids are those the processes
-//! have in their own pid namespace.
+//! device file, with the bytes it holds (`usedGpuMemory`: its contexts and allocations through
+//! every copy of the fake, released when it exits); the pids are those the processes have in
+//! the caller's pid namespace, as the real NVML reports them (a process the caller cannot
+//! see, in another container's namespace seen from inside one, is left out).
 //!
 //! Semantics, as the real library's:
 //! * Like `nvidia-smi`, NVML needs no `cuInit`: `nvmlInit_v2` reads the `FAKECUDA_*`
@@ -31,6 +33,12 @@
 //!   `NVML_ERROR_INSUFFICIENT_SIZE`.
 //! * NULL out-pointers, indices past the device count and unknown device handles are
 //!   `NVML_ERROR_INVALID_ARGUMENT`.
+//!
+//! A knob for the tests of NVML's callers, read from the environment of the process that
+//! loads the fake at each call: `FAKECUDA_NVML=absent` makes the init calls return
+//! `NVML_ERROR_DRIVER_NOT_LOADED` (a node without the driver), `fail` makes every call after
+//! a successful init return `NVML_ERROR_UNKNOWN`, `hang` makes every call but
+//! `nvmlErrorString` sleep `FAKECUDA_NVML_HANG_MS` (default 10000) before it answers.
 //!
 //! Device handles are the addresses of a static array's elements, one per possible device.
 //!
@@ -53,7 +61,7 @@ use crate::config::{Config, MAX_DEVICES};
 use crate::devfile::DeviceFile;
 use crate::driver::{self, count};
 use crate::exports::device_uuid;
-use crate::procinfo::ProcId;
+use crate::procinfo::{self, ProcId};
 
 /// One NVML session of this process (between the first init and the last shutdown).
 struct Nvml {
@@ -70,6 +78,20 @@ static NVML: Mutex<Option<Nvml>> = Mutex::new(None);
 static HANDLES: [u64; MAX_DEVICES as usize] = [0; MAX_DEVICES as usize];
 
 type R<T> = Result<T, nvmlReturn_t>;
+
+/// What `FAKECUDA_NVML` asks of this call (see the module doc): `Some(rc)` to fail with it.
+fn knob(init: bool) -> Option<nvmlReturn_t> {
+    match std::env::var("FAKECUDA_NVML").as_deref() {
+        Ok("absent") if init => Some(NVML_ERROR_DRIVER_NOT_LOADED),
+        Ok("fail") if !init => Some(NVML_ERROR_UNKNOWN),
+        Ok("hang") => {
+            let ms = std::env::var("FAKECUDA_NVML_HANG_MS").ok().and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(10_000);
+            std::thread::sleep(std::time::Duration::from_millis(ms));
+            None
+        }
+        _ => None,
+    }
+}
 
 fn lock() -> MutexGuard<'static, Option<Nvml>> {
     NVML.lock().unwrap_or_else(PoisonError::into_inner)
@@ -117,6 +139,9 @@ impl Nvml {
 /// `nvmlErrorString`.
 fn with_nvml(api: Api, f: impl FnOnce(&mut Nvml) -> R<()>) -> nvmlReturn_t {
     count(api);
+    if let Some(rc) = knob(false) {
+        return rc;
+    }
     let mut guard = lock();
     let (rc, trace) = match guard.as_mut() {
         Some(n) => (n.refresh().and_then(|()| f(n)).err().unwrap_or(NVML_SUCCESS), n.cfg.trace),
@@ -144,6 +169,9 @@ unsafe fn out<T>(ptr: *mut T, value: T) -> R<()> {
 
 fn init(api: Api) -> nvmlReturn_t {
     count(api);
+    if let Some(rc) = knob(true) {
+        return rc;
+    }
     let mut guard = lock();
     if let Some(n) = guard.as_mut() {
         n.refs = n.refs.saturating_add(1);
@@ -326,11 +354,13 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
         if infoCount.is_null() {
             return Err(NVML_ERROR_INVALID_ARGUMENT);
         }
-        let procs = {
+        let holders = {
             let lock = file.lock().map_err(|_| NVML_ERROR_UNKNOWN)?;
             file.reap(&lock, &n.me);
-            file.processes(&lock)
+            file.holders(&lock)
         };
+        // Pids as the caller sees them; processes it cannot see are left out.
+        let procs: Vec<(u32, u64)> = holders.iter().filter_map(|(owner, bytes)| Some((procinfo::pid_seen_by(owner, &n.me)?, *bytes))).collect();
         // SAFETY: non-null, and the caller passes a valid unsigned int pointer.
         let room = unsafe { infoCount.read() } as usize;
         // SAFETY: as above.

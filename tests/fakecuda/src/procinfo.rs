@@ -72,6 +72,27 @@ pub fn is_alive(pid: u32, start_time: u64) -> bool {
     }
 }
 
+/// The pid the process `owner` has in the pid namespace of `me`, as NVML reports it (the
+/// caller's view): its own pid when they share a namespace; else the process whose
+/// innermost `NSpid` is `owner.pid`, in `owner`'s namespace, with its start time; `None` when
+/// `me` cannot see it (a process of another container, seen from inside one).
+pub fn pid_seen_by(owner: &ProcId, me: &ProcId) -> Option<u32> {
+    if owner.pidns == me.pidns || owner.pidns == 0 {
+        return Some(owner.pid);
+    }
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|entry| {
+        let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
+        let ns = std::fs::metadata(format!("/proc/{pid}/ns/pid")).ok()?.ino();
+        if ns != owner.pidns {
+            return None;
+        }
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        let inner: u32 = status.lines().find(|l| l.starts_with("NSpid:"))?.split_whitespace().last()?.parse().ok()?;
+        let started = read_stat(&pid.to_string())?.start_time;
+        (inner == owner.pid && (owner.start_time == 0 || started == owner.start_time)).then_some(pid)
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,250 @@
+//! The driver's view (issue 18, "Driver truth"): the agent reads NVML (here the fake's,
+//! `libnvidia-ml.so.1` beside the `--libcuda` file) and joins each process's driver-reported
+//! memory with the probes' and the ledgers' views. Real processes on the fake driver; the
+//! agent gets the workloads' `FAKECUDA_*` so that its NVML sees their devices. Needs root;
+//! run with `cargo xtask test` (one e2e test at a time).
+use std::{
+    ffi::{OsStr, OsString},
+    os::unix::fs::MetadataExt,
+    path::Path,
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context, Result};
+use e2e::{
+    agent::Agent,
+    cgroup::TestCgroup,
+    hostile::{Bystander, HealthProbe},
+    http, wait_for, FakeNode, TempDir, MIB,
+};
+use serde_json::Value;
+
+/// The fake's context (`FAKECUDA_CONTEXT_BYTES`), also the agent's `--context-allowance`
+/// here: what an unknown process's context may hold on the fake's devices.
+const CONTEXT: u64 = 64 * MIB;
+
+/// The agent's arguments: the fake driver, discovery every 100 ms, ledgers under `dir`,
+/// metrics and health listeners, and `more`.
+fn args<'a>(libcuda: &'a Path, dir: &'a Path, more: &[&'a OsStr]) -> Vec<&'a OsStr> {
+    let mut all: Vec<&OsStr> = vec![
+        OsStr::new("--libcuda"),
+        libcuda.as_os_str(),
+        OsStr::new("--ledger-dir"),
+        dir.as_os_str(),
+        OsStr::new("--metrics-addr"),
+        OsStr::new("127.0.0.1:0"),
+        OsStr::new("--health-addr"),
+        OsStr::new("127.0.0.1:0"),
+        OsStr::new("--context-allowance"),
+        OsStr::new("64m"),
+    ];
+    all.extend_from_slice(more);
+    all
+}
+
+/// Process `pid`'s row of an audit.
+fn row(audit: &Value, pid: u32) -> Option<Value> {
+    audit["processes"].as_array()?.iter().find(|r| r["pid"].as_u64() == Some(u64::from(pid))).cloned()
+}
+
+/// A workload that loads a renamed copy of libcuda and allocates 96 MiB through it at once,
+/// with no pause before the allocation, in a container whose files discovery may not probe
+/// (`--max-probed-per-container 0`: the probes cannot see it, whatever the timing): within
+/// 3 s `vramguard audit` shows it `unprobed` with at least 96 MiB of driver bytes, and so do
+/// the metrics and the log. Negative control in the same agent: a hooked, probed process
+/// holding the same is `ok`, its context not counted twice.
+#[test]
+fn memory_allocated_through_an_unprobed_copy_is_seen_by_the_driver() -> Result<()> {
+    let dir = TempDir::new("drv-ledgers")?;
+    let attacker = TempDir::new("drv-attacker")?;
+    let renamed = attacker.path().join("libnotcuda.so");
+    std::fs::copy(e2e::fake_driver_lib()?, &renamed)?;
+    let libs = attacker.path().join("libs");
+    std::fs::create_dir(&libs)?;
+    std::os::unix::fs::symlink(&renamed, libs.join("libcuda.so.1"))?;
+    let renamed_id = {
+        let meta = std::fs::metadata(&renamed)?;
+        (meta.dev(), meta.ino())
+    };
+
+    let node = FakeNode::new("drv-renamed").with_env("FAKECUDA_CONTEXT_BYTES", "64m");
+    let libcuda = e2e::fake_driver_dir()?.join("libcuda.so.1");
+    let more = [OsStr::new("--rescan-ms"), OsStr::new("100"), OsStr::new("--max-probed-per-container"), OsStr::new("0")];
+    let agent = Agent::start_with_env(&args(&libcuda, dir.path(), &more), node.env())?;
+
+    // The negative control: hooked, under the agent's probes (the operator's file).
+    let ledger = dir.ledger("control")?;
+    let control = e2e::holding(node.hooked(&ledger, 1 << 30)?, &["ctx 0", "alloc c 96m"])?;
+
+    let cgroup = TestCgroup::create("drv-renamed")?;
+    let mut escaped = node.workload().lib_dir(&libs).in_cgroup(&cgroup).steps(["ctx 0", "alloc a 96m", "checkpoint held", "hold"]).spawn()?;
+    escaped.wait_checkpoint("held")?;
+    let pid = escaped.pid();
+    let took = wait_for(Duration::from_secs(3), "the escaped process unprobed in vramguard audit", || {
+        std::thread::sleep(Duration::from_millis(20));
+        let audit = agent.audit()?;
+        Ok(row(&audit, pid).is_some_and(|r| r["state"] == "unprobed" && r["driver_bytes"].as_u64().is_some_and(|b| b >= 96 * MIB)))
+    })
+    .with_context(|| format!("agent log:\n{}", agent.log()))?;
+    eprintln!("unprobed {took:?} after the allocation");
+
+    let audit = agent.audit()?;
+    assert_eq!(audit["driver"]["state"], "ok", "{}", audit["driver"]);
+    let seen = row(&audit, pid).context("no row")?;
+    // What the driver reports: the 96 MiB and the context, through a file no probe is on.
+    assert_eq!(seen["driver_bytes"].as_u64(), Some(96 * MIB + CONTEXT), "{seen}");
+    assert_eq!(seen["total_bytes"].as_u64().unwrap_or(0), 0, "the probes saw it after all: {seen}");
+    let probed: Vec<(u64, u64)> =
+        audit["libcuda"].as_array().context("no libcuda list")?.iter().filter_map(|f| Some((f["dev"].as_u64()?, f["ino"].as_u64()?))).collect();
+    assert!(!probed.contains(&renamed_id), "the renamed copy was probed: {probed:?}");
+
+    // The negative control: probed, in its ledger, the same driver figure: ok.
+    let control_row = row(&audit, control.pid()).context("the hooked process is not in the audit")?;
+    assert_eq!(control_row["state"], "ok", "{control_row}");
+    assert_eq!(control_row["driver_bytes"].as_u64(), Some(96 * MIB + CONTEXT), "{control_row}");
+    assert_eq!(control_row["total_bytes"].as_u64(), Some(96 * MIB), "{control_row}");
+
+    let table = String::from_utf8_lossy(&agent.audit_table()?.stdout).into_owned();
+    let line = table.lines().find(|l| l.trim_start().starts_with(&format!("{pid} "))).context("no table line")?.to_string();
+    assert!(line.trim_end().ends_with("160.0 MiB  unprobed"), "{table}");
+    assert!(table.contains("driver view (NVML): ok"), "{table}");
+
+    let metrics = http::fresh_scrape(agent.metrics_addr()?)?;
+    let p = pid.to_string();
+    assert_eq!(http::metric(&metrics, "vramguard_process_state", &[("pid", &p), ("state", "unprobed")]), Some(1.0));
+    assert_eq!(http::metric(&metrics, "vramguard_driver_process_memory_bytes", &[("pid", &p)]), Some((96 * MIB + CONTEXT) as f64));
+    let c = control.pid().to_string();
+    assert_eq!(http::metric(&metrics, "vramguard_process_state", &[("pid", &c), ("state", "ok")]), Some(1.0));
+    assert_eq!(http::metric(&metrics, "vramguard_driver_up", &[]), Some(1.0));
+
+    let log = agent.log();
+    let said = log.lines().filter(|l| l.contains("unprobed") && l.contains(&format!("pid={pid}"))).count();
+    assert_eq!(said, 1, "one log line for the process: {log}");
+    assert!(!log.lines().any(|l| l.contains("unprobed") && l.contains(&format!("pid={}", control.pid()))), "{log}");
+    drop(escaped);
+    drop(control);
+    drop(agent);
+    Ok(())
+}
+
+/// Without NVML (a file that is no library, a driver not loaded, NVML answering errors, NVML
+/// hanging for 10 s) the agent starts, reclaims another container's dead process within a
+/// second, answers `/healthz` throughout, and says why in audit (`driver`), the metrics and
+/// once in the log.
+#[test]
+fn without_nvml_the_agent_runs_and_says_why() -> Result<()> {
+    let broken = TempDir::new("drv-broken")?;
+    let not_a_library = broken.path().join("libnvidia-ml.so.1");
+    std::fs::write(&not_a_library, b"not an ELF file")?;
+    /// (name, --nvml, the fake's knobs, the state, a word of the reason).
+    type Case<'a> = (&'a str, Option<&'a Path>, &'a [(&'a str, &'a str)], &'a str, &'a str);
+    let cases: [Case; 4] = [
+        ("broken", Some(&not_a_library), &[], "absent", "cannot load"),
+        ("absent", None, &[("FAKECUDA_NVML", "absent")], "absent", "Driver Not Loaded"),
+        ("fail", None, &[("FAKECUDA_NVML", "fail")], "failing", "Unknown Error"),
+        ("hang", None, &[("FAKECUDA_NVML", "hang"), ("FAKECUDA_NVML_HANG_MS", "10000")], "hung", "has not returned"),
+    ];
+    let libcuda = e2e::fake_driver_dir()?.join("libcuda.so.1");
+    for (name, nvml, knobs, state, reason) in cases {
+        let dir = TempDir::new(&format!("drv-{name}"))?;
+        let mut node = FakeNode::new(&format!("drv-{name}"));
+        for (key, value) in knobs {
+            node = node.with_env(*key, *value);
+        }
+        let mut more: Vec<&OsStr> = vec![OsStr::new("--no-discover")];
+        if let Some(path) = nvml {
+            more.extend([OsStr::new("--nvml"), path.as_os_str()]);
+        }
+        let started = Instant::now();
+        let env: Vec<(OsString, OsString)> = node.env().to_vec();
+        let agent = Agent::start_with_env(&args(&libcuda, dir.path(), &more), &env).with_context(|| format!("{name}: the agent did not start"))?;
+        let health = HealthProbe::start(agent.health_addr()?, Duration::from_millis(250));
+        wait_for(Duration::from_secs(6), &format!("{name}: audit says the driver view is {state}"), || {
+            std::thread::sleep(Duration::from_millis(50));
+            Ok(agent.audit()?["driver"]["state"] == state)
+        })
+        .with_context(|| format!("agent log:\n{}", agent.log()))?;
+        let audit = agent.audit()?;
+        let said = audit["driver"]["reason"].as_str().unwrap_or("");
+        assert!(said.contains(reason), "{name}: {}", audit["driver"]);
+
+        let mut bystander = Bystander::start(&node, &dir, &agent)?;
+        bystander.kill_and_expect_reclaim(&agent).with_context(|| format!("{name}: reclaim"))?;
+
+        let metrics = http::fresh_scrape(agent.metrics_addr()?)?;
+        assert_eq!(http::metric(&metrics, "vramguard_driver_up", &[]), Some(0.0), "{name}");
+        assert_eq!(http::metric(&metrics, "vramguard_driver_state", &[("state", state)]), Some(1.0), "{name}");
+        let labelled = http::samples(&metrics, "vramguard_driver_state").any(|s| s.label("reason").contains(reason));
+        assert!(labelled, "{name}: no reason label with {reason:?}");
+        // For the hanging NVML: ten seconds of it, health answering throughout.
+        if name == "hang" {
+            std::thread::sleep(Duration::from_secs(10).saturating_sub(started.elapsed()));
+            assert_eq!(agent.audit()?["driver"]["state"], "hung");
+        }
+        let answered = health.finish().with_context(|| format!("{name}: /healthz"))?;
+        let log = agent.stop().with_context(|| format!("{name}: stopping"))?;
+        let unavailable = log.lines().filter(|l| l.contains("driver view unavailable")).count();
+        if unavailable != 1 {
+            bail!("{name}: {unavailable} log lines about the driver view, not one:\n{log}");
+        }
+        eprintln!("{name}: {state} ({said}); /healthz answered {answered} times");
+    }
+    Ok(())
+}
+
+/// SIGKILLs a process this test started indirectly (through `unshare`) when dropped.
+struct KillOnDrop(u32);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) on the pid of the workload this test started (found as unshare's child).
+        unsafe { libc::kill(self.0 as i32, libc::SIGKILL) };
+    }
+}
+
+/// A process in a pid namespace of its own (as a container's) is reported by its host pid,
+/// the pid the agent sees (the fake's NVML, as the real one, answers in the caller's
+/// namespace): its row is its host pid's, and no row is made for the pid it has inside.
+#[test]
+fn a_process_in_another_pid_namespace_is_joined_by_its_host_pid() -> Result<()> {
+    let dir = TempDir::new("drv-pidns")?;
+    let node = FakeNode::new("drv-pidns").with_env("FAKECUDA_CONTEXT_BYTES", "64m");
+    let libcuda = e2e::fake_driver_dir()?.join("libcuda.so.1");
+    let agent = Agent::start_with_env(&args(&libcuda, dir.path(), &[OsStr::new("--no-discover")]), node.env())?;
+    // Unprobed by construction: the agent probes the fake driver's file, the workload maps a
+    // copy of it.
+    let copy = dir.path().join("copy");
+    std::fs::create_dir(&copy)?;
+    std::fs::copy(e2e::fake_driver_lib()?, copy.join("libcuda.so.1"))?;
+    let mut inside = node
+        .workload()
+        .lib_dir(&copy)
+        // --kill-child: the workload (the namespace's init) dies with unshare, which the
+        // harness kills; without it the workload would outlive the test.
+        .wrapped("unshare", ["--pid", "--fork", "--kill-child", "--mount-proc"])
+        .steps(["ctx 0", "alloc a 96m", "checkpoint held", "hold"])
+        .spawn()?;
+    inside.wait_checkpoint("held")?;
+    // The workload is unshare's child: its host pid.
+    let children = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", inside.pid()))?;
+    let host_pid: u32 = children.split_whitespace().next().context("unshare has no child")?.parse()?;
+    let _reaper = KillOnDrop(host_pid);
+    let status = std::fs::read_to_string(format!("/proc/{host_pid}/status"))?;
+    let nspid = status.lines().find(|l| l.starts_with("NSpid:")).context("no NSpid")?.to_string();
+    let inner: u32 = nspid.split_whitespace().last().context("empty NSpid")?.parse()?;
+    assert_ne!(inner, host_pid, "not in a pid namespace of its own: {nspid}");
+    wait_for(Duration::from_secs(3), "the namespaced process unprobed under its host pid", || {
+        std::thread::sleep(Duration::from_millis(20));
+        Ok(row(&agent.audit()?, host_pid).is_some_and(|r| r["state"] == "unprobed"))
+    })
+    .with_context(|| format!("agent log:\n{}", agent.log()))?;
+    let audit = agent.audit()?;
+    let seen = row(&audit, host_pid).context("no row")?;
+    assert_eq!(seen["driver_bytes"].as_u64(), Some(96 * MIB + CONTEXT), "{seen}");
+    if let Some(other) = row(&audit, inner) {
+        assert!(other["driver_bytes"].is_null(), "the inner pid {inner} got the driver's figure: {other}");
+    }
+    drop(inside);
+    drop(agent);
+    Ok(())
+}
