@@ -3,16 +3,21 @@
 //! serving `/metrics` ([`assert_serving`]), it still reclaims the slot of a SIGKILLed
 //! process of *another* container within a second ([`Bystander`]), and it never maps a ledger
 //! file, nor does any of its workers but the one ledger it works on ([`assert_no_ledger_mapped`]).
+//! Also the many-tenants attack itself ([`HostileLedgers`]), shared by
+//! `tests/hostile_many.rs` and `cargo xtask bench`.
 use std::{
     collections::BTreeSet,
-    os::unix::fs::MetadataExt,
+    os::unix::fs::{FileExt, MetadataExt},
     path::{Path, PathBuf},
+    sync::{Arc, Barrier},
+    thread::JoinHandle,
     time::Duration,
 };
 
 use anyhow::{bail, Context, Result};
+use ledger::{Ledger, ProcessIdentity};
 
-use crate::{agent::Agent, holding, http, ledgers, wait_for, FakeNode, Running, TempDir, GIB};
+use crate::{agent::Agent, holding, http, ledgers, wait_for, FakeNode, Running, TempDir, GIB, MIB};
 
 /// How soon the slot of a killed bystander process must be free.
 pub const RECLAIM_WITHIN: Duration = Duration::from_secs(1);
@@ -132,11 +137,17 @@ impl HealthProbe {
         HealthProbe { stop, thread }
     }
 
+    /// Stops probing; returns every probe's latency and answer (its status, or why none
+    /// came), in the order they were made.
+    pub fn answers(self) -> Result<Vec<(Duration, Result<u16, String>)>> {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().map_err(|_| anyhow::anyhow!("the health prober panicked"))
+    }
+
     /// Stops probing; fails unless every answer was `200` within [`HEALTH_WITHIN`] (and there
     /// were some); returns how many there were.
     pub fn finish(self) -> Result<usize> {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        let answers = self.thread.join().map_err(|_| anyhow::anyhow!("the health prober panicked"))?;
+        let answers = self.answers()?;
         let slowest = answers.iter().map(|(took, _)| *took).max().context("no /healthz probe ran")?;
         let bad: Vec<_> = answers.iter().filter(|(took, answer)| *took > HEALTH_WITHIN || !matches!(answer, Ok(200))).collect();
         eprintln!("/healthz: {} probes, slowest {slowest:?}, {} late or failed", answers.len(), bad.len());
@@ -144,6 +155,85 @@ impl HealthProbe {
             bail!("/healthz late (over {HEALTH_WITHIN:?}) or failing: {bad:?}");
         }
         Ok(answers.len())
+    }
+}
+
+/// Of the hostile ledgers, those with a process that wrote its own charge down (a charge
+/// owed), at most.
+pub const OWED: usize = 10;
+
+/// Many hostile tenants' ledgers (issue 17, "Many hostile tenants"): each with its lock held
+/// by a live process (a thread of the caller) and a slot of a process that does not exist (the
+/// reclaimer owes it a reclaim, which needs the lock; the holder's `dirty` flag written down,
+/// so that the agent's copies settle and it goes for the lock), and, in the first [`OWED`], a
+/// hooked process that wrote its own charge down (the agent owes the ledger a charge, which
+/// needs the lock too).
+pub struct HostileLedgers {
+    /// `<dir>/hostile-NN/ledger`, one per hostile container.
+    pub paths: Vec<PathBuf>,
+    /// The lock holders; each lets go by itself once its time is up (dropping them does not
+    /// end the hold).
+    pub holders: Vec<JoinHandle<()>>,
+    /// The hooked processes of the ledgers owed a charge (killed when dropped).
+    pub processes: Vec<Running>,
+}
+
+impl HostileLedgers {
+    /// `count` ledgers (16 slots, 256 records, a 1 GiB quota) under `dir`, made before the
+    /// agent starts (so that it watches them from the start).
+    pub fn make(dir: &TempDir, count: usize) -> Result<HostileLedgers> {
+        let paths = (0..count)
+            .map(|i| {
+                let path = dir.ledger(&format!("hostile-{i:02}"))?;
+                ledgers::create(&path, 16, 256, GIB, 64 * MIB)?;
+                Ok(path)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(HostileLedgers { paths, holders: Vec::new(), processes: Vec::new() })
+    }
+
+    /// The attack, once the agent runs (so that its probes see the hooked processes
+    /// allocate); every lock is held for `held_for` from about now. Returns once every lock
+    /// is taken.
+    pub fn attack(&mut self, held_for: Duration) -> Result<()> {
+        let node = FakeNode::new("hostile-many").with_env("FAKECUDA_CONTEXT_BYTES", "64m");
+        let pidns = std::fs::metadata("/proc/self/ns/pid").map(|m| m.ino())?;
+        for (i, path) in self.paths.iter().enumerate() {
+            if i < OWED {
+                // A hooked process that allocates, then writes its charge down: tampered, and
+                // the agent owes its ledger what the probes see beyond the charge.
+                let running = holding(node.hooked(path, GIB)?, &["ctx 0", "alloc a 128m"])?;
+                ledgers::zero_slot_bytes(path, running.pid())?;
+                self.processes.push(running);
+            }
+            // A slot no process has: dead, owed a reclaim (made after the hooks started: a
+            // hook frees the dead slots of its own pid namespace when it opens the ledger).
+            Ledger::open(path)?.register(ProcessIdentity { pid: 4_100_000 + i as u32, pidns, start_time: 1 })?;
+        }
+        // Every lock taken and held (by a live process: this one) for `held_for`; the
+        // `dirty` flag the holder raised is then written down through the file, as a tenant
+        // would, so that the agent's copies settle and it goes for the lock (a ledger left
+        // dirty is only reported unsettled).
+        let dirty = ledger::layout::PAGE + std::mem::offset_of!(ledger::layout::State, dirty) as u64;
+        let taken = Arc::new(Barrier::new(self.paths.len() + 1));
+        self.holders = self
+            .paths
+            .iter()
+            .map(|path| {
+                let ledger = Ledger::open(path)?;
+                let file = std::fs::OpenOptions::new().write(true).open(path)?;
+                let taken = taken.clone();
+                Ok(std::thread::spawn(move || {
+                    let holding = std::thread::spawn(move || ledger.hold_lock_for(held_for));
+                    std::thread::sleep(Duration::from_millis(200));
+                    let _ = file.write_all_at(&0u32.to_ne_bytes(), dirty);
+                    taken.wait();
+                    let _ = holding.join();
+                }))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        taken.wait();
+        Ok(())
     }
 }
 

@@ -9,103 +9,28 @@
 //! every hostile ledger is reported, with the reason, in `vramguard audit` and in
 //! `vramguard_ledgers_backed_off`. The negative control runs the same scene without the
 //! hostile ledgers. Needs root; run with `cargo xtask test`.
-use std::{
-    ffi::OsStr,
-    os::unix::fs::FileExt,
-    path::PathBuf,
-    sync::{Arc, Barrier},
-    thread::JoinHandle,
-    time::Duration,
-};
+use std::{ffi::OsStr, time::Duration};
 
 use anyhow::{ensure, Context, Result};
 use e2e::{
     agent::Agent,
-    holding,
-    hostile::{assert_serving, Bystander, HealthProbe},
-    http, ledgers, wait_for, FakeNode, Running, TempDir, GIB, MIB,
+    hostile::{assert_serving, Bystander, HealthProbe, HostileLedgers},
+    http, wait_for, FakeNode, Running, TempDir,
 };
-use ledger::{Ledger, ProcessIdentity};
 
-/// Hostile ledgers in the attack.
+/// Hostile ledgers in the attack (of them, [`e2e::hostile::OWED`] are owed a charge).
 const HOSTILE: usize = 50;
-/// Of them, those with a process that wrote its own charge down (a charge owed).
-const OWED: usize = 10;
 /// How long the holders keep the hostile ledgers' locks (longer than the test's attack).
 const HELD_FOR: Duration = Duration::from_secs(40);
-
-/// The hostile ledgers: their lock holders (threads of this test, alive throughout), and the
-/// hooked processes of those owed a charge.
-struct Hostile {
-    paths: Vec<PathBuf>,
-    holders: Vec<JoinHandle<()>>,
-    processes: Vec<Running>,
-}
-
-impl Hostile {
-    /// The ledgers, made before the agent starts (so that it watches them from the start).
-    fn make(dir: &TempDir, count: usize) -> Result<Hostile> {
-        let paths = (0..count)
-            .map(|i| {
-                let path = dir.ledger(&format!("hostile-{i:02}"))?;
-                ledgers::create(&path, 16, 256, GIB, 64 * MIB)?;
-                Ok(path)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(Hostile { paths, holders: Vec::new(), processes: Vec::new() })
-    }
-
-    /// The attack, once the agent runs (so that its probes see the hooked processes allocate).
-    fn attack(&mut self) -> Result<()> {
-        let node = FakeNode::new("hostile-many").with_env("FAKECUDA_CONTEXT_BYTES", "64m");
-        let pidns = std::fs::metadata("/proc/self/ns/pid").map(|m| std::os::unix::fs::MetadataExt::ino(&m))?;
-        for (i, path) in self.paths.iter().enumerate() {
-            if i < OWED {
-                // A hooked process that allocates, then writes its charge down: tampered, and
-                // the agent owes its ledger what the probes see beyond the charge.
-                let running = holding(node.hooked(path, GIB)?, &["ctx 0", "alloc a 128m"])?;
-                ledgers::zero_slot_bytes(path, running.pid())?;
-                self.processes.push(running);
-            }
-            // A slot no process has: dead, owed a reclaim (made after the hooks started: a
-            // hook frees the dead slots of its own pid namespace when it opens the ledger).
-            Ledger::open(path)?.register(ProcessIdentity { pid: 4_100_000 + i as u32, pidns, start_time: 1 })?;
-        }
-        // Every lock taken and held (by a live process: this one) until well after the
-        // test's checks; the `dirty` flag the holder raised is then written down through the
-        // file, as a tenant would, so that the agent's copies settle and it goes for the lock
-        // (a ledger left dirty is only reported unsettled).
-        let dirty = ledger::layout::PAGE + std::mem::offset_of!(ledger::layout::State, dirty) as u64;
-        let taken = Arc::new(Barrier::new(self.paths.len() + 1));
-        self.holders = self
-            .paths
-            .iter()
-            .map(|path| {
-                let ledger = Ledger::open(path)?;
-                let file = std::fs::OpenOptions::new().write(true).open(path)?;
-                let taken = taken.clone();
-                Ok(std::thread::spawn(move || {
-                    let holding = std::thread::spawn(move || ledger.hold_lock_for(HELD_FOR));
-                    std::thread::sleep(Duration::from_millis(200));
-                    let _ = file.write_all_at(&0u32.to_ne_bytes(), dirty);
-                    taken.wait();
-                    let _ = holding.join();
-                }))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        taken.wait();
-        Ok(())
-    }
-}
 
 /// The scene with `hostile` hostile ledgers (0: the negative control).
 fn scene(hostile: usize) -> Result<()> {
     let dir = TempDir::new(if hostile > 0 { "hostile-many" } else { "hostile-many-control" })?;
-    let mut attack = Hostile::make(&dir, hostile)?;
+    let mut attack = HostileLedgers::make(&dir, hostile)?;
     let agent = Agent::watching(dir.path(), &[OsStr::new("--health-addr"), OsStr::new("127.0.0.1:0")])?;
     let health = agent.health_addr()?;
     let probe = HealthProbe::start(health, Duration::from_millis(100));
-    attack.attack()?;
+    attack.attack(HELD_FOR)?;
     let node = FakeNode::new("hostile-many-bystander");
     let mut bystander = Bystander::start(&node, &dir, &agent)?;
 
