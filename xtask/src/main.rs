@@ -12,7 +12,8 @@
 //! - `test`: everything above, then every test of the workspace, then the demo with its
 //!   output and clean-up checked (`demo::check`).
 //! - `demo`: the agent, the fake driver and sample workloads, end to end (needs root).
-//! - `bench`: what the eBPF probes cost per alloc/free pair; writes docs/BENCHMARKS.md.
+//! - `bench`: what the eBPF probes, the hook and the node agent cost; writes docs/BENCHMARKS.md
+//!   (`--probes-only`: the probes' rows, printed; `--agent-only`: the node agent's section alone).
 mod bench;
 mod clients;
 mod containerd;
@@ -58,12 +59,16 @@ enum Task {
         #[arg(long, value_name = "PATH")]
         libcuda: Option<PathBuf>,
     },
-    /// Measure the probes' cost per alloc/free pair; write docs/BENCHMARKS.md.
+    /// Measure what the probes, the hook and the node agent cost; write docs/BENCHMARKS.md.
     Bench {
         /// Only the eBPF probes' rows (no probes, the nop floor, ours), printed; the report is
         /// left as it is.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "agent_only")]
         probes_only: bool,
+        /// Only the node agent's measurement (release agent, 100 ledgers, with and without
+        /// hostile tenants); rewrites its section of the report and keeps the rest.
+        #[arg(long)]
+        agent_only: bool,
     },
 }
 
@@ -75,7 +80,7 @@ fn main() -> Result<()> {
         Task::ValidateManifests => manifests::validate(),
         Task::Test => test(),
         Task::Demo { check, libcuda } => demo::demo(check, libcuda.map_or(demo::Driver::Fake, demo::Driver::Real)),
-        Task::Bench { probes_only } => bench::bench(probes_only),
+        Task::Bench { probes_only, agent_only } => bench::bench(probes_only, agent_only),
     }
 }
 

@@ -138,11 +138,17 @@ impl HealthProbe {
         HealthProbe { stop, thread }
     }
 
+    /// Stops probing; returns every probe's latency and answer (its status, or why none
+    /// came), in the order they were made.
+    pub fn answers(self) -> Result<Vec<(Duration, Result<u16, String>)>> {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().map_err(|_| anyhow::anyhow!("the health prober panicked"))
+    }
+
     /// Stops probing; fails unless every answer was `200` within [`HEALTH_WITHIN`] (and there
     /// were some); returns how many there were.
     pub fn finish(self) -> Result<usize> {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        let answers = self.thread.join().map_err(|_| anyhow::anyhow!("the health prober panicked"))?;
+        let answers = self.answers()?;
         let slowest = answers.iter().map(|(took, _)| *took).max().context("no /healthz probe ran")?;
         let bad: Vec<_> = answers.iter().filter(|(took, answer)| *took > HEALTH_WITHIN || !matches!(answer, Ok(200))).collect();
         eprintln!("/healthz: {} probes, slowest {slowest:?}, {} late or failed", answers.len(), bad.len());
@@ -241,6 +247,9 @@ fn ledgers_mapped(pid: u32, dir: &Path, files: &BTreeSet<(u64, u64)>) -> BTreeSe
     }
     mapped
 }
+
+/// How many of the hostile ledgers are owed a charge in the tests and the bench.
+pub const OWED: usize = 10;
 
 /// What the agent says of a ledger whose lock it could not take (`ledger_problems`).
 pub const LOCK_HELD: &str = "lock stayed held";

@@ -14,14 +14,12 @@ use std::{ffi::OsStr, time::Duration};
 use anyhow::{ensure, Result};
 use e2e::{
     agent::Agent,
-    hostile::{assert_serving, Bystander, HealthProbe, HostileLedgers, LOCK_HELD},
+    hostile::{assert_serving, Bystander, HealthProbe, HostileLedgers, LOCK_HELD, OWED},
     http, FakeNode, TempDir,
 };
 
 /// Hostile ledgers in the attack.
 const HOSTILE: usize = 50;
-/// Of them, those with a process that wrote its own charge down (a charge owed).
-const OWED: usize = 10;
 /// How long the holders keep the hostile ledgers' locks (longer than the test's attack).
 const HELD_FOR: Duration = Duration::from_secs(40);
 

@@ -17,7 +17,7 @@ use anyhow::{ensure, Context, Result};
 use e2e::{
     agent::{agent_bin, provisioning_args, Agent},
     containerd::{workload_path, ContainerId, ContainerSpec, Containerd, PodId},
-    hostile::{HealthProbe, HostileLedgers},
+    hostile::{HealthProbe, HostileLedgers, OWED},
     timeout, wait_for, FakeNode, TempDir, GIB,
 };
 use serde_json::Value;
@@ -573,7 +573,6 @@ const NRI_DEADLINE: Duration = Duration::from_secs(2);
 /// throughout. The attack is shown in effect: every hostile ledger reported with its lock
 /// held, the locks still held at the end. The negative control runs the same without them.
 fn provisioning_beside_hostile_ledgers(hostile: usize) -> Result<()> {
-    const OWED: usize = 10;
     const PODS: usize = 4;
     // Longer than the scene (containerd's start, the agent's, four pods, the checks).
     const HELD_FOR: Duration = Duration::from_secs(120);
