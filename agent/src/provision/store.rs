@@ -306,7 +306,7 @@ fn write_new(path: &Path, bytes: &[u8], mode: u32) -> Result<(), String> {
 mod tests {
     use super::*;
 
-    fn record(id: &str) -> Record {
+    pub(super) fn record(id: &str) -> Record {
         Record {
             container_id: id.into(),
             pod_id: "sandbox".into(),
@@ -419,18 +419,6 @@ mod capped {
     }
 
     fn tests_record(id: &str) -> Record {
-        Record {
-            container_id: id.into(),
-            pod_id: "sandbox".into(),
-            pod_uid: "uid-1".into(),
-            namespace: "team-a".into(),
-            pod: "trainer".into(),
-            container: "main".into(),
-            cgroups_path: "/k8s.io/abc".into(),
-            quota: 1 << 30,
-            devices: 1,
-            gpus: vec![0],
-            source: "quota file".into(),
-        }
+        Record { devices: 1, gpus: vec![0], ..super::tests::record(id) }
     }
 }

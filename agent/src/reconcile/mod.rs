@@ -42,7 +42,7 @@
 //! * `unprobed`: the driver ([`crate::driver`], NVML) reports the process holding more than
 //!   the probes and its ledger explain: more than the larger of its eBPF and ledger bytes plus,
 //!   on each device it holds memory on, a context and one 2 MiB page. The context is the
-//!   ledger's context reserve when the process has a slot, else `--context-allowance`
+//!   ledger's context reserve when the process has a slot (never more than the allowance: a workload may have made its ledger), else `--context-allowance`
 //!   ([`DEFAULT_CONTEXT_ALLOWANCE`], 600 MiB: an H100's context measured 518 MiB,
 //!   `docs/gpu.md`). Memory allocated through a libcuda no probe is on (a renamed copy loaded
 //!   and used before discovery reaches it, one past the per-container cap) looks like this.
@@ -84,6 +84,7 @@ pub mod task;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
+    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -94,8 +95,6 @@ use foldhash::{HashMap, HashMapExt};
 use ledger::{layout::Slot, Kind, ProcessIdentity};
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
-
-use std::sync::Arc;
 
 use crate::{
     driver::{DriverProcess, DriverView},
@@ -345,7 +344,9 @@ impl Reconciler {
         let Some(driver) = seen.driver else { return false };
         let since = self.driver.as_ref().and_then(|d| d.read_at).map(|at| at.checked_sub(task::EVERY).unwrap_or(at));
         let explained = history.iter().filter(|(at, _)| since.is_none_or(|since| *at >= since)).map(|(_, bytes)| *bytes).max().unwrap_or(0);
-        let context = seen.context_reserve.unwrap_or(self.config.context_allowance);
+        // A ledger's reserve may only lower the allowance: a workload that made its own ledger
+        // chose that figure, and must not explain memory away with it.
+        let context = seen.context_reserve.map_or(self.config.context_allowance, |reserve| reserve.min(self.config.context_allowance));
         let allowance = u64::from(driver.devices).saturating_mul(context.saturating_add(DRIVER_PAGE));
         driver.bytes > explained.max(explained_now).saturating_add(allowance)
     }
@@ -490,9 +491,11 @@ impl Reconciler {
 /// Adds the driver's figure to each process's observation; a live process only the driver
 /// reports gets one of its own (its cgroup read from /proc).
 fn join_driver(observations: &mut Vec<Observation>, driver: &BTreeMap<u32, DriverProcess>) {
+    // One look-up per driver row, not a walk of the observations.
+    let live: HashMap<u32, usize> = observations.iter().enumerate().filter(|(_, o)| !o.gone).map(|(i, o)| (o.pid, i)).rev().collect();
     for (&pid, process) in driver {
-        if let Some(seen) = observations.iter_mut().find(|o| o.pid == pid && !o.gone) {
-            seen.driver = Some(*process);
+        if let Some(&index) = live.get(&pid) {
+            observations[index].driver = Some(*process);
             continue;
         }
         let Some(cgroup_id) = crate::cgroup::id_of_pid(pid) else { continue }; // gone since the read
