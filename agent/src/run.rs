@@ -465,7 +465,9 @@ pub async fn run(args: RunArgs) -> Result<()> {
         liveness.register("discovery", TENANT_WORK_ALLOWED),
         stop.clone(),
     ));
-    let driver_task = Driver { candidates: driver::locate(args.nvml.as_deref(), &args.libcuda) };
+    let read_seconds = driver::task::read_seconds()?;
+    judge.metrics.register(Box::new(read_seconds.clone()))?;
+    let driver_task = Driver { candidates: driver::locate(args.nvml.as_deref(), &args.libcuda), read_seconds };
     let driver_task = tokio::spawn(driver_task.run(driver_tx, liveness.register("driver", DRIVER_ALLOWED), stop.clone()));
     let judge_wiring = reconcile::task::Wiring {
         kernel: kernel_tx,

@@ -2,13 +2,15 @@
 //! every [`EVERY`] and publishes each answer as the latest [`DriverView`]. A read that has
 //! not come back within [`READ_BUDGET`] makes the view `hung`; no other read starts until it
 //! returns (a hung NVML call holds one thread, never the runtime or another task). Without
-//! NVML, the reader retries loading it every [`RETRY`].
+//! NVML, the reader retries loading it every [`RETRY`]. Each read's time (the NVML calls
+//! alone, on the reader thread) goes into `vramguard_driver_read_seconds` ([`read_seconds`]).
 use std::{
     path::PathBuf,
     sync::{mpsc as std_mpsc, Arc},
     time::{Duration, Instant},
 };
 
+use prometheus::{Histogram, HistogramOpts};
 use tokio::{
     sync::{oneshot, watch},
     time::{interval, MissedTickBehavior},
@@ -31,18 +33,37 @@ pub const RETRY: Duration = Duration::from_secs(30);
 /// One read's answer: the library loaded (if any) and what it said.
 type Answer = (Option<String>, Result<std::collections::BTreeMap<u32, super::DriverProcess>, Trouble>);
 
+/// Buckets of [`read_seconds`]: NVML reads take from tens of microseconds (the fake, a few
+/// processes) to milliseconds (a real driver, many devices), up to the budget.
+const READ_BUCKETS: [f64; 11] = [0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25, 2.0];
+
+/// The histogram of NVML read times the driver task fills (the caller registers it with the
+/// metrics registry).
+pub fn read_seconds() -> prometheus::Result<Histogram> {
+    Histogram::with_opts(
+        HistogramOpts::new(
+            "vramguard_driver_read_seconds",
+            "One NVML read (every device's running processes and their memory), timed on the reader thread; a read that fails counts too",
+        )
+        .buckets(READ_BUCKETS.to_vec()),
+    )
+}
+
 /// The driver task's state.
 pub struct Driver {
     /// The NVML files to try, in order ([`super::locate`]).
     pub candidates: Vec<PathBuf>,
+    /// Where each read's time goes ([`read_seconds`]).
+    pub read_seconds: Histogram,
 }
 
 impl Driver {
     /// Runs until `stop` turns true, publishing into `view`.
     pub async fn run(self, view: watch::Sender<Arc<DriverView>>, heartbeat: Heartbeat, mut stop: watch::Receiver<bool>) {
         let (requests, reader_requests) = std_mpsc::channel::<oneshot::Sender<Answer>>();
-        let candidates = self.candidates;
-        let spawned = std::thread::Builder::new().name("vramguard-nvml".into()).spawn(move || reader(candidates, reader_requests));
+        let (candidates, read_seconds) = (self.candidates, self.read_seconds);
+        let spawned =
+            std::thread::Builder::new().name("vramguard-nvml".into()).spawn(move || reader(candidates, read_seconds, reader_requests));
         if let Err(error) = spawned {
             publish(&view, DriverStatus { state: State::Failing, reason: Some(format!("cannot start the NVML reader thread: {error}")), library: None, reads: 0 }, None);
             return;
@@ -112,7 +133,7 @@ fn publish(view: &watch::Sender<Arc<DriverView>>, status: DriverStatus, read: Op
 
 /// The reader thread: owns NVML, answers each request with one read (loading NVML first when
 /// it has none, at most every [`RETRY`]); ends when the task drops its end.
-fn reader(candidates: Vec<PathBuf>, requests: std_mpsc::Receiver<oneshot::Sender<Answer>>) {
+fn reader(candidates: Vec<PathBuf>, read_seconds: Histogram, requests: std_mpsc::Receiver<oneshot::Sender<Answer>>) {
     let mut nvml: Option<Nvml> = None;
     let mut last_trouble: Option<(Trouble, Instant)> = None;
     while let Ok(reply) = requests.recv() {
@@ -133,7 +154,9 @@ fn reader(candidates: Vec<PathBuf>, requests: std_mpsc::Receiver<oneshot::Sender
             }
         }
         let Some(loaded) = nvml.as_ref() else { continue };
+        let started = Instant::now();
         let answer = loaded.read();
+        read_seconds.observe(started.elapsed().as_secs_f64());
         let _ = reply.send((Some(loaded.path().display().to_string()), answer));
     }
 }

@@ -8,7 +8,8 @@
 //! `vramguard_ebpf_process_memory_bytes{pid,cgroup}`. From [`crate::reconcile`]:
 //! `vramguard_process_state{pid,state}` (one series per state, 1 for the process's current
 //! one), `vramguard_unhooked_processes`, from the driver view ([`crate::driver`]):
-//! `vramguard_driver_up`, `vramguard_driver_state{state,reason}` and
+//! `vramguard_driver_up`, `vramguard_driver_state{state,reason}`, `vramguard_driver_read_seconds`
+//! (registered by the driver task, which times its reads) and
 //! `vramguard_driver_process_memory_bytes{pid,cgroup}`, `vramguard_container_ebpf_memory_bytes{ledger}` (the
 //! eBPF bytes of the ledger's processes, comparable with the ledger's data, small and managed
 //! bytes), `vramguard_container_unaccounted_bytes{ledger}` (what the agent charges the ledger

@@ -90,7 +90,8 @@ impl Agent {
         Self::start_binary_env(&agent_bin()?, args, env)
     }
 
-    fn start_binary_env(bin: &Path, args: &[&OsStr], env: &[(OsString, OsString)]) -> Result<Agent> {
+    /// [`Agent::start_binary`] with these variables set for the agent too.
+    pub fn start_binary_env(bin: &Path, args: &[&OsStr], env: &[(OsString, OsString)]) -> Result<Agent> {
         static COUNTER: AtomicU32 = AtomicU32::new(0);
         let dir = std::env::temp_dir().join(format!(
             "vramguard-agent-{}-{}",

@@ -91,7 +91,7 @@ pub fn node_agent(bin: &Path, rows: &mut Vec<Row>, notes: &mut Vec<String>) -> R
             Ok(path)
         })
         .collect::<Result<_>>()?;
-    let agent = start(bin, dir.path(), 0)?;
+    let agent = start(bin, dir.path(), 0, &node, Nvml::Fake)?;
     let mut holders = Vec::new();
     for path in &paths[..BUSY_LEDGERS] {
         for _ in 0..HOLDERS_PER_LEDGER {
@@ -107,12 +107,17 @@ pub fn node_agent(bin: &Path, rows: &mut Vec<Row>, notes: &mut Vec<String>) -> R
     agent.stop()?;
     // A new agent beside the running holders, as after an agent's restart: its probes never
     // saw their allocations.
-    let restarted = start(bin, dir.path(), 0)?;
+    let restarted = start(bin, dir.path(), 0, &node, Nvml::Fake)?;
     let after_restart = Idle::measure(&restarted)?;
     restarted.stop()?;
+    // The same idle window without the driver view (the fake NVML made absent): what the
+    // driver view adds to a pass.
+    let blind = start(bin, dir.path(), 0, &node, Nvml::Absent)?;
+    let without_nvml = Idle::measure(&blind)?;
+    blind.stop()?;
     // A third agent, with one hostile ledger beside the others.
     let hostile = Hostile::plant(dir.path())?;
-    let beside = start(bin, dir.path(), 1)?;
+    let beside = start(bin, dir.path(), 1, &node, Nvml::Fake)?;
     let one_hostile = Measured::of(&beside, &node, &paths)?;
     beside.stop()?;
     drop(hostile);
@@ -153,6 +158,16 @@ pub fn node_agent(bin: &Path, rows: &mut Vec<Row>, notes: &mut Vec<String>) -> R
     }
     for (measured, beside) in [(&plain, ""), (&one_hostile, ", one hostile ledger present"), (&many.measured, many_beside.as_str())] {
         measured.rows(rows, &setup, beside);
+    }
+    for (what, idle) in [("with the driver view (the fake NVML)", &after_restart), ("without it (FAKECUDA_NVML=absent)", &without_nvml)] {
+        rows.push(Row::target(
+            format!("agent reconcile pass mean, idle window, restarted beside the holders, {what}: {setup}"),
+            idle.pass_mean_ms,
+            "ms",
+            3,
+            PASS_TARGET_MS,
+            "ms, target",
+        ));
     }
     notes.push(format!(
         "The agent: the release build, `vramguard run --libcuda <fake> --ledger-dir DIR --metrics-addr 127.0.0.1:0 \
@@ -206,6 +221,19 @@ pub fn node_agent(bin: &Path, rows: &mut Vec<Row>, notes: &mut Vec<String>) -> R
     ));
     notes.push(Health::note(configurations));
     notes.push(format!(
+        "The driver view: each agent loads the fake NVML beside the fake libcuda, with the node's variables, so it \
+         lists the node's processes and their memory as the fake driver holds it (every holder, its context \
+         included); `vramguard_driver_read_seconds` is the agent's own histogram of one read (all devices' \
+         compute and graphics processes), timed on its reader thread, scraped before and after each configuration \
+         as the passes are (buckets 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 50, 250 ms, 2 s). The read runs off the \
+         reconcile task (a pass joins the latest answer), so a pass's time includes the join, not the read. The \
+         last two pass rows compare like with like: the restarted agent's idle window (driver view on, {:.0} passes) \
+         and the same window in one more agent started beside the same holders with `FAKECUDA_NVML=absent` ({:.0} \
+         passes); neither agent's probes saw the holders' allocations.",
+        after_restart.passes,
+        without_nvml.passes,
+    ));
+    notes.push(format!(
         "One hostile ledger present: a third agent watches the same {LEDGERS} ledgers plus a hostile container's, of \
          the largest geometry the agent allows by default ({} slots, {} records), every slot naming a dead process \
          and a thread of the benchmark keeping its `dirty` flag raised and its lock's owner and list words \
@@ -238,32 +266,40 @@ struct Measured {
     health: Health,
     /// `vramguard_reconcile_pass_seconds` from before the idle window to after the reclaims.
     passes: Histogram,
+    /// `vramguard_driver_read_seconds` over the same span, and the processes the last read
+    /// reported (series of `vramguard_driver_process_memory_bytes`).
+    reads: Histogram,
+    driver_processes: usize,
 }
 
 impl Measured {
     /// Measures `agent`, which watches `paths` (and maybe more) and has recorded the holders.
     fn of(agent: &Agent, node: &FakeNode, paths: &[PathBuf]) -> Result<Measured> {
-        let before = Histogram::of(&scrape(agent.metrics_addr()?)?, PASS_SECONDS)?;
+        let first = scrape(agent.metrics_addr()?)?;
+        let (before, reads_before) = (Histogram::of(&first, PASS_SECONDS)?, Histogram::of(&first, READ_SECONDS)?);
         let idle = Idle::measure(agent)?;
         let probe = HealthProbe::start(agent.health_addr()?, HEALTH_EVERY);
         let reclaimed = Reclaimed::measure(agent, node, paths);
         let health = Health::of(probe.answers()?)?;
         let reclaimed = reclaimed?;
-        let passes = Histogram::of(&scrape(agent.metrics_addr()?)?, PASS_SECONDS)?.since(&before);
+        let last = scrape(agent.metrics_addr()?)?;
+        let passes = Histogram::of(&last, PASS_SECONDS)?.since(&before);
         ensure!(passes.count > 0, "the agent timed no reconcile pass during the measurement");
+        let reads = Histogram::of(&last, READ_SECONDS)?.since(&reads_before);
+        ensure!(single(&last, "vramguard_driver_up")? == 1.0, "the agent's driver view does not answer: {}", agent.log());
+        ensure!(reads.count > 0, "the agent timed no NVML read during the measurement");
+        let driver_processes = samples(&last, "vramguard_driver_process_memory_bytes").count();
         println!(
-            "reconcile passes: {} passes, mean {:.3} ms, p50 {:.3} ms, p99 {:.3} ms; /healthz: {} probes, p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms, {} failed",
-            passes.count,
-            passes.mean() * 1e3,
-            passes.quantile(0.50) * 1e3,
-            passes.quantile(0.99) * 1e3,
+            "reconcile passes: {}; NVML reads (fake): {}, {driver_processes} processes in the last; /healthz: {} probes, p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms, {} failed",
+            passes.summary(),
+            reads.summary(),
             health.ms.len(),
             percentile(&health.ms, 0.50),
             percentile(&health.ms, 0.99),
             health.ms.last().copied().unwrap_or(f64::NAN),
             health.failed.len(),
         );
-        Ok(Measured { idle, reclaimed, health, passes })
+        Ok(Measured { idle, reclaimed, health, passes, reads, driver_processes })
     }
 
     /// The rows of this configuration: its passes, reclaims and `/healthz` answers.
@@ -283,6 +319,14 @@ impl Measured {
             pass("p50 (from the histogram's buckets)", self.passes.quantile(0.50)),
             pass("p99 (from the histogram's buckets)", self.passes.quantile(0.99)),
         ]);
+        for (what, seconds) in [("p50", self.reads.quantile(0.50)), ("p99", self.reads.quantile(0.99))] {
+            rows.push(Row::reported(
+                format!("one NVML read {what} (the fake NVML, {} processes listed){beside}", self.driver_processes),
+                seconds * 1e3,
+                "ms",
+                3,
+            ));
+        }
         self.reclaimed.rows(rows, beside);
         let health = &self.health.ms;
         for (name, figure) in [
@@ -349,6 +393,8 @@ impl Health {
 
 /// The reconcile pass histogram's name.
 const PASS_SECONDS: &str = "vramguard_reconcile_pass_seconds";
+/// The NVML read histogram's name.
+const READ_SECONDS: &str = "vramguard_driver_read_seconds";
 
 /// What the pass rows say.
 struct Passes;
@@ -407,7 +453,7 @@ impl ManyHostile {
         let mut mapper = node.workload().steps([format!("map {}", elf.display()), "checkpoint mapped".into(), "hold".into()]).spawn()?;
         mapper.wait_checkpoint("mapped")?;
         let mut hostile = HostileLedgers::make(dir.path(), Self::LEDGERS, OWED)?;
-        let agent = start(bin, dir.path(), Self::LEDGERS)?;
+        let agent = start(bin, dir.path(), Self::LEDGERS, node, Nvml::Fake)?;
         let attacked = Instant::now();
         hostile.attack(Self::HELD_FOR)?;
         let names: Vec<String> = hostile.paths().iter().map(|p| p.display().to_string()).collect();
@@ -467,7 +513,18 @@ impl ManyHostile {
 /// Starts the agent at `bin` on the kit's fake driver, watching `dir`, with its health
 /// listener, and waits until it watches every ledger there (`extra` more than the
 /// benchmark's).
-fn start(bin: &Path, dir: &Path, extra: usize) -> Result<Agent> {
+/// Whether the agent's driver view reads the fake NVML.
+#[derive(Clone, Copy, PartialEq)]
+enum Nvml {
+    /// The fake NVML beside the fake libcuda, seeing the node's processes.
+    Fake,
+    /// The fake NVML made absent (`FAKECUDA_NVML=absent`): the agent runs without a driver view.
+    Absent,
+}
+
+/// Starts the agent at `bin` on the ledgers in `dir` (and `extra` more) with the node's
+/// variables, so that the fake NVML it loads sees the node's processes.
+fn start(bin: &Path, dir: &Path, extra: usize, node: &FakeNode, nvml: Nvml) -> Result<Agent> {
     let libcuda = e2e::fake_driver_dir()?.join("libcuda.so.1");
     let args = [
         OsStr::new("--libcuda"),
@@ -479,7 +536,11 @@ fn start(bin: &Path, dir: &Path, extra: usize) -> Result<Agent> {
         OsStr::new("--health-addr"),
         OsStr::new("127.0.0.1:0"),
     ];
-    let agent = Agent::start_binary(bin, &args)?;
+    let mut env = node.env().to_vec();
+    if nvml == Nvml::Absent {
+        env.push(("FAKECUDA_NVML".into(), "absent".into()));
+    }
+    let agent = Agent::start_binary_env(bin, &args, &env)?;
     let addr = agent.metrics_addr()?;
     wait_for(Duration::from_secs(5), "the agent watches every ledger", || {
         Ok(single(&scrape(addr)?, "vramguard_ledgers")? == (LEDGERS + extra) as f64)
@@ -720,6 +781,11 @@ impl Histogram {
 
     fn mean(&self) -> f64 {
         self.sum / self.count as f64
+    }
+
+    /// Count, mean, p50 and p99 in ms, for the console.
+    fn summary(&self) -> String {
+        format!("{} observed, mean {:.3} ms, p50 {:.3} ms, p99 {:.3} ms", self.count, self.mean() * 1e3, self.quantile(0.50) * 1e3, self.quantile(0.99) * 1e3)
     }
 
     /// The least bucket bound (`le`) holding the fraction `q` of the observations.
