@@ -40,6 +40,23 @@ pub fn running_start_time_of(pid: u32) -> Option<u64> {
     running_start_time(&pid.to_string())
 }
 
+/// Whether host process `pid` (as this process's /proc shows it) still runs the process that
+/// started at `start_time`: `Some(false)` when it certainly does not (no such pid, a zombie, or
+/// the pid reused by a process that started at another time: a process never changes pid, so
+/// the one that started at `start_time` is gone for good); `None` when /proc cannot say (any
+/// other read error, an unparsable line).
+pub fn still_runs(pid: u32, start_time: u64) -> Option<bool> {
+    match fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => {
+            let (state, start) = parse_stat(&stat)?;
+            Some(start == start_time && !matches!(state, 'Z' | 'X' | 'x'))
+        }
+        // ESRCH: the process died between the open and the read.
+        Err(error) if error.kind() == io::ErrorKind::NotFound || error.raw_os_error() == Some(libc::ESRCH) => Some(false),
+        Err(_) => None,
+    }
+}
+
 fn running_start_time(pid: &str) -> Option<u64> {
     let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let (state, start) = parse_stat(&stat)?;
@@ -83,5 +100,22 @@ mod tests {
         assert_eq!(reused.is_alive(), Some(false));
         let elsewhere = ProcessIdentity { pidns: me.pidns + 1, ..me };
         assert_eq!(elsewhere.is_alive(), None);
+    }
+
+    #[test]
+    fn still_runs_tells_gone_from_reused_from_unknown() {
+        let me = ProcessIdentity::current().expect("own identity");
+        assert_eq!(still_runs(me.pid, me.start_time), Some(true));
+        assert_eq!(still_runs(me.pid, me.start_time + 1), Some(false), "another start time: the pid was reused");
+        // A pid above the kernel's limit (4194304 at most) never exists.
+        assert_eq!(still_runs(u32::MAX - 1, me.start_time), Some(false));
+        let mut child = std::process::Command::new("true").spawn().expect("spawn true");
+        let pid = child.id();
+        // Not reaped until `wait`: readable in /proc, running or a zombie.
+        let start = start_time(&pid.to_string()).expect("the child's start time");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        assert_eq!(still_runs(pid, start), Some(false), "an exited, unreaped child (a zombie) does not run");
+        child.wait().expect("reap");
+        assert_eq!(still_runs(pid, start), Some(false), "a reaped child is gone");
     }
 }

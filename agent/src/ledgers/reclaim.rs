@@ -3,9 +3,12 @@
 //! A sweep reads every slot of every watched ledger and judges its process: a slot whose
 //! recorded host pid still runs the slot's process is alive (its pid namespace, pid in it and
 //! start time checked the first time, since the workload can write the field; its start time
-//! after that); the others are looked up in one scan of /proc ([`ProcessTable`], made only
-//! when a sweep has such a slot, after every ledger was read, so that a process that
-//! registered a slot before its ledger was read is in it if it lives). A live process gets its
+//! after that); a slot whose host pid an earlier sweep verified and that no longer runs that
+//! process (no such pid, a zombie, another start time: [`ledger::process::still_runs`]) is
+//! dead without more ado, which is how most exits are found; the others (pids not recorded or
+//! not verified yet, /proc unable to say) are looked up in one scan of /proc
+//! ([`ProcessTable`], made only when a sweep has such a slot, after every ledger was read, so
+//! that a process that registered a slot before its ledger was read is in it if it lives). A live process gets its
 //! host pid written into its slot ([`Ledger::set_host_pid`]); a slot the table does not find
 //! is dead and is freed with [`Ledger::reclaim_process`], which refuses if the slot was freed
 //! and reused meanwhile. A zombie counts as dead. However many ledgers and dead slots
@@ -119,19 +122,24 @@ impl Reclaimer {
                 .map(|view| {
                     let slot = view.slot;
                     let process = slot.process();
-                    let recorded = (slot.host_pid != 0 && {
-                        if self.verified.contains(&(slot.host_pid, process)) {
-                            ledger::process::running_start_time_of(slot.host_pid) == Some(slot.start_time)
-                        } else {
-                            identity::is_process(slot.host_pid, &process)
+                    let verdict = if slot.host_pid == 0 {
+                        Verdict::Unknown
+                    } else if self.verified.contains(&(slot.host_pid, process)) {
+                        match ledger::process::still_runs(slot.host_pid, slot.start_time) {
+                            Some(true) => Verdict::Alive(slot.host_pid),
+                            Some(false) => Verdict::Dead,
+                            None => Verdict::Unknown,
                         }
-                    })
-                    .then_some(slot.host_pid);
-                    if let Some(host) = recorded {
+                    } else if identity::is_process(slot.host_pid, &process) {
+                        Verdict::Alive(slot.host_pid)
+                    } else {
+                        Verdict::Unknown
+                    };
+                    if let Verdict::Alive(host) = verdict {
                         verified.insert((host, process));
                     }
-                    unresolved |= recorded.is_none();
-                    (view, recorded)
+                    unresolved |= verdict == Verdict::Unknown;
+                    (view, verdict)
                 })
                 .collect();
             read.push((path, ledger, judged));
@@ -142,9 +150,13 @@ impl Reclaimer {
         let detected = Instant::now();
         for (path, ledger, judged) in read {
             let mut gone = Vec::new();
-            for (view, recorded) in judged {
+            for (view, verdict) in judged {
                 let slot = view.slot;
-                let live = recorded.or_else(|| table.as_ref().and_then(|table| table.find(&slot)));
+                let live = match verdict {
+                    Verdict::Alive(host) => Some(host),
+                    Verdict::Dead => None,
+                    Verdict::Unknown => table.as_ref().and_then(|table| table.find(&slot)),
+                };
                 if let Some(host) = live {
                     if slot.host_pid != host {
                         if let Err(error) = ledger.set_host_pid(view.id, host) {
@@ -209,8 +221,20 @@ impl Reclaimer {
     }
 }
 
-/// A slot as read, with its recorded host pid if that still runs the slot's process.
-type Judged = (SlotView, Option<u32>);
+/// A slot as read, and what its recorded host pid says of its process.
+type Judged = (SlotView, Verdict);
+
+/// What a slot's recorded host pid says of the slot's process, before any scan of /proc.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Verdict {
+    /// The host pid still runs the slot's process.
+    Alive(u32),
+    /// The host pid, verified by an earlier sweep, no longer runs it: the process is gone.
+    Dead,
+    /// No host pid, one not verified (the workload writes the field), or /proc could not
+    /// say: the scan of /proc decides.
+    Unknown,
+}
 
 /// A slot whose process was found gone, and when.
 type Gone = (SlotView, Instant);
