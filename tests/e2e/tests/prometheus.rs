@@ -124,7 +124,7 @@ fn prometheus_scrapes_the_agents_series_with_pod_labels_and_every_dashboard_quer
     let prometheus = Prometheus::start(&config, &[("rules.yaml", &rules)])?;
     eprintln!("prometheus on {} with:\n{config}", prometheus.addr());
     wait_for(SCRAPES, "Prometheus's first scrape of the agent", || Ok(!prometheus.query(&format!("up{{job={JOB:?}}} == 1"))?.is_empty()))
-        .with_context(|| prometheus.log())?;
+        .with_context(|| format!("prometheus's log:\n{}", prometheus.log()))?;
 
     // After that first scrape: an allocation past trainer's quota, refused (a rejection), by a
     // process then SIGKILLed holding memory (its ledger slot reclaimed by the agent).
@@ -132,9 +132,10 @@ fn prometheus_scrapes_the_agents_series_with_pod_labels_and_every_dashboard_quer
     let steps: Vec<&str> = steps.iter().map(String::as_str).collect();
     let out = containerd.exec_sync(&trainer, &steps)?;
     ensure!(out.exit_code != 0 && out.stdout.lines().any(|l| l == "oom b"), "the allocation past the quota must be refused: {out:?}");
-    let rejected = format!("increase({}[5m]) > 0", selector("vramguard_container_rejections_total", &TRAINER));
-    let took = wait_for(SCRAPES, "the rejection in Prometheus", || Ok(!prometheus.query(&rejected)?.is_empty()))
-        .with_context(|| prometheus.log())?;
+    // (Any ledger's: which labels it carries is checked below, with the series in the message.)
+    let rejected = "increase(vramguard_container_rejections_total[5m]) > 0";
+    let took = wait_for(SCRAPES, "the rejection in Prometheus", || Ok(!prometheus.query(rejected)?.is_empty()))
+        .with_context(|| format!("prometheus's log:\n{}", prometheus.log()))?;
     eprintln!("the rejection reached Prometheus {took:?} after the workload's refusal");
     wait_for(SCRAPES, "the reclaim in Prometheus", || Ok(!prometheus.query("increase(vramguard_reclaims_total[5m]) > 0")?.is_empty()))?;
 
