@@ -7,7 +7,8 @@
 //! under `target/containerd.fetch/`, `apt-get download` fetches the packages and `dpkg-deb -x`
 //! unpacks them there; the binaries named in `PACKAGES` are moved into a fresh cache, which
 //! replaces any old one whole once its `VERSIONS` file (package and version per line) is
-//! written. A complete cache is left alone ("present").
+//! written. A complete cache is left alone ("present"). [`setup_set`] does the same for another
+//! set of packages into another cache (`target/prometheus/`: [`crate::prometheus`]).
 use std::{
     fs,
     path::{Path, PathBuf},
@@ -16,7 +17,7 @@ use std::{
 };
 
 use anyhow::{bail, Context, Result};
-use e2e::containerd::{cached_name, Cache, PACKAGES, VERSIONS_FILE};
+use e2e::containerd::{cached_name, Cache, Package, PACKAGES, VERSIONS_FILE};
 
 /// Debian's archive, as the machine's own apt sources name it.
 const ARCHIVE: &str = "http://deb.debian.org/debian";
@@ -24,24 +25,30 @@ const ARCHIVE: &str = "http://deb.debian.org/debian";
 /// bookworm's holds trixie's keys too).
 const KEYRING: &str = "/usr/share/keyrings/debian-archive-keyring.gpg";
 
-fn target() -> PathBuf {
+pub fn target() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| crate::root().join("target"))
 }
 
 /// Fills `target/containerd/` unless it is complete.
 pub fn setup() -> Result<()> {
-    let dir = Cache::dir_in(&target());
-    if let Ok(cache) = Cache::open(&dir) {
-        println!("setup: containerd for the e2e tests in {}: present ({})", dir.display(), one_line(cache.versions()));
+    // runc from bookworm links the host's libseccomp: it must run here.
+    setup_set("containerd", PACKAGES, &Cache::dir_in(&target()), &["containerd", "runc"])
+}
+
+/// Fills the cache `dir` (named `what` in messages) with the files of `packages` unless it is
+/// complete; the cached binaries named in `check` must answer `--version` on this machine.
+pub fn setup_set(what: &str, packages: &'static [Package], dir: &Path, check: &[&str]) -> Result<()> {
+    if let Ok(cache) = Cache::open_set(dir, packages) {
+        println!("setup: {what} for the e2e tests in {}: present ({})", dir.display(), one_line(cache.versions()));
         return Ok(());
     }
     let start = Instant::now();
-    let work = target().join("containerd.fetch");
+    let work = dir.with_extension("fetch");
     let _ = fs::remove_dir_all(&work);
-    let result = fetch(&work, &dir);
+    let result = fetch(&work, dir, packages, check);
     let _ = fs::remove_dir_all(&work);
     let versions = result?;
-    println!("setup: containerd for the e2e tests: fetched {} into {} in {:.1?}", one_line(&versions), dir.display(), start.elapsed());
+    println!("setup: {what} for the e2e tests: fetched {} into {} in {:.1?}", one_line(&versions), dir.display(), start.elapsed());
     Ok(())
 }
 
@@ -49,22 +56,24 @@ fn one_line(versions: &str) -> String {
     versions.lines().collect::<Vec<_>>().join(", ")
 }
 
-/// Downloads and unpacks the packages in `work`, fills the cache `dir`; the versions.
-fn fetch(work: &Path, dir: &Path) -> Result<String> {
+/// Downloads and unpacks `packages` in `work`, fills the cache `dir`; the versions.
+fn fetch(work: &Path, dir: &Path, packages: &'static [Package], check: &[&str]) -> Result<String> {
+    let names: Vec<&str> = packages.iter().map(|p| p.name).collect();
+    let names = names.join(", ");
     for tool in ["apt-get", "dpkg-deb"] {
         if Command::new(tool).arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status().is_err() {
-            bail!("`{tool}` is not installed: fetching containerd for the e2e tests needs Debian's apt and dpkg");
+            bail!("`{tool}` is not installed: fetching {names} for the e2e tests needs Debian's apt and dpkg");
         }
     }
     if !Path::new(KEYRING).is_file() {
         bail!("{KEYRING} is missing: install the package debian-archive-keyring (apt checks the suites' signatures with it)");
     }
-    let apt = Apt::new(work)?;
-    println!("setup: fetching containerd, runc and busybox from Debian's archive (private apt state in {})", work.display());
+    let apt = Apt::new(work, packages)?;
+    println!("setup: fetching {names} from Debian's archive (private apt state in {})", work.display());
     apt.run("update", &[], work).context("cannot read the package lists of Debian's archive (is the network down?)")?;
     let downloads = work.join("downloads");
     fs::create_dir_all(&downloads)?;
-    let wanted: Vec<String> = PACKAGES.iter().map(|p| format!("{}/{}", p.name, p.suite)).collect();
+    let wanted: Vec<String> = packages.iter().map(|p| format!("{}/{}", p.name, p.suite)).collect();
     let wanted: Vec<&str> = wanted.iter().map(String::as_str).collect();
     apt.run("download", &wanted, &downloads).with_context(|| format!("cannot download {}", wanted.join(" ")))?;
 
@@ -72,7 +81,7 @@ fn fetch(work: &Path, dir: &Path) -> Result<String> {
     let _ = fs::remove_dir_all(&fresh);
     fs::create_dir_all(fresh.join("bin")).with_context(|| format!("cannot create {}", fresh.join("bin").display()))?;
     let mut versions = String::new();
-    for package in PACKAGES {
+    for package in packages {
         let deb = find_deb(&downloads, package.name)?;
         let unpacked = work.join("unpacked").join(package.name);
         fs::create_dir_all(&unpacked).with_context(|| format!("cannot create {}", unpacked.display()))?;
@@ -86,15 +95,14 @@ fn fetch(work: &Path, dir: &Path) -> Result<String> {
                 .with_context(|| format!("{} has no {file} (package layout changed?)", deb.display()))?;
         }
     }
-    // The binaries must run here (runc from bookworm links the host's libseccomp).
-    for name in ["containerd", "runc"] {
+    for &name in check {
         output(Command::new(fresh.join("bin").join(name)).arg("--version"))
             .with_context(|| format!("the fetched {name} does not run on this machine"))?;
     }
     fs::write(fresh.join(VERSIONS_FILE), &versions)?;
     let _ = fs::remove_dir_all(dir);
     fs::rename(&fresh, dir).with_context(|| format!("cannot move {} to {}", fresh.display(), dir.display()))?;
-    Cache::open(dir)?;
+    Cache::open_set(dir, packages)?;
     Ok(versions)
 }
 
@@ -111,13 +119,13 @@ fn find_deb(dir: &Path, package: &str) -> Result<PathBuf> {
     bail!("apt-get download left no {package}_*.deb in {}", dir.display())
 }
 
-/// `apt-get` on a private state directory whose sources are the suites of [`PACKAGES`].
+/// `apt-get` on a private state directory whose sources are the suites of the packages fetched.
 struct Apt {
     options: Vec<String>,
 }
 
 impl Apt {
-    fn new(work: &Path) -> Result<Apt> {
+    fn new(work: &Path, packages: &[Package]) -> Result<Apt> {
         let state = work.join("state");
         let cache = work.join("cache");
         let etc = work.join("etc");
@@ -125,7 +133,7 @@ impl Apt {
             fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
         }
         fs::write(state.join("status"), "")?;
-        let mut suites: Vec<&str> = PACKAGES.iter().map(|p| p.suite).collect();
+        let mut suites: Vec<&str> = packages.iter().map(|p| p.suite).collect();
         suites.sort_unstable();
         suites.dedup();
         let sources: String = suites.iter().map(|suite| format!("deb [signed-by={KEYRING}] {ARCHIVE} {suite} main\n")).collect();

@@ -19,6 +19,7 @@ mod clients;
 mod containerd;
 mod demo;
 mod manifests;
+mod prometheus;
 mod setup;
 
 use std::{

@@ -1,6 +1,7 @@
 //! `cargo xtask setup`: the eBPF toolchain, installed only where missing (DESIGN.md §7);
 //! also the manifests' validator ([`crate::manifests`]), the real CUDA clients
-//! ([`crate::clients`]) and the containerd the end-to-end tests run ([`crate::containerd`]).
+//! ([`crate::clients`]), the containerd the end-to-end tests run ([`crate::containerd`]) and
+//! the Prometheus the monitoring tests run ([`crate::prometheus`]).
 //!
 //! The eBPF programs build with the nightly toolchain (`-Z build-std=core` needs its
 //! `rust-src`) and link with `bpf-linker`, which must use the same LLVM as that nightly
@@ -25,6 +26,7 @@ pub fn setup() -> Result<()> {
     crate::manifests::setup()?;
     crate::clients::setup()?;
     crate::containerd::setup()?;
+    crate::prometheus::setup()?;
     let sysroot = nightly_sysroot()?;
     if sysroot.join("lib/rustlib/src/rust/library/core").is_dir() {
         println!("setup: rust-src for {NIGHTLY}: present");

@@ -76,7 +76,9 @@ pub const FAKE_STATE_DIR: &str = "/run/fakecuda";
 /// The dynamic loader of x86-64 glibc programs.
 const LOADER: &str = "/lib64/ld-linux-x86-64.so.2";
 
-/// The cached binaries (`target/containerd/`).
+/// Binaries `cargo xtask setup` cached from Debian's packages: containerd's
+/// (`target/containerd/`, [`PACKAGES`]) or another set ([`Cache::open_set`], e.g.
+/// [`crate::prometheus`]'s).
 pub struct Cache {
     dir: PathBuf,
     versions: String,
@@ -95,27 +97,39 @@ impl Cache {
         Cache::open(&Cache::dir_in(target))
     }
 
-    /// The cache at `dir`; fails, saying to run setup, unless it is complete.
+    /// The containerd cache at `dir`; fails, saying to run setup, unless it is complete.
     pub fn open(dir: &Path) -> Result<Cache> {
+        Cache::open_set(dir, PACKAGES)
+    }
+
+    /// The cache of `packages` at `dir`; fails, saying to run setup, unless it is complete.
+    pub fn open_set(dir: &Path, packages: &'static [Package]) -> Result<Cache> {
+        let names: Vec<&str> = packages.iter().map(|p| p.name).collect();
+        let names = names.join(", ");
         let versions = std::fs::read_to_string(dir.join(VERSIONS_FILE)).map_err(|error| {
             anyhow!(
-                "no containerd cache at {} ({error}): run `cargo xtask setup` (it fetches containerd, runc and \
-                 busybox from Debian's archive once)",
+                "no cache of {names} at {} ({error}): run `cargo xtask setup` (it fetches them from Debian's \
+                 archive once)",
                 dir.display()
             )
         })?;
         let cache = Cache { dir: dir.to_path_buf(), versions };
-        for name in Cache::file_names() {
+        for name in Cache::file_names_of(packages) {
             if !cache.bin(name).is_file() {
-                bail!("{} is missing from the containerd cache: run `cargo xtask setup`", cache.bin(name).display());
+                bail!("{} is missing from the cache of {names}: run `cargo xtask setup`", cache.bin(name).display());
             }
         }
         Ok(cache)
     }
 
-    /// The names of every cached binary.
+    /// The names of every cached containerd binary.
     pub fn file_names() -> impl Iterator<Item = &'static str> {
-        PACKAGES.iter().flat_map(|p| p.files.iter()).map(|f| cached_name(f))
+        Cache::file_names_of(PACKAGES)
+    }
+
+    /// The names of the cached binaries of `packages`.
+    pub fn file_names_of(packages: &'static [Package]) -> impl Iterator<Item = &'static str> {
+        packages.iter().flat_map(|p| p.files.iter()).map(|f| cached_name(f))
     }
 
     /// A cached binary, e.g. `bin("containerd")`.

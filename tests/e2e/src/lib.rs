@@ -18,7 +18,8 @@
 //! [`hostile`] is what every attack test checks while its attack runs; [`crafted_elf`] makes
 //! the ELF files of the attacks on discovery's time.
 //! [`containerd`] runs a real containerd with NRI (from the cache `cargo xtask setup` fills)
-//! and drives it through CRI.
+//! and drives it through CRI; [`prometheus`] runs a real Prometheus (same cache) on the
+//! shipped manifests' scrape configuration and alert rules.
 //! [`TempDir`], [`wait_for`] and [`holding`] are the small helpers the agent's tests share.
 
 pub mod agent;
@@ -28,6 +29,7 @@ pub mod crafted_elf;
 pub mod hostile;
 pub mod http;
 pub mod ledgers;
+pub mod prometheus;
 
 use std::ffi::{OsStr, OsString};
 use std::io::{BufRead, BufReader, Read, Write};
