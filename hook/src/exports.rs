@@ -57,16 +57,25 @@ pub(crate) fn admit(driver: &Driver, charge: Charge, ordinal: Option<CUdevice>) 
     let Some(device) = session.ledger_device(ordinal) else {
         return if session.refuses(ordinal) { Admission::Refuse } else { Admission::Pass };
     };
-    match reserve_or_report(session, device, charge, 0) {
+    match reserve_or_report(session, device, charge, 0, &mut || session.pools.settle_all(session, driver)) {
         Some(record) => Admission::Charged(session, device, record),
         None => Admission::Refuse,
     }
 }
 
-/// Reserves `charge` on ledger `device`; on refusal sweeps dead processes' slots and tries
-/// once more, and reports the first refusal of the process on stderr.
-pub(crate) fn reserve_or_report(session: &Session, device: u32, charge: Charge, ptr: u64) -> Option<RecordId> {
-    let mut swept = false;
+/// Reserves `charge` on ledger `device`. A refusal is final only after the quota others
+/// may hold in error was recovered: dead processes' slots are swept and, with `settle_pools`
+/// ([`crate::pools::Pools::settle_all`]), this process's pool charges are brought down to
+/// what the driver reports the pools hold now (each at most once, then one more try). The
+/// process's first refusal is reported on stderr. Granted reservations cost nothing more.
+pub(crate) fn reserve_or_report(
+    session: &Session,
+    device: u32,
+    charge: Charge,
+    ptr: u64,
+    settle_pools: &mut dyn FnMut() -> bool,
+) -> Option<RecordId> {
+    let (mut swept, mut settled) = (false, false);
     loop {
         match session.ledger.reserve(session.slot, device, charge, ptr) {
             Ok(record) => return Some(record),
@@ -75,6 +84,13 @@ pub(crate) fn reserve_or_report(session: &Session, device: u32, charge: Charge, 
                 if !swept && session.ledger.reclaim_dead().is_ok_and(|dead| !dead.is_empty()) {
                     swept = true;
                     continue;
+                }
+                // A synchronize may have given pool memory back to the driver: settle once.
+                if !settled {
+                    settled = true;
+                    if settle_pools() {
+                        continue;
+                    }
                 }
                 static REPORTED: AtomicBool = AtomicBool::new(false);
                 if !REPORTED.swap(true, Ordering::Relaxed) {
@@ -318,7 +334,7 @@ unsafe fn pool_allocate(
             Source::Pool(pool),
             device,
             size as u64,
-            |charge| reserve_or_report(session, device, charge, pool as u64),
+            |charge, settle| reserve_or_report(session, device, charge, pool as u64, settle),
             || {
                 let result = call.take().map_or(CUDA_ERROR_NOT_FOUND, |call| call());
                 // SAFETY: the driver succeeded, so it wrote the out-pointer.

@@ -284,7 +284,7 @@ fn grow(driver: &Driver, needs: Option<Needs>, call: impl FnOnce() -> CUresult) 
                 Source::Graph(*ordinal),
                 *device,
                 *bytes,
-                |charge| reserve_or_report(session, *device, charge, 0),
+                |charge, settle| reserve_or_report(session, *device, charge, 0, settle),
                 || (call.take().map_or(CUDA_ERROR_NOT_FOUND, |call| call()), None),
             );
             match (outcome, call) {
