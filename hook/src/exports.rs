@@ -21,7 +21,7 @@ use cuda_abi::{
         nvmlDevice_t, nvmlMemory_t, nvmlMemory_v2_t, nvmlReturn_t, NVML_DEVICE_UUID_V2_BUFFER_SIZE, NVML_ERROR_FUNCTION_NOT_FOUND,
         NVML_ERROR_LIBRARY_NOT_FOUND, NVML_SUCCESS,
     },
-    CUdevice, CUdeviceptr, CUmemoryPool, CUresult, CUstream, CUDA_ERROR_NOT_FOUND, CUDA_ERROR_NOT_INITIALIZED,
+    CUcontext, CUdevice, CUdeviceptr, CUevent, CUmemoryPool, CUresult, CUstream, CUDA_ERROR_NOT_FOUND, CUDA_ERROR_NOT_INITIALIZED,
     CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS, CU_STREAM_CAPTURE_STATUS_NONE,
 };
 use ledger::{Charge, RecordId, ReserveError};
@@ -441,6 +441,40 @@ pub unsafe extern "C" fn cuMemPoolDestroy(pool: CUmemoryPool) -> CUresult {
     }
 }
 
+// ---- synchronizes -------------------------------------------------------------------------------
+
+/// A synchronize: the driver's call, then this process's pool charges settled (see `pools`).
+fn synchronize(driver: &Driver, call: impl FnOnce() -> CUresult) -> CUresult {
+    match mode() {
+        Mode::Enforce(session) => session.pools.synchronize(session, driver, call),
+        _ => call(),
+    }
+}
+
+macro_rules! synchronize_export {
+    ($name:ident, $field:ident, $arg:ident: $ty:ty) => {
+        #[no_mangle]
+        pub unsafe extern "C" fn $name($arg: $ty) -> CUresult {
+            let driver = driver_or_return!();
+            let real = real_or_return!(driver, $field);
+            // SAFETY: forwards the caller's argument unchanged.
+            synchronize(driver, || unsafe { real($arg) })
+        }
+    };
+}
+synchronize_export!(cuStreamSynchronize, stream_synchronize, hStream: CUstream);
+synchronize_export!(cuStreamSynchronize_ptsz, stream_synchronize_ptsz, hStream: CUstream);
+synchronize_export!(cuEventSynchronize, event_synchronize, hEvent: CUevent);
+synchronize_export!(cuCtxSynchronize_v2, ctx_synchronize_v2, ctx: CUcontext);
+
+#[no_mangle]
+pub unsafe extern "C" fn cuCtxSynchronize() -> CUresult {
+    let driver = driver_or_return!();
+    let real = real_or_return!(driver, ctx_synchronize);
+    // SAFETY: the call takes no arguments.
+    synchronize(driver, || unsafe { real() })
+}
+
 // ---- what the workload sees --------------------------------------------------------------------
 
 /// (quota, bytes in use) of the ledger device behind `ordinal`, when enforced.
@@ -609,6 +643,11 @@ fn wrapper_named(symbol: &CStr) -> Option<usize> {
         b"cuMemFreeAsync_ptsz" => cuMemFreeAsync_ptsz as *const () as usize,
         b"cuMemPoolTrimTo" => cuMemPoolTrimTo as *const () as usize,
         b"cuMemPoolDestroy" => cuMemPoolDestroy as *const () as usize,
+        b"cuStreamSynchronize" => cuStreamSynchronize as *const () as usize,
+        b"cuStreamSynchronize_ptsz" => cuStreamSynchronize_ptsz as *const () as usize,
+        b"cuEventSynchronize" => cuEventSynchronize as *const () as usize,
+        b"cuCtxSynchronize" => cuCtxSynchronize as *const () as usize,
+        b"cuCtxSynchronize_v2" => cuCtxSynchronize_v2 as *const () as usize,
         b"cuMemCreate" => vmm::cuMemCreate as *const () as usize,
         b"cuMemRelease" => vmm::cuMemRelease as *const () as usize,
         b"cuMemMap" => vmm::cuMemMap as *const () as usize,

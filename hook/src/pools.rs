@@ -11,6 +11,16 @@
 //! and trims settle it again. A pool's charge is a stack of ledger records, released from the
 //! top while the rest still covers what the pool holds.
 //!
+//! A synchronize (`cuStreamSynchronize`, `cuEventSynchronize`, `cuCtxSynchronize`) gives a
+//! pool's reserved memory above its release threshold back to the driver through no call
+//! wrapped here, so before any admission of the process is refused, every pool charge is
+//! settled to what its pool reports then ([`Pools::settle_all`]) and the admission tried once
+//! more. Only the refusal path pays for those queries; a granted allocation makes none. The
+//! synchronizes themselves are wrapped too (`exports`), and settle the same way after the
+//! driver's call in a process that has charged a pool, so that the container's other
+//! processes, which cannot settle this one's charges, are not refused against memory the
+//! driver already took back.
+//!
 //! `cuMemPoolDestroy` ends a pool's charge as the driver ends its memory (measured on an H100,
 //! driver 580.159: the free part goes back at once; what live allocations use stays until the
 //! last of them is freed and that free has run). A pool with no live allocation releases its
@@ -25,7 +35,10 @@
 use std::{
     collections::HashMap,
     ffi::c_void,
-    sync::Mutex,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Mutex,
+    },
 };
 
 use cuda_abi::{
@@ -47,6 +60,9 @@ struct PoolCharge {
 #[derive(Default)]
 pub struct Pools {
     state: Mutex<PoolState>,
+    /// Whether this process has charged any pool yet (a synchronize in a process that has not
+    /// takes no lock).
+    used: AtomicBool,
 }
 
 #[derive(Default)]
@@ -159,6 +175,7 @@ impl Pools {
         let used = pool.used(driver)?;
         let chunk = session.ledger.header().devices[device as usize].chunk;
         let key = pool.key();
+        self.used.store(true, Ordering::Relaxed);
         let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let state = &mut *guard;
         drain(session, driver, state);
@@ -271,6 +288,18 @@ impl Pools {
         settle_every(session, driver, &mut state)
     }
 
+    /// Calls a synchronize (`call`) and, if it succeeded in a process that has charged a
+    /// pool, settles every pool charge ([`Pools::settle_all`]): the synchronize may have given
+    /// pool memory back, and the container's other processes are refused against this
+    /// ledger. A process without pool charges pays one atomic load.
+    pub fn synchronize(&self, session: &Session, driver: &Driver, call: impl FnOnce() -> CUresult) -> CUresult {
+        let result = call();
+        if result == CUDA_SUCCESS && self.used.load(Ordering::Relaxed) {
+            self.settle_all(session, driver);
+        }
+        result
+    }
+
     /// Calls `cuMemPoolTrimTo`, `cuDeviceGraphMemTrim` (or anything else that changes what
     /// `pool` holds), then settles.
     pub fn after(&self, session: &Session, driver: &Driver, pool: Source, call: impl FnOnce() -> CUresult) -> CUresult {
@@ -287,6 +316,7 @@ impl Pools {
     /// pool, grown by a launch the hook could not admit beforehand): its charge on ledger
     /// `device` starts here.
     pub fn settle_after(&self, session: &Session, driver: &Driver, pool: Source, device: u32, call: impl FnOnce() -> CUresult) -> CUresult {
+        self.used.store(true, Ordering::Relaxed);
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let result = call();
         state.charges.entry(pool.key()).or_insert(PoolCharge { device, records: Vec::new(), charged: 0 });
@@ -374,6 +404,21 @@ fn settle(session: &Session, charge: &mut PoolCharge, reserved: u64, chunk: u64)
                 charge.charged += missing;
             }
             Err(error) => crate::session::say(&format!("a memory pool holds {missing} bytes more than the ledger could charge: {error}")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_charges_key_gives_back_its_pool() {
+        let sources = [Source::Graph(0), Source::Graph(15), Source::Pool(0x5ca3_0000_1000 as CUmemoryPool), Source::Pool(std::ptr::null_mut())];
+        for source in sources {
+            let again = Source::from_key(source.key());
+            assert_eq!(again.key(), source.key());
+            assert_eq!(matches!(again, Source::Graph(_)), matches!(source, Source::Graph(_)));
         }
     }
 }

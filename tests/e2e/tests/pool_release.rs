@@ -1,8 +1,9 @@
 //! Issue "Driver truth", item 4: the ledger never over-states what a stream-ordered pool
 //! holds. A pool gives its reserved memory above the release threshold (0 by default) back to
 //! the driver at a synchronize (`cuStreamSynchronize`, `cuEventSynchronize`,
-//! `cuCtxSynchronize`), through no call the hook sees; the hook settles its pool charges
-//! against what the driver reports before a refusal is final. Real processes, the fake driver
+//! `cuCtxSynchronize`). The hook settles its pool charges against what the driver reports at
+//! each synchronize (so the container's other processes get the memory too) and again before
+//! any refusal is final (for a release it saw no call for). Real processes, the fake driver
 //! (whose pools release as the real driver documents, see `docs/gpu.md`), a 1 GiB quota and
 //! 64 MiB contexts on a 4 GiB device, so any refusal is the hook's.
 //!
@@ -52,6 +53,7 @@ fn after_a_synchronize_the_pools_memory_is_granted_again() -> Result<()> {
         let ledger = node.ledger_path();
         let mut w = spawn(&node, &first, &["alloc b 700m"])?;
         assert_eq!(node.used(0)?, CTX, "{how}: the driver took the pool's memory back");
+        assert_eq!(ledgers::used(&ledger)?, CTX, "{how}: and the hook's charge follows at the synchronize");
         w.resume()?;
         w.wait_checkpoint("done")?;
         assert_eq!(ledgers::used(&ledger)?, CTX + HELD, "{how}: the ledger charges what the driver holds, once");
@@ -65,20 +67,55 @@ fn after_a_synchronize_the_pools_memory_is_granted_again() -> Result<()> {
     Ok(())
 }
 
-/// The refusal path of a pool allocation settles the other pools too (under the pool lock the
-/// allocation holds): after the synchronize, a new pool may grow into what the default pool
-/// gave back.
+/// The container's other processes cannot settle this one's pools: the synchronize itself
+/// gives the quota back, so another process's allocation is granted after it, and refused
+/// while the pool still holds the memory (no synchronize).
 #[test]
-fn after_a_synchronize_another_pool_may_grow() -> Result<()> {
-    let node = node("pool-sync-other");
-    let ledger = node.ledger_path();
-    let mut w = spawn(&node, &["async a 700m", "free-async a", "sync"], &["mempool p", "mempool-alloc b 700m p"])?;
-    w.resume()?;
-    w.wait_checkpoint("done")?;
-    assert_eq!(ledgers::used(&ledger)?, CTX + HELD, "the new pool is charged, the old one no longer");
-    assert_eq!(node.used(0)?, CTX + HELD);
-    w.resume()?;
-    w.wait()?.success()?.line("ok mempool-alloc b ")?;
+fn after_a_synchronize_another_process_of_the_container_is_granted() -> Result<()> {
+    for (synchronized, first) in [(true, vec!["async a 700m", "free-async a", "sync"]), (false, vec!["async a 700m", "free-async a"])] {
+        let node = node("pool-sync-peer");
+        let ledger = node.ledger_path();
+        let holder = spawn(&node, &first, &[])?;
+        let other = node.hooked(&ledger, LIMIT)?.steps(["ctx 0", "alloc b 700m"]).run()?;
+        if synchronized {
+            other.success()?.line("ok alloc b ")?;
+        } else {
+            assert_eq!(other.code(), Some(1), "refused while the pool holds it: {other:?}");
+            ensure!(other.stderr.contains("error alloc 2 CUDA_ERROR_OUT_OF_MEMORY"), "{}", other.stderr);
+        }
+        holder.wait()?.success()?;
+    }
+    Ok(())
+}
+
+/// A release the hook sees no call for (here the fake's `FAKECUDA_FREE_SYNCHRONIZES`: a
+/// `cuMemFree_v2` that releases the pools): the ledger still charges the pool until an
+/// admission is refused; the refusal path then settles every pool and tries again, so the
+/// allocation is granted, by `cuMemAlloc` and by a new pool alike (whose refusal settles the
+/// other pools under the pool lock it holds). Without the knob the pool keeps its memory and
+/// both are refused.
+#[test]
+fn a_release_the_hook_did_not_see_is_settled_before_a_refusal() -> Result<()> {
+    let steps = ["async a 700m", "free-async a", "alloc x 2m", "free x"];
+    for (second, name) in [(vec!["alloc b 700m"], "ok alloc b "), (vec!["mempool p", "mempool-alloc b 700m p"], "ok mempool-alloc b ")] {
+        let unseen = node("pool-unseen").with_env("FAKECUDA_FREE_SYNCHRONIZES", "1");
+        let ledger = unseen.ledger_path();
+        let mut w = spawn(&unseen, &steps, &second)?;
+        assert_eq!(unseen.used(0)?, CTX, "{name}: the driver took the pool's memory back");
+        assert_eq!(ledgers::used(&ledger)?, CTX + HELD, "{name}: the hook has not seen it yet");
+        w.resume()?;
+        w.wait_checkpoint("done")?;
+        assert_eq!(ledgers::used(&ledger)?, CTX + HELD, "{name}: settled, then charged for the new allocation");
+        assert_eq!(unseen.used(0)?, CTX + HELD, "{name}");
+        w.resume()?;
+        w.wait()?.success()?.line(name)?;
+
+        let kept = node("pool-unseen-kept");
+        let expect_oom: Vec<String> = second.iter().map(|s| if s.contains("alloc") { format!("expect-oom {s}") } else { s.to_string() }).collect();
+        let expect_oom: Vec<&str> = expect_oom.iter().map(String::as_str).collect();
+        let out = spawn(&kept, &steps, &expect_oom)?.wait()?.success()?;
+        assert_eq!(out.lines("oom ").collect::<Vec<_>>(), ["oom b"], "{name}: refused while the pool keeps it");
+    }
     Ok(())
 }
 
