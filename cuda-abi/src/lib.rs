@@ -35,6 +35,8 @@ pub type CUdeviceptr = u64;
 pub type CUcontext = *mut c_void;
 /// `CUstream` (`struct CUstream_st *`).
 pub type CUstream = *mut c_void;
+/// `CUevent` (`struct CUevent_st *`).
+pub type CUevent = *mut c_void;
 /// `CUmemoryPool` (`struct CUmemPoolHandle_st *`).
 pub type CUmemoryPool = *mut c_void;
 /// `CUmemGenericAllocationHandle` (`unsigned long long`).

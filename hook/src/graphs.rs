@@ -47,7 +47,7 @@ use cuda_abi::{
 };
 
 use crate::{
-    exports::{current_device, driver_or_return, real_or_return, reserve_or_report},
+    exports::{current_device, driver_or_return, real_or_return, reserve_in_pool},
     pools::{PoolOutcome, Source},
     real::Driver,
     session::{mode, say, Mode},
@@ -284,7 +284,7 @@ fn grow(driver: &Driver, needs: Option<Needs>, call: impl FnOnce() -> CUresult) 
                 Source::Graph(*ordinal),
                 *device,
                 *bytes,
-                |charge| reserve_or_report(session, *device, charge, 0),
+                |charge, settle| reserve_in_pool(session, *device, charge, 0, settle),
                 || (call.take().map_or(CUDA_ERROR_NOT_FOUND, |call| call()), None),
             );
             match (outcome, call) {

@@ -23,7 +23,9 @@
 //! `cuMipmappedArrayDestroy`; graph memory: `cuGraphInstantiate(_v2)`,
 //! `cuGraphInstantiateWithFlags`, `cuGraphInstantiateWithParams(_ptsz)`,
 //! `cuGraphLaunch(_ptsz)`, `cuGraphUpload(_ptsz)`, `cuDeviceGraphMemTrim`,
-//! `cuGraphExecDestroy`; the contexts `cuDevicePrimaryCtxRetain`,
+//! `cuGraphExecDestroy`; the synchronizes at which pools give memory back
+//! `cuStreamSynchronize(_ptsz)`, `cuEventSynchronize`, `cuCtxSynchronize(_v2)`; the contexts
+//! `cuDevicePrimaryCtxRetain`,
 //! `cuDevicePrimaryCtxRelease(_v2)`, `cuCtxCreate_v2/_v3/_v4`, `cuCtxDestroy_v2`; what the
 //! workload sees: `cuMemGetInfo_v2`, `cuDeviceTotalMem_v2` and NVML's
 //! `nvmlDeviceGetMemoryInfo(_v2)` (total = the quota, free = the quota less the container's
@@ -37,8 +39,9 @@
 //! (`CUDA_ERROR_OUT_OF_MEMORY`; there, for a GPU), unless `VRAMGUARD_FAIL_OPEN=1` (not in a
 //! provisioned container), which runs without limits and says so once.
 //! Stream-ordered (`cuMemAllocAsync`, pool) allocations charge what their pool holds,
-//! including memory it keeps reserved after frees until trimmed (falling back to one charge
-//! per allocation where the driver cannot report pool usage).
+//! including memory it keeps reserved after frees until trimmed or released at a synchronize
+//! (falling back to one charge per allocation where the driver cannot report pool usage); a
+//! refusal is final only after those charges were settled to what the driver reports.
 mod arrays;
 pub mod config;
 mod contexts;

@@ -11,6 +11,16 @@
 //! and trims settle it again. A pool's charge is a stack of ledger records, released from the
 //! top while the rest still covers what the pool holds.
 //!
+//! A synchronize (`cuStreamSynchronize`, `cuEventSynchronize`, `cuCtxSynchronize`) gives a
+//! pool's reserved memory above its release threshold back to the driver through no call
+//! wrapped here, so before any admission of the process is refused, every pool charge is
+//! settled to what its pool reports then ([`Pools::settle_all`]) and the admission tried once
+//! more. Only the refusal path pays for those queries; a granted allocation makes none. The
+//! synchronizes themselves are wrapped too (`exports`), and settle the same way after the
+//! driver's call in a process that has charged a pool, so that the container's other
+//! processes, which cannot settle this one's charges, are not refused against memory the
+//! driver already took back.
+//!
 //! `cuMemPoolDestroy` ends a pool's charge as the driver ends its memory (measured on an H100,
 //! driver 580.159: the free part goes back at once; what live allocations use stays until the
 //! last of them is freed and that free has run). A pool with no live allocation releases its
@@ -25,7 +35,10 @@
 use std::{
     collections::HashMap,
     ffi::c_void,
-    sync::Mutex,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Mutex,
+    },
 };
 
 use cuda_abi::{
@@ -47,6 +60,9 @@ struct PoolCharge {
 #[derive(Default)]
 pub struct Pools {
     state: Mutex<PoolState>,
+    /// Whether this process has charged any pool yet (a synchronize in a process that has not
+    /// takes no lock).
+    used: AtomicBool,
 }
 
 #[derive(Default)]
@@ -101,6 +117,14 @@ impl Source {
         }
     }
 
+    /// The pool whose charge has key `key` (see [`Source::key`]).
+    fn from_key(key: u64) -> Source {
+        match u64::MAX - key {
+            ordinal if ordinal < ledger::layout::MAX_DEVICES as u64 => Source::Graph(ordinal as CUdevice),
+            _ => Source::Pool(key as CUmemoryPool),
+        }
+    }
+
     fn reserved(self, driver: &Driver) -> Option<u64> {
         match self {
             Source::Pool(pool) => attribute(driver, pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT),
@@ -133,7 +157,9 @@ fn graph_attribute(driver: &Driver, ordinal: CUdevice, attr: i32) -> Option<u64>
 impl Pools {
     /// Admits, calls and settles an allocation of `size` bytes from `pool` on ledger
     /// `device`; `None` when the driver cannot report pool usage (the caller then charges
-    /// the allocation by itself).
+    /// the allocation by itself). `admit` is given the growth to charge and a way to settle
+    /// every pool of this process (as [`Pools::settle_all`], under the lock held here), for
+    /// its refusal path.
     #[allow(clippy::too_many_arguments)]
     pub fn allocate(
         &self,
@@ -142,26 +168,33 @@ impl Pools {
         pool: Source,
         device: u32,
         size: u64,
-        admit: impl FnOnce(Charge) -> Option<RecordId>,
+        admit: impl FnOnce(Charge, &mut dyn FnMut() -> bool) -> Option<RecordId>,
         call: impl FnOnce() -> (CUresult, Option<u64>),
     ) -> Option<PoolOutcome> {
         let reserved = pool.reserved(driver)?;
         let used = pool.used(driver)?;
         let chunk = session.ledger.header().devices[device as usize].chunk;
+        let key = pool.key();
+        self.used.store(true, Ordering::Relaxed);
         let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let state = &mut *guard;
         drain(session, driver, state);
-        let charge = state.charges.entry(pool.key()).or_insert(PoolCharge { device, records: Vec::new(), charged: 0 });
-        // Bring the charge up to what the pool holds now, then admit the worst-case growth.
+        let charge = state.charges.entry(key).or_insert(PoolCharge { device, records: Vec::new(), charged: 0 });
+        // Bring the charge up to what the pool holds now, then admit the worst-case growth
+        // (on a refusal, this process's other pools are settled before it is final).
         settle(session, charge, reserved, chunk);
         if size > reserved.saturating_sub(used) {
             let growth = size.div_ceil(chunk).saturating_mul(chunk);
-            let Some(record) = admit(Charge::Device(growth)) else { return Some(PoolOutcome::Refused) };
+            let Some(record) = admit(Charge::Device(growth), &mut || settle_every(session, driver, state)) else {
+                return Some(PoolOutcome::Refused);
+            };
+            let charge = state.charges.entry(key).or_insert(PoolCharge { device, records: Vec::new(), charged: 0 });
             charge.records.push((record, growth));
             charge.charged += growth;
         }
         let (result, address) = call();
         let reserved = pool.reserved(driver).unwrap_or(reserved);
+        let charge = state.charges.entry(key).or_insert(PoolCharge { device, records: Vec::new(), charged: 0 });
         settle(session, charge, reserved, chunk);
         if let (CUDA_SUCCESS, Some(address)) = (result, address) {
             state.origin.insert(address, (Owner::Live(pool.key()), size));
@@ -244,6 +277,29 @@ impl Pools {
         result
     }
 
+    /// Settles every pool charge of this process to what the driver reports its pool holds
+    /// now, and releases the retired charges whose memory is gone; whether that lowered what
+    /// the process is charged. A synchronize (`cuStreamSynchronize`, `cuEventSynchronize`,
+    /// `cuCtxSynchronize`) gives a pool's reserved memory above its release threshold back to
+    /// the driver without any call the hook sees, so a refusal is final only after this (the
+    /// refusal path of every admission calls it; granted allocations never do).
+    pub fn settle_all(&self, session: &Session, driver: &Driver) -> bool {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        settle_every(session, driver, &mut state)
+    }
+
+    /// Calls a synchronize (`call`) and, if it succeeded in a process that has charged a
+    /// pool, settles every pool charge ([`Pools::settle_all`]): the synchronize may have given
+    /// pool memory back, and the container's other processes are refused against this
+    /// ledger. A process without pool charges pays one atomic load.
+    pub fn synchronize(&self, session: &Session, driver: &Driver, call: impl FnOnce() -> CUresult) -> CUresult {
+        let result = call();
+        if result == CUDA_SUCCESS && self.used.load(Ordering::Relaxed) {
+            self.settle_all(session, driver);
+        }
+        result
+    }
+
     /// Calls `cuMemPoolTrimTo`, `cuDeviceGraphMemTrim` (or anything else that changes what
     /// `pool` holds), then settles.
     pub fn after(&self, session: &Session, driver: &Driver, pool: Source, call: impl FnOnce() -> CUresult) -> CUresult {
@@ -260,6 +316,7 @@ impl Pools {
     /// pool, grown by a launch the hook could not admit beforehand): its charge on ledger
     /// `device` starts here.
     pub fn settle_after(&self, session: &Session, driver: &Driver, pool: Source, device: u32, call: impl FnOnce() -> CUresult) -> CUresult {
+        self.used.store(true, Ordering::Relaxed);
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let result = call();
         state.charges.entry(pool.key()).or_insert(PoolCharge { device, records: Vec::new(), charged: 0 });
@@ -282,6 +339,23 @@ fn drain(session: &Session, driver: &Driver, state: &mut PoolState) {
         }
         !done
     });
+}
+
+/// [`Pools::settle_all`] with the lock held.
+fn settle_every(session: &Session, driver: &Driver, state: &mut PoolState) -> bool {
+    let charged = |state: &PoolState| -> u64 {
+        let live = state.charges.values().map(|c| c.charged);
+        live.chain(state.retired.values().map(|r| r.charge.charged)).fold(0, u64::saturating_add)
+    };
+    let before = charged(state);
+    drain(session, driver, state);
+    for (key, charge) in &mut state.charges {
+        if let Some(reserved) = Source::from_key(*key).reserved(driver) {
+            let chunk = session.ledger.header().devices[charge.device as usize].chunk;
+            settle(session, charge, reserved, chunk);
+        }
+    }
+    charged(state) < before
 }
 
 /// Releases every record of `charge`.
@@ -330,6 +404,21 @@ fn settle(session: &Session, charge: &mut PoolCharge, reserved: u64, chunk: u64)
                 charge.charged += missing;
             }
             Err(error) => crate::session::say(&format!("a memory pool holds {missing} bytes more than the ledger could charge: {error}")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_charges_key_gives_back_its_pool() {
+        let sources = [Source::Graph(0), Source::Graph(15), Source::Pool(0x5ca3_0000_1000 as CUmemoryPool), Source::Pool(std::ptr::null_mut())];
+        for source in sources {
+            let again = Source::from_key(source.key());
+            assert_eq!(again.key(), source.key());
+            assert_eq!(matches!(again, Source::Graph(_)), matches!(source, Source::Graph(_)));
         }
     }
 }

@@ -14,7 +14,7 @@ use std::{
 
 use cuda_abi::{
     nvml::{nvmlDevice_t, nvmlMemory_t, nvmlMemory_v2_t},
-    CUarray, CUcontext, CUctxCreateParams, CUdevice, CUdeviceptr, CUgraph, CUgraphExec, CUgraphNode, CUmemAllocationProp,
+    CUarray, CUcontext, CUctxCreateParams, CUdevice, CUdeviceptr, CUevent, CUgraph, CUgraphExec, CUgraphNode, CUmemAllocationProp,
     CUmemoryPool, CUmipmappedArray, CUresult, CUstream, CUuuid, CUDA_ARRAY3D_DESCRIPTOR, CUDA_ARRAY_DESCRIPTOR,
     CUDA_ARRAY_MEMORY_REQUIREMENTS, CUDA_GRAPH_INSTANTIATE_PARAMS, CUDA_MEM_ALLOC_NODE_PARAMS,
 };
@@ -143,6 +143,12 @@ driver_api! {
         // A destroyed pool's charge (see `pools`).
         mem_pool_destroy = c"cuMemPoolDestroy": fn(CUmemoryPool);
         stream_query = c"cuStreamQuery": fn(CUstream);
+        // Synchronizes, where pools give memory back (see `pools`).
+        stream_synchronize = c"cuStreamSynchronize": fn(CUstream);
+        stream_synchronize_ptsz = c"cuStreamSynchronize_ptsz": fn(CUstream);
+        event_synchronize = c"cuEventSynchronize": fn(CUevent);
+        ctx_synchronize = c"cuCtxSynchronize": fn();
+        ctx_synchronize_v2 = c"cuCtxSynchronize_v2": fn(CUcontext);
         mem_create = c"cuMemCreate": fn(*mut u64, usize, *const CUmemAllocationProp, u64);
         mem_release = c"cuMemRelease": fn(u64);
         primary_ctx_retain = c"cuDevicePrimaryCtxRetain": fn(*mut CUcontext, CUdevice);

@@ -8,6 +8,7 @@
 //! | `FAKECUDA_NODE`          | name prefix of the device state files          | `fakecuda` |
 //! | `FAKECUDA_STATE_DIR`     | directory of the device state files            | `/dev/shm` |
 //! | `FAKECUDA_TRACE`         | `1`: one stderr line per API call              | `0`        |
+//! | `FAKECUDA_FREE_SYNCHRONIZES` | `1`: `cuMemFree_v2` synchronizes the device, releasing its pools above their threshold as `cuCtxSynchronize` does (the programming guide says `cudaFree` synchronizes; whether the real driver's implicit synchronization releases pools is not documented: the knob stands for a release at a call after which the hook does not settle pools) | `0` |
 //! | `FAKECUDA_NVML`          | `absent`, `fail` or `hang`: NVML misbehaves ([`crate::nvml`]) | unset |
 //! | `FAKECUDA_NVML_HANG_MS`  | how long `hang` sleeps per NVML call           | 10000      |
 //!
@@ -32,6 +33,8 @@ pub struct Config {
     pub node: String,
     pub state_dir: PathBuf,
     pub trace: bool,
+    /// `cuMemFree_v2` also does what a synchronize does to the device's pools.
+    pub free_synchronizes: bool,
 }
 
 /// A variable with a value the fake cannot use.
@@ -129,12 +132,16 @@ impl Config {
                 path
             }
         };
-        let trace = match get("FAKECUDA_TRACE")?.as_deref() {
-            None | Some("0") => false,
-            Some("1") => true,
-            Some(v) => return Err(bad("FAKECUDA_TRACE", v, "expected 0 or 1")),
+        let flag = |var: &'static str| -> Result<bool, ConfigError> {
+            match get(var)?.as_deref() {
+                None | Some("0") => Ok(false),
+                Some("1") => Ok(true),
+                Some(v) => Err(bad(var, v, "expected 0 or 1")),
+            }
         };
-        Ok(Config { device_count, device_bytes, context_bytes, node, state_dir, trace })
+        let trace = flag("FAKECUDA_TRACE")?;
+        let free_synchronizes = flag("FAKECUDA_FREE_SYNCHRONIZES")?;
+        Ok(Config { device_count, device_bytes, context_bytes, node, state_dir, trace, free_synchronizes })
     }
 }
 
@@ -167,5 +174,8 @@ mod tests {
         let sized = cfg(&[("FAKECUDA_DEVICE_BYTES", "1T"), ("FAKECUDA_CONTEXT_BYTES", " 32m ")]).expect("sizes");
         assert_eq!((sized.device_bytes, sized.context_bytes), (1 << 40, 32 << 20));
         assert!(cfg(&[("FAKECUDA_CONTEXT_BYTES", "16777216t")]).is_err(), "overflow");
+        assert!(!c.free_synchronizes);
+        assert!(cfg(&[("FAKECUDA_FREE_SYNCHRONIZES", "1")]).expect("flag").free_synchronizes);
+        assert_eq!(cfg(&[("FAKECUDA_FREE_SYNCHRONIZES", "yes")]).expect_err("bad flag").var, "FAKECUDA_FREE_SYNCHRONIZES");
     }
 }

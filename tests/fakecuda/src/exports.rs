@@ -305,8 +305,12 @@ pub unsafe extern "C" fn cuMemAllocManaged(dptr: *mut CUdeviceptr, bytesize: usi
 #[no_mangle]
 pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
     call(Api::MemFreeV2, |d| {
-        d.current()?;
-        d.free(dptr, false)
+        let (_, dev) = d.current()?;
+        d.free(dptr, false)?;
+        if d.cfg.free_synchronizes {
+            d.pools_synchronized(Some(dev))?;
+        }
+        Ok(())
     })
 }
 

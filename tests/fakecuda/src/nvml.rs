@@ -13,8 +13,9 @@
 //! Names are `NVIDIA H100 80GB HBM3` (the fake's devices are H100-like, see
 //! [`crate::attributes`]); the driver version is `580.65.06` (a CUDA 13.0 driver, as
 //! `cuDriverGetVersion` says). Running processes are every live process's slot in the
-//! device file, with the bytes it holds (`usedGpuMemory`: its contexts and allocations through
-//! every copy of the fake, released when it exits); the pids are those the processes have in
+//! device file, with the bytes it holds (`usedGpuMemory`: its contexts, allocations, VMM
+//! handles and pools' reserved memory through every copy of the fake, a pool's going down at
+//! the synchronize that releases it, and all of it when the process exits); the pids are those the processes have in
 //! the caller's pid namespace, as the real NVML reports them (a process the caller cannot
 //! see, in another container's namespace seen from inside one, is left out).
 //!

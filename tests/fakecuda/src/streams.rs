@@ -70,9 +70,6 @@ fn event_dev(event: CUevent) -> Result<usize, CUresult> {
     handles().events.get(&(event as u64)).copied().ok_or(CUDA_ERROR_INVALID_HANDLE)
 }
 
-/// `CUevent`.
-pub type CUevent = *mut std::ffi::c_void;
-
 /// The shared body of the two stream constructors (priorities are accepted and ignored).
 ///
 /// # Safety

@@ -117,6 +117,15 @@ entry_points! {
     // Graphs captured from a stream, cloned, nested; their instantiation entry points.
     stream_create: fn(*mut CUstream, c_uint) = "cuStreamCreate" / "cuStreamCreate" / 0;
     stream_destroy: fn(CUstream) = "cuStreamDestroy_v2" / "cuStreamDestroy" / 0;
+    // Synchronization (where pools give memory back) and pool attributes.
+    stream_synchronize: fn(CUstream) = "cuStreamSynchronize" / "cuStreamSynchronize" / 0;
+    ctx_synchronize: fn() = "cuCtxSynchronize" / "cuCtxSynchronize" / 0;
+    event_create: fn(*mut CUevent, c_uint) = "cuEventCreate" / "cuEventCreate" / 0;
+    event_record: fn(CUevent, CUstream) = "cuEventRecord" / "cuEventRecord" / 0;
+    event_synchronize: fn(CUevent) = "cuEventSynchronize" / "cuEventSynchronize" / 0;
+    event_destroy: fn(CUevent) = "cuEventDestroy_v2" / "cuEventDestroy" / 0;
+    mem_pool_set_attribute: fn(CUmemoryPool, c_int, *mut c_void) = "cuMemPoolSetAttribute" / "cuMemPoolSetAttribute" / 0;
+    mem_pool_get_attribute: fn(CUmemoryPool, c_int, *mut c_void) = "cuMemPoolGetAttribute" / "cuMemPoolGetAttribute" / 0;
     stream_begin_capture: fn(CUstream, c_int) = "cuStreamBeginCapture_v2" / "cuStreamBeginCapture" / 0;
     stream_end_capture: fn(CUstream, *mut CUgraph) = "cuStreamEndCapture" / "cuStreamEndCapture" / 0;
     graph_clone: fn(*mut CUgraph, CUgraph) = "cuGraphClone" / "cuGraphClone" / 0;

@@ -74,6 +74,17 @@ Each argument (or script line; # starts a comment) is one step. Sizes take k/m/g
   free-async[-ptsz] NAME  cuMemFreeAsync[_ptsz]
   release NAME            cuMemRelease
   trim BYTES              cuMemPoolTrimTo on the current device's default pool
+  stream NAME             cuStreamCreate (flags 0); prints: ok stream NAME 0xHANDLE 0
+  async-on NAME SIZE STREAM   cuMemAllocAsync on a `stream` stream
+  free-async-on NAME STREAM   cuMemFreeAsync on a `stream` stream
+  sync [STREAM]           cuStreamSynchronize (the NULL stream without STREAM); prints: sync STREAM|null
+  event-sync [STREAM]     cuEventCreate + cuEventRecord (on STREAM, else the NULL stream) +
+                          cuEventSynchronize + cuEventDestroy_v2; prints: event-sync STREAM|null
+  ctx-sync                cuCtxSynchronize; prints: ctx-sync
+  pool-threshold BYTES    cuMemPoolSetAttribute(CU_MEMPOOL_ATTR_RELEASE_THRESHOLD) of the
+                          current device's default pool; prints: pool-threshold BYTES
+  pool-stat               prints: pool-stat reserved=N used=N (cuMemPoolGetAttribute of the
+                          current device's default pool)
   meminfo                 prints: meminfo free=N total=N
   devstat DEV             prints: devstat used=N total=N (fakecuda_device_usage)
   expect-oom STEP...      STEP must fail with CUDA_ERROR_OUT_OF_MEMORY; prints: oom NAME
@@ -100,6 +111,8 @@ Each argument (or script line; # starts a comment) is one step. Sizes take k/m/g
                           (looked up on NVML's handle, or with `global` by
                           dlsym(RTLD_DEFAULT)); prints: nvml-meminfo total=N free=N used=N
                           v2-total=N v2-free=N v2-used=N v2-reserved=N
+  nvml-procs DEV          nvmlDeviceGetComputeRunningProcesses_v3; prints one line a process:
+                          nvml-proc pid=N used=N, then: nvml-procs count=N
   nvml-null DEV           both memory queries with a NULL struct, and _v2 with version 0;
                           prints: nvml-null v1=CODE v2=CODE v2-version=CODE
   nvml-uuid DEV           prints: nvml-uuid nvml=UUID cuda=UUID (nvmlDeviceGetUUID, and
@@ -620,6 +633,87 @@ impl Runner {
                     Ok(())
                 })?;
                 say!("ok {verb} {name} {:#x} {}", n.addr, n.bytes);
+            }
+            Step::Stream { .. } => {
+                let mut stream: CUstream = null();
+                self.call(|s| {
+                    cu!(s, verb, stream_create(&mut stream, 0));
+                    Ok(())
+                })?;
+                self.record(step, stream as u64, 0, stream as u64);
+            }
+            Step::AsyncOn { size, stream, .. } => {
+                let stream = self.named(stream).map_err(Err)?.handle as CUstream;
+                let mut p: CUdeviceptr = 0;
+                self.call(|s| {
+                    cu!(s, verb, mem_alloc_async(&mut p, *size as usize, stream));
+                    Ok(())
+                })?;
+                self.record(step, p, *size, 0);
+            }
+            Step::FreeAsyncOn { name, stream } => {
+                let n = self.named(name).map_err(Err)?;
+                let stream = self.named(stream).map_err(Err)?.handle as CUstream;
+                self.call(|s| {
+                    cu!(s, verb, mem_free_async(n.addr, stream));
+                    Ok(())
+                })?;
+                say!("ok {verb} {name} {:#x} {}", n.addr, n.bytes);
+            }
+            Step::Sync(stream) | Step::EventSync(stream) => {
+                let handle = match stream {
+                    Some(name) => self.named(name).map_err(Err)?.handle as CUstream,
+                    None => null(),
+                };
+                self.call(|s| {
+                    if matches!(step, Step::Sync(_)) {
+                        cu!(s, verb, stream_synchronize(handle));
+                    } else {
+                        let mut event: CUevent = null();
+                        cu!(s, verb, event_create(&mut event, 0));
+                        cu!(s, verb, event_record(event, handle));
+                        cu!(s, verb, event_synchronize(event));
+                        cu!(s, verb, event_destroy(event));
+                    }
+                    Ok(())
+                })?;
+                say!("{verb} {}", stream.as_deref().unwrap_or("null"));
+            }
+            Step::CtxSync => {
+                self.call(|s| {
+                    cu!(s, verb, ctx_synchronize());
+                    Ok(())
+                })?;
+                say!("{verb}");
+            }
+            Step::PoolThreshold(bytes) => {
+                self.call(|s| {
+                    let pool = s.default_pool(verb)?;
+                    let mut value: u64 = *bytes;
+                    cu!(s, verb, mem_pool_set_attribute(pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, (&mut value as *mut u64).cast()));
+                    Ok(())
+                })?;
+                say!("{verb} {bytes}");
+            }
+            Step::PoolStat => {
+                let (mut reserved, mut used) = (0u64, 0u64);
+                self.call(|s| {
+                    let pool = s.default_pool(verb)?;
+                    cu!(s, verb, mem_pool_get_attribute(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, (&mut reserved as *mut u64).cast()));
+                    cu!(s, verb, mem_pool_get_attribute(pool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT, (&mut used as *mut u64).cast()));
+                    Ok(())
+                })?;
+                say!("{verb} reserved={reserved} used={used}");
+            }
+            Step::NvmlProcs(dev) => {
+                let processes = match self.nvml(verb).processes(*dev) {
+                    Ok(processes) => processes,
+                    Err(e) => self.nvml_fail(verb, e),
+                };
+                for (pid, used) in &processes {
+                    say!("nvml-proc pid={pid} used={used}");
+                }
+                say!("{verb} count={}", processes.len());
             }
             Step::Trim(keep) => {
                 self.call(|s| {

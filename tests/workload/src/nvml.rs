@@ -149,6 +149,23 @@ impl Nvml {
         Ok(Meminfo { v1, v2 })
     }
 
+    /// `nvmlDeviceGetComputeRunningProcesses_v3` of device `index`: (pid, used bytes) of each
+    /// process (asked with room for 64, the most a test runs at once).
+    pub fn processes(&self, index: u32) -> R<Vec<(u32, u64)>> {
+        let device = self.device(index)?;
+        let name = "nvmlDeviceGetComputeRunningProcesses_v3";
+        let address = self.symbol(name, false)?;
+        // SAFETY: the symbol of that name has this signature in nvml.h.
+        let f = unsafe { std::mem::transmute::<*mut c_void, NvmlDeviceGetRunningProcessesV3>(address) };
+        let mut infos = [nvmlProcessInfo_t::default(); 64];
+        let mut count = infos.len() as c_uint;
+        // SAFETY: a live array of `count` entries and a valid count pointer.
+        match unsafe { f(device, &mut count, infos.as_mut_ptr()) } {
+            NVML_SUCCESS => Ok(infos.iter().take(count as usize).map(|i| (i.pid, i.used_gpu_memory)).collect()),
+            code => Err(NvmlError { call: name, code }),
+        }
+    }
+
     /// The result codes of both memory queries with a NULL struct, and of the v2 one with a
     /// struct of version 0.
     pub fn null_codes(&self, index: u32) -> R<(nvmlReturn_t, nvmlReturn_t, nvmlReturn_t)> {

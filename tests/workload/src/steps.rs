@@ -38,6 +38,26 @@ pub enum Step {
     Managed { name: String, size: u64 },
     Async { name: String, size: u64, ptsz: bool },
     Pool { name: String, size: u64, ptsz: bool },
+    /// `cuStreamCreate` (flags 0) of a stream named `name`.
+    Stream { name: String },
+    /// `cuMemAllocAsync` on a stream made by `stream`.
+    AsyncOn { name: String, size: u64, stream: String },
+    /// `cuMemFreeAsync` on a stream made by `stream`.
+    FreeAsyncOn { name: String, stream: String },
+    /// `cuStreamSynchronize` of a `stream` stream (`None`: the NULL stream).
+    Sync(Option<String>),
+    /// `cuEventCreate` + `cuEventRecord` on a `stream` stream (`None`: the NULL stream) +
+    /// `cuEventSynchronize` + `cuEventDestroy_v2`.
+    EventSync(Option<String>),
+    /// `cuCtxSynchronize`.
+    CtxSync,
+    /// `cuMemPoolSetAttribute(CU_MEMPOOL_ATTR_RELEASE_THRESHOLD)` of the current device's
+    /// default pool.
+    PoolThreshold(u64),
+    /// The current device's default pool's reserved and used memory (`cuMemPoolGetAttribute`).
+    PoolStat,
+    /// NVML's running compute processes of a device, with their used memory.
+    NvmlProcs(u32),
     /// `cuMemPoolCreate` of a pool on the current device (pinned, no size limit).
     MemPool { name: String },
     /// `cuMemAllocFromPoolAsync` from a pool made by `mempool`, on the NULL stream.
@@ -156,6 +176,15 @@ impl Step {
             Step::Async { ptsz: true, .. } => "async-ptsz",
             Step::Pool { ptsz: false, .. } => "pool",
             Step::Pool { ptsz: true, .. } => "pool-ptsz",
+            Step::Stream { .. } => "stream",
+            Step::AsyncOn { .. } => "async-on",
+            Step::FreeAsyncOn { .. } => "free-async-on",
+            Step::Sync(_) => "sync",
+            Step::EventSync(_) => "event-sync",
+            Step::CtxSync => "ctx-sync",
+            Step::PoolThreshold(_) => "pool-threshold",
+            Step::PoolStat => "pool-stat",
+            Step::NvmlProcs(_) => "nvml-procs",
             Step::MemPool { .. } => "mempool",
             Step::MemPoolAlloc { .. } => "mempool-alloc",
             Step::MemPoolDestroy { .. } => "mempool-destroy",
@@ -205,6 +234,8 @@ impl Step {
             | Step::Async { name, .. }
             | Step::Pool { name, .. }
             | Step::MemPool { name }
+            | Step::Stream { name }
+            | Step::AsyncOn { name, .. }
             | Step::MemPoolAlloc { name, .. }
             | Step::Create { name, .. }
             | Step::CreateHost { name, .. }
@@ -307,6 +338,41 @@ impl Step {
                 want(1, &format!("{verb} POOL"))?;
                 let name = name(0);
                 if *verb == "mempool" { Step::MemPool { name } } else { Step::MemPoolDestroy { name } }
+            }
+            "stream" => {
+                want(1, "stream NAME")?;
+                Step::Stream { name: name(0) }
+            }
+            "async-on" => {
+                want(3, "async-on NAME SIZE STREAM")?;
+                Step::AsyncOn { name: name(0), size: size(args[1])?, stream: name(2) }
+            }
+            "free-async-on" => {
+                want(2, "free-async-on NAME STREAM")?;
+                Step::FreeAsyncOn { name: name(0), stream: name(1) }
+            }
+            "sync" | "event-sync" => {
+                if args.len() > 1 {
+                    return Err(err(&format!("usage: {verb} [STREAM]")));
+                }
+                let stream = args.first().map(|s| s.to_string());
+                if *verb == "sync" { Step::Sync(stream) } else { Step::EventSync(stream) }
+            }
+            "ctx-sync" => {
+                want(0, "ctx-sync")?;
+                Step::CtxSync
+            }
+            "pool-threshold" => {
+                want(1, "pool-threshold BYTES")?;
+                Step::PoolThreshold(size(args[0])?)
+            }
+            "pool-stat" => {
+                want(0, "pool-stat")?;
+                Step::PoolStat
+            }
+            "nvml-procs" => {
+                want(1, "nvml-procs DEV")?;
+                Step::NvmlProcs(index(args[0])?)
             }
             "mempool-alloc" => {
                 want(3, "mempool-alloc NAME SIZE POOL")?;
@@ -555,6 +621,20 @@ mod tests {
         assert!(Step::parse("nvml-meminfo -1").is_err());
         assert_eq!(Step::parse("nvml-null 0").ok(), Some(Step::NvmlNull(0)));
         assert_eq!(Step::parse("nvml-uuid 2").ok(), Some(Step::NvmlUuid(2)));
+        assert_eq!(Step::parse("stream s").ok(), Some(Step::Stream { name: "s".into() }));
+        assert_eq!(
+            Step::parse("async-on a 700m s").ok(),
+            Some(Step::AsyncOn { name: "a".into(), size: 700 << 20, stream: "s".into() })
+        );
+        assert_eq!(Step::parse("free-async-on a s").ok(), Some(Step::FreeAsyncOn { name: "a".into(), stream: "s".into() }));
+        assert_eq!(Step::parse("sync").ok(), Some(Step::Sync(None)));
+        assert_eq!(Step::parse("sync s").ok(), Some(Step::Sync(Some("s".into()))));
+        assert_eq!(Step::parse("event-sync").ok(), Some(Step::EventSync(None)));
+        assert!(Step::parse("sync a b").is_err());
+        assert_eq!(Step::parse("ctx-sync").ok(), Some(Step::CtxSync));
+        assert_eq!(Step::parse("pool-threshold 1g").ok(), Some(Step::PoolThreshold(1 << 30)));
+        assert_eq!(Step::parse("pool-stat").ok(), Some(Step::PoolStat));
+        assert_eq!(Step::parse("nvml-procs 0").ok(), Some(Step::NvmlProcs(0)));
         assert_eq!(Step::parse("map /x/lib.so").ok(), Some(Step::Map("/x/lib.so".into())));
         assert_eq!(Step::parse("map-many 3 /x/f").ok(), Some(Step::MapMany(3, "/x/f".into())));
         assert_eq!(Step::parse("swap /a /b").ok(), Some(Step::Swap("/a".into(), "/b".into())));
