@@ -103,7 +103,7 @@ use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
 use crate::{
-    driver::{DriverProcess, DriverView},
+    driver::{DriverProcess, DriverView, UnjoinedProcess},
     identity,
     ledgers::Ledgers,
     snapshot::Snapshot,
@@ -264,6 +264,8 @@ pub struct Reconciler {
     explained: HashMap<u32, Vec<(Instant, u64)>>,
     /// Processes already logged as `unprobed` (said once per process).
     unprobed_logged: BTreeSet<u32>,
+    /// The driver's rows the last pass joined with no process, as their pids are others' now.
+    driver_unjoined: Vec<UnjoinedProcess>,
 }
 
 impl Reconciler {
@@ -282,12 +284,21 @@ impl Reconciler {
             driver: None,
             explained: HashMap::new(),
             unprobed_logged: BTreeSet::new(),
+            driver_unjoined: Vec::new(),
         }
     }
 
     /// The driver view the last pass joined, if any.
     pub fn driver(&self) -> Option<&DriverView> {
         self.driver.as_deref()
+    }
+
+    /// The driver view's status as the last pass used it: with the rows it could not join
+    /// (the driver task's, and those whose pid another process has taken since the read).
+    pub fn driver_status(&self) -> crate::driver::DriverStatus {
+        let mut status = self.driver().map(|d| d.status.clone()).unwrap_or_default();
+        status.unjoined.extend(self.driver_unjoined.iter().cloned());
+        status
     }
 
     /// The driver's view the next passes join (the latest published; `None` without one).
@@ -352,9 +363,10 @@ impl Reconciler {
         self.ledger_cgroups = ledger_cgroups;
         self.unreadable = unreadable;
         let mut observations = observations;
-        if let Some(driver) = self.driver.clone() {
-            join_driver(&mut observations, &driver.processes);
-        }
+        self.driver_unjoined = match self.driver.clone() {
+            Some(driver) => join_driver(&mut observations, &driver.processes, ledger::process::running_start_time_of),
+            None => Vec::new(),
+        };
         self.judge(observations, Instant::now());
     }
 
@@ -561,11 +573,26 @@ impl Reconciler {
 }
 
 /// Adds the driver's figure to each process's observation; a live process only the driver
-/// reports gets one of its own (its cgroup read from /proc).
-fn join_driver(observations: &mut Vec<Observation>, driver: &BTreeMap<u32, DriverProcess>) {
+/// reports gets one of its own (its cgroup read from /proc). A row whose pid is another
+/// process's now than when the driver task read it (`start_time_of` says the pid's start
+/// time now) is joined with none, and returned.
+fn join_driver(
+    observations: &mut Vec<Observation>,
+    driver: &BTreeMap<u32, DriverProcess>,
+    start_time_of: impl Fn(u32) -> Option<u64>,
+) -> Vec<UnjoinedProcess> {
     // One look-up per driver row, not a walk of the observations.
     let live: HashMap<u32, usize> = observations.iter().enumerate().filter(|(_, o)| !o.gone).map(|(i, o)| (o.pid, i)).rev().collect();
+    let mut unjoined = Vec::new();
     for (&pid, process) in driver {
+        match start_time_of(pid) {
+            Some(now) if now == process.start_time => {}
+            Some(_) => {
+                unjoined.push(UnjoinedProcess { pid, bytes: process.bytes, reason: crate::driver::REUSED.to_string() });
+                continue;
+            }
+            None => continue, // gone since the read
+        }
         if let Some(&index) = live.get(&pid) {
             observations[index].driver = Some(*process);
             continue;
@@ -573,6 +600,7 @@ fn join_driver(observations: &mut Vec<Observation>, driver: &BTreeMap<u32, Drive
         let Some(cgroup_id) = crate::cgroup::id_of_pid(pid) else { continue }; // gone since the read
         observations.push(Observation { pid, cgroup_id, driver: Some(*process), ..Default::default() });
     }
+    unjoined
 }
 
 /// Requested bytes a slot charges, context excluded (see the module doc).
@@ -803,7 +831,7 @@ mod tests {
         let config = Config { context_allowance: 64 * MIB, ..Config::default() };
         let mut r = Reconciler::new(config);
         let start = Instant::now();
-        let driver = |bytes, devices| Some(DriverProcess { bytes, devices });
+        let driver = |bytes, devices| Some(DriverProcess { bytes, devices, start_time: 0 });
         r.set_driver(Some(Arc::new(DriverView { read_at: Some(start), ..Default::default() })));
         // 96 MiB through an unprobed copy, and its 64 MiB context: beyond the allowance.
         let escaped = Observation { pid: 20, driver: driver(160 * MIB, 1), ..Default::default() };
@@ -842,6 +870,22 @@ mod tests {
         r.set_driver(Some(Arc::new(DriverView { read_at: Some(start + Duration::from_millis(2500)), ..Default::default() })));
         r.judge(vec![freed], start + Duration::from_millis(3000));
         assert_eq!(states(&r), vec![(30, State::Unprobed)]);
+    }
+
+    #[test]
+    fn a_driver_row_whose_pid_is_another_process_now_is_not_joined() {
+        let row = |bytes, start_time| DriverProcess { bytes, devices: 1, start_time };
+        let driver = BTreeMap::from([(10, row(100 * MIB, 1000)), (11, row(200 * MIB, 1100)), (12, row(MIB, 1200))]);
+        let mut observations = vec![seen(10, None, 0), seen(11, None, 0)];
+        // 10 is the process read; 11 was reused (a new start time); 12 is gone.
+        let now = |pid: u32| match pid {
+            10 => Some(1000),
+            11 => Some(5000),
+            _ => None,
+        };
+        let unjoined = join_driver(&mut observations, &driver, now);
+        assert_eq!(observations.iter().map(|o| (o.pid, o.driver.map(|d| d.bytes))).collect::<Vec<_>>(), [(10, Some(100 * MIB)), (11, None)]);
+        assert_eq!(unjoined, [UnjoinedProcess { pid: 11, bytes: 200 * MIB, reason: crate::driver::REUSED.into() }]);
     }
 
     #[test]

@@ -224,7 +224,7 @@ impl Judge {
         snapshot.discovery = found.stats.clone();
         snapshot.ledgers = ledgers.map(|l| l.iter().map(|(path, _)| path.display().to_string()).collect()).unwrap_or_default();
         snapshot.stats.slots_reclaimed = self.metrics.reclaims().total();
-        snapshot.driver = self.reconciler.driver().map(|d| d.status.clone()).unwrap_or_default();
+        snapshot.driver = self.reconciler.driver_status();
         snapshot
     }
 
