@@ -229,7 +229,10 @@ fn memory_allocated_through_a_fifth_copy_past_the_cap_is_seen_by_the_driver() ->
 /// With a cgroup limit pushed for the container (a limits file) and `--enforce signal`, an
 /// escaped process (96 MiB through a copy no probe is on, and its 64 MiB context: 160 MiB the
 /// probes never see) in a container limited to 128 MiB is signalled (SIGKILL) by the agent;
-/// the negative control, the same process in a container limited to 1 GiB, is not.
+/// the negative control, the same process in a container limited to 1 GiB, is not. The
+/// control's escaped memory counts for its container in the probes too: a probed process of
+/// that container is stopped by the entry probe before an allocation that passes the limit
+/// only with it counted (800 MiB held, 100 MiB more: 900 MiB probed, 1060 MiB in all).
 #[test]
 fn an_escaped_process_over_its_containers_limit_is_signalled() -> Result<()> {
     let dir = TempDir::new("drv-signal")?;
@@ -274,6 +277,16 @@ fn an_escaped_process_over_its_containers_limit_is_signalled() -> Result<()> {
     let state = state.rsplit(')').next().and_then(|rest| rest.split_whitespace().next()).unwrap_or("?").to_string();
     assert!(state != "Z" && state != "X", "the control was stopped (state {state}): {}", agent.log());
     let signalled = |pid: u32| log_has(&agent, "signalled a process whose GPU memory", pid);
+    assert!(!signalled(control.pid()), "{}", agent.log());
+
+    // A probed process of the control's container: its first 800 MiB fit beside the escaped
+    // 160 MiB, the next 100 MiB would pass the limit counting them.
+    let mut neighbour = node.workload().in_cgroup(&under).steps(["ctx 0", "alloc a 800m", "checkpoint one", "alloc b 100m", "checkpoint two", "hold"]).spawn()?;
+    neighbour.wait_checkpoint("one")?;
+    neighbour.resume()?;
+    let finished = neighbour.wait()?;
+    assert_eq!(finished.status.signal(), Some(libc::SIGKILL), "stopped by SIGKILL: {:?} {:?}", finished.status, finished.stdout);
+    assert!(!finished.stdout.iter().any(|l| l.starts_with("ok alloc b")), "the driver allocated b: {:?}", finished.stdout);
     assert!(!signalled(control.pid()), "{}", agent.log());
     drop(control);
     agent.stop()?;
