@@ -145,8 +145,8 @@ pub struct Limits {
     escaped: std::sync::Arc<EscapedByCgroup>,
     /// Each cgroup's limit before its escaped bytes are taken off (what `applied` was made from).
     limit_of: BTreeMap<u64, u64>,
-    /// The escaped processes signalled (pid, start time), forgotten once they are no longer
-    /// reported.
+    /// The escaped processes signalled (in `audit` mode: logged) (pid, start time), forgotten
+    /// once they are no longer reported.
     signalled: std::collections::BTreeSet<(u32, u64)>,
     /// Signals the agent sent to escaped processes.
     escaped_signals: u64,
@@ -212,32 +212,24 @@ impl Limits {
         self.escaped_signals
     }
 
-    /// In `signal` mode: for each cgroup whose usage (`probed` bytes plus its escaped bytes)
-    /// is over its limit, signals its escaped processes, largest first, until what is left is
-    /// within the limit (see the module doc).
+    /// For each cgroup whose usage (`probed` bytes plus its escaped bytes) is over its limit:
+    /// in `signal` mode, signals its escaped processes, largest first, until what is left is
+    /// within the limit (see the module doc); in `audit` mode, logs them (once per process).
     pub fn signal_escaped(&mut self, probed: impl Fn(u64) -> u64) {
         let reported: std::collections::BTreeSet<(u32, u64)> = self.escaped.values().flatten().map(|p| (p.pid, p.start_time)).collect();
         self.signalled.retain(|process| reported.contains(process));
-        if self.mode != enforce::SIGNAL {
-            return;
-        }
         let escaped = self.escaped.clone();
         for (cgroup, processes) in escaped.iter() {
             let Some(&limit) = self.limit_of.get(cgroup) else { continue };
-            let escaped_bytes = processes.iter().fold(0u64, |sum, p| sum.saturating_add(p.bytes));
-            let mut usage = probed(*cgroup).saturating_add(escaped_bytes);
-            // Those already signalled are on their way out: what they hold is as good as gone.
-            for process in processes.iter().filter(|p| self.signalled.contains(&(p.pid, p.start_time))) {
-                usage = usage.saturating_sub(process.bytes);
-            }
-            for process in processes {
-                if usage <= limit {
-                    break;
-                }
-                if self.signalled.contains(&(process.pid, process.start_time)) {
+            let usage = probed(*cgroup).saturating_add(processes.iter().fold(0u64, |sum, p| sum.saturating_add(p.bytes)));
+            for (process, usage) in to_signal(processes, usage, limit, &self.signalled) {
+                if self.mode != enforce::SIGNAL {
+                    tracing::warn!(pid = process.pid, cgroup, escaped_bytes = process.bytes, usage, limit,
+                        "a process whose GPU memory the probes cannot see (unprobed) takes its cgroup over its limit: not signalled (--enforce audit; said once per process)");
+                    self.signalled.insert((process.pid, process.start_time));
                     continue;
                 }
-                match signal_process(process, self.signal as i32) {
+                match signal_process(&process, self.signal as i32) {
                     Ok(()) => {
                         self.escaped_signals += 1;
                         tracing::warn!(pid = process.pid, cgroup, escaped_bytes = process.bytes, usage, limit, signal = self.signal,
@@ -246,7 +238,6 @@ impl Limits {
                     Err(error) => tracing::warn!(pid = process.pid, cgroup, %error, "cannot signal an unprobed process over its cgroup's limit"),
                 }
                 self.signalled.insert((process.pid, process.start_time));
-                usage = usage.saturating_sub(process.bytes);
             }
         }
     }
@@ -404,6 +395,23 @@ impl Limits {
     }
 }
 
+/// Of a cgroup's escaped `processes` (largest first), those to signal so that its `usage`
+/// (probed and escaped bytes) comes within `limit`, each with the usage it is signalled at:
+/// the `signalled` ones are on their way out already (what they hold counts as gone).
+fn to_signal(processes: &[EscapedProcess], usage: u64, limit: u64, signalled: &std::collections::BTreeSet<(u32, u64)>) -> Vec<(EscapedProcess, u64)> {
+    let is_signalled = |p: &EscapedProcess| signalled.contains(&(p.pid, p.start_time));
+    let mut usage = processes.iter().filter(|p| is_signalled(p)).fold(usage, |usage, p| usage.saturating_sub(p.bytes));
+    let mut chosen = Vec::new();
+    for process in processes.iter().filter(|p| !is_signalled(p)) {
+        if usage <= limit {
+            break;
+        }
+        chosen.push((*process, usage));
+        usage = usage.saturating_sub(process.bytes);
+    }
+    chosen
+}
+
 /// Sends `signal` to `process` if it still is that process: through a pidfd (opened, then the
 /// start time checked, then signalled: a pid reused in between cannot be hit).
 fn signal_process(process: &EscapedProcess, signal: i32) -> std::io::Result<()> {
@@ -461,6 +469,25 @@ mod tests {
         assert!(matches("*", "/anything"));
         assert!(matches("/x/*/y", "/x/1/2/y"));
         assert!(!matches("/x/*/y", "/x/1/2/z"));
+    }
+
+    #[test]
+    fn escaped_processes_are_signalled_largest_first_until_the_cgroup_is_within_its_limit() {
+        const MIB: u64 = 1 << 20;
+        let process = |pid, bytes| EscapedProcess { pid, start_time: u64::from(pid) * 10, bytes };
+        let processes = [process(1, 300 * MIB), process(2, 200 * MIB), process(3, 100 * MIB)];
+        let none = std::collections::BTreeSet::new();
+        let pids = |chosen: Vec<(EscapedProcess, u64)>| chosen.into_iter().map(|(p, _)| p.pid).collect::<Vec<_>>();
+        // 100 MiB probed + 600 escaped against 1 GiB: within.
+        assert_eq!(pids(to_signal(&processes, 700 * MIB, 1024 * MIB, &none)), Vec::<u32>::new());
+        // Against 512 MiB: the largest goes (400 left), that is enough.
+        assert_eq!(pids(to_signal(&processes, 700 * MIB, 512 * MIB, &none)), [1]);
+        // Against 128 MiB: the three (the probed 100 MiB are the probes' to stop).
+        assert_eq!(pids(to_signal(&processes, 700 * MIB, 128 * MIB, &none)), [1, 2, 3]);
+        // The largest signalled already: not again, and its bytes count as gone.
+        let signalled = std::collections::BTreeSet::from([(1, 10)]);
+        assert_eq!(pids(to_signal(&processes, 700 * MIB, 512 * MIB, &signalled)), Vec::<u32>::new());
+        assert_eq!(pids(to_signal(&processes, 700 * MIB, 300 * MIB, &signalled)), [2]);
     }
 
     #[test]
