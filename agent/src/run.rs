@@ -383,6 +383,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
     let (kernel_tx, kernel_rx) = mpsc::channel(KERNEL_REQUESTS);
     let (exits_tx, exits_rx) = mpsc::channel(EXIT_QUEUE);
     let (ledger_limits_tx, ledger_limits_rx) = watch::channel(BTreeMap::new());
+    let (escaped_tx, escaped_rx) = watch::channel(Arc::new(BTreeMap::new()));
     let (found_tx, found_rx) = watch::channel(Arc::new(Found::of(&discovery)));
     let (audits_tx, audits_rx) = mpsc::channel(AUDIT_QUEUE);
     let (driver_tx, driver_rx) = watch::channel(Arc::new(DriverView::default()));
@@ -444,6 +445,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
     let kernel_wiring = kernel::task::Wiring {
         requests: kernel_rx,
         ledger_limits: ledger_limits_rx,
+        escaped: escaped_rx,
         provisioned: provisioned_limits,
         exits: exits_tx,
         changed: changed.clone(),
@@ -475,6 +477,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         found: found_rx.clone(),
         driver: driver_rx,
         ledger_limits: ledger_limits_tx,
+        escaped: escaped_tx,
         publisher,
         changed,
         audits: audits_rx,

@@ -241,6 +241,9 @@ impl Snapshot {
             self.driver.state.name(),
             self.driver.reason.as_deref().map(|reason| format!(": {reason}")).unwrap_or_default()
         );
+        for note in self.driver.notes() {
+            let _ = writeln!(out, "  {note}");
+        }
         let probed: Vec<&str> = self.libcuda.iter().map(|f| f.path.as_str()).collect();
         let _ = writeln!(
             out,

@@ -12,8 +12,19 @@
 //! audit` (`driver`) and in the metrics (`vramguard_driver_up`, `vramguard_driver_state`).
 //!
 //! Pids are those of the NVML caller's pid namespace: the agent runs in the host's
-//! (`hostPID`), so they are host pids. NVML gives no start time, so a pid reused between a
-//! read and a pass (within a second or two) could be joined with the wrong process.
+//! (`hostPID`), so they are host pids. NVML gives no start time: the reader reads each pid's
+//! from `/proc` right after the read, and a pass joins a driver row only with the process
+//! that still has that pid and start time. What is not joined is reported as what it is, in
+//! the status's `unjoined` (`vramguard audit`): a pid the agent cannot see when it reads
+//! (a process of a pid namespace the agent does not see into, or one that exited at once), a
+//! pid another process has taken since, and every row while the agent is not in the host's
+//! pid namespace (`pid_namespace` says so: the driver's pids are then not the agent's).
+//!
+//! A GPU in MIG mode is read per MIG device (`nvmlDeviceGetMigDeviceHandleByIndex`): each
+//! instance's processes, each instance counted as a device of its own (its own context).
+//! The parent's list is never used for it (NVML's aggregate there is not per instance, and
+//! needs rights the agent may lack). A MIG GPU whose instances cannot be read has its
+//! processes left out, and says why (`mig` in the status, and the log once).
 pub mod nvml;
 pub mod task;
 
@@ -90,11 +101,79 @@ pub struct DriverStatus {
     /// Reads that answered since the agent started.
     #[serde(default)]
     pub reads: u64,
+    /// The GPUs in MIG mode, as the last read found them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mig: Vec<MigDevice>,
+    /// Set while the agent is not in the host's pid namespace: why NVML's pids are not joined.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pid_namespace: Option<String>,
+    /// Processes the driver reports that are joined with no process the agent sees, and why.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unjoined: Vec<UnjoinedProcess>,
+}
+
+impl DriverStatus {
+    /// What `vramguard audit`'s table says below the state: the GPUs in MIG mode, the pid
+    /// namespace if it is not the host's, and the processes not joined.
+    pub fn notes(&self) -> Vec<String> {
+        let mut notes = Vec::new();
+        for mig in &self.mig {
+            notes.push(match &mig.unread {
+                None => format!("GPU {} in MIG mode: read per MIG device ({} read)", mig.index, mig.instances),
+                Some(reason) => format!("GPU {} in MIG mode: {reason}", mig.index),
+            });
+        }
+        notes.extend(self.pid_namespace.clone());
+        for process in &self.unjoined {
+            notes.push(format!("not joined: pid {} ({} bytes): {}", process.pid, process.bytes, process.reason));
+        }
+        notes
+    }
+}
+
+/// A GPU in MIG mode, as a read found it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MigDevice {
+    /// The GPU's NVML index.
+    pub index: u32,
+    /// Its MIG devices (instances) read.
+    pub instances: u32,
+    /// Why its processes could not be read per instance: they are left out.
+    #[serde(default)]
+    pub unread: Option<String>,
+}
+
+/// A process the driver reports and the agent joins with none it sees.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UnjoinedProcess {
+    /// The pid as NVML gave it.
+    pub pid: u32,
+    /// What NVML reports it holding over every device.
+    pub bytes: u64,
+    pub reason: String,
+}
+
+/// Why a pid NVML reported is not the agent's to join (see the module doc).
+pub const NOT_VISIBLE: &str = "no such process in the agent's pid namespace when read (a process of another pid namespace, or one that exited at once)";
+/// Why a pid NVML reported is no longer joined.
+pub const REUSED: &str = "the pid is another process's since the read";
+
+/// The inode of the initial (host) pid namespace (the kernel's `PROC_PID_INIT_INO`).
+const HOST_PID_NAMESPACE: &str = "pid:[4026531836]";
+
+/// `None` when this process is in the host's pid namespace, else why NVML's pids are not its.
+pub fn foreign_pid_namespace() -> Option<String> {
+    let link = std::fs::read_link("/proc/self/ns/pid").map(|l| l.display().to_string());
+    match link {
+        Ok(link) if link == HOST_PID_NAMESPACE => None,
+        Ok(link) => Some(format!("the agent runs in {link}, not the host's pid namespace ({HOST_PID_NAMESPACE}): the driver's pids are not joined (run it with hostPID)")),
+        Err(error) => Some(format!("cannot read the agent's pid namespace (/proc/self/ns/pid: {error}): the driver's pids are not joined")),
+    }
 }
 
 impl Default for DriverStatus {
     fn default() -> DriverStatus {
-        DriverStatus { state: State::Starting, reason: None, library: None, reads: 0 }
+        DriverStatus { state: State::Starting, reason: None, library: None, reads: 0, mig: Vec::new(), pid_namespace: None, unjoined: Vec::new() }
     }
 }
 
@@ -103,8 +182,18 @@ impl Default for DriverStatus {
 pub struct DriverProcess {
     /// Bytes over every device (`usedGpuMemory`, the context included).
     pub bytes: u64,
-    /// Devices the process holds memory on.
+    /// Devices (MIG devices on a GPU in MIG mode) the process holds memory on.
     pub devices: u32,
+    /// The process's start time (`/proc/<pid>/stat`) read just after the read; 0 when no
+    /// such process was visible then.
+    pub start_time: u64,
+}
+
+/// What one read found: each pid's figure and the GPUs in MIG mode.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Read {
+    pub processes: BTreeMap<u32, DriverProcess>,
+    pub mig: Vec<MigDevice>,
 }
 
 /// The latest driver view.

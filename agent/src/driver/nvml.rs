@@ -1,6 +1,7 @@
 //! NVML loaded with `libloading`, with `nvml.h`'s signatures ([`cuda_abi::nvml`]): init, the
 //! devices, and each device's running processes (compute `_v3`, and graphics `_v3` when the
-//! library has it). Used only from the driver task's reader thread ([`super::task`]).
+//! library has it); a GPU in MIG mode is read per MIG device (see [`super`]). Used only from
+//! the driver task's reader thread ([`super::task`]).
 use std::{
     collections::BTreeMap,
     ffi::{c_uint, CStr},
@@ -10,7 +11,16 @@ use std::{
 use cuda_abi::nvml::*;
 use libloading::Library;
 
-use super::{DriverProcess, State};
+use super::{DriverProcess, MigDevice, Read, State};
+
+/// `nvmlDeviceGetMigMode` (current and pending mode).
+type NvmlDeviceGetMigMode = unsafe extern "C" fn(nvmlDevice_t, *mut c_uint, *mut c_uint) -> nvmlReturn_t;
+/// `nvmlDeviceGetMaxMigDeviceCount`.
+type NvmlDeviceGetMaxMigDeviceCount = unsafe extern "C" fn(nvmlDevice_t, *mut c_uint) -> nvmlReturn_t;
+/// `nvmlDeviceGetMigDeviceHandleByIndex`.
+type NvmlDeviceGetMigDeviceHandleByIndex = unsafe extern "C" fn(nvmlDevice_t, c_uint, *mut nvmlDevice_t) -> nvmlReturn_t;
+/// `NVML_DEVICE_MIG_ENABLE`.
+const NVML_DEVICE_MIG_ENABLE: c_uint = 1;
 
 /// Most processes asked for per device and call (a device holds a few hundred at most).
 const MAX_PROCESSES: usize = 4096;
@@ -23,6 +33,10 @@ pub struct Nvml {
     compute: NvmlDeviceGetRunningProcessesV3,
     graphics: Option<NvmlDeviceGetRunningProcessesV3>,
     error_string: Option<NvmlErrorString>,
+    /// Absent from NVMLs older than MIG: no GPU is then taken for one in MIG mode.
+    mig_mode: Option<NvmlDeviceGetMigMode>,
+    /// What reads a MIG GPU's instances, if the library has both.
+    mig_devices: Option<(NvmlDeviceGetMaxMigDeviceCount, NvmlDeviceGetMigDeviceHandleByIndex)>,
     /// Keeps the functions above loaded; last, so it is dropped after them.
     _library: Library,
 }
@@ -79,8 +93,21 @@ impl Nvml {
             let compute = symbol::<NvmlDeviceGetRunningProcessesV3>(&library, path, "nvmlDeviceGetComputeRunningProcesses_v3")?;
             let graphics = symbol::<NvmlDeviceGetRunningProcessesV3>(&library, path, "nvmlDeviceGetGraphicsRunningProcesses_v3").ok();
             let error_string = symbol::<NvmlErrorString>(&library, path, "nvmlErrorString").ok();
+            let mig_mode = symbol::<NvmlDeviceGetMigMode>(&library, path, "nvmlDeviceGetMigMode").ok();
+            let max_mig = symbol::<NvmlDeviceGetMaxMigDeviceCount>(&library, path, "nvmlDeviceGetMaxMigDeviceCount").ok();
+            let mig_handle = symbol::<NvmlDeviceGetMigDeviceHandleByIndex>(&library, path, "nvmlDeviceGetMigDeviceHandleByIndex").ok();
             symbol::<NvmlInitV2>(&library, path, "nvmlInit_v2")?;
-            Ok(Nvml { path: path.to_path_buf(), device_count, handle, compute, graphics, error_string, _library: library })
+            Ok(Nvml {
+                path: path.to_path_buf(),
+                device_count,
+                handle,
+                compute,
+                graphics,
+                error_string,
+                mig_mode,
+                mig_devices: max_mig.zip(mig_handle),
+                _library: library,
+            })
         }
     }
 
@@ -100,15 +127,16 @@ impl Nvml {
         format!("{} ({rc})", text.unwrap_or_else(|| "unknown".into()))
     }
 
-    /// Every device's running processes: host pid -> bytes over devices.
-    pub fn read(&self) -> Result<BTreeMap<u32, DriverProcess>, Trouble> {
+    /// Every device's running processes: host pid -> bytes over devices (start times are
+    /// the caller's to fill in), and the GPUs in MIG mode.
+    pub fn read(&self) -> Result<Read, Trouble> {
         let mut count: c_uint = 0;
         // SAFETY: a valid out-pointer.
         let rc = unsafe { (self.device_count)(&mut count) };
         if rc != NVML_SUCCESS {
             return Err(Trouble::failing(format!("nvmlDeviceGetCount_v2: {}", self.error(rc))));
         }
-        let mut processes: BTreeMap<u32, DriverProcess> = BTreeMap::new();
+        let mut read = Read::default();
         for index in 0..count {
             let mut device: nvmlDevice_t = std::ptr::null_mut();
             // SAFETY: a valid out-pointer; `index` below the count NVML gave.
@@ -116,25 +144,72 @@ impl Nvml {
             if rc != NVML_SUCCESS {
                 return Err(Trouble::failing(format!("nvmlDeviceGetHandleByIndex_v2({index}): {}", self.error(rc))));
             }
-            // A process in both lists holds one amount (NVML reports its total in each).
-            let mut on_device: BTreeMap<u32, u64> = BTreeMap::new();
-            let lists = [Some((self.compute, "nvmlDeviceGetComputeRunningProcesses_v3")), self.graphics.map(|f| (f, "nvmlDeviceGetGraphicsRunningProcesses_v3"))];
-            for (function, name) in lists.into_iter().flatten() {
-                for info in self.list(function, device).map_err(|rc| Trouble::failing(format!("{name}({index}): {}", self.error(rc))))? {
-                    if info.used_gpu_memory == NVML_VALUE_NOT_AVAILABLE {
-                        continue;
-                    }
-                    let held = on_device.entry(info.pid).or_default();
-                    *held = (*held).max(info.used_gpu_memory);
-                }
+            if !self.in_mig_mode(device) {
+                let infos = self.processes_of(device).map_err(|reason| Trouble::failing(format!("{reason} on device {index}")))?;
+                add_device(&mut read.processes, &infos);
+                continue;
             }
-            for (pid, bytes) in on_device {
-                let process = processes.entry(pid).or_default();
-                process.bytes = process.bytes.saturating_add(bytes);
-                process.devices += 1;
+            // Each MIG device on its own; the parent's aggregate list never.
+            let mut mig = MigDevice { index, instances: 0, unread: None };
+            let instances = self.mig_instances(device).and_then(|handles| {
+                handles.into_iter().map(|handle| self.processes_of(handle)).collect::<Result<Vec<_>, String>>()
+            });
+            match instances {
+                Ok(lists) => {
+                    mig.instances = lists.len() as u32;
+                    for infos in &lists {
+                        add_device(&mut read.processes, infos);
+                    }
+                }
+                Err(reason) => mig.unread = Some(format!("{reason}: the processes of this GPU in MIG mode are left out")),
+            }
+            read.mig.push(mig);
+        }
+        Ok(read)
+    }
+
+    /// Whether `device` is a GPU in MIG mode (false without `nvmlDeviceGetMigMode`, and for a
+    /// GPU that does not support MIG).
+    fn in_mig_mode(&self, device: nvmlDevice_t) -> bool {
+        let Some(mig_mode) = self.mig_mode else { return false };
+        let (mut current, mut pending): (c_uint, c_uint) = (0, 0);
+        // SAFETY: a handle NVML gave and two valid out-pointers.
+        let rc = unsafe { mig_mode(device, &mut current, &mut pending) };
+        rc == NVML_SUCCESS && current == NVML_DEVICE_MIG_ENABLE
+    }
+
+    /// The MIG devices of a GPU in MIG mode.
+    fn mig_instances(&self, device: nvmlDevice_t) -> Result<Vec<nvmlDevice_t>, String> {
+        let Some((max_count, by_index)) = self.mig_devices else {
+            return Err(format!("{} has no nvmlDeviceGetMaxMigDeviceCount or nvmlDeviceGetMigDeviceHandleByIndex", self.path.display()));
+        };
+        let mut max: c_uint = 0;
+        // SAFETY: a handle NVML gave and a valid out-pointer.
+        let rc = unsafe { max_count(device, &mut max) };
+        if rc != NVML_SUCCESS {
+            return Err(format!("nvmlDeviceGetMaxMigDeviceCount: {}", self.error(rc)));
+        }
+        let mut handles = Vec::new();
+        for index in 0..max {
+            let mut handle: nvmlDevice_t = std::ptr::null_mut();
+            // SAFETY: a handle NVML gave, an index below its maximum, a valid out-pointer.
+            match unsafe { by_index(device, index, &mut handle) } {
+                NVML_SUCCESS => handles.push(handle),
+                NVML_ERROR_NOT_FOUND => {} // no MIG device at this index
+                rc => return Err(format!("nvmlDeviceGetMigDeviceHandleByIndex({index}): {}", self.error(rc))),
             }
         }
-        Ok(processes)
+        Ok(handles)
+    }
+
+    /// One device's (or MIG device's) compute and graphics processes.
+    fn processes_of(&self, device: nvmlDevice_t) -> Result<Vec<nvmlProcessInfo_t>, String> {
+        let lists = [Some((self.compute, "nvmlDeviceGetComputeRunningProcesses_v3")), self.graphics.map(|f| (f, "nvmlDeviceGetGraphicsRunningProcesses_v3"))];
+        let mut all = Vec::new();
+        for (function, name) in lists.into_iter().flatten() {
+            all.extend(self.list(function, device).map_err(|rc| format!("{name}: {}", self.error(rc)))?);
+        }
+        Ok(all)
     }
 
     /// One device's list: asked with room for what NVML said it has, again if it grew.
@@ -158,6 +233,21 @@ impl Nvml {
     }
 }
 
+/// Adds one device's processes (compute and graphics lists together) to `processes`: a
+/// process in both lists holds one amount on the device (NVML reports its total in each).
+fn add_device(processes: &mut BTreeMap<u32, DriverProcess>, infos: &[nvmlProcessInfo_t]) {
+    let mut on_device: BTreeMap<u32, u64> = BTreeMap::new();
+    for info in infos.iter().filter(|info| info.used_gpu_memory != NVML_VALUE_NOT_AVAILABLE) {
+        let held = on_device.entry(info.pid).or_default();
+        *held = (*held).max(info.used_gpu_memory);
+    }
+    for (pid, bytes) in on_device {
+        let process = processes.entry(pid).or_default();
+        process.bytes = process.bytes.saturating_add(bytes);
+        process.devices += 1;
+    }
+}
+
 /// `name` from `library` as a `T` (copied out: valid while the library stays loaded).
 ///
 /// # Safety
@@ -167,4 +257,107 @@ unsafe fn symbol<T: Copy>(library: &Library, path: &Path, name: &str) -> Result<
     unsafe { library.get::<T>(name.as_bytes()) }
         .map(|symbol| *symbol)
         .map_err(|error| Trouble::absent(format!("{} has no {name}: {error}", path.display())))
+}
+
+#[cfg(test)]
+mod tests {
+    //! The read path over a stand-in NVML: device 0 is a GPU in MIG mode with MIG devices at
+    //! indices 0 and 2 (none at 1), device 1 a plain GPU. Handles are small numbers.
+    use std::ffi::c_void;
+
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    fn as_handle(n: usize) -> nvmlDevice_t {
+        n as *mut c_void
+    }
+
+    unsafe extern "C" fn count(n: *mut c_uint) -> nvmlReturn_t {
+        // SAFETY: the reader passes a valid out-pointer.
+        unsafe { *n = 2 };
+        NVML_SUCCESS
+    }
+
+    unsafe extern "C" fn handle(index: c_uint, device: *mut nvmlDevice_t) -> nvmlReturn_t {
+        // SAFETY: as above.
+        unsafe { *device = as_handle(index as usize + 1) };
+        NVML_SUCCESS
+    }
+
+    unsafe extern "C" fn mig_mode(device: nvmlDevice_t, current: *mut c_uint, pending: *mut c_uint) -> nvmlReturn_t {
+        if device as usize != 1 {
+            return NVML_ERROR_NOT_SUPPORTED;
+        }
+        // SAFETY: as above.
+        unsafe { (*current, *pending) = (NVML_DEVICE_MIG_ENABLE, NVML_DEVICE_MIG_ENABLE) };
+        NVML_SUCCESS
+    }
+
+    unsafe extern "C" fn max_mig(_: nvmlDevice_t, n: *mut c_uint) -> nvmlReturn_t {
+        // SAFETY: as above.
+        unsafe { *n = 3 };
+        NVML_SUCCESS
+    }
+
+    unsafe extern "C" fn mig_handle(_: nvmlDevice_t, index: c_uint, device: *mut nvmlDevice_t) -> nvmlReturn_t {
+        if index == 1 {
+            return NVML_ERROR_NOT_FOUND;
+        }
+        // SAFETY: as above.
+        unsafe { *device = as_handle(0x10 + index as usize) };
+        NVML_SUCCESS
+    }
+
+    unsafe extern "C" fn compute(device: nvmlDevice_t, count: *mut c_uint, infos: *mut nvmlProcessInfo_t) -> nvmlReturn_t {
+        let rows: &[(u32, u64)] = match device as usize {
+            // The MIG GPU's aggregate list: never to be read.
+            1 => &[(100, 999 * MIB)],
+            2 => &[(200, 10 * MIB)],
+            0x10 => &[(100, 5 * MIB), (101, MIB)],
+            0x12 => &[(100, 7 * MIB)],
+            _ => &[],
+        };
+        // SAFETY: `count` valid; `infos` holds `*count` entries (the reader's contract).
+        unsafe {
+            if (*count as usize) < rows.len() {
+                *count = rows.len() as c_uint;
+                return NVML_ERROR_INSUFFICIENT_SIZE;
+            }
+            for (i, (pid, bytes)) in rows.iter().enumerate() {
+                *infos.add(i) = nvmlProcessInfo_t { pid: *pid, used_gpu_memory: *bytes, ..Default::default() };
+            }
+            *count = rows.len() as c_uint;
+        }
+        NVML_SUCCESS
+    }
+
+    fn stand_in(mig_devices: bool) -> Nvml {
+        Nvml {
+            path: PathBuf::from("stand-in"),
+            device_count: count,
+            handle,
+            compute,
+            graphics: None,
+            error_string: None,
+            mig_mode: Some(mig_mode),
+            mig_devices: mig_devices.then_some((max_mig as NvmlDeviceGetMaxMigDeviceCount, mig_handle as NvmlDeviceGetMigDeviceHandleByIndex)),
+            _library: Library::from(libloading::os::unix::Library::this()),
+        }
+    }
+
+    #[test]
+    fn a_gpu_in_mig_mode_is_read_per_mig_device_never_from_its_aggregate() {
+        let read = stand_in(true).read().expect("read");
+        let got: Vec<(u32, u64, u32)> = read.processes.iter().map(|(pid, p)| (*pid, p.bytes, p.devices)).collect();
+        // 100 on two MIG devices (a context on each), 101 on one, 200 on the plain GPU.
+        assert_eq!(got, [(100, 12 * MIB, 2), (101, MIB, 1), (200, 10 * MIB, 1)]);
+        assert_eq!(read.mig, [MigDevice { index: 0, instances: 2, unread: None }]);
+
+        // Without the MIG device functions: the MIG GPU's processes are left out, and why.
+        let read = stand_in(false).read().expect("read");
+        assert_eq!(read.processes.keys().copied().collect::<Vec<_>>(), [200]);
+        let unread = read.mig[0].unread.clone().unwrap_or_default();
+        assert!(unread.contains("nvmlDeviceGetMigDeviceHandleByIndex") && unread.contains("left out"), "{unread}");
+    }
 }

@@ -19,7 +19,7 @@ use tracing::{info, warn};
 
 use super::{
     nvml::{Nvml, Trouble},
-    DriverStatus, DriverView, State,
+    DriverStatus, DriverView, Read, State, UnjoinedProcess, NOT_VISIBLE,
 };
 use crate::task::Heartbeat;
 
@@ -30,8 +30,9 @@ pub const READ_BUDGET: Duration = Duration::from_secs(2);
 /// How often the reader tries again to load and initialize NVML while it has none.
 pub const RETRY: Duration = Duration::from_secs(30);
 
-/// One read's answer: the library loaded (if any) and what it said.
-type Answer = (Option<String>, Result<std::collections::BTreeMap<u32, super::DriverProcess>, Trouble>);
+/// One read's answer: the library loaded (if any) and what it said (the processes the agent
+/// can join, and those it cannot).
+type Answer = (Option<String>, Result<(Read, Vec<UnjoinedProcess>), Trouble>);
 
 /// Buckets of [`read_seconds`]: NVML reads take from tens of microseconds (the fake, a few
 /// processes) to milliseconds (a real driver, many devices), up to the budget.
@@ -62,10 +63,13 @@ impl Driver {
     pub async fn run(self, view: watch::Sender<Arc<DriverView>>, heartbeat: Heartbeat, mut stop: watch::Receiver<bool>) {
         let (requests, reader_requests) = std_mpsc::channel::<oneshot::Sender<Answer>>();
         let (candidates, read_seconds) = (self.candidates, self.read_seconds);
-        let spawned =
-            std::thread::Builder::new().name("vramguard-nvml".into()).spawn(move || reader(candidates, read_seconds, reader_requests));
+        let pid_namespace = super::foreign_pid_namespace();
+        let foreign = pid_namespace.clone();
+        let spawned = std::thread::Builder::new()
+            .name("vramguard-nvml".into())
+            .spawn(move || reader(candidates, foreign, read_seconds, reader_requests));
         if let Err(error) = spawned {
-            publish(&view, DriverStatus { state: State::Failing, reason: Some(format!("cannot start the NVML reader thread: {error}")), library: None, reads: 0 }, None);
+            publish(&view, DriverStatus { state: State::Failing, reason: Some(format!("cannot start the NVML reader thread: {error}")), library: None, reads: 0, ..Default::default() }, None);
             return;
         }
         let mut tick = interval(EVERY);
@@ -80,7 +84,7 @@ impl Driver {
                     None => {
                         let (ask, answer) = oneshot::channel();
                         if requests.send(ask).is_err() {
-                            publish(&view, DriverStatus { state: State::Failing, reason: Some("the NVML reader thread ended".into()), library: None, reads }, None);
+                            publish(&view, DriverStatus { state: State::Failing, reason: Some("the NVML reader thread ended".into()), library: None, reads, ..Default::default() }, None);
                             return;
                         }
                         pending = Some((answer, Instant::now()));
@@ -88,23 +92,23 @@ impl Driver {
                     Some((_, started)) if started.elapsed() > READ_BUDGET && view.borrow().status.state != State::Hung => {
                         let library = view.borrow().status.library.clone();
                         let reason = format!("an NVML read has not returned for {} ms (budget {} ms): no other read starts until it does", started.elapsed().as_millis(), READ_BUDGET.as_millis());
-                        publish(&view, DriverStatus { state: State::Hung, reason: Some(reason), library, reads }, None);
+                        publish(&view, DriverStatus { state: State::Hung, reason: Some(reason), library, reads, ..Default::default() }, None);
                     }
                     Some(_) => {}
                 },
                 answer = async { pending.as_mut().map(|(rx, _)| rx).expect("guarded by the condition").await }, if pending.is_some() => {
                     let started = pending.take().map(|(_, at)| at);
                     let Ok((library, answer)) = answer else {
-                        publish(&view, DriverStatus { state: State::Failing, reason: Some("the NVML reader thread ended".into()), library: None, reads }, None);
+                        publish(&view, DriverStatus { state: State::Failing, reason: Some("the NVML reader thread ended".into()), library: None, reads, ..Default::default() }, None);
                         return;
                     };
                     match answer {
-                        Ok(processes) => {
+                        Ok((read, unjoined)) => {
                             reads += 1;
-                            let status = DriverStatus { state: State::Ok, reason: None, library, reads };
-                            publish(&view, status, Some((processes, started.unwrap_or_else(Instant::now))));
+                            let status = DriverStatus { state: State::Ok, reason: None, library, reads, mig: read.mig, pid_namespace: pid_namespace.clone(), unjoined };
+                            publish(&view, status, Some((read.processes, started.unwrap_or_else(Instant::now))));
                         }
-                        Err(trouble) => publish(&view, DriverStatus { state: trouble.state, reason: Some(trouble.reason), library, reads }, None),
+                        Err(trouble) => publish(&view, DriverStatus { state: trouble.state, reason: Some(trouble.reason), library, reads, ..Default::default() }, None),
                     }
                 }
             }
@@ -115,6 +119,9 @@ impl Driver {
 /// Publishes a new view, logging once per change of state (or of reason while not `ok`).
 fn publish(view: &watch::Sender<Arc<DriverView>>, status: DriverStatus, read: Option<(std::collections::BTreeMap<u32, super::DriverProcess>, Instant)>) {
     let before = view.borrow().status.clone();
+    if status.state == State::Ok {
+        tell_what_is_not_joined(&before, &status);
+    }
     if before.state != status.state || (status.state != State::Ok && before.reason != status.reason && status.state != State::Hung) {
         let reason = status.reason.as_deref().unwrap_or("");
         let library = status.library.as_deref().unwrap_or("");
@@ -131,9 +138,48 @@ fn publish(view: &watch::Sender<Arc<DriverView>>, status: DriverStatus, read: Op
     view.send_replace(Arc::new(DriverView { status, processes, read_at }));
 }
 
+/// Logs, once per change, the GPUs in MIG mode and whether the agent's pid namespace lets it
+/// join the driver's pids.
+fn tell_what_is_not_joined(before: &DriverStatus, now: &DriverStatus) {
+    if before.mig != now.mig {
+        for mig in &now.mig {
+            match &mig.unread {
+                None => info!(gpu = mig.index, instances = mig.instances, "driver view: a GPU in MIG mode, read per MIG device"),
+                Some(reason) => warn!(gpu = mig.index, reason = %reason, "driver view: a GPU in MIG mode whose MIG devices cannot be read"),
+            }
+        }
+    }
+    if before.pid_namespace != now.pid_namespace {
+        if let Some(reason) = &now.pid_namespace {
+            warn!(reason = %reason, "driver view: processes are not joined");
+        }
+    }
+}
+
+/// Splits a read's processes into those the agent can join (with their start times) and
+/// those it cannot: all of them when the agent is not in the host's pid namespace
+/// (`foreign`), else those without a visible process of that pid now.
+fn split(mut read: Read, foreign: Option<&str>, start_time_of: impl Fn(u32) -> Option<u64>) -> (Read, Vec<UnjoinedProcess>) {
+    let mut unjoined = Vec::new();
+    read.processes.retain(|&pid, process| {
+        let start_time = if foreign.is_some() { None } else { start_time_of(pid).filter(|_| pid != 0) };
+        match start_time {
+            Some(start_time) => {
+                process.start_time = start_time;
+                true
+            }
+            None => {
+                unjoined.push(UnjoinedProcess { pid, bytes: process.bytes, reason: foreign.unwrap_or(NOT_VISIBLE).to_string() });
+                false
+            }
+        }
+    });
+    (read, unjoined)
+}
+
 /// The reader thread: owns NVML, answers each request with one read (loading NVML first when
 /// it has none, at most every [`RETRY`]); ends when the task drops its end.
-fn reader(candidates: Vec<PathBuf>, read_seconds: Histogram, requests: std_mpsc::Receiver<oneshot::Sender<Answer>>) {
+fn reader(candidates: Vec<PathBuf>, foreign: Option<String>, read_seconds: Histogram, requests: std_mpsc::Receiver<oneshot::Sender<Answer>>) {
     let mut nvml: Option<Nvml> = None;
     let mut last_trouble: Option<(Trouble, Instant)> = None;
     while let Ok(reply) = requests.recv() {
@@ -157,6 +203,31 @@ fn reader(candidates: Vec<PathBuf>, read_seconds: Histogram, requests: std_mpsc:
         let started = Instant::now();
         let answer = loaded.read();
         read_seconds.observe(started.elapsed().as_secs_f64());
+        let answer = answer.map(|read| split(read, foreign.as_deref(), ledger::process::running_start_time_of));
         let _ = reply.send((Some(loaded.path().display().to_string()), answer));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::driver::DriverProcess;
+
+    fn read_of(pids: &[u32]) -> Read {
+        Read { processes: pids.iter().map(|&pid| (pid, DriverProcess { bytes: u64::from(pid) << 20, devices: 1, start_time: 0 })).collect(), mig: Vec::new() }
+    }
+
+    #[test]
+    fn pids_the_agent_cannot_see_are_reported_not_joined() {
+        // 7 runs (started at 700), 8 is not visible, 0 is never a process.
+        let start_time_of = |pid: u32| (pid == 7 || pid == 0).then_some(u64::from(pid) * 100);
+        let (read, unjoined) = split(read_of(&[0, 7, 8]), None, start_time_of);
+        assert_eq!(read.processes.keys().copied().collect::<Vec<_>>(), [7]);
+        assert_eq!(read.processes[&7].start_time, 700);
+        assert_eq!(unjoined.iter().map(|u| (u.pid, u.reason.as_str())).collect::<Vec<_>>(), [(0, NOT_VISIBLE), (8, NOT_VISIBLE)]);
+        // Outside the host's pid namespace, none is joined, each with the reason.
+        let (read, unjoined) = split(read_of(&[7, 8]), Some("not the host's"), start_time_of);
+        assert!(read.processes.is_empty());
+        assert_eq!(unjoined.iter().map(|u| (u.pid, u.bytes, u.reason.as_str())).collect::<Vec<_>>(), [(7, 7 << 20, "not the host's"), (8, 8 << 20, "not the host's")]);
     }
 }

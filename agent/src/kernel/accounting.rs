@@ -208,6 +208,12 @@ impl Accounting {
         Snapshot { processes, cgroups, stats, kernel_maps, external_memory, ..Snapshot::default() }
     }
 
+    /// The live bytes the probes charge `cgroup` (what the entry probes compare with its
+    /// limit); 0 without an entry.
+    pub fn cgroup_bytes(&self, cgroup: u64) -> u64 {
+        self.cgroups.get(&cgroup, 0).map_or(0, |entry| entry.usage.total_bytes())
+    }
+
     /// The ids of the cgroups with an entry in `CGROUP_USAGE` (or `EXTMEM_CGROUPS`).
     pub fn cgroup_ids(&self) -> Vec<u64> {
         let mut ids: Vec<u64> = self.cgroups.keys().filter_map(Result::ok).collect();

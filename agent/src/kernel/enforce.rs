@@ -18,6 +18,16 @@
 //! call return `CUDA_ERROR_OUT_OF_MEMORY`) needs a kernel that lets uprobe programs write
 //! their registers; the agent checks at start and says whether this kernel does.
 //!
+//! The probes see only allocations made through the libcuda files they are on. Memory the
+//! driver reports a cgroup's processes holding beyond that (their `unprobed` bytes, joined by
+//! [`crate::reconcile`] and handed on by the reconcile task, never read here from NVML) counts
+//! in the cgroup's usage: the limit pushed to the probes is the cgroup's limit less those
+//! bytes, so its probed allocations are held to what is left; and in `signal` mode, a cgroup
+//! whose probed usage plus those bytes is over its limit has its escaped processes signalled
+//! by the agent, largest first, until what is left is within it (each process once, checked
+//! by its start time so that a reused pid is never signalled). This is as fast as the driver
+//! view: about a pass after the read that shows the memory (one to three seconds).
+//!
 //! A limit is only ever pushed for a cgroup that exists when it is pushed: the kernel deletes
 //! a removed cgroup's entry (`cgroup_rmdir`), and the agent must not bring it back.
 //!
@@ -41,7 +51,10 @@ use aya::{
 };
 use common::{enforce, names, CgroupLimit};
 
-use crate::cgroup::CgroupNames;
+use crate::{
+    cgroup::CgroupNames,
+    reconcile::{EscapedByCgroup, EscapedProcess},
+};
 
 /// What the probes do with an allocation over its cgroup's limit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -128,6 +141,15 @@ pub struct Limits {
     signal: u32,
     map: HashMap<MapData, u64, CgroupLimit>,
     applied: BTreeMap<u64, CgroupLimit>,
+    /// The `unprobed` processes of each cgroup, from reconcile.
+    escaped: std::sync::Arc<EscapedByCgroup>,
+    /// Each cgroup's limit before its escaped bytes are taken off (what `applied` was made from).
+    limit_of: BTreeMap<u64, u64>,
+    /// The escaped processes signalled (in `audit` mode: logged) (pid, start time), forgotten
+    /// once they are no longer reported.
+    signalled: std::collections::BTreeSet<(u32, u64)>,
+    /// Signals the agent sent to escaped processes.
+    escaped_signals: u64,
     /// `LIMITS_ON`, and what was last written to it (0: off; else the map's generation).
     on: Array<MapData, u32>,
     generation: u32,
@@ -166,6 +188,10 @@ impl Limits {
             signal: signal as u32,
             map,
             applied: BTreeMap::new(),
+            escaped: Default::default(),
+            limit_of: BTreeMap::new(),
+            signalled: Default::default(),
+            escaped_signals: 0,
             on,
             generation: 0,
         })
@@ -174,6 +200,46 @@ impl Limits {
     /// The cgroups of the watched ledgers' live processes and their ledgers' limits.
     pub fn set_ledger_limits(&mut self, limits: BTreeMap<u64, u64>) {
         self.ledger_limits = limits;
+    }
+
+    /// The `unprobed` processes of each cgroup and the bytes the probes cannot see them hold.
+    pub fn set_escaped(&mut self, escaped: std::sync::Arc<EscapedByCgroup>) {
+        self.escaped = escaped;
+    }
+
+    /// Signals the agent sent to escaped processes.
+    pub fn escaped_signals(&self) -> u64 {
+        self.escaped_signals
+    }
+
+    /// For each cgroup whose usage (`probed` bytes plus its escaped bytes) is over its limit:
+    /// in `signal` mode, signals its escaped processes, largest first, until what is left is
+    /// within the limit (see the module doc); in `audit` mode, logs them (once per process).
+    pub fn signal_escaped(&mut self, probed: impl Fn(u64) -> u64) {
+        let reported: std::collections::BTreeSet<(u32, u64)> = self.escaped.values().flatten().map(|p| (p.pid, p.start_time)).collect();
+        self.signalled.retain(|process| reported.contains(process));
+        let escaped = self.escaped.clone();
+        for (cgroup, processes) in escaped.iter() {
+            let Some(&limit) = self.limit_of.get(cgroup) else { continue };
+            let usage = probed(*cgroup).saturating_add(processes.iter().fold(0u64, |sum, p| sum.saturating_add(p.bytes)));
+            for (process, usage) in to_signal(processes, usage, limit, &self.signalled) {
+                if self.mode != enforce::SIGNAL {
+                    tracing::warn!(pid = process.pid, cgroup, escaped_bytes = process.bytes, usage, limit,
+                        "a process whose GPU memory the probes cannot see (unprobed) takes its cgroup over its limit: not signalled (--enforce audit; said once per process)");
+                    self.signalled.insert((process.pid, process.start_time));
+                    continue;
+                }
+                match signal_process(&process, self.signal as i32) {
+                    Ok(()) => {
+                        self.escaped_signals += 1;
+                        tracing::warn!(pid = process.pid, cgroup, escaped_bytes = process.bytes, usage, limit, signal = self.signal,
+                            "signalled a process whose GPU memory the probes cannot see (unprobed): its cgroup is over its limit");
+                    }
+                    Err(error) => tracing::warn!(pid = process.pid, cgroup, %error, "cannot signal an unprobed process over its cgroup's limit"),
+                }
+                self.signalled.insert((process.pid, process.start_time));
+            }
+        }
     }
 
     /// The cgroups of the provisioned containers (paths relative to the cgroup2 root) and
@@ -232,6 +298,12 @@ impl Limits {
         }
         for (id, limit) in &self.ledger_limits {
             wanted.entry(*id).or_insert(CgroupLimit { limit: *limit, mode: self.mode, signal: self.signal });
+        }
+        // What the probes cannot see a cgroup's processes hold comes off what they may allocate.
+        self.limit_of = wanted.iter().map(|(id, limit)| (*id, limit.limit)).collect();
+        for (id, limit) in wanted.iter_mut() {
+            let escaped = self.escaped.get(id).map_or(0, |processes| processes.iter().fold(0u64, |sum, p| sum.saturating_add(p.bytes)));
+            limit.limit = limit.limit.saturating_sub(escaped);
         }
         // A ledger's cgroups come from the last reconcile pass: one may have gone since. Only
         // a limit about to be written needs the check (the tree is walked once for them all).
@@ -323,6 +395,45 @@ impl Limits {
     }
 }
 
+/// Of a cgroup's escaped `processes` (largest first), those to signal so that its `usage`
+/// (probed and escaped bytes) comes within `limit`, each with the usage it is signalled at:
+/// the `signalled` ones are on their way out already (what they hold counts as gone).
+fn to_signal(processes: &[EscapedProcess], usage: u64, limit: u64, signalled: &std::collections::BTreeSet<(u32, u64)>) -> Vec<(EscapedProcess, u64)> {
+    let is_signalled = |p: &EscapedProcess| signalled.contains(&(p.pid, p.start_time));
+    let mut usage = processes.iter().filter(|p| is_signalled(p)).fold(usage, |usage, p| usage.saturating_sub(p.bytes));
+    let mut chosen = Vec::new();
+    for process in processes.iter().filter(|p| !is_signalled(p)) {
+        if usage <= limit {
+            break;
+        }
+        chosen.push((*process, usage));
+        usage = usage.saturating_sub(process.bytes);
+    }
+    chosen
+}
+
+/// Sends `signal` to `process` if it still is that process: through a pidfd (opened, then the
+/// start time checked, then signalled: a pid reused in between cannot be hit).
+fn signal_process(process: &EscapedProcess, signal: i32) -> std::io::Result<()> {
+    use std::os::fd::{FromRawFd, OwnedFd, AsRawFd};
+    // SAFETY: pidfd_open(2) with a pid and no flags; returns a new fd or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, process.pid as libc::pid_t, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a fresh fd this function owns from here on.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    if ledger::process::running_start_time_of(process.pid) != Some(process.start_time) {
+        return Err(std::io::Error::new(std::io::ErrorKind::NotFound, "the process is gone (its pid is another process's now)"));
+    }
+    // SAFETY: pidfd_send_signal(2) on the pidfd above, no siginfo, no flags.
+    let rc = unsafe { libc::syscall(libc::SYS_pidfd_send_signal, pidfd.as_raw_fd(), signal, std::ptr::null::<libc::siginfo_t>(), 0) };
+    if rc < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Whether this kernel lets a uprobe program write its registers (what `deny` needs): loads
 /// the `deny_probe` program, which is never attached.
 pub fn deny_support(ebpf: &mut Ebpf) -> Result<(), String> {
@@ -358,6 +469,25 @@ mod tests {
         assert!(matches("*", "/anything"));
         assert!(matches("/x/*/y", "/x/1/2/y"));
         assert!(!matches("/x/*/y", "/x/1/2/z"));
+    }
+
+    #[test]
+    fn escaped_processes_are_signalled_largest_first_until_the_cgroup_is_within_its_limit() {
+        const MIB: u64 = 1 << 20;
+        let process = |pid, bytes| EscapedProcess { pid, start_time: u64::from(pid) * 10, bytes };
+        let processes = [process(1, 300 * MIB), process(2, 200 * MIB), process(3, 100 * MIB)];
+        let none = std::collections::BTreeSet::new();
+        let pids = |chosen: Vec<(EscapedProcess, u64)>| chosen.into_iter().map(|(p, _)| p.pid).collect::<Vec<_>>();
+        // 100 MiB probed + 600 escaped against 1 GiB: within.
+        assert_eq!(pids(to_signal(&processes, 700 * MIB, 1024 * MIB, &none)), Vec::<u32>::new());
+        // Against 512 MiB: the largest goes (400 left), that is enough.
+        assert_eq!(pids(to_signal(&processes, 700 * MIB, 512 * MIB, &none)), [1]);
+        // Against 128 MiB: the three (the probed 100 MiB are the probes' to stop).
+        assert_eq!(pids(to_signal(&processes, 700 * MIB, 128 * MIB, &none)), [1, 2, 3]);
+        // The largest signalled already: not again, and its bytes count as gone.
+        let signalled = std::collections::BTreeSet::from([(1, 10)]);
+        assert_eq!(pids(to_signal(&processes, 700 * MIB, 512 * MIB, &signalled)), Vec::<u32>::new());
+        assert_eq!(pids(to_signal(&processes, 700 * MIB, 300 * MIB, &signalled)), [2]);
     }
 
     #[test]

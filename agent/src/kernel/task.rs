@@ -25,7 +25,7 @@ use super::{accounting::Accounting, enforce, log::Logger};
 use crate::{
     cgroup::CgroupNames,
     task::{changed, Heartbeat},
-    reconcile::EbpfProcess,
+    reconcile::{EbpfProcess, EscapedByCgroup},
     snapshot::Snapshot,
 };
 
@@ -41,6 +41,9 @@ pub struct Wiring {
     pub requests: mpsc::Receiver<oneshot::Sender<KernelView>>,
     /// The limits the ledgers' containers are held to (cgroup id -> bytes), from reconcile.
     pub ledger_limits: watch::Receiver<BTreeMap<u64, u64>>,
+    /// The `unprobed` processes of each cgroup and the bytes the probes cannot see them hold,
+    /// from reconcile (which joins the driver's view: NVML is never on this task's path).
+    pub escaped: watch::Receiver<Arc<EscapedByCgroup>>,
     /// The provisioned containers' limits (cgroup path -> bytes), when the agent provisions.
     pub provisioned: Option<watch::Receiver<BTreeMap<String, u64>>>,
     /// Exits for the reclaim task: a bounded queue of exits only (allocations are not events);
@@ -79,6 +82,7 @@ impl Kernel {
         };
         let (mut drain, mut sweep, mut limits_tick) = (tick(every.drain), tick(every.sweep), tick(every.limits));
         let mut provisioned = wiring.provisioned.clone();
+        let mut escaped = Some(wiring.escaped.clone());
         let mut dropped_exits = 0u64;
         loop {
             wiring.heartbeat.beat();
@@ -101,6 +105,7 @@ impl Kernel {
                 }
                 _ = limits_tick.tick(), if self.limits.is_some() => self.push_limits(&mut wiring),
                 _ = changed(&mut provisioned) => self.push_limits(&mut wiring),
+                _ = changed(&mut escaped), if self.limits.is_some() => self.push_limits(&mut wiring),
                 request = wiring.requests.recv() => {
                     let Some(reply) = request else { continue };
                     self.drain(&wiring, &mut dropped_exits);
@@ -138,13 +143,18 @@ impl Kernel {
             limits.set_provisioned(provisioned.borrow_and_update().clone());
         }
         limits.set_ledger_limits(wiring.ledger_limits.borrow_and_update().clone());
+        limits.set_escaped(wiring.escaped.borrow_and_update().clone());
         limits.refresh(&mut self.cgroups);
+        let accounting = &self.accounting;
+        limits.signal_escaped(|cgroup| accounting.cgroup_bytes(cgroup));
     }
 
     /// The probes' maps as they are now.
     fn view(&mut self) -> KernelView {
         let mut snapshot = self.accounting.snapshot();
         snapshot.stats.cgroup_limits = self.limits.as_ref().map_or(0, |l| l.applied() as u64);
+        // The agent's signals to escaped processes count with the probes'.
+        snapshot.stats.signals_sent = snapshot.stats.signals_sent.saturating_add(self.limits.as_ref().map_or(0, |l| l.escaped_signals()));
         snapshot.kernel_maps.cgroup_limits = self.limits.as_ref().map_or_else(Vec::new, |l| l.ids());
         KernelView { processes: self.accounting.processes(), snapshot }
     }

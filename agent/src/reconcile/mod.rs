@@ -64,8 +64,14 @@
 //! limits on its cgroups ([`crate::kernel::enforce`]),
 //! and charges the ledger, through a slot of its own ([`crate::ledgers::charge`]), what the probes
 //! see the container hold outside it ([`Reconciler::unaccounted_by_ledger`]): the memory of
-//! `unhooked` processes in its cgroups and what `tampered` processes hold beyond their
-//! charge. The agent's own slot is never judged.
+//! `unhooked` processes in its cgroups, what `tampered` processes hold beyond their
+//! charge, and what the driver reports `unprobed` processes holding beyond the probes and the
+//! ledger (their escaped bytes; all of it, context included, for one without a slot). The
+//! escaped bytes of each cgroup also go to the kernel task ([`Reconciler::escaped_by_cgroup`],
+//! published by the reconcile task): the cgroup's usage against its limit is the probes'
+//! figure plus them, and in signal mode the escaped processes of a cgroup over its limit are
+//! signalled by the agent (the probes never see their allocations). The agent's own slot is
+//! never judged.
 //!
 //! # Cost
 //!
@@ -97,7 +103,7 @@ use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
 use crate::{
-    driver::{DriverProcess, DriverView},
+    driver::{DriverProcess, DriverView, UnjoinedProcess},
     identity,
     ledgers::Ledgers,
     snapshot::Snapshot,
@@ -198,7 +204,25 @@ pub struct Verdict {
     /// What the driver reports the process holding (context included), if it reports it.
     #[serde(default)]
     pub driver_bytes: Option<u64>,
+    /// Of an `unprobed` process's driver bytes, those neither the probes nor its ledger
+    /// explain (the ledger's context reserve counted as explained): what its container is
+    /// charged and held to beyond the probes' figure. 0 in every other state.
+    #[serde(default)]
+    pub escaped_bytes: u64,
 }
+
+/// An `unprobed` process as the kernel task sees it, to hold its container to its limit
+/// ([`crate::kernel::enforce`]): which process (host pid and start time, so that a pid reused
+/// since the pass is never signalled) and the bytes it holds that the probes cannot see.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EscapedProcess {
+    pub pid: u32,
+    pub start_time: u64,
+    pub bytes: u64,
+}
+
+/// Per cgroup id: its `unprobed` processes, largest first.
+pub type EscapedByCgroup = BTreeMap<u64, Vec<EscapedProcess>>;
 
 #[derive(Clone, Copy, Debug)]
 pub struct Config {
@@ -240,6 +264,8 @@ pub struct Reconciler {
     explained: HashMap<u32, Vec<(Instant, u64)>>,
     /// Processes already logged as `unprobed` (said once per process).
     unprobed_logged: BTreeSet<u32>,
+    /// The driver's rows the last pass joined with no process, as their pids are others' now.
+    driver_unjoined: Vec<UnjoinedProcess>,
 }
 
 impl Reconciler {
@@ -258,12 +284,21 @@ impl Reconciler {
             driver: None,
             explained: HashMap::new(),
             unprobed_logged: BTreeSet::new(),
+            driver_unjoined: Vec::new(),
         }
     }
 
     /// The driver view the last pass joined, if any.
     pub fn driver(&self) -> Option<&DriverView> {
         self.driver.as_deref()
+    }
+
+    /// The driver view's status as the last pass used it: with the rows it could not join
+    /// (the driver task's, and those whose pid another process has taken since the read).
+    pub fn driver_status(&self) -> crate::driver::DriverStatus {
+        let mut status = self.driver().map(|d| d.status.clone()).unwrap_or_default();
+        status.unjoined.extend(self.driver_unjoined.iter().cloned());
+        status
     }
 
     /// The driver's view the next passes join (the latest published; `None` without one).
@@ -328,27 +363,35 @@ impl Reconciler {
         self.ledger_cgroups = ledger_cgroups;
         self.unreadable = unreadable;
         let mut observations = observations;
-        if let Some(driver) = self.driver.clone() {
-            join_driver(&mut observations, &driver.processes);
-        }
+        self.driver_unjoined = match self.driver.clone() {
+            Some(driver) => join_driver(&mut observations, &driver.processes, ledger::process::running_start_time_of),
+            None => Vec::new(),
+        };
         self.judge(observations, Instant::now());
     }
 
-    /// Whether the driver's figure for `seen` is beyond what the other views explain (see
-    /// the module doc), remembering what they explain now.
-    fn escaped(&mut self, seen: &Observation, now: Instant) -> bool {
+    /// The bytes of the driver's figure for `seen` that the other views do not explain, if
+    /// it is beyond them (see the module doc; 0 otherwise), remembering what they explain now.
+    fn escaped(&mut self, seen: &Observation, now: Instant) -> u64 {
         let explained_now = seen.ebpf_bytes.max(seen.ledger_bytes.unwrap_or(0));
         let history = self.explained.entry(seen.pid).or_default();
         history.retain(|(at, _)| now.saturating_duration_since(*at) < EXPLAINED_MEMORY);
         history.push((now, explained_now));
-        let Some(driver) = seen.driver else { return false };
+        let Some(driver) = seen.driver else { return 0 };
         let since = self.driver.as_ref().and_then(|d| d.read_at).map(|at| at.checked_sub(task::EVERY).unwrap_or(at));
         let explained = history.iter().filter(|(at, _)| since.is_none_or(|since| *at >= since)).map(|(_, bytes)| *bytes).max().unwrap_or(0);
         // A ledger's reserve may only lower the allowance: a workload that made its own ledger
         // chose that figure, and must not explain memory away with it.
         let context = seen.context_reserve.map_or(self.config.context_allowance, |reserve| reserve.min(self.config.context_allowance));
         let allowance = u64::from(driver.devices).saturating_mul(context.saturating_add(DRIVER_PAGE));
-        driver.bytes > explained.max(explained_now).saturating_add(allowance)
+        let explained = explained.max(explained_now);
+        if driver.bytes <= explained.saturating_add(allowance) {
+            return 0;
+        }
+        // Escaped: all of it beyond the explained bytes, its contexts included, except the
+        // contexts its ledger already charges.
+        let charged_contexts = u64::from(driver.devices).saturating_mul(seen.context_reserve.unwrap_or(0));
+        driver.bytes.saturating_sub(explained).saturating_sub(charged_contexts).max(1)
     }
 
     /// Judges `observations` as of `now`, logging every change of state.
@@ -361,7 +404,8 @@ impl Reconciler {
         self.explained.retain(|pid, _| seen_pids.contains(pid));
         self.unprobed_logged.retain(|pid| seen_pids.contains(pid));
         for seen in observations {
-            let escaped = !seen.gone && self.escaped(&seen, now);
+            let escaped_bytes = if seen.gone { 0 } else { self.escaped(&seen, now) };
+            let escaped = escaped_bytes > 0;
             let state = match seen.ledger_bytes {
                 _ if seen.gone => State::Stale,
                 Some(_) if seen.header_changed => State::Tampered,
@@ -414,6 +458,7 @@ impl Reconciler {
                 ledger_bytes: seen.ledger_bytes,
                 ebpf_bytes: seen.ebpf_bytes,
                 driver_bytes: seen.driver.map(|d| d.bytes),
+                escaped_bytes: if state == State::Unprobed { escaped_bytes } else { 0 },
             });
         }
         verdicts.sort_by_key(|v| (v.pid, v.state));
@@ -435,9 +480,12 @@ impl Reconciler {
         sums
     }
 
-    /// What the probes see each hooked container (ledger) hold outside its ledger: the bytes
-    /// of `unhooked` processes in the ledger's cgroups, and what each `tampered` process of
-    /// the ledger holds beyond its charge. Ledgers without any are left out.
+    /// What the probes and the driver see each hooked container (ledger) hold outside its
+    /// ledger: the bytes of `unhooked` processes in the ledger's cgroups, what each `tampered`
+    /// process of the ledger holds beyond its charge, and what the driver reports `unprobed`
+    /// processes holding beyond the probes' and the ledger's figures (an `unprobed` process
+    /// without a slot: all the driver reports, its context included, since no ledger charges
+    /// any of it). Ledgers without any are left out.
     pub fn unaccounted_by_ledger(&self) -> BTreeMap<String, u64> {
         let owners = self.cgroup_ledgers();
         let mut sums: BTreeMap<String, u64> = BTreeMap::new();
@@ -447,9 +495,45 @@ impl Reconciler {
                     (Some(ledger.as_str()), verdict.ebpf_bytes.saturating_sub(verdict.ledger_bytes.unwrap_or(0)))
                 }
                 (None, State::Unhooked) => (owners.get(&verdict.cgroup_id).copied(), verdict.ebpf_bytes),
+                (Some(ledger), State::Unprobed) => (Some(ledger.as_str()), verdict.escaped_bytes),
+                (None, State::Unprobed) => (owners.get(&verdict.cgroup_id).copied(), verdict.ebpf_bytes.saturating_add(verdict.escaped_bytes)),
                 _ => (None, 0),
             };
             if let Some(ledger) = ledger.filter(|_| bytes > 0) {
+                let sum = sums.entry(ledger.to_string()).or_default();
+                *sum = sum.saturating_add(bytes);
+            }
+        }
+        sums
+    }
+
+    /// The `unprobed` processes of each cgroup, for the kernel task: their escaped bytes count
+    /// in their cgroup's usage against its limit (the probes cannot see them), and in signal
+    /// mode they are what is signalled when that usage is over it. The start time is read
+    /// now; a process gone since the pass is left out.
+    pub fn escaped_by_cgroup(&self) -> EscapedByCgroup {
+        let mut by_cgroup = EscapedByCgroup::new();
+        for verdict in self.verdicts.iter().filter(|v| v.state == State::Unprobed && v.escaped_bytes > 0 && v.cgroup_id != 0) {
+            let Some(start_time) = ledger::process::running_start_time_of(verdict.pid) else { continue };
+            by_cgroup.entry(verdict.cgroup_id).or_default().push(EscapedProcess { pid: verdict.pid, start_time, bytes: verdict.escaped_bytes });
+        }
+        for processes in by_cgroup.values_mut() {
+            processes.sort_by_key(|p| std::cmp::Reverse(p.bytes));
+        }
+        by_cgroup
+    }
+
+    /// What the driver reports each hooked container (ledger) holding: the driver bytes of
+    /// the ledger's processes and of the other processes in its cgroups
+    /// ([`Reconciler::cgroup_ledgers`]). Ledgers none of whose processes the driver reports
+    /// are left out.
+    pub fn driver_bytes_by_ledger(&self) -> BTreeMap<String, u64> {
+        let owners = self.cgroup_ledgers();
+        let mut sums: BTreeMap<String, u64> = BTreeMap::new();
+        for verdict in &self.verdicts {
+            let Some(bytes) = verdict.driver_bytes else { continue };
+            let ledger = verdict.ledger.as_deref().or_else(|| owners.get(&verdict.cgroup_id).copied());
+            if let Some(ledger) = ledger {
                 let sum = sums.entry(ledger.to_string()).or_default();
                 *sum = sum.saturating_add(bytes);
             }
@@ -489,11 +573,26 @@ impl Reconciler {
 }
 
 /// Adds the driver's figure to each process's observation; a live process only the driver
-/// reports gets one of its own (its cgroup read from /proc).
-fn join_driver(observations: &mut Vec<Observation>, driver: &BTreeMap<u32, DriverProcess>) {
+/// reports gets one of its own (its cgroup read from /proc). A row whose pid is another
+/// process's now than when the driver task read it (`start_time_of` says the pid's start
+/// time now) is joined with none, and returned.
+fn join_driver(
+    observations: &mut Vec<Observation>,
+    driver: &BTreeMap<u32, DriverProcess>,
+    start_time_of: impl Fn(u32) -> Option<u64>,
+) -> Vec<UnjoinedProcess> {
     // One look-up per driver row, not a walk of the observations.
     let live: HashMap<u32, usize> = observations.iter().enumerate().filter(|(_, o)| !o.gone).map(|(i, o)| (o.pid, i)).rev().collect();
+    let mut unjoined = Vec::new();
     for (&pid, process) in driver {
+        match start_time_of(pid) {
+            Some(now) if now == process.start_time => {}
+            Some(_) => {
+                unjoined.push(UnjoinedProcess { pid, bytes: process.bytes, reason: crate::driver::REUSED.to_string() });
+                continue;
+            }
+            None => continue, // gone since the read
+        }
         if let Some(&index) = live.get(&pid) {
             observations[index].driver = Some(*process);
             continue;
@@ -501,6 +600,7 @@ fn join_driver(observations: &mut Vec<Observation>, driver: &BTreeMap<u32, Drive
         let Some(cgroup_id) = crate::cgroup::id_of_pid(pid) else { continue }; // gone since the read
         observations.push(Observation { pid, cgroup_id, driver: Some(*process), ..Default::default() });
     }
+    unjoined
 }
 
 /// Requested bytes a slot charges, context excluded (see the module doc).
@@ -731,7 +831,7 @@ mod tests {
         let config = Config { context_allowance: 64 * MIB, ..Config::default() };
         let mut r = Reconciler::new(config);
         let start = Instant::now();
-        let driver = |bytes, devices| Some(DriverProcess { bytes, devices });
+        let driver = |bytes, devices| Some(DriverProcess { bytes, devices, start_time: 0 });
         r.set_driver(Some(Arc::new(DriverView { read_at: Some(start), ..Default::default() })));
         // 96 MiB through an unprobed copy, and its 64 MiB context: beyond the allowance.
         let escaped = Observation { pid: 20, driver: driver(160 * MIB, 1), ..Default::default() };
@@ -739,9 +839,23 @@ mod tests {
         let hooked = Observation { driver: driver(160 * MIB, 1), context_reserve: Some(64 * MIB), ..seen(21, Some(96 * MIB), 96 * MIB) };
         // Exactly at the allowance: context and page on each of two devices.
         let at_edge = Observation { pid: 22, driver: driver(2 * (64 * MIB + DRIVER_PAGE), 2), ..Default::default() };
-        r.judge(vec![escaped, hooked, at_edge], start);
-        assert_eq!(states(&r), vec![(20, State::Unprobed), (21, State::Ok), (22, State::Ok)]);
+        // A hooked process that also allocated 500 MiB through an unprobed copy: its ledger
+        // charges its 96 MiB and its context; the 500 MiB escaped.
+        let leaky = Observation { driver: driver(660 * MIB, 1), context_reserve: Some(64 * MIB), ..seen(23, Some(96 * MIB), 96 * MIB) };
+        r.judge(vec![escaped, hooked, at_edge, leaky], start);
+        assert_eq!(states(&r), vec![(20, State::Unprobed), (21, State::Ok), (22, State::Ok), (23, State::Unprobed)]);
         assert_eq!(r.verdicts()[0].driver_bytes, Some(160 * MIB));
+        let escaped_bytes: Vec<u64> = r.verdicts().iter().map(|v| v.escaped_bytes).collect();
+        assert_eq!(escaped_bytes, [160 * MIB, 0, 0, 500 * MIB]);
+        // Charged to the ledgers: all of the slot-less process (its cgroup is the ledger's),
+        // the escaped part of the hooked one.
+        r.ledger_cgroups = BTreeMap::from([("/l".into(), BTreeSet::from([7]))]);
+        let in_container = Observation { pid: 24, cgroup_id: 7, driver: driver(160 * MIB, 1), ..Default::default() };
+        let elsewhere = Observation { pid: 25, cgroup_id: 8, driver: driver(160 * MIB, 1), ..Default::default() };
+        let leaky = Observation { driver: driver(660 * MIB, 1), context_reserve: Some(64 * MIB), ..seen(23, Some(96 * MIB), 96 * MIB) };
+        r.judge(vec![in_container, elsewhere, leaky], start);
+        assert_eq!(r.unaccounted_by_ledger(), BTreeMap::from([("/l".to_string(), 160 * MIB + 500 * MIB)]));
+        assert_eq!(r.driver_bytes_by_ledger(), BTreeMap::from([("/l".to_string(), 160 * MIB + 660 * MIB)]));
 
         // A process the probes saw free 1 GiB after the driver's read started: the read's
         // figure is compared with what the probes said then.
@@ -756,6 +870,22 @@ mod tests {
         r.set_driver(Some(Arc::new(DriverView { read_at: Some(start + Duration::from_millis(2500)), ..Default::default() })));
         r.judge(vec![freed], start + Duration::from_millis(3000));
         assert_eq!(states(&r), vec![(30, State::Unprobed)]);
+    }
+
+    #[test]
+    fn a_driver_row_whose_pid_is_another_process_now_is_not_joined() {
+        let row = |bytes, start_time| DriverProcess { bytes, devices: 1, start_time };
+        let driver = BTreeMap::from([(10, row(100 * MIB, 1000)), (11, row(200 * MIB, 1100)), (12, row(MIB, 1200))]);
+        let mut observations = vec![seen(10, None, 0), seen(11, None, 0)];
+        // 10 is the process read; 11 was reused (a new start time); 12 is gone.
+        let now = |pid: u32| match pid {
+            10 => Some(1000),
+            11 => Some(5000),
+            _ => None,
+        };
+        let unjoined = join_driver(&mut observations, &driver, now);
+        assert_eq!(observations.iter().map(|o| (o.pid, o.driver.map(|d| d.bytes))).collect::<Vec<_>>(), [(10, Some(100 * MIB)), (11, None)]);
+        assert_eq!(unjoined, [UnjoinedProcess { pid: 11, bytes: 200 * MIB, reason: crate::driver::REUSED.into() }]);
     }
 
     #[test]
@@ -849,7 +979,7 @@ mod tests {
         r.agent = None;
         r.pass(Some(&ledgers), &[me(charged)]);
         let name = path.display().to_string();
-        let ok = Verdict { pid, cgroup_id, state: State::Ok, ledger: Some(name.clone()), ledger_bytes: Some(charged), ebpf_bytes: charged, driver_bytes: None };
+        let ok = Verdict { pid, cgroup_id, state: State::Ok, ledger: Some(name.clone()), ledger_bytes: Some(charged), ebpf_bytes: charged, driver_bytes: None, escaped_bytes: 0 };
         assert_eq!(r.verdicts(), [ok]);
         assert_eq!(r.ledger_cgroups().get(&name), Some(&BTreeSet::from([cgroup_id])));
         assert_eq!(r.unaccounted_by_ledger(), BTreeMap::new());

@@ -5,7 +5,9 @@
 //! audit` asks for. Each of those runs on the blocking pool with the task's state moved there
 //! and back; nothing critical waits for it: it reads the kernel task's view and the reclaim
 //! task's ledgers when it needs them, and hands on the limits of the ledgers' containers
-//! (cgroup id -> bytes) for the kernel task to push.
+//! (cgroup id -> bytes) and the `unprobed` processes of each cgroup (what the driver reports
+//! them holding beyond the probes, [`super::Reconciler::escaped_by_cgroup`]) for the kernel
+//! task to push and enforce: the kernel task never waits for NVML or for a pass.
 //!
 //! Passes run every second, after a drain or a reclaim that changed something (at most one
 //! per [`super::MIN_INTERVAL`]), and for every `audit`.
@@ -18,7 +20,7 @@ use tokio::{
 };
 use tracing::warn;
 
-use super::Reconciler;
+use super::{EscapedByCgroup, Reconciler};
 use crate::{
     discovery::task::Found,
     driver::DriverView,
@@ -54,6 +56,8 @@ pub struct Wiring {
     pub driver: watch::Receiver<Arc<DriverView>>,
     /// The limits of the ledgers' containers, for the kernel task.
     pub ledger_limits: watch::Sender<BTreeMap<u64, u64>>,
+    /// The `unprobed` processes of each cgroup, for the kernel task.
+    pub escaped: watch::Sender<Arc<EscapedByCgroup>>,
     /// The metrics listener's board (none without `--metrics-addr`), and its bell.
     pub publisher: Option<(Publisher, Arc<Notify>)>,
     /// Rung by the kernel and reclaim tasks when a pass is worth running.
@@ -160,9 +164,10 @@ impl Judge {
                 }
             };
             let limits = ledgers.map(|l| ledger_cgroup_limits(l, &state.reconciler)).unwrap_or_default();
-            (state, out, limits)
+            let escaped = state.reconciler.escaped_by_cgroup();
+            (state, out, limits, escaped)
         });
-        let (state, out, limits) = match work.await {
+        let (state, out, limits, escaped) = match work.await {
             Ok(done) => done,
             Err(error) => {
                 // A panic in a pass is a bug; the task cannot go on without its state (its
@@ -174,6 +179,13 @@ impl Judge {
         wiring.ledger_limits.send_if_modified(|held| {
             let changed = *held != limits;
             *held = limits;
+            changed
+        });
+        wiring.escaped.send_if_modified(|held| {
+            let changed = **held != escaped;
+            if changed {
+                *held = Arc::new(escaped);
+            }
             changed
         });
         if let Some((publisher, _)) = wiring.publisher.as_ref() {
@@ -212,7 +224,7 @@ impl Judge {
         snapshot.discovery = found.stats.clone();
         snapshot.ledgers = ledgers.map(|l| l.iter().map(|(path, _)| path.display().to_string()).collect()).unwrap_or_default();
         snapshot.stats.slots_reclaimed = self.metrics.reclaims().total();
-        snapshot.driver = self.reconciler.driver().map(|d| d.status.clone()).unwrap_or_default();
+        snapshot.driver = self.reconciler.driver_status();
         snapshot
     }
 

@@ -9,8 +9,11 @@
 //! `vramguard_process_state{pid,state}` (one series per state, 1 for the process's current
 //! one), `vramguard_unhooked_processes`, from the driver view ([`crate::driver`]):
 //! `vramguard_driver_up`, `vramguard_driver_state{state,reason}`, `vramguard_driver_read_seconds`
-//! (registered by the driver task, which times its reads) and
-//! `vramguard_driver_process_memory_bytes{pid,cgroup}`, `vramguard_container_ebpf_memory_bytes{ledger}` (the
+//! (registered by the driver task, which times its reads),
+//! `vramguard_driver_process_memory_bytes{pid,cgroup}` and
+//! `vramguard_container_driver_memory_bytes{ledger}` (what the driver reports the ledger's
+//! processes and the other processes of its container's cgroups holding, contexts included),
+//! `vramguard_container_ebpf_memory_bytes{ledger}` (the
 //! eBPF bytes of the ledger's processes, comparable with the ledger's data, small and managed
 //! bytes), `vramguard_container_unaccounted_bytes{ledger}` (what the agent charges the ledger
 //! for memory its container holds outside it, [`crate::ledgers::charge`]; also counted in the `data`
@@ -114,6 +117,7 @@ pub struct Metrics {
     records_cap: IntGauge,
     cgroups_removed: IntCounterVec,
     container_ebpf: IntGaugeVec,
+    container_driver: IntGaugeVec,
     unaccounted: IntGaugeVec,
     rejections: IntCounterVec,
     /// The label values `rejections` has series for.
@@ -334,6 +338,12 @@ impl Metrics {
             "GPU memory the eBPF probes saw a container's (ledger's) processes hold",
             &with_container(&["ledger"]),
         )?;
+        let container_driver = gauge_vec(
+            &registry,
+            "vramguard_container_driver_memory_bytes",
+            "GPU memory the driver (NVML) reports a container's processes holding (its ledger's and the others of its cgroups), contexts included",
+            &with_container(&["ledger"]),
+        )?;
         let unaccounted = gauge_vec(
             &registry,
             "vramguard_container_unaccounted_bytes",
@@ -438,6 +448,7 @@ impl Metrics {
             records_cap,
             cgroups_removed,
             container_ebpf,
+            container_driver,
             unaccounted,
             rejections,
             rejection_series: BTreeSet::new(),
@@ -482,6 +493,8 @@ impl Metrics {
         self.unaccounted.reset();
         self.limit.reset();
         self.container_ebpf.reset();
+        self.container_driver.reset();
+        let driver_by_ledger = reconciler.driver_bytes_by_ledger();
         if let Some(hami) = &self.hami {
             hami.used.reset();
             hami.limit.reset();
@@ -524,6 +537,9 @@ impl Metrics {
                 self.container_ebpf
                     .with_label_values(&labels(&[path.as_str()], &container))
                     .set(value(ebpf_by_ledger.get(path.as_str()).copied().unwrap_or(0)));
+                if let Some(bytes) = driver_by_ledger.get(path.as_str()) {
+                    self.container_driver.with_label_values(&labels(&[path.as_str()], &container)).set(value(*bytes));
+                }
                 self.unaccounted
                     .with_label_values(&labels(&[path.as_str()], &container))
                     .set(value(charged.get(path.as_str()).copied().unwrap_or(0)));

@@ -5,17 +5,17 @@
 //! run with `cargo xtask test` (one e2e test at a time).
 use std::{
     ffi::{OsStr, OsString},
-    os::unix::fs::MetadataExt,
-    path::Path,
+    os::unix::{fs::MetadataExt, process::ExitStatusExt},
+    path::{Path, PathBuf},
     time::{Duration, Instant},
 };
 
 use anyhow::{bail, Context, Result};
 use e2e::{
     agent::Agent,
-    cgroup::TestCgroup,
+    cgroup::{TestCgroup, SEPARATES_CONTAINERS},
     hostile::{Bystander, HealthProbe},
-    http, wait_for, FakeNode, TempDir, MIB,
+    http, wait_for, FakeNode, TempDir, GIB, MIB,
 };
 use serde_json::Value;
 
@@ -42,51 +42,99 @@ fn args<'a>(libcuda: &'a Path, dir: &'a Path, more: &[&'a OsStr]) -> Vec<&'a OsS
     all
 }
 
+/// The (device, inode) of each file the agent probes, from an audit.
+fn probed_files(audit: &Value) -> Result<Vec<(u64, u64)>> {
+    let files = audit["libcuda"].as_array().context("no libcuda list")?;
+    Ok(files.iter().filter_map(|f| Some((f["dev"].as_u64()?, f["ino"].as_u64()?))).collect())
+}
+
+/// Whether a line of the agent's log says `what` of process `pid`.
+fn log_has(agent: &Agent, what: &str, pid: u32) -> bool {
+    agent.log().lines().any(|l| l.contains(what) && l.contains(&format!("pid={pid} ")))
+}
+
 /// Process `pid`'s row of an audit.
 fn row(audit: &Value, pid: u32) -> Option<Value> {
     audit["processes"].as_array()?.iter().find(|r| r["pid"].as_u64() == Some(u64::from(pid))).cloned()
 }
 
+/// A directory under `attacker` whose `libcuda.so.1` is a renamed copy of the fake driver
+/// (`NAME.so`), and the copy's (device, inode).
+fn renamed_copy(attacker: &TempDir, name: &str) -> Result<(PathBuf, (u64, u64))> {
+    let renamed = attacker.path().join(format!("{name}.so"));
+    std::fs::copy(e2e::fake_driver_lib()?, &renamed)?;
+    let libs = attacker.path().join(format!("{name}-libs"));
+    std::fs::create_dir(&libs)?;
+    std::os::unix::fs::symlink(&renamed, libs.join("libcuda.so.1"))?;
+    let meta = std::fs::metadata(&renamed)?;
+    Ok((libs, (meta.dev(), meta.ino())))
+}
+
+/// Waits, within the 3 s, until `pid` is `unprobed` in `vramguard audit` with at
+/// least 96 MiB of driver bytes and `ledger` charges `charged` bytes (the escaped memory
+/// included); returns how long it took.
+fn escaped_and_charged(agent: &Agent, pid: u32, ledger: &Path, charged: u64) -> Result<Duration> {
+    let took = wait_for(Duration::from_secs(3), "the escaped process unprobed in vramguard audit and charged to its container's ledger", || {
+        std::thread::sleep(Duration::from_millis(20));
+        let audit = agent.audit()?;
+        let seen = row(&audit, pid).is_some_and(|r| r["state"] == "unprobed" && r["driver_bytes"].as_u64().is_some_and(|b| b >= 96 * MIB));
+        Ok(seen && e2e::ledgers::used(ledger)? == charged)
+    })
+    .with_context(|| format!("ledger charges {:?}; agent log:\n{}", e2e::ledgers::used(ledger), agent.log()))?;
+    eprintln!("unprobed and charged {took:?} after the allocation");
+    Ok(took)
+}
+
+/// A hooked process of the container refused an allocation that would fit its quota
+/// (1 GiB) without the escaped memory charged (`own` charged before it, 64 MiB of its own
+/// context), and granted one that fits with it.
+fn a_hooked_process_sees_the_charge(node: &FakeNode, ledger: &Path, cgroup: &TestCgroup, own: u64, escaped: u64) -> Result<()> {
+    let context = CONTEXT;
+    let big = GIB - own - context - escaped / 2;
+    let small = GIB - own - context - escaped - 64 * MIB;
+    assert!(own + context + big <= GIB && own + context + escaped + big > GIB, "the sizes test nothing");
+    let (big, small) = (format!("expect-oom alloc big {}m", big / MIB), format!("alloc small {}m", small / MIB));
+    let late = node.hooked(ledger, GIB)?.in_cgroup(cgroup).steps(["ctx 0", big.as_str(), small.as_str()]).run()?.success()?;
+    assert!(late.stdout.iter().any(|l| l.starts_with("ok alloc small")), "{:?}", late.stdout);
+    assert!(late.stdout.iter().any(|l| l.starts_with("oom big")), "{:?}", late.stdout);
+    Ok(())
+}
+
 /// A workload that loads a renamed copy of libcuda and allocates 96 MiB through it at once,
 /// with no pause before the allocation, in a container whose files discovery may not probe
 /// (`--max-probed-per-container 0`: the probes cannot see it, whatever the timing): within
-/// 3 s `vramguard audit` shows it `unprobed` with at least 96 MiB of driver bytes, and so do
-/// the metrics and the log. Negative control in the same agent: a hooked, probed process
-/// holding the same is `ok`, its context not counted twice.
+/// 3 s `vramguard audit` shows it `unprobed` with at least 96 MiB of driver bytes, and its
+/// container's ledger (that of a hooked process in the same cgroup) is charged with what the
+/// driver reports it holding, so a new hooked process of the container is refused what
+/// would fit without it; the metrics and the log say so. Negative control in the same
+/// agent and container: the hooked, probed process holding the same is `ok`, its context not
+/// counted twice.
 #[test]
 fn memory_allocated_through_an_unprobed_copy_is_seen_by_the_driver() -> Result<()> {
     let dir = TempDir::new("drv-ledgers")?;
     let attacker = TempDir::new("drv-attacker")?;
-    let renamed = attacker.path().join("libnotcuda.so");
-    std::fs::copy(e2e::fake_driver_lib()?, &renamed)?;
-    let libs = attacker.path().join("libs");
-    std::fs::create_dir(&libs)?;
-    std::os::unix::fs::symlink(&renamed, libs.join("libcuda.so.1"))?;
-    let renamed_id = {
-        let meta = std::fs::metadata(&renamed)?;
-        (meta.dev(), meta.ino())
-    };
+    let (libs, renamed_id) = renamed_copy(&attacker, "libnotcuda")?;
 
     let node = FakeNode::new("drv-renamed").with_env("FAKECUDA_CONTEXT_BYTES", "64m");
     let libcuda = e2e::fake_driver_dir()?.join("libcuda.so.1");
     let more = [OsStr::new("--rescan-ms"), OsStr::new("100"), OsStr::new("--max-probed-per-container"), OsStr::new("0")];
     let agent = Agent::start_with_env(&args(&libcuda, dir.path(), &more), node.env())?;
 
-    // The negative control: hooked, under the agent's probes (the operator's file).
-    let ledger = dir.ledger("control")?;
-    let control = e2e::holding(node.hooked(&ledger, 1 << 30)?, &["ctx 0", "alloc c 96m"])?;
-
+    // The negative control: hooked, under the agent's probes (the operator's file), in the
+    // escaped process's container: its ledger is the container's.
     let cgroup = TestCgroup::create("drv-renamed")?;
+    let ledger = dir.ledger("control")?;
+    let control = e2e::holding(node.hooked(&ledger, GIB)?.in_cgroup(&cgroup), &["ctx 0", "alloc c 96m"])?;
+    let own = CONTEXT + 96 * MIB;
+    wait_for(Duration::from_secs(5), "the hooked process charged", || Ok(e2e::ledgers::used(&ledger)? == own))?;
+
     let mut escaped = node.workload().lib_dir(&libs).in_cgroup(&cgroup).steps(["ctx 0", "alloc a 96m", "checkpoint held", "hold"]).spawn()?;
     escaped.wait_checkpoint("held")?;
     let pid = escaped.pid();
-    let took = wait_for(Duration::from_secs(3), "the escaped process unprobed in vramguard audit", || {
-        std::thread::sleep(Duration::from_millis(20));
-        let audit = agent.audit()?;
-        Ok(row(&audit, pid).is_some_and(|r| r["state"] == "unprobed" && r["driver_bytes"].as_u64().is_some_and(|b| b >= 96 * MIB)))
-    })
-    .with_context(|| format!("agent log:\n{}", agent.log()))?;
-    eprintln!("unprobed {took:?} after the allocation");
+    // All the driver reports (its context too: no ledger charges it) is charged.
+    let escaped_bytes = 96 * MIB + CONTEXT;
+    escaped_and_charged(&agent, pid, &ledger, own + escaped_bytes)?;
+    a_hooked_process_sees_the_charge(&node, &ledger, &cgroup, own, escaped_bytes)?;
 
     let audit = agent.audit()?;
     assert_eq!(audit["driver"]["state"], "ok", "{}", audit["driver"]);
@@ -94,8 +142,7 @@ fn memory_allocated_through_an_unprobed_copy_is_seen_by_the_driver() -> Result<(
     // What the driver reports: the 96 MiB and the context, through a file no probe is on.
     assert_eq!(seen["driver_bytes"].as_u64(), Some(96 * MIB + CONTEXT), "{seen}");
     assert_eq!(seen["total_bytes"].as_u64().unwrap_or(0), 0, "the probes saw it after all: {seen}");
-    let probed: Vec<(u64, u64)> =
-        audit["libcuda"].as_array().context("no libcuda list")?.iter().filter_map(|f| Some((f["dev"].as_u64()?, f["ino"].as_u64()?))).collect();
+    let probed = probed_files(&audit)?;
     assert!(!probed.contains(&renamed_id), "the renamed copy was probed: {probed:?}");
 
     // The negative control: probed, in its ledger, the same driver figure: ok.
@@ -116,6 +163,11 @@ fn memory_allocated_through_an_unprobed_copy_is_seen_by_the_driver() -> Result<(
     let c = control.pid().to_string();
     assert_eq!(http::metric(&metrics, "vramguard_process_state", &[("pid", &c), ("state", "ok")]), Some(1.0));
     assert_eq!(http::metric(&metrics, "vramguard_driver_up", &[]), Some(1.0));
+    let ledger_label = ledger.to_str().context("ledger path")?;
+    let container = [("ledger", ledger_label)];
+    assert_eq!(http::metric(&metrics, "vramguard_container_unaccounted_bytes", &container), Some(escaped_bytes as f64));
+    // The hooked process (its context and 96 MiB) and the escaped one, per container.
+    assert_eq!(http::metric(&metrics, "vramguard_container_driver_memory_bytes", &container), Some((own + escaped_bytes) as f64));
 
     let log = agent.log();
     let said = log.lines().filter(|l| l.contains("unprobed") && l.contains(&format!("pid={pid}"))).count();
@@ -124,6 +176,120 @@ fn memory_allocated_through_an_unprobed_copy_is_seen_by_the_driver() -> Result<(
     drop(escaped);
     drop(control);
     drop(agent);
+    Ok(())
+}
+
+/// Five copies of libcuda loaded in one container and the allocation made through the fifth:
+/// the first four take the container's probes (`--max-probed-per-container`, 4 by default),
+/// so the fifth is capped and never probed. Within 3 s of its allocation the process is
+/// `unprobed` with at least 96 MiB, and its container's ledger is charged with it, so a
+/// hooked process of the container is refused what would fit without it.
+#[test]
+fn memory_allocated_through_a_fifth_copy_past_the_cap_is_seen_by_the_driver() -> Result<()> {
+    let dir = TempDir::new("drv-fifth")?;
+    let attacker = TempDir::new("drv-fifth-attacker")?;
+    let copies = (1..=5).map(|i| renamed_copy(&attacker, &format!("libcopy{i}"))).collect::<Result<Vec<_>>>()?;
+    let node = FakeNode::new("drv-fifth").with_env("FAKECUDA_CONTEXT_BYTES", "64m");
+    let libcuda = e2e::fake_driver_dir()?.join("libcuda.so.1");
+    let agent = Agent::start_with_env(&args(&libcuda, dir.path(), &[OsStr::new("--rescan-ms"), OsStr::new("100")]), node.env())?;
+    let cgroup = TestCgroup::create("drv-fifth")?;
+    let ledger = dir.ledger("fifth")?;
+    let hooked = e2e::holding(node.hooked(&ledger, GIB)?.in_cgroup(&cgroup), &["ctx 0", "alloc h 96m"])?;
+    let own = CONTEXT + 96 * MIB;
+    wait_for(Duration::from_secs(5), "the hooked process charged", || Ok(e2e::ledgers::used(&ledger)? == own))?;
+
+    // Four copies loaded in the container (mapped as ld.so maps them) take its probes.
+    let mut steps: Vec<String> = copies[..4].iter().map(|(libs, _)| format!("map {}", libs.join("libcuda.so.1").display())).collect();
+    steps.extend(["checkpoint mapped".to_string(), "hold".to_string()]);
+    let mut loader = node.workload().in_cgroup(&cgroup).steps(steps).spawn()?;
+    loader.wait_checkpoint("mapped")?;
+    let four: Vec<(u64, u64)> = copies[..4].iter().map(|(_, id)| *id).collect();
+    wait_for(e2e::timeout(), "the first four copies probed", || {
+        let probed = probed_files(&agent.audit()?)?;
+        Ok(four.iter().all(|id| probed.contains(id)))
+    })
+    .with_context(|| format!("agent log:\n{}", agent.log()))?;
+
+    // The fifth: loaded and allocated through at once.
+    let mut escaped = node.workload().lib_dir(&copies[4].0).in_cgroup(&cgroup).steps(["ctx 0", "alloc a 96m", "checkpoint held", "hold"]).spawn()?;
+    escaped.wait_checkpoint("held")?;
+    let escaped_bytes = 96 * MIB + CONTEXT;
+    escaped_and_charged(&agent, escaped.pid(), &ledger, own + escaped_bytes)?;
+    a_hooked_process_sees_the_charge(&node, &ledger, &cgroup, own, escaped_bytes)?;
+    let audit = agent.audit()?;
+    assert!(!probed_files(&audit)?.contains(&copies[4].1), "the fifth copy was probed: {}", audit["libcuda"]);
+    let seen = row(&audit, escaped.pid()).context("no row")?;
+    assert_eq!(seen["driver_bytes"].as_u64(), Some(escaped_bytes), "{seen}");
+    let control = row(&audit, hooked.pid()).context("the hooked process is not in the audit")?;
+    assert_eq!(control["state"], "ok", "{control}");
+    drop((escaped, loader, hooked, agent));
+    Ok(())
+}
+
+/// With a cgroup limit pushed for the container (a limits file) and `--enforce signal`, an
+/// escaped process (96 MiB through a copy no probe is on, and its 64 MiB context: 160 MiB the
+/// probes never see) in a container limited to 128 MiB is signalled (SIGKILL) by the agent;
+/// the negative control, the same process in a container limited to 1 GiB, is not. The
+/// control's escaped memory counts for its container in the probes too: a probed process of
+/// that container is stopped by the entry probe before an allocation that passes the limit
+/// only with it counted (800 MiB held, 100 MiB more: 900 MiB probed, 1060 MiB in all).
+#[test]
+fn an_escaped_process_over_its_containers_limit_is_signalled() -> Result<()> {
+    let dir = TempDir::new("drv-signal")?;
+    let attacker = TempDir::new("drv-signal-attacker")?;
+    let (libs, _) = renamed_copy(&attacker, "libnotcuda")?;
+    let over = TestCgroup::create("drv-over")?;
+    let under = TestCgroup::create("drv-under")?;
+    let limits = attacker.path().join("limits");
+    std::fs::write(&limits, format!("{} 128m\n{} 1g\n", over.path, under.path))?;
+    let node = FakeNode::new("drv-signal").with_env("FAKECUDA_CONTEXT_BYTES", "64m");
+    let libcuda = e2e::fake_driver_dir()?.join("libcuda.so.1");
+    let more = [
+        OsStr::new("--max-probed-per-container"),
+        OsStr::new("0"),
+        OsStr::new("--limits"),
+        limits.as_os_str(),
+        OsStr::new("--enforce"),
+        OsStr::new("signal"),
+        OsStr::new(SEPARATES_CONTAINERS),
+    ];
+    let agent = Agent::start_with_env(&args(&libcuda, dir.path(), &more), node.env())?;
+    let steps = ["ctx 0", "alloc a 96m", "checkpoint held", "hold"];
+    let mut control = node.workload().lib_dir(&libs).in_cgroup(&under).steps(steps).spawn()?;
+    control.wait_checkpoint("held")?;
+    let mut escaped = node.workload().lib_dir(&libs).in_cgroup(&over).steps(steps).spawn()?;
+    escaped.wait_checkpoint("held")?;
+    let pid = escaped.pid();
+    // It holds until something stops it (or the harness's timeout).
+    let started = Instant::now();
+    let finished = escaped.wait().with_context(|| format!("agent log:\n{}", agent.log()))?;
+    assert_eq!(finished.status.signal(), Some(libc::SIGKILL), "stopped by SIGKILL: {:?}", finished.status);
+    eprintln!("the escaped process over its limit was signalled {:?} after its allocation", started.elapsed());
+    assert!(log_has(&agent, "signalled a process whose GPU memory", pid), "{}", agent.log());
+    assert!(Agent::stat(&agent.audit()?, "signals_sent") >= 1);
+
+    // The control: unprobed, its 160 MiB within its 1 GiB, running two passes later.
+    std::thread::sleep(Duration::from_secs(2));
+    let audit = agent.audit()?;
+    let seen = row(&audit, control.pid()).context("the control is not in the audit")?;
+    assert_eq!((seen["state"].as_str(), seen["driver_bytes"].as_u64()), (Some("unprobed"), Some(96 * MIB + CONTEXT)), "{seen}");
+    let state = std::fs::read_to_string(format!("/proc/{}/stat", control.pid()))?;
+    let state = state.rsplit(')').next().and_then(|rest| rest.split_whitespace().next()).unwrap_or("?").to_string();
+    assert!(state != "Z" && state != "X", "the control was stopped (state {state}): {}", agent.log());
+    let signalled = |pid: u32| log_has(&agent, "signalled a process whose GPU memory", pid);
+    assert!(!signalled(control.pid()), "{}", agent.log());
+
+    // A probed process of the control's container: its first 800 MiB fit beside the escaped
+    // 160 MiB, the next 100 MiB would pass the limit counting them.
+    let mut neighbour = node.workload().in_cgroup(&under).steps(["ctx 0", "alloc a 800m", "checkpoint one", "alloc b 100m", "checkpoint two", "hold"]).spawn()?;
+    neighbour.wait_checkpoint("one")?;
+    neighbour.resume()?;
+    let finished = neighbour.wait()?;
+    assert_eq!(finished.status.signal(), Some(libc::SIGKILL), "stopped by SIGKILL: {:?} {:?}", finished.status, finished.stdout);
+    assert!(!finished.stdout.iter().any(|l| l.starts_with("ok alloc b")), "the driver allocated b: {:?}", finished.stdout);
+    assert!(!signalled(control.pid()), "{}", agent.log());
+    drop(control);
+    agent.stop()?;
     Ok(())
 }
 
