@@ -289,13 +289,24 @@ impl Pools {
     }
 
     /// Calls a synchronize (`call`) and, if it succeeded in a process that has charged a
-    /// pool, settles every pool charge ([`Pools::settle_all`]): the synchronize may have given
+    /// pool, settles every pool charge ([`settle_every`]): the synchronize may have given
     /// pool memory back, and the container's other processes are refused against this
-    /// ledger. A process without pool charges pays one atomic load.
+    /// ledger. A process without pool charges pays one atomic load. The settle is skipped
+    /// when another thread holds the pools' lock (it may hold it across a driver call that
+    /// blocks, e.g. a `cuMemFree` that synchronizes, or one waiting on work that waits for
+    /// this thread): a synchronize never waits for the hook, and the refusal path settles
+    /// anyway before any refusal is final.
     pub fn synchronize(&self, session: &Session, driver: &Driver, call: impl FnOnce() -> CUresult) -> CUresult {
         let result = call();
         if result == CUDA_SUCCESS && self.used.load(Ordering::Relaxed) {
-            self.settle_all(session, driver);
+            let state = match self.state.try_lock() {
+                Ok(state) => Some(state),
+                Err(std::sync::TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
+                Err(std::sync::TryLockError::WouldBlock) => None,
+            };
+            if let Some(mut state) = state {
+                settle_every(session, driver, &mut state);
+            }
         }
         result
     }
