@@ -25,6 +25,7 @@ pub fn setup() -> Result<()> {
     crate::manifests::setup()?;
     crate::clients::setup()?;
     crate::containerd::setup()?;
+    crate::image::setup()?;
     let sysroot = nightly_sysroot()?;
     if sysroot.join("lib/rustlib/src/rust/library/core").is_dir() {
         println!("setup: rust-src for {NIGHTLY}: present");
