@@ -32,6 +32,9 @@ use serde_json::Value;
 /// The quota the test's quota file gives namespace `team-a` (what `--kube` would read from
 /// the pod's `vramguard.io/gpu-memory`).
 const QUOTA: u64 = 1 << 30;
+/// A second process's context in the workload container, past its quota beside the first
+/// process's context and 128 MiB.
+const PAST_QUOTA: [&str; 1] = ["expect-oom ctx 0"];
 /// The node name the downward API would give (`NODE_NAME`).
 const NODE_NAME: &str = "e2e-node";
 
@@ -234,9 +237,17 @@ impl Node {
         let name = volume["name"].as_str().context("a volume without a name")?;
         if let Some(path) = volume["hostPath"]["path"].as_str() {
             return Ok(match name {
-                // The host's NVIDIA driver directory: here the fake driver's (its libcuda.so.1
-                // and, beside it, its libnvidia-ml.so.1), so `--libcuda` stays as written.
-                "driver" => e2e::fake_driver_dir()?,
+                // The host's NVIDIA driver directory: here a directory of the test holding the
+                // fake driver as libcuda.so.1 and, beside it, libnvidia-ml.so.1 (copies: the
+                // build's are links out of their directory), so `--libcuda` stays as written.
+                "driver" => {
+                    let dir = self.dir.path().join("driver");
+                    std::fs::create_dir_all(&dir)?;
+                    for file in ["libcuda.so.1", "libnvidia-ml.so.1"] {
+                        std::fs::copy(e2e::fake_driver_dir()?.join(file), dir.join(file))?;
+                    }
+                    dir
+                }
                 // Everything else is the host path itself: `state` and `nri` are the test's
                 // directories there in containerd's namespace; tracefs and BTF the machine's.
                 _ => PathBuf::from(path),
@@ -509,8 +520,10 @@ fn the_daemonset_pod_runs_the_agent_with_the_manifest_privileges() -> Result<()>
     let (_pod, main) = node.workload("uid-trainer")?;
     let env = node.containerd.container_env(&main)?;
     ensure!(env.contains(&format!("CUDA_DEVICE_MEMORY_LIMIT={QUOTA}")), "no quota in the workload's env: {env:?}");
-    let lines = node.allocate(&main, &["ctx 0", "alloc a 256m", "expect-oom alloc b 512m", "meminfo"])?;
-    ensure!(lines.iter().any(|l| l == "oom b"), "the allocation past the quota was granted: {lines:?}");
+    // Its first process holds a context (518 MiB here) and 128 MiB; a second one's context
+    // would take the container past its 1 GiB: refused, by the ledger the agent made.
+    let lines = node.allocate(&main, &PAST_QUOTA)?;
+    ensure!(lines.iter().any(|l| l.starts_with("oom ")), "the context past the quota was granted: {lines:?}");
     let audit = node.audit()?;
     let record = audit["provisioned"].as_array().into_iter().flatten().find(|r| r["container_id"] == main.0.as_str()).cloned();
     let record = record.with_context(|| format!("the agent has no record of the workload: {audit}"))?;
@@ -552,12 +565,11 @@ fn exercise(tag: &str, without: Option<&str>) -> Result<Outcome> {
         Ok(made) => made,
         Err(error) => return Ok(Outcome::WorkloadRefused(format!("{error:#}"))),
     };
-    let lines = node.allocate(&main, &["ctx 0", "alloc a 256m", "expect-oom alloc b 512m"]);
-    let lines = match lines {
+    let lines = match node.allocate(&main, &PAST_QUOTA) {
         Ok(lines) => lines,
         Err(error) => return Ok(Outcome::QuotaNotHeld(format!("{error:#}"))),
     };
-    if !lines.iter().any(|l| l == "oom b") {
+    if !lines.iter().any(|l| l.starts_with("oom ")) {
         return Ok(Outcome::QuotaNotHeld(lines.join("\n")));
     }
     let pid = node.containerd.container_pid(&main)?;
