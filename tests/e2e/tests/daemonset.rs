@@ -596,3 +596,43 @@ fn explore_capabilities() -> Result<()> {
     }
     Ok(())
 }
+
+/// What fails without each capability the manifest adds (measured by
+/// [`explore_capabilities`]; deploy/README.md's table). A capability of the manifest missing
+/// here fails the test: one that nothing needs is removed from the manifest.
+const NEEDED: [(&str, &str, &str); 5] = [
+    // No eBPF map can be created: the agent stops before it loads anything. (With it,
+    // bpf(2) and perf_event_open(2) need neither BPF nor PERFMON, measured: both were removed;
+    // with BPF and PERFMON but not SYS_ADMIN, the uprobes' perf_event_open fails: EACCES.)
+    ("SYS_ADMIN", "not started", "the kernel refused the eBPF object"),
+    // The host's mount namespace cannot be opened (/proc/<pid>/ns/mnt of another process's
+    // credentials): no provisioned ledger can be mounted, the container is refused.
+    ("SYS_PTRACE", "workload refused", "Permission denied"),
+    // The ledger workers cannot switch to uid/gid 65534: the agent refuses to start.
+    ("SETUID", "not started", "ledger workers, which switch to uid 65534"),
+    ("SETGID", "not started", "ledger workers, which switch to uid 65534"),
+    // setns(2) into the host's mount namespace also needs CAP_SYS_CHROOT: refused containers.
+    ("SYS_CHROOT", "workload refused", "Operation not permitted"),
+];
+
+/// Each capability the manifest gives the agent is needed: without it (the others kept),
+/// the pod fails exactly as deploy/README.md says.
+#[test]
+fn without_each_capability_of_the_manifest_the_agent_fails() -> Result<()> {
+    let manifest: BTreeSet<String> = manifest_capabilities()?.into_iter().collect();
+    let table: BTreeSet<String> = NEEDED.iter().map(|(cap, _, _)| cap.to_string()).collect();
+    ensure!(manifest == table, "the manifest adds {manifest:?}, the measured table needs {table:?}");
+    for (cap, step, says) in NEEDED {
+        let outcome = exercise(&format!("ds-no-{}", cap.to_lowercase().replace('_', "-")), Some(cap))?;
+        let (failed, message) = match &outcome {
+            Outcome::NotStarted(m) => ("not started", m),
+            Outcome::WorkloadRefused(m) => ("workload refused", m),
+            Outcome::QuotaNotHeld(m) => ("quota not held", m),
+            Outcome::NotAccounted(m) => ("not accounted", m),
+            Outcome::Works => bail!("without {cap} the agent still works: the manifest need not give it"),
+        };
+        ensure!(failed == step && message.contains(says), "without {cap}: expected {step} saying {says:?}, got {failed}: {message}");
+        eprintln!("without {cap}: {failed} ({says})");
+    }
+    Ok(())
+}
