@@ -209,6 +209,8 @@ struct Node {
     pod: PodId,
     /// The agent's container, once started.
     agent: Option<ContainerId>,
+    /// The initContainers run so far.
+    inits: Vec<ContainerId>,
     metrics_port: u16,
 }
 
@@ -229,7 +231,7 @@ impl Node {
         let fake = FakeNode::new(tag).with_env("FAKECUDA_DEVICE_BYTES", "8g").with_env("FAKECUDA_CONTEXT_BYTES", "518m");
         let pod = containerd.host_pid_pod("vramguard-agent-e2e", "vramguard-system", &format!("uid-{tag}"))?;
         let metrics_port = free_port()?;
-        Ok(Node { dir, fake, containerd, pod, agent: None, metrics_port })
+        Ok(Node { dir, fake, containerd, pod, agent: None, inits: Vec::new(), metrics_port })
     }
 
     /// The manifest's volumes as host paths of this node, keyed by volume name.
@@ -338,6 +340,7 @@ impl Node {
         for init in spec["initContainers"].as_array().into_iter().flatten() {
             let container = self.container(init, &volumes, None)?;
             let id = self.containerd.run_container(&self.pod, &container)?;
+            self.inits.push(id.clone());
             wait_for(timeout(), "the initContainer to finish", || Ok(state(&self.containerd, &id)? == cri::CONTAINER_EXITED))?;
             let log = self.containerd.container_log(&self.pod, &id)?;
             ensure!(exit_code(&self.containerd, &id)? == 0, "initContainer {} failed: {log}", container.name);
@@ -354,6 +357,23 @@ impl Node {
         let id = self.containerd.run_container(&self.pod, &agent)?;
         self.agent = Some(id.clone());
         Ok(id)
+    }
+
+    /// The pod replaced, as a DaemonSet's rolling update does: the agent stopped (SIGTERM,
+    /// the manifest's grace) and its containers removed, then the initContainer and the agent
+    /// run again. Returns the old agent's exit code and log.
+    fn replace(&mut self) -> Result<(i32, String)> {
+        let old = self.agent.take().context("no agent to replace")?;
+        let grace = pod_spec()?["terminationGracePeriodSeconds"].as_u64().unwrap_or(30);
+        self.containerd.stop_container(&old, Duration::from_secs(grace))?;
+        let code = exit_code(&self.containerd, &old)?;
+        let log = self.containerd.container_log(&self.pod, &old)?;
+        for id in std::mem::take(&mut self.inits).iter().chain([&old]) {
+            self.containerd.remove_container(id)?;
+        }
+        self.start(None)?;
+        self.wait_ready()?;
+        Ok((code, log))
     }
 
     fn agent(&self) -> Result<&ContainerId> {
@@ -529,7 +549,32 @@ fn the_daemonset_pod_runs_the_agent_with_the_manifest_privileges() -> Result<()>
     let record = record.with_context(|| format!("the agent has no record of the workload: {audit}"))?;
     ensure!(record["quota"] == QUOTA && record["namespace"] == "team-a", "{record}");
 
+    // An upgrade: the pod replaced while the workload runs. The old agent stops cleanly; the
+    // initContainer puts the hook in place again (copy, then rename: the workload keeps the
+    // file it mapped); the new agent takes the provisioned container over (its ledger is the
+    // same file, its record is on the host) and the quota still holds.
+    let holder = node.containerd.container_pid(&main)?;
+    let ledger_host = format!("/proc/{}/root/var/lib/vramguard/ledgers/{}/ledger", node.containerd.pid().context("no containerd")?, main.0);
+    let before = std::fs::metadata(&ledger_host).with_context(|| format!("no ledger at {ledger_host}"))?;
+    let (code, log) = node.replace()?;
+    ensure!(code == 0 && log.contains("vramguard agent stopped"), "the old agent's stop: exit {code}, log {log}");
+    let after = std::fs::metadata(&ledger_host)?;
+    use std::os::unix::fs::MetadataExt as _;
+    ensure!((before.dev(), before.ino()) == (after.dev(), after.ino()), "the workload's ledger was replaced");
+    ensure!(Path::new(&format!("/proc/{holder}")).exists(), "the workload's process did not survive the upgrade");
+    let audit = node.audit()?;
+    let record = audit["provisioned"].as_array().into_iter().flatten().find(|r| r["container_id"] == main.0.as_str()).cloned();
+    ensure!(record.is_some_and(|r| r["quota"] == QUOTA), "the new agent has no record of the workload: {audit}");
+    wait_for(timeout(), "the new agent accounts the workload's process", || {
+        let audit = node.audit()?;
+        Ok(audit["processes"].as_array().into_iter().flatten().any(|p| p["pid"] == holder && p["state"] == "ok"))
+    })
+    .with_context(|| node.agent_log())?;
+    let lines = node.allocate(&main, &PAST_QUOTA)?;
+    ensure!(lines.iter().any(|l| l.starts_with("oom ")), "after the upgrade, the context past the quota was granted: {lines:?}");
+
     // A clean stop: SIGTERM (the manifest's grace period), exit 0, probes detached.
+    let agent = node.agent()?.clone();
     let grace = pod_spec()?["terminationGracePeriodSeconds"].as_u64().unwrap_or(30);
     node.containerd.stop_container(&agent, Duration::from_secs(grace))?;
     ensure!(exit_code(&node.containerd, &agent)? == 0, "the agent's exit code: {}; log: {}", exit_code(&node.containerd, &agent)?, node.agent_log());
