@@ -719,7 +719,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
             .arg("--address")
             .arg(self.socket())
             .args(["--namespace", NAMESPACE, "images", "import", "--snapshotter", "native"])
-            .arg(&archive)
+            .arg(archive)
             .stdin(Stdio::null())
             .output()
             .context("cannot run ctr")?;
