@@ -274,6 +274,8 @@ pub struct Containerd {
     /// Host paths seen elsewhere by this containerd (and its shims and containers):
     /// `(directory of the test, path)` ([`Containerd::start_seeing`]).
     binds: Vec<(PathBuf, PathBuf)>,
+    /// Host paths of `binds` this harness created (removed, if still empty, when dropped).
+    created: Vec<PathBuf>,
 }
 
 impl Containerd {
@@ -307,6 +309,7 @@ impl Containerd {
             pods: Mutex::new(HashMap::new()),
             started: Duration::ZERO,
             binds: binds.to_vec(),
+            created: Vec::new(),
         };
         containerd.write_config()?;
         containerd.launch()?;
@@ -685,7 +688,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
             .stdout(log.try_clone()?)
             .stderr(log);
         if !self.binds.is_empty() {
-            private_mounts(&mut command, &self.binds)?;
+            private_mounts(&mut command, &self.binds, &mut self.created)?;
         }
         let child = command.spawn().with_context(|| format!("cannot start {}", self.cache.bin("containerd").display()))?;
         self.process = Some(child);
@@ -844,6 +847,9 @@ impl Drop for Containerd {
         }
         self.kill_leftovers();
         self.unmount_leftovers();
+        for path in self.created.iter().rev() {
+            let _ = std::fs::remove_dir(path);
+        }
         for dir in self.cgroup_dirs() {
             let tree = cgroup_tree(&dir);
             for cgroup in tree.iter().rev() {
@@ -858,12 +864,17 @@ impl Drop for Containerd {
 
 /// Makes `command` start in a mount namespace of its own, a slave of the caller's, with each
 /// `(dir, path)` of `binds` bind-mounted at `path` and made shared ([`Containerd::start_seeing`]).
-fn private_mounts(command: &mut Command, binds: &[(PathBuf, PathBuf)]) -> Result<()> {
+/// Records in `created` the host paths it had to create (empty directories, removed when the
+/// harness is dropped).
+fn private_mounts(command: &mut Command, binds: &[(PathBuf, PathBuf)], created: &mut Vec<PathBuf>) -> Result<()> {
     use std::ffi::CString;
     use std::os::unix::process::CommandExt as _;
     let mut pairs = Vec::new();
     for (dir, path) in binds {
-        std::fs::create_dir_all(path).with_context(|| format!("cannot create {}", path.display()))?;
+        if !path.exists() {
+            std::fs::create_dir_all(path).with_context(|| format!("cannot create {}", path.display()))?;
+            created.push(path.clone());
+        }
         let c = |p: &Path| CString::new(p.as_os_str().as_bytes()).map_err(|_| anyhow!("{} has a NUL byte", p.display()));
         pairs.push((c(dir)?, c(path)?));
     }

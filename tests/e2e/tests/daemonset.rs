@@ -548,6 +548,10 @@ fn the_daemonset_pod_runs_the_agent_with_the_manifest_privileges() -> Result<()>
     let record = audit["provisioned"].as_array().into_iter().flatten().find(|r| r["container_id"] == main.0.as_str()).cloned();
     let record = record.with_context(|| format!("the agent has no record of the workload: {audit}"))?;
     ensure!(record["quota"] == QUOTA && record["namespace"] == "team-a", "{record}");
+    // The driver's view: NVML found beside --libcuda in the driver volume, and reading.
+    wait_for(timeout(), "the driver view (NVML) ok", || Ok(node.audit()?["driver"]["state"] == "ok")).with_context(|| format!("{}", node.audit().map(|a| a["driver"].clone()).unwrap_or_default()))?;
+    let driver = node.audit()?["driver"].clone();
+    ensure!(driver["library"] == "/host/driver/libnvidia-ml.so.1", "NVML was not loaded beside --libcuda: {driver}");
 
     // An upgrade: the pod replaced while the workload runs. The old agent stops cleanly; the
     // initContainer puts the hook in place again (copy, then rename: the workload keeps the
