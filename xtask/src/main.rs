@@ -12,8 +12,9 @@
 //!   offline from the release binaries and Debian's glibc (`--rootfs DIR`: the same root file
 //!   system as a directory, which `deploy/Dockerfile` copies onto `scratch`); see [`image`].
 //! - `validate-manifests`: check deploy/'s manifests against the Kubernetes schemas, offline.
-//! - `test`: everything above, then every test of the workspace, then the demo with its
-//!   output and clean-up checked (`demo::check`).
+//! - `test`: everything above, the image (`image`, which the DaemonSet's end-to-end test
+//!   runs), then every test of the workspace, then the demo with its output and clean-up
+//!   checked (`demo::check`).
 //! - `demo`: the agent, the fake driver and sample workloads, end to end (needs root).
 //! - `bench`: what the eBPF probes, the hook and the node agent cost; writes docs/BENCHMARKS.md
 //!   (`--probes-only`: the probes' rows, printed; `--agent-only`: the node agent's section alone).
