@@ -19,8 +19,9 @@
 //!   images with glibc 2.31 or later, whatever glibc the build machine has. It is built in a
 //!   target directory of its own (`target/image-hook`) with `--sysroot` and the sysroot's
 //!   library directories (`-L`, ahead of gcc's own, which hold the build machine's glibc)
-//!   given to the linker for the hook's own link only (`cargo rustc`), and checked: no symbol version above
-//!   `GLIBC_2.31` ([`MAX_GLIBC`]) may be in its dynamic symbol table;
+//!   given to the linker for the hook's own link only (`cargo rustc`), and checked: no
+//!   symbol version above `GLIBC_2.31` ([`MAX_GLIBC`]) may be in its dynamic symbol table,
+//!   and bullseye's loader (`ld.so --list` on bullseye's libraries) must resolve it;
 //! - busybox: the static `busybox-static` of bookworm the e2e tests' image is made of (the
 //!   containerd cache).
 //!
@@ -219,6 +220,18 @@ fn build_hook(sysroot: &Path) -> Result<PathBuf> {
     let hook = target.join("release/libvramguard.so");
     let newest = newest_glibc(&hook)?;
     ensure!(newest <= MAX_GLIBC, "{} needs GLIBC_{}.{}, newer than {}.{}", hook.display(), newest.0, newest.1, MAX_GLIBC.0, MAX_GLIBC.1);
+    // And bullseye's own loader resolves it against bullseye's libraries (it names every
+    // version it cannot find: `version 'GLIBC_2.34' not found`).
+    let libs = sysroot.join("lib/x86_64-linux-gnu");
+    let out = Command::new(libs.join("ld-linux-x86-64.so.2"))
+        .arg("--library-path")
+        .arg(&libs)
+        .arg("--list")
+        .arg(&hook)
+        .output()
+        .context("cannot run bullseye's loader")?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(out.status.success() && !stderr.contains("not found"), "glibc 2.31's loader cannot load {}: {stderr}", hook.display());
     Ok(hook)
 }
 
