@@ -25,7 +25,7 @@ const ARCHIVE: &str = "http://deb.debian.org/debian";
 /// bookworm's holds trixie's keys too).
 const KEYRING: &str = "/usr/share/keyrings/debian-archive-keyring.gpg";
 
-pub fn target() -> PathBuf {
+pub(crate) fn target() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| crate::root().join("target"))
 }
 
@@ -52,7 +52,7 @@ pub fn setup_set(what: &str, packages: &'static [Package], dir: &Path, check: &[
     Ok(())
 }
 
-fn one_line(versions: &str) -> String {
+pub(crate) fn one_line(versions: &str) -> String {
     versions.lines().collect::<Vec<_>>().join(", ")
 }
 
@@ -68,7 +68,10 @@ fn fetch(work: &Path, dir: &Path, packages: &'static [Package], check: &[&str]) 
     if !Path::new(KEYRING).is_file() {
         bail!("{KEYRING} is missing: install the package debian-archive-keyring (apt checks the suites' signatures with it)");
     }
-    let apt = Apt::new(work, packages)?;
+    let mut suites: Vec<&str> = packages.iter().map(|p| p.suite).collect();
+    suites.sort_unstable();
+    suites.dedup();
+    let apt = Apt::new(work, &suites)?;
     println!("setup: fetching {names} from Debian's archive (private apt state in {})", work.display());
     apt.run("update", &[], work).context("cannot read the package lists of Debian's archive (is the network down?)")?;
     let downloads = work.join("downloads");
@@ -107,7 +110,7 @@ fn fetch(work: &Path, dir: &Path, packages: &'static [Package], check: &[&str]) 
 }
 
 /// The `.deb` of `package` that `apt-get download` left in `dir` (`<name>_<version>_<arch>.deb`).
-fn find_deb(dir: &Path, package: &str) -> Result<PathBuf> {
+pub(crate) fn find_deb(dir: &Path, package: &str) -> Result<PathBuf> {
     let prefix = format!("{package}_");
     for entry in fs::read_dir(dir)?.flatten() {
         let name = entry.file_name();
@@ -119,13 +122,14 @@ fn find_deb(dir: &Path, package: &str) -> Result<PathBuf> {
     bail!("apt-get download left no {package}_*.deb in {}", dir.display())
 }
 
-/// `apt-get` on a private state directory whose sources are the suites of the packages fetched.
-struct Apt {
+/// `apt-get` on a private state directory whose sources are the given suites of Debian's
+/// archive (also used by [`crate::image`]).
+pub(crate) struct Apt {
     options: Vec<String>,
 }
 
 impl Apt {
-    fn new(work: &Path, packages: &[Package]) -> Result<Apt> {
+    pub(crate) fn new(work: &Path, suites: &[&str]) -> Result<Apt> {
         let state = work.join("state");
         let cache = work.join("cache");
         let etc = work.join("etc");
@@ -133,9 +137,6 @@ impl Apt {
             fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
         }
         fs::write(state.join("status"), "")?;
-        let mut suites: Vec<&str> = packages.iter().map(|p| p.suite).collect();
-        suites.sort_unstable();
-        suites.dedup();
         let sources: String = suites.iter().map(|suite| format!("deb [signed-by={KEYRING}] {ARCHIVE} {suite} main\n")).collect();
         fs::write(etc.join("sources.list"), sources)?;
         let path = |p: PathBuf| p.to_string_lossy().into_owned();
@@ -161,7 +162,7 @@ impl Apt {
     }
 
     /// `apt-get -q <options> <verb> <args>` in `cwd`; fails with apt's own error lines.
-    fn run(&self, verb: &str, args: &[&str], cwd: &Path) -> Result<()> {
+    pub(crate) fn run(&self, verb: &str, args: &[&str], cwd: &Path) -> Result<()> {
         let mut command = Command::new("apt-get");
         command.arg("-q").args(&self.options).arg(verb);
         if verb == "update" {
@@ -196,7 +197,7 @@ impl Apt {
 }
 
 /// A command's stdout; fails with its stderr.
-fn output(command: &mut Command) -> Result<String> {
+pub(crate) fn output(command: &mut Command) -> Result<String> {
     let out: Output = command.stdin(Stdio::null()).output().with_context(|| format!("cannot start {command:?}"))?;
     if !out.status.success() {
         bail!("{command:?} failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr).trim_end());

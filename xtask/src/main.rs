@@ -8,9 +8,13 @@
 //! - `build-ebpf`: compile `ebpf/` for `bpfel-unknown-none` (the agent embeds the object).
 //! - `fake-driver`: build the fake CUDA driver; print the directory holding `libcuda.so.1` (and
 //!   `libnvidia-ml.so.1`: the fake is a fake NVML too).
+//! - `image`: the agent's OCI image as an OCI archive, `target/vramguard-image.tar`, built
+//!   offline from the release binaries and Debian's glibc (`--rootfs DIR`: the same root file
+//!   system as a directory, which `deploy/Dockerfile` copies onto `scratch`); see [`image`].
 //! - `validate-manifests`: check deploy/'s manifests against the Kubernetes schemas, offline.
-//! - `test`: everything above, then every test of the workspace, then the demo with its
-//!   output and clean-up checked (`demo::check`).
+//! - `test`: everything above, the image (`image`, which the DaemonSet's end-to-end test
+//!   runs), then every test of the workspace, then the demo with its output and clean-up
+//!   checked (`demo::check`).
 //! - `demo`: the agent, the fake driver and sample workloads, end to end (needs root).
 //! - `bench`: what the eBPF probes, the hook and the node agent cost; writes docs/BENCHMARKS.md
 //!   (`--probes-only`: the probes' rows, printed; `--agent-only`: the node agent's section alone).
@@ -18,6 +22,7 @@ mod bench;
 mod clients;
 mod containerd;
 mod demo;
+mod image;
 mod manifests;
 mod prometheus;
 mod setup;
@@ -46,6 +51,13 @@ enum Task {
     BuildEbpf,
     /// Build the fake CUDA driver and print the directory that holds its libcuda.so.1 and libnvidia-ml.so.1.
     FakeDriver,
+    /// Build the agent's OCI image (release agent, hook for glibc 2.31+, busybox, glibc) as an
+    /// OCI archive, target/vramguard-image.tar.
+    Image {
+        /// Write the image's root file system to this directory instead (deploy/Dockerfile does).
+        #[arg(long, value_name = "DIR")]
+        rootfs: Option<PathBuf>,
+    },
     /// Validate the Kubernetes manifests under deploy/ against the bundled schemas (offline).
     ValidateManifests,
     /// Set up, build, and run every test (the end-to-end ones need root), then the demo, checked.
@@ -78,6 +90,7 @@ fn main() -> Result<()> {
         Task::Setup => setup::setup(),
         Task::BuildEbpf => build_ebpf().map(|object| println!("{}", object.display())),
         Task::FakeDriver => fake_driver().map(|dir| println!("{}", dir.display())),
+        Task::Image { rootfs } => image::image(rootfs),
         Task::ValidateManifests => manifests::validate(),
         Task::Test => test(),
         Task::Demo { check, libcuda } => demo::demo(check, libcuda.map_or(demo::Driver::Fake, demo::Driver::Real)),
@@ -147,6 +160,10 @@ fn test() -> Result<()> {
     // Builds every binary the end-to-end tests run (agent, fake driver, workload).
     run(cargo().args(["build", "--workspace"]))?;
     fake_driver()?;
+    // The agent's image, which tests/e2e/tests/daemonset.rs runs as the DaemonSet's pod.
+    let start = std::time::Instant::now();
+    image::image(None)?;
+    println!("image: built in {:.1?}", start.elapsed());
     let mut totals = run_tests(cargo().args(["test", "--workspace", "--exclude", "e2e"]))?;
     // One at a time: uprobes are global, so two tests' agents would see each other's work.
     let e2e = run_tests(cargo().args(["test", "-p", "e2e", "--", "--test-threads=1"]))?;

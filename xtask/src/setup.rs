@@ -27,6 +27,7 @@ pub fn setup() -> Result<()> {
     crate::clients::setup()?;
     crate::containerd::setup()?;
     crate::prometheus::setup()?;
+    crate::image::setup()?;
     let sysroot = nightly_sysroot()?;
     if sysroot.join("lib/rustlib/src/rust/library/core").is_dir() {
         println!("setup: rust-src for {NIGHTLY}: present");

@@ -18,7 +18,7 @@
 //! [`ContainerSpec::fake_driver`] (the fake libcuda and a test's [`FakeNode`]). Without the
 //! cache every entry point fails with "run `cargo xtask setup`".
 pub mod cri;
-mod image;
+pub mod image;
 
 use std::collections::HashMap;
 use std::io::{Read, Seek, SeekFrom};
@@ -157,6 +157,8 @@ pub struct Mount {
     pub host: PathBuf,
     pub container: PathBuf,
     pub readonly: bool,
+    /// [`cri::PROPAGATION_PRIVATE`] unless given ([`ContainerSpec::mount_propagated`]).
+    pub propagation: i32,
 }
 
 /// What a container runs and gets.
@@ -170,6 +172,12 @@ pub struct ContainerSpec {
     pub annotations: Vec<(String, String)>,
     /// Host device nodes and their paths in the container (the runtime's `linux.devices`).
     pub devices: Vec<(PathBuf, String)>,
+    /// The image; `None`: [`IMAGE`].
+    pub image: Option<String>,
+    /// The arguments after the image's entrypoint (with an empty `command`).
+    pub args: Vec<String>,
+    /// The security context; `None`: the runtime's defaults in the pod's namespaces.
+    pub security: Option<cri::LinuxContainerSecurityContext>,
 }
 
 impl ContainerSpec {
@@ -192,8 +200,14 @@ impl ContainerSpec {
     }
 
     /// A bind mount.
-    pub fn mount(mut self, host: impl Into<PathBuf>, container: impl Into<PathBuf>, readonly: bool) -> ContainerSpec {
-        self.mounts.push(Mount { host: host.into(), container: container.into(), readonly });
+    pub fn mount(self, host: impl Into<PathBuf>, container: impl Into<PathBuf>, readonly: bool) -> ContainerSpec {
+        self.mount_propagated(host, container, readonly, cri::PROPAGATION_PRIVATE)
+    }
+
+    /// A bind mount with a propagation mode ([`cri::PROPAGATION_HOST_TO_CONTAINER`]: mounts
+    /// made under the host path later reach the container).
+    pub fn mount_propagated(mut self, host: impl Into<PathBuf>, container: impl Into<PathBuf>, readonly: bool, propagation: i32) -> ContainerSpec {
+        self.mounts.push(Mount { host: host.into(), container: container.into(), readonly, propagation });
         self
     }
 
@@ -271,12 +285,29 @@ pub struct Containerd {
     cgroup_parent: String,
     pods: Mutex<HashMap<PodId, Pod>>,
     started: Duration,
+    /// Host paths seen elsewhere by this containerd (and its shims and containers):
+    /// `(directory of the test, path)` ([`Containerd::start_seeing`]).
+    binds: Vec<(PathBuf, PathBuf)>,
+    /// Host paths of `binds` this harness created (removed, if still empty, when dropped).
+    created: Vec<PathBuf>,
 }
 
 impl Containerd {
     /// Starts a containerd whose NRI socket is `nri_socket` (its directory must exist) and
     /// imports the test image; returns once it answers CRI and the NRI socket is there.
     pub fn start(nri_socket: &Path) -> Result<Containerd> {
+        Containerd::start_seeing(nri_socket, &[])
+    }
+
+    /// [`Containerd::start`], with containerd in a mount namespace of its own (a slave of the
+    /// host's, so the host's mounts still reach it and its own reach nobody) where each
+    /// `(dir, path)` of `binds` has the test's directory `dir` bind-mounted at `path`, as a
+    /// shared mount: containers see `dir` wherever a pod names the host path `path`, and a
+    /// mount made under `path` in containerd's namespace reaches containers that mount it
+    /// with `HostToContainer` propagation. Each `path` is created on the host if missing
+    /// (empty; nothing is mounted there in the host's namespace). Its namespace is
+    /// `/proc/<pid()>/ns/mnt`.
+    pub fn start_seeing(nri_socket: &Path, binds: &[(PathBuf, PathBuf)]) -> Result<Containerd> {
         let cache = Cache::locate()?;
         let dir = TempDir::new("containerd")?;
         static NEXT: AtomicU32 = AtomicU32::new(0);
@@ -291,6 +322,8 @@ impl Containerd {
             cgroup_parent,
             pods: Mutex::new(HashMap::new()),
             started: Duration::ZERO,
+            binds: binds.to_vec(),
+            created: Vec::new(),
         };
         containerd.write_config()?;
         containerd.launch()?;
@@ -349,6 +382,16 @@ impl Containerd {
     /// Runs a pod sandbox sharing the host's network, with cgroup parent
     /// `<cgroup_parent()>/pod<uid>` (`uid`: letters, digits and `-`).
     pub fn pod(&self, name: &str, namespace: &str, uid: &str, annotations: &[(&str, &str)]) -> Result<PodId> {
+        self.pod_in(name, namespace, uid, annotations, namespaces())
+    }
+
+    /// [`Containerd::pod`] in the host's pid namespace (`hostPID: true`); its containers get
+    /// [`host_pid_namespaces`].
+    pub fn host_pid_pod(&self, name: &str, namespace: &str, uid: &str) -> Result<PodId> {
+        self.pod_in(name, namespace, uid, &[], host_pid_namespaces())
+    }
+
+    fn pod_in(&self, name: &str, namespace: &str, uid: &str, annotations: &[(&str, &str)], options: cri::NamespaceOption) -> Result<PodId> {
         if uid.is_empty() || !uid.chars().all(|c| c.is_ascii_alphanumeric() || c == '-') {
             bail!("pod uid {uid:?}: letters, digits and '-' only (it names a cgroup)");
         }
@@ -363,7 +406,7 @@ impl Containerd {
             annotations: annotations.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
             linux: Some(cri::LinuxPodSandboxConfig {
                 cgroup_parent: format!("{}/pod{uid}", self.cgroup_parent),
-                security_context: Some(cri::LinuxSandboxSecurityContext { namespace_options: Some(namespaces()) }),
+                security_context: Some(cri::LinuxSandboxSecurityContext { namespace_options: Some(options) }),
             }),
         };
         let response: cri::RunPodSandboxResponse = self
@@ -384,13 +427,19 @@ impl Containerd {
         let path = |p: &Path| p.to_string_lossy().into_owned();
         let config = cri::ContainerConfig {
             metadata: Some(cri::ContainerMetadata { name: spec.name.clone(), attempt: 0 }),
-            image: Some(cri::ImageSpec { image: IMAGE.into() }),
+            image: Some(cri::ImageSpec { image: spec.image.clone().unwrap_or_else(|| IMAGE.into()) }),
             command: spec.command.clone(),
+            args: spec.args.clone(),
             envs: spec.env.iter().map(|(k, v)| cri::KeyValue { key: k.clone(), value: v.clone() }).collect(),
             mounts: spec
                 .mounts
                 .iter()
-                .map(|m| cri::Mount { container_path: path(&m.container), host_path: path(&m.host), readonly: m.readonly })
+                .map(|m| cri::Mount {
+                    container_path: path(&m.container),
+                    host_path: path(&m.host),
+                    readonly: m.readonly,
+                    propagation: m.propagation,
+                })
                 .collect(),
             annotations: spec.annotations.iter().cloned().collect(),
             devices: spec
@@ -400,7 +449,10 @@ impl Containerd {
                 .collect(),
             log_path: format!("{}.log", spec.name),
             linux: Some(cri::LinuxContainerConfig {
-                security_context: Some(cri::LinuxContainerSecurityContext { namespace_options: Some(namespaces()) }),
+                security_context: Some(spec.security.clone().unwrap_or_else(|| cri::LinuxContainerSecurityContext {
+                    namespace_options: Some(namespaces()),
+                    ..cri::LinuxContainerSecurityContext::default()
+                })),
             }),
             ..cri::ContainerConfig::default()
         };
@@ -649,6 +701,9 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log);
+        if !self.binds.is_empty() {
+            private_mounts(&mut command, &self.binds, &mut self.created)?;
+        }
         let child = command.spawn().with_context(|| format!("cannot start {}", self.cache.bin("containerd").display()))?;
         self.process = Some(child);
         let ready = wait_for(timeout(), "containerd to answer CRI with its NRI socket in place", || {
@@ -671,11 +726,17 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         let archive = self.dir.path().join("image.tar");
         let loader = std::fs::canonicalize(LOADER).with_context(|| format!("cannot resolve {LOADER}"))?;
         image::write_archive(&archive, IMAGE, &["/bin/sleep", "2147483647"], &self.cache.bin("busybox"), &loader)?;
+        self.import(&archive)
+    }
+
+    /// Imports an OCI image archive into CRI's namespace (`ctr images import`), under the
+    /// name its index gives.
+    pub fn import(&self, archive: &Path) -> Result<()> {
         let output = Command::new(self.cache.bin("ctr"))
             .arg("--address")
             .arg(self.socket())
             .args(["--namespace", NAMESPACE, "images", "import", "--snapshotter", "native"])
-            .arg(&archive)
+            .arg(archive)
             .stdin(Stdio::null())
             .output()
             .context("cannot run ctr")?;
@@ -800,6 +861,9 @@ impl Drop for Containerd {
         }
         self.kill_leftovers();
         self.unmount_leftovers();
+        for path in self.created.iter().rev() {
+            let _ = std::fs::remove_dir(path);
+        }
         for dir in self.cgroup_dirs() {
             let tree = cgroup_tree(&dir);
             for cgroup in tree.iter().rev() {
@@ -810,6 +874,40 @@ impl Drop for Containerd {
             }
         }
     }
+}
+
+/// Makes `command` start in a mount namespace of its own, a slave of the caller's, with each
+/// `(dir, path)` of `binds` bind-mounted at `path` and made shared ([`Containerd::start_seeing`]).
+/// Records in `created` the host paths it had to create (empty directories, removed when the
+/// harness is dropped).
+fn private_mounts(command: &mut Command, binds: &[(PathBuf, PathBuf)], created: &mut Vec<PathBuf>) -> Result<()> {
+    use std::ffi::CString;
+    use std::os::unix::process::CommandExt as _;
+    let mut pairs = Vec::new();
+    for (dir, path) in binds {
+        if !path.exists() {
+            std::fs::create_dir_all(path).with_context(|| format!("cannot create {}", path.display()))?;
+            created.push(path.clone());
+        }
+        let c = |p: &Path| CString::new(p.as_os_str().as_bytes()).map_err(|_| anyhow!("{} has a NUL byte", p.display()));
+        pairs.push((c(dir)?, c(path)?));
+    }
+    let root = CString::new("/").map_err(|_| anyhow!("NUL"))?;
+    // SAFETY: the closure runs in the child between fork and exec; it calls only unshare(2)
+    // and mount(2) (async-signal-safe) on strings made before the fork, and allocates nothing.
+    unsafe {
+        command.pre_exec(move || {
+            let check = |rc: libc::c_int| if rc == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) };
+            check(libc::unshare(libc::CLONE_NEWNS))?;
+            check(libc::mount(std::ptr::null(), root.as_ptr(), std::ptr::null(), libc::MS_REC | libc::MS_SLAVE, std::ptr::null()))?;
+            for (dir, path) in &pairs {
+                check(libc::mount(dir.as_ptr(), path.as_ptr(), std::ptr::null(), libc::MS_BIND | libc::MS_REC, std::ptr::null()))?;
+                check(libc::mount(std::ptr::null(), path.as_ptr(), std::ptr::null(), libc::MS_SHARED, std::ptr::null()))?;
+            }
+            Ok(())
+        });
+    }
+    Ok(())
 }
 
 /// `dir` and every cgroup below it, parents first.
@@ -829,6 +927,11 @@ fn cgroup_tree(dir: &Path) -> Vec<PathBuf> {
 /// namespace per container, an IPC namespace per pod.
 fn namespaces() -> cri::NamespaceOption {
     cri::NamespaceOption { network: cri::NAMESPACE_NODE, pid: cri::NAMESPACE_CONTAINER, ipc: cri::NAMESPACE_POD }
+}
+
+/// A host-network pod's namespaces with the host's pid namespace (`hostPID: true`).
+pub fn host_pid_namespaces() -> cri::NamespaceOption {
+    cri::NamespaceOption { pid: cri::NAMESPACE_NODE, ..namespaces() }
 }
 
 /// A TOML basic string.

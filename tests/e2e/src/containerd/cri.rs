@@ -58,6 +58,43 @@ pub struct Mount {
     pub host_path: String,
     #[prost(bool, tag = "3")]
     pub readonly: bool,
+    /// `MountPropagation`: [`PROPAGATION_PRIVATE`] or [`PROPAGATION_HOST_TO_CONTAINER`].
+    #[prost(int32, tag = "5")]
+    pub propagation: i32,
+}
+
+/// `MountPropagation` values (Kubernetes' `mountPropagation: None`, `HostToContainer`).
+pub const PROPAGATION_PRIVATE: i32 = 0;
+pub const PROPAGATION_HOST_TO_CONTAINER: i32 = 1;
+
+/// `SecurityProfile.ProfileType`: the runtime's default profile (`RuntimeDefault`).
+pub const PROFILE_RUNTIME_DEFAULT: i32 = 0;
+/// `SecurityProfile.ProfileType`: no profile (`Unconfined`).
+pub const PROFILE_UNCONFINED: i32 = 1;
+
+/// Capabilities added to and dropped from the runtime's default set (names as Kubernetes
+/// writes them, without `CAP_`; `ALL` drops every one).
+#[derive(Clone, PartialEq, Message)]
+pub struct Capability {
+    #[prost(string, repeated, tag = "1")]
+    pub add_capabilities: Vec<String>,
+    #[prost(string, repeated, tag = "2")]
+    pub drop_capabilities: Vec<String>,
+}
+
+#[derive(Clone, PartialEq, Message)]
+pub struct Int64Value {
+    #[prost(int64, tag = "1")]
+    pub value: i64,
+}
+
+/// A seccomp or AppArmor profile.
+#[derive(Clone, PartialEq, Message)]
+pub struct SecurityProfile {
+    #[prost(int32, tag = "1")]
+    pub profile_type: i32,
+    #[prost(string, tag = "2")]
+    pub localhost_ref: String,
 }
 
 /// A host device node given to a container (the kubelet passes a device plugin's this way).
@@ -182,10 +219,26 @@ pub struct KeyValue {
     pub value: String,
 }
 
+/// What a kubelet makes of a container's `securityContext` (and the pod's `hostPID`).
 #[derive(Clone, PartialEq, Message)]
 pub struct LinuxContainerSecurityContext {
+    #[prost(message, optional, tag = "1")]
+    pub capabilities: Option<Capability>,
+    #[prost(bool, tag = "2")]
+    pub privileged: bool,
     #[prost(message, optional, tag = "3")]
     pub namespace_options: Option<NamespaceOption>,
+    #[prost(message, optional, tag = "5")]
+    pub run_as_user: Option<Int64Value>,
+    #[prost(bool, tag = "7")]
+    pub readonly_rootfs: bool,
+    /// `allowPrivilegeEscalation: false`.
+    #[prost(bool, tag = "11")]
+    pub no_new_privs: bool,
+    #[prost(message, optional, tag = "15")]
+    pub seccomp: Option<SecurityProfile>,
+    #[prost(message, optional, tag = "16")]
+    pub apparmor: Option<SecurityProfile>,
 }
 
 #[derive(Clone, PartialEq, Message)]

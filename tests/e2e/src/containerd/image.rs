@@ -7,7 +7,8 @@
 //! dynamically linked glibc program run. `/usr/lib/vramguard`, `/run/vramguard` and
 //! `/etc/ld.so.preload` are left absent: runc creates them as mountpoints for the NRI
 //! plugin's mounts. The archive is written in the tar format by hand (directories, regular
-//! files, symlinks: all it needs).
+//! files, symlinks: all it needs). [`oci_archive`] and [`Tar`] also write the agent's own
+//! image (`cargo xtask image`).
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
@@ -37,16 +38,24 @@ pub fn write_archive(out: &Path, name: &str, entrypoint: &[&str], busybox: &Path
     }
     layer.symlink("lib", "usr/lib")?;
     layer.symlink("lib64/ld-linux-x86-64.so.2", loader)?;
-    let layer = layer.finish();
-    let layer_digest = sha256(&layer);
+    let config = serde_json::json!({
+        "Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
+        "Entrypoint": entrypoint,
+    });
+    std::fs::write(out, oci_archive(name, config, layer.finish())?).with_context(|| format!("cannot write {}", out.display()))
+}
 
+/// An OCI image layout, as one tar archive (what `ctr images import` reads), of an amd64
+/// Linux image named `name` (the index's `io.containerd.image.name` and
+/// `org.opencontainers.image.ref.name`) with the image config's `config` section `config`
+/// and the one uncompressed layer `layer` (a tar archive, e.g. a [`Tar`]'s). Nothing in it
+/// depends on the time or the machine: the same inputs give the same bytes.
+pub fn oci_archive(name: &str, config: serde_json::Value, layer: Vec<u8>) -> Result<Vec<u8>> {
+    let layer_digest = sha256(&layer);
     let config = serde_json::json!({
         "architecture": "amd64",
         "os": "linux",
-        "config": {
-            "Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
-            "Entrypoint": entrypoint,
-        },
+        "config": config,
         "rootfs": { "type": "layers", "diff_ids": [layer_digest] },
     })
     .to_string()
@@ -81,35 +90,35 @@ pub fn write_archive(out: &Path, name: &str, entrypoint: &[&str], busybox: &Path
         let hex = digest.trim_start_matches("sha256:");
         archive.file(&format!("blobs/sha256/{hex}"), 0o644, blob)?;
     }
-    std::fs::write(out, archive.finish()).with_context(|| format!("cannot write {}", out.display()))
+    Ok(archive.finish())
 }
 
 /// `sha256:<hex>` of `bytes`.
-fn sha256(bytes: &[u8]) -> String {
+pub fn sha256(bytes: &[u8]) -> String {
     let digest = Sha256::digest(bytes);
     let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
     format!("sha256:{hex}")
 }
 
-/// A tar archive (ustar headers) built in memory, every entry owned by root.
+/// A tar archive (ustar headers) built in memory, every entry owned by root, time 0.
 #[derive(Default)]
-struct Tar {
+pub struct Tar {
     bytes: Vec<u8>,
 }
 
 impl Tar {
-    fn dir(&mut self, path: &str, mode: u32) -> Result<()> {
+    pub fn dir(&mut self, path: &str, mode: u32) -> Result<()> {
         self.header(&format!("{path}/"), mode, 0, b'5', "")
     }
 
-    fn file(&mut self, path: &str, mode: u32, contents: &[u8]) -> Result<()> {
+    pub fn file(&mut self, path: &str, mode: u32, contents: &[u8]) -> Result<()> {
         self.header(path, mode, contents.len() as u64, b'0', "")?;
         self.bytes.extend_from_slice(contents);
         self.pad();
         Ok(())
     }
 
-    fn symlink(&mut self, path: &str, target: &str) -> Result<()> {
+    pub fn symlink(&mut self, path: &str, target: &str) -> Result<()> {
         self.header(path, 0o777, 0, b'2', target)
     }
 
@@ -146,7 +155,7 @@ impl Tar {
     }
 
     /// The archive with its two closing zero blocks.
-    fn finish(mut self) -> Vec<u8> {
+    pub fn finish(mut self) -> Vec<u8> {
         self.bytes.resize(self.bytes.len() + 1024, 0);
         self.bytes
     }
