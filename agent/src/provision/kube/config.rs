@@ -20,6 +20,9 @@ use super::KubeError;
 /// The service account's files in every pod that mounts its token.
 pub const SERVICE_ACCOUNT_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
 
+/// How long an answer may keep the client waiting between two reads (a watch lasts 290 s at
+/// most, with bookmarks in it).
+const READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
 /// The most bytes of a token file (a bound token is about 1 KiB).
 const MAX_TOKEN_BYTES: u64 = 64 * 1024;
 /// The most bytes read from a CA bundle.
@@ -61,9 +64,11 @@ impl KubeConfig {
     pub async fn kubeconfig(path: &Path) -> Result<KubeConfig, KubeError> {
         let bad = |e: &dyn std::fmt::Display| KubeError::Config(format!("kubeconfig {}: {e}", path.display()));
         let file = Kubeconfig::read_from(path).map_err(|e| bad(&e))?;
-        let config = kube::Config::from_custom_kubeconfig(file, &KubeConfigOptions::default())
+        let mut config = kube::Config::from_custom_kubeconfig(file, &KubeConfigOptions::default())
             .await
             .map_err(|e| bad(&e))?;
+        config.read_timeout = Some(READ_TIMEOUT);
+        config.reset_reader_on_write = true;
         Ok(KubeConfig { config })
     }
 
@@ -87,6 +92,10 @@ impl KubeConfig {
             return Err(bad("plain http is only allowed to a loopback address (tests)"));
         }
         let mut config = kube::Config::new(uri);
+        // kube sets no read timeout (its watcher has its own idle timeout, for watches only):
+        // a list the server never answers is cut after this, longer than a watch lasts.
+        config.read_timeout = Some(READ_TIMEOUT);
+        config.reset_reader_on_write = true;
         if tls {
             let ca_file = ca_file.ok_or_else(|| bad("a CA file is needed to verify the API server"))?;
             config.root_cert = Some(read_certificates(&ca_file)?);
