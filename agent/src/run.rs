@@ -363,7 +363,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         )?;
     }
     let mut ledgers = args.ledger_dir.clone().map(|dir| Ledgers::with_limits(dir, ledger_limits));
-    let (provisioner, _capacity) = provisioner(&args)?.unzip();
+    let (provisioner, _capacity) = provisioner(&args).await?.unzip();
     let metrics = Metrics::new(args.hami_metrics)?;
     let mut judge = Judge {
         reconciler: Reconciler::new(reconcile::Config {
@@ -533,7 +533,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
 
 /// The provisioner `--nri` asks for, with its quota sources, and the node's advertised
 /// capacity (with `--kube` and `--gpu-memory`); `None` without `--nri`.
-fn provisioner(args: &RunArgs) -> Result<Option<(Arc<Provisioner>, Option<provision::kube::Capacity>)>> {
+async fn provisioner(args: &RunArgs) -> Result<Option<(Arc<Provisioner>, Option<provision::kube::Capacity>)>> {
     let wanted = &args.provision;
     if !wanted.nri {
         if wanted.quota_file.is_some() || wanted.quota_from_annotation || wanted.refuse_overcommit || wanted.kube.kube {
@@ -545,10 +545,10 @@ fn provisioner(args: &RunArgs) -> Result<Option<(Arc<Provisioner>, Option<provis
         bail!("--nri needs --ledger-dir: the ledgers of provisioned containers are created and watched there");
     };
     let file = wanted.quota_file.as_deref().map(provision::quota::QuotaFile::open).transpose().map_err(|e| anyhow!(e))?;
-    let (kube, capacity) = match wanted.kube.config()? {
+    let (kube, capacity) = match wanted.kube.config().await? {
         Some(config) => {
             let node = wanted.kube.node()?;
-            let client = provision::kube::Client::new(&config)?;
+            let client = config.client()?;
             let pods = provision::kube::PodCache::start(client.clone(), node)?;
             let capacity = if wanted.gpu_memory.is_empty() {
                 warn!("no --gpu-memory: the node's vramguard.io/gpu-memory capacity is not advertised");

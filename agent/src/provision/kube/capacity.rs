@@ -2,8 +2,8 @@
 //! overcommit factor, in bytes. Every period the node is read (`GET`) and, when its
 //! `status.capacity` lacks the resource or holds another value (the kubelet zeroes extended
 //! resources when it believes the node was recreated), patched through the status
-//! subresource with the JSON patch the API documents for extended resources; the kubelet
-//! copies capacity into allocatable.
+//! subresource (kube's `patch_status`) with the JSON patch the API documents for extended
+//! resources; the kubelet copies capacity into allocatable.
 use std::{
     sync::{
         atomic::{AtomicBool, AtomicU64, Ordering},
@@ -12,14 +12,21 @@ use std::{
     time::Duration,
 };
 
+use k8s_openapi::api::core::v1::Node;
+use kube::{
+    api::{Patch, PatchParams},
+    Api, Client,
+};
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
-use super::{
-    client::{Client, REQUEST_TIMEOUT},
-    objects::Node,
-    parse_quantity, valid_name, Backoff, KubeError, RESOURCE,
-};
+use super::{parse_quantity, valid_name, Backoff, KubeError, RESOURCE};
+
+/// How long one read or patch of the node may take.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The field manager the status patch names.
+const FIELD_MANAGER: &str = "vramguard";
 
 /// The content type of a JSON patch (RFC 6902).
 pub const JSON_PATCH: &str = "application/json-patch+json";
@@ -127,38 +134,45 @@ pub fn patch_body(bytes: u64) -> Vec<u8> {
 
 async fn run(client: Client, node: String, bytes: u64, every: Duration, state: Arc<CapacityState>) {
     let mut backoff = Backoff::new(Duration::from_millis(500).min(every), every);
+    let api: Api<Node> = Api::all(client);
     loop {
-        match check(&client, &node, bytes, &state).await {
+        match check(&api, &node, bytes, &state).await {
             Ok(()) => {
                 state.connected.store(true, Ordering::Relaxed);
-                backoff.reset();
+                kube::runtime::utils::Backoff::reset(&mut backoff);
                 tokio::time::sleep(every).await;
             }
             Err(error) => {
                 warn!("kube: advertising {RESOURCE}={bytes} on node {node}: {error}");
                 state.connected.store(false, Ordering::Relaxed);
                 state.errors.fetch_add(1, Ordering::Relaxed);
-                tokio::time::sleep(backoff.next()).await;
+                tokio::time::sleep(backoff.next_wait()).await;
             }
         }
     }
 }
 
 /// Reads the node; patches its status if the resource is missing or different.
-async fn check(client: &Client, node: &str, bytes: u64, state: &CapacityState) -> Result<(), KubeError> {
-    let path = format!("/api/v1/nodes/{node}");
-    let timeout = || KubeError::Timeout { what: format!("GET {path}"), after: REQUEST_TIMEOUT };
-    let current: Node = tokio::time::timeout(REQUEST_TIMEOUT, client.get(&path)).await.map_err(|_| timeout())??;
-    let seen = current.status.capacity.get(RESOURCE);
-    if seen.and_then(|text| parse_quantity(text)) == Some(bytes) {
+async fn check(api: &Api<Node>, node: &str, bytes: u64, state: &CapacityState) -> Result<(), KubeError> {
+    let what = format!("reading node {node}");
+    let current = tokio::time::timeout(REQUEST_TIMEOUT, api.get(node))
+        .await
+        .map_err(|_| KubeError::Timeout { what: what.clone(), after: REQUEST_TIMEOUT })?
+        .map_err(|e| KubeError::from_kube(what, e))?;
+    let seen = current.status.as_ref().and_then(|s| s.capacity.as_ref()).and_then(|c| c.get(RESOURCE)).map(|q| q.0.clone());
+    if seen.as_deref().and_then(parse_quantity) == Some(bytes) {
         state.asserted.store(true, Ordering::Relaxed);
         return Ok(());
     }
     state.asserted.store(false, Ordering::Relaxed);
-    let status_path = format!("{path}/status");
-    tokio::time::timeout(REQUEST_TIMEOUT, client.patch(&status_path, JSON_PATCH, patch_body(bytes)))
+    let what = format!("patching node {node}'s status");
+    let patch: json_patch::Patch = serde_json::from_slice(&patch_body(bytes))
+        .map_err(|e| KubeError::Config(format!("the capacity's JSON patch: {e}")))?;
+    let params = PatchParams { field_manager: Some(FIELD_MANAGER.into()), ..PatchParams::default() };
+    tokio::time::timeout(REQUEST_TIMEOUT, api.patch_status(node, &params, &Patch::<()>::Json(patch)))
         .await
-        .map_err(|_| KubeError::Timeout { what: format!("PATCH {status_path}"), after: REQUEST_TIMEOUT })??;
+        .map_err(|_| KubeError::Timeout { what: what.clone(), after: REQUEST_TIMEOUT })?
+        .map_err(|e| KubeError::from_kube(what, e))?;
     state.patches.fetch_add(1, Ordering::Relaxed);
     state.asserted.store(true, Ordering::Relaxed);
     match seen {

@@ -1,106 +1,81 @@
-//! Where the API server is and how the agent proves who it is: the in-cluster service
-//! account (`KUBERNETES_SERVICE_HOST`/`PORT`, its token and CA files) or an explicit API URL,
-//! token file and CA file (tests, out-of-cluster runs). The token file is re-read when it
-//! changes (the kubelet rotates projected tokens by swapping a symlink) and after a `401`.
+//! Where the API server is and how the agent proves who it is, as a `kube::Config`: the
+//! in-cluster service account (`KUBERNETES_SERVICE_HOST`/`PORT`, the token and CA files of a
+//! service account directory), a kubeconfig file, or an explicit API URL, token file and CA
+//! file (tests, out-of-cluster runs). kube re-reads the token and CA files by itself (once
+//! its copy is a minute old), so the kubelet's rotation of projected tokens is followed.
+//!
+//! The in-cluster configuration is built here rather than by `kube::Config::incluster`,
+//! which reads its files from the fixed path only: the same code then serves a pod and a
+//! test that points `--kube-service-account-dir` at its own files.
 use std::{
     net::IpAddr,
-    os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
-    sync::{Arc, Mutex},
 };
 
-use hyper::header::HeaderValue;
-use rustls::{pki_types::CertificateDer, pki_types::ServerName, ClientConfig, RootCertStore};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use rustls::pki_types::{pem::PemObject, CertificateDer};
 
 use super::KubeError;
 
 /// The service account's files in every pod that mounts its token.
 pub const SERVICE_ACCOUNT_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
 
-/// The most bytes read from a token file (a bound token is about 1 KiB).
+/// How long an answer may keep the client waiting between two reads (a watch lasts 290 s at
+/// most, with bookmarks in it).
+const READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
+/// The most bytes of a token file (a bound token is about 1 KiB).
 const MAX_TOKEN_BYTES: u64 = 64 * 1024;
 /// The most bytes read from a CA bundle.
 const MAX_CA_BYTES: u64 = 4 * 1024 * 1024;
 
-/// How to reach the API server.
+/// How to reach the API server: kube's configuration, checked.
 #[derive(Clone, Debug)]
 pub struct KubeConfig {
-    pub(crate) endpoint: Endpoint,
-    pub(crate) token_file: Option<PathBuf>,
-    pub(crate) ca_file: Option<PathBuf>,
-}
-
-/// The API server's address, parsed once.
-#[derive(Clone, Debug)]
-pub(crate) struct Endpoint {
-    pub(crate) tls: bool,
-    /// The host as it is connected to and verified (no brackets around an IPv6 address).
-    pub(crate) host: String,
-    pub(crate) port: u16,
-    /// `host:port` as the `Host` header carries it.
-    pub(crate) authority: String,
+    pub(crate) config: kube::Config,
 }
 
 impl KubeConfig {
     /// The configuration a pod gets from its service account: `https://` to
-    /// `KUBERNETES_SERVICE_HOST:KUBERNETES_SERVICE_PORT`, the token and CA in
-    /// [`SERVICE_ACCOUNT_DIR`].
-    pub fn in_cluster() -> Result<KubeConfig, KubeError> {
+    /// `KUBERNETES_SERVICE_HOST:KUBERNETES_SERVICE_PORT`, the token, CA and namespace in `dir`
+    /// ([`SERVICE_ACCOUNT_DIR`] in a pod).
+    pub fn in_cluster(dir: &Path) -> Result<KubeConfig, KubeError> {
         let var = |name: &str| {
-            std::env::var(name)
-                .map_err(|_| KubeError::Config(format!("{name} is not set: not in a pod? (give --kube-api)")))
+            std::env::var(name).map_err(|_| {
+                KubeError::Config(format!("{name} is not set: not in a pod? (give --kube-api or --kubeconfig)"))
+            })
         };
         let (host, port) = (var("KUBERNETES_SERVICE_HOST")?, var("KUBERNETES_SERVICE_PORT")?);
+        let port: u16 = port.parse().map_err(|_| KubeError::Config(format!("KUBERNETES_SERVICE_PORT={port:?} is not a port")))?;
         let host = if host.contains(':') { format!("[{host}]") } else { host };
-        let dir = Path::new(SERVICE_ACCOUNT_DIR);
-        KubeConfig::explicit(&format!("https://{host}:{port}"), Some(dir.join("token")), Some(dir.join("ca.crt")))
+        let mut config = KubeConfig::explicit(
+            &format!("https://{host}:{port}"),
+            Some(dir.join("token")),
+            Some(dir.join("ca.crt")),
+        )?;
+        // Only the namespace a client defaults to: every request here names its own.
+        if let Ok(namespace) = std::fs::read_to_string(dir.join("namespace")) {
+            config.config.default_namespace = namespace.trim().to_owned();
+        }
+        Ok(config)
+    }
+
+    /// The current context of the kubeconfig file at `path`, as kube reads it (exec and
+    /// token-file credentials included).
+    pub async fn kubeconfig(path: &Path) -> Result<KubeConfig, KubeError> {
+        let bad = |e: &dyn std::fmt::Display| KubeError::Config(format!("kubeconfig {}: {e}", path.display()));
+        let file = Kubeconfig::read_from(path).map_err(|e| bad(&e))?;
+        let mut config = kube::Config::from_custom_kubeconfig(file, &KubeConfigOptions::default())
+            .await
+            .map_err(|e| bad(&e))?;
+        config.read_timeout = Some(READ_TIMEOUT);
+        config.reset_reader_on_write = true;
+        Ok(KubeConfig { config })
     }
 
     /// An API server at `url` (`https://host[:port]`; `http://` only to a loopback address,
     /// for test servers), authenticated by the bearer token in `token_file` if given, its
     /// certificate verified against `ca_file` (PEM; required for `https`).
     pub fn explicit(url: &str, token_file: Option<PathBuf>, ca_file: Option<PathBuf>) -> Result<KubeConfig, KubeError> {
-        let endpoint = Endpoint::parse(url)?;
-        if endpoint.tls && ca_file.is_none() {
-            return Err(KubeError::Config(format!("{url}: a CA file is needed to verify the API server")));
-        }
-        Ok(KubeConfig { endpoint, token_file, ca_file })
-    }
-
-    /// The TLS client configuration trusting only the CA file's certificates (`None` for
-    /// plain http).
-    pub(crate) fn tls(&self) -> Result<Option<(Arc<ClientConfig>, ServerName<'static>)>, KubeError> {
-        let Some(ca_file) = self.ca_file.as_deref().filter(|_| self.endpoint.tls) else {
-            return Ok(None);
-        };
-        let pem = read_bounded(ca_file, MAX_CA_BYTES)?;
-        let mut roots = RootCertStore::empty();
-        let mut found = 0;
-        for cert in rustls::pki_types::pem::PemObject::pem_slice_iter(&pem) {
-            let cert: CertificateDer = cert
-                .map_err(|e| KubeError::Config(format!("{}: not a PEM certificate bundle: {e}", ca_file.display())))?;
-            roots
-                .add(cert)
-                .map_err(|e| KubeError::Config(format!("{}: a certificate is not usable: {e}", ca_file.display())))?;
-            found += 1;
-        }
-        if found == 0 {
-            return Err(KubeError::Config(format!("{}: no certificate in it", ca_file.display())));
-        }
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let config = ClientConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .map_err(|e| KubeError::Config(format!("TLS: {e}")))?
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-        let name = ServerName::try_from(self.endpoint.host.clone())
-            .map_err(|e| KubeError::Config(format!("{}: not a TLS server name: {e}", self.endpoint.host)))?;
-        Ok(Some((Arc::new(config), name)))
-    }
-}
-
-impl Endpoint {
-    fn parse(url: &str) -> Result<Endpoint, KubeError> {
         let bad = |why: &str| KubeError::Config(format!("API URL {url:?}: {why}"));
         let uri: hyper::Uri = url.parse().map_err(|e| bad(&format!("{e}")))?;
         let tls = match uri.scheme_str() {
@@ -111,78 +86,75 @@ impl Endpoint {
         if uri.path_and_query().is_some_and(|p| p.as_str() != "/" && !p.as_str().is_empty()) {
             return Err(bad("a path is not supported (give the server's root)"));
         }
-        let raw_host = uri.host().ok_or_else(|| bad("no host"))?;
-        let host = raw_host.trim_start_matches('[').trim_end_matches(']').to_owned();
-        let port = uri.port_u16().unwrap_or(if tls { 443 } else { 80 });
+        let host = uri.host().ok_or_else(|| bad("no host"))?;
+        let host = host.trim_start_matches('[').trim_end_matches(']');
         if !tls && !host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback()) {
             return Err(bad("plain http is only allowed to a loopback address (tests)"));
         }
-        Ok(Endpoint { tls, authority: format!("{raw_host}:{port}"), host, port })
-    }
-}
-
-/// The bearer token, re-read when its file changes.
-#[derive(Debug)]
-pub(crate) struct Token {
-    path: PathBuf,
-    cached: Mutex<Option<(FileStamp, HeaderValue)>>,
-}
-
-/// What tells that a file was replaced or rewritten.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct FileStamp {
-    dev: u64,
-    ino: u64,
-    size: u64,
-    mtime: i64,
-    mtime_nsec: i64,
-}
-
-impl Token {
-    pub(crate) fn new(path: PathBuf) -> Token {
-        Token { path, cached: Mutex::new(None) }
-    }
-
-    /// The `Authorization` header's value, from the cache unless the file changed since it
-    /// was read (or `reread`: the server refused the cached one).
-    pub(crate) fn header(&self, reread: bool) -> Result<HeaderValue, KubeError> {
-        let meta = std::fs::metadata(&self.path).map_err(|source| KubeError::Read { path: self.path.clone(), source })?;
-        let stamp = FileStamp {
-            dev: meta.dev(),
-            ino: meta.ino(),
-            size: meta.size(),
-            mtime: meta.mtime(),
-            mtime_nsec: meta.mtime_nsec(),
-        };
-        let mut cached = self.cached.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some((seen, value)) = cached.as_ref() {
-            if *seen == stamp && !reread {
-                return Ok(value.clone());
-            }
+        let mut config = kube::Config::new(uri);
+        // kube sets no read timeout (its watcher has its own idle timeout, for watches only):
+        // a list the server never answers is cut after this, longer than a watch lasts.
+        config.read_timeout = Some(READ_TIMEOUT);
+        config.reset_reader_on_write = true;
+        if tls {
+            let ca_file = ca_file.ok_or_else(|| bad("a CA file is needed to verify the API server"))?;
+            config.root_cert = Some(read_certificates(&ca_file)?);
+            config.root_cert_file = Some(ca_file);
         }
-        let bytes = read_bounded(&self.path, MAX_TOKEN_BYTES)?;
-        let token = std::str::from_utf8(&bytes).map(str::trim).unwrap_or_default();
-        if token.is_empty() {
-            return Err(KubeError::Config(format!("{}: empty or not text", self.path.display())));
+        if let Some(path) = &token_file {
+            check_token(path)?;
         }
-        let mut value = HeaderValue::try_from(format!("Bearer {token}"))
-            .map_err(|_| KubeError::Config(format!("{}: not a token (bytes a header cannot carry)", self.path.display())))?;
-        value.set_sensitive(true);
-        *cached = Some((stamp, value.clone()));
-        Ok(value)
+        config.auth_info.token_file = token_file.map(|path| path.to_string_lossy().into_owned());
+        Ok(KubeConfig { config })
+    }
+
+    /// kube's client for this configuration.
+    pub fn client(&self) -> Result<kube::Client, KubeError> {
+        kube::Client::try_from(self.config.clone()).map_err(|e| KubeError::from_kube("building the API client", e))
     }
 }
 
-fn read_bounded(path: &Path, max: u64) -> Result<Vec<u8>, KubeError> {
+/// Checks the token file once at the start: kube sends its bytes as they are in every
+/// request's `Authorization` header (client-go trims them; kube does not), so a token with
+/// whitespace around it would fail every request later; it is refused now, with the reason.
+fn check_token(path: &Path) -> Result<(), KubeError> {
     use std::io::Read;
     let read_err = |source| KubeError::Read { path: path.to_owned(), source };
-    let file = std::fs::File::open(path).map_err(read_err)?;
-    let mut bytes = Vec::new();
-    file.take(max + 1).read_to_end(&mut bytes).map_err(read_err)?;
-    if bytes.len() as u64 > max {
-        return Err(KubeError::Config(format!("{}: larger than {max} bytes", path.display())));
+    let mut token = Vec::new();
+    std::fs::File::open(path).map_err(read_err)?.take(MAX_TOKEN_BYTES + 1).read_to_end(&mut token).map_err(read_err)?;
+    let refuse = |why: &str| Err(KubeError::Config(format!("token file {}: {why}", path.display())));
+    if token.len() as u64 > MAX_TOKEN_BYTES {
+        return refuse(&format!("larger than {MAX_TOKEN_BYTES} bytes"));
     }
-    Ok(bytes)
+    if token.is_empty() {
+        return refuse("empty");
+    }
+    if token.first().is_some_and(u8::is_ascii_whitespace) || token.last().is_some_and(u8::is_ascii_whitespace) {
+        return refuse("whitespace around the token (kube would send it as it is): write the token alone");
+    }
+    if !token.iter().all(|b| b.is_ascii_graphic()) {
+        return refuse("bytes a bearer token cannot have");
+    }
+    Ok(())
+}
+
+/// The DER certificates of a PEM bundle; an empty one or one that is not PEM is refused.
+fn read_certificates(path: &Path) -> Result<Vec<Vec<u8>>, KubeError> {
+    use std::io::Read;
+    let read_err = |source| KubeError::Read { path: path.to_owned(), source };
+    let mut pem = Vec::new();
+    std::fs::File::open(path).map_err(read_err)?.take(MAX_CA_BYTES + 1).read_to_end(&mut pem).map_err(read_err)?;
+    if pem.len() as u64 > MAX_CA_BYTES {
+        return Err(KubeError::Config(format!("{}: larger than {MAX_CA_BYTES} bytes", path.display())));
+    }
+    let certs = CertificateDer::pem_slice_iter(&pem)
+        .map(|cert| cert.map(|c| c.as_ref().to_vec()))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| KubeError::Config(format!("{}: not a PEM certificate bundle: {e}", path.display())))?;
+    if certs.is_empty() {
+        return Err(KubeError::Config(format!("{}: no certificate in it", path.display())));
+    }
+    Ok(certs)
 }
 
 #[cfg(test)]
@@ -200,31 +172,36 @@ mod tests {
     }
 
     #[test]
-    fn https_needs_a_ca_and_parses_hosts() {
+    fn https_needs_a_readable_ca_and_no_path() {
         assert!(KubeConfig::explicit("https://10.96.0.1", None, None).is_err());
-        let config = KubeConfig::explicit("https://[fd00::1]:6443", None, Some("/ca".into())).expect("v6");
-        assert_eq!(config.endpoint.host, "fd00::1");
-        assert_eq!(config.endpoint.authority, "[fd00::1]:6443");
-        let config = KubeConfig::explicit("https://10.96.0.1", None, Some("/ca".into())).expect("default port");
-        assert_eq!((config.endpoint.port, config.endpoint.authority.as_str()), (443, "10.96.0.1:443"));
+        let missing = KubeConfig::explicit("https://[fd00::1]:6443", None, Some("/nonexistent/ca".into()));
+        assert!(matches!(missing, Err(KubeError::Read { .. })), "{missing:?}");
         assert!(KubeConfig::explicit("https://10.96.0.1/api", None, Some("/ca".into())).is_err());
         assert!(KubeConfig::explicit("ftp://10.96.0.1", None, Some("/ca".into())).is_err());
+        let dir = std::env::temp_dir().join(format!("vramguard-ca-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let not_pem = dir.join("ca.crt");
+        std::fs::write(&not_pem, "not a certificate\n").expect("write");
+        let refused = KubeConfig::explicit("https://10.96.0.1", None, Some(not_pem));
+        assert!(refused.expect_err("no certificate").to_string().contains("no certificate"));
+        std::fs::remove_dir_all(&dir).ok();
     }
 
     #[test]
-    fn the_token_is_reread_when_its_file_is_replaced() {
+    fn the_token_file_is_checked_then_kubes_to_read() {
         let dir = std::env::temp_dir().join(format!("vramguard-token-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("dir");
-        let path = dir.join("token");
-        std::fs::write(&path, "first\n").expect("write");
-        let token = Token::new(path.clone());
-        assert_eq!(token.header(false).expect("read").to_str().ok(), Some("Bearer first"));
-        let next = dir.join("token.next");
-        std::fs::write(&next, "second").expect("write");
-        std::fs::rename(&next, &path).expect("rename");
-        assert_eq!(token.header(false).expect("reread").to_str().ok(), Some("Bearer second"));
-        std::fs::write(&path, "").expect("write");
-        assert!(token.header(false).is_err(), "an empty token is refused");
+        let token = dir.join("token");
+        let explicit = || KubeConfig::explicit("http://127.0.0.1:1", Some(token.clone()), None);
+        assert!(matches!(explicit(), Err(KubeError::Read { .. })), "a missing file");
+        for bad in ["", "tok\n", " tok", "to\tk", "tök"] {
+            std::fs::write(&token, bad).expect("write");
+            assert!(matches!(explicit(), Err(KubeError::Config(_))), "{bad:?}");
+        }
+        std::fs::write(&token, "eyJhbGciOi.x-y_z").expect("write");
+        let config = explicit().expect("config");
+        assert_eq!(config.config.auth_info.token_file.as_deref(), token.to_str());
+        assert_eq!(config.config.cluster_url.to_string(), "http://127.0.0.1:1/");
         std::fs::remove_dir_all(&dir).ok();
     }
 }

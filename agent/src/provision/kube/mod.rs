@@ -1,18 +1,22 @@
 //! The Kubernetes API side of provisioning: which quota a container asked for, and the
-//! node's advertised capacity.
+//! node's advertised capacity, on `kube` (kube-rs) and `k8s-openapi`.
 //!
-//! * [`PodCache`] (`pods`): the pods on this node (list + watch), and
-//!   [`PodCache::container_quota`]: a container's `vramguard.io/gpu-memory` limit in bytes.
+//! * [`PodCache`] (`pods`): the pods on this node, kept by kube's watcher (paged list, watch
+//!   with bookmarks, relist on `410 Gone`, backoff), and [`PodCache::container_quota`]: a
+//!   container's `vramguard.io/gpu-memory` limit in bytes.
 //! * [`Capacity`] (`capacity`): `vramguard.io/gpu-memory` in the node's status, re-asserted.
-//! * [`parse_quantity`] (`quantity`): Kubernetes quantities as exact bytes.
-//! * [`KubeConfig`] (`config`) and [`Client`] (`client`): a narrow HTTP/1.1 client of the
-//!   few calls above (hyper, rustls with ring), in-cluster or explicit configuration.
+//! * [`parse_quantity`] (`quantity`): Kubernetes quantities as exact bytes. This is the one
+//!   piece kube does not have: `k8s-openapi`'s `Quantity` is the quantity's text, with no
+//!   arithmetic.
+//! * [`KubeConfig`] (`config`): kube's client configuration, in-cluster (from a service
+//!   account directory), from a kubeconfig file, or explicit (tests, out-of-cluster runs).
+//!   kube's client does the rest: TLS (rustls with ring), the bearer token re-read from its
+//!   file (kube reloads it once its copy is a minute old), the CA bundle likewise.
 //! * [`KubeArgs`]: the command-line flags.
 //!
 //! The API server is trusted for quotas and pod identity (`docs/security.md`); its answers
-//! are still bounded in size and decoded into typed values in `objects`.
+//! are decoded into `k8s-openapi`'s typed objects by kube, and only a pod's limits are kept.
 mod capacity;
-mod client;
 mod config;
 mod objects;
 mod pods;
@@ -21,8 +25,8 @@ mod quantity;
 use std::{path::PathBuf, time::Duration};
 
 pub use capacity::{capacity_bytes, patch_body, Capacity, CapacityState, JSON_PATCH};
-pub use client::Client;
 pub use config::{KubeConfig, SERVICE_ACCOUNT_DIR};
+pub use kube::Client;
 pub use pods::{CacheState, PodCache, Tuning};
 pub use quantity::parse_quantity;
 
@@ -38,8 +42,16 @@ pub struct KubeArgs {
     pub kube: bool,
     /// The API server's URL (default: in-cluster, from KUBERNETES_SERVICE_HOST/PORT and the
     /// service account's token and CA). `http://` only to a loopback address.
-    #[arg(long, value_name = "URL", requires = "kube")]
+    #[arg(long, value_name = "URL", requires = "kube", conflicts_with = "kubeconfig")]
     pub kube_api: Option<String>,
+    /// A kubeconfig file to reach the API server with (its current context), instead of the
+    /// in-cluster service account.
+    #[arg(long, value_name = "PATH", requires = "kube")]
+    pub kubeconfig: Option<PathBuf>,
+    /// The in-cluster service account's directory: its `token`, `ca.crt` and `namespace`
+    /// files (a pod's, unless the agent runs elsewhere with the same files).
+    #[arg(long, env = "VRAMGUARD_KUBE_SERVICE_ACCOUNT_DIR", value_name = "DIR", default_value = SERVICE_ACCOUNT_DIR)]
+    pub kube_service_account_dir: PathBuf,
     /// The bearer token's file with --kube-api (re-read when it changes).
     #[arg(long, value_name = "PATH", requires = "kube_api")]
     pub kube_token_file: Option<PathBuf>,
@@ -59,13 +71,14 @@ pub struct KubeArgs {
 
 impl KubeArgs {
     /// The API configuration the flags name: `None` without `--kube`.
-    pub fn config(&self) -> Result<Option<KubeConfig>, KubeError> {
+    pub async fn config(&self) -> Result<Option<KubeConfig>, KubeError> {
         if !self.kube {
             return Ok(None);
         }
-        match &self.kube_api {
-            Some(url) => KubeConfig::explicit(url, self.kube_token_file.clone(), self.kube_ca_file.clone()).map(Some),
-            None => KubeConfig::in_cluster().map(Some),
+        match (&self.kube_api, &self.kubeconfig) {
+            (Some(url), _) => KubeConfig::explicit(url, self.kube_token_file.clone(), self.kube_ca_file.clone()).map(Some),
+            (None, Some(path)) => KubeConfig::kubeconfig(path).await.map(Some),
+            (None, None) => KubeConfig::in_cluster(&self.kube_service_account_dir).map(Some),
         }
     }
 
@@ -92,16 +105,12 @@ pub enum KubeError {
     Config(String),
     #[error("reading {path}: {source}")]
     Read { path: PathBuf, source: std::io::Error },
-    #[error("connecting to the API server at {addr}: {source}")]
-    Connect { addr: String, source: std::io::Error },
-    #[error("TLS with the API server at {addr}: {source}")]
-    Tls { addr: String, source: std::io::Error },
-    #[error("HTTP with the API server: {0}")]
-    Http(#[from] hyper::Error),
+    #[error("TLS with the API server: {what}: {source}")]
+    Tls { what: String, source: kube::Error },
+    #[error("{what}: {source}")]
+    Client { what: String, source: kube::Error },
     #[error("the API server answered {code} to {what}: {message}")]
     Status { code: u16, what: String, message: String },
-    #[error("{what}: the API server's answer is not what was expected: {reason}")]
-    Decode { what: String, reason: String },
     #[error("{what}: no answer within {after:?}")]
     Timeout { what: String, after: Duration },
     #[error("pod {namespace}/{pod} with uid {uid} is not known to the API server")]
@@ -112,6 +121,39 @@ pub enum KubeError {
     BadQuantity { what: String, value: String },
     #[error("{kind} name {name:?} is not a valid Kubernetes name")]
     BadName { kind: &'static str, name: String },
+}
+
+impl KubeError {
+    /// kube's error for `what`: the API's `Status` answers by their code, a failed TLS
+    /// handshake (rustls' error anywhere in the chain) as [`KubeError::Tls`].
+    pub(crate) fn from_kube(what: impl Into<String>, error: kube::Error) -> KubeError {
+        let what = what.into();
+        match error {
+            kube::Error::Api(status) => {
+                let message = if status.reason.is_empty() { status.message } else { format!("{}: {}", status.reason, status.message) };
+                KubeError::Status { code: status.code, what, message }
+            }
+            error if is_tls(&error) => KubeError::Tls { what, source: error },
+            error => KubeError::Client { what, source: error },
+        }
+    }
+}
+
+/// Whether a rustls error is in `error`'s chain. An `io::Error` carries its cause as a
+/// payload that `source()` skips (tokio-rustls' error inside hyper's connect error is two of
+/// them), so payloads are followed too.
+fn is_tls(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(error);
+    while let Some(error) = next {
+        if error.is::<rustls::Error>() {
+            return true;
+        }
+        next = match error.downcast_ref::<std::io::Error>().and_then(std::io::Error::get_ref) {
+            Some(payload) => Some(payload as &(dyn std::error::Error + 'static)),
+            None => error.source(),
+        };
+    }
+    false
 }
 
 /// Checks a namespace, pod or node name before it goes into a path or a field selector: a
@@ -129,7 +171,8 @@ fn valid_name(kind: &'static str, name: &str) -> Result<(), KubeError> {
     }
 }
 
-/// Exponential backoff between `min` and `max`, with up to a quarter of jitter.
+/// Exponential backoff between `min` and `max`, with up to a quarter of jitter; kube's
+/// watcher waits by it after each error and resets it on each event.
 #[derive(Debug)]
 struct Backoff {
     min: Duration,
@@ -142,7 +185,7 @@ impl Backoff {
         Backoff { min, max: max.max(min), next: min }
     }
 
-    fn next(&mut self) -> Duration {
+    fn next_wait(&mut self) -> Duration {
         let wait = self.next;
         self.next = (self.next * 2).min(self.max);
         let nanos = std::time::SystemTime::now()
@@ -150,7 +193,16 @@ impl Backoff {
             .map_or(0, |t| t.subsec_nanos());
         wait + wait / 4 * (nanos % 1000) / 1000
     }
+}
 
+impl Iterator for Backoff {
+    type Item = Duration;
+    fn next(&mut self) -> Option<Duration> {
+        Some(self.next_wait())
+    }
+}
+
+impl kube::runtime::utils::Backoff for Backoff {
     fn reset(&mut self) {
         self.next = self.min;
     }
@@ -184,20 +236,23 @@ mod tests {
         assert_eq!(cli.kube.node().ok(), Some("n1"));
         assert_eq!(cli.kube.capacity_every(), Duration::from_secs(60));
         assert!(Cli::try_parse_from(["x", "--kube-api", "http://127.0.0.1:1"]).is_err(), "--kube-api needs --kube");
+        assert_eq!(cli.kube.kube_service_account_dir, PathBuf::from(SERVICE_ACCOUNT_DIR));
+        assert!(Cli::try_parse_from(["x", "--kube", "--kube-api", "http://127.0.0.1:1", "--kubeconfig", "k"]).is_err());
         let off = Cli::try_parse_from(["x"]).expect("no flags");
-        assert!(off.kube.config().expect("off").is_none());
+        let config = tokio::runtime::Builder::new_current_thread().build().expect("runtime").block_on(off.kube.config());
+        assert!(config.expect("off").is_none());
     }
 
     #[test]
     fn backoff_doubles_up_to_its_cap_and_resets() {
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_millis(350));
-        let waits: Vec<_> = (0..4).map(|_| backoff.next()).collect();
+        let waits: Vec<_> = (0..4).map(|_| backoff.next_wait()).collect();
         let bases = [100, 200, 350, 350];
         for (wait, base) in waits.iter().zip(bases) {
             let base = Duration::from_millis(base);
             assert!(*wait >= base && *wait <= base + base / 4, "{wait:?} for {base:?}");
         }
-        backoff.reset();
-        assert!(backoff.next() < Duration::from_millis(126));
+        kube::runtime::utils::Backoff::reset(&mut backoff);
+        assert!(backoff.next_wait() < Duration::from_millis(126));
     }
 }

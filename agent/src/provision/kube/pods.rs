@@ -1,8 +1,8 @@
-//! The pods on this node, as the API server has them: listed once
-//! (`fieldSelector=spec.nodeName=<node>`, paged), then watched from the list's
-//! resourceVersion, the watch resumed from the last version seen when it ends, relisted on
-//! `410 Gone`, with backoff after errors. [`PodCache::container_quota`] answers from it, or
-//! with one direct `GET` of the pod, bounded by a deadline, when the pod is not there yet.
+//! The pods on this node, as the API server has them, kept by kube's watcher
+//! (`fieldSelector=spec.nodeName=<node>`: paged list, watch with bookmarks, relist on `410
+//! Gone`, backoff after errors); only each pod's quotas are kept, not the pods.
+//! [`PodCache::container_quota`] answers from it, or with one direct `GET` of the pod,
+//! bounded by a deadline, when the pod is not there yet.
 use std::{
     collections::HashMap,
     sync::{
@@ -12,12 +12,17 @@ use std::{
     time::Duration,
 };
 
-use tokio::{task::JoinHandle, time::Instant};
+use futures_util::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kube::{
+    runtime::{watcher, WatchStreamExt},
+    Api, Client,
+};
+use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
 use super::{
-    client::{Client, REQUEST_TIMEOUT},
-    objects::{Limit, Pod, PodList, PodQuotas, Status, WatchEvent},
+    objects::{Limit, PodQuotas},
     valid_name, Backoff, KubeError, RESOURCE,
 };
 
@@ -29,8 +34,8 @@ pub struct Tuning {
     /// The first wait after an error; doubled after each error that follows, up to `backoff_max`.
     pub backoff_min: Duration,
     pub backoff_max: Duration,
-    /// How long the server keeps one watch open (`timeoutSeconds`); the client gives up on a
-    /// watch that has said nothing for this long plus a minute.
+    /// How long the server keeps one watch open (`timeoutSeconds`, at most 290 s); kube's
+    /// watcher gives up on a watch that has said nothing for this long plus a margin.
     pub watch_timeout: Duration,
     /// Pods asked for per page of the list.
     pub page_size: u32,
@@ -42,7 +47,7 @@ impl Default for Tuning {
             lookup_deadline: Duration::from_secs(1),
             backoff_min: Duration::from_millis(500),
             backoff_max: Duration::from_secs(30),
-            watch_timeout: Duration::from_secs(300),
+            watch_timeout: Duration::from_secs(290),
             page_size: 500,
         }
     }
@@ -93,7 +98,7 @@ impl Shared {
     fn pods(&self) -> std::sync::MutexGuard<'_, HashMap<Key, PodQuotas>> {
         self.pods.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
-    fn failed(&self, what: &str, error: &KubeError) {
+    fn failed(&self, what: &str, error: &dyn std::fmt::Display) {
         self.state.connected.store(false, Ordering::Relaxed);
         self.state.errors.fetch_add(1, Ordering::Relaxed);
         warn!("kube: {what}: {error}");
@@ -158,19 +163,21 @@ impl PodCache {
             return answer(limit, namespace, pod, container);
         }
         let deadline = self.inner.tuning.lookup_deadline;
-        let path = format!("/api/v1/namespaces/{namespace}/pods/{pod}");
-        let found = match tokio::time::timeout(deadline, self.inner.client.get::<Pod>(&path)).await {
-            Ok(Ok(found)) => found,
-            Ok(Err(KubeError::Status { code: 404, .. })) => {
+        let what = format!("looking up pod {namespace}/{pod}");
+        let api: Api<Pod> = Api::namespaced(self.inner.client.clone(), namespace);
+        let found = match tokio::time::timeout(deadline, api.get_opt(pod)).await {
+            Ok(Ok(Some(found))) => found,
+            Ok(Ok(None)) => {
                 return Err(KubeError::PodNotFound { namespace: namespace.into(), pod: pod.into(), uid: uid.into() })
             }
             Ok(Err(error)) => {
-                self.inner.shared.failed(&format!("looking up pod {namespace}/{pod}"), &error);
+                let error = KubeError::from_kube(what.clone(), error);
+                self.inner.shared.failed(&what, &error);
                 return Err(error);
             }
             Err(_) => {
-                let error = KubeError::Timeout { what: format!("GET {path}"), after: deadline };
-                self.inner.shared.failed(&format!("looking up pod {namespace}/{pod}"), &error);
+                let error = KubeError::Timeout { what: what.clone(), after: deadline };
+                self.inner.shared.failed(&what, &error);
                 return Err(error);
             }
         };
@@ -196,158 +203,85 @@ fn answer(limit: Limit, namespace: &str, pod: &str, container: &str) -> Result<O
     })
 }
 
+/// Keeps the cache from kube's watcher: a paged, consistent list of the node's pods
+/// (`Init`, `InitApply`.., `InitDone`: the cache is replaced at the end), then a watch from
+/// the list's version with bookmarks, resumed from the last version seen when the server ends
+/// it, relisted after `410 Gone`; after an error, the watcher waits by the backoff.
 async fn run(client: Client, node: String, shared: Arc<Shared>, tuning: Tuning) {
-    let mut backoff = Backoff::new(tuning.backoff_min, tuning.backoff_max);
-    let mut version: Option<String> = None;
+    let config = watcher::Config::default()
+        .fields(&format!("spec.nodeName={node}"))
+        .page_size(tuning.page_size)
+        .timeout(u32::try_from(tuning.watch_timeout.as_secs()).unwrap_or(u32::MAX).clamp(1, MAX_WATCH_TIMEOUT_S))
+        .list_semantic(watcher::ListSemantic::MostRecent);
+    let api: Api<Pod> = Api::all(client);
+    // kube's watcher relists after a `410 Gone` that comes as a watch's ERROR event, but
+    // when the watch request itself is answered 410 it retries the same version for ever:
+    // then the watcher is started again, from a list.
     loop {
-        // A watch that ends without error (the server's timeout) is resumed from the last
-        // version seen.
-        let result = match version.clone() {
-            None => list(&client, &node, &shared, tuning).await.map(|v| version = Some(v)),
-            Some(from) => watch(&client, &node, &shared, tuning, from, &mut version, &mut backoff).await,
-        };
-        match result {
-            Ok(()) => {}
-            // As the watch's answer, or as an ERROR event in it.
-            Err(KubeError::Status { code: 410, .. }) => {
-                info!("kube: the pods' list or watch is too old (410 Gone): listing again");
-                version = None;
-            }
-            Err(error) => {
-                shared.failed(if version.is_some() { "watching pods" } else { "listing pods" }, &error);
-                tokio::time::sleep(backoff.next()).await;
-            }
-        }
-    }
-}
-
-/// Lists the node's pods (every page) into the cache; returns the list's resourceVersion.
-async fn list(client: &Client, node: &str, shared: &Shared, tuning: Tuning) -> Result<String, KubeError> {
-    let mut pods = HashMap::new();
-    let mut continue_token = String::new();
-    let version = loop {
-        let mut path = format!("/api/v1/pods?fieldSelector=spec.nodeName%3D{node}&limit={}", tuning.page_size);
-        if !continue_token.is_empty() {
-            path.push_str("&continue=");
-            path.push_str(&encode_query_value(&continue_token));
-        }
-        let page: PodList = tokio::time::timeout(REQUEST_TIMEOUT, client.get(&path))
-            .await
-            .map_err(|_| KubeError::Timeout { what: format!("GET {path}"), after: REQUEST_TIMEOUT })??;
-        for pod in &page.items {
-            pods.insert((pod.metadata.namespace.clone(), pod.metadata.name.clone()), PodQuotas::from_pod(pod));
-        }
-        if page.metadata.continue_token.is_empty() {
-            break page.metadata.resource_version;
-        }
-        continue_token = page.metadata.continue_token;
-    };
-    if version.is_empty() {
-        return Err(KubeError::Decode { what: "the pods' list".into(), reason: "no resourceVersion".into() });
-    }
-    let count = pods.len();
-    *shared.pods() = pods;
-    shared.state.pods.store(count as u64, Ordering::Relaxed);
-    shared.state.lists.fetch_add(1, Ordering::Relaxed);
-    shared.state.connected.store(true, Ordering::Relaxed);
-    if !shared.state.synced.swap(true, Ordering::Relaxed) {
-        info!("kube: {count} pods on node {node} listed (version {version}); watching");
-    } else {
-        debug!("kube: {count} pods on node {node} listed again (version {version})");
-    }
-    Ok(version)
-}
-
-/// Watches from `from`, applying every event to the cache and moving `version` along.
-async fn watch(
-    client: &Client,
-    node: &str,
-    shared: &Shared,
-    tuning: Tuning,
-    from: String,
-    version: &mut Option<String>,
-    backoff: &mut Backoff,
-) -> Result<(), KubeError> {
-    let path = format!(
-        "/api/v1/pods?fieldSelector=spec.nodeName%3D{node}&watch=1&allowWatchBookmarks=true&timeoutSeconds={}&resourceVersion={}",
-        tuning.watch_timeout.as_secs().max(1),
-        encode_query_value(&from),
-    );
-    let idle = tuning.watch_timeout + Duration::from_secs(60);
-    let mut lines = tokio::time::timeout(REQUEST_TIMEOUT, client.watch(&path))
-        .await
-        .map_err(|_| KubeError::Timeout { what: format!("GET {path}"), after: REQUEST_TIMEOUT })??;
-    shared.state.connected.store(true, Ordering::Relaxed);
-    let started = Instant::now();
-    loop {
-        let line = match tokio::time::timeout(idle, lines.next()).await {
-            Ok(line) => line?,
-            Err(_) => return Err(KubeError::Timeout { what: "the pods' watch".into(), after: idle }),
-        };
-        let Some(line) = line else {
-            // A watch that the server ends at once, again and again, is an error in disguise.
-            if started.elapsed() >= tuning.backoff_min {
-                backoff.reset();
-            } else {
-                tokio::time::sleep(backoff.next()).await;
-            }
-            return Ok(());
-        };
-        let event: WatchEvent = serde_json::from_slice(&line)
-            .map_err(|e| KubeError::Decode { what: "a pods' watch event".into(), reason: e.to_string() })?;
-        let decode = |e: serde_json::Error| KubeError::Decode { what: format!("a pod in a {} event", event.kind), reason: e.to_string() };
-        match event.kind.as_str() {
-            "ADDED" | "MODIFIED" | "DELETED" => {
-                let pod: Pod = serde_json::from_value(event.object).map_err(decode)?;
-                let key = (pod.metadata.namespace.clone(), pod.metadata.name.clone());
-                let mut pods = shared.pods();
-                if event.kind == "DELETED" {
-                    if pods.get(&key).is_some_and(|p| p.uid == pod.metadata.uid) {
-                        pods.remove(&key);
-                    }
-                } else {
-                    pods.insert(key, PodQuotas::from_pod(&pod));
+        let events = watcher(api.clone(), config.clone()).backoff(Backoff::new(tuning.backoff_min, tuning.backoff_max));
+        let mut events = std::pin::pin!(events);
+        let mut listing: Option<HashMap<Key, PodQuotas>> = None;
+        while let Some(event) = events.next().await {
+            match event {
+                Ok(event) => apply(&shared, &node, &mut listing, event),
+                Err(watcher::Error::WatchStartFailed(kube::Error::Api(status))) if status.code == 410 => {
+                    info!("kube: the pods' watch is too old (410 Gone at its start): listing again");
+                    shared.failed("watching pods", &status);
+                    break;
                 }
-                shared.state.pods.store(pods.len() as u64, Ordering::Relaxed);
-                drop(pods);
-                set_version(version, pod.metadata.resource_version);
+                Err(error) => {
+                    if matches!(&error, watcher::Error::WatchError(status) if status.code == 410) {
+                        info!("kube: the pods' watch is too old (410 Gone): listing again");
+                    }
+                    let what = if shared.state.synced() { "watching pods" } else { "listing pods" };
+                    shared.failed(what, &error);
+                }
             }
-            "BOOKMARK" => {
-                let pod: Pod = serde_json::from_value(event.object).map_err(decode)?;
-                set_version(version, pod.metadata.resource_version);
-            }
-            "ERROR" => {
-                let status: Status = serde_json::from_value(event.object).unwrap_or_default();
-                return Err(KubeError::Status { code: status.code, what: "the pods' watch".into(), message: status.message });
-            }
-            other => debug!("kube: pods' watch: ignoring an event of type {other:?}"),
         }
-        backoff.reset();
+        tokio::time::sleep(tuning.backoff_min).await;
     }
 }
 
-fn set_version(version: &mut Option<String>, new: String) {
-    if !new.is_empty() {
-        *version = Some(new);
+/// One of the watcher's events into the cache: a list's pods are gathered in `listing` and
+/// replace the cache at its end.
+fn apply(shared: &Shared, node: &str, listing: &mut Option<HashMap<Key, PodQuotas>>, event: watcher::Event<Pod>) {
+    shared.state.connected.store(true, Ordering::Relaxed);
+    match event {
+        watcher::Event::Init => *listing = Some(HashMap::new()),
+        watcher::Event::InitApply(pod) => {
+            listing.get_or_insert_with(HashMap::new).insert(key(&pod), PodQuotas::from_pod(&pod));
+        }
+        watcher::Event::InitDone => {
+            let pods = listing.take().unwrap_or_default();
+            let count = pods.len();
+            *shared.pods() = pods;
+            shared.state.pods.store(count as u64, Ordering::Relaxed);
+            shared.state.lists.fetch_add(1, Ordering::Relaxed);
+            if !shared.state.synced.swap(true, Ordering::Relaxed) {
+                info!("kube: {count} pods on node {node} listed; watching");
+            } else {
+                debug!("kube: {count} pods on node {node} listed again");
+            }
+        }
+        watcher::Event::Apply(pod) => {
+            let mut pods = shared.pods();
+            pods.insert(key(&pod), PodQuotas::from_pod(&pod));
+            shared.state.pods.store(pods.len() as u64, Ordering::Relaxed);
+        }
+        watcher::Event::Delete(pod) => {
+            let mut pods = shared.pods();
+            let key = key(&pod);
+            if pods.get(&key).is_some_and(|p| Some(&p.uid) == pod.metadata.uid.as_ref()) {
+                pods.remove(&key);
+            }
+            shared.state.pods.store(pods.len() as u64, Ordering::Relaxed);
+        }
     }
 }
 
-/// Percent-encodes a query value (resourceVersions are digits; continue tokens are base64).
-fn encode_query_value(value: &str) -> String {
-    value
-        .bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => (b as char).to_string(),
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
-}
+/// The longest watch kube lets the server hold (its idle timeout adds a margin to it).
+const MAX_WATCH_TIMEOUT_S: u32 = 290;
 
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn query_values_are_encoded() {
-        assert_eq!(super::encode_query_value("123"), "123");
-        assert_eq!(super::encode_query_value("eyJ2Ijo+/="), "eyJ2Ijo%2B%2F%3D");
-    }
+fn key(pod: &Pod) -> Key {
+    (pod.metadata.namespace.clone().unwrap_or_default(), pod.metadata.name.clone().unwrap_or_default())
 }
