@@ -224,6 +224,18 @@ fn agent_only_report() -> Result<()> {
     Ok(())
 }
 
+/// The `## ` sections of a report that `cargo xtask bench` does not write (every one but the
+/// node agent's), in their order.
+fn kept_sections(report: &str) -> Vec<&str> {
+    let starts: Vec<usize> = report.match_indices("\n## ").map(|(at, _)| at + 1).collect();
+    starts
+        .iter()
+        .enumerate()
+        .map(|(i, &start)| &report[start..starts.get(i + 1).copied().unwrap_or(report.len())])
+        .filter(|section| !section.starts_with(AGENT_HEADING))
+        .collect()
+}
+
 /// The heading of the node agent's section, the last of the report.
 const AGENT_HEADING: &str = "## The node agent";
 
@@ -601,8 +613,15 @@ fn write_report(rows: &[Row], agent: &str) -> Result<()> {
          issue's target or requirement and the ratio figure / target, under 1 when it is met.\n",
     );
     text.push('\n');
-    text.push_str(agent);
     let path = root().join("docs/BENCHMARKS.md");
+    // Sections measured by hand (e.g. the Kubernetes client's build cost) are kept as they are.
+    if let Ok(old) = fs::read_to_string(&path) {
+        for section in kept_sections(&old) {
+            text.push_str(section.trim_end());
+            text.push_str("\n\n");
+        }
+    }
+    text.push_str(agent);
     fs::create_dir_all(root().join("docs"))?;
     fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))?;
     println!("wrote {}", path.display());
@@ -626,4 +645,17 @@ fn today() -> String {
         .ok()
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
         .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_report_keeps_the_sections_it_does_not_write() {
+        let old = "# Benchmarks\n\nintro\n\n| a | b |\n\n## The Kubernetes client\n\nby hand\n\n## The node agent\n\nrows\n";
+        let kept = kept_sections(old);
+        assert_eq!(kept, vec!["## The Kubernetes client\n\nby hand\n\n"]);
+        assert!(kept_sections("# Benchmarks\n\n## The node agent\n\nrows\n").is_empty());
+    }
 }
