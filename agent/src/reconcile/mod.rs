@@ -949,6 +949,90 @@ mod tests {
     }
 
     #[test]
+    fn enforcement_counts_the_drivers_figure_whatever_the_ledger_says() {
+        let config = Config { context_allowance: 64 * MIB, ..Config::default() };
+        let mut r = Reconciler::new(config);
+        let start = Instant::now();
+        r.set_driver(Some(Arc::new(DriverView { read_at: Some(start), ..Default::default() })));
+        let driver = |bytes, start_time| Some(DriverProcess { bytes, devices: 1, start_time });
+        // 96 MiB through an unprobed copy and a 64 MiB context; the process's slot forges its
+        // bytes up to the driver's whole figure: the ledger explains it, nothing is charged,
+        // but the cgroup is held to it (160 MiB less a context and a page).
+        let forged = Observation { cgroup_id: 7, driver: driver(160 * MIB, 1000), context_reserve: Some(64 * MIB), ..seen(40, Some(160 * MIB), 0) };
+        // The same with a rewritten header: tampered, still held to it.
+        let header = Observation { pid: 41, header_changed: true, ..forged.clone() };
+        // An honest hooked process whose context (500 MiB) is larger than its ledger's reserve
+        // (64 MiB) but within a generous allowance: nothing enforced.
+        let honest = Observation { cgroup_id: 7, driver: driver(596 * MIB, 1100), context_reserve: Some(64 * MIB), ..seen(42, Some(96 * MIB), 96 * MIB) };
+        r.judge(vec![forged, header, honest.clone()], start);
+        assert_eq!(states(&r), vec![(40, State::Ok), (41, State::Tampered), (42, State::Unprobed)]);
+        let enforced: Vec<u64> = r.verdicts().iter().map(|v| v.enforced_bytes).collect();
+        assert_eq!(enforced, [94 * MIB, 94 * MIB, 500 * MIB - 66 * MIB]);
+        let mut r = Reconciler::new(Config { context_allowance: 600 * MIB, ..config });
+        r.set_driver(Some(Arc::new(DriverView { read_at: Some(start), ..Default::default() })));
+        r.judge(vec![honest], start);
+        assert_eq!(r.verdicts()[0].enforced_bytes, 0, "{:?}", r.verdicts());
+    }
+
+    #[test]
+    fn a_huge_reserve_in_a_workloads_own_ledger_explains_no_more_than_the_allowance() {
+        let mut r = Reconciler::new(Config { context_allowance: 64 * MIB, ..Config::default() });
+        let start = Instant::now();
+        r.set_driver(Some(Arc::new(DriverView { read_at: Some(start), ..Default::default() })));
+        // 500 MiB through an unprobed copy, a 64 MiB context; the ledger says its reserve is 1 TiB.
+        let huge = Observation { driver: Some(DriverProcess { bytes: 660 * MIB, devices: 1, start_time: 1 }), context_reserve: Some(1 << 40), ..seen(50, Some(96 * MIB), 96 * MIB) };
+        r.judge(vec![huge], start);
+        assert_eq!((r.verdicts()[0].state, r.verdicts()[0].escaped_bytes), (State::Unprobed, 500 * MIB));
+    }
+
+    #[test]
+    fn a_rewritten_header_does_not_lose_the_drivers_charge() {
+        let mut r = Reconciler::new(Config { context_allowance: 64 * MIB, ..Config::default() });
+        let start = Instant::now();
+        r.set_driver(Some(Arc::new(DriverView { read_at: Some(start), ..Default::default() })));
+        r.ledger_cgroups = BTreeMap::from([("/l".into(), BTreeSet::from([7]))]);
+        // 500 MiB through an unprobed copy, beside 96 MiB probed and charged.
+        let leaky = Observation {
+            cgroup_id: 7,
+            header_changed: true,
+            driver: Some(DriverProcess { bytes: 660 * MIB, devices: 1, start_time: 1 }),
+            context_reserve: Some(64 * MIB),
+            ..seen(60, Some(96 * MIB), 96 * MIB)
+        };
+        r.judge(vec![leaky], start);
+        assert_eq!((r.verdicts()[0].state, r.verdicts()[0].escaped_bytes), (State::Tampered, 500 * MIB));
+        assert_eq!(r.unaccounted_by_ledger(), BTreeMap::from([("/l".to_string(), 500 * MIB)]));
+        assert_eq!(r.escaped_by_cgroup()[&7].iter().map(|p| p.bytes).collect::<Vec<_>>(), [500 * MIB - 2 * MIB]);
+    }
+
+    #[test]
+    fn the_escape_is_signalled_for_the_joined_process_after_two_reads() {
+        let mut r = Reconciler::new(Config { context_allowance: 64 * MIB, ..Config::default() });
+        let start = Instant::now();
+        // A pid no process has here: the start time published is the joined row's, not /proc's.
+        let pid = 4_000_001;
+        let escaped = || Observation { pid, cgroup_id: 7, driver: Some(DriverProcess { bytes: 160 * MIB, devices: 1, start_time: 4242 }), ..Default::default() };
+        let read = |r: &mut Reconciler, at| r.set_driver(Some(Arc::new(DriverView { read_at: Some(at), ..Default::default() })));
+        read(&mut r, start);
+        r.judge(vec![escaped()], start);
+        let published = |r: &Reconciler| r.escaped_by_cgroup()[&7].clone();
+        assert_eq!(published(&r), [EscapedProcess { pid, start_time: 4242, bytes: 94 * MIB, confirmed: false }]);
+        // Another pass on the same read: not confirmed.
+        r.judge(vec![escaped()], start + Duration::from_millis(200));
+        assert!(!published(&r)[0].confirmed);
+        // The next read says so too: confirmed.
+        read(&mut r, start + Duration::from_secs(1));
+        r.judge(vec![escaped()], start + Duration::from_secs(1));
+        assert!(published(&r)[0].confirmed);
+        // A read without it starts over.
+        read(&mut r, start + Duration::from_secs(2));
+        r.judge(vec![Observation { driver: None, ..escaped() }], start + Duration::from_secs(2));
+        read(&mut r, start + Duration::from_secs(3));
+        r.judge(vec![escaped()], start + Duration::from_secs(3));
+        assert!(!published(&r)[0].confirmed);
+    }
+
+    #[test]
     fn a_driver_row_whose_pid_is_another_process_now_is_not_joined() {
         let row = |bytes, start_time| DriverProcess { bytes, devices: 1, start_time };
         let driver = BTreeMap::from([(10, row(100 * MIB, 1000)), (11, row(200 * MIB, 1100)), (12, row(MIB, 1200))]);
