@@ -146,7 +146,7 @@ pub struct Limits {
     signal: u32,
     map: HashMap<MapData, u64, CgroupLimit>,
     applied: BTreeMap<u64, CgroupLimit>,
-    /// The `unprobed` processes of each cgroup, from reconcile.
+    /// The processes of each cgroup holding memory the probes do not see, from reconcile.
     escaped: std::sync::Arc<EscapedByCgroup>,
     /// Each cgroup's limit before its escaped bytes are taken off (what `applied` was made from).
     limit_of: BTreeMap<u64, u64>,
@@ -203,7 +203,7 @@ impl Limits {
         self.ledger_limits = limits;
     }
 
-    /// The `unprobed` processes of each cgroup and the bytes the probes cannot see them hold.
+    /// The processes of each cgroup holding memory the probes do not see, and those bytes.
     pub fn set_escaped(&mut self, escaped: std::sync::Arc<EscapedByCgroup>) {
         self.escaped = escaped;
     }
