@@ -163,6 +163,8 @@ fn memory_allocated_through_an_unprobed_copy_is_seen_by_the_driver() -> Result<(
     let c = control.pid().to_string();
     assert_eq!(http::metric(&metrics, "vramguard_process_state", &[("pid", &c), ("state", "ok")]), Some(1.0));
     assert_eq!(http::metric(&metrics, "vramguard_driver_up", &[]), Some(1.0));
+    // Every process the driver reports is joined: nothing unattributed.
+    assert_eq!(http::metric(&metrics, "vramguard_driver_unattributed_bytes", &[]), Some(0.0));
     let ledger_label = ledger.to_str().context("ledger path")?;
     let container = [("ledger", ledger_label)];
     assert_eq!(http::metric(&metrics, "vramguard_container_unaccounted_bytes", &container), Some(escaped_bytes as f64));
