@@ -13,12 +13,16 @@
 //!
 //! Pids are those of the NVML caller's pid namespace: the agent runs in the host's
 //! (`hostPID`), so they are host pids. NVML gives no start time: the reader reads each pid's
-//! from `/proc` right after the read, and a pass joins a driver row only with the process
-//! that still has that pid and start time. What is not joined is reported as what it is, in
-//! the status's `unjoined` (`vramguard audit`): a pid the agent cannot see when it reads
-//! (a process of a pid namespace the agent does not see into, or one that exited at once), a
-//! pid another process has taken since, and every row while the agent is not in the host's
-//! pid namespace (`pid_namespace` says so: the driver's pids are then not the agent's).
+//! from `/proc` when a read first lists it and remembers it while consecutive reads list the
+//! pid (NVML keeps listing the pid of the process that made the memory's driver client, even
+//! after it exited while a child it forked holds the memory); a row is joined only while the
+//! process at that pid still has that start time, and a pass joins it only with the process
+//! that still has it then. What is not joined is reported as what it is, in the status's
+//! `unjoined` (`vramguard audit`, and its bytes in `vramguard_driver_unattributed_bytes`): a
+//! pid the agent cannot see when it reads (a process of a pid namespace the agent does not see
+//! into, or one that exited), a pid another process has taken since the driver first listed
+//! it, and every row while the agent is not in the host's pid namespace (`pid_namespace` says
+//! so: the driver's pids are then not the agent's).
 //!
 //! A GPU in MIG mode is read per MIG device (`nvmlDeviceGetMigDeviceHandleByIndex`): each
 //! instance's processes, each instance counted as a device of its own (its own context).
@@ -157,6 +161,8 @@ pub struct UnjoinedProcess {
 pub const NOT_VISIBLE: &str = "no such process in the agent's pid namespace when read (a process of another pid namespace, or one that exited at once)";
 /// Why a pid NVML reported is no longer joined.
 pub const REUSED: &str = "the pid is another process's since the read";
+/// Why a pid NVML lists is not joined with the process that has it now.
+pub const REUSED_SINCE_LISTED: &str = "pid reused since the driver first listed it";
 
 /// The inode of the initial (host) pid namespace (the kernel's `PROC_PID_INIT_INO`).
 const HOST_PID_NAMESPACE: &str = "pid:[4026531836]";

@@ -5,6 +5,7 @@
 //! NVML, the reader retries loading it every [`RETRY`]. Each read's time (the NVML calls
 //! alone, on the reader thread) goes into `vramguard_driver_read_seconds` ([`read_seconds`]).
 use std::{
+    collections::BTreeMap,
     path::PathBuf,
     sync::{mpsc as std_mpsc, Arc},
     time::{Duration, Instant},
@@ -19,7 +20,7 @@ use tracing::{info, warn};
 
 use super::{
     nvml::{Nvml, Trouble},
-    DriverStatus, DriverView, Read, State, UnjoinedProcess, NOT_VISIBLE,
+    DriverStatus, DriverView, Read, State, UnjoinedProcess, NOT_VISIBLE, REUSED_SINCE_LISTED,
 };
 use crate::task::Heartbeat;
 
@@ -156,23 +157,39 @@ fn tell_what_is_not_joined(before: &DriverStatus, now: &DriverStatus) {
     }
 }
 
+/// The start time of each pid NVML lists, as read when a read first listed it (`None`: no
+/// process had that pid then), kept while consecutive reads list it.
+pub type Listed = BTreeMap<u32, Option<u64>>;
+
 /// Splits a read's processes into those the agent can join (with their start times) and
 /// those it cannot: all of them when the agent is not in the host's pid namespace
-/// (`foreign`), else those without a visible process of that pid now.
-fn split(mut read: Read, foreign: Option<&str>, start_time_of: impl Fn(u32) -> Option<u64>) -> (Read, Vec<UnjoinedProcess>) {
+/// (`foreign`), else those without a visible process of that pid now, and those whose pid is
+/// held by another process than when the driver first listed it (`listed`, updated: NVML
+/// keeps listing the pid of the process that made the memory's client while a child it
+/// forked holds the memory, after that process exited; a new process given the pid must
+/// not be charged with it).
+fn split(mut read: Read, foreign: Option<&str>, start_time_of: impl Fn(u32) -> Option<u64>, listed: &mut Listed) -> (Read, Vec<UnjoinedProcess>) {
     let mut unjoined = Vec::new();
+    if let Some(foreign) = foreign {
+        listed.clear();
+        unjoined.extend(read.processes.iter().map(|(&pid, process)| UnjoinedProcess { pid, bytes: process.bytes, reason: foreign.to_string() }));
+        read.processes.clear();
+        return (read, unjoined);
+    }
+    listed.retain(|pid, _| read.processes.contains_key(pid));
     read.processes.retain(|&pid, process| {
-        let start_time = if foreign.is_some() { None } else { start_time_of(pid).filter(|_| pid != 0) };
-        match start_time {
-            Some(start_time) => {
-                process.start_time = start_time;
-                true
+        let now = start_time_of(pid).filter(|_| pid != 0);
+        let first = *listed.entry(pid).or_insert(now);
+        let reason = match (first, now) {
+            (Some(first), Some(now)) if first == now => {
+                process.start_time = now;
+                return true;
             }
-            None => {
-                unjoined.push(UnjoinedProcess { pid, bytes: process.bytes, reason: foreign.unwrap_or(NOT_VISIBLE).to_string() });
-                false
-            }
-        }
+            (_, None) => NOT_VISIBLE,
+            (_, Some(_)) => REUSED_SINCE_LISTED,
+        };
+        unjoined.push(UnjoinedProcess { pid, bytes: process.bytes, reason: reason.to_string() });
+        false
     });
     (read, unjoined)
 }
@@ -182,6 +199,7 @@ fn split(mut read: Read, foreign: Option<&str>, start_time_of: impl Fn(u32) -> O
 fn reader(candidates: Vec<PathBuf>, foreign: Option<String>, read_seconds: Histogram, requests: std_mpsc::Receiver<oneshot::Sender<Answer>>) {
     let mut nvml: Option<Nvml> = None;
     let mut last_trouble: Option<(Trouble, Instant)> = None;
+    let mut listed = Listed::new();
     while let Ok(reply) = requests.recv() {
         if nvml.is_none() {
             match &last_trouble {
@@ -203,7 +221,7 @@ fn reader(candidates: Vec<PathBuf>, foreign: Option<String>, read_seconds: Histo
         let started = Instant::now();
         let answer = loaded.read();
         read_seconds.observe(started.elapsed().as_secs_f64());
-        let answer = answer.map(|read| split(read, foreign.as_deref(), ledger::process::running_start_time_of));
+        let answer = answer.map(|read| split(read, foreign.as_deref(), ledger::process::running_start_time_of, &mut listed));
         let _ = reply.send((Some(loaded.path().display().to_string()), answer));
     }
 }
@@ -221,13 +239,31 @@ mod tests {
     fn pids_the_agent_cannot_see_are_reported_not_joined() {
         // 7 runs (started at 700), 8 is not visible, 0 is never a process.
         let start_time_of = |pid: u32| (pid == 7 || pid == 0).then_some(u64::from(pid) * 100);
-        let (read, unjoined) = split(read_of(&[0, 7, 8]), None, start_time_of);
+        let (read, unjoined) = split(read_of(&[0, 7, 8]), None, start_time_of, &mut Listed::new());
         assert_eq!(read.processes.keys().copied().collect::<Vec<_>>(), [7]);
         assert_eq!(read.processes[&7].start_time, 700);
         assert_eq!(unjoined.iter().map(|u| (u.pid, u.reason.as_str())).collect::<Vec<_>>(), [(0, NOT_VISIBLE), (8, NOT_VISIBLE)]);
         // Outside the host's pid namespace, none is joined, each with the reason.
-        let (read, unjoined) = split(read_of(&[7, 8]), Some("not the host's"), start_time_of);
+        let (read, unjoined) = split(read_of(&[7, 8]), Some("not the host's"), start_time_of, &mut Listed::new());
         assert!(read.processes.is_empty());
         assert_eq!(unjoined.iter().map(|u| (u.pid, u.bytes, u.reason.as_str())).collect::<Vec<_>>(), [(7, 7 << 20, "not the host's"), (8, 8 << 20, "not the host's")]);
+    }
+
+    #[test]
+    fn a_pid_another_process_took_while_the_driver_lists_it_is_not_joined() {
+        let mut listed = Listed::new();
+        // 7 runs, started at 700; 9 is not visible when first listed.
+        let (read, _) = split(read_of(&[7, 9]), None, |pid| (pid == 7).then_some(700), &mut listed);
+        assert_eq!(read.processes.keys().copied().collect::<Vec<_>>(), [7]);
+        // 7 exited (a child it forked keeps the memory, NVML still lists 7) and its pid went to
+        // a new process (started at 900); 9 is now visible, another process too: neither joined.
+        let reused = |pid: u32| Some(if pid == 7 { 900 } else { 950 });
+        let (read, unjoined) = split(read_of(&[7, 9]), None, reused, &mut listed);
+        assert!(read.processes.is_empty(), "{read:?}");
+        assert_eq!(unjoined.iter().map(|u| (u.pid, u.bytes, u.reason.as_str())).collect::<Vec<_>>(), [(7, 7 << 20, REUSED_SINCE_LISTED), (9, 9 << 20, REUSED_SINCE_LISTED)]);
+        // Once NVML no longer lists 7, it is forgotten: a later listing of 7 is a new one.
+        let (_, _) = split(read_of(&[9]), None, reused, &mut listed);
+        let (read, unjoined) = split(read_of(&[7]), None, reused, &mut listed);
+        assert_eq!((read.processes[&7].start_time, unjoined), (900, Vec::new()));
     }
 }

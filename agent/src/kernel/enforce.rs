@@ -19,14 +19,19 @@
 //! their registers; the agent checks at start and says whether this kernel does.
 //!
 //! The probes see only allocations made through the libcuda files they are on. Memory the
-//! driver reports a cgroup's processes holding beyond that (their `unprobed` bytes, joined by
-//! [`crate::reconcile`] and handed on by the reconcile task, never read here from NVML) counts
-//! in the cgroup's usage: the limit pushed to the probes is the cgroup's limit less those
-//! bytes, so its probed allocations are held to what is left; and in `signal` mode, a cgroup
-//! whose probed usage plus those bytes is over its limit has its escaped processes signalled
-//! by the agent, largest first, until what is left is within it (each process once, checked
-//! by its start time so that a reused pid is never signalled). This is as fast as the driver
-//! view: about a pass after the read that shows the memory (one to three seconds).
+//! driver reports a cgroup's processes holding beyond that (the driver's figure less the
+//! probes' and less a context at `--context-allowance` and a page per device, for every joined
+//! process whatever its state; joined by [`crate::reconcile`] and handed on by the reconcile
+//! task, never read here from NVML, and never explained away by a ledger the tenant writes)
+//! counts in the cgroup's usage: the limit pushed to the probes is the cgroup's limit less
+//! those bytes, at once, so its probed allocations are held to what is left; and in `signal`
+//! mode, a cgroup whose probed usage plus the escaped bytes seen on two consecutive driver
+//! reads is over its limit has those escaped processes signalled by the agent, largest first,
+//! until what is left is within it (through a pidfd, checked by the start time the driver's
+//! row was joined with, so that a reused pid is never signalled; each process once the signal
+//! is delivered or the process is found gone, a failed signal is tried again). This is as fast
+//! as the driver view: about a pass after the second read that shows the memory (two to four
+//! seconds).
 //!
 //! A limit is only ever pushed for a cgroup that exists when it is pushed: the kernel deletes
 //! a removed cgroup's entry (`cgroup_rmdir`), and the agent must not bring it back.
@@ -141,15 +146,12 @@ pub struct Limits {
     signal: u32,
     map: HashMap<MapData, u64, CgroupLimit>,
     applied: BTreeMap<u64, CgroupLimit>,
-    /// The `unprobed` processes of each cgroup, from reconcile.
+    /// The processes of each cgroup holding memory the probes do not see, from reconcile.
     escaped: std::sync::Arc<EscapedByCgroup>,
     /// Each cgroup's limit before its escaped bytes are taken off (what `applied` was made from).
     limit_of: BTreeMap<u64, u64>,
-    /// The escaped processes signalled (in `audit` mode: logged) (pid, start time), forgotten
-    /// once they are no longer reported.
-    signalled: std::collections::BTreeSet<(u32, u64)>,
-    /// Signals the agent sent to escaped processes.
-    escaped_signals: u64,
+    /// The escaped processes signalled, and the agent's signals to them.
+    escapes: Escapes,
     /// `LIMITS_ON`, and what was last written to it (0: off; else the map's generation).
     on: Array<MapData, u32>,
     generation: u32,
@@ -190,8 +192,7 @@ impl Limits {
             applied: BTreeMap::new(),
             escaped: Default::default(),
             limit_of: BTreeMap::new(),
-            signalled: Default::default(),
-            escaped_signals: 0,
+            escapes: Escapes::default(),
             on,
             generation: 0,
         })
@@ -202,44 +203,26 @@ impl Limits {
         self.ledger_limits = limits;
     }
 
-    /// The `unprobed` processes of each cgroup and the bytes the probes cannot see them hold.
+    /// The processes of each cgroup holding memory the probes do not see, and those bytes.
     pub fn set_escaped(&mut self, escaped: std::sync::Arc<EscapedByCgroup>) {
         self.escaped = escaped;
     }
 
     /// Signals the agent sent to escaped processes.
     pub fn escaped_signals(&self) -> u64 {
-        self.escaped_signals
+        self.escapes.signals
     }
 
     /// For each cgroup whose usage (`probed` bytes plus its escaped bytes) is over its limit:
     /// in `signal` mode, signals its escaped processes, largest first, until what is left is
     /// within the limit (see the module doc); in `audit` mode, logs them (once per process).
     pub fn signal_escaped(&mut self, probed: impl Fn(u64) -> u64) {
-        let reported: std::collections::BTreeSet<(u32, u64)> = self.escaped.values().flatten().map(|p| (p.pid, p.start_time)).collect();
-        self.signalled.retain(|process| reported.contains(process));
         let escaped = self.escaped.clone();
-        for (cgroup, processes) in escaped.iter() {
-            let Some(&limit) = self.limit_of.get(cgroup) else { continue };
-            let usage = probed(*cgroup).saturating_add(processes.iter().fold(0u64, |sum, p| sum.saturating_add(p.bytes)));
-            for (process, usage) in to_signal(processes, usage, limit, &self.signalled) {
-                if self.mode != enforce::SIGNAL {
-                    tracing::warn!(pid = process.pid, cgroup, escaped_bytes = process.bytes, usage, limit,
-                        "a process whose GPU memory the probes cannot see (unprobed) takes its cgroup over its limit: not signalled (--enforce audit; said once per process)");
-                    self.signalled.insert((process.pid, process.start_time));
-                    continue;
-                }
-                match signal_process(&process, self.signal as i32) {
-                    Ok(()) => {
-                        self.escaped_signals += 1;
-                        tracing::warn!(pid = process.pid, cgroup, escaped_bytes = process.bytes, usage, limit, signal = self.signal,
-                            "signalled a process whose GPU memory the probes cannot see (unprobed): its cgroup is over its limit");
-                    }
-                    Err(error) => tracing::warn!(pid = process.pid, cgroup, %error, "cannot signal an unprobed process over its cgroup's limit"),
-                }
-                self.signalled.insert((process.pid, process.start_time));
-            }
-        }
+        let (mode, signal) = (self.mode, self.signal as i32);
+        self.escapes.act(&escaped, &self.limit_of, probed, |process| match mode {
+            enforce::SIGNAL => Some(signal_process(process, signal)),
+            _ => None,
+        });
     }
 
     /// The cgroups of the provisioned containers (paths relative to the cgroup2 root) and
@@ -395,6 +378,74 @@ impl Limits {
     }
 }
 
+/// The escaped processes the agent has signalled (or, in `audit` mode, logged), and how many
+/// signals it sent.
+#[derive(Default)]
+struct Escapes {
+    /// (pid, start time) of the processes signalled (or found gone, or logged in `audit`
+    /// mode), forgotten once they are no longer reported.
+    signalled: std::collections::BTreeSet<(u32, u64)>,
+    /// Those a signal failed for (said once; tried again at the next push).
+    failed: std::collections::BTreeSet<(u32, u64)>,
+    /// Signals sent.
+    signals: u64,
+}
+
+impl Escapes {
+    /// For each cgroup of `escaped` whose usage (`probed` bytes plus its confirmed escaped
+    /// bytes) is over its limit (`limit_of`), hands its confirmed escaped processes to `send`,
+    /// largest first, until what is left is within it. `send` answers how the signal went
+    /// (`None`: not sent, `audit` mode: logged once). A process is counted signalled only once
+    /// the signal was delivered or the process is found gone; one a signal failed for is tried
+    /// again at the next call.
+    fn act(
+        &mut self,
+        escaped: &EscapedByCgroup,
+        limit_of: &BTreeMap<u64, u64>,
+        probed: impl Fn(u64) -> u64,
+        mut send: impl FnMut(&EscapedProcess) -> Option<std::io::Result<()>>,
+    ) {
+        let reported: std::collections::BTreeSet<(u32, u64)> = escaped.values().flatten().map(|p| (p.pid, p.start_time)).collect();
+        self.signalled.retain(|process| reported.contains(process));
+        self.failed.retain(|process| reported.contains(process));
+        for (cgroup, processes) in escaped {
+            let Some(&limit) = limit_of.get(cgroup) else { continue };
+            // Only escapes that lasted are signalled, and only they count towards a signal.
+            let confirmed: Vec<EscapedProcess> = processes.iter().filter(|p| p.confirmed).copied().collect();
+            let usage = probed(*cgroup).saturating_add(confirmed.iter().fold(0u64, |sum, p| sum.saturating_add(p.bytes)));
+            for (process, usage) in to_signal(&confirmed, usage, limit, &self.signalled) {
+                let key = (process.pid, process.start_time);
+                match send(&process) {
+                    None => {
+                        tracing::warn!(pid = process.pid, cgroup, escaped_bytes = process.bytes, usage, limit,
+                            "a process whose GPU memory the probes cannot see takes its cgroup over its limit: not signalled (--enforce audit; said once per process)");
+                        self.signalled.insert(key);
+                    }
+                    Some(Ok(())) => {
+                        self.signals += 1;
+                        tracing::warn!(pid = process.pid, cgroup, escaped_bytes = process.bytes, usage, limit,
+                            "signalled a process whose GPU memory the probes cannot see: its cgroup is over its limit");
+                        self.signalled.insert(key);
+                    }
+                    Some(Err(error)) if is_gone(&error) => {
+                        self.signalled.insert(key);
+                    }
+                    Some(Err(error)) => {
+                        if self.failed.insert(key) {
+                            tracing::warn!(pid = process.pid, cgroup, %error, "cannot signal a process whose GPU memory the probes cannot see, over its cgroup's limit: tried again at each push (said once)");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Whether a signal's `error` says the process is gone (`ESRCH`, or its pid another's now).
+fn is_gone(error: &std::io::Error) -> bool {
+    error.raw_os_error() == Some(libc::ESRCH) || error.kind() == std::io::ErrorKind::NotFound
+}
+
 /// Of a cgroup's escaped `processes` (largest first), those to signal so that its `usage`
 /// (probed and escaped bytes) comes within `limit`, each with the usage it is signalled at:
 /// the `signalled` ones are on their way out already (what they hold counts as gone).
@@ -474,7 +525,7 @@ mod tests {
     #[test]
     fn escaped_processes_are_signalled_largest_first_until_the_cgroup_is_within_its_limit() {
         const MIB: u64 = 1 << 20;
-        let process = |pid, bytes| EscapedProcess { pid, start_time: u64::from(pid) * 10, bytes };
+        let process = |pid, bytes| EscapedProcess { pid, start_time: u64::from(pid) * 10, bytes, confirmed: true };
         let processes = [process(1, 300 * MIB), process(2, 200 * MIB), process(3, 100 * MIB)];
         let none = std::collections::BTreeSet::new();
         let pids = |chosen: Vec<(EscapedProcess, u64)>| chosen.into_iter().map(|(p, _)| p.pid).collect::<Vec<_>>();
@@ -488,6 +539,61 @@ mod tests {
         let signalled = std::collections::BTreeSet::from([(1, 10)]);
         assert_eq!(pids(to_signal(&processes, 700 * MIB, 512 * MIB, &signalled)), Vec::<u32>::new());
         assert_eq!(pids(to_signal(&processes, 700 * MIB, 300 * MIB, &signalled)), [2]);
+    }
+
+    #[test]
+    fn a_process_is_counted_signalled_only_once_the_signal_is_delivered_or_it_is_gone() {
+        const MIB: u64 = 1 << 20;
+        let process = |pid, confirmed| EscapedProcess { pid, start_time: u64::from(pid) * 10, bytes: 200 * MIB, confirmed };
+        // Three confirmed escaped processes in cgroup 7, limited to 128 MiB.
+        let escaped = EscapedByCgroup::from([(7, vec![process(1, true), process(2, true), process(3, true)])]);
+        let limits = BTreeMap::from([(7, 128 * MIB)]);
+        let mut escapes = Escapes::default();
+        let mut tried = Vec::new();
+        // 1 refuses (EPERM), 2 is gone (ESRCH), 3 is signalled.
+        let answer = |pid: u32| match pid {
+            1 => std::io::Error::from_raw_os_error(libc::EPERM).into(),
+            2 => std::io::Error::from_raw_os_error(libc::ESRCH).into(),
+            _ => None,
+        };
+        escapes.act(&escaped, &limits, |_| 0, |p| {
+            tried.push(p.pid);
+            Some(answer(p.pid).map_or(Ok(()), Err))
+        });
+        assert_eq!(tried, [1, 2, 3]);
+        assert_eq!(escapes.signals, 1);
+        assert_eq!(escapes.signalled, std::collections::BTreeSet::from([(2, 20), (3, 30)]));
+        // The refused one is tried again at the next push; the others are not.
+        tried.clear();
+        escapes.act(&escaped, &limits, |_| 0, |p| {
+            tried.push(p.pid);
+            Some(Ok(()))
+        });
+        assert_eq!((tried, escapes.signals), (vec![1], 2));
+    }
+
+    #[test]
+    fn only_an_escape_seen_on_consecutive_reads_is_signalled() {
+        const MIB: u64 = 1 << 20;
+        let process = |pid, bytes, confirmed| EscapedProcess { pid, start_time: 1, bytes, confirmed };
+        let limits = BTreeMap::from([(7, 128 * MIB)]);
+        let mut escapes = Escapes::default();
+        let mut tried = Vec::new();
+        // A new escape over the limit: not signalled yet, nor does it count against a
+        // confirmed neighbour within the limit on its own.
+        let escaped = EscapedByCgroup::from([(7, vec![process(1, 300 * MIB, false), process(2, 100 * MIB, true)])]);
+        escapes.act(&escaped, &limits, |_| 0, |p| {
+            tried.push(p.pid);
+            Some(Ok(()))
+        });
+        assert_eq!(tried, Vec::<u32>::new());
+        // Confirmed at the next read: signalled.
+        let escaped = EscapedByCgroup::from([(7, vec![process(1, 300 * MIB, true), process(2, 100 * MIB, true)])]);
+        escapes.act(&escaped, &limits, |_| 0, |p| {
+            tried.push(p.pid);
+            Some(Ok(()))
+        });
+        assert_eq!(tried, [1]);
     }
 
     #[test]

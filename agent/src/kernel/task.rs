@@ -41,7 +41,7 @@ pub struct Wiring {
     pub requests: mpsc::Receiver<oneshot::Sender<KernelView>>,
     /// The limits the ledgers' containers are held to (cgroup id -> bytes), from reconcile.
     pub ledger_limits: watch::Receiver<BTreeMap<u64, u64>>,
-    /// The `unprobed` processes of each cgroup and the bytes the probes cannot see them hold,
+    /// The processes of each cgroup holding memory the probes do not see, and those bytes,
     /// from reconcile (which joins the driver's view: NVML is never on this task's path).
     pub escaped: watch::Receiver<Arc<EscapedByCgroup>>,
     /// The provisioned containers' limits (cgroup path -> bytes), when the agent provisions.

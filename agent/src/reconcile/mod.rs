@@ -52,7 +52,18 @@
 //! * `ok`: otherwise.
 //!
 //! A ledger whose header was rewritten since the agent validated it
-//! ([`Ledgers::header_change`]) has every process of it reported `tampered` too.
+//! ([`Ledgers::header_change`]) has every process of it reported `tampered` too; what the
+//! driver reports such a process holding beyond the other views is charged all the same.
+//!
+//! # Enforcement
+//!
+//! The ledger is the tenant's to write, so it never explains memory away from the limits:
+//! for the cgroup limit and `--enforce signal`, a process's escaped bytes are the driver's
+//! figure less the probes' and, per device, a context at `--context-allowance` (never the
+//! ledger's reserve) and a 2 MiB page ([`Verdict::enforced_bytes`]), for every process the
+//! driver's row is joined with, whatever its state: its enforced usage is the larger of the
+//! probes' figure and the driver's less its contexts. The limit is lowered by them at once; a
+//! signal waits until they were over 0 on [`ESCAPE_CONFIRM_READS`] consecutive driver reads.
 //!
 //! # Containers
 //!
@@ -67,11 +78,11 @@
 //! `unhooked` processes in its cgroups, what `tampered` processes hold beyond their
 //! charge, and what the driver reports `unprobed` processes holding beyond the probes and the
 //! ledger (their escaped bytes; all of it, context included, for one without a slot). The
-//! escaped bytes of each cgroup also go to the kernel task ([`Reconciler::escaped_by_cgroup`],
-//! published by the reconcile task): the cgroup's usage against its limit is the probes'
-//! figure plus them, and in signal mode the escaped processes of a cgroup over its limit are
-//! signalled by the agent (the probes never see their allocations). The agent's own slot is
-//! never judged.
+//! enforced escaped bytes of each cgroup's processes go to the kernel task
+//! ([`Reconciler::escaped_by_cgroup`], published by the reconcile task): the cgroup's usage
+//! against its limit is the probes' figure plus them, and in signal mode the escaped
+//! processes of a cgroup over its limit are signalled by the agent (the probes never see
+//! their allocations). The agent's own slot is never judged.
 //!
 //! # Cost
 //!
@@ -127,6 +138,9 @@ pub const DRIVER_PAGE: u64 = 2 << 20;
 /// How long the figures the probes and ledgers gave a process are remembered, to compare a
 /// driver read that is behind them with what they said when it started.
 const EXPLAINED_MEMORY: Duration = Duration::from_secs(4);
+/// On how many consecutive driver reads a process's enforced escaped bytes must be over 0
+/// before it may be signalled (its cgroup's limit is lowered at once).
+pub const ESCAPE_CONFIRM_READS: u32 = 2;
 
 /// A process's reconciliation state.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -204,24 +218,41 @@ pub struct Verdict {
     /// What the driver reports the process holding (context included), if it reports it.
     #[serde(default)]
     pub driver_bytes: Option<u64>,
-    /// Of an `unprobed` process's driver bytes, those neither the probes nor its ledger
-    /// explain (the ledger's context reserve counted as explained): what its container is
-    /// charged and held to beyond the probes' figure. 0 in every other state.
+    /// Of an `unprobed` (or `tampered`) process's driver bytes, those neither the probes nor
+    /// its ledger explain (the ledger's context reserve, at most the allowance, counted as
+    /// explained): what its container's ledger is charged beyond the probes' figure. 0 in
+    /// every other state.
     #[serde(default)]
     pub escaped_bytes: u64,
+    /// Of the process's driver bytes, those the probes do not explain, its contexts (at
+    /// `--context-allowance` and a page per device) aside; the ledger never counts here (it
+    /// is the tenant's to write). What its cgroup is held to beyond the probes' figure and
+    /// signalled for, whatever the process's state ([`Reconciler::escaped_by_cgroup`]).
+    #[serde(default)]
+    pub enforced_bytes: u64,
+    /// The start time the driver's row was joined with (the process the bytes are of).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub driver_start_time: Option<u64>,
+    /// Whether `enforced_bytes` were over 0 on [`ESCAPE_CONFIRM_READS`] consecutive driver
+    /// reads: only then may the process be signalled.
+    #[serde(default)]
+    pub escape_confirmed: bool,
 }
 
-/// An `unprobed` process as the kernel task sees it, to hold its container to its limit
-/// ([`crate::kernel::enforce`]): which process (host pid and start time, so that a pid reused
-/// since the pass is never signalled) and the bytes it holds that the probes cannot see.
+/// A process holding memory the probes do not see, as the kernel task sees it, to hold its
+/// container to its limit ([`crate::kernel::enforce`]): which process (host pid and the start
+/// time the driver's row was joined with, so that a pid reused since is never signalled), the
+/// bytes it holds that the probes cannot see, and whether that has lasted long enough for a
+/// signal ([`Verdict::escape_confirmed`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct EscapedProcess {
     pub pid: u32,
     pub start_time: u64,
     pub bytes: u64,
+    pub confirmed: bool,
 }
 
-/// Per cgroup id: its `unprobed` processes, largest first.
+/// Per cgroup id: its processes with escaped bytes, largest first.
 pub type EscapedByCgroup = BTreeMap<u64, Vec<EscapedProcess>>;
 
 #[derive(Clone, Copy, Debug)]
@@ -260,8 +291,12 @@ pub struct Reconciler {
     unreadable: BTreeSet<String>,
     /// The driver's latest view, for the next pass.
     driver: Option<Arc<DriverView>>,
-    /// What the probes and ledgers explained of each process at recent passes.
-    explained: HashMap<u32, Vec<(Instant, u64)>>,
+    /// What the probes (and the probes or the ledger) explained of each process at recent
+    /// passes: (when, eBPF bytes, the larger of eBPF and ledger bytes).
+    explained: HashMap<u32, Vec<(Instant, u64, u64)>>,
+    /// Per process with enforced escaped bytes: (the driver row's start time, the read they
+    /// were last seen on, on how many consecutive reads).
+    escapes: HashMap<u32, (u64, Option<Instant>, u32)>,
     /// Processes already logged as `unprobed` (said once per process).
     unprobed_logged: BTreeSet<u32>,
     /// The driver's rows the last pass joined with no process, as their pids are others' now.
@@ -283,6 +318,7 @@ impl Reconciler {
             unreadable: BTreeSet::new(),
             driver: None,
             explained: HashMap::new(),
+            escapes: HashMap::new(),
             unprobed_logged: BTreeSet::new(),
             driver_unjoined: Vec::new(),
         }
@@ -370,28 +406,57 @@ impl Reconciler {
         self.judge(observations, Instant::now());
     }
 
-    /// The bytes of the driver's figure for `seen` that the other views do not explain, if
-    /// it is beyond them (see the module doc; 0 otherwise), remembering what they explain now.
-    fn escaped(&mut self, seen: &Observation, now: Instant) -> u64 {
-        let explained_now = seen.ebpf_bytes.max(seen.ledger_bytes.unwrap_or(0));
+    /// The bytes of the driver's figure for `seen` that the other views do not explain, as
+    /// (for the ledger's charge and the `unprobed` state, for enforcement), remembering what
+    /// they explain now (see the module doc; 0 when within them).
+    ///
+    /// For the charge, the ledger's bytes explain memory too (the ledger is the tenant's own:
+    /// charging it what it already charges would count it twice). For enforcement they do not
+    /// (the tenant writes them): only the probes' figure and, per device, a context at
+    /// `--context-allowance` and a page.
+    fn escaped(&mut self, seen: &Observation, now: Instant) -> (u64, u64) {
+        let (ebpf_now, explained_now) = (seen.ebpf_bytes, seen.ebpf_bytes.max(seen.ledger_bytes.unwrap_or(0)));
         let history = self.explained.entry(seen.pid).or_default();
-        history.retain(|(at, _)| now.saturating_duration_since(*at) < EXPLAINED_MEMORY);
-        history.push((now, explained_now));
-        let Some(driver) = seen.driver else { return 0 };
+        history.retain(|(at, _, _)| now.saturating_duration_since(*at) < EXPLAINED_MEMORY);
+        history.push((now, ebpf_now, explained_now));
+        let Some(driver) = seen.driver else { return (0, 0) };
         let since = self.driver.as_ref().and_then(|d| d.read_at).map(|at| at.checked_sub(task::EVERY).unwrap_or(at));
-        let explained = history.iter().filter(|(at, _)| since.is_none_or(|since| *at >= since)).map(|(_, bytes)| *bytes).max().unwrap_or(0);
+        let recent = || history.iter().filter(|(at, _, _)| since.is_none_or(|since| *at >= since));
+        let ebpf = recent().map(|(_, ebpf, _)| *ebpf).max().unwrap_or(0).max(ebpf_now);
+        let explained = recent().map(|(_, _, bytes)| *bytes).max().unwrap_or(0).max(explained_now);
+        let devices = u64::from(driver.devices);
+        let contexts = devices.saturating_mul(self.config.context_allowance.saturating_add(DRIVER_PAGE));
+        let enforced = driver.bytes.saturating_sub(ebpf).saturating_sub(contexts);
         // A ledger's reserve may only lower the allowance: a workload that made its own ledger
         // chose that figure, and must not explain memory away with it.
         let context = seen.context_reserve.map_or(self.config.context_allowance, |reserve| reserve.min(self.config.context_allowance));
-        let allowance = u64::from(driver.devices).saturating_mul(context.saturating_add(DRIVER_PAGE));
-        let explained = explained.max(explained_now);
+        let allowance = devices.saturating_mul(context.saturating_add(DRIVER_PAGE));
         if driver.bytes <= explained.saturating_add(allowance) {
-            return 0;
+            return (0, enforced);
         }
         // Escaped: all of it beyond the explained bytes, its contexts included, except the
-        // contexts its ledger already charges.
-        let charged_contexts = u64::from(driver.devices).saturating_mul(seen.context_reserve.unwrap_or(0));
-        driver.bytes.saturating_sub(explained).saturating_sub(charged_contexts).max(1)
+        // contexts its ledger already charges (never more than the allowance, for the same
+        // reason).
+        let charged_contexts = devices.saturating_mul(seen.context_reserve.map_or(0, |reserve| reserve.min(self.config.context_allowance)));
+        (driver.bytes.saturating_sub(explained).saturating_sub(charged_contexts).max(1), enforced)
+    }
+
+    /// Whether `pid`'s enforced escaped bytes (`enforced`, of the driver row joined with
+    /// `start_time`) have been over 0 on [`ESCAPE_CONFIRM_READS`] consecutive driver reads.
+    fn escape_confirmed(&mut self, pid: u32, start_time: u64, enforced: u64) -> bool {
+        if enforced == 0 {
+            self.escapes.remove(&pid);
+            return false;
+        }
+        let read = self.driver.as_ref().and_then(|d| d.read_at);
+        let entry = self.escapes.entry(pid).or_insert((start_time, None, 0));
+        if entry.0 != start_time {
+            *entry = (start_time, None, 0);
+        }
+        if entry.2 == 0 || entry.1 != read {
+            *entry = (start_time, read, entry.2.saturating_add(1));
+        }
+        entry.2 >= ESCAPE_CONFIRM_READS
     }
 
     /// Judges `observations` as of `now`, logging every change of state.
@@ -402,10 +467,13 @@ impl Reconciler {
         let previous: HashMap<u32, State> = self.verdicts.iter().map(|v| (v.pid, v.state)).collect();
         let seen_pids: BTreeSet<u32> = observations.iter().map(|o| o.pid).collect();
         self.explained.retain(|pid, _| seen_pids.contains(pid));
+        self.escapes.retain(|pid, _| seen_pids.contains(pid));
         self.unprobed_logged.retain(|pid| seen_pids.contains(pid));
         for seen in observations {
-            let escaped_bytes = if seen.gone { 0 } else { self.escaped(&seen, now) };
+            let (escaped_bytes, enforced_bytes) = if seen.gone { (0, 0) } else { self.escaped(&seen, now) };
             let escaped = escaped_bytes > 0;
+            let driver_start_time = seen.driver.map(|d| d.start_time);
+            let escape_confirmed = self.escape_confirmed(seen.pid, driver_start_time.unwrap_or(0), enforced_bytes);
             let state = match seen.ledger_bytes {
                 _ if seen.gone => State::Stale,
                 Some(_) if seen.header_changed => State::Tampered,
@@ -458,7 +526,12 @@ impl Reconciler {
                 ledger_bytes: seen.ledger_bytes,
                 ebpf_bytes: seen.ebpf_bytes,
                 driver_bytes: seen.driver.map(|d| d.bytes),
-                escaped_bytes: if state == State::Unprobed { escaped_bytes } else { 0 },
+                // A tampered process's escaped bytes are charged too (a rewritten header
+                // must not switch the driver's view off).
+                escaped_bytes: if matches!(state, State::Unprobed | State::Tampered) { escaped_bytes } else { 0 },
+                enforced_bytes,
+                driver_start_time,
+                escape_confirmed,
             });
         }
         verdicts.sort_by_key(|v| (v.pid, v.state));
@@ -491,9 +564,10 @@ impl Reconciler {
         let mut sums: BTreeMap<String, u64> = BTreeMap::new();
         for verdict in &self.verdicts {
             let (ledger, bytes) = match (&verdict.ledger, verdict.state) {
-                (Some(ledger), State::Tampered) => {
-                    (Some(ledger.as_str()), verdict.ebpf_bytes.saturating_sub(verdict.ledger_bytes.unwrap_or(0)))
-                }
+                (Some(ledger), State::Tampered) => (
+                    Some(ledger.as_str()),
+                    verdict.ebpf_bytes.saturating_sub(verdict.ledger_bytes.unwrap_or(0)).saturating_add(verdict.escaped_bytes),
+                ),
                 (None, State::Unhooked) => (owners.get(&verdict.cgroup_id).copied(), verdict.ebpf_bytes),
                 (Some(ledger), State::Unprobed) => (Some(ledger.as_str()), verdict.escaped_bytes),
                 (None, State::Unprobed) => (owners.get(&verdict.cgroup_id).copied(), verdict.ebpf_bytes.saturating_add(verdict.escaped_bytes)),
@@ -507,15 +581,17 @@ impl Reconciler {
         sums
     }
 
-    /// The `unprobed` processes of each cgroup, for the kernel task: their escaped bytes count
-    /// in their cgroup's usage against its limit (the probes cannot see them), and in signal
-    /// mode they are what is signalled when that usage is over it. The start time is read
-    /// now; a process gone since the pass is left out.
+    /// The processes of each cgroup with enforced escaped bytes ([`Verdict::enforced_bytes`],
+    /// whatever their state), for the kernel task: those bytes count in their cgroup's usage
+    /// against its limit (the probes cannot see them), and in signal mode the confirmed ones
+    /// are what is signalled when that usage is over it. Each carries the start time its
+    /// driver row was joined with (the signal checks it).
     pub fn escaped_by_cgroup(&self) -> EscapedByCgroup {
         let mut by_cgroup = EscapedByCgroup::new();
-        for verdict in self.verdicts.iter().filter(|v| v.state == State::Unprobed && v.escaped_bytes > 0 && v.cgroup_id != 0) {
-            let Some(start_time) = ledger::process::running_start_time_of(verdict.pid) else { continue };
-            by_cgroup.entry(verdict.cgroup_id).or_default().push(EscapedProcess { pid: verdict.pid, start_time, bytes: verdict.escaped_bytes });
+        for verdict in self.verdicts.iter().filter(|v| v.state != State::Stale && v.enforced_bytes > 0 && v.cgroup_id != 0) {
+            let Some(start_time) = verdict.driver_start_time else { continue };
+            let process = EscapedProcess { pid: verdict.pid, start_time, bytes: verdict.enforced_bytes, confirmed: verdict.escape_confirmed };
+            by_cgroup.entry(verdict.cgroup_id).or_default().push(process);
         }
         for processes in by_cgroup.values_mut() {
             processes.sort_by_key(|p| std::cmp::Reverse(p.bytes));
@@ -873,6 +949,90 @@ mod tests {
     }
 
     #[test]
+    fn enforcement_counts_the_drivers_figure_whatever_the_ledger_says() {
+        let config = Config { context_allowance: 64 * MIB, ..Config::default() };
+        let mut r = Reconciler::new(config);
+        let start = Instant::now();
+        r.set_driver(Some(Arc::new(DriverView { read_at: Some(start), ..Default::default() })));
+        let driver = |bytes, start_time| Some(DriverProcess { bytes, devices: 1, start_time });
+        // 96 MiB through an unprobed copy and a 64 MiB context; the process's slot forges its
+        // bytes up to the driver's whole figure: the ledger explains it, nothing is charged,
+        // but the cgroup is held to it (160 MiB less a context and a page).
+        let forged = Observation { cgroup_id: 7, driver: driver(160 * MIB, 1000), context_reserve: Some(64 * MIB), ..seen(40, Some(160 * MIB), 0) };
+        // The same with a rewritten header: tampered, still held to it.
+        let header = Observation { pid: 41, header_changed: true, ..forged.clone() };
+        // An honest hooked process whose context (500 MiB) is larger than its ledger's reserve
+        // (64 MiB) but within a generous allowance: nothing enforced.
+        let honest = Observation { cgroup_id: 7, driver: driver(596 * MIB, 1100), context_reserve: Some(64 * MIB), ..seen(42, Some(96 * MIB), 96 * MIB) };
+        r.judge(vec![forged, header, honest.clone()], start);
+        assert_eq!(states(&r), vec![(40, State::Ok), (41, State::Tampered), (42, State::Unprobed)]);
+        let enforced: Vec<u64> = r.verdicts().iter().map(|v| v.enforced_bytes).collect();
+        assert_eq!(enforced, [94 * MIB, 94 * MIB, 500 * MIB - 66 * MIB]);
+        let mut r = Reconciler::new(Config { context_allowance: 600 * MIB, ..config });
+        r.set_driver(Some(Arc::new(DriverView { read_at: Some(start), ..Default::default() })));
+        r.judge(vec![honest], start);
+        assert_eq!(r.verdicts()[0].enforced_bytes, 0, "{:?}", r.verdicts());
+    }
+
+    #[test]
+    fn a_huge_reserve_in_a_workloads_own_ledger_explains_no_more_than_the_allowance() {
+        let mut r = Reconciler::new(Config { context_allowance: 64 * MIB, ..Config::default() });
+        let start = Instant::now();
+        r.set_driver(Some(Arc::new(DriverView { read_at: Some(start), ..Default::default() })));
+        // 500 MiB through an unprobed copy, a 64 MiB context; the ledger says its reserve is 1 TiB.
+        let huge = Observation { driver: Some(DriverProcess { bytes: 660 * MIB, devices: 1, start_time: 1 }), context_reserve: Some(1 << 40), ..seen(50, Some(96 * MIB), 96 * MIB) };
+        r.judge(vec![huge], start);
+        assert_eq!((r.verdicts()[0].state, r.verdicts()[0].escaped_bytes), (State::Unprobed, 500 * MIB));
+    }
+
+    #[test]
+    fn a_rewritten_header_does_not_lose_the_drivers_charge() {
+        let mut r = Reconciler::new(Config { context_allowance: 64 * MIB, ..Config::default() });
+        let start = Instant::now();
+        r.set_driver(Some(Arc::new(DriverView { read_at: Some(start), ..Default::default() })));
+        r.ledger_cgroups = BTreeMap::from([("/l".into(), BTreeSet::from([7]))]);
+        // 500 MiB through an unprobed copy, beside 96 MiB probed and charged.
+        let leaky = Observation {
+            cgroup_id: 7,
+            header_changed: true,
+            driver: Some(DriverProcess { bytes: 660 * MIB, devices: 1, start_time: 1 }),
+            context_reserve: Some(64 * MIB),
+            ..seen(60, Some(96 * MIB), 96 * MIB)
+        };
+        r.judge(vec![leaky], start);
+        assert_eq!((r.verdicts()[0].state, r.verdicts()[0].escaped_bytes), (State::Tampered, 500 * MIB));
+        assert_eq!(r.unaccounted_by_ledger(), BTreeMap::from([("/l".to_string(), 500 * MIB)]));
+        assert_eq!(r.escaped_by_cgroup()[&7].iter().map(|p| p.bytes).collect::<Vec<_>>(), [500 * MIB - 2 * MIB]);
+    }
+
+    #[test]
+    fn the_escape_is_signalled_for_the_joined_process_after_two_reads() {
+        let mut r = Reconciler::new(Config { context_allowance: 64 * MIB, ..Config::default() });
+        let start = Instant::now();
+        // A pid no process has here: the start time published is the joined row's, not /proc's.
+        let pid = 4_000_001;
+        let escaped = || Observation { pid, cgroup_id: 7, driver: Some(DriverProcess { bytes: 160 * MIB, devices: 1, start_time: 4242 }), ..Default::default() };
+        let read = |r: &mut Reconciler, at| r.set_driver(Some(Arc::new(DriverView { read_at: Some(at), ..Default::default() })));
+        read(&mut r, start);
+        r.judge(vec![escaped()], start);
+        let published = |r: &Reconciler| r.escaped_by_cgroup()[&7].clone();
+        assert_eq!(published(&r), [EscapedProcess { pid, start_time: 4242, bytes: 94 * MIB, confirmed: false }]);
+        // Another pass on the same read: not confirmed.
+        r.judge(vec![escaped()], start + Duration::from_millis(200));
+        assert!(!published(&r)[0].confirmed);
+        // The next read says so too: confirmed.
+        read(&mut r, start + Duration::from_secs(1));
+        r.judge(vec![escaped()], start + Duration::from_secs(1));
+        assert!(published(&r)[0].confirmed);
+        // A read without it starts over.
+        read(&mut r, start + Duration::from_secs(2));
+        r.judge(vec![Observation { driver: None, ..escaped() }], start + Duration::from_secs(2));
+        read(&mut r, start + Duration::from_secs(3));
+        r.judge(vec![escaped()], start + Duration::from_secs(3));
+        assert!(!published(&r)[0].confirmed);
+    }
+
+    #[test]
     fn a_driver_row_whose_pid_is_another_process_now_is_not_joined() {
         let row = |bytes, start_time| DriverProcess { bytes, devices: 1, start_time };
         let driver = BTreeMap::from([(10, row(100 * MIB, 1000)), (11, row(200 * MIB, 1100)), (12, row(MIB, 1200))]);
@@ -979,7 +1139,7 @@ mod tests {
         r.agent = None;
         r.pass(Some(&ledgers), &[me(charged)]);
         let name = path.display().to_string();
-        let ok = Verdict { pid, cgroup_id, state: State::Ok, ledger: Some(name.clone()), ledger_bytes: Some(charged), ebpf_bytes: charged, driver_bytes: None, escaped_bytes: 0 };
+        let ok = Verdict { pid, cgroup_id, state: State::Ok, ledger: Some(name.clone()), ledger_bytes: Some(charged), ebpf_bytes: charged, driver_bytes: None, escaped_bytes: 0, enforced_bytes: 0, driver_start_time: None, escape_confirmed: false };
         assert_eq!(r.verdicts(), [ok]);
         assert_eq!(r.ledger_cgroups().get(&name), Some(&BTreeSet::from([cgroup_id])));
         assert_eq!(r.unaccounted_by_ledger(), BTreeMap::new());

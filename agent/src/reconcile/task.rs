@@ -5,8 +5,8 @@
 //! audit` asks for. Each of those runs on the blocking pool with the task's state moved there
 //! and back; nothing critical waits for it: it reads the kernel task's view and the reclaim
 //! task's ledgers when it needs them, and hands on the limits of the ledgers' containers
-//! (cgroup id -> bytes) and the `unprobed` processes of each cgroup (what the driver reports
-//! them holding beyond the probes, [`super::Reconciler::escaped_by_cgroup`]) for the kernel
+//! (cgroup id -> bytes) and the processes of each cgroup the driver reports holding more than
+//! the probes see ([`super::Reconciler::escaped_by_cgroup`]) for the kernel
 //! task to push and enforce: the kernel task never waits for NVML or for a pass.
 //!
 //! Passes run every second, after a drain or a reclaim that changed something (at most one
@@ -56,7 +56,7 @@ pub struct Wiring {
     pub driver: watch::Receiver<Arc<DriverView>>,
     /// The limits of the ledgers' containers, for the kernel task.
     pub ledger_limits: watch::Sender<BTreeMap<u64, u64>>,
-    /// The `unprobed` processes of each cgroup, for the kernel task.
+    /// The processes of each cgroup holding memory the probes do not see, for the kernel task.
     pub escaped: watch::Sender<Arc<EscapedByCgroup>>,
     /// The metrics listener's board (none without `--metrics-addr`), and its bell.
     pub publisher: Option<(Publisher, Arc<Notify>)>,

@@ -10,7 +10,8 @@
 //! one), `vramguard_unhooked_processes`, from the driver view ([`crate::driver`]):
 //! `vramguard_driver_up`, `vramguard_driver_state{state,reason}`, `vramguard_driver_read_seconds`
 //! (registered by the driver task, which times its reads),
-//! `vramguard_driver_process_memory_bytes{pid,cgroup}` and
+//! `vramguard_driver_process_memory_bytes{pid,cgroup}`, `vramguard_driver_unattributed_bytes`
+//! (the driver's bytes of processes joined with none the agent sees) and
 //! `vramguard_container_driver_memory_bytes{ledger}` (what the driver reports the ledger's
 //! processes and the other processes of its container's cgroups holding, contexts included),
 //! `vramguard_container_ebpf_memory_bytes{ledger}` (the
@@ -108,6 +109,7 @@ pub struct Metrics {
     driver_up: IntGauge,
     driver_state: IntGaugeVec,
     driver_process: IntGaugeVec,
+    driver_unattributed: IntGauge,
     kernel_trouble: IntCounterVec,
     capped: IntGaugeVec,
     unrecorded: IntGaugeVec,
@@ -331,6 +333,13 @@ impl Metrics {
             "GPU memory the driver (NVML) reports a process holding over every device, its contexts included",
             &["pid", "cgroup"],
         )?;
+        let driver_unattributed = registered(
+            &registry,
+            IntGauge::new(
+                "vramguard_driver_unattributed_bytes",
+                "GPU memory the driver (NVML) reports for processes joined with none the agent sees (vramguard audit's driver.unjoined: a pid gone, reused, or of another pid namespace)",
+            )?,
+        )?;
         let unhooked = registered(&registry, IntGauge::new("vramguard_unhooked_processes", "Processes holding GPU memory without a ledger slot")?)?;
         let container_ebpf = gauge_vec(
             &registry,
@@ -439,6 +448,7 @@ impl Metrics {
             driver_up,
             driver_state,
             driver_process,
+            driver_unattributed,
             kernel_trouble,
             capped,
             unrecorded,
@@ -596,6 +606,7 @@ impl Metrics {
         self.driver_state.reset();
         let reason = snapshot.driver.reason.as_deref().unwrap_or("");
         self.driver_state.with_label_values(&[snapshot.driver.state.name(), reason]).set(1);
+        self.driver_unattributed.set(value(snapshot.driver.unjoined.iter().fold(0u64, |sum, p| sum.saturating_add(p.bytes))));
         self.driver_process.reset();
         for row in &snapshot.processes {
             if let Some(bytes) = row.driver_bytes {

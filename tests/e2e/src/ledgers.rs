@@ -31,17 +31,24 @@ pub fn slots(path: &Path) -> Result<Vec<(u32, u32)>> {
 /// taken, as a workload writing its own slot down would); returns what the slot charged
 /// before.
 pub fn zero_slot_bytes(path: &Path, pid: u32) -> Result<u64> {
+    Ok(write_slot_bytes(path, pid, [0; KINDS])?.iter().sum())
+}
+
+/// Writes `bytes` over `devices[0].bytes` of `pid`'s slot in the ledger file at `path`, as
+/// [`zero_slot_bytes`] does (a workload forging its own slot); returns the bytes before.
+pub fn write_slot_bytes(path: &Path, pid: u32, bytes: [u64; KINDS]) -> Result<[u64; KINDS]> {
     let ledger = Ledger::open(path)?;
     let view = ledger.slots()?.into_iter().find(|v| v.slot.pid == pid).context("no slot for the process")?;
-    let before = view.slot.devices[0].bytes.iter().sum();
+    let before = view.slot.devices[0].bytes;
     let offset = ledger.header().slots_offset
         + u64::from(view.id) * size_of::<Slot>() as u64
         + offset_of!(Slot, devices) as u64
         + offset_of!(SlotDevice, bytes) as u64;
     let file = OpenOptions::new().write(true).open(path)?;
-    file.write_all_at(&[0u8; 8 * KINDS], offset)?;
+    let raw: Vec<u8> = bytes.iter().flat_map(|b| b.to_ne_bytes()).collect();
+    file.write_all_at(&raw, offset)?;
     let after = Ledger::open(path)?.slots()?.into_iter().find(|v| v.id == view.id).context("the slot vanished")?;
-    if after.slot.devices[0].bytes != [0; KINDS] {
+    if after.slot.devices[0].bytes != bytes {
         bail!("the write missed the slot's bytes: {:?}", after.slot.devices[0]);
     }
     Ok(before)

@@ -163,6 +163,8 @@ fn memory_allocated_through_an_unprobed_copy_is_seen_by_the_driver() -> Result<(
     let c = control.pid().to_string();
     assert_eq!(http::metric(&metrics, "vramguard_process_state", &[("pid", &c), ("state", "ok")]), Some(1.0));
     assert_eq!(http::metric(&metrics, "vramguard_driver_up", &[]), Some(1.0));
+    // Every process the driver reports is joined: nothing unattributed.
+    assert_eq!(http::metric(&metrics, "vramguard_driver_unattributed_bytes", &[]), Some(0.0));
     let ledger_label = ledger.to_str().context("ledger path")?;
     let container = [("ledger", ledger_label)];
     assert_eq!(http::metric(&metrics, "vramguard_container_unaccounted_bytes", &container), Some(escaped_bytes as f64));
@@ -228,11 +230,12 @@ fn memory_allocated_through_a_fifth_copy_past_the_cap_is_seen_by_the_driver() ->
 
 /// With a cgroup limit pushed for the container (a limits file) and `--enforce signal`, an
 /// escaped process (96 MiB through a copy no probe is on, and its 64 MiB context: 160 MiB the
-/// probes never see) in a container limited to 128 MiB is signalled (SIGKILL) by the agent;
-/// the negative control, the same process in a container limited to 1 GiB, is not. The
-/// control's escaped memory counts for its container in the probes too: a probed process of
-/// that container is stopped by the entry probe before an allocation that passes the limit
-/// only with it counted (800 MiB held, 100 MiB more: 900 MiB probed, 1060 MiB in all).
+/// probes never see, 94 MiB of it beyond a context at the allowance and a page) in a
+/// container limited to 64 MiB is signalled (SIGKILL) by the agent; the negative control, the
+/// same process in a container limited to 1 GiB, is not. The control's escaped memory counts
+/// for its container in the probes too: a probed process of that container is stopped by the
+/// entry probe before an allocation that passes the limit only with it counted (800 MiB held,
+/// 150 MiB more: 950 MiB probed, 1044 MiB with the escaped 94 MiB).
 #[test]
 fn an_escaped_process_over_its_containers_limit_is_signalled() -> Result<()> {
     let dir = TempDir::new("drv-signal")?;
@@ -241,7 +244,7 @@ fn an_escaped_process_over_its_containers_limit_is_signalled() -> Result<()> {
     let over = TestCgroup::create("drv-over")?;
     let under = TestCgroup::create("drv-under")?;
     let limits = attacker.path().join("limits");
-    std::fs::write(&limits, format!("{} 128m\n{} 1g\n", over.path, under.path))?;
+    std::fs::write(&limits, format!("{} 64m\n{} 1g\n", over.path, under.path))?;
     let node = FakeNode::new("drv-signal").with_env("FAKECUDA_CONTEXT_BYTES", "64m");
     let libcuda = e2e::fake_driver_dir()?.join("libcuda.so.1");
     let more = [
@@ -280,13 +283,84 @@ fn an_escaped_process_over_its_containers_limit_is_signalled() -> Result<()> {
     assert!(!signalled(control.pid()), "{}", agent.log());
 
     // A probed process of the control's container: its first 800 MiB fit beside the escaped
-    // 160 MiB, the next 100 MiB would pass the limit counting them.
-    let mut neighbour = node.workload().in_cgroup(&under).steps(["ctx 0", "alloc a 800m", "checkpoint one", "alloc b 100m", "checkpoint two", "hold"]).spawn()?;
+    // 94 MiB, the next 150 MiB would pass the limit counting them.
+    let mut neighbour = node.workload().in_cgroup(&under).steps(["ctx 0", "alloc a 800m", "checkpoint one", "alloc b 150m", "checkpoint two", "hold"]).spawn()?;
     neighbour.wait_checkpoint("one")?;
     neighbour.resume()?;
     let finished = neighbour.wait()?;
     assert_eq!(finished.status.signal(), Some(libc::SIGKILL), "stopped by SIGKILL: {:?} {:?}", finished.status, finished.stdout);
     assert!(!finished.stdout.iter().any(|l| l.starts_with("ok alloc b")), "the driver allocated b: {:?}", finished.stdout);
+    assert!(!signalled(control.pid()), "{}", agent.log());
+    drop(control);
+    agent.stop()?;
+    Ok(())
+}
+
+/// A process that escapes the probes (96 MiB through a renamed copy of libcuda, and its
+/// 64 MiB context: 160 MiB the probes never see, 94 MiB beyond a context at the allowance and
+/// a page) under the hook, whose ledger slot it forges to say it holds all the driver reports
+/// (160 MiB of data, through the file, before it allocates), is still held to its
+/// container's limit: with `--enforce signal` and a 64 MiB limit it is signalled (SIGKILL) by the agent; its slot explains the memory to the ledger's
+/// charge, never to the limit. The negative control, the same forged process in a container
+/// limited to 1 GiB, is not signalled.
+#[test]
+fn a_slot_forged_up_to_the_drivers_figure_does_not_hide_an_escape_from_the_limit() -> Result<()> {
+    let dir = TempDir::new("drv-forged")?;
+    let attacker = TempDir::new("drv-forged-attacker")?;
+    let (libs, _) = renamed_copy(&attacker, "libnotcuda")?;
+    let over = TestCgroup::create("drv-forged-over")?;
+    let under = TestCgroup::create("drv-forged-under")?;
+    let limits = attacker.path().join("limits");
+    std::fs::write(&limits, format!("{} 64m\n{} 1g\n", over.path, under.path))?;
+    let node = FakeNode::new("drv-forged").with_env("FAKECUDA_CONTEXT_BYTES", "64m");
+    let libcuda = e2e::fake_driver_dir()?.join("libcuda.so.1");
+    let more = [
+        OsStr::new("--max-probed-per-container"),
+        OsStr::new("0"),
+        OsStr::new("--limits"),
+        limits.as_os_str(),
+        OsStr::new("--enforce"),
+        OsStr::new("signal"),
+        OsStr::new(SEPARATES_CONTAINERS),
+    ];
+    let agent = Agent::start_with_env(&args(&libcuda, dir.path(), &more), node.env())?;
+    let steps = ["ctx 0", "checkpoint forge", "alloc a 96m", "checkpoint held", "hold"];
+    // Each forges its slot (the hook's, in its own ledger) to the driver's whole figure
+    // before it allocates, then allocates through the copy.
+    let forged = |name: &str, cgroup: &TestCgroup| -> Result<(e2e::Running, PathBuf)> {
+        let ledger = dir.ledger(name)?;
+        let mut process = node.hooked(&ledger, GIB)?.lib_dir(&libs).in_cgroup(cgroup).steps(steps).spawn()?;
+        process.wait_checkpoint("forge")?;
+        let mut bytes = [0; ledger::layout::KINDS];
+        bytes[ledger::Kind::Data as usize] = 96 * MIB + CONTEXT;
+        e2e::ledgers::write_slot_bytes(&ledger, process.pid(), bytes)?;
+        process.resume()?;
+        process.wait_checkpoint("held")?;
+        Ok((process, ledger))
+    };
+    let (control, control_ledger) = forged("control", &under)?;
+    let (escaped, _) = forged("escaped", &over)?;
+    let pid = escaped.pid();
+    let signalled = |pid: u32| log_has(&agent, "signalled a process whose GPU memory", pid);
+    wait_for(Duration::from_secs(10), "the escaped process with a forged slot signalled", || {
+        std::thread::sleep(Duration::from_millis(50));
+        Ok(signalled(pid))
+    })
+    .with_context(|| format!("audit: {:?}\nagent log:\n{}", agent.audit().map(|a| row(&a, pid)), agent.log()))?;
+    let finished = escaped.wait()?;
+    assert_eq!(finished.status.signal(), Some(libc::SIGKILL), "stopped by SIGKILL: {:?}", finished.status);
+
+    // The control: its forged slot holds (the ledger explains the memory to the charge), it
+    // is seen by the driver, and it runs two passes later, not signalled.
+    std::thread::sleep(Duration::from_secs(2));
+    let audit = agent.audit()?;
+    let seen = row(&audit, control.pid()).context("the control is not in the audit")?;
+    assert_eq!(seen["driver_bytes"].as_u64(), Some(96 * MIB + CONTEXT), "{seen}");
+    let slot = ledger::Ledger::open(&control_ledger)?.slots()?.into_iter().find(|v| v.slot.pid == control.pid()).context("the control's slot")?;
+    assert!(slot.slot.devices[0].bytes[ledger::Kind::Data as usize] >= 96 * MIB + CONTEXT, "{:?}", slot.slot.devices[0]);
+    let state = std::fs::read_to_string(format!("/proc/{}/stat", control.pid()))?;
+    let state = state.rsplit(')').next().and_then(|rest| rest.split_whitespace().next()).unwrap_or("?").to_string();
+    assert!(state != "Z" && state != "X", "the control was stopped (state {state}): {}", agent.log());
     assert!(!signalled(control.pid()), "{}", agent.log());
     drop(control);
     agent.stop()?;
