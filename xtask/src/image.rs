@@ -154,8 +154,10 @@ fn fetch(work: &Path, dir: &Path) -> Result<String> {
     Ok(versions)
 }
 
-/// Points every absolute symlink under `dir` into `root` (`/lib64/ld-linux-x86-64.so.2 ->
-/// /lib/x86_64-linux-gnu/ld-2.31.so` means the sysroot's loader, not the build machine's).
+/// Points every absolute symlink under `dir` into `root`, relatively (`/lib64/ld-linux-x86-64.so.2
+/// -> /lib/x86_64-linux-gnu/ld-2.31.so` means the sysroot's loader, not the build machine's):
+/// relative links stay right when the directory is moved into place, and a second package
+/// unpacked into the same root leaves the first one's links as they are.
 fn rebase_links(dir: &Path, root: &Path) -> Result<()> {
     for entry in fs::read_dir(dir).with_context(|| format!("cannot list {}", dir.display()))?.flatten() {
         let path = entry.path();
@@ -165,8 +167,10 @@ fn rebase_links(dir: &Path, root: &Path) -> Result<()> {
         } else if kind.is_symlink() {
             let to = fs::read_link(&path)?;
             if let Ok(inside) = to.strip_prefix("/") {
+                let depth = path.parent().and_then(|parent| parent.strip_prefix(root).ok()).map_or(0, |within| within.components().count());
+                let relative: PathBuf = std::iter::repeat_n(Path::new(".."), depth).collect::<PathBuf>().join(inside);
                 fs::remove_file(&path)?;
-                std::os::unix::fs::symlink(root.join(inside), &path).with_context(|| format!("cannot relink {}", path.display()))?;
+                std::os::unix::fs::symlink(&relative, &path).with_context(|| format!("cannot relink {}", path.display()))?;
             }
         }
     }
@@ -357,6 +361,26 @@ pub fn dockerfile() -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A package's absolute links point into the sysroot after unpacking, survive its move
+    /// into place, and stay right when a second package is unpacked into the same root (the
+    /// first `cargo xtask setup` on a fresh clone failed to link the hook without this).
+    #[test]
+    fn unpacked_links_point_into_the_sysroot_wherever_it_moves() {
+        let scratch = std::env::temp_dir().join(format!("vramguard-relink-{}", std::process::id()));
+        let root = scratch.join("fresh");
+        fs::create_dir_all(root.join("lib/x86_64-linux-gnu")).unwrap();
+        fs::create_dir_all(root.join("lib64")).unwrap();
+        fs::write(root.join("lib/x86_64-linux-gnu/ld-2.31.so"), b"loader").unwrap();
+        std::os::unix::fs::symlink("/lib/x86_64-linux-gnu/ld-2.31.so", root.join("lib64/ld-linux-x86-64.so.2")).unwrap();
+        rebase_links(&root, &root).unwrap();
+        rebase_links(&root, &root).unwrap(); // a second package unpacked into the same root
+        let moved = scratch.join("moved");
+        fs::rename(&root, &moved).unwrap();
+        assert_eq!(fs::read(moved.join("lib64/ld-linux-x86-64.so.2")).unwrap(), b"loader");
+        assert_eq!(fs::read_link(moved.join("lib64/ld-linux-x86-64.so.2")).unwrap(), Path::new("../lib/x86_64-linux-gnu/ld-2.31.so"));
+        fs::remove_dir_all(&scratch).unwrap();
+    }
 
     /// `deploy/Dockerfile` and `cargo xtask image` cannot drift: the Dockerfile's build stage
     /// runs this module to write the root file system, and its final stage's configuration
