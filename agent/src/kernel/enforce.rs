@@ -480,7 +480,14 @@ fn signal_process(process: &EscapedProcess, signal: i32) -> std::io::Result<()> 
     // SAFETY: pidfd_send_signal(2) on the pidfd above, no siginfo, no flags.
     let rc = unsafe { libc::syscall(libc::SYS_pidfd_send_signal, pidfd.as_raw_fd(), signal, std::ptr::null::<libc::siginfo_t>(), 0) };
     if rc < 0 {
-        return Err(std::io::Error::last_os_error());
+        let error = std::io::Error::last_os_error();
+        if error.raw_os_error() == Some(libc::EPERM) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                "not permitted: signalling a process of another uid needs CAP_KILL (add KILL to the DaemonSet's capabilities for --enforce signal)",
+            ));
+        }
+        return Err(error);
     }
     Ok(())
 }
