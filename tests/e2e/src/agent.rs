@@ -48,6 +48,22 @@ pub struct Agent {
     dir: PathBuf,
 }
 
+/// The arguments of an agent on the fake driver `libcuda` that watches the ledgers under `dir`
+/// and serves metrics and health on free loopback ports (discovery on): what the driver view's
+/// tests and the node agent's benchmark start from.
+pub fn watching_args<'a>(libcuda: &'a Path, dir: &'a Path) -> Vec<&'a OsStr> {
+    vec![
+        OsStr::new("--libcuda"),
+        libcuda.as_os_str(),
+        OsStr::new("--ledger-dir"),
+        dir.as_os_str(),
+        OsStr::new("--metrics-addr"),
+        OsStr::new("127.0.0.1:0"),
+        OsStr::new("--health-addr"),
+        OsStr::new("127.0.0.1:0"),
+    ]
+}
+
 impl Agent {
     /// Starts the agent on `libcuda` alone and waits until it answers on its socket.
     pub fn start(libcuda: &Path) -> Result<Agent> {

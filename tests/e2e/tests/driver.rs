@@ -26,18 +26,8 @@ const CONTEXT: u64 = 64 * MIB;
 /// The agent's arguments: the fake driver, discovery every 100 ms, ledgers under `dir`,
 /// metrics and health listeners, and `more`.
 fn args<'a>(libcuda: &'a Path, dir: &'a Path, more: &[&'a OsStr]) -> Vec<&'a OsStr> {
-    let mut all: Vec<&OsStr> = vec![
-        OsStr::new("--libcuda"),
-        libcuda.as_os_str(),
-        OsStr::new("--ledger-dir"),
-        dir.as_os_str(),
-        OsStr::new("--metrics-addr"),
-        OsStr::new("127.0.0.1:0"),
-        OsStr::new("--health-addr"),
-        OsStr::new("127.0.0.1:0"),
-        OsStr::new("--context-allowance"),
-        OsStr::new("64m"),
-    ];
+    let mut all = e2e::agent::watching_args(libcuda, dir);
+    all.extend([OsStr::new("--context-allowance"), OsStr::new("64m")]);
     all.extend_from_slice(more);
     all
 }
@@ -228,6 +218,45 @@ fn memory_allocated_through_a_fifth_copy_past_the_cap_is_seen_by_the_driver() ->
     Ok(())
 }
 
+/// The scene of the signal tests: a renamed copy of libcuda (`libs`), a container limited to
+/// 64 MiB (`over`) and one to 1 GiB (`under`) in a limits file, and the agent on them with
+/// `--enforce signal`, probing no libcuda of any container (`--max-probed-per-container 0`).
+struct SignalScene {
+    dir: TempDir,
+    _attacker: TempDir,
+    libs: PathBuf,
+    over: TestCgroup,
+    under: TestCgroup,
+    node: FakeNode,
+    agent: Agent,
+}
+
+impl SignalScene {
+    /// `name` names the directories and the node, `cgroups` prefixes the two cgroups.
+    fn start(name: &str, cgroups: &str) -> Result<SignalScene> {
+        let dir = TempDir::new(name)?;
+        let attacker = TempDir::new(&format!("{name}-attacker"))?;
+        let (libs, _) = renamed_copy(&attacker, "libnotcuda")?;
+        let over = TestCgroup::create(&format!("{cgroups}-over"))?;
+        let under = TestCgroup::create(&format!("{cgroups}-under"))?;
+        let limits = attacker.path().join("limits");
+        std::fs::write(&limits, format!("{} 64m\n{} 1g\n", over.path, under.path))?;
+        let node = FakeNode::new(name).with_env("FAKECUDA_CONTEXT_BYTES", "64m");
+        let libcuda = e2e::fake_driver_dir()?.join("libcuda.so.1");
+        let more = [
+            OsStr::new("--max-probed-per-container"),
+            OsStr::new("0"),
+            OsStr::new("--limits"),
+            limits.as_os_str(),
+            OsStr::new("--enforce"),
+            OsStr::new("signal"),
+            OsStr::new(SEPARATES_CONTAINERS),
+        ];
+        let agent = Agent::start_with_env(&args(&libcuda, dir.path(), &more), node.env())?;
+        Ok(SignalScene { dir, _attacker: attacker, libs, over, under, node, agent })
+    }
+}
+
 /// With a cgroup limit pushed for the container (a limits file) and `--enforce signal`, an
 /// escaped process (96 MiB through a copy no probe is on, and its 64 MiB context: 160 MiB the
 /// probes never see, 94 MiB of it beyond a context at the allowance and a page) in a
@@ -238,25 +267,8 @@ fn memory_allocated_through_a_fifth_copy_past_the_cap_is_seen_by_the_driver() ->
 /// 150 MiB more: 950 MiB probed, 1044 MiB with the escaped 94 MiB).
 #[test]
 fn an_escaped_process_over_its_containers_limit_is_signalled() -> Result<()> {
-    let dir = TempDir::new("drv-signal")?;
-    let attacker = TempDir::new("drv-signal-attacker")?;
-    let (libs, _) = renamed_copy(&attacker, "libnotcuda")?;
-    let over = TestCgroup::create("drv-over")?;
-    let under = TestCgroup::create("drv-under")?;
-    let limits = attacker.path().join("limits");
-    std::fs::write(&limits, format!("{} 64m\n{} 1g\n", over.path, under.path))?;
-    let node = FakeNode::new("drv-signal").with_env("FAKECUDA_CONTEXT_BYTES", "64m");
-    let libcuda = e2e::fake_driver_dir()?.join("libcuda.so.1");
-    let more = [
-        OsStr::new("--max-probed-per-container"),
-        OsStr::new("0"),
-        OsStr::new("--limits"),
-        limits.as_os_str(),
-        OsStr::new("--enforce"),
-        OsStr::new("signal"),
-        OsStr::new(SEPARATES_CONTAINERS),
-    ];
-    let agent = Agent::start_with_env(&args(&libcuda, dir.path(), &more), node.env())?;
+    // The directories live as long as the test (the copy is loaded from one).
+    let SignalScene { dir: _dir, _attacker, libs, over, under, node, agent } = SignalScene::start("drv-signal", "drv")?;
     let steps = ["ctx 0", "alloc a 96m", "checkpoint held", "hold"];
     let mut control = node.workload().lib_dir(&libs).in_cgroup(&under).steps(steps).spawn()?;
     control.wait_checkpoint("held")?;
@@ -305,25 +317,7 @@ fn an_escaped_process_over_its_containers_limit_is_signalled() -> Result<()> {
 /// limited to 1 GiB, is not signalled.
 #[test]
 fn a_slot_forged_up_to_the_drivers_figure_does_not_hide_an_escape_from_the_limit() -> Result<()> {
-    let dir = TempDir::new("drv-forged")?;
-    let attacker = TempDir::new("drv-forged-attacker")?;
-    let (libs, _) = renamed_copy(&attacker, "libnotcuda")?;
-    let over = TestCgroup::create("drv-forged-over")?;
-    let under = TestCgroup::create("drv-forged-under")?;
-    let limits = attacker.path().join("limits");
-    std::fs::write(&limits, format!("{} 64m\n{} 1g\n", over.path, under.path))?;
-    let node = FakeNode::new("drv-forged").with_env("FAKECUDA_CONTEXT_BYTES", "64m");
-    let libcuda = e2e::fake_driver_dir()?.join("libcuda.so.1");
-    let more = [
-        OsStr::new("--max-probed-per-container"),
-        OsStr::new("0"),
-        OsStr::new("--limits"),
-        limits.as_os_str(),
-        OsStr::new("--enforce"),
-        OsStr::new("signal"),
-        OsStr::new(SEPARATES_CONTAINERS),
-    ];
-    let agent = Agent::start_with_env(&args(&libcuda, dir.path(), &more), node.env())?;
+    let SignalScene { dir, _attacker, libs, over, under, node, agent } = SignalScene::start("drv-forged", "drv-forged")?;
     let steps = ["ctx 0", "checkpoint forge", "alloc a 96m", "checkpoint held", "hold"];
     // Each forges its slot (the hook's, in its own ledger) to the driver's whole figure
     // before it allocates, then allocates through the copy.

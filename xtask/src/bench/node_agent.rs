@@ -29,7 +29,6 @@
 //!   hostile ledgers (`e2e::hostile::HostileLedgers`) and a process mapping a crafted ELF
 //!   file ([`ManyHostile`]).
 use std::{
-    ffi::OsStr,
     os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
     time::{Duration, Instant},
@@ -526,16 +525,7 @@ enum Nvml {
 /// variables, so that the fake NVML it loads sees the node's processes.
 fn start(bin: &Path, dir: &Path, extra: usize, node: &FakeNode, nvml: Nvml) -> Result<Agent> {
     let libcuda = e2e::fake_driver_dir()?.join("libcuda.so.1");
-    let args = [
-        OsStr::new("--libcuda"),
-        libcuda.as_os_str(),
-        OsStr::new("--ledger-dir"),
-        dir.as_os_str(),
-        OsStr::new("--metrics-addr"),
-        OsStr::new("127.0.0.1:0"),
-        OsStr::new("--health-addr"),
-        OsStr::new("127.0.0.1:0"),
-    ];
+    let args = e2e::agent::watching_args(&libcuda, dir);
     let mut env = node.env().to_vec();
     if nvml == Nvml::Absent {
         env.push(("FAKECUDA_NVML".into(), "absent".into()));
