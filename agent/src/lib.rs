@@ -3,6 +3,7 @@
 pub mod cgroup;
 pub mod discovery;
 pub mod driver;
+pub mod fault;
 pub mod identity;
 pub mod inspect;
 pub mod kernel;

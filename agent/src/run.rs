@@ -204,6 +204,9 @@ pub struct RunArgs {
     pub max_spare_records_per_process: u64,
     #[command(flatten)]
     pub provision: ProvisionArgs,
+    /// Test only: a fault to inject (repeatable; see `agent/src/fault.rs`).
+    #[arg(long = "fault", hide = true, value_name = "KIND:WHERE", value_parser = crate::fault::parse)]
+    pub faults: Vec<crate::fault::Fault>,
 }
 
 fn parse_threshold(text: &str) -> Result<u64, String> {
@@ -222,6 +225,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
             args.max_alloc_records
         );
     }
+    crate::fault::arm(args.faults.clone());
     // Health first: it answers while the agent starts, and whatever it does after.
     let liveness = Liveness::new();
     let health = Health::new(liveness.clone());

@@ -1,0 +1,117 @@
+//! Faults injected on purpose, for the tests that show what the agent does when one of its own
+//! parts fails (a task that panics or stops answering, a scan that panics on one file, a
+//! provisioning step that outlives the runtime's deadline). Set once at start from the hidden
+//! `--fault` arguments of `vramguard run` (the operator's command line, never a tenant's
+//! input); with none given, every point below is a load of an empty list and does nothing.
+//!
+//! A fault is `KIND:WHERE`, or `delay:WHERE:MS`:
+//!
+//! | kind | at | does |
+//! |---|---|---|
+//! | `panic` | a task's name | the task panics at its next turn ([`point`]) |
+//! | `park` | a task's name | the task stops coming round its loop, and ignores the stop ([`point`]) |
+//! | `panic-file` | a file name | discovery panics while reading a file of that name ([`panics_on_file`]) |
+//! | `delay` | a step's name | the step sleeps that long first ([`delay`]) |
+use std::{sync::OnceLock, time::Duration};
+
+/// One injected fault.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Fault {
+    Panic(String),
+    Park(String),
+    PanicOnFile(String),
+    Delay(String, Duration),
+}
+
+static FAULTS: OnceLock<Vec<Fault>> = OnceLock::new();
+
+/// Parses one `--fault` value.
+pub fn parse(text: &str) -> Result<Fault, String> {
+    let mut parts = text.splitn(3, ':');
+    let (kind, at) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+    if at.is_empty() {
+        return Err(format!("{text:?}: expected KIND:WHERE (panic, park, panic-file) or delay:WHERE:MS"));
+    }
+    let fault = match (kind, parts.next()) {
+        ("panic", None) => Fault::Panic(at.into()),
+        ("park", None) => Fault::Park(at.into()),
+        ("panic-file", None) => Fault::PanicOnFile(at.into()),
+        ("delay", Some(ms)) => {
+            let ms: u64 = ms.parse().map_err(|_| format!("{text:?}: {ms:?} is not a number of milliseconds"))?;
+            Fault::Delay(at.into(), Duration::from_millis(ms))
+        }
+        _ => return Err(format!("{text:?}: unknown fault (panic:TASK, park:TASK, panic-file:NAME, delay:STEP:MS)")),
+    };
+    Ok(fault)
+}
+
+/// Arms the faults (once; later calls change nothing).
+pub fn arm(faults: Vec<Fault>) {
+    if !faults.is_empty() {
+        tracing::warn!(?faults, "faults injected (--fault): this agent is under test");
+    }
+    let _ = FAULTS.set(faults);
+}
+
+fn faults() -> &'static [Fault] {
+    FAULTS.get().map_or(&[], Vec::as_slice)
+}
+
+/// A task's turn: panics if `panic:TASK` names it; never returns if `park:TASK` does.
+pub async fn point(task: &str) {
+    for fault in faults() {
+        match fault {
+            Fault::Panic(name) if name == task => panic!("fault injected: the {task} task panics"),
+            Fault::Park(name) if name == task => {
+                tracing::warn!(task, "fault injected: the task is parked");
+                std::future::pending::<()>().await;
+            }
+            _ => {}
+        }
+    }
+}
+
+/// [`point`] for a task's step that runs on a thread of its own (the blocking pool): a
+/// `park` blocks that thread for good.
+pub fn blocking_point(task: &str) {
+    for fault in faults() {
+        match fault {
+            Fault::Panic(name) if name == task => panic!("fault injected: the {task} task panics"),
+            Fault::Park(name) if name == task => loop {
+                std::thread::park();
+            },
+            _ => {}
+        }
+    }
+}
+
+/// Whether discovery is to panic while reading the file shown as `path`.
+pub fn panics_on_file(path: &str) -> bool {
+    let name = path.rsplit('/').next().unwrap_or(path);
+    faults().iter().any(|fault| matches!(fault, Fault::PanicOnFile(file) if file == name))
+}
+
+/// How long the step `step` is to be delayed, if at all.
+pub fn delay(step: &str) -> Option<Duration> {
+    faults().iter().find_map(|fault| match fault {
+        Fault::Delay(name, by) if name == step => Some(*by),
+        _ => None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_each_kind_and_refuses_the_rest() {
+        assert_eq!(parse("panic:kernel"), Ok(Fault::Panic("kernel".into())));
+        assert_eq!(parse("park:reconcile"), Ok(Fault::Park("reconcile".into())));
+        assert_eq!(parse("panic-file:libcuda.so.1"), Ok(Fault::PanicOnFile("libcuda.so.1".into())));
+        assert_eq!(parse("delay:create-container:3000"), Ok(Fault::Delay("create-container".into(), Duration::from_secs(3))));
+        assert!(parse("panic").is_err());
+        assert!(parse("explode:kernel").is_err());
+        assert!(parse("delay:x:soon").is_err());
+        assert!(parse("panic:kernel:5").is_err());
+    }
+}
