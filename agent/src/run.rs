@@ -1,22 +1,32 @@
-//! `vramguard run`: loads and attaches the eBPF programs, then wires the agent's tasks and
-//! waits for SIGTERM or SIGINT to stop them. Each task owns its state and lives in its room;
-//! this module only starts them and connects them with bounded channels and watches:
+//! `vramguard run`: loads the eBPF programs ([`kernel::load`]), then wires the agent's tasks
+//! and waits for SIGTERM or SIGINT, or for any task's end. Each task owns its state and lives
+//! in its room; this module only starts them under their names ([`Tasks`]) and connects them
+//! with bounded channels and watches:
 //!
 //! | task | owns | does | tenants can lengthen it |
 //! |---|---|---|---|
 //! | health ([`serve::health`]) | its listener | `/healthz`, `/readyz` from the tasks' heartbeats | no |
-//! | kernel ([`kernel::task`]) | accounting maps, exit ring, cgroup limits, programs' log | drains exits, sweeps records, pushes limits | no |
+//! | kernel ([`kernel::task`]) | the programs, accounting maps, exit ring, cgroup limits, programs' log | drains exits, sweeps records, pushes limits, attaches probes for discovery | no |
 //! | reclaim ([`ledgers::task`]) | the watched ledgers, the reclaimer | scans `--ledger-dir`, frees dead processes' slots | within per-ledger budgets |
 //! | reconcile ([`reconcile::task`]) | reconciler, charges, metrics registry | passes, charges, metrics page, audit snapshots | yes (bounded per ledger) |
 //! | driver ([`driver::task`]) | NVML, its reader thread | reads every device's processes once a second, within a budget | no |
-//! | discovery ([`discovery::task`]) | the loaded programs, discovery state | finds libcuda files, attaches probes | yes (bounded per file) |
-//! | NRI ([`provision::nri`]) | its connection | answers the runtime within [`NRI_DEADLINE`] | no |
-//! | control ([`serve::control`]) | the control socket | hands audits to reconcile | no |
+//! | discovery ([`discovery::task`]) | discovery state | finds libcuda files, asks the kernel task to probe them | yes (bounded per file) |
+//! | nri ([`provision::nri`]) | its connection | answers the runtime within [`NRI_DEADLINE`] | no |
+//! | publish ([`provision`]) | nothing | hands the provisioned containers' pins and limits on | no |
+//! | pod-cache, capacity ([`provision::kube`]) | their watch, their patch | `--kube`: the node's pods, its advertised capacity | no |
+//! | metrics ([`serve::http`]), control ([`serve::control`]) | their listeners | `/metrics`; audits handed to reconcile | no |
+//!
+//! No task ends while the agent runs: the first that does (returns, fails or panics) stops
+//! the agent, which exits non-zero naming it, so that the kubelet restarts it at once. The
+//! stop gives each task a deadline and aborts it past it (a stuck task cannot hold it): the
+//! reconcile task first (it frees the agent's charges), with the kernel task (its programs
+//! go with it: detaching takes the kernel about 100 ms a probe, on a thread of its own that
+//! the process waits for), then the others (the reclaim task frees whatever of the agent's
+//! slots is left).
 //!
 //! Blocking and tenant-sized work runs on tokio's blocking pool (bounded in `main`), the
 //! task's state moved there and back; the critical tasks (health, kernel, reclaim, NRI) never
-//! wait for a reconcile pass, a discovery scan or a metrics render. The metrics listener
-//! ([`serve::http`]) serves the page the reconcile task renders.
+//! wait for a reconcile pass, a discovery scan or a metrics render.
 use std::{collections::BTreeMap, net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
 use anyhow::{anyhow, bail, Context, Result};
