@@ -280,6 +280,9 @@ pub struct Event {
     /// Pointer or handle (0 for exits).
     pub addr: u64,
     pub size: u64,
+    /// When it happened (`bpf_ktime_get_ns`: CLOCK_MONOTONIC), so that the agent times what
+    /// follows an exit from the exit itself, not from when it read the event.
+    pub at_ns: u64,
 }
 
 /// Value of `CGROUP_USAGE` (key: cgroup id): the cgroup's usage, and the limit the entry

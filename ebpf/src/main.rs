@@ -1267,6 +1267,8 @@ fn emit_exit<C: EbpfContext>(ctx: &C, pid_tgid: u64, cgroup_id: u64, generation:
         generation,
         addr: 0,
         size,
+        // SAFETY: a helper without arguments, callable from any program.
+        at_ns: unsafe { bpf_ktime_get_ns() },
     };
     if EXITS.output::<Event>(&record, 0).is_err() {
         bump(stat::EXITS_LOST, 1);

@@ -41,7 +41,7 @@ pub struct Accounting {
     /// The eBPF side's lost-exit count at the last drain.
     lost_seen: u64,
     /// Processes whose exit event arrived since the last [`Accounting::take_exits`], with the
-    /// time it arrived (the reclaim of their ledger slots is timed from it).
+    /// time of the exit itself (the reclaim of their ledger slots is timed from it).
     exited: Vec<(u32, Instant)>,
 }
 
@@ -101,7 +101,7 @@ impl Accounting {
                     );
                     self.stats.events_exit += 1;
                     self.exits_pending = true;
-                    self.exited.push((event.tgid, Instant::now()));
+                    self.exited.push((event.tgid, instant_of(event.at_ns)));
                 }
                 _ => {}
             }
@@ -233,6 +233,15 @@ impl Accounting {
     }
 }
 
+/// The [`Instant`] of a `bpf_ktime_get_ns` time (both are CLOCK_MONOTONIC); now, for a time
+/// ahead of now (which a correct kernel never gives).
+pub fn instant_of(ktime_ns: u64) -> Instant {
+    let now = Instant::now();
+    let Ok(clock) = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC) else { return now };
+    let clock_ns = (clock.tv_sec() as u64).saturating_mul(1_000_000_000).saturating_add(clock.tv_nsec() as u64);
+    now.checked_sub(std::time::Duration::from_nanos(clock_ns.saturating_sub(ktime_ns))).unwrap_or(now)
+}
+
 /// Whether a cgroup holds at least its cap of live records (allocations and VMM mappings) and
 /// unrecorded allocations: it is at its cap, or was and still holds what it allocated past it.
 pub fn is_capped(usage: &Usage, cap: u64) -> bool {
@@ -256,4 +265,22 @@ where
         .take_map(name)
         .ok_or_else(|| anyhow!("the embedded eBPF object has no map `{name}`"))?;
     T::try_from(map).with_context(|| format!("map `{name}` has an unexpected type"))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::instant_of;
+
+    #[test]
+    fn a_kernel_time_is_the_instant_it_names() {
+        let clock = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).expect("clock");
+        let clock_ns = clock.tv_sec() as u64 * 1_000_000_000 + clock.tv_nsec() as u64;
+        let before = Instant::now();
+        let at = instant_of(clock_ns - 250_000_000);
+        let ago = before.saturating_duration_since(at);
+        assert!(ago >= Duration::from_millis(240) && ago <= Duration::from_millis(400), "{ago:?}");
+        assert!(instant_of(u64::MAX) <= Instant::now(), "a time ahead of now is now");
+    }
 }

@@ -272,7 +272,7 @@ impl Metrics {
         let latency = registered(&registry, Histogram::with_opts(
             HistogramOpts::new(
                 "vramguard_reclaim_latency_seconds",
-                "From a process's exit event (or the sweep that found it dead) to its slot reclaimed",
+                "From a process's exit (the time the kernel gave its exit event; or the sweep that found it dead) to its slot reclaimed",
             )
             .buckets(LATENCY_BUCKETS.to_vec()),
         )?)?;
