@@ -7,6 +7,7 @@ pub mod fault;
 pub mod identity;
 pub mod inspect;
 pub mod kernel;
+pub mod libcuda;
 pub mod ledgers;
 pub mod pod;
 pub mod preflight;

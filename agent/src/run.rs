@@ -40,10 +40,10 @@ use crate::{
     driver::{self, task::Driver, DriverView},
     discovery::{
         self,
-        task::{Found, Scanner},
+        task::{Found, RemoteAttacher, Scanner},
         Caps, Discovery,
     },
-    kernel::{self, enforce, probes::RemoteAttacher},
+    kernel::{self, enforce},
     ledgers::{self, charge::Charger, reclaim::Reclaimer, task::Reclaim, Ledgers, Limits},
     preflight,
     provision::{self, ProvisionArgs, Provisioner},

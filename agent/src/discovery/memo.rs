@@ -5,28 +5,8 @@
 //! `Probed` is forgotten (those files are read again when next seen).
 use std::collections::HashMap;
 
-use super::FileId;
-
-/// When a file last changed: its modification time, its status-change time and its size.
-/// `ctime` is in the stamp because a file's owner can set `mtime` back after rewriting the
-/// file (`utimensat`); nobody can set `ctime`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Stamp {
-    pub mtime: (i64, i64),
-    pub ctime: (i64, i64),
-    pub size: u64,
-}
-
-impl Stamp {
-    pub fn of(metadata: &std::fs::Metadata) -> Stamp {
-        use std::os::unix::fs::MetadataExt;
-        Stamp {
-            mtime: (metadata.mtime(), metadata.mtime_nsec()),
-            ctime: (metadata.ctime(), metadata.ctime_nsec()),
-            size: metadata.size(),
-        }
-    }
-}
+pub use crate::libcuda::Stamp;
+use crate::libcuda::FileId;
 
 /// The decision about one version of a file.
 #[derive(Clone, Debug, PartialEq, Eq)]

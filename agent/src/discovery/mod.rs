@@ -44,16 +44,19 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use tracing::{debug, info, warn};
 
-use crate::{cgroup, kernel::probes::{self, AttachReport}};
+use crate::{
+    cgroup,
+    libcuda::{AttachReport, EXTMEM_PROBES, PROBES},
+};
 
 pub mod elf;
 pub mod maps;
 pub mod memo;
 
-use memo::{Memo, Stamp, Verdict};
+use memo::{Memo, Verdict};
+pub use crate::libcuda::Stamp;
 
-/// The identity of a file: device and inode.
-pub type FileId = (u64, u64);
+pub use crate::libcuda::{FileId, Opened, Prober};
 
 /// The exports that make a file a libcuda: the driver's entry point and the basic allocation
 /// pair. The hook (`libvramguard.so`) exports the allocation functions it interposes but
@@ -87,16 +90,6 @@ pub const PARSES_PER_CONTAINER_PER_SCAN: usize = 16;
 /// How many recent skipped files `vramguard audit` lists.
 const RECENT_SKIPPED: usize = 32;
 
-/// An open file and what `fstat` said of it when it was opened.
-pub struct Opened {
-    pub file: File,
-    pub id: FileId,
-    pub stamp: Stamp,
-    /// The path it was reached by, for people (for a discovered file, the workload's own
-    /// words from its maps).
-    pub shown: String,
-}
-
 /// Why a file was looked at.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Origin {
@@ -118,13 +111,6 @@ impl Origin {
     }
 }
 
-/// Attaches the probes to an identified libcuda (the eBPF side, [`probes::Attacher`]).
-pub trait Prober {
-    /// Attaches every probe whose symbol `offsets` has, through the open file, and checks
-    /// that the kernel attached to the file `file.id` names.
-    fn attach(&mut self, file: &Opened, offsets: &BTreeMap<&'static str, u64>) -> Result<AttachReport>;
-}
-
 /// What a file's exports say it is.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Identity {
@@ -136,8 +122,8 @@ pub enum Identity {
 
 /// Identifies the open file (of `size` bytes) by its exports.
 pub fn identify(file: &File, size: u64) -> Result<Identity, elf::ElfError> {
-    let mut wanted: Vec<&'static str> = probes::PROBES.iter().map(|probe| probe.symbol).collect();
-    wanted.extend(probes::EXTMEM_PROBES.iter().map(|(symbol, ..)| *symbol));
+    let mut wanted: Vec<&'static str> = PROBES.iter().map(|probe| probe.symbol).collect();
+    wanted.extend(EXTMEM_PROBES.iter().map(|(symbol, ..)| *symbol));
     wanted.extend(IDENTITY);
     let found = elf::exported(file, size, &wanted)?;
     let missing: Vec<&'static str> = IDENTITY.into_iter().filter(|symbol| !found.contains_key(symbol)).collect();

@@ -4,9 +4,9 @@
 //! to probe each libcuda it identifies ([`RemoteAttacher`]), and publishes what is probed. A
 //! panic while reading one tenant's file or maps skips that file or process
 //! ([`Discovery::scan`]); any other end of a scan step ends the task, and the agent with it.
-use std::{sync::Arc, time::Duration};
+use std::{collections::BTreeMap, sync::Arc, time::Duration};
 
-use anyhow::{anyhow, Result};
+use anyhow::{anyhow, Context, Result};
 use tokio::{
     sync::watch,
     time::{interval, MissedTickBehavior},
@@ -14,9 +14,31 @@ use tokio::{
 
 use super::{Discovery, DiscoveryStats};
 use crate::{
-    kernel::probes::{AttachReport, RemoteAttacher},
+    libcuda::{AttachReport, AttachRequest, Opened, Prober},
     task::Heartbeat,
 };
+
+/// How long discovery waits for the kernel task to attach to one file (it answers at its
+/// next turn: within a drain, unless it is stuck, which its heartbeat says).
+const ATTACH_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Discovery's [`Prober`] while the agent runs: each attach is asked of the kernel task, and
+/// waited for on discovery's own (blocking) thread.
+pub struct RemoteAttacher(pub tokio::sync::mpsc::Sender<AttachRequest>);
+
+impl Prober for RemoteAttacher {
+    fn attach(&mut self, file: &Opened, offsets: &BTreeMap<&'static str, u64>) -> Result<AttachReport> {
+        let own = file.file.try_clone().context("cannot duplicate the file's descriptor")?;
+        let file = Opened { file: own, id: file.id, stamp: file.stamp, shown: file.shown.clone() };
+        let (reply, answer) = std::sync::mpsc::sync_channel(1);
+        self.0
+            .blocking_send(AttachRequest { file, offsets: offsets.clone(), reply })
+            .map_err(|_| anyhow!("the kernel task, which attaches probes, is gone"))?;
+        answer
+            .recv_timeout(ATTACH_WAIT)
+            .map_err(|_| anyhow!("the kernel task did not attach within {ATTACH_WAIT:?}"))?
+    }
+}
 
 /// What discovery has probed and skipped, as of its last scan.
 #[derive(Clone, Debug, Default)]

@@ -22,81 +22,10 @@ use aya::{
     },
     Ebpf,
 };
-use serde::{Deserialize, Serialize};
 
-use crate::discovery::{Opened, Prober};
+use crate::libcuda::{Opened, Prober};
 
-/// One probed API: its exported symbol, the entry program, and whether the shared return
-/// probe (`alloc_return`) goes on it too.
-pub struct ProbeSpec {
-    pub symbol: &'static str,
-    pub entry: &'static str,
-    pub returns: bool,
-}
-
-const fn alloc(symbol: &'static str, entry: &'static str) -> ProbeSpec {
-    ProbeSpec { symbol, entry, returns: true }
-}
-
-const fn free(symbol: &'static str, entry: &'static str) -> ProbeSpec {
-    ProbeSpec { symbol, entry, returns: false }
-}
-
-/// Every driver API vramguard accounts (DESIGN.md §5), and the VMM calls that decide how
-/// long a `cuMemCreate` handle's memory lives (mapping, unmapping, retaining).
-pub const PROBES: [ProbeSpec; 15] = [
-    alloc("cuMemAlloc_v2", "mem_alloc"),
-    alloc("cuMemAllocPitch_v2", "mem_alloc_pitch"),
-    alloc("cuMemAllocManaged", "mem_alloc_managed"),
-    alloc("cuMemAllocAsync", "mem_alloc_async"),
-    alloc("cuMemAllocAsync_ptsz", "mem_alloc_async"),
-    alloc("cuMemAllocFromPoolAsync", "mem_alloc_async"),
-    alloc("cuMemAllocFromPoolAsync_ptsz", "mem_alloc_async"),
-    alloc("cuMemCreate", "mem_create"),
-    free("cuMemFree_v2", "mem_free"),
-    free("cuMemFreeAsync", "mem_free"),
-    free("cuMemFreeAsync_ptsz", "mem_free"),
-    free("cuMemRelease", "mem_release"),
-    alloc("cuMemMap", "mem_map"),
-    free("cuMemUnmap", "mem_unmap"),
-    alloc("cuMemRetainAllocationHandle", "mem_retain"),
-];
-
-/// External-memory imports and destroys (never charged, shown: [`crate::kernel::extmem`]), each with
-/// its own return program, if any.
-pub const EXTMEM_PROBES: [(&str, &str, Option<&str>); 2] = [
-    ("cuImportExternalMemory", common::extmem::names::IMPORT, Some(common::extmem::names::IMPORT_RETURN)),
-    ("cuDestroyExternalMemory", common::extmem::names::DESTROY, None),
-];
-
-/// The return probe shared by every allocation API.
-pub const RETURN_PROGRAM: &str = common::names::ALLOC_RETURN;
-
-/// What attaching to one file achieved.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub struct AttachReport {
-    /// The path the file was reached by (for a discovered file, as its process's maps name
-    /// it: informational, the workload chooses it).
-    pub path: String,
-    /// The file's identity, which the probes are on.
-    #[serde(default)]
-    pub dev: u64,
-    #[serde(default)]
-    pub ino: u64,
-    /// `--libcuda`, `well-known path` or `mapped by pid N`.
-    #[serde(default)]
-    pub origin: String,
-    /// For a discovered file, the cgroup (id) of the process it was found in: the container
-    /// its probe counts against.
-    #[serde(default)]
-    pub cgroup: Option<u64>,
-    /// Symbols with probes attached.
-    pub attached: Vec<String>,
-    /// Symbols the library does not export.
-    pub missing: Vec<String>,
-    /// Symbols skipped because they alias an attached one (same address).
-    pub aliases: Vec<String>,
-}
+pub use crate::libcuda::{AttachReport, ProbeSpec, EXTMEM_PROBES, PROBES, RETURN_PROGRAM};
 
 /// Loads every uprobe program of the object into the kernel (once, before any attach).
 pub fn load_programs(ebpf: &mut Ebpf) -> Result<()> {
@@ -129,36 +58,6 @@ pub fn detach_all(ebpf: &mut Ebpf, links: Vec<(&'static str, UProbeLinkId)>) {
         if let Ok(program) = uprobe(ebpf, program) {
             let _ = program.detach(link);
         }
-    }
-}
-
-/// Discovery's request to the kernel task (which owns the programs) to probe a file.
-pub struct AttachRequest {
-    /// A descriptor of discovery's own for the identified file.
-    pub file: Opened,
-    pub offsets: BTreeMap<&'static str, u64>,
-    pub reply: std::sync::mpsc::SyncSender<Result<AttachReport>>,
-}
-
-/// How long discovery waits for the kernel task to attach to one file (it answers at its
-/// next turn: within a drain, unless it is stuck, which its heartbeat says).
-const ATTACH_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
-
-/// Discovery's [`Prober`] while the agent runs: each attach is asked of the kernel task, and
-/// waited for on discovery's own (blocking) thread.
-pub struct RemoteAttacher(pub tokio::sync::mpsc::Sender<AttachRequest>);
-
-impl Prober for RemoteAttacher {
-    fn attach(&mut self, file: &Opened, offsets: &BTreeMap<&'static str, u64>) -> Result<AttachReport> {
-        let own = file.file.try_clone().context("cannot duplicate the file's descriptor")?;
-        let file = Opened { file: own, id: file.id, stamp: file.stamp, shown: file.shown.clone() };
-        let (reply, answer) = std::sync::mpsc::sync_channel(1);
-        self.0
-            .blocking_send(AttachRequest { file, offsets: offsets.clone(), reply })
-            .map_err(|_| anyhow!("the kernel task, which attaches probes, is gone"))?;
-        answer
-            .recv_timeout(ATTACH_WAIT)
-            .map_err(|_| anyhow!("the kernel task did not attach within {ATTACH_WAIT:?}"))?
     }
 }
 

@@ -38,11 +38,11 @@ use super::{
     accounting::Accounting,
     enforce,
     log::Logger,
-    probes::{AttachRequest, Attacher},
+    probes::Attacher,
 };
 use crate::{
     cgroup::CgroupNames,
-    discovery::Prober,
+    libcuda::{AttachRequest, Prober},
     task::{changed, Heartbeat},
     reconcile::{EbpfProcess, EscapedByCgroup},
     snapshot::Snapshot,
