@@ -428,7 +428,7 @@ impl Provisioner {
     fn decided(&self, w: &Workload, decision: Decision, why: &str) {
         self.counters.decided(decision);
         let outcome = match decision {
-            Decision::KnownQuota => "provisioned with the quota the node knows",
+            Decision::KnownQuota => "its quota is the one the node knows",
             Decision::KnownNoQuota => "known to have no quota: created untouched",
             Decision::Refused => "known to have a quota that cannot be provisioned: refused",
             Decision::StaticPod => "a static pod the node knows nothing of: created untouched",
