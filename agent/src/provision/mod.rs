@@ -184,9 +184,8 @@ pub struct Provisioner {
     refuse_overcommit: bool,
     /// By container id.
     containers: Arc<Mutex<BTreeMap<String, Provisioned>>>,
-    /// Creations whose blocking step runs now, by container id: whether the runtime was
-    /// answered without them meanwhile (abandoned: the step removes what it made).
-    in_flight: Arc<Mutex<HashMap<String, bool>>>,
+    /// Creations whose blocking step runs now, by container id.
+    in_flight: Flights,
     counters: Counters,
     /// Containers with a quota that the runtime created while the agent was away (found in
     /// Synchronize): not provisioned (no hook, no ledger), held by their cgroup limit only.
@@ -454,16 +453,18 @@ impl Provisioner {
         }
         let seen = self.given_gpus(workload);
         let record = self.record(workload, quota, source, &seen);
-        if self.refuse_overcommit {
-            self.check_overcommit(&record, &seen)?;
-        }
         let id = record.container_id.clone();
         {
+            // Checked and registered at once: creations in flight count in the check.
             let mut flights = self.flights();
             if flights.contains_key(&id) {
                 return Err(format!("vramguard: container {id} is being provisioned already"));
             }
-            flights.insert(id.clone(), false);
+            if self.refuse_overcommit {
+                self.check_overcommit(&record, &seen, &flights)?;
+            }
+            let flight = Flight { abandoned: false, quota: record.quota, gpus: record.gpus.clone() };
+            flights.insert(id.clone(), flight);
         }
         let step = Creation {
             store: self.store.clone(),
@@ -504,7 +505,7 @@ impl Provisioner {
         }
     }
 
-    fn flights(&self) -> std::sync::MutexGuard<'_, HashMap<String, bool>> {
+    fn flights(&self) -> std::sync::MutexGuard<'_, HashMap<String, Flight>> {
         self.in_flight.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
@@ -513,8 +514,8 @@ impl Provisioner {
     /// goes now. A blocking step still running is told to remove what it makes when it ends.
     pub async fn abandon(&self, id: &str) {
         self.counters.timed_out();
-        if let Some(abandoned) = self.flights().get_mut(id) {
-            *abandoned = true;
+        if let Some(flight) = self.flights().get_mut(id) {
+            flight.abandoned = true;
             warn!(id, "creation abandoned while its ledger is being made: removed when that step ends");
             return;
         }
@@ -540,16 +541,19 @@ impl Provisioner {
         }
     }
 
-    /// Refuses `record` if a GPU it was given would have more quota than memory.
-    fn check_overcommit(&self, record: &Record, seen: &[usize]) -> Result<(), String> {
+    /// Refuses `record` if a GPU it was given would have more quota than memory, counting
+    /// the provisioned containers and the creations in `flights`.
+    fn check_overcommit(&self, record: &Record, seen: &[usize], flights: &HashMap<String, Flight>) -> Result<(), String> {
         let containers = self.lock();
         for &gpu in seen {
             let Some(&memory) = self.gpu_memory.get(gpu) else { continue };
-            let others: u64 = containers
-                .values()
-                .filter(|p| p.record.container_id != record.container_id)
-                .filter(|p| p.record.gpus.contains(&(gpu as u32)))
-                .map(|p| p.record.quota)
+            let gpu = gpu as u32;
+            let made = containers.values().map(|p| (&p.record.container_id, p.record.quota, &p.record.gpus));
+            let flying = flights.iter().map(|(id, f)| (id, f.quota, &f.gpus));
+            let others: u64 = made
+                .chain(flying)
+                .filter(|(id, _, gpus)| **id != record.container_id && gpus.contains(&gpu))
+                .map(|(_, quota, _)| quota)
                 .sum();
             if others.saturating_add(record.quota) > memory {
                 return Err(format!(
@@ -738,11 +742,23 @@ impl nri::Handler for Provisioner {
     }
 }
 
+/// A creation whose blocking step runs.
+struct Flight {
+    /// The runtime was answered without it meanwhile: the step removes what it made.
+    abandoned: bool,
+    /// What it will hold, for the over-commit check.
+    quota: u64,
+    gpus: Vec<u32>,
+}
+
+/// The creations in flight, by container id.
+type Flights = Arc<Mutex<HashMap<String, Flight>>>;
+
 /// A creation's blocking step, with what it needs of the provisioner.
 struct Creation {
     store: Store,
     containers: Arc<Mutex<BTreeMap<String, Provisioned>>>,
-    in_flight: Arc<Mutex<HashMap<String, bool>>>,
+    in_flight: Flights,
     generation: Arc<tokio::sync::watch::Sender<u64>>,
     counters: Counters,
 }
@@ -761,7 +777,7 @@ impl Creation {
             std::thread::sleep(by);
         }
         let mut flights = self.in_flight.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let abandoned = flights.remove(&id).unwrap_or(false);
+        let abandoned = flights.remove(&id).is_some_and(|flight| flight.abandoned);
         match made {
             Ok(made) if !abandoned => {
                 // Recorded while the flight is held: an abandon now finds it recorded.
@@ -783,6 +799,9 @@ impl Creation {
             }
             Err(error) => {
                 drop(flights);
+                if !store::valid_container_id(&id) {
+                    return Err(error);
+                }
                 if let Err(problem) = self.store.remove(&id) {
                     warn!(id, %problem, "cannot remove what a failed provisioning made");
                 }
@@ -930,6 +949,11 @@ mod tests {
     fn overcommit_is_refused_per_gpu_when_asked() {
         let (root, p) = provisioner("overcommit", "namespace=team-a 5g\n", true);
         block_on(p.create_container(&workload("team-a", "a", "c1", "0"))).expect("5 of GPU 0's 8 GiB");
+        // A creation in flight on GPU 1 counts as if it were made.
+        p.flights().insert("f1".into(), Flight { abandoned: false, quota: 5 << 30, gpus: vec![1] });
+        let error = block_on(p.create_container(&workload("team-a", "b", "c2", "1"))).expect_err("GPU 1 holds f1's 5 GiB");
+        assert!(error.contains("GPU 1 has 8589934592 bytes and 5368709120 bytes"), "{error}");
+        p.flights().remove("f1");
         block_on(p.create_container(&workload("team-a", "b", "c2", "1"))).expect("GPU 1 is free");
         let error = block_on(p.create_container(&workload("team-a", "c", "c3", "0"))).expect_err("10 GiB on GPU 0");
         assert!(error.contains("GPU 0 has 8589934592 bytes") && error.contains("--refuse-overcommit"), "{error}");
@@ -1043,7 +1067,7 @@ mod tests {
         assert_eq!((p.counters().timed_out_total(), p.counters().removed_totals()), (1, [1, 0, 1]), "no mount without a Mounter");
 
         // The step runs while the runtime is answered: it finds itself abandoned when it ends.
-        p.flights().insert("c2".into(), false);
+        p.flights().insert("c2".into(), Flight { abandoned: false, quota: 1 << 30, gpus: vec![0] });
         block_on(p.abandon("c2"));
         let step = Creation {
             store: p.store.clone(),
