@@ -297,7 +297,7 @@ fn remove_all(dir: &Path) -> Result<(), String> {
 
 /// Writes `bytes` to a new file at `path` (replacing any) with `mode`, through a temporary
 /// file renamed into place.
-fn write_new(path: &Path, bytes: &[u8], mode: u32) -> Result<(), String> {
+pub(crate) fn write_new(path: &Path, bytes: &[u8], mode: u32) -> Result<(), String> {
     let temporary = path.with_extension("new");
     let _ = fs::remove_file(&temporary);
     let mut file = fs::OpenOptions::new()

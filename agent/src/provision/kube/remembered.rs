@@ -8,8 +8,7 @@
 //! UID is another pod, and the limits of a pod UID never change.
 use std::{
     collections::{BTreeMap, HashMap},
-    io::{Read as _, Write as _},
-    os::unix::fs::OpenOptionsExt as _,
+    io::Read as _,
     path::Path,
 };
 
@@ -117,16 +116,7 @@ pub(super) fn load(path: &Path, node: &str) -> Result<HashMap<Key, PodQuotas>, S
 
 /// Writes `bytes` to `path` (mode 0600) through a temporary file renamed into place.
 pub(super) fn write(path: &Path, bytes: &[u8]) -> Result<(), String> {
-    let temporary = path.with_extension("new");
-    let _ = std::fs::remove_file(&temporary);
-    let mut file = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(&temporary)
-        .map_err(|e| format!("cannot create {}: {e}", temporary.display()))?;
-    file.write_all(bytes).and_then(|()| file.sync_all()).map_err(|e| format!("cannot write {}: {e}", temporary.display()))?;
-    std::fs::rename(&temporary, path).map_err(|e| format!("cannot rename {} to {}: {e}", temporary.display(), path.display()))
+    crate::provision::store::write_new(path, bytes, 0o600)
 }
 
 #[cfg(test)]
