@@ -1108,6 +1108,14 @@ mod tests {
     }
 
     #[test]
+    fn static_pods_are_those_the_kubelet_did_not_get_from_the_api() {
+        let source = |value: &str| BTreeMap::from([(CONFIG_SOURCE.to_string(), value.to_string())]);
+        assert!(is_static_pod(&source("file")) && is_static_pod(&source("http")));
+        assert!(!is_static_pod(&source("api")));
+        assert!(!is_static_pod(&BTreeMap::new()), "not the kubelet's: not known to be static");
+    }
+
+    #[test]
     fn quotas_are_quantities_or_sizes() {
         assert_eq!(parse_quota("1Gi"), Some(1 << 30));
         assert_eq!(parse_quota("1g"), Some(1 << 30));
