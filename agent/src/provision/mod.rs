@@ -54,9 +54,10 @@
 //! (`<state-dir>/pods.json`, written by the watch, read at start): a pod known to have a
 //! quota is provisioned with it (limits cannot change for a pod UID), one known without is
 //! created untouched; a static pod (the kubelet's `kubernetes.io/config.source` annotation on
-//! the sandbox is not `api`) and a pod the node knows nothing of are created untouched.
-//! Each such decision is a log line and a count in
-//! `vramguard_provision_decisions_without_api_total{decision}`.
+//! the sandbox is not `api`) and a pod the node knows nothing of are created untouched, and
+//! looked at again whenever the pod cache changes: one found to have a quota then is held to
+//! it by its cgroup limit ([`Provisioner::recheck_undecided`]). Each such decision is a log
+//! line and a count in `vramguard_provision_decisions_without_api_total{decision}`.
 pub mod gpus;
 pub mod kube;
 pub mod metrics;
@@ -82,6 +83,9 @@ use nri::{Adjustment, Mount};
 pub use store::{Provisioned, Record};
 use quota::{QuotaFile, Subject};
 use store::Store;
+
+/// The most containers of unknown quota kept to be looked at again.
+const MAX_UNDECIDED: usize = 4096;
 
 /// The sandbox annotation the kubelet puts on every pod with where it came from (`api`, or
 /// `file` and `http` for static pods).
@@ -191,6 +195,9 @@ pub struct Provisioner {
     /// Synchronize): not provisioned (no hook, no ledger), held by their cgroup limit only.
     /// By container id: (pod sandbox id, cgroup path, limit).
     unprovisioned: Mutex<BTreeMap<String, (String, String, u64)>>,
+    /// Containers created untouched because neither the API nor the node could tell their
+    /// quota, by container id: looked at again when the pod cache changes.
+    undecided: Mutex<BTreeMap<String, Workload>>,
     /// Containers the runtime has whose GPUs it did not say (held to every GPU), by container
     /// id: their pod sandbox id. Each is logged once.
     undetermined: Mutex<BTreeMap<String, String>>,
@@ -241,6 +248,7 @@ impl Provisioner {
             in_flight: Arc::new(Mutex::new(HashMap::new())),
             counters: Counters::new().map_err(|e| format!("provisioning's metrics: {e}"))?,
             unprovisioned: Mutex::new(BTreeMap::new()),
+            undecided: Mutex::new(BTreeMap::new()),
             undetermined: Mutex::new(BTreeMap::new()),
             undetermined_total: AtomicU64::new(0),
             generation: Arc::new(tokio::sync::watch::channel(0).0),
@@ -307,6 +315,11 @@ impl Provisioner {
         }
     }
 
+    /// Forgets the containers of unknown quota `gone` says are gone.
+    fn forget_undecided(&self, gone: impl Fn(&str, &Workload) -> bool) {
+        self.undecided.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).retain(|id, w| !gone(id, w));
+    }
+
     /// Forgets the undetermined containers `gone` says are gone.
     fn forget_undetermined(&self, gone: impl Fn(&str, &str) -> bool) {
         self.undetermined.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).retain(|id, pod| !gone(id, pod));
@@ -346,12 +359,62 @@ impl Provisioner {
         limits: tokio::sync::watch::Sender<BTreeMap<String, u64>>,
     ) {
         let mut changes = self.changes();
+        let mut pods = self.sources.kube.as_ref().map(kube::PodCache::changes);
         loop {
             pins.send_replace(self.pins());
             limits.send_replace(self.cgroup_limits());
-            if changes.changed().await.is_err() {
-                return;
+            let pods_changed = async {
+                let changed = match pods.as_mut() {
+                    Some(pods) => pods.changed().await.is_ok(),
+                    None => false,
+                };
+                if !changed {
+                    std::future::pending::<()>().await;
+                }
+            };
+            tokio::select! {
+                changed = changes.changed() => if changed.is_err() { return },
+                () = pods_changed => self.recheck_undecided(),
             }
+        }
+    }
+
+    /// Containers created untouched because neither the API nor the node could tell their
+    /// quota, looked at again now that the pod cache changed: one the cache now knows to have
+    /// a quota is held to it by its cgroup limit (the eBPF probes' backstop: it runs without
+    /// the hook), logged; one it knows to have none is forgotten.
+    fn recheck_undecided(&self) {
+        let Some(pods) = &self.sources.kube else { return };
+        let mut held = false;
+        let undecided = std::mem::take(&mut *self.undecided.lock().unwrap_or_else(|poisoned| poisoned.into_inner()));
+        let mut still = BTreeMap::new();
+        for (id, w) in undecided {
+            match pods.known(&w.namespace, &w.pod, &w.pod_uid, &w.container) {
+                None => {
+                    still.insert(id, w);
+                }
+                Some((Ok(Some(quota)), _)) if quota > 0 => {
+                    let Some(cgroup) = cgroup_dir(&w.cgroups_path) else { continue };
+                    let limit = store::cgroup_limit(quota, self.given_gpus(&w).len());
+                    warn!(
+                        namespace = %w.namespace, pod = %w.pod, container = %w.container, id = %id, quota, cgroup = %cgroup,
+                        "a container created while its quota was unknown has one: it runs without the hook; its cgroup is held to its limit by the eBPF probes"
+                    );
+                    if let Ok(mut late) = self.unprovisioned.lock() {
+                        late.insert(id, (w.pod_id.clone(), cgroup, limit));
+                    }
+                    held = true;
+                }
+                Some((limit, _)) => {
+                    if let Err(value) = limit {
+                        warn!(namespace = %w.namespace, pod = %w.pod, container = %w.container, %value, "a container created while its quota was unknown has a limit that is not whole bytes: not held");
+                    }
+                }
+            }
+        }
+        self.undecided.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).extend(still);
+        if held {
+            self.changed();
         }
     }
 
@@ -421,6 +484,13 @@ impl Provisioner {
     fn decide_without_api(&self, w: &Workload, error: &kube::KubeError) {
         let decision = if is_static_pod(&w.annotations) { Decision::StaticPod } else { Decision::Unknown };
         self.decided(w, decision, &error.to_string());
+        // Looked at again when the pod cache learns more ([`Provisioner::recheck_undecided`]).
+        let mut undecided = self.undecided.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if undecided.len() < MAX_UNDECIDED {
+            undecided.insert(w.container_id.clone(), w.clone());
+        } else {
+            warn!(id = %w.container_id, max = MAX_UNDECIDED, "too many containers of unknown quota to look at again: this one is not");
+        }
     }
 
     /// Logs and counts a decision made without the API's answer.
@@ -622,6 +692,7 @@ impl Provisioner {
         if let Ok(mut late) = self.unprovisioned.lock() {
             late.remove(id);
         }
+        self.forget_undecided(|container, _| container == id);
         self.forget_undetermined(|container, _| container == id);
         self.remove_where(|record| record.container_id == id).await;
     }
@@ -631,6 +702,7 @@ impl Provisioner {
         if let Ok(mut late) = self.unprovisioned.lock() {
             late.retain(|_, (pod, _, _)| pod != pod_id);
         }
+        self.forget_undecided(|_, w| w.pod_id == pod_id);
         self.forget_undetermined(|_, pod| pod == pod_id);
         self.remove_where(|record| record.pod_id == pod_id).await;
     }
@@ -643,6 +715,7 @@ impl Provisioner {
             late.retain(|id, _| existing.contains(id));
         }
         self.forget_undetermined(|id, _| !existing.iter().any(|e| e == id));
+        self.forget_undecided(|id, _| !existing.iter().any(|e| e == id));
         info!(containers = self.lock().len(), "synchronized with the runtime");
     }
 

@@ -12,6 +12,9 @@
 //!   already) is refused, with an error that says why;
 //! * every answer comes within the runtime's deadline (no creation fails for time).
 //!
+//! When the server is back after the first outage and tells of the pod the node knew nothing
+//! of, with a quota, that container (started untouched) is held to it by its cgroup limit.
+//!
 //! Then the agent restarts while the API server still refuses connections: what the node knew
 //! before (the pod cache's last state in the state directory) still decides: a pod known to
 //! have a quota is provisioned with it, one known without is untouched. The decisions made
@@ -21,7 +24,7 @@
 //! Needs root, the containerd cache (`cargo xtask setup`) and the built binaries.
 mod kube_api;
 
-use std::time::Instant;
+use std::{os::unix::fs::MetadataExt as _, time::Instant};
 
 use anyhow::{ensure, Context, Result};
 use e2e::{
@@ -65,14 +68,14 @@ impl Round<'_> {
     }
 
     /// Created, with nothing of the agent's: no record, no injected variable or mount.
-    fn untouched(&self, name: &str, namespace: &str, annotations: &[(&str, &str)]) -> Result<()> {
+    fn untouched(&self, name: &str, namespace: &str, annotations: &[(&str, &str)]) -> Result<ContainerId> {
         let id = self.run(name, namespace, annotations).with_context(|| format!("{name}-{} must be created", self.tag))?;
         let env = self.containerd.container_env(&id)?;
         ensure!(!env.iter().any(|e| e.starts_with("VRAMGUARD_") || e.starts_with("CUDA_DEVICE_MEMORY_LIMIT=")), "{name}: {env:?}");
         let mounts = self.containerd.container_mounts(&id)?;
         ensure!(!mounts.iter().any(|(dest, _, _)| dest.starts_with("/run/vramguard") || dest == "/etc/ld.so.preload"), "{name}: {mounts:?}");
         ensure!(self.record(&id)?.is_none(), "{name}: the agent has a record of it");
-        Ok(())
+        Ok(id)
     }
 
     /// Provisioned with 1 GiB from `source`.
@@ -92,13 +95,15 @@ impl Round<'_> {
         Ok(())
     }
 
-    /// Every kind of pod, with the API server failing as it does now.
-    fn all_kinds(&self) -> Result<()> {
+    /// Every kind of pod, with the API server failing as it does now; the container of the
+    /// pod the node knew nothing of.
+    fn all_kinds(&self) -> Result<ContainerId> {
         self.untouched("web", "team-b", &[])?;
-        self.untouched("batch", "team-c", &[])?;
+        let unknown = self.untouched("batch", "team-c", &[])?;
         self.untouched("etcd", "kube-system", &[("kubernetes.io/config.source", "file")])?;
         self.provisioned("trainer", "kubernetes")?;
-        self.refused("big")
+        self.refused("big")?;
+        Ok(unknown)
     }
 }
 
@@ -135,7 +140,22 @@ fn with_the_api_server_down_only_a_known_quota_that_cannot_be_provisioned_is_ref
     for (mode, tag) in [(Mode::Failing, "failing"), (Mode::Hanging, "hanging"), (Mode::Refusing, "refusing")] {
         api.set_mode(mode);
         eprintln!("the API server: {mode:?}");
-        Round { containerd: &containerd, fake: &fake, agent: &agent, tag }.all_kinds().with_context(|| format!("{mode:?}: {}", agent.log()))?;
+        let unknown = Round { containerd: &containerd, fake: &fake, agent: &agent, tag }
+            .all_kinds()
+            .with_context(|| format!("{mode:?}: {}", agent.log()))?;
+        if mode == Mode::Failing {
+            // Back up, the server tells of the unknown pod, with a quota (its watch lagged the
+            // kubelet's): its container, started untouched, is held to it by its cgroup.
+            api.set_mode(Mode::Up);
+            api.add_pod(api_pod("team-c", "batch-failing", "uid-batch-failing", Some("1Gi")), true);
+            let cgroup = std::fs::metadata(containerd.container_cgroup(&unknown)?)?.ino();
+            wait_for(timeout(), "the unknown pod's cgroup held to its quota", || {
+                let audit = agent.audit()?;
+                Ok(audit["kernel_maps"]["cgroup_limits"].as_array().is_some_and(|ids| ids.iter().any(|id| id.as_u64() == Some(cgroup))))
+            })
+            .with_context(|| agent.log())?;
+            ensure!(agent.log().contains("a container created while its quota was unknown has one"), "{}", agent.log());
+        }
     }
     ensure!(decisions(&agent, "unknown")? >= 3.0 && decisions(&agent, "static_pod")? >= 3.0, "{}", agent.log());
     let log = agent.log();

@@ -122,6 +122,8 @@ struct Shared {
     /// The sequence number of the latest state handed to a writer, and of the one written.
     handed: AtomicU64,
     written: Mutex<u64>,
+    /// Bumped whenever what the cache keeps changes.
+    changes: tokio::sync::watch::Sender<u64>,
 }
 
 impl Shared {
@@ -132,6 +134,7 @@ impl Shared {
     /// Writes `pods` (the cache, its lock held) to the state file, on the blocking pool; a
     /// writer that comes after a newer state's does nothing.
     fn persist(self: &Arc<Self>, pods: &HashMap<Key, PodQuotas>) {
+        self.changes.send_modify(|generation| *generation += 1);
         let Some(path) = self.file.get().cloned() else { return };
         let bytes = remembered::encode(&self.node, pods);
         let sequence = self.handed.fetch_add(1, Ordering::Relaxed) + 1;
@@ -189,6 +192,7 @@ impl PodCache {
             remembered: Mutex::new(HashMap::new()),
             file: OnceLock::new(),
             handed: AtomicU64::new(0),
+            changes: tokio::sync::watch::channel(0).0,
             written: Mutex::new(0),
         });
         let task = tokio::spawn(run(client.clone(), node.to_owned(), shared.clone(), tuning));
@@ -198,6 +202,12 @@ impl PodCache {
     /// The connection's state.
     pub fn state(&self) -> &CacheState {
         &self.inner.shared.state
+    }
+
+    /// A receiver that sees every change of what the cache keeps (pods added, removed, listed
+    /// anew), not of their statuses.
+    pub fn changes(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.inner.shared.changes.subscribe()
     }
 
     /// Keeps the cache's state in the file at `path` from now on, and reads what the file

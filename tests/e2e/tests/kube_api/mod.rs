@@ -258,6 +258,14 @@ async fn serve(state: &Mutex<ApiState>, request: Request<Incoming>) -> Answer {
             };
             if query.get("watch") == Some(&"true") {
                 let (sender, receiver) = mpsc::unbounded_channel();
+                // As the real one: the changes since the version the watch starts from first.
+                let since: u64 = query.get("resourceVersion").and_then(|v| v.parse().ok()).unwrap_or(u64::MAX);
+                for (pod, _) in state.pods.iter().filter(|(p, _)| p["spec"]["nodeName"] == node) {
+                    let version: u64 = pod["metadata"]["resourceVersion"].as_str().and_then(|v| v.parse().ok()).unwrap_or(0);
+                    if version > since {
+                        let _ = sender.send(Bytes::from(format!("{}\n", json!({"type": "ADDED", "object": pod}))));
+                    }
+                }
                 let bookmark = json!({"type": "BOOKMARK", "object": {"kind": "Pod", "apiVersion": "v1", "metadata": {"resourceVersion": version}}});
                 let _ = sender.send(Bytes::from(format!("{bookmark}\n")));
                 state.watches.push(sender);
