@@ -50,13 +50,13 @@
 //! With `--kube`, the quota comes from the pod cache (the node's pods as the watch last saw
 //! them) or a direct lookup; when neither answers (the API server down, an error, past the
 //! lookup deadline, a pod it does not know), the node decides from what it knows
-//! ([`Provisioner::decide_without_api`]): the pod cache, then the cache's last state on disk
+//! (`Provisioner::decide_without_api`): the pod cache, then the cache's last state on disk
 //! (`<state-dir>/pods.json`, written by the watch, read at start): a pod known to have a
 //! quota is provisioned with it (limits cannot change for a pod UID), one known without is
 //! created untouched; a static pod (the kubelet's `kubernetes.io/config.source` annotation on
 //! the sandbox is not `api`) and a pod the node knows nothing of are created untouched, and
 //! looked at again whenever the pod cache changes: one found to have a quota then is held to
-//! it by its cgroup limit ([`Provisioner::recheck_undecided`]). Each such decision is a log
+//! it by its cgroup limit (`Provisioner::recheck_undecided`). Each such decision is a log
 //! line and a count in `vramguard_provision_decisions_without_api_total{decision}`.
 pub mod gpus;
 pub mod kube;
@@ -448,7 +448,7 @@ impl Provisioner {
 
     /// The container's quota from the pod spec: what the node knows of the pod (the pod
     /// cache, its last state on disk), else a lookup in the API; when the API cannot answer,
-    /// decided by what the node knows ([`Provisioner::decide_without_api`]). Err: the
+    /// decided by what the node knows (`Provisioner::decide_without_api`). Err: the
     /// container is known to have a quota that cannot be provisioned.
     async fn kube_quota(&self, pods: &kube::PodCache, w: &Workload) -> Result<Option<(u64, &'static str)>, String> {
         if let Some((limit, from)) = pods.known(&w.namespace, &w.pod, &w.pod_uid, &w.container) {
@@ -484,7 +484,7 @@ impl Provisioner {
     fn decide_without_api(&self, w: &Workload, error: &kube::KubeError) {
         let decision = if is_static_pod(&w.annotations) { Decision::StaticPod } else { Decision::Unknown };
         self.decided(w, decision, &error.to_string());
-        // Looked at again when the pod cache learns more ([`Provisioner::recheck_undecided`]).
+        // Looked at again when the pod cache learns more (`Provisioner::recheck_undecided`).
         let mut undecided = self.undecided.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         if undecided.len() < MAX_UNDECIDED {
             undecided.insert(w.container_id.clone(), w.clone());
