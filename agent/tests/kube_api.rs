@@ -552,10 +552,11 @@ async fn the_pods_known_before_are_known_without_the_api_server() {
     assert_eq!(cache.known("ml", "trainer", TRAINER_UID, "main"), Some((Ok(Some(8 * GI)), Known::Watch)));
     drop(cache);
 
-    // Nothing listens there: every lookup fails, the state read back answers.
-    let closed = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    // Nothing listens there (a port bound and kept, never listening: refused, and no other
+    // test's server can take it): every lookup fails, the state read back answers.
+    let closed = tokio::net::TcpSocket::new_v4().expect("socket");
+    closed.bind("127.0.0.1:0".parse().expect("address")).expect("bind");
     let url = format!("http://{}", closed.local_addr().expect("addr"));
-    drop(closed);
     let cache = PodCache::start_with(client(&url, None, None), NODE, tuning()).expect("start");
     cache.remember_in(&file);
     assert_eq!(cache.known("ml", "trainer", TRAINER_UID, "main"), Some((Ok(Some(8 * GI)), Known::Disk)));
@@ -568,6 +569,7 @@ async fn the_pods_known_before_are_known_without_the_api_server() {
     let other = PodCache::start_with(client(&url, None, None), "node-b", tuning()).expect("start");
     other.remember_in(&file);
     assert_eq!(other.known("ml", "trainer", TRAINER_UID, "main"), None);
+    drop(closed);
     std::fs::remove_dir_all(&dir).expect("cleanup");
 }
 
