@@ -13,6 +13,11 @@
 //! | `park` | a task's name | the task is never polled again, and so ignores the stop ([`armed`]) |
 //! | `panic-file` | a file name | discovery panics while reading a file of that name ([`panics_on_file`]) |
 //! | `delay` | a step's name | the step sleeps that long first ([`delay`]) |
+//!
+//! Steps that can be delayed: `create-container` (every provisioning's blocking step, after
+//! the ledger's tmpfs, the ledger and the record are made, before the container is recorded
+//! as provisioned: [`crate::provision`]) and `create-container.<name>` (the same, for
+//! containers of that name only).
 use std::{path::PathBuf, sync::OnceLock, time::Duration};
 
 /// One injected fault.

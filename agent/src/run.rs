@@ -324,6 +324,9 @@ pub async fn run(args: RunArgs) -> Result<()> {
         passes: 0,
         view: None,
     };
+    for family in provisioner.iter().flat_map(|p| p.counters().collectors()) {
+        judge.metrics.register(family)?;
+    }
 
     // The wiring: every task owns its state; these are all they share.
     // The reconcile task is told to stop first (it frees the agent's charges), with the kernel

@@ -12,7 +12,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use agent::provision::kube::{patch_body, Capacity, Client, KubeConfig, KubeError, PodCache, Tuning, JSON_PATCH};
+use agent::provision::kube::{patch_body, Capacity, Client, KubeConfig, KubeError, Known, PodCache, Tuning, JSON_PATCH, REMEMBERED};
 use bytes::Bytes;
 use http_body_util::{combinators::BoxBody, BodyExt, Full};
 use hyper::{
@@ -536,6 +536,41 @@ async fn an_api_server_that_does_not_answer_is_an_error_within_the_deadline() {
     // slack only absorbs a loaded machine.
     assert!(took >= deadline && took < deadline + Duration::from_secs(1), "{took:?}");
     assert!(!cache.state().synced() && !cache.state().connected());
+}
+
+/// The pods the watch saw are written to the state file; a cache started with no API server
+/// to reach reads them back and knows their quotas by UID, the static pod by its mirror.
+#[tokio::test]
+async fn the_pods_known_before_are_known_without_the_api_server() {
+    let dir = temp_dir("remembered");
+    let file = dir.join(REMEMBERED);
+    let mock = Mock::start(None).await;
+    mock.with(|s| s.listed = vec![fixture("pod-trainer.json"), fixture("pod-static-mirror.json")]);
+    let cache = PodCache::start_with(client(&mock.url(), None, None), NODE, tuning()).expect("start");
+    cache.remember_in(&file);
+    eventually("the state written", || std::fs::read_to_string(&file).is_ok_and(|t| t.contains("gpu-probe-node-a"))).await;
+    assert_eq!(cache.known("ml", "trainer", TRAINER_UID, "main"), Some((Ok(Some(8 * GI)), Known::Watch)));
+    drop(cache);
+
+    // Nothing listens there (a port bound and kept, never listening: refused, and no other
+    // test's server can take it): every lookup fails, the state read back answers.
+    let closed = tokio::net::TcpSocket::new_v4().expect("socket");
+    closed.bind("127.0.0.1:0".parse().expect("address")).expect("bind");
+    let url = format!("http://{}", closed.local_addr().expect("addr"));
+    let cache = PodCache::start_with(client(&url, None, None), NODE, tuning()).expect("start");
+    cache.remember_in(&file);
+    assert_eq!(cache.known("ml", "trainer", TRAINER_UID, "main"), Some((Ok(Some(8 * GI)), Known::Disk)));
+    assert_eq!(cache.known("ml", "trainer", TRAINER_UID, "sidecar"), Some((Ok(None), Known::Disk)));
+    assert_eq!(cache.known("kube-system", "gpu-probe-node-a", STATIC_UID, "probe"), Some((Ok(Some(512 << 20)), Known::Disk)));
+    assert_eq!(cache.known("ml", "trainer", "00000000-0000-4000-8000-000000000000", "main"), None, "another pod of that name");
+    let lookup = cache.container_quota("ml", "late", LATE_UID, "main").await;
+    assert!(matches!(lookup, Err(KubeError::Client { .. })), "{lookup:?}");
+    // Another node's file is not this node's knowledge.
+    let other = PodCache::start_with(client(&url, None, None), "node-b", tuning()).expect("start");
+    other.remember_in(&file);
+    assert_eq!(other.known("ml", "trainer", TRAINER_UID, "main"), None);
+    drop(closed);
+    std::fs::remove_dir_all(&dir).expect("cleanup");
 }
 
 #[tokio::test]

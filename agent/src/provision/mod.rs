@@ -30,15 +30,44 @@
 //! * [`quota`]: the quota file and the annotation.
 //! * [`store`]: what the agent keeps on the host per provisioned container.
 //! * [`mount`]: the size-capped tmpfs of each provisioned ledger.
+//! * [`metrics`]: provisioning's counters.
+//!
+//! # Within the runtime's deadline
+//!
+//! The runtime waits for CreateContainer's answer a bounded time (the agent answers by
+//! [`nri::Config::handler_deadline`], under the runtime's own). Looking the quota up is bounded
+//! below it (the Kubernetes lookup's deadline); the steps that block (the tmpfs mount, the
+//! ledger's pages, the record's files) run on tokio's blocking pool, never on the runtime's
+//! threads. A creation the runtime was answered about at the deadline (it then fails the
+//! container) is abandoned ([`Provisioner::abandon`]): what it made is removed at once, or, if
+//! its blocking step is still running, by that step when it ends; it is never recorded as
+//! provisioned. Counted in `vramguard_provision_timed_out_total` and
+//! `vramguard_provision_timed_out_removed_total{what}`.
+//!
+//! # When the Kubernetes API cannot answer
+//!
+//! A container is refused only if it is known to have a quota that cannot be provisioned.
+//! With `--kube`, the quota comes from the pod cache (the node's pods as the watch last saw
+//! them) or a direct lookup; when neither answers (the API server down, an error, past the
+//! lookup deadline, a pod it does not know), the node decides from what it knows
+//! (`Provisioner::decide_without_api`): the pod cache, then the cache's last state on disk
+//! (`<state-dir>/pods.json`, written by the watch, read at start): a pod known to have a
+//! quota is provisioned with it (limits cannot change for a pod UID), one known without is
+//! created untouched; a static pod (the kubelet's `kubernetes.io/config.source` annotation on
+//! the sandbox is not `api`) and a pod the node knows nothing of are created untouched, and
+//! looked at again whenever the pod cache changes: one found to have a quota then is held to
+//! it by its cgroup limit (`Provisioner::recheck_undecided`). Each such decision is a log
+//! line and a count in `vramguard_provision_decisions_without_api_total{decision}`.
 pub mod gpus;
 pub mod kube;
+pub mod metrics;
 pub mod mount;
 pub mod nri;
 pub mod quota;
 pub mod store;
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, HashMap},
     path::{Path, PathBuf},
     sync::{
         atomic::{AtomicU64, Ordering},
@@ -49,10 +78,23 @@ use std::{
 use ledger::provisioned;
 use tracing::{info, warn};
 
+use metrics::{Counters, Decision};
 use nri::{Adjustment, Mount};
 pub use store::{Provisioned, Record};
 use quota::{QuotaFile, Subject};
 use store::Store;
+
+/// The most containers of unknown quota kept to be looked at again.
+const MAX_UNDECIDED: usize = 4096;
+
+/// The sandbox annotation the kubelet puts on every pod with where it came from (`api`, or
+/// `file` and `http` for static pods).
+pub const CONFIG_SOURCE: &str = "kubernetes.io/config.source";
+
+/// Whether a sandbox's annotations say it is a static pod (its source is not the API server).
+pub fn is_static_pod(annotations: &BTreeMap<String, String>) -> bool {
+    annotations.get(CONFIG_SOURCE).is_some_and(|source| source != "api")
+}
 
 /// The flags of provisioning (`vramguard run`).
 #[derive(clap::Args, Clone, Debug)]
@@ -145,18 +187,24 @@ pub struct Provisioner {
     gpu_memory: Vec<u64>,
     refuse_overcommit: bool,
     /// By container id.
-    containers: Mutex<BTreeMap<String, Provisioned>>,
+    containers: Arc<Mutex<BTreeMap<String, Provisioned>>>,
+    /// Creations whose blocking step runs now, by container id.
+    in_flight: Flights,
+    counters: Counters,
     /// Containers with a quota that the runtime created while the agent was away (found in
     /// Synchronize): not provisioned (no hook, no ledger), held by their cgroup limit only.
     /// By container id: (pod sandbox id, cgroup path, limit).
     unprovisioned: Mutex<BTreeMap<String, (String, String, u64)>>,
+    /// Containers created untouched because neither the API nor the node could tell their
+    /// quota, by container id: looked at again when the pod cache changes.
+    undecided: Mutex<BTreeMap<String, Workload>>,
     /// Containers the runtime has whose GPUs it did not say (held to every GPU), by container
     /// id: their pod sandbox id. Each is logged once.
     undetermined: Mutex<BTreeMap<String, String>>,
     /// How many containers were held to every GPU because their GPUs were undetermined.
     undetermined_total: AtomicU64,
     /// Bumped at every change, for the agent's loop.
-    generation: tokio::sync::watch::Sender<u64>,
+    generation: Arc<tokio::sync::watch::Sender<u64>>,
 }
 
 impl Provisioner {
@@ -186,6 +234,9 @@ impl Provisioner {
         }
         info!(containers = found.len(), state_dir = %args.state_dir.display(), "provisioned containers restored from the state directory");
         let containers = found.into_iter().map(|p| (p.record.container_id.clone(), p)).collect();
+        if let Some(pods) = &sources.kube {
+            pods.remember_in(&args.state_dir.join(kube::REMEMBERED));
+        }
         Ok(Provisioner {
             store,
             sources,
@@ -193,12 +244,20 @@ impl Provisioner {
             preload,
             gpu_memory: args.gpu_memory.clone(),
             refuse_overcommit: args.refuse_overcommit,
-            containers: Mutex::new(containers),
+            containers: Arc::new(Mutex::new(containers)),
+            in_flight: Arc::new(Mutex::new(HashMap::new())),
+            counters: Counters::new().map_err(|e| format!("provisioning's metrics: {e}"))?,
             unprovisioned: Mutex::new(BTreeMap::new()),
+            undecided: Mutex::new(BTreeMap::new()),
             undetermined: Mutex::new(BTreeMap::new()),
             undetermined_total: AtomicU64::new(0),
-            generation: tokio::sync::watch::channel(0).0,
+            generation: Arc::new(tokio::sync::watch::channel(0).0),
         })
+    }
+
+    /// Provisioning's counters (their families join the agent's page).
+    pub fn counters(&self) -> &Counters {
+        &self.counters
     }
 
     /// A receiver that sees every change of the provisioned set.
@@ -261,6 +320,11 @@ impl Provisioner {
         }
     }
 
+    /// Forgets the containers of unknown quota `gone` says are gone.
+    fn forget_undecided(&self, gone: impl Fn(&str, &Workload) -> bool) {
+        self.undecided.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).retain(|id, w| !gone(id, w));
+    }
+
     /// Forgets the undetermined containers `gone` says are gone.
     fn forget_undetermined(&self, gone: impl Fn(&str, &str) -> bool) {
         self.undetermined.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).retain(|id, pod| !gone(id, pod));
@@ -300,24 +364,70 @@ impl Provisioner {
         limits: tokio::sync::watch::Sender<BTreeMap<String, u64>>,
     ) {
         let mut changes = self.changes();
+        let mut pods = self.sources.kube.as_ref().map(kube::PodCache::changes);
         loop {
             pins.send_replace(self.pins());
             limits.send_replace(self.cgroup_limits());
-            if changes.changed().await.is_err() {
-                return;
+            let pods_changed = async {
+                let changed = match pods.as_mut() {
+                    Some(pods) => pods.changed().await.is_ok(),
+                    None => false,
+                };
+                if !changed {
+                    std::future::pending::<()>().await;
+                }
+            };
+            tokio::select! {
+                changed = changes.changed() => if changed.is_err() { return },
+                () = pods_changed => self.recheck_undecided(),
             }
+        }
+    }
+
+    /// Containers created untouched because neither the API nor the node could tell their
+    /// quota, looked at again now that the pod cache changed: one the cache now knows to have
+    /// a quota is held to it by its cgroup limit (the eBPF probes' backstop: it runs without
+    /// the hook), logged; one it knows to have none is forgotten.
+    fn recheck_undecided(&self) {
+        let Some(pods) = &self.sources.kube else { return };
+        let mut held = false;
+        let undecided = std::mem::take(&mut *self.undecided.lock().unwrap_or_else(|poisoned| poisoned.into_inner()));
+        let mut still = BTreeMap::new();
+        for (id, w) in undecided {
+            match pods.known(&w.namespace, &w.pod, &w.pod_uid, &w.container) {
+                None => {
+                    still.insert(id, w);
+                }
+                Some((Ok(Some(quota)), _)) if quota > 0 => {
+                    let Some(cgroup) = cgroup_dir(&w.cgroups_path) else { continue };
+                    let limit = store::cgroup_limit(quota, self.given_gpus(&w).len());
+                    warn!(
+                        namespace = %w.namespace, pod = %w.pod, container = %w.container, id = %id, quota, cgroup = %cgroup,
+                        "a container created while its quota was unknown has one: it runs without the hook; its cgroup is held to its limit by the eBPF probes"
+                    );
+                    if let Ok(mut late) = self.unprovisioned.lock() {
+                        late.insert(id, (w.pod_id.clone(), cgroup, limit));
+                    }
+                    held = true;
+                }
+                Some((limit, _)) => {
+                    if let Err(value) = limit {
+                        warn!(namespace = %w.namespace, pod = %w.pod, container = %w.container, %value, "a container created while its quota was unknown has a limit that is not whole bytes: not held");
+                    }
+                }
+            }
+        }
+        self.undecided.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).extend(still);
+        if held {
+            self.changed();
         }
     }
 
     /// The container's quota per GPU and where it came from; `None`: not provisioned.
     async fn quota(&self, workload: &Workload) -> Result<Option<(u64, &'static str)>, String> {
         if let Some(kube) = &self.sources.kube {
-            let quota = kube
-                .container_quota(&workload.namespace, &workload.pod, &workload.pod_uid, &workload.container)
-                .await
-                .map_err(|error| format!("cannot look up the pod's quota in the Kubernetes API: {error}"))?;
-            if let Some(quota) = quota {
-                return Ok(Some((quota, "kubernetes")));
+            if let Some(quota) = self.kube_quota(kube, workload).await? {
+                return Ok(Some(quota));
             }
         }
         if let Some(file) = &self.sources.file {
@@ -341,8 +451,73 @@ impl Provisioner {
         Ok(None)
     }
 
+    /// The container's quota from the pod spec: what the node knows of the pod (the pod
+    /// cache, its last state on disk), else a lookup in the API; when the API cannot answer,
+    /// decided by what the node knows (`Provisioner::decide_without_api`). Err: the
+    /// container is known to have a quota that cannot be provisioned.
+    async fn kube_quota(&self, pods: &kube::PodCache, w: &Workload) -> Result<Option<(u64, &'static str)>, String> {
+        if let Some((limit, from)) = pods.known(&w.namespace, &w.pod, &w.pod_uid, &w.container) {
+            let quota = limit.map_err(|value| {
+                format!("vramguard: container {} of pod {}/{} has a {} limit of {value:?}, not a whole number of bytes: it cannot be provisioned", w.container, w.namespace, w.pod, kube::RESOURCE)
+            });
+            let (source, without_api) = match from {
+                kube::Known::Watch => ("kubernetes", !pods.state().connected()),
+                kube::Known::Disk => ("kubernetes (last known state)", true),
+            };
+            if without_api {
+                let decision = match &quota {
+                    Ok(Some(_)) => Decision::KnownQuota,
+                    Ok(None) => Decision::KnownNoQuota,
+                    Err(_) => Decision::Refused,
+                };
+                self.decided(w, decision, &format!("the pod as the node last saw it ({})", from.what()));
+            }
+            return quota.map(|quota| quota.map(|quota| (quota, source)));
+        }
+        match pods.container_quota(&w.namespace, &w.pod, &w.pod_uid, &w.container).await {
+            Ok(quota) => Ok(quota.map(|quota| (quota, "kubernetes"))),
+            Err(error @ kube::KubeError::BadQuantity { .. }) => Err(format!("vramguard: {error}: it cannot be provisioned")),
+            Err(error) => {
+                self.decide_without_api(w, &error);
+                Ok(None)
+            }
+        }
+    }
+
+    /// A container the API could not answer for and the node knows nothing of: created
+    /// untouched (a static pod, or any other: fail safe), logged and counted.
+    fn decide_without_api(&self, w: &Workload, error: &kube::KubeError) {
+        let decision = if is_static_pod(&w.annotations) { Decision::StaticPod } else { Decision::Unknown };
+        self.decided(w, decision, &error.to_string());
+        // Looked at again when the pod cache learns more (`Provisioner::recheck_undecided`).
+        let mut undecided = self.undecided.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if undecided.len() < MAX_UNDECIDED {
+            undecided.insert(w.container_id.clone(), w.clone());
+        } else {
+            warn!(id = %w.container_id, max = MAX_UNDECIDED, "too many containers of unknown quota to look at again: this one is not");
+        }
+    }
+
+    /// Logs and counts a decision made without the API's answer.
+    fn decided(&self, w: &Workload, decision: Decision, why: &str) {
+        self.counters.decided(decision);
+        let outcome = match decision {
+            Decision::KnownQuota => "its quota is the one the node knows",
+            Decision::KnownNoQuota => "known to have no quota: created untouched",
+            Decision::Refused => "known to have a quota that cannot be provisioned: refused",
+            Decision::StaticPod => "a static pod the node knows nothing of: created untouched",
+            Decision::Unknown => "a pod the node knows nothing of: created untouched (fail safe)",
+        };
+        warn!(
+            namespace = %w.namespace, pod = %w.pod, container = %w.container, id = %w.container_id,
+            decision = decision.label(), why, "decided without the Kubernetes API: {outcome}"
+        );
+    }
+
     /// Provisions `workload` if it has a quota: what the runtime must add to it, or why it
-    /// must not be created (the error fails the creation).
+    /// must not be created (the error fails the creation). The blocking steps (the tmpfs, the
+    /// ledger, the record) run on the blocking pool; the container is recorded as provisioned
+    /// at their end unless the creation was abandoned meanwhile ([`Provisioner::abandon`]).
     pub async fn create_container(&self, workload: &Workload) -> Result<Adjustment, String> {
         let Some((quota, source)) = self.quota(workload).await? else {
             return Ok(Adjustment::default());
@@ -351,9 +526,46 @@ impl Provisioner {
             info!(namespace = %workload.namespace, pod = %workload.pod, container = %workload.container, source, "quota 0: not provisioned");
             return Ok(Adjustment::default());
         }
-        let devices = self.node_gpus();
         let seen = self.given_gpus(workload);
-        let record = Record {
+        let record = self.record(workload, quota, source, &seen);
+        let id = record.container_id.clone();
+        {
+            // Checked and registered at once: creations in flight count in the check.
+            let mut flights = self.flights();
+            if flights.contains_key(&id) {
+                return Err(format!("vramguard: container {id} is being provisioned already"));
+            }
+            if self.refuse_overcommit {
+                self.check_overcommit(&record, &seen, &flights)?;
+            }
+            let flight = Flight { abandoned: false, quota: record.quota, gpus: record.gpus.clone() };
+            flights.insert(id.clone(), flight);
+        }
+        let step = Creation {
+            store: self.store.clone(),
+            containers: self.containers.clone(),
+            in_flight: self.in_flight.clone(),
+            generation: self.generation.clone(),
+            counters: self.counters.clone(),
+        };
+        let made = match tokio::task::spawn_blocking(move || step.run(record)).await {
+            Ok(made) => made?,
+            Err(error) => {
+                self.flights().remove(&id);
+                return Err(format!("vramguard: provisioning container {id} failed: {error}"));
+            }
+        };
+        info!(
+            namespace = %workload.namespace, pod = %workload.pod, container = %workload.container,
+            id = %workload.container_id, quota, source, ledger = %made.ledger.display(),
+            "container provisioned"
+        );
+        Ok(self.injection(&made))
+    }
+
+    /// What the agent records of `workload` provisioned with `quota` on the GPUs `seen`.
+    fn record(&self, workload: &Workload, quota: u64, source: &str, seen: &[usize]) -> Record {
+        Record {
             container_id: workload.container_id.clone(),
             pod_id: workload.pod_id.clone(),
             pod_uid: workload.pod_uid.clone(),
@@ -362,35 +574,61 @@ impl Provisioner {
             container: workload.container.clone(),
             cgroups_path: workload.cgroups_path.clone(),
             quota,
-            devices,
+            devices: self.node_gpus(),
             gpus: seen.iter().map(|&gpu| gpu as u32).collect(),
             source: source.to_string(),
-        };
-        if self.refuse_overcommit {
-            self.check_overcommit(&record, &seen)?;
         }
-        let made = self.store.create(record)?;
-        info!(
-            namespace = %workload.namespace, pod = %workload.pod, container = %workload.container,
-            id = %workload.container_id, quota, source, ledger = %made.ledger.display(),
-            "container provisioned"
-        );
-        let injection = self.injection(&made);
-        self.lock().insert(made.record.container_id.clone(), made);
-        self.changed();
-        Ok(injection)
     }
 
-    /// Refuses `record` if a GPU it was given would have more quota than memory.
-    fn check_overcommit(&self, record: &Record, seen: &[usize]) -> Result<(), String> {
+    fn flights(&self) -> std::sync::MutexGuard<'_, HashMap<String, Flight>> {
+        self.in_flight.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The runtime was answered about container `id`'s creation without it (past the
+    /// deadline, or the handler failed): the runtime fails the creation, so whatever it made
+    /// goes now. A blocking step still running is told to remove what it makes when it ends.
+    pub async fn abandon(&self, id: &str) {
+        self.counters.timed_out();
+        if let Some(flight) = self.flights().get_mut(id) {
+            flight.abandoned = true;
+            warn!(id, "creation abandoned while its ledger is being made: removed when that step ends");
+            return;
+        }
+        let made = self.lock().remove(id);
+        if made.is_none() {
+            info!(id, "creation abandoned before anything was made");
+            return;
+        }
+        self.changed();
+        let (store, counters, owned) = (self.store.clone(), self.counters.clone(), id.to_string());
+        let removed = tokio::task::spawn_blocking(move || {
+            let removed = store.remove_counted(&owned);
+            if let Ok(removed) = &removed {
+                counters.removed(*removed);
+            }
+            removed
+        })
+        .await;
+        match removed {
+            Ok(Ok(removed)) => warn!(id, ?removed, "creation abandoned: what it made is removed"),
+            Ok(Err(error)) => warn!(id, %error, "creation abandoned: cannot remove what it made"),
+            Err(error) => warn!(id, %error, "creation abandoned: the removal failed"),
+        }
+    }
+
+    /// Refuses `record` if a GPU it was given would have more quota than memory, counting
+    /// the provisioned containers and the creations in `flights`.
+    fn check_overcommit(&self, record: &Record, seen: &[usize], flights: &HashMap<String, Flight>) -> Result<(), String> {
         let containers = self.lock();
         for &gpu in seen {
             let Some(&memory) = self.gpu_memory.get(gpu) else { continue };
-            let others: u64 = containers
-                .values()
-                .filter(|p| p.record.container_id != record.container_id)
-                .filter(|p| p.record.gpus.contains(&(gpu as u32)))
-                .map(|p| p.record.quota)
+            let gpu = gpu as u32;
+            let made = containers.values().map(|p| (&p.record.container_id, p.record.quota, &p.record.gpus));
+            let flying = flights.iter().map(|(id, f)| (id, f.quota, &f.gpus));
+            let others: u64 = made
+                .chain(flying)
+                .filter(|(id, _, gpus)| **id != record.container_id && gpus.contains(&gpu))
+                .map(|(_, quota, _)| quota)
                 .sum();
             if others.saturating_add(record.quota) > memory {
                 return Err(format!(
@@ -426,8 +664,8 @@ impl Provisioner {
         }
     }
 
-    /// Forgets containers `gone` says are gone, and removes their files.
-    fn remove_where(&self, gone: impl Fn(&Record) -> bool) {
+    /// Forgets containers `gone` says are gone, and removes their files (on the blocking pool).
+    async fn remove_where(&self, gone: impl Fn(&Record) -> bool) {
         let removed: Vec<String> = {
             let mut containers = self.lock();
             let ids: Vec<String> = containers.values().filter(|p| gone(&p.record)).map(|p| p.record.container_id.clone()).collect();
@@ -436,43 +674,53 @@ impl Provisioner {
             }
             ids
         };
-        for id in &removed {
-            match self.store.remove(id) {
-                Ok(()) => info!(id = %id, "provisioned container gone: its ledger and record removed"),
-                Err(error) => warn!(id = %id, %error, "cannot remove a gone container's ledger and record"),
-            }
+        if removed.is_empty() {
+            return;
         }
-        if !removed.is_empty() {
-            self.changed();
+        self.changed();
+        let store = self.store.clone();
+        let removal = tokio::task::spawn_blocking(move || {
+            for id in &removed {
+                match store.remove(id) {
+                    Ok(()) => info!(id = %id, "provisioned container gone: its ledger and record removed"),
+                    Err(error) => warn!(id = %id, %error, "cannot remove a gone container's ledger and record"),
+                }
+            }
+        });
+        if let Err(error) = removal.await {
+            warn!(%error, "the removal of gone containers' ledgers failed");
         }
     }
 
     /// The runtime removed container `id`.
-    pub fn remove_container(&self, id: &str) {
+    pub async fn remove_container(&self, id: &str) {
         if let Ok(mut late) = self.unprovisioned.lock() {
             late.remove(id);
         }
+        self.forget_undecided(|container, _| container == id);
         self.forget_undetermined(|container, _| container == id);
-        self.remove_where(|record| record.container_id == id);
+        self.remove_where(|record| record.container_id == id).await;
     }
 
     /// The runtime removed pod sandbox `pod_id`: its containers' files go.
-    pub fn remove_pod(&self, pod_id: &str) {
+    pub async fn remove_pod(&self, pod_id: &str) {
         if let Ok(mut late) = self.unprovisioned.lock() {
             late.retain(|_, (pod, _, _)| pod != pod_id);
         }
+        self.forget_undecided(|_, w| w.pod_id == pod_id);
         self.forget_undetermined(|_, pod| pod == pod_id);
-        self.remove_where(|record| record.pod_id == pod_id);
+        self.remove_where(|record| record.pod_id == pod_id).await;
     }
 
     /// The runtime's full list of containers (NRI Synchronize): records of containers it
     /// does not have are removed.
-    pub fn synchronize(&self, existing: &[String]) {
-        self.remove_where(|record| !existing.contains(&record.container_id));
+    pub async fn synchronize(&self, existing: &[String]) {
+        self.remove_where(|record| !existing.contains(&record.container_id)).await;
         if let Ok(mut late) = self.unprovisioned.lock() {
             late.retain(|id, _| existing.contains(id));
         }
         self.forget_undetermined(|id, _| !existing.iter().any(|e| e == id));
+        self.forget_undecided(|id, _| !existing.iter().any(|e| e == id));
         info!(containers = self.lock().len(), "synchronized with the runtime");
     }
 
@@ -542,7 +790,7 @@ impl Workload {
 impl nri::Handler for Provisioner {
     async fn synchronize(&self, pods: Vec<nri::Pod>, containers: Vec<nri::Container>) {
         let existing: Vec<String> = containers.iter().map(|c| c.id.clone()).collect();
-        Provisioner::synchronize(self, &existing);
+        Provisioner::synchronize(self, &existing).await;
         let workloads: Vec<Workload> = containers
             .iter()
             .filter_map(|container| pods.iter().find(|pod| pod.id == container.pod_id).map(|pod| Workload::of(pod, container)))
@@ -559,12 +807,85 @@ impl nri::Handler for Provisioner {
         answer
     }
 
+    async fn abandon_container(&self, container: nri::Container) {
+        Provisioner::abandon(self, &container.id).await;
+    }
+
     async fn remove_container(&self, _pod: nri::Pod, container: nri::Container) {
-        Provisioner::remove_container(self, &container.id);
+        Provisioner::remove_container(self, &container.id).await;
     }
 
     async fn remove_pod(&self, pod: nri::Pod) {
-        Provisioner::remove_pod(self, &pod.id);
+        Provisioner::remove_pod(self, &pod.id).await;
+    }
+}
+
+/// A creation whose blocking step runs.
+struct Flight {
+    /// The runtime was answered without it meanwhile: the step removes what it made.
+    abandoned: bool,
+    /// What it will hold, for the over-commit check.
+    quota: u64,
+    gpus: Vec<u32>,
+}
+
+/// The creations in flight, by container id.
+type Flights = Arc<Mutex<HashMap<String, Flight>>>;
+
+/// A creation's blocking step, with what it needs of the provisioner.
+struct Creation {
+    store: Store,
+    containers: Arc<Mutex<BTreeMap<String, Provisioned>>>,
+    in_flight: Flights,
+    generation: Arc<tokio::sync::watch::Sender<u64>>,
+    counters: Counters,
+}
+
+impl Creation {
+    /// Makes the container's tmpfs, ledger and record; records it as provisioned, unless the
+    /// creation was abandoned meanwhile: then removes what it made. What a failed step made
+    /// is removed too.
+    fn run(self, record: Record) -> Result<Provisioned, String> {
+        let id = record.container_id.clone();
+        let container = record.container.clone();
+        let made = self.store.create(record);
+        // Test only: a step that outlives the runtime's deadline (crate::fault).
+        if let Some(by) = crate::fault::delay("create-container").or_else(|| crate::fault::delay(&format!("create-container.{container}"))) {
+            warn!(id, ?by, "fault injected: the creation's blocking step is delayed");
+            std::thread::sleep(by);
+        }
+        let mut flights = self.in_flight.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let abandoned = flights.remove(&id).is_some_and(|flight| flight.abandoned);
+        match made {
+            Ok(made) if !abandoned => {
+                // Recorded while the flight is held: an abandon now finds it recorded.
+                self.containers.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).insert(id, made.clone());
+                drop(flights);
+                self.generation.send_modify(|generation| *generation += 1);
+                Ok(made)
+            }
+            Ok(_) => {
+                drop(flights);
+                match self.store.remove_counted(&id) {
+                    Ok(removed) => {
+                        self.counters.removed(removed);
+                        warn!(id, ?removed, "creation abandoned (the runtime was answered at its deadline): what it made is removed");
+                    }
+                    Err(error) => warn!(id, %error, "creation abandoned: cannot remove what it made"),
+                }
+                Err(format!("vramguard: container {id} was abandoned while it was provisioned"))
+            }
+            Err(error) => {
+                drop(flights);
+                if !store::valid_container_id(&id) {
+                    return Err(error);
+                }
+                if let Err(problem) = self.store.remove(&id) {
+                    warn!(id, %problem, "cannot remove what a failed provisioning made");
+                }
+                Err(error)
+            }
+        }
     }
 }
 
@@ -706,6 +1027,11 @@ mod tests {
     fn overcommit_is_refused_per_gpu_when_asked() {
         let (root, p) = provisioner("overcommit", "namespace=team-a 5g\n", true);
         block_on(p.create_container(&workload("team-a", "a", "c1", "0"))).expect("5 of GPU 0's 8 GiB");
+        // A creation in flight on GPU 1 counts as if it were made.
+        p.flights().insert("f1".into(), Flight { abandoned: false, quota: 5 << 30, gpus: vec![1] });
+        let error = block_on(p.create_container(&workload("team-a", "b", "c2", "1"))).expect_err("GPU 1 holds f1's 5 GiB");
+        assert!(error.contains("GPU 1 has 8589934592 bytes and 5368709120 bytes"), "{error}");
+        p.flights().remove("f1");
         block_on(p.create_container(&workload("team-a", "b", "c2", "1"))).expect("GPU 1 is free");
         let error = block_on(p.create_container(&workload("team-a", "c", "c3", "0"))).expect_err("10 GiB on GPU 0");
         assert!(error.contains("GPU 0 has 8589934592 bytes") && error.contains("--refuse-overcommit"), "{error}");
@@ -790,17 +1116,57 @@ mod tests {
         for (pod, id) in [("a", "c1"), ("a", "c2"), ("b", "c3"), ("c", "c4")] {
             block_on(p.create_container(&workload("team-a", pod, id, "0"))).expect("provisioned");
         }
-        p.remove_container("c2");
-        p.remove_pod("sandbox-b");
+        block_on(p.remove_container("c2"));
+        block_on(p.remove_pod("sandbox-b"));
         assert_eq!(p.provisioned().iter().map(|x| x.record.container_id.as_str()).collect::<Vec<_>>(), ["c1", "c4"]);
         assert!(!root.join("ledgers/c2").exists() && !root.join("ledgers/c3").exists());
         drop(p);
         // Restarted: both records back; the runtime then says only c4 exists.
         let again = provisioner_in(&root, false);
         assert_eq!(again.len(), 2);
-        again.synchronize(&["c4".to_string(), "unrelated".to_string()]);
+        block_on(again.synchronize(&["c4".to_string(), "unrelated".to_string()]));
         assert_eq!(again.provisioned().iter().map(|x| x.record.container_id.as_str()).collect::<Vec<_>>(), ["c4"]);
         assert!(!root.join("ledgers/c1").exists() && !root.join("state/containers/c1").exists());
+        std::fs::remove_dir_all(&root).expect("cleanup");
+    }
+
+    /// Abandoned after it was recorded (the answer missed the deadline by a hair), and
+    /// abandoned while its blocking step runs: nothing of either is left, and both counted.
+    #[test]
+    fn an_abandoned_creation_leaves_nothing_behind() {
+        let (root, p) = provisioner("abandon", "namespace=team-a 1g\n", false);
+        block_on(p.create_container(&workload("team-a", "a", "c1", "0"))).expect("provisioned");
+        assert!(root.join("ledgers/c1/ledger").exists() && root.join("state/containers/c1/record.json").exists());
+        let mut changes = p.changes();
+        changes.mark_unchanged();
+        block_on(p.abandon("c1"));
+        assert!(p.is_empty() && changes.has_changed().expect("sender"), "forgotten, and published");
+        assert!(!root.join("ledgers/c1").exists() && !root.join("state/containers/c1").exists());
+        assert_eq!((p.counters().timed_out_total(), p.counters().removed_totals()), (1, [1, 0, 1]), "no mount without a Mounter");
+
+        // The step runs while the runtime is answered: it finds itself abandoned when it ends.
+        p.flights().insert("c2".into(), Flight { abandoned: false, quota: 1 << 30, gpus: vec![0] });
+        block_on(p.abandon("c2"));
+        let step = Creation {
+            store: p.store.clone(),
+            containers: p.containers.clone(),
+            in_flight: p.in_flight.clone(),
+            generation: p.generation.clone(),
+            counters: p.counters.clone(),
+        };
+        let record = p.record(&workload("team-a", "b", "c2", "0"), 1 << 30, "quota file", &[0]);
+        let error = step.run(record).expect_err("abandoned");
+        assert!(error.contains("abandoned"), "{error}");
+        assert!(p.is_empty() && p.flights().is_empty());
+        assert!(!root.join("ledgers/c2").exists() && !root.join("state/containers/c2").exists());
+        assert_eq!((p.counters().timed_out_total(), p.counters().removed_totals()), (2, [2, 0, 2]));
+
+        // Nothing made yet (cut short in the lookup): counted, nothing to remove.
+        block_on(p.abandon("c3"));
+        assert_eq!((p.counters().timed_out_total(), p.counters().removed_totals()), (3, [2, 0, 2]));
+        // The same container again, not abandoned: provisioned.
+        block_on(p.create_container(&workload("team-a", "b", "c2", "0"))).expect("provisioned");
+        assert_eq!(p.len(), 1);
         std::fs::remove_dir_all(&root).expect("cleanup");
     }
 
@@ -814,9 +1180,17 @@ mod tests {
         let want = BTreeMap::from([("/k8s.io/c1".to_string(), 1 << 30), ("/k8s.io/c2".to_string(), 2 << 30)]);
         assert_eq!(p.cgroup_limits(), want);
         assert_eq!(p.len(), 1, "c2 is not provisioned (no ledger)");
-        p.remove_pod("sandbox-b");
+        block_on(p.remove_pod("sandbox-b"));
         assert_eq!(p.cgroup_limits().len(), 1);
         std::fs::remove_dir_all(&root).expect("cleanup");
+    }
+
+    #[test]
+    fn static_pods_are_those_the_kubelet_did_not_get_from_the_api() {
+        let source = |value: &str| BTreeMap::from([(CONFIG_SOURCE.to_string(), value.to_string())]);
+        assert!(is_static_pod(&source("file")) && is_static_pod(&source("http")));
+        assert!(!is_static_pod(&source("api")));
+        assert!(!is_static_pod(&BTreeMap::new()), "not the kubelet's: not known to be static");
     }
 
     #[test]

@@ -61,8 +61,9 @@ impl Mounter {
     }
 
     /// Unmounts the tmpfs at `dir` (lazily: a container that still has its ledger keeps it
-    /// until its own mount goes); `dir` not being a mount point is not an error.
-    pub fn unmount(&self, dir: &Path) -> Result<(), String> {
+    /// until its own mount goes); `dir` not being a mount point is not an error. Whether
+    /// something was unmounted.
+    pub fn unmount(&self, dir: &Path) -> Result<bool, String> {
         let target = c_path(dir)?;
         let result = self.in_namespace(move || {
             // SAFETY: a NUL-terminated path that lives across the call.
@@ -70,9 +71,9 @@ impl Mounter {
             if rc == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
         });
         match result {
-            Ok(()) => Ok(()),
+            Ok(()) => Ok(true),
             // Not a mount point (EINVAL), or gone (ENOENT).
-            Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOENT)) => Ok(()),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOENT)) => Ok(false),
             Err(e) => Err(format!("cannot unmount {}: {e}", dir.display())),
         }
     }
@@ -188,8 +189,8 @@ mod tests {
         assert_eq!(mounter.ours(&root), std::slice::from_ref(&dir));
         let free = nix::sys::statvfs::statvfs(&dir).expect("statvfs");
         assert_eq!(free.blocks() as u64 * free.fragment_size() as u64, 12_288, "rounded up to pages");
-        mounter.unmount(&dir).expect("unmount");
-        mounter.unmount(&dir).expect("not mounted: fine");
+        assert_eq!(mounter.unmount(&dir), Ok(true));
+        assert_eq!(mounter.unmount(&dir), Ok(false), "not mounted: fine");
         assert!(mounter.ours(&root).is_empty());
         std::fs::remove_dir_all(&root).expect("cleanup");
     }

@@ -26,7 +26,7 @@ use ledger::{
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
-use super::mount::Mounter;
+use super::{metrics::Removed, mount::Mounter};
 
 /// Who a provisioned container is and what it was given (`record.json`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -124,7 +124,7 @@ impl Store {
         let (record_path, limits, ledger_path) = self.paths(&id);
         let ledger_parent = ledger_path.parent().unwrap_or(&self.ledger_dir);
         // A ledger left by an earlier try that did not finish (no record): made again.
-        self.remove_ledger_dir(ledger_parent)?;
+        let _ = self.remove_ledger_dir(ledger_parent)?;
         fs::create_dir_all(ledger_parent).map_err(|e| format!("cannot create {}: {e}", ledger_parent.display()))?;
         let geometry = Geometry {
             slots: CONTAINER_SLOTS,
@@ -213,27 +213,35 @@ impl Store {
 
     /// Removes what the agent keeps for container `id` (its ledger included).
     pub fn remove(&self, id: &str) -> Result<(), String> {
+        self.remove_counted(id).map(|_| ())
+    }
+
+    /// [`Store::remove`], saying what there was to remove.
+    pub fn remove_counted(&self, id: &str) -> Result<Removed, String> {
         if !valid_container_id(id) {
             return Err(format!("container id {id:?} cannot name a directory"));
         }
         let (record_path, _, ledger) = self.paths(id);
+        let mut removed = Removed { record: record_path.exists(), ledger: ledger.exists(), mount: false };
         // The record first: what is left without it is an unfinished provisioning.
         if let Some(state) = record_path.parent() {
             remove_all(state)?;
         }
-        match ledger.parent() {
-            Some(dir) => self.remove_ledger_dir(dir),
-            None => Ok(()),
+        if let Some(dir) = ledger.parent() {
+            removed.mount = self.remove_ledger_dir(dir)?;
         }
+        Ok(removed)
     }
 
     /// Removes a container's ledger directory: its tmpfs unmounted first (the files go with
-    /// it once no container holds them), then the directory.
-    fn remove_ledger_dir(&self, dir: &Path) -> Result<(), String> {
-        if let Some(mounts) = &self.mounts {
-            mounts.unmount(dir)?;
-        }
-        remove_all(dir)
+    /// it once no container holds them), then the directory. Whether a tmpfs was unmounted.
+    fn remove_ledger_dir(&self, dir: &Path) -> Result<bool, String> {
+        let unmounted = match &self.mounts {
+            Some(mounts) => mounts.unmount(dir)?,
+            None => false,
+        };
+        remove_all(dir)?;
+        Ok(unmounted)
     }
 
     /// Unmounts the ledger tmpfs mounts of containers without a record (left by a crash
@@ -246,7 +254,7 @@ impl Store {
                 continue;
             }
             match self.remove_ledger_dir(&dir) {
-                Ok(()) => info!(dir = %dir.display(), "a ledger tmpfs left without its container's record: unmounted and removed"),
+                Ok(_) => info!(dir = %dir.display(), "a ledger tmpfs left without its container's record: unmounted and removed"),
                 Err(error) => warn!(dir = %dir.display(), %error, "cannot remove a ledger tmpfs left without its container's record"),
             }
         }
@@ -289,7 +297,7 @@ fn remove_all(dir: &Path) -> Result<(), String> {
 
 /// Writes `bytes` to a new file at `path` (replacing any) with `mode`, through a temporary
 /// file renamed into place.
-fn write_new(path: &Path, bytes: &[u8], mode: u32) -> Result<(), String> {
+pub(crate) fn write_new(path: &Path, bytes: &[u8], mode: u32) -> Result<(), String> {
     let temporary = path.with_extension("new");
     let _ = fs::remove_file(&temporary);
     let mut file = fs::OpenOptions::new()

@@ -4,6 +4,8 @@
 //! * [`PodCache`] (`pods`): the pods on this node, kept by kube's watcher (paged list, watch
 //!   with bookmarks, relist on `410 Gone`, backoff), and [`PodCache::container_quota`]: a
 //!   container's `vramguard.io/gpu-memory` limit in bytes.
+//!   [`PodCache::known`]: what the node knows without asking, the cache and its last state
+//!   on disk (`remembered`, `<state-dir>/pods.json`).
 //! * [`Capacity`] (`capacity`): `vramguard.io/gpu-memory` in the node's status, re-asserted.
 //! * [`parse_quantity`] (`quantity`): Kubernetes quantities as exact bytes. This is the one
 //!   piece kube does not have: `k8s-openapi`'s `Quantity` is the quantity's text, with no
@@ -21,14 +23,16 @@ mod config;
 mod objects;
 mod pods;
 mod quantity;
+mod remembered;
 
 use std::{path::PathBuf, time::Duration};
 
 pub use capacity::{capacity_bytes, patch_body, Capacity, CapacityState, JSON_PATCH};
 pub use config::{KubeConfig, SERVICE_ACCOUNT_DIR};
 pub use kube::Client;
-pub use pods::{CacheState, PodCache, Tuning};
+pub use pods::{CacheState, Known, PodCache, Tuning};
 pub use quantity::parse_quantity;
+pub use remembered::REMEMBERED;
 
 /// The extended resource a container asks for its quota with, and the node advertises.
 pub const RESOURCE: &str = "vramguard.io/gpu-memory";

@@ -2,12 +2,15 @@
 //! (`fieldSelector=spec.nodeName=<node>`: paged list, watch with bookmarks, relist on `410
 //! Gone`, backoff after errors); only each pod's quotas are kept, not the pods.
 //! [`PodCache::container_quota`] answers from it, or with one direct `GET` of the pod,
-//! bounded by a deadline, when the pod is not there yet.
+//! bounded by a deadline, when the pod is not there yet. [`PodCache::known`] answers from
+//! what the node knows without asking: the cache, then its last state on disk
+//! ([`super::remembered`], read at start by [`PodCache::remember_in`], written by the watch).
 use std::{
     collections::HashMap,
+    path::{Path, PathBuf},
     sync::{
         atomic::{AtomicBool, AtomicU64, Ordering},
-        Arc, Mutex,
+        Arc, Mutex, OnceLock,
     },
     time::Duration,
 };
@@ -23,13 +26,14 @@ use tracing::{debug, info, warn};
 
 use super::{
     objects::{Limit, PodQuotas},
-    valid_name, Backoff, KubeError, RESOURCE,
+    remembered, valid_name, Backoff, KubeError, RESOURCE,
 };
 
 /// How the cache behaves; [`Tuning::default`] is production's.
 #[derive(Clone, Copy, Debug)]
 pub struct Tuning {
-    /// The most time [`PodCache::container_quota`] takes when it must ask the API server.
+    /// The most time [`PodCache::container_quota`] takes when it must ask the API server
+    /// (well under the NRI deadline: the creation's own steps follow it).
     pub lookup_deadline: Duration,
     /// The first wait after an error; doubled after each error that follows, up to `backoff_max`.
     pub backoff_min: Duration,
@@ -44,7 +48,7 @@ pub struct Tuning {
 impl Default for Tuning {
     fn default() -> Tuning {
         Tuning {
-            lookup_deadline: Duration::from_secs(1),
+            lookup_deadline: Duration::from_millis(800),
             backoff_min: Duration::from_millis(500),
             backoff_max: Duration::from_secs(30),
             watch_timeout: Duration::from_secs(290),
@@ -87,16 +91,64 @@ impl CacheState {
     }
 }
 
-type Key = (String, String);
+type Key = remembered::Key;
+
+/// Where [`PodCache::known`] found a pod.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Known {
+    /// The cache: the watch's view of the pod.
+    Watch,
+    /// The cache's last state on disk, read at start.
+    Disk,
+}
+
+impl Known {
+    pub fn what(self) -> &'static str {
+        match self {
+            Known::Watch => "the pod cache",
+            Known::Disk => "the pod cache's last state on disk",
+        }
+    }
+}
 
 struct Shared {
+    node: String,
     pods: Mutex<HashMap<Key, PodQuotas>>,
     state: CacheState,
+    /// The pods on disk when the agent started.
+    remembered: Mutex<HashMap<Key, PodQuotas>>,
+    /// Where the cache's state is written (set once by [`PodCache::remember_in`]).
+    file: OnceLock<PathBuf>,
+    /// The sequence number of the latest state handed to a writer, and of the one written.
+    handed: AtomicU64,
+    written: Mutex<u64>,
+    /// Bumped whenever what the cache keeps changes.
+    changes: tokio::sync::watch::Sender<u64>,
 }
 
 impl Shared {
     fn pods(&self) -> std::sync::MutexGuard<'_, HashMap<Key, PodQuotas>> {
         self.pods.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Writes `pods` (the cache, its lock held) to the state file, on the blocking pool; a
+    /// writer that comes after a newer state's does nothing.
+    fn persist(self: &Arc<Self>, pods: &HashMap<Key, PodQuotas>) {
+        self.changes.send_modify(|generation| *generation += 1);
+        let Some(path) = self.file.get().cloned() else { return };
+        let bytes = remembered::encode(&self.node, pods);
+        let sequence = self.handed.fetch_add(1, Ordering::Relaxed) + 1;
+        let shared = Arc::clone(self);
+        tokio::task::spawn_blocking(move || {
+            let mut written = shared.written.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if sequence <= *written {
+                return;
+            }
+            match remembered::write(&path, &bytes) {
+                Ok(()) => *written = sequence,
+                Err(error) => warn!(%error, "kube: cannot write the pod cache's state"),
+            }
+        });
     }
     fn failed(&self, what: &str, error: &dyn std::fmt::Display) {
         self.state.connected.store(false, Ordering::Relaxed);
@@ -135,7 +187,16 @@ impl PodCache {
     /// [`PodCache::start`] with other timings (tests).
     pub fn start_with(client: Client, node: &str, tuning: Tuning) -> Result<PodCache, KubeError> {
         valid_name("node", node)?;
-        let shared = Arc::new(Shared { pods: Mutex::new(HashMap::new()), state: CacheState::default() });
+        let shared = Arc::new(Shared {
+            node: node.to_owned(),
+            pods: Mutex::new(HashMap::new()),
+            state: CacheState::default(),
+            remembered: Mutex::new(HashMap::new()),
+            file: OnceLock::new(),
+            handed: AtomicU64::new(0),
+            changes: tokio::sync::watch::channel(0).0,
+            written: Mutex::new(0),
+        });
         let (sentinel, alive) = crate::task::sentinel();
         let watch = run(client.clone(), node.to_owned(), shared.clone(), tuning);
         let task = tokio::spawn(async move {
@@ -153,6 +214,43 @@ impl PodCache {
     /// The connection's state.
     pub fn state(&self) -> &CacheState {
         &self.inner.shared.state
+    }
+
+    /// A receiver that sees every change of what the cache keeps (pods added, removed, listed
+    /// anew), not of their statuses.
+    pub fn changes(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.inner.shared.changes.subscribe()
+    }
+
+    /// Keeps the cache's state in the file at `path` from now on, and reads what the file
+    /// held (the pods as the watch last saw them, before a restart) for [`PodCache::known`].
+    /// A file that cannot be read is logged and left to be replaced.
+    pub fn remember_in(&self, path: &Path) {
+        let shared = &self.inner.shared;
+        match remembered::load(path, &shared.node) {
+            Ok(pods) => {
+                info!(pods = pods.len(), file = %path.display(), "kube: the pods this node knew before, read back");
+                *shared.remembered.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = pods;
+            }
+            Err(error) => warn!(%error, "kube: the pods this node knew before cannot be read: only the API and the watch tell"),
+        }
+        if shared.file.set(path.to_path_buf()).is_ok() && shared.state.synced() {
+            let pods = shared.pods();
+            shared.persist(&pods);
+        }
+    }
+
+    /// The `vramguard.io/gpu-memory` limit of container `container` of pod `namespace/pod`
+    /// whose UID is `uid`, as the node knows it without asking the API server: from the cache,
+    /// else from its last state on disk; `None` when neither has that pod and container.
+    pub fn known(&self, namespace: &str, pod: &str, uid: &str, container: &str) -> Option<(Result<Option<u64>, String>, Known)> {
+        let key = (namespace.to_owned(), pod.to_owned());
+        let find = |pods: &HashMap<Key, PodQuotas>| pods.get(&key).filter(|p| p.is(uid)).and_then(|p| p.containers.get(container).cloned());
+        let shared = &self.inner.shared;
+        if let Some(limit) = find(&shared.pods()) {
+            return Some((limit, Known::Watch));
+        }
+        find(&shared.remembered.lock().unwrap_or_else(std::sync::PoisonError::into_inner)).map(|limit| (limit, Known::Disk))
     }
 
     /// The `vramguard.io/gpu-memory` limit of container `container` of the pod
@@ -256,7 +354,7 @@ async fn run(client: Client, node: String, shared: Arc<Shared>, tuning: Tuning) 
 
 /// One of the watcher's events into the cache: a list's pods are gathered in `listing` and
 /// replace the cache at its end.
-fn apply(shared: &Shared, node: &str, listing: &mut Option<HashMap<Key, PodQuotas>>, event: watcher::Event<Pod>) {
+fn apply(shared: &Arc<Shared>, node: &str, listing: &mut Option<HashMap<Key, PodQuotas>>, event: watcher::Event<Pod>) {
     shared.state.connected.store(true, Ordering::Relaxed);
     match event {
         watcher::Event::Init => *listing = Some(HashMap::new()),
@@ -266,7 +364,13 @@ fn apply(shared: &Shared, node: &str, listing: &mut Option<HashMap<Key, PodQuota
         watcher::Event::InitDone => {
             let pods = listing.take().unwrap_or_default();
             let count = pods.len();
-            *shared.pods() = pods;
+            let mut cached = shared.pods();
+            // The first list replaces what the file held before the agent started.
+            if !shared.state.synced() || *cached != pods {
+                shared.persist(&pods);
+            }
+            *cached = pods;
+            drop(cached);
             shared.state.pods.store(count as u64, Ordering::Relaxed);
             shared.state.lists.fetch_add(1, Ordering::Relaxed);
             if !shared.state.synced.swap(true, Ordering::Relaxed) {
@@ -277,7 +381,13 @@ fn apply(shared: &Shared, node: &str, listing: &mut Option<HashMap<Key, PodQuota
         }
         watcher::Event::Apply(pod) => {
             let mut pods = shared.pods();
-            pods.insert(key(&pod), PodQuotas::from_pod(&pod));
+            let quotas = PodQuotas::from_pod(&pod);
+            let key = key(&pod);
+            // Status updates change nothing kept: written only when what is kept changes.
+            if pods.get(&key) != Some(&quotas) {
+                pods.insert(key, quotas);
+                shared.persist(&pods);
+            }
             shared.state.pods.store(pods.len() as u64, Ordering::Relaxed);
         }
         watcher::Event::Delete(pod) => {
@@ -285,6 +395,7 @@ fn apply(shared: &Shared, node: &str, listing: &mut Option<HashMap<Key, PodQuota
             let key = key(&pod);
             if pods.get(&key).is_some_and(|p| Some(&p.uid) == pod.metadata.uid.as_ref()) {
                 pods.remove(&key);
+                shared.persist(&pods);
             }
             shared.state.pods.store(pods.len() as u64, Ordering::Relaxed);
         }

@@ -99,13 +99,21 @@ pub trait Handler: Send + Sync + 'static {
         containers: Vec<Container>,
     ) -> impl Future<Output = ()> + Send;
     /// A container is being created. Err(message): the runtime fails the creation with it.
-    /// Past the deadline the runtime is answered with an error and this call is cancelled (the
-    /// future dropped).
+    /// Past the deadline the runtime is answered with an error, this call is cancelled (the
+    /// future dropped) and [`Handler::abandon_container`] follows.
     fn create_container(
         &self,
         pod: Pod,
         container: Container,
     ) -> impl Future<Output = Result<Adjustment, String>> + Send;
+    /// The runtime was answered about this container's creation without the handler's
+    /// adjustment (past the deadline, or the handler panicked), so it fails the creation:
+    /// whatever [`Handler::create_container`] made for it is to go. Called once the cancelled
+    /// call has stopped; the answer to the runtime is not waiting for it.
+    fn abandon_container(&self, container: Container) -> impl Future<Output = ()> + Send {
+        let _ = container;
+        async {}
+    }
     /// A container was removed. Past the deadline the runtime is answered and the call goes on.
     fn remove_container(&self, pod: Pod, container: Container) -> impl Future<Output = ()> + Send;
     /// A pod sandbox was removed. Past the deadline the runtime is answered and the call goes on.

@@ -285,8 +285,14 @@ impl<H: Handler> Session<'_, H> {
                 };
                 let handler = Arc::clone(self.handler);
                 calls.spawn(async move {
-                    let answer = create_container(handler, pod, container, deadline).await;
-                    reply.send(answer).await;
+                    let kept = container.clone();
+                    let (answer, adjusted) =
+                        create_container(Arc::clone(&handler), pod, container, deadline).await;
+                    // An adjustment the runtime did not get (an error sent instead) is abandoned.
+                    let sent = reply.send(answer).await;
+                    if adjusted == Some(false) || (adjusted == Some(true) && !sent) {
+                        handler.abandon_container(kept).await;
+                    }
                     Done::Answered
                 });
             }
@@ -311,14 +317,18 @@ impl<H: Handler> Session<'_, H> {
                     event::REMOVE_POD_SANDBOX => {
                         self.remove_pod(change.pod, reply, deadline, calls).await
                     }
-                    _ => reply.send(Ok(proto::Empty {}.encode_to_vec())).await,
+                    _ => {
+                        reply.send(Ok(proto::Empty {}.encode_to_vec())).await;
+                    }
                 }
             }
             "Shutdown" => {
                 info!("NRI: the runtime is shutting down");
                 reply.send(Ok(proto::Empty {}.encode_to_vec())).await;
             }
-            _ => reply.send(Err(unimplemented(&request))).await,
+            _ => {
+                reply.send(Err(unimplemented(&request))).await;
+            }
         }
         Ok(())
     }
@@ -383,13 +393,15 @@ impl<H: Handler> Session<'_, H> {
 
 /// Runs the handler's CreateContainer within `deadline`; past it, or if the handler panics,
 /// the answer is an error (the runtime then fails the container's creation) and the handler's
-/// work is cancelled.
+/// work is cancelled and waited for. With the answer: `None` when the handler refused the
+/// container (it made nothing), `Some(true)` when the answer is its adjustment, `Some(false)`
+/// when the runtime is told an error instead (what the handler made is to be abandoned).
 async fn create_container<H: Handler>(
     handler: Arc<H>,
     pod: Pod,
     container: Container,
     deadline: Duration,
-) -> Result<Vec<u8>, proto::Status> {
+) -> (Result<Vec<u8>, proto::Status>, Option<bool>) {
     let id = container.id.clone();
     let mut work = AbortOnDrop(tokio::spawn(async move {
         handler.create_container(pod, container).await
@@ -398,34 +410,43 @@ async fn create_container<H: Handler>(
         Ok(Ok(Ok(adjustment))) => adjustment,
         Ok(Ok(Err(message))) => {
             info!(container = %id, "NRI: container refused: {message}");
-            return Err(status(code::UNKNOWN, message));
+            return (Err(status(code::UNKNOWN, message)), None);
         }
         Ok(Err(join)) => {
             warn!(container = %id, "NRI: the CreateContainer handler failed: {join}");
-            return Err(status(
+            let answer = status(
                 code::UNKNOWN,
                 format!("vramguard: the CreateContainer handler failed: {join}"),
-            ));
+            );
+            return (Err(answer), Some(false));
         }
         Err(_elapsed) => {
             warn!(container = %id, "NRI: CreateContainer not handled within {deadline:?}; refused");
-            return Err(status(
+            // Stopped before the answer goes: whatever it did by now is what is abandoned.
+            work.0.abort();
+            let _ = (&mut work.0).await;
+            let answer = status(
                 code::DEADLINE_EXCEEDED,
                 format!("vramguard: container {id} not provisioned within {deadline:?}"),
-            ));
+            );
+            return (Err(answer), Some(false));
         }
     };
     match adjustment.encode() {
-        Ok(adjust) => Ok(proto::CreateContainerResponse {
-            adjust: Some(adjust),
-        }
-        .encode_to_vec()),
+        Ok(adjust) => (
+            Ok(proto::CreateContainerResponse {
+                adjust: Some(adjust),
+            }
+            .encode_to_vec()),
+            Some(true),
+        ),
         Err(problem) => {
             warn!(container = %id, "NRI: the handler's adjustment is invalid: {problem}");
-            Err(status(
+            let answer = status(
                 code::UNKNOWN,
                 format!("vramguard: invalid adjustment for container {id}: {problem}"),
-            ))
+            );
+            (Err(answer), Some(false))
         }
     }
 }
@@ -473,11 +494,13 @@ impl Reply {
             .await;
     }
 
-    async fn send(&self, answer: Result<Vec<u8>, proto::Status>) {
+    /// Sends `answer`; false if an error went instead (an answer over ttRPC's limit).
+    async fn send(&self, answer: Result<Vec<u8>, proto::Status>) -> bool {
         let response = |status, payload| proto::Response {
             status: Some(status),
             payload,
         };
+        let mut as_given = true;
         let mut encoded = match answer {
             Ok(payload) => response(status(code::OK, String::new()), payload),
             Err(status) => response(status, vec![]),
@@ -490,6 +513,7 @@ impl Reply {
             );
             warn!("NRI: {problem}; an error sent instead");
             encoded = response(status(code::RESOURCE_EXHAUSTED, problem), vec![]).encode_to_vec();
+            as_given = false;
         }
         let message = wire::encode_message(self.stream, wire::TYPE_RESPONSE, 0, &encoded);
         // A closed channel: the session is ending and nobody is waiting for this answer.
@@ -497,6 +521,7 @@ impl Reply {
             .out
             .send(wire::encode_frames(wire::PLUGIN_CONN, &message))
             .await;
+        as_given
     }
 }
 

@@ -324,6 +324,8 @@ enum Seen {
     RemovePod(String),
     /// A slow CreateContainer's future was dropped.
     Cancelled(String),
+    /// The creation was abandoned (the runtime answered without the handler's adjustment).
+    Abandoned(String),
 }
 
 struct Recorder {
@@ -396,6 +398,13 @@ impl Handler for Recorder {
                 }),
                 _ => Ok(adjustment()),
             }
+        }
+    }
+
+    fn abandon_container(&self, container: Container) -> impl std::future::Future<Output = ()> + Send {
+        let seen = self.seen.clone();
+        async move {
+            let _ = seen.send(Seen::Abandoned(container.id));
         }
     }
 
@@ -704,6 +713,8 @@ async fn a_handler_error_is_a_ttrpc_error_and_the_connection_stays() {
         answer.message
     );
     assert_eq!(plugin.next_seen().await, Seen::Create("c3".into()));
+    // Made for nothing: abandoned.
+    assert_eq!(plugin.next_seen().await, Seen::Abandoned("c3".into()));
 
     // An answer over ttRPC's 4 MiB (which the runtime would drop) becomes an error.
     let answer = peer
@@ -711,6 +722,7 @@ async fn a_handler_error_is_a_ttrpc_error_and_the_connection_stays() {
         .await;
     assert_eq!(answer.code, 8, "gRPC ResourceExhausted: {}", answer.message);
     assert_eq!(plugin.next_seen().await, Seen::Create("c8".into()));
+    assert_eq!(plugin.next_seen().await, Seen::Abandoned("c8".into()));
 
     // Still connected: the next container gets its adjustment.
     let answer = peer
@@ -741,6 +753,8 @@ async fn a_slow_handler_is_answered_with_an_error_at_the_deadline_and_cancelled(
     );
     assert_eq!(plugin.next_seen().await, Seen::Create("c5".into()));
     assert_eq!(plugin.next_seen().await, Seen::Cancelled("c5".into()));
+    // Cancelled first, then abandoned: what the call made can go.
+    assert_eq!(plugin.next_seen().await, Seen::Abandoned("c5".into()));
     // The connection goes on.
     let answer = peer
         .call("CreateContainer", &create_request("c6", "main"), None)

@@ -1,0 +1,116 @@
+//! Provisioning's own counters, kept where they happen and rendered with the agent's page
+//! ([`crate::serve::metrics::Metrics::register`]):
+//!
+//! | family | counts |
+//! |---|---|
+//! | `vramguard_provision_timed_out_total` | creations the runtime was answered about at the NRI deadline, without them (it failed those containers) |
+//! | `vramguard_provision_timed_out_removed_total{what}` | what such creations had made and the agent removed at once: `ledger`, `mount` (its tmpfs), `record` |
+//! | `vramguard_provision_decisions_without_api_total{decision}` | containers decided without an answer from the Kubernetes API (see [`Decision`]) |
+use prometheus::{core::Collector, IntCounter, IntCounterVec, Opts};
+
+/// How a container was decided when the Kubernetes API gave no answer (down, an error, past
+/// the lookup deadline, or not knowing the pod), or while the pod cache's watch is broken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// The node knew the pod and the container's quota (the pod cache, or its last state on
+    /// disk): provisioned with it.
+    KnownQuota,
+    /// The node knew the pod and that the container has no quota: created untouched.
+    KnownNoQuota,
+    /// The node knew the container has a quota that cannot be provisioned: refused.
+    Refused,
+    /// A static pod the node knows nothing of: created untouched.
+    StaticPod,
+    /// A pod the node knows nothing of: created untouched (fail safe).
+    Unknown,
+}
+
+impl Decision {
+    /// The `decision` label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Decision::KnownQuota => "known_quota",
+            Decision::KnownNoQuota => "known_no_quota",
+            Decision::Refused => "refused",
+            Decision::StaticPod => "static_pod",
+            Decision::Unknown => "unknown",
+        }
+    }
+}
+
+/// What a timed-out creation had made, as it was removed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Removed {
+    pub ledger: bool,
+    pub mount: bool,
+    pub record: bool,
+}
+
+/// Provisioning's counters.
+#[derive(Clone)]
+pub struct Counters {
+    timed_out: IntCounter,
+    removed: IntCounterVec,
+    without_api: IntCounterVec,
+}
+
+impl Counters {
+    pub fn new() -> Result<Counters, prometheus::Error> {
+        Ok(Counters {
+            timed_out: IntCounter::new(
+                "vramguard_provision_timed_out_total",
+                "Container creations answered at the NRI deadline without their provisioning (the runtime failed them)",
+            )?,
+            removed: IntCounterVec::new(
+                Opts::new(
+                    "vramguard_provision_timed_out_removed_total",
+                    "What timed-out creations had made and the agent removed (ledger, mount, record)",
+                ),
+                &["what"],
+            )?,
+            without_api: IntCounterVec::new(
+                Opts::new(
+                    "vramguard_provision_decisions_without_api_total",
+                    "Containers decided without an answer from the Kubernetes API, by decision",
+                ),
+                &["decision"],
+            )?,
+        })
+    }
+
+    /// The families, for the agent's page.
+    pub fn collectors(&self) -> Vec<Box<dyn Collector>> {
+        vec![Box::new(self.timed_out.clone()), Box::new(self.removed.clone()), Box::new(self.without_api.clone())]
+    }
+
+    pub(super) fn timed_out(&self) {
+        self.timed_out.inc();
+    }
+
+    pub(super) fn removed(&self, removed: Removed) {
+        for (what, was) in [("ledger", removed.ledger), ("mount", removed.mount), ("record", removed.record)] {
+            if was {
+                self.removed.with_label_values(&[what]).inc();
+            }
+        }
+    }
+
+    pub(super) fn decided(&self, decision: Decision) {
+        self.without_api.with_label_values(&[decision.label()]).inc();
+    }
+
+    /// Timed-out creations so far.
+    pub fn timed_out_total(&self) -> u64 {
+        self.timed_out.get()
+    }
+
+    /// What timed-out creations made and was removed: ledgers, mounts, records.
+    pub fn removed_totals(&self) -> [u64; 3] {
+        ["ledger", "mount", "record"].map(|what| self.removed.with_label_values(&[what]).get())
+    }
+
+    /// Decisions made without the API so far, of `decision`.
+    pub fn decided_total(&self, decision: Decision) -> u64 {
+        self.without_api.with_label_values(&[decision.label()]).get()
+    }
+}
