@@ -311,12 +311,13 @@ pub async fn run(args: RunArgs) -> Result<()> {
     } else {
         None
     };
-    let mut cgroups = CgroupNames::new();
+    let tree = kernel::cgroups::watch_tree(&mut ebpf, platform.rmdir_offsets.is_ok());
+    let mut cgroups = CgroupNames::watched(tree.clone());
     if let Some(limits) = limits.as_mut() {
         limits.refresh(&mut cgroups);
         info!(mode = ?args.enforce, cgroups = limits.applied(), "cgroup limits pushed to the probes");
     }
-    let (accounting, exits_ring) = Accounting::new(&mut ebpf, records_cap)?;
+    let (accounting, exits_ring) = Accounting::new(&mut ebpf, records_cap, tree)?;
     // Exits wake the kernel task (allocations and frees emit no events: the maps say them).
     // SAFETY: the ring buffer owns its map fd, which stays open and unchanged until the
     // AsyncFd (which owns the ring buffer) is dropped.

@@ -180,6 +180,30 @@ pub struct Stats {
     /// Map entries of removed cgroups the agent's sweep deleted.
     #[serde(default)]
     pub cgroup_entries_swept: u64,
+    /// Records the sweeps that follow exits examined: the exited processes' own records,
+    /// found through the index of records by process (never the other processes').
+    #[serde(default)]
+    pub records_swept_by_exit: u64,
+    /// Records full sweeps of the maps examined (every record: only after exits or journal
+    /// entries were lost, or the index was full).
+    #[serde(default)]
+    pub records_swept_full: u64,
+    /// Full sweeps of the maps run.
+    #[serde(default)]
+    pub full_sweeps: u64,
+    /// Keys of new records the probes could not journal (`JOURNAL` full): each makes one full
+    /// sweep due.
+    #[serde(default)]
+    pub journal_lost: u64,
+    /// Keys in the agent's index of records by process.
+    #[serde(default)]
+    pub record_index_keys: u64,
+    /// Keys the index could not take (at its cap): a full sweep rebuilds it.
+    #[serde(default)]
+    pub record_index_overflows: u64,
+    /// Walks of the cgroup2 tree (it is walked when it changed: see `crate::cgroup`).
+    #[serde(default)]
+    pub cgroup_tree_walks: u64,
 }
 
 impl Snapshot {

@@ -100,7 +100,7 @@ impl Kernel {
                 _ = drain.tick() => self.drain(&wiring, &mut dropped_exits),
                 _ = sweep.tick() => {
                     self.drain(&wiring, &mut dropped_exits);
-                    self.accounting.sweep();
+                    self.accounting.sweep_missed();
                     super::cgroups::sweep(&mut self.accounting, self.limits.as_mut(), &mut self.cgroups);
                 }
                 _ = limits_tick.tick(), if self.limits.is_some() => self.push_limits(&mut wiring),
