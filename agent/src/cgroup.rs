@@ -101,6 +101,11 @@ impl CgroupNames {
         self.known.get(&id).cloned()
     }
 
+    /// What says when the tree changed, and counts the walks.
+    pub fn watch(&self) -> &TreeWatch {
+        &self.watch
+    }
+
     /// The tree's change count now, if it is watched.
     pub fn tree_changes(&self) -> Option<u64> {
         self.watch.changes()

@@ -202,6 +202,11 @@ pub struct RunArgs {
     /// its cap. 0 keeps none.
     #[arg(long, default_value_t = common::spare::MAX_SPARES_PER_PROCESS, value_name = "NUM")]
     pub max_spare_records_per_process: u64,
+    /// Bytes of the ring buffer that carries the keys of new allocation records to the agent
+    /// (24 bytes a record, read at every drain); a record that finds it full makes one sweep
+    /// of every record due at the next --sweep-ms tick. A power of two, at least 4096.
+    #[arg(long, default_value_t = common::journal::BYTES, value_name = "BYTES")]
+    pub journal_bytes: u32,
     #[command(flatten)]
     pub provision: ProvisionArgs,
     /// Test only: a fault to inject (repeatable; see `agent/src/fault.rs`).
@@ -259,6 +264,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         .override_global(common::names::RMDIR_ROOT_OFFSET, &rmdir_root, true)
         .override_global(common::names::RMDIR_ID_OFFSET, &rmdir_id, true)
         .map_max_entries(common::names::ALLOCS, args.max_alloc_records)
+        .map_max_entries(common::names::JOURNAL, kernel::accounting::journal_bytes(args.journal_bytes)?)
         .load(EBPF_OBJECT)
         .context("the kernel refused the eBPF object")?;
     // Before any program runs, so that no line is lost.
@@ -311,13 +317,12 @@ pub async fn run(args: RunArgs) -> Result<()> {
     } else {
         None
     };
-    let tree = kernel::cgroups::watch_tree(&mut ebpf, platform.rmdir_offsets.is_ok());
-    let mut cgroups = CgroupNames::watched(tree.clone());
+    let mut cgroups = CgroupNames::watched(kernel::cgroups::watch_tree(&mut ebpf, platform.rmdir_offsets.is_ok()));
     if let Some(limits) = limits.as_mut() {
         limits.refresh(&mut cgroups);
         info!(mode = ?args.enforce, cgroups = limits.applied(), "cgroup limits pushed to the probes");
     }
-    let (accounting, exits_ring) = Accounting::new(&mut ebpf, records_cap, tree)?;
+    let (accounting, exits_ring) = Accounting::new(&mut ebpf, records_cap)?;
     // Exits wake the kernel task (allocations and frees emit no events: the maps say them).
     // SAFETY: the ring buffer owns its map fd, which stays open and unchanged until the
     // AsyncFd (which owns the ring buffer) is dropped.

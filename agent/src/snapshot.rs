@@ -129,10 +129,12 @@ pub struct Stats {
     pub untracked_allocs: u64,
     /// Return probes without a saved entry (probes attached during a call).
     pub orphan_returns: u64,
-    /// Allocation records in the kernel map now (stale ones included until swept).
+    /// Allocation records in the kernel map now (stale ones included until swept): counted
+    /// by the probes as they insert and delete them, less those the agent deleted.
     pub records: u64,
     /// Of `records`, those of freed device pointers kept for the driver's reuse of their
-    /// address (`common::spare`).
+    /// address (`common::spare`) by live processes (a dead process's leave this count at its
+    /// exit, and `records` at its sweep).
     #[serde(default)]
     pub spare_records: u64,
     /// Records of dead processes the agent deleted.
@@ -204,6 +206,11 @@ pub struct Stats {
     /// Walks of the cgroup2 tree (it is walked when it changed: see `crate::cgroup`).
     #[serde(default)]
     pub cgroup_tree_walks: u64,
+    /// The cgroup2 tree's changes the kernel counted (directories made, removed, renamed)
+    /// since the agent started; 0 where they are not counted (the tree is then walked
+    /// whenever it is needed).
+    #[serde(default)]
+    pub cgroup_tree_changes: u64,
 }
 
 impl Snapshot {

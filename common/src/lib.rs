@@ -383,8 +383,13 @@ pub mod stat {
     /// New records whose key did not fit in the `JOURNAL` ring buffer: the agent's index of
     /// records by process misses them, so its `--sweep-ms` timer sweeps the whole map once.
     pub const JOURNAL_LOST: u32 = 15;
+    /// Records the probes inserted into `ALLOCS`, and those they deleted: with the agent's
+    /// own deletions, the records in the map (counted, so that no one has to read the map
+    /// through to know).
+    pub const RECORDS_ADDED: u32 = 16;
+    pub const RECORDS_DELETED: u32 = 17;
     /// Number of entries.
-    pub const LEN: u32 = 16;
+    pub const LEN: u32 = 18;
 }
 
 /// The kinds of kernel-side trouble the programs log (through aya-log), each rate-limited on

@@ -493,15 +493,16 @@ fn record_alloc<C: EbpfContext>(ctx: &C, pid_tgid: u64, kind: u32, space: u32, a
             Err(EEXIST) if space == AddrSpace::Pointer as u32 => false,
             Err(EEXIST) => {
                 // The driver handed out a handle this process still had on record: the old
-                // allocation was freed by a path no probe saw. Retire it; the new record
-                // takes its place (no new entry, so no cap check).
+                // allocation was freed by a path no probe saw. Retire it (an earlier
+                // process's is simply deleted); the new record takes its place (no new
+                // entry, so no cap check).
                 // SAFETY: the record is copied out at once.
                 if let Some(old) = unsafe { ALLOCS.get(&key) }.copied() {
-                    if old.generation == generation && ALLOCS.remove(&key).is_ok() {
+                    if delete(&key) && old.generation == generation {
                         uncharge(proc_usage, &old);
                     }
                 }
-                ALLOCS.insert(&key, &record, BPF_ANY as u64).is_ok() && journal(&key)
+                ALLOCS.insert(&key, &record, BPF_NOEXIST as u64).is_ok() && journal(&key)
             }
             Err(_) => {
                 bump(stat::ALLOCS_FULL, 1);
@@ -658,7 +659,7 @@ fn settle(key: &AllocKey) {
         return; // not an allocation we saw: the driver will say what it is
     };
     // Of two threads freeing the same pointer, only the one whose delete succeeds uncharges.
-    if ALLOCS.remove(key).is_err() {
+    if !delete(key) {
         return;
     }
     let Some(proc_usage) = PROC_USAGE.get_ptr_mut(&key.tgid) else {
@@ -699,7 +700,7 @@ fn record_mapping<C: EbpfContext>(ctx: &C, pid_tgid: u64, addr: u64, size: u64, 
                 // at: that mapping went by a path no probe saw. Retire it first.
                 // SAFETY: the record is copied out at once.
                 if let Some(old) = unsafe { ALLOCS.get(&key) }.copied() {
-                    if ALLOCS.remove(&key).is_ok() {
+                    if delete(&key) {
                         unlink_mapping(tgid, &old);
                     }
                 }
@@ -785,7 +786,7 @@ pub fn mem_unmap(ctx: ProbeContext) -> u32 {
         let Some(mapping) = (unsafe { ALLOCS.get(&key) }).copied() else {
             break; // another thread unmapped it meanwhile
         };
-        if ALLOCS.remove(&key).is_ok() {
+        if delete(&key) {
             unlink_mapping(tgid, &mapping);
         }
         at = at.wrapping_add(mapping.size);
@@ -828,7 +829,7 @@ pub fn mem_free(ctx: ProbeContext) -> u32 {
     } else {
         // Claimed first, so that of a racing free and this one only one uncharges.
         // SAFETY: as above.
-        if !unsafe { swap_if(&mut (*record).link, word, word | spare::BUSY) } || ALLOCS.remove(&key).is_err() {
+        if !unsafe { swap_if(&mut (*record).link, word, word | spare::BUSY) } || !delete(&key) {
             return 0;
         }
         if !ours {
@@ -1099,7 +1100,7 @@ pub fn ext_import_return(ctx: RetProbeContext) -> u32 {
     if EXTMEM.insert(&ExtKey { tgid, _pad: 0, handle }, &record, BPF_NOEXIST as u64).is_err() {
         return 0;
     }
-    journal(&AllocKey { tgid, space: journal::EXTERNAL, addr: handle });
+    journal_key(&AllocKey { tgid, space: journal::EXTERNAL, addr: handle });
     // SAFETY: live map values; the fields are updated atomically.
     unsafe {
         add(&mut (*proc_usage).bytes, pending.size);
@@ -1300,14 +1301,32 @@ fn may_log(kind: u32) -> bool {
     false
 }
 
-/// Queues the key of a record just inserted on `JOURNAL` without waking the agent; a full
-/// ring is counted. Always `true` (the record is in the map either way).
+/// Counts a record just inserted into `ALLOCS` (`RECORDS_ADDED`) and queues its key on
+/// `JOURNAL` (see [`journal_key`]). Always `true` (the record is in the map either way).
 #[inline(always)]
 fn journal(key: &AllocKey) -> bool {
+    bump(stat::RECORDS_ADDED, 1);
+    journal_key(key);
+    true
+}
+
+/// Queues the key of a record just inserted on `JOURNAL` without waking the agent; a full
+/// ring is counted.
+#[inline(always)]
+fn journal_key(key: &AllocKey) {
     if JOURNAL.output::<AllocKey>(key, BPF_RB_NO_WAKEUP as u64).is_err() {
         bump(stat::JOURNAL_LOST, 1);
     }
-    true
+}
+
+/// Deletes a record from `ALLOCS`; whether this call deleted it (counted: `RECORDS_DELETED`).
+#[inline(always)]
+fn delete(key: &AllocKey) -> bool {
+    let deleted = ALLOCS.remove(key).is_ok();
+    if deleted {
+        bump(stat::RECORDS_DELETED, 1);
+    }
+    deleted
 }
 
 /// Queues the exit of a process on `EXITS`, waking the agent; a full ring buffer is counted

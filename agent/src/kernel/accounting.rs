@@ -22,11 +22,11 @@ use aya::{
     maps::{HashMap, IterableMap, MapData, RingBuf},
     Ebpf,
 };
-use common::{journal, names, spare, stat, AddrSpace, AllocKey, AllocKind, AllocRecord, CgroupUsage, Event, EventKind, ProcUsage, Usage};
+use common::{journal, names, stat, AllocKey, AllocKind, AllocRecord, CgroupUsage, Event, EventKind, ProcUsage, Usage};
 
 use super::{extmem::External, index::Index, trouble::Counters};
 use crate::{
-    cgroup::{CgroupNames, TreeWatch},
+    cgroup::CgroupNames,
     reconcile::EbpfProcess,
     snapshot::{BytesByKind, CgroupRow, KernelMaps, ProcessRow, Snapshot, Stats},
 };
@@ -39,7 +39,6 @@ pub struct Accounting {
     external: External,
     /// Live records a cgroup may have (the probes' `MAX_RECORDS_PER_CGROUP`).
     records_cap: u64,
-    names: CgroupNames,
     stats: Stats,
     /// The keys of new records, from the probes.
     journal: RingBuf<MapData>,
@@ -54,16 +53,16 @@ pub struct Accounting {
     /// Processes whose exit event arrived since the last [`Accounting::take_exits`], with the
     /// time it arrived (the reclaim of their ledger slots is timed from it).
     exited: Vec<(u32, Instant)>,
+    /// Records the agent deleted from `ALLOCS`.
+    allocs_removed: u64,
     /// The tree's change count and when removed cgroups' entries were last swept.
     cgroups_swept: Option<(u64, Instant)>,
-    tree: TreeWatch,
 }
 
 impl Accounting {
     /// Takes the accounting maps and the exit ring buffer out of the loaded object, which was
-    /// loaded with `records_cap` as its per-cgroup cap; `tree` tells its cgroup names when to
-    /// walk the tree.
-    pub fn new(ebpf: &mut Ebpf, records_cap: u64, tree: TreeWatch) -> Result<(Accounting, RingBuf<MapData>)> {
+    /// loaded with `records_cap` as its per-cgroup cap.
+    pub fn new(ebpf: &mut Ebpf, records_cap: u64) -> Result<(Accounting, RingBuf<MapData>)> {
         let allocs: HashMap<MapData, AllocKey, AllocRecord> = take(ebpf, names::ALLOCS)?;
         // Room for every record the maps can hold, twice over (a process's keys are compacted
         // at twice its live records), and a compaction's worth per process.
@@ -76,7 +75,6 @@ impl Accounting {
             counters: Counters::new(take(ebpf, names::STATS)?),
             external: External::new(ebpf)?,
             records_cap,
-            names: CgroupNames::watched(tree.clone()),
             stats: Stats::default(),
             journal: take(ebpf, names::JOURNAL)?,
             index: Index::new(index_cap),
@@ -84,8 +82,8 @@ impl Accounting {
             full_due: false,
             lost_seen: (0, 0),
             exited: Vec::new(),
+            allocs_removed: 0,
             cgroups_swept: None,
-            tree,
         };
         Ok((accounting, take(ebpf, names::EXITS)?))
     }
@@ -199,7 +197,10 @@ impl Accounting {
             let mut live = Vec::new();
             for key in keys {
                 match self.sweep_record(tgid, key) {
-                    Some(true) => self.stats.stale_records_removed += 1,
+                    Some(true) => {
+                        self.stats.stale_records_removed += 1;
+                        self.allocs_removed += u64::from(key.0 != journal::EXTERNAL);
+                    }
                     Some(false) => live.push(key), // a newer process's with this pid
                     None => {}
                 }
@@ -247,6 +248,7 @@ impl Accounting {
                 live.push(*key);
             } else if self.allocs.remove(key).is_ok() {
                 self.stats.stale_records_removed += 1;
+                self.allocs_removed += 1;
             }
         }
         let (examined, removed) = self.external.sweep(&mut live);
@@ -287,8 +289,8 @@ impl Accounting {
             .collect()
     }
 
-    /// The current view.
-    pub fn snapshot(&mut self) -> Snapshot {
+    /// The current view, with the cgroups' paths from `names`.
+    pub fn snapshot(&mut self, names: &mut CgroupNames) -> Snapshot {
         let mut processes: Vec<ProcessRow> = Vec::new();
         let procs: Vec<(u32, ProcUsage)> = self.procs.iter().filter_map(Result::ok).collect();
         for (pid, proc_usage) in procs {
@@ -299,7 +301,7 @@ impl Accounting {
                     .map(|c| c.trim_end().to_string())
                     .unwrap_or_default(),
                 cgroup_id: proc_usage.cgroup_id,
-                cgroup: self.names.path(proc_usage.cgroup_id).unwrap_or_default(),
+                cgroup: names.path(proc_usage.cgroup_id).unwrap_or_default(),
                 bytes: by_kind(usage),
                 total_bytes: usage.total_bytes(),
                 live_allocations: usage.live_allocations(),
@@ -312,6 +314,7 @@ impl Accounting {
         processes.sort_by_key(|row| row.pid);
         let mut cgroups: Vec<CgroupRow> = Vec::new();
         let rows: Vec<(u64, Usage)> = self.cgroups.iter().filter_map(Result::ok).map(|(id, entry)| (id, entry.usage)).collect();
+        let spares = rows.iter().fold(0u64, |sum, (_, usage)| sum.wrapping_add(usage.spares));
         for (cgroup_id, usage) in rows {
             if usage.total_bytes() == 0 && usage.live_records() == 0 && usage.unrecorded == 0 {
                 continue;
@@ -320,7 +323,7 @@ impl Accounting {
                 capped: is_capped(&usage, self.records_cap),
                 unrecorded: usage.unrecorded,
                 cgroup_id,
-                cgroup: self.names.path(cgroup_id).unwrap_or_default(),
+                cgroup: names.path(cgroup_id).unwrap_or_default(),
                 bytes: by_kind(&usage),
                 total_bytes: usage.total_bytes(),
                 live_allocations: usage.live_allocations(),
@@ -330,20 +333,21 @@ impl Accounting {
         }
         cgroups.sort_by_key(|row| row.cgroup_id);
         let mut stats = self.stats.clone();
-        for (key, record) in self.allocs.iter().filter_map(Result::ok) {
-            stats.records += 1;
-            if key.space == AddrSpace::Pointer as u32 && record.link & spare::STATE == spare::SPARE {
-                stats.spare_records += 1;
-            }
-        }
+        // Counted, not read through: the probes count the records they insert and delete, the
+        // agent those it deletes; the spares are the cgroups' (a dead process's leave its
+        // cgroup's count at its exit, and the map at its sweep).
+        let (added, deleted) = (self.counters.get(stat::RECORDS_ADDED), self.counters.get(stat::RECORDS_DELETED));
+        stats.records = u64::try_from(added.wrapping_sub(deleted).wrapping_sub(self.allocs_removed) as i64).unwrap_or(0);
+        stats.spare_records = u64::try_from(spares as i64).unwrap_or(0);
         self.counters.fill(&mut stats);
         stats.records_cap = self.records_cap;
         stats.record_index_keys = self.index.len() as u64;
         stats.record_index_overflows = self.index.overflows;
-        stats.cgroup_tree_walks = self.tree.walks();
+        stats.cgroup_tree_walks = names.watch().walks();
+        stats.cgroup_tree_changes = names.watch().changes().unwrap_or(0);
         let mut kernel_maps = KernelMaps { cgroup_usage: self.cgroups.keys().filter_map(Result::ok).collect(), ..KernelMaps::default() };
         kernel_maps.cgroup_usage.sort_unstable();
-        let external_memory = self.external.view(&mut self.names);
+        let external_memory = self.external.view(names);
         Snapshot { processes, cgroups, stats, kernel_maps, external_memory, ..Snapshot::default() }
     }
 
@@ -370,6 +374,14 @@ impl Accounting {
     pub fn forget_cgroups(&mut self, ids: &[u64]) -> usize {
         ids.iter().filter(|id| self.cgroups.remove(id).is_ok()).count() + self.external.forget_cgroups(ids)
     }
+}
+
+/// `bytes` if it can size the `JOURNAL` ring buffer (a power of two, at least a page).
+pub fn journal_bytes(bytes: u32) -> Result<u32> {
+    if !bytes.is_power_of_two() || bytes < 4096 {
+        anyhow::bail!("--journal-bytes {bytes}: must be a power of two of at least 4096");
+    }
+    Ok(bytes)
 }
 
 /// Whether a cgroup holds at least its cap of live records (allocations and VMM mappings) and

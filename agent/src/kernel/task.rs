@@ -151,7 +151,7 @@ impl Kernel {
 
     /// The probes' maps as they are now.
     fn view(&mut self) -> KernelView {
-        let mut snapshot = self.accounting.snapshot();
+        let mut snapshot = self.accounting.snapshot(&mut self.cgroups);
         snapshot.stats.cgroup_limits = self.limits.as_ref().map_or(0, |l| l.applied() as u64);
         // The agent's signals to escaped processes count with the probes'.
         snapshot.stats.signals_sent = snapshot.stats.signals_sent.saturating_add(self.limits.as_ref().map_or(0, |l| l.escaped_signals()));
