@@ -198,3 +198,43 @@ fn find_cgroup2_mount() -> Option<PathBuf> {
         (fstype == "cgroup2").then(|| PathBuf::from(mount_point))
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_watched_tree_is_walked_when_it_changed_and_once_more_to_settle_never_while_unchanged() {
+        if cgroup2_mount().is_none() {
+            return;
+        }
+        let count = Arc::new(AtomicU64::new(7));
+        let seen = count.clone();
+        let watch = TreeWatch::new(move || Some(seen.load(Ordering::Relaxed)));
+        let mut names = CgroupNames::watched(watch.clone());
+        assert!(!names.all().is_empty());
+        assert_eq!(watch.walks(), 1, "the first look walks");
+        // Unchanged: no walk, not even for an id no cgroup has.
+        assert_eq!(names.path(u64::MAX), None);
+        let _ = names.all();
+        assert_eq!(watch.walks(), 1);
+        // Once more, a settle's time after the walk that followed a change; then never.
+        std::thread::sleep(SETTLE);
+        let _ = names.all();
+        assert_eq!(watch.walks(), 2, "the settling walk");
+        for _ in 0..10 {
+            let _ = names.all();
+            assert_eq!(names.path(u64::MAX), None);
+        }
+        assert_eq!(watch.walks(), 2, "nothing walked while the tree is unchanged");
+        // A change: walked at the next look.
+        count.fetch_add(1, Ordering::Relaxed);
+        assert_eq!(names.path(u64::MAX), None);
+        assert_eq!(watch.walks(), 3);
+        // Unwatched names walk whenever asked.
+        let mut unwatched = CgroupNames::new();
+        let _ = unwatched.all();
+        let _ = unwatched.all();
+        assert_eq!(unwatched.watch().walks(), 2);
+    }
+}
