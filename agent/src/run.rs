@@ -115,8 +115,9 @@ pub struct RunArgs {
     /// once, and their records are swept then).
     #[arg(long, default_value_t = 100, value_name = "MS")]
     pub drain_ms: u64,
-    /// How often to sweep every allocation record for dead processes regardless of exit
-    /// events (a fallback for exit events lost to a full ring buffer), in milliseconds.
+    /// How often to check whether exits or new records' keys were lost (then every allocation
+    /// record is swept once) and, if the cgroup tree changed, to delete removed cgroups' map
+    /// entries, in milliseconds (an exit sweeps its own process's records at once).
     #[arg(long, default_value_t = 5000, value_name = "MS")]
     pub sweep_ms: u64,
     /// The control socket `vramguard audit` connects to.

@@ -11,7 +11,11 @@
 //! in place: the usual alloc/free cycle then does no map insert or delete. Allocations and
 //! frees emit no event (the maps say it all; `STATS` counts them); the `process_exit` tracepoint drops a dead process's usage at once
 //! and tells the agent on the `EXITS` ring buffer, which wakes it; the agent then deletes the
-//! process's records.
+//! process's records. It finds them by the `JOURNAL` ring buffer, which carries the key of
+//! every record inserted (not of a spare taken over: that inserts nothing), without waking the
+//! agent; a full journal is counted (`JOURNAL_LOST`) and makes the agent sweep the whole map
+//! once. Inserts and deletes of records are counted (`RECORDS_ADDED`, `RECORDS_DELETED`), so
+//! the agent knows how many there are without reading the map through.
 //!
 //! VMM memory lives as the driver keeps it: a handle's physical memory is charged from
 //! `cuMemCreate` until its last reference is released (`cuMemRelease`; references also come
@@ -27,7 +31,9 @@
 //! allocation is still charged (the cgroup's limit keeps working) but gets no record
 //! (`Usage::unrecorded`), and a mapping gets no record but pins its handle's charge until
 //! the process exits: the cgroup is *capped*, and the other cgroups keep being recorded. The `cgroup_rmdir` tracepoint deletes
-//! a removed cgroup's `CGROUP_USAGE` and `CGROUP_LIMITS` entries. Trouble (a full map, a lost
+//! a removed cgroup's `CGROUP_USAGE` and `CGROUP_LIMITS` entries; it, `cgroup_mkdir` and
+//! `cgroup_rename` count the cgroup2 tree's changes (`CGROUP_TREE`), which the agent reads to
+//! walk the tree only when it changed. Trouble (a full map, a lost
 //! event, a capped cgroup) is counted in the per-CPU `STATS` and logged through aya-log, at
 //! most `trouble::LINES_PER_SECOND` lines per kind per second (`LOG_WINDOWS`).
 //!

@@ -5,8 +5,9 @@
 //! limits pushed to the probes and the exits handed to reclaim never wait on tenant work.
 //!
 //! Each turn of its loop is one of: drain the exit ring buffer (woken by the ring, or every
-//! `--drain-ms`), sweeping the allocation records of dead processes after exits; sweep every
-//! record and removed cgroups' entries (`--sweep-ms`); push the cgroup limits (every
+//! `--drain-ms`), sweeping the exited processes' own allocation records; sweep every record if
+//! exits or record keys were lost, and removed cgroups' entries if the tree changed
+//! (`--sweep-ms`); push the cgroup limits (every
 //! `--rescan-ms`, and at once when the provisioned containers change); answer a request for
 //! the current view (a [`KernelView`], for reconcile passes and `vramguard audit`); forward
 //! the programs' log lines.
