@@ -164,7 +164,7 @@ impl Accounting {
         }
         if !self.index.complete() && !self.full_due {
             self.full_due = true;
-            tracing::warn!(cap = self.index.len(), "the index of records by process is full: the records of exited processes are swept by the next full sweep (--sweep-ms)");
+            tracing::warn!(cap = self.index.keys_held(), "the index of records by process is full: the records of exited processes are swept by the next full sweep (--sweep-ms)");
         }
     }
 
@@ -257,7 +257,7 @@ impl Accounting {
         self.index.rebuild(live);
         tracing::info!(
             records = records.len() as u64 + examined,
-            indexed = self.index.len(),
+            indexed = self.index.keys_held(),
             "swept every allocation record (exits or journal entries were lost)"
         );
     }
@@ -341,7 +341,7 @@ impl Accounting {
         stats.spare_records = u64::try_from(spares as i64).unwrap_or(0);
         self.counters.fill(&mut stats);
         stats.records_cap = self.records_cap;
-        stats.record_index_keys = self.index.len() as u64;
+        stats.record_index_keys = self.index.keys_held() as u64;
         stats.record_index_overflows = self.index.overflows;
         stats.cgroup_tree_walks = names.watch().walks();
         stats.cgroup_tree_changes = names.watch().changes().unwrap_or(0);

@@ -46,7 +46,7 @@ impl Index {
     }
 
     /// Keys held.
-    pub fn len(&self) -> usize {
+    pub fn keys_held(&self) -> usize {
         self.len
     }
 
@@ -131,7 +131,7 @@ mod tests {
         // Another process's keys are not process 2's.
         assert_eq!(index.add(&key(2, 7)), None);
         assert_eq!(index.take(2), vec![(0, 7)]);
-        assert_eq!(index.len(), 100);
+        assert_eq!(index.keys_held(), 100);
         // Compacted to its 100 live records: due again at 200 keys, not before.
         let keys = index.take(1);
         assert_eq!(keys.len(), 100);
@@ -141,7 +141,7 @@ mod tests {
         // Compacted to one live record: due again at 64.
         let _ = index.take(1);
         index.put_back(1, vec![(0, 5)]);
-        assert_eq!(index.len(), 1);
+        assert_eq!(index.keys_held(), 1);
         assert_eq!((1..100).find(|addr| index.add(&key(1, 1000 + *addr)).is_some()), Some(63));
     }
 
@@ -158,7 +158,7 @@ mod tests {
         assert_eq!(index.take(9), vec![(0, 1), (0, 2)]);
         index.rebuild([key(9, 1), key(10, 4)]);
         assert!(index.complete());
-        assert_eq!(index.len(), 2);
+        assert_eq!(index.keys_held(), 2);
         assert_eq!(index.take(10), vec![(0, 4)]);
     }
 }

@@ -35,17 +35,7 @@ fn small_device(tag: &str, pages: u64) -> FakeNode {
 
 /// Waits up to 2 s for the agent's count of records to be `expected`; the audit that said so.
 fn records_settle(agent: &Agent, expected: u64, when: &str) -> Result<Value> {
-    let start = Instant::now();
-    loop {
-        let audit = agent.audit()?;
-        if stat(&audit, "records") == expected {
-            return Ok(audit);
-        }
-        if start.elapsed() > Duration::from_secs(2) {
-            bail!("{when}: {} records, not {expected}: {}", stat(&audit, "records"), audit["stats"]);
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    agent.records_settle(expected, Duration::from_secs(2)).with_context(|| when.to_string())
 }
 
 /// 10,240 records of another live process in the map: a process's exit examines its own
