@@ -255,10 +255,13 @@ impl Accounting {
         self.stats.records_swept_full += records.len() as u64 + examined;
         self.stats.stale_records_removed += removed;
         self.index.rebuild(live);
-        tracing::info!(
+        tracing::warn!(
             records = records.len() as u64 + examined,
             indexed = self.index.keys_held(),
-            "swept every allocation record (exits or journal entries were lost)"
+            exits_lost = self.lost_seen.0,
+            journal_lost = self.lost_seen.1,
+            index_overflows = self.index.overflows,
+            "swept every allocation record: exits or new records' keys were lost (a full ring: raise --journal-bytes if journal_lost grows) or the index was full"
         );
     }
 

@@ -56,11 +56,6 @@ impl Index {
         self.complete
     }
 
-    /// Marks the index incomplete (journal entries were lost): the next full sweep rebuilds it.
-    pub fn lost(&mut self) {
-        self.complete = false;
-    }
-
     /// Adds a journaled key; returns its tgid if that process's keys are due for compaction
     /// ([`Index::take`] them, keep those with a record, [`Index::put_back`]).
     pub fn add(&mut self, key: &AllocKey) -> Option<u32> {
