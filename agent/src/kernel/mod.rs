@@ -12,6 +12,7 @@ pub mod cgroups;
 pub mod enforce;
 pub mod extmem;
 pub mod index;
+pub mod load;
 pub mod log;
 pub mod probes;
 pub mod trouble;
