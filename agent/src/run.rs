@@ -126,8 +126,9 @@ pub struct RunArgs {
     /// once, and their records are swept then).
     #[arg(long, default_value_t = 100, value_name = "MS")]
     pub drain_ms: u64,
-    /// How often to sweep every allocation record for dead processes regardless of exit
-    /// events (a fallback for exit events lost to a full ring buffer), in milliseconds.
+    /// How often to check whether exits or new records' keys were lost (then every allocation
+    /// record is swept once) and, if the cgroup tree changed, to delete removed cgroups' map
+    /// entries, in milliseconds (an exit sweeps its own process's records at once).
     #[arg(long, default_value_t = 5000, value_name = "MS")]
     pub sweep_ms: u64,
     /// The control socket `vramguard audit` connects to.
@@ -213,6 +214,11 @@ pub struct RunArgs {
     /// its cap. 0 keeps none.
     #[arg(long, default_value_t = common::spare::MAX_SPARES_PER_PROCESS, value_name = "NUM")]
     pub max_spare_records_per_process: u64,
+    /// Bytes of the ring buffer that carries the keys of new allocation records to the agent
+    /// (24 bytes a record, read at every drain); a record that finds it full makes one sweep
+    /// of every record due at the next --sweep-ms tick. A power of two, at least 4096.
+    #[arg(long, default_value_t = common::journal::BYTES, value_name = "BYTES")]
+    pub journal_bytes: u32,
     #[command(flatten)]
     pub provision: ProvisionArgs,
     /// Test only: a fault to inject (repeatable; see `agent/src/fault.rs`).
@@ -265,6 +271,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         max_alloc_records: args.max_alloc_records,
         records_per_cgroup: u64::from(args.max_alloc_records_per_cgroup),
         spares_per_process: args.max_spare_records_per_process,
+        journal_bytes: args.journal_bytes,
         enforce: args.enforce,
         signal: args.signal,
         limits: args.limits.clone(),

@@ -129,10 +129,12 @@ pub struct Stats {
     pub untracked_allocs: u64,
     /// Return probes without a saved entry (probes attached during a call).
     pub orphan_returns: u64,
-    /// Allocation records in the kernel map now (stale ones included until swept).
+    /// Allocation records in the kernel map now (stale ones included until swept): counted
+    /// by the probes as they insert and delete them, less those the agent deleted.
     pub records: u64,
     /// Of `records`, those of freed device pointers kept for the driver's reuse of their
-    /// address (`common::spare`).
+    /// address (`common::spare`) by live processes (a dead process's leave this count at its
+    /// exit, and `records` at its sweep).
     #[serde(default)]
     pub spare_records: u64,
     /// Records of dead processes the agent deleted.
@@ -180,6 +182,35 @@ pub struct Stats {
     /// Map entries of removed cgroups the agent's sweep deleted.
     #[serde(default)]
     pub cgroup_entries_swept: u64,
+    /// Records the sweeps that follow exits examined: the exited processes' own records,
+    /// found through the index of records by process (never the other processes').
+    #[serde(default)]
+    pub records_swept_by_exit: u64,
+    /// Records full sweeps of the maps examined (every record: only after exits or journal
+    /// entries were lost, or the index was full).
+    #[serde(default)]
+    pub records_swept_full: u64,
+    /// Full sweeps of the maps run.
+    #[serde(default)]
+    pub full_sweeps: u64,
+    /// Keys of new records the probes could not journal (`JOURNAL` full): each makes one full
+    /// sweep due.
+    #[serde(default)]
+    pub journal_lost: u64,
+    /// Keys in the agent's index of records by process.
+    #[serde(default)]
+    pub record_index_keys: u64,
+    /// Keys the index could not take (at its cap): a full sweep rebuilds it.
+    #[serde(default)]
+    pub record_index_overflows: u64,
+    /// Walks of the cgroup2 tree (it is walked when it changed: see `crate::cgroup`).
+    #[serde(default)]
+    pub cgroup_tree_walks: u64,
+    /// The cgroup2 tree's changes the kernel counted (directories made, removed, renamed)
+    /// since the agent started; 0 where they are not counted (the tree is then walked
+    /// whenever it is needed).
+    #[serde(default)]
+    pub cgroup_tree_changes: u64,
 }
 
 impl Snapshot {

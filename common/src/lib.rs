@@ -263,6 +263,9 @@ pub struct ProcUsage {
 pub enum EventKind {
     /// The last thread of a process that had GPU memory exited; `size` is what it still held.
     Exit = 3,
+    /// The last thread of a process that had imported external memory exited (its import
+    /// records are swept by it; an `Exit` of the same process may come too).
+    ExternalExit = 4,
 }
 
 /// One entry of the `EXITS` ring buffer (exits only, each waking the agent).
@@ -380,8 +383,16 @@ pub mod stat {
     /// VMM handles left charged until their process exits because a mapping of theirs could
     /// not be recorded (cgroup at its cap, map full) or an unmap could not be matched.
     pub const VMM_PINNED: u32 = 14;
+    /// New records whose key did not fit in the `JOURNAL` ring buffer: the agent's index of
+    /// records by process misses them, so its `--sweep-ms` timer sweeps the whole map once.
+    pub const JOURNAL_LOST: u32 = 15;
+    /// Records the probes inserted into `ALLOCS`, and those they deleted: with the agent's
+    /// own deletions, the records in the map (counted, so that no one has to read the map
+    /// through to know).
+    pub const RECORDS_ADDED: u32 = 16;
+    pub const RECORDS_DELETED: u32 = 17;
     /// Number of entries.
-    pub const LEN: u32 = 16;
+    pub const LEN: u32 = 18;
 }
 
 /// The kinds of kernel-side trouble the programs log (through aya-log), each rate-limited on
@@ -402,6 +413,18 @@ pub mod trouble {
     pub const COUNT: u32 = 5;
     /// Lines per kind per second.
     pub const LINES_PER_SECOND: u64 = 5;
+}
+
+/// The `JOURNAL` ring buffer: the key of every record the probes insert into `ALLOCS` (or
+/// `EXTMEM`), in the layout of an [`AllocKey`], queued without waking the agent
+/// (`BPF_RB_NO_WAKEUP`) and read at its next drain. From it the agent keeps an index of each
+/// process's records, so that a process's exit costs a sweep of its own records only, never of
+/// the whole map. Taking a spare over inserts nothing and journals nothing.
+pub mod journal {
+    /// [`AllocKey::space`] of a journaled `EXTMEM` key (`addr` is the import's handle).
+    pub const EXTERNAL: u32 = 0x100;
+    /// Bytes in the ring (an entry takes 24: about 43,000 new records between two drains).
+    pub const BYTES: u32 = 1 << 20;
 }
 
 /// Value of `LOG_WINDOWS` (key: a [`trouble`] kind): the second (of `bpf_ktime_get_ns`)
@@ -439,6 +462,15 @@ pub mod names {
     pub const RMDIR_ROOT_OFFSET: &str = "RMDIR_ROOT_OFFSET";
     pub const RMDIR_ID_OFFSET: &str = "RMDIR_ID_OFFSET";
     pub const CGROUP_RMDIR: &str = "cgroup_rmdir";
+    /// The program on `cgroup:cgroup_mkdir` and `cgroup:cgroup_rename`: counts the tree's
+    /// changes in `CGROUP_TREE`.
+    pub const CGROUP_TREE_CHANGED: &str = "cgroup_tree_changed";
+    /// One-word array: how many times the cgroup2 tree changed (a directory made, removed or
+    /// renamed, counted by the `cgroup_mkdir`, `cgroup_rmdir` and `cgroup_rename`
+    /// tracepoints). The agent walks the tree only when it moved.
+    pub const CGROUP_TREE: &str = "CGROUP_TREE";
+    /// Ring buffer of the keys of new records (`crate::journal`).
+    pub const JOURNAL: &str = "JOURNAL";
     pub const ALLOC_RETURN: &str = "alloc_return";
     /// Programs that do nothing, never attached by the agent: `cargo xtask bench` puts them
     /// where the agent puts its own, to measure the kernel's floor (an entry and a return

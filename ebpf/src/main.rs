@@ -11,7 +11,11 @@
 //! in place: the usual alloc/free cycle then does no map insert or delete. Allocations and
 //! frees emit no event (the maps say it all; `STATS` counts them); the `process_exit` tracepoint drops a dead process's usage at once
 //! and tells the agent on the `EXITS` ring buffer, which wakes it; the agent then deletes the
-//! process's records.
+//! process's records. It finds them by the `JOURNAL` ring buffer, which carries the key of
+//! every record inserted (not of a spare taken over: that inserts nothing), without waking the
+//! agent; a full journal is counted (`JOURNAL_LOST`) and makes the agent sweep the whole map
+//! once. Inserts and deletes of records are counted (`RECORDS_ADDED`, `RECORDS_DELETED`), so
+//! the agent knows how many there are without reading the map through.
 //!
 //! VMM memory lives as the driver keeps it: a handle's physical memory is charged from
 //! `cuMemCreate` until its last reference is released (`cuMemRelease`; references also come
@@ -27,7 +31,9 @@
 //! allocation is still charged (the cgroup's limit keeps working) but gets no record
 //! (`Usage::unrecorded`), and a mapping gets no record but pins its handle's charge until
 //! the process exits: the cgroup is *capped*, and the other cgroups keep being recorded. The `cgroup_rmdir` tracepoint deletes
-//! a removed cgroup's `CGROUP_USAGE` and `CGROUP_LIMITS` entries. Trouble (a full map, a lost
+//! a removed cgroup's `CGROUP_USAGE` and `CGROUP_LIMITS` entries; it, `cgroup_mkdir` and
+//! `cgroup_rename` count the cgroup2 tree's changes (`CGROUP_TREE`), which the agent reads to
+//! walk the tree only when it changed. Trouble (a full map, a lost
 //! event, a capped cgroup) is counted in the per-CPU `STATS` and logged through aya-log, at
 //! most `trouble::LINES_PER_SECOND` lines per kind per second (`LOG_WINDOWS`).
 //!
@@ -43,7 +49,7 @@
 use core::intrinsics::{atomic_cxchg, atomic_xadd, AtomicOrdering};
 
 use aya_ebpf::{
-    bindings::{BPF_ANY, BPF_F_NO_PREALLOC, BPF_NOEXIST},
+    bindings::{BPF_ANY, BPF_F_NO_PREALLOC, BPF_NOEXIST, BPF_RB_NO_WAKEUP},
     helpers::{
         bpf_get_current_cgroup_id, bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user,
         bpf_send_signal,
@@ -56,7 +62,7 @@ use aya_ebpf::{
 use aya_log_ebpf::warn;
 use common::extmem::{self, ExtKey, ExtPending, ExtRecord, ExtUsage};
 use common::{
-    enforce, pending, spare, stat, trouble, vmm, AddrSpace, AllocKey, AllocKind, AllocRecord, CgroupLimit, CgroupUsage, Event, EventKind,
+    enforce, journal, pending, spare, stat, trouble, vmm, AddrSpace, AllocKey, AllocKind, AllocRecord, CgroupLimit, CgroupUsage, Event, EventKind,
     LimitCache,
     LogWindow, PendingAlloc, ProcUsage, Usage, DEFAULT_MAX_ALLOCS, DEFAULT_RECORDS_PER_CGROUP, EXITS_BYTES,
     HOST_LOCATION_TYPES, KIND_COUNT, MAX_CGROUPS, MAX_PROCS, PROP_LOCATION_TYPE_OFFSET,
@@ -107,6 +113,18 @@ static CGROUP_USAGE: HashMap<u64, CgroupUsage> =
 /// exit out).
 #[map]
 static EXITS: RingBuf = RingBuf::with_byte_size(EXITS_BYTES, 0);
+
+/// The key of every record inserted into `ALLOCS` or `EXTMEM` (`common::journal`), queued
+/// without waking the agent; read at its next drain, so that an exit sweeps only the dead
+/// process's own records. A full ring is counted (`JOURNAL_LOST`): the agent then sweeps the
+/// whole map once.
+#[map]
+static JOURNAL: RingBuf = RingBuf::with_byte_size(journal::BYTES, 0);
+
+/// One word: the cgroup2 tree's change count (mkdir, rmdir, rename), read by the agent to
+/// walk the tree only when it changed.
+#[map]
+static CGROUP_TREE: Array<u64> = Array::with_max_entries(1, 0);
 
 /// One zeroed `ProcUsage` per CPU, from which new usage entries are made (a 64-byte zero
 /// value built on the stack would be a call to a byte-wise `memset`).
@@ -475,21 +493,22 @@ fn record_alloc<C: EbpfContext>(ctx: &C, pid_tgid: u64, kind: u32, space: u32, a
         false
     } else {
         match ALLOCS.insert(&key, &record, BPF_NOEXIST as u64) {
-            Ok(()) => true,
+            Ok(()) => journal(&key),
             // A device pointer's record made since the lookup above, by a racing probe: the
             // allocation is charged without a record.
             Err(EEXIST) if space == AddrSpace::Pointer as u32 => false,
             Err(EEXIST) => {
                 // The driver handed out a handle this process still had on record: the old
-                // allocation was freed by a path no probe saw. Retire it; the new record
-                // takes its place (no new entry, so no cap check).
+                // allocation was freed by a path no probe saw. Retire it (an earlier
+                // process's is simply deleted); the new record takes its place (no new
+                // entry, so no cap check).
                 // SAFETY: the record is copied out at once.
                 if let Some(old) = unsafe { ALLOCS.get(&key) }.copied() {
-                    if old.generation == generation && ALLOCS.remove(&key).is_ok() {
+                    if delete(&key) && old.generation == generation {
                         uncharge(proc_usage, &old);
                     }
                 }
-                ALLOCS.insert(&key, &record, BPF_ANY as u64).is_ok()
+                ALLOCS.insert(&key, &record, BPF_NOEXIST as u64).is_ok() && journal(&key)
             }
             Err(_) => {
                 bump(stat::ALLOCS_FULL, 1);
@@ -646,7 +665,7 @@ fn settle(key: &AllocKey) {
         return; // not an allocation we saw: the driver will say what it is
     };
     // Of two threads freeing the same pointer, only the one whose delete succeeds uncharges.
-    if ALLOCS.remove(key).is_err() {
+    if !delete(key) {
         return;
     }
     let Some(proc_usage) = PROC_USAGE.get_ptr_mut(&key.tgid) else {
@@ -681,17 +700,17 @@ fn record_mapping<C: EbpfContext>(ctx: &C, pid_tgid: u64, addr: u64, size: u64, 
     let record = AllocRecord { size, cgroup_id, generation, kind: AllocKind::Vmm as u32, _pad: 0, link: handle };
     let recorded = !at_cap(cgroup)
         && match ALLOCS.insert(&key, &record, BPF_NOEXIST as u64) {
-            Ok(()) => true,
+            Ok(()) => journal(&key),
             Err(EEXIST) => {
                 // The driver mapped an address this process still had a mapping on record
                 // at: that mapping went by a path no probe saw. Retire it first.
                 // SAFETY: the record is copied out at once.
                 if let Some(old) = unsafe { ALLOCS.get(&key) }.copied() {
-                    if ALLOCS.remove(&key).is_ok() {
+                    if delete(&key) {
                         unlink_mapping(tgid, &old);
                     }
                 }
-                ALLOCS.insert(&key, &record, BPF_NOEXIST as u64).is_ok()
+                ALLOCS.insert(&key, &record, BPF_NOEXIST as u64).is_ok() && journal(&key)
             }
             Err(_) => false,
         };
@@ -773,7 +792,7 @@ pub fn mem_unmap(ctx: ProbeContext) -> u32 {
         let Some(mapping) = (unsafe { ALLOCS.get(&key) }).copied() else {
             break; // another thread unmapped it meanwhile
         };
-        if ALLOCS.remove(&key).is_ok() {
+        if delete(&key) {
             unlink_mapping(tgid, &mapping);
         }
         at = at.wrapping_add(mapping.size);
@@ -816,7 +835,7 @@ pub fn mem_free(ctx: ProbeContext) -> u32 {
     } else {
         // Claimed first, so that of a racing free and this one only one uncharges.
         // SAFETY: as above.
-        if !unsafe { swap_if(&mut (*record).link, word, word | spare::BUSY) } || ALLOCS.remove(&key).is_err() {
+        if !unsafe { swap_if(&mut (*record).link, word, word | spare::BUSY) } || !delete(&key) {
             return 0;
         }
         if !ours {
@@ -929,7 +948,7 @@ pub fn process_exit(ctx: TracePointContext) -> u32 {
         add(unsafe { &mut (*cgroup).spares }, dead.usage.spares.wrapping_neg());
     }
     let _ = PROC_USAGE.remove(&tgid);
-    emit_exit(&ctx, pid_tgid, dead.cgroup_id, dead.generation, dead.usage.total_bytes());
+    emit_exit(&ctx, EventKind::Exit, pid_tgid, dead.cgroup_id, dead.generation, dead.usage.total_bytes());
     0
 }
 
@@ -969,12 +988,40 @@ pub fn cgroup_rmdir(ctx: TracePointContext) -> u32 {
     if root != 0 {
         return 0;
     }
+    tree_changed();
     let usage = CGROUP_USAGE.remove(&id).is_ok();
     let limit = CGROUP_LIMITS.remove(&id).is_ok();
     if usage || limit {
         bump(stat::CGROUPS_REMOVED, 1);
     }
     0
+}
+
+/// `cgroup:cgroup_mkdir` and `cgroup:cgroup_rename` (one record layout, the `cgroup` class's,
+/// so `cgroup_rmdir`'s offsets): a cgroup2 directory made or renamed moves the tree's change
+/// count on, which tells the agent to walk the tree again (it never walks an unchanged one).
+#[tracepoint]
+pub fn cgroup_tree_changed(ctx: TracePointContext) -> u32 {
+    // SAFETY: a volatile read of a global the loader may have rewritten.
+    let root_offset = unsafe { core::ptr::read_volatile(&RMDIR_ROOT_OFFSET) };
+    if root_offset == 0 || root_offset > 256 {
+        return 0;
+    }
+    // SAFETY: bpf_probe_read_kernel of a field inside the tracepoint record.
+    if unsafe { ctx.read_at::<i32>(root_offset as usize) }.is_ok_and(|root| root == 0) {
+        tree_changed();
+    }
+    0
+}
+
+/// One more change of the cgroup2 tree.
+#[inline(always)]
+fn tree_changed() {
+    if let Some(count) = CGROUP_TREE.get_ptr_mut(0) {
+        // SAFETY: an array element, valid and 8-aligned for the program's run; every writer
+        // adds atomically.
+        add(unsafe { &mut *count }, 1);
+    }
 }
 
 // ---- external memory: visible, never charged ----------------------------------------------
@@ -1059,6 +1106,7 @@ pub fn ext_import_return(ctx: RetProbeContext) -> u32 {
     if EXTMEM.insert(&ExtKey { tgid, _pad: 0, handle }, &record, BPF_NOEXIST as u64).is_err() {
         return 0;
     }
+    journal_key(&AllocKey { tgid, space: journal::EXTERNAL, addr: handle });
     // SAFETY: live map values; the fields are updated atomically.
     unsafe {
         add(&mut (*proc_usage).bytes, pending.size);
@@ -1115,7 +1163,8 @@ pub fn ext_exit(ctx: TracePointContext) -> u32 {
     if !group_dead(&ctx) {
         return 0;
     }
-    let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let tgid = (pid_tgid >> 32) as u32;
     // SAFETY: copied out at once.
     let Some(dead) = (unsafe { EXTMEM_PROCS.get(&tgid) }).copied() else {
         return 0;
@@ -1129,6 +1178,9 @@ pub fn ext_exit(ctx: TracePointContext) -> u32 {
         }
     }
     let _ = EXTMEM_PROCS.remove(&tgid);
+    // The agent sweeps its import records by this exit (the `process_exit` program tells only
+    // of processes that allocated).
+    emit_exit(&ctx, EventKind::ExternalExit, pid_tgid, dead.cgroup_id, dead.generation, 0);
     0
 }
 
@@ -1255,11 +1307,39 @@ fn may_log(kind: u32) -> bool {
     false
 }
 
+/// Counts a record just inserted into `ALLOCS` (`RECORDS_ADDED`) and queues its key on
+/// `JOURNAL` (see [`journal_key`]). Always `true` (the record is in the map either way).
+#[inline(always)]
+fn journal(key: &AllocKey) -> bool {
+    bump(stat::RECORDS_ADDED, 1);
+    journal_key(key);
+    true
+}
+
+/// Queues the key of a record just inserted on `JOURNAL` without waking the agent; a full
+/// ring is counted.
+#[inline(always)]
+fn journal_key(key: &AllocKey) {
+    if JOURNAL.output::<AllocKey>(key, BPF_RB_NO_WAKEUP as u64).is_err() {
+        bump(stat::JOURNAL_LOST, 1);
+    }
+}
+
+/// Deletes a record from `ALLOCS`; whether this call deleted it (counted: `RECORDS_DELETED`).
+#[inline(always)]
+fn delete(key: &AllocKey) -> bool {
+    let deleted = ALLOCS.remove(key).is_ok();
+    if deleted {
+        bump(stat::RECORDS_DELETED, 1);
+    }
+    deleted
+}
+
 /// Queues the exit of a process on `EXITS`, waking the agent; a full ring buffer is counted
 /// and logged (the agent's sweep still finds the process gone).
-fn emit_exit<C: EbpfContext>(ctx: &C, pid_tgid: u64, cgroup_id: u64, generation: u64, size: u64) {
+fn emit_exit<C: EbpfContext>(ctx: &C, kind: EventKind, pid_tgid: u64, cgroup_id: u64, generation: u64, size: u64) {
     let record = Event {
-        event: EventKind::Exit as u32,
+        event: kind as u32,
         kind: 0,
         tgid: (pid_tgid >> 32) as u32,
         tid: pid_tgid as u32,

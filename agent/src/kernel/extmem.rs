@@ -1,6 +1,7 @@
 //! External memory imported into CUDA (`cuImportExternalMemory`: Vulkan, D3D, fd or NvSciBuf
 //! memory), as the probes' `EXTMEM*` maps keep it (see `common::extmem`): owns those maps,
-//! deletes the records of dead processes, and says per process and per cgroup how many
+//! deletes the records of dead processes (at their exit, found through the index of records
+//! by process, or in a full sweep: [`super::accounting`]), and says per process and per cgroup how many
 //! imports are live and how many bytes they span, for `vramguard audit` and the
 //! `vramguard_external_memory_bytes` metric. The memory belongs to whoever exported it, so it
 //! is never charged: nothing here reaches the usage the limits enforce.
@@ -8,7 +9,10 @@ use aya::{
     maps::{HashMap, MapData},
     Ebpf,
 };
-use common::extmem::{names, ExtKey, ExtRecord, ExtUsage};
+use common::{
+    extmem::{names, ExtKey, ExtRecord, ExtUsage},
+    journal, AllocKey,
+};
 use serde::{Deserialize, Serialize};
 
 use super::accounting::take;
@@ -52,17 +56,41 @@ impl External {
     }
 
     /// Deletes the records of processes that are gone (their entry was deleted by `ext_exit`,
-    /// or belongs to a newer process with the same pid); returns how many went.
-    pub fn sweep(&mut self) -> u64 {
+    /// or belongs to a newer process with the same pid); returns how many it examined and how
+    /// many went, and adds the keys of those left to `live`.
+    pub fn sweep(&mut self, live: &mut Vec<AllocKey>) -> (u64, u64) {
         let records: Vec<(ExtKey, ExtRecord)> = self.records.iter().filter_map(Result::ok).collect();
         let mut removed = 0;
-        for (key, record) in records {
-            let current = self.procs.get(&key.tgid, 0).ok();
-            if current.is_none_or(|p| p.generation != record.generation) && self.records.remove(&key).is_ok() {
-                removed += 1;
+        for (key, record) in &records {
+            if self.is_stale(key, record) {
+                removed += u64::from(self.records.remove(key).is_ok());
+            } else {
+                live.push(AllocKey { tgid: key.tgid, space: journal::EXTERNAL, addr: key.handle });
             }
         }
-        removed
+        (records.len() as u64, removed)
+    }
+
+    /// Deletes process `tgid`'s import record of `handle` if it is stale: `Some(true)` if it
+    /// went, `Some(false)` if it is live, `None` if there is none.
+    pub fn sweep_one(&mut self, tgid: u32, handle: u64) -> Option<bool> {
+        let key = ExtKey { tgid, _pad: 0, handle };
+        let record = self.records.get(&key, 0).ok()?;
+        if self.is_stale(&key, &record) {
+            return Some(self.records.remove(&key).is_ok());
+        }
+        Some(false)
+    }
+
+    /// Whether process `tgid` has an import record of `handle`.
+    pub fn has(&self, tgid: u32, handle: u64) -> bool {
+        self.records.get(&ExtKey { tgid, _pad: 0, handle }, 0).is_ok()
+    }
+
+    /// Whether `record` (read before this call) is of a process that is gone: looked up after
+    /// the record was read, as a record is only ever written after its process's entry exists.
+    fn is_stale(&self, key: &ExtKey, record: &ExtRecord) -> bool {
+        self.procs.get(&key.tgid, 0).ok().is_none_or(|p| p.generation != record.generation)
     }
 
     /// The ids of the cgroups with an entry in `EXTMEM_CGROUPS`.

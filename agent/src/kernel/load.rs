@@ -1,5 +1,5 @@
 //! Loading the eBPF object: the loader's globals and map sizes from the agent's settings, the
-//! tracepoints (process exit, cgroup removal) attached, every uprobe program loaded into the
+//! tracepoints (process exit, cgroup removal, and the cgroup tree's other changes) attached, every uprobe program loaded into the
 //! kernel (attached later, per libcuda file, by [`super::probes`]), the maps taken out for
 //! the accounting, the limits and the log. What it returns is the kernel task's state
 //! ([`Kernel`]): the programs live and die with that task.
@@ -19,6 +19,8 @@ pub struct Settings {
     pub max_alloc_records: u32,
     pub records_per_cgroup: u64,
     pub spares_per_process: u64,
+    /// The `JOURNAL` ring buffer's size (`--journal-bytes`).
+    pub journal_bytes: u32,
     pub enforce: enforce::Mode,
     pub signal: i32,
     /// The limits file, if any.
@@ -41,6 +43,7 @@ pub fn load(settings: &Settings, platform: &Platform, object: &[u8]) -> Result<K
         .override_global(common::names::RMDIR_ROOT_OFFSET, &rmdir_root, true)
         .override_global(common::names::RMDIR_ID_OFFSET, &rmdir_id, true)
         .map_max_entries(common::names::ALLOCS, settings.max_alloc_records)
+        .map_max_entries(common::names::JOURNAL, super::accounting::journal_bytes(settings.journal_bytes)?)
         .load(object)
         .context("the kernel refused the eBPF object")?;
     // Before any program runs, so that no line is lost.
@@ -93,7 +96,7 @@ pub fn load(settings: &Settings, platform: &Platform, object: &[u8]) -> Result<K
     } else {
         None
     };
-    let mut cgroups = CgroupNames::new();
+    let mut cgroups = CgroupNames::watched(super::cgroups::watch_tree(&mut ebpf, platform.rmdir_offsets.is_ok()));
     if let Some(limits) = limits.as_mut() {
         limits.refresh(&mut cgroups);
         info!(mode = ?settings.enforce, cgroups = limits.applied(), "cgroup limits pushed to the probes");

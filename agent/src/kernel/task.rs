@@ -7,8 +7,9 @@
 //! limits pushed to the probes and the exits handed to reclaim never wait on tenant work.
 //!
 //! Each turn of its loop is one of: drain the exit ring buffer (woken by the ring, or every
-//! `--drain-ms`), sweeping the allocation records of dead processes after exits; sweep every
-//! record and removed cgroups' entries (`--sweep-ms`); push the cgroup limits (every
+//! `--drain-ms`), sweeping the exited processes' own allocation records; sweep every record if
+//! exits or record keys were lost, and removed cgroups' entries if the tree changed
+//! (`--sweep-ms`); push the cgroup limits (every
 //! `--rescan-ms`, and at once when the provisioned containers change); answer a request for
 //! the current view (a [`KernelView`], for reconcile passes and `vramguard audit`); attach
 //! the probes to a libcuda file discovery identified (an [`AttachRequest`]: discovery reads
@@ -182,7 +183,7 @@ impl Kernel {
                 _ = drain.tick() => self.drain(&wiring, &mut dropped_exits),
                 _ = sweep.tick() => {
                     self.drain(&wiring, &mut dropped_exits);
-                    self.accounting.sweep();
+                    self.accounting.sweep_missed();
                     super::cgroups::sweep(&mut self.accounting, self.limits.as_mut(), &mut self.cgroups);
                 }
                 _ = limits_tick.tick(), if self.limits.is_some() => self.push_limits(&mut wiring),
@@ -237,7 +238,7 @@ impl Kernel {
 
     /// The probes' maps as they are now.
     fn view(&mut self) -> KernelView {
-        let mut snapshot = self.accounting.snapshot();
+        let mut snapshot = self.accounting.snapshot(&mut self.cgroups);
         snapshot.stats.cgroup_limits = self.limits.as_ref().map_or(0, |l| l.applied() as u64);
         // The agent's signals to escaped processes count with the probes'.
         snapshot.stats.signals_sent = snapshot.stats.signals_sent.saturating_add(self.limits.as_ref().map_or(0, |l| l.escaped_signals()));

@@ -1,5 +1,5 @@
-//! The kernel side's counters (`STATS`, one value per CPU): lost events, full maps, records
-//! refused by the per-cgroup cap, suppressed log lines, removed cgroups. The agent sums the
+//! The kernel side's counters (`STATS`, one value per CPU): lost events and journal entries,
+//! full maps, records refused by the per-cgroup cap, suppressed log lines, removed cgroups. The agent sums the
 //! CPUs and reports the totals in `vramguard audit`'s stats and as metrics.
 use aya::maps::{MapData, PerCpuArray};
 use common::stat;
@@ -36,11 +36,12 @@ impl Counters {
         stats.log_lines_suppressed = self.get(stat::LOG_SUPPRESSED);
         stats.cgroups_removed_by_kernel = self.get(stat::CGROUPS_REMOVED);
         stats.vmm_pinned = self.get(stat::VMM_PINNED);
+        stats.journal_lost = self.get(stat::JOURNAL_LOST);
     }
 }
 
 /// The trouble counters of `stats` by the `kind` label of `vramguard_kernel_trouble_total`.
-pub fn kinds(stats: &Stats) -> [(&'static str, u64); 8] {
+pub fn kinds(stats: &Stats) -> [(&'static str, u64); 9] {
     [
         ("records_capped", stats.records_capped),
         ("allocs_map_full", stats.allocs_map_full),
@@ -50,5 +51,6 @@ pub fn kinds(stats: &Stats) -> [(&'static str, u64); 8] {
         ("exit_events_lost", stats.exit_events_lost),
         ("untracked_allocs", stats.untracked_allocs),
         ("log_lines_suppressed", stats.log_lines_suppressed),
+        ("journal_lost", stats.journal_lost),
     ]
 }

@@ -49,7 +49,11 @@
 //! `vramguard_cgroup_unrecorded_allocations{cgroup,cgroup_id}`, `vramguard_alloc_records`, `vramguard_alloc_spare_records`,
 //! `vramguard_external_memory_bytes{cgroup,cgroup_id}` (imported external memory: never charged),
 //! `vramguard_alloc_records_per_cgroup_cap` and `vramguard_cgroups_removed_total{by}` (map
-//! entries of removed cgroups deleted by the `kernel` tracepoint or the agent's `sweep`).
+//! entries of removed cgroups deleted by the `kernel` tracepoint or the agent's `sweep`),
+//! `vramguard_records_swept_total{by}` (records the sweeps examined: `exit`, the exited
+//! processes' own; `full`, every record, only after losses), `vramguard_full_sweeps_total`,
+//! `vramguard_record_index_keys`, `vramguard_record_index_overflows_total` and
+//! `vramguard_cgroup_tree_walks_total`.
 //! Families kept elsewhere join through [`Metrics::register`] (`vramguard_http_connections_total`,
 //! [`crate::serve::http`]). Gauges are rebuilt from the current state at each render
 //! ([`Metrics::refresh`]).
@@ -120,6 +124,11 @@ pub struct Metrics {
     spare_records: IntGauge,
     records_cap: IntGauge,
     cgroups_removed: IntCounterVec,
+    records_swept: IntCounterVec,
+    full_sweeps: IntCounter,
+    record_index_keys: IntGauge,
+    record_index_overflows: IntCounter,
+    cgroup_tree_walks: IntCounter,
     container_ebpf: IntGaugeVec,
     container_driver: IntGaugeVec,
     unaccounted: IntGaugeVec,
@@ -372,7 +381,7 @@ impl Metrics {
         let kernel_trouble = registered(&registry, IntCounterVec::new(
             Opts::new(
                 "vramguard_kernel_trouble_total",
-                "Trouble the eBPF programs met, by kind: records_capped, allocs_map_full, procs_map_full, cgroups_map_full, events_lost, exit_events_lost, untracked_allocs, log_lines_suppressed",
+                "Trouble the eBPF programs met, by kind: records_capped, allocs_map_full, procs_map_full, cgroups_map_full, events_lost, exit_events_lost, untracked_allocs, log_lines_suppressed, journal_lost",
             ),
             &["kind"],
         )?)?;
@@ -410,6 +419,29 @@ impl Metrics {
                 "Removed cgroups whose kernel map entries were deleted, by the cgroup_rmdir tracepoint (by=kernel, cgroups) or the agent's sweep (by=sweep, entries)",
             ),
             &["by"],
+        )?)?;
+        let records_swept = registered(&registry, IntCounterVec::new(
+            Opts::new(
+                "vramguard_records_swept_total",
+                "Allocation records the agent's sweeps examined: by=exit, the exited processes' own records; by=full, every record (only after lost exits or journal entries)",
+            ),
+            &["by"],
+        )?)?;
+        let full_sweeps = registered(&registry, IntCounter::new(
+            "vramguard_full_sweeps_total",
+            "Sweeps of every allocation record (run at the --sweep-ms tick only after lost exits or journal entries, or a full index)",
+        )?)?;
+        let record_index_keys = registered(&registry, IntGauge::new(
+            "vramguard_record_index_keys",
+            "Keys in the agent's index of allocation records by process",
+        )?)?;
+        let record_index_overflows = registered(&registry, IntCounter::new(
+            "vramguard_record_index_overflows_total",
+            "Record keys the agent's index could not take (at its cap): each makes a full sweep due",
+        )?)?;
+        let cgroup_tree_walks = registered(&registry, IntCounter::new(
+            "vramguard_cgroup_tree_walks_total",
+            "Walks of the cgroup2 tree (done when the tree changed, not on a timer)",
         )?)?;
         let hami = if hami {
             let labels = ["namespace", "pod", "container", "vdevice_index", "device_uuid"];
@@ -464,6 +496,11 @@ impl Metrics {
             spare_records,
             records_cap,
             cgroups_removed,
+            records_swept,
+            full_sweeps,
+            record_index_keys,
+            record_index_overflows,
+            cgroup_tree_walks,
             container_ebpf,
             container_driver,
             unaccounted,
@@ -637,6 +674,12 @@ impl Metrics {
         }
         catch_up(&self.cgroups_removed.with_label_values(&["kernel"]), snapshot.stats.cgroups_removed_by_kernel);
         catch_up(&self.cgroups_removed.with_label_values(&["sweep"]), snapshot.stats.cgroup_entries_swept);
+        catch_up(&self.records_swept.with_label_values(&["exit"]), snapshot.stats.records_swept_by_exit);
+        catch_up(&self.records_swept.with_label_values(&["full"]), snapshot.stats.records_swept_full);
+        catch_up(&self.full_sweeps, snapshot.stats.full_sweeps);
+        catch_up(&self.record_index_overflows, snapshot.stats.record_index_overflows);
+        catch_up(&self.cgroup_tree_walks, snapshot.stats.cgroup_tree_walks);
+        self.record_index_keys.set(value(snapshot.stats.record_index_keys));
         self.capped.reset();
         self.unrecorded.reset();
         for row in &snapshot.cgroups {
@@ -744,6 +787,8 @@ mod tests {
         assert!(text.contains("vramguard_kernel_trouble_total{kind=\"exit_events_lost\"} 0"), "{text}");
         assert!(text.contains("vramguard_alloc_records_per_cgroup_cap 100"), "{text}");
         assert!(text.contains("vramguard_cgroups_removed_total{by=\"kernel\"} 2"), "{text}");
+        assert!(text.contains("vramguard_records_swept_total{by=\"exit\"} 0"), "{text}");
+        assert!(text.contains("vramguard_kernel_trouble_total{kind=\"journal_lost\"} 0"), "{text}");
         snapshot.external_memory.cgroups =
             vec![crate::kernel::extmem::ExternalRow { cgroup_id: 8, cgroup: "/calm".into(), imports: 1, bytes: 64 << 20, ..Default::default() }];
         metrics.refresh(None, &snapshot, &reconciler, &BTreeMap::new());

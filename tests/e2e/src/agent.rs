@@ -166,6 +166,22 @@ impl Agent {
         audit["stats"][name].as_u64().unwrap_or(u64::MAX)
     }
 
+    /// Waits up to `within` for the agent's count of allocation records to be `expected`
+    /// (the sweep after an exit deletes a dead process's records); the audit that said so.
+    pub fn records_settle(&self, expected: u64, within: Duration) -> Result<Value> {
+        let start = Instant::now();
+        loop {
+            let audit = self.audit()?;
+            if Self::stat(&audit, "records") == expected {
+                return Ok(audit);
+            }
+            if start.elapsed() > within {
+                bail!("{} records, not {expected}, after {within:?}: {}", Self::stat(&audit, "records"), audit["stats"]);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// `vramguard audit --json` against this agent, parsed.
     pub fn audit(&self) -> Result<Value> {
         self.try_audit()

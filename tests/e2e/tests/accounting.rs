@@ -321,7 +321,7 @@ fn eight_processes_of_four_threads_100k_pairs_leave_nothing() -> Result<()> {
     assert!(cgroup_row(&audit, cgroup.id).is_none(), "usage left in the cgroup: {audit}");
     assert_eq!(stat(&audit, "untracked_allocs"), 0, "allocations the maps could not hold");
     // Their spare records go with their other records, swept once they exited.
-    let audit = records_settle(&agent, stat(&before, "records"))?;
+    let audit = agent.records_settle(stat(&before, "records"), Duration::from_secs(1))?;
     let pairs = PROCESSES * THREADS * PAIRS_PER_THREAD;
     let received = stat(&audit, "events_alloc") + stat(&audit, "events_free") + stat(&audit, "events_exit") - events_before;
     let lost = stat(&audit, "exit_events_lost") - lost_before;
@@ -331,22 +331,6 @@ fn eight_processes_of_four_threads_100k_pairs_leave_nothing() -> Result<()> {
     println!("{pairs} pairs: {received} events received, {lost} counted lost");
     agent.stop()?;
     Ok(())
-}
-
-/// Waits up to 1 s for the agent's count of records to be `expected` (the sweep after an
-/// exit deletes a dead process's records); the audit that said so.
-fn records_settle(agent: &Agent, expected: u64) -> Result<Value> {
-    let start = Instant::now();
-    loop {
-        let audit = agent.audit()?;
-        if stat(&audit, "records") == expected {
-            return Ok(audit);
-        }
-        if start.elapsed() > Duration::from_secs(1) {
-            bail!("{} records, not {expected}, 1 s after the processes exited: {audit}", stat(&audit, "records"));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 /// Asserts the records in the kernel map, and the spares among them, since `before`.
