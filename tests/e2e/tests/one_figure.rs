@@ -126,3 +126,54 @@ fn a_pool_that_keeps_what_it_frees_is_counted_once() -> Result<()> {
     scene.agent.stop()?;
     Ok(())
 }
+
+/// Memory the hook charges and the probes cannot see, each under the hook, in a container
+/// held to its ledger's 1 GiB with `--enforce signal`: a second context on the device, a
+/// 256 MiB array, a graph's 256 MiB memory node, each beside 200 MiB the probes see. Two
+/// driver reads later each process is not `unprobed`, its ledger is charged nothing more by
+/// the agent (what the hook charged, once), and it is not signalled; then 150 MiB more
+/// (near the quota: the probes' figure plus what they cannot see is within the limit) is
+/// granted too.
+#[test]
+fn memory_the_hook_charges_and_the_probes_cannot_see_is_counted_once() -> Result<()> {
+    let scene = Scene::start("onefig-unseen", "8g")?;
+    let cases: [(&str, &[&str], u64); 3] = [
+        ("a second context on one device", &["ctx-create 0"], CONTEXT),
+        ("an array", &["array r 4096 4096 0"], 256 * MIB),
+        ("a graph memory node", &["graph g 256m", "launch g"], 256 * MIB),
+    ];
+    // The cases' cgroups outlive the agent (it is stopped first).
+    let mut cgroups = Vec::new();
+    for (case, steps, unseen) in cases {
+        let cgroup = TestCgroup::create(&format!("onefig-{}", case.split_whitespace().last().unwrap_or("case")))?;
+        let ledger = scene.dir.ledger(&format!("unseen-{}", case.len()))?;
+        let mut all = vec!["ctx 0"];
+        all.extend_from_slice(steps);
+        all.extend(["alloc a 200m", "checkpoint held", "alloc b 150m", "checkpoint more", "hold"]);
+        let mut w = scene.node.hooked(&ledger, GIB)?.in_cgroup(&cgroup).steps(all).spawn()?;
+        w.wait_checkpoint("held")?;
+        let pid = w.pid();
+        let charged = e2e::ledgers::used(&ledger)?;
+        // Two driver reads and the passes after them.
+        std::thread::sleep(Duration::from_millis(2500));
+        let audit = scene.agent.audit()?;
+        let seen = row(&audit, pid).with_context(|| format!("{case}: no row"))?;
+        assert_eq!(seen["driver_bytes"].as_u64(), Some(CONTEXT + unseen + 200 * MIB), "{case}: {seen}");
+        assert_eq!(seen["total_bytes"].as_u64(), Some(200 * MIB), "{case}: the probes see only the 200 MiB: {seen}");
+        assert_eq!(seen["state"], "ok", "{case}: {seen}");
+        assert_eq!(e2e::ledgers::used(&ledger)?, charged, "{case}: charged once, by the hook");
+        w.resume()?;
+        w.wait_checkpoint("more").with_context(|| format!("{case}: stopped: {}\nagent log:\n{}", w.stderr(), scene.agent.log()))?;
+        std::thread::sleep(Duration::from_millis(2500));
+        let seen = row(&scene.agent.audit()?, pid).with_context(|| format!("{case}: no row"))?;
+        assert_eq!(seen["state"], "ok", "{case}: {seen}");
+        assert!(!scene.signalled(pid), "{case}: {}", scene.agent.log());
+        let finished = w.kill()?;
+        assert!(finished.stdout.iter().any(|l| l.starts_with("ok alloc b")), "{case}: {:?}", finished.stdout);
+        assert!(!finished.stderr.contains("quota exceeded"), "{case}: {}", finished.stderr);
+        cgroups.push(cgroup);
+    }
+    let log = scene.agent.log();
+    scene.agent.stop().with_context(|| log)?;
+    Ok(())
+}
