@@ -624,6 +624,22 @@ impl Reconciler {
         sums
     }
 
+    /// The one figure of each hooked container (ledger): the [`Verdict::held_bytes`] of the
+    /// ledger's processes and of the other processes in its cgroups
+    /// ([`Reconciler::cgroup_ledgers`]), summed. Ledgers without any are left out.
+    pub fn held_bytes_by_ledger(&self) -> BTreeMap<String, u64> {
+        let owners = self.cgroup_ledgers();
+        let mut sums: BTreeMap<String, u64> = BTreeMap::new();
+        for verdict in self.verdicts.iter().filter(|v| v.state != State::Stale) {
+            let ledger = verdict.ledger.as_deref().or_else(|| owners.get(&verdict.cgroup_id).copied());
+            if let Some(ledger) = ledger {
+                let sum = sums.entry(ledger.to_string()).or_default();
+                *sum = sum.saturating_add(verdict.held_bytes);
+            }
+        }
+        sums
+    }
+
     /// Writes the verdicts into `snapshot`'s process rows; processes known only from a
     /// ledger (no eBPF row) get a row of their own.
     pub fn annotate(&self, snapshot: &mut Snapshot) {
@@ -647,6 +663,9 @@ impl Reconciler {
             row.ledger = verdict.ledger.clone();
             row.ledger_bytes = verdict.ledger_bytes;
             row.driver_bytes = verdict.driver_bytes;
+            row.pool_kept_bytes = verdict.pool_kept_bytes;
+            row.held_bytes = verdict.held_bytes;
+            row.escaped_bytes = verdict.enforced_bytes;
             if row.cgroup_id == 0 {
                 row.cgroup_id = verdict.cgroup_id;
             }

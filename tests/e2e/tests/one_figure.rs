@@ -109,6 +109,9 @@ fn a_pool_that_keeps_what_it_frees_is_counted_once() -> Result<()> {
         let seen = row(&audit, w.pid()).with_context(|| format!("{how}: no row: {audit}"))?;
         assert_eq!(seen["driver_bytes"].as_u64(), Some(2 * GIB + 256 * MIB + CONTEXT), "{how}: {seen}");
         assert_ne!(seen["state"], "unprobed", "{how}: {seen}");
+        // One figure: what the pool holds, once; nothing outside the probes.
+        assert_eq!(seen["held_bytes"].as_u64(), Some(2 * GIB + 256 * MIB), "{how}: {seen}");
+        assert_eq!(seen["escaped_bytes"].as_u64(), Some(0), "{how}: {seen}");
         assert!(!scene.signalled(w.pid()), "{how}: {}", scene.agent.log());
         w.resume()?;
         let state = std::fs::read_to_string(format!("/proc/{}/stat", w.pid()))?;
