@@ -40,30 +40,34 @@
 //! * `unhooked`: the probes see GPU memory, and no watched ledger has a slot for the process.
 //! * `stale`: a slot whose process is gone (the reclaimer normally frees it within a second).
 //! * `unprobed`: the driver ([`crate::driver`], NVML) reports the process holding more than
-//!   the probes and its ledger explain: more than the larger of its eBPF and ledger bytes plus,
-//!   on each device it holds memory on, a context and one 2 MiB page. The context is the
-//!   ledger's context reserve when the process has a slot (never more than the allowance: a workload may have made its ledger), else `--context-allowance`
-//!   ([`DEFAULT_CONTEXT_ALLOWANCE`], 600 MiB: an H100's context measured 518 MiB,
-//!   `docs/gpu.md`). Memory allocated through a libcuda no probe is on (a renamed copy loaded
-//!   and used before discovery reaches it, one past the per-container cap) looks like this.
-//!   The driver's figure is from its last read (up to about two seconds old): it is compared
-//!   with the largest figure the other views gave since a pass before that read started, so a
-//!   free the probes saw after the read is not taken for an escape.
+//!   the probes and its ledger explain, on two consecutive reads ([`figure`]: more than the
+//!   larger of its probes' bytes, live and kept by its pools, and its ledger's, plus, on each
+//!   device it holds memory on, a context and one 2 MiB page). The context is the ledger's
+//!   context reserve when the process has a slot (never more than the allowance: a workload
+//!   may have made its ledger), else `--context-allowance` ([`DEFAULT_CONTEXT_ALLOWANCE`],
+//!   600 MiB: an H100's context measured 518 MiB, `docs/gpu.md`). Memory allocated through a
+//!   libcuda no probe is on (a renamed copy loaded and used before discovery reaches it, one
+//!   past the per-container cap) looks like this. The driver's figure is from its last read
+//!   (up to about two seconds old): it is compared with the largest figure the probes gave
+//!   since a pass before that read started, so a free the probes saw after the read is not
+//!   taken for an escape.
 //! * `ok`: otherwise.
 //!
 //! A ledger whose header was rewritten since the agent validated it
 //! ([`Ledgers::header_change`]) has every process of it reported `tampered` too; what the
 //! driver reports such a process holding beyond the other views is charged all the same.
 //!
-//! # Enforcement
+//! # One figure, and enforcement
 //!
-//! The ledger is the tenant's to write, so it never explains memory away from the limits:
-//! for the cgroup limit and `--enforce signal`, a process's escaped bytes are the driver's
-//! figure less the probes' and, per device, a context at `--context-allowance` (never the
+//! What each process holds is one figure from the three views ([`figure::figure`]: the
+//! larger of what each says, as of one driver read; [`Verdict::held_bytes`], summed per
+//! container by [`Reconciler::held_bytes_by_ledger`]). The ledger is the tenant's to write,
+//! so it never explains memory away from the limits: for the cgroup limit and `--enforce
+//! signal`, a process's escaped bytes are the driver's figure less the probes' (live, and
+//! what its pools keep) and, per device, a context at `--context-allowance` (never the
 //! ledger's reserve) and a 2 MiB page ([`Verdict::enforced_bytes`]), for every process the
-//! driver's row is joined with, whatever its state: its enforced usage is the larger of the
-//! probes' figure and the driver's less its contexts. The limit is lowered by them at once; a
-//! signal waits until they were over 0 on [`ESCAPE_CONFIRM_READS`] consecutive driver reads.
+//! driver's row is joined with, whatever its state. They, and the `unprobed` bytes, count
+//! only as much as [`ESCAPE_CONFIRM_READS`] consecutive driver reads showed.
 //!
 //! # Containers
 //!
@@ -714,6 +718,10 @@ pub fn slot_bytes(slot: &Slot, devices: usize) -> u64 {
         .fold(0u64, u64::saturating_add)
 }
 
+/// What a slot charges: its requested bytes ([`slot_bytes`]) and its context records beyond
+/// the first on each device ([`slot_extra_contexts`]).
+type Charged = (u64, u64);
+
 /// Bytes of a slot's context records beyond the first on each device (`devices`: its ledger's
 /// validated devices, whose reserve each record is).
 pub fn slot_extra_contexts(slot: &Slot, devices: &[ledger::layout::DeviceConfig]) -> u64 {
@@ -739,7 +747,7 @@ pub fn observe(
     let mut unreadable = BTreeSet::new();
     // By eBPF row: (index in `names`, ledger bytes and extra contexts, header changed) of the
     // slots joined to it.
-    let mut joined: Vec<Option<(usize, (u64, u64), bool)>> = vec![None; ebpf.len()];
+    let mut joined: Vec<Option<(usize, Charged, bool)>> = vec![None; ebpf.len()];
     let mut names: Vec<String> = Vec::new();
     let mut contexts: Vec<Option<u64>> = Vec::new();
     let mut observations = Vec::new();
@@ -755,8 +763,8 @@ pub fn observe(
         let file = ledgers.and_then(|l| l.file_id(path)).unwrap_or_default();
         // Slots joined to an eBPF row, and slots without eBPF memory: judged after the lock
         // is released.
-        let mut matched: Vec<(usize, usize, (u64, u64))> = Vec::new();
-        let mut unjoined: Vec<(u32, ProcessIdentity, (u64, u64))> = Vec::new();
+        let mut matched: Vec<(usize, usize, Charged)> = Vec::new();
+        let mut unjoined: Vec<(u32, ProcessIdentity, Charged)> = Vec::new();
         let mut cgroups = BTreeSet::new();
         let visited = ledger.for_each_slot(|_, slot| {
             let process = slot.process();
