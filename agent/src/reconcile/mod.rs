@@ -1227,6 +1227,29 @@ mod tests {
         assert_eq!(states(&r), vec![(7, State::Drift)]);
     }
 
+    #[test]
+    fn a_second_context_on_a_device_is_the_ledgers_extra_context() {
+        let dir = std::env::temp_dir().join(format!("vramguard-reconcile-ctx-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        let device = DeviceConfig { limit: 1 << 30, chunk: 2 * MIB, context_reserve: 64 * MIB, ..Default::default() };
+        let geometry = Geometry { slots: 4, records: 64, devices: vec![device.clone(), device] };
+        let ledger = Ledger::create(&dir.join("ledger"), &geometry, CREATOR_AGENT).expect("create");
+        let slot = ledger.register(ProcessIdentity::current().expect("identity")).expect("register");
+        let extra = |ledger: &Ledger| {
+            let slots = ledger.slots().expect("slots");
+            slot_extra_contexts(&slots[0].slot, &geometry.devices)
+        };
+        // One context on each of two devices: none beyond the first.
+        ledger.reserve(slot, 0, Charge::Context, 0).expect("context 0");
+        ledger.reserve(slot, 1, Charge::Context, 0).expect("context 1");
+        assert_eq!(extra(&ledger), 0);
+        // A second context on device 0 (cuCtxCreate beside the primary one).
+        ledger.reserve(slot, 0, Charge::AnotherContext, 0).expect("another context");
+        assert_eq!(extra(&ledger), 64 * MIB);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// The identity of a child process once it has exec'd (its start time and namespace).
     fn wait_identity(pid: u32) -> ProcessIdentity {
         for _ in 0..1000 {
