@@ -1233,7 +1233,7 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("mkdir");
         let device = DeviceConfig { limit: 1 << 30, chunk: 2 * MIB, context_reserve: 64 * MIB, ..Default::default() };
-        let geometry = Geometry { slots: 4, records: 64, devices: vec![device.clone(), device] };
+        let geometry = Geometry { slots: 4, records: 64, devices: vec![device, device] };
         let ledger = Ledger::create(&dir.join("ledger"), &geometry, CREATOR_AGENT).expect("create");
         let slot = ledger.register(ProcessIdentity::current().expect("identity")).expect("register");
         let extra = |ledger: &Ledger| {
