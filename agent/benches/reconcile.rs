@@ -59,7 +59,7 @@ fn node(live: u32) -> Node {
             ledger.reserve(slot, 0, Charge::Device(bytes), 0x1000).expect("reserve");
             let host_pid = 10_000_000 + container * SLOTS + index;
             ledger.set_host_pid(slot, host_pid);
-            ebpf.push(EbpfProcess { pid: host_pid, generation: 1, cgroup_id: 1_000 + u64::from(container), bytes });
+            ebpf.push(EbpfProcess { pid: host_pid, generation: 1, cgroup_id: 1_000 + u64::from(container), bytes, pool_kept: 0 });
             identities.push((host_pid, identity));
         }
     }

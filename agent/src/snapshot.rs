@@ -93,6 +93,19 @@ pub struct ProcessRow {
     /// included; absent when the driver view has no figure for it.
     #[serde(default)]
     pub driver_bytes: Option<u64>,
+    /// What its stream-ordered pools may keep of what the probes saw freed, held to the
+    /// driver's figure ([`crate::reconcile::figure::PoolsKeep`]).
+    #[serde(default)]
+    pub pool_kept_bytes: u64,
+    /// The one figure of the process: the larger of what the three views say, a context per
+    /// device aside ([`crate::reconcile::figure::Figure::held`]).
+    #[serde(default)]
+    pub held_bytes: u64,
+    /// Of the driver's figure, what the probes do not explain, confirmed on two driver reads:
+    /// what its cgroup counts beside the probes' figure, and what it is signalled for
+    /// ([`crate::reconcile::Verdict::enforced_bytes`]).
+    #[serde(default)]
+    pub escaped_bytes: u64,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]

@@ -254,6 +254,20 @@ pub struct ProcUsage {
     /// allocation's `bpf_ktime_get_ns`).
     pub generation: u64,
     pub usage: Usage,
+    /// Bytes of stream-ordered allocations (`Async`) this process freed that their pools may
+    /// still keep: a free of one adds its size, a new one takes its size off (as far as there
+    /// is any: a pool serves it from what it keeps first). Updated without a lock, so a race
+    /// of two allocations may take a little too much: read as a signed figure, at least 0.
+    /// An upper bound on what the pools keep of what the probes saw: the agent's reconcile
+    /// holds it to what the driver says the process holds.
+    pub pool_kept: u64,
+}
+
+impl ProcUsage {
+    /// [`ProcUsage::pool_kept`] read as the signed figure it is, never below 0.
+    pub fn pool_kept(&self) -> u64 {
+        if (self.pool_kept as i64) < 0 { 0 } else { self.pool_kept }
+    }
 }
 
 /// What an [`Event`] reports. Allocations and frees are not events: the maps say them, and

@@ -461,6 +461,9 @@ fn record_alloc<C: EbpfContext>(ctx: &C, pid_tgid: u64, kind: u32, space: u32, a
     let Some((proc_usage, cgroup_id, generation, cgroup)) = owner(ctx, tgid, size) else {
         return;
     };
+    if kind == AllocKind::Async as u32 {
+        take_kept(proc_usage, size);
+    }
     let key = AllocKey { tgid, space, addr };
     if space == AddrSpace::Pointer as u32 {
         if let Some(existing) = ALLOCS.get_ptr_mut(&key) {
@@ -843,8 +846,31 @@ pub fn mem_free(ctx: ProbeContext) -> u32 {
         }
     }
     uncharge_from(proc_usage, cgroup, &old);
+    if old.kind == AllocKind::Async as u32 {
+        // The pool it came from may keep it (its release threshold decides).
+        // SAFETY: `ours`: a live map value; the field is updated atomically.
+        add(unsafe { &mut (*proc_usage).pool_kept }, old.size);
+    }
     bump(stat::FREES_SEEN, 1);
     0
+}
+
+/// A new stream-ordered allocation of `size` bytes is served by its pool from what it keeps
+/// first: as much comes off the process's `pool_kept` (one compare-and-swap; if another
+/// allocation raced it, an atomic subtraction, which may take a little too much).
+#[inline(always)]
+fn take_kept(proc_usage: *mut ProcUsage, size: u64) {
+    // SAFETY: a live map value (see `owner`); the field changes only atomically.
+    let kept = unsafe { core::ptr::read_volatile(&(*proc_usage).pool_kept) };
+    if kept as i64 <= 0 {
+        return;
+    }
+    let take = if kept < size { kept } else { size };
+    // SAFETY: as above.
+    if !unsafe { swap_if(&mut (*proc_usage).pool_kept, kept, kept - take) } {
+        // SAFETY: as above.
+        add(unsafe { &mut (*proc_usage).pool_kept }, take.wrapping_neg());
+    }
 }
 
 /// `cuMemRelease(CUmemGenericAllocationHandle)`: one reference less; the handle is uncharged

@@ -195,15 +195,25 @@ pub fn show(out: &mut Transcript, driver: &Driver) -> Result<Footprint> {
         libcuda.display(),
         root.path().display()
     )?;
-    let agent = Agent::start_with(&[
-        OsStr::new("--libcuda"),
-        libcuda.as_os_str(),
-        OsStr::new("--no-discover"),
-        OsStr::new("--ledger-dir"),
-        root.path().as_os_str(),
-        OsStr::new("--metrics-addr"),
-        OsStr::new("127.0.0.1:0"),
-    ])?;
+    // The agent gets the fake node's variables, so that the fake NVML it loads reads the
+    // node's devices (without them it answers for a node of its own, with no process on it,
+    // and the audit's DRIVER column stays empty while the driver view says `ok`).
+    let env = match driver {
+        Driver::Fake => node.env(),
+        Driver::Real(_) => &[],
+    };
+    let agent = Agent::start_with_env(
+        &[
+            OsStr::new("--libcuda"),
+            libcuda.as_os_str(),
+            OsStr::new("--no-discover"),
+            OsStr::new("--ledger-dir"),
+            root.path().as_os_str(),
+            OsStr::new("--metrics-addr"),
+            OsStr::new("127.0.0.1:0"),
+        ],
+        env,
+    )?;
     let addr = agent.metrics_addr()?;
     writeln!(out, "   serving http://{addr}/metrics")?;
 
@@ -399,6 +409,17 @@ fn audit_states(text: &str, pid: u32) -> Vec<&str> {
         .collect()
 }
 
+/// The DRIVER column of `pid`'s rows in the audit tables of `text` (`-` where the driver view
+/// has no figure for it; a figure ends with its unit).
+fn audit_driver(text: &str, pid: u32) -> Vec<&str> {
+    text.lines()
+        .filter_map(|line| {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            (words.first()?.parse::<u32>().ok()? == pid && words.len() >= 2).then(|| words[words.len() - 2])
+        })
+        .collect()
+}
+
 /// Checks the demo's text: the over-quota allocation refused (the workload's `oom` line, the
 /// hook's message, the rejection counted), the hooked workloads `ok` and the un-hooked one
 /// `unhooked` in an audit table (and counted), the killed workload's slot reclaimed, and the
@@ -425,6 +446,9 @@ pub fn check_transcript(text: &str, footprint: &Footprint) -> Result<()> {
     {
         let states = audit_states(text, pid);
         ensure!(states.contains(&want), "no audit row shows the {name} workload (pid {pid}) {want}: its rows say {states:?}");
+        // The driver's figure for each workload, beside the ledger's and the probes'.
+        let driver = audit_driver(text, pid);
+        ensure!(driver.iter().any(|d| *d != "-"), "no audit row shows the driver's figure for the {name} workload (pid {pid}): its DRIVER column says {driver:?}");
     }
     ensure!(
         samples.iter().any(|s| s.name == "vramguard_unhooked_processes" && s.value >= 1.0),

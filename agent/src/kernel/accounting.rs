@@ -288,6 +288,7 @@ impl Accounting {
                 generation: usage.generation,
                 cgroup_id: usage.cgroup_id,
                 bytes: usage.usage.total_bytes(),
+                pool_kept: usage.pool_kept(),
             })
             .collect()
     }

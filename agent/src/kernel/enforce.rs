@@ -19,19 +19,27 @@
 //! their registers; the agent checks at start and says whether this kernel does.
 //!
 //! The probes see only allocations made through the libcuda files they are on. Memory the
-//! driver reports a cgroup's processes holding beyond that (the driver's figure less the
-//! probes' and less a context at `--context-allowance` and a page per device, for every joined
-//! process whatever its state; joined by [`crate::reconcile`] and handed on by the reconcile
-//! task, never read here from NVML, and never explained away by a ledger the tenant writes)
-//! counts in the cgroup's usage: the limit pushed to the probes is the cgroup's limit less
-//! those bytes, at once, so its probed allocations are held to what is left; and in `signal`
-//! mode, a cgroup whose probed usage plus the escaped bytes seen on two consecutive driver
-//! reads is over its limit has those escaped processes signalled by the agent, largest first,
-//! until what is left is within it (through a pidfd, checked by the start time the driver's
-//! row was joined with, so that a reused pid is never signalled; each process once the signal
-//! is delivered or the process is found gone, a failed signal is tried again). This is as fast
-//! as the driver view: about a pass after the second read that shows the memory (two to four
-//! seconds).
+//! driver reports a cgroup's processes holding beyond that counts in the cgroup's usage: for
+//! each joined process whatever its state, the driver's figure less the probes' (their live
+//! bytes, and what its stream-ordered pools may keep of what they saw freed) and less a
+//! context at `--context-allowance` and a page per device, as *two consecutive driver reads*
+//! showed it ([`crate::reconcile::figure`]; joined by [`crate::reconcile`] and handed on by the
+//! reconcile task, never read here from NVML, and never explained away by a ledger the tenant
+//! writes). So memory a pool keeps after a free (counted once: by the probes' pool figure, not
+//! again by the driver's), and what one driver read alone showed (a free between two reads, a
+//! process being torn down), never count.
+//!
+//! Who escaped is who is stopped. In `signal` mode, a cgroup whose probed usage plus those
+//! escaped bytes is over its limit has its escaped processes signalled by the agent, largest
+//! first, until what is left is within it (through a pidfd, checked by the start time the
+//! driver's row was joined with, so that a reused pid is never signalled; each process once
+//! the signal is delivered or the process is found gone, a failed signal is tried again);
+//! the limit pushed to the probes stays the cgroup's, so that the entry probe never stops
+//! the next honest allocator of the cgroup for memory another process escaped with. Only the
+//! escaped bytes of a process a signal failed for come off it. In `audit` mode the limit
+//! pushed is the cgroup's limit less the escaped bytes, so what passes it is counted. This is
+//! as fast as the driver view: about a pass after the second read that shows the memory (two
+//! to four seconds).
 //!
 //! A limit is only ever pushed for a cgroup that exists when it is pushed: the kernel deletes
 //! a removed cgroup's entry (`cgroup_rmdir`), and the agent must not bring it back.
@@ -282,10 +290,11 @@ impl Limits {
         for (id, limit) in &self.ledger_limits {
             wanted.entry(*id).or_insert(CgroupLimit { limit: *limit, mode: self.mode, signal: self.signal });
         }
-        // What the probes cannot see a cgroup's processes hold comes off what they may allocate.
+        // What the probes cannot see a cgroup's processes hold comes off what they may allocate,
+        // unless the agent signals the processes that hold it (see the module doc).
         self.limit_of = wanted.iter().map(|(id, limit)| (*id, limit.limit)).collect();
         for (id, limit) in wanted.iter_mut() {
-            let escaped = self.escaped.get(id).map_or(0, |processes| processes.iter().fold(0u64, |sum, p| sum.saturating_add(p.bytes)));
+            let escaped = self.escaped.get(id).map_or(0, |processes| off_the_limit(self.mode, processes, &self.escapes.failed));
             limit.limit = limit.limit.saturating_sub(escaped);
         }
         // A ledger's cgroups come from the last reconcile pass: one may have gone since. Only
@@ -392,8 +401,8 @@ struct Escapes {
 }
 
 impl Escapes {
-    /// For each cgroup of `escaped` whose usage (`probed` bytes plus its confirmed escaped
-    /// bytes) is over its limit (`limit_of`), hands its confirmed escaped processes to `send`,
+    /// For each cgroup of `escaped` whose usage (`probed` bytes plus its escaped bytes) is over
+    /// its limit (`limit_of`), hands its escaped processes to `send`,
     /// largest first, until what is left is within it. `send` answers how the signal went
     /// (`None`: not sent, `audit` mode: logged once). A process is counted signalled only once
     /// the signal was delivered or the process is found gone; one a signal failed for is tried
@@ -410,10 +419,9 @@ impl Escapes {
         self.failed.retain(|process| reported.contains(process));
         for (cgroup, processes) in escaped {
             let Some(&limit) = limit_of.get(cgroup) else { continue };
-            // Only escapes that lasted are signalled, and only they count towards a signal.
-            let confirmed: Vec<EscapedProcess> = processes.iter().filter(|p| p.confirmed).copied().collect();
-            let usage = probed(*cgroup).saturating_add(confirmed.iter().fold(0u64, |sum, p| sum.saturating_add(p.bytes)));
-            for (process, usage) in to_signal(&confirmed, usage, limit, &self.signalled) {
+            // Every one is confirmed (seen on two driver reads: reconcile publishes no other).
+            let usage = probed(*cgroup).saturating_add(processes.iter().fold(0u64, |sum, p| sum.saturating_add(p.bytes)));
+            for (process, usage) in to_signal(processes, usage, limit, &self.signalled) {
                 let key = (process.pid, process.start_time);
                 match send(&process) {
                     None => {
@@ -439,6 +447,16 @@ impl Escapes {
             }
         }
     }
+}
+
+/// The escaped bytes of a cgroup's `processes` that come off the limit pushed to its probes:
+/// all of them in `audit` mode; in `signal` mode only those of processes a signal `failed`
+/// for (the others are the agent's to stop).
+fn off_the_limit(mode: u32, processes: &[EscapedProcess], failed: &std::collections::BTreeSet<(u32, u64)>) -> u64 {
+    processes
+        .iter()
+        .filter(|p| mode != enforce::SIGNAL || failed.contains(&(p.pid, p.start_time)))
+        .fold(0u64, |sum, p| sum.saturating_add(p.bytes))
 }
 
 /// Whether a signal's `error` says the process is gone (`ESRCH`, or its pid another's now).
@@ -532,7 +550,7 @@ mod tests {
     #[test]
     fn escaped_processes_are_signalled_largest_first_until_the_cgroup_is_within_its_limit() {
         const MIB: u64 = 1 << 20;
-        let process = |pid, bytes| EscapedProcess { pid, start_time: u64::from(pid) * 10, bytes, confirmed: true };
+        let process = |pid, bytes| EscapedProcess { pid, start_time: u64::from(pid) * 10, bytes };
         let processes = [process(1, 300 * MIB), process(2, 200 * MIB), process(3, 100 * MIB)];
         let none = std::collections::BTreeSet::new();
         let pids = |chosen: Vec<(EscapedProcess, u64)>| chosen.into_iter().map(|(p, _)| p.pid).collect::<Vec<_>>();
@@ -551,9 +569,9 @@ mod tests {
     #[test]
     fn a_process_is_counted_signalled_only_once_the_signal_is_delivered_or_it_is_gone() {
         const MIB: u64 = 1 << 20;
-        let process = |pid, confirmed| EscapedProcess { pid, start_time: u64::from(pid) * 10, bytes: 200 * MIB, confirmed };
-        // Three confirmed escaped processes in cgroup 7, limited to 128 MiB.
-        let escaped = EscapedByCgroup::from([(7, vec![process(1, true), process(2, true), process(3, true)])]);
+        let process = |pid| EscapedProcess { pid, start_time: u64::from(pid) * 10, bytes: 200 * MIB };
+        // Three escaped processes in cgroup 7, limited to 128 MiB.
+        let escaped = EscapedByCgroup::from([(7, vec![process(1), process(2), process(3)])]);
         let limits = BTreeMap::from([(7, 128 * MIB)]);
         let mut escapes = Escapes::default();
         let mut tried = Vec::new();
@@ -580,27 +598,17 @@ mod tests {
     }
 
     #[test]
-    fn only_an_escape_seen_on_consecutive_reads_is_signalled() {
+    fn escaped_bytes_come_off_the_probes_limit_only_where_the_agent_does_not_signal() {
         const MIB: u64 = 1 << 20;
-        let process = |pid, bytes, confirmed| EscapedProcess { pid, start_time: 1, bytes, confirmed };
-        let limits = BTreeMap::from([(7, 128 * MIB)]);
-        let mut escapes = Escapes::default();
-        let mut tried = Vec::new();
-        // A new escape over the limit: not signalled yet, nor does it count against a
-        // confirmed neighbour within the limit on its own.
-        let escaped = EscapedByCgroup::from([(7, vec![process(1, 300 * MIB, false), process(2, 100 * MIB, true)])]);
-        escapes.act(&escaped, &limits, |_| 0, |p| {
-            tried.push(p.pid);
-            Some(Ok(()))
-        });
-        assert_eq!(tried, Vec::<u32>::new());
-        // Confirmed at the next read: signalled.
-        let escaped = EscapedByCgroup::from([(7, vec![process(1, 300 * MIB, true), process(2, 100 * MIB, true)])]);
-        escapes.act(&escaped, &limits, |_| 0, |p| {
-            tried.push(p.pid);
-            Some(Ok(()))
-        });
-        assert_eq!(tried, [1]);
+        let process = |pid, bytes| EscapedProcess { pid, start_time: 1, bytes };
+        let processes = [process(1, 300 * MIB), process(2, 100 * MIB)];
+        let none = std::collections::BTreeSet::new();
+        // Audit: all of it (what passes the rest is counted).
+        assert_eq!(off_the_limit(enforce::AUDIT, &processes, &none), 400 * MIB);
+        // Signal: none; the agent stops the escaped processes, never the next allocator.
+        assert_eq!(off_the_limit(enforce::SIGNAL, &processes, &none), 0);
+        // But what a process the agent cannot signal holds does.
+        assert_eq!(off_the_limit(enforce::SIGNAL, &processes, &std::collections::BTreeSet::from([(2, 1)])), 100 * MIB);
     }
 
     #[test]

@@ -40,30 +40,34 @@
 //! * `unhooked`: the probes see GPU memory, and no watched ledger has a slot for the process.
 //! * `stale`: a slot whose process is gone (the reclaimer normally frees it within a second).
 //! * `unprobed`: the driver ([`crate::driver`], NVML) reports the process holding more than
-//!   the probes and its ledger explain: more than the larger of its eBPF and ledger bytes plus,
-//!   on each device it holds memory on, a context and one 2 MiB page. The context is the
-//!   ledger's context reserve when the process has a slot (never more than the allowance: a workload may have made its ledger), else `--context-allowance`
-//!   ([`DEFAULT_CONTEXT_ALLOWANCE`], 600 MiB: an H100's context measured 518 MiB,
-//!   `docs/gpu.md`). Memory allocated through a libcuda no probe is on (a renamed copy loaded
-//!   and used before discovery reaches it, one past the per-container cap) looks like this.
-//!   The driver's figure is from its last read (up to about two seconds old): it is compared
-//!   with the largest figure the other views gave since a pass before that read started, so a
-//!   free the probes saw after the read is not taken for an escape.
+//!   the probes and its ledger explain, on two consecutive reads ([`figure`]: more than the
+//!   larger of its probes' bytes, live and kept by its pools, and its ledger's, plus, on each
+//!   device it holds memory on, a context and one 2 MiB page). The context is the ledger's
+//!   context reserve when the process has a slot (never more than the allowance: a workload
+//!   may have made its ledger), else `--context-allowance` ([`DEFAULT_CONTEXT_ALLOWANCE`],
+//!   600 MiB: an H100's context measured 518 MiB, `docs/gpu.md`). Memory allocated through a
+//!   libcuda no probe is on (a renamed copy loaded and used before discovery reaches it, one
+//!   past the per-container cap) looks like this. The driver's figure is from its last read
+//!   (up to about two seconds old): it is compared with the largest figure the probes gave
+//!   since a pass before that read started, so a free the probes saw after the read is not
+//!   taken for an escape.
 //! * `ok`: otherwise.
 //!
 //! A ledger whose header was rewritten since the agent validated it
 //! ([`Ledgers::header_change`]) has every process of it reported `tampered` too; what the
 //! driver reports such a process holding beyond the other views is charged all the same.
 //!
-//! # Enforcement
+//! # One figure, and enforcement
 //!
-//! The ledger is the tenant's to write, so it never explains memory away from the limits:
-//! for the cgroup limit and `--enforce signal`, a process's escaped bytes are the driver's
-//! figure less the probes' and, per device, a context at `--context-allowance` (never the
+//! What each process holds is one figure from the three views ([`figure::figure`]: the
+//! larger of what each says, as of one driver read; [`Verdict::held_bytes`], summed per
+//! container by [`Reconciler::held_bytes_by_ledger`]). The ledger is the tenant's to write,
+//! so it never explains memory away from the limits: for the cgroup limit and `--enforce
+//! signal`, a process's escaped bytes are the driver's figure less the probes' (live, and
+//! what its pools keep) and, per device, a context at `--context-allowance` (never the
 //! ledger's reserve) and a 2 MiB page ([`Verdict::enforced_bytes`]), for every process the
-//! driver's row is joined with, whatever its state: its enforced usage is the larger of the
-//! probes' figure and the driver's less its contexts. The limit is lowered by them at once; a
-//! signal waits until they were over 0 on [`ESCAPE_CONFIRM_READS`] consecutive driver reads.
+//! driver's row is joined with, whatever its state. They, and the `unprobed` bytes, count
+//! only as much as [`ESCAPE_CONFIRM_READS`] consecutive driver reads showed.
 //!
 //! # Containers
 //!
@@ -97,6 +101,7 @@
 //! the page of the last pass, [`crate::serve`]), and (at most one per
 //! [`MIN_INTERVAL`]) after a drain of the event ring buffer that found events and a ledger
 //! sweep that reclaimed slots: a quiet node costs one pass a second.
+pub mod figure;
 pub mod task;
 
 use std::{
@@ -133,13 +138,12 @@ pub const MIN_INTERVAL: Duration = Duration::from_millis(100);
 /// Default `--context-allowance`: what an unknown process's context may hold on one device
 /// (600 MiB: an H100's measured 518 MiB with room for other drivers' and GPUs', docs/gpu.md).
 pub const DEFAULT_CONTEXT_ALLOWANCE: u64 = 600 << 20;
-/// What a device rounds the memory of a process up to beyond its allocations: one 2 MiB page.
-pub const DRIVER_PAGE: u64 = 2 << 20;
-/// How long the figures the probes and ledgers gave a process are remembered, to compare a
-/// driver read that is behind them with what they said when it started.
+pub use figure::DRIVER_PAGE;
+/// How long the figures the probes gave a process are remembered, to compare a driver read
+/// that is behind them with what they said when it started.
 const EXPLAINED_MEMORY: Duration = Duration::from_secs(4);
-/// On how many consecutive driver reads a process's enforced escaped bytes must be over 0
-/// before it may be signalled (its cgroup's limit is lowered at once).
+/// On how many consecutive driver reads a figure of the driver's must be seen before anything
+/// acts on it ([`figure::Confirmed`]).
 pub const ESCAPE_CONFIRM_READS: u32 = 2;
 
 /// A process's reconciliation state.
@@ -180,6 +184,9 @@ pub struct EbpfProcess {
     pub cgroup_id: u64,
     /// Live requested bytes.
     pub bytes: u64,
+    /// Bytes of its stream-ordered allocations it freed that their pools may still keep, as
+    /// the probes count them (`common::ProcUsage::pool_kept`).
+    pub pool_kept: u64,
 }
 
 /// What one pass found about one process, before judging.
@@ -195,6 +202,12 @@ pub struct Observation {
     pub ledger_bytes: Option<u64>,
     /// Requested bytes the probes saw.
     pub ebpf_bytes: u64,
+    /// What the probes count its pools keeping ([`EbpfProcess::pool_kept`]), and the probes'
+    /// generation of the process.
+    pub pool_kept: u64,
+    pub generation: u64,
+    /// Bytes of its slot's context records beyond the first on each device, if it has a slot.
+    pub extra_contexts: u64,
     /// The slot's process is gone.
     pub gone: bool,
     /// The ledger's header was rewritten since the agent validated it.
@@ -218,38 +231,43 @@ pub struct Verdict {
     /// What the driver reports the process holding (context included), if it reports it.
     #[serde(default)]
     pub driver_bytes: Option<u64>,
+    /// What the probes count its stream-ordered pools keeping of what they saw freed, held to
+    /// what the driver says ([`figure::PoolsKeep`]).
+    #[serde(default)]
+    pub pool_kept_bytes: u64,
+    /// What the process holds: the larger of what the three views say, contexts aside
+    /// ([`figure::Figure::held`]).
+    #[serde(default)]
+    pub held_bytes: u64,
     /// Of an `unprobed` (or `tampered`) process's driver bytes, those neither the probes nor
-    /// its ledger explain (the ledger's context reserve, at most the allowance, counted as
-    /// explained): what its container's ledger is charged beyond the probes' figure. 0 in
+    /// its ledger explain ([`figure::Figure::unexplained`]), as two consecutive driver reads
+    /// showed them: what its container's ledger is charged beyond the probes' figure. 0 in
     /// every other state.
     #[serde(default)]
     pub escaped_bytes: u64,
-    /// Of the process's driver bytes, those the probes do not explain, its contexts (at
-    /// `--context-allowance` and a page per device) aside; the ledger never counts here (it
-    /// is the tenant's to write). What its cgroup is held to beyond the probes' figure and
-    /// signalled for, whatever the process's state ([`Reconciler::escaped_by_cgroup`]).
+    /// Of the process's driver bytes, those the probes (live and pool-kept) do not explain,
+    /// its contexts (at `--context-allowance` and a page per device) aside, as two
+    /// consecutive driver reads showed them ([`figure::Figure::outside`]); the ledger never
+    /// explains them away (it is the tenant's to write). What its cgroup counts beyond the
+    /// probes' figure and what the process is signalled for, whatever its state
+    /// ([`Reconciler::escaped_by_cgroup`]).
     #[serde(default)]
     pub enforced_bytes: u64,
     /// The start time the driver's row was joined with (the process the bytes are of).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub driver_start_time: Option<u64>,
-    /// Whether `enforced_bytes` were over 0 on [`ESCAPE_CONFIRM_READS`] consecutive driver
-    /// reads: only then may the process be signalled.
-    #[serde(default)]
-    pub escape_confirmed: bool,
 }
 
 /// A process holding memory the probes do not see, as the kernel task sees it, to hold its
 /// container to its limit ([`crate::kernel::enforce`]): which process (host pid and the start
-/// time the driver's row was joined with, so that a pid reused since is never signalled), the
-/// bytes it holds that the probes cannot see, and whether that has lasted long enough for a
-/// signal ([`Verdict::escape_confirmed`]).
+/// time the driver's row was joined with, so that a pid reused since is never signalled) and
+/// the bytes it holds that the probes cannot see, as two consecutive driver reads showed them
+/// ([`Verdict::enforced_bytes`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct EscapedProcess {
     pub pid: u32,
     pub start_time: u64,
     pub bytes: u64,
-    pub confirmed: bool,
 }
 
 /// Per cgroup id: its processes with escaped bytes, largest first.
@@ -291,12 +309,13 @@ pub struct Reconciler {
     unreadable: BTreeSet<String>,
     /// The driver's latest view, for the next pass.
     driver: Option<Arc<DriverView>>,
-    /// What the probes (and the probes or the ledger) explained of each process at recent
-    /// passes: (when, eBPF bytes, the larger of eBPF and ledger bytes).
-    explained: HashMap<u32, Vec<(Instant, u64, u64)>>,
-    /// Per process with enforced escaped bytes: (the driver row's start time, the read they
-    /// were last seen on, on how many consecutive reads).
-    escapes: HashMap<u32, (u64, Option<Instant>, u32)>,
+    /// What the probes counted of each process at recent passes: (when, live bytes).
+    explained: HashMap<u32, Vec<(Instant, u64)>>,
+    /// What each process's pools may keep ([`figure::PoolsKeep`]).
+    pools: HashMap<u32, figure::PoolsKeep>,
+    /// Per process: the driver row's start time, and its outside and unexplained bytes
+    /// through consecutive reads.
+    escapes: HashMap<u32, (u64, figure::Confirmed, figure::Confirmed)>,
     /// Processes already logged as `unprobed` (said once per process).
     unprobed_logged: BTreeSet<u32>,
     /// The driver's rows the last pass joined with no process, as their pids are others' now.
@@ -318,6 +337,7 @@ impl Reconciler {
             unreadable: BTreeSet::new(),
             driver: None,
             explained: HashMap::new(),
+            pools: HashMap::new(),
             escapes: HashMap::new(),
             unprobed_logged: BTreeSet::new(),
             driver_unjoined: Vec::new(),
@@ -406,57 +426,47 @@ impl Reconciler {
         self.judge(observations, Instant::now());
     }
 
-    /// The bytes of the driver's figure for `seen` that the other views do not explain, as
-    /// (for the ledger's charge and the `unprobed` state, for enforcement), remembering what
-    /// they explain now (see the module doc; 0 when within them).
+    /// The process's [`figure::Figure`] as of the driver's last read (see [`figure`]), what
+    /// its pools may keep, and what two consecutive reads confirm of its outside and its
+    /// unexplained bytes: (figure, pools keep, confirmed outside, confirmed unexplained).
     ///
-    /// For the charge, the ledger's bytes explain memory too (the ledger is the tenant's own:
-    /// charging it what it already charges would count it twice). For enforcement they do not
-    /// (the tenant writes them): only the probes' figure and, per device, a context at
-    /// `--context-allowance` and a page.
-    fn escaped(&mut self, seen: &Observation, now: Instant) -> (u64, u64) {
-        let (ebpf_now, explained_now) = (seen.ebpf_bytes, seen.ebpf_bytes.max(seen.ledger_bytes.unwrap_or(0)));
+    /// The probes' figure is taken as of the read: the largest they gave since a read
+    /// interval before it started explains the driver's (a free the probes saw after the read
+    /// is not an escape), the smallest bounds what the pools can keep.
+    fn figure(&mut self, seen: &Observation, now: Instant) -> (figure::Figure, u64, u64, u64) {
         let history = self.explained.entry(seen.pid).or_default();
-        history.retain(|(at, _, _)| now.saturating_duration_since(*at) < EXPLAINED_MEMORY);
-        history.push((now, ebpf_now, explained_now));
-        let Some(driver) = seen.driver else { return (0, 0) };
-        let since = self.driver.as_ref().and_then(|d| d.read_at).map(|at| at.checked_sub(task::EVERY).unwrap_or(at));
-        let recent = || history.iter().filter(|(at, _, _)| since.is_none_or(|since| *at >= since));
-        let ebpf = recent().map(|(_, ebpf, _)| *ebpf).max().unwrap_or(0).max(ebpf_now);
-        let explained = recent().map(|(_, _, bytes)| *bytes).max().unwrap_or(0).max(explained_now);
-        let devices = u64::from(driver.devices);
-        let contexts = devices.saturating_mul(self.config.context_allowance.saturating_add(DRIVER_PAGE));
-        let enforced = driver.bytes.saturating_sub(ebpf).saturating_sub(contexts);
-        // A ledger's reserve may only lower the allowance: a workload that made its own ledger
-        // chose that figure, and must not explain memory away with it.
-        let context = seen.context_reserve.map_or(self.config.context_allowance, |reserve| reserve.min(self.config.context_allowance));
-        let allowance = devices.saturating_mul(context.saturating_add(DRIVER_PAGE));
-        if driver.bytes <= explained.saturating_add(allowance) {
-            return (0, enforced);
+        history.retain(|(at, _)| now.saturating_duration_since(*at) < EXPLAINED_MEMORY);
+        history.push((now, seen.ebpf_bytes));
+        let read_at = self.driver.as_ref().and_then(|d| d.read_at);
+        let since = read_at.map(|at| at.checked_sub(task::EVERY).unwrap_or(at));
+        let (low, high) = history
+            .iter()
+            .filter(|(at, _)| since.is_none_or(|since| *at >= since))
+            .fold((seen.ebpf_bytes, seen.ebpf_bytes), |(low, high), (_, bytes)| (low.min(*bytes), high.max(*bytes)));
+        let pools = self.pools.entry(seen.pid).or_default();
+        pools.update(seen.pool_kept, seen.generation, now);
+        if let (Some(driver), Some(read_at)) = (seen.driver, read_at) {
+            // Room for what the pools keep: the driver's figure beyond a context per device
+            // and the probes' live bytes then (the page is left to the pools: it may be theirs).
+            let contexts = u64::from(driver.devices).saturating_mul(self.config.context_allowance);
+            pools.read(read_at, driver.bytes.saturating_sub(contexts).saturating_sub(low));
         }
-        // Escaped: all of it beyond the explained bytes, its contexts included, except the
-        // contexts its ledger already charges (never more than the allowance, for the same
-        // reason).
-        let charged_contexts = devices.saturating_mul(seen.context_reserve.map_or(0, |reserve| reserve.min(self.config.context_allowance)));
-        (driver.bytes.saturating_sub(explained).saturating_sub(charged_contexts).max(1), enforced)
-    }
-
-    /// Whether `pid`'s enforced escaped bytes (`enforced`, of the driver row joined with
-    /// `start_time`) have been over 0 on [`ESCAPE_CONFIRM_READS`] consecutive driver reads.
-    fn escape_confirmed(&mut self, pid: u32, start_time: u64, enforced: u64) -> bool {
-        if enforced == 0 {
-            self.escapes.remove(&pid);
-            return false;
-        }
-        let read = self.driver.as_ref().and_then(|d| d.read_at);
-        let entry = self.escapes.entry(pid).or_insert((start_time, None, 0));
+        let kept = pools.kept();
+        let views = figure::Views {
+            probes: high,
+            pool_kept: kept,
+            ledger: seen.ledger_bytes.map(|bytes| figure::LedgerView { bytes, extra_contexts: seen.extra_contexts, reserve: seen.context_reserve.unwrap_or(0) }),
+            driver: seen.driver.map(|d| figure::DriverView { bytes: d.bytes, devices: d.devices }),
+        };
+        let figure = figure::figure(&views, self.config.context_allowance);
+        let start_time = seen.driver.map_or(0, |d| d.start_time);
+        let entry = self.escapes.entry(seen.pid).or_insert((start_time, Default::default(), Default::default()));
         if entry.0 != start_time {
-            *entry = (start_time, None, 0);
+            *entry = (start_time, Default::default(), Default::default());
         }
-        if entry.2 == 0 || entry.1 != read {
-            *entry = (start_time, read, entry.2.saturating_add(1));
-        }
-        entry.2 >= ESCAPE_CONFIRM_READS
+        let outside = entry.1.see(read_at, figure.outside);
+        let unexplained = entry.2.see(read_at, figure.unexplained);
+        (figure, kept, outside, unexplained)
     }
 
     /// Judges `observations` as of `now`, logging every change of state.
@@ -467,13 +477,13 @@ impl Reconciler {
         let previous: HashMap<u32, State> = self.verdicts.iter().map(|v| (v.pid, v.state)).collect();
         let seen_pids: BTreeSet<u32> = observations.iter().map(|o| o.pid).collect();
         self.explained.retain(|pid, _| seen_pids.contains(pid));
+        self.pools.retain(|pid, _| seen_pids.contains(pid));
         self.escapes.retain(|pid, _| seen_pids.contains(pid));
         self.unprobed_logged.retain(|pid| seen_pids.contains(pid));
         for seen in observations {
-            let (escaped_bytes, enforced_bytes) = if seen.gone { (0, 0) } else { self.escaped(&seen, now) };
+            let (figure, pool_kept_bytes, enforced_bytes, escaped_bytes) = if seen.gone { Default::default() } else { self.figure(&seen, now) };
             let escaped = escaped_bytes > 0;
             let driver_start_time = seen.driver.map(|d| d.start_time);
-            let escape_confirmed = self.escape_confirmed(seen.pid, driver_start_time.unwrap_or(0), enforced_bytes);
             let state = match seen.ledger_bytes {
                 _ if seen.gone => State::Stale,
                 Some(_) if seen.header_changed => State::Tampered,
@@ -526,12 +536,13 @@ impl Reconciler {
                 ledger_bytes: seen.ledger_bytes,
                 ebpf_bytes: seen.ebpf_bytes,
                 driver_bytes: seen.driver.map(|d| d.bytes),
+                pool_kept_bytes,
+                held_bytes: figure.held,
                 // A tampered process's escaped bytes are charged too (a rewritten header
                 // must not switch the driver's view off).
                 escaped_bytes: if matches!(state, State::Unprobed | State::Tampered) { escaped_bytes } else { 0 },
                 enforced_bytes,
                 driver_start_time,
-                escape_confirmed,
             });
         }
         verdicts.sort_by_key(|v| (v.pid, v.state));
@@ -590,7 +601,7 @@ impl Reconciler {
         let mut by_cgroup = EscapedByCgroup::new();
         for verdict in self.verdicts.iter().filter(|v| v.state != State::Stale && v.enforced_bytes > 0 && v.cgroup_id != 0) {
             let Some(start_time) = verdict.driver_start_time else { continue };
-            let process = EscapedProcess { pid: verdict.pid, start_time, bytes: verdict.enforced_bytes, confirmed: verdict.escape_confirmed };
+            let process = EscapedProcess { pid: verdict.pid, start_time, bytes: verdict.enforced_bytes };
             by_cgroup.entry(verdict.cgroup_id).or_default().push(process);
         }
         for processes in by_cgroup.values_mut() {
@@ -612,6 +623,22 @@ impl Reconciler {
             if let Some(ledger) = ledger {
                 let sum = sums.entry(ledger.to_string()).or_default();
                 *sum = sum.saturating_add(bytes);
+            }
+        }
+        sums
+    }
+
+    /// The one figure of each hooked container (ledger): the [`Verdict::held_bytes`] of the
+    /// ledger's processes and of the other processes in its cgroups
+    /// ([`Reconciler::cgroup_ledgers`]), summed. Ledgers without any are left out.
+    pub fn held_bytes_by_ledger(&self) -> BTreeMap<String, u64> {
+        let owners = self.cgroup_ledgers();
+        let mut sums: BTreeMap<String, u64> = BTreeMap::new();
+        for verdict in self.verdicts.iter().filter(|v| v.state != State::Stale) {
+            let ledger = verdict.ledger.as_deref().or_else(|| owners.get(&verdict.cgroup_id).copied());
+            if let Some(ledger) = ledger {
+                let sum = sums.entry(ledger.to_string()).or_default();
+                *sum = sum.saturating_add(verdict.held_bytes);
             }
         }
         sums
@@ -640,6 +667,9 @@ impl Reconciler {
             row.ledger = verdict.ledger.clone();
             row.ledger_bytes = verdict.ledger_bytes;
             row.driver_bytes = verdict.driver_bytes;
+            row.pool_kept_bytes = verdict.pool_kept_bytes;
+            row.held_bytes = verdict.held_bytes;
+            row.escaped_bytes = verdict.enforced_bytes;
             if row.cgroup_id == 0 {
                 row.cgroup_id = verdict.cgroup_id;
             }
@@ -688,6 +718,20 @@ pub fn slot_bytes(slot: &Slot, devices: usize) -> u64 {
         .fold(0u64, u64::saturating_add)
 }
 
+/// What a slot charges: its requested bytes ([`slot_bytes`]) and its context records beyond
+/// the first on each device ([`slot_extra_contexts`]).
+type Charged = (u64, u64);
+
+/// Bytes of a slot's context records beyond the first on each device (`devices`: its ledger's
+/// validated devices, whose reserve each record is).
+pub fn slot_extra_contexts(slot: &Slot, devices: &[ledger::layout::DeviceConfig]) -> u64 {
+    slot.devices
+        .iter()
+        .zip(devices)
+        .map(|(used, device)| used.bytes[Kind::Context as usize].saturating_sub(device.context_reserve))
+        .fold(0u64, u64::saturating_add)
+}
+
 /// Joins the ledgers' live slots with the eBPF view (`probed`: the identities of its
 /// processes, updated with it). Also returns the cgroups of each ledger's live processes, and
 /// the ledgers that could not be read.
@@ -701,8 +745,9 @@ pub fn observe(
 ) -> (Vec<Observation>, BTreeMap<String, BTreeSet<u64>>, BTreeSet<String>) {
     slot_processes.begin_pass();
     let mut unreadable = BTreeSet::new();
-    // By eBPF row: (index in `names`, ledger bytes, header changed) of the slots joined to it.
-    let mut joined: Vec<Option<(usize, u64, bool)>> = vec![None; ebpf.len()];
+    // By eBPF row: (index in `names`, ledger bytes and extra contexts, header changed) of the
+    // slots joined to it.
+    let mut joined: Vec<Option<(usize, Charged, bool)>> = vec![None; ebpf.len()];
     let mut names: Vec<String> = Vec::new();
     let mut contexts: Vec<Option<u64>> = Vec::new();
     let mut observations = Vec::new();
@@ -718,15 +763,15 @@ pub fn observe(
         let file = ledgers.and_then(|l| l.file_id(path)).unwrap_or_default();
         // Slots joined to an eBPF row, and slots without eBPF memory: judged after the lock
         // is released.
-        let mut matched: Vec<(usize, usize, u64)> = Vec::new();
-        let mut unjoined: Vec<(u32, ProcessIdentity, u64)> = Vec::new();
+        let mut matched: Vec<(usize, usize, Charged)> = Vec::new();
+        let mut unjoined: Vec<(u32, ProcessIdentity, Charged)> = Vec::new();
         let mut cgroups = BTreeSet::new();
         let visited = ledger.for_each_slot(|_, slot| {
             let process = slot.process();
             if Some(process) == agent {
                 return; // the agent's own charges
             }
-            let bytes = slot_bytes(slot, devices);
+            let bytes = (slot_bytes(slot, devices), slot_extra_contexts(slot, &ledger.header().devices[..devices.min(ledger.header().devices.len())]));
             if let Some((row, handle)) = probed.row_of(&process) {
                 matched.push((row, handle, bytes));
             } else if slot.host_pid != 0 {
@@ -749,8 +794,8 @@ pub fn observe(
                 forged(&name, ebpf[row].pid);
                 continue;
             }
-            let entry = joined[row].get_or_insert((index, 0, false));
-            entry.1 = entry.1.saturating_add(bytes);
+            let entry = joined[row].get_or_insert((index, (0, 0), false));
+            entry.1 = (entry.1 .0.saturating_add(bytes.0), entry.1 .1.saturating_add(bytes.1));
             entry.2 |= header_changed;
             cgroups.insert(ebpf[row].cgroup_id);
         }
@@ -763,31 +808,43 @@ pub fn observe(
                 pid: host_pid,
                 cgroup_id,
                 ledger: Some(name.clone()),
-                ledger_bytes: Some(bytes),
-                ebpf_bytes: 0,
+                ledger_bytes: Some(bytes.0),
+                extra_contexts: bytes.1,
                 gone,
                 header_changed,
-                driver: None,
                 context_reserve,
+                ..Default::default()
             });
         }
         ledger_cgroups.insert(name, cgroups);
     }
     for (process, joined) in ebpf.iter().zip(joined) {
         let (pid, cgroup_id, bytes) = (process.pid, process.cgroup_id, process.bytes);
-        let (ledger, ledger_bytes, header_changed, context_reserve) = match joined {
-            Some((ledger, charged, changed)) => (Some(names[ledger].clone()), Some(charged), changed, contexts[ledger]),
-            None => (None, None, false, None),
+        let (ledger, (ledger_bytes, extra_contexts), header_changed, context_reserve) = match joined {
+            Some((ledger, (charged, extra), changed)) => (Some(names[ledger].clone()), (Some(charged), extra), changed, contexts[ledger]),
+            None => (None, (None, 0), false, None),
         };
         // A process the probes saw with a slot found by its host pid only (its identity
         // could not be read, e.g. it is exiting): merge rather than report it twice.
         if ledger.is_none() {
             if let Some(other) = observations.iter_mut().find(|o| o.pid == pid && !o.gone) {
-                other.ebpf_bytes = bytes;
+                (other.ebpf_bytes, other.pool_kept, other.generation) = (bytes, process.pool_kept, process.generation);
                 continue;
             }
         }
-        observations.push(Observation { pid, cgroup_id, ledger, ledger_bytes, ebpf_bytes: bytes, gone: false, header_changed, driver: None, context_reserve });
+        observations.push(Observation {
+            pid,
+            cgroup_id,
+            ledger,
+            ledger_bytes,
+            ebpf_bytes: bytes,
+            pool_kept: process.pool_kept,
+            generation: process.generation,
+            extra_contexts,
+            header_changed,
+            context_reserve,
+            ..Default::default()
+        });
     }
     slot_processes.end_pass();
     (observations, ledger_cgroups, unreadable)
@@ -874,6 +931,16 @@ mod tests {
         r.verdicts().iter().map(|v| (v.pid, v.state)).collect()
     }
 
+    /// Judges `observations` on two consecutive driver reads, a second apart from `start`
+    /// (what the driver shows is acted on once two reads show it).
+    fn two_reads(r: &mut Reconciler, observations: Vec<Observation>, start: Instant) {
+        for read in 0..2 {
+            let at = start + Duration::from_secs(read);
+            r.set_driver(Some(Arc::new(DriverView { read_at: Some(at), ..Default::default() })));
+            r.judge(observations.clone(), at);
+        }
+    }
+
     #[test]
     fn judges_each_state() {
         let mut r = Reconciler::new(Config::default());
@@ -918,7 +985,11 @@ mod tests {
         // A hooked process that also allocated 500 MiB through an unprobed copy: its ledger
         // charges its 96 MiB and its context; the 500 MiB escaped.
         let leaky = Observation { driver: driver(660 * MIB, 1), context_reserve: Some(64 * MIB), ..seen(23, Some(96 * MIB), 96 * MIB) };
-        r.judge(vec![escaped, hooked, at_edge, leaky], start);
+        let all = vec![escaped, hooked, at_edge, leaky];
+        // One read is not enough.
+        r.judge(all.clone(), start);
+        assert_eq!(states(&r), vec![(20, State::Ok), (21, State::Ok), (22, State::Ok), (23, State::Ok)]);
+        two_reads(&mut r, all, start + Duration::from_secs(1));
         assert_eq!(states(&r), vec![(20, State::Unprobed), (21, State::Ok), (22, State::Ok), (23, State::Unprobed)]);
         assert_eq!(r.verdicts()[0].driver_bytes, Some(160 * MIB));
         let escaped_bytes: Vec<u64> = r.verdicts().iter().map(|v| v.escaped_bytes).collect();
@@ -929,7 +1000,7 @@ mod tests {
         let in_container = Observation { pid: 24, cgroup_id: 7, driver: driver(160 * MIB, 1), ..Default::default() };
         let elsewhere = Observation { pid: 25, cgroup_id: 8, driver: driver(160 * MIB, 1), ..Default::default() };
         let leaky = Observation { driver: driver(660 * MIB, 1), context_reserve: Some(64 * MIB), ..seen(23, Some(96 * MIB), 96 * MIB) };
-        r.judge(vec![in_container, elsewhere, leaky], start);
+        two_reads(&mut r, vec![in_container, elsewhere, leaky], start + Duration::from_secs(3));
         assert_eq!(r.unaccounted_by_ledger(), BTreeMap::from([("/l".to_string(), 160 * MIB + 500 * MIB)]));
         assert_eq!(r.driver_bytes_by_ledger(), BTreeMap::from([("/l".to_string(), 160 * MIB + 660 * MIB)]));
 
@@ -942,9 +1013,12 @@ mod tests {
         let freed = Observation { driver: driver(1088 * MIB, 1), ..seen(30, None, 0) };
         r.judge(vec![freed.clone()], start + Duration::from_millis(900));
         assert_eq!(states(&r), vec![(30, State::Ok)]);
-        // A later read that still says so: unprobed.
+        // Two later reads that still say so: unprobed.
         r.set_driver(Some(Arc::new(DriverView { read_at: Some(start + Duration::from_millis(2500)), ..Default::default() })));
-        r.judge(vec![freed], start + Duration::from_millis(3000));
+        r.judge(vec![freed.clone()], start + Duration::from_millis(3000));
+        assert_eq!(states(&r), vec![(30, State::Ok)]);
+        r.set_driver(Some(Arc::new(DriverView { read_at: Some(start + Duration::from_millis(3500)), ..Default::default() })));
+        r.judge(vec![freed], start + Duration::from_millis(4000));
         assert_eq!(states(&r), vec![(30, State::Unprobed)]);
     }
 
@@ -964,13 +1038,12 @@ mod tests {
         // An honest hooked process whose context (500 MiB) is larger than its ledger's reserve
         // (64 MiB) but within a generous allowance: nothing enforced.
         let honest = Observation { cgroup_id: 7, driver: driver(596 * MIB, 1100), context_reserve: Some(64 * MIB), ..seen(42, Some(96 * MIB), 96 * MIB) };
-        r.judge(vec![forged, header, honest.clone()], start);
+        two_reads(&mut r, vec![forged, header, honest.clone()], start);
         assert_eq!(states(&r), vec![(40, State::Ok), (41, State::Tampered), (42, State::Unprobed)]);
         let enforced: Vec<u64> = r.verdicts().iter().map(|v| v.enforced_bytes).collect();
         assert_eq!(enforced, [94 * MIB, 94 * MIB, 500 * MIB - 66 * MIB]);
         let mut r = Reconciler::new(Config { context_allowance: 600 * MIB, ..config });
-        r.set_driver(Some(Arc::new(DriverView { read_at: Some(start), ..Default::default() })));
-        r.judge(vec![honest], start);
+        two_reads(&mut r, vec![honest], start);
         assert_eq!(r.verdicts()[0].enforced_bytes, 0, "{:?}", r.verdicts());
     }
 
@@ -981,7 +1054,7 @@ mod tests {
         r.set_driver(Some(Arc::new(DriverView { read_at: Some(start), ..Default::default() })));
         // 500 MiB through an unprobed copy, a 64 MiB context; the ledger says its reserve is 1 TiB.
         let huge = Observation { driver: Some(DriverProcess { bytes: 660 * MIB, devices: 1, start_time: 1 }), context_reserve: Some(1 << 40), ..seen(50, Some(96 * MIB), 96 * MIB) };
-        r.judge(vec![huge], start);
+        two_reads(&mut r, vec![huge], start);
         assert_eq!((r.verdicts()[0].state, r.verdicts()[0].escaped_bytes), (State::Unprobed, 500 * MIB));
     }
 
@@ -999,37 +1072,93 @@ mod tests {
             context_reserve: Some(64 * MIB),
             ..seen(60, Some(96 * MIB), 96 * MIB)
         };
-        r.judge(vec![leaky], start);
+        two_reads(&mut r, vec![leaky], start);
         assert_eq!((r.verdicts()[0].state, r.verdicts()[0].escaped_bytes), (State::Tampered, 500 * MIB));
         assert_eq!(r.unaccounted_by_ledger(), BTreeMap::from([("/l".to_string(), 500 * MIB)]));
         assert_eq!(r.escaped_by_cgroup()[&7].iter().map(|p| p.bytes).collect::<Vec<_>>(), [500 * MIB - 2 * MIB]);
     }
 
     #[test]
-    fn the_escape_is_signalled_for_the_joined_process_after_two_reads() {
+    fn an_escape_is_published_for_the_joined_process_once_two_reads_show_it() {
         let mut r = Reconciler::new(Config { context_allowance: 64 * MIB, ..Config::default() });
         let start = Instant::now();
         // A pid no process has here: the start time published is the joined row's, not /proc's.
         let pid = 4_000_001;
-        let escaped = || Observation { pid, cgroup_id: 7, driver: Some(DriverProcess { bytes: 160 * MIB, devices: 1, start_time: 4242 }), ..Default::default() };
+        let escaped = |bytes| Observation { pid, cgroup_id: 7, driver: Some(DriverProcess { bytes, devices: 1, start_time: 4242 }), ..Default::default() };
         let read = |r: &mut Reconciler, at| r.set_driver(Some(Arc::new(DriverView { read_at: Some(at), ..Default::default() })));
+        let published = |r: &Reconciler| r.escaped_by_cgroup().get(&7).cloned().unwrap_or_default();
         read(&mut r, start);
-        r.judge(vec![escaped()], start);
-        let published = |r: &Reconciler| r.escaped_by_cgroup()[&7].clone();
-        assert_eq!(published(&r), [EscapedProcess { pid, start_time: 4242, bytes: 94 * MIB, confirmed: false }]);
-        // Another pass on the same read: not confirmed.
-        r.judge(vec![escaped()], start + Duration::from_millis(200));
-        assert!(!published(&r)[0].confirmed);
-        // The next read says so too: confirmed.
+        r.judge(vec![escaped(200 * MIB)], start);
+        assert_eq!(published(&r), [], "one read");
+        // Another pass on the same read: still one read.
+        r.judge(vec![escaped(200 * MIB)], start + Duration::from_millis(200));
+        assert_eq!(published(&r), []);
+        // The next read shows less: the smaller of the two is what counts.
         read(&mut r, start + Duration::from_secs(1));
-        r.judge(vec![escaped()], start + Duration::from_secs(1));
-        assert!(published(&r)[0].confirmed);
+        r.judge(vec![escaped(160 * MIB)], start + Duration::from_secs(1));
+        assert_eq!(published(&r), [EscapedProcess { pid, start_time: 4242, bytes: 94 * MIB }]);
         // A read without it starts over.
         read(&mut r, start + Duration::from_secs(2));
-        r.judge(vec![Observation { driver: None, ..escaped() }], start + Duration::from_secs(2));
+        r.judge(vec![Observation { driver: None, ..escaped(0) }], start + Duration::from_secs(2));
         read(&mut r, start + Duration::from_secs(3));
-        r.judge(vec![escaped()], start + Duration::from_secs(3));
-        assert!(!published(&r)[0].confirmed);
+        r.judge(vec![escaped(160 * MIB)], start + Duration::from_secs(3));
+        assert_eq!(published(&r), []);
+    }
+
+    /// The pool, as the agent sees it without a hook: 2 GiB by `cuMemAllocAsync`,
+    /// freed into a pool that keeps it, 4 s (longer than the probes' figures are remembered),
+    /// then 2 GiB from the pool again and 256 MiB more: never outside the probes. The same
+    /// pool that gave its memory back at a synchronize (a low release threshold) explains
+    /// nothing after: memory the driver shows again without a probed allocation is outside.
+    #[test]
+    fn a_pool_that_keeps_what_it_frees_is_counted_once() {
+        const GIB: u64 = 1 << 30;
+        let mut r = Reconciler::new(Config { context_allowance: 64 * MIB, ..Config::default() });
+        let start = Instant::now();
+        let at = |ms| start + Duration::from_millis(ms);
+        let process = |ebpf_bytes, pool_kept, driver| Observation {
+            pid: 70,
+            cgroup_id: 7,
+            ebpf_bytes,
+            pool_kept,
+            generation: 1,
+            driver: Some(DriverProcess { bytes: driver + 64 * MIB, devices: 1, start_time: 1 }),
+            ..Default::default()
+        };
+        let read = |r: &mut Reconciler, ms| r.set_driver(Some(Arc::new(DriverView { read_at: Some(at(ms)), ..Default::default() })));
+        // Freed before any pass saw it live; the pool keeps it. Six reads, a second apart.
+        for second in 0..6 {
+            read(&mut r, second * 1000);
+            r.judge(vec![process(0, 2 * GIB, 2 * GIB)], at(second * 1000 + 500));
+            let v = &r.verdicts()[0];
+            assert_eq!((v.state, v.enforced_bytes, v.pool_kept_bytes, v.held_bytes), (State::Ok, 0, 2 * GIB, 2 * GIB), "{v:?}");
+        }
+        // Taken again, and 256 MiB more; the read is before the pass that sees it.
+        read(&mut r, 6000);
+        r.judge(vec![process(2 * GIB + 256 * MIB, 0, 2 * GIB + 256 * MIB)], at(6500));
+        read(&mut r, 7000);
+        r.judge(vec![process(2 * GIB + 256 * MIB, 0, 2 * GIB + 256 * MIB)], at(7500));
+        let v = &r.verdicts()[0];
+        // (Unhooked: no ledger has a slot for it; nothing escaped.)
+        assert_eq!((v.state, v.enforced_bytes, v.held_bytes), (State::Unhooked, 0, 2 * GIB + 256 * MIB), "{v:?}");
+        assert_eq!(r.escaped_by_cgroup(), EscapedByCgroup::new());
+
+        // Another process's pool gives its 2 GiB back at a synchronize: a read that started
+        // after the probes' figure was seen says so.
+        let other = |driver| Observation { pid: 71, ..process(0, 2 * GIB, driver) };
+        read(&mut r, 8000);
+        r.judge(vec![other(0)], at(8500));
+        assert_eq!(r.verdicts()[0].pool_kept_bytes, 2 * GIB, "the read may be before the free");
+        read(&mut r, 9000);
+        r.judge(vec![other(0)], at(9500));
+        assert_eq!(r.verdicts()[0].pool_kept_bytes, 0);
+        // 2 GiB through a copy of libcuda no probe is on: outside, on two reads.
+        for ms in [10000, 11000] {
+            read(&mut r, ms);
+            r.judge(vec![other(2 * GIB)], at(ms + 500));
+        }
+        let v = &r.verdicts()[0];
+        assert_eq!((v.state, v.enforced_bytes), (State::Unprobed, 2 * GIB - DRIVER_PAGE), "{v:?}");
     }
 
     #[test]
@@ -1098,6 +1227,29 @@ mod tests {
         assert_eq!(states(&r), vec![(7, State::Drift)]);
     }
 
+    #[test]
+    fn a_second_context_on_a_device_is_the_ledgers_extra_context() {
+        let dir = std::env::temp_dir().join(format!("vramguard-reconcile-ctx-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        let device = DeviceConfig { limit: 1 << 30, chunk: 2 * MIB, context_reserve: 64 * MIB, ..Default::default() };
+        let geometry = Geometry { slots: 4, records: 64, devices: vec![device, device] };
+        let ledger = Ledger::create(&dir.join("ledger"), &geometry, CREATOR_AGENT).expect("create");
+        let slot = ledger.register(ProcessIdentity::current().expect("identity")).expect("register");
+        let extra = |ledger: &Ledger| {
+            let slots = ledger.slots().expect("slots");
+            slot_extra_contexts(&slots[0].slot, &geometry.devices)
+        };
+        // One context on each of two devices: none beyond the first.
+        ledger.reserve(slot, 0, Charge::Context, 0).expect("context 0");
+        ledger.reserve(slot, 1, Charge::Context, 0).expect("context 1");
+        assert_eq!(extra(&ledger), 0);
+        // A second context on device 0 (cuCtxCreate beside the primary one).
+        ledger.reserve(slot, 0, Charge::AnotherContext, 0).expect("another context");
+        assert_eq!(extra(&ledger), 64 * MIB);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// The identity of a child process once it has exec'd (its start time and namespace).
     fn wait_identity(pid: u32) -> ProcessIdentity {
         for _ in 0..1000 {
@@ -1133,13 +1285,13 @@ mod tests {
 
         let pid = std::process::id();
         let cgroup_id = crate::cgroup::id_of_pid(pid).unwrap_or(0);
-        let me = |bytes| EbpfProcess { pid, generation: 1, cgroup_id, bytes };
+        let me = |bytes| EbpfProcess { pid, generation: 1, cgroup_id, bytes, pool_kept: 0 };
         // The reconciler of another process (the agent's own slot is never judged).
         let mut r = Reconciler::new(Config::default());
         r.agent = None;
         r.pass(Some(&ledgers), &[me(charged)]);
         let name = path.display().to_string();
-        let ok = Verdict { pid, cgroup_id, state: State::Ok, ledger: Some(name.clone()), ledger_bytes: Some(charged), ebpf_bytes: charged, driver_bytes: None, escaped_bytes: 0, enforced_bytes: 0, driver_start_time: None, escape_confirmed: false };
+        let ok = Verdict { pid, cgroup_id, state: State::Ok, ledger: Some(name.clone()), ledger_bytes: Some(charged), ebpf_bytes: charged, driver_bytes: None, pool_kept_bytes: 0, held_bytes: charged, escaped_bytes: 0, enforced_bytes: 0, driver_start_time: None };
         assert_eq!(r.verdicts(), [ok]);
         assert_eq!(r.ledger_cgroups().get(&name), Some(&BTreeSet::from([cgroup_id])));
         assert_eq!(r.unaccounted_by_ledger(), BTreeMap::new());
@@ -1162,10 +1314,10 @@ mod tests {
         assert_eq!(states(&r), vec![(pid, State::Ok)]);
         // Another process (pid 1) is not in any ledger: unhooked. In another cgroup it is
         // no ledger's business; in the ledger's cgroup, its memory is the ledger's.
-        r.pass(Some(&ledgers), &[EbpfProcess { pid: 1, generation: 1, cgroup_id: cgroup_id + 1, bytes: MIB }]);
+        r.pass(Some(&ledgers), &[EbpfProcess { pid: 1, generation: 1, cgroup_id: cgroup_id + 1, bytes: MIB, pool_kept: 0 }]);
         assert!(states(&r).contains(&(1, State::Unhooked)), "{:?}", r.verdicts());
         assert_eq!(r.unaccounted_by_ledger(), BTreeMap::new());
-        r.pass(Some(&ledgers), &[EbpfProcess { pid: 1, generation: 1, cgroup_id, bytes: MIB }]);
+        r.pass(Some(&ledgers), &[EbpfProcess { pid: 1, generation: 1, cgroup_id, bytes: MIB, pool_kept: 0 }]);
         assert_eq!(r.unaccounted_by_ledger(), BTreeMap::from([(name.clone(), MIB)]));
 
         // A slot naming another process (a child that never mapped the ledger), written by
@@ -1174,7 +1326,7 @@ mod tests {
         let child_pid = child.id();
         let child_identity = wait_identity(child_pid);
         ledger.register(child_identity).expect("forged slot");
-        let forged = EbpfProcess { pid: child_pid, generation: 7, cgroup_id: cgroup_id + 2, bytes: 3 * MIB };
+        let forged = EbpfProcess { pid: child_pid, generation: 7, cgroup_id: cgroup_id + 2, bytes: 3 * MIB, pool_kept: 0 };
         r.pass(Some(&ledgers), &[me(charged), forged]);
         let verdict = r.verdicts().iter().find(|v| v.pid == child_pid).cloned().expect("the child's verdict");
         assert_eq!((verdict.state, verdict.ledger.clone()), (State::Unhooked, None), "{verdict:?}");

@@ -131,6 +131,7 @@ pub struct Metrics {
     cgroup_tree_walks: IntCounter,
     container_ebpf: IntGaugeVec,
     container_driver: IntGaugeVec,
+    container_held: IntGaugeVec,
     unaccounted: IntGaugeVec,
     rejections: IntCounterVec,
     /// The label values `rejections` has series for.
@@ -368,6 +369,12 @@ impl Metrics {
             "GPU memory the driver (NVML) reports a container's processes holding (its ledger's and the others of its cgroups), contexts included",
             &with_container(&["ledger"]),
         )?;
+        let container_held = gauge_vec(
+            &registry,
+            "vramguard_container_memory_held_bytes",
+            "The one figure of a container (ledger): over its processes (its ledger's and the others of its cgroups), the larger of what the probes (live and pool-kept), the ledger and the driver say each holds, a context per device aside",
+            &with_container(&["ledger"]),
+        )?;
         let unaccounted = gauge_vec(
             &registry,
             "vramguard_container_unaccounted_bytes",
@@ -503,6 +510,7 @@ impl Metrics {
             cgroup_tree_walks,
             container_ebpf,
             container_driver,
+            container_held,
             unaccounted,
             rejections,
             rejection_series: BTreeSet::new(),
@@ -548,7 +556,9 @@ impl Metrics {
         self.limit.reset();
         self.container_ebpf.reset();
         self.container_driver.reset();
+        self.container_held.reset();
         let driver_by_ledger = reconciler.driver_bytes_by_ledger();
+        let held_by_ledger = reconciler.held_bytes_by_ledger();
         if let Some(hami) = &self.hami {
             hami.used.reset();
             hami.limit.reset();
@@ -594,6 +604,9 @@ impl Metrics {
                 if let Some(bytes) = driver_by_ledger.get(path.as_str()) {
                     self.container_driver.with_label_values(&labels(&[path.as_str()], &container)).set(value(*bytes));
                 }
+                self.container_held
+                    .with_label_values(&labels(&[path.as_str()], &container))
+                    .set(value(held_by_ledger.get(path.as_str()).copied().unwrap_or(0)));
                 self.unaccounted
                     .with_label_values(&labels(&[path.as_str()], &container))
                     .set(value(charged.get(path.as_str()).copied().unwrap_or(0)));

@@ -240,7 +240,7 @@ impl Agent {
             }
             if Instant::now() > deadline {
                 let _ = child.kill();
-                bail!("vramguard run did not stop within 10 s of SIGTERM");
+                bail!("vramguard run did not stop within 10 s of SIGTERM; its log:\n{}", self.log());
             }
             std::thread::sleep(Duration::from_millis(20));
         }
