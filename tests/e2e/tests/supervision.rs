@@ -120,14 +120,16 @@ fn a_task_that_panics_ends_the_agent_naming_it_with_its_probes_detached_and_char
         let trigger = scene.trigger(task);
         let (mut agent, _processes) = scene.agent(&[format!("panic:{task}:{}", trigger.display())])?;
         arm(&trigger)?;
-        let (status, took) = agent.wait_exit(Duration::from_secs(10))?;
+        let (status, took) = agent.wait_exit(Duration::from_secs(30))?;
         let log = agent.log();
         eprintln!("{task}: the agent exited ({status}) {took:?} after the panic");
         ensure!(!status.success(), "{task}: the agent exits non-zero after a task's panic: {log}");
-        // Within 2 s of the agent's own work, plus the kernel's: detaching the probes takes it
-        // about 100 ms a probe (the agent logs how long), during the stop or at the exit alike.
+        // Within 2 s, or within a second of the kernel's detaching the probes where that takes
+        // longer: it takes the kernel about 100 ms a probe (the agent logs how long), during
+        // the stop or at the exit alike, and the stop goes on meanwhile.
         let detach = detach_time(&log).with_context(|| format!("{task}: the detach's duration: {log}"))?;
-        ensure!(took <= Duration::from_secs(2) + detach, "{task}: exited within 2 s and the kernel's {detach:?} to detach the probes (took {took:?}): {log}");
+        let bound = Duration::from_secs(2).max(detach + Duration::from_secs(1));
+        ensure!(took <= bound, "{task}: exited within {bound:?} (the kernel took {detach:?} to detach the probes; the agent {took:?}): {log}");
         ensure!(
             log.contains(&format!("the {task} task failed: it panicked: fault injected")),
             "{task}: the agent names the task and the panic: {log}"
@@ -147,10 +149,14 @@ fn sigterm_completes_within_5_s_with_a_parked_task() -> Result<()> {
         let (mut agent, _processes) = scene.agent(&[format!("park:{task}:{}", trigger.display())])?;
         arm(&trigger)?;
         wait_for(Duration::from_secs(2), "the task parked", || Ok(agent.log().contains(&format!("the {task} task is parked"))))?;
-        let (status, took) = agent.terminate(Duration::from_secs(10))?;
+        let (status, took) = agent.terminate(Duration::from_secs(30))?;
         let log = agent.log();
         eprintln!("{task} parked: SIGTERM completed in {took:?} ({status})");
-        ensure!(took <= Duration::from_secs(5), "{task} parked: SIGTERM completes within 5 s (took {took:?}): {log}");
+        // Within 5 s, or within a second of the kernel's detaching the probes, where that
+        // takes longer (as above).
+        let detach = detach_time(&log).with_context(|| format!("{task}: the detach's duration: {log}"))?;
+        let bound = Duration::from_secs(5).max(detach + Duration::from_secs(1));
+        ensure!(took <= bound, "{task} parked: SIGTERM completes within {bound:?} (the kernel took {detach:?} to detach the probes; the agent {took:?}): {log}");
         ensure!(log.contains(&format!("the {task} task failed: it did not stop within")), "{task}: the parked task is named: {log}");
         ensure!(log.contains("probes detached"), "{task}: the probes are detached: {log}");
         ensure!(used(&scene.ledger)? == scene.own, "{task}: the agent's charge is released: {} MiB in the ledger: {log}", used(&scene.ledger)? / MIB);
