@@ -419,6 +419,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
             pins,
             published: published_tx,
             changed: changed.clone(),
+            driver: Some(driver_rx.clone()),
             reclaims: judge.metrics.reclaims(),
             heartbeat: liveness.register("reclaim", RECLAIM_ALLOWED),
             stop: stop.clone(),
