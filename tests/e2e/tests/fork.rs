@@ -106,3 +106,120 @@ fn a_forked_child_keeps_its_dead_parents_memory_charged_until_it_exits() -> Resu
     assert!(!log.contains("panicked"), "{log}");
     Ok(())
 }
+
+/// The agent's arguments for the restart test: the fake's device files as the GPUs' files,
+/// the join's table kept under `state`, signals on.
+fn restart_args<'a>(libcuda: &'a Path, ledgers: &'a Path, state: &'a Path, device_file: &'a OsStr) -> Vec<&'a OsStr> {
+    let mut args = e2e::agent::watching_args(libcuda, ledgers);
+    args.extend([
+        OsStr::new("--context-allowance"),
+        OsStr::new("64m"),
+        OsStr::new("--state-dir"),
+        state.as_os_str(),
+        OsStr::new("--gpu-device-file"),
+        device_file,
+        OsStr::new("--enforce"),
+        OsStr::new("signal"),
+        OsStr::new(e2e::cgroup::SEPARATES_CONTAINERS),
+    ]);
+    args
+}
+
+/// Starts `workload` as pid `pid` (the kernel's `ns_last_pid`: the next fork of this pid
+/// namespace gets the pid after it, if no other process forks first; tried again until it
+/// does).
+fn spawn_as(pid: u32, workload: &e2e::Workload) -> Result<e2e::Running> {
+    for _ in 0..200 {
+        std::fs::write("/proc/sys/kernel/ns_last_pid", (pid - 1).to_string()).context("ns_last_pid")?;
+        let running = workload.spawn()?;
+        if running.pid() == pid {
+            return Ok(running);
+        }
+        drop(running);
+    }
+    anyhow::bail!("no fork got pid {pid} in 200 tries")
+}
+
+/// The driver's reads since an agent started.
+fn reads(audit: &Value) -> u64 {
+    audit["driver"]["reads"].as_u64().unwrap_or(0)
+}
+
+/// Issue 23, item 3: the agent restarted while the driver lists a pid that another process
+/// now has. A process allocates 900 MiB, forks a child that keeps it and `_exit`s: the driver
+/// keeps listing its pid. The agent stops; a hooked process of another container is given
+/// that pid; the agent starts again. The join's table, restored from the state directory,
+/// says the row is the earlier process's: the new one is not joined, not charged (its ledger
+/// holds its own allocations only, and it is granted up to its quota) and not signalled.
+/// Control: an agent started without the table joins it and charges it the row.
+#[test]
+fn after_a_restart_a_reused_pid_the_driver_lists_is_not_joined() -> Result<()> {
+    let ledgers = TempDir::new("restart-ledgers")?;
+    let state = TempDir::new("restart-state")?;
+    let fresh = TempDir::new("restart-fresh")?;
+    let node = FakeNode::new("restart").with_env("FAKECUDA_CONTEXT_BYTES", "64m").with_env("FAKECUDA_DEVICE_BYTES", "8g");
+    let libcuda = e2e::fake_driver_dir()?.join("libcuda.so.1");
+    let device_file = node.state_dir().join(format!("{}-dev{{minor}}", node.name())).into_os_string();
+    let agent = Agent::start_with_env(&restart_args(&libcuda, ledgers.path(), state.path(), &device_file), node.env())?;
+
+    // The first process, listed (and joined) while it lives, then gone, its child holding.
+    let mut first = node.workload().steps(["ctx 0", "alloc a 900m", "checkpoint held", "fork-hold", "_exit 0"]).spawn()?;
+    first.wait_checkpoint("held")?;
+    let pid = first.pid();
+    wait_for(e2e::timeout(), "the driver's row joined with the first process", || {
+        std::thread::sleep(Duration::from_millis(50));
+        Ok(row(&agent.audit()?, u64::from(pid)).is_some_and(|r| r["driver_bytes"].as_u64() == Some(900 * MIB + 64 * MIB)))
+    })?;
+    first.resume()?;
+    let out = first.wait()?.success()?;
+    let _child = KillOnDrop(u32::try_from(field(out.line("fork-hold ")?, "child")?)?);
+    wait_for(e2e::timeout(), "the dead pid still listed", || {
+        let audit = agent.audit()?;
+        Ok(audit["driver"]["unjoined"].as_array().is_some_and(|rows| rows.iter().any(|r| r["pid"].as_u64() == Some(u64::from(pid)))))
+    })?;
+    agent.stop()?;
+    assert!(state.path().join("driver-listed.json").exists(), "the table is saved");
+
+    // Another container's hooked process gets the pid.
+    let cgroup = TestCgroup::create("restart")?;
+    let ledger = ledgers.ledger("reused")?;
+    let workload = node.hooked(&ledger, GIB)?.in_cgroup(&cgroup).steps(["ctx 0", "alloc b 100m", "checkpoint held", "alloc c 800m", "checkpoint more", "hold"]);
+    let mut reused = spawn_as(pid, &workload)?;
+    reused.wait_checkpoint("held")?;
+    let own = 64 * MIB + 100 * MIB;
+
+    let agent = Agent::start_with_env(&restart_args(&libcuda, ledgers.path(), state.path(), &device_file), node.env())?;
+    wait_for(e2e::timeout(), "the join's table restored", || Ok(agent.log().contains("restored from the state directory"))).with_context(|| agent.log())?;
+    wait_for(e2e::timeout(), "three driver reads and the ledger watched", || {
+        std::thread::sleep(Duration::from_millis(50));
+        let audit = agent.audit()?;
+        Ok(reads(&audit) >= 3 && row(&audit, u64::from(pid)).is_some_and(|r| r["ledger"].is_string()))
+    })
+    .with_context(|| agent.log())?;
+    std::thread::sleep(Duration::from_secs(2));
+    let audit = agent.audit()?;
+    let seen = row(&audit, u64::from(pid)).context("no row for the reused pid")?;
+    assert!(seen["driver_bytes"].is_null(), "joined: {seen}");
+    assert_eq!(seen["state"], "ok", "{seen}");
+    let unjoined = audit["driver"]["unjoined"].as_array().context("no unjoined rows")?;
+    assert!(unjoined.iter().any(|r| r["pid"].as_u64() == Some(u64::from(pid)) && r["reason"].as_str().is_some_and(|s| s.contains("reused"))), "{unjoined:?}");
+    assert_eq!(e2e::ledgers::used(&ledger)?, own, "charged only its own allocations");
+    // Granted up to its quota (64 + 100 + 800 MiB of 1 GiB), never signalled.
+    reused.resume()?;
+    reused.wait_checkpoint("more").with_context(|| agent.log())?;
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(!agent.log().contains("signalled a process"), "{}", agent.log());
+    assert_eq!(e2e::ledgers::used(&ledger)?, own + 800 * MIB);
+    agent.stop()?;
+
+    // Control: an agent without the table joins the row with the process that has the pid.
+    let agent = Agent::start_with_env(&restart_args(&libcuda, ledgers.path(), fresh.path(), &device_file), node.env())?;
+    wait_for(e2e::timeout(), "without the table, the reused pid is joined with the row", || {
+        std::thread::sleep(Duration::from_millis(50));
+        Ok(row(&agent.audit()?, u64::from(pid)).is_some_and(|r| r["driver_bytes"].as_u64().is_some_and(|b| b >= 900 * MIB)))
+    })
+    .with_context(|| agent.log())?;
+    drop(reused);
+    agent.stop()?;
+    Ok(())
+}
