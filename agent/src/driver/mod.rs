@@ -29,6 +29,7 @@
 //! The parent's list is never used for it (NVML's aggregate there is not per instance, and
 //! needs rights the agent may lack). A MIG GPU whose instances cannot be read has its
 //! processes left out, and says why (`mig` in the status, and the log once).
+pub mod gap;
 pub mod holders;
 pub mod listed;
 pub mod nvml;
@@ -116,6 +117,9 @@ pub struct DriverStatus {
     /// Processes the driver reports that are joined with no process the agent sees, and why.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub unjoined: Vec<UnjoinedProcess>,
+    /// Each GPU's memory as the last read found it, and what no row explains of it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub devices: Vec<DeviceMemory>,
 }
 
 impl DriverStatus {
@@ -132,6 +136,13 @@ impl DriverStatus {
         notes.extend(self.pid_namespace.clone());
         for process in &self.unjoined {
             notes.push(format!("not joined: pid {} ({} bytes): {}", process.pid, process.bytes, process.reason));
+        }
+        for device in self.devices.iter().filter(|d| d.gap.unexplained.is_some_and(|b| b > gap::TOLERANCE)) {
+            let whose = match device.gap.cgroup_id {
+                Some(cgroup) => format!("charged to cgroup {cgroup}, whose processes hold the GPU's device file"),
+                None => format!("unattributed (holders not listed: {:?})", device.gap.holders.iter().map(|h| h.pid).collect::<Vec<_>>()),
+            };
+            notes.push(format!("GPU {}: {} bytes no listed process explains: {whose}", device.index, device.gap.unexplained.unwrap_or(0)));
         }
         notes
     }
@@ -185,7 +196,7 @@ pub fn foreign_pid_namespace() -> Option<String> {
 
 impl Default for DriverStatus {
     fn default() -> DriverStatus {
-        DriverStatus { state: State::Starting, reason: None, library: None, reads: 0, mig: Vec::new(), pid_namespace: None, unjoined: Vec::new() }
+        DriverStatus { state: State::Starting, reason: None, library: None, reads: 0, mig: Vec::new(), pid_namespace: None, unjoined: Vec::new(), devices: Vec::new() }
     }
 }
 
@@ -229,6 +240,9 @@ pub struct DeviceMemory {
     pub listed: u64,
     /// Rows listed on it without a figure.
     pub unfigured: u32,
+    /// What no row explains of its memory ([`gap`]).
+    #[serde(default)]
+    pub gap: gap::Gap,
 }
 
 /// The latest driver view.
@@ -239,8 +253,6 @@ pub struct DriverView {
     pub processes: BTreeMap<u32, DriverProcess>,
     /// When that read started (what it says is the driver's state then).
     pub read_at: Option<Instant>,
-    /// Each GPU's memory and what the read's rows explain of it.
-    pub devices: Vec<DeviceMemory>,
 }
 
 #[cfg(test)]

@@ -221,7 +221,7 @@ impl Nvml {
             // SAFETY: a handle NVML gave and a valid out-pointer.
             (unsafe { get(device, &mut info) } == NVML_SUCCESS).then_some((info.total, info.used))
         });
-        DeviceMemory { index, minor, uuid: uuid.unwrap_or_default(), memory, listed: 0, unfigured: 0 }
+        DeviceMemory { index, minor, uuid: uuid.unwrap_or_default(), memory, listed: 0, unfigured: 0, gap: Default::default() }
     }
 
     /// Whether `device` is a GPU in MIG mode (false without `nvmlDeviceGetMigMode`, and for a

@@ -22,7 +22,8 @@ use super::{
     holders::{self, FileKey},
     listed::{First, Listed},
     nvml::{Nvml, Trouble},
-    DeviceMemory, DriverStatus, DriverView, Read, State, UnjoinedProcess, NOT_HOLDING, NOT_VISIBLE, NO_FIGURE, REUSED_SINCE_LISTED,
+    gap::Gaps,
+    DriverStatus, DriverView, Read, State, UnjoinedProcess, NOT_HOLDING, NOT_VISIBLE, NO_FIGURE, REUSED_SINCE_LISTED,
 };
 use crate::task::Heartbeat;
 
@@ -117,8 +118,8 @@ impl Driver {
                     match answer {
                         Ok((read, unjoined)) => {
                             reads += 1;
-                            let status = DriverStatus { state: State::Ok, reason: None, library, reads, mig: read.mig, pid_namespace: pid_namespace.clone(), unjoined };
-                            publish(&view, status, Some((read.processes, read.devices, started.unwrap_or_else(Instant::now))));
+                            let status = DriverStatus { state: State::Ok, reason: None, library, reads, mig: read.mig, pid_namespace: pid_namespace.clone(), unjoined, devices: read.devices };
+                            publish(&view, status, Some((read.processes, started.unwrap_or_else(Instant::now))));
                         }
                         Err(trouble) => publish(&view, DriverStatus { state: trouble.state, reason: Some(trouble.reason), library, reads, ..Default::default() }, None),
                     }
@@ -129,7 +130,7 @@ impl Driver {
 }
 
 /// Publishes a new view, logging once per change of state (or of reason while not `ok`).
-fn publish(view: &watch::Sender<Arc<DriverView>>, status: DriverStatus, read: Option<(BTreeMap<u32, super::DriverProcess>, Vec<DeviceMemory>, Instant)>) {
+fn publish(view: &watch::Sender<Arc<DriverView>>, status: DriverStatus, read: Option<(BTreeMap<u32, super::DriverProcess>, Instant)>) {
     let before = view.borrow().status.clone();
     if status.state == State::Ok {
         tell_what_is_not_joined(&before, &status);
@@ -143,11 +144,11 @@ fn publish(view: &watch::Sender<Arc<DriverView>>, status: DriverStatus, read: Op
             warn!(state = status.state.name(), reason, library, "driver view unavailable: the agent runs on the probes and the ledgers alone");
         }
     }
-    let (processes, devices, read_at) = match read {
-        Some((processes, devices, at)) => (processes, devices, Some(at)),
-        None => (Default::default(), Vec::new(), None),
+    let (processes, read_at) = match read {
+        Some((processes, at)) => (processes, Some(at)),
+        None => (Default::default(), None),
     };
-    view.send_replace(Arc::new(DriverView { status, processes, read_at, devices }));
+    view.send_replace(Arc::new(DriverView { status, processes, read_at }));
 }
 
 /// Logs, once per change, the GPUs in MIG mode and whether the agent's pid namespace lets it
@@ -233,12 +234,13 @@ struct Joiner {
     keys: BTreeMap<u32, Option<FileKey>>,
     /// The last save failed (said once until one succeeds).
     unsaved: bool,
+    gaps: Gaps,
 }
 
 impl Joiner {
     /// Joins `read` ([`split`]), loading the table first if not yet, and saving it after if
-    /// it changed.
-    fn join(&mut self, read: Read) -> (Read, Vec<UnjoinedProcess>) {
+    /// it changed; then finds what no row explains of each GPU's memory ([`Gaps`]).
+    fn join(&mut self, mut read: Read) -> (Read, Vec<UnjoinedProcess>) {
         let gpus: Vec<String> = read.devices.iter().map(|d| d.uuid.clone()).collect();
         if !self.loaded {
             self.loaded = true;
@@ -257,6 +259,8 @@ impl Joiner {
             let pattern = &self.join.device_file;
             self.keys.entry(device.minor).or_insert_with(|| holders::key_of(&holders::device_path(pattern, device.minor)));
         }
+        let listed: std::collections::BTreeSet<u32> = read.minors.keys().copied().collect();
+        self.gaps.update(&mut read.devices, &self.keys, &listed, std::process::id());
         let keys = &self.keys;
         // Without a GPU's device file to compare (the agent cannot see /dev), the proof is
         // not asked: the start time alone decides, as it did before.
@@ -286,7 +290,7 @@ impl Joiner {
 fn reader(candidates: Vec<PathBuf>, join: Join, read_seconds: Histogram, requests: std_mpsc::Receiver<oneshot::Sender<Answer>>) {
     let mut nvml: Option<Nvml> = None;
     let mut last_trouble: Option<(Trouble, Instant)> = None;
-    let mut joiner = Joiner { join, listed: Listed::new(), loaded: false, keys: BTreeMap::new(), unsaved: false };
+    let mut joiner = Joiner { join, listed: Listed::new(), loaded: false, keys: BTreeMap::new(), unsaved: false, gaps: Gaps::default() };
     while let Ok(reply) = requests.recv() {
         if nvml.is_none() {
             match &last_trouble {
