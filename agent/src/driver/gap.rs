@@ -31,8 +31,10 @@ use super::{
 /// Unexplained memory below this is reported but neither looked into nor charged (64 MiB,
 /// the reconcile's drift threshold).
 pub const TOLERANCE: u64 = 64 << 20;
-/// Time one scan of `/proc` for a GPU's holders may take.
-pub const SCAN_BUDGET: Duration = Duration::from_millis(50);
+/// Time one scan of `/proc` for a GPU's holders may take (a scan of 1,000 processes takes
+/// a few milliseconds, docs/BENCHMARKS.md). A scan cut short that found no holder keeps the
+/// holders the last complete one found while the gap lasts.
+pub const SCAN_BUDGET: Duration = Duration::from_millis(200);
 
 /// A process holding a GPU's device file that NVML does not list.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -68,6 +70,8 @@ pub struct Gaps {
     reserves: BTreeMap<u32, u64>,
     /// GPUs whose gap above the tolerance was logged, with the cgroup said then.
     said: BTreeMap<u32, Option<u64>>,
+    /// The last gap found above the tolerance on each GPU.
+    last: BTreeMap<u32, Gap>,
 }
 
 impl Gaps {
@@ -103,6 +107,11 @@ impl Gaps {
                         .filter(|(pid, _)| !listed.contains(pid))
                         .map(|(pid, _)| Holder { pid, cgroup_id: crate::cgroup::id_of_pid(pid).unwrap_or(0) })
                         .collect();
+                    if gap.incomplete && gap.holders.is_empty() {
+                        if let Some(last) = self.last.get(&device.index) {
+                            gap.holders = last.holders.clone();
+                        }
+                    }
                     let cgroups: BTreeSet<u64> = gap.holders.iter().map(|h| h.cgroup_id).collect();
                     gap.cgroup_id = match cgroups.into_iter().collect::<Vec<_>>()[..] {
                         [only] if only != 0 => Some(only),
@@ -111,8 +120,10 @@ impl Gaps {
                     if self.said.insert(device.index, gap.cgroup_id) != Some(gap.cgroup_id) {
                         warn!(gpu = device.index, unexplained, holders = ?gap.holders, cgroup_id = ?gap.cgroup_id, "driver view: GPU memory that no process NVML lists explains");
                     }
+                    self.last.insert(device.index, gap.clone());
                 } else {
                     self.said.remove(&device.index);
+                    self.last.remove(&device.index);
                 }
             }
             device.gap = gap;

@@ -75,8 +75,16 @@ fn memory_a_client_without_a_channel_holds_is_found_attributed_and_charged() -> 
     let started = Instant::now();
     let held = CONTEXT + 100 * MIB;
     let cgroup_id = cgroup.id.to_string();
-    let took = wait_for(Duration::from_secs(2), "the gap attributed to the container", || Ok(gap(&agent)? == Some((held, cgroup_id.clone())))).with_context(|| agent.log())?;
+    // Polled by `vramguard audit` (a pass per call, with the driver's latest read); then the
+    // metrics say the same.
+    let took = wait_for(Duration::from_secs(2), "the gap attributed to the container", || {
+        std::thread::sleep(Duration::from_millis(20));
+        let gpu = device(&agent.audit()?).unwrap_or_default();
+        Ok(gpu["gap"]["unexplained"].as_u64() == Some(held) && gpu["gap"]["cgroup_id"].as_u64() == Some(cgroup.id))
+    })
+    .with_context(|| agent.log())?;
     eprintln!("the gap appeared {took:?} after the client's allocation");
+    assert_eq!(gap(&agent)?, Some((held, cgroup_id.clone())));
     wait_for(Duration::from_secs(3).saturating_sub(started.elapsed()).max(Duration::from_secs(1)), "the gap charged to the container's ledger", || {
         Ok(e2e::ledgers::used(&ledger)? == own + held)
     })
