@@ -4,21 +4,23 @@
 //! `--fault` arguments of `vramguard run` (the operator's command line, never a tenant's
 //! input); with none given, every point below is a load of an empty list and does nothing.
 //!
-//! A fault is `KIND:WHERE`, or `delay:WHERE:MS`:
+//! A fault is `KIND:WHERE`, `panic:TASK:FILE` or `park:TASK:FILE` (armed once FILE exists), or
+//! `delay:WHERE:MS`:
 //!
 //! | kind | at | does |
 //! |---|---|---|
-//! | `panic` | a task's name | the task panics at its next turn ([`point`]) |
-//! | `park` | a task's name | the task stops coming round its loop, and ignores the stop ([`point`]) |
+//! | `panic` | a task's name | the task panics ([`armed`], which every supervised task is raced with) |
+//! | `park` | a task's name | the task is never polled again, and so ignores the stop ([`armed`]) |
 //! | `panic-file` | a file name | discovery panics while reading a file of that name ([`panics_on_file`]) |
 //! | `delay` | a step's name | the step sleeps that long first ([`delay`]) |
-use std::{sync::OnceLock, time::Duration};
+use std::{path::PathBuf, sync::OnceLock, time::Duration};
 
 /// One injected fault.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Fault {
-    Panic(String),
-    Park(String),
+    /// The task, once the file (if any) exists.
+    Panic(String, Option<PathBuf>),
+    Park(String, Option<PathBuf>),
     PanicOnFile(String),
     Delay(String, Duration),
 }
@@ -33,14 +35,14 @@ pub fn parse(text: &str) -> Result<Fault, String> {
         return Err(format!("{text:?}: expected KIND:WHERE (panic, park, panic-file) or delay:WHERE:MS"));
     }
     let fault = match (kind, parts.next()) {
-        ("panic", None) => Fault::Panic(at.into()),
-        ("park", None) => Fault::Park(at.into()),
+        ("panic", when) => Fault::Panic(at.into(), when.map(PathBuf::from)),
+        ("park", when) => Fault::Park(at.into(), when.map(PathBuf::from)),
         ("panic-file", None) => Fault::PanicOnFile(at.into()),
         ("delay", Some(ms)) => {
             let ms: u64 = ms.parse().map_err(|_| format!("{text:?}: {ms:?} is not a number of milliseconds"))?;
             Fault::Delay(at.into(), Duration::from_millis(ms))
         }
-        _ => return Err(format!("{text:?}: unknown fault (panic:TASK, park:TASK, panic-file:NAME, delay:STEP:MS)")),
+        _ => return Err(format!("{text:?}: unknown fault (panic:TASK[:FILE], park:TASK[:FILE], panic-file:NAME, delay:STEP:MS)")),
     };
     Ok(fault)
 }
@@ -57,32 +59,28 @@ fn faults() -> &'static [Fault] {
     FAULTS.get().map_or(&[], Vec::as_slice)
 }
 
-/// A task's turn: panics if `panic:TASK` names it; never returns if `park:TASK` does.
-pub async fn point(task: &str) {
-    for fault in faults() {
-        match fault {
-            Fault::Panic(name) if name == task => panic!("fault injected: the {task} task panics"),
-            Fault::Park(name) if name == task => {
-                tracing::warn!(task, "fault injected: the task is parked");
-                std::future::pending::<()>().await;
-            }
-            _ => {}
-        }
-    }
+/// What [`armed`] injects into a task.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Injected {
+    Panic,
+    Park,
 }
 
-/// [`point`] for a task's step that runs on a thread of its own (the blocking pool): a
-/// `park` blocks that thread for good.
-pub fn blocking_point(task: &str) {
-    for fault in faults() {
-        match fault {
-            Fault::Panic(name) if name == task => panic!("fault injected: the {task} task panics"),
-            Fault::Park(name) if name == task => loop {
-                std::thread::park();
-            },
-            _ => {}
+/// Resolves when a `panic` or `park` fault naming `task` is due (at once, or once its file
+/// exists, looked for every 20 ms); never, without one.
+pub async fn armed(task: &str) -> Injected {
+    let due = faults().iter().find_map(|fault| match fault {
+        Fault::Panic(name, when) if name == task => Some((Injected::Panic, when.clone())),
+        Fault::Park(name, when) if name == task => Some((Injected::Park, when.clone())),
+        _ => None,
+    });
+    let Some((injected, when)) = due else { return std::future::pending().await };
+    if let Some(file) = when {
+        while !file.exists() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
+    injected
 }
 
 /// Whether discovery is to panic while reading the file shown as `path`.
@@ -105,13 +103,12 @@ mod tests {
 
     #[test]
     fn parses_each_kind_and_refuses_the_rest() {
-        assert_eq!(parse("panic:kernel"), Ok(Fault::Panic("kernel".into())));
-        assert_eq!(parse("park:reconcile"), Ok(Fault::Park("reconcile".into())));
+        assert_eq!(parse("panic:kernel"), Ok(Fault::Panic("kernel".into(), None)));
+        assert_eq!(parse("park:reconcile:/run/go"), Ok(Fault::Park("reconcile".into(), Some("/run/go".into()))));
         assert_eq!(parse("panic-file:libcuda.so.1"), Ok(Fault::PanicOnFile("libcuda.so.1".into())));
         assert_eq!(parse("delay:create-container:3000"), Ok(Fault::Delay("create-container".into(), Duration::from_secs(3))));
         assert!(parse("panic").is_err());
         assert!(parse("explode:kernel").is_err());
         assert!(parse("delay:x:soon").is_err());
-        assert!(parse("panic:kernel:5").is_err());
     }
 }

@@ -53,6 +53,10 @@ enum Command {
 const RUNTIME_THREADS: usize = 2;
 /// The blocking pool's threads at most (the tasks' steps: scans, sweeps, passes, renders).
 const BLOCKING_THREADS: usize = 16;
+/// How long the runtime's shutdown waits for the blocking pool after the agent's stop.
+const SHUTDOWN_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
+/// How long the agent waits for its probes to be detached before it exits.
+const DETACH_WAIT: std::time::Duration = std::time::Duration::from_secs(20);
 
 fn main() -> Result<()> {
     // Before anything else: a worker confines itself first and logs nothing.
@@ -71,13 +75,22 @@ fn main() -> Result<()> {
         // Two runtime threads for the tasks (the nodes' agents get a CPU or two); tenant-sized
         // and blocking work goes to the blocking pool, bounded so that many slow tenants queue
         // there rather than grow the agent's threads.
-        Command::Run(args) => tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(RUNTIME_THREADS)
-            .max_blocking_threads(BLOCKING_THREADS)
-            .thread_name("vramguard")
-            .enable_all()
-            .build()?
-            .block_on(run::run(*args)),
+        Command::Run(args) => {
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(RUNTIME_THREADS)
+                .max_blocking_threads(BLOCKING_THREADS)
+                .thread_name("vramguard")
+                .enable_all()
+                .build()?;
+            let ran = runtime.block_on(run::run(*args));
+            // A step stuck on the blocking pool (a task's, aborted at the stop) is not waited for.
+            runtime.shutdown_timeout(SHUTDOWN_WAIT);
+            // The probes are: the kernel takes about 100 ms to detach each.
+            if !agent::kernel::task::wait_detached(DETACH_WAIT) {
+                tracing::warn!("the probes are not detached yet: they go with the agent's exit");
+            }
+            ran
+        }
         Command::Audit { json, socket } => {
             let snapshot = control::fetch(&socket)?;
             if json {

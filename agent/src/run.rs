@@ -1,48 +1,49 @@
-//! `vramguard run`: loads and attaches the eBPF programs, then wires the agent's tasks and
-//! waits for SIGTERM or SIGINT to stop them. Each task owns its state and lives in its room;
-//! this module only starts them and connects them with bounded channels and watches:
+//! `vramguard run`: loads the eBPF programs ([`kernel::load`]), then wires the agent's tasks
+//! and waits for SIGTERM or SIGINT, or for any task's end. Each task owns its state and lives
+//! in its room; this module only starts them under their names ([`Tasks`]) and connects them
+//! with bounded channels and watches:
 //!
 //! | task | owns | does | tenants can lengthen it |
 //! |---|---|---|---|
 //! | health ([`serve::health`]) | its listener | `/healthz`, `/readyz` from the tasks' heartbeats | no |
-//! | kernel ([`kernel::task`]) | accounting maps, exit ring, cgroup limits, programs' log | drains exits, sweeps records, pushes limits | no |
+//! | kernel ([`kernel::task`]) | the programs, accounting maps, exit ring, cgroup limits, programs' log | drains exits, sweeps records, pushes limits, attaches probes for discovery | no |
 //! | reclaim ([`ledgers::task`]) | the watched ledgers, the reclaimer | scans `--ledger-dir`, frees dead processes' slots | within per-ledger budgets |
 //! | reconcile ([`reconcile::task`]) | reconciler, charges, metrics registry | passes, charges, metrics page, audit snapshots | yes (bounded per ledger) |
 //! | driver ([`driver::task`]) | NVML, its reader thread | reads every device's processes once a second, within a budget | no |
-//! | discovery ([`discovery::task`]) | the loaded programs, discovery state | finds libcuda files, attaches probes | yes (bounded per file) |
-//! | NRI ([`provision::nri`]) | its connection | answers the runtime within [`NRI_DEADLINE`] | no |
-//! | control ([`serve::control`]) | the control socket | hands audits to reconcile | no |
+//! | discovery ([`discovery::task`]) | discovery state | finds libcuda files, asks the kernel task to probe them | yes (bounded per file) |
+//! | nri ([`provision::nri`]) | its connection | answers the runtime within [`NRI_DEADLINE`] | no |
+//! | publish ([`provision`]) | nothing | hands the provisioned containers' pins and limits on | no |
+//! | pod-cache, capacity ([`provision::kube`]) | their watch, their patch | `--kube`: the node's pods, its advertised capacity | no |
+//! | metrics ([`serve::http`]), control ([`serve::control`]) | their listeners | `/metrics`; audits handed to reconcile | no |
+//!
+//! No task ends while the agent runs: the first that does (returns, fails or panics) stops
+//! the agent, which exits non-zero naming it, so that the kubelet restarts it at once. The
+//! stop gives each task a deadline and aborts it past it (a stuck task cannot hold it): the
+//! reconcile task first (it frees the agent's charges), with the kernel task (its programs
+//! go with it: detaching takes the kernel about 100 ms a probe, on a thread of its own that
+//! the process waits for), then the others (the reclaim task frees whatever of the agent's
+//! slots is left).
 //!
 //! Blocking and tenant-sized work runs on tokio's blocking pool (bounded in `main`), the
 //! task's state moved there and back; the critical tasks (health, kernel, reclaim, NRI) never
-//! wait for a reconcile pass, a discovery scan or a metrics render. The metrics listener
-//! ([`serve::http`]) serves the page the reconcile task renders.
+//! wait for a reconcile pass, a discovery scan or a metrics render.
 use std::{collections::BTreeMap, net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
 use anyhow::{anyhow, bail, Context, Result};
-use aya::{programs::TracePoint, EbpfLoader};
 use tokio::{
-    io::unix::AsyncFd,
     signal::unix::{signal, SignalKind},
     sync::{mpsc, watch, Notify},
 };
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use crate::{
-    cgroup::CgroupNames,
     driver::{self, task::Driver, DriverView},
     discovery::{
         self,
         task::{Found, Scanner},
         Caps, Discovery,
     },
-    kernel::{
-        self,
-        accounting::Accounting,
-        enforce,
-        probes::{self, Attacher},
-        task::Kernel,
-    },
+    kernel::{self, enforce, probes::RemoteAttacher},
     ledgers::{self, charge::Charger, reclaim::Reclaimer, task::Reclaim, Ledgers, Limits},
     preflight,
     provision::{self, ProvisionArgs, Provisioner},
@@ -52,7 +53,7 @@ use crate::{
         Reconciler,
     },
     serve::{self, control, health::Health, metrics::Metrics, Publisher},
-    task::Liveness,
+    task::{Liveness, Tasks},
 };
 
 /// How long the runtime's NRI calls wait at most for the agent (the runtime's own limit is 2 s).
@@ -64,6 +65,16 @@ const KERNEL_REQUESTS: usize = 4;
 /// Exits waiting for the reclaim task (past it, an exit is dropped and its process found dead
 /// by the next sweep, within `--ledger-scan-ms`).
 const EXIT_QUEUE: usize = 4096;
+
+/// Discovery's attach requests waiting for the kernel task (discovery asks one at a time).
+const ATTACH_REQUESTS: usize = 1;
+
+/// How long the stop waits for the reconcile task (it frees the agent's charges), the other
+/// tasks (together) and the kernel task (its programs go with it) before aborting them: well
+/// within the kubelet's grace period (30 s by default), whatever state a task is in.
+const STOP_RECONCILE: Duration = Duration::from_millis(1500);
+const STOP_OTHERS: Duration = Duration::from_millis(1500);
+const STOP_KERNEL: Duration = Duration::from_secs(1);
 
 /// `vramguard audit` requests waiting for the reconcile task.
 const AUDIT_QUEUE: usize = 16;
@@ -230,6 +241,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
         );
     }
     crate::fault::arm(args.faults.clone());
+    // Every task goes here, under its name: the first to end ends the agent.
+    let mut tasks = Tasks::default();
     // Health first: it answers while the agent starts, and whatever it does after.
     let liveness = Liveness::new();
     let health = Health::new(liveness.clone());
@@ -240,7 +253,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
     let health_addr = match args.health_addr {
         Some(addr) => {
             let site = serve::http::Site::Health(health.clone());
-            let bound = serve::http::serve_site(addr, serve::http::LIMITS, site, health_connections.clone()).await?;
+            let (bound, serving) = serve::http::serve_site(addr, serve::http::LIMITS, site, health_connections.clone()).await?;
+            tasks.spawn_abortable("health", serving);
             info!(health_addr = %bound, "serving /healthz and /readyz");
             Some(bound)
         }
@@ -251,101 +265,30 @@ pub async fn run(args: RunArgs) -> Result<()> {
     if args.enforce == enforce::Mode::Signal {
         preflight::allow_signal_enforcement(&layout, args.cgroup2_separates_containers)?;
     }
-    let records_cap = u64::from(args.max_alloc_records_per_cgroup);
-    let (rmdir_root, rmdir_id) = match &platform.rmdir_offsets {
-        Ok(offsets) => (offsets.root, offsets.id),
-        Err(_) => (0, 0),
+    let settings = kernel::load::Settings {
+        max_alloc_records: args.max_alloc_records,
+        records_per_cgroup: u64::from(args.max_alloc_records_per_cgroup),
+        spares_per_process: args.max_spare_records_per_process,
+        enforce: args.enforce,
+        signal: args.signal,
+        limits: args.limits.clone(),
+        ledger_limits: args.ledger_dir.is_some(),
     };
-    let mut ebpf = EbpfLoader::new()
-        .override_global(common::names::GROUP_DEAD_OFFSET, &platform.group_dead_offset, true)
-        .override_global(common::names::MAX_RECORDS_PER_CGROUP, &records_cap, true)
-        .override_global(common::names::MAX_SPARES_PER_PROCESS, &args.max_spare_records_per_process, true)
-        .override_global(common::names::RMDIR_ROOT_OFFSET, &rmdir_root, true)
-        .override_global(common::names::RMDIR_ID_OFFSET, &rmdir_id, true)
-        .map_max_entries(common::names::ALLOCS, args.max_alloc_records)
-        .load(EBPF_OBJECT)
-        .context("the kernel refused the eBPF object")?;
-    // Before any program runs, so that no line is lost.
-    let kernel_log = kernel::log::init(&mut ebpf)?;
-    let exit: &mut TracePoint = ebpf
-        .program_mut(common::names::PROCESS_EXIT)
-        .ok_or_else(|| anyhow!("the embedded eBPF object has no `process_exit` program"))?
-        .try_into()?;
-    exit.load().context("the kernel refused the process-exit program")?;
-    exit.attach("sched", "sched_process_exit")
-        .context("cannot attach to the sched:sched_process_exit tracepoint")?;
-    let ext_exit: &mut TracePoint = ebpf
-        .program_mut(common::extmem::names::EXIT)
-        .ok_or_else(|| anyhow!("the embedded eBPF object has no `{}` program", common::extmem::names::EXIT))?
-        .try_into()?;
-    ext_exit.load().context("the kernel refused the external-memory exit program")?;
-    ext_exit
-        .attach("sched", "sched_process_exit")
-        .context("cannot attach the external-memory exit program to sched:sched_process_exit")?;
-    match &platform.rmdir_offsets {
-        Ok(_) => {
-            let rmdir: &mut TracePoint = ebpf
-                .program_mut(common::names::CGROUP_RMDIR)
-                .ok_or_else(|| anyhow!("the embedded eBPF object has no `cgroup_rmdir` program"))?
-                .try_into()?;
-            rmdir.load().context("the kernel refused the cgroup-removal program")?;
-            rmdir
-                .attach("cgroup", "cgroup_rmdir")
-                .context("cannot attach to the cgroup:cgroup_rmdir tracepoint")?;
-        }
-        Err(reason) => warn!(
-            %reason,
-            "no cgroup:cgroup_rmdir tracepoint: removed cgroups' map entries are deleted by the sweep (--sweep-ms) only"
-        ),
-    }
-    probes::load_programs(&mut ebpf)?;
-    match (enforce::deny_support(&mut ebpf), args.enforce) {
-        (Ok(()), _) => info!("deny mode: this kernel lets uprobes write registers, but this build does not implement deny yet"),
-        (Err(reason), enforce::Mode::Deny) => bail!("--enforce deny is unavailable: {reason}; use --enforce signal or audit"),
-        (Err(reason), _) => info!("deny mode unavailable: {reason}"),
-    }
-    if args.enforce == enforce::Mode::Deny {
-        bail!("--enforce deny is not implemented by this build; use --enforce signal or audit");
-    }
-    if args.enforce != enforce::Mode::Audit && args.limits.is_none() && args.ledger_dir.is_none() {
-        bail!("--enforce {} needs limits: --limits FILE and/or --ledger-dir DIR", args.enforce.name());
-    }
-    let mut limits = if args.limits.is_some() || args.ledger_dir.is_some() {
-        Some(enforce::Limits::new(&mut ebpf, args.limits.as_deref(), args.enforce, args.signal)?)
-    } else {
-        None
-    };
-    let mut cgroups = CgroupNames::new();
-    if let Some(limits) = limits.as_mut() {
-        limits.refresh(&mut cgroups);
-        info!(mode = ?args.enforce, cgroups = limits.applied(), "cgroup limits pushed to the probes");
-    }
-    let (accounting, exits_ring) = Accounting::new(&mut ebpf, records_cap)?;
-    // Exits wake the kernel task (allocations and frees emit no events: the maps say them).
-    // SAFETY: the ring buffer owns its map fd, which stays open and unchanged until the
-    // AsyncFd (which owns the ring buffer) is dropped.
-    let exits_ring = unsafe { AsyncFd::register_with_interest(exits_ring, tokio::io::Interest::READABLE) }
-        .map_err(|error| anyhow!("cannot poll the exit ring buffer: {error}"))?;
-    info!(
-        max_alloc_records = args.max_alloc_records,
-        max_alloc_records_per_cgroup = records_cap,
-        max_spare_records_per_process = args.max_spare_records_per_process,
-        "allocation records: node-wide and per-cgroup caps, spares a process may keep"
-    );
+    let mut kernel = kernel::load::load(&settings, &platform, EBPF_OBJECT)?;
 
     let mut discovery = Discovery::new(Caps { per_container: args.max_probed_per_container, per_node: args.max_probed_files });
     for path in &args.libcuda {
-        discovery.add_operator_file(path, &mut Attacher(&mut ebpf))?;
+        discovery.add_operator_file(path, &mut kernel.attacher())?;
     }
     if !args.no_discover {
-        discovery.add_well_known(&mut Attacher(&mut ebpf));
+        discovery.add_well_known(&mut kernel.attacher());
         // The first scan, on the blocking pool (health answers meanwhile): the agent starts
         // with what the running processes map already probed.
         let scanned = tokio::task::spawn_blocking(move || {
-            discovery.scan(&mut Attacher(&mut ebpf));
-            (discovery, ebpf)
+            discovery.scan(&mut kernel.attacher());
+            (discovery, kernel)
         });
-        (discovery, ebpf) = scanned.await.context("the first discovery scan failed")?;
+        (discovery, kernel) = scanned.await.context("the first discovery scan failed")?;
     }
     if discovery.probed().next().is_none() {
         bail!(
@@ -371,7 +314,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
         )?;
     }
     let mut ledgers = args.ledger_dir.clone().map(|dir| Ledgers::with_limits(dir, ledger_limits));
-    let (provisioner, _capacity) = provisioner(&args).await?.unzip();
+    let (provisioner, capacity) = provisioner(&args).await?.unzip();
+    let mut capacity = capacity.flatten();
     let metrics = Metrics::new(args.hami_metrics)?;
     let mut judge = Judge {
         reconciler: Reconciler::new(reconcile::Config {
@@ -386,9 +330,13 @@ pub async fn run(args: RunArgs) -> Result<()> {
     };
 
     // The wiring: every task owns its state; these are all they share.
+    // The reconcile task is told to stop first (it frees the agent's charges), with the kernel
+    // task (detaching the probes takes the kernel seconds: it starts at once); the others after.
+    let (stop_first_tx, stop_first) = watch::channel(false);
     let (stop_tx, stop) = watch::channel(false);
     let changed = Arc::new(Notify::new());
     let (kernel_tx, kernel_rx) = mpsc::channel(KERNEL_REQUESTS);
+    let (attach_tx, attach_rx) = mpsc::channel(ATTACH_REQUESTS);
     let (exits_tx, exits_rx) = mpsc::channel(EXIT_QUEUE);
     let (ledger_limits_tx, ledger_limits_rx) = watch::channel(BTreeMap::new());
     let (escaped_tx, escaped_rx) = watch::channel(Arc::new(BTreeMap::new()));
@@ -404,19 +352,25 @@ pub async fn run(args: RunArgs) -> Result<()> {
             if let Some(ledgers) = ledgers.as_mut() {
                 ledgers.set_pins(provisioner.pins());
             }
-            if let Some(limits) = limits.as_mut() {
+            if let Some(limits) = kernel.limits.as_mut() {
                 limits.set_provisioned(provisioner.cgroup_limits());
             }
-            tokio::spawn(provisioner.clone().publish(pins_tx, limits_tx));
+            tasks.spawn_abortable("publish", provisioner.clone().publish(pins_tx, limits_tx));
             (pins, provisioned_limits) = (Some(pins_rx), Some(limits_rx));
             let (connected_tx, connected) = watch::channel(false);
-            spawn_nri(&args.provision, provisioner.clone(), connected_tx);
+            tasks.spawn_abortable("nri", provision::nri::run(nri_config(&args.provision), provisioner.clone(), connected_tx));
+            if let Some(alive) = provisioner.kube_pods().and_then(provision::kube::PodCache::take_alive) {
+                tasks.spawn_abortable("pod-cache", alive.ended());
+            }
             Some(Provisioning { provisioner: provisioner.clone(), connected })
         }
         None => None,
     };
+    if let Some(alive) = capacity.as_mut().and_then(provision::kube::Capacity::take_alive) {
+        tasks.spawn_abortable("capacity", alive.ended());
+    }
 
-    let reclaim = ledgers.map(|ledgers| {
+    let ledgers_rx = ledgers.map(|ledgers| {
         let (published_tx, published_rx) = watch::channel(Arc::new(ledgers.clone()));
         let wiring = ledgers::task::Wiring {
             exits: exits_rx,
@@ -429,9 +383,9 @@ pub async fn run(args: RunArgs) -> Result<()> {
             stop: stop.clone(),
         };
         let task = Reclaim { ledgers, reclaimer: Reclaimer::new(true) };
-        (tokio::spawn(task.run(Duration::from_millis(args.ledger_scan_ms), wiring)), published_rx)
+        tasks.spawn("reclaim", task.run(Duration::from_millis(args.ledger_scan_ms), wiring));
+        published_rx
     });
-    let (reclaim, ledgers_rx) = reclaim.unzip();
 
     // The metrics listener serves the pages the reconcile task renders (the first one before
     // it listens) and rings `render_wanted` when a scrape finds the page older than the last
@@ -443,39 +397,44 @@ pub async fn run(args: RunArgs) -> Result<()> {
             judge.metrics.register(health_connections.collector())?;
             let first = judge.render(None, &found_rx.borrow(), provisioning.as_ref());
             let render_wanted = Arc::new(Notify::new());
-            let (publisher, board) = Publisher::new(first, render_wanted.clone());
-            let bound = serve::http::serve(addr, serve::http::LIMITS, board, connections).await?;
+            let (publisher, mut board) = Publisher::new(first, render_wanted.clone());
+            board.liveness = Some(liveness.clone());
+            let (bound, serving) = serve::http::serve(addr, serve::http::LIMITS, board, connections).await?;
+            tasks.spawn_abortable("metrics", serving);
             info!(metrics_addr = %bound, limits = ?serve::http::LIMITS, "serving /metrics, /healthz and /readyz");
             (Some(bound), Some((publisher, render_wanted)))
         }
         None => (None, None),
     };
-    let kernel = Kernel { accounting, exits: exits_ring, log: kernel_log, limits, cgroups };
     let kernel_wiring = kernel::task::Wiring {
         requests: kernel_rx,
+        attach: attach_rx,
         ledger_limits: ledger_limits_rx,
         escaped: escaped_rx,
         provisioned: provisioned_limits,
         exits: exits_tx,
         changed: changed.clone(),
         heartbeat: liveness.register("kernel", KERNEL_ALLOWED),
-        stop: stop.clone(),
+        stop: stop_first.clone(),
     };
     let every = kernel::task::Every {
         drain: Duration::from_millis(args.drain_ms),
         sweep: Duration::from_millis(args.sweep_ms),
         limits: Duration::from_millis(args.rescan_ms),
     };
-    let mut kernel = tokio::spawn(kernel.run(every, kernel_wiring));
+    tasks.spawn("kernel", kernel.run(every, kernel_wiring));
     let probed_files = discovery.probed().count();
-    let scanner = Scanner { discovery, ebpf };
-    let discovery = tokio::spawn(scanner.run(
-        Duration::from_millis(args.rescan_ms),
-        !args.no_discover,
-        found_tx,
-        liveness.register("discovery", TENANT_WORK_ALLOWED),
-        stop.clone(),
-    ));
+    let scanner = Scanner { discovery, attacher: RemoteAttacher(attach_tx) };
+    tasks.spawn(
+        "discovery",
+        scanner.run(
+            Duration::from_millis(args.rescan_ms),
+            !args.no_discover,
+            found_tx,
+            liveness.register("discovery", TENANT_WORK_ALLOWED),
+            stop.clone(),
+        ),
+    );
     let read_seconds = driver::task::read_seconds()?;
     judge.metrics.register(Box::new(read_seconds.clone()))?;
     let driver_task = Driver {
@@ -484,7 +443,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         device_file: args.gpu_device_file.clone(),
         state_dir: Some(args.provision.state_dir.clone()),
     };
-    let driver_task = tokio::spawn(driver_task.run(driver_tx, liveness.register("driver", DRIVER_ALLOWED), stop.clone()));
+    tasks.spawn_unit("driver", driver_task.run(driver_tx, liveness.register("driver", DRIVER_ALLOWED), stop.clone()));
     let judge_wiring = reconcile::task::Wiring {
         kernel: kernel_tx,
         ledgers: ledgers_rx,
@@ -499,47 +458,45 @@ pub async fn run(args: RunArgs) -> Result<()> {
         metrics_addr,
         health_addr,
         heartbeat: liveness.register("reconcile", TENANT_WORK_ALLOWED),
-        stop: stop.clone(),
+        stop: stop_first,
     };
-    let judge = tokio::spawn(judge.run(judge_wiring));
+    tasks.spawn("reconcile", judge.run(judge_wiring));
     let listener = control::bind(&args.socket)?;
-    let control = tokio::spawn(control::listen(listener, audits_tx));
+    tasks.spawn_abortable("control", control::listen(listener, audits_tx));
     let _ = health.ready.set(Box::new(move || not_ready(&found_rx.borrow(), provisioning.as_ref())));
-    info!(socket = %args.socket.display(), files = probed_files, cgroups = ?layout, "vramguard agent running");
+    info!(socket = %args.socket.display(), files = probed_files, cgroups = ?layout, tasks = ?tasks.names(), "vramguard agent running");
 
     let mut sigterm = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
     let mut sigint = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
-    // Until a signal, or the kernel task's end (it ends only on an error: without it no exit
-    // is seen and no limit pushed, so the agent stops, saying why, and is restarted).
-    let (signal, ended) = tokio::select! {
-        _ = sigterm.recv() => ("SIGTERM", None),
-        _ = sigint.recv() => ("SIGINT", None),
-        ended = &mut kernel => ("the kernel task's end", Some(ended)),
+    // Until a signal, or the end of any task: none ends by itself while the agent runs, so
+    // an end (a return, an error, a panic) stops the agent, saying which task and why, and
+    // the kubelet restarts it at once.
+    let ended = tokio::select! {
+        _ = sigterm.recv() => None,
+        _ = sigint.recv() => None,
+        ended = tasks.first_end() => Some(ended),
     };
-    info!(signal, "stopping: detaching probes");
-    // The reconcile task frees the agent's charges while the ledgers are still open; then the
-    // others stop, the programs (held by discovery) last: dropping them detaches every probe.
+    match &ended {
+        None => info!("stopping: SIGTERM or SIGINT"),
+        Some(ended) => error!(task = ended.task, "stopping: {ended}"),
+    }
+    // The stop: the reconcile task frees the agent's charges while the ledgers are still
+    // open, as the kernel task starts detaching the probes; then the others stop (the reclaim
+    // task frees whatever of the agent's slots is left); then the kernel task's end is
+    // awaited. Each is given a deadline and aborted past it, so a stuck task cannot hold the
+    // stop.
+    let _ = stop_first_tx.send(true);
+    let mut late = Vec::new();
+    late.extend(tasks.stop("reconcile", STOP_RECONCILE).await);
     let _ = stop_tx.send(true);
-    control.abort();
-    driver_task.abort();
-    let _ = judge.await;
-    if let Some(reclaim) = reclaim {
-        let _ = reclaim.await;
+    late.extend(tasks.stop_all_but("kernel", STOP_OTHERS).await);
+    late.extend(tasks.stop("kernel", STOP_KERNEL).await);
+    for stopped in late.iter().filter(|e| e.failure.is_some()) {
+        warn!(task = stopped.task, "while stopping: {stopped}");
     }
-    let failed = match ended {
-        Some(ended) => Some(ended),
-        None => Some(kernel.await),
-    }
-    .and_then(|ended| match ended {
-        Ok(Ok(())) => None,
-        Ok(Err(error)) => Some(format!("{error:#}")),
-        Err(error) => Some(error.to_string()),
-    });
-    let ebpf = discovery.await.ok().flatten();
     let _ = std::fs::remove_file(&args.socket);
-    drop(ebpf); // dropping the programs detaches every uprobe and the tracepoints
-    if let Some(error) = failed {
-        bail!("the kernel task failed: {error}");
+    if let Some(ended) = ended {
+        bail!("{ended}: the agent stopped (its probes detached, its charges released)");
     }
     info!("vramguard agent stopped");
     Ok(())
@@ -583,13 +540,12 @@ async fn provisioner(args: &RunArgs) -> Result<Option<(Arc<Provisioner>, Option<
     Ok(Some((Arc::new(provisioner), capacity)))
 }
 
-/// Starts the NRI plugin (it reconnects by itself for as long as the agent runs).
-fn spawn_nri(args: &ProvisionArgs, provisioner: Arc<Provisioner>, connected: tokio::sync::watch::Sender<bool>) {
-    let config = provision::nri::Config {
+/// The NRI plugin's settings (it reconnects by itself for as long as the agent runs).
+fn nri_config(args: &ProvisionArgs) -> provision::nri::Config {
+    provision::nri::Config {
         socket: args.nri_socket.clone(),
         name: "vramguard".into(),
         index: "10".into(),
         handler_deadline: NRI_DEADLINE,
-    };
-    tokio::spawn(provision::nri::run(config, provisioner, connected));
+    }
 }

@@ -176,6 +176,10 @@ pub struct DiscoveryStats {
     /// Processes whose `/proc/<pid>/maps` went over the agent's bounds (each reported once).
     #[serde(default)]
     pub maps_over_bound: u64,
+    /// Files and processes' maps whose reading panicked (a bug the tenant's bytes found):
+    /// each skipped, remembered like a failed file, and counted.
+    #[serde(default)]
+    pub panicked: u64,
     /// The most recent files skipped for a reason worth telling (failures, caps, files named
     /// like a libcuda that are not one), newest last.
     pub skipped: Vec<SkippedFile>,
@@ -205,6 +209,8 @@ pub struct Discovery {
     seen: HashMap<u32, (Instant, bool, bool)>,
     /// Processes reported for maps over their bound.
     maps_over_bound: u64,
+    /// Reads that panicked ([`DiscoveryStats::panicked`]).
+    panicked: u64,
     scans: u64,
     /// Files whose exports were read (for tests of the memo).
     examined: u64,
@@ -221,6 +227,7 @@ impl Discovery {
             skipped: VecDeque::new(),
             seen: HashMap::new(),
             maps_over_bound: 0,
+            panicked: 0,
             scans: 0,
             examined: 0,
         }
@@ -238,6 +245,7 @@ impl Discovery {
             capped: self.memo.count(|v| *v == Verdict::Capped) as u64,
             capped_containers: self.capped_logged.iter().filter(|c| c.is_some()).count() as u64,
             maps_over_bound: self.maps_over_bound,
+            panicked: self.panicked,
             skipped: self.skipped.iter().cloned().collect(),
         }
     }
@@ -299,9 +307,23 @@ impl Discovery {
             let young = now.saturating_duration_since(first) < YOUNG;
             let mut has = mapped;
             if (full || (young && !mapped)) && !over {
-                let (libcuda, bounded) = self.scan_process(pid, &mut looked, &mut budget, prober);
-                has |= libcuda;
-                over = bounded;
+                let scanned = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    self.scan_process(pid, &mut looked, &mut budget, prober)
+                }));
+                match scanned {
+                    Ok((libcuda, bounded)) => {
+                        has |= libcuda;
+                        over = bounded;
+                    }
+                    Err(panic) => {
+                        // Not read again while it runs, like a process over its bounds.
+                        self.panicked += 1;
+                        let reason = format!("reading its maps panicked: {}", crate::task::panic_message(&*panic));
+                        warn!(pid, %reason, "skipped a process");
+                        self.note_skipped(&format!("/proc/{pid}/maps"), (0, 0), Origin::Process { pid, cgroup: 0 }, reason);
+                        over = true;
+                    }
+                }
             }
             seen.insert(pid, (first, has, over));
         }
@@ -457,7 +479,20 @@ impl Discovery {
 
     fn examine(&mut self, opened: &Opened, origin: Origin, prober: &mut dyn Prober) -> Outcome {
         self.examined += 1;
-        let offsets = match identify(&opened.file, opened.stamp.size) {
+        let identified = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            if crate::fault::panics_on_file(&opened.shown) {
+                panic!("fault injected: discovery panics on {}", opened.shown);
+            }
+            identify(&opened.file, opened.stamp.size)
+        }));
+        let identified = match identified {
+            Ok(identified) => identified,
+            Err(panic) => {
+                self.panicked += 1;
+                return Outcome::Failed(format!("reading it panicked: {}", crate::task::panic_message(&*panic)));
+            }
+        };
+        let offsets = match identified {
             Err(error) => return Outcome::Failed(error.to_string()),
             Ok(Identity::NotLibcuda(missing)) => return Outcome::NotLibcuda(missing),
             Ok(Identity::Libcuda(offsets)) => offsets,

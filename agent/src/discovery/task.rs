@@ -1,20 +1,20 @@
-//! The discovery task: owns the loaded eBPF programs (the uprobes go on what it finds) and the
-//! [`Discovery`] state, scans the processes' maps every `--rescan-ms` on the blocking pool
-//! (files and `/proc` entries are the tenants' to make expensive: nothing else waits on a
-//! scan), and publishes what is probed. When it stops, it hands the programs back so that the
-//! agent detaches them last.
+//! The discovery task: owns the [`Discovery`] state, scans the processes' maps every
+//! `--rescan-ms` on the blocking pool (files and `/proc` entries are the tenants' to make
+//! expensive: nothing else waits on a scan), asks the kernel task, which owns the programs,
+//! to probe each libcuda it identifies ([`RemoteAttacher`]), and publishes what is probed. A
+//! panic while reading one tenant's file or maps skips that file or process
+//! ([`Discovery::scan`]); any other end of a scan step ends the task, and the agent with it.
 use std::{sync::Arc, time::Duration};
 
-use aya::Ebpf;
+use anyhow::{anyhow, Result};
 use tokio::{
     sync::watch,
     time::{interval, MissedTickBehavior},
 };
-use tracing::warn;
 
 use super::{Discovery, DiscoveryStats};
 use crate::{
-    kernel::probes::{AttachReport, Attacher},
+    kernel::probes::{AttachReport, RemoteAttacher},
     task::Heartbeat,
 };
 
@@ -34,12 +34,11 @@ impl Found {
 /// The task's state.
 pub struct Scanner {
     pub discovery: Discovery,
-    pub ebpf: Ebpf,
+    pub attacher: RemoteAttacher,
 }
 
 impl Scanner {
-    /// Scans every `every` (never with `scan` false: `--no-discover`) until `stop` turns true;
-    /// returns the programs.
+    /// Scans every `every` (never with `scan` false: `--no-discover`) until `stop` turns true.
     pub async fn run(
         mut self,
         every: Duration,
@@ -47,31 +46,24 @@ impl Scanner {
         published: watch::Sender<Arc<Found>>,
         heartbeat: Heartbeat,
         mut stop: watch::Receiver<bool>,
-    ) -> Option<Ebpf> {
+    ) -> Result<()> {
         let mut timer = interval(every);
         timer.set_missed_tick_behavior(MissedTickBehavior::Delay);
         loop {
             heartbeat.beat();
             tokio::select! {
-                _ = stop.changed() => return Some(self.ebpf),
+                _ = stop.changed() => return Ok(()),
                 _ = timer.tick(), if scan => {}
             }
             let beat = heartbeat.clone();
             let work = tokio::task::spawn_blocking(move || {
                 let mut state = self;
-                state.discovery.scan(&mut Attacher(&mut state.ebpf));
+                state.discovery.scan(&mut state.attacher);
                 beat.beat();
                 state
             });
-            self = match work.await {
-                Ok(state) => state,
-                Err(error) => {
-                    // The programs went with the step: nothing is probed from now on, which the
-                    // heartbeat (silent from now on) and the log say.
-                    warn!(%error, "a discovery scan failed: no more files are probed");
-                    return None;
-                }
-            };
+            // The probes are the kernel task's: a failed step loses only discovery's state.
+            self = work.await.map_err(|error| anyhow!("a discovery scan failed: {error}"))?;
             published.send_replace(Arc::new(Found::of(&self.discovery)));
         }
     }

@@ -10,6 +10,7 @@ pub mod accounting;
 pub mod cgroups;
 pub mod enforce;
 pub mod extmem;
+pub mod load;
 pub mod log;
 pub mod probes;
 pub mod trouble;

@@ -113,8 +113,54 @@ pub fn load_programs(ebpf: &mut Ebpf) -> Result<()> {
     Ok(())
 }
 
-/// Attaches the programs to files [`crate::discovery`] opened and identified.
-pub struct Attacher<'a>(pub &'a mut Ebpf);
+/// Attaches the programs to files [`crate::discovery`] opened and identified, noting each
+/// probe's link (for [`detach_all`]).
+pub struct Attacher<'a> {
+    pub ebpf: &'a mut Ebpf,
+    pub links: &'a mut Vec<(&'static str, UProbeLinkId)>,
+}
+
+/// Detaches every probe in `links`. Each detach waits for the kernel's unregistration of the
+/// perf event (its tracepoint synchronisation: about 100 ms on 6.18, serialised by the
+/// kernel's event mutex, so detaching in parallel gains nothing): a libcuda's 28 probes take
+/// about 2.7 s, at the stop or at the process's exit alike.
+pub fn detach_all(ebpf: &mut Ebpf, links: Vec<(&'static str, UProbeLinkId)>) {
+    for (program, link) in links {
+        if let Ok(program) = uprobe(ebpf, program) {
+            let _ = program.detach(link);
+        }
+    }
+}
+
+/// Discovery's request to the kernel task (which owns the programs) to probe a file.
+pub struct AttachRequest {
+    /// A descriptor of discovery's own for the identified file.
+    pub file: Opened,
+    pub offsets: BTreeMap<&'static str, u64>,
+    pub reply: std::sync::mpsc::SyncSender<Result<AttachReport>>,
+}
+
+/// How long discovery waits for the kernel task to attach to one file (it answers at its
+/// next turn: within a drain, unless it is stuck, which its heartbeat says).
+const ATTACH_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Discovery's [`Prober`] while the agent runs: each attach is asked of the kernel task, and
+/// waited for on discovery's own (blocking) thread.
+pub struct RemoteAttacher(pub tokio::sync::mpsc::Sender<AttachRequest>);
+
+impl Prober for RemoteAttacher {
+    fn attach(&mut self, file: &Opened, offsets: &BTreeMap<&'static str, u64>) -> Result<AttachReport> {
+        let own = file.file.try_clone().context("cannot duplicate the file's descriptor")?;
+        let file = Opened { file: own, id: file.id, stamp: file.stamp, shown: file.shown.clone() };
+        let (reply, answer) = std::sync::mpsc::sync_channel(1);
+        self.0
+            .blocking_send(AttachRequest { file, offsets: offsets.clone(), reply })
+            .map_err(|_| anyhow!("the kernel task, which attaches probes, is gone"))?;
+        answer
+            .recv_timeout(ATTACH_WAIT)
+            .map_err(|_| anyhow!("the kernel task did not attach within {ATTACH_WAIT:?}"))?
+    }
+}
 
 impl Prober for Attacher<'_> {
     /// Attaches every probe whose symbol the file exports, by file offset, through
@@ -126,7 +172,7 @@ impl Prober for Attacher<'_> {
     fn attach(&mut self, file: &Opened, offsets: &BTreeMap<&'static str, u64>) -> Result<AttachReport> {
         let target = PathBuf::from(format!("/proc/self/fd/{}", file.file.as_raw_fd()));
         let mut links: Vec<(&'static str, UProbeLinkId)> = Vec::new();
-        let result = attach_all(self.0, &target, offsets, &mut links).and_then(|mut report| {
+        let result = attach_all(self.ebpf, &target, offsets, &mut links).and_then(|mut report| {
             let metadata = std::fs::metadata(&target).with_context(|| format!("cannot stat {} after attaching", target.display()))?;
             if (metadata.dev(), metadata.ino()) != file.id {
                 bail!(
@@ -141,11 +187,9 @@ impl Prober for Attacher<'_> {
             Ok(report)
         });
         if result.is_err() {
-            for (program, link) in links {
-                if let Ok(program) = uprobe(self.0, program) {
-                    let _ = program.detach(link);
-                }
-            }
+            detach_all(self.ebpf, links);
+        } else {
+            self.links.extend(links);
         }
         result
     }

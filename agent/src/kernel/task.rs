@@ -1,5 +1,7 @@
-//! The kernel task: owns the maps the agent reads and writes while it runs (the accounting
-//! maps and their exit ring buffer, the cgroup limits, the programs' log) and does only work
+//! The kernel task: owns the loaded eBPF programs (loaded by [`super::load`]; they go, and
+//! every probe with them, when the task ends, however it ends) and the maps the agent reads
+//! and writes while it runs (the accounting maps and their exit ring buffer, the cgroup
+//! limits, the programs' log), and does only work
 //! whose size no tenant sets: map sizes are capped at load time, the limits file and the cgroup
 //! tree are the operator's. It never touches a ledger, a tenant's file or a worker, so the
 //! limits pushed to the probes and the exits handed to reclaim never wait on tenant work.
@@ -8,22 +10,39 @@
 //! `--drain-ms`), sweeping the allocation records of dead processes after exits; sweep every
 //! record and removed cgroups' entries (`--sweep-ms`); push the cgroup limits (every
 //! `--rescan-ms`, and at once when the provisioned containers change); answer a request for
-//! the current view (a [`KernelView`], for reconcile passes and `vramguard audit`); forward
-//! the programs' log lines.
-use std::{collections::BTreeMap, sync::Arc, time::Duration};
+//! the current view (a [`KernelView`], for reconcile passes and `vramguard audit`); attach
+//! the probes to a libcuda file discovery identified (an [`AttachRequest`]: discovery reads
+//! the tenants' files, so a panic there never takes the programs with it); forward the
+//! programs' log lines.
+use std::{
+    collections::BTreeMap,
+    mem::ManuallyDrop,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
 
 use anyhow::{Context, Result};
-use aya::maps::{MapData, RingBuf};
+use aya::{
+    maps::{MapData, RingBuf},
+    programs::uprobe::UProbeLinkId,
+    Ebpf,
+};
 use tokio::{
     io::unix::AsyncFd,
     sync::{mpsc, oneshot, watch},
     time::{interval, MissedTickBehavior},
 };
-use tracing::warn;
+use tracing::{info, warn};
 
-use super::{accounting::Accounting, enforce, log::Logger};
+use super::{
+    accounting::Accounting,
+    enforce,
+    log::Logger,
+    probes::{AttachRequest, Attacher},
+};
 use crate::{
     cgroup::CgroupNames,
+    discovery::Prober,
     task::{changed, Heartbeat},
     reconcile::{EbpfProcess, EscapedByCgroup},
     snapshot::Snapshot,
@@ -39,6 +58,8 @@ pub struct KernelView {
 pub struct Wiring {
     /// Asks for a [`KernelView`] (drained just before it is taken).
     pub requests: mpsc::Receiver<oneshot::Sender<KernelView>>,
+    /// Discovery's requests to probe a libcuda file.
+    pub attach: mpsc::Receiver<AttachRequest>,
     /// The limits the ledgers' containers are held to (cgroup id -> bytes), from reconcile.
     pub ledger_limits: watch::Receiver<BTreeMap<u64, u64>>,
     /// The processes of each cgroup holding memory the probes do not see, and those bytes,
@@ -65,6 +86,8 @@ pub struct Every {
 
 /// The task's state.
 pub struct Kernel {
+    /// The loaded programs (their maps taken out into the fields below).
+    pub programs: Programs,
     pub accounting: Accounting,
     pub exits: AsyncFd<RingBuf<MapData>>,
     pub log: Logger,
@@ -72,8 +95,67 @@ pub struct Kernel {
     pub cgroups: CgroupNames,
 }
 
+/// The loaded programs: dropping them (at the task's end, however it ends: a return, a panic
+/// or an abort) starts detaching every probe and tracepoint on a thread of its own (the
+/// kernel takes about 100 ms a probe), which [`wait_detached`] waits for before the agent
+/// exits.
+pub struct Programs {
+    ebpf: ManuallyDrop<Ebpf>,
+    /// Every probe attached.
+    links: Vec<(&'static str, UProbeLinkId)>,
+}
+
+/// The threads detaching dropped programs.
+static DETACHING: Mutex<Vec<std::thread::JoinHandle<()>>> = Mutex::new(Vec::new());
+
+impl Programs {
+    pub fn new(ebpf: Ebpf) -> Programs {
+        Programs { ebpf: ManuallyDrop::new(ebpf), links: Vec::new() }
+    }
+}
+
+impl Drop for Programs {
+    fn drop(&mut self) {
+        // SAFETY: the programs are taken once, here, and the field is never used again.
+        let mut ebpf = unsafe { ManuallyDrop::take(&mut self.ebpf) };
+        let links = std::mem::take(&mut self.links);
+        let detach = move || {
+            let started = std::time::Instant::now();
+            let probes = links.len();
+            super::probes::detach_all(&mut ebpf, links);
+            drop(ebpf);
+            info!(probes, took = ?started.elapsed(), "probes detached");
+        };
+        match std::thread::Builder::new().name("vramguard-detach".into()).spawn(detach) {
+            Ok(thread) => DETACHING.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(thread),
+            Err(error) => warn!(%error, "cannot start a thread to detach the probes: they go at the agent's exit"),
+        }
+    }
+}
+
+/// Waits up to `limit` for the probes of dropped programs to be detached; whether they are.
+pub fn wait_detached(limit: Duration) -> bool {
+    let deadline = std::time::Instant::now() + limit;
+    let threads = std::mem::take(&mut *DETACHING.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+    for thread in threads {
+        while !thread.is_finished() {
+            if std::time::Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let _ = thread.join();
+    }
+    true
+}
+
 impl Kernel {
-    /// Runs until `stop` turns true; then flushes the programs' log.
+    /// Attaches probes for the task's owner before the task runs (`--libcuda`, the first scan).
+    pub fn attacher(&mut self) -> Attacher<'_> {
+        Attacher { ebpf: &mut self.programs.ebpf, links: &mut self.programs.links }
+    }
+
+    /// Runs until `stop` turns true; then flushes the programs' log and detaches every probe.
     pub async fn run(mut self, every: Every, mut wiring: Wiring) -> Result<()> {
         let tick = |period: Duration| {
             let mut timer = interval(period);
@@ -110,6 +192,10 @@ impl Kernel {
                     let Some(reply) = request else { continue };
                     self.drain(&wiring, &mut dropped_exits);
                     let _ = reply.send(self.view());
+                }
+                Some(request) = wiring.attach.recv() => {
+                    let report = self.attacher().attach(&request.file, &request.offsets);
+                    let _ = request.reply.send(report);
                 }
             }
         }

@@ -125,6 +125,28 @@ impl Charger {
     }
 }
 
+/// Frees every slot of the agent's own in the watched ledgers, whoever took it: the reclaim
+/// task's last act at a stop, so that the charges go with the agent even when the reconcile
+/// task (whose [`Charger`] knows them) died or was stopped before it could free them. Returns
+/// how many were freed.
+pub fn release_own(ledgers: &Ledgers) -> usize {
+    if !identity::in_initial_pid_namespace() {
+        return 0; // the agent charges nothing there (Charger::new)
+    }
+    let Ok(agent) = ProcessIdentity::current() else { return 0 };
+    let mut freed = 0;
+    for (path, ledger) in ledgers.iter() {
+        let Ok(slots) = ledger.slots() else { continue };
+        for view in slots.iter().filter(|view| view.slot.process() == agent) {
+            match ledger.reclaim_process(view.id, agent) {
+                Ok(_) => freed += 1,
+                Err(error) => warn!(ledger = %path.display(), %error, "cannot free the agent's slot"),
+            }
+        }
+    }
+    freed
+}
+
 impl Default for Charger {
     fn default() -> Charger {
         Charger::new()

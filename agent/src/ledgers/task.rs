@@ -14,7 +14,7 @@ use tokio::{
     sync::{mpsc, watch, Notify},
     time::{interval, MissedTickBehavior},
 };
-use tracing::{info, warn};
+use tracing::info;
 
 use super::{reclaim::Reclaimer, Ledgers, Pin};
 use crate::{driver::DriverView, task::{changed, Heartbeat}, serve::metrics::Reclaims};
@@ -57,9 +57,9 @@ enum Step {
 impl Reclaim {
     /// Scans and sweeps once (before the agent reports itself running), then runs until
     /// `stop` turns true.
-    pub async fn run(mut self, scan_every: Duration, mut wiring: Wiring) {
+    pub async fn run(mut self, scan_every: Duration, mut wiring: Wiring) -> anyhow::Result<()> {
         let mut exits = std::mem::replace(&mut wiring.exits, mpsc::channel(1).1);
-        self = self.step(Step::Scan, &mut exits, &mut wiring).await;
+        self = self.step(Step::Scan, &mut exits, &mut wiring).await?;
         info!(dir = %self.ledgers.dir().display(), ledgers = self.ledgers.len(), skipped = self.ledgers.skipped(), "watching ledgers");
         let mut scan = interval(scan_every);
         scan.set_missed_tick_behavior(MissedTickBehavior::Delay);
@@ -91,14 +91,21 @@ impl Reclaim {
                     Step::Scan
                 }
             };
-            self = self.step(step, &mut exits, &mut wiring).await;
+            self = self.step(step, &mut exits, &mut wiring).await?;
         }
+        // The agent's charges go with it, whatever became of the reconcile task.
+        let ledgers = self.ledgers;
+        let freed = tokio::task::spawn_blocking(move || super::charge::release_own(&ledgers)).await?;
+        if freed > 0 {
+            info!(slots = freed, "freed the agent's own slots left in the ledgers");
+        }
+        Ok(())
     }
 
     /// One step on the blocking pool; publishes the set after a scan.
     /// The exits queued meanwhile are taken at the start of the step and at the end of its
     /// sweep (the queue moves to the blocking pool with the state, and back).
-    async fn step(self, step: Step, exits: &mut mpsc::Receiver<(u32, std::time::Instant)>, wiring: &mut Wiring) -> Reclaim {
+    async fn step(self, step: Step, exits: &mut mpsc::Receiver<(u32, std::time::Instant)>, wiring: &mut Wiring) -> anyhow::Result<Reclaim> {
         let reclaims = wiring.reclaims.clone();
         let heartbeat = wiring.heartbeat.clone();
         let driver = wiring.driver.as_ref().map(|view| view.borrow().clone());
@@ -130,13 +137,10 @@ impl Reclaim {
                 if reclaimed {
                     wiring.changed.notify_one();
                 }
-                state
+                Ok(state)
             }
-            Err(error) => {
-                // A panic in a sweep is a bug; the task cannot go on without its state.
-                warn!(%error, "the reclaim step failed: the agent stops reclaiming");
-                std::future::pending().await
-            }
+            // A panic in a sweep is a bug; the task cannot go on without its state.
+            Err(error) => Err(anyhow::anyhow!("a reclaim step failed: {error}")),
         }
     }
 }

@@ -215,6 +215,11 @@ impl Provisioner {
     }
 
     /// Whether the Kubernetes pod cache has its first list (`None` without `--kube`).
+    /// The pod cache (with `--kube`).
+    pub fn kube_pods(&self) -> Option<&kube::PodCache> {
+        self.sources.kube.as_ref()
+    }
+
     pub fn kube_synced(&self) -> Option<bool> {
         self.sources.kube.as_ref().map(|pods| pods.state().synced())
     }

@@ -18,7 +18,6 @@ use tokio::{
     sync::{mpsc, oneshot, watch, Notify},
     time::{interval, timeout, MissedTickBehavior},
 };
-use tracing::warn;
 
 use super::{EscapedByCgroup, Reconciler};
 use crate::{
@@ -90,8 +89,10 @@ enum Step {
 }
 
 impl Judge {
-    /// Runs until `stop` turns true; then frees the agent's charges.
-    pub async fn run(mut self, mut wiring: Wiring) {
+    /// Runs until `stop` turns true; then frees the agent's charges. A step that panics ends
+    /// the task (and the agent: its charges go with the agent's slots, freed by the reclaim
+    /// task's stop).
+    pub async fn run(mut self, mut wiring: Wiring) -> anyhow::Result<()> {
         let mut tick = interval(EVERY);
         tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let wanted = wiring.publisher.as_ref().map(|(_, wanted)| wanted.clone());
@@ -112,15 +113,16 @@ impl Judge {
                     None => continue,
                 },
             };
-            self = self.step(step, &wiring).await;
+            self = self.step(step, &wiring).await?;
         }
         if let Some(ledgers) = wiring.ledgers.as_ref().map(|l| l.borrow().clone()) {
-            let charger = &mut self.charger;
-            tokio::task::block_in_place(|| charger.release_all(&ledgers));
+            let mut charger = self.charger;
+            tokio::task::spawn_blocking(move || charger.release_all(&ledgers)).await?;
         }
+        Ok(())
     }
 
-    async fn step(self, step: Step, wiring: &Wiring) -> Judge {
+    async fn step(self, step: Step, wiring: &Wiring) -> anyhow::Result<Judge> {
         let ledgers = wiring.ledgers.as_ref().map(|l| l.borrow().clone());
         let found = wiring.found.borrow().clone();
         let driver = wiring.driver.borrow().clone();
@@ -138,14 +140,17 @@ impl Judge {
             }
         };
         if matches!(step, Step::Render) && !page_behind {
-            return self;
+            return Ok(self);
         }
+        let stopping = wiring.stop.clone();
         let work = tokio::task::spawn_blocking(move || {
             let mut state = self;
             let ledgers = ledgers.as_deref();
             state.reconciler.set_driver(Some(driver));
             if let Some(view) = kernel {
-                state.pass(ledgers, view);
+                // Once the agent stops, no charge is made that its stop would not free.
+                let charging = !*stopping.borrow();
+                state.pass(ledgers.filter(|_| charging), ledgers, view);
             }
             let out = match step {
                 Step::Pass => Out::Passed,
@@ -167,15 +172,8 @@ impl Judge {
             let escaped = state.reconciler.escaped_by_cgroup();
             (state, out, limits, escaped)
         });
-        let (state, out, limits, escaped) = match work.await {
-            Ok(done) => done,
-            Err(error) => {
-                // A panic in a pass is a bug; the task cannot go on without its state (its
-                // heartbeat stops, and health says so).
-                warn!(%error, "a reconcile step failed: no more passes");
-                return std::future::pending().await;
-            }
-        };
+        // A panic in a pass is a bug; the task cannot go on without its state.
+        let (state, out, limits, escaped) = work.await.map_err(|error| anyhow::anyhow!("a reconcile step failed: {error}"))?;
         wiring.ledger_limits.send_if_modified(|held| {
             let changed = *held != limits;
             *held = limits;
@@ -200,14 +198,15 @@ impl Judge {
         } else if let Out::Audit(reply, snapshot) = out {
             let _ = reply.send(*snapshot);
         }
-        state
+        Ok(state)
     }
 
-    /// One reconcile pass, then the agent's charges brought in line with it; timed.
-    fn pass(&mut self, ledgers: Option<&Ledgers>, view: KernelView) {
+    /// One reconcile pass, then the agent's charges brought in line with it (in `charged`,
+    /// the ledgers, unless the agent stops); timed.
+    fn pass(&mut self, charged: Option<&Ledgers>, ledgers: Option<&Ledgers>, view: KernelView) {
         let started = std::time::Instant::now();
         self.reconciler.pass(ledgers, &view.processes);
-        if let Some(ledgers) = ledgers {
+        if let Some(ledgers) = charged {
             self.charger.update(ledgers, &self.reconciler.unaccounted_by_ledger(), self.reconciler.unreadable());
         }
         self.metrics.passed(started.elapsed());

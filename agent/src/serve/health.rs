@@ -52,6 +52,31 @@ impl Health {
     }
 }
 
+/// The tasks' liveness in the text exposition format, made at each scrape of `/metrics` (not
+/// by the reconcile task, whose page would stop moving with it):
+/// `vramguard_task_silent_seconds{task}` (since the task last came round its loop) beside
+/// `vramguard_task_allowed_seconds{task}` (past which `/healthz` fails).
+pub fn exposition(liveness: &Liveness) -> Result<Vec<u8>, prometheus::Error> {
+    let registry = prometheus::Registry::new();
+    let silent = prometheus::GaugeVec::new(
+        prometheus::Opts::new("vramguard_task_silent_seconds", "How long each of the agent's tasks has not come round its loop"),
+        &["task"],
+    )?;
+    let allowed = prometheus::GaugeVec::new(
+        prometheus::Opts::new("vramguard_task_allowed_seconds", "How long each task may stay silent before /healthz fails"),
+        &["task"],
+    )?;
+    for (task, silent_for, allowed_for) in liveness.beats() {
+        silent.with_label_values(&[task]).set(silent_for.as_secs_f64());
+        allowed.with_label_values(&[task]).set(allowed_for.as_secs_f64());
+    }
+    registry.register(Box::new(silent))?;
+    registry.register(Box::new(allowed))?;
+    let mut page = Vec::new();
+    prometheus::Encoder::encode(&prometheus::TextEncoder::new(), &registry.gather(), &mut page)?;
+    Ok(page)
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;

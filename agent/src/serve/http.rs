@@ -12,6 +12,7 @@
 //! beyond them); bodies are refused (`413`), other methods `405`, other paths `404`. Every
 //! connection's outcome is counted in `vramguard_http_connections_total{outcome}`.
 use std::{
+    future::Future,
     convert::Infallible,
     net::SocketAddr,
     sync::Arc,
@@ -178,18 +179,17 @@ impl Site {
     }
 }
 
-/// Binds `addr` and serves it in the background from what `board` holds at each request.
-pub async fn serve(addr: SocketAddr, limits: Limits, board: Board, connections: Connections) -> Result<SocketAddr> {
+/// Binds `addr`; the returned task serves it from what `board` holds at each request.
+pub async fn serve(addr: SocketAddr, limits: Limits, board: Board, connections: Connections) -> Result<(SocketAddr, impl Future<Output = ()> + Send + 'static)> {
     serve_site(addr, limits, Site::Metrics(board), connections).await
 }
 
-/// Binds `addr` and serves `site` in the background.
-pub async fn serve_site(addr: SocketAddr, limits: Limits, site: Site, connections: Connections) -> Result<SocketAddr> {
+/// Binds `addr`; the returned task (for the agent's supervisor to run) serves `site`.
+pub async fn serve_site(addr: SocketAddr, limits: Limits, site: Site, connections: Connections) -> Result<(SocketAddr, impl Future<Output = ()> + Send + 'static)> {
     let name = site.name();
     let listener = TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr} for {name}"))?;
     let bound = listener.local_addr().with_context(|| format!("the {name} listener has no address"))?;
-    tokio::spawn(accept(listener, limits, site, connections));
-    Ok(bound)
+    Ok((bound, accept(listener, limits, site, connections)))
 }
 
 async fn accept(listener: TcpListener, limits: Limits, board: Site, connections: Connections) {
@@ -294,7 +294,12 @@ async fn answer_metrics<B>(request: &Request<B>, board: &Board) -> Response<Full
         board.wanted.notify_one();
         let _ = tokio::time::timeout(RENDER_WAIT, pages.changed()).await;
     }
-    let page = pages.borrow().clone();
+    let mut page = pages.borrow().clone();
+    if let (Some(liveness), Ok(body)) = (board.liveness.as_ref(), page.metrics.as_ref()) {
+        page.metrics = super::health::exposition(liveness)
+            .map(|tasks| Bytes::from([body.as_ref(), tasks.as_slice()].concat()))
+            .map_err(|error| error.to_string());
+    }
     let progress = *board.progress.borrow();
     respond(request, &page, &progress, Instant::now())
 }
@@ -436,7 +441,8 @@ mod tests {
         let connections = Connections::new().expect("counter");
         let wanted = Arc::new(Notify::new());
         let (publisher, board) = Publisher::new(Published { metrics: Ok(metrics), not_ready: None, passes: 0 }, wanted.clone());
-        let addr = serve("127.0.0.1:0".parse().expect("addr"), limits, board, connections.clone()).await.expect("serve");
+        let (addr, serving) = serve("127.0.0.1:0".parse().expect("addr"), limits, board, connections.clone()).await.expect("serve");
+        tokio::spawn(serving);
         (addr, connections, publisher, wanted)
     }
 

@@ -40,7 +40,8 @@
 //! `vramguard_events_lost_total`, `vramguard_over_limit_allocations_total`,
 //! `vramguard_enforcement_signals_total`, `vramguard_probes_attached{libcuda}`,
 //! `vramguard_libcuda_files{state}` (probed, failed, capped),
-//! `vramguard_libcuda_capped_containers`, `vramguard_discovery_maps_over_bound_total`, `vramguard_ledgers`,
+//! `vramguard_libcuda_capped_containers`, `vramguard_discovery_maps_over_bound_total`,
+//! `vramguard_discovery_panics_total`, `vramguard_ledgers`,
 //! `vramguard_ledgers_skipped`, `vramguard_ledgers_unreadable`, `vramguard_ledger_workers`,
 //! `vramguard_ledgers_backed_off` (ledgers left alone for a while: lock held, worker failed),
 //! `vramguard_ledger_dirs_crowded` (directories with more entries than the agent reads),
@@ -99,6 +100,7 @@ pub struct Metrics {
     libcuda_files: IntGaugeVec,
     capped_containers: IntGauge,
     maps_over_bound: IntCounter,
+    discovery_panics: IntCounter,
     ledgers: IntGauge,
     ledgers_skipped: IntGauge,
     ledger_workers: IntGauge,
@@ -264,6 +266,10 @@ impl Metrics {
         let maps_over_bound = registered(&registry, IntCounter::new(
             "vramguard_discovery_maps_over_bound_total",
             "Processes whose /proc/<pid>/maps was over the bytes or lines discovery reads (read up to the bound, not again while they run; listed in vramguard audit's discovery.skipped)",
+        )?)?;
+        let discovery_panics = registered(&registry, IntCounter::new(
+            "vramguard_discovery_panics_total",
+            "Files and processes' maps whose reading panicked in discovery: each skipped (listed in vramguard audit's discovery.skipped), the probes kept",
         )?)?;
         let capped_containers = registered(&registry, IntGauge::new(
             "vramguard_libcuda_capped_containers",
@@ -450,6 +456,7 @@ impl Metrics {
             libcuda_files,
             capped_containers,
             maps_over_bound,
+            discovery_panics,
             ledgers,
             ledgers_skipped,
             ledger_workers,
@@ -693,6 +700,7 @@ impl Metrics {
         }
         self.capped_containers.set(value(discovery.capped_containers));
         catch_up(&self.maps_over_bound, discovery.maps_over_bound);
+        catch_up(&self.discovery_panics, discovery.panicked);
     }
 
     /// Brings the rejection counter of (ledger, device index, container labels) to the

@@ -43,6 +43,9 @@ pub struct Board {
     pub pages: watch::Receiver<Published>,
     pub progress: watch::Receiver<Progress>,
     pub wanted: Arc<Notify>,
+    /// The tasks' heartbeats, added to each `/metrics` page as it is served
+    /// ([`health::exposition`]).
+    pub liveness: Option<crate::task::Liveness>,
 }
 
 /// The reconcile task's side of the [`Board`].
@@ -58,7 +61,7 @@ impl Publisher {
         let progress = Progress { passes: first.passes, at: Instant::now() };
         let (pages, page_view) = watch::channel(first);
         let (progress, progress_view) = watch::channel(progress);
-        (Publisher { pages, progress }, Board { pages: page_view, progress: progress_view, wanted })
+        (Publisher { pages, progress }, Board { pages: page_view, progress: progress_view, wanted, liveness: None })
     }
 
     /// The loop has run `passes` passes, the last one just now.

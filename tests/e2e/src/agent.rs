@@ -230,6 +230,27 @@ impl Agent {
         }
     }
 
+    /// Waits up to `limit` for the agent to exit by itself: its status, and how long it took.
+    pub fn wait_exit(&mut self, limit: Duration) -> Result<(std::process::ExitStatus, Duration)> {
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.child_mut().try_wait()? {
+                return Ok((status, start.elapsed()));
+            }
+            if start.elapsed() > limit {
+                bail!("vramguard run still runs {limit:?} later: {}", self.log());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Sends SIGTERM and waits up to `limit` for the agent to exit, whatever its status.
+    pub fn terminate(&mut self, limit: Duration) -> Result<(std::process::ExitStatus, Duration)> {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(self.pid() as i32, libc::SIGTERM) };
+        self.wait_exit(limit)
+    }
+
     /// Stops the agent if it still runs and returns what it logged.
     fn stderr(&mut self) -> String {
         let child = self.child_mut();

@@ -64,6 +64,8 @@ pub struct Capacity {
     bytes: u64,
     state: Arc<CapacityState>,
     task: JoinHandle<()>,
+    /// The task's end, until the agent's supervisor takes it ([`Capacity::take_alive`]).
+    alive: Option<crate::task::Alive>,
 }
 
 impl Drop for Capacity {
@@ -88,8 +90,18 @@ impl Capacity {
             return Err(KubeError::Config("the capacity's period must be more than zero".into()));
         }
         let state = Arc::new(CapacityState::default());
-        let task = tokio::spawn(run(client, node.to_owned(), bytes, every, state.clone()));
-        Ok(Capacity { bytes, state, task })
+        let (sentinel, alive) = crate::task::sentinel();
+        let advertise = run(client, node.to_owned(), bytes, every, state.clone());
+        let task = tokio::spawn(async move {
+            let _sentinel = sentinel;
+            advertise.await;
+        });
+        Ok(Capacity { bytes, state, task, alive: Some(alive) })
+    }
+
+    /// The task's end, for the agent's supervisor (once).
+    pub fn take_alive(&mut self) -> Option<crate::task::Alive> {
+        self.alive.take()
     }
 
     /// The bytes advertised.

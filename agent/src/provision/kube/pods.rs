@@ -116,6 +116,8 @@ struct Inner {
     shared: Arc<Shared>,
     tuning: Tuning,
     task: JoinHandle<()>,
+    /// The watch task's end, until the agent's supervisor takes it ([`PodCache::take_alive`]).
+    alive: Mutex<Option<crate::task::Alive>>,
 }
 
 impl Drop for Inner {
@@ -134,8 +136,18 @@ impl PodCache {
     pub fn start_with(client: Client, node: &str, tuning: Tuning) -> Result<PodCache, KubeError> {
         valid_name("node", node)?;
         let shared = Arc::new(Shared { pods: Mutex::new(HashMap::new()), state: CacheState::default() });
-        let task = tokio::spawn(run(client.clone(), node.to_owned(), shared.clone(), tuning));
-        Ok(PodCache { inner: Arc::new(Inner { client, shared, tuning, task }) })
+        let (sentinel, alive) = crate::task::sentinel();
+        let watch = run(client.clone(), node.to_owned(), shared.clone(), tuning);
+        let task = tokio::spawn(async move {
+            let _sentinel = sentinel;
+            watch.await;
+        });
+        Ok(PodCache { inner: Arc::new(Inner { client, shared, tuning, task, alive: Mutex::new(Some(alive)) }) })
+    }
+
+    /// The watch task's end, for the agent's supervisor (once).
+    pub fn take_alive(&self) -> Option<crate::task::Alive> {
+        self.inner.alive.lock().ok()?.take()
     }
 
     /// The connection's state.
