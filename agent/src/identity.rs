@@ -263,7 +263,7 @@ mod tests {
             pidns: me.pidns,
             start_time: me.start_time,
             host_pid: 0,
-            _pad: 0,
+            flags: 0,
             allocs: 0,
             frees: 0,
             rejections: 0,

@@ -194,6 +194,10 @@ pub struct RunArgs {
     /// on the probes and the ledgers alone, and says so.
     #[arg(long, value_name = "PATH")]
     pub nvml: Option<PathBuf>,
+    /// Each GPU's device file, `{minor}` standing for NVML's minor number of the GPU: a driver
+    /// row is joined only with a process holding it open (docs/security.md).
+    #[arg(long, default_value = driver::task::DEFAULT_DEVICE_FILE, value_name = "PATTERN")]
+    pub gpu_device_file: String,
     /// What the context of a process without a ledger slot may hold on one device (bytes, or
     /// k/m/g/t): beyond it plus a 2 MiB page, memory the driver reports and the probes do not
     /// explain makes the process `unprobed` (docs/gpu.md).
@@ -383,6 +387,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
             pins,
             published: published_tx,
             changed: changed.clone(),
+            driver: Some(driver_rx.clone()),
             reclaims: judge.metrics.reclaims(),
             heartbeat: liveness.register("reclaim", RECLAIM_ALLOWED),
             stop: stop.clone(),
@@ -442,7 +447,12 @@ pub async fn run(args: RunArgs) -> Result<()> {
     );
     let read_seconds = driver::task::read_seconds()?;
     judge.metrics.register(Box::new(read_seconds.clone()))?;
-    let driver_task = Driver { candidates: driver::locate(args.nvml.as_deref(), &args.libcuda), read_seconds };
+    let driver_task = Driver {
+        candidates: driver::locate(args.nvml.as_deref(), &args.libcuda),
+        read_seconds,
+        device_file: args.gpu_device_file.clone(),
+        state_dir: Some(args.provision.state_dir.clone()),
+    };
     tasks.spawn_unit("driver", driver_task.run(driver_tx, liveness.register("driver", DRIVER_ALLOWED), stop.clone()));
     let judge_wiring = reconcile::task::Wiring {
         kernel: kernel_tx,

@@ -174,7 +174,7 @@ extern "C" fn at_load() {
     // SAFETY: registering plain extern "C" handlers with no arguments, which live as long as
     // the process (the library is preloaded, never unloaded).
     unsafe {
-        libc::pthread_atfork(None, None, Some(after_fork_in_child));
+        libc::pthread_atfork(None, Some(after_fork_in_parent), Some(after_fork_in_child));
         libc::atexit(release_at_exit);
     }
 }
@@ -242,6 +242,22 @@ fn quota_in(ledger: &Ledger, device: u32) -> Option<(u64, u64)> {
     let config = ledger.header().devices.get(device as usize)?;
     let usage = ledger.device_usage().ok()?;
     Some((config.limit, usage.get(device as usize)?.used_chunks.saturating_mul(config.chunk)))
+}
+
+extern "C" fn after_fork_in_parent() {
+    // The child shares this process's open device files: the driver keeps this process's
+    // memory while the child holds them, even after this process exits, so its slot says so
+    // (one atomic OR in the mapped slot; see `ledger::layout::SLOT_FORKED`).
+    let current = CURRENT.load(Ordering::Acquire);
+    if current.is_null() {
+        return;
+    }
+    // SAFETY: modes are leaked, never freed.
+    if let Mode::Enforce(session) = unsafe { &*current } {
+        if session.identity.pid == std::process::id() {
+            session.ledger.mark_forked(session.slot);
+        }
+    }
 }
 
 extern "C" fn after_fork_in_child() {

@@ -237,7 +237,8 @@ pub struct Slot {
     pub start_time: u64,
     /// Pid on the host, filled by the agent (0 until then).
     pub host_pid: u32,
-    pub _pad: u32,
+    /// [`SLOT_FORKED`] or 0 (a hint the process writes: see the flag).
+    pub flags: u32,
     pub allocs: u64,
     pub frees: u64,
     pub rejections: u64,
@@ -246,6 +247,12 @@ pub struct Slot {
 
 pub const SLOT_FREE: u32 = 0;
 pub const SLOT_LIVE: u32 = 1;
+/// Slot flag: the process forked. A child shares its open device files and keeps its GPU
+/// memory after it exits, until the last holder closes them, so its slot is freed only once the
+/// driver says so (the agent's reclaimer asks NVML); [`crate::Ledger::reclaim_dead`] leaves
+/// it alone. Written by the process (tenant-writable like every field): setting it only
+/// delays the reclaim of the writer's own slots until the agent's next driver read.
+pub const SLOT_FORKED: u32 = 1;
 
 impl Slot {
     /// The process the slot records.

@@ -259,6 +259,21 @@ impl Ledger {
             .store(host_pid, std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// Sets [`crate::layout::SLOT_FORKED`] in `slot`'s flags: one atomic OR without the lock
+    /// (a hint, like [`Ledger::set_host_pid`]; safe after `fork` in the parent). Out-of-range
+    /// slots are ignored.
+    pub fn mark_forked(&self, slot: SlotId) {
+        let h = &self.mapped.header;
+        if slot >= h.slot_count {
+            return;
+        }
+        let offset = h.slots_offset + u64::from(slot) * size_of::<Slot>() as u64 + std::mem::offset_of!(Slot, flags) as u64;
+        // SAFETY: the offset lies inside the validated slots section and is 4-aligned (slots
+        // are 8-aligned, `flags` is at a 4-aligned offset within one).
+        unsafe { std::sync::atomic::AtomicU32::from_ptr(self.mapped.at(offset).cast()) }
+            .fetch_or(crate::layout::SLOT_FORKED, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Releases a record of `slot`.
     pub fn release(&self, slot: SlotId, record: RecordId) -> Result<(), LedgerError> {
         self.locked(|t| {
@@ -293,7 +308,9 @@ impl Ledger {
     }
 
     /// Reclaims every slot whose process is gone, as judged from this process's pid
-    /// namespace (slots of other namespaces are left to the agent). Returns those reclaimed.
+    /// namespace (slots of other namespaces are left to the agent), except those of
+    /// processes that forked ([`crate::layout::SLOT_FORKED`]: a child may hold their memory;
+    /// the agent frees them on the driver's word). Returns those reclaimed.
     ///
     /// The processes are looked up in /proc without the lock held; each slot found dead is
     /// then reclaimed under the lock only if it still describes the same process.
@@ -301,6 +318,7 @@ impl Ledger {
         let candidates: Vec<(SlotId, ProcessIdentity)> = self
             .slots()?
             .into_iter()
+            .filter(|view| view.slot.flags & crate::layout::SLOT_FORKED == 0)
             .map(|view| (view.id, view.slot.process()))
             .filter(|(_, process)| process.is_alive() == Some(false))
             .collect();

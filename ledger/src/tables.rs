@@ -41,7 +41,7 @@ pub fn zeroed_slot() -> Slot {
         pidns: 0,
         start_time: 0,
         host_pid: 0,
-        _pad: 0,
+        flags: 0,
         allocs: 0,
         frees: 0,
         rejections: 0,

@@ -174,6 +174,34 @@ fn host_pid_is_recorded_and_reclaim_process_checks_the_identity() {
     assert_sound(&ledger);
 }
 
+/// A dead process that forked is left to the agent (a child may hold its memory); one that
+/// did not is swept.
+#[test]
+fn reclaim_dead_leaves_the_slots_of_processes_that_forked() {
+    let dir = TempDir::new("reclaim-forked");
+    let ledger = Ledger::create(&dir.file(), &geometry(256 * MIB, 0), CREATOR_AGENT).unwrap();
+    // A process of this pid namespace that is gone: a child, waited for.
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let pid = child.id();
+    child.wait().unwrap();
+    let me = ProcessIdentity::current().unwrap();
+    let dead = ProcessIdentity { pid, pidns: me.pidns, start_time: 1 };
+    let forked = ledger.register(dead).unwrap();
+    ledger.reserve(forked, 0, Charge::Device(4 * MIB), 0).unwrap();
+    ledger.mark_forked(forked);
+    ledger.mark_forked(1 << 20); // out of range: ignored
+    assert_eq!(ledger.slots().unwrap()[0].slot.flags, ledger::layout::SLOT_FORKED);
+    assert_eq!(ledger.reclaim_dead().unwrap(), Vec::<u32>::new(), "the forked slot is the agent's to free");
+    assert_eq!(used(&ledger), 4 * MIB);
+    ledger.reclaim(forked).unwrap();
+    let plain = ledger.register(dead).unwrap();
+    assert_eq!(ledger.slots().unwrap()[0].slot.flags, 0, "a new slot starts without the flag");
+    ledger.reserve(plain, 0, Charge::Device(4 * MIB), 0).unwrap();
+    assert_eq!(ledger.reclaim_dead().unwrap(), vec![plain]);
+    assert_eq!(used(&ledger), 0);
+    assert_sound(&ledger);
+}
+
 #[test]
 fn a_dirty_ledger_is_rebuilt_from_its_records() {
     let dir = TempDir::new("repair");

@@ -29,6 +29,9 @@
 //! The parent's list is never used for it (NVML's aggregate there is not per instance, and
 //! needs rights the agent may lack). A MIG GPU whose instances cannot be read has its
 //! processes left out, and says why (`mig` in the status, and the log once).
+pub mod gap;
+pub mod holders;
+pub mod listed;
 pub mod nvml;
 pub mod task;
 
@@ -114,6 +117,9 @@ pub struct DriverStatus {
     /// Processes the driver reports that are joined with no process the agent sees, and why.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub unjoined: Vec<UnjoinedProcess>,
+    /// Each GPU's memory as the last read found it, and what no row explains of it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub devices: Vec<DeviceMemory>,
 }
 
 impl DriverStatus {
@@ -130,6 +136,13 @@ impl DriverStatus {
         notes.extend(self.pid_namespace.clone());
         for process in &self.unjoined {
             notes.push(format!("not joined: pid {} ({} bytes): {}", process.pid, process.bytes, process.reason));
+        }
+        for device in self.devices.iter().filter(|d| d.gap.unexplained.is_some_and(|b| b > gap::TOLERANCE)) {
+            let whose = match device.gap.cgroup_id {
+                Some(cgroup) => format!("charged to cgroup {cgroup}, whose processes hold the GPU's device file"),
+                None => format!("unattributed (holders not listed: {:?})", device.gap.holders.iter().map(|h| h.pid).collect::<Vec<_>>()),
+            };
+            notes.push(format!("GPU {}: {} bytes no listed process explains: {whose}", device.index, device.gap.unexplained.unwrap_or(0)));
         }
         notes
     }
@@ -163,6 +176,10 @@ pub const NOT_VISIBLE: &str = "no such process in the agent's pid namespace when
 pub const REUSED: &str = "the pid is another process's since the read";
 /// Why a pid NVML lists is not joined with the process that has it now.
 pub const REUSED_SINCE_LISTED: &str = "pid reused since the driver first listed it";
+/// Why a pid NVML lists is not joined with the process that had it when first listed.
+pub const NOT_HOLDING: &str = "the process with this pid holds none of the GPU's device files: the row is of an earlier process";
+/// Why a row NVML lists carries no bytes.
+pub const NO_FIGURE: &str = "listed by NVML without a figure (NVML_VALUE_NOT_AVAILABLE): counted, its bytes unknown";
 
 /// The inode of the initial (host) pid namespace (the kernel's `PROC_PID_INIT_INO`).
 const HOST_PID_NAMESPACE: &str = "pid:[4026531836]";
@@ -179,7 +196,7 @@ pub fn foreign_pid_namespace() -> Option<String> {
 
 impl Default for DriverStatus {
     fn default() -> DriverStatus {
-        DriverStatus { state: State::Starting, reason: None, library: None, reads: 0, mig: Vec::new(), pid_namespace: None, unjoined: Vec::new() }
+        DriverStatus { state: State::Starting, reason: None, library: None, reads: 0, mig: Vec::new(), pid_namespace: None, unjoined: Vec::new(), devices: Vec::new() }
     }
 }
 
@@ -195,11 +212,37 @@ pub struct DriverProcess {
     pub start_time: u64,
 }
 
-/// What one read found: each pid's figure and the GPUs in MIG mode.
+/// What one read found: each pid's figure, the GPUs in MIG mode, the minor numbers of the
+/// GPUs each pid is listed on, the pids listed without a figure, and each GPU's memory.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Read {
     pub processes: BTreeMap<u32, DriverProcess>,
     pub mig: Vec<MigDevice>,
+    /// pid -> the minor numbers of the GPUs it is listed on (its device files).
+    pub minors: BTreeMap<u32, Vec<u32>>,
+    /// Pids NVML listed without a figure (`NVML_VALUE_NOT_AVAILABLE`) on some GPU.
+    pub unfigured: Vec<u32>,
+    pub devices: Vec<DeviceMemory>,
+}
+
+/// One GPU as a read found it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceMemory {
+    /// NVML's index.
+    pub index: u32,
+    /// NVML's minor number (its device file `/dev/nvidia<minor>`); the index without one.
+    pub minor: u32,
+    /// NVML's UUID (`GPU-…`); empty where NVML gives none.
+    pub uuid: String,
+    /// (total, used) bytes (`nvmlDeviceGetMemoryInfo`), where NVML answers.
+    pub memory: Option<(u64, u64)>,
+    /// The sum of the figures NVML listed on it.
+    pub listed: u64,
+    /// Rows listed on it without a figure.
+    pub unfigured: u32,
+    /// What no row explains of its memory ([`gap`]).
+    #[serde(default)]
+    pub gap: gap::Gap,
 }
 
 /// The latest driver view.

@@ -1,7 +1,9 @@
 //! NVML loaded with `libloading`, with `nvml.h`'s signatures ([`cuda_abi::nvml`]): init, the
 //! devices, and each device's running processes (compute `_v3`, and graphics `_v3` when the
-//! library has it); a GPU in MIG mode is read per MIG device (see [`super`]). Used only from
-//! the driver task's reader thread ([`super::task`]).
+//! library has it); a GPU in MIG mode is read per MIG device (see [`super`]). Where the
+//! library has them, each GPU's minor number (`nvmlDeviceGetMinorNumber`: its device file,
+//! [`super::holders`]), UUID and memory (`nvmlDeviceGetMemoryInfo`) are read too. Used only
+//! from the driver task's reader thread ([`super::task`]).
 use std::{
     collections::BTreeMap,
     ffi::{c_uint, CStr},
@@ -11,7 +13,14 @@ use std::{
 use cuda_abi::nvml::*;
 use libloading::Library;
 
-use super::{DriverProcess, MigDevice, Read, State};
+use super::{DeviceMemory, MigDevice, Read, State};
+
+/// `nvmlDeviceGetMinorNumber`.
+type NvmlDeviceGetMinorNumber = unsafe extern "C" fn(nvmlDevice_t, *mut c_uint) -> nvmlReturn_t;
+/// `nvmlDeviceGetUUID`.
+type NvmlDeviceGetUuid = unsafe extern "C" fn(nvmlDevice_t, *mut std::ffi::c_char, c_uint) -> nvmlReturn_t;
+/// `nvmlDeviceGetMemoryInfo`.
+type NvmlDeviceGetMemoryInfo = unsafe extern "C" fn(nvmlDevice_t, *mut nvmlMemory_t) -> nvmlReturn_t;
 
 /// `nvmlDeviceGetMigMode` (current and pending mode).
 type NvmlDeviceGetMigMode = unsafe extern "C" fn(nvmlDevice_t, *mut c_uint, *mut c_uint) -> nvmlReturn_t;
@@ -37,6 +46,9 @@ pub struct Nvml {
     mig_mode: Option<NvmlDeviceGetMigMode>,
     /// What reads a MIG GPU's instances, if the library has both.
     mig_devices: Option<(NvmlDeviceGetMaxMigDeviceCount, NvmlDeviceGetMigDeviceHandleByIndex)>,
+    minor: Option<NvmlDeviceGetMinorNumber>,
+    uuid: Option<NvmlDeviceGetUuid>,
+    memory: Option<NvmlDeviceGetMemoryInfo>,
     /// Keeps the functions above loaded; last, so it is dropped after them.
     _library: Library,
 }
@@ -96,6 +108,9 @@ impl Nvml {
             let mig_mode = symbol::<NvmlDeviceGetMigMode>(&library, path, "nvmlDeviceGetMigMode").ok();
             let max_mig = symbol::<NvmlDeviceGetMaxMigDeviceCount>(&library, path, "nvmlDeviceGetMaxMigDeviceCount").ok();
             let mig_handle = symbol::<NvmlDeviceGetMigDeviceHandleByIndex>(&library, path, "nvmlDeviceGetMigDeviceHandleByIndex").ok();
+            let minor = symbol::<NvmlDeviceGetMinorNumber>(&library, path, "nvmlDeviceGetMinorNumber").ok();
+            let uuid = symbol::<NvmlDeviceGetUuid>(&library, path, "nvmlDeviceGetUUID").ok();
+            let memory = symbol::<NvmlDeviceGetMemoryInfo>(&library, path, "nvmlDeviceGetMemoryInfo").ok();
             symbol::<NvmlInitV2>(&library, path, "nvmlInit_v2")?;
             Ok(Nvml {
                 path: path.to_path_buf(),
@@ -106,6 +121,9 @@ impl Nvml {
                 error_string,
                 mig_mode,
                 mig_devices: max_mig.zip(mig_handle),
+                minor,
+                uuid,
+                memory,
                 _library: library,
             })
         }
@@ -128,7 +146,7 @@ impl Nvml {
     }
 
     /// Every device's running processes: host pid -> bytes over devices (start times are
-    /// the caller's to fill in), and the GPUs in MIG mode.
+    /// the caller's to fill in), the GPUs in MIG mode, and each GPU's memory.
     pub fn read(&self) -> Result<Read, Trouble> {
         let mut count: c_uint = 0;
         // SAFETY: a valid out-pointer.
@@ -144,9 +162,11 @@ impl Nvml {
             if rc != NVML_SUCCESS {
                 return Err(Trouble::failing(format!("nvmlDeviceGetHandleByIndex_v2({index}): {}", self.error(rc))));
             }
+            let described = self.describe(index, device);
             if !self.in_mig_mode(device) {
                 let infos = self.processes_of(device).map_err(|reason| Trouble::failing(format!("{reason} on device {index}")))?;
-                add_device(&mut read.processes, &infos);
+                let described = add_device(&mut read, described, &infos);
+                read.devices.push(described);
                 continue;
             }
             // Each MIG device on its own; the parent's aggregate list never.
@@ -157,15 +177,51 @@ impl Nvml {
             match instances {
                 Ok(lists) => {
                     mig.instances = lists.len() as u32;
+                    // The GPU's memory against the rows of all its instances (a GPU whose
+                    // instances are not read has no rows to compare, and is left out).
+                    let mut described = described;
                     for infos in &lists {
-                        add_device(&mut read.processes, infos);
+                        let instance = add_device(&mut read, DeviceMemory { listed: 0, unfigured: 0, ..described.clone() }, infos);
+                        described.listed = described.listed.saturating_add(instance.listed);
+                        described.unfigured += instance.unfigured;
                     }
+                    read.devices.push(described);
                 }
                 Err(reason) => mig.unread = Some(format!("{reason}: the processes of this GPU in MIG mode are left out")),
             }
             read.mig.push(mig);
         }
         Ok(read)
+    }
+
+    /// A GPU's minor number (its index where NVML has none), UUID (empty where it has none)
+    /// and memory (where NVML answers), before its processes are added.
+    fn describe(&self, index: c_uint, device: nvmlDevice_t) -> DeviceMemory {
+        let mut minor: c_uint = index;
+        if let Some(get) = self.minor {
+            let mut got: c_uint = 0;
+            // SAFETY: a handle NVML gave and a valid out-pointer.
+            if unsafe { get(device, &mut got) } == NVML_SUCCESS {
+                minor = got;
+            }
+        }
+        let uuid = self.uuid.and_then(|get| {
+            let mut buf = [0 as std::ffi::c_char; NVML_DEVICE_UUID_V2_BUFFER_SIZE];
+            // SAFETY: a handle NVML gave and a buffer of the length passed.
+            let rc = unsafe { get(device, buf.as_mut_ptr(), buf.len() as c_uint) };
+            // SAFETY: NVML wrote a NUL-terminated string into the buffer; the last byte is
+            // set to NUL first so that a library that did not cannot make the read run on.
+            (rc == NVML_SUCCESS).then(|| {
+                buf[buf.len() - 1] = 0;
+                unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned()
+            })
+        });
+        let memory = self.memory.and_then(|get| {
+            let mut info = nvmlMemory_t::default();
+            // SAFETY: a handle NVML gave and a valid out-pointer.
+            (unsafe { get(device, &mut info) } == NVML_SUCCESS).then_some((info.total, info.used))
+        });
+        DeviceMemory { index, minor, uuid: uuid.unwrap_or_default(), memory, listed: 0, unfigured: 0, gap: Default::default() }
     }
 
     /// Whether `device` is a GPU in MIG mode (false without `nvmlDeviceGetMigMode`, and for a
@@ -233,19 +289,35 @@ impl Nvml {
     }
 }
 
-/// Adds one device's processes (compute and graphics lists together) to `processes`: a
-/// process in both lists holds one amount on the device (NVML reports its total in each).
-fn add_device(processes: &mut BTreeMap<u32, DriverProcess>, infos: &[nvmlProcessInfo_t]) {
+/// Adds one device's processes (compute and graphics lists together) to `read`: a process in
+/// both lists holds one amount on the device (NVML reports its total in each). A row without
+/// a figure (`NVML_VALUE_NOT_AVAILABLE`) is counted (`unfigured`, and the pid in
+/// `read.unfigured`), never taken for 0 bytes. Each row's pid is noted against the device's
+/// minor number. Returns `device` with the sum of the figures listed on it.
+fn add_device(read: &mut Read, mut device: DeviceMemory, infos: &[nvmlProcessInfo_t]) -> DeviceMemory {
     let mut on_device: BTreeMap<u32, u64> = BTreeMap::new();
-    for info in infos.iter().filter(|info| info.used_gpu_memory != NVML_VALUE_NOT_AVAILABLE) {
+    for info in infos {
+        let minors = read.minors.entry(info.pid).or_default();
+        if !minors.contains(&device.minor) {
+            minors.push(device.minor);
+        }
+        if info.used_gpu_memory == NVML_VALUE_NOT_AVAILABLE {
+            device.unfigured += 1;
+            if !read.unfigured.contains(&info.pid) {
+                read.unfigured.push(info.pid);
+            }
+            continue;
+        }
         let held = on_device.entry(info.pid).or_default();
         *held = (*held).max(info.used_gpu_memory);
     }
     for (pid, bytes) in on_device {
-        let process = processes.entry(pid).or_default();
+        device.listed = device.listed.saturating_add(bytes);
+        let process = read.processes.entry(pid).or_default();
         process.bytes = process.bytes.saturating_add(bytes);
         process.devices += 1;
     }
+    device
 }
 
 /// `name` from `library` as a `T` (copied out: valid while the library stays loaded).
@@ -342,6 +414,9 @@ mod tests {
             error_string: None,
             mig_mode: Some(mig_mode),
             mig_devices: mig_devices.then_some((max_mig as NvmlDeviceGetMaxMigDeviceCount, mig_handle as NvmlDeviceGetMigDeviceHandleByIndex)),
+            minor: None,
+            uuid: None,
+            memory: None,
             _library: Library::from(libloading::os::unix::Library::this()),
         }
     }

@@ -22,9 +22,27 @@
 //! /proc when the event arrived (a zombie's /proc entry still tells it). The latency of a
 //! reclaim is measured from the exit event's arrival when there was one, else from the
 //! sweep that detected the death.
+//!
+//! # The driver's word on what is still held
+//!
+//! The driver keeps a process's memory until the last holder of its device files closes them,
+//! not until the process exits: a child it forked keeps it (docs/gpu.md). A dead process's
+//! slot is therefore freed only once the driver no longer holds its memory, by the driver
+//! view's latest read ([`crate::driver`], NVML; [`Reclaimer::set_driver`]): while a read that
+//! started after the death was detected still lists the process's host pid with memory (NVML
+//! keeps listing the pid of the process that made the memory's client), the slot is *kept*:
+//! its container stays charged (the hook refuses past the quota, the metrics and `vramguard
+//! audit` show it), and it is looked at again at every sweep and every new driver read. A
+//! slot whose process forked ([`ledger::layout::SLOT_FORKED`]) also waits for the first read
+//! started after its death was detected (the driver's word, not an old read's); other slots
+//! are freed at once when no fresh read says otherwise, so an exit's reclaim does not wait for
+//! NVML. Without a driver view that answers (`absent`, `failing`, `hung`), slots are freed as
+//! before. A kept slot's reclaim latency is measured from the sweep that found its memory
+//! released.
 use std::{
     collections::{HashMap, HashSet},
     path::{Path, PathBuf},
+    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -32,6 +50,7 @@ use ledger::{ProcessIdentity, SlotView};
 use tracing::{info, warn};
 
 use crate::{
+    driver::{DriverView, State as DriverState},
     identity::{self, ProcessTable},
     ledgers::{AccessError, LedgerHandle, Ledgers},
 };
@@ -56,6 +75,13 @@ pub struct Reclaimer {
     unreadable: HashSet<PathBuf>,
     /// Reclaims performed.
     pub total: u64,
+    /// The driver's latest view, for the next sweep.
+    driver: Option<Arc<DriverView>>,
+    /// Dead processes whose slots are kept while the driver holds their memory: when their
+    /// death was first detected, and their host pid (0 if never known).
+    kept: HashMap<ProcessIdentity, (Instant, u32)>,
+    /// The agent's pid namespace (inode): a slot of a process in it has its pid as host pid.
+    pidns: u64,
 }
 
 impl Reclaimer {
@@ -68,7 +94,30 @@ impl Reclaimer {
                  dead process from an invisible one, so it reclaims no ledger slot"
             );
         }
-        Reclaimer { enabled, pending: HashMap::new(), verified: HashSet::new(), unreadable: HashSet::new(), total: 0 }
+        Reclaimer { enabled, pending: HashMap::new(), verified: HashSet::new(), unreadable: HashSet::new(), total: 0, driver: None, kept: HashMap::new(), pidns: ProcessIdentity::current().map_or(0, |me| me.pidns) }
+    }
+
+    /// The driver view the next sweeps ask about dead processes' memory (`None`: none).
+    pub fn set_driver(&mut self, view: Option<Arc<DriverView>>) {
+        self.driver = view;
+    }
+
+    /// Slots of dead processes kept because the driver still holds their memory.
+    pub fn kept(&self) -> usize {
+        self.kept.len()
+    }
+
+    /// Whether the driver may still hold the memory of the dead process of `slot` (host pid
+    /// `host`, 0 if unknown), whose death was first detected at `since` (see the module doc).
+    fn driver_holds(&self, slot: &ledger::layout::Slot, host: u32, since: Instant) -> bool {
+        let Some(view) = self.driver.as_deref().filter(|view| view.status.state == DriverState::Ok) else { return false };
+        let fresh = view.read_at.is_some_and(|read| read >= since);
+        if !fresh {
+            return slot.flags & ledger::layout::SLOT_FORKED != 0;
+        }
+        host != 0
+            && (view.processes.get(&host).is_some_and(|p| p.bytes > 0)
+                || view.status.unjoined.iter().any(|row| row.pid == host && row.bytes > 0))
     }
 
     /// Notes the exit event of process `tgid`, which arrived at `at`.
@@ -148,6 +197,7 @@ impl Reclaimer {
         // Per ledger: its dead slots, each with when its death was detected.
         let mut dead: Vec<(&Path, &LedgerHandle, Vec<Gone>)> = Vec::new();
         let detected = Instant::now();
+        let mut kept: HashMap<ProcessIdentity, (Instant, u32)> = HashMap::new();
         for (path, ledger, judged) in read {
             let mut gone = Vec::new();
             for (view, verdict) in judged {
@@ -167,6 +217,28 @@ impl Reclaimer {
                         waiting.insert(host); // exiting, not a zombie yet
                     }
                 } else if self.enabled {
+                    let process = slot.process();
+                    let (since, known) = self.kept.get(&process).copied().unwrap_or((detected, 0));
+                    let own = if slot.pidns == self.pidns && self.pidns != 0 { slot.pid } else { 0 };
+                    let host = [slot.host_pid, known, own]
+                        .into_iter()
+                        .find(|&pid| pid != 0)
+                        .or_else(|| self.pending.iter().find(|(_, (_, seen))| *seen == Some(process)).map(|(tgid, _)| *tgid))
+                        .unwrap_or(0);
+                    if self.driver_holds(&slot, host, since) {
+                        if !self.kept.contains_key(&process) {
+                            info!(ledger = %path.display(), slot = view.id, pid = slot.pid, host_pid = host, "a dead process's slot is kept: the driver still holds its memory (a child it forked holds its device files)");
+                        }
+                        // Recorded, so that the reconcile pass reports the slot (`stale`) with
+                        // the memory it still charges.
+                        if slot.host_pid == 0 && host != 0 {
+                            if let Err(error) = ledger.set_host_pid(view.id, host) {
+                                warn!(ledger = %path.display(), slot = view.id, %error, "cannot record a kept slot's host pid");
+                            }
+                        }
+                        kept.insert(process, (since, host));
+                        continue;
+                    }
                     gone.push((view, detected));
                 }
             }
@@ -174,6 +246,8 @@ impl Reclaimer {
                 dead.push((path, ledger, gone));
             }
         }
+        let released: HashSet<ProcessIdentity> = self.kept.keys().filter(|p| !kept.contains_key(p)).copied().collect();
+        self.kept = kept;
         let freed: Vec<(&Path, Vec<Freed>)> = std::thread::scope(|scope| {
             let running: Vec<_> = dead
                 .into_iter()
@@ -199,6 +273,8 @@ impl Reclaimer {
                     .find(|(tgid, (_, seen))| (slot.host_pid != 0 && **tgid == slot.host_pid) || *seen == Some(process))
                     .map(|(tgid, _)| *tgid);
                 let event = tgid.and_then(|tgid| self.pending.remove(&tgid)).map(|(at, _)| at);
+                // A kept slot: from the sweep that found the driver had let go of it.
+                let event = event.filter(|_| !released.contains(&process));
                 let latency = at.saturating_duration_since(event.unwrap_or(detected));
                 self.total += 1;
                 info!(

@@ -17,7 +17,7 @@ use tokio::{
 use tracing::info;
 
 use super::{reclaim::Reclaimer, Ledgers, Pin};
-use crate::{task::{changed, Heartbeat}, serve::metrics::Reclaims};
+use crate::{driver::DriverView, task::{changed, Heartbeat}, serve::metrics::Reclaims};
 
 /// How often an exit event whose process is not a zombie yet is looked at again.
 const EXIT_RETRY: Duration = Duration::from_millis(5);
@@ -32,6 +32,9 @@ pub struct Wiring {
     pub published: watch::Sender<Arc<Ledgers>>,
     /// Rung when slots were reclaimed (a pass is worth running).
     pub changed: Arc<Notify>,
+    /// The driver task's latest view: whether a dead process's memory is still held
+    /// ([`super::reclaim`]); each new read sweeps again while slots are kept for it.
+    pub driver: Option<watch::Receiver<Arc<DriverView>>>,
     pub reclaims: Reclaims,
     pub heartbeat: Heartbeat,
     pub stop: watch::Receiver<bool>,
@@ -63,6 +66,7 @@ impl Reclaim {
         let mut retry = interval(EXIT_RETRY);
         retry.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut pins = wiring.pins.clone();
+        let mut driver = wiring.driver.clone();
         loop {
             wiring.heartbeat.beat();
             let step = tokio::select! {
@@ -74,6 +78,12 @@ impl Reclaim {
                 }
                 _ = retry.tick(), if self.reclaimer.pending() => Step::Sweep,
                 _ = scan.tick() => Step::Scan,
+                _ = changed(&mut driver) => {
+                    if self.reclaimer.kept() == 0 {
+                        continue;
+                    }
+                    Step::Sweep
+                }
                 _ = changed(&mut pins) => {
                     if let Some(pins) = pins.as_mut() {
                         self.ledgers.set_pins(pins.borrow_and_update().clone());
@@ -98,10 +108,12 @@ impl Reclaim {
     async fn step(self, step: Step, exits: &mut mpsc::Receiver<(u32, std::time::Instant)>, wiring: &mut Wiring) -> anyhow::Result<Reclaim> {
         let reclaims = wiring.reclaims.clone();
         let heartbeat = wiring.heartbeat.clone();
+        let driver = wiring.driver.as_ref().map(|view| view.borrow().clone());
         let (_, mut queue) = mpsc::channel(1);
         std::mem::swap(exits, &mut queue);
         let work = tokio::task::spawn_blocking(move || {
             let mut state = self;
+            state.reclaimer.set_driver(driver);
             let mut late = || std::iter::from_fn(|| queue.try_recv().ok()).collect::<Vec<_>>();
             for (tgid, at) in late() {
                 state.reclaimer.exited(tgid, at);

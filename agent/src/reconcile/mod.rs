@@ -81,7 +81,9 @@
 //! see the container hold outside it ([`Reconciler::unaccounted_by_ledger`]): the memory of
 //! `unhooked` processes in its cgroups, what `tampered` processes hold beyond their
 //! charge, and what the driver reports `unprobed` processes holding beyond the probes and the
-//! ledger (their escaped bytes; all of it, context included, for one without a slot). The
+//! ledger (their escaped bytes; all of it, context included, for one without a slot), and
+//! the GPU memory no driver row explains that is attributed to one of its cgroups (the holders
+//! of the GPU's device file, [`crate::driver::gap`]). The
 //! enforced escaped bytes of each cgroup's processes go to the kernel task
 //! ([`Reconciler::escaped_by_cgroup`], published by the reconcile task): the cgroup's usage
 //! against its limit is the probes' figure plus them, and in signal mode the escaped
@@ -569,7 +571,8 @@ impl Reconciler {
     /// process of the ledger holds beyond its charge, and what the driver reports `unprobed`
     /// processes holding beyond the probes' and the ledger's figures (an `unprobed` process
     /// without a slot: all the driver reports, its context included, since no ledger charges
-    /// any of it). Ledgers without any are left out.
+    /// any of it), and the driver's unexplained memory attributed to one of the ledger's
+    /// cgroups. Ledgers without any are left out.
     pub fn unaccounted_by_ledger(&self) -> BTreeMap<String, u64> {
         let owners = self.cgroup_ledgers();
         let mut sums: BTreeMap<String, u64> = BTreeMap::new();
@@ -585,6 +588,14 @@ impl Reconciler {
                 _ => (None, 0),
             };
             if let Some(ledger) = ledger.filter(|_| bytes > 0) {
+                let sum = sums.entry(ledger.to_string()).or_default();
+                *sum = sum.saturating_add(bytes);
+            }
+        }
+        // Memory no row of the driver explains, attributed to the cgroup whose processes hold
+        // the GPU's device file (crate::driver::gap): its container's ledger is charged too.
+        for (cgroup, bytes) in self.driver.as_deref().map(attributed_gaps).unwrap_or_default() {
+            if let Some(ledger) = owners.get(&cgroup) {
                 let sum = sums.entry(ledger.to_string()).or_default();
                 *sum = sum.saturating_add(bytes);
             }
@@ -707,6 +718,23 @@ fn join_driver(
         observations.push(Observation { pid, cgroup_id, driver: Some(*process), ..Default::default() });
     }
     unjoined
+}
+
+/// The driver view's unexplained GPU memory above the tolerance, by the cgroup it is
+/// attributed to ([`crate::driver::gap`]); none unless the view answers.
+fn attributed_gaps(driver: &DriverView) -> BTreeMap<u64, u64> {
+    let mut by_cgroup = BTreeMap::new();
+    if driver.status.state != crate::driver::State::Ok {
+        return by_cgroup;
+    }
+    for device in &driver.status.devices {
+        let (Some(cgroup), Some(bytes)) = (device.gap.cgroup_id, device.gap.unexplained) else { continue };
+        if bytes > crate::driver::gap::TOLERANCE {
+            let sum: &mut u64 = by_cgroup.entry(cgroup).or_default();
+            *sum = sum.saturating_add(bytes);
+        }
+    }
+    by_cgroup
 }
 
 /// Requested bytes a slot charges, context excluded (see the module doc).

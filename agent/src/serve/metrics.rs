@@ -11,7 +11,11 @@
 //! `vramguard_driver_up`, `vramguard_driver_state{state,reason}`, `vramguard_driver_read_seconds`
 //! (registered by the driver task, which times its reads),
 //! `vramguard_driver_process_memory_bytes{pid,cgroup}`, `vramguard_driver_unattributed_bytes`
-//! (the driver's bytes of processes joined with none the agent sees) and
+//! (the driver's bytes of processes joined with none the agent sees),
+//! `vramguard_device_unexplained_bytes{device_index,device_uuid,cgroup_id}` (GPU memory no
+//! listed process explains, [`crate::driver::gap`], and the cgroup it is charged to),
+//! `vramguard_device_driver_reserve_bytes{device_index,device_uuid}`,
+//! `vramguard_driver_rows_without_figure{device_index,device_uuid}` and
 //! `vramguard_container_driver_memory_bytes{ledger}` (what the driver reports the ledger's
 //! processes and the other processes of its container's cgroups holding, contexts included),
 //! `vramguard_container_ebpf_memory_bytes{ledger}` (the
@@ -116,6 +120,9 @@ pub struct Metrics {
     driver_state: IntGaugeVec,
     driver_process: IntGaugeVec,
     driver_unattributed: IntGauge,
+    device_unexplained: IntGaugeVec,
+    device_reserve: IntGaugeVec,
+    rows_without_figure: IntGaugeVec,
     kernel_trouble: IntCounterVec,
     capped: IntGaugeVec,
     unrecorded: IntGaugeVec,
@@ -356,6 +363,15 @@ impl Metrics {
                 "GPU memory the driver (NVML) reports for processes joined with none the agent sees (vramguard audit's driver.unjoined: a pid gone, reused, or of another pid namespace)",
             )?,
         )?;
+        let device_labels = ["device_index", "device_uuid"];
+        let device_unexplained = gauge_vec(
+            &registry,
+            "vramguard_device_unexplained_bytes",
+            "GPU memory no process NVML lists explains: used less the listed processes' figures less the driver's reserve (measured with no process); cgroup_id: the cgroup it is attributed to and charged to (its processes hold the GPU's device file), empty when none",
+            &["device_index", "device_uuid", "cgroup_id"],
+        )?;
+        let device_reserve = gauge_vec(&registry, "vramguard_device_driver_reserve_bytes", "The driver's own memory on a GPU, measured with no process holding its device file", &device_labels)?;
+        let rows_without_figure = gauge_vec(&registry, "vramguard_driver_rows_without_figure", "Processes NVML lists on a GPU without a figure (NVML_VALUE_NOT_AVAILABLE): counted, their memory unexplained", &device_labels)?;
         let unhooked = registered(&registry, IntGauge::new("vramguard_unhooked_processes", "Processes holding GPU memory without a ledger slot")?)?;
         let container_ebpf = gauge_vec(
             &registry,
@@ -495,6 +511,9 @@ impl Metrics {
             driver_state,
             driver_process,
             driver_unattributed,
+            device_unexplained,
+            device_reserve,
+            rows_without_figure,
             kernel_trouble,
             capped,
             unrecorded,
@@ -664,6 +683,20 @@ impl Metrics {
         let reason = snapshot.driver.reason.as_deref().unwrap_or("");
         self.driver_state.with_label_values(&[snapshot.driver.state.name(), reason]).set(1);
         self.driver_unattributed.set(value(snapshot.driver.unjoined.iter().fold(0u64, |sum, p| sum.saturating_add(p.bytes))));
+        self.device_unexplained.reset();
+        self.device_reserve.reset();
+        self.rows_without_figure.reset();
+        for device in &snapshot.driver.devices {
+            let index = device.index.to_string();
+            if let Some(bytes) = device.gap.unexplained {
+                let cgroup = device.gap.cgroup_id.map(|id| id.to_string()).unwrap_or_default();
+                self.device_unexplained.with_label_values(&[index.as_str(), &device.uuid, &cgroup]).set(value(bytes));
+            }
+            if let Some(reserve) = device.gap.reserve {
+                self.device_reserve.with_label_values(&[index.as_str(), &device.uuid]).set(value(reserve));
+            }
+            self.rows_without_figure.with_label_values(&[index.as_str(), &device.uuid]).set(i64::from(device.unfigured));
+        }
         self.driver_process.reset();
         for row in &snapshot.processes {
             if let Some(bytes) = row.driver_bytes {

@@ -603,3 +603,60 @@ fn nvml_reports_every_processs_memory_without_cu_init() -> Result<()> {
     assert!(out.stderr.contains("error nvml-meminfo 2 Invalid Argument"), "{:?}", out.stderr);
     Ok(())
 }
+
+/// Kills a process (a forked child the test does not own) when dropped.
+struct KillOnDrop(u32);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) of a pid this test's workload forked and printed.
+        unsafe { libc::kill(self.0 as libc::pid_t, libc::SIGKILL) };
+    }
+}
+
+/// `nvml-procs` of device 0 from a process without `cuInit`: (pid, used) of each row.
+fn nvml_procs(node: &FakeNode) -> Result<Vec<(u64, u64)>> {
+    let out = node.workload().arg("--no-init").step("nvml-procs 0").run()?.success()?;
+    out.lines("nvml-proc ").map(|l| Ok((field(l, "pid")?, field(l, "used")?))).collect()
+}
+
+#[test]
+fn a_forked_child_keeps_its_parents_memory_until_it_closes_the_device() -> Result<()> {
+    let node = FakeNode::new("fork-keeps");
+    // The parent allocates, forks a child that makes no CUDA call, and _exits.
+    let out = node.workload().steps(["ctx 0", "alloc a 900m", "fork-hold", "_exit 0"]).run()?.success()?;
+    let parent = out.line("ready pid=").map(|l| field(l, "pid"))??;
+    let child = out.line("fork-hold ").map(|l| field(l, "child"))??;
+    let guard = KillOnDrop(child as u32);
+    let held = CTX + 900 * MIB;
+    assert_eq!(node.used(0)?, held, "the child holds the parent's open device file");
+    // NVML lists the pid of the process that made the memory, as the real one does.
+    assert_eq!(nvml_procs(&node)?, [(parent, held)]);
+    // Another process's allocation finds the memory taken (reaping frees nothing).
+    let small = node.workload().steps(["ctx 0", "devstat 0"]).run()?.success()?;
+    assert_eq!(field(small.line("devstat ")?, "used")?, held + CTX);
+    drop(guard);
+    e2e::wait_for(e2e::timeout(), "the child's exit releases the memory", || Ok(node.used(0)? == 0))?;
+    assert_eq!(nvml_procs(&node)?, []);
+
+    // Control: without a child, the parent's _exit releases it.
+    node.workload().steps(["ctx 0", "alloc a 900m", "_exit 0"]).run()?.success()?;
+    assert_eq!(node.used(0)?, 0);
+    Ok(())
+}
+
+#[test]
+fn a_client_without_a_channel_holds_memory_nvml_does_not_list() -> Result<()> {
+    let node = FakeNode::new("no-channel");
+    let listed = e2e::holding(node.workload(), &["ctx 0", "alloc a 10m"])?;
+    let hidden = e2e::holding(node.workload().env("FAKECUDA_NO_CHANNEL", "1"), &["ctx 0", "alloc a 100m"])?;
+    let out = node.workload().arg("--no-init").steps(["nvml-procs 0", "nvml-meminfo 0"]).run()?.success()?;
+    let rows: Vec<(u64, u64)> = out.lines("nvml-proc ").map(|l| Ok((field(l, "pid")?, field(l, "used")?))).collect::<Result<_>>()?;
+    assert_eq!(rows, [(u64::from(listed.pid()), CTX + 10 * MIB)], "only the process with a channel is listed");
+    let used = field(out.line("nvml-meminfo ")?, "used")?;
+    assert_eq!(used, 2 * CTX + 110 * MIB, "the device's used memory counts both");
+    drop(hidden);
+    e2e::wait_for(e2e::timeout(), "the hidden client's memory is released at its exit", || Ok(node.used(0)? == CTX + 10 * MIB))?;
+    drop(listed);
+    Ok(())
+}

@@ -115,6 +115,7 @@ apis! {
     NvmlSystemGetCudaDriverVersionV2 = "nvmlSystemGetCudaDriverVersion_v2",
     NvmlDeviceGetName = "nvmlDeviceGetName",
     NvmlDeviceGetIndex = "nvmlDeviceGetIndex",
+    NvmlDeviceGetMinorNumber = "nvmlDeviceGetMinorNumber",
     NvmlDeviceGetComputeRunningProcessesV3 = "nvmlDeviceGetComputeRunningProcesses_v3",
     NvmlInit = "nvmlInit",
     NvmlInitV2 = "nvmlInit_v2",

@@ -9,6 +9,7 @@
 //! | `FAKECUDA_STATE_DIR`     | directory of the device state files            | `/dev/shm` |
 //! | `FAKECUDA_TRACE`         | `1`: one stderr line per API call              | `0`        |
 //! | `FAKECUDA_FREE_SYNCHRONIZES` | `1`: `cuMemFree_v2` synchronizes the device, releasing its pools above their threshold as `cuCtxSynchronize` does (the programming guide says `cudaFree` synchronizes; whether the real driver's implicit synchronization releases pools is not documented: the knob stands for a release at a call after which the hook does not settle pools) | `0` |
+//! | `FAKECUDA_NO_CHANNEL`    | `1`: this process is a driver client without a channel: the memory it holds counts in each device's used memory, and NVML's running-process lists leave it out (see [`crate::devfile`] and docs/gpu.md) | `0` |
 //! | `FAKECUDA_NVML`          | `absent`, `fail` or `hang`: NVML misbehaves ([`crate::nvml`]) | unset |
 //! | `FAKECUDA_NVML_HANG_MS`  | how long `hang` sleeps per NVML call           | 10000      |
 //!
@@ -35,6 +36,8 @@ pub struct Config {
     pub trace: bool,
     /// `cuMemFree_v2` also does what a synchronize does to the device's pools.
     pub free_synchronizes: bool,
+    /// This process's memory is not listed by NVML (a client without a channel).
+    pub no_channel: bool,
 }
 
 /// A variable with a value the fake cannot use.
@@ -141,7 +144,8 @@ impl Config {
         };
         let trace = flag("FAKECUDA_TRACE")?;
         let free_synchronizes = flag("FAKECUDA_FREE_SYNCHRONIZES")?;
-        Ok(Config { device_count, device_bytes, context_bytes, node, state_dir, trace, free_synchronizes })
+        let no_channel = flag("FAKECUDA_NO_CHANNEL")?;
+        Ok(Config { device_count, device_bytes, context_bytes, node, state_dir, trace, free_synchronizes, no_channel })
     }
 }
 
@@ -177,5 +181,7 @@ mod tests {
         assert!(!c.free_synchronizes);
         assert!(cfg(&[("FAKECUDA_FREE_SYNCHRONIZES", "1")]).expect("flag").free_synchronizes);
         assert_eq!(cfg(&[("FAKECUDA_FREE_SYNCHRONIZES", "yes")]).expect_err("bad flag").var, "FAKECUDA_FREE_SYNCHRONIZES");
+        assert!(!c.no_channel);
+        assert!(cfg(&[("FAKECUDA_NO_CHANNEL", "1")]).expect("flag").no_channel);
     }
 }

@@ -16,6 +16,8 @@
 //!  36  high_water   u32      slots [0, high_water) may be in use; only grows (atomic)
 //! slots (slot_count x SLOT_SIZE bytes), one per process holding memory
 //!   0  pid          u32      0 = free slot
+//!   4  flags        u32      FLAG_NO_CHANNEL: NVML does not list the slot (0 in files
+//!                            written before the field: every slot listed)
 //!   8  start_time   u64      /proc/<pid>/stat field 22
 //!  16  pidns        u64      pid-namespace inode
 //!  24  charged      u64      bytes this process holds on the device
@@ -29,10 +31,21 @@
 //! if its holder dies. It does not exclude threads sharing one open file, so callers hold the
 //! driver's in-process mutex as well (every `DeviceFile` lives behind it).
 //!
-//! Device use is the sum of the `charged` fields of live slots. Slots of dead processes (pid
-//! gone, zombie, or pid reused by a process with another start time) are reaped by
-//! [`DeviceFile::reap`]. A slot is only judged by a process in the same pid namespace; slots
-//! from other namespaces are left alone.
+//! Device use is the sum of the `charged` fields of live slots.
+//!
+//! # Lifetime: the memory lives as long as the open file
+//!
+//! The real driver ties a process's memory to its open device files (`/dev/nvidiactl`,
+//! `/dev/nvidia<N>`), not to its pid: it is released when the last descriptor of those files
+//! closes. A child made by `fork` shares its parent's open files, so it keeps the parent's
+//! memory after the parent exits, until the child closes them or exits (docs/gpu.md has the
+//! facts this mirrors). The fake models it with an open-file-description lock
+//! (`F_OFD_SETLK`, one byte past the end of the file at [`LOCK_BASE`] + slot index): the
+//! process that claims a slot locks its byte through its own descriptor of this file; the
+//! kernel drops the lock when the last descriptor sharing that open file closes, whoever
+//! holds it (a forked child included), and at no other time. A slot whose byte no one holds
+//! is dead and is reaped by [`DeviceFile::reap`] (a zombie has closed its files: dead too).
+//! The rule holds across pid namespaces: the kernel's locks are the machine's.
 
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -43,7 +56,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use cuda_abi::{CUresult, CUDA_ERROR_OPERATING_SYSTEM, CUDA_ERROR_OUT_OF_MEMORY};
 
-use crate::procinfo::{self, ProcId};
+use crate::procinfo::ProcId;
 
 pub const MAGIC: [u8; 8] = *b"FAKECUDA";
 pub const VERSION: u32 = 1;
@@ -54,9 +67,17 @@ const FILE_SIZE: usize = HEADER_SIZE + SLOT_SIZE * SLOT_COUNT;
 
 const OFF_HIGH_WATER: usize = 36;
 const OFF_PID: usize = 0;
+const OFF_FLAGS: usize = 4;
 const OFF_START: usize = 8;
 const OFF_PIDNS: usize = 16;
 const OFF_CHARGED: usize = 24;
+
+/// Slot flag: the process is a driver client without a channel, which NVML's running-process
+/// lists leave out (its memory counts in the device's `used` all the same).
+pub const FLAG_NO_CHANNEL: u32 = 1;
+
+/// Offset of slot 0's lock byte: past the end of any valid file (locks may lie beyond it).
+pub const LOCK_BASE: i64 = 1 << 40;
 
 /// Why a device file could not be used: a one-line message for stderr and the result code.
 #[derive(Debug)]
@@ -293,8 +314,39 @@ impl DeviceFile {
         }
     }
 
+    /// One OFD-lock request on `slot`'s byte: `F_OFD_SETLK` with `F_WRLCK` (take),
+    /// `F_UNLCK` (give back), or `F_OFD_GETLK` (ask). Returns the `flock` as the kernel left it.
+    fn slot_lock(&self, slot: usize, cmd: libc::c_int, kind: libc::c_short) -> io::Result<libc::flock> {
+        // SAFETY: an all-zero flock is a valid value (l_pid must be 0 for OFD locks).
+        let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+        fl.l_type = kind;
+        fl.l_whence = libc::SEEK_SET as libc::c_short;
+        fl.l_start = LOCK_BASE + slot as i64;
+        fl.l_len = 1;
+        loop {
+            // SAFETY: fcntl on a descriptor owned by `self.file`, with a valid flock pointer.
+            let rc = unsafe { libc::fcntl(self.file.as_raw_fd(), cmd, &mut fl) };
+            if rc == 0 {
+                return Ok(fl);
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+    }
+
+    /// Whether some open file of this device file other than ours holds `slot`'s lock: its
+    /// memory is still held. An error of the kernel counts as held (never free what may be
+    /// in use).
+    fn held_elsewhere(&self, slot: usize) -> bool {
+        self.slot_lock(slot, libc::F_OFD_GETLK, libc::F_WRLCK as libc::c_short)
+            .map_or(true, |fl| fl.l_type != libc::F_UNLCK as libc::c_short)
+    }
+
     fn clear_slot(&self, slot: usize) {
         self.u64_at(slot, OFF_CHARGED).store(0, Ordering::Relaxed);
+        self.u32_at(slot, OFF_FLAGS).store(0, Ordering::Relaxed);
         self.u64_at(slot, OFF_START).store(0, Ordering::Relaxed);
         self.u64_at(slot, OFF_PIDNS).store(0, Ordering::Relaxed);
         self.u32_at(slot, OFF_PID).store(0, Ordering::Relaxed);
@@ -307,37 +359,31 @@ impl DeviceFile {
             .fold(0u64, |sum, s| sum.saturating_add(self.u64_at(s, OFF_CHARGED).load(Ordering::Relaxed)))
     }
 
-    /// `(who, bytes)` of every process holding memory on the device.
-    pub fn holders(&self, _lock: &Locked<'_>) -> Vec<(ProcId, u64)> {
+    /// `(who, bytes, flags)` of every process holding memory on the device.
+    pub fn holders(&self, _lock: &Locked<'_>) -> Vec<(ProcId, u64, u32)> {
         self.live_slots()
-            .map(|s| (self.slot_owner(s), self.u64_at(s, OFF_CHARGED).load(Ordering::Relaxed)))
-            .filter(|&(owner, bytes)| owner.pid != 0 && bytes != 0)
+            .map(|s| (self.slot_owner(s), self.u64_at(s, OFF_CHARGED).load(Ordering::Relaxed), self.u32_at(s, OFF_FLAGS).load(Ordering::Relaxed)))
+            .filter(|&(owner, bytes, _)| owner.pid != 0 && bytes != 0)
             .collect()
     }
 
-    /// Frees the slots of dead processes; returns how many bytes that gave back.
+    /// Frees the slots whose memory no open file holds any more (see the module doc); returns
+    /// how many bytes that gave back. `me`'s own slot is never freed here.
     pub fn reap(&self, _lock: &Locked<'_>, me: &ProcId) -> u64 {
         let mut freed = 0u64;
         for s in self.live_slots() {
             let owner = self.slot_owner(s);
-            if owner.pid == 0 || owner.pidns != me.pidns {
+            if owner.pid == 0 || owner == *me || self.held_elsewhere(s) {
                 continue;
             }
-            let dead = if owner.pid == me.pid {
-                owner.start_time != me.start_time
-            } else {
-                !procinfo::is_alive(owner.pid, owner.start_time)
-            };
-            if dead {
-                freed = freed.saturating_add(self.u64_at(s, OFF_CHARGED).load(Ordering::Relaxed));
-                self.clear_slot(s);
-            }
+            freed = freed.saturating_add(self.u64_at(s, OFF_CHARGED).load(Ordering::Relaxed));
+            self.clear_slot(s);
         }
         freed
     }
 
     /// Finds `me`'s slot (trying `hint` first), or claims a free one.
-    fn slot_for(&self, me: &ProcId, hint: Option<usize>, claim: bool) -> Option<usize> {
+    fn slot_for(&self, me: &ProcId, hint: Option<usize>, claim: bool, flags: u32) -> Option<usize> {
         if let Some(h) = hint.filter(|&h| self.live_slots().contains(&h)) {
             if self.slot_owner(h) == *me {
                 return Some(h);
@@ -349,12 +395,17 @@ impl DeviceFile {
         if !claim {
             return None;
         }
-        // The lowest free slot, so the high-water mark stays low.
-        let s = (0..self.slot_count).find(|&s| self.u32_at(s, OFF_PID).load(Ordering::Relaxed) == 0)?;
+        // The lowest free slot whose lock this open file can take, so the high-water mark
+        // stays low.
+        let s = (0..self.slot_count).find(|&s| {
+            self.u32_at(s, OFF_PID).load(Ordering::Relaxed) == 0
+                && self.slot_lock(s, libc::F_OFD_SETLK, libc::F_WRLCK as libc::c_short).is_ok()
+        })?;
         if s >= self.live_slots().end {
             self.high_water().store(s as u32 + 1, Ordering::Relaxed);
         }
         self.u64_at(s, OFF_CHARGED).store(0, Ordering::Relaxed);
+        self.u32_at(s, OFF_FLAGS).store(flags, Ordering::Relaxed);
         self.u64_at(s, OFF_START).store(me.start_time, Ordering::Relaxed);
         self.u64_at(s, OFF_PIDNS).store(me.pidns, Ordering::Relaxed);
         self.u32_at(s, OFF_PID).store(me.pid, Ordering::Relaxed);
@@ -363,8 +414,9 @@ impl DeviceFile {
 
     /// Changes what `me` holds on the device from `current` to `new` bytes. Growing fails with
     /// `CUDA_ERROR_OUT_OF_MEMORY` (charging nothing) when the device cannot hold it, after
-    /// reaping dead processes once. `hint` caches `me`'s slot index between calls.
-    pub fn recharge(&self, me: &ProcId, hint: &mut Option<usize>, current: u64, new: u64) -> Result<(), CUresult> {
+    /// reaping dead processes once. `hint` caches `me`'s slot index between calls; `flags`
+    /// ([`FLAG_NO_CHANNEL`]) go into a slot this call claims.
+    pub fn recharge(&self, me: &ProcId, hint: &mut Option<usize>, current: u64, new: u64, flags: u32) -> Result<(), CUresult> {
         if current == new {
             return Ok(());
         }
@@ -374,7 +426,7 @@ impl DeviceFile {
             let fits = |dev: &Self| {
                 // Our own slot holds `current` (or nothing if it was lost); count it as ours.
                 let mine = dev
-                    .slot_for(me, *hint, false)
+                    .slot_for(me, *hint, false, 0)
                     .map(|s| dev.u64_at(s, OFF_CHARGED).load(Ordering::Relaxed))
                     .unwrap_or(0);
                 let others = dev.used(&lock).saturating_sub(mine);
@@ -388,17 +440,17 @@ impl DeviceFile {
             }
         }
         if new == 0 {
-            if let Some(s) = self.slot_for(me, *hint, false) {
+            if let Some(s) = self.slot_for(me, *hint, false, 0) {
                 self.clear_slot(s);
             }
             *hint = None;
             return Ok(());
         }
-        let slot = match self.slot_for(me, *hint, true) {
+        let slot = match self.slot_for(me, *hint, true, flags) {
             Some(s) => s,
             None => {
                 self.reap(&lock, me);
-                self.slot_for(me, None, true).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?
+                self.slot_for(me, None, true, flags).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?
             }
         };
         self.u64_at(slot, OFF_CHARGED).store(new, Ordering::Relaxed);

@@ -418,12 +418,13 @@ impl Driver {
     fn recharge(&mut self, dev: usize, change: impl FnOnce(&mut Usage) -> Option<()>) -> R<()> {
         let context_bytes = self.cfg.context_bytes;
         let me = self.me;
+        let flags = if self.cfg.no_channel { crate::devfile::FLAG_NO_CHANNEL } else { 0 };
         let d = self.devs.get_mut(dev).ok_or(CUDA_ERROR_INVALID_DEVICE)?;
         let mut usage = d.usage;
         change(&mut usage).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
         let current = d.usage.footprint(context_bytes).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
         let new = usage.footprint(context_bytes).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
-        d.file.recharge(&me, &mut d.slot_hint, current, new)?;
+        d.file.recharge(&me, &mut d.slot_hint, current, new, flags)?;
         d.usage = usage;
         Ok(())
     }

@@ -3,7 +3,8 @@
 //!
 //! Devices are machine-wide like real GPUs: each lives in a shared-memory state file that all
 //! processes map ([`devfile`]), so concurrent processes compete for the same memory, and a
-//! dead process's memory returns to the device. Allocation granularity, context reserve,
+//! process's memory returns to the device when the last holder of its open device file (the
+//! process, or a child it forked) closes it. Allocation granularity, context reserve,
 //! stream-ordered pools and VMM handles follow what was measured on an H100 ([`driver`]).
 //! Configuration comes from `FAKECUDA_*` environment variables ([`config`]). The exported
 //! entry points are in [`exports`] (arrays in [`resources`], graphs, stream capture and graph

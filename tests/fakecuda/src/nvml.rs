@@ -4,18 +4,25 @@
 //! start: `nvmlInit_v2` / `nvmlInit` / `nvmlInitWithFlags`, `nvmlShutdown`,
 //! `nvmlSystemGetDriverVersion`, `nvmlSystemGetCudaDriverVersion(_v2)`,
 //! `nvmlDeviceGetCount_v2`, `nvmlDeviceGetHandleByIndex_v2`, `nvmlDeviceGetIndex`,
+//! `nvmlDeviceGetMinorNumber` (the index: device `i`'s file is `<node>-dev<i>`, as
+//! `/dev/nvidia<minor>` is a real GPU's),
 //! `nvmlDeviceGetName`, `nvmlDeviceGetUUID`, `nvmlDeviceGetMemoryInfo`,
 //! `nvmlDeviceGetMemoryInfo_v2`, `nvmlDeviceGetComputeRunningProcesses_v3` and
 //! `nvmlErrorString`, with `nvml.h`'s signatures and result codes ([`cuda_abi::nvml`]).
 //! A tool's other queries find no symbol, which pynvml reports as
 //! `NVML_ERROR_FUNCTION_NOT_FOUND` and the tools show as N/A.
 //!
+//! Running processes are those with a channel: a process started with
+//! `FAKECUDA_NO_CHANNEL=1` holds memory (in `used`) that no list shows, as a real driver
+//! client without a channel does (docs/gpu.md).
+//!
 //! Names are `NVIDIA H100 80GB HBM3` (the fake's devices are H100-like, see
 //! [`crate::attributes`]); the driver version is `580.65.06` (a CUDA 13.0 driver, as
 //! `cuDriverGetVersion` says). Running processes are every live process's slot in the
 //! device file, with the bytes it holds (`usedGpuMemory`: its contexts, allocations, VMM
 //! handles and pools' reserved memory through every copy of the fake, a pool's going down at
-//! the synchronize that releases it, and all of it when the process exits); the pids are those the processes have in
+//! the synchronize that releases it, and all of it when the last holder of the process's open
+//! device file closes it: at its exit, or a forked child's, [`crate::devfile`]); the pids are those the processes have in
 //! the caller's pid namespace, as the real NVML reports them (a process the caller cannot
 //! see, in another container's namespace seen from inside one, is left out).
 //!
@@ -59,7 +66,7 @@ use cuda_abi::gpu_uuid_text;
 
 use crate::api::Api;
 use crate::config::{Config, MAX_DEVICES};
-use crate::devfile::DeviceFile;
+use crate::devfile::{DeviceFile, FLAG_NO_CHANNEL};
 use crate::driver::{self, count};
 use crate::exports::device_uuid;
 use crate::procinfo::{self, ProcId};
@@ -342,6 +349,15 @@ pub unsafe extern "C" fn nvmlDeviceGetIndex(device: nvmlDevice_t, index: *mut c_
     })
 }
 
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetMinorNumber(device: nvmlDevice_t, minorNumber: *mut c_uint) -> nvmlReturn_t {
+    with_nvml(Api::NvmlDeviceGetMinorNumber, |n| {
+        let i = n.index(device)?;
+        // SAFETY: the caller passes NULL or a valid unsigned int pointer.
+        unsafe { out(minorNumber, i as c_uint) }
+    })
+}
+
 /// As NVML: with `*infoCount` too small (or `infos` NULL while processes exist) the count
 /// needed is written and `NVML_ERROR_INSUFFICIENT_SIZE` returned.
 #[no_mangle]
@@ -361,7 +377,13 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
             file.holders(&lock)
         };
         // Pids as the caller sees them; processes it cannot see are left out.
-        let procs: Vec<(u32, u64)> = holders.iter().filter_map(|(owner, bytes)| Some((procinfo::pid_seen_by(owner, &n.me)?, *bytes))).collect();
+        // Clients without a channel are not running processes to NVML (their memory is in
+        // the device's `used` all the same).
+        let procs: Vec<(u32, u64)> = holders
+            .iter()
+            .filter(|(_, _, flags)| flags & FLAG_NO_CHANNEL == 0)
+            .filter_map(|(owner, bytes, _)| Some((procinfo::pid_seen_by(owner, &n.me)?, *bytes)))
+            .collect();
         // SAFETY: non-null, and the caller passes a valid unsigned int pointer.
         let room = unsafe { infoCount.read() } as usize;
         // SAFETY: as above.

@@ -91,6 +91,9 @@ Each argument (or script line; # starts a comment) is one step. Sizes take k/m/g
   timed STEP...           runs STEP; prints: timed ns=N (its wall-clock duration)
   checkpoint NAME         prints: checkpoint NAME, then waits for a line (or EOF) on stdin
   sleep MS | hold | exit CODE | kill
+  _exit CODE              _exit(2): no atexit handlers, no destructors
+  fork-hold               fork; the child makes no CUDA call and sleeps until killed (it keeps
+                          the parent's open files); prints: fork-hold child=PID
   stress THREADS PAIRS SIZE   prints: stress pairs=N
   race-free THREADS ROUNDS SIZE
                           each round cuMemAlloc_v2s SIZE, then THREADS threads cuMemFree_v2
@@ -914,6 +917,38 @@ impl Runner {
             Step::Exit(code) => {
                 let _ = std::io::stdout().flush();
                 std::process::exit(*code);
+            }
+            Step::RawExit(code) => {
+                let _ = std::io::stdout().flush();
+                // SAFETY: _exit(2) ends the process at once; nothing runs after it.
+                unsafe { libc::_exit(*code) }
+            }
+            Step::ForkHold => {
+                let _ = std::io::stdout().flush();
+                // SAFETY: fork(2); no other thread of this process runs at this point (steps
+                // join the threads they start). The child only sleeps (async-signal-safe).
+                let pid = unsafe { libc::fork() };
+                if pid < 0 {
+                    return Err(Err(format!("fork: {}", std::io::Error::last_os_error())));
+                }
+                if pid == 0 {
+                    // SAFETY: open(2) and dup2(2) of a static path (async-signal-safe): the
+                    // child lets go of the test's stdout and stderr pipes, so the test sees
+                    // them end when the parent does.
+                    unsafe {
+                        let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR);
+                        if null >= 0 {
+                            libc::dup2(null, 1);
+                            libc::dup2(null, 2);
+                        }
+                    }
+                    loop {
+                        // SAFETY: pause(2) waits for a signal; the default action of the
+                        // test's SIGKILL or SIGTERM ends the child.
+                        unsafe { libc::pause() };
+                    }
+                }
+                say!("fork-hold child={pid}");
             }
             Step::Kill => {
                 let _ = std::io::stdout().flush();

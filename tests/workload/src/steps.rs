@@ -107,6 +107,12 @@ pub enum Step {
     Bench { pairs: u64, size: u64 },
     Hold,
     Exit(i32),
+    /// `_exit(CODE)`: no atexit handlers, no destructors (what a crashing or `os._exit`ing
+    /// parent does).
+    RawExit(i32),
+    /// `fork`; the child makes no CUDA call and sleeps until killed (a forked worker that
+    /// keeps the parent's open device files).
+    ForkHold,
     Kill,
     Procaddr { query: String, export: Option<String>, version: i32, flags: u64 },
     Dlsym(Vec<String>),
@@ -208,6 +214,8 @@ impl Step {
             Step::Bench { .. } => "bench",
             Step::Hold => "hold",
             Step::Exit(_) => "exit",
+            Step::RawExit(_) => "_exit",
+            Step::ForkHold => "fork-hold",
             Step::Kill => "kill",
             Step::Procaddr { .. } => "procaddr",
             Step::Dlsym(_) => "dlsym",
@@ -506,6 +514,14 @@ impl Step {
             "exit" => {
                 want(1, "exit CODE")?;
                 Step::Exit(i32::try_from(int(args[0])?).map_err(|_| err("bad exit code"))?)
+            }
+            "_exit" => {
+                want(1, "_exit CODE")?;
+                Step::RawExit(i32::try_from(int(args[0])?).map_err(|_| err("bad exit code"))?)
+            }
+            "fork-hold" => {
+                want(0, "fork-hold")?;
+                Step::ForkHold
             }
             "kill" => {
                 want(0, "kill")?;
