@@ -74,7 +74,8 @@ const ATTACH_REQUESTS: usize = 1;
 /// within the kubelet's grace period (30 s by default), whatever state a task is in.
 const STOP_RECONCILE: Duration = Duration::from_millis(1500);
 const STOP_OTHERS: Duration = Duration::from_millis(1500);
-const STOP_KERNEL: Duration = Duration::from_secs(1);
+/// (A kernel task that runs ends at once when told: it is past this only if stuck.)
+const STOP_KERNEL: Duration = Duration::from_millis(300);
 
 /// `vramguard audit` requests waiting for the reconcile task.
 const AUDIT_QUEUE: usize = 16;
