@@ -7,7 +7,7 @@ usage: validate_manifests.py KUBERNETES_VERSION ROOT
 - The Prometheus Operator's CRDs (ServiceMonitor, PrometheusRule), which those schemas do
   not include: the fields this project uses, checked by hand below.
 - Cross-checks against the agent's source: every vramguard_* metric a manifest names is
-  registered in agent/src/serve/metrics.rs, and every `vramguard run` flag the DaemonSet passes is
+  registered in agent/src/serve/ (or a room's metrics.rs), and every `vramguard run` flag the DaemonSet passes is
   declared in agent/src/run.rs or in an argument struct under agent/src/provision/ that
   `RunArgs` flattens.
 - YAML itself: every document parses, and no mapping repeats a key.
@@ -128,7 +128,7 @@ def check_agent_names(doc, metrics_source, run_source):
     for name in sorted(set(re.findall(r"\bvramguard_[a-z_]+", text))):
         base = re.sub(r"_(bucket|sum|count)$", "", name)
         if name not in registered and base not in registered:
-            errors.append(f"metric {name}: not registered in agent/src/serve/metrics.rs")
+            errors.append(f"metric {name}: not registered in agent/src/serve/ or a metrics.rs of the agent")
     if doc.get("kind") == "DaemonSet":
         for container in doc["spec"]["template"]["spec"].get("containers", []):
             args = container.get("args") or []
@@ -167,7 +167,10 @@ def check_document(doc, path, version, metrics_source, run_source):
 
 def main():
     version, root = sys.argv[1], pathlib.Path(sys.argv[2])
-    metrics_source = (root / "agent/src/serve/metrics.rs").read_text()
+    # The families the agent serves: the metrics page's, the tasks' liveness added at each
+    # scrape (serve/health.rs), and the rooms' own (their metrics.rs).
+    metrics_source = "\n".join(p.read_text() for p in sorted({*(root / "agent/src/serve").glob("*.rs"),
+                                                             *(root / "agent/src").rglob("metrics.rs")}))
     # `vramguard run`'s flags: RunArgs, and the argument structs it flattens.
     run_source = "\n".join(p.read_text() for p in [root / "agent/src/run.rs",
                                                    *sorted((root / "agent/src/provision").rglob("*.rs"))])
