@@ -554,10 +554,10 @@ mod tests {
    inference (stderr): vramguard: GPU memory quota exceeded on device 0: 1073741824 bytes requested, 603979776 of 1073741824 bytes in use (ledger /tmp/r/inference/ledger); returning CUDA_ERROR_OUT_OF_MEMORY
 
 == all three hold GPU memory: vramguard audit
-     PID  COMM             CGROUP                                       DEVICE    MANAGED      ASYNC        VMM      TOTAL  ALLOCS     LEDGER  STATE
-     101  fakecuda-worklo  /vramguard-test-demo-training-1-0           1.5 GiB   64.0 MiB        0 B        0 B    1.6 GiB       3    1.6 GiB  ok
-     102  fakecuda-worklo  /vramguard-test-demo-inference-1-1        512.0 MiB        0 B        0 B        0 B  512.0 MiB       1  512.0 MiB  ok
-     103  fakecuda-worklo  /vramguard-test-demo-batch-1-2              2.0 GiB        0 B        0 B  512.0 MiB    2.5 GiB       2          -  unhooked
+     PID  COMM             CGROUP                                       DEVICE    MANAGED      ASYNC        VMM      TOTAL  ALLOCS     LEDGER     DRIVER  STATE
+     101  fakecuda-worklo  /vramguard-test-demo-training-1-0           1.5 GiB   64.0 MiB        0 B        0 B    1.6 GiB       3    1.6 GiB    1.7 GiB  ok
+     102  fakecuda-worklo  /vramguard-test-demo-inference-1-1        512.0 MiB        0 B        0 B        0 B  512.0 MiB       1  512.0 MiB  576.0 MiB  ok
+     103  fakecuda-worklo  /vramguard-test-demo-batch-1-2              2.0 GiB        0 B        0 B  512.0 MiB    2.5 GiB       2          -    2.6 GiB  unhooked
 libcuda probed: /x/fakecuda/libcuda.so.1; events: 9 received, 0 lost
 -- GET /metrics (selected lines)
    vramguard_container_rejections_total{container="main",device_index="0",ledger="/tmp/r/inference/ledger",namespace="demo",pod="inference",pod_uid=""} 1
