@@ -32,6 +32,8 @@ use serde_json::{json, Value};
 use e2e::{agent::Agent, timeout, wait_for};
 use tokio::{sync::mpsc, task::AbortHandle};
 
+pub mod resource;
+
 pub const NODE: &str = "gpu-node-7";
 pub const TOKEN: &str = "e2e-service-account-token";
 pub const RESOURCE: &str = "vramguard.io/gpu-memory";
@@ -69,6 +71,9 @@ pub struct ApiState {
     pub watches: Vec<mpsc::UnboundedSender<Bytes>>,
     pub version: u64,
     pub mode: Mode,
+    /// resource.k8s.io/v1 ([`resource`]): ResourceClaims (with their allocation), the
+    /// driver's ResourceSlices, DeviceClasses.
+    pub resource: resource::Resources,
     /// The connections being served, to cut when the mode changes.
     connections: Vec<AbortHandle>,
     /// The listener's task (aborted: connections refused).
@@ -95,9 +100,9 @@ impl Body for Events {
     }
 }
 
-type Answer = Response<BoxBody<Bytes, Infallible>>;
+pub(crate) type Answer = Response<BoxBody<Bytes, Infallible>>;
 
-fn answer(status: StatusCode, value: &Value) -> Answer {
+pub(crate) fn answer(status: StatusCode, value: &Value) -> Answer {
     Response::builder()
         .status(status)
         .header(CONTENT_TYPE, "application/json")
@@ -105,7 +110,7 @@ fn answer(status: StatusCode, value: &Value) -> Answer {
         .expect("a response")
 }
 
-fn status(code: StatusCode, reason: &str, message: &str) -> Answer {
+pub(crate) fn status(code: StatusCode, reason: &str, message: &str) -> Answer {
     let body = json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message, "reason": reason, "code": code.as_u16()});
     answer(code, &body)
 }
@@ -297,6 +302,10 @@ async fn serve(state: &Mutex<ApiState>, request: Request<Incoming>) -> Answer {
                 state.node["status"]["capacity"][key.replace("~1", "/").replace("~0", "~")] = op["value"].clone();
             }
             answer(StatusCode::OK, &state.node.clone())
+        }
+        (method, ["apis", "resource.k8s.io", "v1", rest @ ..]) => {
+            let asked = resource::Asked { method, rest, query: &query, body: &body };
+            resource::serve(&mut state, asked).unwrap_or_else(|| status(StatusCode::NOT_FOUND, "NotFound", "the server could not find the requested resource"))
         }
         _ => status(StatusCode::NOT_FOUND, "NotFound", "the server could not find the requested resource"),
     }
