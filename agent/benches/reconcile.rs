@@ -15,7 +15,7 @@ use std::{hint::black_box, path::PathBuf};
 
 use agent::{
     ledgers::Ledgers,
-    serve::metrics::Metrics,
+    reconcile::metrics::Metrics,
     reconcile::{Config, EbpfProcess, Reconciler},
     snapshot::{ProcessRow, Snapshot},
 };

@@ -5,6 +5,7 @@ pub mod discovery;
 pub mod dra;
 pub mod driver;
 pub mod fault;
+pub mod glob;
 pub mod identity;
 pub mod inspect;
 pub mod kernel;

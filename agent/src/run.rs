@@ -49,10 +49,11 @@ use crate::{
     provision::{self, ProvisionArgs, Provisioner},
     reconcile::{
         self,
+        metrics::Metrics,
         task::{not_ready, Judge, Provisioning},
         Reconciler,
     },
-    serve::{self, control, health::Health, metrics::Metrics, Publisher},
+    serve::{self, control, health::Health, Publisher},
     task::{Liveness, Tasks},
 };
 

@@ -1,10 +1,14 @@
 //! The agent's view of GPU memory at one instant, as `vramguard audit` receives it over the
-//! control socket and prints it (a table, or `--json`).
+//! control socket and prints it (a table, or `--json`), and the types the rooms hand each other
+//! through it: what the kernel task reports (processes, escaped processes, external memory),
+//! what discovery counts, a process's reconciliation state. The module is below the rooms that
+//! fill and read it (kernel, discovery, reconcile, serve): it names their types, never their
+//! code, so that none of them depends on another through it.
 use std::{collections::BTreeMap, fmt::Write as _};
 
 use serde::{Deserialize, Serialize};
 
-use crate::{discovery::DiscoveryStats, kernel::probes::AttachReport, reconcile::State};
+use crate::libcuda::AttachReport;
 
 /// Live bytes by allocation kind (`device`, `managed`, `async`, `vmm`).
 pub type BytesByKind = BTreeMap<String, u64>;
@@ -50,7 +54,124 @@ pub struct Snapshot {
     /// Imported external memory (`cuImportExternalMemory`), live, per process and cgroup:
     /// shown, never charged.
     #[serde(default)]
-    pub external_memory: crate::kernel::extmem::ExternalMemory,
+    pub external_memory: ExternalMemory,
+}
+
+/// A process's reconciliation state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum State {
+    Ok,
+    Drift,
+    Unhooked,
+    Stale,
+    Tampered,
+    Unprobed,
+}
+
+impl State {
+    pub const ALL: [State; 6] = [State::Ok, State::Drift, State::Unhooked, State::Stale, State::Tampered, State::Unprobed];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            State::Ok => "ok",
+            State::Drift => "drift",
+            State::Unhooked => "unhooked",
+            State::Stale => "stale",
+            State::Tampered => "tampered",
+            State::Unprobed => "unprobed",
+        }
+    }
+}
+
+/// One process as the probes see it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EbpfProcess {
+    /// Host pid.
+    pub pid: u32,
+    /// The probes' generation of the process (its entry's creation time): a pid reused by a
+    /// new process gets a new one.
+    pub generation: u64,
+    pub cgroup_id: u64,
+    /// Live requested bytes.
+    pub bytes: u64,
+    /// Bytes of its stream-ordered allocations it freed that their pools may still keep, as
+    /// the probes count them (`common::ProcUsage::pool_kept`).
+    pub pool_kept: u64,
+}
+
+/// A process holding memory the probes do not see, as the kernel task sees it, to hold its
+/// container to its limit ([`crate::kernel::enforce`]): which process (host pid and the start
+/// time the driver's row was joined with, so that a pid reused since is never signalled) and
+/// the bytes it holds that the probes cannot see, as two consecutive driver reads showed them
+/// ([`crate::reconcile::Verdict::enforced_bytes`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EscapedProcess {
+    pub pid: u32,
+    pub start_time: u64,
+    pub bytes: u64,
+}
+
+/// Per cgroup id: its processes with escaped bytes, largest first.
+pub type EscapedByCgroup = BTreeMap<u64, Vec<EscapedProcess>>;
+
+/// Imported external memory, live (imported and not destroyed), as the audit shows it.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ExternalMemory {
+    /// One row per process with a live import, by pid.
+    pub processes: Vec<ExternalRow>,
+    /// One row per cgroup with a live import, by cgroup id.
+    pub cgroups: Vec<ExternalRow>,
+}
+
+/// One process's or cgroup's live imports.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ExternalRow {
+    /// Host pid (0 in a cgroup's row).
+    #[serde(default)]
+    pub pid: u32,
+    pub cgroup_id: u64,
+    /// Path under the cgroup2 root; empty if the cgroup is gone.
+    pub cgroup: String,
+    /// Live imports with a record, and the bytes their descriptors gave.
+    pub imports: u64,
+    pub bytes: u64,
+    /// Imports past the cgroup's record cap: counted, their bytes unknown.
+    pub unrecorded: u64,
+}
+
+/// A file discovery looked at and did not probe, as `vramguard audit` lists it.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct SkippedFile {
+    pub path: String,
+    pub dev: u64,
+    pub ino: u64,
+    /// `pid N` (the process it was found in), `--libcuda` or `well-known path`.
+    pub origin: String,
+    pub reason: String,
+}
+
+/// Discovery's counters, for `vramguard audit` and the metrics.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct DiscoveryStats {
+    /// Files with probes (`--libcuda`, well-known and discovered).
+    pub probed: u64,
+    /// Files that failed to open, parse or attach (each version of a file once).
+    pub failed: u64,
+    /// Libcuda files left unprobed by a cap.
+    pub capped: u64,
+    /// Containers (cgroups) that reached their cap.
+    pub capped_containers: u64,
+    /// Processes whose `/proc/<pid>/maps` went over the agent's bounds (each reported once).
+    #[serde(default)]
+    pub maps_over_bound: u64,
+    /// Files and processes' maps whose reading panicked (a bug the tenant's bytes found):
+    /// each skipped, remembered like a failed file, and counted.
+    #[serde(default)]
+    pub panicked: u64,
+    /// The most recent files skipped for a reason worth telling (failures, caps, files named
+    /// like a libcuda that are not one), newest last.
+    pub skipped: Vec<SkippedFile>,
 }
 
 /// The cgroup ids with an entry in each per-cgroup kernel map, ascending.

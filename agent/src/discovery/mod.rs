@@ -41,7 +41,8 @@ use std::{
 };
 
 use anyhow::{bail, Context, Result};
-use serde::{Deserialize, Serialize};
+
+pub use crate::snapshot::{DiscoveryStats, SkippedFile};
 use tracing::{debug, info, warn};
 
 use crate::{
@@ -135,40 +136,6 @@ pub fn identify(file: &File, size: u64) -> Result<Identity, elf::ElfError> {
 pub struct Caps {
     pub per_container: usize,
     pub per_node: usize,
-}
-
-/// A file discovery looked at and did not probe, as `vramguard audit` lists it.
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
-pub struct SkippedFile {
-    pub path: String,
-    pub dev: u64,
-    pub ino: u64,
-    /// `pid N` (the process it was found in), `--libcuda` or `well-known path`.
-    pub origin: String,
-    pub reason: String,
-}
-
-/// Discovery's counters, for `vramguard audit` and the metrics.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub struct DiscoveryStats {
-    /// Files with probes (`--libcuda`, well-known and discovered).
-    pub probed: u64,
-    /// Files that failed to open, parse or attach (each version of a file once).
-    pub failed: u64,
-    /// Libcuda files left unprobed by a cap.
-    pub capped: u64,
-    /// Containers (cgroups) that reached their cap.
-    pub capped_containers: u64,
-    /// Processes whose `/proc/<pid>/maps` went over the agent's bounds (each reported once).
-    #[serde(default)]
-    pub maps_over_bound: u64,
-    /// Files and processes' maps whose reading panicked (a bug the tenant's bytes found):
-    /// each skipped, remembered like a failed file, and counted.
-    #[serde(default)]
-    pub panicked: u64,
-    /// The most recent files skipped for a reason worth telling (failures, caps, files named
-    /// like a libcuda that are not one), newest last.
-    pub skipped: Vec<SkippedFile>,
 }
 
 /// What looking at one file came to.

@@ -27,8 +27,7 @@ use common::{journal, names, stat, AllocKey, AllocKind, AllocRecord, CgroupUsage
 use super::{extmem::External, index::Index, trouble::Counters};
 use crate::{
     cgroup::CgroupNames,
-    reconcile::EbpfProcess,
-    snapshot::{BytesByKind, CgroupRow, KernelMaps, ProcessRow, Snapshot, Stats},
+    snapshot::{BytesByKind, CgroupRow, EbpfProcess, KernelMaps, ProcessRow, Snapshot, Stats},
 };
 
 pub struct Accounting {

@@ -66,7 +66,8 @@ use common::{enforce, names, CgroupLimit};
 
 use crate::{
     cgroup::CgroupNames,
-    reconcile::{EscapedByCgroup, EscapedProcess},
+    glob::matches,
+    snapshot::{EscapedByCgroup, EscapedProcess},
 };
 
 /// What the probes do with an allocation over its cgroup's limit.
@@ -119,25 +120,6 @@ pub fn parse_rules(text: &str) -> Result<Vec<Rule>> {
         rules.push(Rule { pattern: pattern.to_string(), limit });
     }
     Ok(rules)
-}
-
-/// Whether `text` matches `pattern`, where `*` matches any run of characters.
-pub(crate) fn matches(pattern: &str, text: &str) -> bool {
-    let mut parts = pattern.split('*');
-    let first = parts.next().unwrap_or("");
-    let Some(mut rest) = text.strip_prefix(first) else { return false };
-    let parts: Vec<&str> = parts.collect();
-    for (index, part) in parts.iter().enumerate() {
-        let last = index + 1 == parts.len();
-        if last {
-            return rest.ends_with(part);
-        }
-        match rest.find(part) {
-            Some(at) => rest = &rest[at + part.len()..],
-            None => return false,
-        }
-    }
-    rest.is_empty()
 }
 
 /// The rules and the kernel map they are pushed into.
@@ -534,18 +516,6 @@ pub fn deny_support(ebpf: &mut Ebpf) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn patterns() {
-        assert!(matches("/a/b", "/a/b"));
-        assert!(!matches("/a/b", "/a/bc"));
-        assert!(matches("/kubepods/*", "/kubepods/pod1/c1"));
-        assert!(matches("/kubepods/*pod1*", "/kubepods/burstable/pod1/c1"));
-        assert!(!matches("/kubepods/*pod2*", "/kubepods/burstable/pod1/c1"));
-        assert!(matches("*", "/anything"));
-        assert!(matches("/x/*/y", "/x/1/2/y"));
-        assert!(!matches("/x/*/y", "/x/1/2/z"));
-    }
 
     #[test]
     fn escaped_processes_are_signalled_largest_first_until_the_cgroup_is_within_its_limit() {

@@ -13,35 +13,10 @@ use common::{
     extmem::{names, ExtKey, ExtRecord, ExtUsage},
     journal, AllocKey,
 };
-use serde::{Deserialize, Serialize};
+pub use crate::snapshot::{ExternalMemory, ExternalRow};
 
 use super::accounting::take;
 use crate::cgroup::CgroupNames;
-
-/// Imported external memory, live (imported and not destroyed), as the audit shows it.
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
-pub struct ExternalMemory {
-    /// One row per process with a live import, by pid.
-    pub processes: Vec<ExternalRow>,
-    /// One row per cgroup with a live import, by cgroup id.
-    pub cgroups: Vec<ExternalRow>,
-}
-
-/// One process's or cgroup's live imports.
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
-pub struct ExternalRow {
-    /// Host pid (0 in a cgroup's row).
-    #[serde(default)]
-    pub pid: u32,
-    pub cgroup_id: u64,
-    /// Path under the cgroup2 root; empty if the cgroup is gone.
-    pub cgroup: String,
-    /// Live imports with a record, and the bytes their descriptors gave.
-    pub imports: u64,
-    pub bytes: u64,
-    /// Imports past the cgroup's record cap: counted, their bytes unknown.
-    pub unrecorded: u64,
-}
 
 pub struct External {
     records: HashMap<MapData, ExtKey, ExtRecord>,

@@ -45,8 +45,7 @@ use crate::{
     cgroup::CgroupNames,
     libcuda::{AttachRequest, Prober},
     task::{changed, Heartbeat},
-    reconcile::{EbpfProcess, EscapedByCgroup},
-    snapshot::Snapshot,
+    snapshot::{EbpfProcess, EscapedByCgroup, Snapshot},
 };
 
 /// The eBPF side as of one drain: the processes (for reconcile) and the whole view.

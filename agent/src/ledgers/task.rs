@@ -9,6 +9,7 @@
 //! pass does (copies, charges) runs here: reclaim for one tenant waits on no other tenant's
 //! pass.
 use std::{collections::BTreeMap, path::PathBuf, sync::Arc, time::Duration};
+use prometheus::{Histogram, IntCounter};
 
 use tokio::{
     sync::{mpsc, watch, Notify},
@@ -17,7 +18,7 @@ use tokio::{
 use tracing::info;
 
 use super::{reclaim::Reclaimer, Ledgers, Pin};
-use crate::{driver::DriverView, task::{changed, Heartbeat}, serve::metrics::Reclaims};
+use crate::{driver::DriverView, task::{changed, Heartbeat}};
 
 /// How often an exit event whose process is not a zombie yet is looked at again.
 const EXIT_RETRY: Duration = Duration::from_millis(5);
@@ -144,3 +145,29 @@ impl Reclaim {
         }
     }
 }
+
+/// The reclaim counters, shared with the task that reclaims.
+#[derive(Clone)]
+pub struct Reclaims {
+    count: IntCounter,
+    latency: Histogram,
+}
+
+impl Reclaims {
+    pub fn new(count: IntCounter, latency: Histogram) -> Reclaims {
+        Reclaims { count, latency }
+    }
+
+    /// Counts one reclaim.
+    pub fn observe(&self, latency: Duration) {
+        self.count.inc();
+        self.latency.observe(latency.as_secs_f64());
+    }
+
+    /// Reclaims so far.
+    pub fn total(&self) -> u64 {
+        self.count.get()
+    }
+}
+
+

@@ -1,5 +1,5 @@
 //! Provisioning's own counters, kept where they happen and rendered with the agent's page
-//! ([`crate::serve::metrics::Metrics::register`]):
+//! ([`crate::reconcile::metrics::Metrics::register`]):
 //!
 //! | family | counts |
 //! |---|---|

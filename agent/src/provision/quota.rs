@@ -29,7 +29,7 @@ use std::{
     sync::Mutex,
 };
 
-use crate::kernel::enforce::matches;
+use crate::glob::matches;
 
 /// The annotation read under `--quota-from-annotation`.
 pub const ANNOTATION: &str = "vramguard.io/gpu-memory";

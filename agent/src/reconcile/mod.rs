@@ -103,7 +103,10 @@
 //! the page of the last pass, [`crate::serve`]), and (at most one per
 //! [`MIN_INTERVAL`]) after a drain of the event ring buffer that found events and a ledger
 //! sweep that reclaimed slots: a quiet node costs one pass a second.
+pub use crate::snapshot::{EbpfProcess, EscapedByCgroup, EscapedProcess, State};
+
 pub mod figure;
+pub mod metrics;
 pub mod task;
 
 use std::{
@@ -147,49 +150,6 @@ const EXPLAINED_MEMORY: Duration = Duration::from_secs(4);
 /// On how many consecutive driver reads a figure of the driver's must be seen before anything
 /// acts on it ([`figure::Confirmed`]).
 pub const ESCAPE_CONFIRM_READS: u32 = 2;
-
-/// A process's reconciliation state.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum State {
-    Ok,
-    Drift,
-    Unhooked,
-    Stale,
-    Tampered,
-    Unprobed,
-}
-
-impl State {
-    pub const ALL: [State; 6] = [State::Ok, State::Drift, State::Unhooked, State::Stale, State::Tampered, State::Unprobed];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            State::Ok => "ok",
-            State::Drift => "drift",
-            State::Unhooked => "unhooked",
-            State::Stale => "stale",
-            State::Tampered => "tampered",
-            State::Unprobed => "unprobed",
-        }
-    }
-}
-
-/// One process as the probes see it.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct EbpfProcess {
-    /// Host pid.
-    pub pid: u32,
-    /// The probes' generation of the process (its entry's creation time): a pid reused by a
-    /// new process gets a new one.
-    pub generation: u64,
-    pub cgroup_id: u64,
-    /// Live requested bytes.
-    pub bytes: u64,
-    /// Bytes of its stream-ordered allocations it freed that their pools may still keep, as
-    /// the probes count them (`common::ProcUsage::pool_kept`).
-    pub pool_kept: u64,
-}
 
 /// What one pass found about one process, before judging.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -259,21 +219,6 @@ pub struct Verdict {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub driver_start_time: Option<u64>,
 }
-
-/// A process holding memory the probes do not see, as the kernel task sees it, to hold its
-/// container to its limit ([`crate::kernel::enforce`]): which process (host pid and the start
-/// time the driver's row was joined with, so that a pid reused since is never signalled) and
-/// the bytes it holds that the probes cannot see, as two consecutive driver reads showed them
-/// ([`Verdict::enforced_bytes`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct EscapedProcess {
-    pub pid: u32,
-    pub start_time: u64,
-    pub bytes: u64,
-}
-
-/// Per cgroup id: its processes with escaped bytes, largest first.
-pub type EscapedByCgroup = BTreeMap<u64, Vec<EscapedProcess>>;
 
 #[derive(Clone, Copy, Debug)]
 pub struct Config {

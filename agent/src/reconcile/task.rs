@@ -26,7 +26,8 @@ use crate::{
     kernel::task::KernelView,
     ledgers::{charge::Charger, Ledgers},
     provision::Provisioner,
-    serve::{metrics::Metrics, Published, Publisher},
+    reconcile::metrics::Metrics,
+    serve::{Published, Publisher},
     snapshot::Snapshot,
     task::Heartbeat,
 };

@@ -1,5 +1,5 @@
 //! Serving the agent's state: to `vramguard audit` on the control socket ([`control`]), and
-//! over HTTP (`--metrics-addr`): [`metrics`] renders the Prometheus page, [`http`] is the
+//! over HTTP (`--metrics-addr`): [`crate::reconcile::metrics`] renders the Prometheus page (in the reconcile task), [`http`] is the
 //! listener and its limits, [`gate`] its connection cap, and this module the [`Board`]
 //! between the reconcile task ([`crate::reconcile::task`]) and the listener. After every
 //! pass the task says so ([`Progress`], cheap); it renders the metrics page only when a
@@ -10,7 +10,6 @@ pub mod control;
 pub mod gate;
 pub mod health;
 pub mod http;
-pub mod metrics;
 
 use std::{sync::Arc, time::Instant};
 

@@ -1,5 +1,5 @@
 //! The agent's Prometheus metrics (rendered from the last reconcile pass's state, at most once
-//! per pass, and served on `--metrics-addr` by [`crate::serve`]).
+//! per pass by the reconcile task, and served on `--metrics-addr` by [`crate::serve`]).
 //!
 //! Per ledger and device (labels `ledger`, the file's path, `device_index`, `device_uuid`,
 //! empty when the ledger does not know it): `vramguard_container_memory_used_bytes` (what the
@@ -77,7 +77,7 @@ use crate::{
     identity,
     inspect::uuid_text,
     kernel,
-    ledgers::Ledgers,
+    ledgers::{task::Reclaims, Ledgers},
     pod,
     reconcile::{Reconciler, State},
     snapshot::Snapshot,
@@ -222,26 +222,6 @@ fn catch_up(counter: &IntCounter, total: u64) {
 /// A byte count as a gauge value.
 fn value(bytes: u64) -> i64 {
     i64::try_from(bytes).unwrap_or(i64::MAX)
-}
-
-/// The reclaim counters, shared with the task that reclaims.
-#[derive(Clone)]
-pub struct Reclaims {
-    count: IntCounter,
-    latency: Histogram,
-}
-
-impl Reclaims {
-    /// Counts one reclaim.
-    pub fn observe(&self, latency: Duration) {
-        self.count.inc();
-        self.latency.observe(latency.as_secs_f64());
-    }
-
-    /// Reclaims so far.
-    pub fn total(&self) -> u64 {
-        self.count.get()
-    }
 }
 
 impl Metrics {
@@ -563,7 +543,7 @@ impl Metrics {
 
     /// The reclaim counters, for the task that reclaims.
     pub fn reclaims(&self) -> Reclaims {
-        Reclaims { count: self.reclaims.clone(), latency: self.latency.clone() }
+        Reclaims::new(self.reclaims.clone(), self.latency.clone())
     }
 
     /// Rebuilds the gauges from the current state.
