@@ -23,6 +23,7 @@ mod clients;
 mod containerd;
 mod demo;
 mod image;
+mod layers;
 mod manifests;
 mod prometheus;
 mod setup;
