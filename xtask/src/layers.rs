@@ -11,6 +11,15 @@ use std::{
 
 use anyhow::{Context, Result};
 
+/// Fails, naming the circle, if the agent's rooms depend on each other in one.
+pub fn check() -> Result<()> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../agent/src");
+    if let Some(circle) = circle(&graph(&src)?) {
+        anyhow::bail!("the agent's rooms depend on each other in a circle: {}", circle.join(" -> "));
+    }
+    Ok(())
+}
+
 /// Room -> the rooms its non-test code names.
 pub type Graph = BTreeMap<String, BTreeSet<String>>;
 

@@ -157,6 +157,7 @@ fn fake_driver() -> Result<PathBuf> {
 fn test() -> Result<()> {
     setup::setup()?;
     manifests::validate()?;
+    layers::check()?;
     build_ebpf()?;
     // Builds every binary the end-to-end tests run (agent, fake driver, workload).
     run(cargo().args(["build", "--workspace"]))?;
