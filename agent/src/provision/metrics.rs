@@ -46,18 +46,21 @@ pub enum Refusal {
     NodeCap,
     /// The container's pod holds `--max-provisioned-per-pod` already.
     PodCap,
+    /// The provisioned ledgers would take more than `--max-ledger-memory`.
+    LedgerMemory,
     /// A GPU's quotas would exceed its memory (`--refuse-overcommit`).
     Overcommit,
 }
 
 impl Refusal {
-    pub const ALL: [Refusal; 3] = [Refusal::NodeCap, Refusal::PodCap, Refusal::Overcommit];
+    pub const ALL: [Refusal; 4] = [Refusal::NodeCap, Refusal::PodCap, Refusal::LedgerMemory, Refusal::Overcommit];
 
     /// The `reason` label.
     pub fn label(self) -> &'static str {
         match self {
             Refusal::NodeCap => "node_cap",
             Refusal::PodCap => "pod_cap",
+            Refusal::LedgerMemory => "ledger_memory",
             Refusal::Overcommit => "overcommit",
         }
     }

@@ -148,6 +148,11 @@ pub struct ProvisionArgs {
     /// The most containers of one pod provisioned at once (`reason="pod_cap"` past it).
     #[arg(long, default_value_t = DEFAULT_MAX_PER_POD, value_name = "N")]
     pub max_provisioned_per_pod: usize,
+    /// The most memory the provisioned containers' ledgers take together (each is a tmpfs the
+    /// agent fills, charged to its memory cgroup): past it, a container is refused
+    /// (`reason="ledger_memory"`). Sizes as --gpu-memory's.
+    #[arg(long, default_value = "512Mi", value_parser = parse_size_arg, value_name = "BYTES")]
+    pub max_ledger_memory: u64,
     /// Processes of one provisioned container that may use the GPU at once: the slots of its
     /// ledger (a process past them gets its GPU allocations refused by the hook).
     #[arg(long, default_value_t = store::DEFAULT_PROCESSES, value_parser = clap::value_parser!(u32).range(1..=i64::from(ledger::layout::MAX_SLOTS)), value_name = "N")]
@@ -207,6 +212,8 @@ pub struct Provisioner {
     /// `--max-provisioned-containers`, `--max-provisioned-per-pod`.
     max_containers: usize,
     max_per_pod: usize,
+    /// `--max-ledger-memory`.
+    max_ledger_memory: u64,
     /// By container id.
     containers: Arc<Mutex<BTreeMap<String, Provisioned>>>,
     /// Creations whose blocking step runs now, by container id.
@@ -268,6 +275,7 @@ impl Provisioner {
             refuse_overcommit: args.refuse_overcommit,
             max_containers: args.max_provisioned_containers,
             max_per_pod: args.max_provisioned_per_pod,
+            max_ledger_memory: args.max_ledger_memory,
             containers: Arc::new(Mutex::new(containers)),
             in_flight: Arc::new(Mutex::new(HashMap::new())),
             counters: Counters::new().map_err(|e| format!("provisioning's metrics: {e}"))?,
@@ -559,14 +567,15 @@ impl Provisioner {
             if flights.contains_key(&id) {
                 return Err(format!("vramguard: container {id} is being provisioned already"));
             }
-            if let Err((refusal, error)) = self.check_caps(&record, &flights) {
+            let bytes = self.store.ledger_bytes(&record)?;
+            if let Err((refusal, error)) = self.check_caps(&record, bytes, &flights) {
                 self.counters.refused(refusal);
                 return Err(error);
             }
             if self.refuse_overcommit {
                 self.check_overcommit(&record, &seen, &flights).inspect_err(|_| self.counters.refused(Refusal::Overcommit))?;
             }
-            let flight = Flight { abandoned: false, quota: record.quota, gpus: record.gpus.clone(), pod_id: record.pod_id.clone() };
+            let flight = Flight { abandoned: false, quota: record.quota, gpus: record.gpus.clone(), pod_id: record.pod_id.clone(), bytes };
             flights.insert(id.clone(), flight);
         }
         let step = Creation {
@@ -644,10 +653,11 @@ impl Provisioner {
         }
     }
 
-    /// Refuses `record` if the node, or its pod, holds as many provisioned containers as its
-    /// cap allows, counting the creations in `flights` (a container provisioned already, the
-    /// runtime retrying, is not refused).
-    fn check_caps(&self, record: &Record, flights: &HashMap<String, Flight>) -> Result<(), (Refusal, String)> {
+    /// Refuses `record` (its ledger of `bytes`) if the node, or its pod, holds as many
+    /// provisioned containers as its cap allows, or if the ledgers would take more than
+    /// `--max-ledger-memory`, counting the creations in `flights` (a container provisioned
+    /// already, the runtime retrying, is not refused).
+    fn check_caps(&self, record: &Record, bytes: u64, flights: &HashMap<String, Flight>) -> Result<(), (Refusal, String)> {
         let containers = self.lock();
         if containers.contains_key(&record.container_id) {
             return Ok(());
@@ -670,6 +680,16 @@ impl Provisioner {
                 format!(
                     "vramguard: pod {}/{} has {pod} provisioned containers, its cap (--max-provisioned-per-pod {}): container {} with a GPU-memory quota is refused",
                     record.namespace, record.pod, self.max_per_pod, record.container
+                ),
+            ));
+        }
+        let held = containers.values().map(|p| p.header.total_size).chain(flights.values().map(|f| f.bytes)).fold(0, u64::saturating_add);
+        if held.saturating_add(bytes) > self.max_ledger_memory {
+            return Err((
+                Refusal::LedgerMemory,
+                format!(
+                    "vramguard: the provisioned ledgers take {held} bytes; container {} of pod {}/{} needs {bytes} more, past --max-ledger-memory {}: refused",
+                    record.container, record.namespace, record.pod, self.max_ledger_memory
                 ),
             ));
         }
@@ -889,6 +909,8 @@ struct Flight {
     gpus: Vec<u32>,
     /// Its pod sandbox, for the per-pod cap.
     pod_id: String,
+    /// Its ledger's size, for `--max-ledger-memory`.
+    bytes: u64,
 }
 
 /// The creations in flight, by container id.
@@ -1014,6 +1036,7 @@ mod tests {
             ledger_mount_namespace: None,
             max_provisioned_containers: 6,
             max_provisioned_per_pod: 3,
+            max_ledger_memory: 64 << 20,
             max_processes_per_container: 8,
             kube: <kube::KubeArgs as clap::FromArgMatches>::from_arg_matches(&kube).expect("kube args"),
         }
@@ -1093,7 +1116,7 @@ mod tests {
         let (root, p) = provisioner("overcommit", "namespace=team-a 5g\n", true);
         block_on(p.create_container(&workload("team-a", "a", "c1", "0"))).expect("5 of GPU 0's 8 GiB");
         // A creation in flight on GPU 1 counts as if it were made.
-        p.flights().insert("f1".into(), Flight { abandoned: false, quota: 5 << 30, gpus: vec![1], pod_id: "sandbox-f".into() });
+        p.flights().insert("f1".into(), Flight { abandoned: false, quota: 5 << 30, gpus: vec![1], pod_id: "sandbox-f".into(), bytes: 0 });
         let error = block_on(p.create_container(&workload("team-a", "b", "c2", "1"))).expect_err("GPU 1 holds f1's 5 GiB");
         assert!(error.contains("GPU 1 has 8589934592 bytes and 5368709120 bytes"), "{error}");
         p.flights().remove("f1");
@@ -1210,7 +1233,7 @@ mod tests {
         assert_eq!((p.counters().timed_out_total(), p.counters().removed_totals()), (1, [1, 0, 1]), "no mount without a Mounter");
 
         // The step runs while the runtime is answered: it finds itself abandoned when it ends.
-        p.flights().insert("c2".into(), Flight { abandoned: false, quota: 1 << 30, gpus: vec![0], pod_id: "sandbox-b".into() });
+        p.flights().insert("c2".into(), Flight { abandoned: false, quota: 1 << 30, gpus: vec![0], pod_id: "sandbox-b".into(), bytes: 0 });
         block_on(p.abandon("c2"));
         let step = Creation {
             store: p.store.clone(),
@@ -1281,7 +1304,7 @@ mod tests {
         block_on(p.create_container(&workload("team-a", "x", "x0", "0"))).expect("4 of 6");
         block_on(p.create_container(&workload("team-a", "y", "y0", "1"))).expect("5 of 6");
         // A creation in flight takes the sixth place.
-        p.flights().insert("f1".into(), Flight { abandoned: false, quota: 1, gpus: vec![0], pod_id: "sandbox-f".into() });
+        p.flights().insert("f1".into(), Flight { abandoned: false, quota: 1, gpus: vec![0], pod_id: "sandbox-f".into(), bytes: 0 });
         let error = block_on(p.create_container(&workload("team-a", "z", "z0", "0"))).expect_err("past the node's cap");
         assert!(error.contains("--max-provisioned-containers 6") && error.contains("the node has 6"), "{error}");
         assert_eq!(p.counters().refused_total(Refusal::NodeCap), 1);
@@ -1296,6 +1319,28 @@ mod tests {
         // Each ledger of a 1-byte quota: a device with no space, 8 slots (the flag).
         let made = p.provisioned();
         assert!(made.iter().all(|m| m.header.devices[0].chunks == 0 && m.header.slot_count == 8), "{made:?}");
+        std::fs::remove_dir_all(&root).expect("cleanup");
+    }
+
+    /// Past `--max-ledger-memory` (10 MiB here; an 8 GiB quota's ledger is about 4 MiB), a
+    /// container is refused with the reason, counted; a removal gives the bytes back.
+    #[test]
+    fn the_ledgers_memory_is_capped_too() {
+        let (root, _) = provisioner("budget", "namespace=team-a 8g\n", false);
+        let file = QuotaFile::open(&root.join("quotas")).expect("quota file");
+        let sources = Sources { kube: None, file: Some(file), annotation: false };
+        let args = ProvisionArgs { max_ledger_memory: 10 << 20, ..args(&root, false) };
+        let p = Provisioner::with_mounts(&args, &root.join("ledgers"), sources, None).expect("provisioner");
+        block_on(p.create_container(&workload("team-a", "a", "c1", "0"))).expect("c1");
+        block_on(p.create_container(&workload("team-a", "b", "c2", "0"))).expect("c2");
+        let size = p.provisioned()[0].header.total_size;
+        assert!(size > 3 << 20 && 3 * size > 10 << 20, "{size}");
+        let error = block_on(p.create_container(&workload("team-a", "c", "c3", "0"))).expect_err("past the budget");
+        assert!(error.contains("--max-ledger-memory 10485760") && error.contains(&format!("take {}", 2 * size)), "{error}");
+        assert_eq!(p.counters().refused_total(Refusal::LedgerMemory), 1);
+        assert!(!root.join("ledgers/c3").exists());
+        block_on(p.remove_container("c1"));
+        block_on(p.create_container(&workload("team-a", "c", "c3", "0"))).expect("c1's bytes");
         std::fs::remove_dir_all(&root).expect("cleanup");
     }
 

@@ -153,6 +153,13 @@ impl Store {
         Store { sizing, ..self }
     }
 
+    /// The bytes `record`'s ledger will take (its tmpfs: the file's size, whole pages).
+    pub fn ledger_bytes(&self, record: &Record) -> Result<u64, String> {
+        ledger::file::plan(&self.sizing.geometry(record), CREATOR_AGENT, 0)
+            .map(|header| header.total_size)
+            .map_err(|e| format!("cannot lay out the ledger of {}: {e}", record.container_id))
+    }
+
     fn paths(&self, id: &str) -> (PathBuf, PathBuf, PathBuf) {
         let state = self.containers.join(id);
         (state.join("record.json"), state.join("limits"), self.ledger_dir.join(id).join("ledger"))
