@@ -25,9 +25,11 @@ use std::{
 
 use anyhow::{bail, ensure, Context, Result};
 use e2e::{
-    agent::{agent_bin, provisioning_args, Agent},
+    agent::{agent_bin, provisioning_args, watching_args, Agent},
     containerd::{ContainerSpec, Containerd},
-    http, timeout, wait_for, TempDir,
+    http,
+    ledgers::tmpfs_mounts,
+    timeout, wait_for, TempDir,
 };
 
 /// The DaemonSet's memory limit for the agent (`deploy/kubernetes/daemonset.yaml`).
@@ -142,24 +144,12 @@ impl Memory {
     }
 }
 
-/// The vramguard ledger tmpfs mounts directly under `ledgers` in this process's mount table.
-fn ledger_mounts(ledgers: &Path) -> Result<Vec<PathBuf>> {
-    let table = std::fs::read_to_string("/proc/self/mountinfo")?;
-    Ok(table
-        .lines()
-        .filter(|line| line.contains(" - tmpfs vramguard-ledger "))
-        .filter_map(|line| line.split(' ').nth(4))
-        .map(PathBuf::from)
-        .filter(|point| point.parent() == Some(ledgers))
-        .collect())
-}
-
 /// Unmounts what the agent left under `ledgers` (a failed test) before the directory goes.
 struct Unmount(PathBuf);
 
 impl Drop for Unmount {
     fn drop(&mut self) {
-        for point in ledger_mounts(&self.0).unwrap_or_default() {
+        for point in tmpfs_mounts(&self.0).unwrap_or_default() {
             let _ = std::process::Command::new("umount").arg("-l").arg(&point).status();
         }
     }
@@ -191,15 +181,8 @@ fn a_pod_of_200_one_byte_quotas_is_capped_and_the_agent_stays_under_its_memory_l
     let args = provisioning_args(&dir.path().join("nri.sock"), &dir.path().join("state"), &dir.path().join("quotas"), "8g")?;
     let more: [OsString; 2] = ["--max-provisioned-per-pod".into(), PER_POD.to_string().into()];
     let libcuda = e2e::fake_driver_dir()?.join("libcuda.so.1");
-    let mut all: Vec<&OsStr> = vec![
-        OsStr::new("--libcuda"),
-        libcuda.as_os_str(),
-        OsStr::new("--no-discover"),
-        OsStr::new("--ledger-dir"),
-        ledgers.as_os_str(),
-        OsStr::new("--metrics-addr"),
-        OsStr::new("127.0.0.1:0"),
-    ];
+    let mut all = watching_args(&libcuda, &ledgers);
+    all.push(OsStr::new("--no-discover"));
     all.extend(args.iter().chain(&more).map(OsString::as_os_str));
     let _unmount = Unmount(ledgers.clone());
     let agent = Agent::start_binary(&wrapper, &all)?;
@@ -236,7 +219,7 @@ fn a_pod_of_200_one_byte_quotas_is_capped_and_the_agent_stays_under_its_memory_l
     ensure!(provisioned(&agent)? == PER_POD, "the agent's provisioned list");
     // Each provisioned container has its ledger, sized to its 1-byte quota; none was made for
     // a refused one.
-    let mounts = ledger_mounts(&ledgers)?;
+    let mounts = tmpfs_mounts(&ledgers)?;
     ensure!(mounts.len() == PER_POD, "{} ledger tmpfs mounts", mounts.len());
     let env = containerd.container_env(&made[0])?;
     ensure!(env.iter().any(|e| e == "CUDA_DEVICE_MEMORY_LIMIT=1"), "the quota injected: {env:?}");
@@ -277,7 +260,7 @@ fn a_pod_of_200_one_byte_quotas_is_capped_and_the_agent_stays_under_its_memory_l
     // The pods removed: every ledger goes with them.
     containerd.remove_pod(&pod)?;
     containerd.remove_pod(&other)?;
-    wait_for(timeout(), "every ledger removed", || Ok(provisioned(&agent)? == 0 && ledger_mounts(&ledgers)?.is_empty()))?;
+    wait_for(timeout(), "every ledger removed", || Ok(provisioned(&agent)? == 0 && tmpfs_mounts(&ledgers)?.is_empty()))?;
     agent.stop()?;
     Ok(())
 }
