@@ -83,7 +83,8 @@ pub const CREATOR_HOOK: u32 = 2;
 pub struct DeviceConfig {
     /// The driver's device UUID (zero when the creator did not know it).
     pub uuid: [u8; 16],
-    /// Quota in bytes (a multiple of `chunk`).
+    /// Quota in bytes (a multiple of `chunk`; 0 when the quota asked for was less than one
+    /// chunk: a device with no space, no buddy words, no links, whose every charge is refused).
     pub limit: u64,
     /// Accounting granularity in bytes (a power of two, at least [`MIN_CHUNK`]).
     pub chunk: u64,
