@@ -6,9 +6,10 @@
 //! provisioning happens, runs within it; starting 200 containers would add nothing the agent
 //! pays for). With `--max-provisioned-per-pod 120` and the node's default cap (128): the first
 //! 120 are provisioned, each with a ledger sized to its quota (a device with no space, 128
-//! slots: about 230 KiB, not the hook's 4.7 MiB), and the 80 after fail with an error naming
-//! the cap, counted in `vramguard_provision_refused_total{reason="pod_cap"}`, nothing made for
-//! them. A second pod then gets the node's last 8 places and its ninth container fails on the
+//! slots: about 230 KiB, not the hook's 4.7 MiB; the first, started, has its workload's first
+//! context refused by the hook, as a 1-byte quota says), and the 80 after fail with an error
+//! naming the cap, counted in `vramguard_provision_refused_total{reason="pod_cap"}`, nothing
+//! made for them. A second pod then gets the node's last 8 places and its ninth container fails on the
 //! node's cap (`reason="node_cap"`); a container removed frees its place. The agent's memory is
 //! measured throughout (VmRSS, VmHWM, and its memory cgroup's usage and peak, which count the
 //! ledgers' tmpfs pages the agent wrote): it stays under the limit, and the cgroup was never
@@ -27,9 +28,10 @@ use anyhow::{bail, ensure, Context, Result};
 use e2e::{
     agent::{agent_bin, provisioning_args, watching_args, Agent},
     containerd::{ContainerSpec, Containerd},
+    containerd::workload_path,
     http,
     ledgers::tmpfs_mounts,
-    timeout, wait_for, TempDir,
+    timeout, wait_for, FakeNode, TempDir,
 };
 
 /// The DaemonSet's memory limit for the agent (`deploy/kubernetes/daemonset.yaml`).
@@ -170,6 +172,7 @@ fn a_pod_of_200_one_byte_quotas_is_capped_and_the_agent_stays_under_its_memory_l
     let ledgers = dir.path().join("ledgers");
     std::fs::create_dir_all(&ledgers)?;
     std::fs::write(dir.path().join("quotas"), "namespace=team-a 1\n")?;
+    let fake = FakeNode::new("caps").with_env("FAKECUDA_DEVICE_BYTES", "8g").with_env("FAKECUDA_CONTEXT_BYTES", "518m");
     let containerd = Containerd::start(&dir.path().join("nri.sock"))?;
     let memory = MemoryCgroup::create("caps")?;
     let procs = memory.dir.join("cgroup.procs");
@@ -198,7 +201,12 @@ fn a_pod_of_200_one_byte_quotas_is_capped_and_the_agent_stays_under_its_memory_l
     let began = Instant::now();
     let (mut made, mut errors, mut at_110) = (Vec::new(), Vec::new(), None);
     for n in 0..200 {
-        match containerd.create_container(&pod, &ContainerSpec::new(&format!("c{n:03}"))) {
+        // The first runs the fake driver's workload later; the others are only created.
+        let spec = match n {
+            0 => ContainerSpec::new("c000").fake_driver(&fake)?,
+            _ => ContainerSpec::new(&format!("c{n:03}")),
+        };
+        match containerd.create_container(&pod, &spec) {
             Ok(id) => made.push(id),
             Err(error) => errors.push((n, format!("{error:#}"))),
         }
@@ -228,6 +236,11 @@ fn a_pod_of_200_one_byte_quotas_is_capped_and_the_agent_stays_under_its_memory_l
     ensure!(env.iter().any(|e| e == "CUDA_DEVICE_MEMORY_LIMIT=1"), "the quota injected: {env:?}");
     let first = ledger::file::read_header(&std::fs::File::open(ledgers.join(&made[0].0).join("ledger"))?)?;
     ensure!(first.devices[0].chunks == 0 && first.total_size < 256 << 10, "a ledger of {} bytes, {} chunks", first.total_size, first.devices[0].chunks);
+    // Provisioned means held to its quota: the hook refuses the first context (its 518 MiB
+    // reserve) on a device of 1 byte.
+    containerd.start_container(&made[0])?;
+    let out = containerd.exec_sync(&made[0], &[workload_path().as_str(), "expect-oom ctx 0"])?;
+    ensure!(out.exit_code == 0 && out.stdout.lines().any(|l| l == "oom ctx"), "a context under a 1-byte quota: {out:?}");
     let at_pod_cap = Memory::of(agent.pid(), &memory)?;
     eprintln!("{PER_POD} provisioned, 80 refused: {}", at_pod_cap.line());
 
@@ -243,7 +256,7 @@ fn a_pod_of_200_one_byte_quotas_is_capped_and_the_agent_stays_under_its_memory_l
     let at_node_cap = Memory::of(agent.pid(), &memory)?;
     eprintln!("{NODE_CAP} provisioned (the node's cap): {}", at_node_cap.line());
     // A container removed frees its place.
-    containerd.remove_container(&made[0])?;
+    containerd.remove_container(&made[1])?;
     wait_for(timeout(), "the removed container's place freed", || Ok(provisioned(&agent)? == NODE_CAP - 1))?;
     containerd.create_container(&other, &ContainerSpec::new("late")).context("in the place freed")?;
 
@@ -266,5 +279,6 @@ fn a_pod_of_200_one_byte_quotas_is_capped_and_the_agent_stays_under_its_memory_l
     containerd.remove_pod(&other)?;
     wait_for(timeout(), "every ledger removed", || Ok(provisioned(&agent)? == 0 && tmpfs_mounts(&ledgers)?.is_empty()))?;
     agent.stop()?;
+    fake.cleanup();
     Ok(())
 }
