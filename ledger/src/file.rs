@@ -84,17 +84,18 @@ pub fn plan(geometry: &Geometry, creator: u32, now_secs: u64) -> Result<Header, 
         if !chunk.is_power_of_two() || chunk < MIN_CHUNK {
             return invalid(format!("device {index}: chunk {chunk} is not a power of two of at least {MIN_CHUNK}"));
         }
-        // The quota is kept in whole chunks: a limit is rounded down to a chunk multiple.
+        // The quota is kept in whole chunks: a limit is rounded down to a chunk multiple. A
+        // limit of less than one chunk is a device with no space (no buddy words, no links):
+        // every charge on it is refused.
         let chunks = wanted.limit / chunk;
-        if chunks == 0 {
-            return invalid(format!("device {index}: limit {} is less than one chunk ({chunk})", wanted.limit));
-        }
         if chunks > MAX_CHUNKS {
             return invalid(format!("device {index}: limit {} is more than {MAX_CHUNKS} chunks of {chunk}", wanted.limit));
         }
         let limit = chunks * chunk;
-        let words = buddy::layout_len(limit, chunk)
-            .map_err(|error| LedgerError::InvalidConfig(format!("device {index}: {error}")))?;
+        let words = match chunks {
+            0 => 0,
+            _ => buddy::layout_len(limit, chunk).map_err(|error| LedgerError::InvalidConfig(format!("device {index}: {error}")))?,
+        };
         let buddy_offset = align_up(end, ALIGN);
         let links_offset = align_up(buddy_offset + words as u64 * 8, ALIGN);
         end = links_offset + chunks * 8;

@@ -60,10 +60,17 @@ pub struct Header {
 }
 
 pub const CREATOR_AGENT: u32 = 1;
-/// A container's ledger as the hook and the agent create it: process slots.
+/// A container's ledger as the hook creates it: process slots.
 pub const CONTAINER_SLOTS: u32 = 1024;
-/// ... allocation records.
+/// ... allocation records (also the most a ledger the agent provisions has:
+/// [`Geometry::provisioned`]).
 pub const CONTAINER_RECORDS: u32 = 1 << 16;
+/// Records a provisioned ledger has for each chunk its quota holds ([`Geometry::provisioned`]):
+/// every allocation of a chunk or more holds at least one chunk, smaller ones are packed, so
+/// this is room for allocations averaging 64 KiB at a 2 MiB chunk.
+pub const RECORDS_PER_CHUNK: u64 = 32;
+/// The fewest records a provisioned ledger has beyond its processes' pools and contexts.
+pub const MIN_RECORDS: u64 = 1024;
 /// ... the unit of the buddy allocator, in bytes (every charge is rounded up to it).
 pub const CONTAINER_CHUNK: u64 = 2 << 20;
 /// ... the charge once per process and device for its CUDA context (an H100's).
@@ -76,7 +83,8 @@ pub const CREATOR_HOOK: u32 = 2;
 pub struct DeviceConfig {
     /// The driver's device UUID (zero when the creator did not know it).
     pub uuid: [u8; 16],
-    /// Quota in bytes (a multiple of `chunk`).
+    /// Quota in bytes (a multiple of `chunk`; 0 when the quota asked for was less than one
+    /// chunk: a device with no space, no buddy words, no links, whose every charge is refused).
     pub limit: u64,
     /// Accounting granularity in bytes (a power of two, at least [`MIN_CHUNK`]).
     pub chunk: u64,
@@ -316,6 +324,27 @@ pub struct Geometry {
     pub slots: u32,
     pub records: u32,
     pub devices: Vec<DeviceConfig>,
+}
+
+impl Geometry {
+    /// The geometry of a ledger the agent provisions for a container: one device at each of
+    /// `limits` (bytes; rounded down to `chunk`s, a limit below one chunk is a device with no
+    /// space), each charging `context_reserve` per context, with room for `processes` processes
+    /// at once (slots) and records that follow the quota: [`RECORDS_PER_CHUNK`] per chunk of
+    /// every device, plus a small pool and a context per process and device, at least
+    /// [`MIN_RECORDS`] more, at most [`CONTAINER_RECORDS`]. So the file's size follows the
+    /// quota and the process bound, never one fixed geometry: a tiny quota costs a few hundred
+    /// KiB, the largest a few MiB (the buddy words and links grow with the quota's chunks).
+    pub fn provisioned(limits: &[u64], chunk: u64, context_reserve: u64, processes: u32) -> Geometry {
+        let chunks: u64 = limits.iter().map(|limit| limit / chunk.max(1)).fold(0, u64::saturating_add);
+        let per_process = u64::from(processes).saturating_mul(2 * limits.len() as u64);
+        let records = chunks.saturating_mul(RECORDS_PER_CHUNK).saturating_add(per_process).saturating_add(MIN_RECORDS);
+        Geometry {
+            slots: processes,
+            records: records.min(u64::from(CONTAINER_RECORDS)) as u32,
+            devices: limits.iter().map(|&limit| DeviceConfig { limit, chunk, context_reserve, ..Default::default() }).collect(),
+        }
+    }
 }
 
 /// Rounds `value` up to a multiple of `align` (a power of two).

@@ -48,7 +48,7 @@ pub enum Charge {
 pub struct Ledger {
     mapped: Mapped,
     /// Buddy geometry of each device (derived from the validated header).
-    geometries: Vec<buddy::Geometry>,
+    geometries: Vec<Option<buddy::Geometry>>,
     /// How long an operation waits for the lock ([`Ledger::with_lock_timeout`]); `None`:
     /// as long as it takes.
     lock_timeout: Option<std::time::Duration>,
@@ -518,7 +518,7 @@ fn state_ptr(mapped: &Mapped) -> *mut State {
 
 /// The mapped tables. Callers hold the lock (or own the file exclusively), so no other
 /// process mutates them meanwhile.
-fn tables<'a>(mapped: &'a Mapped, geometries: &'a [buddy::Geometry]) -> Tables<'a> {
+fn tables<'a>(mapped: &'a Mapped, geometries: &'a [Option<buddy::Geometry>]) -> Tables<'a> {
     let h = &mapped.header;
     // SAFETY: every offset and count below was validated against the file size and the
     // layout by `file::validate` (or computed by `file::plan` at creation); the sections do
@@ -535,11 +535,16 @@ fn tables<'a>(mapped: &'a Mapped, geometries: &'a [buddy::Geometry]) -> Tables<'
     }
 }
 
-fn geometries(header: &Header) -> Result<Vec<buddy::Geometry>, LedgerError> {
+/// Each device's buddy geometry (`None`: a device with no space, see [`crate::file::plan`]).
+fn geometries(header: &Header) -> Result<Vec<Option<buddy::Geometry>>, LedgerError> {
     header.devices[..header.device_count as usize]
         .iter()
         .map(|device| {
+            if device.chunks == 0 {
+                return Ok(None);
+            }
             buddy::Geometry::for_space(device.limit, device.chunk)
+                .map(Some)
                 .map_err(|error| LedgerError::InvalidConfig(format!("buddy geometry: {error}")))
         })
         .collect()

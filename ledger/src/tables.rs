@@ -30,8 +30,9 @@ pub struct Tables<'a> {
     /// The mapping, for the devices' buddy words and block links ([`Tables::device`]); they
     /// are sliced on demand, which costs less than building every device's slices up front.
     pub mapped: &'a Mapped,
-    /// Buddy geometry of each device, computed once per process.
-    pub geometries: &'a [Geometry],
+    /// Buddy geometry of each device, computed once per process (`None`: a device with no
+    /// space, whose every charge is refused).
+    pub geometries: &'a [Option<Geometry>],
 }
 
 pub fn zeroed_slot() -> Slot {
@@ -53,9 +54,10 @@ pub fn zeroed_slot() -> Slot {
 struct Damaged;
 
 impl<'a> Tables<'a> {
-    /// Device `d`'s buddy words and block links (`None` past the file's devices).
+    /// Device `d`'s buddy words and block links (`None` past the file's devices, and for a
+    /// device with no space: a limit of less than one chunk).
     pub fn device(&mut self, d: usize) -> Option<(&mut [u64], &mut [u64])> {
-        if d >= (self.header.device_count as usize).min(MAX_DEVICES) {
+        if d >= (self.header.device_count as usize).min(MAX_DEVICES) || self.header.devices[d].chunks == 0 {
             return None;
         }
         let cfg = &self.header.devices[d];
@@ -105,7 +107,7 @@ impl<'a> Tables<'a> {
             // More than the whole quota (the buddy would call the request malformed).
             return Ok(false);
         }
-        let geometry = self.geometries.get(d).ok_or(Damaged)?;
+        let geometry = self.geometries.get(d).and_then(Option::as_ref).ok_or(Damaged)?;
         let used = self.state.devices[d].used_chunks;
         let (words, links) = self.device(d).ok_or(Damaged)?;
         let mut buddy = Buddy::attach_with(words, geometry).map_err(|_| Damaged)?;
@@ -139,7 +141,7 @@ impl<'a> Tables<'a> {
         }
         let d = device as usize;
         let cfg = self.header.devices[d];
-        let geometry = self.geometries.get(d).ok_or(Damaged)?;
+        let geometry = self.geometries.get(d).and_then(Option::as_ref).ok_or(Damaged)?;
         let (words, links) = self.device(d).ok_or(Damaged)?;
         let mut buddy = Buddy::attach_with(words, geometry).map_err(|_| Damaged)?;
         let mut freed = 0;

@@ -408,3 +408,67 @@ fn a_panic_inside_the_lock_is_an_error_and_the_next_holder_repairs() {
     ledger.reserve(slot, 0, Charge::Device(4 * MIB), 0x2000).unwrap();
     assert_eq!(used(&ledger), 8 * MIB);
 }
+
+/// A limit of less than one chunk (a 1-byte quota) is a device with no space: the file is laid
+/// out without buddy words or links for it, validates when opened again, and refuses every
+/// charge on it (data, small, context) as over quota, while another device of the same ledger
+/// admits as usual; the books stay sound.
+#[test]
+fn a_limit_below_one_chunk_is_a_device_with_no_space() {
+    let dir = TempDir::new("no-space");
+    let geometry = Geometry {
+        slots: 4,
+        records: 64,
+        devices: vec![
+            DeviceConfig { limit: 1, chunk: CHUNK, context_reserve: CHUNK, ..Default::default() },
+            DeviceConfig { limit: 4 * MIB, chunk: CHUNK, context_reserve: 0, ..Default::default() },
+        ],
+    };
+    let ledger = Ledger::create(&dir.file(), &geometry, CREATOR_AGENT).unwrap();
+    let empty = ledger.header().devices[0];
+    assert_eq!((empty.limit, empty.chunks, empty.buddy_words), (0, 0, 0));
+    assert_eq!(empty.links_offset, empty.buddy_offset, "no links either");
+    let slot = ledger.register(fake_process(1)).unwrap();
+    for charge in [Charge::Device(1), Charge::Device(CHUNK), Charge::Managed(3 * MIB), Charge::Context] {
+        match ledger.reserve(slot, 0, charge, 0) {
+            Err(ReserveError::OverQuota { device: 0, limit: 0, used: 0, .. }) => {}
+            other => panic!("{charge:?} on a device with no space: {other:?}"),
+        }
+    }
+    let record = ledger.reserve(slot, 1, Charge::Device(CHUNK), 0).unwrap();
+    ledger.reserve(slot, 1, Charge::Device(1), 0).unwrap();
+    assert!(ledger.reserve(slot, 1, Charge::Device(1), 0).is_ok(), "packed with the first small one");
+    assert_sound(&ledger);
+    ledger.release(slot, record).unwrap();
+    assert_eq!(ledger.reclaim(slot).unwrap(), 1);
+    assert_sound(&ledger);
+    drop(ledger);
+    let again = Ledger::open(&dir.file()).unwrap();
+    assert_eq!(again.header().devices[0].chunks, 0);
+    let slot = again.register(fake_process(2)).unwrap();
+    assert!(matches!(again.reserve(slot, 0, Charge::Device(1), 0), Err(ReserveError::OverQuota { .. })));
+    assert_sound(&again);
+}
+
+/// A provisioned ledger's geometry follows its quota and its process bound: slots are the
+/// bound; records grow with the quota's chunks (at least the floor, at most the cap); a
+/// 1-byte quota makes a file of a few hundred KiB, not the hook's full-size one.
+#[test]
+fn a_provisioned_geometry_follows_the_quota_and_the_processes() {
+    use ledger::layout::{CONTAINER_RECORDS, MIN_RECORDS, RECORDS_PER_CHUNK};
+    let tiny = Geometry::provisioned(&[1], CHUNK, 518 * MIB, 128);
+    assert_eq!((tiny.slots, u64::from(tiny.records)), (128, MIN_RECORDS + 256));
+    let gib = Geometry::provisioned(&[1 << 30, 1 << 30], CHUNK, 518 * MIB, 64);
+    assert_eq!(u64::from(gib.records), 1024 * RECORDS_PER_CHUNK + 256 + MIN_RECORDS);
+    let huge = Geometry::provisioned(&[80 << 30], CHUNK, 518 * MIB, 128);
+    assert_eq!(huge.records, CONTAINER_RECORDS);
+    let size = |g: &Geometry| ledger::file::plan(g, CREATOR_AGENT, 0).unwrap().total_size;
+    let hook = Geometry { slots: ledger::layout::CONTAINER_SLOTS, records: CONTAINER_RECORDS, ..tiny.clone() };
+    eprintln!("1 B: {} bytes, 2 x 1 GiB: {} bytes, 80 GiB: {} bytes, the hook's: {} bytes", size(&tiny), size(&gib), size(&huge), size(&hook));
+    assert!(size(&tiny) < 256 << 10, "{}", size(&tiny));
+    assert!(size(&tiny) < size(&gib) && size(&gib) < size(&huge));
+    assert!(size(&huge) < size(&hook) + (1 << 20));
+    let dir = TempDir::new("provisioned-geometry");
+    let ledger = Ledger::create(&dir.file(), &tiny, CREATOR_AGENT).unwrap();
+    assert_sound(&ledger);
+}

@@ -6,6 +6,7 @@
 //! | `vramguard_provision_timed_out_total` | creations the runtime was answered about at the NRI deadline, without them (it failed those containers) |
 //! | `vramguard_provision_timed_out_removed_total{what}` | what such creations had made and the agent removed at once: `ledger`, `mount` (its tmpfs), `record` |
 //! | `vramguard_provision_decisions_without_api_total{decision}` | containers decided without an answer from the Kubernetes API (see [`Decision`]) |
+//! | `vramguard_provision_refused_total{reason}` | containers with a quota whose creation the agent failed (see [`Refusal`]) |
 use prometheus::{core::Collector, IntCounter, IntCounterVec, Opts};
 
 /// How a container was decided when the Kubernetes API gave no answer (down, an error, past
@@ -38,6 +39,33 @@ impl Decision {
     }
 }
 
+/// Why the agent failed the creation of a container with a quota.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// The node holds `--max-provisioned-containers` provisioned containers already.
+    NodeCap,
+    /// The container's pod holds `--max-provisioned-per-pod` already.
+    PodCap,
+    /// The provisioned ledgers would take more than `--max-ledger-memory`.
+    LedgerMemory,
+    /// A GPU's quotas would exceed its memory (`--refuse-overcommit`).
+    Overcommit,
+}
+
+impl Refusal {
+    pub const ALL: [Refusal; 4] = [Refusal::NodeCap, Refusal::PodCap, Refusal::LedgerMemory, Refusal::Overcommit];
+
+    /// The `reason` label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Refusal::NodeCap => "node_cap",
+            Refusal::PodCap => "pod_cap",
+            Refusal::LedgerMemory => "ledger_memory",
+            Refusal::Overcommit => "overcommit",
+        }
+    }
+}
+
 /// What a timed-out creation had made, as it was removed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Removed {
@@ -52,6 +80,7 @@ pub struct Counters {
     timed_out: IntCounter,
     removed: IntCounterVec,
     without_api: IntCounterVec,
+    refused: IntCounterVec,
 }
 
 impl Counters {
@@ -75,12 +104,28 @@ impl Counters {
                 ),
                 &["decision"],
             )?,
+            refused: {
+                let refused = IntCounterVec::new(
+                    Opts::new("vramguard_provision_refused_total", "Containers with a quota whose creation the agent failed, by reason"),
+                    &["reason"],
+                )?;
+                // Every reason on the page from the start, at 0.
+                for reason in Refusal::ALL {
+                    refused.with_label_values(&[reason.label()]);
+                }
+                refused
+            },
         })
     }
 
     /// The families, for the agent's page.
     pub fn collectors(&self) -> Vec<Box<dyn Collector>> {
-        vec![Box::new(self.timed_out.clone()), Box::new(self.removed.clone()), Box::new(self.without_api.clone())]
+        vec![
+            Box::new(self.timed_out.clone()),
+            Box::new(self.removed.clone()),
+            Box::new(self.without_api.clone()),
+            Box::new(self.refused.clone()),
+        ]
     }
 
     pub(super) fn timed_out(&self) {
@@ -97,6 +142,15 @@ impl Counters {
 
     pub(super) fn decided(&self, decision: Decision) {
         self.without_api.with_label_values(&[decision.label()]).inc();
+    }
+
+    pub(super) fn refused(&self, refusal: Refusal) {
+        self.refused.with_label_values(&[refusal.label()]).inc();
+    }
+
+    /// Creations refused so far for `refusal`.
+    pub fn refused_total(&self, refusal: Refusal) -> u64 {
+        self.refused.with_label_values(&[refusal.label()]).get()
     }
 
     /// Timed-out creations so far.

@@ -78,7 +78,7 @@ use std::{
 use ledger::provisioned;
 use tracing::{info, warn};
 
-use metrics::{Counters, Decision};
+use metrics::{Counters, Decision, Refusal};
 use nri::{Adjustment, Mount};
 pub use store::{Provisioned, Record};
 use quota::{QuotaFile, Subject};
@@ -86,6 +86,12 @@ use store::Store;
 
 /// The most containers of unknown quota kept to be looked at again.
 const MAX_UNDECIDED: usize = 4096;
+
+/// `--max-provisioned-containers` by default: a bit over the kubelet's default 110 pods, each
+/// with one container with a GPU-memory quota (the usual GPU pod).
+pub const DEFAULT_MAX_CONTAINERS: usize = 128;
+/// `--max-provisioned-per-pod` by default.
+pub const DEFAULT_MAX_PER_POD: usize = 16;
 
 /// The sandbox annotation the kubelet puts on every pod with where it came from (`api`, or
 /// `file` and `http` for static pods).
@@ -134,6 +140,23 @@ pub struct ProvisionArgs {
     /// (an agent running on the host).
     #[arg(long)]
     pub ledger_mount_namespace: Option<PathBuf>,
+    /// The most containers provisioned on the node at once: past it, a container with a quota
+    /// is refused (its creation fails, counted in `vramguard_provision_refused_total{reason="node_cap"}`).
+    /// Bounds what the ledgers cost the node (see docs/limits.md).
+    #[arg(long, default_value_t = DEFAULT_MAX_CONTAINERS, value_name = "N")]
+    pub max_provisioned_containers: usize,
+    /// The most containers of one pod provisioned at once (`reason="pod_cap"` past it).
+    #[arg(long, default_value_t = DEFAULT_MAX_PER_POD, value_name = "N")]
+    pub max_provisioned_per_pod: usize,
+    /// The most memory the provisioned containers' ledgers take together (each is a tmpfs the
+    /// agent fills, charged to its memory cgroup): past it, a container is refused
+    /// (`reason="ledger_memory"`). Sizes as --gpu-memory's.
+    #[arg(long, default_value = "512Mi", value_parser = parse_size_arg, value_name = "BYTES")]
+    pub max_ledger_memory: u64,
+    /// Processes of one provisioned container that may use the GPU at once: the slots of its
+    /// ledger (a process past them gets its GPU allocations refused by the hook).
+    #[arg(long, default_value_t = store::DEFAULT_PROCESSES, value_parser = clap::value_parser!(u32).range(1..=i64::from(ledger::layout::MAX_SLOTS)), value_name = "N")]
+    pub max_processes_per_container: u32,
     #[command(flatten)]
     pub kube: kube::KubeArgs,
 }
@@ -186,6 +209,11 @@ pub struct Provisioner {
     /// Each GPU's memory (empty: unknown, one GPU assumed).
     gpu_memory: Vec<u64>,
     refuse_overcommit: bool,
+    /// `--max-provisioned-containers`, `--max-provisioned-per-pod`.
+    max_containers: usize,
+    max_per_pod: usize,
+    /// `--max-ledger-memory`.
+    max_ledger_memory: u64,
     /// By container id.
     containers: Arc<Mutex<BTreeMap<String, Provisioned>>>,
     /// Creations whose blocking step runs now, by container id.
@@ -223,7 +251,8 @@ impl Provisioner {
         if !hook.is_file() {
             return Err(format!("--hook-library {} is not a file", args.hook_library.display()));
         }
-        let store = Store::open(&args.state_dir, ledger_dir, mounts)?;
+        let sizing = store::Sizing { processes: args.max_processes_per_container, gpu_memory: args.gpu_memory.clone() };
+        let store = Store::open(&args.state_dir, ledger_dir, mounts)?.sized(sizing);
         let preload = args.state_dir.join("ld.so.preload");
         std::fs::write(&preload, format!("{}\n", provisioned::HOOK)).map_err(|e| format!("cannot write {}: {e}", preload.display()))?;
         store.remove_unfinished();
@@ -244,6 +273,9 @@ impl Provisioner {
             preload,
             gpu_memory: args.gpu_memory.clone(),
             refuse_overcommit: args.refuse_overcommit,
+            max_containers: args.max_provisioned_containers,
+            max_per_pod: args.max_provisioned_per_pod,
+            max_ledger_memory: args.max_ledger_memory,
             containers: Arc::new(Mutex::new(containers)),
             in_flight: Arc::new(Mutex::new(HashMap::new())),
             counters: Counters::new().map_err(|e| format!("provisioning's metrics: {e}"))?,
@@ -535,10 +567,15 @@ impl Provisioner {
             if flights.contains_key(&id) {
                 return Err(format!("vramguard: container {id} is being provisioned already"));
             }
-            if self.refuse_overcommit {
-                self.check_overcommit(&record, &seen, &flights)?;
+            let bytes = self.store.ledger_bytes(&record)?;
+            if let Err((refusal, error)) = self.check_caps(&record, bytes, &flights) {
+                self.counters.refused(refusal);
+                return Err(error);
             }
-            let flight = Flight { abandoned: false, quota: record.quota, gpus: record.gpus.clone() };
+            if self.refuse_overcommit {
+                self.check_overcommit(&record, &seen, &flights).inspect_err(|_| self.counters.refused(Refusal::Overcommit))?;
+            }
+            let flight = Flight { abandoned: false, quota: record.quota, gpus: record.gpus.clone(), pod_id: record.pod_id.clone(), bytes };
             flights.insert(id.clone(), flight);
         }
         let step = Creation {
@@ -614,6 +651,49 @@ impl Provisioner {
             Ok(Err(error)) => warn!(id, %error, "creation abandoned: cannot remove what it made"),
             Err(error) => warn!(id, %error, "creation abandoned: the removal failed"),
         }
+    }
+
+    /// Refuses `record` (its ledger of `bytes`) if the node, or its pod, holds as many
+    /// provisioned containers as its cap allows, or if the ledgers would take more than
+    /// `--max-ledger-memory`, counting the creations in `flights` (a container provisioned
+    /// already, the runtime retrying, is not refused).
+    fn check_caps(&self, record: &Record, bytes: u64, flights: &HashMap<String, Flight>) -> Result<(), (Refusal, String)> {
+        let containers = self.lock();
+        if containers.contains_key(&record.container_id) {
+            return Ok(());
+        }
+        let node = containers.len() + flights.len();
+        if node >= self.max_containers {
+            return Err((
+                Refusal::NodeCap,
+                format!(
+                    "vramguard: the node has {node} provisioned containers, its cap (--max-provisioned-containers {}): container {} of pod {}/{} with a GPU-memory quota is refused",
+                    self.max_containers, record.container, record.namespace, record.pod
+                ),
+            ));
+        }
+        let pod = containers.values().filter(|p| p.record.pod_id == record.pod_id).count()
+            + flights.values().filter(|f| f.pod_id == record.pod_id).count();
+        if pod >= self.max_per_pod {
+            return Err((
+                Refusal::PodCap,
+                format!(
+                    "vramguard: pod {}/{} has {pod} provisioned containers, its cap (--max-provisioned-per-pod {}): container {} with a GPU-memory quota is refused",
+                    record.namespace, record.pod, self.max_per_pod, record.container
+                ),
+            ));
+        }
+        let held = containers.values().map(|p| p.header.total_size).chain(flights.values().map(|f| f.bytes)).fold(0, u64::saturating_add);
+        if held.saturating_add(bytes) > self.max_ledger_memory {
+            return Err((
+                Refusal::LedgerMemory,
+                format!(
+                    "vramguard: the provisioned ledgers take {held} bytes; container {} of pod {}/{} needs {bytes} more, past --max-ledger-memory {}: refused",
+                    record.container, record.namespace, record.pod, self.max_ledger_memory
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// Refuses `record` if a GPU it was given would have more quota than memory, counting
@@ -827,6 +907,10 @@ struct Flight {
     /// What it will hold, for the over-commit check.
     quota: u64,
     gpus: Vec<u32>,
+    /// Its pod sandbox, for the per-pod cap.
+    pod_id: String,
+    /// Its ledger's size, for `--max-ledger-memory`.
+    bytes: u64,
 }
 
 /// The creations in flight, by container id.
@@ -950,6 +1034,10 @@ mod tests {
             gpu_memory: vec![8 << 30, 8 << 30],
             refuse_overcommit,
             ledger_mount_namespace: None,
+            max_provisioned_containers: 6,
+            max_provisioned_per_pod: 3,
+            max_ledger_memory: 64 << 20,
+            max_processes_per_container: 8,
             kube: <kube::KubeArgs as clap::FromArgMatches>::from_arg_matches(&kube).expect("kube args"),
         }
     }
@@ -1028,7 +1116,7 @@ mod tests {
         let (root, p) = provisioner("overcommit", "namespace=team-a 5g\n", true);
         block_on(p.create_container(&workload("team-a", "a", "c1", "0"))).expect("5 of GPU 0's 8 GiB");
         // A creation in flight on GPU 1 counts as if it were made.
-        p.flights().insert("f1".into(), Flight { abandoned: false, quota: 5 << 30, gpus: vec![1] });
+        p.flights().insert("f1".into(), Flight { abandoned: false, quota: 5 << 30, gpus: vec![1], pod_id: "sandbox-f".into(), bytes: 0 });
         let error = block_on(p.create_container(&workload("team-a", "b", "c2", "1"))).expect_err("GPU 1 holds f1's 5 GiB");
         assert!(error.contains("GPU 1 has 8589934592 bytes and 5368709120 bytes"), "{error}");
         p.flights().remove("f1");
@@ -1145,7 +1233,7 @@ mod tests {
         assert_eq!((p.counters().timed_out_total(), p.counters().removed_totals()), (1, [1, 0, 1]), "no mount without a Mounter");
 
         // The step runs while the runtime is answered: it finds itself abandoned when it ends.
-        p.flights().insert("c2".into(), Flight { abandoned: false, quota: 1 << 30, gpus: vec![0] });
+        p.flights().insert("c2".into(), Flight { abandoned: false, quota: 1 << 30, gpus: vec![0], pod_id: "sandbox-b".into(), bytes: 0 });
         block_on(p.abandon("c2"));
         let step = Creation {
             store: p.store.clone(),
@@ -1191,6 +1279,69 @@ mod tests {
         assert!(is_static_pod(&source("file")) && is_static_pod(&source("http")));
         assert!(!is_static_pod(&source("api")));
         assert!(!is_static_pod(&BTreeMap::new()), "not the kubelet's: not known to be static");
+    }
+
+    /// Past the per-pod cap (3 here) and the node's (6), a container with a quota is refused
+    /// with an error naming the cap, counted by reason, and nothing is made for it; the runtime
+    /// retrying a provisioned container is not refused; a creation in flight takes a place; a
+    /// removed container frees its place. 1-byte quotas, as a tenant may ask.
+    #[test]
+    fn caps_on_provisioned_containers_refuse_count_and_free_their_places() {
+        let (root, p) = provisioner("caps", "namespace=team-a 1\n", false);
+        for n in 0..5 {
+            let answer = block_on(p.create_container(&workload("team-a", "big", &format!("b{n}"), "0")));
+            match n {
+                0..3 => assert!(answer.is_ok(), "b{n}: {answer:?}"),
+                _ => {
+                    let error = answer.expect_err("past the pod's cap");
+                    assert!(error.contains("--max-provisioned-per-pod 3") && error.contains("pod team-a/big has 3"), "{error}");
+                    assert!(!root.join(format!("ledgers/b{n}")).exists(), "nothing made for a refused container");
+                }
+            }
+        }
+        assert_eq!((p.counters().refused_total(Refusal::PodCap), p.counters().refused_total(Refusal::NodeCap)), (2, 0));
+        assert!(block_on(p.create_container(&workload("team-a", "big", "b0", "0"))).is_ok(), "a retry of a provisioned one");
+        block_on(p.create_container(&workload("team-a", "x", "x0", "0"))).expect("4 of 6");
+        block_on(p.create_container(&workload("team-a", "y", "y0", "1"))).expect("5 of 6");
+        // A creation in flight takes the sixth place.
+        p.flights().insert("f1".into(), Flight { abandoned: false, quota: 1, gpus: vec![0], pod_id: "sandbox-f".into(), bytes: 0 });
+        let error = block_on(p.create_container(&workload("team-a", "z", "z0", "0"))).expect_err("past the node's cap");
+        assert!(error.contains("--max-provisioned-containers 6") && error.contains("the node has 6"), "{error}");
+        assert_eq!(p.counters().refused_total(Refusal::NodeCap), 1);
+        p.flights().remove("f1");
+        block_on(p.create_container(&workload("team-a", "z", "z0", "0"))).expect("6 of 6");
+        assert!(block_on(p.create_container(&workload("team-a", "z", "z1", "0"))).is_err());
+        assert_eq!(p.counters().refused_total(Refusal::NodeCap), 2);
+        // A removed container frees its place, in its pod and on the node.
+        block_on(p.remove_container("b1"));
+        block_on(p.create_container(&workload("team-a", "big", "b3", "0"))).expect("b1's place");
+        assert_eq!(p.len(), 6);
+        // Each ledger of a 1-byte quota: a device with no space, 8 slots (the flag).
+        let made = p.provisioned();
+        assert!(made.iter().all(|m| m.header.devices[0].chunks == 0 && m.header.slot_count == 8), "{made:?}");
+        std::fs::remove_dir_all(&root).expect("cleanup");
+    }
+
+    /// Past `--max-ledger-memory` (10 MiB here; an 8 GiB quota's ledger is about 4 MiB), a
+    /// container is refused with the reason, counted; a removal gives the bytes back.
+    #[test]
+    fn the_ledgers_memory_is_capped_too() {
+        let (root, _) = provisioner("budget", "namespace=team-a 8g\n", false);
+        let file = QuotaFile::open(&root.join("quotas")).expect("quota file");
+        let sources = Sources { kube: None, file: Some(file), annotation: false };
+        let args = ProvisionArgs { max_ledger_memory: 10 << 20, ..args(&root, false) };
+        let p = Provisioner::with_mounts(&args, &root.join("ledgers"), sources, None).expect("provisioner");
+        block_on(p.create_container(&workload("team-a", "a", "c1", "0"))).expect("c1");
+        block_on(p.create_container(&workload("team-a", "b", "c2", "0"))).expect("c2");
+        let size = p.provisioned()[0].header.total_size;
+        assert!(size > 3 << 20 && 3 * size > 10 << 20, "{size}");
+        let error = block_on(p.create_container(&workload("team-a", "c", "c3", "0"))).expect_err("past the budget");
+        assert!(error.contains("--max-ledger-memory 10485760") && error.contains(&format!("take {}", 2 * size)), "{error}");
+        assert_eq!(p.counters().refused_total(Refusal::LedgerMemory), 1);
+        assert!(!root.join("ledgers/c3").exists());
+        block_on(p.remove_container("c1"));
+        block_on(p.create_container(&workload("team-a", "c", "c3", "0"))).expect("c1's bytes");
+        std::fs::remove_dir_all(&root).expect("cleanup");
     }
 
     #[test]

@@ -10,6 +10,14 @@
 //! ledger directory is a tmpfs of the ledger's size ([`super::mount`]): the container cannot
 //! make its ledger, or anything else there, larger than the ledger's geometry.
 //!
+//! The ledger's geometry follows the container, not one fixed size ([`Sizing`],
+//! [`ledger::Geometry::provisioned`]): a slot per process up to `--max-processes-per-container`,
+//! records that grow with the quota's chunks, and each device's limit the quota cut to the
+//! GPU's memory (`--gpu-memory`: a quota past it admits nothing more and would only make the
+//! buddy space and its links larger). A 1-byte quota makes a ledger of about 230 KiB; the
+//! largest (a whole 80 GiB GPU) about 4.2 MiB. The agent holds every ledger to the header it
+//! created (its pin), never to what the file says.
+//!
 //! Container ids come from the runtime (trusted) but name directories: only ids of letters,
 //! digits, `-`, `_` and `.` (not starting with `.`), at most 128 bytes, are accepted.
 use std::{
@@ -20,8 +28,8 @@ use std::{
 };
 
 use ledger::{
-    layout::{Header, CONTAINER_CHUNK, CONTAINER_CONTEXT_RESERVE, CONTAINER_RECORDS, CONTAINER_SLOTS, CREATOR_AGENT},
-    DeviceConfig, Geometry, Ledger,
+    layout::{Header, CONTAINER_CHUNK, CONTAINER_CONTEXT_RESERVE, CREATOR_AGENT},
+    Geometry, Ledger,
 };
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
@@ -76,6 +84,40 @@ pub struct Provisioned {
     pub limits: PathBuf,
 }
 
+/// What sizes the ledgers the store creates (see the module doc).
+#[derive(Clone, Debug)]
+pub struct Sizing {
+    /// Processes of one container that may use the GPU at once: the ledger's slots.
+    pub processes: u32,
+    /// Each GPU's memory (empty: unknown), the most a device's limit is made.
+    pub gpu_memory: Vec<u64>,
+}
+
+/// The slots of a provisioned ledger when nothing says otherwise (`--max-processes-per-container`).
+pub const DEFAULT_PROCESSES: u32 = 128;
+
+impl Default for Sizing {
+    fn default() -> Sizing {
+        Sizing { processes: DEFAULT_PROCESSES, gpu_memory: Vec::new() }
+    }
+}
+
+impl Sizing {
+    /// The geometry of `record`'s ledger: one device per GPU it was given, at its quota cut
+    /// to that GPU's memory when known.
+    pub fn geometry(&self, record: &Record) -> Geometry {
+        let limits: Vec<u64> = match record.gpus.is_empty() {
+            true => vec![record.quota],
+            false => record
+                .gpus
+                .iter()
+                .map(|&gpu| self.gpu_memory.get(gpu as usize).map_or(record.quota, |&memory| record.quota.min(memory)))
+                .collect(),
+        };
+        Geometry::provisioned(&limits, CONTAINER_CHUNK, CONTAINER_CONTEXT_RESERVE, self.processes)
+    }
+}
+
 /// The state directory and the ledger directory.
 #[derive(Clone, Debug)]
 pub struct Store {
@@ -84,6 +126,7 @@ pub struct Store {
     /// Mounts each ledger directory as a tmpfs of the ledger's size (`None`: plain
     /// directories, for unit tests).
     mounts: Option<Mounter>,
+    sizing: Sizing,
 }
 
 /// Whether `id` can name a directory (see the module doc).
@@ -102,7 +145,19 @@ impl Store {
         fs::create_dir_all(&containers).map_err(|e| format!("cannot create {}: {e}", containers.display()))?;
         fs::set_permissions(&containers, fs::Permissions::from_mode(0o700))
             .map_err(|e| format!("cannot restrict {}: {e}", containers.display()))?;
-        Ok(Store { containers, ledger_dir: ledger_dir.to_path_buf(), mounts })
+        Ok(Store { containers, ledger_dir: ledger_dir.to_path_buf(), mounts, sizing: Sizing::default() })
+    }
+
+    /// The store, its ledgers sized by `sizing`.
+    pub fn sized(self, sizing: Sizing) -> Store {
+        Store { sizing, ..self }
+    }
+
+    /// The bytes `record`'s ledger will take (its tmpfs: the file's size, whole pages).
+    pub fn ledger_bytes(&self, record: &Record) -> Result<u64, String> {
+        ledger::file::plan(&self.sizing.geometry(record), CREATOR_AGENT, 0)
+            .map(|header| header.total_size)
+            .map_err(|e| format!("cannot lay out the ledger of {}: {e}", record.container_id))
     }
 
     fn paths(&self, id: &str) -> (PathBuf, PathBuf, PathBuf) {
@@ -126,18 +181,7 @@ impl Store {
         // A ledger left by an earlier try that did not finish (no record): made again.
         let _ = self.remove_ledger_dir(ledger_parent)?;
         fs::create_dir_all(ledger_parent).map_err(|e| format!("cannot create {}: {e}", ledger_parent.display()))?;
-        let geometry = Geometry {
-            slots: CONTAINER_SLOTS,
-            records: CONTAINER_RECORDS,
-            devices: (0..record.gpus.len().max(1))
-                .map(|_| DeviceConfig {
-                    limit: record.quota,
-                    chunk: CONTAINER_CHUNK,
-                    context_reserve: CONTAINER_CONTEXT_RESERVE,
-                    ..Default::default()
-                })
-                .collect(),
-        };
+        let geometry = self.sizing.geometry(&record);
         if let Some(mounts) = &self.mounts {
             let planned = ledger::file::plan(&geometry, CREATOR_AGENT, 0)
                 .map_err(|e| format!("cannot lay out the ledger of {id}: {e}"))?;
@@ -361,6 +405,27 @@ mod tests {
         assert_eq!(store.load().0.len(), 1);
         assert!(store.create(record("../x")).is_err());
         assert!(store.remove("..").is_err());
+        fs::remove_dir_all(&root).expect("cleanup");
+    }
+
+    /// The ledger follows the quota and the process bound: a 1-byte quota on one GPU is a
+    /// device with no space in a file of a few hundred KiB; a quota past a GPU's memory is cut
+    /// to it; records grow with the quota.
+    #[test]
+    fn ledgers_are_sized_by_quota_processes_and_gpu_memory() {
+        let root = std::env::temp_dir().join(format!("vramguard-store-sized-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&root);
+        let sizing = Sizing { processes: 16, gpu_memory: vec![8 << 30, 8 << 30, 8 << 30, 4 << 30] };
+        let store = Store::open(&root.join("state"), &root.join("ledgers"), None).expect("store").sized(sizing);
+        let tiny = store.create(Record { quota: 1, ..record("t1") }).expect("a 1-byte quota is provisioned");
+        assert_eq!((tiny.header.slot_count, tiny.header.devices[0].limit, tiny.header.devices[0].chunks), (16, 0, 0));
+        assert!(tiny.header.total_size < 256 << 10, "{}", tiny.header.total_size);
+        assert_eq!(Ledger::open(&tiny.ledger).expect("it opens").header().device_count, 2);
+        // GPUs 1 and 3: 8 and 4 GiB; a 6 GiB quota is 6 GiB on GPU 1 and 4 GiB on GPU 3.
+        let cut = store.create(Record { quota: 6 << 30, ..record("c1") }).expect("create");
+        assert_eq!((cut.header.devices[0].limit, cut.header.devices[1].limit), (6 << 30, 4 << 30));
+        assert_eq!(cut.record.quota, 6 << 30, "the record keeps the quota (the cgroup's limit)");
+        assert!(cut.header.record_count > tiny.header.record_count && cut.header.total_size > tiny.header.total_size);
         fs::remove_dir_all(&root).expect("cleanup");
     }
 

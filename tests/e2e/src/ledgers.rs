@@ -4,7 +4,7 @@ use std::{
     fs::{File, OpenOptions},
     mem::{offset_of, size_of},
     os::unix::fs::FileExt,
-    path::Path,
+    path::{Path, PathBuf},
 };
 
 use anyhow::{bail, Context, Result};
@@ -98,4 +98,17 @@ pub fn rewrite_header(path: &Path, change: impl FnOnce(&mut Header)) -> Result<H
     bytes.extend_from_slice(&header.checksum.to_ne_bytes());
     OpenOptions::new().write(true).open(path)?.write_all_at(&bytes, 0)?;
     Ok(before)
+}
+
+/// The provisioned ledgers' tmpfs mounts (source `vramguard-ledger`) directly under `ledgers`
+/// in this process's mount table (the agent mounts in the host's namespace, the tests').
+pub fn tmpfs_mounts(ledgers: &Path) -> Result<Vec<PathBuf>> {
+    let table = std::fs::read_to_string("/proc/self/mountinfo")?;
+    Ok(table
+        .lines()
+        .filter(|line| line.contains(" - tmpfs vramguard-ledger "))
+        .filter_map(|line| line.split(' ').nth(4))
+        .map(PathBuf::from)
+        .filter(|point| point.parent() == Some(ledgers))
+        .collect())
 }

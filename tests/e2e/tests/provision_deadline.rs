@@ -22,19 +22,6 @@ use e2e::{
     http, timeout, wait_for, FakeNode, TempDir, GIB,
 };
 
-/// The tmpfs mounts of ledgers directly under `ledgers` in this process's mount table (the
-/// agent mounts in the host's namespace, this test's).
-fn ledger_mounts(ledgers: &Path) -> Result<Vec<String>> {
-    let table = std::fs::read_to_string("/proc/self/mountinfo")?;
-    Ok(table
-        .lines()
-        .filter(|line| line.contains(" - tmpfs vramguard-ledger "))
-        .filter_map(|line| line.split(' ').nth(4))
-        .filter(|point| Path::new(point).parent() == Some(ledgers))
-        .map(str::to_owned)
-        .collect())
-}
-
 fn entries(dir: &Path) -> Result<Vec<String>> {
     Ok(std::fs::read_dir(dir)?.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
 }
@@ -74,7 +61,7 @@ fn a_creation_answered_past_the_deadline_leaves_no_ledger_mount_or_record() -> R
     let all = http::fresh_scrape(addr)?;
     ensure!(http::metric(&all, "vramguard_provision_timed_out_total", &[]) == Some(1.0), "one creation timed out");
     ensure!(entries(&ledgers)?.is_empty(), "a ledger is left: {:?}", entries(&ledgers)?);
-    ensure!(ledger_mounts(&ledgers)?.is_empty(), "a ledger tmpfs is left: {:?}", ledger_mounts(&ledgers)?);
+    ensure!(e2e::ledgers::tmpfs_mounts(&ledgers)?.is_empty(), "a ledger tmpfs is left: {:?}", e2e::ledgers::tmpfs_mounts(&ledgers)?);
     ensure!(entries(&records)?.is_empty(), "a record is left: {:?}", entries(&records)?);
     let audit = agent.audit()?;
     ensure!(audit["provisioned"].as_array().is_some_and(Vec::is_empty), "the agent still lists it: {}", audit["provisioned"]);
@@ -86,7 +73,7 @@ fn a_creation_answered_past_the_deadline_leaves_no_ledger_mount_or_record() -> R
     let audit = agent.audit()?;
     let rows = audit["provisioned"].as_array().context("no provisioned list")?;
     ensure!(rows.len() == 1 && rows[0]["container_id"] == main.0.as_str(), "{rows:?}");
-    ensure!(ledgers.join(&main.0).join("ledger").is_file() && ledger_mounts(&ledgers)?.len() == 1, "{:?}", ledger_mounts(&ledgers)?);
+    ensure!(ledgers.join(&main.0).join("ledger").is_file() && e2e::ledgers::tmpfs_mounts(&ledgers)?.len() == 1, "{:?}", e2e::ledgers::tmpfs_mounts(&ledgers)?);
     let workload = workload_path();
     let out = containerd.exec_sync(&main, &[&workload, "ctx 0", "alloc a 256m", "expect-oom alloc b 512m"])?;
     ensure!(out.exit_code == 0 && out.stdout.lines().any(|l| l == "oom b"), "past 1 GiB must be refused: {out:?}");
