@@ -53,6 +53,9 @@ use super::{
 
 /// The plugin type a DRA driver registers as.
 pub const PLUGIN_TYPE: &str = "DRAPlugin";
+/// How long the stop waits for the calls in flight.
+const DRAIN: std::time::Duration = std::time::Duration::from_millis(500);
+
 /// The DRA service this plugin serves, as the registration names it.
 pub const DRA_SERVICE: &str = "v1.DRAPlugin";
 
@@ -281,6 +284,7 @@ pub fn start<C: Claims>(
             let _ = stop.wait_for(|stop| *stop).await;
         };
         let stopped = futures_util::future::FutureExt::shared(Box::pin(stopped));
+        let stopping = stopped.clone();
         driver.count().await;
         let dra = tonic::transport::Server::builder()
             .add_service(DraPluginServer::from_arc(driver))
@@ -288,14 +292,28 @@ pub fn start<C: Claims>(
         let registration = tonic::transport::Server::builder()
             .add_service(RegistrationServer::new(registrar))
             .serve_with_incoming_shutdown(UnixListenerStream::new(registration_listener), stopped);
-        let served = tokio::try_join!(
-            async { dra.await.context("the DRA service failed") },
-            async { registration.await.context("the registration service failed") },
-        );
+        let served = async {
+            tokio::try_join!(
+                async { dra.await.context("the DRA service failed") },
+                async { registration.await.context("the registration service failed") },
+            )
+        };
+        let mut served = std::pin::pin!(served);
+        let failed = tokio::select! {
+            // Before the stop, only a failure ends the servers.
+            served = &mut served => Some(served),
+            () = stopping => None,
+        };
+        // The kubelet's watcher sees the registration socket go: the plugin is deregistered.
         for path in [&registration_path, &dra_path] {
             let _ = std::fs::remove_file(path);
         }
-        served.map(|_| ())
+        if let Some(served) = failed {
+            return served.map(|_| ());
+        }
+        // Calls in flight are answered; an idle connection the kubelet keeps is not waited for.
+        let _ = tokio::time::timeout(DRAIN, served).await;
+        Ok(())
     })
 }
 
