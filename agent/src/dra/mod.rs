@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 
 pub mod cdi;
 pub mod checkpoint;
+pub mod health;
 pub mod plugin;
 pub mod prepare;
 pub mod proto;

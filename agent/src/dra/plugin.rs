@@ -7,7 +7,8 @@
 //!   logged, counted, and the `vramguard_dra_registered` gauge).
 //! * DRA v1 (`<--kubelet-plugins-dir>/gpu.vramguard.io/dra.sock`): `NodePrepareResources` and
 //!   `NodeUnprepareResources`, each claim answered on its own by the [`Preparer`] (one claim's
-//!   failure is its `error`, never the call's).
+//!   failure is its `error`, never the call's); on the same socket, the devices' health
+//!   (`v1alpha1.DRAResourceHealth`, [`super::health`]).
 //!
 //! Stale socket files (an earlier agent's) are removed at start; both are removed at the stop,
 //! which the kubelet sees as the plugin going away.
@@ -36,8 +37,10 @@ use tonic::{Request, Response, Status};
 use tracing::{info, warn};
 
 use super::{
+    health::Health,
     prepare::{Asked, Claims, Outcome, Preparer, Reason},
     proto::{
+        health::dra_resource_health_server::DraResourceHealthServer,
         registration::{
             registration_server::{Registration, RegistrationServer},
             InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
@@ -142,7 +145,7 @@ impl Registration for Registrar {
             r#type: PLUGIN_TYPE.into(),
             name: DRIVER.into(),
             endpoint: self.endpoint.display().to_string(),
-            supported_versions: vec![DRA_SERVICE.into()],
+            supported_versions: vec![DRA_SERVICE.into(), super::health::SERVICE.into()],
         }))
     }
 
@@ -269,6 +272,7 @@ fn listen(path: &Path) -> Result<UnixListener> {
 pub fn start<C: Claims>(
     sockets: Sockets,
     preparer: Preparer<C>,
+    health: Health,
     metrics: Metrics,
     mut stop: watch::Receiver<bool>,
 ) -> Result<impl std::future::Future<Output = Result<()>> + Send + 'static> {
@@ -288,6 +292,7 @@ pub fn start<C: Claims>(
         driver.count().await;
         let dra = tonic::transport::Server::builder()
             .add_service(DraPluginServer::from_arc(driver))
+            .add_service(DraResourceHealthServer::new(Arc::new(health)))
             .serve_with_incoming_shutdown(UnixListenerStream::new(dra_listener), stopped.clone());
         let registration = tonic::transport::Server::builder()
             .add_service(RegistrationServer::new(registrar))
@@ -338,10 +343,11 @@ pub struct DraArgs {
 
 /// The plugin's task and its metrics' families as `--dra` asks for them (`None` without it):
 /// the claims from the API server `--kube` names, the GPUs `--gpu-memory` names, the
-/// checkpoint in `--state-dir`.
+/// checkpoint in `--state-dir`, the GPUs' health from the driver task's view.
 pub async fn wire(
     args: &DraArgs,
     provision: &crate::provision::ProvisionArgs,
+    driver: watch::Receiver<Arc<crate::driver::DriverView>>,
     stop: watch::Receiver<bool>,
 ) -> Result<Option<(impl std::future::Future<Output = Result<()>> + Send + 'static, Vec<Box<dyn Collector>>)>> {
     if !args.dra {
@@ -361,9 +367,10 @@ pub async fn wire(
         .map_err(anyhow::Error::msg)?;
     info!(claims = checkpoint.claims().count(), path = %checkpoint.path().display(), "the DRA checkpoint");
     let claims = super::prepare::KubeClaims(config.client()?);
+    let health = Health { pool: node.clone(), gpus: provision.gpu_memory.len() as u32, driver };
     let preparer = Preparer::new(claims, node, provision.gpu_memory.clone(), args.cdi_dir.clone(), provision.state_dir.clone(), checkpoint);
     let metrics = Metrics::new()?;
     let sockets = Sockets { registry_dir: args.kubelet_registry_dir.clone(), plugins_dir: args.kubelet_plugins_dir.clone() };
-    let task = start(sockets, preparer, metrics.clone(), stop)?;
+    let task = start(sockets, preparer, health, metrics.clone(), stop)?;
     Ok(Some((task, metrics.collectors())))
 }

@@ -9,7 +9,9 @@
 //! without asking the API server again; in the same call, a claim whose UID changed, one not
 //! allocated and one that would over-commit a GPU fail each with its own clear error; an
 //! agent restarted after the claim is gone from the API server unprepares it from its
-//! checkpoint (the spec removed), and an unknown claim unprepares as success.
+//! checkpoint (the spec removed), and an unknown claim unprepares as success. The devices'
+//! health (item 4) through the same socket: healthy while the fake's NVML answers, unhealthy
+//! on the agent whose NVML fails.
 //!
 //! Needs root (the agent loads its eBPF programs) and the built binaries.
 use std::{
@@ -18,12 +20,13 @@ use std::{
 };
 
 use anyhow::{ensure, Context, Result};
-use e2e::{agent::Agent, http, timeout, wait_for, TempDir};
+use e2e::{agent::Agent, http, timeout, wait_for, FakeNode, TempDir};
 use serde_json::Value;
 
 mod dra;
 mod kube_api;
 
+use agent::dra::proto::health::{HealthStatus, NodeWatchResourcesResponse};
 use dra::kubelet::{claim, Kubelet};
 use kube_api::{resource, ApiServer, NODE};
 
@@ -33,7 +36,7 @@ const SHARE: &str = "0c6f7a1e-2b3c-4d5e-8f90-a1b2c3d4e5f6";
 
 /// The agent on the fake driver as the DaemonSet runs it with `--dra`: two GPUs of 16 GiB, its
 /// state, the kubelet's directories and the CDI directory under `dir`.
-fn start_agent(api: &ApiServer, dir: &Path, account: &Path) -> Result<Agent> {
+fn start_agent(api: &ApiServer, dir: &Path, account: &Path, fake: &FakeNode) -> Result<Agent> {
     let libcuda = e2e::fake_driver_dir()?.join("libcuda.so.1");
     let args: Vec<OsString> = vec![
         "--libcuda".into(),
@@ -54,12 +57,14 @@ fn start_agent(api: &ApiServer, dir: &Path, account: &Path) -> Result<Agent> {
         "--cdi-dir".into(),
         dir.join("cdi").into(),
     ];
-    let env: Vec<(OsString, OsString)> = vec![
+    let mut env: Vec<(OsString, OsString)> = vec![
         ("KUBERNETES_SERVICE_HOST".into(), "127.0.0.1".into()),
         ("KUBERNETES_SERVICE_PORT".into(), api.addr.port().to_string().into()),
         ("NODE_NAME".into(), NODE.into()),
         ("VRAMGUARD_KUBE_SERVICE_ACCOUNT_DIR".into(), account.into()),
     ];
+    // The fake's NVML (beside its libcuda) sees the node's devices.
+    env.extend(fake.env().iter().cloned());
     let args: Vec<&OsStr> = args.iter().map(OsString::as_os_str).collect();
     Agent::start_with_env(&args, &env)
 }
@@ -96,16 +101,24 @@ fn the_kubelet_registers_the_plugin_and_prepares_and_unprepares_claims_across_a_
     let big = [(DRIVER, NODE, "gpu-0", Some("20Gi"), "0c6f7a1e-0000-4000-8000-000000000003")];
     api.put_claim(resource::claim("team-a", "big", "uid-big", "20Gi", Some(&big)));
 
-    let agent = start_agent(&api, dir.path(), &account)?;
+    let fake = FakeNode::new("dra-plugin").with_env("FAKECUDA_DEVICE_COUNT", "2").with_env("FAKECUDA_DEVICE_BYTES", "16g");
+    let agent = start_agent(&api, dir.path(), &account, &fake)?;
     let kubelet = Kubelet::new(&dir.path().join("registry"))?;
     let plugin = kubelet.register(DRIVER, timeout()).with_context(|| agent.log())?;
     let dra_socket = dir.path().join("plugins").join(DRIVER).join("dra.sock");
     ensure!(plugin.socket == dir.path().join("registry").join(format!("{DRIVER}-reg.sock")), "{:?}", plugin.socket);
     ensure!(plugin.info.r#type == "DRAPlugin" && plugin.info.name == DRIVER, "{:?}", plugin.info);
     ensure!(Path::new(&plugin.info.endpoint) == dra_socket, "the endpoint is the DRA socket's absolute path: {:?}", plugin.info);
-    ensure!(plugin.info.supported_versions.iter().any(|v| v == "v1.DRAPlugin"), "{:?}", plugin.info);
+    ensure!(plugin.info.supported_versions == ["v1.DRAPlugin", "v1alpha1.DRAResourceHealth"], "{:?}", plugin.info);
     wait_metric(&agent, "vramguard_dra_registered", &[], 1.0)?;
     wait_metric(&agent, "vramguard_dra_registration_notifications_total", &[("result", "registered")], 1.0)?;
+
+    // NVML answers: both GPUs of the node's pool are healthy.
+    let mut health = kubelet.watch_health(&plugin)?;
+    let healthy = kubelet.health_until(&mut health, timeout(), |m| all(m, HealthStatus::Healthy)).with_context(|| agent.log())?;
+    let names: Vec<(&str, &str)> = healthy.devices.iter().filter_map(|d| d.device.as_ref()).map(|d| (d.pool_name.as_str(), d.device_name.as_str())).collect();
+    ensure!(names == [(NODE, "gpu-0"), (NODE, "gpu-1")], "{healthy:?}");
+    drop(health);
 
     // One call, four claims: one prepared, three refused, each with its own error.
     let answer = kubelet.prepare(
@@ -162,8 +175,14 @@ fn the_kubelet_registers_the_plugin_and_prepares_and_unprepares_claims_across_a_
     agent.stop()?;
     ensure!(!plugin.socket.exists() && !dra_socket.exists(), "the sockets are removed at the stop");
     api.delete_claim("team-a", "train");
-    let agent = start_agent(&api, dir.path(), &account)?;
+    // This time NVML fails (every call after init): the GPUs are unhealthy.
+    let failing = FakeNode::new("dra-plugin-nvml").with_env("FAKECUDA_DEVICE_COUNT", "2").with_env("FAKECUDA_NVML", "fail");
+    let agent = start_agent(&api, dir.path(), &account, &failing)?;
     let plugin = kubelet.register(DRIVER, timeout()).with_context(|| agent.log())?;
+    let mut health = kubelet.watch_health(&plugin)?;
+    let unhealthy = kubelet.health_until(&mut health, timeout(), |m| all(m, HealthStatus::Unhealthy)).with_context(|| agent.log())?;
+    ensure!(unhealthy.devices.len() == 2 && unhealthy.devices[0].message.starts_with("NVML is failing: "), "{unhealthy:?}");
+    drop(health);
     wait_metric(&agent, "vramguard_dra_prepared_claims", &[], 1.0)?;
     let gone = kubelet.unprepare(&plugin, vec![claim("team-a", "train", TRAIN_UID), claim("team-a", "never", "uid-never-prepared")])?;
     ensure!(gone.claims.len() == 2 && gone.claims.values().all(|c| c.error.is_empty()), "{gone:?}\n{}", agent.log());
@@ -175,5 +194,12 @@ fn the_kubelet_registers_the_plugin_and_prepares_and_unprepares_claims_across_a_
     wait_metric(&agent, "vramguard_dra_prepared_claims", &[], 0.0)?;
     ensure!(gets(&api, "train") == 1, "unprepare needs no API server");
     agent.stop()?;
+    fake.cleanup();
+    failing.cleanup();
     Ok(())
+}
+
+/// Whether the message has every GPU of the node (two) at `health`.
+fn all(message: &NodeWatchResourcesResponse, health: HealthStatus) -> bool {
+    message.devices.len() == 2 && message.devices.iter().all(|d| d.health == health as i32)
 }

@@ -11,6 +11,7 @@ use std::{
 };
 
 use agent::dra::proto::{
+    health::{dra_resource_health_client::DraResourceHealthClient, NodeWatchResourcesRequest, NodeWatchResourcesResponse},
     registration::{registration_client::RegistrationClient, InfoRequest, PluginInfo, RegistrationStatus},
     v1::{
         dra_plugin_client::DraPluginClient, Claim, NodePrepareResourcesRequest, NodePrepareResourcesResponse, NodeUnprepareResourcesRequest,
@@ -18,7 +19,10 @@ use agent::dra::proto::{
     },
 };
 use anyhow::{bail, Context, Result};
-use tonic::transport::{Channel, Endpoint};
+use tonic::{
+    transport::{Channel, Endpoint},
+    Streaming,
+};
 
 /// How long the kubelet waits for a plugin's answer (its own DRA timeout).
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(45);
@@ -34,7 +38,7 @@ pub struct Plugin {
     pub info: PluginInfo,
     /// The registration socket it was found at.
     pub socket: PathBuf,
-    client: DraPluginClient<Channel>,
+    channel: Channel,
 }
 
 /// A claim as the kubelet names it.
@@ -72,8 +76,8 @@ impl Kubelet {
                 if let Some(problem) = problem {
                     bail!("the plugin at {} is not a DRA plugin: {problem} ({info:?})", socket.display());
                 }
-                let client = DraPluginClient::new(self.runtime.block_on(connect(Path::new(&info.endpoint)))?);
-                return Ok(Plugin { info, socket, client });
+                let channel = self.runtime.block_on(connect(Path::new(&info.endpoint)))?;
+                return Ok(Plugin { info, socket, channel });
             }
             if Instant::now() > deadline {
                 bail!("no plugin {driver} registered in {} within {within:?}", self.registry_dir.display());
@@ -96,16 +100,49 @@ impl Kubelet {
 
     /// `NodePrepareResources` of `claims`.
     pub fn prepare(&self, plugin: &Plugin, claims: Vec<Claim>) -> Result<NodePrepareResourcesResponse> {
-        let mut client = plugin.client.clone();
+        let mut client = DraPluginClient::new(plugin.channel.clone());
         let answer = self.runtime.block_on(client.node_prepare_resources(NodePrepareResourcesRequest { claims }))?;
         Ok(answer.into_inner())
     }
 
     /// `NodeUnprepareResources` of `claims`.
     pub fn unprepare(&self, plugin: &Plugin, claims: Vec<Claim>) -> Result<NodeUnprepareResourcesResponse> {
-        let mut client = plugin.client.clone();
+        let mut client = DraPluginClient::new(plugin.channel.clone());
         let answer = self.runtime.block_on(client.node_unprepare_resources(NodeUnprepareResourcesRequest { claims }))?;
         Ok(answer.into_inner())
+    }
+}
+
+impl Kubelet {
+    /// Starts watching the plugin's devices' health (`NodeWatchResources`).
+    pub fn watch_health(&self, plugin: &Plugin) -> Result<Streaming<NodeWatchResourcesResponse>> {
+        let mut client = DraResourceHealthClient::new(plugin.channel.clone());
+        Ok(self.runtime.block_on(client.node_watch_resources(NodeWatchResourcesRequest {}))?.into_inner())
+    }
+
+    /// Reads the health watch until a message satisfies `wanted` (within `within`): that one.
+    pub fn health_until(
+        &self,
+        watch: &mut Streaming<NodeWatchResourcesResponse>,
+        within: Duration,
+        wanted: impl Fn(&NodeWatchResourcesResponse) -> bool,
+    ) -> Result<NodeWatchResourcesResponse> {
+        self.runtime.block_on(async {
+            let mut last = None;
+            let reading = async {
+                while let Some(message) = watch.message().await? {
+                    if wanted(&message) {
+                        return Ok(message);
+                    }
+                    last = Some(message);
+                }
+                bail!("the health watch ended")
+            };
+            match tokio::time::timeout(within, reading).await {
+                Ok(read) => read,
+                Err(_) => bail!("no such health within {within:?}; the last: {last:?}"),
+            }
+        })
     }
 }
 
