@@ -57,12 +57,7 @@ fn start_agent(api: &ApiServer, dir: &Path, account: &Path, fake: &FakeNode) -> 
         "--cdi-dir".into(),
         dir.join("cdi").into(),
     ];
-    let mut env: Vec<(OsString, OsString)> = vec![
-        ("KUBERNETES_SERVICE_HOST".into(), "127.0.0.1".into()),
-        ("KUBERNETES_SERVICE_PORT".into(), api.addr.port().to_string().into()),
-        ("NODE_NAME".into(), NODE.into()),
-        ("VRAMGUARD_KUBE_SERVICE_ACCOUNT_DIR".into(), account.into()),
-    ];
+    let mut env = api.pod_env(account);
     // The fake's NVML (beside its libcuda) sees the node's devices.
     env.extend(fake.env().iter().cloned());
     let args: Vec<&OsStr> = args.iter().map(OsString::as_os_str).collect();

@@ -52,10 +52,13 @@ fn claims(state: &mut ApiState, asked: &Asked<'_>) -> Option<Answer> {
     }
 }
 
+/// An allocation result: `(driver, pool, device, consumedCapacity.memory, shareID)`.
+pub type Allocated<'a> = (&'a str, &'a str, &'a str, Option<&'a str>, &'a str);
+
 /// A ResourceClaim as the API server writes it once the scheduler allocated it: one request
-/// `gpu` of the driver's class asking `memory`, and, with `results`, `status.allocation`
-/// (each `(driver, pool, device, consumedCapacity.memory, shareID)`) and `reservedFor` a pod.
-pub fn claim(namespace: &str, name: &str, uid: &str, memory: &str, results: Option<&[(&str, &str, &str, Option<&str>, &str)]>) -> Value {
+/// `gpu` of the driver's class asking `memory`, and, with `results`, `status.allocation` and
+/// `reservedFor` a pod.
+pub fn claim(namespace: &str, name: &str, uid: &str, memory: &str, results: Option<&[Allocated<'_>]>) -> Value {
     let mut claim = serde_json::json!({
         "kind": "ResourceClaim", "apiVersion": "resource.k8s.io/v1",
         "metadata": {"name": name, "namespace": namespace, "uid": uid, "resourceVersion": "200", "creationTimestamp": "2026-11-27T10:00:00Z"},
