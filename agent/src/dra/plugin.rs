@@ -24,6 +24,7 @@
 //! | `vramguard_dra_registration_notifications_total{result}` | the kubelet's word on the registration: `registered`, `failed` |
 //! | `vramguard_dra_registered` | 1 while the kubelet's last word was that the plugin is registered |
 use std::{
+    os::unix::fs::PermissionsExt,
     path::{Path, PathBuf},
     sync::Arc,
 };
@@ -253,7 +254,8 @@ impl<C: Claims> DraPlugin for Driver<C> {
     }
 }
 
-/// A Unix listener on `path`, its directory made and a stale socket file removed first.
+/// A Unix listener on `path` (mode 0600), its directory made and a stale socket file removed
+/// first.
 fn listen(path: &Path) -> Result<UnixListener> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
@@ -263,7 +265,10 @@ fn listen(path: &Path) -> Result<UnixListener> {
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
         Err(error) => return Err(error).with_context(|| format!("cannot remove the stale socket {}", path.display())),
     }
-    UnixListener::bind(path).with_context(|| format!("cannot listen on {}", path.display()))
+    let listener = UnixListener::bind(path).with_context(|| format!("cannot listen on {}", path.display()))?;
+    // The kubelet's (root's) alone: whoever connects prepares claims.
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).with_context(|| format!("cannot restrict {}", path.display()))?;
+    Ok(listener)
 }
 
 /// Binds both sockets (the DRA one first: the kubelet connects to it once it has the

@@ -193,6 +193,10 @@ impl<C: Claims> Preparer<C> {
     /// Unprepares one claim: its CDI spec and its record removed (a claim not recorded is
     /// unprepared already), within [`CLAIM_DEADLINE`]. `Ok(false)`: it was not recorded.
     pub async fn unprepare(&self, asked: &Asked) -> Result<bool, String> {
+        // The UID names files to remove: nothing that could leave their directories.
+        if !is_uid(&asked.uid) {
+            return Err(format!("claim {}/{}: {:?} is not a UID", asked.namespace, asked.name, asked.uid));
+        }
         let (checkpoint, cdi_dir, state_dir, uid) = (self.checkpoint.clone(), self.cdi_dir.clone(), self.state_dir.clone(), asked.uid.clone());
         let work = blocking(move || {
             let mut checkpoint = lock(&checkpoint);
@@ -294,6 +298,11 @@ pub fn shares_of(claim: &ResourceClaim, asked: &Asked, node: &str, gpus: &[u64])
         return Err(refuse(Reason::NoDevice, format!("claim {id} has no device of {DRIVER} allocated on node {node}")));
     }
     Ok(Prepared { uid: uid.to_owned(), namespace: asked.namespace.clone(), name: asked.name.clone(), shares })
+}
+
+/// Whether `uid` has a UID's characters (the API server's are UUIDs).
+fn is_uid(uid: &str) -> bool {
+    !uid.is_empty() && uid.len() <= 128 && uid.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
 }
 
 /// The checkpoint, whatever a panicked holder left (its writes are all-or-nothing).
@@ -460,6 +469,11 @@ mod tests {
         assert!(!cdi::spec_path(&dir.join("cdi"), "ua").exists());
         assert!(!preparer.unprepare(&asked("a", "ua")).await.expect("unknown: success"));
         assert!(Checkpoint::open(&dir.join("state")).expect("checkpoint").get("ua").is_none());
+        // A UID that would name a path outside the driver's directories touches nothing.
+        std::fs::create_dir_all(dir.join("state/dra/claims")).expect("claims dir");
+        let error = preparer.unprepare(&asked("a", "../..")).await.expect_err("not a UID");
+        assert_eq!(error, r#"claim team/a: "../.." is not a UID"#);
+        assert!(dir.join("state/dra/checkpoint.json").exists() && dir.join("state/dra/claims").exists());
         let _ = std::fs::remove_dir_all(dir);
     }
 

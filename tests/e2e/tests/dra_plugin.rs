@@ -16,6 +16,7 @@
 //! Needs root (the agent loads its eBPF programs) and the built binaries.
 use std::{
     ffi::{OsStr, OsString},
+    os::unix::fs::PermissionsExt,
     path::Path,
 };
 
@@ -104,6 +105,10 @@ fn the_kubelet_registers_the_plugin_and_prepares_and_unprepares_claims_across_a_
     ensure!(plugin.socket == dir.path().join("registry").join(format!("{DRIVER}-reg.sock")), "{:?}", plugin.socket);
     ensure!(plugin.info.r#type == "DRAPlugin" && plugin.info.name == DRIVER, "{:?}", plugin.info);
     ensure!(Path::new(&plugin.info.endpoint) == dra_socket, "the endpoint is the DRA socket's absolute path: {:?}", plugin.info);
+    for socket in [&plugin.socket, &dra_socket] {
+        let mode = std::fs::metadata(socket)?.permissions().mode() & 0o777;
+        ensure!(mode == 0o600, "{} is the kubelet's alone: {mode:o}", socket.display());
+    }
     ensure!(plugin.info.supported_versions == ["v1.DRAPlugin", "v1alpha1.DRAResourceHealth"], "{:?}", plugin.info);
     wait_metric(&agent, "vramguard_dra_registered", &[], 1.0)?;
     wait_metric(&agent, "vramguard_dra_registration_notifications_total", &[("result", "registered")], 1.0)?;
