@@ -11,13 +11,14 @@
 //! agent restarted after the claim is gone from the API server unprepares it from its
 //! checkpoint (the spec removed), and an unknown claim unprepares as success. The devices'
 //! health (item 4) through the same socket: healthy while the fake's NVML answers, unhealthy
-//! on the agent whose NVML fails.
+//! on the agent whose NVML fails. A panic in the plugin's task ends the agent naming it, and the
+//! next agent replaces the sockets it left behind.
 //!
 //! Needs root (the agent loads its eBPF programs) and the built binaries.
 use std::{
     ffi::{OsStr, OsString},
     os::unix::fs::PermissionsExt,
-    path::Path,
+    path::{Path, PathBuf},
 };
 
 use anyhow::{ensure, Context, Result};
@@ -37,9 +38,9 @@ const SHARE: &str = "0c6f7a1e-2b3c-4d5e-8f90-a1b2c3d4e5f6";
 
 /// The agent on the fake driver as the DaemonSet runs it with `--dra`: two GPUs of 16 GiB, its
 /// state, the kubelet's directories and the CDI directory under `dir`.
-fn start_agent(api: &ApiServer, dir: &Path, account: &Path, fake: &FakeNode) -> Result<Agent> {
+fn start_agent(api: &ApiServer, dir: &Path, account: &Path, fake: &FakeNode, more: &[&str]) -> Result<Agent> {
     let libcuda = e2e::fake_driver_dir()?.join("libcuda.so.1");
-    let args: Vec<OsString> = vec![
+    let mut args: Vec<OsString> = vec![
         "--libcuda".into(),
         libcuda.into(),
         "--no-discover".into(),
@@ -58,6 +59,7 @@ fn start_agent(api: &ApiServer, dir: &Path, account: &Path, fake: &FakeNode) -> 
         "--cdi-dir".into(),
         dir.join("cdi").into(),
     ];
+    args.extend(more.iter().map(OsString::from));
     let mut env = api.pod_env(account);
     // The fake's NVML (beside its libcuda) sees the node's devices.
     env.extend(fake.env().iter().cloned());
@@ -79,12 +81,18 @@ fn wait_metric(agent: &Agent, name: &str, labels: &[(&str, &str)], value: f64) -
     Ok(())
 }
 
-#[test]
-fn the_kubelet_registers_the_plugin_and_prepares_and_unprepares_claims_across_a_restart() -> Result<()> {
+/// The API server, a directory of the test's own and the service account's files in it.
+fn scene(tag: &str) -> Result<(ApiServer, TempDir, PathBuf)> {
     let api = ApiServer::start()?;
-    let dir = TempDir::new("dra-plugin")?;
+    let dir = TempDir::new(tag)?;
     let account = dir.path().join("serviceaccount");
     api.service_account(&account)?;
+    Ok((api, dir, account))
+}
+
+#[test]
+fn the_kubelet_registers_the_plugin_and_prepares_and_unprepares_claims_across_a_restart() -> Result<()> {
+    let (api, dir, account) = scene("dra-plugin")?;
     // An 8 GiB share of GPU 1, as the scheduler allocated it.
     let train = [(DRIVER, NODE, "gpu-1", Some("8Gi"), SHARE)];
     api.put_claim(resource::claim("team-a", "train", TRAIN_UID, "8Gi", Some(&train)));
@@ -98,7 +106,7 @@ fn the_kubelet_registers_the_plugin_and_prepares_and_unprepares_claims_across_a_
     api.put_claim(resource::claim("team-a", "big", "uid-big", "20Gi", Some(&big)));
 
     let fake = FakeNode::new("dra-plugin").with_env("FAKECUDA_DEVICE_COUNT", "2").with_env("FAKECUDA_DEVICE_BYTES", "16g");
-    let agent = start_agent(&api, dir.path(), &account, &fake)?;
+    let agent = start_agent(&api, dir.path(), &account, &fake, &[])?;
     let kubelet = Kubelet::new(&dir.path().join("registry"))?;
     let plugin = kubelet.register(DRIVER, timeout()).with_context(|| agent.log())?;
     let dra_socket = dir.path().join("plugins").join(DRIVER).join("dra.sock");
@@ -177,7 +185,7 @@ fn the_kubelet_registers_the_plugin_and_prepares_and_unprepares_claims_across_a_
     api.delete_claim("team-a", "train");
     // This time NVML fails (every call after init): the GPUs are unhealthy.
     let failing = FakeNode::new("dra-plugin-nvml").with_env("FAKECUDA_DEVICE_COUNT", "2").with_env("FAKECUDA_NVML", "fail");
-    let agent = start_agent(&api, dir.path(), &account, &failing)?;
+    let agent = start_agent(&api, dir.path(), &account, &failing, &[])?;
     let plugin = kubelet.register(DRIVER, timeout()).with_context(|| agent.log())?;
     let mut health = kubelet.watch_health(&plugin)?;
     let unhealthy = kubelet.health_until(&mut health, timeout(), |m| all(m, HealthStatus::Unhealthy)).with_context(|| agent.log())?;
@@ -196,6 +204,34 @@ fn the_kubelet_registers_the_plugin_and_prepares_and_unprepares_claims_across_a_
     agent.stop()?;
     fake.cleanup();
     failing.cleanup();
+    Ok(())
+}
+
+#[test]
+fn a_panic_in_the_plugin_ends_the_agent_naming_it_and_the_next_agent_replaces_its_stale_sockets() -> Result<()> {
+    let (api, dir, account) = scene("dra-plugin-panic")?;
+    let fake = FakeNode::new("dra-plugin-panic").with_env("FAKECUDA_DEVICE_COUNT", "2");
+    let trigger = dir.path().join("panic-now");
+    let fault = format!("panic:dra-plugin:{}", trigger.display());
+    let mut agent = start_agent(&api, dir.path(), &account, &fake, &["--fault", &fault])?;
+    let kubelet = Kubelet::new(&dir.path().join("registry"))?;
+    let plugin = kubelet.register(DRIVER, timeout()).with_context(|| agent.log())?;
+    std::fs::write(&trigger, b"now")?;
+    let (status, _) = agent.wait_exit(timeout())?;
+    let log = agent.log();
+    ensure!(!status.success(), "the agent exits non-zero: {log}");
+    ensure!(log.contains("the dra-plugin task failed: it panicked: fault injected"), "the agent names the task: {log}");
+    // The panic left the sockets behind: the next agent removes them and serves again.
+    ensure!(plugin.socket.exists(), "a stale registration socket");
+    drop(agent);
+    std::fs::remove_file(&trigger)?;
+    let agent = start_agent(&api, dir.path(), &account, &fake, &[])?;
+    let plugin = kubelet.register(DRIVER, timeout()).with_context(|| agent.log())?;
+    let answer = kubelet.unprepare(&plugin, vec![claim("team-a", "none", "uid-none")])?;
+    ensure!(answer.claims["uid-none"].error.is_empty(), "{answer:?}");
+    ensure!(agent.log().contains("removed a stale socket"), "{}", agent.log());
+    agent.stop()?;
+    fake.cleanup();
     Ok(())
 }
 
