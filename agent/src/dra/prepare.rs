@@ -155,6 +155,12 @@ impl<C: Claims> Preparer<C> {
         Preparer { claims, node, gpus, cdi_dir, state_dir, checkpoint: Arc::new(Mutex::new(checkpoint)) }
     }
 
+    /// The checkpoint this preparer keeps, for a reader of the prepared claims beside it (the
+    /// NRI side): lock it on the blocking pool only (a write holds it through an fsync).
+    pub fn checkpoint(&self) -> Arc<Mutex<Checkpoint>> {
+        self.checkpoint.clone()
+    }
+
     /// Claims prepared now (the checkpoint's).
     pub async fn prepared_claims(&self) -> usize {
         let checkpoint = self.checkpoint.clone();
