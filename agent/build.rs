@@ -1,5 +1,10 @@
-//! Embeds the eBPF object built by `cargo xtask build-ebpf` into the agent binary.
+//! Embeds the eBPF object built by `cargo xtask build-ebpf` into the agent binary, and
+//! generates the DRA kubelet plugin's gRPC messages, servers and clients from `proto/*.proto`
+//! (compiled by protox, in Rust: no protoc).
 use std::{env, fs, path::PathBuf};
+
+/// The kubelet's plugin protocols (see `src/dra/proto.rs`).
+const PROTOS: [&str; 3] = ["proto/pluginregistration.proto", "proto/dra_v1.proto", "proto/dra_health_v1alpha1.proto"];
 
 fn main() {
     let manifest = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
@@ -13,4 +18,14 @@ fn main() {
             object.display()
         );
     }
+
+    for proto in PROTOS {
+        println!("cargo:rerun-if-changed={proto}");
+    }
+    let descriptors = protox::compile(PROTOS, ["proto"]).unwrap_or_else(|error| panic!("the DRA protocol files do not compile: {error}"));
+    tonic_prost_build::configure()
+        .build_server(true)
+        .build_client(true)
+        .compile_fds(descriptors)
+        .unwrap_or_else(|error| panic!("cannot generate the DRA gRPC code: {error}"));
 }

@@ -14,6 +14,7 @@
 //! | nri ([`provision::nri`]) | its connection | answers the runtime within [`NRI_DEADLINE`] | no |
 //! | publish ([`provision`]) | nothing | hands the provisioned containers' pins and limits on | no |
 //! | pod-cache, capacity ([`provision::kube`]) | their watch, their patch | `--kube`: the node's pods, its advertised capacity | no |
+//! | dra-plugin ([`crate::dra::plugin`]) | its sockets, the prepared claims | `--dra`: the kubelet's prepare and unprepare, each claim bounded | no |
 //! | metrics ([`serve::http`]), control ([`serve::control`]) | their listeners | `/metrics`; audits handed to reconcile | no |
 //!
 //! No task ends while the agent runs: the first that does (returns, fails or panics) stops
@@ -227,6 +228,8 @@ pub struct RunArgs {
     pub journal_bytes: u32,
     #[command(flatten)]
     pub provision: ProvisionArgs,
+    #[command(flatten)]
+    pub dra: crate::dra::plugin::DraArgs,
     /// Test only: a fault to inject (repeatable; see `agent/src/fault.rs`).
     #[arg(long = "fault", hide = true, value_name = "KIND:WHERE", value_parser = crate::fault::parse)]
     pub faults: Vec<crate::fault::Fault>,
@@ -381,6 +384,12 @@ pub async fn run(args: RunArgs) -> Result<()> {
     if let Some(alive) = capacity.as_mut().and_then(provision::kube::Capacity::take_alive) {
         tasks.spawn_abortable("capacity", alive.ended());
     }
+    if let Some((plugin, families)) = crate::dra::plugin::wire(&args.dra, &args.provision, driver_rx.clone(), stop.clone()).await? {
+        for family in families {
+            judge.metrics.register(family)?;
+        }
+        tasks.spawn("dra-plugin", plugin);
+    }
 
     let ledgers_rx = ledgers.map(|ledgers| {
         let (published_tx, published_rx) = watch::channel(Arc::new(ledgers.clone()));
@@ -519,8 +528,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
 async fn provisioner(args: &RunArgs) -> Result<Option<(Arc<Provisioner>, Option<provision::kube::Capacity>)>> {
     let wanted = &args.provision;
     if !wanted.nri {
-        if wanted.quota_file.is_some() || wanted.quota_from_annotation || wanted.refuse_overcommit || wanted.kube.kube {
-            bail!("--kube, --quota-file, --quota-from-annotation and --refuse-overcommit provision containers: they need --nri");
+        if wanted.quota_file.is_some() || wanted.quota_from_annotation || wanted.refuse_overcommit || (wanted.kube.kube && !args.dra.dra) {
+            bail!("--kube (without --dra), --quota-file, --quota-from-annotation and --refuse-overcommit provision containers: they need --nri");
         }
         return Ok(None);
     }

@@ -18,6 +18,10 @@ use serde::{Deserialize, Serialize};
 
 pub mod cdi;
 pub mod checkpoint;
+pub mod health;
+pub mod plugin;
+pub mod prepare;
+pub mod proto;
 
 /// The driver's name: the ResourceSlices' `spec.driver`, the kubelet plugin's name, the
 /// allocation results' `driver`, the CDI spec's vendor.

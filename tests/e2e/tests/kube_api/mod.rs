@@ -212,17 +212,23 @@ impl ApiServer {
             "--kube".into(),
         ];
         args.extend(more.iter().map(OsString::from));
-        let env: Vec<(OsString, OsString)> = vec![
-            ("KUBERNETES_SERVICE_HOST".into(), "127.0.0.1".into()),
-            ("KUBERNETES_SERVICE_PORT".into(), self.addr.port().to_string().into()),
-            ("NODE_NAME".into(), NODE.into()),
-            ("VRAMGUARD_KUBE_SERVICE_ACCOUNT_DIR".into(), account.into()),
-        ];
+        let env = self.pod_env(account);
         let args: Vec<&OsStr> = args.iter().map(OsString::as_os_str).collect();
         let agent = Agent::start_with_env(&args, &env)?;
         wait_for(timeout(), "the agent registered with containerd", || Ok(agent.audit()?["nri_connected"] == true))
             .with_context(|| agent.log())?;
         Ok(agent)
+    }
+
+    /// The environment the DaemonSet's pod gives the agent to reach this server: the
+    /// service's address, the node's name, and the service account's files in `account`.
+    pub fn pod_env(&self, account: &Path) -> Vec<(OsString, OsString)> {
+        vec![
+            ("KUBERNETES_SERVICE_HOST".into(), "127.0.0.1".into()),
+            ("KUBERNETES_SERVICE_PORT".into(), self.addr.port().to_string().into()),
+            ("NODE_NAME".into(), NODE.into()),
+            ("VRAMGUARD_KUBE_SERVICE_ACCOUNT_DIR".into(), account.into()),
+        ]
     }
 
     /// The service account directory a pod would have: token, CA, namespace.

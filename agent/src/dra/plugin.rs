@@ -1,0 +1,381 @@
+//! The kubelet plugin (`--dra`): two gRPC servers on the kubelet's Unix sockets.
+//!
+//! * Registration (`<--kubelet-registry-dir>/gpu.vramguard.io-reg.sock`): the kubelet finds
+//!   the socket there, asks [`GetInfo`](Registration::get_info) (a `DRAPlugin` named
+//!   [`DRIVER`], its endpoint the DRA socket's absolute path, the services it serves) and tells
+//!   the result ([`NotifyRegistrationStatus`](Registration::notify_registration_status):
+//!   logged, counted, and the `vramguard_dra_registered` gauge).
+//! * DRA v1 (`<--kubelet-plugins-dir>/gpu.vramguard.io/dra.sock`): `NodePrepareResources` and
+//!   `NodeUnprepareResources`, each claim answered on its own by the [`Preparer`] (one claim's
+//!   failure is its `error`, never the call's); on the same socket, the devices' health
+//!   (`v1alpha1.DRAResourceHealth`, [`super::health`]).
+//!
+//! Stale socket files (an earlier agent's) are removed at start; both are removed at the stop,
+//! which the kubelet sees as the plugin going away.
+//!
+//! Metrics ([`Metrics`], on the agent's page):
+//!
+//! | family | counts |
+//! |---|---|
+//! | `vramguard_dra_prepares_total{result}` | claims prepared: `prepared`, `repeated` (answered from the checkpoint), `refused` |
+//! | `vramguard_dra_prepare_refusals_total{reason}` | refused claims by [`Reason`] (`over_capacity`: the scheduler over-committed a GPU) |
+//! | `vramguard_dra_unprepares_total{result}` | claims unprepared: `unprepared`, `not_prepared` (unknown UID: success), `failed` |
+//! | `vramguard_dra_prepared_claims` | claims prepared on the node (the checkpoint's) |
+//! | `vramguard_dra_registration_notifications_total{result}` | the kubelet's word on the registration: `registered`, `failed` |
+//! | `vramguard_dra_registered` | 1 while the kubelet's last word was that the plugin is registered |
+use std::{
+    os::unix::fs::PermissionsExt,
+    path::{Path, PathBuf},
+    sync::Arc,
+};
+
+use anyhow::{Context, Result};
+use futures_util::future::join_all;
+use prometheus::{core::Collector, IntCounterVec, IntGauge, Opts};
+use tokio::{net::UnixListener, sync::watch};
+use tokio_stream::wrappers::UnixListenerStream;
+use tonic::{Request, Response, Status};
+use tracing::{info, warn};
+
+use super::{
+    health::Health,
+    prepare::{Asked, Claims, Outcome, Preparer, Reason},
+    proto::{
+        health::dra_resource_health_server::DraResourceHealthServer,
+        registration::{
+            registration_server::{Registration, RegistrationServer},
+            InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
+        },
+        v1::{
+            dra_plugin_server::{DraPlugin, DraPluginServer},
+            Device, NodePrepareResourceResponse, NodePrepareResourcesRequest, NodePrepareResourcesResponse,
+            NodeUnprepareResourceResponse, NodeUnprepareResourcesRequest, NodeUnprepareResourcesResponse,
+        },
+    },
+    Prepared, DRIVER,
+};
+
+/// The plugin type a DRA driver registers as.
+pub const PLUGIN_TYPE: &str = "DRAPlugin";
+/// How long the stop waits for the calls in flight.
+const DRAIN: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// The DRA service this plugin serves, as the registration names it.
+pub const DRA_SERVICE: &str = "v1.DRAPlugin";
+
+/// The kubelet's directories (`--kubelet-registry-dir`, `--kubelet-plugins-dir`).
+#[derive(Clone, Debug)]
+pub struct Sockets {
+    pub registry_dir: PathBuf,
+    pub plugins_dir: PathBuf,
+}
+
+impl Sockets {
+    /// The registration socket, where the kubelet looks for plugins.
+    pub fn registration(&self) -> PathBuf {
+        self.registry_dir.join(format!("{DRIVER}-reg.sock"))
+    }
+
+    /// The DRA service's socket (the registration's endpoint).
+    pub fn dra(&self) -> PathBuf {
+        self.plugins_dir.join(DRIVER).join("dra.sock")
+    }
+}
+
+/// The plugin's metrics (see the module's table).
+#[derive(Clone)]
+pub struct Metrics {
+    prepares: IntCounterVec,
+    refusals: IntCounterVec,
+    unprepares: IntCounterVec,
+    prepared: IntGauge,
+    notifications: IntCounterVec,
+    registered: IntGauge,
+}
+
+impl Metrics {
+    pub fn new() -> Result<Metrics, prometheus::Error> {
+        let vec = |name: &str, help: &str, label: &str| IntCounterVec::new(Opts::new(name, help), &[label]);
+        let metrics = Metrics {
+            prepares: vec("vramguard_dra_prepares_total", "Claims the kubelet asked the DRA driver to prepare, by result: prepared, repeated (from the checkpoint), refused", "result")?,
+            refusals: vec("vramguard_dra_prepare_refusals_total", "Claims the DRA driver refused to prepare, by reason (over_capacity: the allocation over-commits a GPU)", "reason")?,
+            unprepares: vec("vramguard_dra_unprepares_total", "Claims the kubelet asked the DRA driver to unprepare, by result: unprepared, not_prepared, failed", "result")?,
+            prepared: IntGauge::new("vramguard_dra_prepared_claims", "Claims prepared on this node by the DRA driver (its checkpoint's)")?,
+            notifications: vec("vramguard_dra_registration_notifications_total", "The kubelet's registration status notifications to the DRA plugin: registered, failed", "result")?,
+            registered: IntGauge::new("vramguard_dra_registered", "1 while the kubelet's last word was that the DRA plugin is registered")?,
+        };
+        // Every series from the start, at zero.
+        for result in ["prepared", "repeated", "refused"] {
+            metrics.prepares.with_label_values(&[result]);
+        }
+        for reason in Reason::ALL {
+            metrics.refusals.with_label_values(&[reason.label()]);
+        }
+        for result in ["unprepared", "not_prepared", "failed"] {
+            metrics.unprepares.with_label_values(&[result]);
+        }
+        for result in ["registered", "failed"] {
+            metrics.notifications.with_label_values(&[result]);
+        }
+        Ok(metrics)
+    }
+
+    /// The families, for the agent's page.
+    pub fn collectors(&self) -> Vec<Box<dyn Collector>> {
+        vec![
+            Box::new(self.prepares.clone()),
+            Box::new(self.refusals.clone()),
+            Box::new(self.unprepares.clone()),
+            Box::new(self.prepared.clone()),
+            Box::new(self.notifications.clone()),
+            Box::new(self.registered.clone()),
+        ]
+    }
+}
+
+/// The registration service.
+struct Registrar {
+    endpoint: PathBuf,
+    metrics: Metrics,
+}
+
+#[tonic::async_trait]
+impl Registration for Registrar {
+    async fn get_info(&self, _: Request<InfoRequest>) -> Result<Response<PluginInfo>, Status> {
+        Ok(Response::new(PluginInfo {
+            r#type: PLUGIN_TYPE.into(),
+            name: DRIVER.into(),
+            endpoint: self.endpoint.display().to_string(),
+            supported_versions: vec![DRA_SERVICE.into(), super::health::SERVICE.into()],
+        }))
+    }
+
+    async fn notify_registration_status(&self, request: Request<RegistrationStatus>) -> Result<Response<RegistrationStatusResponse>, Status> {
+        let status = request.into_inner();
+        if status.plugin_registered {
+            info!(driver = DRIVER, "the kubelet registered the DRA plugin");
+            self.metrics.notifications.with_label_values(&["registered"]).inc();
+            self.metrics.registered.set(1);
+        } else {
+            warn!(driver = DRIVER, error = %status.error, "the kubelet did not register the DRA plugin");
+            self.metrics.notifications.with_label_values(&["failed"]).inc();
+            self.metrics.registered.set(0);
+        }
+        Ok(Response::new(RegistrationStatusResponse {}))
+    }
+}
+
+/// The DRA v1 service.
+struct Driver<C> {
+    preparer: Preparer<C>,
+    metrics: Metrics,
+}
+
+fn asked(claim: super::proto::v1::Claim) -> Asked {
+    Asked { namespace: claim.namespace, uid: claim.uid, name: claim.name }
+}
+
+/// The devices the kubelet is answered for a prepared claim: one per share.
+pub fn devices(prepared: &Prepared) -> Vec<Device> {
+    prepared
+        .shares
+        .iter()
+        .map(|share| Device {
+            request_names: vec![share.request.clone()],
+            pool_name: share.pool.clone(),
+            device_name: share.device.clone(),
+            cdi_device_ids: vec![share.cdi_device.clone()],
+            share_id: share.share_id.clone(),
+        })
+        .collect()
+}
+
+impl<C: Claims> Driver<C> {
+    async fn prepare_one(&self, asked: Asked) -> (String, NodePrepareResourceResponse) {
+        let answer = match self.preparer.prepare(&asked).await {
+            Ok(outcome) => {
+                let result = match &outcome {
+                    Outcome::Prepared(prepared) => {
+                        let shares: Vec<_> = prepared.shares.iter().map(|s| (s.gpu, s.memory)).collect();
+                        info!(claim = %format!("{}/{}", asked.namespace, asked.name), uid = %asked.uid, ?shares, "prepared a claim");
+                        "prepared"
+                    }
+                    Outcome::Repeated(_) => "repeated",
+                };
+                self.metrics.prepares.with_label_values(&[result]).inc();
+                NodePrepareResourceResponse { devices: devices(outcome.prepared()), error: String::new() }
+            }
+            Err(refusal) => {
+                warn!(uid = %asked.uid, reason = refusal.reason.label(), "refused to prepare a claim: {}", refusal.message);
+                self.metrics.prepares.with_label_values(&["refused"]).inc();
+                self.metrics.refusals.with_label_values(&[refusal.reason.label()]).inc();
+                NodePrepareResourceResponse { devices: Vec::new(), error: refusal.message }
+            }
+        };
+        (asked.uid, answer)
+    }
+
+    async fn unprepare_one(&self, asked: Asked) -> (String, NodeUnprepareResourceResponse) {
+        let error = match self.preparer.unprepare(&asked).await {
+            Ok(known) => {
+                let result = if known { "unprepared" } else { "not_prepared" };
+                info!(uid = %asked.uid, result, "unprepared a claim");
+                self.metrics.unprepares.with_label_values(&[result]).inc();
+                String::new()
+            }
+            Err(error) => {
+                warn!(uid = %asked.uid, "cannot unprepare a claim: {error}");
+                self.metrics.unprepares.with_label_values(&["failed"]).inc();
+                error
+            }
+        };
+        (asked.uid, NodeUnprepareResourceResponse { error })
+    }
+
+    async fn count(&self) {
+        self.metrics.prepared.set(self.preparer.prepared_claims().await as i64);
+    }
+}
+
+#[tonic::async_trait]
+impl<C: Claims> DraPlugin for Driver<C> {
+    async fn node_prepare_resources(&self, request: Request<NodePrepareResourcesRequest>) -> Result<Response<NodePrepareResourcesResponse>, Status> {
+        let claims = request.into_inner().claims;
+        let answers = join_all(claims.into_iter().map(|claim| self.prepare_one(asked(claim)))).await;
+        self.count().await;
+        Ok(Response::new(NodePrepareResourcesResponse { claims: answers.into_iter().collect() }))
+    }
+
+    async fn node_unprepare_resources(&self, request: Request<NodeUnprepareResourcesRequest>) -> Result<Response<NodeUnprepareResourcesResponse>, Status> {
+        let claims = request.into_inner().claims;
+        let answers = join_all(claims.into_iter().map(|claim| self.unprepare_one(asked(claim)))).await;
+        self.count().await;
+        Ok(Response::new(NodeUnprepareResourcesResponse { claims: answers.into_iter().collect() }))
+    }
+}
+
+/// A Unix listener on `path` (mode 0600), its directory made and a stale socket file removed
+/// first.
+fn listen(path: &Path) -> Result<UnixListener> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    }
+    match std::fs::remove_file(path) {
+        Ok(()) => info!(socket = %path.display(), "removed a stale socket"),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+        Err(error) => return Err(error).with_context(|| format!("cannot remove the stale socket {}", path.display())),
+    }
+    let listener = UnixListener::bind(path).with_context(|| format!("cannot listen on {}", path.display()))?;
+    // The kubelet's (root's) alone: whoever connects prepares claims.
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).with_context(|| format!("cannot restrict {}", path.display()))?;
+    Ok(listener)
+}
+
+/// Binds both sockets (the DRA one first: the kubelet connects to it once it has the
+/// registration's answer) and returns the plugin's task: it serves until `stop`, then removes
+/// the sockets; a server's failure ends it with the error.
+pub fn start<C: Claims>(
+    sockets: Sockets,
+    preparer: Preparer<C>,
+    health: Health,
+    metrics: Metrics,
+    mut stop: watch::Receiver<bool>,
+) -> Result<impl std::future::Future<Output = Result<()>> + Send + 'static> {
+    let dra_path = std::path::absolute(sockets.dra()).context("the DRA socket's absolute path")?;
+    let registration_path = sockets.registration();
+    let dra_listener = listen(&dra_path)?;
+    let registration_listener = listen(&registration_path)?;
+    info!(registration = %registration_path.display(), dra = %dra_path.display(), "serving the DRA kubelet plugin");
+    let registrar = Registrar { endpoint: dra_path.clone(), metrics: metrics.clone() };
+    let driver = Arc::new(Driver { preparer, metrics });
+    Ok(async move {
+        let stopped = async move {
+            let _ = stop.wait_for(|stop| *stop).await;
+        };
+        let stopped = futures_util::future::FutureExt::shared(Box::pin(stopped));
+        let stopping = stopped.clone();
+        driver.count().await;
+        let dra = tonic::transport::Server::builder()
+            .add_service(DraPluginServer::from_arc(driver))
+            .add_service(DraResourceHealthServer::new(Arc::new(health)))
+            .serve_with_incoming_shutdown(UnixListenerStream::new(dra_listener), stopped.clone());
+        let registration = tonic::transport::Server::builder()
+            .add_service(RegistrationServer::new(registrar))
+            .serve_with_incoming_shutdown(UnixListenerStream::new(registration_listener), stopped);
+        let served = async {
+            tokio::try_join!(
+                async { dra.await.context("the DRA service failed") },
+                async { registration.await.context("the registration service failed") },
+            )
+        };
+        let mut served = std::pin::pin!(served);
+        let failed = tokio::select! {
+            // Before the stop, only a failure ends the servers.
+            served = &mut served => Some(served),
+            () = stopping => None,
+        };
+        // The kubelet's watcher sees the registration socket go: the plugin is deregistered.
+        for path in [&registration_path, &dra_path] {
+            let _ = std::fs::remove_file(path);
+        }
+        if let Some(served) = failed {
+            return served.map(|_| ());
+        }
+        // Calls in flight are answered; an idle connection the kubelet keeps is not waited for.
+        let _ = tokio::time::timeout(DRAIN, served).await;
+        Ok(())
+    })
+}
+
+/// The DRA driver's flags of `vramguard run`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct DraArgs {
+    /// Run the DRA driver gpu.vramguard.io: the kubelet plugin that prepares ResourceClaims
+    /// allocated on this node's GPUs. Needs --kube (the claims come from the API server),
+    /// --node-name and --gpu-memory (each GPU's memory: a share past it is refused).
+    #[arg(long)]
+    pub dra: bool,
+    /// The kubelet's plugin registry directory, where the registration socket is created.
+    #[arg(long, default_value = "/var/lib/kubelet/plugins_registry", value_name = "DIR")]
+    pub kubelet_registry_dir: PathBuf,
+    /// The kubelet's plugins directory: the DRA socket is `<DIR>/gpu.vramguard.io/dra.sock`.
+    #[arg(long, default_value = "/var/lib/kubelet/plugins", value_name = "DIR")]
+    pub kubelet_plugins_dir: PathBuf,
+    /// Where the prepared claims' CDI specs are written (a directory the runtime reads specs from).
+    #[arg(long, default_value = "/var/run/cdi", value_name = "DIR")]
+    pub cdi_dir: PathBuf,
+}
+
+/// The plugin's task and its metrics' families as `--dra` asks for them (`None` without it):
+/// the claims from the API server `--kube` names, the GPUs `--gpu-memory` names, the
+/// checkpoint in `--state-dir`, the GPUs' health from the driver task's view.
+pub async fn wire(
+    args: &DraArgs,
+    provision: &crate::provision::ProvisionArgs,
+    driver: watch::Receiver<Arc<crate::driver::DriverView>>,
+    stop: watch::Receiver<bool>,
+) -> Result<Option<(impl std::future::Future<Output = Result<()>> + Send + 'static, Vec<Box<dyn Collector>>)>> {
+    if !args.dra {
+        return Ok(None);
+    }
+    let Some(config) = provision.kube.config().await? else {
+        anyhow::bail!("--dra needs --kube: the DRA driver gets the claims it prepares from the API server");
+    };
+    let node = provision.kube.node()?.to_owned();
+    if provision.gpu_memory.is_empty() {
+        anyhow::bail!("--dra needs --gpu-memory (each GPU's memory, e.g. 80Gi,80Gi): the driver refuses shares past it");
+    }
+    let state_dir = provision.state_dir.clone();
+    let checkpoint = tokio::task::spawn_blocking(move || super::checkpoint::Checkpoint::open(&state_dir))
+        .await
+        .context("opening the DRA checkpoint")?
+        .map_err(anyhow::Error::msg)?;
+    info!(claims = checkpoint.claims().count(), path = %checkpoint.path().display(), "the DRA checkpoint");
+    let claims = super::prepare::KubeClaims(config.client()?);
+    let health = Health { pool: node.clone(), gpus: provision.gpu_memory.len() as u32, driver };
+    let preparer = Preparer::new(claims, node, provision.gpu_memory.clone(), args.cdi_dir.clone(), provision.state_dir.clone(), checkpoint);
+    let metrics = Metrics::new()?;
+    let sockets = Sockets { registry_dir: args.kubelet_registry_dir.clone(), plugins_dir: args.kubelet_plugins_dir.clone() };
+    let task = start(sockets, preparer, health, metrics.clone(), stop)?;
+    Ok(Some((task, metrics.collectors())))
+}

@@ -1,0 +1,494 @@
+//! Prepare and unprepare: what the kubelet's `NodePrepareResources` and
+//! `NodeUnprepareResources` do for each claim, apart from the wire ([`super::plugin`]).
+//!
+//! Prepare takes the claim from the API server ([`Claims`]), checks that it is the claim the
+//! kubelet means (its `metadata.uid`) and that it is allocated, takes the allocation results
+//! of [`DRIVER`] in this node's pool as [`Share`]s (the quota on a GPU is the result's
+//! `consumedCapacity.memory`), refuses a share that would make the prepared memory on its GPU
+//! exceed the GPU's (the driver's own check that the scheduler did not over-commit), then
+//! writes the claim's CDI spec and records it in the [`Checkpoint`] before answering. A claim
+//! already recorded is answered from the checkpoint alone, without the API server: prepare is
+//! idempotent, and so is unprepare (a claim the checkpoint does not hold is unprepared
+//! already), which needs nothing but the checkpoint (the claim may be gone from the API
+//! server).
+//!
+//! Each claim is answered on its own, within [`CLAIM_DEADLINE`] (the kubelet waits 45 s for
+//! the whole call): one claim's failure is its error in the answer, never the call's. The
+//! files and the checkpoint's fsync are written on the blocking pool, one claim at a time (the
+//! capacity check and the record are one step).
+use std::{
+    collections::BTreeMap,
+    future::Future,
+    path::PathBuf,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use k8s_openapi::api::resource::v1::ResourceClaim;
+
+use super::{cdi, checkpoint::Checkpoint, device_index, Prepared, Share, DRIVER, MEMORY};
+use crate::provision::kube::parse_quantity;
+
+/// How long one claim's prepare or unprepare may take, the API server's answer included:
+/// past it the claim's answer is an error, well before the kubelet's 45 s.
+pub const CLAIM_DEADLINE: Duration = Duration::from_secs(30);
+
+/// Where prepare gets a ResourceClaim from: the API server ([`KubeClaims`]), or a test's.
+pub trait Claims: Send + Sync + 'static {
+    /// The claim `namespace/name`; `Ok(None)`: the API server does not have it.
+    fn get(&self, namespace: &str, name: &str) -> impl Future<Output = Result<Option<ResourceClaim>, String>> + Send;
+}
+
+/// The API server's ResourceClaims (`GET /apis/resource.k8s.io/v1/namespaces/<ns>/resourceclaims/<name>`).
+pub struct KubeClaims(pub kube::Client);
+
+impl Claims for KubeClaims {
+    async fn get(&self, namespace: &str, name: &str) -> Result<Option<ResourceClaim>, String> {
+        let api: kube::Api<ResourceClaim> = kube::Api::namespaced(self.0.clone(), namespace);
+        api.get_opt(name).await.map_err(|e| format!("the API server: {e}"))
+    }
+}
+
+/// Why a claim was not prepared: its error to the kubelet and its `reason` label.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Refusal {
+    pub reason: Reason,
+    pub message: String,
+}
+
+/// The `reason` label of a refusal.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reason {
+    /// The API server could not be asked, or did not answer in time.
+    Api,
+    /// The API server has no such claim.
+    NotFound,
+    /// The API server's claim has another UID than the kubelet's (deleted and re-created).
+    UidChanged,
+    /// The claim has no `status.allocation`.
+    NotAllocated,
+    /// No result of this driver in this node's pool.
+    NoDevice,
+    /// A result that this driver cannot serve: not one of its device names, a GPU the node
+    /// does not have, no `consumedCapacity.memory`, two results on one GPU.
+    BadResult,
+    /// The shares would exceed a GPU's memory.
+    OverCapacity,
+    /// The CDI spec or the checkpoint could not be written.
+    Write,
+    /// Past [`CLAIM_DEADLINE`].
+    Timeout,
+}
+
+impl Reason {
+    pub const ALL: [Reason; 9] = [
+        Reason::Api,
+        Reason::NotFound,
+        Reason::UidChanged,
+        Reason::NotAllocated,
+        Reason::NoDevice,
+        Reason::BadResult,
+        Reason::OverCapacity,
+        Reason::Write,
+        Reason::Timeout,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Reason::Api => "api",
+            Reason::NotFound => "not_found",
+            Reason::UidChanged => "uid_changed",
+            Reason::NotAllocated => "not_allocated",
+            Reason::NoDevice => "no_device",
+            Reason::BadResult => "bad_result",
+            Reason::OverCapacity => "over_capacity",
+            Reason::Write => "write",
+            Reason::Timeout => "timeout",
+        }
+    }
+}
+
+fn refuse(reason: Reason, message: String) -> Refusal {
+    Refusal { reason, message }
+}
+
+/// What the kubelet names of a claim.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Asked {
+    pub namespace: String,
+    pub uid: String,
+    pub name: String,
+}
+
+/// How a prepare ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Prepared now.
+    Prepared(Prepared),
+    /// Prepared before: the checkpoint's record.
+    Repeated(Prepared),
+}
+
+impl Outcome {
+    pub fn prepared(&self) -> &Prepared {
+        match self {
+            Outcome::Prepared(p) | Outcome::Repeated(p) => p,
+        }
+    }
+}
+
+/// The node's prepared claims and how to prepare more.
+pub struct Preparer<C> {
+    claims: C,
+    /// This node's name: the driver's pool.
+    node: String,
+    /// Each GPU's memory in bytes, by index (`--gpu-memory`).
+    gpus: Vec<u64>,
+    cdi_dir: PathBuf,
+    state_dir: PathBuf,
+    /// Locked on the blocking pool only.
+    checkpoint: Arc<Mutex<Checkpoint>>,
+}
+
+impl<C: Claims> Preparer<C> {
+    pub fn new(claims: C, node: String, gpus: Vec<u64>, cdi_dir: PathBuf, state_dir: PathBuf, checkpoint: Checkpoint) -> Preparer<C> {
+        Preparer { claims, node, gpus, cdi_dir, state_dir, checkpoint: Arc::new(Mutex::new(checkpoint)) }
+    }
+
+    /// The checkpoint this preparer keeps, for a reader of the prepared claims beside it (the
+    /// NRI side): lock it on the blocking pool only (a write holds it through an fsync).
+    pub fn checkpoint(&self) -> Arc<Mutex<Checkpoint>> {
+        self.checkpoint.clone()
+    }
+
+    /// Claims prepared now (the checkpoint's).
+    pub async fn prepared_claims(&self) -> usize {
+        let checkpoint = self.checkpoint.clone();
+        blocking(move || Ok(lock(&checkpoint).claims().count())).await.unwrap_or(0)
+    }
+
+    /// Prepares one claim, within [`CLAIM_DEADLINE`].
+    pub async fn prepare(&self, asked: &Asked) -> Result<Outcome, Refusal> {
+        match tokio::time::timeout(CLAIM_DEADLINE, self.prepare_unbounded(asked)).await {
+            Ok(outcome) => outcome,
+            Err(_) => Err(refuse(
+                Reason::Timeout,
+                format!("claim {}/{} was not prepared within {CLAIM_DEADLINE:?} (the API server or the disk is slow)", asked.namespace, asked.name),
+            )),
+        }
+    }
+
+    async fn prepare_unbounded(&self, asked: &Asked) -> Result<Outcome, Refusal> {
+        let (checkpoint, uid) = (self.checkpoint.clone(), asked.uid.clone());
+        let known = blocking(move || Ok(lock(&checkpoint).get(&uid).cloned())).await.map_err(|e| refuse(Reason::Write, e))?;
+        if let Some(prepared) = known {
+            return Ok(Outcome::Repeated(prepared));
+        }
+        let claim = match self.claims.get(&asked.namespace, &asked.name).await {
+            Ok(Some(claim)) => claim,
+            Ok(None) => return Err(refuse(Reason::NotFound, format!("claim {}/{} not found in the API server", asked.namespace, asked.name))),
+            Err(error) => return Err(refuse(Reason::Api, format!("cannot get claim {}/{}: {error}", asked.namespace, asked.name))),
+        };
+        let prepared = shares_of(&claim, asked, &self.node, &self.gpus)?;
+        let (checkpoint, gpus, cdi_dir, state_dir) = (self.checkpoint.clone(), self.gpus.clone(), self.cdi_dir.clone(), self.state_dir.clone());
+        blocking(move || Ok(commit(&mut lock(&checkpoint), &gpus, &cdi_dir, &state_dir, prepared)))
+            .await
+            .map_err(|e| refuse(Reason::Write, e))?
+    }
+
+    /// Unprepares one claim: its CDI spec and its record removed (a claim not recorded is
+    /// unprepared already), within [`CLAIM_DEADLINE`]. `Ok(false)`: it was not recorded.
+    pub async fn unprepare(&self, asked: &Asked) -> Result<bool, String> {
+        // The UID names files to remove: nothing that could leave their directories.
+        if !is_uid(&asked.uid) {
+            return Err(format!("claim {}/{}: {:?} is not a UID", asked.namespace, asked.name, asked.uid));
+        }
+        let (checkpoint, cdi_dir, state_dir, uid) = (self.checkpoint.clone(), self.cdi_dir.clone(), self.state_dir.clone(), asked.uid.clone());
+        let work = blocking(move || {
+            let mut checkpoint = lock(&checkpoint);
+            let known = checkpoint.get(&uid).is_some();
+            // The spec goes first: a claim whose spec cannot be removed stays recorded, so
+            // that the kubelet's next try (or the next agent's) removes it.
+            cdi::remove(&cdi_dir, &state_dir, &uid)?;
+            checkpoint.remove(&uid)?;
+            Ok(known)
+        });
+        match tokio::time::timeout(CLAIM_DEADLINE, work).await {
+            Ok(done) => done,
+            Err(_) => Err(format!("claim {}/{} was not unprepared within {CLAIM_DEADLINE:?} (the disk is slow)", asked.namespace, asked.name)),
+        }
+    }
+}
+
+/// Checks the capacity, writes the spec and records the claim: one step under the checkpoint's
+/// lock, so that two claims cannot both take a GPU's last bytes.
+fn commit(checkpoint: &mut Checkpoint, gpus: &[u64], cdi_dir: &std::path::Path, state_dir: &std::path::Path, prepared: Prepared) -> Result<Outcome, Refusal> {
+    if let Some(known) = checkpoint.get(&prepared.uid) {
+        // Prepared meanwhile by another call for the same claim.
+        return Ok(Outcome::Repeated(known.clone()));
+    }
+    let mut used: BTreeMap<u32, u64> = BTreeMap::new();
+    for share in checkpoint.claims().flat_map(|c| &c.shares) {
+        *used.entry(share.gpu).or_default() += share.memory;
+    }
+    for share in &prepared.shares {
+        let capacity = gpus.get(share.gpu as usize).copied().unwrap_or(0);
+        let before = used.get(&share.gpu).copied().unwrap_or(0);
+        let after = before.saturating_add(share.memory);
+        if after > capacity {
+            return Err(refuse(
+                Reason::OverCapacity,
+                format!(
+                    "claim {}/{}: {} bytes on GPU {} would make its prepared claims {after} bytes, over its {capacity} bytes \
+                     ({before} bytes prepared already): the allocation over-commits the GPU",
+                    prepared.namespace, prepared.name, share.memory, share.gpu
+                ),
+            ));
+        }
+        used.insert(share.gpu, after);
+    }
+    cdi::write(cdi_dir, state_dir, &prepared).map_err(|e| refuse(Reason::Write, e))?;
+    if let Err(error) = checkpoint.insert(prepared.clone()) {
+        // Not recorded: not prepared (the kubelet will try again).
+        let _ = cdi::remove(cdi_dir, state_dir, &prepared.uid);
+        return Err(refuse(Reason::Write, error));
+    }
+    Ok(Outcome::Prepared(prepared))
+}
+
+/// The claim's shares on this node's GPUs, checked: the claim the kubelet means (its UID),
+/// allocated, each result of this driver in this node's pool one of its GPUs with the memory
+/// it consumes. Results of other drivers and other pools are not this driver's to prepare.
+pub fn shares_of(claim: &ResourceClaim, asked: &Asked, node: &str, gpus: &[u64]) -> Result<Prepared, Refusal> {
+    let id = format!("{}/{}", asked.namespace, asked.name);
+    let uid = claim.metadata.uid.as_deref().unwrap_or_default();
+    if uid != asked.uid {
+        return Err(refuse(Reason::UidChanged, format!("claim {id} has UID {uid:?}, the kubelet asked for {:?}", asked.uid)));
+    }
+    let Some(allocation) = claim.status.as_ref().and_then(|s| s.allocation.as_ref()) else {
+        return Err(refuse(Reason::NotAllocated, format!("claim {id} (UID {uid}) is not allocated (no status.allocation)")));
+    };
+    let results = allocation.devices.as_ref().and_then(|d| d.results.as_deref()).unwrap_or_default();
+    let mut shares: Vec<Share> = Vec::new();
+    for result in results.iter().filter(|r| r.driver == DRIVER && r.pool == node) {
+        let bad = |what: String| refuse(Reason::BadResult, format!("claim {id}: the result for request {:?} on device {:?}: {what}", result.request, result.device));
+        let Some(gpu) = device_index(&result.device) else {
+            return Err(bad(format!("not a device of {DRIVER} (gpu-<index>)")));
+        };
+        if gpu as usize >= gpus.len() {
+            return Err(bad(format!("GPU {gpu} is not on this node (it has {} GPUs)", gpus.len())));
+        }
+        let Some(quantity) = result.consumed_capacity.as_ref().and_then(|c| c.get(MEMORY)) else {
+            return Err(bad(format!(
+                "no consumedCapacity.{MEMORY}: the device allows multiple allocations, so the scheduler records the memory each \
+                 claim consumes (is the DRAConsumableCapacity feature gate on in the API server, the scheduler and the kubelet?)"
+            )));
+        };
+        let Some(memory) = parse_quantity(&quantity.0) else {
+            return Err(bad(format!("consumedCapacity.{MEMORY} {:?} is not a quantity of bytes", quantity.0)));
+        };
+        if shares.iter().any(|s| s.gpu == gpu) {
+            return Err(bad(format!("a second result on GPU {gpu} (one claim, one share of a GPU)")));
+        }
+        shares.push(Share {
+            request: result.request.clone(),
+            pool: result.pool.clone(),
+            device: result.device.clone(),
+            gpu,
+            share_id: result.share_id.clone(),
+            memory,
+            cdi_device: cdi::qualified(uid, gpu),
+        });
+    }
+    if shares.is_empty() {
+        return Err(refuse(Reason::NoDevice, format!("claim {id} has no device of {DRIVER} allocated on node {node}")));
+    }
+    Ok(Prepared { uid: uid.to_owned(), namespace: asked.namespace.clone(), name: asked.name.clone(), shares })
+}
+
+/// Whether `uid` has a UID's characters (the API server's are UUIDs).
+fn is_uid(uid: &str) -> bool {
+    !uid.is_empty() && uid.len() <= 128 && uid.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+}
+
+/// The checkpoint, whatever a panicked holder left (its writes are all-or-nothing).
+fn lock(checkpoint: &Mutex<Checkpoint>) -> std::sync::MutexGuard<'_, Checkpoint> {
+    checkpoint.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// `work` on the blocking pool.
+async fn blocking<T: Send + 'static>(work: impl FnOnce() -> Result<T, String> + Send + 'static) -> Result<T, String> {
+    tokio::task::spawn_blocking(work).await.map_err(|e| format!("the blocking step failed: {e}"))?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    const NODE: &str = "node-1";
+    const GIB: u64 = 1 << 30;
+
+    /// The API server of the tests: claims by (namespace, name), and how many GETs it answered.
+    #[derive(Default)]
+    struct Fake {
+        claims: Mutex<BTreeMap<(String, String), ResourceClaim>>,
+        gets: std::sync::atomic::AtomicUsize,
+    }
+
+    impl Claims for Arc<Fake> {
+        async fn get(&self, namespace: &str, name: &str) -> Result<Option<ResourceClaim>, String> {
+            self.gets.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Ok(self.claims.lock().expect("fake").get(&(namespace.to_owned(), name.to_owned())).cloned())
+        }
+    }
+
+    fn claim(name: &str, uid: &str, results: Option<serde_json::Value>) -> ResourceClaim {
+        let mut value = json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": "team", "uid": uid},
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.vramguard.io"}}]}},
+        });
+        if let Some(results) = results {
+            value["status"] = json!({"allocation": {"devices": {"results": results}}});
+        }
+        serde_json::from_value(value).expect("a claim")
+    }
+
+    fn result(driver: &str, pool: &str, device: &str, memory: Option<&str>) -> serde_json::Value {
+        let mut r = json!({"request": "gpu", "driver": driver, "pool": pool, "device": device, "shareID": "2f0c3a4e-0000-4000-8000-000000000001"});
+        if let Some(memory) = memory {
+            r["consumedCapacity"] = json!({"memory": memory});
+        }
+        r
+    }
+
+    fn asked(name: &str, uid: &str) -> Asked {
+        Asked { namespace: "team".into(), uid: uid.into(), name: name.into() }
+    }
+
+    fn tempdir(tag: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("vramguard-prepare-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        dir
+    }
+
+    fn preparer(tag: &str, gpus: Vec<u64>) -> (Preparer<Arc<Fake>>, Arc<Fake>, PathBuf) {
+        let dir = tempdir(tag);
+        let fake = Arc::new(Fake::default());
+        let checkpoint = Checkpoint::open(&dir.join("state")).expect("checkpoint");
+        (Preparer::new(fake.clone(), NODE.into(), gpus, dir.join("cdi"), dir.join("state"), checkpoint), fake, dir)
+    }
+
+    fn put(fake: &Fake, claim: ResourceClaim) {
+        let key = (claim.metadata.namespace.clone().unwrap_or_default(), claim.metadata.name.clone().unwrap_or_default());
+        fake.claims.lock().expect("fake").insert(key, claim);
+    }
+
+    #[test]
+    fn a_claim_re_created_under_the_same_name_is_refused_with_both_uids() {
+        let c = claim("c", "uid-new", Some(json!([result(DRIVER, NODE, "gpu-0", Some("8Gi"))])));
+        let refusal = shares_of(&c, &asked("c", "uid-old"), NODE, &[80 * GIB]).expect_err("another UID");
+        assert_eq!(refusal.reason, Reason::UidChanged);
+        assert_eq!(refusal.message, r#"claim team/c has UID "uid-new", the kubelet asked for "uid-old""#);
+    }
+
+    #[test]
+    fn a_claim_without_allocation_is_refused() {
+        let refusal = shares_of(&claim("c", "u", None), &asked("c", "u"), NODE, &[80 * GIB]).expect_err("not allocated");
+        assert_eq!(refusal.reason, Reason::NotAllocated);
+        assert!(refusal.message.contains("claim team/c (UID u) is not allocated"), "{}", refusal.message);
+    }
+
+    #[test]
+    fn only_this_drivers_results_in_this_nodes_pool_are_shares() {
+        let results = json!([
+            result("other.example.com", NODE, "gpu-0", Some("1Gi")),
+            result(DRIVER, "node-2", "gpu-0", Some("2Gi")),
+            result(DRIVER, NODE, "gpu-1", Some("8Gi")),
+        ]);
+        let prepared = shares_of(&claim("c", "u", Some(results)), &asked("c", "u"), NODE, &[80 * GIB, 80 * GIB]).expect("one share");
+        assert_eq!(prepared.shares.len(), 1);
+        let share = &prepared.shares[0];
+        assert_eq!((share.gpu, share.memory, share.device.as_str(), share.pool.as_str()), (1, 8 * GIB, "gpu-1", NODE));
+        assert_eq!(share.cdi_device, "gpu.vramguard.io/claim=u-gpu-1");
+        assert_eq!(share.share_id.as_deref(), Some("2f0c3a4e-0000-4000-8000-000000000001"));
+        // Only others' results: nothing of this driver to prepare.
+        let others = json!([result("other.example.com", NODE, "gpu-0", Some("1Gi"))]);
+        let refusal = shares_of(&claim("c", "u", Some(others)), &asked("c", "u"), NODE, &[80 * GIB]).expect_err("none");
+        assert_eq!(refusal.reason, Reason::NoDevice);
+    }
+
+    #[test]
+    fn a_result_without_its_memory_or_on_a_gpu_the_node_lacks_is_refused() {
+        let refusal = shares_of(&claim("c", "u", Some(json!([result(DRIVER, NODE, "gpu-0", None)]))), &asked("c", "u"), NODE, &[80 * GIB])
+            .expect_err("no consumedCapacity");
+        assert_eq!(refusal.reason, Reason::BadResult);
+        assert!(refusal.message.contains("no consumedCapacity.memory") && refusal.message.contains("DRAConsumableCapacity"), "{}", refusal.message);
+        for (device, memory, says) in [("gpu-3", "1Gi", "GPU 3 is not on this node"), ("mig-0", "1Gi", "not a device of"), ("gpu-0", "lots", "not a quantity")] {
+            let c = claim("c", "u", Some(json!([result(DRIVER, NODE, device, Some(memory))])));
+            let refusal = shares_of(&c, &asked("c", "u"), NODE, &[80 * GIB]).expect_err(device);
+            assert_eq!(refusal.reason, Reason::BadResult);
+            assert!(refusal.message.contains(says), "{}", refusal.message);
+        }
+    }
+
+    #[tokio::test]
+    async fn shares_past_a_gpus_memory_are_refused_and_the_rest_still_fits() {
+        let (preparer, fake, dir) = preparer("capacity", vec![10 * GIB, 10 * GIB]);
+        put(&fake, claim("a", "ua", Some(json!([result(DRIVER, NODE, "gpu-0", Some("6Gi"))]))));
+        put(&fake, claim("b", "ub", Some(json!([result(DRIVER, NODE, "gpu-0", Some("5Gi"))]))));
+        put(&fake, claim("c", "uc", Some(json!([result(DRIVER, NODE, "gpu-0", Some("4Gi"))]))));
+        put(&fake, claim("d", "ud", Some(json!([result(DRIVER, NODE, "gpu-1", Some("5Gi"))]))));
+        assert!(matches!(preparer.prepare(&asked("a", "ua")).await, Ok(Outcome::Prepared(_))));
+        let refusal = preparer.prepare(&asked("b", "ub")).await.expect_err("6 + 5 > 10 GiB");
+        assert_eq!(refusal.reason, Reason::OverCapacity);
+        assert!(refusal.message.contains("over its 10737418240 bytes"), "{}", refusal.message);
+        assert!(!cdi::spec_path(&dir.join("cdi"), "ub").exists(), "no spec for a refused claim");
+        // Exactly full, and another GPU, still fit.
+        assert!(matches!(preparer.prepare(&asked("c", "uc")).await, Ok(Outcome::Prepared(_))));
+        assert!(matches!(preparer.prepare(&asked("d", "ud")).await, Ok(Outcome::Prepared(_))));
+        assert_eq!(preparer.prepared_claims().await, 3);
+        // Unpreparing frees the room.
+        assert!(preparer.unprepare(&asked("a", "ua")).await.expect("unprepared"));
+        assert!(matches!(preparer.prepare(&asked("b", "ub")).await, Ok(Outcome::Prepared(_))));
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[tokio::test]
+    async fn a_repeated_prepare_answers_the_same_without_the_api_server_and_unprepare_is_idempotent() {
+        let (preparer, fake, dir) = preparer("repeat", vec![80 * GIB]);
+        put(&fake, claim("a", "ua", Some(json!([result(DRIVER, NODE, "gpu-0", Some("8Gi"))]))));
+        let first = preparer.prepare(&asked("a", "ua")).await.expect("prepared");
+        assert!(matches!(first, Outcome::Prepared(_)));
+        assert!(cdi::spec_path(&dir.join("cdi"), "ua").exists());
+        // The claim gone from the API server: the checkpoint answers.
+        fake.claims.lock().expect("fake").clear();
+        let second = preparer.prepare(&asked("a", "ua")).await.expect("repeated");
+        assert_eq!(second, Outcome::Repeated(first.prepared().clone()));
+        assert_eq!(fake.gets.load(std::sync::atomic::Ordering::SeqCst), 1, "one GET only");
+        // A restarted agent reads the same book.
+        let again = Checkpoint::open(&dir.join("state")).expect("checkpoint");
+        assert_eq!(again.get("ua"), Some(first.prepared()));
+        assert!(preparer.unprepare(&asked("a", "ua")).await.expect("unprepared"));
+        assert!(!cdi::spec_path(&dir.join("cdi"), "ua").exists());
+        assert!(!preparer.unprepare(&asked("a", "ua")).await.expect("unknown: success"));
+        assert!(Checkpoint::open(&dir.join("state")).expect("checkpoint").get("ua").is_none());
+        // A UID that would name a path outside the driver's directories touches nothing.
+        std::fs::create_dir_all(dir.join("state/dra/claims")).expect("claims dir");
+        let error = preparer.unprepare(&asked("a", "../..")).await.expect_err("not a UID");
+        assert_eq!(error, r#"claim team/a: "../.." is not a UID"#);
+        assert!(dir.join("state/dra/checkpoint.json").exists() && dir.join("state/dra/claims").exists());
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[tokio::test]
+    async fn a_claim_the_api_server_lacks_is_refused() {
+        let (preparer, _fake, dir) = preparer("missing", vec![80 * GIB]);
+        let refusal = preparer.prepare(&asked("gone", "ug")).await.expect_err("not found");
+        assert_eq!(refusal.reason, Reason::NotFound);
+        assert_eq!(refusal.message, "claim team/gone not found in the API server");
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}

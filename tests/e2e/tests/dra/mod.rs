@@ -1,0 +1,3 @@
+//! What the DRA tests share: the test kubelet.
+#![allow(dead_code)]
+pub mod kubelet;
