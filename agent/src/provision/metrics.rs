@@ -6,6 +6,7 @@
 //! | `vramguard_provision_timed_out_total` | creations the runtime was answered about at the NRI deadline, without them (it failed those containers) |
 //! | `vramguard_provision_timed_out_removed_total{what}` | what such creations had made and the agent removed at once: `ledger`, `mount` (its tmpfs), `record` |
 //! | `vramguard_provision_decisions_without_api_total{decision}` | containers decided without an answer from the Kubernetes API (see [`Decision`]) |
+//! | `vramguard_dra_containers_refused_total{reason}` | containers refused because the runtime's spec names a DRA claim the agent cannot provision them from (see [`super::claim::Refusal`]) |
 use prometheus::{core::Collector, IntCounter, IntCounterVec, Opts};
 
 /// How a container was decided when the Kubernetes API gave no answer (down, an error, past
@@ -52,6 +53,7 @@ pub struct Counters {
     timed_out: IntCounter,
     removed: IntCounterVec,
     without_api: IntCounterVec,
+    claim_refused: IntCounterVec,
 }
 
 impl Counters {
@@ -75,12 +77,19 @@ impl Counters {
                 ),
                 &["decision"],
             )?,
+            claim_refused: IntCounterVec::new(
+                Opts::new(
+                    "vramguard_dra_containers_refused_total",
+                    "Containers refused because their spec names a DRA claim they cannot be provisioned from, by reason",
+                ),
+                &["reason"],
+            )?,
         })
     }
 
     /// The families, for the agent's page.
     pub fn collectors(&self) -> Vec<Box<dyn Collector>> {
-        vec![Box::new(self.timed_out.clone()), Box::new(self.removed.clone()), Box::new(self.without_api.clone())]
+        vec![Box::new(self.timed_out.clone()), Box::new(self.removed.clone()), Box::new(self.without_api.clone()), Box::new(self.claim_refused.clone())]
     }
 
     pub(super) fn timed_out(&self) {
@@ -97,6 +106,15 @@ impl Counters {
 
     pub(super) fn decided(&self, decision: Decision) {
         self.without_api.with_label_values(&[decision.label()]).inc();
+    }
+
+    pub(super) fn claim_refused(&self, reason: &str) {
+        self.claim_refused.with_label_values(&[reason]).inc();
+    }
+
+    /// Containers refused for their DRA claim so far, for `reason`.
+    pub fn claim_refused_total(&self, reason: &str) -> u64 {
+        self.claim_refused.with_label_values(&[reason]).get()
     }
 
     /// Timed-out creations so far.

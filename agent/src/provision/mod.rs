@@ -25,6 +25,8 @@
 //! quota on every GPU, a log line and a count ([`Provisioner::gpus_undetermined`]).
 //!
 //! * [`nri`]: the NRI plugin: the runtime's socket, its wire protocol, the event loop.
+//! * [`claim`]: containers of a DRA claim, provisioned from the claim's shares (one ledger
+//!   per claim, shared by its containers).
 //! * [`gpus`]: which GPUs the runtime gave a container.
 //! * [`kube`]: the Kubernetes API side: pod lookup, the node's advertised capacity.
 //! * [`quota`]: the quota file and the annotation.
@@ -58,6 +60,7 @@
 //! looked at again whenever the pod cache changes: one found to have a quota then is held to
 //! it by its cgroup limit (`Provisioner::recheck_undecided`). Each such decision is a log
 //! line and a count in `vramguard_provision_decisions_without_api_total{decision}`.
+pub mod claim;
 pub mod gpus;
 pub mod kube;
 pub mod metrics;
@@ -162,6 +165,8 @@ pub struct Workload {
     pub devices: Vec<String>,
     /// The CDI devices the runtime reports.
     pub cdi_devices: Vec<String>,
+    /// The OCI spec's mounts (the runtime's: a DRA claim's CDI spec adds one, [`claim`]).
+    pub mounts: Vec<Mount>,
     /// The container's annotations (the CDI ones are the kubelet's).
     pub container_annotations: BTreeMap<String, String>,
     /// The pod's annotations.
@@ -180,6 +185,10 @@ pub struct Sources {
 /// The provisioned containers and how to provision more.
 pub struct Provisioner {
     store: Store,
+    /// `--state-dir`: where the DRA checkpoint and claims' directories are ([`claim`]).
+    state_dir: PathBuf,
+    /// The DRA claims' shared ledgers.
+    claims: claim::Claims,
     sources: Sources,
     hook: PathBuf,
     preload: PathBuf,
@@ -232,13 +241,17 @@ impl Provisioner {
         for problem in problems {
             warn!(%problem, "a provisioned container's record cannot be read: it is not restored");
         }
+        let (ledgers, found): (Vec<Provisioned>, Vec<Provisioned>) = found.into_iter().partition(|p| claim::is_ledger_id(&p.record.container_id));
         info!(containers = found.len(), state_dir = %args.state_dir.display(), "provisioned containers restored from the state directory");
+        let claims = claim::Claims::restore(&store, ledgers, &found);
         let containers = found.into_iter().map(|p| (p.record.container_id.clone(), p)).collect();
         if let Some(pods) = &sources.kube {
             pods.remember_in(&args.state_dir.join(kube::REMEMBERED));
         }
         Ok(Provisioner {
             store,
+            state_dir: args.state_dir.clone(),
+            claims,
             sources,
             hook: args.hook_library.clone(),
             preload,
@@ -519,29 +532,41 @@ impl Provisioner {
     /// ledger, the record) run on the blocking pool; the container is recorded as provisioned
     /// at their end unless the creation was abandoned meanwhile ([`Provisioner::abandon`]).
     pub async fn create_container(&self, workload: &Workload) -> Result<Adjustment, String> {
-        let Some((quota, source)) = self.quota(workload).await? else {
-            return Ok(Adjustment::default());
-        };
-        if quota == 0 {
-            info!(namespace = %workload.namespace, pod = %workload.pod, container = %workload.container, source, "quota 0: not provisioned");
-            return Ok(Adjustment::default());
+        if claim::is_ledger_id(&workload.container_id) {
+            return Err(format!("vramguard: container id {:?} is reserved for DRA claims' ledgers", workload.container_id));
         }
-        let seen = self.given_gpus(workload);
-        let record = self.record(workload, quota, source, &seen);
+        let record = match self.claim_of(workload).await? {
+            Some(claimed) => self.claim_record(workload, &claimed),
+            None => {
+                let Some((quota, source)) = self.quota(workload).await? else {
+                    return Ok(Adjustment::default());
+                };
+                if quota == 0 {
+                    info!(namespace = %workload.namespace, pod = %workload.pod, container = %workload.container, source, "quota 0: not provisioned");
+                    return Ok(Adjustment::default());
+                }
+                let seen = self.given_gpus(workload);
+                self.record(workload, quota, source, &seen)
+            }
+        };
+        let (quota, source) = (record.quota, record.source.clone());
         let id = record.container_id.clone();
         {
-            // Checked and registered at once: creations in flight count in the check.
+            // Checked and registered at once: creations in flight count in the check. A
+            // claim's containers are the scheduler's to place: in no sum ([`claim`]).
             let mut flights = self.flights();
             if flights.contains_key(&id) {
                 return Err(format!("vramguard: container {id} is being provisioned already"));
             }
-            if self.refuse_overcommit {
+            let seen: Vec<usize> = record.gpus.iter().map(|&gpu| gpu as usize).collect();
+            if self.refuse_overcommit && record.claim.is_none() {
                 self.check_overcommit(&record, &seen, &flights)?;
             }
-            let flight = Flight { abandoned: false, quota: record.quota, gpus: record.gpus.clone() };
-            flights.insert(id.clone(), flight);
+            let gpus = if record.claim.is_none() { record.gpus.clone() } else { Vec::new() };
+            flights.insert(id.clone(), Flight { abandoned: false, quota: record.quota, gpus });
         }
         let step = Creation {
+            claims: self.claims.clone(),
             store: self.store.clone(),
             containers: self.containers.clone(),
             in_flight: self.in_flight.clone(),
@@ -577,6 +602,8 @@ impl Provisioner {
             devices: self.node_gpus(),
             gpus: seen.iter().map(|&gpu| gpu as u32).collect(),
             source: source.to_string(),
+            claim: None,
+            quotas: Vec::new(),
         }
     }
 
@@ -600,9 +627,10 @@ impl Provisioner {
             return;
         }
         self.changed();
-        let (store, counters, owned) = (self.store.clone(), self.counters.clone(), id.to_string());
+        let (store, counters, owned, claims) = (self.store.clone(), self.counters.clone(), id.to_string(), self.claims.clone());
         let removed = tokio::task::spawn_blocking(move || {
             let removed = store.remove_counted(&owned);
+            claims.forget(&store, &owned);
             if let Ok(removed) = &removed {
                 counters.removed(*removed);
             }
@@ -623,7 +651,7 @@ impl Provisioner {
         for &gpu in seen {
             let Some(&memory) = self.gpu_memory.get(gpu) else { continue };
             let gpu = gpu as u32;
-            let made = containers.values().map(|p| (&p.record.container_id, p.record.quota, &p.record.gpus));
+            let made = containers.values().filter(|p| p.record.claim.is_none()).map(|p| (&p.record.container_id, p.record.quota, &p.record.gpus));
             let flying = flights.iter().map(|(id, f)| (id, f.quota, &f.gpus));
             let others: u64 = made
                 .chain(flying)
@@ -678,13 +706,14 @@ impl Provisioner {
             return;
         }
         self.changed();
-        let store = self.store.clone();
+        let (store, claims) = (self.store.clone(), self.claims.clone());
         let removal = tokio::task::spawn_blocking(move || {
             for id in &removed {
                 match store.remove(id) {
                     Ok(()) => info!(id = %id, "provisioned container gone: its ledger and record removed"),
                     Err(error) => warn!(id = %id, %error, "cannot remove a gone container's ledger and record"),
                 }
+                claims.forget(&store, id);
             }
         });
         if let Err(error) = removal.await {
@@ -730,6 +759,18 @@ impl Provisioner {
     pub async fn hold_unprovisioned(&self, workloads: &[Workload]) {
         for workload in workloads {
             if self.lock().contains_key(&workload.container_id) {
+                continue;
+            }
+            if let Ok(Some(claimed)) = self.claim_of(workload).await {
+                let Some(cgroup) = cgroup_dir(&workload.cgroups_path) else { continue };
+                let limit = self.claim_record(workload, &claimed).cgroup_limit();
+                warn!(
+                    namespace = %workload.namespace, pod = %workload.pod, container = %workload.container, claim = %claimed.uid, cgroup = %cgroup,
+                    "a container of a DRA claim was created while the agent was away: it runs without the hook; its cgroup is held to the claim's quota by the eBPF probes"
+                );
+                if let Ok(mut late) = self.unprovisioned.lock() {
+                    late.insert(workload.container_id.clone(), (workload.pod_id.clone(), cgroup, limit));
+                }
                 continue;
             }
             let quota = match self.quota(workload).await {
@@ -781,6 +822,7 @@ impl Workload {
             cgroups_path: container.cgroups_path.clone(),
             devices: container.devices.clone(),
             cdi_devices: container.cdi_devices.clone(),
+            mounts: container.mounts.clone(),
             container_annotations: container.annotations.clone(),
             annotations: pod.annotations.clone(),
         }
@@ -834,6 +876,7 @@ type Flights = Arc<Mutex<HashMap<String, Flight>>>;
 
 /// A creation's blocking step, with what it needs of the provisioner.
 struct Creation {
+    claims: claim::Claims,
     store: Store,
     containers: Arc<Mutex<BTreeMap<String, Provisioned>>>,
     in_flight: Flights,
@@ -848,7 +891,10 @@ impl Creation {
     fn run(self, record: Record) -> Result<Provisioned, String> {
         let id = record.container_id.clone();
         let container = record.container.clone();
-        let made = self.store.create(record);
+        let made = match record.claim {
+            Some(_) => self.claims.create_member(&self.store, record),
+            None => self.store.create(record),
+        };
         // Test only: a step that outlives the runtime's deadline (crate::fault).
         if let Some(by) = crate::fault::delay("create-container").or_else(|| crate::fault::delay(&format!("create-container.{container}"))) {
             warn!(id, ?by, "fault injected: the creation's blocking step is delayed");
@@ -866,7 +912,9 @@ impl Creation {
             }
             Ok(_) => {
                 drop(flights);
-                match self.store.remove_counted(&id) {
+                let removed = self.store.remove_counted(&id);
+                self.claims.forget(&self.store, &id);
+                match removed {
                     Ok(removed) => {
                         self.counters.removed(removed);
                         warn!(id, ?removed, "creation abandoned (the runtime was answered at its deadline): what it made is removed");
@@ -883,6 +931,7 @@ impl Creation {
                 if let Err(problem) = self.store.remove(&id) {
                     warn!(id, %problem, "cannot remove what a failed provisioning made");
                 }
+                self.claims.forget(&self.store, &id);
                 Err(error)
             }
         }
@@ -921,7 +970,7 @@ pub fn cgroup_dir(cgroups_path: &str) -> Option<String> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
     #[test]
@@ -955,14 +1004,14 @@ mod tests {
     }
 
     /// A provisioner of [`args`] over `root`'s quota file.
-    fn provisioner_in(root: &Path, refuse_overcommit: bool) -> Provisioner {
+    pub(super) fn provisioner_in(root: &Path, refuse_overcommit: bool) -> Provisioner {
         let file = QuotaFile::open(&root.join("quotas")).expect("quota file");
         let sources = Sources { kube: None, file: Some(file), annotation: false };
         Provisioner::with_mounts(&args(root, refuse_overcommit), &root.join("ledgers"), sources, None).expect("provisioner")
     }
 
     /// A provisioner under a fresh directory, with `rules` as its quota file.
-    fn provisioner(tag: &str, rules: &str, refuse_overcommit: bool) -> (PathBuf, Provisioner) {
+    pub(super) fn provisioner(tag: &str, rules: &str, refuse_overcommit: bool) -> (PathBuf, Provisioner) {
         let root = std::env::temp_dir().join(format!("vramguard-provision-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&root);
         std::fs::create_dir_all(root.join("ledgers")).expect("mkdir");
@@ -997,7 +1046,7 @@ mod tests {
         Workload::of(&pod, &container)
     }
 
-    fn block_on<F: std::future::Future>(future: F) -> F::Output {
+    pub(super) fn block_on<F: std::future::Future>(future: F) -> F::Output {
         tokio::runtime::Builder::new_current_thread().build().expect("runtime").block_on(future)
     }
 
@@ -1148,6 +1197,7 @@ mod tests {
         p.flights().insert("c2".into(), Flight { abandoned: false, quota: 1 << 30, gpus: vec![0] });
         block_on(p.abandon("c2"));
         let step = Creation {
+            claims: p.claims.clone(),
             store: p.store.clone(),
             containers: p.containers.clone(),
             in_flight: p.in_flight.clone(),
