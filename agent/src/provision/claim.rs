@@ -42,7 +42,8 @@
 //! (a claim is namespaced, and shared on purpose); one that tampers with it harms its
 //! co-claimants only, and is caught as any tampering is. Each container's cgroup limit is the
 //! claim's whole quota (the probes' backstop for processes the hook does not see counts per
-//! cgroup, not per claim).
+//! cgroup, not per claim). The ledger's metrics and audit rows carry the names of one of its
+//! containers (the runtime's, as for any provisioned ledger).
 //!
 //! The ledger lives where a container's would, under a name no runtime gives a container
 //! ([`ledger_id`]: `dra-<uid>`; container ids are hexadecimal): `<ledger-dir>/dra-<uid>/ledger`
@@ -256,10 +257,7 @@ impl super::Provisioner {
     /// The claim `workload` belongs to (the checkpoint read on the blocking pool); a refusal is
     /// logged and counted here.
     pub(super) async fn claim_of(&self, workload: &Workload) -> Result<Option<Claimed>, String> {
-        let (state_dir, owned) = (self.state_dir.clone(), workload.clone());
-        let found = tokio::task::spawn_blocking(move || claimed(&state_dir, &owned))
-            .await
-            .map_err(|error| format!("vramguard: looking up the container's DRA claim failed: {error}"))?;
+        let found = self.look_up_claim(workload).await?;
         found.map_err(|refusal| {
             self.counters.claim_refused(refusal.reason);
             warn!(
@@ -268,6 +266,15 @@ impl super::Provisioner {
             );
             refusal.message
         })
+    }
+
+    /// [`claimed`] on the blocking pool, neither logged nor counted (a container found at
+    /// Synchronize is not refused).
+    pub(super) async fn look_up_claim(&self, workload: &Workload) -> Result<Result<Option<Claimed>, Refusal>, String> {
+        let (state_dir, owned) = (self.state_dir.clone(), workload.clone());
+        tokio::task::spawn_blocking(move || claimed(&state_dir, &owned))
+            .await
+            .map_err(|error| format!("vramguard: looking up the container's DRA claim failed: {error}"))
     }
 
     /// What the agent records of `workload` provisioned from `claim`.
@@ -287,7 +294,7 @@ mod tests {
     use crate::dra::{Prepared, Share};
     use crate::provision::nri::Mount;
 
-    fn prepared(uid: &str, shares: &[(u32, u64)]) -> Prepared {
+    pub(super) fn prepared(uid: &str, shares: &[(u32, u64)]) -> Prepared {
         Prepared {
             uid: uid.into(),
             namespace: "team-a".into(),
@@ -371,27 +378,10 @@ mod tests {
 mod provisioned {
     use super::tests::member;
     use super::*;
-    use crate::dra::{Prepared, Share};
     use crate::provision::tests::{block_on, provisioner, provisioner_in};
 
     fn prepare(state: &Path, uid: &str, shares: &[(u32, u64)]) {
-        let prepared = Prepared {
-            uid: uid.into(),
-            namespace: "team-a".into(),
-            name: format!("claim-{uid}"),
-            shares: shares
-                .iter()
-                .map(|&(gpu, memory)| Share {
-                    request: format!("r{gpu}"),
-                    pool: "node".into(),
-                    device: crate::dra::device_name(gpu),
-                    gpu,
-                    share_id: None,
-                    memory,
-                    cdi_device: cdi::qualified(uid, gpu),
-                })
-                .collect(),
-        };
+        let prepared = super::tests::prepared(uid, shares);
         Checkpoint::open(state).and_then(|mut book| book.insert(prepared)).expect("checkpoint");
     }
 

@@ -761,7 +761,7 @@ impl Provisioner {
             if self.lock().contains_key(&workload.container_id) {
                 continue;
             }
-            if let Ok(Some(claimed)) = self.claim_of(workload).await {
+            if let Ok(Ok(Some(claimed))) = self.look_up_claim(workload).await {
                 let Some(cgroup) = cgroup_dir(&workload.cgroups_path) else { continue };
                 let limit = self.claim_record(workload, &claimed).cgroup_limit();
                 warn!(
