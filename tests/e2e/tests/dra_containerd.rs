@@ -228,11 +228,16 @@ impl Node {
 
     /// (index, limit) of each device of the ledger at `path` (`vramguard inspect --json`).
     fn ledger_limits(&self, path: &Path) -> Result<Vec<(u64, u64)>> {
+        self.ledger_devices(path, "limit_bytes")
+    }
+
+    /// (index, `field`) of each device of the ledger at `path` (`vramguard inspect --json`).
+    fn ledger_devices(&self, path: &Path, field: &str) -> Result<Vec<(u64, u64)>> {
         let out = std::process::Command::new(agent_bin()?).args(["inspect", "--json"]).arg(path).output()?;
         ensure!(out.status.success(), "inspect: {}", String::from_utf8_lossy(&out.stderr));
         let report: Value = serde_json::from_slice(&out.stdout)?;
         let devices = report["devices"].as_array().with_context(|| format!("no devices in {report}"))?;
-        devices.iter().map(|d| Ok((d["index"].as_u64().context("index")?, d["limit_bytes"].as_u64().context("limit_bytes")?))).collect()
+        devices.iter().map(|d| Ok((d["index"].as_u64().context("index")?, d[field].as_u64().with_context(|| field.to_string())?))).collect()
     }
 
     /// The agent's `vramguard_dra_containers_refused_total{reason}`.
@@ -309,7 +314,10 @@ fn containers_of_a_claim_are_held_to_its_share_of_the_gpu_and_share_it() -> Resu
     node.unprepare(u1)?;
     ensure!(!cdi::spec_path(&node.containerd.cdi_dir(), u1).exists(), "the CDI spec is removed");
     ensure!(node.claim_ledger(u1).exists(), "B still maps the claim's ledger");
-    node.workload(&b, &["ctx 0", "alloc a 1g", "meminfo"])?;
+    // A's process was killed with its pod: the agent reclaims what it held in the claim's
+    // ledger, and B has the claim's room again.
+    wait_for(timeout(), "A's share reclaimed from the claim's ledger", || Ok(node.ledger_devices(&node.claim_ledger(u1), "used_bytes")? == [(0, 0)]))?;
+    node.workload(&b, &["ctx 0", "alloc a 2g", "meminfo"])?;
     node.containerd.remove_pod(&pod_b)?;
     wait_for(Duration::from_secs(5), "the claim's ledger removed with its last container", || Ok(!node.claim_ledger(u1).exists()))?;
     ensure!(node.claim_ledger(u2).exists(), "claim u2's container still runs");
