@@ -436,6 +436,13 @@ mod provisioned {
         assert!(!root.join("ledgers/dra-gone").exists() && !root.join("ledgers/a").exists());
         let error = block_on(p.create_container(&member(&root.join("state"), "dra-x", &[], &[0]))).expect_err("reserved id");
         assert!(error.contains("reserved"), "{error}");
+        // Found at Synchronize (created while the agent was away): held to its claim's quota by
+        // its cgroup limit; one of an unprepared claim is not refused (it runs already) and has
+        // the quota the other sources give it (the quota file's 1 GiB).
+        prepare(&root.join("state"), "u1", &[(1, 3 << 30)]);
+        block_on(p.hold_unprovisioned(&[member(&root.join("state"), "late", &["u1"], &[1]), member(&root.join("state"), "stale", &["gone"], &[0])]));
+        assert_eq!(p.cgroup_limits(), BTreeMap::from([("/k8s.io/late".to_string(), 3 << 30), ("/k8s.io/stale".to_string(), 1 << 30)]));
+        assert_eq!(p.counters().claim_refused_total("not_prepared"), 1, "only the creation was refused");
         std::fs::remove_dir_all(&root).expect("cleanup");
     }
 }

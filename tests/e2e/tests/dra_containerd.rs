@@ -287,8 +287,11 @@ fn containers_of_a_claim_are_held_to_its_share_of_the_gpu_and_share_it() -> Resu
     let record = node.provisioned(&b)?.context("B not provisioned")?;
     ensure!(record["claim"] == u1, "{record}");
 
-    // The second claim on GPU 1 has its own 1 GiB: a context and 256 MiB granted, 512 MiB more refused.
-    let (_pod_c, c) = node.run("c", &device(u2), &[], &[])?;
+    // The second claim on GPU 1 has its own 1 GiB: a context and 256 MiB granted, 512 MiB more
+    // refused, although C's env names claim u1 (the value u1's CDI spec sets).
+    let (_pod_c, c) = node.run("c", &device(u2), &[(cdi::CLAIM_ENV, u1)], &[])?;
+    let record = node.provisioned(&c)?.context("C not provisioned")?;
+    ensure!(record["claim"] == u2 && record["quota"] == GIB, "{record}");
     ensure!(node.ledger_limits(&node.claim_ledger(u2))? == [(0, GIB)], "{:?}", node.ledger_limits(&node.claim_ledger(u2))?);
     let lines = node.workload(&c, &["ctx 0", "alloc a 256m", "expect-oom alloc b 512m", "meminfo"])?;
     ensure!(lines.iter().any(|l| l == "oom b") && lines.iter().any(|l| l.contains(&format!("total={GIB}"))), "{lines:?}");
