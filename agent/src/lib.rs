@@ -15,6 +15,7 @@ pub mod pod;
 pub mod preflight;
 pub mod procmaps;
 pub mod provision;
+pub mod quantity;
 pub mod reconcile;
 pub mod run;
 pub mod serve;

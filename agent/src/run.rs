@@ -384,7 +384,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
     if let Some(alive) = capacity.as_mut().and_then(provision::kube::Capacity::take_alive) {
         tasks.spawn_abortable("capacity", alive.ended());
     }
-    if let Some((plugin, families)) = crate::dra::plugin::wire(&args.dra, &args.provision, driver_rx.clone(), stop.clone()).await? {
+    let dra_node = if args.dra.dra { args.provision.dra_node().await? } else { Default::default() };
+    if let Some((plugin, families)) = crate::dra::plugin::wire(&args.dra, dra_node, driver_rx.clone(), stop.clone()).await? {
         for family in families {
             judge.metrics.register(family)?;
         }

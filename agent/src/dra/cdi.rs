@@ -2,14 +2,19 @@
 //! (`gpu.vramguard.io-<claim uid>.json`), one CDI device per share (`gpu.vramguard.io/claim=
 //! <claim uid>-gpu-<N>`), returned to the kubelet, which hands the names to the runtime.
 //!
-//! Each device's edits give the container GPU `N`'s device node and mount the claim's directory
-//! (`<state-dir>/dra/claims/<claim uid>`, created here) read-only at [`CLAIM_MOUNT`]: the
-//! runtime's word for which claim the container belongs to. The NRI side reads the mount's host
-//! path from the container's OCI spec, never the container's environment (the pod spec sets
-//! env; only the runtime sets mounts from host paths the tenant cannot name). The env value
-//! [`CLAIM_ENV`] is for people and tools.
+//! Each device's edits give the container GPU `N`'s device node (`/dev/nvidia<N>`, from the
+//! host's node of that name or, where the nodes live elsewhere, from [`write_in`]'s directory);
+//! the spec's own edits, applied once whatever number of its devices a container gets, mount
+//! the claim's directory (`<state-dir>/dra/claims/<claim uid>`, created here, empty) read-only
+//! at [`claim_mount`] (`/run/vramguard/claims/<claim uid>`: a container of two claims gets
+//! both). That mount is the runtime's word for which claim the container belongs to: the NRI
+//! side ([`crate::provision::claim`]) reads its host path from the container's OCI spec, never
+//! the container's environment (the pod spec sets env; only the runtime sets a mount's host
+//! path from a CDI spec). The env value [`CLAIM_ENV`] is for people and tools.
 //!
-//! `cdiVersion` 0.3.0: the lowest that carries device nodes, mounts and env.
+//! `cdiVersion` 0.3.0, the lowest that carries device nodes, mounts and env; 0.5.0 where a
+//! device node has a `hostPath` (the lowest that carries one). containerd 1.7.24 (Debian
+//! trixie's CDI library) accepts both.
 use std::fs;
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
@@ -22,8 +27,12 @@ use super::{Prepared, DRIVER};
 pub const CLASS: &str = "claim";
 /// The CDI version written: the lowest that carries the edits below.
 pub const CDI_VERSION: &str = "0.3.0";
-/// Where a container sees its claim's directory.
-pub const CLAIM_MOUNT: &str = "/run/vramguard/claim";
+/// The CDI version written when a device node comes from another host path than its own.
+pub const CDI_VERSION_HOST_PATH: &str = "0.5.0";
+/// Where a container sees its claims' directories (one per claim, named by its UID).
+pub const CLAIMS_MOUNT: &str = "/run/vramguard/claims";
+/// Where the host's GPU device nodes are.
+pub const DEVICE_DIR: &str = "/dev";
 /// The env value naming the claim, for people and tools (not trusted by the agent).
 pub const CLAIM_ENV: &str = "VRAMGUARD_DRA_CLAIM";
 
@@ -42,38 +51,63 @@ pub fn spec_path(cdi_dir: &Path, uid: &str) -> PathBuf {
     cdi_dir.join(format!("{DRIVER}-{uid}.json"))
 }
 
-/// The claim's directory on the host, mounted into its containers.
-pub fn claim_dir(state_dir: &Path, uid: &str) -> PathBuf {
-    state_dir.join("dra").join("claims").join(uid)
+/// The directory on the host holding every prepared claim's directory.
+pub fn claims_dir(state_dir: &Path) -> PathBuf {
+    state_dir.join("dra").join("claims")
 }
 
-/// Writes the claim's directory and its spec (replacing an earlier one, atomically).
+/// The claim's directory on the host, mounted into its containers.
+pub fn claim_dir(state_dir: &Path, uid: &str) -> PathBuf {
+    claims_dir(state_dir).join(uid)
+}
+
+/// Where a container sees claim `uid`'s directory.
+pub fn claim_mount(uid: &str) -> String {
+    format!("{CLAIMS_MOUNT}/{uid}")
+}
+
+/// Whether `uid` can be a claim's UID: the API server's UIDs are UUIDs; anything that could
+/// leave a directory, or be more than a name, is not.
+pub fn valid_uid(uid: &str) -> bool {
+    !uid.is_empty() && uid.len() <= 128 && uid.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+}
+
+/// Writes the claim's directory and its spec (replacing an earlier one, atomically), with the
+/// host's GPU device nodes ([`DEVICE_DIR`]).
 pub fn write(cdi_dir: &Path, state_dir: &Path, prepared: &Prepared) -> Result<PathBuf, String> {
-    // A UID is the API server's (a UUID); anything that could leave the directories is refused.
-    if prepared.uid.is_empty() || !prepared.uid.chars().all(|c| c.is_ascii_alphanumeric() || c == '-') {
+    write_in(cdi_dir, state_dir, Path::new(DEVICE_DIR), prepared)
+}
+
+/// [`write`], with GPU `N`'s device node taken from `<device_dir>/nvidia<N>` (the tests' stand-in
+/// nodes; a node elsewhere than `/dev` is a `hostPath` in the spec).
+pub fn write_in(cdi_dir: &Path, state_dir: &Path, device_dir: &Path, prepared: &Prepared) -> Result<PathBuf, String> {
+    if !valid_uid(&prepared.uid) {
         return Err(format!("claim UID {:?} is not a UID", prepared.uid));
     }
     let dir = claim_dir(state_dir, &prepared.uid);
     fs::DirBuilder::new().recursive(true).mode(0o755).create(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-    let devices: Vec<_> = prepared
-        .shares
-        .iter()
-        .map(|share| {
-            json!({
-                "name": device(&prepared.uid, share.gpu),
-                "containerEdits": {
-                    "deviceNodes": [{"path": format!("/dev/nvidia{}", share.gpu)}],
-                },
-            })
-        })
-        .collect();
+    let elsewhere = device_dir != Path::new(DEVICE_DIR);
+    let mut devices: Vec<serde_json::Value> = Vec::new();
+    let mut gpus = std::collections::BTreeSet::new();
+    // One device per GPU: two shares of one claim on one GPU are one CDI device.
+    for share in prepared.shares.iter().filter(|share| gpus.insert(share.gpu)) {
+        let path = format!("{DEVICE_DIR}/nvidia{}", share.gpu);
+        let mut node = json!({"path": path});
+        if elsewhere {
+            node["hostPath"] = json!(device_dir.join(format!("nvidia{}", share.gpu)));
+        }
+        devices.push(json!({
+            "name": device(&prepared.uid, share.gpu),
+            "containerEdits": {"deviceNodes": [node]},
+        }));
+    }
     let spec = json!({
-        "cdiVersion": CDI_VERSION,
+        "cdiVersion": if elsewhere { CDI_VERSION_HOST_PATH } else { CDI_VERSION },
         "kind": format!("{DRIVER}/{CLASS}"),
         "devices": devices,
         "containerEdits": {
             "env": [format!("{CLAIM_ENV}={}", prepared.uid)],
-            "mounts": [{"hostPath": dir, "containerPath": CLAIM_MOUNT, "options": ["ro", "bind", "nosuid", "nodev", "noexec"]}],
+            "mounts": [{"hostPath": dir, "containerPath": claim_mount(&prepared.uid), "options": ["ro", "bind", "nosuid", "nodev", "noexec"]}],
         },
     });
     let path = spec_path(cdi_dir, &prepared.uid);
@@ -91,6 +125,9 @@ pub fn write(cdi_dir: &Path, state_dir: &Path, prepared: &Prepared) -> Result<Pa
 
 /// Removes the claim's spec and directory; what is already gone is no error.
 pub fn remove(cdi_dir: &Path, state_dir: &Path, uid: &str) -> Result<(), String> {
+    if !valid_uid(uid) {
+        return Err(format!("claim UID {uid:?} is not a UID"));
+    }
     let path = spec_path(cdi_dir, uid);
     match fs::remove_file(&path) {
         Ok(()) => {}
@@ -102,5 +139,96 @@ pub fn remove(cdi_dir: &Path, state_dir: &Path, uid: &str) -> Result<(), String>
         Ok(()) => Ok(()),
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(error) => Err(format!("cannot remove {}: {error}", dir.display())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dra::Share;
+
+    fn share(gpu: u32, memory: u64) -> Share {
+        Share {
+            request: "gpu".into(),
+            pool: "node-1".into(),
+            device: crate::dra::device_name(gpu),
+            gpu,
+            share_id: Some(format!("00000000-0000-4000-8000-00000000000{gpu}")),
+            memory,
+            cdi_device: qualified("6f1c0d36-1", gpu),
+        }
+    }
+
+    fn claim(uid: &str, shares: Vec<Share>) -> Prepared {
+        Prepared { uid: uid.into(), namespace: "team".into(), name: "c".into(), shares }
+    }
+
+    fn tempdir(tag: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("vramguard-cdi-{tag}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).expect("temp dir");
+        dir
+    }
+
+    fn read(path: &Path) -> serde_json::Value {
+        serde_json::from_slice(&fs::read(path).expect("spec")).expect("JSON")
+    }
+
+    #[test]
+    fn a_claim_s_spec_names_a_device_per_gpu_and_mounts_the_claim_s_directory() {
+        let root = tempdir("spec");
+        let (cdi, state) = (root.join("cdi"), root.join("state"));
+        let uid = "6f1c0d36-1";
+        // Two shares on GPU 1 (two requests) and one on GPU 3.
+        let prepared = claim(uid, vec![share(1, 8 << 30), share(1, 1 << 30), share(3, 2 << 30)]);
+        let path = write(&cdi, &state, &prepared).expect("written");
+        assert_eq!(path, cdi.join(format!("gpu.vramguard.io-{uid}.json")));
+        let spec = read(&path);
+        assert_eq!(spec["cdiVersion"], CDI_VERSION);
+        assert_eq!(spec["kind"], "gpu.vramguard.io/claim");
+        let devices = spec["devices"].as_array().expect("devices");
+        let names: Vec<&str> = devices.iter().filter_map(|d| d["name"].as_str()).collect();
+        assert_eq!(names, [format!("{uid}-gpu-1"), format!("{uid}-gpu-3")]);
+        assert_eq!(devices[1]["containerEdits"]["deviceNodes"], json!([{"path": "/dev/nvidia3"}]));
+        assert_eq!(qualified(uid, 3), format!("gpu.vramguard.io/claim={uid}-gpu-3"), "what the kubelet hands on resolves here");
+        let mount = &spec["containerEdits"]["mounts"][0];
+        assert_eq!(mount["hostPath"], json!(claim_dir(&state, uid)));
+        assert_eq!(mount["containerPath"], format!("/run/vramguard/claims/{uid}"));
+        assert!(mount["options"].as_array().expect("options").contains(&json!("ro")));
+        assert_eq!(spec["containerEdits"]["env"], json!([format!("VRAMGUARD_DRA_CLAIM={uid}")]));
+        assert!(claim_dir(&state, uid).is_dir());
+        // Written again (a repeated prepare): replaced, no temporary left beside it.
+        write(&cdi, &state, &claim(uid, vec![share(2, 1 << 30)])).expect("again");
+        assert_eq!(read(&path)["devices"][0]["name"], format!("{uid}-gpu-2"));
+        assert_eq!(fs::read_dir(&cdi).expect("dir").count(), 1);
+
+        remove(&cdi, &state, uid).expect("removed");
+        assert!(!path.exists() && !claim_dir(&state, uid).exists());
+        remove(&cdi, &state, uid).expect("what is gone is no error");
+        fs::remove_dir_all(&root).expect("cleanup");
+    }
+
+    #[test]
+    fn device_nodes_from_elsewhere_are_host_paths_of_cdi_0_5() {
+        let root = tempdir("host-path");
+        let path = write_in(&root.join("cdi"), &root.join("state"), &root.join("nodes"), &claim("u-2", vec![share(0, 1)])).expect("written");
+        let spec = read(&path);
+        assert_eq!(spec["cdiVersion"], CDI_VERSION_HOST_PATH);
+        let node = &spec["devices"][0]["containerEdits"]["deviceNodes"][0];
+        assert_eq!((node["path"].as_str(), node["hostPath"].as_str()), (Some("/dev/nvidia0"), root.join("nodes/nvidia0").to_str()));
+        fs::remove_dir_all(&root).expect("cleanup");
+    }
+
+    #[test]
+    fn what_is_not_a_uid_names_no_file() {
+        let root = tempdir("uids");
+        for bad in ["", "..", "../x", "a/b", "a b", "a\0b", &"x".repeat(129)] {
+            assert!(!valid_uid(bad), "{bad:?}");
+            assert!(write(&root.join("cdi"), &root.join("state"), &claim(bad, vec![share(0, 1)])).is_err(), "{bad:?}");
+            assert!(remove(&root.join("cdi"), &root.join("state"), bad).is_err(), "{bad:?}");
+        }
+        assert!(valid_uid("6f1c0d36-9b7e-4c3a-8f00-0123456789ab"));
+        assert!(!root.join("cdi").exists() && !root.join("state").exists(), "nothing made");
+        fs::remove_dir_all(&root).expect("cleanup");
     }
 }

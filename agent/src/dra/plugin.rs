@@ -346,34 +346,45 @@ pub struct DraArgs {
     pub cdi_dir: PathBuf,
 }
 
+/// What the plugin is given from the rest of the agent's configuration: the API server
+/// (`--kube`), the node's name, each GPU's memory (`--gpu-memory`), the state directory.
+#[derive(Default)]
+pub struct Node {
+    /// A client of the API server `--kube` names.
+    pub kube: Option<kube::Client>,
+    pub name: String,
+    pub gpu_memory: Vec<u64>,
+    pub state_dir: PathBuf,
+}
+
 /// The plugin's task and its metrics' families as `--dra` asks for them (`None` without it):
 /// the claims from the API server `--kube` names, the GPUs `--gpu-memory` names, the
 /// checkpoint in `--state-dir`, the GPUs' health from the driver task's view.
 pub async fn wire(
     args: &DraArgs,
-    provision: &crate::provision::ProvisionArgs,
+    node: Node,
     driver: watch::Receiver<Arc<crate::driver::DriverView>>,
     stop: watch::Receiver<bool>,
 ) -> Result<Option<(impl std::future::Future<Output = Result<()>> + Send + 'static, Vec<Box<dyn Collector>>)>> {
     if !args.dra {
         return Ok(None);
     }
-    let Some(config) = provision.kube.config().await? else {
+    let Some(client) = node.kube else {
         anyhow::bail!("--dra needs --kube: the DRA driver gets the claims it prepares from the API server");
     };
-    let node = provision.kube.node()?.to_owned();
-    if provision.gpu_memory.is_empty() {
+    let Node { name: node, gpu_memory, state_dir, .. } = node;
+    if gpu_memory.is_empty() {
         anyhow::bail!("--dra needs --gpu-memory (each GPU's memory, e.g. 80Gi,80Gi): the driver refuses shares past it");
     }
-    let state_dir = provision.state_dir.clone();
-    let checkpoint = tokio::task::spawn_blocking(move || super::checkpoint::Checkpoint::open(&state_dir))
+    let checkpoint_dir = state_dir.clone();
+    let checkpoint = tokio::task::spawn_blocking(move || super::checkpoint::Checkpoint::open(&checkpoint_dir))
         .await
         .context("opening the DRA checkpoint")?
         .map_err(anyhow::Error::msg)?;
     info!(claims = checkpoint.claims().count(), path = %checkpoint.path().display(), "the DRA checkpoint");
-    let claims = super::prepare::KubeClaims(config.client()?);
-    let health = Health { pool: node.clone(), gpus: provision.gpu_memory.len() as u32, driver };
-    let preparer = Preparer::new(claims, node, provision.gpu_memory.clone(), args.cdi_dir.clone(), provision.state_dir.clone(), checkpoint);
+    let claims = super::prepare::KubeClaims(client);
+    let health = Health { pool: node.clone(), gpus: gpu_memory.len() as u32, driver };
+    let preparer = Preparer::new(claims, node, gpu_memory, args.cdi_dir.clone(), state_dir, checkpoint);
     let metrics = Metrics::new()?;
     let sockets = Sockets { registry_dir: args.kubelet_registry_dir.clone(), plugins_dir: args.kubelet_plugins_dir.clone() };
     let task = start(sockets, preparer, health, metrics.clone(), stop)?;

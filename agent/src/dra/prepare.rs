@@ -27,7 +27,7 @@ use std::{
 use k8s_openapi::api::resource::v1::ResourceClaim;
 
 use super::{cdi, checkpoint::Checkpoint, device_index, Prepared, Share, DRIVER, MEMORY};
-use crate::provision::kube::parse_quantity;
+use crate::quantity::parse_quantity;
 
 /// How long one claim's prepare or unprepare may take, the API server's answer included:
 /// past it the claim's answer is an error, well before the kubelet's 45 s.

@@ -7,6 +7,7 @@
 //! | `vramguard_provision_timed_out_removed_total{what}` | what such creations had made and the agent removed at once: `ledger`, `mount` (its tmpfs), `record` |
 //! | `vramguard_provision_decisions_without_api_total{decision}` | containers decided without an answer from the Kubernetes API (see [`Decision`]) |
 //! | `vramguard_provision_refused_total{reason}` | containers with a quota whose creation the agent failed (see [`Refusal`]) |
+//! | `vramguard_dra_containers_refused_total{reason}` | containers refused because the runtime's spec names a DRA claim the agent cannot provision them from (see [`super::claim::Refusal`]) |
 use prometheus::{core::Collector, IntCounter, IntCounterVec, Opts};
 
 /// How a container was decided when the Kubernetes API gave no answer (down, an error, past
@@ -81,6 +82,7 @@ pub struct Counters {
     removed: IntCounterVec,
     without_api: IntCounterVec,
     refused: IntCounterVec,
+    claim_refused: IntCounterVec,
 }
 
 impl Counters {
@@ -115,6 +117,13 @@ impl Counters {
                 }
                 refused
             },
+            claim_refused: IntCounterVec::new(
+                Opts::new(
+                    "vramguard_dra_containers_refused_total",
+                    "Containers refused because their spec names a DRA claim they cannot be provisioned from, by reason",
+                ),
+                &["reason"],
+            )?,
         })
     }
 
@@ -125,6 +134,7 @@ impl Counters {
             Box::new(self.removed.clone()),
             Box::new(self.without_api.clone()),
             Box::new(self.refused.clone()),
+            Box::new(self.claim_refused.clone()),
         ]
     }
 
@@ -151,6 +161,15 @@ impl Counters {
     /// Creations refused so far for `refusal`.
     pub fn refused_total(&self, refusal: Refusal) -> u64 {
         self.refused.with_label_values(&[refusal.label()]).get()
+    }
+
+    pub(super) fn claim_refused(&self, reason: &str) {
+        self.claim_refused.with_label_values(&[reason]).inc();
+    }
+
+    /// Containers refused for their DRA claim so far, for `reason`.
+    pub fn claim_refused_total(&self, reason: &str) -> u64 {
+        self.claim_refused.with_label_values(&[reason]).get()
     }
 
     /// Timed-out creations so far.

@@ -25,6 +25,8 @@
 //! quota on every GPU, a log line and a count ([`Provisioner::gpus_undetermined`]).
 //!
 //! * [`nri`]: the NRI plugin: the runtime's socket, its wire protocol, the event loop.
+//! * [`claim`]: containers of a DRA claim, provisioned from the claim's shares (one ledger
+//!   per claim, shared by its containers).
 //! * [`gpus`]: which GPUs the runtime gave a container.
 //! * [`kube`]: the Kubernetes API side: pod lookup, the node's advertised capacity.
 //! * [`quota`]: the quota file and the annotation.
@@ -58,6 +60,7 @@
 //! looked at again whenever the pod cache changes: one found to have a quota then is held to
 //! it by its cgroup limit (`Provisioner::recheck_undecided`). Each such decision is a log
 //! line and a count in `vramguard_provision_decisions_without_api_total{decision}`.
+pub mod claim;
 pub mod gpus;
 pub mod kube;
 pub mod metrics;
@@ -161,6 +164,19 @@ pub struct ProvisionArgs {
     pub kube: kube::KubeArgs,
 }
 
+impl ProvisionArgs {
+    /// What the DRA plugin is given of this configuration: a client of the API server
+    /// `--kube` names, the node's name, `--gpu-memory`, `--state-dir`.
+    pub async fn dra_node(&self) -> anyhow::Result<crate::dra::plugin::Node> {
+        let kube = match self.kube.config().await? {
+            Some(config) => Some(config.client()?),
+            None => None,
+        };
+        let name = if kube.is_some() { self.kube.node()?.to_owned() } else { String::new() };
+        Ok(crate::dra::plugin::Node { kube, name, gpu_memory: self.gpu_memory.clone(), state_dir: self.state_dir.clone() })
+    }
+}
+
 fn parse_size_arg(text: &str) -> Result<u64, String> {
     parse_quota(text).ok_or_else(|| format!("{text:?} is not a size (bytes, k/m/g/t, or a Kubernetes quantity such as 80Gi)"))
 }
@@ -185,6 +201,8 @@ pub struct Workload {
     pub devices: Vec<String>,
     /// The CDI devices the runtime reports.
     pub cdi_devices: Vec<String>,
+    /// The OCI spec's mounts (the runtime's: a DRA claim's CDI spec adds one, [`claim`]).
+    pub mounts: Vec<Mount>,
     /// The container's annotations (the CDI ones are the kubelet's).
     pub container_annotations: BTreeMap<String, String>,
     /// The pod's annotations.
@@ -203,6 +221,10 @@ pub struct Sources {
 /// The provisioned containers and how to provision more.
 pub struct Provisioner {
     store: Store,
+    /// `--state-dir`: where the DRA checkpoint and claims' directories are ([`claim`]).
+    state_dir: PathBuf,
+    /// The DRA claims' shared ledgers.
+    claims: claim::Claims,
     sources: Sources,
     hook: PathBuf,
     preload: PathBuf,
@@ -261,13 +283,17 @@ impl Provisioner {
         for problem in problems {
             warn!(%problem, "a provisioned container's record cannot be read: it is not restored");
         }
+        let (ledgers, found): (Vec<Provisioned>, Vec<Provisioned>) = found.into_iter().partition(|p| claim::is_ledger_id(&p.record.container_id));
         info!(containers = found.len(), state_dir = %args.state_dir.display(), "provisioned containers restored from the state directory");
+        let claims = claim::Claims::restore(&store, ledgers, &found);
         let containers = found.into_iter().map(|p| (p.record.container_id.clone(), p)).collect();
         if let Some(pods) = &sources.kube {
             pods.remember_in(&args.state_dir.join(kube::REMEMBERED));
         }
         Ok(Provisioner {
             store,
+            state_dir: args.state_dir.clone(),
+            claims,
             sources,
             hook: args.hook_library.clone(),
             preload,
@@ -551,34 +577,48 @@ impl Provisioner {
     /// ledger, the record) run on the blocking pool; the container is recorded as provisioned
     /// at their end unless the creation was abandoned meanwhile ([`Provisioner::abandon`]).
     pub async fn create_container(&self, workload: &Workload) -> Result<Adjustment, String> {
-        let Some((quota, source)) = self.quota(workload).await? else {
-            return Ok(Adjustment::default());
-        };
-        if quota == 0 {
-            info!(namespace = %workload.namespace, pod = %workload.pod, container = %workload.container, source, "quota 0: not provisioned");
-            return Ok(Adjustment::default());
+        if claim::is_ledger_id(&workload.container_id) {
+            return Err(format!("vramguard: container id {:?} is reserved for DRA claims' ledgers", workload.container_id));
         }
-        let seen = self.given_gpus(workload);
-        let record = self.record(workload, quota, source, &seen);
+        let record = match self.claim_of(workload).await? {
+            Some(claimed) => self.claim_record(workload, &claimed),
+            None => {
+                let Some((quota, source)) = self.quota(workload).await? else {
+                    return Ok(Adjustment::default());
+                };
+                if quota == 0 {
+                    info!(namespace = %workload.namespace, pod = %workload.pod, container = %workload.container, source, "quota 0: not provisioned");
+                    return Ok(Adjustment::default());
+                }
+                let seen = self.given_gpus(workload);
+                self.record(workload, quota, source, &seen)
+            }
+        };
+        let (quota, source) = (record.quota, record.source.clone());
         let id = record.container_id.clone();
         {
-            // Checked and registered at once: creations in flight count in the check.
+            // Checked and registered at once: creations in flight count in the check. A
+            // claim's containers are the scheduler's to place: in no sum ([`claim`]).
             let mut flights = self.flights();
             if flights.contains_key(&id) {
                 return Err(format!("vramguard: container {id} is being provisioned already"));
             }
+            let seen: Vec<usize> = record.gpus.iter().map(|&gpu| gpu as usize).collect();
+            // The caps count a claim's containers like any other (a claim's shared ledger is
+            // counted with each of them: an over-estimate, never an under-estimate).
             let bytes = self.store.ledger_bytes(&record)?;
             if let Err((refusal, error)) = self.check_caps(&record, bytes, &flights) {
                 self.counters.refused(refusal);
                 return Err(error);
             }
-            if self.refuse_overcommit {
+            if self.refuse_overcommit && record.claim.is_none() {
                 self.check_overcommit(&record, &seen, &flights).inspect_err(|_| self.counters.refused(Refusal::Overcommit))?;
             }
-            let flight = Flight { abandoned: false, quota: record.quota, gpus: record.gpus.clone(), pod_id: record.pod_id.clone(), bytes };
-            flights.insert(id.clone(), flight);
+            let gpus = if record.claim.is_none() { record.gpus.clone() } else { Vec::new() };
+            flights.insert(id.clone(), Flight { abandoned: false, quota: record.quota, gpus, pod_id: record.pod_id.clone(), bytes });
         }
         let step = Creation {
+            claims: self.claims.clone(),
             store: self.store.clone(),
             containers: self.containers.clone(),
             in_flight: self.in_flight.clone(),
@@ -614,6 +654,8 @@ impl Provisioner {
             devices: self.node_gpus(),
             gpus: seen.iter().map(|&gpu| gpu as u32).collect(),
             source: source.to_string(),
+            claim: None,
+            quotas: Vec::new(),
         }
     }
 
@@ -637,9 +679,10 @@ impl Provisioner {
             return;
         }
         self.changed();
-        let (store, counters, owned) = (self.store.clone(), self.counters.clone(), id.to_string());
+        let (store, counters, owned, claims) = (self.store.clone(), self.counters.clone(), id.to_string(), self.claims.clone());
         let removed = tokio::task::spawn_blocking(move || {
             let removed = store.remove_counted(&owned);
+            claims.forget(&store, &owned);
             if let Ok(removed) = &removed {
                 counters.removed(*removed);
             }
@@ -703,7 +746,7 @@ impl Provisioner {
         for &gpu in seen {
             let Some(&memory) = self.gpu_memory.get(gpu) else { continue };
             let gpu = gpu as u32;
-            let made = containers.values().map(|p| (&p.record.container_id, p.record.quota, &p.record.gpus));
+            let made = containers.values().filter(|p| p.record.claim.is_none()).map(|p| (&p.record.container_id, p.record.quota, &p.record.gpus));
             let flying = flights.iter().map(|(id, f)| (id, f.quota, &f.gpus));
             let others: u64 = made
                 .chain(flying)
@@ -758,13 +801,14 @@ impl Provisioner {
             return;
         }
         self.changed();
-        let store = self.store.clone();
+        let (store, claims) = (self.store.clone(), self.claims.clone());
         let removal = tokio::task::spawn_blocking(move || {
             for id in &removed {
                 match store.remove(id) {
                     Ok(()) => info!(id = %id, "provisioned container gone: its ledger and record removed"),
                     Err(error) => warn!(id = %id, %error, "cannot remove a gone container's ledger and record"),
                 }
+                claims.forget(&store, id);
             }
         });
         if let Err(error) = removal.await {
@@ -810,6 +854,18 @@ impl Provisioner {
     pub async fn hold_unprovisioned(&self, workloads: &[Workload]) {
         for workload in workloads {
             if self.lock().contains_key(&workload.container_id) {
+                continue;
+            }
+            if let Ok(Ok(Some(claimed))) = self.look_up_claim(workload).await {
+                let Some(cgroup) = cgroup_dir(&workload.cgroups_path) else { continue };
+                let limit = self.claim_record(workload, &claimed).cgroup_limit();
+                warn!(
+                    namespace = %workload.namespace, pod = %workload.pod, container = %workload.container, claim = %claimed.uid, cgroup = %cgroup,
+                    "a container of a DRA claim was created while the agent was away: it runs without the hook; its cgroup is held to the claim's quota by the eBPF probes"
+                );
+                if let Ok(mut late) = self.unprovisioned.lock() {
+                    late.insert(workload.container_id.clone(), (workload.pod_id.clone(), cgroup, limit));
+                }
                 continue;
             }
             let quota = match self.quota(workload).await {
@@ -861,6 +917,7 @@ impl Workload {
             cgroups_path: container.cgroups_path.clone(),
             devices: container.devices.clone(),
             cdi_devices: container.cdi_devices.clone(),
+            mounts: container.mounts.clone(),
             container_annotations: container.annotations.clone(),
             annotations: pod.annotations.clone(),
         }
@@ -918,6 +975,7 @@ type Flights = Arc<Mutex<HashMap<String, Flight>>>;
 
 /// A creation's blocking step, with what it needs of the provisioner.
 struct Creation {
+    claims: claim::Claims,
     store: Store,
     containers: Arc<Mutex<BTreeMap<String, Provisioned>>>,
     in_flight: Flights,
@@ -932,7 +990,10 @@ impl Creation {
     fn run(self, record: Record) -> Result<Provisioned, String> {
         let id = record.container_id.clone();
         let container = record.container.clone();
-        let made = self.store.create(record);
+        let made = match record.claim {
+            Some(_) => self.claims.create_member(&self.store, record),
+            None => self.store.create(record),
+        };
         // Test only: a step that outlives the runtime's deadline (crate::fault).
         if let Some(by) = crate::fault::delay("create-container").or_else(|| crate::fault::delay(&format!("create-container.{container}"))) {
             warn!(id, ?by, "fault injected: the creation's blocking step is delayed");
@@ -950,7 +1011,9 @@ impl Creation {
             }
             Ok(_) => {
                 drop(flights);
-                match self.store.remove_counted(&id) {
+                let removed = self.store.remove_counted(&id);
+                self.claims.forget(&self.store, &id);
+                match removed {
                     Ok(removed) => {
                         self.counters.removed(removed);
                         warn!(id, ?removed, "creation abandoned (the runtime was answered at its deadline): what it made is removed");
@@ -967,6 +1030,7 @@ impl Creation {
                 if let Err(problem) = self.store.remove(&id) {
                     warn!(id, %problem, "cannot remove what a failed provisioning made");
                 }
+                self.claims.forget(&self.store, &id);
                 Err(error)
             }
         }
@@ -1005,7 +1069,7 @@ pub fn cgroup_dir(cgroups_path: &str) -> Option<String> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
     #[test]
@@ -1043,14 +1107,14 @@ mod tests {
     }
 
     /// A provisioner of [`args`] over `root`'s quota file.
-    fn provisioner_in(root: &Path, refuse_overcommit: bool) -> Provisioner {
+    pub(super) fn provisioner_in(root: &Path, refuse_overcommit: bool) -> Provisioner {
         let file = QuotaFile::open(&root.join("quotas")).expect("quota file");
         let sources = Sources { kube: None, file: Some(file), annotation: false };
         Provisioner::with_mounts(&args(root, refuse_overcommit), &root.join("ledgers"), sources, None).expect("provisioner")
     }
 
     /// A provisioner under a fresh directory, with `rules` as its quota file.
-    fn provisioner(tag: &str, rules: &str, refuse_overcommit: bool) -> (PathBuf, Provisioner) {
+    pub(super) fn provisioner(tag: &str, rules: &str, refuse_overcommit: bool) -> (PathBuf, Provisioner) {
         let root = std::env::temp_dir().join(format!("vramguard-provision-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&root);
         std::fs::create_dir_all(root.join("ledgers")).expect("mkdir");
@@ -1085,7 +1149,7 @@ mod tests {
         Workload::of(&pod, &container)
     }
 
-    fn block_on<F: std::future::Future>(future: F) -> F::Output {
+    pub(super) fn block_on<F: std::future::Future>(future: F) -> F::Output {
         tokio::runtime::Builder::new_current_thread().build().expect("runtime").block_on(future)
     }
 
@@ -1236,6 +1300,7 @@ mod tests {
         p.flights().insert("c2".into(), Flight { abandoned: false, quota: 1 << 30, gpus: vec![0], pod_id: "sandbox-b".into(), bytes: 0 });
         block_on(p.abandon("c2"));
         let step = Creation {
+            claims: p.claims.clone(),
             store: p.store.clone(),
             containers: p.containers.clone(),
             in_flight: p.in_flight.clone(),

@@ -55,14 +55,31 @@ pub struct Record {
     /// ledger's devices (ledger device `i` is GPU `gpus[i]`, the container's driver ordinal
     /// `i`), each at `quota`; its cgroup's eBPF limit is `quota` times their number.
     pub gpus: Vec<u32>,
-    /// Where the quota came from (`kubernetes`, `quota file`, `annotation`).
+    /// Where the quota came from (`kubernetes`, `quota file`, `annotation`, `dra claim`).
     pub source: String,
+    /// The DRA claim (its UID) whose ledger the container shares with the claim's other
+    /// containers ([`super::claim`]): its ledger and limits are the claim's, not its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub claim: Option<String>,
+    /// The quota on each of `gpus`, in their order, where they differ (a claim's shares);
+    /// empty: `quota` on each.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub quotas: Vec<u64>,
 }
 
 impl Record {
     /// The cgroup's limit as the eBPF probes see it (all its GPUs together).
     pub fn cgroup_limit(&self) -> u64 {
-        cgroup_limit(self.quota, self.gpus.len())
+        if self.quotas.is_empty() {
+            cgroup_limit(self.quota, self.gpus.len())
+        } else {
+            self.quotas.iter().fold(0, |sum, quota| sum.saturating_add(*quota))
+        }
+    }
+
+    /// The quota on ledger device `i` (GPU `gpus[i]`).
+    pub fn quota_on(&self, i: usize) -> u64 {
+        self.quotas.get(i).copied().unwrap_or(self.quota)
     }
 }
 
@@ -111,7 +128,11 @@ impl Sizing {
             false => record
                 .gpus
                 .iter()
-                .map(|&gpu| self.gpu_memory.get(gpu as usize).map_or(record.quota, |&memory| record.quota.min(memory)))
+                .enumerate()
+                .map(|(i, &gpu)| {
+                    let quota = record.quota_on(i);
+                    self.gpu_memory.get(gpu as usize).map_or(quota, |&memory| quota.min(memory))
+                })
                 .collect(),
         };
         Geometry::provisioned(&limits, CONTAINER_CHUNK, CONTAINER_CONTEXT_RESERVE, self.processes)
@@ -218,9 +239,28 @@ impl Store {
         Ok(Provisioned { record, header, ledger: ledger_path, limits })
     }
 
+    /// Records container `id` as a member of a claim whose ledger (`shared`, made by
+    /// [`Store::create`] under [`super::claim::ledger_id`]) it shares: its record only. A
+    /// container recorded before (the runtime retried) gets what it was given then.
+    pub fn create_member(&self, record: Record, shared: &Provisioned) -> Result<Provisioned, String> {
+        let id = record.container_id.clone();
+        if !valid_container_id(&id) {
+            return Err(format!("container id {id:?} cannot name a directory"));
+        }
+        if let Some(existing) = self.load_one(&id)? {
+            return Ok(existing);
+        }
+        let (record_path, _, _) = self.paths(&id);
+        let state = record_path.parent().unwrap_or(&self.containers);
+        fs::create_dir_all(state).map_err(|e| format!("cannot create {}: {e}", state.display()))?;
+        let json = serde_json::to_vec_pretty(&record).map_err(|e| format!("cannot encode the record of {id}: {e}"))?;
+        write_new(&record_path, &json, 0o600)?;
+        Ok(Provisioned { record, header: shared.header, ledger: shared.ledger.clone(), limits: shared.limits.clone() })
+    }
+
     /// The container `id`'s files, if it was provisioned and they are whole.
     fn load_one(&self, id: &str) -> Result<Option<Provisioned>, String> {
-        let (record_path, limits, ledger) = self.paths(id);
+        let (record_path, mut limits, mut ledger) = self.paths(id);
         let json = match fs::read(&record_path) {
             Ok(json) => json,
             Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
@@ -229,6 +269,10 @@ impl Store {
         let record: Record = serde_json::from_slice(&json).map_err(|e| format!("{} is not a record: {e}", record_path.display()))?;
         if record.container_id != id {
             return Err(format!("{} names container {:?}", record_path.display(), record.container_id));
+        }
+        if let Some(uid) = &record.claim {
+            // A claim's member: the claim's ledger and limits.
+            (_, limits, ledger) = self.paths(&super::claim::ledger_id(uid));
         }
         let bytes = fs::read(&limits).map_err(|e| format!("cannot read {}: {e}", limits.display()))?;
         let header = ledger::file::header_from_bytes(&bytes).ok_or_else(|| format!("{} is not a ledger header", limits.display()))?;
@@ -371,6 +415,8 @@ mod tests {
             devices: 4,
             gpus: vec![1, 3],
             source: "quota file".into(),
+            claim: None,
+            quotas: Vec::new(),
         }
     }
 

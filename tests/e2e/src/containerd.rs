@@ -172,6 +172,9 @@ pub struct ContainerSpec {
     pub annotations: Vec<(String, String)>,
     /// Host device nodes and their paths in the container (the runtime's `linux.devices`).
     pub devices: Vec<(PathBuf, String)>,
+    /// Fully qualified CDI device names in the CRI's `CDI_devices` (as the kubelet passes a
+    /// DRA driver's devices).
+    pub cdi_devices: Vec<String>,
     /// The image; `None`: [`IMAGE`].
     pub image: Option<String>,
     /// The arguments after the image's entrypoint (with an empty `command`).
@@ -215,6 +218,12 @@ impl ContainerSpec {
     /// gives one.
     pub fn device(mut self, host: impl Into<PathBuf>, container: &str) -> ContainerSpec {
         self.devices.push((host.into(), container.into()));
+        self
+    }
+
+    /// A CDI device in the CRI's `CDI_devices` field.
+    pub fn cdi_device(mut self, name: &str) -> ContainerSpec {
+        self.cdi_devices.push(name.into());
         self
     }
 
@@ -447,6 +456,7 @@ impl Containerd {
                 .iter()
                 .map(|(host, container)| cri::Device { container_path: container.clone(), host_path: path(host), permissions: "rwm".into() })
                 .collect(),
+            cdi_devices: spec.cdi_devices.iter().map(|name| cri::CdiDevice { name: name.clone() }).collect(),
             log_path: format!("{}.log", spec.name),
             linux: Some(cri::LinuxContainerConfig {
                 security_context: Some(spec.security.clone().unwrap_or_else(|| cri::LinuxContainerSecurityContext {

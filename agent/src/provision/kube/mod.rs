@@ -22,7 +22,6 @@ mod capacity;
 mod config;
 mod objects;
 mod pods;
-mod quantity;
 mod remembered;
 
 use std::{path::PathBuf, time::Duration};
@@ -31,7 +30,7 @@ pub use capacity::{capacity_bytes, patch_body, Capacity, CapacityState, JSON_PAT
 pub use config::{KubeConfig, SERVICE_ACCOUNT_DIR};
 pub use kube::Client;
 pub use pods::{CacheState, Known, PodCache, Tuning};
-pub use quantity::parse_quantity;
+pub use crate::quantity::parse_quantity;
 pub use remembered::REMEMBERED;
 
 /// The extended resource a container asks for its quota with, and the node advertises.

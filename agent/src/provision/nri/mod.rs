@@ -58,6 +58,9 @@ pub struct Container {
     /// a source of what the container was given.
     pub env: Vec<(String, String)>,
     pub annotations: BTreeMap<String, String>,
+    /// The OCI spec's mounts as the runtime made them (CDI's edits included): a `source`
+    /// host path is the runtime's word, set from the CDI spec or the pod's volumes.
+    pub mounts: Vec<Mount>,
     /// The OCI spec's `linux.cgroupsPath` (systemd `slice:prefix:name` or a path).
     pub cgroups_path: String,
     /// The paths in the container of the OCI spec's `linux.devices` (the runtime's).
@@ -224,12 +227,22 @@ impl From<proto::Container> for Container {
             })
             .collect();
         let linux = container.linux.unwrap_or_default();
+        let mounts = container
+            .mounts
+            .into_iter()
+            .map(|mount| Mount {
+                read_only: mount.options.iter().any(|option| option == "ro"),
+                source: PathBuf::from(mount.source),
+                destination: mount.destination,
+            })
+            .collect();
         Self {
             id: container.id,
             pod_id: container.pod_sandbox_id,
             name: container.name,
             env,
             annotations: container.annotations,
+            mounts,
             cgroups_path: linux.cgroups_path,
             devices: linux.devices.into_iter().map(|device| device.path).collect(),
             cdi_devices: container

@@ -186,6 +186,9 @@ pub struct Container {
     /// `KEY=value` entries.
     #[prost(string, repeated, tag = "8")]
     pub env: Vec<String>,
+    /// The OCI spec's mounts (the runtime's, CDI's edits included).
+    #[prost(message, repeated, tag = "9")]
+    pub mounts: Vec<Mount>,
     #[prost(message, optional, tag = "11")]
     pub linux: Option<LinuxContainer>,
     #[prost(uint32, tag = "12")]

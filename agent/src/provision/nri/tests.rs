@@ -511,6 +511,13 @@ fn container_bytes(id: &str, pod_id: &str, name: &str) -> Vec<u8> {
         .bytes(2, &device("/dev/nvidiactl"))
         .str(5, "kubepods-besteffort.slice:cri-containerd:c1");
     let cdi = Writer::default().str(1, "nvidia.com/gpu=1");
+    let mount = |destination: &str, kind: &str, source: &str, options: &[&str]| {
+        let mut mount = Writer::default().str(1, destination).str(2, kind).str(3, source);
+        for option in options {
+            mount = mount.str(4, option);
+        }
+        mount.0
+    };
     Writer::default()
         .str(1, id)
         .str(2, pod_id)
@@ -520,6 +527,8 @@ fn container_bytes(id: &str, pod_id: &str, name: &str) -> Vec<u8> {
         .str(8, "PATH=/bin")
         .str(8, "CUDA_DEVICE_MEMORY_LIMIT=64g")
         .str(8, "NOEQUALS")
+        .bytes(9, &mount("/proc", "proc", "proc", &["nosuid"]))
+        .bytes(9, &mount("/run/vramguard/claim", "bind", "/var/lib/vramguard/dra/claims/u1", &["ro", "bind"]))
         .bytes(11, &linux.0)
         .uint(12, 4242)
         .bytes(20, &cdi.0)
@@ -556,6 +565,14 @@ fn expected_container(id: &str, pod_id: &str, name: &str) -> Container {
         annotations: [("io.kubernetes.container.name".to_string(), name.to_string())]
             .into_iter()
             .collect(),
+        mounts: vec![
+            Mount { source: "proc".into(), destination: "/proc".into(), read_only: false },
+            Mount {
+                source: "/var/lib/vramguard/dra/claims/u1".into(),
+                destination: "/run/vramguard/claim".into(),
+                read_only: true,
+            },
+        ],
         cgroups_path: "kubepods-besteffort.slice:cri-containerd:c1".into(),
         devices: vec!["/dev/nvidia1".into(), "/dev/nvidiactl".into()],
         cdi_devices: vec!["nvidia.com/gpu=1".into()],

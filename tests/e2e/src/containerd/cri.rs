@@ -281,6 +281,16 @@ pub struct ContainerConfig {
     pub log_path: String,
     #[prost(message, optional, tag = "15")]
     pub linux: Option<LinuxContainerConfig>,
+    /// `CDI_devices`: the CDI devices the kubelet got from DRA drivers (Kubernetes 1.28 on).
+    #[prost(message, repeated, tag = "17")]
+    pub cdi_devices: Vec<CdiDevice>,
+}
+
+/// `CDIDevice`: a fully qualified CDI device name.
+#[derive(Clone, PartialEq, Message)]
+pub struct CdiDevice {
+    #[prost(string, tag = "1")]
+    pub name: String,
 }
 
 #[derive(Clone, PartialEq, Message)]

@@ -1,0 +1,448 @@
+//! Containers of a DRA claim ([`crate::dra`]): provisioned from the claim's shares, exactly as
+//! a `vramguard.io/gpu-memory` container is (the same ledger, limits, hook, preload and cgroup
+//! limit, the same env-ignored guarantees), with the quota on each GPU the claim's
+//! `consumedCapacity.memory` there.
+//!
+//! # Which claim: the runtime's word
+//!
+//! The claim's CDI spec ([`crate::dra::cdi`]) mounts the claim's directory on the host
+//! (`<state-dir>/dra/claims/<uid>`) into each container that gets one of its devices, and gives
+//! it the device node of each of its GPUs. On containerd 1.7.24 (NRI 0.6.1) CreateContainer
+//! hands the plugin the OCI spec with CDI's edits applied, whether the kubelet named the
+//! devices in a `cdi.k8s.io/` annotation or in CRI's `CDI_devices`: the mount with its host
+//! path, the device nodes in `linux.devices`, the spec's env (NRI's own `CDIDevices` field is
+//! newer and empty there; tests/e2e/tests/dra_containerd.rs checks all of it). So:
+//!
+//! * a container whose mounts have a host path directly under `<state-dir>/dra/claims/` is a
+//!   member of the claim that names that directory; nothing else makes it one. Its env
+//!   ([`crate::dra::cdi::CLAIM_ENV`] included) is the pod spec's to set and is never read; a
+//!   mount's host path is set by the runtime from the CDI spec (a pod's hostPath volume
+//!   could name it too, but a tenant allowed hostPath volumes owns the node anyway);
+//! * the claim must be prepared on this node: in the checkpoint ([`crate::dra::checkpoint`],
+//!   re-read at each such creation: the agent's own small file, written before prepare
+//!   answered the kubelet, which creates containers only after that);
+//! * the container's GPU device nodes (`/dev/nvidia<N>`, the runtime's `linux.devices`) must
+//!   be exactly the claim's GPUs: the ledger's devices are the container's GPUs in order.
+//!
+//! Anything else is refused (the creation fails with the reason), logged and counted in
+//! `vramguard_dra_containers_refused_total{reason}` ([`Refusal`]). A container of a claim is
+//! provisioned from it whatever quota file, annotation or pod limit would say otherwise; it
+//! is left out of `--refuse-overcommit`'s sums, both ways: the scheduler placed the claim and
+//! keeps the sum of `consumedCapacity` on each GPU within its capacity.
+//!
+//! # One quota for all the claim's containers
+//!
+//! A claim shared by several containers (of one pod or of several) has one quota: one ledger
+//! per claim, which every container of the claim maps at [`ledger::provisioned::LEDGER`]. The
+//! ledger's buddy space is the quota on each GPU, and admission across processes of all its
+//! containers is one operation under the ledger's lock, so together they cannot exceed it;
+//! each process has its slot (pid and pid namespace), reclaimed when it dies, whichever
+//! container it ran in; the reconciler joins the ledger with the cgroups of all its live
+//! processes. The claim's containers can write each other's ledger: they are one tenant
+//! (a claim is namespaced, and shared on purpose); one that tampers with it harms its
+//! co-claimants only, and is caught as any tampering is. Each container's cgroup limit is the
+//! claim's whole quota (the probes' backstop for processes the hook does not see counts per
+//! cgroup, not per claim). The ledger's metrics and audit rows carry the names of one of its
+//! containers (the runtime's, as for any provisioned ledger).
+//!
+//! The ledger lives where a container's would, under a name no runtime gives a container
+//! ([`ledger_id`]: `dra-<uid>`; container ids are hexadecimal): `<ledger-dir>/dra-<uid>/ledger`
+//! in its own tmpfs, its header in `<state-dir>/containers/dra-<uid>/limits`; each member's
+//! record (`containers/<id>/record.json`) names the claim ([`super::Record::claim`]). It is made
+//! by the claim's first container and removed when its last container is removed
+//! ([`Claims::forget`]), or at start if no member is left; unprepare (the CDI spec and the
+//! checkpoint entry gone) does not touch it while containers use it.
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    path::Path,
+    sync::{Arc, Mutex},
+};
+
+use tracing::{info, warn};
+
+use super::{gpus, store::Store, Provisioned, Record, Workload};
+use crate::dra::{cdi, checkpoint::Checkpoint};
+
+/// What a claim's ledger is named by in the store and the ledger directory.
+pub fn ledger_id(uid: &str) -> String {
+    format!("{LEDGER_PREFIX}{uid}")
+}
+
+const LEDGER_PREFIX: &str = "dra-";
+
+/// Whether a store entry is a claim's ledger (not a container's).
+pub fn is_ledger_id(id: &str) -> bool {
+    id.starts_with(LEDGER_PREFIX)
+}
+
+/// A container's claim, as the runtime's spec and the checkpoint say.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Claimed {
+    pub uid: String,
+    pub namespace: String,
+    pub name: String,
+    /// The claim's GPUs, ascending, and the quota on each (its shares there, summed).
+    pub gpus: Vec<u32>,
+    pub quotas: Vec<u64>,
+}
+
+/// Why a container that names a claim is refused: the reason (the metric's label) and the
+/// message the runtime fails the creation with.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Refusal {
+    pub reason: &'static str,
+    pub message: String,
+}
+
+impl Refusal {
+    fn new(reason: &'static str, message: String) -> Refusal {
+        Refusal { reason, message: format!("vramguard: {message}") }
+    }
+}
+
+/// The claim `workload` belongs to by the runtime's word (see the module doc), `None` if it
+/// names none.
+pub fn claimed(state_dir: &Path, workload: &Workload) -> Result<Option<Claimed>, Refusal> {
+    let claims = cdi::claims_dir(state_dir);
+    let mut uids = BTreeSet::new();
+    for mount in &workload.mounts {
+        let Ok(rest) = mount.source.strip_prefix(&claims) else { continue };
+        let mut parts = rest.components();
+        let uid = match (parts.next(), parts.next()) {
+            (Some(std::path::Component::Normal(uid)), None) => uid.to_str().filter(|uid| cdi::valid_uid(uid)),
+            _ => None,
+        };
+        let Some(uid) = uid else {
+            return Err(Refusal::new("not_a_claim", format!("the mount of {} at {} is under the DRA claims' directory but is no claim's", mount.source.display(), mount.destination)));
+        };
+        uids.insert(uid.to_string());
+    }
+    let mut uids = uids.into_iter();
+    let Some(uid) = uids.next() else { return Ok(None) };
+    if let Some(other) = uids.next() {
+        return Err(Refusal::new(
+            "several_claims",
+            format!("the container has devices of DRA claims {uid} and {other}: a container gets one claim of gpu.vramguard.io (ask for its GPUs in one claim)"),
+        ));
+    }
+    let book = Checkpoint::open(state_dir).map_err(|error| Refusal::new("checkpoint", format!("claim {uid}: {error}")))?;
+    let Some(prepared) = book.get(&uid) else {
+        return Err(Refusal::new("not_prepared", format!("DRA claim {uid} is not prepared on this node (not in {})", book.path().display())));
+    };
+    let mut shares: BTreeMap<u32, u64> = BTreeMap::new();
+    for share in &prepared.shares {
+        let quota = shares.entry(share.gpu).or_default();
+        *quota = quota.saturating_add(share.memory);
+    }
+    if shares.is_empty() || shares.values().any(|&quota| quota == 0) {
+        return Err(Refusal::new("no_share", format!("DRA claim {uid} has no memory on some GPU of this node: {:?}", prepared.shares)));
+    }
+    let given = gpus::given(&workload.devices, &[], &BTreeMap::new(), u32::MAX).unwrap_or_default();
+    let wanted: Vec<usize> = shares.keys().map(|&gpu| gpu as usize).collect();
+    if given != wanted {
+        return Err(Refusal::new(
+            "devices",
+            format!("the container of DRA claim {uid} has the device nodes of GPUs {given:?}, the claim's are {wanted:?}: the runtime did not give it the claim's GPUs (alone)"),
+        ));
+    }
+    Ok(Some(Claimed {
+        uid,
+        namespace: prepared.namespace.clone(),
+        name: prepared.name.clone(),
+        gpus: shares.keys().copied().collect(),
+        quotas: shares.values().copied().collect(),
+    }))
+}
+
+/// The claims' ledgers, by claim UID, and the containers sharing each.
+#[derive(Clone, Default)]
+pub struct Claims {
+    inner: Arc<Mutex<BTreeMap<String, Shared>>>,
+}
+
+struct Shared {
+    ledger: Provisioned,
+    /// The containers recorded as the claim's.
+    members: BTreeSet<String>,
+}
+
+impl Claims {
+    /// The claims' ledgers found in the store at start (`ledgers`, by [`is_ledger_id`]) and the
+    /// restored containers: a ledger no container shares any more is removed now.
+    pub fn restore(store: &Store, ledgers: Vec<Provisioned>, containers: &[Provisioned]) -> Claims {
+        let mut claims = BTreeMap::new();
+        for ledger in ledgers {
+            let Some(uid) = ledger.record.container_id.strip_prefix(LEDGER_PREFIX).map(str::to_owned) else { continue };
+            let members: BTreeSet<String> = containers
+                .iter()
+                .filter(|p| p.record.claim.as_deref() == Some(uid.as_str()))
+                .map(|p| p.record.container_id.clone())
+                .collect();
+            if members.is_empty() {
+                match store.remove(&ledger.record.container_id) {
+                    Ok(()) => info!(claim = %uid, "a DRA claim's ledger without containers found at start: removed"),
+                    Err(error) => warn!(claim = %uid, %error, "cannot remove a DRA claim's ledger without containers"),
+                }
+                continue;
+            }
+            claims.insert(uid, Shared { ledger, members });
+        }
+        Claims { inner: Arc::new(Mutex::new(claims)) }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Shared>> {
+        self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Provisions `record`'s container as a member of its claim (blocking: the store's files):
+    /// the claim's ledger, made now if it is the first, and the container's record.
+    pub fn create_member(&self, store: &Store, record: Record) -> Result<Provisioned, String> {
+        let uid = record.claim.clone().ok_or_else(|| format!("container {} has no claim", record.container_id))?;
+        let mut claims = self.lock();
+        let ledger = match claims.get(&uid) {
+            Some(shared) => shared.ledger.clone(),
+            None => {
+                let ledger = store.create(Record {
+                    container_id: ledger_id(&uid),
+                    pod_id: String::new(),
+                    pod_uid: String::new(),
+                    cgroups_path: String::new(),
+                    container: String::new(),
+                    claim: None,
+                    ..record.clone()
+                })?;
+                claims.insert(uid.clone(), Shared { ledger: ledger.clone(), members: BTreeSet::new() });
+                ledger
+            }
+        };
+        let id = record.container_id.clone();
+        let made = store.create_member(record, &ledger);
+        match &made {
+            Ok(_) => {
+                if let Some(shared) = claims.get_mut(&uid) {
+                    shared.members.insert(id);
+                }
+            }
+            Err(_) => Claims::release_if_unused(store, &mut claims, &uid),
+        }
+        made
+    }
+
+    /// Container `id`'s record is gone: the ledger of its claim goes too if it was the claim's
+    /// last container (blocking).
+    pub fn forget(&self, store: &Store, id: &str) {
+        let mut claims = self.lock();
+        let Some(uid) = claims.iter_mut().find_map(|(uid, shared)| shared.members.remove(id).then(|| uid.clone())) else { return };
+        Claims::release_if_unused(store, &mut claims, &uid);
+    }
+
+    fn release_if_unused(store: &Store, claims: &mut BTreeMap<String, Shared>, uid: &str) {
+        if claims.get(uid).is_some_and(|shared| !shared.members.is_empty()) {
+            return;
+        }
+        claims.remove(uid);
+        match store.remove(&ledger_id(uid)) {
+            Ok(()) => info!(claim = %uid, "the last container of a DRA claim is gone: the claim's ledger is removed"),
+            Err(error) => warn!(claim = %uid, %error, "cannot remove the ledger of a DRA claim without containers"),
+        }
+    }
+
+    /// The claims with a ledger now, and their containers.
+    pub fn members(&self) -> BTreeMap<String, BTreeSet<String>> {
+        self.lock().iter().map(|(uid, shared)| (uid.clone(), shared.members.clone())).collect()
+    }
+}
+
+impl super::Provisioner {
+    /// The claim `workload` belongs to (the checkpoint read on the blocking pool); a refusal is
+    /// logged and counted here.
+    pub(super) async fn claim_of(&self, workload: &Workload) -> Result<Option<Claimed>, String> {
+        let found = self.look_up_claim(workload).await?;
+        found.map_err(|refusal| {
+            self.counters.claim_refused(refusal.reason);
+            warn!(
+                namespace = %workload.namespace, pod = %workload.pod, container = %workload.container, id = %workload.container_id,
+                reason = refusal.reason, error = %refusal.message, "a container naming a DRA claim is refused"
+            );
+            refusal.message
+        })
+    }
+
+    /// [`claimed`] on the blocking pool, neither logged nor counted (a container found at
+    /// Synchronize is not refused).
+    pub(super) async fn look_up_claim(&self, workload: &Workload) -> Result<Result<Option<Claimed>, Refusal>, String> {
+        let (state_dir, owned) = (self.state_dir.clone(), workload.clone());
+        tokio::task::spawn_blocking(move || claimed(&state_dir, &owned))
+            .await
+            .map_err(|error| format!("vramguard: looking up the container's DRA claim failed: {error}"))
+    }
+
+    /// What the agent records of `workload` provisioned from `claim`.
+    pub(super) fn claim_record(&self, workload: &Workload, claim: &Claimed) -> Record {
+        let seen: Vec<usize> = claim.gpus.iter().map(|&gpu| gpu as usize).collect();
+        let quota = claim.quotas.iter().copied().max().unwrap_or(0);
+        let mut record = self.record(workload, quota, "dra claim", &seen);
+        record.claim = Some(claim.uid.clone());
+        record.quotas = claim.quotas.clone();
+        record
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dra::{Prepared, Share};
+    use crate::provision::nri::Mount;
+
+    pub(super) fn prepared(uid: &str, shares: &[(u32, u64)]) -> Prepared {
+        Prepared {
+            uid: uid.into(),
+            namespace: "team-a".into(),
+            name: format!("claim-{uid}"),
+            shares: shares
+                .iter()
+                .map(|&(gpu, memory)| Share {
+                    request: "gpu".into(),
+                    pool: "node".into(),
+                    device: crate::dra::device_name(gpu),
+                    gpu,
+                    share_id: None,
+                    memory,
+                    cdi_device: cdi::qualified(uid, gpu),
+                })
+                .collect(),
+        }
+    }
+
+    /// A container with the mounts of `claims` (host paths under `state`) and the device
+    /// nodes of `gpus`.
+    pub(crate) fn member(state: &Path, id: &str, claims: &[&str], gpus: &[u32]) -> Workload {
+        let mut mounts = vec![Mount { source: "proc".into(), destination: "/proc".into(), read_only: false }];
+        mounts.extend(claims.iter().map(|uid| Mount { source: cdi::claim_dir(state, uid), destination: cdi::claim_mount(uid), read_only: true }));
+        Workload {
+            pod_id: format!("sandbox-{id}"),
+            pod_uid: format!("uid-{id}"),
+            namespace: "team-a".into(),
+            pod: format!("pod-{id}"),
+            container_id: id.into(),
+            container: "main".into(),
+            cgroups_path: format!("/k8s.io/{id}"),
+            devices: std::iter::once("/dev/nvidiactl".to_string()).chain(gpus.iter().map(|g| format!("/dev/nvidia{g}"))).collect(),
+            mounts,
+            ..Workload::default()
+        }
+    }
+
+    fn state(tag: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("vramguard-claim-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("dir");
+        dir
+    }
+
+    #[test]
+    fn the_claim_is_the_runtime_s_mount_of_a_prepared_claim_with_its_gpus() {
+        let dir = state("claimed");
+        let mut book = Checkpoint::open(&dir).expect("book");
+        book.insert(prepared("u1", &[(1, 3 << 30), (1, 1 << 30), (3, 2 << 30)])).expect("write");
+        book.insert(prepared("u2", &[(0, 1 << 30)])).expect("write");
+
+        let claim = claimed(&dir, &member(&dir, "c1", &["u1"], &[1, 3])).expect("prepared").expect("a member");
+        assert_eq!((claim.uid.as_str(), claim.gpus.as_slice(), claim.quotas.as_slice()), ("u1", &[1, 3][..], &[4 << 30, 2 << 30][..]));
+        // No claim mount: none (whatever else it mounts).
+        assert_eq!(claimed(&dir, &member(&dir, "c2", &[], &[1])), Ok(None));
+
+        let refused = |w: &Workload| claimed(&dir, w).expect_err("refused");
+        let r = refused(&member(&dir, "c3", &["u9"], &[0]));
+        assert_eq!(r.reason, "not_prepared", "{r:?}");
+        assert!(r.message.contains("u9") && r.message.contains("not prepared"), "{r:?}");
+        assert_eq!(refused(&member(&dir, "c4", &["u1", "u2"], &[0, 1, 3])).reason, "several_claims");
+        // The claim's GPUs, no fewer, no more.
+        for gpus in [&[1][..], &[1, 2, 3], &[]] {
+            assert_eq!(refused(&member(&dir, "c5", &["u1"], gpus)).reason, "devices", "{gpus:?}");
+        }
+        // Under the claims' directory but no claim's: the directory itself, deeper, `..`.
+        for source in [cdi::claims_dir(&dir), cdi::claim_dir(&dir, "u1").join("x"), cdi::claims_dir(&dir).join("..")] {
+            let mut w = member(&dir, "c6", &[], &[1, 3]);
+            w.mounts.push(Mount { source: source.clone(), destination: "/x".into(), read_only: true });
+            assert_eq!(refused(&w).reason, "not_a_claim", "{}", source.display());
+        }
+        // An unreadable checkpoint refuses, never provisions from nothing.
+        std::fs::write(dir.join("dra/checkpoint.json"), b"{").expect("corrupt");
+        assert_eq!(refused(&member(&dir, "c7", &["u1"], &[1, 3])).reason, "checkpoint");
+        std::fs::remove_dir_all(&dir).expect("cleanup");
+    }
+}
+
+#[cfg(test)]
+mod provisioned {
+    use super::tests::member;
+    use super::*;
+    use crate::provision::tests::{block_on, provisioner, provisioner_in};
+
+    fn prepare(state: &Path, uid: &str, shares: &[(u32, u64)]) {
+        let prepared = super::tests::prepared(uid, shares);
+        Checkpoint::open(state).and_then(|mut book| book.insert(prepared)).expect("checkpoint");
+    }
+
+    /// Two containers of claim u1 share its ledger (its shares the devices' limits), a second
+    /// claim on the same GPU has its own; the ledger goes with the claim's last container, and
+    /// a restart restores the sharing.
+    #[test]
+    fn the_containers_of_a_claim_share_one_ledger_at_the_claim_s_shares() {
+        // The quota file gives team-a 1 GiB: a claim's container takes its claim's quota instead.
+        let (root, p) = provisioner("dra-claims", "namespace=team-a 1g\n", true);
+        let state = root.join("state");
+        prepare(&state, "u1", &[(0, 3 << 30), (1, 5 << 30)]);
+        prepare(&state, "u2", &[(1, 2 << 30)]);
+        let a = block_on(p.create_container(&member(&state, "a", &["u1"], &[0, 1]))).expect("a");
+        let b = block_on(p.create_container(&member(&state, "b", &["u1"], &[0, 1]))).expect("b");
+        let c = block_on(p.create_container(&member(&state, "c", &["u2"], &[1]))).expect("c");
+        let shared = root.join("ledgers/dra-u1/ledger");
+        assert_eq!((&a.mounts[0].source, &b.mounts[0].source), (&shared, &shared), "one ledger for the claim");
+        assert_eq!(c.mounts[0].source, root.join("ledgers/dra-u2/ledger"));
+        assert_eq!(a.mounts[1].source, b.mounts[1].source, "one limits file");
+        let made: BTreeMap<String, Provisioned> = p.provisioned().into_iter().map(|x| (x.record.container_id.clone(), x)).collect();
+        let header = &made["a"].header;
+        assert_eq!((header.device_count, header.devices[0].limit, header.devices[1].limit), (2, 3 << 30, 5 << 30));
+        assert_eq!((made["c"].header.device_count, made["c"].header.devices[0].limit), (1, 2 << 30));
+        // Each cgroup is held to its claim's whole quota; GPU 1 carries 7 GiB of claims on 8,
+        // which --refuse-overcommit leaves to the scheduler.
+        let limits = p.cgroup_limits();
+        assert_eq!((limits["/k8s.io/a"], limits["/k8s.io/b"], limits["/k8s.io/c"]), (8 << 30, 8 << 30, 2 << 30));
+        assert_eq!(p.pins().len(), 2, "one pin per ledger");
+
+        block_on(p.remove_container("a"));
+        assert!(shared.exists(), "b still shares it");
+        drop(p);
+        let again = provisioner_in(&root, true);
+        assert_eq!(again.claims.members(), BTreeMap::from([("u1".into(), ["b".to_string()].into()), ("u2".into(), ["c".to_string()].into())]));
+        let b_again = again.provisioned().into_iter().find(|x| x.record.container_id == "b").expect("b restored");
+        assert_eq!((b_again.ledger, b_again.header.devices[1].limit), (shared.clone(), 5 << 30));
+        block_on(again.synchronize(&["c".to_string()]));
+        assert!(!shared.exists() && !state.join("containers/dra-u1").exists(), "its last container gone: the claim's ledger is removed");
+        assert!(root.join("ledgers/dra-u2/ledger").exists());
+        block_on(again.remove_pod("sandbox-c"));
+        assert!(!root.join("ledgers/dra-u2").exists() && again.claims.members().is_empty());
+        std::fs::remove_dir_all(&root).expect("cleanup");
+    }
+
+    #[test]
+    fn a_container_naming_an_unprepared_claim_is_refused_and_counted() {
+        let (root, p) = provisioner("dra-refused", "namespace=team-a 1g\n", false);
+        let error = block_on(p.create_container(&member(&root.join("state"), "a", &["gone"], &[0]))).expect_err("not prepared");
+        assert!(error.contains("claim gone is not prepared"), "{error}");
+        assert_eq!((p.counters().claim_refused_total("not_prepared"), p.len()), (1, 0));
+        assert!(!root.join("ledgers/dra-gone").exists() && !root.join("ledgers/a").exists());
+        let error = block_on(p.create_container(&member(&root.join("state"), "dra-x", &[], &[0]))).expect_err("reserved id");
+        assert!(error.contains("reserved"), "{error}");
+        // Found at Synchronize (created while the agent was away): held to its claim's quota by
+        // its cgroup limit; one of an unprepared claim is not refused (it runs already) and has
+        // the quota the other sources give it (the quota file's 1 GiB).
+        prepare(&root.join("state"), "u1", &[(1, 3 << 30)]);
+        block_on(p.hold_unprovisioned(&[member(&root.join("state"), "late", &["u1"], &[1]), member(&root.join("state"), "stale", &["gone"], &[0])]));
+        assert_eq!(p.cgroup_limits(), BTreeMap::from([("/k8s.io/late".to_string(), 3 << 30), ("/k8s.io/stale".to_string(), 1 << 30)]));
+        assert_eq!(p.counters().claim_refused_total("not_prepared"), 1, "only the creation was refused");
+        std::fs::remove_dir_all(&root).expect("cleanup");
+    }
+}
