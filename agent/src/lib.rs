@@ -19,3 +19,4 @@ pub mod run;
 pub mod serve;
 pub mod snapshot;
 pub mod task;
+pub mod webhook;

@@ -168,12 +168,16 @@ impl Connections {
 pub enum Site {
     Metrics(Board),
     Health(Health),
+    /// A registry rendered at each scrape of `/metrics`, `/healthz` and `/readyz` answered
+    /// while the process serves (`vramguard webhook`: no tasks to watch, nothing to render
+    /// ahead).
+    Registry(prometheus::Registry),
 }
 
 impl Site {
     fn name(&self) -> &'static str {
         match self {
-            Site::Metrics(_) => "metrics",
+            Site::Metrics(_) | Site::Registry(_) => "metrics",
             Site::Health(_) => "health",
         }
     }
@@ -281,6 +285,20 @@ async fn answer<B>(request: &Request<B>, site: &Site) -> Response<Full<Bytes>> {
         Site::Health(health) => match refuse(request, &["/healthz", "/readyz"]) {
             Some(refusal) => refusal,
             None => health.answer(request.uri().path()),
+        },
+        Site::Registry(registry) => match refuse(request, &["/metrics", "/healthz", "/readyz"]) {
+            Some(refusal) => refusal,
+            None => match request.uri().path() {
+                "/metrics" => {
+                    let mut body = Vec::new();
+                    match prometheus::Encoder::encode(&prometheus::TextEncoder::new(), &registry.gather(), &mut body) {
+                        Ok(()) => page(StatusCode::OK, prometheus::TEXT_FORMAT, Bytes::from(body)),
+                        Err(error) => text(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot encode the metrics: {error}\n")),
+                    }
+                }
+                "/healthz" => text(StatusCode::OK, "ok\n"),
+                _ => text(StatusCode::OK, "ready\n"),
+            },
         },
     }
 }
