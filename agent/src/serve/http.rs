@@ -58,6 +58,21 @@ pub struct Limits {
     pub headers: usize,
 }
 
+impl Limits {
+    /// hyper's HTTP/1 server with these limits on the head, one request per connection.
+    pub fn builder(&self) -> http1::Builder {
+        let mut builder = http1::Builder::new();
+        builder
+            .timer(TokioTimer::new())
+            .header_read_timeout(self.header_timeout)
+            .max_header_size(self.head_bytes)
+            .max_headers(self.headers)
+            .max_buf_size(self.head_bytes.max(MIN_BUFFER))
+            .keep_alive(false);
+        builder
+    }
+}
+
 /// The production limits: a Prometheus server or two and the kubelet's probes need a handful
 /// of connections, a few header fields and well under a second each.
 pub const LIMITS: Limits = Limits {
@@ -198,14 +213,7 @@ pub async fn serve_site(addr: SocketAddr, limits: Limits, site: Site, connection
 
 async fn accept(listener: TcpListener, limits: Limits, board: Site, connections: Connections) {
     let gate = Gate::new(limits.connections);
-    let mut builder = http1::Builder::new();
-    builder
-        .timer(TokioTimer::new())
-        .header_read_timeout(limits.header_timeout)
-        .max_header_size(limits.head_bytes)
-        .max_headers(limits.headers)
-        .max_buf_size(limits.head_bytes.max(MIN_BUFFER))
-        .keep_alive(false);
+    let builder = limits.builder();
     let mut warned: Option<Instant> = None;
     loop {
         let (stream, peer) = match listener.accept().await {

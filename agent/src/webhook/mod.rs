@@ -1,6 +1,6 @@
 //! `vramguard webhook`: the mutating admission webhook that keeps `vramguard.io/gpu-memory:
 //! 8Gi` working on a cluster that places quotas with DRA (`--dra`, [`crate::dra`]). The same
-//! binary as the node agent, run by a Deployment of its own (`deploy/kubernetes/webhook.yaml`);
+//! binary as the node agent, run by a Deployment of its own (`deploy/kubernetes/dra/webhook.yaml`);
 //! it loads no eBPF, touches no node and needs no privilege.
 //!
 //! This room owns the conversion of a pod's extended resource into DRA claims

@@ -194,7 +194,7 @@ pub fn quantity_text(bytes: u64) -> String {
     ];
     let best = SUFFIXES
         .iter()
-        .filter(|(_, unit)| bytes != 0 && bytes % unit == 0)
+        .filter(|(_, unit)| bytes != 0 && bytes.is_multiple_of(*unit))
         .min_by_key(|(_, unit)| bytes / unit);
     match best {
         Some((suffix, unit)) => format!("{}{suffix}", bytes / unit),
@@ -247,9 +247,11 @@ mod tests {
         doc
     }
 
-    /// The pod's claims as (entry, template), and each container's claim names and whether it
-    /// still names the resource.
-    fn summary(doc: &Value) -> (Vec<(String, String)>, Vec<(String, Vec<String>, bool)>) {
+    /// A container's name, its claims' names, and whether it still names the resource.
+    type Claimed = (String, Vec<String>, bool);
+
+    /// The pod's claims as (entry, template), and each container's [`Claimed`].
+    fn summary(doc: &Value) -> (Vec<(String, String)>, Vec<Claimed>) {
         let claims = doc["spec"]["resourceClaims"]
             .as_array()
             .map(|claims| {

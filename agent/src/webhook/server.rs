@@ -21,7 +21,7 @@ use hyper::{
     service::service_fn,
     Method, Request, Response, StatusCode,
 };
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::TokioIo;
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::TlsAcceptor;
 use tracing::debug;
@@ -30,24 +30,20 @@ use super::{
     metrics::WebhookMetrics,
     review::{self, TemplateStore},
 };
-use crate::serve::gate::{Admission, Gate};
+use crate::serve::{
+    gate::{Admission, Gate},
+    http,
+};
 
 /// The path the MutatingWebhookConfiguration names.
 pub const MUTATE: &str = "/mutate";
 
-/// What the listener allows a client.
+/// What the listener allows a client: the metrics listener's limits on connections, heads
+/// and time ([`http::Limits`]; `deadline` runs from the accept, the TLS handshake included),
+/// and the body's bytes.
 #[derive(Clone, Copy, Debug)]
 pub struct Limits {
-    /// Connections open at once.
-    pub connections: usize,
-    /// How long a client may take to send its request head.
-    pub header_timeout: Duration,
-    /// How long a connection may last in all: handshake, request, answer.
-    pub deadline: Duration,
-    /// The largest request head, in bytes.
-    pub head_bytes: usize,
-    /// The most header fields.
-    pub headers: usize,
+    pub connection: http::Limits,
     /// The largest body: a review carries one pod (at most about 1.5 MiB in etcd).
     pub body_bytes: usize,
 }
@@ -55,16 +51,15 @@ pub struct Limits {
 /// The production limits: the API servers' calls (timeoutSeconds 10 in the configuration),
 /// a pod of the largest size etcd stores.
 pub const LIMITS: Limits = Limits {
-    connections: 256,
-    header_timeout: Duration::from_secs(5),
-    deadline: Duration::from_secs(12),
-    head_bytes: 16 * 1024,
-    headers: 64,
+    connection: http::Limits {
+        connections: 256,
+        header_timeout: Duration::from_secs(5),
+        deadline: Duration::from_secs(12),
+        head_bytes: 16 * 1024,
+        headers: 64,
+    },
     body_bytes: 4 << 20,
 };
-
-/// hyper's smallest read buffer.
-const MIN_BUFFER: usize = 8192;
 
 /// Binds `addr`; the returned task serves reviews over TLS from `acceptor`.
 pub async fn serve<S: TemplateStore + Send + 'static>(
@@ -80,15 +75,8 @@ pub async fn serve<S: TemplateStore + Send + 'static>(
 }
 
 async fn accept<S: TemplateStore + Send + 'static>(listener: TcpListener, limits: Limits, acceptor: TlsAcceptor, store: Arc<S>, metrics: WebhookMetrics) {
-    let gate = Gate::new(limits.connections);
-    let mut builder = http1::Builder::new();
-    builder
-        .timer(TokioTimer::new())
-        .header_read_timeout(limits.header_timeout)
-        .max_header_size(limits.head_bytes)
-        .max_headers(limits.headers)
-        .max_buf_size(limits.head_bytes.max(MIN_BUFFER))
-        .keep_alive(false);
+    let gate = Gate::new(limits.connection.connections);
+    let builder = limits.connection.builder();
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(accepted) => accepted,
@@ -111,7 +99,7 @@ async fn accept<S: TemplateStore + Send + 'static>(listener: TcpListener, limits
                 let (metrics, builder) = (metrics.clone(), builder.clone());
                 tokio::spawn(async move {
                     tokio::select! {
-                        ended = tokio::time::timeout(limits.deadline, connection.run(stream, peer, builder, ticket)) => {
+                        ended = tokio::time::timeout(limits.connection.deadline, connection.run(stream, peer, builder, ticket)) => {
                             if ended.is_err() {
                                 metrics.connection("timed_out");
                             }

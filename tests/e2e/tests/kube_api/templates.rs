@@ -54,7 +54,8 @@ fn invalid(template: &Value, namespace: &str) -> Option<String> {
     }
     let requests = template["spec"]["spec"]["devices"]["requests"].as_array()?;
     for (i, request) in requests.iter().enumerate() {
-        if !request["name"].as_str().is_some_and(|n| !n.is_empty()) || !request["exactly"]["deviceClassName"].as_str().is_some_and(|n| !n.is_empty()) {
+        let missing = |value: &Value| value.as_str().is_none_or(str::is_empty);
+        if missing(&request["name"]) || missing(&request["exactly"]["deviceClassName"]) {
             return Some(format!("spec.spec.devices.requests[{i}]: a name and exactly.deviceClassName are required"));
         }
     }
