@@ -150,3 +150,28 @@ pub async fn run(args: WebhookArgs) -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        webhook: WebhookArgs,
+    }
+
+    #[test]
+    fn flags() {
+        let cli = Cli::try_parse_from(["x"]).expect("defaults");
+        assert_eq!(cli.webhook.listen, "0.0.0.0:8443".parse::<SocketAddr>().expect("addr"));
+        assert_eq!(cli.webhook.device_class, "gpu.vramguard.io");
+        assert_eq!(cli.webhook.tls_cert, PathBuf::from("/etc/vramguard/webhook-tls/tls.crt"));
+        assert!(Cli::try_parse_from(["x", "--kube-token-file", "t"]).is_err(), "a token file needs --kube-api");
+        assert!(Cli::try_parse_from(["x", "--kube-api", "https://a", "--kubeconfig", "k"]).is_err());
+        let explicit = Cli::try_parse_from(["x", "--kube-api", "https://10.0.0.1:6443", "--kube-ca-file", "ca.crt", "--listen", "127.0.0.1:0"]).expect("flags");
+        assert_eq!(explicit.webhook.kube_api.as_deref(), Some("https://10.0.0.1:6443"));
+    }
+}
