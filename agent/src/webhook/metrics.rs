@@ -3,7 +3,7 @@
 //! | family | counts |
 //! |---|---|
 //! | `vramguard_webhook_reviews_total{result}` | AdmissionReviews by how they were answered: `mutated`, `untouched` (nothing to convert, or not a pod's creation), `denied` (an invalid quantity, a clash), `failed` (a template could not be made sure of: the pod is refused), `bad_request` (400: not an AdmissionReview) |
-//! | `vramguard_webhook_templates_total{outcome}` | ResourceClaimTemplates made sure of: `existing`, `created`, `differs` (a template of that name asks for something else), `error` (the API failed or did not answer in time) |
+//! | `vramguard_webhook_templates_total{outcome}` | ResourceClaimTemplates made sure of: `existing`, `created`, `differs` (a template of that name asks for something else), `capped` (past the creations' cap a minute: the pod is refused), `error` (the API failed or did not answer in time) |
 //! | `vramguard_webhook_connections_total{outcome}` | connections to `--listen` by how they ended: `answered`, `closed`, `refused` (past the cap), `evicted` (idle past the cap), `tls_failed` (the handshake), `timed_out`, `bad_request`, `error` |
 //! | `vramguard_webhook_certificate_reloads_total{result}` | changes of the TLS files: `loaded`, `failed` (the previous pair is still served) |
 //! | `vramguard_webhook_review_seconds` | time to answer a review (the template calls included) |
@@ -22,7 +22,7 @@ pub struct WebhookMetrics {
 
 /// Every label value of each family, shown at zero from the start.
 const REVIEWS: [&str; 5] = ["mutated", "untouched", "denied", "failed", "bad_request"];
-const TEMPLATES: [&str; 4] = ["existing", "created", "differs", "error"];
+const TEMPLATES: [&str; 5] = ["existing", "created", "differs", "capped", "error"];
 pub const CONNECTIONS: [&str; 8] = ["answered", "closed", "refused", "evicted", "tls_failed", "timed_out", "bad_request", "error"];
 const RELOADS: [&str; 2] = ["loaded", "failed"];
 
@@ -44,7 +44,7 @@ impl WebhookMetrics {
         registry.register(Box::new(seconds.clone()))?;
         Ok(WebhookMetrics {
             reviews: family(registry, "vramguard_webhook_reviews_total", "AdmissionReviews by result: mutated, untouched, denied, failed, bad_request", "result", &REVIEWS)?,
-            templates: family(registry, "vramguard_webhook_templates_total", "ResourceClaimTemplates made sure of: existing, created, differs, error", "outcome", &TEMPLATES)?,
+            templates: family(registry, "vramguard_webhook_templates_total", "ResourceClaimTemplates made sure of: existing, created, differs, capped, error", "outcome", &TEMPLATES)?,
             connections: family(
                 registry,
                 "vramguard_webhook_connections_total",

@@ -52,11 +52,15 @@
 //!
 //! # Trust
 //!
-//! The API server is trusted (it authenticates the webhook's caller by TLS: the webhook
-//! serves the certificate the configuration's `caBundle` verifies); a review's body is still
-//! decoded with bounds (size, time) and every field checked, since anything that reaches the
-//! Service can post one. The worst a forged review can do is make the webhook ensure a
-//! template in a namespace: bounded, idempotent and harmless.
+//! The API server is trusted (it authenticates the webhook by TLS: the webhook serves the
+//! certificate the configuration's `caBundle` verifies); the webhook cannot authenticate its
+//! caller (the API server presents no client certificate unless configured to), so a review's
+//! body is decoded with bounds (size, time) and every field checked, since anything that
+//! reaches the Service can post one. A forged review gets the patch of a pod that is never
+//! created, and makes the webhook create a template per size in the namespace it names: the
+//! creations are capped ([`templates::CREATIONS_PER_MINUTE`]) so that such a client cannot
+//! fill etcd quickly; a NetworkPolicy admitting only the control plane to the webhook's port
+//! (its addresses are the cluster's own) closes the Service to others.
 pub mod metrics;
 pub mod mutate;
 pub mod review;

@@ -107,6 +107,11 @@ async fn decide(body: &[u8], store: &impl TemplateStore, metrics: &WebhookMetric
                     warn!(%namespace, pod = %name, %error, "pod refused");
                     return ("denied", denied(&uid, 409, "Conflict", &error.to_string()));
                 }
+                Err(error @ TemplateError::Capped { .. }) => {
+                    metrics.template("capped");
+                    warn!(%namespace, pod = %name, %error, "pod refused");
+                    return ("failed", denied(&uid, 429, "TooManyRequests", &error.to_string()));
+                }
                 Err(TemplateError::Api(error)) => {
                     metrics.template("error");
                     warn!(%namespace, pod = %name, %error, "pod refused: its template could not be made sure of");

@@ -17,7 +17,15 @@
 //! AlreadyExists` (another replica was first) the `GET` again. A template of that name whose
 //! spec asks for something else (edited by hand: templates are immutable, so it stays so) is
 //! never overwritten: the pod is refused, naming it. The webhook writes nothing else, ever.
-use std::{collections::BTreeMap, time::Duration};
+//!
+//! Creations are capped at [`CREATIONS_PER_MINUTE`] (a new size in a namespace is rare; a
+//! client that reaches the Service and forges reviews with ever new sizes or namespaces would
+//! otherwise fill etcd with templates): past it the pod is refused, to be retried.
+use std::{
+    collections::BTreeMap,
+    sync::{Arc, Mutex, PoisonError},
+    time::{Duration, Instant},
+};
 
 use k8s_openapi::{
     api::resource::v1::{CapacityRequirements, DeviceClaim, DeviceRequest, ExactDeviceRequest, ResourceClaimSpec, ResourceClaimTemplate, ResourceClaimTemplateSpec},
@@ -38,6 +46,9 @@ pub const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "vramguard
 /// The field manager of the webhook's writes.
 const FIELD_MANAGER: &str = "vramguard-webhook";
 
+/// The most templates created in a minute.
+pub const CREATIONS_PER_MINUTE: u32 = 30;
+
 /// How [`Templates::ensure`] found the template.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Ensured {
@@ -50,8 +61,31 @@ pub enum Ensured {
 pub enum TemplateError {
     #[error("ResourceClaimTemplate {namespace}/{name} exists and asks for something else ({why}): delete it, and the webhook recreates it")]
     Differs { namespace: String, name: String, why: String },
+    #[error("more than {CREATIONS_PER_MINUTE} new ResourceClaimTemplates in a minute: {namespace}/{name} is not created now (retry)")]
+    Capped { namespace: String, name: String },
     #[error(transparent)]
     Api(#[from] KubeError),
+}
+
+/// The creations of the current minute: its start and count.
+#[derive(Debug)]
+struct Minute {
+    start: Instant,
+    created: u32,
+}
+
+impl Minute {
+    /// Takes one creation at `now`; `false` past the cap.
+    fn take(&mut self, now: Instant) -> bool {
+        if now.duration_since(self.start) >= Duration::from_secs(60) {
+            (self.start, self.created) = (now, 0);
+        }
+        if self.created >= CREATIONS_PER_MINUTE {
+            return false;
+        }
+        self.created += 1;
+        true
+    }
 }
 
 /// The templates' writer: the API client, the DeviceClass, each call's deadline.
@@ -60,11 +94,13 @@ pub struct Templates {
     client: Client,
     class: String,
     deadline: Duration,
+    minute: Arc<Mutex<Minute>>,
 }
 
 impl Templates {
     pub fn new(client: Client, class: String, deadline: Duration) -> Templates {
-        Templates { client, class, deadline }
+        let minute = Arc::new(Mutex::new(Minute { start: Instant::now(), created: 0 }));
+        Templates { client, class, deadline, minute }
     }
 
     /// The template for `bytes` in `namespace` exists with the spec this webhook writes
@@ -74,6 +110,9 @@ impl Templates {
         let name = template_name(bytes);
         if let Some(existing) = self.call("reading", namespace, &name, api.get_opt(&name)).await? {
             return self.check(namespace, &existing, bytes).map(|()| Ensured::Existing);
+        }
+        if !self.minute.lock().unwrap_or_else(PoisonError::into_inner).take(Instant::now()) {
+            return Err(TemplateError::Capped { namespace: namespace.into(), name });
         }
         let params = PostParams { dry_run: false, field_manager: Some(FIELD_MANAGER.into()) };
         match self.call("creating", namespace, &name, api.create(&params, &template(namespace, bytes, &self.class))).await {
@@ -164,6 +203,15 @@ mod tests {
     use serde_json::json;
 
     use super::*;
+
+    #[test]
+    fn creations_are_capped_per_minute() {
+        let start = Instant::now();
+        let mut minute = Minute { start, created: 0 };
+        assert!((0..CREATIONS_PER_MINUTE).all(|_| minute.take(start)));
+        assert!(!minute.take(start + Duration::from_secs(59)), "past the cap within the minute");
+        assert!(minute.take(start + Duration::from_secs(60)), "a new minute");
+    }
 
     #[test]
     fn the_template_on_the_wire() {
