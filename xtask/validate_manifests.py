@@ -9,7 +9,8 @@ usage: validate_manifests.py KUBERNETES_VERSION ROOT
 - Cross-checks against the agent's source: every vramguard_* metric a manifest names is
   registered in agent/src/serve/ (or a room's metrics.rs), and every `vramguard run` flag the DaemonSet passes is
   declared in agent/src/run.rs or in an argument struct under agent/src/provision/ that
-  `RunArgs` flattens.
+  `RunArgs` flattens; every `vramguard webhook` flag the webhook's Deployment passes is declared
+  in agent/src/webhook/mod.rs.
 - YAML itself: every document parses, and no mapping repeats a key.
 
 Every *.yaml/*.yml under deploy/ is a manifest except deploy/monitoring/'s (promtool's unit
@@ -117,7 +118,7 @@ CRDS = {
     ("monitoring.coreos.com/v1", "PrometheusRule"): check_prometheus_rule,
 }
 CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy",
-                  "ValidatingAdmissionPolicyBinding"}
+                  "ValidatingAdmissionPolicyBinding", "MutatingWebhookConfiguration"}
 
 
 def check_agent_names(doc, metrics_source, run_source):
@@ -129,16 +130,16 @@ def check_agent_names(doc, metrics_source, run_source):
         base = re.sub(r"_(bucket|sum|count)$", "", name)
         if name not in registered and base not in registered:
             errors.append(f"metric {name}: not registered in agent/src/serve/ or a metrics.rs of the agent")
-    if doc.get("kind") == "DaemonSet":
+    if doc.get("kind") in ("DaemonSet", "Deployment"):
         for container in doc["spec"]["template"]["spec"].get("containers", []):
             args = container.get("args") or []
-            if args[:1] != ["run"]:
+            if not args or args[0] not in run_source:
                 continue
+            source, where = run_source[args[0]]
             for arg in args[1:]:
                 flag = re.match(r"^--([a-z][a-z0-9-]*)", arg)
-                if flag and not re.search(rf"\bpub {flag.group(1).replace('-', '_')}:", run_source):
-                    errors.append(f"container {container['name']}: flag --{flag.group(1)}: not declared in agent/src/run.rs "
-                                  "or agent/src/provision/")
+                if flag and not re.search(rf"\bpub {flag.group(1).replace('-', '_')}:", source):
+                    errors.append(f"container {container['name']}: flag --{flag.group(1)}: not declared in {where}")
     return errors
 
 
@@ -159,7 +160,8 @@ def check_document(doc, path, version, metrics_source, run_source):
             errors.append(f"{'.'.join(str(p) for p in error.path) or '(top)'}: {error.message}")
         except kv.SchemaNotFoundError as error:
             errors.append(error.message)
-    if path.parent.name == "kubernetes" and doc["kind"] not in CLUSTER_SCOPED:
+    # deploy/kubernetes/ and its subdirectories (dra/: applied on its own, with DRA).
+    if "kubernetes" in (path.parent.name, path.parent.parent.name) and doc["kind"] not in CLUSTER_SCOPED:
         if doc["metadata"].get("namespace") != NAMESPACE:
             errors.append(f"metadata.namespace: must be {NAMESPACE}")
     return errors + check_agent_names(doc, metrics_source, run_source)
@@ -174,6 +176,9 @@ def main():
     # `vramguard run`'s flags: RunArgs, and the argument structs it flattens.
     run_source = "\n".join(p.read_text() for p in [root / "agent/src/run.rs",
                                                    *sorted((root / "agent/src/provision").rglob("*.rs"))])
+    # Each subcommand a manifest runs: the source its flags are declared in.
+    run_source = {"run": (run_source, "agent/src/run.rs or agent/src/provision/"),
+                  "webhook": ((root / "agent/src/webhook/mod.rs").read_text(), "agent/src/webhook/mod.rs")}
     # deploy/monitoring/ holds promtool's unit tests of the alert rules, not Kubernetes
     # resources: promtool checks them (tests/e2e/tests/prometheus_rules.rs).
     monitoring = root / "deploy/monitoring"

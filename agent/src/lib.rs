@@ -21,3 +21,4 @@ pub mod run;
 pub mod serve;
 pub mod snapshot;
 pub mod task;
+pub mod webhook;

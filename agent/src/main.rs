@@ -1,7 +1,8 @@
 //! `vramguard`: the node agent. `run` is the daemon (eBPF accounting of every GPU allocation
 //! on the node, reclaim of dead processes' ledger slots, reconciliation of the ledgers with
 //! the eBPF view, Prometheus metrics); `audit` asks a running agent for its live table of
-//! processes and their states; `inspect` and `reclaim` work on a ledger file directly.
+//! processes and their states; `inspect` and `reclaim` work on a ledger file directly;
+//! `webhook` is the admission webhook that turns `vramguard.io/gpu-memory` into DRA claims.
 
 use std::path::PathBuf;
 
@@ -37,6 +38,9 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Serve the mutating admission webhook that turns `vramguard.io/gpu-memory` limits into
+    /// DRA claims (a Deployment of its own; no eBPF, no node access), until SIGTERM.
+    Webhook(Box<agent::webhook::WebhookArgs>),
     /// Internal: the confined process the agent starts for each ledger it operates on.
     #[command(hide = true)]
     LedgerWorker,
@@ -91,6 +95,12 @@ fn main() -> Result<()> {
             }
             ran
         }
+        Command::Webhook(args) => tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(RUNTIME_THREADS)
+            .thread_name("vramguard-webhook")
+            .enable_all()
+            .build()?
+            .block_on(agent::webhook::run(*args)),
         Command::Audit { json, socket } => {
             let snapshot = control::fetch(&socket)?;
             if json {

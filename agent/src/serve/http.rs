@@ -58,6 +58,21 @@ pub struct Limits {
     pub headers: usize,
 }
 
+impl Limits {
+    /// hyper's HTTP/1 server with these limits on the head, one request per connection.
+    pub fn builder(&self) -> http1::Builder {
+        let mut builder = http1::Builder::new();
+        builder
+            .timer(TokioTimer::new())
+            .header_read_timeout(self.header_timeout)
+            .max_header_size(self.head_bytes)
+            .max_headers(self.headers)
+            .max_buf_size(self.head_bytes.max(MIN_BUFFER))
+            .keep_alive(false);
+        builder
+    }
+}
+
 /// The production limits: a Prometheus server or two and the kubelet's probes need a handful
 /// of connections, a few header fields and well under a second each.
 pub const LIMITS: Limits = Limits {
@@ -168,12 +183,16 @@ impl Connections {
 pub enum Site {
     Metrics(Board),
     Health(Health),
+    /// A registry rendered at each scrape of `/metrics`, `/healthz` and `/readyz` answered
+    /// while the process serves (`vramguard webhook`: no tasks to watch, nothing to render
+    /// ahead).
+    Registry(prometheus::Registry),
 }
 
 impl Site {
     fn name(&self) -> &'static str {
         match self {
-            Site::Metrics(_) => "metrics",
+            Site::Metrics(_) | Site::Registry(_) => "metrics",
             Site::Health(_) => "health",
         }
     }
@@ -194,14 +213,7 @@ pub async fn serve_site(addr: SocketAddr, limits: Limits, site: Site, connection
 
 async fn accept(listener: TcpListener, limits: Limits, board: Site, connections: Connections) {
     let gate = Gate::new(limits.connections);
-    let mut builder = http1::Builder::new();
-    builder
-        .timer(TokioTimer::new())
-        .header_read_timeout(limits.header_timeout)
-        .max_header_size(limits.head_bytes)
-        .max_headers(limits.headers)
-        .max_buf_size(limits.head_bytes.max(MIN_BUFFER))
-        .keep_alive(false);
+    let builder = limits.builder();
     let mut warned: Option<Instant> = None;
     loop {
         let (stream, peer) = match listener.accept().await {
@@ -281,6 +293,20 @@ async fn answer<B>(request: &Request<B>, site: &Site) -> Response<Full<Bytes>> {
         Site::Health(health) => match refuse(request, &["/healthz", "/readyz"]) {
             Some(refusal) => refusal,
             None => health.answer(request.uri().path()),
+        },
+        Site::Registry(registry) => match refuse(request, &["/metrics", "/healthz", "/readyz"]) {
+            Some(refusal) => refusal,
+            None => match request.uri().path() {
+                "/metrics" => {
+                    let mut body = Vec::new();
+                    match prometheus::Encoder::encode(&prometheus::TextEncoder::new(), &registry.gather(), &mut body) {
+                        Ok(()) => page(StatusCode::OK, prometheus::TEXT_FORMAT, Bytes::from(body)),
+                        Err(error) => text(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot encode the metrics: {error}\n")),
+                    }
+                }
+                "/healthz" => text(StatusCode::OK, "ok\n"),
+                _ => text(StatusCode::OK, "ready\n"),
+            },
         },
     }
 }

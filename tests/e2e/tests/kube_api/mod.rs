@@ -33,6 +33,7 @@ use e2e::{agent::Agent, timeout, wait_for};
 use tokio::{sync::mpsc, task::AbortHandle};
 
 pub mod resource;
+pub mod templates;
 
 pub const NODE: &str = "gpu-node-7";
 pub const TOKEN: &str = "e2e-service-account-token";
@@ -74,6 +75,8 @@ pub struct ApiState {
     /// resource.k8s.io/v1 ([`resource`]): ResourceClaims (with their allocation), the
     /// driver's ResourceSlices, DeviceClasses.
     pub resource: resource::Resources,
+    /// ResourceClaimTemplates by (namespace, name) ([`templates`]: the admission webhook's).
+    pub templates: std::collections::BTreeMap<(String, String), Value>,
     /// The connections being served, to cut when the mode changes.
     connections: Vec<AbortHandle>,
     /// The listener's task (aborted: connections refused).
@@ -308,6 +311,9 @@ async fn serve(state: &Mutex<ApiState>, request: Request<Incoming>) -> Answer {
                 state.node["status"]["capacity"][key.replace("~1", "/").replace("~0", "~")] = op["value"].clone();
             }
             answer(StatusCode::OK, &state.node.clone())
+        }
+        (method, ["apis", "resource.k8s.io", "v1", "namespaces", namespace, "resourceclaimtemplates", rest @ ..]) => {
+            templates::serve(&mut state, method, namespace, rest, &body)
         }
         (method, ["apis", "resource.k8s.io", "v1", rest @ ..]) => {
             let asked = resource::Asked { method, rest, query: &query, body: &body };
