@@ -14,6 +14,7 @@
 //! | nri ([`provision::nri`]) | its connection | answers the runtime within [`NRI_DEADLINE`] | no |
 //! | publish ([`provision`]) | nothing | hands the provisioned containers' pins and limits on | no |
 //! | pod-cache, capacity ([`provision::kube`]) | their watch, their patch | `--kube`: the node's pods, its advertised capacity | no |
+//! | dra-slices ([`crate::dra::slices`]) | the published pool | `--dra`: the node's GPUs as a ResourceSlice pool | no |
 //! | metrics ([`serve::http`]), control ([`serve::control`]) | their listeners | `/metrics`; audits handed to reconcile | no |
 //!
 //! No task ends while the agent runs: the first that does (returns, fails or panics) stops
@@ -226,6 +227,8 @@ pub struct RunArgs {
     pub journal_bytes: u32,
     #[command(flatten)]
     pub provision: ProvisionArgs,
+    #[command(flatten)]
+    pub dra: crate::dra::slices::SliceArgs,
     /// Test only: a fault to inject (repeatable; see `agent/src/fault.rs`).
     #[arg(long = "fault", hide = true, value_name = "KIND:WHERE", value_parser = crate::fault::parse)]
     pub faults: Vec<crate::fault::Fault>,
@@ -455,6 +458,13 @@ pub async fn run(args: RunArgs) -> Result<()> {
         state_dir: Some(args.provision.state_dir.clone()),
     };
     tasks.spawn_unit("driver", driver_task.run(driver_tx, liveness.register("driver", DRIVER_ALLOWED), stop.clone()));
+    if args.dra.dra {
+        let slices = crate::dra::slices::Publisher::start(&args.dra, &args.provision, liveness.register("dra-slices", crate::dra::slices::ALLOWED)).await?;
+        for family in slices.collectors() {
+            judge.metrics.register(family)?;
+        }
+        tasks.spawn("dra-slices", slices.run(driver_rx.clone(), stop.clone()));
+    }
     let judge_wiring = reconcile::task::Wiring {
         kernel: kernel_tx,
         ledgers: ledgers_rx,
@@ -532,7 +542,10 @@ async fn provisioner(args: &RunArgs) -> Result<Option<(Arc<Provisioner>, Option<
             let node = wanted.kube.node()?;
             let client = config.client()?;
             let pods = provision::kube::PodCache::start(client.clone(), node)?;
-            let capacity = if wanted.gpu_memory.is_empty() {
+            let capacity = if args.dra.dra {
+                info!("--dra: the node's GPUs are published as DRA devices; the node-wide vramguard.io/gpu-memory is not advertised");
+                None
+            } else if wanted.gpu_memory.is_empty() {
                 warn!("no --gpu-memory: the node's vramguard.io/gpu-memory capacity is not advertised");
                 None
             } else {

@@ -18,6 +18,9 @@ use serde::{Deserialize, Serialize};
 
 pub mod cdi;
 pub mod checkpoint;
+pub mod inventory;
+pub mod policy;
+pub mod slices;
 
 /// The driver's name: the ResourceSlices' `spec.driver`, the kubelet plugin's name, the
 /// allocation results' `driver`, the CDI spec's vendor.
