@@ -12,7 +12,7 @@ usage: validate_manifests.py KUBERNETES_VERSION ROOT
   agent/src/dra/ that `RunArgs` flattens.
 - YAML itself: every document parses, and no mapping repeats a key.
 - DRA (`deploy/dra/`, `deploy/examples/dra-*`): resource.k8s.io/v1 exists from Kubernetes
-  1.34, so those files are validated against DRA_VERSION; `deploy/dra/daemonset-patch.json`
+  1.34, so those files are validated against DRA_VERSION; `deploy/dra/patch/daemonset.json`
   (the JSON patch that turns DRA on) is applied to deploy/kubernetes/daemonset.yaml and the
   result validated as a manifest (schema, flags).
 
@@ -197,9 +197,9 @@ def apply_json_patch(doc, ops):
 
 
 def check_patch(root, metrics_source, run_source):
-    """deploy/dra/daemonset-patch.json applied to the DaemonSet: (resources checked, errors)."""
+    """deploy/dra/patch/daemonset.json applied to the DaemonSet: (resources checked, errors)."""
     import json
-    patch = root / "deploy/dra/daemonset-patch.json"
+    patch = root / "deploy/dra/patch/daemonset.json"
     if not patch.exists():
         return 0, []
     base = root / "deploy/kubernetes/daemonset.yaml"

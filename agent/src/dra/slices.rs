@@ -13,14 +13,20 @@
 //! longer lists) writes it at once, with the generation bumped. A request that fails or finds
 //! no answer within [`REQUEST_TIMEOUT`] is retried with a doubling backoff up to the period,
 //! logged and counted (`vramguard_dra_slice_syncs_total{result="error"}`).
+//!
+//! Before its first sync it withdraws the node-wide extended resource: if the node's
+//! `status.capacity` holds `vramguard.io/gpu-memory` (an agent without `--dra` put it there),
+//! it is removed (a JSON patch of the status subresource, as the capacity task adds it), so
+//! that the scheduler stops placing quotas on the node's sum once its GPUs are DRA devices.
 use std::{collections::BTreeMap, sync::Arc, time::Duration};
 
 use k8s_openapi::{
+    api::core::v1::Node,
     api::resource::v1::{Device, DeviceAttribute, DeviceCapacity, ResourcePool, ResourceSlice, ResourceSliceSpec},
     apimachinery::pkg::{api::resource::Quantity, apis::meta::v1::ObjectMeta},
 };
 use kube::{
-    api::{DeleteParams, ListParams, PostParams},
+    api::{DeleteParams, ListParams, Patch, PatchParams, PostParams},
     Api, Client,
 };
 use prometheus::{core::Collector, IntCounterVec, IntGauge, Opts};
@@ -33,7 +39,11 @@ use super::{
     policy::Settings,
     DRIVER, MEMORY,
 };
-use crate::{driver::DriverView, provision::kube::KubeError, task::Heartbeat};
+use crate::{
+    driver::DriverView,
+    provision::kube::{KubeError, RESOURCE},
+    task::Heartbeat,
+};
 
 /// At most this many devices in one ResourceSlice (the API's limit).
 pub const DEVICES_PER_SLICE: usize = 128;
@@ -199,6 +209,7 @@ struct Published {
 /// The publisher task's state.
 pub struct Publisher {
     api: Api<ResourceSlice>,
+    nodes: Api<Node>,
     node: String,
     settings: Settings,
     /// `--gpu-memory`: the fake inventory where there is no NVML.
@@ -235,7 +246,8 @@ impl Publisher {
             return Err(format!("node name {node:?} is too long for its ResourceSlices' names"));
         }
         Ok(Publisher {
-            api: Api::all(client),
+            api: Api::all(client.clone()),
+            nodes: Api::all(client),
             node: node.to_owned(),
             settings,
             gpu_memory,
@@ -253,6 +265,7 @@ impl Publisher {
         let mut retry = FIRST_RETRY;
         let mut due = Instant::now();
         let mut waiting_logged = false;
+        let mut withdrawn = false;
         loop {
             self.heartbeat.beat();
             let seen = inventory::from_view(&driver.borrow_and_update(), &self.gpu_memory, self.reserve);
@@ -270,7 +283,7 @@ impl Publisher {
                         }
                         due = Instant::now() + self.every;
                     }
-                    Some(inventory) => match self.sync(inventory, published.as_ref()).await {
+                    Some(inventory) => match self.publish(inventory, published.as_ref(), &mut withdrawn).await {
                         Ok(now) => {
                             published = Some(now);
                             retry = FIRST_RETRY;
@@ -301,6 +314,32 @@ impl Publisher {
                 return Ok(());
             }
         }
+    }
+
+    /// [`Publisher::withdraw`], then [`Publisher::sync`].
+    async fn publish(&self, inventory: &Inventory, published: Option<&Published>, withdrawn: &mut bool) -> Result<Published, KubeError> {
+        self.withdraw(withdrawn).await?;
+        self.sync(inventory, published).await
+    }
+
+    /// Removes the node-wide extended resource from the node's capacity, once.
+    async fn withdraw(&self, withdrawn: &mut bool) -> Result<(), KubeError> {
+        if *withdrawn {
+            return Ok(());
+        }
+        let node = timed(format!("reading node {}", self.node), self.nodes.get(&self.node)).await?;
+        let capacity = node.status.as_ref().and_then(|s| s.capacity.as_ref());
+        if let Some(old) = capacity.and_then(|c| c.get(RESOURCE)) {
+            let path = format!("/status/capacity/{}", RESOURCE.replace('~', "~0").replace('/', "~1"));
+            let patch: json_patch::Patch = serde_json::from_value(serde_json::json!([{"op": "remove", "path": path}]))
+                .map_err(|e| KubeError::Config(format!("the capacity's JSON patch: {e}")))?;
+            let params = PatchParams { field_manager: Some("vramguard".into()), ..PatchParams::default() };
+            let what = format!("removing {RESOURCE} from node {}'s status", self.node);
+            timed(what, self.nodes.patch_status(&self.node, &params, &Patch::<()>::Json(patch))).await?;
+            info!(node = %self.node, was = %old.0, "dra: the node no longer advertises {RESOURCE} (its GPUs are DRA devices)");
+        }
+        *withdrawn = true;
+        Ok(())
     }
 
     /// Lists the node's slices of this driver and writes the pool if they are not what was

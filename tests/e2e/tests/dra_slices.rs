@@ -11,7 +11,8 @@
 //! another driver's or another node's slices; a GPU removed from the bus (NVML no longer
 //! counts it) is gone from the pool, with the generation bumped; slices the kubelet deletes
 //! (it does at its start) are published again, also after a minute of API failures; with
-//! `--dra` the node's `vramguard.io/gpu-memory` is not advertised even with `--gpu-memory`.
+//! `--dra` the node's `vramguard.io/gpu-memory` is not advertised even with `--gpu-memory`, and
+//! the capacity an agent without `--dra` left in the node's status is removed.
 //!
 //! Needs root and the built binaries (no containerd: the agent's NRI side waits for one).
 use std::{
@@ -100,6 +101,8 @@ fn the_pool_is_published_republished_with_a_higher_generation_and_follows_the_gp
     api.service_account(&account)?;
     std::fs::create_dir_all(dir.path().join("ledgers"))?;
     let fake = FakeNode::new("dra-slices").with_env("FAKECUDA_DEVICE_COUNT", "4").with_env("FAKECUDA_DEVICE_BYTES", "80g");
+    // An agent without --dra advertised the node-wide resource before.
+    api.with(|s| s.node["status"]["capacity"][kube_api::RESOURCE] = json!((320 * GIB).to_string()));
     api.with(|s| {
         for (name, driver, node) in [("other-driver", "gpu.nvidia.com", NODE), ("other-node", DRIVER, "gpu-node-8")] {
             s.resource.slices.insert(name.into(), foreign(name, driver, node));
@@ -193,9 +196,12 @@ fn the_pool_is_published_republished_with_a_higher_generation_and_follows_the_gp
     wait_for(timeout(), "the pool published once the API server answers", || Ok(published(&api).is_some_and(|(g, d)| g > again && d == gpus(3))))
         .with_context(|| second.log())?;
 
-    // With --dra the node-wide extended resource is never advertised.
-    ensure!(!api.seen().iter().any(|r| r.method == "PATCH"), "no patch of the node's status");
+    // With --dra the node-wide extended resource is withdrawn (once) and never advertised.
+    let patches: Vec<_> = api.seen().into_iter().filter(|r| r.method == "PATCH").collect();
+    ensure!(patches.len() == 1, "one patch of the node's status: {patches:?}");
+    ensure!(patches[0].body == r#"[{"op":"remove","path":"/status/capacity/vramguard.io~1gpu-memory"}]"#, "{patches:?}");
     ensure!(api.with(|s| s.node["status"]["capacity"].get(kube_api::RESOURCE).is_none()), "no vramguard.io/gpu-memory capacity");
+    ensure!(api.with(|s| s.node["status"]["capacity"]["cpu"] == "16"), "the rest of the capacity untouched");
     let log = second.stop()?;
     ensure!(log.contains("not advertised"), "the agent says why: {log}");
     fake.cleanup();
