@@ -138,13 +138,15 @@ fn the_pool_is_published_republished_with_a_higher_generation_and_follows_the_gp
         ensure!(attributes["memory"]["int"] == 80 * GIB, "{device}");
         ensure!(attributes["source"]["string"] == "nvml", "{device}");
         let memory = &device["capacity"]["memory"];
+        // Quantities are strings of bytes on the wire.
+        let bytes = |v: &Value| v.as_str().and_then(|q| q.parse::<u64>().ok());
         // 80 GiB less the default 1 GiB reserve; min 1 GiB, step 256 MiB, the whole GPU by default.
-        ensure!(memory["value"] == (79 * GIB).to_string(), "{device}");
+        ensure!(bytes(&memory["value"]) == Some(79 * GIB), "{device}");
         let policy = &memory["requestPolicy"];
-        ensure!(policy["validRange"]["min"] == GIB.to_string(), "{device}");
-        ensure!(policy["validRange"]["step"] == (256u64 << 20).to_string(), "{device}");
-        ensure!(policy["validRange"]["max"] == (79 * GIB).to_string(), "{device}");
-        ensure!(policy["default"] == (79 * GIB).to_string(), "{device}");
+        ensure!(bytes(&policy["validRange"]["min"]) == Some(GIB), "{device}");
+        ensure!(bytes(&policy["validRange"]["step"]) == Some(256 << 20), "{device}");
+        ensure!(bytes(&policy["validRange"]["max"]) == Some(79 * GIB), "{device}");
+        ensure!(bytes(&policy["default"]) == Some(79 * GIB), "{device}");
     }
     let metrics = http::fresh_scrape(first.metrics_addr()?)?;
     ensure!(http::metric(&metrics, "vramguard_dra_slice_generation", &[]) == Some(generation as f64), "{metrics:?}");

@@ -24,8 +24,11 @@ pub struct Resources {
     /// DeviceClasses by name.
     pub classes: BTreeMap<String, Value>,
     /// The watches of ResourceSlices, with their field selectors.
-    pub slice_watches: Vec<(Vec<(String, String)>, mpsc::UnboundedSender<Bytes>)>,
+    pub slice_watches: Vec<(Selector, mpsc::UnboundedSender<Bytes>)>,
 }
+
+/// A field selector's terms: (field, value) pairs that must all match.
+pub type Selector = Vec<(String, String)>;
 
 /// A request under `/apis/resource.k8s.io/v1/`: its method, the path's segments after the
 /// version, the query's pairs and the body.
@@ -87,7 +90,7 @@ fn slices(state: &mut ApiState, asked: &Asked<'_>) -> Option<Answer> {
         ("POST", ["resourceslices"]) => {
             let mut slice = match valid_slice(asked.body, None) {
                 Ok(slice) => slice,
-                Err(answer) => return Some(answer),
+                Err(answer) => return Some(*answer),
             };
             let name = slice["metadata"]["name"].as_str().unwrap_or_default().to_owned();
             if state.resource.slices.contains_key(&name) {
@@ -104,7 +107,7 @@ fn slices(state: &mut ApiState, asked: &Asked<'_>) -> Option<Answer> {
         ("PUT", ["resourceslices", name]) => {
             let mut slice = match valid_slice(asked.body, Some(name)) {
                 Ok(slice) => slice,
-                Err(answer) => return Some(answer),
+                Err(answer) => return Some(*answer),
             };
             let Some(existing) = state.resource.slices.get(*name) else { return Some(not_found(name)) };
             let asked_version = slice["metadata"]["resourceVersion"].as_str().filter(|v| !v.is_empty());
@@ -138,7 +141,7 @@ fn not_found(name: &str) -> Answer {
 
 /// The `fieldSelector`'s terms (`spec.nodeName`, `spec.driver`, `metadata.name`: the fields
 /// the real server selects slices by).
-fn selector(query: &HashMap<&str, &str>) -> Result<Vec<(String, String)>, String> {
+fn selector(query: &HashMap<&str, &str>) -> Result<Selector, String> {
     let Some(raw) = query.get("fieldSelector") else { return Ok(Vec::new()) };
     let decoded = raw.replace("%3D", "=").replace("%3d", "=").replace("%2C", ",").replace("%2c", ",");
     decoded
@@ -182,39 +185,39 @@ fn tell(state: &mut ApiState, kind: &str, slice: &Value) {
 
 /// The body of a create or update, checked as the real server validates a ResourceSlice
 /// (the fields this driver's slices use), or the 400/422 it answers.
-fn valid_slice(body: &str, name: Option<&str>) -> Result<Value, Answer> {
+fn valid_slice(body: &str, name: Option<&str>) -> Result<Value, Box<Answer>> {
     let invalid = |why: &str| status(StatusCode::UNPROCESSABLE_ENTITY, "Invalid", &format!("ResourceSlice is invalid: {why}"));
-    let mut slice: Value = serde_json::from_str(body).map_err(|e| status(StatusCode::BAD_REQUEST, "BadRequest", &format!("not JSON: {e}")))?;
+    let mut slice: Value = serde_json::from_str(body).map_err(|e| Box::new(status(StatusCode::BAD_REQUEST, "BadRequest", &format!("not JSON: {e}"))))?;
     if slice["apiVersion"] != "resource.k8s.io/v1" || slice["kind"] != "ResourceSlice" {
-        return Err(status(StatusCode::BAD_REQUEST, "BadRequest", "expected apiVersion resource.k8s.io/v1, kind ResourceSlice"));
+        return Err(Box::new(status(StatusCode::BAD_REQUEST, "BadRequest", "expected apiVersion resource.k8s.io/v1, kind ResourceSlice")));
     }
-    let Some(own) = slice["metadata"]["name"].as_str().filter(|n| !n.is_empty()) else { return Err(invalid("metadata.name: Required value")) };
+    let Some(own) = slice["metadata"]["name"].as_str().filter(|n| !n.is_empty()) else { return Err(Box::new(invalid("metadata.name: Required value"))) };
     if name.is_some_and(|name| name != own) {
-        return Err(status(StatusCode::BAD_REQUEST, "BadRequest", "the name in the body does not match the path"));
+        return Err(Box::new(status(StatusCode::BAD_REQUEST, "BadRequest", "the name in the body does not match the path")));
     }
     let spec = &slice["spec"];
     if spec["driver"].as_str().is_none_or(str::is_empty) {
-        return Err(invalid("spec.driver: Required value"));
+        return Err(Box::new(invalid("spec.driver: Required value")));
     }
     let pool = &spec["pool"];
     if pool["name"].as_str().is_none_or(str::is_empty) || !pool["generation"].is_i64() || pool["resourceSliceCount"].as_i64().is_none_or(|c| c < 1) {
-        return Err(invalid("spec.pool: name, generation and resourceSliceCount (at least 1) are required"));
+        return Err(Box::new(invalid("spec.pool: name, generation and resourceSliceCount (at least 1) are required")));
     }
     let node_fields = ["nodeName", "nodeSelector", "allNodes", "perDeviceNodeSelection"].iter().filter(|f| !spec[**f].is_null()).count();
     if node_fields != 1 {
-        return Err(invalid("spec: exactly one of nodeName, nodeSelector, allNodes, perDeviceNodeSelection is required"));
+        return Err(Box::new(invalid("spec: exactly one of nodeName, nodeSelector, allNodes, perDeviceNodeSelection is required")));
     }
     let devices = spec["devices"].as_array().cloned().unwrap_or_default();
     if devices.len() > 128 {
-        return Err(invalid("spec.devices: Too many: must have at most 128 items"));
+        return Err(Box::new(invalid("spec.devices: Too many: must have at most 128 items")));
     }
     for device in &devices {
         if device["name"].as_str().is_none_or(str::is_empty) {
-            return Err(invalid("spec.devices[].name: Required value"));
+            return Err(Box::new(invalid("spec.devices[].name: Required value")));
         }
         let policies = device["capacity"].as_object().is_some_and(|c| c.values().any(|v| !v["requestPolicy"].is_null()));
         if policies && device["allowMultipleAllocations"] != true {
-            return Err(invalid("spec.devices[].capacity[].requestPolicy: only with allowMultipleAllocations"));
+            return Err(Box::new(invalid("spec.devices[].capacity[].requestPolicy: only with allowMultipleAllocations")));
         }
     }
     // The server's own metadata is the server's to set.
