@@ -392,12 +392,36 @@ impl Publisher {
 }
 
 /// Whether `found` is the pool `wanted`: the same slices by name, each at the wanted
-/// generation and slice count, with the same devices.
+/// generation and slice count, with the same devices (quantities compared as bytes: the API
+/// server writes them back in its canonical form, `79Gi` for `84825604096`).
 fn same_pool(found: &[ResourceSlice], wanted: &[ResourceSlice]) -> bool {
+    let devices = |slice: &ResourceSlice| slice.spec.devices.clone().map(|d| d.into_iter().map(canonical).collect::<Vec<_>>());
     found.len() == wanted.len()
         && wanted.iter().all(|w| {
-            found.iter().any(|f| f.metadata.name == w.metadata.name && f.spec.pool == w.spec.pool && f.spec.node_name == w.spec.node_name && f.spec.devices == w.spec.devices)
+            found.iter().any(|f| f.metadata.name == w.metadata.name && f.spec.pool == w.spec.pool && f.spec.node_name == w.spec.node_name && devices(f) == devices(w))
         })
+}
+
+/// `device` with its capacities' quantities in bytes (a quantity that is not a whole number
+/// of bytes stays as it is, and so differs).
+fn canonical(mut device: Device) -> Device {
+    let bytes = |q: &mut Quantity| {
+        if let Some(b) = crate::provision::kube::parse_quantity(&q.0) {
+            q.0 = b.to_string();
+        }
+    };
+    for capacity in device.capacity.iter_mut().flat_map(|c| c.values_mut()) {
+        bytes(&mut capacity.value);
+        if let Some(policy) = capacity.request_policy.as_mut() {
+            policy.default.iter_mut().for_each(bytes);
+            policy.valid_values.iter_mut().flatten().for_each(bytes);
+            if let Some(range) = policy.valid_range.as_mut() {
+                bytes(&mut range.min);
+                range.step.iter_mut().chain(range.max.iter_mut()).for_each(bytes);
+            }
+        }
+    }
+    device
 }
 
 /// `request`, given up on after [`REQUEST_TIMEOUT`].
@@ -473,6 +497,19 @@ mod tests {
         let (fewer, _) = build("n", &gpus(1), &Settings::default(), 5);
         assert!(!same_pool(&fewer, &wanted));
         assert!(!same_pool(&[], &wanted));
+        // As the API server writes the quantities back: the same pool.
+        let mut written = serde_json::to_value(&wanted).expect("json");
+        let memory = &mut written[0]["spec"]["devices"][0]["capacity"]["memory"];
+        memory["value"] = "79Gi".into();
+        memory["requestPolicy"]["validRange"]["min"] = "1Gi".into();
+        memory["requestPolicy"]["validRange"]["step"] = "256Mi".into();
+        let written: Vec<ResourceSlice> = serde_json::from_value(written).expect("slices");
+        assert!(same_pool(&written, &wanted));
+        let mut other = written.clone();
+        if let Some(capacity) = other[0].spec.devices.as_mut().and_then(|d| d[0].capacity.as_mut()) {
+            capacity.get_mut(MEMORY).expect("memory").value = Quantity("78Gi".into());
+        }
+        assert!(!same_pool(&other, &wanted));
     }
 
     #[test]

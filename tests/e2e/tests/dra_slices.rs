@@ -8,7 +8,7 @@
 //! `devices[].allowMultipleAllocations`, `devices[].capacity.memory.value`, its
 //! `requestPolicy.validRange`); an agent restarted publishes again with a higher generation,
 //! updating its slice in place and deleting a stale one of an earlier pool, and never touching
-//! another driver's or another node's slices; a GPU removed from the bus (NVML no longer
+//! another driver's or another node's slices, and leaving an unchanged pool alone; a GPU removed from the bus (NVML no longer
 //! counts it) is gone from the pool, with the generation bumped; slices the kubelet deletes
 //! (it does at its start) are published again, also after a minute of API failures; with
 //! `--dra` the node's `vramguard.io/gpu-memory` is not advertised even with `--gpu-memory`, and
@@ -173,6 +173,14 @@ fn the_pool_is_published_republished_with_a_higher_generation_and_follows_the_gp
     ensure!(since.iter().any(|r| r.method == "DELETE" && r.target.starts_with(&format!("/apis/resource.k8s.io/v1/resourceslices/{stale}"))), "{since:?}");
     ensure!(!since.iter().any(|r| r.method == "POST"), "no second slice created: {since:?}");
     ensure!(api.with(|s| s.resource.slices.contains_key("other-driver") && s.resource.slices.contains_key("other-node")), "others' slices untouched");
+
+    // Unchanged, the pool is checked and left alone: no new generation.
+    wait_for(timeout(), "three checks that found the pool unchanged", || {
+        let metrics = http::fresh_scrape(second.metrics_addr()?)?;
+        Ok(http::metric(&metrics, "vramguard_dra_slice_syncs_total", &[("result", "unchanged")]).is_some_and(|n| n >= 3.0))
+    })
+    .with_context(|| second.log())?;
+    ensure!(published(&api).is_some_and(|(g, _)| g == restarted), "a pool left as it was");
 
     // A GPU removed from the bus: NVML counts three; the pool follows, generation bumped.
     std::fs::remove_file(fake.device_file(3))?;
