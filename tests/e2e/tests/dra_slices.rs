@@ -7,12 +7,14 @@
 //! resource.k8s.io/v1's field names: `spec.driver`, `spec.nodeName`, `spec.pool.generation`,
 //! `devices[].allowMultipleAllocations`, `devices[].capacity.memory.value`, its
 //! `requestPolicy.validRange`); an agent restarted publishes again with a higher generation,
-//! updating its slice in place and deleting a stale one of an earlier pool, and never touching
-//! another driver's or another node's slices, and leaving an unchanged pool alone; a GPU removed from the bus (NVML no longer
-//! counts it) is gone from the pool, with the generation bumped; slices the kubelet deletes
-//! (it does at its start) are published again, also after a minute of API failures; with
+//! updating its slice in place and deleting a stale one of an earlier pool, never touching
+//! another driver's or another node's slices; an unchanged pool is left alone; a GPU removed
+//! from the bus (NVML no longer counts it) is gone from the pool, with the generation bumped;
+//! slices the kubelet deletes
+//! (it does at its start) are published again, also after a spell of API failures. With
 //! `--dra` the node's `vramguard.io/gpu-memory` is not advertised even with `--gpu-memory`, and
-//! the capacity an agent without `--dra` left in the node's status is removed.
+//! the capacity an agent without `--dra` left in the node's status is removed. On a node
+//! without NVML, `--gpu-memory` is the inventory, and the devices say so.
 //!
 //! Needs root and the built binaries (no containerd: the agent's NRI side waits for one).
 use std::{
@@ -30,8 +32,13 @@ use kube_api::{ApiServer, Mode, NODE};
 
 const DRIVER: &str = "gpu.vramguard.io";
 
-/// The agent with `--dra` on the fake's GPUs, reaching `api` as a pod does.
+/// The agent with `--dra` on the fake's GPUs (`--gpu-memory` four of 80 GiB), reaching `api`
+/// as a pod does.
 fn agent(api: &ApiServer, fake: &FakeNode, dir: &Path, account: &Path) -> Result<Agent> {
+    agent_with(api, fake, dir, account, "80g,80g,80g,80g")
+}
+
+fn agent_with(api: &ApiServer, fake: &FakeNode, dir: &Path, account: &Path, gpu_memory: &str) -> Result<Agent> {
     let libcuda = e2e::fake_driver_dir()?.join("libcuda.so.1");
     let args: Vec<OsString> = vec![
         "--libcuda".into(),
@@ -50,7 +57,7 @@ fn agent(api: &ApiServer, fake: &FakeNode, dir: &Path, account: &Path) -> Result
         e2e::hook_lib()?.into(),
         // The extended resource's sizing: not advertised with --dra.
         "--gpu-memory".into(),
-        "80g,80g,80g,80g".into(),
+        gpu_memory.into(),
         "--kube".into(),
         "--dra".into(),
         "--dra-slices-every-s".into(),
@@ -214,6 +221,32 @@ fn the_pool_is_published_republished_with_a_higher_generation_and_follows_the_gp
     ensure!(api.with(|s| s.node["status"]["capacity"]["cpu"] == "16"), "the rest of the capacity untouched");
     let log = second.stop()?;
     ensure!(log.contains("not advertised"), "the agent says why: {log}");
+    fake.cleanup();
+    Ok(())
+}
+
+#[test]
+fn without_nvml_the_gpu_memory_flag_is_a_fake_inventory_and_says_so() -> Result<()> {
+    let api = ApiServer::start()?;
+    let dir = TempDir::new("dra-slices-flag")?;
+    let account = dir.path().join("serviceaccount");
+    api.service_account(&account)?;
+    std::fs::create_dir_all(dir.path().join("ledgers"))?;
+    // A node without the driver: NVML's init answers NVML_ERROR_DRIVER_NOT_LOADED.
+    let fake = FakeNode::new("dra-slices-flag").with_env("FAKECUDA_NVML", "absent");
+    let agent = agent_with(&api, &fake, dir.path(), &account, "16Gi,24Gi")?;
+    wait_for(timeout(), "the pool published from --gpu-memory", || Ok(published(&api).is_some_and(|(_, d)| d == gpus(2))))
+        .with_context(|| agent.log())?;
+    let pool = pool(&api);
+    let devices = pool[0]["spec"]["devices"].as_array().context("devices")?;
+    for (device, memory) in devices.iter().zip([16 * GIB, 24 * GIB]) {
+        let attributes = &device["attributes"];
+        ensure!(attributes["source"]["string"] == "gpu-memory" && attributes["product"]["string"] == "unknown", "{device}");
+        ensure!(attributes.get("uuid").is_none(), "no UUID to give: {device}");
+        ensure!(attributes["memory"]["int"] == memory, "{device}");
+        ensure!(device["capacity"]["memory"]["value"].as_str() == Some(&*(memory - GIB).to_string()), "{device}");
+    }
+    drop(agent);
     fake.cleanup();
     Ok(())
 }
