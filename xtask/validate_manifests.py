@@ -8,10 +8,14 @@ usage: validate_manifests.py KUBERNETES_VERSION ROOT
   not include: the fields this project uses, checked by hand below.
 - Cross-checks against the agent's source: every vramguard_* metric a manifest names is
   registered in agent/src/serve/ (or a room's metrics.rs), and every `vramguard run` flag the DaemonSet passes is
-  declared in agent/src/run.rs or in an argument struct under agent/src/provision/ that
-  `RunArgs` flattens; every `vramguard webhook` flag the webhook's Deployment passes is declared
-  in agent/src/webhook/mod.rs.
+  declared in agent/src/run.rs or in an argument struct under agent/src/provision/ or
+  agent/src/dra/ that `RunArgs` flattens; every `vramguard webhook` flag the webhook's
+  Deployment passes is declared in agent/src/webhook/mod.rs.
 - YAML itself: every document parses, and no mapping repeats a key.
+- DRA (`deploy/dra/`, `deploy/examples/dra-*`): resource.k8s.io/v1 exists from Kubernetes
+  1.34, so those files are validated against DRA_VERSION; `deploy/dra/patch/daemonset.json`
+  (the JSON patch that turns DRA on) is applied to deploy/kubernetes/daemonset.yaml and the
+  result validated as a manifest (schema, flags).
 
 Every *.yaml/*.yml under deploy/ is a manifest except deploy/monitoring/'s (promtool's unit
 tests of the alert rules, which promtool itself checks).
@@ -26,6 +30,8 @@ import yaml
 from kubernetes_validate import utils as kv
 
 NAMESPACE = "vramguard-system"
+# The first Kubernetes version with resource.k8s.io/v1 (DRA GA, consumable capacity alpha).
+DRA_VERSION = "1.34"
 DURATION = re.compile(r"^([0-9]+(ms|s|m|h|d|w|y))+$")
 ENDPOINT_KEYS = {"port", "targetPort", "path", "interval", "scrapeTimeout", "honorLabels", "scheme",
                  "relabelings", "metricRelabelings", "tlsConfig", "authorization", "params"}
@@ -167,6 +173,48 @@ def check_document(doc, path, version, metrics_source, run_source):
     return errors + check_agent_names(doc, metrics_source, run_source)
 
 
+def is_dra(path):
+    return path.parent.name == "dra" or path.name.startswith("dra-")
+
+
+def apply_json_patch(doc, ops):
+    """RFC 6902's add, remove and replace (what the shipped patch uses) on a copy of `doc`."""
+    import copy
+    doc = copy.deepcopy(doc)
+    for op in ops:
+        parts = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]]
+        parent = doc
+        for part in parts[:-1]:
+            parent = parent[int(part)] if isinstance(parent, list) else parent[part]
+        last = parts[-1]
+        if op["op"] == "add" and isinstance(parent, list):
+            parent.insert(len(parent) if last == "-" else int(last), op["value"])
+        elif op["op"] in ("add", "replace"):
+            parent[int(last) if isinstance(parent, list) else last] = op["value"]
+        elif op["op"] == "remove":
+            del parent[int(last) if isinstance(parent, list) else last]
+        else:
+            raise ValueError(f"op {op['op']!r} is not supported here")
+    return doc
+
+
+def check_patch(root, metrics_source, run_source):
+    """deploy/dra/patch/daemonset.json applied to the DaemonSet: (resources checked, errors)."""
+    import json
+    patch = root / "deploy/dra/patch/daemonset.json"
+    if not patch.exists():
+        return 0, []
+    base = root / "deploy/kubernetes/daemonset.yaml"
+    name = patch.relative_to(root)
+    try:
+        docs = [d for d in yaml.load_all(base.read_text(), Loader=UniqueKeyLoader) if d is not None]
+        patched = apply_json_patch(docs[0], json.loads(patch.read_text()))
+    except (ValueError, KeyError, IndexError, TypeError, yaml.YAMLError) as error:
+        return 1, [f"{name}: does not apply to {base.relative_to(root)}: {error}"]
+    errors = check_document(patched, base, DRA_VERSION, metrics_source, run_source)
+    return 1, [f"{name}: DaemonSet/{patched['metadata']['name']} patched: {e}" for e in errors]
+
+
 def main():
     version, root = sys.argv[1], pathlib.Path(sys.argv[2])
     # The families the agent serves: the metrics page's, the tasks' liveness added at each
@@ -175,9 +223,10 @@ def main():
                                                              *(root / "agent/src").rglob("metrics.rs")}))
     # `vramguard run`'s flags: RunArgs, and the argument structs it flattens.
     run_source = "\n".join(p.read_text() for p in [root / "agent/src/run.rs",
-                                                   *sorted((root / "agent/src/provision").rglob("*.rs"))])
+                                                   *sorted((root / "agent/src/provision").rglob("*.rs")),
+                                                   *sorted((root / "agent/src/dra").rglob("*.rs"))])
     # Each subcommand a manifest runs: the source its flags are declared in.
-    run_source = {"run": (run_source, "agent/src/run.rs or agent/src/provision/"),
+    run_source = {"run": (run_source, "agent/src/run.rs, agent/src/provision/ or agent/src/dra/"),
                   "webhook": ((root / "agent/src/webhook/mod.rs").read_text(), "agent/src/webhook/mod.rs")}
     # deploy/monitoring/ holds promtool's unit tests of the alert rules, not Kubernetes
     # resources: promtool checks them (tests/e2e/tests/prometheus_rules.rs).
@@ -199,9 +248,14 @@ def main():
         for doc in docs:
             checked += 1
             label = f"{doc.get('kind')}/{(doc.get('metadata') or {}).get('name')}" if isinstance(doc, dict) else "?"
-            for error in check_document(doc, path, version, metrics_source, run_source):
+            for error in check_document(doc, path, DRA_VERSION if is_dra(path) else version, metrics_source, run_source):
                 print(f"{name}: {label}: {error}")
                 failures += 1
+    patched, errors = check_patch(root, metrics_source, run_source)
+    checked += patched
+    failures += len(errors)
+    for error in errors:
+        print(error)
     print(f"validate-manifests: {checked} resources in {len(files)} files against Kubernetes {version} "
           f"(strict) and the agent's metrics and flags: {failures} error(s)")
     return 1 if failures else 0

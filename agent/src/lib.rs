@@ -13,6 +13,7 @@ pub mod libcuda;
 pub mod ledgers;
 pub mod pod;
 pub mod preflight;
+pub mod prepared;
 pub mod procmaps;
 pub mod provision;
 pub mod quantity;

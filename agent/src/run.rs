@@ -15,6 +15,7 @@
 //! | publish ([`provision`]) | nothing | hands the provisioned containers' pins and limits on | no |
 //! | pod-cache, capacity ([`provision::kube`]) | their watch, their patch | `--kube`: the node's pods, its advertised capacity | no |
 //! | dra-plugin ([`crate::dra::plugin`]) | its sockets, the prepared claims | `--dra`: the kubelet's prepare and unprepare, each claim bounded | no |
+//! | dra-slices ([`crate::dra::slices`]) | the published pool | `--dra`: the node's GPUs as a ResourceSlice pool | no |
 //! | metrics ([`serve::http`]), control ([`serve::control`]) | their listeners | `/metrics`; audits handed to reconcile | no |
 //!
 //! No task ends while the agent runs: the first that does (returns, fails or panics) stops
@@ -230,6 +231,8 @@ pub struct RunArgs {
     pub provision: ProvisionArgs,
     #[command(flatten)]
     pub dra: crate::dra::plugin::DraArgs,
+    #[command(flatten)]
+    pub dra_slices: crate::dra::slices::SliceArgs,
     /// Test only: a fault to inject (repeatable; see `agent/src/fault.rs`).
     #[arg(long = "fault", hide = true, value_name = "KIND:WHERE", value_parser = crate::fault::parse)]
     pub faults: Vec<crate::fault::Fault>,
@@ -384,8 +387,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
     if let Some(alive) = capacity.as_mut().and_then(provision::kube::Capacity::take_alive) {
         tasks.spawn_abortable("capacity", alive.ended());
     }
-    let dra_node = if args.dra.dra { args.provision.dra_node().await? } else { Default::default() };
-    if let Some((plugin, families)) = crate::dra::plugin::wire(&args.dra, dra_node, driver_rx.clone(), stop.clone()).await? {
+    let dra_node = if args.dra.dra { crate::dra::plugin::Node::of(&args.provision).await? } else { Default::default() };
+    if let Some((plugin, families)) = crate::dra::plugin::wire(&args.dra, dra_node.clone(), driver_rx.clone(), stop.clone()).await? {
         for family in families {
             judge.metrics.register(family)?;
         }
@@ -466,6 +469,13 @@ pub async fn run(args: RunArgs) -> Result<()> {
         state_dir: Some(args.provision.state_dir.clone()),
     };
     tasks.spawn_unit("driver", driver_task.run(driver_tx, liveness.register("driver", DRIVER_ALLOWED), stop.clone()));
+    if args.dra.dra {
+        let slices = crate::dra::slices::Publisher::start(&args.dra_slices, &dra_node, liveness.register("dra-slices", crate::dra::slices::ALLOWED)).await?;
+        for family in slices.collectors() {
+            judge.metrics.register(family)?;
+        }
+        tasks.spawn("dra-slices", slices.run(driver_rx.clone(), stop.clone()));
+    }
     let judge_wiring = reconcile::task::Wiring {
         kernel: kernel_tx,
         ledgers: ledgers_rx,
@@ -543,7 +553,10 @@ async fn provisioner(args: &RunArgs) -> Result<Option<(Arc<Provisioner>, Option<
             let node = wanted.kube.node()?;
             let client = config.client()?;
             let pods = provision::kube::PodCache::start(client.clone(), node)?;
-            let capacity = if wanted.gpu_memory.is_empty() {
+            let capacity = if args.dra.dra {
+                info!("--dra: the node's GPUs are published as DRA devices; the node-wide vramguard.io/gpu-memory is not advertised");
+                None
+            } else if wanted.gpu_memory.is_empty() {
                 warn!("no --gpu-memory: the node's vramguard.io/gpu-memory capacity is not advertised");
                 None
             } else {

@@ -330,8 +330,9 @@ pub fn start<C: Claims>(
 /// The DRA driver's flags of `vramguard run`.
 #[derive(clap::Args, Clone, Debug)]
 pub struct DraArgs {
-    /// Run the DRA driver gpu.vramguard.io: the kubelet plugin that prepares ResourceClaims
-    /// allocated on this node's GPUs. Needs --kube (the claims come from the API server),
+    /// Be the DRA driver gpu.vramguard.io: publish the node's GPUs as a ResourceSlice pool and
+    /// run the kubelet plugin that prepares the ResourceClaims allocated on them; the node-wide
+    /// `vramguard.io/gpu-memory` is no longer advertised. Needs --kube (the API server),
     /// --node-name and --gpu-memory (each GPU's memory: a share past it is refused).
     #[arg(long)]
     pub dra: bool,
@@ -348,13 +349,25 @@ pub struct DraArgs {
 
 /// What the plugin is given from the rest of the agent's configuration: the API server
 /// (`--kube`), the node's name, each GPU's memory (`--gpu-memory`), the state directory.
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub struct Node {
     /// A client of the API server `--kube` names.
     pub kube: Option<kube::Client>,
     pub name: String,
     pub gpu_memory: Vec<u64>,
     pub state_dir: PathBuf,
+}
+
+impl Node {
+    /// The node as the agent's provisioning flags describe it.
+    pub async fn of(provision: &crate::provision::ProvisionArgs) -> Result<Node> {
+        let kube = match provision.kube.config().await? {
+            Some(config) => Some(config.client()?),
+            None => None,
+        };
+        let name = if kube.is_some() { provision.kube.node()?.to_owned() } else { String::new() };
+        Ok(Node { kube, name, gpu_memory: provision.gpu_memory.clone(), state_dir: provision.state_dir.clone() })
+    }
 }
 
 /// The plugin's task and its metrics' families as `--dra` asks for them (`None` without it):

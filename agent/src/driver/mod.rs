@@ -234,6 +234,9 @@ pub struct DeviceMemory {
     pub minor: u32,
     /// NVML's UUID (`GPU-…`); empty where NVML gives none.
     pub uuid: String,
+    /// NVML's product name (`NVIDIA H100 80GB HBM3`); empty where NVML gives none.
+    #[serde(default)]
+    pub name: String,
     /// (total, used) bytes (`nvmlDeviceGetMemoryInfo`), where NVML answers.
     pub memory: Option<(u64, u64)>,
     /// The sum of the figures NVML listed on it.

@@ -2,7 +2,7 @@
 //! devices, and each device's running processes (compute `_v3`, and graphics `_v3` when the
 //! library has it); a GPU in MIG mode is read per MIG device (see [`super`]). Where the
 //! library has them, each GPU's minor number (`nvmlDeviceGetMinorNumber`: its device file,
-//! [`super::holders`]), UUID and memory (`nvmlDeviceGetMemoryInfo`) are read too. Used only
+//! [`super::holders`]), UUID, product name and memory (`nvmlDeviceGetMemoryInfo`) are read too. Used only
 //! from the driver task's reader thread ([`super::task`]).
 use std::{
     collections::BTreeMap,
@@ -19,6 +19,8 @@ use super::{DeviceMemory, MigDevice, Read, State};
 type NvmlDeviceGetMinorNumber = unsafe extern "C" fn(nvmlDevice_t, *mut c_uint) -> nvmlReturn_t;
 /// `nvmlDeviceGetUUID`.
 type NvmlDeviceGetUuid = unsafe extern "C" fn(nvmlDevice_t, *mut std::ffi::c_char, c_uint) -> nvmlReturn_t;
+/// `nvmlDeviceGetName` (same shape as `nvmlDeviceGetUUID`).
+type NvmlDeviceGetName = NvmlDeviceGetUuid;
 /// `nvmlDeviceGetMemoryInfo`.
 type NvmlDeviceGetMemoryInfo = unsafe extern "C" fn(nvmlDevice_t, *mut nvmlMemory_t) -> nvmlReturn_t;
 
@@ -48,6 +50,7 @@ pub struct Nvml {
     mig_devices: Option<(NvmlDeviceGetMaxMigDeviceCount, NvmlDeviceGetMigDeviceHandleByIndex)>,
     minor: Option<NvmlDeviceGetMinorNumber>,
     uuid: Option<NvmlDeviceGetUuid>,
+    name: Option<NvmlDeviceGetName>,
     memory: Option<NvmlDeviceGetMemoryInfo>,
     /// Keeps the functions above loaded; last, so it is dropped after them.
     _library: Library,
@@ -110,6 +113,7 @@ impl Nvml {
             let mig_handle = symbol::<NvmlDeviceGetMigDeviceHandleByIndex>(&library, path, "nvmlDeviceGetMigDeviceHandleByIndex").ok();
             let minor = symbol::<NvmlDeviceGetMinorNumber>(&library, path, "nvmlDeviceGetMinorNumber").ok();
             let uuid = symbol::<NvmlDeviceGetUuid>(&library, path, "nvmlDeviceGetUUID").ok();
+            let name = symbol::<NvmlDeviceGetName>(&library, path, "nvmlDeviceGetName").ok();
             let memory = symbol::<NvmlDeviceGetMemoryInfo>(&library, path, "nvmlDeviceGetMemoryInfo").ok();
             symbol::<NvmlInitV2>(&library, path, "nvmlInit_v2")?;
             Ok(Nvml {
@@ -123,6 +127,7 @@ impl Nvml {
                 mig_devices: max_mig.zip(mig_handle),
                 minor,
                 uuid,
+                name,
                 memory,
                 _library: library,
             })
@@ -205,23 +210,14 @@ impl Nvml {
                 minor = got;
             }
         }
-        let uuid = self.uuid.and_then(|get| {
-            let mut buf = [0 as std::ffi::c_char; NVML_DEVICE_UUID_V2_BUFFER_SIZE];
-            // SAFETY: a handle NVML gave and a buffer of the length passed.
-            let rc = unsafe { get(device, buf.as_mut_ptr(), buf.len() as c_uint) };
-            // SAFETY: NVML wrote a NUL-terminated string into the buffer; the last byte is
-            // set to NUL first so that a library that did not cannot make the read run on.
-            (rc == NVML_SUCCESS).then(|| {
-                buf[buf.len() - 1] = 0;
-                unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned()
-            })
-        });
+        let uuid = self.uuid.and_then(|get| text(get, device, NVML_DEVICE_UUID_V2_BUFFER_SIZE));
+        let name = self.name.and_then(|get| text(get, device, NVML_DEVICE_NAME_V2_BUFFER_SIZE));
         let memory = self.memory.and_then(|get| {
             let mut info = nvmlMemory_t::default();
             // SAFETY: a handle NVML gave and a valid out-pointer.
             (unsafe { get(device, &mut info) } == NVML_SUCCESS).then_some((info.total, info.used))
         });
-        DeviceMemory { index, minor, uuid: uuid.unwrap_or_default(), memory, listed: 0, unfigured: 0, gap: Default::default() }
+        DeviceMemory { index, minor, uuid: uuid.unwrap_or_default(), name: name.unwrap_or_default(), memory, listed: 0, unfigured: 0, gap: Default::default() }
     }
 
     /// Whether `device` is a GPU in MIG mode (false without `nvmlDeviceGetMigMode`, and for a
@@ -320,6 +316,19 @@ fn add_device(read: &mut Read, mut device: DeviceMemory, infos: &[nvmlProcessInf
     device
 }
 
+/// A device's text (UUID, name) through `get`, into a buffer of `size` bytes.
+fn text(get: NvmlDeviceGetUuid, device: nvmlDevice_t, size: usize) -> Option<String> {
+    let mut buf = vec![0 as std::ffi::c_char; size];
+    // SAFETY: a handle NVML gave and a buffer of the length passed.
+    let rc = unsafe { get(device, buf.as_mut_ptr(), buf.len() as c_uint) };
+    // SAFETY: NVML wrote a NUL-terminated string into the buffer; the last byte is set to NUL
+    // first so that a library that did not cannot make the read run on.
+    (rc == NVML_SUCCESS).then(|| {
+        buf[size - 1] = 0;
+        unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned()
+    })
+}
+
 /// `name` from `library` as a `T` (copied out: valid while the library stays loaded).
 ///
 /// # Safety
@@ -416,6 +425,7 @@ mod tests {
             mig_devices: mig_devices.then_some((max_mig as NvmlDeviceGetMaxMigDeviceCount, mig_handle as NvmlDeviceGetMigDeviceHandleByIndex)),
             minor: None,
             uuid: None,
+            name: None,
             memory: None,
             _library: Library::from(libloading::os::unix::Library::this()),
         }

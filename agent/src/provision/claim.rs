@@ -5,7 +5,7 @@
 //!
 //! # Which claim: the runtime's word
 //!
-//! The claim's CDI spec ([`crate::dra::cdi`]) mounts the claim's directory on the host
+//! The claim's CDI spec ([`crate::prepared::cdi`]) mounts the claim's directory on the host
 //! (`<state-dir>/dra/claims/<uid>`) into each container that gets one of its devices, and gives
 //! it the device node of each of its GPUs. On containerd 1.7.24 (NRI 0.6.1) CreateContainer
 //! hands the plugin the OCI spec with CDI's edits applied, whether the kubelet named the
@@ -15,10 +15,10 @@
 //!
 //! * a container whose mounts have a host path directly under `<state-dir>/dra/claims/` is a
 //!   member of the claim that names that directory; nothing else makes it one. Its env
-//!   ([`crate::dra::cdi::CLAIM_ENV`] included) is the pod spec's to set and is never read; a
+//!   ([`crate::prepared::cdi::CLAIM_ENV`] included) is the pod spec's to set and is never read; a
 //!   mount's host path is set by the runtime from the CDI spec (a pod's hostPath volume
 //!   could name it too, but a tenant allowed hostPath volumes owns the node anyway);
-//! * the claim must be prepared on this node: in the checkpoint ([`crate::dra::checkpoint`],
+//! * the claim must be prepared on this node: in the checkpoint ([`crate::prepared::checkpoint`],
 //!   re-read at each such creation: the agent's own small file, written before prepare
 //!   answered the kubelet, which creates containers only after that);
 //! * the container's GPU device nodes (`/dev/nvidia<N>`, the runtime's `linux.devices`) must
@@ -61,7 +61,7 @@ use std::{
 use tracing::{info, warn};
 
 use super::{gpus, store::Store, Provisioned, Record, Workload};
-use crate::dra::{cdi, checkpoint::Checkpoint};
+use crate::prepared::{cdi, checkpoint::Checkpoint};
 
 /// What a claim's ledger is named by in the store and the ledger directory.
 pub fn ledger_id(uid: &str) -> String {
@@ -291,7 +291,7 @@ impl super::Provisioner {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dra::{Prepared, Share};
+    use crate::prepared::{Prepared, Share};
     use crate::provision::nri::Mount;
 
     pub(super) fn prepared(uid: &str, shares: &[(u32, u64)]) -> Prepared {
@@ -304,7 +304,7 @@ mod tests {
                 .map(|&(gpu, memory)| Share {
                     request: "gpu".into(),
                     pool: "node".into(),
-                    device: crate::dra::device_name(gpu),
+                    device: crate::prepared::device_name(gpu),
                     gpu,
                     share_id: None,
                     memory,

@@ -164,18 +164,6 @@ pub struct ProvisionArgs {
     pub kube: kube::KubeArgs,
 }
 
-impl ProvisionArgs {
-    /// What the DRA plugin is given of this configuration: a client of the API server
-    /// `--kube` names, the node's name, `--gpu-memory`, `--state-dir`.
-    pub async fn dra_node(&self) -> anyhow::Result<crate::dra::plugin::Node> {
-        let kube = match self.kube.config().await? {
-            Some(config) => Some(config.client()?),
-            None => None,
-        };
-        let name = if kube.is_some() { self.kube.node()?.to_owned() } else { String::new() };
-        Ok(crate::dra::plugin::Node { kube, name, gpu_memory: self.gpu_memory.clone(), state_dir: self.state_dir.clone() })
-    }
-}
 
 fn parse_size_arg(text: &str) -> Result<u64, String> {
     parse_quota(text).ok_or_else(|| format!("{text:?} is not a size (bytes, k/m/g/t, or a Kubernetes quantity such as 80Gi)"))

@@ -39,6 +39,11 @@
 //! * `nvmlDeviceGetUUID` writes `GPU-…` text of the 16 bytes `cuDeviceGetUuid_v2` returns
 //!   for the same index; a buffer shorter than the text and its NUL is
 //!   `NVML_ERROR_INSUFFICIENT_SIZE`.
+//! * A GPU removed from the bus (unbound, hot-unplugged) is no longer counted: removing a
+//!   device's state file (`<node>-dev<i>` in `FAKECUDA_STATE_DIR`) while NVML is initialized
+//!   makes `nvmlDeviceGetCount_v2` count only the devices before it (the fake does not
+//!   renumber those after it: remove the last one to remove one GPU). The count is read at
+//!   each call, as the real one's after a removal.
 //! * NULL out-pointers, indices past the device count and unknown device handles are
 //!   `NVML_ERROR_INVALID_ARGUMENT`.
 //!
@@ -124,6 +129,12 @@ impl Nvml {
             self.me = ProcId::current();
         }
         Ok(())
+    }
+
+    /// The devices on the bus: those before the first whose state file is gone (see the
+    /// module doc).
+    fn present(&self) -> usize {
+        self.devs.iter().take_while(|d| d.path().exists()).count()
     }
 
     /// The index of a device handle.
@@ -239,7 +250,7 @@ pub unsafe extern "C" fn nvmlShutdown() -> nvmlReturn_t {
 #[no_mangle]
 pub unsafe extern "C" fn nvmlDeviceGetCount_v2(deviceCount: *mut c_uint) -> nvmlReturn_t {
     // SAFETY: the caller passes NULL or a valid unsigned int pointer.
-    with_nvml(Api::NvmlDeviceGetCountV2, |n| unsafe { out(deviceCount, n.devs.len() as c_uint) })
+    with_nvml(Api::NvmlDeviceGetCountV2, |n| unsafe { out(deviceCount, n.present() as c_uint) })
 }
 
 #[no_mangle]

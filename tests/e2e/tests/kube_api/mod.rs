@@ -305,10 +305,19 @@ async fn serve(state: &Mutex<ApiState>, request: Request<Incoming>) -> Answer {
             };
             for op in ops {
                 let path = op["path"].as_str().unwrap_or_default();
-                let Some(key) = path.strip_prefix("/status/capacity/").filter(|_| op["op"] == "add") else {
+                let Some(key) = path.strip_prefix("/status/capacity/").map(|k| k.replace("~1", "/").replace("~0", "~")) else {
                     return status(StatusCode::UNPROCESSABLE_ENTITY, "Invalid", "only capacity is patched here");
                 };
-                state.node["status"]["capacity"][key.replace("~1", "/").replace("~0", "~")] = op["value"].clone();
+                let capacity = &mut state.node["status"]["capacity"];
+                match op["op"].as_str() {
+                    Some("add") => capacity[key] = op["value"].clone(),
+                    // As RFC 6902 says: removing what is not there fails the whole patch.
+                    Some("remove") => match capacity.as_object_mut().and_then(|c| c.remove(&key)) {
+                        Some(_) => {}
+                        None => return status(StatusCode::UNPROCESSABLE_ENTITY, "Invalid", &format!("the path {path} does not exist")),
+                    },
+                    _ => return status(StatusCode::UNPROCESSABLE_ENTITY, "Invalid", "only add and remove are served here"),
+                }
             }
             answer(StatusCode::OK, &state.node.clone())
         }

@@ -3,7 +3,11 @@
 //! with the `spec.nodeName` and `spec.driver` field selectors), DeviceClasses.
 use std::collections::{BTreeMap, HashMap};
 
-use serde_json::Value;
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use hyper::{header::CONTENT_TYPE, Response};
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
 
 use super::{status, Answer, ApiState};
 #[allow(unused_imports)]
@@ -19,7 +23,12 @@ pub struct Resources {
     pub slices: BTreeMap<String, Value>,
     /// DeviceClasses by name.
     pub classes: BTreeMap<String, Value>,
+    /// The watches of ResourceSlices, with their field selectors.
+    pub slice_watches: Vec<(Selector, mpsc::UnboundedSender<Bytes>)>,
 }
+
+/// A field selector's terms: (field, value) pairs that must all match.
+pub type Selector = Vec<(String, String)>;
 
 /// A request under `/apis/resource.k8s.io/v1/`: its method, the path's segments after the
 /// version, the query's pairs and the body.
@@ -100,7 +109,178 @@ impl super::ApiServer {
     }
 }
 
-/// ResourceSlices.
-fn slices(_state: &mut ApiState, _asked: &Asked<'_>) -> Option<Answer> {
-    None
+/// ResourceSlices, as the real server keeps them (cluster-scoped): a list and a watch with
+/// the `spec.nodeName` and `spec.driver` field selectors, a create (409 if the name is taken),
+/// an update (`PUT`: 404 if absent, 409 on a stale `resourceVersion`), a delete; each write
+/// validated as resource.k8s.io/v1 validates a slice (a name, the driver, the pool, exactly one
+/// of the node fields, at most 128 devices, a request policy only on a device that allows
+/// multiple allocations), stamped with a new `resourceVersion` and told to the watches.
+fn slices(state: &mut ApiState, asked: &Asked<'_>) -> Option<Answer> {
+    let selector = match selector(asked.query) {
+        Ok(selector) => selector,
+        Err(message) => return Some(status(StatusCode::BAD_REQUEST, "BadRequest", &message)),
+    };
+    let version = state.version.to_string();
+    Some(match (asked.method, asked.rest) {
+        ("GET", ["resourceslices"]) if asked.query.get("watch") == Some(&"true") => {
+            let (sender, receiver) = mpsc::unbounded_channel();
+            let since: u64 = asked.query.get("resourceVersion").and_then(|v| v.parse().ok()).unwrap_or(u64::MAX);
+            for slice in state.resource.slices.values().filter(|s| selected(&selector, s)) {
+                if resource_version(slice) > since {
+                    let _ = sender.send(event("ADDED", slice));
+                }
+            }
+            let bookmark = json!({"type": "BOOKMARK", "object": {"kind": "ResourceSlice", "apiVersion": "resource.k8s.io/v1", "metadata": {"resourceVersion": version}}});
+            let _ = sender.send(Bytes::from(format!("{bookmark}\n")));
+            state.resource.slice_watches.push((selector, sender));
+            Response::builder().header(CONTENT_TYPE, "application/json").body(super::Events(receiver).boxed()).expect("a response")
+        }
+        ("GET", ["resourceslices"]) => {
+            let items: Vec<Value> = state.resource.slices.values().filter(|s| selected(&selector, s)).cloned().collect();
+            answer(StatusCode::OK, &json!({"kind": "ResourceSliceList", "apiVersion": "resource.k8s.io/v1", "metadata": {"resourceVersion": version}, "items": items}))
+        }
+        ("GET", ["resourceslices", name]) => match state.resource.slices.get(*name) {
+            Some(slice) => answer(StatusCode::OK, slice),
+            None => not_found(name),
+        },
+        ("POST", ["resourceslices"]) => {
+            let mut slice = match valid_slice(asked.body, None) {
+                Ok(slice) => slice,
+                Err(answer) => return Some(*answer),
+            };
+            let name = slice["metadata"]["name"].as_str().unwrap_or_default().to_owned();
+            if state.resource.slices.contains_key(&name) {
+                return Some(status(StatusCode::CONFLICT, "AlreadyExists", &format!("resourceslices.resource.k8s.io \"{name}\" already exists")));
+            }
+            state.version += 1;
+            slice["metadata"]["resourceVersion"] = json!(state.version.to_string());
+            slice["metadata"]["uid"] = json!(format!("slice-uid-{}", state.version));
+            slice["metadata"]["creationTimestamp"] = json!("2026-11-27T12:00:00Z");
+            tell(state, "ADDED", &slice);
+            state.resource.slices.insert(name, slice.clone());
+            answer(StatusCode::CREATED, &slice)
+        }
+        ("PUT", ["resourceslices", name]) => {
+            let mut slice = match valid_slice(asked.body, Some(name)) {
+                Ok(slice) => slice,
+                Err(answer) => return Some(*answer),
+            };
+            let Some(existing) = state.resource.slices.get(*name) else { return Some(not_found(name)) };
+            let asked_version = slice["metadata"]["resourceVersion"].as_str().filter(|v| !v.is_empty());
+            if asked_version.is_some_and(|v| Some(v) != existing["metadata"]["resourceVersion"].as_str()) {
+                let message = format!("Operation cannot be fulfilled on resourceslices.resource.k8s.io \"{name}\": the object has been modified; please apply your changes to the latest version and try again");
+                return Some(status(StatusCode::CONFLICT, "Conflict", &message));
+            }
+            state.version += 1;
+            slice["metadata"]["resourceVersion"] = json!(state.version.to_string());
+            slice["metadata"]["uid"] = existing["metadata"]["uid"].clone();
+            slice["metadata"]["creationTimestamp"] = existing["metadata"]["creationTimestamp"].clone();
+            tell(state, "MODIFIED", &slice);
+            state.resource.slices.insert((*name).to_owned(), slice.clone());
+            answer(StatusCode::OK, &slice)
+        }
+        ("DELETE", ["resourceslices", name]) => match state.resource.slices.remove(*name) {
+            Some(slice) => {
+                state.version += 1;
+                tell(state, "DELETED", &slice);
+                answer(StatusCode::OK, &slice)
+            }
+            None => not_found(name),
+        },
+        _ => status(StatusCode::METHOD_NOT_ALLOWED, "MethodNotAllowed", "not served here"),
+    })
+}
+
+fn not_found(name: &str) -> Answer {
+    status(StatusCode::NOT_FOUND, "NotFound", &format!("resourceslices.resource.k8s.io \"{name}\" not found"))
+}
+
+/// The `fieldSelector`'s terms (`spec.nodeName`, `spec.driver`, `metadata.name`: the fields
+/// the real server selects slices by).
+fn selector(query: &HashMap<&str, &str>) -> Result<Selector, String> {
+    let Some(raw) = query.get("fieldSelector") else { return Ok(Vec::new()) };
+    let decoded = raw.replace("%3D", "=").replace("%3d", "=").replace("%2C", ",").replace("%2c", ",");
+    decoded
+        .split(',')
+        .filter(|t| !t.is_empty())
+        .map(|term| {
+            let (field, value) = term.split_once('=').ok_or_else(|| format!("invalid field selector term {term:?}"))?;
+            let value = value.trim_start_matches('=');
+            match field {
+                "spec.nodeName" | "spec.driver" | "metadata.name" => Ok((field.to_owned(), value.to_owned())),
+                _ => Err(format!("field label not supported: {field}")),
+            }
+        })
+        .collect()
+}
+
+fn selected(selector: &[(String, String)], slice: &Value) -> bool {
+    selector.iter().all(|(field, value)| {
+        let got = match field.as_str() {
+            "spec.nodeName" => &slice["spec"]["nodeName"],
+            "spec.driver" => &slice["spec"]["driver"],
+            _ => &slice["metadata"]["name"],
+        };
+        got.as_str().unwrap_or_default() == value
+    })
+}
+
+fn resource_version(object: &Value) -> u64 {
+    object["metadata"]["resourceVersion"].as_str().and_then(|v| v.parse().ok()).unwrap_or(0)
+}
+
+fn event(kind: &str, object: &Value) -> Bytes {
+    Bytes::from(format!("{}\n", json!({"type": kind, "object": object})))
+}
+
+/// Sends the event to the watches that select the slice.
+fn tell(state: &mut ApiState, kind: &str, slice: &Value) {
+    let line = event(kind, slice);
+    state.resource.slice_watches.retain(|(selector, watch)| !selected(selector, slice) || watch.send(line.clone()).is_ok());
+}
+
+/// The body of a create or update, checked as the real server validates a ResourceSlice
+/// (the fields this driver's slices use), or the 400/422 it answers.
+fn valid_slice(body: &str, name: Option<&str>) -> Result<Value, Box<Answer>> {
+    let invalid = |why: &str| status(StatusCode::UNPROCESSABLE_ENTITY, "Invalid", &format!("ResourceSlice is invalid: {why}"));
+    let mut slice: Value = serde_json::from_str(body).map_err(|e| Box::new(status(StatusCode::BAD_REQUEST, "BadRequest", &format!("not JSON: {e}"))))?;
+    if slice["apiVersion"] != "resource.k8s.io/v1" || slice["kind"] != "ResourceSlice" {
+        return Err(Box::new(status(StatusCode::BAD_REQUEST, "BadRequest", "expected apiVersion resource.k8s.io/v1, kind ResourceSlice")));
+    }
+    let Some(own) = slice["metadata"]["name"].as_str().filter(|n| !n.is_empty()) else { return Err(Box::new(invalid("metadata.name: Required value"))) };
+    if name.is_some_and(|name| name != own) {
+        return Err(Box::new(status(StatusCode::BAD_REQUEST, "BadRequest", "the name in the body does not match the path")));
+    }
+    let spec = &slice["spec"];
+    if spec["driver"].as_str().is_none_or(str::is_empty) {
+        return Err(Box::new(invalid("spec.driver: Required value")));
+    }
+    let pool = &spec["pool"];
+    if pool["name"].as_str().is_none_or(str::is_empty) || !pool["generation"].is_i64() || pool["resourceSliceCount"].as_i64().is_none_or(|c| c < 1) {
+        return Err(Box::new(invalid("spec.pool: name, generation and resourceSliceCount (at least 1) are required")));
+    }
+    let node_fields = ["nodeName", "nodeSelector", "allNodes", "perDeviceNodeSelection"].iter().filter(|f| !spec[**f].is_null()).count();
+    if node_fields != 1 {
+        return Err(Box::new(invalid("spec: exactly one of nodeName, nodeSelector, allNodes, perDeviceNodeSelection is required")));
+    }
+    let devices = spec["devices"].as_array().cloned().unwrap_or_default();
+    if devices.len() > 128 {
+        return Err(Box::new(invalid("spec.devices: Too many: must have at most 128 items")));
+    }
+    for device in &devices {
+        if device["name"].as_str().is_none_or(str::is_empty) {
+            return Err(Box::new(invalid("spec.devices[].name: Required value")));
+        }
+        let policies = device["capacity"].as_object().is_some_and(|c| c.values().any(|v| !v["requestPolicy"].is_null()));
+        if policies && device["allowMultipleAllocations"] != true {
+            return Err(Box::new(invalid("spec.devices[].capacity[].requestPolicy: only with allowMultipleAllocations")));
+        }
+    }
+    // The server's own metadata is the server's to set.
+    for field in ["uid", "creationTimestamp"] {
+        if let Some(metadata) = slice["metadata"].as_object_mut() {
+            metadata.remove(field);
+        }
+    }
+    Ok(slice)
 }

@@ -114,7 +114,7 @@ impl Checkpoint {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dra::Share;
+    use crate::prepared::Share;
 
     fn claim(uid: &str, memory: u64) -> Prepared {
         Prepared {

@@ -145,13 +145,13 @@ pub fn remove(cdi_dir: &Path, state_dir: &Path, uid: &str) -> Result<(), String>
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dra::Share;
+    use crate::prepared::Share;
 
     fn share(gpu: u32, memory: u64) -> Share {
         Share {
             request: "gpu".into(),
             pool: "node-1".into(),
-            device: crate::dra::device_name(gpu),
+            device: crate::prepared::device_name(gpu),
             gpu,
             share_id: Some(format!("00000000-0000-4000-8000-00000000000{gpu}")),
             memory,

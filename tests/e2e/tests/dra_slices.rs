@@ -1,0 +1,252 @@
+//! The DRA driver's ResourceSlice pool, end to end (issue 25, item 1): the real agent with
+//! `--dra`, NVML (the fake's, four GPUs of 80 GiB) and a Kubernetes API server (the tests'
+//! own, `kube_api/`, TLS, the service account's files) that serves ResourceSlices as the real
+//! one does (list and watch with field selectors, create, update, delete, validated).
+//!
+//! Shown: the pool is published (one slice on the node, one device per GPU, the wire body in
+//! resource.k8s.io/v1's field names: `spec.driver`, `spec.nodeName`, `spec.pool.generation`,
+//! `devices[].allowMultipleAllocations`, `devices[].capacity.memory.value`, its
+//! `requestPolicy.validRange`); an agent restarted publishes again with a higher generation,
+//! updating its slice in place and deleting a stale one of an earlier pool, never touching
+//! another driver's or another node's slices; an unchanged pool is left alone; a GPU removed
+//! from the bus (NVML no longer counts it) is gone from the pool, with the generation bumped;
+//! slices the kubelet deletes
+//! (it does at its start) are published again, also after a spell of API failures. With
+//! `--dra` the node's `vramguard.io/gpu-memory` is not advertised even with `--gpu-memory`, and
+//! the capacity an agent without `--dra` left in the node's status is removed. On a node
+//! without NVML, `--gpu-memory` is the inventory, and the devices say so.
+//!
+//! Needs root and the built binaries (no containerd: the agent's NRI side waits for one).
+use std::{
+    ffi::{OsStr, OsString},
+    path::Path,
+};
+
+use anyhow::{ensure, Context, Result};
+use e2e::{agent::Agent, http, timeout, wait_for, FakeNode, TempDir, GIB};
+use serde_json::{json, Value};
+
+mod kube_api;
+
+use kube_api::{ApiServer, Mode, NODE};
+
+const DRIVER: &str = "gpu.vramguard.io";
+
+/// The agent with `--dra` on the fake's GPUs (`--gpu-memory` four of 80 GiB), reaching `api`
+/// as a pod does.
+fn agent(api: &ApiServer, fake: &FakeNode, dir: &Path, account: &Path) -> Result<Agent> {
+    agent_with(api, fake, dir, account, "80g,80g,80g,80g")
+}
+
+fn agent_with(api: &ApiServer, fake: &FakeNode, dir: &Path, account: &Path, gpu_memory: &str) -> Result<Agent> {
+    let libcuda = e2e::fake_driver_dir()?.join("libcuda.so.1");
+    let args: Vec<OsString> = vec![
+        "--libcuda".into(),
+        libcuda.into(),
+        "--no-discover".into(),
+        "--ledger-dir".into(),
+        dir.join("ledgers").into(),
+        "--metrics-addr".into(),
+        "127.0.0.1:0".into(),
+        "--nri".into(),
+        "--nri-socket".into(),
+        dir.join("nri.sock").into(),
+        "--state-dir".into(),
+        dir.join("state").into(),
+        "--hook-library".into(),
+        e2e::hook_lib()?.into(),
+        // The extended resource's sizing: not advertised with --dra.
+        "--gpu-memory".into(),
+        gpu_memory.into(),
+        "--kube".into(),
+        "--dra".into(),
+        "--dra-slices-every-s".into(),
+        "1".into(),
+    ];
+    let mut env: Vec<(OsString, OsString)> = fake.env().to_vec();
+    env.extend([
+        ("KUBERNETES_SERVICE_HOST".into(), "127.0.0.1".into()),
+        ("KUBERNETES_SERVICE_PORT".into(), api.addr.port().to_string().into()),
+        ("NODE_NAME".into(), NODE.into()),
+        ("VRAMGUARD_KUBE_SERVICE_ACCOUNT_DIR".into(), account.into()),
+    ]);
+    let args: Vec<&OsStr> = args.iter().map(OsString::as_os_str).collect();
+    Agent::start_with_env(&args, &env)
+}
+
+/// This driver's slices on the node.
+fn pool(api: &ApiServer) -> Vec<Value> {
+    api.with(|s| s.resource.slices.values().filter(|v| v["spec"]["driver"] == DRIVER && v["spec"]["nodeName"] == NODE).cloned().collect())
+}
+
+/// The pool's generation and its devices' names, when it is one slice.
+fn published(api: &ApiServer) -> Option<(i64, Vec<String>)> {
+    let pool = pool(api);
+    let [slice] = pool.as_slice() else { return None };
+    let devices = slice["spec"]["devices"].as_array()?.iter().filter_map(|d| d["name"].as_str().map(str::to_owned)).collect();
+    Some((slice["spec"]["pool"]["generation"].as_i64()?, devices))
+}
+
+fn gpus(n: u32) -> Vec<String> {
+    (0..n).map(|i| format!("gpu-{i}")).collect()
+}
+
+/// Someone else's slice, which the agent must leave alone.
+fn foreign(name: &str, driver: &str, node: &str) -> Value {
+    json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+        "metadata": {"name": name, "resourceVersion": "5"},
+        "spec": {"driver": driver, "nodeName": node, "pool": {"name": node, "generation": 9, "resourceSliceCount": 1}, "devices": [{"name": "gpu-0"}]}
+    })
+}
+
+#[test]
+fn the_pool_is_published_republished_with_a_higher_generation_and_follows_the_gpus() -> Result<()> {
+    let api = ApiServer::start()?;
+    let dir = TempDir::new("dra-slices")?;
+    let account = dir.path().join("serviceaccount");
+    api.service_account(&account)?;
+    std::fs::create_dir_all(dir.path().join("ledgers"))?;
+    let fake = FakeNode::new("dra-slices").with_env("FAKECUDA_DEVICE_COUNT", "4").with_env("FAKECUDA_DEVICE_BYTES", "80g");
+    // An agent without --dra advertised the node-wide resource before.
+    api.with(|s| s.node["status"]["capacity"][kube_api::RESOURCE] = json!((320 * GIB).to_string()));
+    api.with(|s| {
+        for (name, driver, node) in [("other-driver", "gpu.nvidia.com", NODE), ("other-node", DRIVER, "gpu-node-8")] {
+            s.resource.slices.insert(name.into(), foreign(name, driver, node));
+        }
+    });
+
+    // Published: one slice, four devices.
+    let first = agent(&api, &fake, dir.path(), &account)?;
+    wait_for(timeout(), "the pool published with four GPUs", || Ok(published(&api).is_some_and(|(_, d)| d == gpus(4))))
+        .with_context(|| first.log())?;
+    let (generation, _) = published(&api).context("the pool")?;
+    ensure!(generation >= 1, "{generation}");
+
+    // The wire: the list with both field selectors, the create's body in v1's names.
+    let seen = api.seen();
+    let list = seen.iter().find(|r| r.method == "GET" && r.target.starts_with("/apis/resource.k8s.io/v1/resourceslices?")).context("no list")?;
+    ensure!(list.target.contains(&format!("spec.nodeName%3D{NODE}")) && list.target.contains(&format!("spec.driver%3D{DRIVER}")), "{list:?}");
+    let create = seen.iter().find(|r| r.method == "POST" && r.target.starts_with("/apis/resource.k8s.io/v1/resourceslices")).context("no create")?;
+    let body: Value = serde_json::from_str(&create.body)?;
+    ensure!(body["apiVersion"] == "resource.k8s.io/v1" && body["kind"] == "ResourceSlice", "{body}");
+    let spec = &body["spec"];
+    ensure!(spec["driver"] == DRIVER && spec["nodeName"] == NODE, "{spec}");
+    ensure!(spec["pool"]["name"] == NODE && spec["pool"]["generation"] == generation && spec["pool"]["resourceSliceCount"] == 1, "{spec}");
+    let devices = spec["devices"].as_array().context("devices")?;
+    ensure!(devices.len() == 4, "{spec}");
+    for (index, device) in devices.iter().enumerate() {
+        ensure!(device["name"] == format!("gpu-{index}"), "{device}");
+        ensure!(device["allowMultipleAllocations"] == true, "{device}");
+        let attributes = &device["attributes"];
+        ensure!(attributes["index"]["int"] == index, "{device}");
+        ensure!(attributes["uuid"]["string"].as_str().is_some_and(|u| u.starts_with("GPU-")), "{device}");
+        ensure!(attributes["product"]["string"] == "NVIDIA H100 80GB HBM3", "{device}");
+        ensure!(attributes["memory"]["int"] == 80 * GIB, "{device}");
+        ensure!(attributes["source"]["string"] == "nvml", "{device}");
+        let memory = &device["capacity"]["memory"];
+        // Quantities are strings of bytes on the wire.
+        let bytes = |v: &Value| v.as_str().and_then(|q| q.parse::<u64>().ok());
+        // 80 GiB less the default 1 GiB reserve; min 1 GiB, step 256 MiB, the whole GPU by default.
+        ensure!(bytes(&memory["value"]) == Some(79 * GIB), "{device}");
+        let policy = &memory["requestPolicy"];
+        ensure!(bytes(&policy["validRange"]["min"]) == Some(GIB), "{device}");
+        ensure!(bytes(&policy["validRange"]["step"]) == Some(256 << 20), "{device}");
+        ensure!(bytes(&policy["validRange"]["max"]) == Some(79 * GIB), "{device}");
+        ensure!(bytes(&policy["default"]) == Some(79 * GIB), "{device}");
+    }
+    let metrics = http::fresh_scrape(first.metrics_addr()?)?;
+    ensure!(http::metric(&metrics, "vramguard_dra_slice_generation", &[]) == Some(generation as f64), "{metrics:?}");
+    ensure!(http::metric(&metrics, "vramguard_dra_devices", &[]) == Some(4.0), "{metrics:?}");
+    ensure!(http::metric(&metrics, "vramguard_dra_slice_syncs_total", &[("result", "published")]).is_some_and(|n| n >= 1.0), "{metrics:?}");
+    let log = first.stop()?;
+
+    // A stale slice of an earlier pool (say, of more GPUs) is there when the agent restarts.
+    let stale = format!("{NODE}-{DRIVER}-1");
+    api.with(|s| {
+        let mut slice = s.resource.slices.values().find(|v| v["spec"]["driver"] == DRIVER && v["spec"]["nodeName"] == NODE).cloned().unwrap_or_default();
+        slice["metadata"]["name"] = json!(stale);
+        s.resource.slices.insert(stale.clone(), slice);
+    });
+    let writes_before = api.seen().len();
+    let second = agent(&api, &fake, dir.path(), &account).with_context(|| log.clone())?;
+    wait_for(timeout(), "the pool published again with a higher generation, the stale slice gone", || {
+        Ok(published(&api).is_some_and(|(g, d)| g > generation && d == gpus(4)))
+    })
+    .with_context(|| second.log())?;
+    let (restarted, _) = published(&api).context("the pool")?;
+    let since: Vec<_> = api.seen().into_iter().skip(writes_before).collect();
+    ensure!(since.iter().any(|r| r.method == "PUT" && r.target.starts_with(&format!("/apis/resource.k8s.io/v1/resourceslices/{NODE}-{DRIVER}-0"))), "updated in place: {since:?}");
+    ensure!(since.iter().any(|r| r.method == "DELETE" && r.target.starts_with(&format!("/apis/resource.k8s.io/v1/resourceslices/{stale}"))), "{since:?}");
+    ensure!(!since.iter().any(|r| r.method == "POST"), "no second slice created: {since:?}");
+    ensure!(api.with(|s| s.resource.slices.contains_key("other-driver") && s.resource.slices.contains_key("other-node")), "others' slices untouched");
+
+    // Unchanged, the pool is checked and left alone: no new generation.
+    wait_for(timeout(), "three checks that found the pool unchanged", || {
+        let metrics = http::fresh_scrape(second.metrics_addr()?)?;
+        Ok(http::metric(&metrics, "vramguard_dra_slice_syncs_total", &[("result", "unchanged")]).is_some_and(|n| n >= 3.0))
+    })
+    .with_context(|| second.log())?;
+    ensure!(published(&api).is_some_and(|(g, _)| g == restarted), "a pool left as it was");
+
+    // A GPU removed from the bus: NVML counts three; the pool follows, generation bumped.
+    std::fs::remove_file(fake.device_file(3))?;
+    wait_for(timeout(), "the pool without gpu-3", || Ok(published(&api).is_some_and(|(g, d)| g > restarted && d == gpus(3))))
+        .with_context(|| second.log())?;
+    let (removed, _) = published(&api).context("the pool")?;
+
+    // The kubelet deletes the node's slices (at its start): published again.
+    api.with(|s| s.resource.slices.retain(|_, v| v["spec"]["driver"] != DRIVER || v["spec"]["nodeName"] != NODE));
+    wait_for(timeout(), "the pool published again after the kubelet deleted it", || Ok(published(&api).is_some_and(|(g, d)| g > removed && d == gpus(3))))
+        .with_context(|| second.log())?;
+    let (again, _) = published(&api).context("the pool")?;
+
+    // The API server fails for a while, the slices deleted meanwhile: retried, published.
+    api.set_mode(Mode::Failing);
+    api.with(|s| s.resource.slices.retain(|_, v| v["spec"]["driver"] != DRIVER || v["spec"]["nodeName"] != NODE));
+    wait_for(timeout(), "a failed sync counted", || {
+        let metrics = http::fresh_scrape(second.metrics_addr()?)?;
+        Ok(http::metric(&metrics, "vramguard_dra_slice_syncs_total", &[("result", "error")]).is_some_and(|n| n >= 2.0))
+    })
+    .with_context(|| second.log())?;
+    api.set_mode(Mode::Up);
+    wait_for(timeout(), "the pool published once the API server answers", || Ok(published(&api).is_some_and(|(g, d)| g > again && d == gpus(3))))
+        .with_context(|| second.log())?;
+
+    // With --dra the node-wide extended resource is withdrawn (once) and never advertised.
+    let patches: Vec<_> = api.seen().into_iter().filter(|r| r.method == "PATCH").collect();
+    ensure!(patches.len() == 1, "one patch of the node's status: {patches:?}");
+    ensure!(patches[0].body == r#"[{"op":"remove","path":"/status/capacity/vramguard.io~1gpu-memory"}]"#, "{patches:?}");
+    ensure!(api.with(|s| s.node["status"]["capacity"].get(kube_api::RESOURCE).is_none()), "no vramguard.io/gpu-memory capacity");
+    ensure!(api.with(|s| s.node["status"]["capacity"]["cpu"] == "16"), "the rest of the capacity untouched");
+    let log = second.stop()?;
+    ensure!(log.contains("not advertised"), "the agent says why: {log}");
+    fake.cleanup();
+    Ok(())
+}
+
+#[test]
+fn without_nvml_the_gpu_memory_flag_is_a_fake_inventory_and_says_so() -> Result<()> {
+    let api = ApiServer::start()?;
+    let dir = TempDir::new("dra-slices-flag")?;
+    let account = dir.path().join("serviceaccount");
+    api.service_account(&account)?;
+    std::fs::create_dir_all(dir.path().join("ledgers"))?;
+    // A node without the driver: NVML's init answers NVML_ERROR_DRIVER_NOT_LOADED.
+    let fake = FakeNode::new("dra-slices-flag").with_env("FAKECUDA_NVML", "absent");
+    let agent = agent_with(&api, &fake, dir.path(), &account, "16Gi,24Gi")?;
+    wait_for(timeout(), "the pool published from --gpu-memory", || Ok(published(&api).is_some_and(|(_, d)| d == gpus(2))))
+        .with_context(|| agent.log())?;
+    let pool = pool(&api);
+    let devices = pool[0]["spec"]["devices"].as_array().context("devices")?;
+    for (device, memory) in devices.iter().zip([16 * GIB, 24 * GIB]) {
+        let attributes = &device["attributes"];
+        ensure!(attributes["source"]["string"] == "gpu-memory" && attributes["product"]["string"] == "unknown", "{device}");
+        ensure!(attributes.get("uuid").is_none(), "no UUID to give: {device}");
+        ensure!(attributes["memory"]["int"] == memory, "{device}");
+        ensure!(device["capacity"]["memory"]["value"].as_str() == Some(&*(memory - GIB).to_string()), "{device}");
+    }
+    drop(agent);
+    fake.cleanup();
+    Ok(())
+}
