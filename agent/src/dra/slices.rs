@@ -513,10 +513,12 @@ mod tests {
         #[derive(Parser)]
         struct Cli {
             #[command(flatten)]
+            plugin: crate::dra::plugin::DraArgs,
+            #[command(flatten)]
             dra: SliceArgs,
         }
         let cli = Cli::try_parse_from(["x", "--dra"]).expect("flags");
-        assert!(cli.dra.dra);
+        assert!(cli.plugin.dra);
         assert_eq!(cli.dra.settings(), Ok(Settings::default()));
         assert_eq!(cli.dra.dra_memory_reserve, GIB);
         let cli = Cli::try_parse_from(["x", "--dra", "--dra-memory-min", "2g", "--dra-memory-step", "1g", "--dra-memory-default", "8g"]).expect("flags");
