@@ -24,15 +24,15 @@
 //! Needs root, the containerd cache (`cargo xtask setup`) and the built binaries.
 use std::{
     ffi::{OsStr, OsString},
-    path::{Path, PathBuf},
+    path::PathBuf,
     time::Duration,
 };
 
 use agent::{dra::cdi, quantity::parse_quantity};
 use anyhow::{bail, ensure, Context, Result};
 use e2e::{
-    agent::{agent_bin, Agent},
-    containerd::{workload_path, ContainerId, ContainerSpec, Containerd, PodId},
+    agent::Agent,
+    containerd::{ContainerId, ContainerSpec, Containerd, PodId},
     timeout, wait_for, FakeNode, TempDir, GIB, MIB,
 };
 use serde_json::{json, Value};
@@ -40,7 +40,10 @@ use serde_json::{json, Value};
 mod dra;
 mod kube_api;
 
-use dra::kubelet::{self, Kubelet, Plugin};
+use dra::{
+    kubelet::{self, Kubelet, Plugin},
+    node::{ledger_devices, provisioned, stand_in_gpu_node},
+};
 use kube_api::{resource, ApiServer, NODE};
 
 const DRIVER: &str = "gpu.vramguard.io";
@@ -228,61 +231,31 @@ impl Node {
         Ok((pod, id))
     }
 
-    /// Runs `fakecuda-workload` with these steps in `container`: its output lines.
-    fn workload(&self, container: &ContainerId, steps: &[&str]) -> Result<Vec<String>> {
-        let workload = workload_path();
-        let argv: Vec<&str> = [workload.as_str()].into_iter().chain(steps.iter().copied()).collect();
-        let out = self.containerd.exec_sync(container, &argv)?;
-        ensure!(out.exit_code == 0, "{argv:?} in the container: {out:?}\n{}", self.agent.log());
-        Ok(out.stdout.lines().map(str::to_owned).collect())
-    }
-
-    /// The agent's record of provisioned container `id`.
-    fn provisioned(&self, id: &ContainerId) -> Result<Option<Value>> {
-        let audit = self.agent.audit()?;
-        let rows = audit["provisioned"].as_array().context("no provisioned list in the audit")?;
-        Ok(rows.iter().find(|r| r["container_id"] == id.0.as_str()).cloned())
-    }
-
     /// Claim `uid`'s ledger directory on the host.
     fn ledger_dir(&self, uid: &str) -> PathBuf {
         self.path("ledgers").join(format!("dra-{uid}"))
     }
 
-    /// (index, limit) of each device of claim `uid`'s ledger (`vramguard inspect --json`).
+    /// (index, limit) of each device of claim `uid`'s ledger.
     fn ledger_limits(&self, uid: &str) -> Result<Vec<(u64, u64)>> {
-        let ledger = self.ledger_dir(uid).join("ledger");
-        let out = std::process::Command::new(agent_bin()?).args(["inspect", "--json"]).arg(&ledger).output()?;
-        ensure!(out.status.success(), "inspect: {}", String::from_utf8_lossy(&out.stderr));
-        let report: Value = serde_json::from_slice(&out.stdout)?;
-        let devices = report["devices"].as_array().with_context(|| format!("no devices in {report}"))?;
-        devices.iter().map(|d| Ok((d["index"].as_u64().context("index")?, d["limit_bytes"].as_u64().context("limit")?))).collect()
+        ledger_devices(&self.ledger_dir(uid).join("ledger"), "limit_bytes")
     }
 
     /// Checks that `id` is provisioned from `claim` on GPU 1 alone and that its workload is
     /// held to the claim's memory there: `honest` granted (the last line `meminfo`, whose total
     /// is the claim's memory), `refused` (an allocation named `x`) refused.
     fn held_to(&self, claim: &Prepared, id: &ContainerId, steps: &[&str]) -> Result<()> {
-        let record = self.provisioned(id)?.with_context(|| format!("{} not provisioned:\n{}", claim.name, self.agent.log()))?;
+        let record = provisioned(&self.agent, id)?.with_context(|| format!("{} not provisioned:\n{}", claim.name, self.agent.log()))?;
         ensure!(record["claim"] == claim.uid && record["source"] == "dra claim", "{}: {record}", claim.name);
         ensure!(record["gpus"] == json!([1]) && record["quota"] == claim.memory, "{}: GPU 1 at the claim's memory: {record}", claim.name);
         ensure!(self.ledger_limits(claim.uid)? == [(0, claim.memory)], "{}: the ledger's one device: {:?}", claim.name, self.ledger_limits(claim.uid)?);
-        let lines = self.workload(id, steps)?;
+        let lines = dra::node::workload(&self.containerd, id, steps).with_context(|| self.agent.log())?;
         eprintln!("{}: {lines:?}", claim.name);
         ensure!(lines.iter().any(|l| l == "oom x"), "{}: the allocation past the claim's memory is refused: {lines:?}", claim.name);
         ensure!(!lines.iter().any(|l| l.starts_with("oom ") && l != "oom x"), "{}: an honest allocation refused: {lines:?}", claim.name);
         ensure!(lines.iter().any(|l| l.contains(&format!("total={}", claim.memory))), "{}: the GPU's memory is the claim's: {lines:?}", claim.name);
         Ok(())
     }
-}
-
-/// A stand-in for GPU `n`'s device node: a character device with /dev/null's numbers at
-/// `<dir>/nvidia<n>` (in the test's own directory, never in /dev).
-fn stand_in_gpu_node(dir: &Path, n: u32) -> Result<()> {
-    let path = dir.join(format!("nvidia{n}"));
-    let out = std::process::Command::new("mknod").arg(&path).args(["c", "1", "3"]).output()?;
-    ensure!(out.status.success(), "mknod {}: {}", path.display(), String::from_utf8_lossy(&out.stderr));
-    Ok(())
 }
 
 #[test]
