@@ -345,6 +345,10 @@ pub struct DraArgs {
     /// Where the prepared claims' CDI specs are written (a directory the runtime reads specs from).
     #[arg(long, default_value = "/var/run/cdi", value_name = "DIR")]
     pub cdi_dir: PathBuf,
+    /// Where the GPUs' device nodes (`nvidia<N>`) are on the host: a prepared claim's CDI spec
+    /// gives its containers `/dev/nvidia<N>` from there (the tests point it at stand-ins).
+    #[arg(long, default_value = "/dev", value_name = "DIR")]
+    pub dra_device_dir: PathBuf,
 }
 
 /// What the plugin is given from the rest of the agent's configuration: the API server
@@ -397,7 +401,7 @@ pub async fn wire(
     info!(claims = checkpoint.claims().count(), path = %checkpoint.path().display(), "the DRA checkpoint");
     let claims = super::prepare::KubeClaims(client);
     let health = Health { pool: node.clone(), gpus: gpu_memory.len() as u32, driver };
-    let preparer = Preparer::new(claims, node, gpu_memory, args.cdi_dir.clone(), state_dir, checkpoint);
+    let preparer = Preparer::new(claims, node, gpu_memory, args.cdi_dir.clone(), state_dir, checkpoint).with_device_dir(args.dra_device_dir.clone());
     let metrics = Metrics::new()?;
     let sockets = Sockets { registry_dir: args.kubelet_registry_dir.clone(), plugins_dir: args.kubelet_plugins_dir.clone() };
     let task = start(sockets, preparer, health, metrics.clone(), stop)?;

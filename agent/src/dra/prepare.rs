@@ -146,13 +146,21 @@ pub struct Preparer<C> {
     gpus: Vec<u64>,
     cdi_dir: PathBuf,
     state_dir: PathBuf,
+    /// Where the GPUs' device nodes are on the host (`--dra-device-dir`, `/dev`).
+    device_dir: PathBuf,
     /// Locked on the blocking pool only.
     checkpoint: Arc<Mutex<Checkpoint>>,
 }
 
 impl<C: Claims> Preparer<C> {
     pub fn new(claims: C, node: String, gpus: Vec<u64>, cdi_dir: PathBuf, state_dir: PathBuf, checkpoint: Checkpoint) -> Preparer<C> {
-        Preparer { claims, node, gpus, cdi_dir, state_dir, checkpoint: Arc::new(Mutex::new(checkpoint)) }
+        Preparer { claims, node, gpus, cdi_dir, state_dir, device_dir: PathBuf::from(cdi::DEVICE_DIR), checkpoint: Arc::new(Mutex::new(checkpoint)) }
+    }
+
+    /// The preparer with the GPUs' device nodes taken from `device_dir` (the CDI specs' host
+    /// paths) instead of `/dev`.
+    pub fn with_device_dir(self, device_dir: PathBuf) -> Preparer<C> {
+        Preparer { device_dir, ..self }
     }
 
     /// The checkpoint this preparer keeps, for a reader of the prepared claims beside it (the
@@ -191,7 +199,8 @@ impl<C: Claims> Preparer<C> {
         };
         let prepared = shares_of(&claim, asked, &self.node, &self.gpus)?;
         let (checkpoint, gpus, cdi_dir, state_dir) = (self.checkpoint.clone(), self.gpus.clone(), self.cdi_dir.clone(), self.state_dir.clone());
-        blocking(move || Ok(commit(&mut lock(&checkpoint), &gpus, &cdi_dir, &state_dir, prepared)))
+        let device_dir = self.device_dir.clone();
+        blocking(move || Ok(commit(&mut lock(&checkpoint), &gpus, &cdi_dir, &state_dir, &device_dir, prepared)))
             .await
             .map_err(|e| refuse(Reason::Write, e))?
     }
@@ -222,7 +231,14 @@ impl<C: Claims> Preparer<C> {
 
 /// Checks the capacity, writes the spec and records the claim: one step under the checkpoint's
 /// lock, so that two claims cannot both take a GPU's last bytes.
-fn commit(checkpoint: &mut Checkpoint, gpus: &[u64], cdi_dir: &std::path::Path, state_dir: &std::path::Path, prepared: Prepared) -> Result<Outcome, Refusal> {
+fn commit(
+    checkpoint: &mut Checkpoint,
+    gpus: &[u64],
+    cdi_dir: &std::path::Path,
+    state_dir: &std::path::Path,
+    device_dir: &std::path::Path,
+    prepared: Prepared,
+) -> Result<Outcome, Refusal> {
     if let Some(known) = checkpoint.get(&prepared.uid) {
         // Prepared meanwhile by another call for the same claim.
         return Ok(Outcome::Repeated(known.clone()));
@@ -247,7 +263,7 @@ fn commit(checkpoint: &mut Checkpoint, gpus: &[u64], cdi_dir: &std::path::Path, 
         }
         used.insert(share.gpu, after);
     }
-    cdi::write(cdi_dir, state_dir, &prepared).map_err(|e| refuse(Reason::Write, e))?;
+    cdi::write_in(cdi_dir, state_dir, device_dir, &prepared).map_err(|e| refuse(Reason::Write, e))?;
     if let Err(error) = checkpoint.insert(prepared.clone()) {
         // Not recorded: not prepared (the kubelet will try again).
         let _ = cdi::remove(cdi_dir, state_dir, &prepared.uid);

@@ -11,13 +11,17 @@ use std::time::Duration;
 
 use std::ffi::{OsStr, OsString};
 
-use agent::dra::{self, cdi, checkpoint::Checkpoint, Prepared, Share};
+use agent::dra::{cdi, checkpoint::Checkpoint, Prepared, Share};
 use agent::provision::nri::{self, Adjustment, Container, Handler, Pod};
 use anyhow::{ensure, Context, Result};
-use e2e::agent::{agent_bin, provisioning_args, Agent};
+use e2e::agent::{provisioning_args, Agent};
 use e2e::containerd::{workload_path, ContainerId, ContainerSpec, Containerd, PodId};
 use e2e::{timeout, wait_for, FakeNode, TempDir, GIB};
 use serde_json::Value;
+
+mod dra;
+
+use dra::node::stand_in_gpu_node;
 
 /// A handler that records what the runtime hands over at CreateContainer.
 struct Recorder(Mutex<mpsc::Sender<Container>>);
@@ -73,17 +77,6 @@ impl Drop for Plugin {
     }
 }
 
-/// A stand-in for GPU `n`'s device node: a character device with /dev/null's numbers at
-/// `<dir>/nvidia<n>` (made in the test's own directory, never in /dev).
-fn fake_gpu_node(dir: &Path, n: u32) -> Result<PathBuf> {
-    let path = dir.join(format!("nvidia{n}"));
-    if !path.exists() {
-        let out = std::process::Command::new("mknod").arg(&path).args(["c", "1", "3"]).output()?;
-        ensure!(out.status.success(), "mknod {}: {}", path.display(), String::from_utf8_lossy(&out.stderr));
-    }
-    Ok(path)
-}
-
 /// A claim of `uid` with one share of `memory` on each of `gpus`.
 fn claim(uid: &str, memory: u64, gpus: &[u32]) -> Prepared {
     Prepared {
@@ -95,7 +88,7 @@ fn claim(uid: &str, memory: u64, gpus: &[u32]) -> Prepared {
             .map(|&gpu| Share {
                 request: "gpu".into(),
                 pool: "node-1".into(),
-                device: dra::device_name(gpu),
+                device: agent::dra::device_name(gpu),
                 gpu,
                 share_id: Some(format!("00000000-0000-4000-8000-00000000000{gpu}")),
                 memory,
@@ -120,7 +113,7 @@ fn nri_sees_the_claim_s_cdi_edits() -> Result<()> {
     let state = dir.path().join("state");
     let nodes = dir.path().join("nodes");
     std::fs::create_dir_all(&nodes)?;
-    fake_gpu_node(&nodes, 1)?;
+    stand_in_gpu_node(&nodes, 1)?;
     let containerd = Containerd::start(&dir.path().join("nri.sock"))?;
     let uid = "6f1c0d36-0000-4000-8000-0000000000a1";
     prepare(&containerd, &state, &nodes, &claim(uid, GIB, &[1]))?;
@@ -162,7 +155,7 @@ impl Node {
             std::fs::create_dir_all(dir.path().join(sub))?;
         }
         for n in [0, 1] {
-            fake_gpu_node(&dir.path().join("nodes"), n)?;
+            stand_in_gpu_node(&dir.path().join("nodes"), n)?;
         }
         std::fs::write(dir.path().join("quotas"), "namespace=elsewhere 1g\n")?;
         let containerd = Containerd::start(&dir.path().join("nri.sock"))?;
@@ -207,18 +200,12 @@ impl Node {
 
     /// Runs `fakecuda-workload` with these steps in `container`; its output lines.
     fn workload(&self, container: &ContainerId, steps: &[&str]) -> Result<Vec<String>> {
-        let workload = workload_path();
-        let argv: Vec<&str> = [workload.as_str()].into_iter().chain(steps.iter().copied()).collect();
-        let out = self.containerd.exec_sync(container, &argv)?;
-        ensure!(out.exit_code == 0, "{argv:?} in the container: {out:?}");
-        Ok(out.stdout.lines().map(str::to_owned).collect())
+        dra::node::workload(&self.containerd, container, steps)
     }
 
     /// The agent's record of provisioned container `id`.
     fn provisioned(&self, id: &ContainerId) -> Result<Option<Value>> {
-        let audit = self.agent.audit()?;
-        let rows = audit["provisioned"].as_array().context("no provisioned list in the audit")?;
-        Ok(rows.iter().find(|r| r["container_id"] == id.0.as_str()).cloned())
+        dra::node::provisioned(&self.agent, id)
     }
 
     /// The claim's ledger on the host.
@@ -233,11 +220,7 @@ impl Node {
 
     /// (index, `field`) of each device of the ledger at `path` (`vramguard inspect --json`).
     fn ledger_devices(&self, path: &Path, field: &str) -> Result<Vec<(u64, u64)>> {
-        let out = std::process::Command::new(agent_bin()?).args(["inspect", "--json"]).arg(path).output()?;
-        ensure!(out.status.success(), "inspect: {}", String::from_utf8_lossy(&out.stderr));
-        let report: Value = serde_json::from_slice(&out.stdout)?;
-        let devices = report["devices"].as_array().with_context(|| format!("no devices in {report}"))?;
-        devices.iter().map(|d| Ok((d["index"].as_u64().context("index")?, d[field].as_u64().with_context(|| field.to_string())?))).collect()
+        dra::node::ledger_devices(path, field)
     }
 
     /// The agent's `vramguard_dra_containers_refused_total{reason}`.

@@ -1,0 +1,325 @@
+//! The DRA driver's whole chain on one node (issue 25, the first Must show): a real containerd
+//! (1.7.24, CDI and NRI on) with the agent binary as its NRI plugin and as the kubelet plugin
+//! (`--nri --kube --dra`, two GPUs of 8 GiB, its CDI specs in containerd's CDI directory, the
+//! GPUs' device nodes stand-ins in the test's directory: `--dra-device-dir`), the tests' API
+//! server (`kube_api/`) holding the ResourceClaims, and the test kubelet (`dra/kubelet.rs`)
+//! that finds the plugin through its registration socket, prepares the claims a pod needs and
+//! creates its container through CRI with the CDI devices the plugin returned (`CDI_devices`).
+//!
+//! The claims are allocated by [`Scheduler`]: the scheduler's consumable-capacity allocation
+//! with the driver's request policy (rounding, the sum of `consumedCapacity` on a GPU at most
+//! its capacity, a fresh `shareID`), so that the two claims the containers get land on one GPU,
+//! the other one full. Shown:
+//!
+//! * prepare answers each claim's CDI device and share; the spec the agent wrote gives the
+//!   allocated GPU's node from `--dra-device-dir`;
+//! * inside the container, the hooked workload sees its claim's rounded memory as the GPU's,
+//!   its honest allocations up to it are granted, one past it is refused;
+//! * the second claim on the same GPU has its own quota (its own rounded memory, granted where
+//!   the first claim's container is refused);
+//! * the containers stopped, unprepare removes each claim's CDI spec, its directory and its
+//!   checkpoint entry; the containers removed, the claims' ledgers (`<ledger-dir>/dra-<uid>/`)
+//!   are gone.
+//!
+//! Needs root, the containerd cache (`cargo xtask setup`) and the built binaries.
+use std::{
+    ffi::{OsStr, OsString},
+    path::PathBuf,
+    time::Duration,
+};
+
+use agent::{dra::cdi, quantity::parse_quantity};
+use anyhow::{bail, ensure, Context, Result};
+use e2e::{
+    agent::Agent,
+    containerd::{ContainerId, ContainerSpec, Containerd, PodId},
+    timeout, wait_for, FakeNode, TempDir, GIB, MIB,
+};
+use serde_json::{json, Value};
+
+mod dra;
+mod kube_api;
+
+use dra::{
+    kubelet::{self, Kubelet, Plugin},
+    node::{ledger_devices, provisioned, stand_in_gpu_node},
+};
+use kube_api::{resource, ApiServer, NODE};
+
+const DRIVER: &str = "gpu.vramguard.io";
+const NAMESPACE: &str = "team-a";
+/// Each GPU's memory (`--gpu-memory`): the devices' `memory` capacity.
+const GPU_MEMORY: u64 = 8 * GIB;
+
+/// A stand-in for the scheduler's allocation with consumable capacity (KEP-5075) until the
+/// tests' allocator lands (tests/e2e/src/allocator.rs on branch `draslices`, which reads the
+/// published ResourceSlices): at the merge, swap this for it. Every GPU of the node is a
+/// device allowing multiple allocations with a `memory` capacity and the driver's default
+/// request policy ([`Scheduler::MIN`], [`Scheduler::STEP`], `max` the capacity on the grid,
+/// `default` the `max`). A request consumes its memory rounded by the policy; it goes to the
+/// first GPU where the sum of what its claims consume stays at most the capacity, with a fresh
+/// UUID as `shareID`; none: unschedulable.
+struct Scheduler {
+    /// (device name, capacity, consumed so far), in the pool's order.
+    gpus: Vec<(String, u64, u64)>,
+}
+
+impl Scheduler {
+    /// The policy's `validRange.min` and `step` (the driver's defaults).
+    const MIN: u64 = GIB;
+    const STEP: u64 = 256 * MIB;
+
+    fn new(capacities: &[u64]) -> Scheduler {
+        Scheduler { gpus: capacities.iter().enumerate().map(|(i, &c)| (format!("gpu-{i}"), c, 0)).collect() }
+    }
+
+    /// What `request` bytes (`None`: no request) consume on a GPU of `capacity` under the
+    /// policy: below `min` → `min`, else up to the step; past `max` → not eligible (`None`).
+    fn consumed(capacity: u64, request: Option<u64>) -> Option<u64> {
+        let max = Self::MIN + capacity.checked_sub(Self::MIN)? / Self::STEP * Self::STEP;
+        let consumed = match request {
+            None => max,
+            Some(asked) if asked <= Self::MIN => Self::MIN,
+            Some(asked) => Self::MIN + (asked - Self::MIN).div_ceil(Self::STEP) * Self::STEP,
+        };
+        (consumed <= max).then_some(consumed)
+    }
+
+    /// `claim` (a ResourceClaim as the API server serves it, one request `gpu`) allocated for
+    /// `consumer`: its `status` written as the scheduler writes it.
+    fn allocate(&mut self, claim: &Value, consumer: &Value) -> Result<Value> {
+        let request = &claim["spec"]["devices"]["requests"][0];
+        let asked = match &request["exactly"]["capacity"]["requests"]["memory"] {
+            Value::Null => None,
+            Value::String(q) => Some(parse_quantity(q).with_context(|| format!("memory {q:?}"))?),
+            other => bail!("memory {other} is not a quantity"),
+        };
+        let fits = |(name, capacity, used): &(String, u64, u64)| {
+            let consumed = Self::consumed(*capacity, asked)?;
+            (used + consumed <= *capacity).then(|| (name.clone(), consumed))
+        };
+        let Some((index, (device, consumed))) = self.gpus.iter().enumerate().find_map(|(i, gpu)| fits(gpu).map(|f| (i, f))) else {
+            bail!("claim {}: unschedulable (no GPU has room for {asked:?} bytes)", claim["metadata"]["name"]);
+        };
+        self.gpus[index].2 += consumed;
+        let share = std::fs::read_to_string("/proc/sys/kernel/random/uuid")?.trim().to_owned();
+        let mut claim = claim.clone();
+        claim["status"] = json!({
+            "allocation": {
+                "devices": {"results": [{
+                    "request": request["name"], "driver": DRIVER, "pool": NODE, "device": device,
+                    "shareID": share, "consumedCapacity": {"memory": consumed.to_string()}
+                }]},
+                "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [{"key": "metadata.name", "operator": "In", "values": [NODE]}]}]}
+            },
+            "reservedFor": [consumer]
+        });
+        Ok(claim)
+    }
+}
+
+/// A claim the test kubelet prepared: its UID, what it consumes, the plugin's answer.
+struct Prepared {
+    name: &'static str,
+    uid: &'static str,
+    memory: u64,
+    share_id: String,
+    cdi_devices: Vec<String>,
+}
+
+/// The node: containerd, the agent (NRI plugin and DRA kubelet plugin), the API server, the
+/// test kubelet with the plugin registered, and the scheduler.
+struct Node {
+    dir: TempDir,
+    api: ApiServer,
+    fake: FakeNode,
+    containerd: Containerd,
+    agent: Agent,
+    kubelet: Kubelet,
+    plugin: Plugin,
+    scheduler: Scheduler,
+}
+
+impl Node {
+    fn new(tag: &str) -> Result<Node> {
+        let api = ApiServer::start()?;
+        let dir = TempDir::new(tag)?;
+        let account = dir.path().join("serviceaccount");
+        api.service_account(&account)?;
+        for sub in ["ledgers", "nodes"] {
+            std::fs::create_dir_all(dir.path().join(sub))?;
+        }
+        for n in [0, 1] {
+            stand_in_gpu_node(&dir.path().join("nodes"), n)?;
+        }
+        // One fake GPU of 8 GiB, whichever of the node's GPUs a container gets; contexts
+        // charged what the agent's ledgers reserve (518 MiB).
+        let fake = FakeNode::new(tag).with_env("FAKECUDA_DEVICE_BYTES", "8g").with_env("FAKECUDA_CONTEXT_BYTES", "518m");
+        let containerd = Containerd::start(&dir.path().join("nri.sock"))?;
+        let path = |sub: &str| OsString::from(dir.path().join(sub));
+        let libcuda = e2e::fake_driver_dir()?.join("libcuda.so.1");
+        let args: Vec<OsString> = vec![
+            "--libcuda".into(),
+            libcuda.into(),
+            "--no-discover".into(),
+            "--ledger-dir".into(),
+            path("ledgers"),
+            "--metrics-addr".into(),
+            "127.0.0.1:0".into(),
+            "--nri".into(),
+            "--nri-socket".into(),
+            path("nri.sock"),
+            "--state-dir".into(),
+            path("state"),
+            "--hook-library".into(),
+            e2e::hook_lib()?.into(),
+            "--gpu-memory".into(),
+            "8Gi,8Gi".into(),
+            "--kube".into(),
+            "--dra".into(),
+            "--kubelet-registry-dir".into(),
+            path("registry"),
+            "--kubelet-plugins-dir".into(),
+            path("plugins"),
+            "--cdi-dir".into(),
+            containerd.cdi_dir().into(),
+            "--dra-device-dir".into(),
+            path("nodes"),
+        ];
+        let mut env = api.pod_env(&account);
+        env.extend(fake.env().iter().cloned());
+        let args: Vec<&OsStr> = args.iter().map(OsString::as_os_str).collect();
+        let agent = Agent::start_with_env(&args, &env)?;
+        wait_for(timeout(), "the agent registered with containerd", || Ok(agent.audit()?["nri_connected"] == true)).with_context(|| agent.log())?;
+        let kubelet = Kubelet::new(&dir.path().join("registry"))?;
+        let plugin = kubelet.register(DRIVER, timeout()).with_context(|| agent.log())?;
+        Ok(Node { dir, api, fake, containerd, agent, kubelet, plugin, scheduler: Scheduler::new(&[GPU_MEMORY, GPU_MEMORY]) })
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// Claim `name` asking `memory`, allocated by the scheduler for pod `name` and put in the
+    /// API server, then prepared through the kubelet plugin.
+    fn claim(&mut self, name: &'static str, uid: &'static str, memory: &str) -> Result<Prepared> {
+        let unallocated = resource::claim(NAMESPACE, name, uid, memory, None);
+        let consumer = json!({"resource": "pods", "name": name, "uid": format!("uid-{name}")});
+        let allocated = self.scheduler.allocate(&unallocated, &consumer)?;
+        let result = allocated["status"]["allocation"]["devices"]["results"][0].clone();
+        self.api.put_claim(allocated);
+        let answer = self.kubelet.prepare(&self.plugin, vec![kubelet::claim(NAMESPACE, name, uid)])?;
+        let prepared = answer.claims.get(uid).with_context(|| format!("no answer for {name}: {answer:?}"))?;
+        ensure!(prepared.error.is_empty(), "{name}: {}\n{}", prepared.error, self.agent.log());
+        let [device] = prepared.devices.as_slice() else { bail!("{name}: one device expected: {prepared:?}") };
+        ensure!(device.pool_name == NODE && device.device_name == result["device"] && device.request_names == ["gpu"], "{name}: {device:?} for {result}");
+        ensure!(device.share_id.as_ref().is_some_and(|s| result["shareID"] == s.as_str()), "{name}: the scheduler's shareID: {device:?} for {result}");
+        let memory = result["consumedCapacity"]["memory"].as_str().and_then(|q| q.parse().ok()).context("consumedCapacity")?;
+        Ok(Prepared { name, uid, memory, share_id: result["shareID"].as_str().unwrap_or_default().to_owned(), cdi_devices: device.cdi_device_ids.clone() })
+    }
+
+    /// The kubelet's part of running `claim`'s pod: a sandbox, and its container `main` created
+    /// through CRI with the plugin's CDI devices (`CDI_devices`) and the fake driver, started
+    /// (it sleeps).
+    fn run(&self, claim: &Prepared) -> Result<(PodId, ContainerId)> {
+        let pod = self.containerd.pod(claim.name, NAMESPACE, &format!("uid-{}", claim.name), &[])?;
+        let mut spec = ContainerSpec::new("main").fake_driver(&self.fake)?;
+        for device in &claim.cdi_devices {
+            spec = spec.cdi_device(device);
+        }
+        let id = self.containerd.run_container(&pod, &spec).with_context(|| self.agent.log())?;
+        Ok((pod, id))
+    }
+
+    /// Claim `uid`'s ledger directory on the host.
+    fn ledger_dir(&self, uid: &str) -> PathBuf {
+        self.path("ledgers").join(format!("dra-{uid}"))
+    }
+
+    /// (index, limit) of each device of claim `uid`'s ledger.
+    fn ledger_limits(&self, uid: &str) -> Result<Vec<(u64, u64)>> {
+        ledger_devices(&self.ledger_dir(uid).join("ledger"), "limit_bytes")
+    }
+
+    /// Checks that `id` is provisioned from `claim` on GPU 1 alone and that its workload is
+    /// held to the claim's memory there: `honest` granted (the last line `meminfo`, whose total
+    /// is the claim's memory), `refused` (an allocation named `x`) refused.
+    fn held_to(&self, claim: &Prepared, id: &ContainerId, steps: &[&str]) -> Result<()> {
+        let record = provisioned(&self.agent, id)?.with_context(|| format!("{} not provisioned:\n{}", claim.name, self.agent.log()))?;
+        ensure!(record["claim"] == claim.uid && record["source"] == "dra claim", "{}: {record}", claim.name);
+        ensure!(record["gpus"] == json!([1]) && record["quota"] == claim.memory, "{}: GPU 1 at the claim's memory: {record}", claim.name);
+        ensure!(self.ledger_limits(claim.uid)? == [(0, claim.memory)], "{}: the ledger's one device: {:?}", claim.name, self.ledger_limits(claim.uid)?);
+        let lines = dra::node::workload(&self.containerd, id, steps).with_context(|| self.agent.log())?;
+        eprintln!("{}: {lines:?}", claim.name);
+        ensure!(lines.iter().any(|l| l == "oom x"), "{}: the allocation past the claim's memory is refused: {lines:?}", claim.name);
+        ensure!(!lines.iter().any(|l| l.starts_with("oom ") && l != "oom x"), "{}: an honest allocation refused: {lines:?}", claim.name);
+        ensure!(lines.iter().any(|l| l.contains(&format!("total={}", claim.memory))), "{}: the GPU's memory is the claim's: {lines:?}", claim.name);
+        Ok(())
+    }
+}
+
+#[test]
+fn a_claim_allocated_prepared_and_run_through_cri_is_held_to_its_share_of_one_gpu() -> Result<()> {
+    let mut node = Node::new("dra-chain")?;
+
+    // GPU 0 mostly taken: 5900 MiB consumes 6 GiB (1 GiB and 20 steps). "train" asks 2500 MiB
+    // (2.5 GiB: 1 GiB and 6 steps), with no room left on GPU 0: GPU 1. "serve" asks 4700 MiB
+    // (4.75 GiB), no room on GPU 0 either: GPU 1 beside "train" (7.25 of 8 GiB). Then GPU 0
+    // has 2 GiB and GPU 1 768 MiB left: 2100 MiB (2.25 GiB) fits nowhere.
+    let fill = node.claim("fill", "8e0d2c4a-1b3f-4e5d-9a6b-0c1d2e3f4a01", "5900Mi")?;
+    let train = node.claim("train", "8e0d2c4a-1b3f-4e5d-9a6b-0c1d2e3f4a02", "2500Mi")?;
+    let serve = node.claim("serve", "8e0d2c4a-1b3f-4e5d-9a6b-0c1d2e3f4a03", "4700Mi")?;
+    ensure!((fill.memory, train.memory, serve.memory) == (6 * GIB, 2560 * MIB, 4864 * MIB), "rounded by the policy");
+    let over = resource::claim(NAMESPACE, "over", "8e0d2c4a-1b3f-4e5d-9a6b-0c1d2e3f4a04", "2100Mi", None);
+    let error = node.scheduler.allocate(&over, &json!({})).expect_err("no GPU has 2.25 GiB left");
+    ensure!(error.to_string().contains("unschedulable"), "{error:#}");
+    for claim in [&train, &serve] {
+        ensure!(claim.cdi_devices == [cdi::qualified(claim.uid, 1)], "{}: GPU 1's device: {:?}", claim.name, claim.cdi_devices);
+    }
+    ensure!(train.share_id != serve.share_id, "each share its own ID");
+
+    // The spec the agent wrote: GPU 1's node from --dra-device-dir.
+    let spec_path = cdi::spec_path(&node.containerd.cdi_dir(), train.uid);
+    let spec: Value = serde_json::from_slice(&std::fs::read(&spec_path).context("the CDI spec")?)?;
+    let device_node = &spec["devices"][0]["containerEdits"]["deviceNodes"][0];
+    ensure!(spec["cdiVersion"] == cdi::CDI_VERSION_HOST_PATH, "{spec}");
+    ensure!(device_node["path"] == "/dev/nvidia1" && device_node["hostPath"] == json!(node.path("nodes/nvidia1")), "{spec}");
+
+    // train (2560 MiB): a context (518 MiB), 1 GiB and 768 MiB granted (2310 MiB); 512 MiB
+    // more refused (2822 MiB); 192 MiB more granted (2502 MiB).
+    let (pod_train, train_id) = node.run(&train)?;
+    node.held_to(&train, &train_id, &["ctx 0", "alloc a 1g", "alloc b 768m", "expect-oom alloc x 512m", "alloc c 192m", "meminfo"])?;
+    // serve, on the same GPU, has its own 4864 MiB: a context and 4 GiB granted (4614 MiB, more
+    // than train's whole quota), 512 MiB more refused (5126 MiB), 200 MiB granted (4814 MiB).
+    let (pod_serve, serve_id) = node.run(&serve)?;
+    node.held_to(&serve, &serve_id, &["ctx 0", "alloc a 4g", "expect-oom alloc x 512m", "alloc c 200m", "meminfo"])?;
+    let runtime = node.containerd.runtime_spec(&serve_id)?;
+    let devices: Vec<&str> = runtime["linux"]["devices"].as_array().into_iter().flatten().filter_map(|d| d["path"].as_str()).collect();
+    ensure!(devices.contains(&"/dev/nvidia1") && !devices.contains(&"/dev/nvidia0"), "the runtime gave GPU 1's node alone: {devices:?}");
+
+    // The pods end: their containers stopped, the kubelet unprepares their claims: each spec,
+    // claim directory and checkpoint entry gone.
+    for id in [&train_id, &serve_id] {
+        node.containerd.stop_container(id, Duration::from_secs(1))?;
+    }
+    let answer = node.kubelet.unprepare(&node.plugin, vec![kubelet::claim(NAMESPACE, train.name, train.uid), kubelet::claim(NAMESPACE, serve.name, serve.uid)])?;
+    ensure!(answer.claims.len() == 2 && answer.claims.values().all(|c| c.error.is_empty()), "{answer:?}\n{}", node.agent.log());
+    let checkpoint = std::fs::read_to_string(node.path("state/dra/checkpoint.json"))?;
+    for claim in [&train, &serve] {
+        ensure!(!cdi::spec_path(&node.containerd.cdi_dir(), claim.uid).exists(), "{}: the CDI spec is removed", claim.name);
+        ensure!(!cdi::claim_dir(&node.path("state"), claim.uid).exists(), "{}: the claim's directory is removed", claim.name);
+        ensure!(!checkpoint.contains(claim.uid), "{}: the checkpoint forgot it: {checkpoint}", claim.name);
+    }
+    ensure!(checkpoint.contains(fill.uid), "fill is still prepared: {checkpoint}");
+    // The containers removed (the kubelet's garbage collection): the claims' ledgers go.
+    for pod in [&pod_train, &pod_serve] {
+        node.containerd.remove_pod(pod)?;
+    }
+    for claim in [&train, &serve] {
+        wait_for(timeout(), &format!("{}'s ledger removed", claim.name), || Ok(!node.ledger_dir(claim.uid).exists())).with_context(|| node.agent.log())?;
+    }
+    let log = node.agent.log();
+    ensure!(!log.contains("panicked"), "{log}");
+    node.fake.cleanup();
+    Ok(())
+}
