@@ -6,9 +6,10 @@
 //! that finds the plugin through its registration socket, prepares the claims a pod needs and
 //! creates its container through CRI with the CDI devices the plugin returned (`CDI_devices`).
 //!
-//! The claims are allocated by [`Scheduler`]: the scheduler's consumable-capacity allocation
-//! with the driver's request policy (rounding, the sum of `consumedCapacity` on a GPU at most
-//! its capacity, a fresh `shareID`), so that the two claims the containers get land on one GPU,
+//! The claims are allocated by the test allocator (`e2e::allocator`) from the ResourceSlice pool
+//! the agent published: the scheduler's consumable-capacity allocation with the published
+//! request policy (rounding, the sum of `consumedCapacity` on a GPU at most its capacity, a
+//! fresh `shareID`), so that the two claims the containers get land on one GPU,
 //! the other one full. Shown:
 //!
 //! * prepare answers each claim's CDI device and share; the spec the agent wrote gives the
@@ -28,11 +29,12 @@ use std::{
     time::Duration,
 };
 
-use agent::{dra::cdi, quantity::parse_quantity};
+use agent::dra::cdi;
 use anyhow::{bail, ensure, Context, Result};
 use e2e::{
     agent::Agent,
     containerd::{ContainerId, ContainerSpec, Containerd, PodId},
+    allocator::{Allocator, Refused},
     timeout, wait_for, FakeNode, TempDir, GIB, MIB,
 };
 use serde_json::{json, Value};
@@ -50,73 +52,6 @@ const DRIVER: &str = "gpu.vramguard.io";
 const NAMESPACE: &str = "team-a";
 /// Each GPU's memory (`--gpu-memory`): the devices' `memory` capacity.
 const GPU_MEMORY: u64 = 8 * GIB;
-
-/// A stand-in for the scheduler's allocation with consumable capacity (KEP-5075) until the
-/// tests' allocator lands (tests/e2e/src/allocator.rs on branch `draslices`, which reads the
-/// published ResourceSlices): at the merge, swap this for it. Every GPU of the node is a
-/// device allowing multiple allocations with a `memory` capacity and the driver's default
-/// request policy ([`Scheduler::MIN`], [`Scheduler::STEP`], `max` the capacity on the grid,
-/// `default` the `max`). A request consumes its memory rounded by the policy; it goes to the
-/// first GPU where the sum of what its claims consume stays at most the capacity, with a fresh
-/// UUID as `shareID`; none: unschedulable.
-struct Scheduler {
-    /// (device name, capacity, consumed so far), in the pool's order.
-    gpus: Vec<(String, u64, u64)>,
-}
-
-impl Scheduler {
-    /// The policy's `validRange.min` and `step` (the driver's defaults).
-    const MIN: u64 = GIB;
-    const STEP: u64 = 256 * MIB;
-
-    fn new(capacities: &[u64]) -> Scheduler {
-        Scheduler { gpus: capacities.iter().enumerate().map(|(i, &c)| (format!("gpu-{i}"), c, 0)).collect() }
-    }
-
-    /// What `request` bytes (`None`: no request) consume on a GPU of `capacity` under the
-    /// policy: below `min` → `min`, else up to the step; past `max` → not eligible (`None`).
-    fn consumed(capacity: u64, request: Option<u64>) -> Option<u64> {
-        let max = Self::MIN + capacity.checked_sub(Self::MIN)? / Self::STEP * Self::STEP;
-        let consumed = match request {
-            None => max,
-            Some(asked) if asked <= Self::MIN => Self::MIN,
-            Some(asked) => Self::MIN + (asked - Self::MIN).div_ceil(Self::STEP) * Self::STEP,
-        };
-        (consumed <= max).then_some(consumed)
-    }
-
-    /// `claim` (a ResourceClaim as the API server serves it, one request `gpu`) allocated for
-    /// `consumer`: its `status` written as the scheduler writes it.
-    fn allocate(&mut self, claim: &Value, consumer: &Value) -> Result<Value> {
-        let request = &claim["spec"]["devices"]["requests"][0];
-        let asked = match &request["exactly"]["capacity"]["requests"]["memory"] {
-            Value::Null => None,
-            Value::String(q) => Some(parse_quantity(q).with_context(|| format!("memory {q:?}"))?),
-            other => bail!("memory {other} is not a quantity"),
-        };
-        let fits = |(name, capacity, used): &(String, u64, u64)| {
-            let consumed = Self::consumed(*capacity, asked)?;
-            (used + consumed <= *capacity).then(|| (name.clone(), consumed))
-        };
-        let Some((index, (device, consumed))) = self.gpus.iter().enumerate().find_map(|(i, gpu)| fits(gpu).map(|f| (i, f))) else {
-            bail!("claim {}: unschedulable (no GPU has room for {asked:?} bytes)", claim["metadata"]["name"]);
-        };
-        self.gpus[index].2 += consumed;
-        let share = std::fs::read_to_string("/proc/sys/kernel/random/uuid")?.trim().to_owned();
-        let mut claim = claim.clone();
-        claim["status"] = json!({
-            "allocation": {
-                "devices": {"results": [{
-                    "request": request["name"], "driver": DRIVER, "pool": NODE, "device": device,
-                    "shareID": share, "consumedCapacity": {"memory": consumed.to_string()}
-                }]},
-                "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [{"key": "metadata.name", "operator": "In", "values": [NODE]}]}]}
-            },
-            "reservedFor": [consumer]
-        });
-        Ok(claim)
-    }
-}
 
 /// A claim the test kubelet prepared: its UID, what it consumes, the plugin's answer.
 struct Prepared {
@@ -137,7 +72,8 @@ struct Node {
     agent: Agent,
     kubelet: Kubelet,
     plugin: Plugin,
-    scheduler: Scheduler,
+    /// The scheduler: the test allocator, from the pool the agent published.
+    scheduler: Allocator,
 }
 
 impl Node {
@@ -185,15 +121,29 @@ impl Node {
             containerd.cdi_dir().into(),
             "--dra-device-dir".into(),
             path("nodes"),
+            // The published capacity is each GPU's whole memory, as --gpu-memory gives it.
+            "--dra-memory-reserve".into(),
+            "0".into(),
         ];
         let mut env = api.pod_env(&account);
         env.extend(fake.env().iter().cloned());
+        // The agent's NVML sees the node's two GPUs (a container sees the one it is given).
+        env.push(("FAKECUDA_DEVICE_COUNT".into(), "2".into()));
         let args: Vec<&OsStr> = args.iter().map(OsString::as_os_str).collect();
         let agent = Agent::start_with_env(&args, &env)?;
         wait_for(timeout(), "the agent registered with containerd", || Ok(agent.audit()?["nri_connected"] == true)).with_context(|| agent.log())?;
         let kubelet = Kubelet::new(&dir.path().join("registry"))?;
         let plugin = kubelet.register(DRIVER, timeout()).with_context(|| agent.log())?;
-        Ok(Node { dir, api, fake, containerd, agent, kubelet, plugin, scheduler: Scheduler::new(&[GPU_MEMORY, GPU_MEMORY]) })
+        // The scheduler allocates from the pool the agent published (its request policy).
+        let published = || -> Vec<Value> { api.with(|state| state.resource.slices.values().cloned().collect()) };
+        wait_for(timeout(), "the agent's ResourceSlice pool", || {
+            Ok(published().iter().map(|s| s["spec"]["devices"].as_array().map_or(0, Vec::len)).sum::<usize>() == 2)
+        })
+        .with_context(|| agent.log())?;
+        let slices = published();
+        let scheduler = Allocator::new(&slices)?;
+        ensure!(scheduler.devices.iter().all(|d| d.capacity == GPU_MEMORY && d.policy.is_some()), "the published pool: {:?}", scheduler.devices);
+        Ok(Node { dir, api, fake, containerd, agent, kubelet, plugin, scheduler })
     }
 
     fn path(&self, name: &str) -> PathBuf {
@@ -205,7 +155,7 @@ impl Node {
     fn claim(&mut self, name: &'static str, uid: &'static str, memory: &str) -> Result<Prepared> {
         let unallocated = resource::claim(NAMESPACE, name, uid, memory, None);
         let consumer = json!({"resource": "pods", "name": name, "uid": format!("uid-{name}")});
-        let allocated = self.scheduler.allocate(&unallocated, &consumer)?;
+        let allocated = self.scheduler.allocate(&unallocated, &consumer)?.map_err(|refused| anyhow::anyhow!("{name}: {refused:?}"))?;
         let result = allocated["status"]["allocation"]["devices"]["results"][0].clone();
         self.api.put_claim(allocated);
         let answer = self.kubelet.prepare(&self.plugin, vec![kubelet::claim(NAMESPACE, name, uid)])?;
@@ -271,8 +221,8 @@ fn a_claim_allocated_prepared_and_run_through_cri_is_held_to_its_share_of_one_gp
     let serve = node.claim("serve", "8e0d2c4a-1b3f-4e5d-9a6b-0c1d2e3f4a03", "4700Mi")?;
     ensure!((fill.memory, train.memory, serve.memory) == (6 * GIB, 2560 * MIB, 4864 * MIB), "rounded by the policy");
     let over = resource::claim(NAMESPACE, "over", "8e0d2c4a-1b3f-4e5d-9a6b-0c1d2e3f4a04", "2100Mi", None);
-    let error = node.scheduler.allocate(&over, &json!({})).expect_err("no GPU has 2.25 GiB left");
-    ensure!(error.to_string().contains("unschedulable"), "{error:#}");
+    let refused = node.scheduler.allocate(&over, &json!({}))?;
+    ensure!(matches!(refused, Err(Refused::Unschedulable { .. })), "no GPU has 2.25 GiB left: {refused:?}");
     for claim in [&train, &serve] {
         ensure!(claim.cdi_devices == [cdi::qualified(claim.uid, 1)], "{}: GPU 1's device: {:?}", claim.name, claim.cdi_devices);
     }
