@@ -23,7 +23,6 @@
 //! [`TempDir`], [`wait_for`] and [`holding`] are the small helpers the agent's tests share.
 
 pub mod agent;
-pub mod allocator;
 pub mod cgroup;
 pub mod containerd;
 pub mod crafted_elf;

@@ -1,4 +1,4 @@
-//! The tests' scheduler stand-in ([`e2e::allocator`]) against the slices the agent publishes
+//! The tests' scheduler stand-in (`tests/allocator/`) against the slices the agent publishes
 //! (issue 25: "the allocator fills 4 fake GPUs of 80 GiB with claims of mixed sizes"): every
 //! claim lands on a GPU with room, no GPU's allocated sum exceeds its capacity, a claim too big
 //! for any GPU is unschedulable and nothing is over-committed, over random sequences of claims
@@ -11,7 +11,9 @@ use agent::dra::{
     policy::Settings,
     slices::build,
 };
-use e2e::allocator::{claim, Allocator, Refused};
+mod allocator;
+
+use allocator::{claim, Allocator, Refused};
 use proptest::prelude::*;
 use serde_json::{json, Value};
 

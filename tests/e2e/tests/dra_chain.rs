@@ -6,7 +6,7 @@
 //! that finds the plugin through its registration socket, prepares the claims a pod needs and
 //! creates its container through CRI with the CDI devices the plugin returned (`CDI_devices`).
 //!
-//! The claims are allocated by the test allocator (`e2e::allocator`) from the ResourceSlice pool
+//! The claims are allocated by the test allocator (`tests/allocator/`) from the ResourceSlice pool
 //! the agent published: the scheduler's consumable-capacity allocation with the published
 //! request policy (rounding, the sum of `consumedCapacity` on a GPU at most its capacity, a
 //! fresh `shareID`), so that the two claims the containers get land on one GPU,
@@ -34,14 +34,15 @@ use anyhow::{bail, ensure, Context, Result};
 use e2e::{
     agent::Agent,
     containerd::{ContainerId, ContainerSpec, Containerd, PodId},
-    allocator::{Allocator, Refused},
     timeout, wait_for, FakeNode, TempDir, GIB, MIB,
 };
 use serde_json::{json, Value};
 
+mod allocator;
 mod dra;
 mod kube_api;
 
+use allocator::{Allocator, Refused};
 use dra::{
     kubelet::{self, Kubelet, Plugin},
     node::{ledger_devices, provisioned, stand_in_gpu_node},

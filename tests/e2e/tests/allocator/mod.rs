@@ -15,6 +15,8 @@
 //! * The status: `allocation.devices.results[]` (`request`, `driver`, `pool`, `device`,
 //!   `shareID` a fresh UUID, `consumedCapacity.memory`), `allocation.nodeSelector` (the
 //!   node's name), `reservedFor` (the consumer).
+// Shared by several test files, each using part of it.
+#![allow(dead_code)]
 use std::collections::BTreeMap;
 
 use ::agent::dra::{policy::Policy, DRIVER, MEMORY};
