@@ -139,6 +139,11 @@ impl<'a> Tables<'a> {
         if device >= self.header.device_count {
             return Err(Damaged); // a damaged record's device
         }
+        if head == 0 {
+            // Nothing held (a record of no chunks, e.g. a context of no reserve): nothing to
+            // give back, also on a device with no space (which has no buddy to give it to).
+            return Ok(0);
+        }
         let d = device as usize;
         let cfg = self.header.devices[d];
         let geometry = self.geometries.get(d).and_then(Option::as_ref).ok_or(Damaged)?;
