@@ -16,8 +16,11 @@
 //!
 //! Sweeps run every second and at once on the eBPF exit event of a process with GPU memory.
 //! That event fires inside `do_exit`, before the process becomes a zombie, so its tgid stays
-//! pending (and the caller sweeps every few milliseconds) until its slot is found dead, no
-//! live slot is its, or [`PENDING_MAX`] passes. Its slot is the one with that host pid, or
+//! pending (and the caller sweeps every millisecond) until its slot is found dead, no
+//! live slot is its, or [`PENDING_MAX`] passes. An exit's sweep reads only the ledgers in
+//! which the last sweep found the process alive ([`Reclaimer::exit_scope`]): one exit costs
+//! one ledger's slots, however many ledgers other tenants have (a hostile one among them);
+//! only the exit of a process no sweep has seen yet (it took its slot since) reads them all. Its slot is the one with that host pid, or
 //! (for a process that died before a sweep saw it alive) the one with the identity read from
 //! /proc when the event arrived (a zombie's /proc entry still tells it). The latency of a
 //! reclaim is measured from the exit event's arrival when there was one, else from the
@@ -78,8 +81,13 @@ pub struct Reclaimer {
     /// The driver's latest view, for the next sweep.
     driver: Option<Arc<DriverView>>,
     /// Dead processes whose slots are kept while the driver holds their memory: when their
-    /// death was first detected, and their host pid (0 if never known).
-    kept: HashMap<ProcessIdentity, (Instant, u32)>,
+    /// death was first detected, their host pid (0 if never known), and their ledger.
+    kept: HashMap<ProcessIdentity, (Instant, u32, PathBuf)>,
+    /// Host pid -> the ledgers in which the last sweep that read them found that process
+    /// alive: where its exit's sweep looks.
+    located: HashMap<u32, Vec<PathBuf>>,
+    /// Ledgers read by sweeps (each time one is read): what exits cost, counted.
+    pub ledgers_read: u64,
     /// The agent's pid namespace (inode): a slot of a process in it has its pid as host pid.
     pidns: u64,
 }
@@ -94,7 +102,7 @@ impl Reclaimer {
                  dead process from an invisible one, so it reclaims no ledger slot"
             );
         }
-        Reclaimer { enabled, pending: HashMap::new(), verified: HashSet::new(), unreadable: HashSet::new(), total: 0, driver: None, kept: HashMap::new(), pidns: ProcessIdentity::current().map_or(0, |me| me.pidns) }
+        Reclaimer { enabled, pending: HashMap::new(), verified: HashSet::new(), unreadable: HashSet::new(), total: 0, driver: None, kept: HashMap::new(), located: HashMap::new(), ledgers_read: 0, pidns: ProcessIdentity::current().map_or(0, |me| me.pidns) }
     }
 
     /// The driver view the next sweeps ask about dead processes' memory (`None`: none).
@@ -130,6 +138,24 @@ impl Reclaimer {
         !self.pending.is_empty()
     }
 
+    /// The ledgers the pending exits' sweep must read: those in which the last sweep found
+    /// each exiting process alive. `None` (read them all) if an exiting process was not seen
+    /// in any: it may have taken its slot since.
+    pub fn exit_scope(&self) -> Option<HashSet<PathBuf>> {
+        if !self.pending_located() {
+            return None;
+        }
+        let scope = self.pending.keys().filter_map(|tgid| self.located.get(tgid)).flatten().cloned().collect();
+        Some(scope)
+    }
+
+    /// Whether every pending exit's process was found alive in a ledger by the last sweep
+    /// that read it (so its sweep is [`Reclaimer::exit_scope`]'s, cheap enough to repeat
+    /// every millisecond while the process exits).
+    pub fn pending_located(&self) -> bool {
+        self.pending.keys().all(|tgid| self.located.contains_key(tgid))
+    }
+
     /// Records host pids of live slots and frees the slots of dead processes; returns the
     /// latency of each reclaim.
     ///
@@ -138,13 +164,16 @@ impl Reclaimer {
     /// whose worker is slow (a workload holding its lock or damaging it) costs the sweep at
     /// most one worker deadline in all and never delays the other ledgers' reclaims.
     pub fn sweep(&mut self, ledgers: &Ledgers) -> Vec<Duration> {
-        self.sweep_with(ledgers, &mut Vec::new)
+        self.sweep_with(ledgers, None, &mut Vec::new)
     }
 
-    /// [`Reclaimer::sweep`], taking the exit events that arrived while it ran from `late`
+    /// [`Reclaimer::sweep`] of the ledgers in `scope` (`None`: all; an exit's sweep:
+    /// [`Reclaimer::exit_scope`]), taking the exit events that arrived while it ran from `late`
     /// before it says which reclaims an exit event drove (a process can die, and be found
-    /// dead, while its event is on its way).
-    pub fn sweep_with(&mut self, ledgers: &Ledgers, late: &mut dyn FnMut() -> Vec<(u32, Instant)>) -> Vec<Duration> {
+    /// dead, while its event is on its way). What it learns of the other ledgers' processes
+    /// (kept slots, verified and located pids) stays as the last sweep that read them left it.
+    pub fn sweep_with(&mut self, ledgers: &Ledgers, scope: Option<&HashSet<PathBuf>>, late: &mut dyn FnMut() -> Vec<(u32, Instant)>) -> Vec<Duration> {
+        let in_scope = |path: &Path| scope.is_none_or(|scope| scope.contains(path));
         let mut waiting: HashSet<u32> = HashSet::new();
         let mut verified: HashSet<(u32, ProcessIdentity)> = HashSet::new();
         // First every ledger's slots are read; a slot whose recorded host pid still runs its
@@ -154,7 +183,9 @@ impl Reclaimer {
         let mut read: Vec<(&Path, &LedgerHandle, Vec<Judged>)> = Vec::new();
         let mut unreadable = HashSet::new();
         let mut unresolved = false;
-        for (path, ledger) in ledgers.iter() {
+        let mut located: HashMap<u32, Vec<PathBuf>> = HashMap::new();
+        for (path, ledger) in ledgers.iter().filter(|(path, _)| in_scope(path)) {
+            self.ledgers_read += 1;
             let slots = match ledger.slots() {
                 Ok(slots) => slots,
                 Err(error) => {
@@ -197,7 +228,7 @@ impl Reclaimer {
         // Per ledger: its dead slots, each with when its death was detected.
         let mut dead: Vec<(&Path, &LedgerHandle, Vec<Gone>)> = Vec::new();
         let detected = Instant::now();
-        let mut kept: HashMap<ProcessIdentity, (Instant, u32)> = HashMap::new();
+        let mut kept: HashMap<ProcessIdentity, (Instant, u32, PathBuf)> = HashMap::new();
         for (path, ledger, judged) in read {
             let mut gone = Vec::new();
             for (view, verdict) in judged {
@@ -208,6 +239,7 @@ impl Reclaimer {
                     Verdict::Unknown => table.as_ref().and_then(|table| table.find(&slot)),
                 };
                 if let Some(host) = live {
+                    located.entry(host).or_default().push(path.to_path_buf());
                     if slot.host_pid != host {
                         if let Err(error) = ledger.set_host_pid(view.id, host) {
                             warn!(ledger = %path.display(), slot = view.id, %error, "cannot record a slot's host pid");
@@ -218,7 +250,7 @@ impl Reclaimer {
                     }
                 } else if self.enabled {
                     let process = slot.process();
-                    let (since, known) = self.kept.get(&process).copied().unwrap_or((detected, 0));
+                    let (since, known) = self.kept.get(&process).map_or((detected, 0), |(since, host, _)| (*since, *host));
                     let own = if slot.pidns == self.pidns && self.pidns != 0 { slot.pid } else { 0 };
                     let host = [slot.host_pid, known, own]
                         .into_iter()
@@ -236,7 +268,7 @@ impl Reclaimer {
                                 warn!(ledger = %path.display(), slot = view.id, %error, "cannot record a kept slot's host pid");
                             }
                         }
-                        kept.insert(process, (since, host));
+                        kept.insert(process, (since, host, path.to_path_buf()));
                         continue;
                     }
                     gone.push((view, detected));
@@ -246,8 +278,11 @@ impl Reclaimer {
                 dead.push((path, ledger, gone));
             }
         }
-        let released: HashSet<ProcessIdentity> = self.kept.keys().filter(|p| !kept.contains_key(p)).copied().collect();
-        self.kept = kept;
+        // What this sweep did not read stays as the sweep that read it last left it.
+        let released: HashSet<ProcessIdentity> =
+            self.kept.iter().filter(|(p, (_, _, path))| in_scope(path) && !kept.contains_key(p)).map(|(p, _)| *p).collect();
+        self.kept.retain(|_, (_, _, path)| !in_scope(path));
+        self.kept.extend(kept);
         let freed: Vec<(&Path, Vec<Freed>)> = std::thread::scope(|scope| {
             let running: Vec<_> = dead
                 .into_iter()
@@ -290,9 +325,25 @@ impl Reclaimer {
                 reclaimed.push(latency);
             }
         }
+        // An exit's scope holds every pending process's ledgers: what it did not find waiting
+        // is done with, as after a sweep of all.
         self.pending.retain(|tgid, (at, _)| (waiting.contains(tgid) || arrived.contains(tgid)) && at.elapsed() < PENDING_MAX);
-        self.verified = verified;
-        self.unreadable = unreadable;
+        if scope.is_none() {
+            self.verified = verified;
+            self.unreadable = unreadable;
+            self.located = located;
+        } else {
+            self.verified.extend(verified);
+            self.unreadable.retain(|path| !in_scope(path));
+            self.unreadable.extend(unreadable);
+            for paths in self.located.values_mut() {
+                paths.retain(|path| !in_scope(path));
+            }
+            for (host, paths) in located {
+                self.located.entry(host).or_default().extend(paths);
+            }
+            self.located.retain(|_, paths| !paths.is_empty());
+        }
         reclaimed
     }
 }

@@ -9,7 +9,7 @@
 //! pass does (copies, charges) runs here: reclaim for one tenant waits on no other tenant's
 //! pass.
 use std::{collections::BTreeMap, path::PathBuf, sync::Arc, time::Duration};
-use prometheus::{Histogram, IntCounter};
+use prometheus::{Histogram, IntCounter, IntCounterVec};
 
 use tokio::{
     sync::{mpsc, watch, Notify},
@@ -20,8 +20,11 @@ use tracing::info;
 use super::{reclaim::Reclaimer, Ledgers, Pin};
 use crate::{driver::DriverView, task::{changed, Heartbeat}};
 
-/// How often an exit event whose process is not a zombie yet is looked at again.
-const EXIT_RETRY: Duration = Duration::from_millis(5);
+/// How often an exit event whose process is not a zombie yet is looked at again: its sweep
+/// reads the ledgers the process was found in ([`Reclaimer::exit_scope`]), or all of them
+/// if it was in none (then less often).
+const EXIT_RETRY: Duration = Duration::from_millis(1);
+const EXIT_RETRY_ALL: Duration = Duration::from_millis(5);
 
 /// How the task is told things and what it tells.
 pub struct Wiring {
@@ -50,9 +53,12 @@ pub struct Reclaim {
 /// What a step asks for.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Step {
-    /// List the directory first, then sweep.
+    /// List the directory first, then sweep every ledger.
     Scan,
+    /// Sweep every ledger.
     Sweep,
+    /// Sweep for the pending exits: the ledgers their processes were found in.
+    Exits,
 }
 
 impl Reclaim {
@@ -66,6 +72,8 @@ impl Reclaim {
         scan.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut retry = interval(EXIT_RETRY);
         retry.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut retry_all = interval(EXIT_RETRY_ALL);
+        retry_all.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut pins = wiring.pins.clone();
         let mut driver = wiring.driver.clone();
         loop {
@@ -75,9 +83,10 @@ impl Reclaim {
                 exit = exits.recv() => {
                     let Some((tgid, at)) = exit else { break };
                     self.reclaimer.exited(tgid, at);
-                    Step::Sweep
+                    Step::Exits
                 }
-                _ = retry.tick(), if self.reclaimer.pending() => Step::Sweep,
+                _ = retry.tick(), if self.reclaimer.pending() && self.reclaimer.pending_located() => Step::Exits,
+                _ = retry_all.tick(), if self.reclaimer.pending() && !self.reclaimer.pending_located() => Step::Exits,
                 _ = scan.tick() => Step::Scan,
                 _ = changed(&mut driver) => {
                     if self.reclaimer.kept() == 0 {
@@ -123,7 +132,10 @@ impl Reclaim {
                 state.ledgers.scan();
             }
             heartbeat.beat();
-            let reclaimed = state.reclaimer.sweep_with(&state.ledgers, &mut late);
+            let scope = if step == Step::Exits { state.reclaimer.exit_scope() } else { None };
+            let read_before = state.reclaimer.ledgers_read;
+            let reclaimed = state.reclaimer.sweep_with(&state.ledgers, scope.as_ref(), &mut late);
+            reclaims.read(scope.is_some(), state.reclaimer.ledgers_read - read_before);
             for latency in &reclaimed {
                 reclaims.observe(*latency);
             }
@@ -151,11 +163,21 @@ impl Reclaim {
 pub struct Reclaims {
     count: IntCounter,
     latency: Histogram,
+    /// Sweeps, and the ledgers they read, by `sweep` (`exit`: for exits, `all`).
+    sweeps: IntCounterVec,
+    ledgers_read: IntCounterVec,
 }
 
 impl Reclaims {
-    pub fn new(count: IntCounter, latency: Histogram) -> Reclaims {
-        Reclaims { count, latency }
+    pub fn new(count: IntCounter, latency: Histogram, sweeps: IntCounterVec, ledgers_read: IntCounterVec) -> Reclaims {
+        Reclaims { count, latency, sweeps, ledgers_read }
+    }
+
+    /// Counts one sweep and the ledgers it read.
+    pub fn read(&self, for_exits: bool, ledgers: u64) {
+        let sweep = if for_exits { "exit" } else { "all" };
+        self.sweeps.with_label_values(&[sweep]).inc();
+        self.ledgers_read.with_label_values(&[sweep]).inc_by(ledgers);
     }
 
     /// Counts one reclaim.

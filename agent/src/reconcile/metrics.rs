@@ -36,6 +36,7 @@
 //! `pod`, `container`, `vdevice_index`, `device_uuid` and HAMi's constant `zone="vGPU"`, for ledgers whose names are known
 //! (without them the series of different containers would collide). Of the agent itself:
 //! `vramguard_reclaims_total`, `vramguard_reclaim_latency_seconds`,
+//! `vramguard_reclaim_sweeps_total{sweep}`, `vramguard_reclaim_ledgers_read_total{sweep}`,
 //! `vramguard_reconcile_pass_seconds`,
 //! `vramguard_events_lost_total`, `vramguard_over_limit_allocations_total`,
 //! `vramguard_enforcement_signals_total`, `vramguard_probes_attached{libcuda}`,
@@ -96,6 +97,8 @@ pub struct Metrics {
     ebpf_process: IntGaugeVec,
     reclaims: IntCounter,
     latency: Histogram,
+    sweeps: IntCounterVec,
+    ledgers_read: IntCounterVec,
     pass: Histogram,
     events_lost: IntCounter,
     over_limit: IntCounter,
@@ -272,6 +275,20 @@ impl Metrics {
                 "From a process's exit (the time the kernel gave its exit event; or the sweep that found it dead) to its slot reclaimed",
             )
             .buckets(LATENCY_BUCKETS.to_vec()),
+        )?)?;
+        let sweeps = registered(&registry, IntCounterVec::new(
+            Opts::new(
+                "vramguard_reclaim_sweeps_total",
+                "Reclaim sweeps: sweep=\"exit\" for exiting processes (the ledgers each was found in), sweep=\"all\" of every watched ledger",
+            ),
+            &["sweep"],
+        )?)?;
+        let ledgers_read = registered(&registry, IntCounterVec::new(
+            Opts::new(
+                "vramguard_reclaim_ledgers_read_total",
+                "Ledgers read by reclaim sweeps: sweep=\"exit\" those of exiting processes (the ledgers each was found in), sweep=\"all\" every watched ledger (every --ledger-scan-ms, and for the exit of a process no sweep has seen)",
+            ),
+            &["sweep"],
         )?)?;
         let pass = registered(&registry, Histogram::with_opts(
             HistogramOpts::new(
@@ -467,6 +484,8 @@ impl Metrics {
             ebpf_process,
             reclaims,
             latency,
+            sweeps,
+            ledgers_read,
             pass,
             events_lost,
             over_limit,
@@ -543,7 +562,7 @@ impl Metrics {
 
     /// The reclaim counters, for the task that reclaims.
     pub fn reclaims(&self) -> Reclaims {
-        Reclaims::new(self.reclaims.clone(), self.latency.clone())
+        Reclaims::new(self.reclaims.clone(), self.latency.clone(), self.sweeps.clone(), self.ledgers_read.clone())
     }
 
     /// Rebuilds the gauges from the current state.

@@ -44,10 +44,19 @@ fn scene(hostile: usize) -> Result<()> {
         ensure!(agent.audit()?["ledger_problems"].as_object().is_none_or(|p| p.is_empty()), "problems without an attack");
     }
 
-    // Meanwhile the other tenant's processes are reclaimed within a second, each time.
+    // Meanwhile the other tenant's processes are reclaimed within a second, each time, and
+    // each exit's sweeps read the bystander's ledger alone, whatever the other tenants hold
+    // (counted, not timed: every sweep for an exit read one ledger of the 1 + `hostile`).
+    let sweeps = |metrics: &[http::Sample], name: &str| http::metric(metrics, name, &[("sweep", "exit")]).unwrap_or(0.0);
+    let before = http::fresh_scrape(agent.metrics_addr()?)?;
     for _ in 0..3 {
         bystander.kill_and_expect_reclaim(&agent)?;
     }
+    let after = http::fresh_scrape(agent.metrics_addr()?)?;
+    let exit_sweeps = sweeps(&after, "vramguard_reclaim_sweeps_total") - sweeps(&before, "vramguard_reclaim_sweeps_total");
+    let exit_reads = sweeps(&after, "vramguard_reclaim_ledgers_read_total") - sweeps(&before, "vramguard_reclaim_ledgers_read_total");
+    ensure!(exit_sweeps >= 3.0, "{exit_sweeps} sweeps for the bystander's 3 exits");
+    ensure!(exit_reads == exit_sweeps, "the sweeps for the bystander's exits read {exit_reads} ledgers in {exit_sweeps} sweeps, not one each");
     assert_serving(&agent)?;
     let probes = probe.finish()?;
     ensure!(probes >= 20, "{probes} /healthz probes");
