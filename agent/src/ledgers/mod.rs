@@ -342,6 +342,10 @@ impl Ledgers {
                 worker.stop_if_idle(worker::IDLE);
             }
         }
+        if !self.open.is_empty() {
+            // The first reclaim in a ledger without a worker does not wait for one to start.
+            worker::prepare_spare(&self.launcher);
+        }
         self.changes.retain(|path, _| self.open.contains_key(path));
         for (path, handle) in &self.open {
             let change = match ledger::file::read_header(&handle.file) {

@@ -235,6 +235,16 @@ impl Launcher {
         }
     }
 
+    /// The agent's program and limits, if workers are the agent's own processes (they are but
+    /// in unit tests): those have a [`Spare`].
+    fn exec(&self) -> Option<(&Path, &WorkerLimits)> {
+        match self {
+            Launcher::Exec { program, limits } => Some((program, limits)),
+            #[cfg(test)]
+            _ => None,
+        }
+    }
+
     /// The limits a started worker runs under (none for a thread).
     fn limits(&self) -> Option<WorkerLimits> {
         match self {
@@ -495,9 +505,20 @@ pub fn check() -> Result<(), AccessError> {
     }
 }
 
-/// Starts a worker with `launcher` and sends it `hello` with the descriptor `fd`; the worker
-/// and its first answer.
+/// Starts a worker with `launcher` (the [`Spare`] if one waits) and sends it `hello` with the
+/// descriptor `fd`; the worker and its first answer.
 fn launch(launcher: &Launcher, hello: &Hello, fd: &File) -> Result<(Running, Reply), AccessError> {
+    if let Some((program, limits)) = launcher.exec() {
+        if let Some(spare) = Spare::take(program, limits) {
+            let running = Running { reader: BufReader::new(spare.socket.try_clone().map_err(|e| AccessError::Worker(format!("cannot start it: socket: {e}")))?), child: Some(spare.child), socket: spare.socket };
+            let greeted = greet(running, hello, fd);
+            Spare::replenish(program, limits);
+            // A spare that died meanwhile is not the ledger's failure: a fresh worker then.
+            if greeted.is_ok() {
+                return greeted;
+            }
+        }
+    }
     let fail = |what: &str, error: io::Error| AccessError::Worker(format!("cannot start it: {what}: {error}"));
     let (ours, theirs) = UnixStream::pair().map_err(|e| fail("socketpair", e))?;
     let child = match launcher {
@@ -513,7 +534,11 @@ fn launch(launcher: &Launcher, hello: &Hello, fd: &File) -> Result<(Running, Rep
         }
     };
     let reader = BufReader::new(ours.try_clone().map_err(|e| fail("socket", e))?);
-    let mut running = Running { child, socket: ours, reader };
+    greet(Running { child, socket: ours, reader }, hello, fd)
+}
+
+/// Sends a started worker `hello` with the descriptor `fd`; the worker and its first answer.
+fn greet(mut running: Running, hello: &Hello, fd: &File) -> Result<(Running, Reply), AccessError> {
     let line = serde_json::to_string(hello).map_err(|e| AccessError::Worker(e.to_string()))?;
     let deadline = Instant::now() + HELLO_DEADLINE;
     let sent = running.socket.set_write_timeout(Some(HELLO_DEADLINE)).and_then(|()| send_with_fd(&running.socket, &line, fd));
@@ -527,6 +552,67 @@ fn launch(launcher: &Launcher, hello: &Hello, fd: &File) -> Result<(Running, Rep
             end(running, io::Error::other("nonsense"));
             Err(AccessError::Worker("it answered something that is not a reply".into()))
         }
+    }
+}
+
+/// A worker started ahead of need: confined, waiting for its hello. The next ledger that needs
+/// a worker takes it ([`launch`]) and a new one is started for the one after, on a thread of its
+/// own; so a reclaim in a ledger without a running worker (the first in a container, or after
+/// [`IDLE`]) waits for a hello, not for a process to start and confine itself. One spare for
+/// the agent; it holds nothing (no ledger, no descriptor but its socket) and ends when the
+/// socket closes, the agent's exit included.
+struct Spare {
+    program: PathBuf,
+    limits: WorkerLimits,
+    child: Child,
+    socket: UnixStream,
+}
+
+/// The agent's spare worker, if one was started.
+static SPARE: std::sync::Mutex<Option<Spare>> = std::sync::Mutex::new(None);
+
+impl Spare {
+    /// The spare, if one was started from `program` under `limits` and still runs.
+    fn take(program: &Path, limits: &WorkerLimits) -> Option<Spare> {
+        let mut spare = SPARE.lock().ok()?.take()?;
+        let runs = spare.child.try_wait().ok().flatten().is_none();
+        if runs && spare.program == program && spare.limits == *limits {
+            return Some(spare);
+        }
+        let _ = spare.child.kill();
+        let _ = spare.child.wait();
+        None
+    }
+
+    /// Starts a spare on a thread of its own, unless one waits.
+    pub(super) fn replenish(program: &Path, limits: &WorkerLimits) {
+        if SPARE.lock().map_or(true, |spare| spare.is_some()) {
+            return;
+        }
+        let (program, limits) = (program.to_path_buf(), *limits);
+        let start = move || {
+            let Ok((ours, theirs)) = UnixStream::pair() else { return };
+            let Ok(child) = spawn(&program, &["ledger-worker"], theirs, &limits) else { return };
+            let mut spare = Spare { program, limits, child, socket: ours };
+            match SPARE.lock() {
+                Ok(mut slot) if slot.is_none() => *slot = Some(spare),
+                // Another one got there first.
+                _ => {
+                    let _ = spare.child.kill();
+                    let _ = spare.child.wait();
+                }
+            }
+        };
+        if let Err(error) = std::thread::Builder::new().name("vramguard-spare".into()).spawn(start) {
+            tracing::warn!(%error, "cannot start a thread to start a spare ledger worker");
+        }
+    }
+}
+
+/// Has a spare worker started for `launcher`'s workers (see [`Spare`]), if it starts processes.
+pub fn prepare_spare(launcher: &Launcher) {
+    if let Some((program, limits)) = launcher.exec() {
+        Spare::replenish(program, limits);
     }
 }
 
