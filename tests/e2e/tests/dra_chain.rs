@@ -18,9 +18,13 @@
 //!   its honest allocations up to it are granted, one past it is refused;
 //! * the second claim on the same GPU has its own quota (its own rounded memory, granted where
 //!   the first claim's container is refused);
-//! * the containers stopped, unprepare removes each claim's CDI spec, its directory and its
-//!   checkpoint entry; the containers removed, the claims' ledgers (`<ledger-dir>/dra-<uid>/`)
-//!   are gone.
+//! * unprepared while its container runs (no kubelet does it, an agent must survive it), a
+//!   claim keeps its ledger (counted as `kept`) and its workload is still held to its share;
+//! * its container stopped as the kubelet stops it, unprepare removes the claim's CDI spec,
+//!   its directory, its checkpoint entry and at once its ledger (`<ledger-dir>/dra-<uid>/`, its
+//!   tmpfs unmounted, the container's record gone), before any RemoveContainer; the
+//!   containers removed later (the kubelet's garbage collection), nothing is left and nothing
+//!   fails; the ledger kept goes with its claim's last container.
 //!
 //! Needs root, the containerd cache (`cargo xtask setup`) and the built binaries.
 use std::{
@@ -192,6 +196,12 @@ impl Node {
         ledger_devices(&self.ledger_dir(uid).join("ledger"), "limit_bytes")
     }
 
+    /// `vramguard_dra_unprepared_ledgers_total{result}` on the agent's page.
+    fn unprepared_ledgers(&self, result: &str) -> Result<f64> {
+        let samples = e2e::http::scrape(self.agent.metrics_addr()?)?;
+        e2e::http::metric(&samples, "vramguard_dra_unprepared_ledgers_total", &[("result", result)]).context("no vramguard_dra_unprepared_ledgers_total")
+    }
+
     /// Checks that `id` is provisioned from `claim` on GPU 1 alone and that its workload is
     /// held to the claim's memory there: `honest` granted (the last line `meminfo`, whose total
     /// is the claim's memory), `refused` (an allocation named `x`) refused.
@@ -248,13 +258,19 @@ fn a_claim_allocated_prepared_and_run_through_cri_is_held_to_its_share_of_one_gp
     let devices: Vec<&str> = runtime["linux"]["devices"].as_array().into_iter().flatten().filter_map(|d| d["path"].as_str()).collect();
     ensure!(devices.contains(&"/dev/nvidia1") && !devices.contains(&"/dev/nvidia0"), "the runtime gave GPU 1's node alone: {devices:?}");
 
-    // The pods end: their containers stopped, the kubelet unprepares their claims: each spec,
-    // claim directory and checkpoint entry gone.
-    for id in [&train_id, &serve_id] {
-        node.containerd.stop_container(id, Duration::from_secs(1))?;
-    }
-    let answer = node.kubelet.unprepare(&node.plugin, vec![kubelet::claim(NAMESPACE, train.name, train.uid), kubelet::claim(NAMESPACE, serve.name, serve.uid)])?;
-    ensure!(answer.claims.len() == 2 && answer.claims.values().all(|c| c.error.is_empty()), "{answer:?}\n{}", node.agent.log());
+    // serve unprepared while its container runs: its ledger is kept, its workload still held.
+    let answer = node.kubelet.unprepare(&node.plugin, vec![kubelet::claim(NAMESPACE, serve.name, serve.uid)])?;
+    ensure!(answer.claims.get(serve.uid).is_some_and(|c| c.error.is_empty()), "{answer:?}\n{}", node.agent.log());
+    ensure!(!cdi::spec_path(&node.containerd.cdi_dir(), serve.uid).exists(), "serve's CDI spec is removed");
+    ensure!(node.ledger_dir(serve.uid).join("ledger").exists() && mounted(&node.ledger_dir(serve.uid))?, "serve's ledger is kept while it runs");
+    ensure!(node.unprepared_ledgers("kept")? == 1.0 && node.unprepared_ledgers("removed")? == 0.0, "counted as kept");
+    node.held_to(&serve, &serve_id, &["ctx 0", "alloc a 4g", "expect-oom alloc x 512m", "alloc c 200m", "meminfo"])?;
+
+    // train's pod ends: its container stopped as the kubelet stops it, then unprepared: its
+    // spec, claim directory, checkpoint entry and ledger go at once, before any removal.
+    node.containerd.stop_container(&train_id, Duration::from_secs(1))?;
+    let answer = node.kubelet.unprepare(&node.plugin, vec![kubelet::claim(NAMESPACE, train.name, train.uid)])?;
+    ensure!(answer.claims.get(train.uid).is_some_and(|c| c.error.is_empty()), "{answer:?}\n{}", node.agent.log());
     let checkpoint = std::fs::read_to_string(node.path("state/dra/checkpoint.json"))?;
     for claim in [&train, &serve] {
         ensure!(!cdi::spec_path(&node.containerd.cdi_dir(), claim.uid).exists(), "{}: the CDI spec is removed", claim.name);
@@ -262,15 +278,35 @@ fn a_claim_allocated_prepared_and_run_through_cri_is_held_to_its_share_of_one_gp
         ensure!(!checkpoint.contains(claim.uid), "{}: the checkpoint forgot it: {checkpoint}", claim.name);
     }
     ensure!(checkpoint.contains(fill.uid), "fill is still prepared: {checkpoint}");
-    // The containers removed (the kubelet's garbage collection): the claims' ledgers go.
+    ensure!(!node.ledger_dir(train.uid).exists(), "train's ledger is removed at unprepare:\n{}", node.agent.log());
+    ensure!(!mounted(&node.ledger_dir(train.uid))?, "train's ledger tmpfs is unmounted");
+    ensure!(!node.path(&format!("state/containers/dra-{}", train.uid)).exists(), "train's ledger header is removed");
+    ensure!(provisioned(&node.agent, &train_id)?.is_none(), "train's container is forgotten");
+    ensure!(node.unprepared_ledgers("removed")? == 1.0, "counted as removed");
+    // Unprepare again (the kubelet retries): nothing left to do, no error.
+    let answer = node.kubelet.unprepare(&node.plugin, vec![kubelet::claim(NAMESPACE, train.name, train.uid)])?;
+    ensure!(answer.claims.get(train.uid).is_some_and(|c| c.error.is_empty()), "{answer:?}");
+
+    // The containers removed (the kubelet's garbage collection): train's finds nothing left,
+    // serve's ledger goes with its last container.
+    node.containerd.remove_container(&train_id)?;
+    node.containerd.stop_container(&serve_id, Duration::from_secs(1))?;
     for pod in [&pod_train, &pod_serve] {
         node.containerd.remove_pod(pod)?;
     }
-    for claim in [&train, &serve] {
-        wait_for(timeout(), &format!("{}'s ledger removed", claim.name), || Ok(!node.ledger_dir(claim.uid).exists())).with_context(|| node.agent.log())?;
-    }
+    wait_for(timeout(), "serve's ledger removed with its container", || Ok(!node.ledger_dir(serve.uid).exists())).with_context(|| node.agent.log())?;
+    ensure!(!mounted(&node.ledger_dir(serve.uid))?, "serve's ledger tmpfs is unmounted");
+    ensure!(node.unprepared_ledgers("removed")? == 1.0, "serve's ledger went with its container, not at unprepare");
     let log = node.agent.log();
-    ensure!(!log.contains("panicked"), "{log}");
+    ensure!(!log.contains("panicked") && !log.contains("cannot remove"), "{log}");
     node.fake.cleanup();
     Ok(())
+}
+
+/// Whether something is mounted at `dir` (the agent mounts the ledgers' tmpfs in its own mount
+/// namespace, the test's).
+fn mounted(dir: &std::path::Path) -> Result<bool> {
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo")?;
+    let dir = dir.to_str().context("a UTF-8 path")?;
+    Ok(mountinfo.lines().any(|line| line.split_whitespace().nth(4) == Some(dir)))
 }
