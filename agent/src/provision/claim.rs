@@ -496,6 +496,10 @@ mod tests {
 
         let claim = claimed(&dir, &member(&dir, "c1", &["u1"], &[1, 3])).expect("prepared").expect("a member");
         assert_eq!((claim.uid.as_str(), claim.gpus.as_slice(), claim.quotas.as_slice()), ("u1", &[1, 3][..], &[4 << 30, 2 << 30][..]));
+        // The driver's control nodes (the CDI spec's) are no GPUs.
+        let mut with_controls = member(&dir, "c1", &["u1"], &[1, 3]);
+        with_controls.devices.extend(cdi::CONTROL_NODES.iter().map(|name| format!("/dev/{name}")));
+        assert_eq!(claimed(&dir, &with_controls).expect("prepared").expect("a member").gpus, [1, 3]);
         // No claim mount: none (whatever else it mounts).
         assert_eq!(claimed(&dir, &member(&dir, "c2", &[], &[1])), Ok(None));
 

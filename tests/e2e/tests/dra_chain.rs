@@ -13,7 +13,9 @@
 //! the other one full. Shown:
 //!
 //! * prepare answers each claim's CDI device and share; the spec the agent wrote gives the
-//!   allocated GPU's node from `--dra-device-dir`;
+//!   allocated GPU's node from `--dra-device-dir`, and the driver's control nodes found there
+//!   (`nvidiactl`, `nvidia-uvm`), which the runtime gives the container beside its GPU and
+//!   the NRI side counts as no GPU;
 //! * inside the container, the hooked workload sees its claim's rounded memory as the GPU's,
 //!   its honest allocations up to it are granted, one past it is refused;
 //! * the second claim on the same GPU has its own quota (its own rounded memory, granted where
@@ -49,7 +51,7 @@ mod kube_api;
 use allocator::{Allocator, Refused};
 use dra::{
     kubelet::{self, Kubelet, Plugin},
-    node::{ledger_devices, provisioned, stand_in_gpu_node},
+    node::{ledger_devices, provisioned, stand_in_gpu_node, stand_in_node},
 };
 use kube_api::{resource, ApiServer, NODE};
 
@@ -92,6 +94,10 @@ impl Node {
         }
         for n in [0, 1] {
             stand_in_gpu_node(&dir.path().join("nodes"), n)?;
+        }
+        // The driver's control nodes this node has (no nvidia-uvm-tools, no nvidia-modeset).
+        for name in ["nvidiactl", "nvidia-uvm"] {
+            stand_in_node(&dir.path().join("nodes"), name)?;
         }
         // One fake GPU of 8 GiB, whichever of the node's GPUs a container gets; contexts
         // charged what the agent's ledgers reserve (518 MiB).
@@ -245,6 +251,11 @@ fn a_claim_allocated_prepared_and_run_through_cri_is_held_to_its_share_of_one_gp
     let device_node = &spec["devices"][0]["containerEdits"]["deviceNodes"][0];
     ensure!(spec["cdiVersion"] == cdi::CDI_VERSION_HOST_PATH, "{spec}");
     ensure!(device_node["path"] == "/dev/nvidia1" && device_node["hostPath"] == json!(node.path("nodes/nvidia1")), "{spec}");
+    let controls = json!([
+        {"path": "/dev/nvidiactl", "hostPath": node.path("nodes/nvidiactl")},
+        {"path": "/dev/nvidia-uvm", "hostPath": node.path("nodes/nvidia-uvm")},
+    ]);
+    ensure!(spec["containerEdits"]["deviceNodes"] == controls, "the control nodes the node has: {spec}");
 
     // train (2560 MiB): a context (518 MiB), 1 GiB and 768 MiB granted (2310 MiB); 512 MiB
     // more refused (2822 MiB); 192 MiB more granted (2502 MiB).
@@ -257,6 +268,8 @@ fn a_claim_allocated_prepared_and_run_through_cri_is_held_to_its_share_of_one_gp
     let runtime = node.containerd.runtime_spec(&serve_id)?;
     let devices: Vec<&str> = runtime["linux"]["devices"].as_array().into_iter().flatten().filter_map(|d| d["path"].as_str()).collect();
     ensure!(devices.contains(&"/dev/nvidia1") && !devices.contains(&"/dev/nvidia0"), "the runtime gave GPU 1's node alone: {devices:?}");
+    // With the control nodes, which the NRI side counts as no GPU (serve is held to GPU 1 alone).
+    ensure!(devices.contains(&"/dev/nvidiactl") && devices.contains(&"/dev/nvidia-uvm"), "the control nodes: {devices:?}");
 
     // serve unprepared while its container runs: its ledger is kept, its workload still held.
     let answer = node.kubelet.unprepare(&node.plugin, vec![kubelet::claim(NAMESPACE, serve.name, serve.uid)])?;
