@@ -346,7 +346,8 @@ pub struct DraArgs {
     #[arg(long, default_value = "/var/run/cdi", value_name = "DIR")]
     pub cdi_dir: PathBuf,
     /// Where the GPUs' device nodes (`nvidia<N>`) are on the host: a prepared claim's CDI spec
-    /// gives its containers `/dev/nvidia<N>` from there (the tests point it at stand-ins).
+    /// gives its containers `/dev/nvidia<N>`, and the driver's control nodes (`nvidiactl`,
+    /// `nvidia-uvm`, ...) it finds there, from there (the tests point it at stand-ins).
     #[arg(long, default_value = "/dev", value_name = "DIR")]
     pub dra_device_dir: PathBuf,
 }
