@@ -104,25 +104,8 @@ impl Node {
         let fake = FakeNode::new(tag).with_env("FAKECUDA_DEVICE_BYTES", "8g").with_env("FAKECUDA_CONTEXT_BYTES", "518m");
         let containerd = Containerd::start(&dir.path().join("nri.sock"))?;
         let path = |sub: &str| OsString::from(dir.path().join(sub));
-        let libcuda = e2e::fake_driver_dir()?.join("libcuda.so.1");
-        let args: Vec<OsString> = vec![
-            "--libcuda".into(),
-            libcuda.into(),
-            "--no-discover".into(),
-            "--ledger-dir".into(),
-            path("ledgers"),
-            "--metrics-addr".into(),
-            "127.0.0.1:0".into(),
-            "--nri".into(),
-            "--nri-socket".into(),
-            path("nri.sock"),
-            "--state-dir".into(),
-            path("state"),
-            "--hook-library".into(),
-            e2e::hook_lib()?.into(),
-            "--gpu-memory".into(),
-            "8Gi,8Gi".into(),
-            "--kube".into(),
+        let mut args = e2e::agent::kube_node_args(dir.path(), "8Gi,8Gi")?;
+        args.extend([
             "--dra".into(),
             "--kubelet-registry-dir".into(),
             path("registry"),
@@ -135,7 +118,7 @@ impl Node {
             // The published capacity is each GPU's whole memory, as --gpu-memory gives it.
             "--dra-memory-reserve".into(),
             "0".into(),
-        ];
+        ]);
         let mut env = api.pod_env(&account);
         env.extend(fake.env().iter().cloned());
         // The agent's NVML sees the node's two GPUs (a container sees the one it is given).
