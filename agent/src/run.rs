@@ -387,7 +387,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
     if let Some(alive) = capacity.as_mut().and_then(provision::kube::Capacity::take_alive) {
         tasks.spawn_abortable("capacity", alive.ended());
     }
-    let dra_node = if args.dra.dra { crate::dra::plugin::Node::of(&args.provision).await? } else { Default::default() };
+    let dra_node = if args.dra.dra { crate::dra::plugin::Node::of(&args.provision).await?.with_ledgers(provisioner.clone()) } else { Default::default() };
     if let Some((plugin, families)) = crate::dra::plugin::wire(&args.dra, dra_node.clone(), driver_rx.clone(), stop.clone()).await? {
         for family in families {
             judge.metrics.register(family)?;

@@ -346,7 +346,8 @@ pub struct DraArgs {
     #[arg(long, default_value = "/var/run/cdi", value_name = "DIR")]
     pub cdi_dir: PathBuf,
     /// Where the GPUs' device nodes (`nvidia<N>`) are on the host: a prepared claim's CDI spec
-    /// gives its containers `/dev/nvidia<N>` from there (the tests point it at stand-ins).
+    /// gives its containers `/dev/nvidia<N>`, and the driver's control nodes (`nvidiactl`,
+    /// `nvidia-uvm`, ...) it finds there, from there (the tests point it at stand-ins).
     #[arg(long, default_value = "/dev", value_name = "DIR")]
     pub dra_device_dir: PathBuf,
 }
@@ -360,6 +361,8 @@ pub struct Node {
     pub name: String,
     pub gpu_memory: Vec<u64>,
     pub state_dir: PathBuf,
+    /// The NRI side's provisioner (`--nri`), whose claims' ledgers unprepare removes.
+    pub ledgers: Option<Arc<crate::provision::Provisioner>>,
 }
 
 impl Node {
@@ -370,7 +373,12 @@ impl Node {
             None => None,
         };
         let name = if kube.is_some() { provision.kube.node()?.to_owned() } else { String::new() };
-        Ok(Node { kube, name, gpu_memory: provision.gpu_memory.clone(), state_dir: provision.state_dir.clone() })
+        Ok(Node { kube, name, gpu_memory: provision.gpu_memory.clone(), state_dir: provision.state_dir.clone(), ledgers: None })
+    }
+
+    /// The node whose claims' ledgers are `provisioner`'s (`None` without `--nri`).
+    pub fn with_ledgers(self, provisioner: Option<Arc<crate::provision::Provisioner>>) -> Node {
+        Node { ledgers: provisioner, ..self }
     }
 }
 
@@ -389,7 +397,7 @@ pub async fn wire(
     let Some(client) = node.kube else {
         anyhow::bail!("--dra needs --kube: the DRA driver gets the claims it prepares from the API server");
     };
-    let Node { name: node, gpu_memory, state_dir, .. } = node;
+    let Node { name: node, gpu_memory, state_dir, ledgers, .. } = node;
     if gpu_memory.is_empty() {
         anyhow::bail!("--dra needs --gpu-memory (each GPU's memory, e.g. 80Gi,80Gi): the driver refuses shares past it");
     }
@@ -401,7 +409,7 @@ pub async fn wire(
     info!(claims = checkpoint.claims().count(), path = %checkpoint.path().display(), "the DRA checkpoint");
     let claims = super::prepare::KubeClaims(client);
     let health = Health { pool: node.clone(), gpus: gpu_memory.len() as u32, driver };
-    let preparer = Preparer::new(claims, node, gpu_memory, args.cdi_dir.clone(), state_dir, checkpoint).with_device_dir(args.dra_device_dir.clone());
+    let preparer = Preparer::new(claims, node, gpu_memory, args.cdi_dir.clone(), state_dir, checkpoint).with_device_dir(args.dra_device_dir.clone()).with_ledgers(ledgers);
     let metrics = Metrics::new()?;
     let sockets = Sockets { registry_dir: args.kubelet_registry_dir.clone(), plugins_dir: args.kubelet_plugins_dir.clone() };
     let task = start(sockets, preparer, health, metrics.clone(), stop)?;

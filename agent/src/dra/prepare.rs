@@ -10,7 +10,12 @@
 //! already recorded is answered from the checkpoint alone, without the API server: prepare is
 //! idempotent, and so is unprepare (a claim the checkpoint does not hold is unprepared
 //! already), which needs nothing but the checkpoint (the claim may be gone from the API
-//! server).
+//! server). Unprepare then asks the provisioner ([`crate::provision::Provisioner::release_claim`],
+//! with `--nri`) to remove the claim's ledger, which it does at once if no process of the
+//! claim's containers is left (the kubelet removes their dead containers much later), or
+//! leaves to the claim's last container; asked whether or not the checkpoint held the claim,
+//! so that the kubelet's next try (or a restarted agent's, which restores the claims' ledgers)
+//! finishes what failed.
 //!
 //! Each claim is answered on its own, within [`CLAIM_DEADLINE`] (the kubelet waits 45 s for
 //! the whole call): one claim's failure is its error in the answer, never the call's. The
@@ -27,7 +32,7 @@ use std::{
 use k8s_openapi::api::resource::v1::ResourceClaim;
 
 use super::{cdi, checkpoint::Checkpoint, device_index, Prepared, Share, DRIVER, MEMORY};
-use crate::quantity::parse_quantity;
+use crate::{provision::Provisioner, quantity::parse_quantity};
 
 /// How long one claim's prepare or unprepare may take, the API server's answer included:
 /// past it the claim's answer is an error, well before the kubelet's 45 s.
@@ -150,11 +155,19 @@ pub struct Preparer<C> {
     device_dir: PathBuf,
     /// Locked on the blocking pool only.
     checkpoint: Arc<Mutex<Checkpoint>>,
+    /// The claims' ledgers (`--nri`): unprepare removes a claim's.
+    ledgers: Option<Arc<Provisioner>>,
 }
 
 impl<C: Claims> Preparer<C> {
     pub fn new(claims: C, node: String, gpus: Vec<u64>, cdi_dir: PathBuf, state_dir: PathBuf, checkpoint: Checkpoint) -> Preparer<C> {
-        Preparer { claims, node, gpus, cdi_dir, state_dir, device_dir: PathBuf::from(cdi::DEVICE_DIR), checkpoint: Arc::new(Mutex::new(checkpoint)) }
+        Preparer { claims, node, gpus, cdi_dir, state_dir, device_dir: PathBuf::from(cdi::DEVICE_DIR), checkpoint: Arc::new(Mutex::new(checkpoint)), ledgers: None }
+    }
+
+    /// The preparer whose unprepare removes a claim's ledger through `provisioner` (the NRI
+    /// side's, which made it).
+    pub fn with_ledgers(self, provisioner: Option<Arc<Provisioner>>) -> Preparer<C> {
+        Preparer { ledgers: provisioner, ..self }
     }
 
     /// The preparer with the GPUs' device nodes taken from `device_dir` (the CDI specs' host
@@ -206,14 +219,15 @@ impl<C: Claims> Preparer<C> {
     }
 
     /// Unprepares one claim: its CDI spec and its record removed (a claim not recorded is
-    /// unprepared already), within [`CLAIM_DEADLINE`]. `Ok(false)`: it was not recorded.
+    /// unprepared already), then its ledger if no process of its containers is left, within
+    /// [`CLAIM_DEADLINE`]. `Ok(false)`: it was not recorded.
     pub async fn unprepare(&self, asked: &Asked) -> Result<bool, String> {
         // The UID names files to remove: nothing that could leave their directories.
         if !is_uid(&asked.uid) {
             return Err(format!("claim {}/{}: {:?} is not a UID", asked.namespace, asked.name, asked.uid));
         }
         let (checkpoint, cdi_dir, state_dir, uid) = (self.checkpoint.clone(), self.cdi_dir.clone(), self.state_dir.clone(), asked.uid.clone());
-        let work = blocking(move || {
+        let unrecorded = blocking(move || {
             let mut checkpoint = lock(&checkpoint);
             let known = checkpoint.get(&uid).is_some();
             // The spec goes first: a claim whose spec cannot be removed stays recorded, so
@@ -222,6 +236,14 @@ impl<C: Claims> Preparer<C> {
             checkpoint.remove(&uid)?;
             Ok(known)
         });
+        let work = async {
+            let known = unrecorded.await?;
+            // Unrecorded first: no container of the claim can be created any more.
+            if let Some(provisioner) = &self.ledgers {
+                provisioner.release_claim(&asked.uid).await.map_err(|error| format!("claim {}/{}: {error}", asked.namespace, asked.name))?;
+            }
+            Ok(known)
+        };
         match tokio::time::timeout(CLAIM_DEADLINE, work).await {
             Ok(done) => done,
             Err(_) => Err(format!("claim {}/{} was not unprepared within {CLAIM_DEADLINE:?} (the disk is slow)", asked.namespace, asked.name)),

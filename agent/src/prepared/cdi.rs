@@ -4,13 +4,18 @@
 //!
 //! Each device's edits give the container GPU `N`'s device node (`/dev/nvidia<N>`, from the
 //! host's node of that name or, where the nodes live elsewhere, from [`write_in`]'s directory);
-//! the spec's own edits, applied once whatever number of its devices a container gets, mount
+//! the spec's own edits, applied once whatever number of its devices a container gets, give it
+//! the driver's control nodes a CUDA program opens beside its GPUs ([`CONTROL_NODES`]:
+//! `nvidiactl`, `nvidia-uvm`, `nvidia-uvm-tools`, `nvidia-modeset`, those that are there when
+//! the claim is prepared: the runtime fails a container whose spec names a node that is not),
+//! which name no GPU (the NRI side counts `/dev/nvidia<N>` alone), and mount
 //! the claim's directory (`<state-dir>/dra/claims/<claim uid>`, created here, empty) read-only
 //! at [`claim_mount`] (`/run/vramguard/claims/<claim uid>`: a container of two claims gets
 //! both). That mount is the runtime's word for which claim the container belongs to: the NRI
 //! side ([`crate::provision::claim`]) reads its host path from the container's OCI spec, never
 //! the container's environment (the pod spec sets env; only the runtime sets a mount's host
-//! path from a CDI spec). The env value [`CLAIM_ENV`] is for people and tools.
+//! path from a CDI spec). The env value [`CLAIM_ENV`] is for people and tools. The driver's
+//! libraries are not the spec's: the image's, or the NVIDIA container toolkit's (deploy/README.md).
 //!
 //! `cdiVersion` 0.3.0, the lowest that carries device nodes, mounts and env; 0.5.0 where a
 //! device node has a `hostPath` (the lowest that carries one). containerd 1.7.24 (Debian
@@ -35,6 +40,9 @@ pub const CLAIMS_MOUNT: &str = "/run/vramguard/claims";
 pub const DEVICE_DIR: &str = "/dev";
 /// The env value naming the claim, for people and tools (not trusted by the agent).
 pub const CLAIM_ENV: &str = "VRAMGUARD_DRA_CLAIM";
+/// The driver's device nodes that are no GPU's, given to every container of a claim where
+/// the host has them (the NVIDIA container toolkit gives the same).
+pub const CONTROL_NODES: [&str; 4] = ["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset"];
 
 /// The CDI device name (unqualified) of claim `uid`'s share on GPU `gpu`.
 pub fn device(uid: &str, gpu: u32) -> String {
@@ -87,28 +95,39 @@ pub fn write_in(cdi_dir: &Path, state_dir: &Path, device_dir: &Path, prepared: &
     let dir = claim_dir(state_dir, &prepared.uid);
     fs::DirBuilder::new().recursive(true).mode(0o755).create(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
     let elsewhere = device_dir != Path::new(DEVICE_DIR);
+    let node = |name: &str| {
+        let mut node = json!({"path": format!("{DEVICE_DIR}/{name}")});
+        if elsewhere {
+            node["hostPath"] = json!(device_dir.join(name));
+        }
+        node
+    };
     let mut devices: Vec<serde_json::Value> = Vec::new();
     let mut gpus = std::collections::BTreeSet::new();
     // One device per GPU: two shares of one claim on one GPU are one CDI device.
     for share in prepared.shares.iter().filter(|share| gpus.insert(share.gpu)) {
-        let path = format!("{DEVICE_DIR}/nvidia{}", share.gpu);
-        let mut node = json!({"path": path});
-        if elsewhere {
-            node["hostPath"] = json!(device_dir.join(format!("nvidia{}", share.gpu)));
-        }
         devices.push(json!({
             "name": device(&prepared.uid, share.gpu),
-            "containerEdits": {"deviceNodes": [node]},
+            "containerEdits": {"deviceNodes": [node(&format!("nvidia{}", share.gpu))]},
         }));
+    }
+    let controls: Vec<serde_json::Value> = CONTROL_NODES
+        .iter()
+        .filter(|name| fs::metadata(device_dir.join(name)).is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_char_device(&m.file_type())))
+        .map(|name| node(name))
+        .collect();
+    let mut edits = json!({
+        "env": [format!("{CLAIM_ENV}={}", prepared.uid)],
+        "mounts": [{"hostPath": dir, "containerPath": claim_mount(&prepared.uid), "options": ["ro", "bind", "nosuid", "nodev", "noexec"]}],
+    });
+    if !controls.is_empty() {
+        edits["deviceNodes"] = json!(controls);
     }
     let spec = json!({
         "cdiVersion": if elsewhere { CDI_VERSION_HOST_PATH } else { CDI_VERSION },
         "kind": format!("{DRIVER}/{CLASS}"),
         "devices": devices,
-        "containerEdits": {
-            "env": [format!("{CLAIM_ENV}={}", prepared.uid)],
-            "mounts": [{"hostPath": dir, "containerPath": claim_mount(&prepared.uid), "options": ["ro", "bind", "nosuid", "nodev", "noexec"]}],
-        },
+        "containerEdits": edits,
     });
     let path = spec_path(cdi_dir, &prepared.uid);
     fs::DirBuilder::new().recursive(true).mode(0o755).create(cdi_dir).map_err(|e| format!("cannot create {}: {e}", cdi_dir.display()))?;
@@ -196,6 +215,10 @@ mod tests {
         assert_eq!(mount["containerPath"], format!("/run/vramguard/claims/{uid}"));
         assert!(mount["options"].as_array().expect("options").contains(&json!("ro")));
         assert_eq!(spec["containerEdits"]["env"], json!([format!("VRAMGUARD_DRA_CLAIM={uid}")]));
+        // The host's control nodes, those it has (none where it has no NVIDIA driver).
+        let controls: Vec<&str> = spec["containerEdits"]["deviceNodes"].as_array().into_iter().flatten().filter_map(|n| n["path"].as_str()).collect();
+        let there: Vec<String> = CONTROL_NODES.iter().filter(|name| Path::new("/dev").join(name).exists()).map(|name| format!("/dev/{name}")).collect();
+        assert_eq!(controls, there);
         assert!(claim_dir(&state, uid).is_dir());
         // Written again (a repeated prepare): replaced, no temporary left beside it.
         write(&cdi, &state, &claim(uid, vec![share(2, 1 << 30)])).expect("again");
@@ -216,6 +239,39 @@ mod tests {
         assert_eq!(spec["cdiVersion"], CDI_VERSION_HOST_PATH);
         let node = &spec["devices"][0]["containerEdits"]["deviceNodes"][0];
         assert_eq!((node["path"].as_str(), node["hostPath"].as_str()), (Some("/dev/nvidia0"), root.join("nodes/nvidia0").to_str()));
+        fs::remove_dir_all(&root).expect("cleanup");
+    }
+
+    /// Stand-ins for device nodes: character devices with /dev/null's numbers.
+    fn stand_in(dir: &Path, name: &str) {
+        let path = dir.join(name);
+        let out = std::process::Command::new("mknod").arg(&path).args(["c", "1", "3"]).output().expect("mknod");
+        assert!(out.status.success(), "mknod {}: {}", path.display(), String::from_utf8_lossy(&out.stderr));
+    }
+
+    #[test]
+    fn the_control_nodes_there_are_given_once_for_the_claim_and_nothing_else() {
+        let root = tempdir("controls");
+        let nodes = root.join("nodes");
+        fs::create_dir_all(&nodes).expect("nodes");
+        for name in ["nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm", "nvidia-modeset"] {
+            stand_in(&nodes, name);
+        }
+        // Not character devices: left out as missing ones are (nvidia-uvm-tools).
+        fs::write(nodes.join("nvidia-uvm-tools"), b"").expect("a file");
+        fs::create_dir_all(nodes.join("nvidia-caps")).expect("a dir");
+        let path = write_in(&root.join("cdi"), &root.join("state"), &nodes, &claim("u-3", vec![share(0, 1), share(1, 1)])).expect("written");
+        let spec = read(&path);
+        assert_eq!(spec["cdiVersion"], CDI_VERSION_HOST_PATH, "host paths: the lowest version that carries them");
+        let at = |name: &str| json!({"path": format!("/dev/{name}"), "hostPath": nodes.join(name)});
+        assert_eq!(spec["containerEdits"]["deviceNodes"], json!([at("nvidiactl"), at("nvidia-uvm"), at("nvidia-modeset")]));
+        assert_eq!(spec["devices"][0]["containerEdits"]["deviceNodes"], json!([at("nvidia0")]), "each device its GPU alone");
+        assert_eq!(spec["devices"][1]["containerEdits"]["deviceNodes"], json!([at("nvidia1")]));
+        // A node without them: none.
+        let bare = root.join("bare");
+        fs::create_dir_all(&bare).expect("bare");
+        let spec = read(&write_in(&root.join("cdi"), &root.join("state"), &bare, &claim("u-4", vec![share(0, 1)])).expect("written"));
+        assert!(spec["containerEdits"].get("deviceNodes").is_none(), "{spec}");
         fs::remove_dir_all(&root).expect("cleanup");
     }
 

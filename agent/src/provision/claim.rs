@@ -50,11 +50,28 @@
 //! in its own tmpfs, its header in `<state-dir>/containers/dra-<uid>/limits`; each member's
 //! record (`containers/<id>/record.json`) names the claim ([`super::Record::claim`]). It is made
 //! by the claim's first container and removed when its last container is removed
-//! ([`Claims::forget`]), or at start if no member is left; unprepare (the CDI spec and the
-//! checkpoint entry gone) does not touch it while containers use it.
+//! ([`Claims::forget`]), or at start if no member is left.
+//!
+//! # Unprepare: the ledger goes when no process of the claim is left
+//!
+//! The kubelet unprepares a claim once the pods using it have ended, but removes their dead
+//! containers much later (its garbage collection): unprepare
+//! ([`super::Provisioner::release_claim`], after the CDI spec and the checkpoint entry are
+//! gone) removes the claim's ledger at once, with its members' records, when no member may
+//! have a process left ([`Claims::release`]). Whether one may is the kernel's word on the
+//! member's cgroup ([`liveness`]), never the tenant's (the ledger's slots are its to write):
+//! `populated 0` in its `cgroup.events` (no process in it nor in any cgroup below it), or the
+//! cgroup gone (the kernel refuses to remove a cgroup with processes; a container cannot
+//! rename its own) while the tree above it is there (an agent that does not see the host's
+//! cgroup2 tree, or a runtime that puts containers in none of its groups, sees neither: it
+//! cannot tell). A member that may still run, one not recorded yet (its creation in flight)
+//! and one whose cgroup cannot be told keep the ledger: it goes with the claim's last
+//! container, as without unprepare; each such keep is a log line and a count in
+//! `vramguard_dra_unprepared_ledgers_total{result="kept"}`. The members' later
+//! RemoveContainer finds nothing left to remove.
 use std::{
     collections::{BTreeMap, BTreeSet},
-    path::Path,
+    path::{Component, Path},
     sync::{Arc, Mutex},
 };
 
@@ -154,6 +171,74 @@ pub fn claimed(state_dir: &Path, workload: &Workload) -> Result<Option<Claimed>,
     }))
 }
 
+/// What unprepare did with a claim's ledger ([`Claims::release`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Released {
+    /// The claim has none (no container made it, or it went with the last one).
+    NoLedger,
+    /// Removed, with the records of these members (none had a process left).
+    Removed { members: Vec<String> },
+    /// Kept: these members may still run (id, why); it goes with the claim's last container.
+    Kept { alive: Vec<(String, String)> },
+}
+
+/// Whether a container's processes may be alive, by the kernel's word on its cgroup.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Liveness {
+    /// `populated 1`: a process in it or in a cgroup below it.
+    Populated,
+    /// `populated 0`: none.
+    Empty,
+    /// The cgroup is gone, the tree above it there.
+    Gone,
+    /// Cannot tell (why): counted as alive.
+    Unknown(String),
+}
+
+impl Liveness {
+    /// Whether no process of the container is left.
+    pub fn ended(&self) -> bool {
+        matches!(self, Liveness::Empty | Liveness::Gone)
+    }
+}
+
+/// The liveness of the container whose cgroup is the runtime's `cgroups_path`, in the cgroup2
+/// tree mounted at `root` (`None`: none is mounted).
+pub fn liveness(root: Option<&Path>, cgroups_path: &str) -> Liveness {
+    let Some(root) = root else { return Liveness::Unknown("no cgroup2 hierarchy is mounted".into()) };
+    let Some(dir) = super::cgroup_dir(cgroups_path) else {
+        return Liveness::Unknown(format!("the cgroup path {cgroups_path:?} names no cgroup"));
+    };
+    let relative = Path::new(dir.trim_start_matches('/'));
+    let mut parts = relative.components();
+    let first = match parts.next() {
+        Some(Component::Normal(first)) if relative.components().all(|c| matches!(c, Component::Normal(_))) => first,
+        _ => return Liveness::Unknown(format!("the cgroup path {cgroups_path:?} leaves the cgroup tree")),
+    };
+    let cgroup = root.join(relative);
+    let events = cgroup.join("cgroup.events");
+    match std::fs::read_to_string(&events) {
+        Ok(text) => match text.lines().find_map(|line| line.strip_prefix("populated ")) {
+            Some("0") => Liveness::Empty,
+            Some("1") => Liveness::Populated,
+            _ => Liveness::Unknown(format!("{} has no populated field", events.display())),
+        },
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound && !cgroup.exists() => {
+            // Gone only where the tree the runtime puts containers in is seen.
+            if parts.next().is_some() && root.join(first).is_dir() {
+                Liveness::Gone
+            } else {
+                Liveness::Unknown(format!(
+                    "neither {} nor {} is there: the agent does not see the tree the runtime puts containers in",
+                    cgroup.display(),
+                    root.join(first).display()
+                ))
+            }
+        }
+        Err(error) => Liveness::Unknown(format!("cannot read {}: {error}", events.display())),
+    }
+}
+
 /// The claims' ledgers, by claim UID, and the containers sharing each.
 #[derive(Clone, Default)]
 pub struct Claims {
@@ -247,6 +332,27 @@ impl Claims {
         }
     }
 
+    /// Unprepare's step for claim `uid` (blocking: the store's files): its ledger and its
+    /// members' records removed if `alive` says of none of its members that it may still run
+    /// (`Some(why)`); kept otherwise. A removal that fails leaves the claim as it is, for the
+    /// kubelet's next try.
+    pub fn release(&self, store: &Store, uid: &str, alive: impl Fn(&str) -> Option<String>) -> Result<Released, String> {
+        let mut claims = self.lock();
+        let Some(shared) = claims.get(uid) else { return Ok(Released::NoLedger) };
+        let running: Vec<(String, String)> = shared.members.iter().filter_map(|id| alive(id).map(|why| (id.clone(), why))).collect();
+        if !running.is_empty() {
+            return Ok(Released::Kept { alive: running });
+        }
+        let members: Vec<String> = shared.members.iter().cloned().collect();
+        // The records first: a ledger without its members is removed at the next start.
+        for id in &members {
+            store.remove(id).map_err(|error| format!("claim {uid}: cannot remove the record of its container {id}: {error}"))?;
+        }
+        store.remove(&ledger_id(uid)).map_err(|error| format!("claim {uid}: cannot remove its ledger: {error}"))?;
+        claims.remove(uid);
+        Ok(Released::Removed { members })
+    }
+
     /// The claims with a ledger now, and their containers.
     pub fn members(&self) -> BTreeMap<String, BTreeSet<String>> {
         self.lock().iter().map(|(uid, shared)| (uid.clone(), shared.members.clone())).collect()
@@ -254,6 +360,47 @@ impl Claims {
 }
 
 impl super::Provisioner {
+    /// Unprepare's step for claim `uid` ([`Claims::release`]): its ledger removed if no
+    /// member's cgroup has a process left ([`liveness`]; a member not recorded yet, its
+    /// creation in flight, may run), its members forgotten; kept, logged and counted if one
+    /// may still run. Idempotent.
+    pub async fn release_claim(&self, uid: &str) -> Result<Released, String> {
+        let (claims, store, containers, root) = (self.claims.clone(), self.store.clone(), self.containers.clone(), self.cgroup_root.clone());
+        let owned = uid.to_owned();
+        let released = tokio::task::spawn_blocking(move || {
+            claims.release(&store, &owned, |id| {
+                let containers = containers.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+                let Some(member) = containers.get(id) else { return Some("being created (not recorded yet)".to_owned()) };
+                match liveness(root.as_deref(), &member.record.cgroups_path) {
+                    Liveness::Populated => Some(format!("its cgroup {} has processes", member.record.cgroups_path)),
+                    Liveness::Unknown(why) => Some(why),
+                    Liveness::Empty | Liveness::Gone => None,
+                }
+            })
+        })
+        .await
+        .map_err(|error| format!("releasing DRA claim {uid}'s ledger failed: {error}"))??;
+        match &released {
+            Released::NoLedger => {}
+            Released::Removed { members } => {
+                {
+                    let mut containers = self.lock();
+                    for id in members {
+                        containers.remove(id);
+                    }
+                }
+                self.changed();
+                self.counters.unprepared_ledger("removed");
+                info!(claim = %uid, ?members, "DRA claim unprepared with no process of its containers left: its ledger and their records are removed");
+            }
+            Released::Kept { alive } => {
+                self.counters.unprepared_ledger("kept");
+                warn!(claim = %uid, ?alive, "DRA claim unprepared while its containers may still run: its ledger is kept, it goes with the claim's last container");
+            }
+        }
+        Ok(released)
+    }
+
     /// The claim `workload` belongs to (the checkpoint read on the blocking pool); a refusal is
     /// logged and counted here.
     pub(super) async fn claim_of(&self, workload: &Workload) -> Result<Option<Claimed>, String> {
@@ -349,6 +496,10 @@ mod tests {
 
         let claim = claimed(&dir, &member(&dir, "c1", &["u1"], &[1, 3])).expect("prepared").expect("a member");
         assert_eq!((claim.uid.as_str(), claim.gpus.as_slice(), claim.quotas.as_slice()), ("u1", &[1, 3][..], &[4 << 30, 2 << 30][..]));
+        // The driver's control nodes (the CDI spec's) are no GPUs.
+        let mut with_controls = member(&dir, "c1", &["u1"], &[1, 3]);
+        with_controls.devices.extend(cdi::CONTROL_NODES.iter().map(|name| format!("/dev/{name}")));
+        assert_eq!(claimed(&dir, &with_controls).expect("prepared").expect("a member").gpus, [1, 3]);
         // No claim mount: none (whatever else it mounts).
         assert_eq!(claimed(&dir, &member(&dir, "c2", &[], &[1])), Ok(None));
 
@@ -424,6 +575,96 @@ mod provisioned {
         assert!(root.join("ledgers/dra-u2/ledger").exists());
         block_on(again.remove_pod("sandbox-c"));
         assert!(!root.join("ledgers/dra-u2").exists() && again.claims.members().is_empty());
+        std::fs::remove_dir_all(&root).expect("cleanup");
+    }
+
+    /// A stand-in cgroup tree: the cgroup of each `(path, populated)` with its `cgroup.events`.
+    fn cgroups(root: &Path, populated: &[(&str, u8)]) {
+        for (path, populated) in populated {
+            let dir = root.join(path.trim_start_matches('/'));
+            std::fs::create_dir_all(&dir).expect("cgroup");
+            std::fs::write(dir.join("cgroup.events"), format!("populated {populated}\nfrozen 0\n")).expect("events");
+        }
+    }
+
+    #[test]
+    fn liveness_is_the_kernel_s_populated_or_a_cgroup_gone_from_a_tree_that_is_seen() {
+        let root = std::env::temp_dir().join(format!("vramguard-claim-cgroups-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        cgroups(&root, &[("/k8s.io/running", 1), ("/k8s.io/ended", 0), ("/kubepods.slice/kubepods-pod1.slice/cri-containerd-x.scope", 0)]);
+        let live = |path: &str| liveness(Some(&root), path);
+        assert_eq!(live("/k8s.io/running"), Liveness::Populated);
+        assert_eq!(live("/k8s.io/ended"), Liveness::Empty);
+        assert_eq!(live("kubepods-pod1.slice:cri-containerd:x"), Liveness::Empty, "systemd's path");
+        assert_eq!(live("/k8s.io/removed"), Liveness::Gone);
+        assert_eq!(live("kubepods-pod2.slice:cri-containerd:y"), Liveness::Gone, "its pod's slice gone too");
+        // What cannot be told keeps the ledger: a tree the agent does not see, a cgroup at the
+        // root, a path out of the tree, a cgroup without events, no cgroup2 at all.
+        for path in ["/elsewhere/c", "/c", "/k8s.io/../k8s.io/ended", "", "a:b"] {
+            assert!(matches!(live(path), Liveness::Unknown(_)), "{path}: {:?}", live(path));
+        }
+        std::fs::create_dir_all(root.join("k8s.io/odd")).expect("dir");
+        assert!(matches!(live("/k8s.io/odd"), Liveness::Unknown(_)));
+        assert!(matches!(liveness(None, "/k8s.io/ended"), Liveness::Unknown(_)));
+        assert!(Liveness::Empty.ended() && Liveness::Gone.ended() && !Liveness::Populated.ended() && !Liveness::Unknown(String::new()).ended());
+        std::fs::remove_dir_all(&root).expect("cleanup");
+    }
+
+    /// Unprepare removes a claim's ledger and its members' records at once when none of them
+    /// has a process left, keeps it (counted) while one may run, also after a restart; the
+    /// members' later removal finds nothing and fails nothing.
+    #[test]
+    fn unprepare_removes_the_ledger_of_a_claim_whose_containers_all_ended_and_keeps_a_running_one_s() {
+        let (root, mut p) = provisioner("dra-release", "", false);
+        let state = root.join("state");
+        let cgroup_root = root.join("cgroup");
+        p.cgroup_root = Some(cgroup_root.clone());
+        prepare(&state, "u1", &[(0, 3 << 30)]);
+        prepare(&state, "u2", &[(1, 2 << 30)]);
+        block_on(p.create_container(&member(&state, "a", &["u1"], &[0]))).expect("a");
+        block_on(p.create_container(&member(&state, "b", &["u1"], &[0]))).expect("b");
+        block_on(p.create_container(&member(&state, "c", &["u2"], &[1]))).expect("c");
+        // a ended (its cgroup empty), b runs; c's cgroup is gone.
+        cgroups(&cgroup_root, &[("/k8s.io/a", 0), ("/k8s.io/b", 1)]);
+        let ledger = root.join("ledgers/dra-u1");
+        let kept = block_on(p.release_claim("u1")).expect("kept");
+        assert_eq!(kept, Released::Kept { alive: vec![("b".into(), "its cgroup /k8s.io/b has processes".into())] });
+        assert!(ledger.join("ledger").exists() && state.join("containers/dra-u1").exists() && state.join("containers/b").exists());
+        assert_eq!((p.counters().unprepared_ledgers_total("kept"), p.counters().unprepared_ledgers_total("removed")), (1, 0));
+        assert_eq!(block_on(p.release_claim("u2")).expect("removed"), Released::Removed { members: vec!["c".into()] });
+        assert!(!root.join("ledgers/dra-u2").exists() && !state.join("containers/dra-u2").exists() && !state.join("containers/c").exists());
+        assert!(!p.provisioned().iter().any(|x| x.record.container_id == "c") && !p.cgroup_limits().contains_key("/k8s.io/c"));
+        // Idempotent; the member's removal later finds nothing left.
+        assert_eq!(block_on(p.release_claim("u2")).expect("again"), Released::NoLedger);
+        block_on(p.remove_container("c"));
+        assert_eq!(p.counters().unprepared_ledgers_total("removed"), 1);
+
+        // A restarted agent restores the claim and removes its ledger once b has ended too.
+        drop(p);
+        let mut again = provisioner_in(&root, false);
+        again.cgroup_root = Some(cgroup_root.clone());
+        assert!(matches!(block_on(again.release_claim("u1")), Ok(Released::Kept { .. })));
+        cgroups(&cgroup_root, &[("/k8s.io/b", 0)]);
+        assert_eq!(block_on(again.release_claim("u1")).expect("removed"), Released::Removed { members: vec!["a".into(), "b".into()] });
+        assert!(!ledger.exists() && !state.join("containers/dra-u1").exists() && !state.join("containers/a").exists());
+        assert!(again.provisioned().is_empty() && again.pins().is_empty() && again.claims.members().is_empty());
+        block_on(again.remove_pod("sandbox-a"));
+        block_on(again.remove_container("b"));
+        assert!(again.is_empty());
+        std::fs::remove_dir_all(&root).expect("cleanup");
+    }
+
+    /// A member whose creation is in flight (in the claim, not recorded yet) keeps the ledger.
+    #[test]
+    fn a_member_not_recorded_yet_keeps_the_ledger() {
+        let (root, p) = provisioner("dra-release-flight", "", false);
+        let state = root.join("state");
+        prepare(&state, "u1", &[(0, 1 << 30)]);
+        block_on(p.create_container(&member(&state, "a", &["u1"], &[0]))).expect("a");
+        p.lock().remove("a");
+        let kept = block_on(p.release_claim("u1")).expect("kept");
+        assert_eq!(kept, Released::Kept { alive: vec![("a".into(), "being created (not recorded yet)".into())] });
+        assert!(root.join("ledgers/dra-u1/ledger").exists());
         std::fs::remove_dir_all(&root).expect("cleanup");
     }
 

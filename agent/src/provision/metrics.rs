@@ -8,6 +8,7 @@
 //! | `vramguard_provision_decisions_without_api_total{decision}` | containers decided without an answer from the Kubernetes API (see [`Decision`]) |
 //! | `vramguard_provision_refused_total{reason}` | containers with a quota whose creation the agent failed (see [`Refusal`]) |
 //! | `vramguard_dra_containers_refused_total{reason}` | containers refused because the runtime's spec names a DRA claim the agent cannot provision them from (see [`super::claim::Refusal`]) |
+//! | `vramguard_dra_unprepared_ledgers_total{result}` | DRA claims' ledgers at unprepare: `removed` (no process of the claim's containers left), `kept` (one may still run: the ledger goes with the claim's last container) |
 use prometheus::{core::Collector, IntCounter, IntCounterVec, Opts};
 
 /// How a container was decided when the Kubernetes API gave no answer (down, an error, past
@@ -83,6 +84,7 @@ pub struct Counters {
     without_api: IntCounterVec,
     refused: IntCounterVec,
     claim_refused: IntCounterVec,
+    unprepared_ledgers: IntCounterVec,
 }
 
 impl Counters {
@@ -124,6 +126,19 @@ impl Counters {
                 ),
                 &["reason"],
             )?,
+            unprepared_ledgers: {
+                let ledgers = IntCounterVec::new(
+                    Opts::new(
+                        "vramguard_dra_unprepared_ledgers_total",
+                        "DRA claims' ledgers at unprepare: removed (no process of the claim's containers left), kept (one may still run)",
+                    ),
+                    &["result"],
+                )?;
+                for result in ["removed", "kept"] {
+                    ledgers.with_label_values(&[result]);
+                }
+                ledgers
+            },
         })
     }
 
@@ -135,6 +150,7 @@ impl Counters {
             Box::new(self.without_api.clone()),
             Box::new(self.refused.clone()),
             Box::new(self.claim_refused.clone()),
+            Box::new(self.unprepared_ledgers.clone()),
         ]
     }
 
@@ -170,6 +186,15 @@ impl Counters {
     /// Containers refused for their DRA claim so far, for `reason`.
     pub fn claim_refused_total(&self, reason: &str) -> u64 {
         self.claim_refused.with_label_values(&[reason]).get()
+    }
+
+    pub(super) fn unprepared_ledger(&self, result: &str) {
+        self.unprepared_ledgers.with_label_values(&[result]).inc();
+    }
+
+    /// DRA claims' ledgers unprepare `removed` or `kept` so far.
+    pub fn unprepared_ledgers_total(&self, result: &str) -> u64 {
+        self.unprepared_ledgers.with_label_values(&[result]).get()
     }
 
     /// Timed-out creations so far.

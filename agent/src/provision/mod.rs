@@ -213,6 +213,9 @@ pub struct Provisioner {
     state_dir: PathBuf,
     /// The DRA claims' shared ledgers.
     claims: claim::Claims,
+    /// Where the cgroup2 tree is mounted (`None`: none is): unprepare's word on whether a
+    /// claim's containers still run ([`claim::liveness`]).
+    cgroup_root: Option<PathBuf>,
     sources: Sources,
     hook: PathBuf,
     preload: PathBuf,
@@ -282,6 +285,7 @@ impl Provisioner {
             store,
             state_dir: args.state_dir.clone(),
             claims,
+            cgroup_root: crate::cgroup::cgroup2_mount(),
             sources,
             hook: args.hook_library.clone(),
             preload,

@@ -76,7 +76,7 @@ use tracing::info;
 
 use crate::{
     dra::DRIVER,
-    provision::kube::{KubeConfig, SERVICE_ACCOUNT_DIR},
+    provision::kube::ApiArgs,
     serve::http::{self as serve_http, Connections, Site},
 };
 
@@ -102,39 +102,16 @@ pub struct WebhookArgs {
     /// The DeviceClass the templates' requests name.
     #[arg(long, default_value = DRIVER, value_name = "NAME")]
     pub device_class: String,
-    /// The API server's URL (default: in-cluster, from KUBERNETES_SERVICE_HOST/PORT and the
-    /// service account's token and CA). `http://` only to a loopback address.
-    #[arg(long, value_name = "URL", conflicts_with = "kubeconfig")]
-    pub kube_api: Option<String>,
-    /// A kubeconfig file to reach the API server with, instead of the service account.
-    #[arg(long, value_name = "PATH")]
-    pub kubeconfig: Option<PathBuf>,
-    /// The in-cluster service account's directory (`token`, `ca.crt`, `namespace`).
-    #[arg(long, env = "VRAMGUARD_KUBE_SERVICE_ACCOUNT_DIR", value_name = "DIR", default_value = SERVICE_ACCOUNT_DIR)]
-    pub kube_service_account_dir: PathBuf,
-    /// The bearer token's file with --kube-api.
-    #[arg(long, value_name = "PATH", requires = "kube_api")]
-    pub kube_token_file: Option<PathBuf>,
-    /// The PEM CA bundle that verifies --kube-api's certificate.
-    #[arg(long, value_name = "PATH", requires = "kube_api")]
-    pub kube_ca_file: Option<PathBuf>,
-}
-
-impl WebhookArgs {
-    async fn kube(&self) -> Result<KubeConfig> {
-        Ok(match (&self.kube_api, &self.kubeconfig) {
-            (Some(url), _) => KubeConfig::explicit(url, self.kube_token_file.clone(), self.kube_ca_file.clone())?,
-            (None, Some(path)) => KubeConfig::kubeconfig(path).await?,
-            (None, None) => KubeConfig::in_cluster(&self.kube_service_account_dir)?,
-        })
-    }
+    /// How to reach the API server (the agent's flags, without `--kube`).
+    #[command(flatten)]
+    pub api: ApiArgs,
 }
 
 /// Serves admission reviews until SIGTERM or SIGINT.
 pub async fn run(args: WebhookArgs) -> Result<()> {
     let certificates = tls::Certificates::load(&args.tls_cert, &args.tls_key)?;
     let acceptor = tokio_rustls::TlsAcceptor::from(certificates.server_config()?);
-    let client = args.kube().await?.client()?;
+    let client = args.api.config().await?.client()?;
     let store = Arc::new(templates::Templates::new(client, args.device_class.clone(), API_DEADLINE));
     let registry = prometheus::Registry::new();
     let metrics = metrics::WebhookMetrics::new(&registry)?;
@@ -176,6 +153,7 @@ mod tests {
         assert!(Cli::try_parse_from(["x", "--kube-token-file", "t"]).is_err(), "a token file needs --kube-api");
         assert!(Cli::try_parse_from(["x", "--kube-api", "https://a", "--kubeconfig", "k"]).is_err());
         let explicit = Cli::try_parse_from(["x", "--kube-api", "https://10.0.0.1:6443", "--kube-ca-file", "ca.crt", "--listen", "127.0.0.1:0"]).expect("flags");
-        assert_eq!(explicit.webhook.kube_api.as_deref(), Some("https://10.0.0.1:6443"));
+        assert_eq!(explicit.webhook.api.kube_api.as_deref(), Some("https://10.0.0.1:6443"));
+        assert!(Cli::try_parse_from(["x", "--kubeconfig", "k"]).is_ok(), "no --kube here");
     }
 }

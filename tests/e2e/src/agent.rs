@@ -42,6 +42,33 @@ pub fn provisioning_args(nri_socket: &Path, state_dir: &Path, quota_file: &Path,
     ])
 }
 
+/// The arguments of an agent on the fake driver (discovery off) that is containerd's NRI
+/// plugin on `<dir>/nri.sock` with `--kube` for quotas, its ledgers under `<dir>/ledgers`, its
+/// state in `<dir>/state`, the built hook, a node of `gpu_memory` (e.g. `8g` or `8Gi,8Gi`), and
+/// metrics on a free loopback port: what the tests against the tests' API server start from
+/// (the API server's address comes from the pod's environment).
+pub fn kube_node_args(dir: &Path, gpu_memory: &str) -> Result<Vec<OsString>> {
+    Ok(vec![
+        "--libcuda".into(),
+        crate::fake_driver_dir()?.join("libcuda.so.1").into(),
+        "--no-discover".into(),
+        "--ledger-dir".into(),
+        dir.join("ledgers").into(),
+        "--metrics-addr".into(),
+        "127.0.0.1:0".into(),
+        "--nri".into(),
+        "--nri-socket".into(),
+        dir.join("nri.sock").into(),
+        "--state-dir".into(),
+        dir.join("state").into(),
+        "--hook-library".into(),
+        crate::hook_lib()?.into(),
+        "--gpu-memory".into(),
+        gpu_memory.into(),
+        "--kube".into(),
+    ])
+}
+
 pub struct Agent {
     child: Option<Child>,
     socket: PathBuf,

@@ -13,14 +13,20 @@
 //! the other one full. Shown:
 //!
 //! * prepare answers each claim's CDI device and share; the spec the agent wrote gives the
-//!   allocated GPU's node from `--dra-device-dir`;
+//!   allocated GPU's node from `--dra-device-dir`, and the driver's control nodes found there
+//!   (`nvidiactl`, `nvidia-uvm`), which the runtime gives the container beside its GPU and
+//!   the NRI side counts as no GPU;
 //! * inside the container, the hooked workload sees its claim's rounded memory as the GPU's,
 //!   its honest allocations up to it are granted, one past it is refused;
 //! * the second claim on the same GPU has its own quota (its own rounded memory, granted where
 //!   the first claim's container is refused);
-//! * the containers stopped, unprepare removes each claim's CDI spec, its directory and its
-//!   checkpoint entry; the containers removed, the claims' ledgers (`<ledger-dir>/dra-<uid>/`)
-//!   are gone.
+//! * unprepared while its container runs (no kubelet does it, an agent must survive it), a
+//!   claim keeps its ledger (counted as `kept`) and its workload is still held to its share;
+//! * its container stopped as the kubelet stops it, unprepare removes the claim's CDI spec,
+//!   its directory, its checkpoint entry and at once its ledger (`<ledger-dir>/dra-<uid>/`, its
+//!   tmpfs unmounted, the container's record gone), before any RemoveContainer; the
+//!   containers removed later (the kubelet's garbage collection), nothing is left and nothing
+//!   fails; the ledger kept goes with its claim's last container.
 //!
 //! Needs root, the containerd cache (`cargo xtask setup`) and the built binaries.
 use std::{
@@ -45,7 +51,7 @@ mod kube_api;
 use allocator::{Allocator, Refused};
 use dra::{
     kubelet::{self, Kubelet, Plugin},
-    node::{ledger_devices, provisioned, stand_in_gpu_node},
+    node::{ledger_devices, provisioned, stand_in_gpu_node, stand_in_node},
 };
 use kube_api::{resource, ApiServer, NODE};
 
@@ -89,30 +95,17 @@ impl Node {
         for n in [0, 1] {
             stand_in_gpu_node(&dir.path().join("nodes"), n)?;
         }
+        // The driver's control nodes this node has (no nvidia-uvm-tools, no nvidia-modeset).
+        for name in ["nvidiactl", "nvidia-uvm"] {
+            stand_in_node(&dir.path().join("nodes"), name)?;
+        }
         // One fake GPU of 8 GiB, whichever of the node's GPUs a container gets; contexts
         // charged what the agent's ledgers reserve (518 MiB).
         let fake = FakeNode::new(tag).with_env("FAKECUDA_DEVICE_BYTES", "8g").with_env("FAKECUDA_CONTEXT_BYTES", "518m");
         let containerd = Containerd::start(&dir.path().join("nri.sock"))?;
         let path = |sub: &str| OsString::from(dir.path().join(sub));
-        let libcuda = e2e::fake_driver_dir()?.join("libcuda.so.1");
-        let args: Vec<OsString> = vec![
-            "--libcuda".into(),
-            libcuda.into(),
-            "--no-discover".into(),
-            "--ledger-dir".into(),
-            path("ledgers"),
-            "--metrics-addr".into(),
-            "127.0.0.1:0".into(),
-            "--nri".into(),
-            "--nri-socket".into(),
-            path("nri.sock"),
-            "--state-dir".into(),
-            path("state"),
-            "--hook-library".into(),
-            e2e::hook_lib()?.into(),
-            "--gpu-memory".into(),
-            "8Gi,8Gi".into(),
-            "--kube".into(),
+        let mut args = e2e::agent::kube_node_args(dir.path(), "8Gi,8Gi")?;
+        args.extend([
             "--dra".into(),
             "--kubelet-registry-dir".into(),
             path("registry"),
@@ -125,7 +118,7 @@ impl Node {
             // The published capacity is each GPU's whole memory, as --gpu-memory gives it.
             "--dra-memory-reserve".into(),
             "0".into(),
-        ];
+        ]);
         let mut env = api.pod_env(&account);
         env.extend(fake.env().iter().cloned());
         // The agent's NVML sees the node's two GPUs (a container sees the one it is given).
@@ -192,6 +185,12 @@ impl Node {
         ledger_devices(&self.ledger_dir(uid).join("ledger"), "limit_bytes")
     }
 
+    /// `vramguard_dra_unprepared_ledgers_total{result}` on the agent's page.
+    fn unprepared_ledgers(&self, result: &str) -> Result<f64> {
+        let samples = e2e::http::scrape(self.agent.metrics_addr()?)?;
+        e2e::http::metric(&samples, "vramguard_dra_unprepared_ledgers_total", &[("result", result)]).context("no vramguard_dra_unprepared_ledgers_total")
+    }
+
     /// Checks that `id` is provisioned from `claim` on GPU 1 alone and that its workload is
     /// held to the claim's memory there: `honest` granted (the last line `meminfo`, whose total
     /// is the claim's memory), `refused` (an allocation named `x`) refused.
@@ -235,6 +234,11 @@ fn a_claim_allocated_prepared_and_run_through_cri_is_held_to_its_share_of_one_gp
     let device_node = &spec["devices"][0]["containerEdits"]["deviceNodes"][0];
     ensure!(spec["cdiVersion"] == cdi::CDI_VERSION_HOST_PATH, "{spec}");
     ensure!(device_node["path"] == "/dev/nvidia1" && device_node["hostPath"] == json!(node.path("nodes/nvidia1")), "{spec}");
+    let controls = json!([
+        {"path": "/dev/nvidiactl", "hostPath": node.path("nodes/nvidiactl")},
+        {"path": "/dev/nvidia-uvm", "hostPath": node.path("nodes/nvidia-uvm")},
+    ]);
+    ensure!(spec["containerEdits"]["deviceNodes"] == controls, "the control nodes the node has: {spec}");
 
     // train (2560 MiB): a context (518 MiB), 1 GiB and 768 MiB granted (2310 MiB); 512 MiB
     // more refused (2822 MiB); 192 MiB more granted (2502 MiB).
@@ -247,14 +251,22 @@ fn a_claim_allocated_prepared_and_run_through_cri_is_held_to_its_share_of_one_gp
     let runtime = node.containerd.runtime_spec(&serve_id)?;
     let devices: Vec<&str> = runtime["linux"]["devices"].as_array().into_iter().flatten().filter_map(|d| d["path"].as_str()).collect();
     ensure!(devices.contains(&"/dev/nvidia1") && !devices.contains(&"/dev/nvidia0"), "the runtime gave GPU 1's node alone: {devices:?}");
+    // With the control nodes, which the NRI side counts as no GPU (serve is held to GPU 1 alone).
+    ensure!(devices.contains(&"/dev/nvidiactl") && devices.contains(&"/dev/nvidia-uvm"), "the control nodes: {devices:?}");
 
-    // The pods end: their containers stopped, the kubelet unprepares their claims: each spec,
-    // claim directory and checkpoint entry gone.
-    for id in [&train_id, &serve_id] {
-        node.containerd.stop_container(id, Duration::from_secs(1))?;
-    }
-    let answer = node.kubelet.unprepare(&node.plugin, vec![kubelet::claim(NAMESPACE, train.name, train.uid), kubelet::claim(NAMESPACE, serve.name, serve.uid)])?;
-    ensure!(answer.claims.len() == 2 && answer.claims.values().all(|c| c.error.is_empty()), "{answer:?}\n{}", node.agent.log());
+    // serve unprepared while its container runs: its ledger is kept, its workload still held.
+    let answer = node.kubelet.unprepare(&node.plugin, vec![kubelet::claim(NAMESPACE, serve.name, serve.uid)])?;
+    ensure!(answer.claims.get(serve.uid).is_some_and(|c| c.error.is_empty()), "{answer:?}\n{}", node.agent.log());
+    ensure!(!cdi::spec_path(&node.containerd.cdi_dir(), serve.uid).exists(), "serve's CDI spec is removed");
+    ensure!(node.ledger_dir(serve.uid).join("ledger").exists() && mounted(&node.ledger_dir(serve.uid))?, "serve's ledger is kept while it runs");
+    ensure!(node.unprepared_ledgers("kept")? == 1.0 && node.unprepared_ledgers("removed")? == 0.0, "counted as kept");
+    node.held_to(&serve, &serve_id, &["ctx 0", "alloc a 4g", "expect-oom alloc x 512m", "alloc c 200m", "meminfo"])?;
+
+    // train's pod ends: its container stopped as the kubelet stops it, then unprepared: its
+    // spec, claim directory, checkpoint entry and ledger go at once, before any removal.
+    node.containerd.stop_container(&train_id, Duration::from_secs(1))?;
+    let answer = node.kubelet.unprepare(&node.plugin, vec![kubelet::claim(NAMESPACE, train.name, train.uid)])?;
+    ensure!(answer.claims.get(train.uid).is_some_and(|c| c.error.is_empty()), "{answer:?}\n{}", node.agent.log());
     let checkpoint = std::fs::read_to_string(node.path("state/dra/checkpoint.json"))?;
     for claim in [&train, &serve] {
         ensure!(!cdi::spec_path(&node.containerd.cdi_dir(), claim.uid).exists(), "{}: the CDI spec is removed", claim.name);
@@ -262,15 +274,35 @@ fn a_claim_allocated_prepared_and_run_through_cri_is_held_to_its_share_of_one_gp
         ensure!(!checkpoint.contains(claim.uid), "{}: the checkpoint forgot it: {checkpoint}", claim.name);
     }
     ensure!(checkpoint.contains(fill.uid), "fill is still prepared: {checkpoint}");
-    // The containers removed (the kubelet's garbage collection): the claims' ledgers go.
+    ensure!(!node.ledger_dir(train.uid).exists(), "train's ledger is removed at unprepare:\n{}", node.agent.log());
+    ensure!(!mounted(&node.ledger_dir(train.uid))?, "train's ledger tmpfs is unmounted");
+    ensure!(!node.path(&format!("state/containers/dra-{}", train.uid)).exists(), "train's ledger header is removed");
+    ensure!(provisioned(&node.agent, &train_id)?.is_none(), "train's container is forgotten");
+    ensure!(node.unprepared_ledgers("removed")? == 1.0, "counted as removed");
+    // Unprepare again (the kubelet retries): nothing left to do, no error.
+    let answer = node.kubelet.unprepare(&node.plugin, vec![kubelet::claim(NAMESPACE, train.name, train.uid)])?;
+    ensure!(answer.claims.get(train.uid).is_some_and(|c| c.error.is_empty()), "{answer:?}");
+
+    // The containers removed (the kubelet's garbage collection): train's finds nothing left,
+    // serve's ledger goes with its last container.
+    node.containerd.remove_container(&train_id)?;
+    node.containerd.stop_container(&serve_id, Duration::from_secs(1))?;
     for pod in [&pod_train, &pod_serve] {
         node.containerd.remove_pod(pod)?;
     }
-    for claim in [&train, &serve] {
-        wait_for(timeout(), &format!("{}'s ledger removed", claim.name), || Ok(!node.ledger_dir(claim.uid).exists())).with_context(|| node.agent.log())?;
-    }
+    wait_for(timeout(), "serve's ledger removed with its container", || Ok(!node.ledger_dir(serve.uid).exists())).with_context(|| node.agent.log())?;
+    ensure!(!mounted(&node.ledger_dir(serve.uid))?, "serve's ledger tmpfs is unmounted");
+    ensure!(node.unprepared_ledgers("removed")? == 1.0, "serve's ledger went with its container, not at unprepare");
     let log = node.agent.log();
-    ensure!(!log.contains("panicked"), "{log}");
+    ensure!(!log.contains("panicked") && !log.contains("cannot remove"), "{log}");
     node.fake.cleanup();
     Ok(())
+}
+
+/// Whether something is mounted at `dir` (the agent mounts the ledgers' tmpfs in its own mount
+/// namespace, the test's).
+fn mounted(dir: &std::path::Path) -> Result<bool> {
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo")?;
+    let dir = dir.to_str().context("a UTF-8 path")?;
+    Ok(mountinfo.lines().any(|line| line.split_whitespace().nth(4) == Some(dir)))
 }

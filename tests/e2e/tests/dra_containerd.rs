@@ -5,14 +5,13 @@
 //!
 //! Needs root, the containerd cache (`cargo xtask setup`) and the built binaries.
 use std::path::{Path, PathBuf};
-use std::sync::{mpsc, Arc, Mutex};
-use std::thread::JoinHandle;
+use std::sync::{mpsc, Mutex};
 use std::time::Duration;
 
 use std::ffi::{OsStr, OsString};
 
 use agent::dra::{cdi, checkpoint::Checkpoint, Prepared, Share};
-use agent::provision::nri::{self, Adjustment, Container, Handler, Pod};
+use agent::provision::nri::{Adjustment, Container, Handler, Pod};
 use anyhow::{ensure, Context, Result};
 use e2e::agent::{provisioning_args, Agent};
 use e2e::containerd::{workload_path, ContainerId, ContainerSpec, Containerd, PodId};
@@ -20,6 +19,7 @@ use e2e::{timeout, wait_for, FakeNode, TempDir, GIB};
 use serde_json::Value;
 
 mod dra;
+mod nri_thread;
 
 use dra::node::stand_in_gpu_node;
 
@@ -39,42 +39,9 @@ impl Handler for Recorder {
 }
 
 /// The recorder as an NRI plugin on a thread of its own.
-struct Plugin {
-    seen: mpsc::Receiver<Container>,
-    connected: tokio::sync::watch::Receiver<bool>,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    thread: Option<JoinHandle<()>>,
-}
-
-impl Plugin {
-    fn start(socket: &Path) -> Plugin {
-        let (tx, seen) = mpsc::channel();
-        let handler = Arc::new(Recorder(Mutex::new(tx)));
-        let (connected_tx, connected) = tokio::sync::watch::channel(false);
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let config = nri::Config { socket: socket.to_path_buf(), name: "recorder".into(), index: "10".into(), handler_deadline: Duration::from_millis(1500) };
-        let thread = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a tokio runtime");
-            runtime.block_on(async move {
-                tokio::select! {
-                    () = nri::run(config, handler, connected_tx) => {}
-                    _ = stopped => {}
-                }
-            });
-        });
-        Plugin { seen, connected, stop: Some(stop), thread: Some(thread) }
-    }
-}
-
-impl Drop for Plugin {
-    fn drop(&mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
-    }
+fn recorder(socket: &Path) -> nri_thread::Plugin<Container> {
+    let (tx, seen) = mpsc::channel();
+    nri_thread::Plugin::start(socket, "recorder", Recorder(Mutex::new(tx)), seen)
 }
 
 /// A claim of `uid` with one share of `memory` on each of `gpus`.
@@ -117,7 +84,7 @@ fn nri_sees_the_claim_s_cdi_edits() -> Result<()> {
     let containerd = Containerd::start(&dir.path().join("nri.sock"))?;
     let uid = "6f1c0d36-0000-4000-8000-0000000000a1";
     prepare(&containerd, &state, &nodes, &claim(uid, GIB, &[1]))?;
-    let plugin = Plugin::start(containerd.nri_socket());
+    let plugin = recorder(containerd.nri_socket());
     wait_for(timeout(), "the recorder registered", || Ok(*plugin.connected.borrow()))?;
 
     let by_annotation = ContainerSpec::new("annotated").annotation("cdi.k8s.io/gpu.vramguard.io_claim", &cdi::qualified(uid, 1));

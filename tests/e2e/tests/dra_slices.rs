@@ -39,37 +39,11 @@ fn agent(api: &ApiServer, fake: &FakeNode, dir: &Path, account: &Path) -> Result
 }
 
 fn agent_with(api: &ApiServer, fake: &FakeNode, dir: &Path, account: &Path, gpu_memory: &str) -> Result<Agent> {
-    let libcuda = e2e::fake_driver_dir()?.join("libcuda.so.1");
-    let args: Vec<OsString> = vec![
-        "--libcuda".into(),
-        libcuda.into(),
-        "--no-discover".into(),
-        "--ledger-dir".into(),
-        dir.join("ledgers").into(),
-        "--metrics-addr".into(),
-        "127.0.0.1:0".into(),
-        "--nri".into(),
-        "--nri-socket".into(),
-        dir.join("nri.sock").into(),
-        "--state-dir".into(),
-        dir.join("state").into(),
-        "--hook-library".into(),
-        e2e::hook_lib()?.into(),
-        // The extended resource's sizing: not advertised with --dra.
-        "--gpu-memory".into(),
-        gpu_memory.into(),
-        "--kube".into(),
-        "--dra".into(),
-        "--dra-slices-every-s".into(),
-        "1".into(),
-    ];
+    // --gpu-memory, the extended resource's sizing: not advertised with --dra.
+    let mut args = e2e::agent::kube_node_args(dir, gpu_memory)?;
+    args.extend(["--dra", "--dra-slices-every-s", "1"].map(OsString::from));
     let mut env: Vec<(OsString, OsString)> = fake.env().to_vec();
-    env.extend([
-        ("KUBERNETES_SERVICE_HOST".into(), "127.0.0.1".into()),
-        ("KUBERNETES_SERVICE_PORT".into(), api.addr.port().to_string().into()),
-        ("NODE_NAME".into(), NODE.into()),
-        ("VRAMGUARD_KUBE_SERVICE_ACCOUNT_DIR".into(), account.into()),
-    ]);
+    env.extend(api.pod_env(account));
     let args: Vec<&OsStr> = args.iter().map(OsString::as_os_str).collect();
     Agent::start_with_env(&args, &env)
 }

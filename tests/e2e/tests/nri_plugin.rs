@@ -5,13 +5,14 @@
 //! error, or a handler past the plugin's deadline, fails the creation and the plugin stays; removals reach the handler; after containerd
 //! restarts, the plugin is back by itself. Needs root and the cache `cargo xtask setup` fills.
 use std::path::{Path, PathBuf};
-use std::sync::{mpsc, Arc, Mutex};
-use std::thread::JoinHandle;
+use std::sync::{mpsc, Mutex};
 use std::time::{Duration, Instant};
 
-use agent::provision::nri::{self, Adjustment, Container, Handler, Mount, Pod};
+use agent::provision::nri::{Adjustment, Container, Handler, Mount, Pod};
 use e2e::containerd::{ContainerSpec, Containerd};
-use e2e::{timeout, wait_for, TempDir};
+use e2e::TempDir;
+
+mod nri_thread;
 
 /// Where the test handler mounts its limits file.
 const LIMITS: &str = "/run/vramguard/limits";
@@ -79,55 +80,12 @@ impl Handler for TestHandler {
 }
 
 /// The plugin, on a thread of its own with a current-thread runtime as in the agent.
-struct Plugin {
-    seen: mpsc::Receiver<Seen>,
-    connected: tokio::sync::watch::Receiver<bool>,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    thread: Option<JoinHandle<()>>,
-}
+type Plugin = nri_thread::Plugin<Seen>;
 
-impl Plugin {
-    fn start(socket: &Path, limits: &Path) -> Plugin {
-        let (tx, seen) = mpsc::channel();
-        let handler = Arc::new(TestHandler { seen: Mutex::new(tx), limits: limits.to_path_buf() });
-        let (connected_tx, connected) = tokio::sync::watch::channel(false);
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let config = nri::Config {
-            socket: socket.to_path_buf(),
-            name: "vramguard".into(),
-            index: "10".into(),
-            handler_deadline: Duration::from_millis(1500),
-        };
-        let thread = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a tokio runtime");
-            runtime.block_on(async move {
-                tokio::select! {
-                    () = nri::run(config, handler, connected_tx) => {}
-                    _ = stopped => {}
-                }
-            });
-        });
-        Plugin { seen, connected, stop: Some(stop), thread: Some(thread) }
-    }
-
-    fn next(&self) -> Seen {
-        self.seen.recv_timeout(timeout()).expect("the handler is called")
-    }
-
-    fn wait_connected(&self) -> Duration {
-        wait_for(timeout(), "the plugin to be connected", || Ok(*self.connected.borrow())).expect("connected")
-    }
-}
-
-impl Drop for Plugin {
-    fn drop(&mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
-    }
+/// The test handler as plugin `vramguard` on `socket`, injecting `limits`.
+fn start(socket: &Path, limits: &Path) -> Plugin {
+    let (tx, seen) = mpsc::channel();
+    Plugin::start(socket, "vramguard", TestHandler { seen: Mutex::new(tx), limits: limits.to_path_buf() }, seen)
 }
 
 /// A containerd with its NRI socket in `dir`, and a limits file in `dir`.
@@ -152,7 +110,7 @@ fn plugin_is_synchronized_and_adjusts_containers_created_through_cri() {
     let early_pod = containerd.pod("early", "team-a", "uid-early", &[]).unwrap();
     let early = containerd.run_container(&early_pod, &ContainerSpec::new("early")).unwrap();
 
-    let plugin = Plugin::start(containerd.nri_socket(), &limits);
+    let plugin = start(containerd.nri_socket(), &limits);
     let took = plugin.wait_connected();
     eprintln!("plugin registered and synchronized {took:?} after start");
     let Seen::Sync(pods, containers) = plugin.next() else { panic!("Synchronize first") };
@@ -213,7 +171,7 @@ fn plugin_is_synchronized_and_adjusts_containers_created_through_cri() {
 fn a_handler_error_fails_the_creation_and_the_plugin_stays() {
     let dir = TempDir::new("nri-refuse").unwrap();
     let (containerd, limits) = setup(&dir);
-    let plugin = Plugin::start(containerd.nri_socket(), &limits);
+    let plugin = start(containerd.nri_socket(), &limits);
     plugin.wait_connected();
     assert!(matches!(plugin.next(), Seen::Sync(..)));
 
@@ -247,7 +205,7 @@ fn a_handler_error_fails_the_creation_and_the_plugin_stays() {
 fn the_plugin_is_back_after_containerd_restarts() {
     let dir = TempDir::new("nri-restart").unwrap();
     let (mut containerd, limits) = setup(&dir);
-    let plugin = Plugin::start(containerd.nri_socket(), &limits);
+    let plugin = start(containerd.nri_socket(), &limits);
     plugin.wait_connected();
     assert!(matches!(plugin.next(), Seen::Sync(..)));
     let pod = containerd.pod("web", "team-a", "uid-restart", &[]).unwrap();

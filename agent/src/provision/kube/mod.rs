@@ -14,7 +14,8 @@
 //!   account directory), from a kubeconfig file, or explicit (tests, out-of-cluster runs).
 //!   kube's client does the rest: TLS (rustls with ring), the bearer token re-read from its
 //!   file (kube reloads it once its copy is a minute old), the CA bundle likewise.
-//! * [`KubeArgs`]: the command-line flags.
+//! * [`KubeArgs`]: the command-line flags; [`ApiArgs`], how to reach the API server, the flags
+//!   `vramguard run --kube` shares with `vramguard webhook`.
 //!
 //! The API server is trusted for quotas and pod identity (`docs/security.md`); its answers
 //! are decoded into `k8s-openapi`'s typed objects by kube, and only a pod's limits are kept.
@@ -36,20 +37,17 @@ pub use remembered::REMEMBERED;
 /// The extended resource a container asks for its quota with, and the node advertises.
 pub const RESOURCE: &str = "vramguard.io/gpu-memory";
 
-/// The Kubernetes API flags of `vramguard run`.
+/// How to reach the API server: the flags `vramguard run` (with `--kube`, [`KubeArgs`]) and
+/// `vramguard webhook` share.
 #[derive(clap::Args, Clone, Debug)]
-pub struct KubeArgs {
-    /// Use the Kubernetes API: look up containers' `vramguard.io/gpu-memory` limits and
-    /// advertise the node's capacity (off: nodes without Kubernetes).
-    #[arg(long)]
-    pub kube: bool,
+pub struct ApiArgs {
     /// The API server's URL (default: in-cluster, from KUBERNETES_SERVICE_HOST/PORT and the
     /// service account's token and CA). `http://` only to a loopback address.
-    #[arg(long, value_name = "URL", requires = "kube", conflicts_with = "kubeconfig")]
+    #[arg(long, value_name = "URL", conflicts_with = "kubeconfig")]
     pub kube_api: Option<String>,
     /// A kubeconfig file to reach the API server with (its current context), instead of the
     /// in-cluster service account.
-    #[arg(long, value_name = "PATH", requires = "kube")]
+    #[arg(long, value_name = "PATH")]
     pub kubeconfig: Option<PathBuf>,
     /// The in-cluster service account's directory: its `token`, `ca.crt` and `namespace`
     /// files (a pod's, unless the agent runs elsewhere with the same files).
@@ -61,6 +59,30 @@ pub struct KubeArgs {
     /// The PEM CA bundle that verifies --kube-api's certificate.
     #[arg(long, value_name = "PATH", requires = "kube_api")]
     pub kube_ca_file: Option<PathBuf>,
+}
+
+impl ApiArgs {
+    /// The API configuration the flags name: --kube-api, else --kubeconfig, else in-cluster.
+    pub async fn config(&self) -> Result<KubeConfig, KubeError> {
+        match (&self.kube_api, &self.kubeconfig) {
+            (Some(url), _) => KubeConfig::explicit(url, self.kube_token_file.clone(), self.kube_ca_file.clone()),
+            (None, Some(path)) => KubeConfig::kubeconfig(path).await,
+            (None, None) => KubeConfig::in_cluster(&self.kube_service_account_dir),
+        }
+    }
+}
+
+/// The Kubernetes API flags of `vramguard run`: where the API server is ([`ApiArgs`]) means
+/// nothing without `--kube`.
+#[derive(clap::Args, Clone, Debug)]
+#[command(mut_arg("kube_api", |arg| arg.requires("kube")), mut_arg("kubeconfig", |arg| arg.requires("kube")))]
+pub struct KubeArgs {
+    /// Use the Kubernetes API: look up containers' `vramguard.io/gpu-memory` limits and
+    /// advertise the node's capacity (off: nodes without Kubernetes).
+    #[arg(long)]
+    pub kube: bool,
+    #[command(flatten)]
+    pub api: ApiArgs,
     /// This node's name, as the API server knows it (the DaemonSet passes spec.nodeName).
     #[arg(long, env = "NODE_NAME", value_name = "NAME")]
     pub node_name: Option<String>,
@@ -78,11 +100,7 @@ impl KubeArgs {
         if !self.kube {
             return Ok(None);
         }
-        match (&self.kube_api, &self.kubeconfig) {
-            (Some(url), _) => KubeConfig::explicit(url, self.kube_token_file.clone(), self.kube_ca_file.clone()).map(Some),
-            (None, Some(path)) => KubeConfig::kubeconfig(path).await.map(Some),
-            (None, None) => KubeConfig::in_cluster(&self.kube_service_account_dir).map(Some),
-        }
+        self.api.config().await.map(Some)
     }
 
     /// The node's name (required with `--kube`), checked.
@@ -239,7 +257,9 @@ mod tests {
         assert_eq!(cli.kube.node().ok(), Some("n1"));
         assert_eq!(cli.kube.capacity_every(), Duration::from_secs(60));
         assert!(Cli::try_parse_from(["x", "--kube-api", "http://127.0.0.1:1"]).is_err(), "--kube-api needs --kube");
-        assert_eq!(cli.kube.kube_service_account_dir, PathBuf::from(SERVICE_ACCOUNT_DIR));
+        assert!(Cli::try_parse_from(["x", "--kubeconfig", "k"]).is_err(), "--kubeconfig needs --kube");
+        assert!(Cli::try_parse_from(["x", "--kube", "--kube-token-file", "t"]).is_err(), "a token file needs --kube-api");
+        assert_eq!(cli.kube.api.kube_service_account_dir, PathBuf::from(SERVICE_ACCOUNT_DIR));
         assert!(Cli::try_parse_from(["x", "--kube", "--kube-api", "http://127.0.0.1:1", "--kubeconfig", "k"]).is_err());
         let off = Cli::try_parse_from(["x"]).expect("no flags");
         let config = tokio::runtime::Builder::new_current_thread().build().expect("runtime").block_on(off.kube.config());

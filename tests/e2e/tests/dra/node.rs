@@ -11,7 +11,12 @@ use serde_json::Value;
 /// A stand-in for GPU `n`'s device node: a character device with /dev/null's numbers at
 /// `<dir>/nvidia<n>` (made in the test's own directory, never in /dev).
 pub fn stand_in_gpu_node(dir: &Path, n: u32) -> Result<PathBuf> {
-    let path = dir.join(format!("nvidia{n}"));
+    stand_in_node(dir, &format!("nvidia{n}"))
+}
+
+/// A stand-in for the driver's device node `name` (`nvidiactl`, …), as [`stand_in_gpu_node`].
+pub fn stand_in_node(dir: &Path, name: &str) -> Result<PathBuf> {
+    let path = dir.join(name);
     if !path.exists() {
         let out = std::process::Command::new("mknod").arg(&path).args(["c", "1", "3"]).output()?;
         ensure!(out.status.success(), "mknod {}: {}", path.display(), String::from_utf8_lossy(&out.stderr));

@@ -194,26 +194,7 @@ impl ApiServer {
     /// address, the node's name, the service account's files in `account`), and `more`
     /// arguments; returned once it is registered with containerd.
     pub fn agent(&self, dir: &Path, account: &Path, more: &[&str]) -> Result<Agent> {
-        let libcuda = e2e::fake_driver_dir()?.join("libcuda.so.1");
-        let mut args: Vec<OsString> = vec![
-            "--libcuda".into(),
-            libcuda.into(),
-            "--no-discover".into(),
-            "--ledger-dir".into(),
-            dir.join("ledgers").into(),
-            "--metrics-addr".into(),
-            "127.0.0.1:0".into(),
-            "--nri".into(),
-            "--nri-socket".into(),
-            dir.join("nri.sock").into(),
-            "--state-dir".into(),
-            dir.join("state").into(),
-            "--hook-library".into(),
-            e2e::hook_lib()?.into(),
-            "--gpu-memory".into(),
-            "8g".into(),
-            "--kube".into(),
-        ];
+        let mut args = e2e::agent::kube_node_args(dir, "8g")?;
         args.extend(more.iter().map(OsString::from));
         let env = self.pod_env(account);
         let args: Vec<&OsStr> = args.iter().map(OsString::as_os_str).collect();
