@@ -3,7 +3,8 @@
 //! oci-archive:` and `podman load` read).
 //!
 //! What is in it ([`layout`]): the release agent at `/usr/local/bin/vramguard` (the
-//! entrypoint), the hook at `/usr/local/lib/vramguard/libvramguard.so`, the C libraries the
+//! entrypoint; in the image `cargo xtask test` builds for the end-to-end tests, the test build
+//! of the same sources, [`Agent::Test`]), the hook at `/usr/local/lib/vramguard/libvramguard.so`, the C libraries the
 //! agent needs (and those a driver's `libnvidia-ml.so.1` links, which the agent loads) with
 //! their loader, and Debian's static busybox as `/bin/sh` with the applets the DaemonSet's
 //! initContainer runs (`mkdir`, `cp`, `chmod`, `mv`). Nothing else: no package manager, no
@@ -177,22 +178,42 @@ fn rebase_links(dir: &Path, root: &Path) -> Result<()> {
     Ok(())
 }
 
-/// `cargo xtask image [--rootfs DIR]`.
-pub fn image(rootfs: Option<PathBuf>) -> Result<()> {
+/// Which agent binary goes into the image.
+pub enum Agent {
+    /// The release build (`cargo xtask image`: what ships).
+    Release,
+    /// The test build `cargo xtask test` made already (`target/debug/vramguard`, the same
+    /// sources; its debug sections stripped as the release's are): the image the end-to-end
+    /// tests run, without a second, optimised build of the whole agent in CI.
+    Test,
+}
+
+/// `cargo xtask image [--rootfs DIR]` ([`Agent::Release`]), and `cargo xtask test`'s image
+/// ([`Agent::Test`]).
+pub fn image(rootfs: Option<PathBuf>, agent: Agent) -> Result<()> {
     let base = base_dir();
     ensure!(base.join("VERSIONS").is_file(), "no {}: run `cargo xtask setup` (it fetches the image's glibc once)", base.display());
     let dockerfile = dockerfile();
     check_dockerfile(&fs::read_to_string(&dockerfile).with_context(|| format!("cannot read {}", dockerfile.display()))?)?;
     crate::build_ebpf()?;
     let start = Instant::now();
-    run(crate::cargo().args(["build", "--release", "-p", "agent"])).context("building the release agent")?;
-    println!("image: release agent built in {:.1?}", start.elapsed());
+    let profile = match agent {
+        Agent::Release => {
+            run(crate::cargo().args(["build", "--release", "-p", "agent"])).context("building the release agent")?;
+            println!("image: release agent built in {:.1?}", start.elapsed());
+            "release"
+        }
+        Agent::Test => {
+            run(crate::cargo().args(["build", "-p", "agent"])).context("building the agent")?;
+            "debug"
+        }
+    };
     let start = Instant::now();
     let hook = build_hook(&base.join("bullseye-sysroot"))?;
     println!("image: hook built against glibc {}.{} in {:.1?}", MAX_GLIBC.0, MAX_GLIBC.1, start.elapsed());
     let stripped = crate::containerd::target().join("image-stripped");
     fs::create_dir_all(&stripped)?;
-    let agent = strip(&crate::containerd::target().join("release/vramguard"), &stripped.join("vramguard"))?;
+    let agent = strip(&crate::containerd::target().join(profile).join("vramguard"), &stripped.join("vramguard"))?;
     let hook = strip(&hook, &stripped.join("libvramguard.so"))?;
     let busybox = e2e::containerd::Cache::open(&e2e::containerd::Cache::dir_in(&crate::containerd::target()))?.bin("busybox");
     let entries = layout(&agent, &hook, &busybox, &base.join("bookworm-runtime"))?;

@@ -91,7 +91,7 @@ fn main() -> Result<()> {
         Task::Setup => setup::setup(),
         Task::BuildEbpf => build_ebpf().map(|object| println!("{}", object.display())),
         Task::FakeDriver => fake_driver().map(|dir| println!("{}", dir.display())),
-        Task::Image { rootfs } => image::image(rootfs),
+        Task::Image { rootfs } => image::image(rootfs, image::Agent::Release),
         Task::ValidateManifests => manifests::validate(),
         Task::Test => test(),
         Task::Demo { check, libcuda } => demo::demo(check, libcuda.map_or(demo::Driver::Fake, demo::Driver::Real)),
@@ -162,9 +162,10 @@ fn test() -> Result<()> {
     // Builds every binary the end-to-end tests run (agent, fake driver, workload).
     run(cargo().args(["build", "--workspace"]))?;
     fake_driver()?;
-    // The agent's image, which tests/e2e/tests/daemonset.rs runs as the DaemonSet's pod.
+    // The agent's image, which tests/e2e/tests/daemonset.rs runs as the DaemonSet's pod: the
+    // layout that ships, with the agent just built (CI builds the agent once, not twice).
     let start = std::time::Instant::now();
-    image::image(None)?;
+    image::image(None, image::Agent::Test)?;
     println!("image: built in {:.1?}", start.elapsed());
     let mut totals = run_tests(cargo().args(["test", "--workspace", "--exclude", "e2e"]))?;
     // One at a time: uprobes are global, so two tests' agents would see each other's work.
