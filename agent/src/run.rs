@@ -46,7 +46,7 @@ use crate::{
         Caps, Discovery,
     },
     kernel::{self, enforce},
-    ledgers::{self, charge::Charger, reclaim::Reclaimer, task::Reclaim, Ledgers, Limits},
+    ledgers::{self, charge::{Charger, Charging}, reclaim::Reclaimer, task::Reclaim, Ledgers, Limits},
     preflight,
     provision::{self, ProvisionArgs, Provisioner},
     reconcile::{
@@ -338,7 +338,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
             grace: Duration::from_millis(args.drift_grace_ms),
             context_allowance: args.context_allowance,
         }),
-        charger: Charger::new(),
+        charging: Charging::start(Charger::new()).context("cannot start the thread that makes the agent's charges")?,
         metrics,
         passes: 0,
         view: None,

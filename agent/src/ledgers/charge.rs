@@ -11,7 +11,16 @@
 //! cut to what the quota still holds. The probes cannot tell devices apart, so the charge goes to the
 //! ledger's first device. On a clean stop the agent frees its slots; if it dies, its slot is
 //! a dead process's like any other, and the next agent reclaims it.
-use std::collections::{BTreeMap, BTreeSet};
+//!
+//! Every charge is a worker call under the ledger's lock, which a workload can hold: the
+//! charges run on a thread of their own ([`Charging`]), which takes the latest amounts a pass
+//! wanted, so no pass waits for a ledger's lock or worker (a pass used to wait up to the lock
+//! wait of each ledger owed a charge whose lock a workload held).
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    sync::{Arc, Condvar, Mutex},
+    thread::JoinHandle,
+};
 
 use ledger::{ProcessIdentity, RecordId, SlotId};
 use tracing::{info, warn};
@@ -145,6 +154,93 @@ pub fn release_own(ledgers: &Ledgers) -> usize {
         }
     }
     freed
+}
+
+/// The [`Charger`] on a thread of its own: a pass hands it the amounts it wants
+/// ([`Charging::submit`], the latest replacing any not started yet) and reads what is charged
+/// ([`Charging::charged`]) without waiting for a worker.
+pub struct Charging {
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<Charger>>,
+}
+
+struct Shared {
+    job: Mutex<Job>,
+    bell: Condvar,
+    /// Bytes charged, by ledger path, as of the last update made.
+    charged: Mutex<BTreeMap<String, u64>>,
+}
+
+enum Job {
+    Idle,
+    Update { ledgers: Arc<Ledgers>, wanted: BTreeMap<String, u64>, unreadable: BTreeSet<String> },
+    Stop,
+}
+
+impl Charging {
+    /// Starts the thread.
+    pub fn start(charger: Charger) -> std::io::Result<Charging> {
+        let shared = Arc::new(Shared { job: Mutex::new(Job::Idle), bell: Condvar::new(), charged: Mutex::new(BTreeMap::new()) });
+        let theirs = shared.clone();
+        let thread = std::thread::Builder::new().name("vramguard-charge".into()).spawn(move || {
+            let mut charger = charger;
+            loop {
+                let job = {
+                    let Ok(mut job) = theirs.job.lock() else { return charger };
+                    while matches!(*job, Job::Idle) {
+                        job = match theirs.bell.wait(job) {
+                            Ok(job) => job,
+                            Err(_) => return charger,
+                        };
+                    }
+                    std::mem::replace(&mut *job, Job::Idle)
+                };
+                match job {
+                    Job::Update { ledgers, wanted, unreadable } => {
+                        charger.update(&ledgers, &wanted, &unreadable);
+                        let now = charger.charged().into_iter().map(|(path, bytes)| (path.to_owned(), bytes)).collect();
+                        if let Ok(mut charged) = theirs.charged.lock() {
+                            *charged = now;
+                        }
+                    }
+                    Job::Stop => return charger,
+                    Job::Idle => {}
+                }
+            }
+        })?;
+        Ok(Charging { shared, thread: Some(thread) })
+    }
+
+    /// Hands the thread the charges a pass wants (see [`Charger::update`]); never waits for it.
+    /// An error if the thread ended (a panic: the task cannot go on without it).
+    pub fn submit(&self, ledgers: Arc<Ledgers>, wanted: BTreeMap<String, u64>, unreadable: BTreeSet<String>) -> Result<(), String> {
+        if self.thread.as_ref().is_none_or(JoinHandle::is_finished) {
+            return Err("the charging thread ended".into());
+        }
+        let mut job = self.shared.job.lock().map_err(|_| "the charging thread's job was poisoned".to_string())?;
+        *job = Job::Update { ledgers, wanted, unreadable };
+        self.shared.bell.notify_one();
+        Ok(())
+    }
+
+    /// Bytes charged, by ledger path, as of the last update the thread made.
+    pub fn charged(&self) -> BTreeMap<String, u64> {
+        self.shared.charged.lock().map(|charged| charged.clone()).unwrap_or_default()
+    }
+
+    /// Stops the thread once the update it is making is done (an update not started is
+    /// dropped), then frees the agent's slots in `ledgers` (blocking: worker calls).
+    pub fn release_all(mut self, ledgers: &Ledgers) {
+        if let Ok(mut job) = self.shared.job.lock() {
+            *job = Job::Stop;
+            self.shared.bell.notify_one();
+        }
+        match self.thread.take().map(JoinHandle::join) {
+            Some(Ok(mut charger)) => charger.release_all(ledgers),
+            // Its charges go with the agent's slots, freed by the reclaim task's stop.
+            _ => warn!("the charging thread ended early: the agent's slots are freed by the reclaim task's stop"),
+        }
+    }
 }
 
 impl Default for Charger {

@@ -1,7 +1,8 @@
-//! The reconcile task: owns the [`Reconciler`], the agent's charges ([`Charger`]) and the
+//! The reconcile task: owns the [`Reconciler`], the agent's charges ([`Charging`]: worker
+//! calls on a thread of their own, which no pass waits for) and the
 //! metrics registry, and does the work tenants can make expensive that joins the views: a
 //! pass (copies of every ledger, the probes' processes, `/proc` look-ups), the charges that
-//! follow it (worker calls), the metrics page a scrape asks for, and the snapshot `vramguard
+//! follow it (handed to the charging thread), the metrics page a scrape asks for, and the snapshot `vramguard
 //! audit` asks for. Each of those runs on the blocking pool with the task's state moved there
 //! and back; nothing critical waits for it: it reads the kernel task's view and the reclaim
 //! task's ledgers when it needs them, and hands on the limits of the ledgers' containers
@@ -24,7 +25,7 @@ use crate::{
     discovery::task::Found,
     driver::DriverView,
     kernel::task::KernelView,
-    ledgers::{charge::Charger, Ledgers},
+    ledgers::{charge::Charging, Ledgers},
     provision::Provisioner,
     reconcile::metrics::Metrics,
     serve::{Published, Publisher},
@@ -74,7 +75,7 @@ pub struct Wiring {
 /// The task's state.
 pub struct Judge {
     pub reconciler: Reconciler,
-    pub charger: Charger,
+    pub charging: Charging,
     pub metrics: Metrics,
     /// Passes run so far.
     pub passes: u64,
@@ -116,10 +117,13 @@ impl Judge {
             };
             self = self.step(step, &wiring).await?;
         }
-        if let Some(ledgers) = wiring.ledgers.as_ref().map(|l| l.borrow().clone()) {
-            let mut charger = self.charger;
-            tokio::task::spawn_blocking(move || charger.release_all(&ledgers)).await?;
-        }
+        let charging = self.charging;
+        let ledgers = wiring.ledgers.as_ref().map(|l| l.borrow().clone());
+        tokio::task::spawn_blocking(move || match ledgers {
+            Some(ledgers) => charging.release_all(&ledgers),
+            None => charging.release_all(&Ledgers::new(std::path::PathBuf::new())),
+        })
+        .await?;
         Ok(())
     }
 
@@ -146,12 +150,14 @@ impl Judge {
         let stopping = wiring.stop.clone();
         let work = tokio::task::spawn_blocking(move || {
             let mut state = self;
+            let shared = ledgers.clone();
             let ledgers = ledgers.as_deref();
             state.reconciler.set_driver(Some(driver));
+            let mut failed = None;
             if let Some(view) = kernel {
                 // Once the agent stops, no charge is made that its stop would not free.
                 let charging = !*stopping.borrow();
-                state.pass(ledgers.filter(|_| charging), ledgers, view);
+                failed = state.pass(shared.filter(|_| charging), ledgers, view).err();
             }
             let out = match step {
                 Step::Pass => Out::Passed,
@@ -171,10 +177,13 @@ impl Judge {
             };
             let limits = ledgers.map(|l| ledger_cgroup_limits(l, &state.reconciler)).unwrap_or_default();
             let escaped = state.reconciler.escaped_by_cgroup();
-            (state, out, limits, escaped)
+            (state, out, limits, escaped, failed)
         });
         // A panic in a pass is a bug; the task cannot go on without its state.
-        let (state, out, limits, escaped) = work.await.map_err(|error| anyhow::anyhow!("a reconcile step failed: {error}"))?;
+        let (state, out, limits, escaped, failed) = work.await.map_err(|error| anyhow::anyhow!("a reconcile step failed: {error}"))?;
+        if let Some(error) = failed {
+            anyhow::bail!("the agent's charges cannot be made: {error}");
+        }
         wiring.ledger_limits.send_if_modified(|held| {
             let changed = *held != limits;
             *held = limits;
@@ -202,17 +211,19 @@ impl Judge {
         Ok(state)
     }
 
-    /// One reconcile pass, then the agent's charges brought in line with it (in `charged`,
-    /// the ledgers, unless the agent stops); timed.
-    fn pass(&mut self, charged: Option<&Ledgers>, ledgers: Option<&Ledgers>, view: KernelView) {
+    /// One reconcile pass, then the charges it wants handed to the charging thread (in
+    /// `charged`, the ledgers, unless the agent stops); timed (the charges are not its time).
+    fn pass(&mut self, charged: Option<Arc<Ledgers>>, ledgers: Option<&Ledgers>, view: KernelView) -> Result<(), String> {
         let started = std::time::Instant::now();
         self.reconciler.pass(ledgers, &view.processes);
-        if let Some(ledgers) = charged {
-            self.charger.update(ledgers, &self.reconciler.unaccounted_by_ledger(), self.reconciler.unreadable());
-        }
+        let submitted = match charged {
+            Some(ledgers) => self.charging.submit(ledgers, self.reconciler.unaccounted_by_ledger(), self.reconciler.unreadable().clone()),
+            None => Ok(()),
+        };
         self.metrics.passed(started.elapsed());
         self.passes += 1;
         self.view = Some(view.snapshot);
+        submitted
     }
 
     /// The current view for `vramguard audit` and the metrics: the probes' maps as of the
@@ -231,7 +242,8 @@ impl Judge {
     /// A page for `--metrics-addr`: the metrics as of the last pass, and the readiness.
     pub fn render(&mut self, ledgers: Option<&Ledgers>, found: &Found, provisioning: Option<&Provisioning>) -> Published {
         let view = self.snapshot(ledgers, found);
-        self.metrics.refresh(ledgers, &view, &self.reconciler, &self.charger.charged());
+        let charged = self.charging.charged();
+        self.metrics.refresh(ledgers, &view, &self.reconciler, &charged.iter().map(|(path, bytes)| (path.as_str(), *bytes)).collect());
         if let Some(p) = provisioning {
             self.metrics.set_provisioning(p.provisioner.len(), *p.connected.borrow(), p.provisioner.gpus_undetermined());
         }
