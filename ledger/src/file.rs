@@ -192,6 +192,22 @@ pub fn create(
     result
 }
 
+/// Allocates and maps, in one system call, the pages of file bytes `[from, to)` of `mapped`
+/// (whole pages within them), before they are all written: each would otherwise cost a page
+/// fault of its own (`madvise(MADV_POPULATE_WRITE)`, Linux 5.14). Only a speed-up: where the
+/// kernel does not have it, or cannot (the file's filesystem full), the stores fault the
+/// pages in as before, and meet the same error there.
+pub fn populate(mapped: &Mapped, from: u64, to: u64) {
+    let start = from.max(PAGE).next_multiple_of(PAGE);
+    let end = to.min(mapped.header.total_size) / PAGE * PAGE;
+    if start >= end {
+        return;
+    }
+    // SAFETY: [start, end) lies inside the mapping (validated offsets, clamped to its size and
+    // page-aligned); the advice only populates pages of it, changing no byte.
+    let _ = unsafe { libc::madvise(mapped.at(start).cast(), (end - start) as usize, libc::MADV_POPULATE_WRITE) };
+}
+
 /// An exclusive `flock` on `.<name>.lock` beside `path`, held until dropped: the turn to
 /// create a missing ledger. The small lock file stays.
 pub fn creation_lock(path: &Path) -> Result<File, LedgerError> {

@@ -21,7 +21,7 @@ use crate::{
     file::{self, Mapped},
     layout::{ContainerNames, DeviceUsage, Geometry, Header, Slot, State, RECORD_LIVE, SLOT_FREE, SLOT_LIVE},
     process::ProcessIdentity,
-    tables::{check, release, reclaim, repair, reserve, zeroed_slot, Tables},
+    tables::{check, fresh, release, reclaim, repair, reserve, zeroed_slot, Tables},
 };
 
 /// Index of a process slot.
@@ -74,9 +74,13 @@ impl Ledger {
             // SAFETY: the file is new and only this thread can see it.
             unsafe { crate::lock::RobustMutex::init(std::ptr::addr_of_mut!((*state_ptr(mapped)).lock)) }
                 .map_err(|source| LedgerError::Io { path: path.to_path_buf(), source })?;
-            // The zeroed file is an empty ledger but for its derived state: the first repair
-            // builds it (buddy spaces, free-record list), before anyone else can see the file.
-            repair(&mut tables(mapped, &geometries));
+            // The zeroed file is an empty ledger but for its derived state (buddy spaces,
+            // free-record list), built before anyone else can see the file: what the first
+            // repair would build, without writing the tables' zeros (`tables::fresh`). The
+            // pages it writes are populated in one call rather than faulted in one by one.
+            let records_end = header.records_offset + u64::from(header.record_count) * size_of::<crate::layout::Record>() as u64;
+            file::populate(mapped, header.records_offset, records_end);
+            fresh(&mut tables(mapped, &geometries));
             Ok(())
         })?;
         Ok(Ledger { mapped, geometries, lock_timeout: None })
@@ -550,3 +554,62 @@ fn geometries(header: &Header) -> Result<Vec<Option<buddy::Geometry>>, LedgerErr
         .collect()
 }
 
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{layout::CREATOR_HOOK, DeviceConfig};
+
+    /// A new ledger is what the first repair of its zeroed file makes, byte for byte: the
+    /// creation that skips the zeros (`tables::fresh`) builds the same file as the one that
+    /// repaired it (the previous creation), for geometries with one device, several, a device
+    /// without space, and the hook's own.
+    #[test]
+    fn a_new_ledger_is_its_zeroed_files_repair_byte_for_byte() {
+        let dir = std::env::temp_dir().join(format!("ledger-fresh-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let device = |limit: u64, chunk: u64| DeviceConfig { limit, chunk, context_reserve: 1 << 20, ..Default::default() };
+        let geometries = [
+            Geometry { slots: 4, records: 64, devices: vec![device(1 << 30, 2 << 20)] },
+            Geometry { slots: 3, records: 1000, devices: vec![device(1 << 30, 2 << 20), device(100, 4096), device(7 << 20, 4096)] },
+            Geometry::provisioned(&[1], crate::layout::CONTAINER_CHUNK, 518 << 20, 128),
+            Geometry {
+                slots: crate::layout::CONTAINER_SLOTS,
+                records: crate::layout::CONTAINER_RECORDS,
+                devices: vec![device(32 << 30, crate::layout::CONTAINER_CHUNK); 2],
+            },
+        ];
+        for (i, geometry) in geometries.iter().enumerate() {
+            let header = file::plan(geometry, CREATOR_HOOK, 1_700_000_000).unwrap();
+            let geometries = super::geometries(&header).unwrap();
+            let made = |name: &str, repaired: bool| {
+                let path = dir.join(format!("{i}-{name}"));
+                let _ = std::fs::remove_file(&path);
+                let mapped = file::create(&path, &header, |mapped| {
+                    if repaired {
+                        repair(&mut tables(mapped, &geometries));
+                    } else {
+                        fresh(&mut tables(mapped, &geometries));
+                    }
+                    Ok(())
+                })
+                .unwrap();
+                drop(mapped);
+                let bytes = std::fs::read(&path).unwrap();
+                std::fs::remove_file(&path).unwrap();
+                bytes
+            };
+            let (fresh_bytes, repaired_bytes) = (made("fresh", false), made("repaired", true));
+            assert_eq!(fresh_bytes.len() as u64, header.total_size);
+            assert!(fresh_bytes == repaired_bytes, "geometry {i}: the fresh ledger differs from the repaired one");
+            // And it is a valid, empty ledger.
+            let path = dir.join(format!("{i}-ledger"));
+            let ledger = Ledger::create(&path, geometry, CREATOR_HOOK).unwrap();
+            assert!(ledger.check().unwrap().is_empty(), "geometry {i}: {:?}", ledger.check());
+            assert_eq!(ledger.repairs().unwrap(), 1);
+            drop(ledger);
+            std::fs::remove_file(&path).unwrap();
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
