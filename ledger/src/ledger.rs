@@ -70,19 +70,7 @@ impl Ledger {
             .unwrap_or(0);
         let header = file::plan(geometry, creator, now)?;
         let geometries = geometries(&header)?;
-        let mapped = file::create(path, &header, |mapped| {
-            // SAFETY: the file is new and only this thread can see it.
-            unsafe { crate::lock::RobustMutex::init(std::ptr::addr_of_mut!((*state_ptr(mapped)).lock)) }
-                .map_err(|source| LedgerError::Io { path: path.to_path_buf(), source })?;
-            // The zeroed file is an empty ledger but for its derived state (buddy spaces,
-            // free-record list), built before anyone else can see the file: what the first
-            // repair would build, without writing the tables' zeros (`tables::fresh`). The
-            // pages it writes are populated in one call rather than faulted in one by one.
-            let records_end = header.records_offset + u64::from(header.record_count) * size_of::<crate::layout::Record>() as u64;
-            file::populate(mapped, header.records_offset, records_end);
-            fresh(&mut tables(mapped, &geometries));
-            Ok(())
-        })?;
+        let mapped = file::create(path, &header, |file, mapped| initialise(file, mapped, &geometries))?;
         Ok(Ledger { mapped, geometries, lock_timeout: None })
     }
 
@@ -516,6 +504,21 @@ impl Ledger {
     }
 }
 
+/// Builds a new ledger's derived state in its zeroed file (`file`, mapped as `mapped`), before
+/// anyone else can see the file: its lock, and what the first repair would build (buddy
+/// spaces, free-record list) without writing the tables' zeros ([`file::write_free_records`],
+/// [`fresh`]).
+fn initialise(file: &std::fs::File, mapped: &Mapped, geometries: &[Option<buddy::Geometry>]) -> Result<(), LedgerError> {
+    let io_error = |source| LedgerError::Io { path: mapped.path.clone(), source };
+    // The records first, before any page is touched through the mapping: the first fault
+    // would read ahead (zero-fill) the pages around it, which the writes then find cached.
+    file::write_free_records(file, &mapped.header).map_err(io_error)?;
+    // SAFETY: the file is new and only this thread can see it.
+    unsafe { crate::lock::RobustMutex::init(std::ptr::addr_of_mut!((*state_ptr(mapped)).lock)) }.map_err(io_error)?;
+    fresh(&mut tables(mapped, geometries));
+    Ok(())
+}
+
 fn state_ptr(mapped: &Mapped) -> *mut State {
     mapped.at(mapped.header.state_offset).cast()
 }
@@ -561,7 +564,7 @@ mod tests {
     use crate::{layout::CREATOR_HOOK, DeviceConfig};
 
     /// A new ledger is what the first repair of its zeroed file makes, byte for byte: the
-    /// creation that skips the zeros (`tables::fresh`) builds the same file as the one that
+    /// creation that skips the zeros (`initialise`) builds the same file as the one that
     /// repaired it (the previous creation), for geometries with one device, several, a device
     /// without space, and the hook's own.
     #[test]
@@ -585,13 +588,16 @@ mod tests {
             let made = |name: &str, repaired: bool| {
                 let path = dir.join(format!("{i}-{name}"));
                 let _ = std::fs::remove_file(&path);
-                let mapped = file::create(&path, &header, |mapped| {
+                let mapped = file::create(&path, &header, |file, mapped| {
                     if repaired {
+                        // The creation before: the lock, then a repair of the zeroed file.
+                        // SAFETY: the file is new and only this thread can see it.
+                        unsafe { crate::lock::RobustMutex::init(std::ptr::addr_of_mut!((*state_ptr(mapped)).lock)) }.unwrap();
                         repair(&mut tables(mapped, &geometries));
+                        Ok(())
                     } else {
-                        fresh(&mut tables(mapped, &geometries));
+                        initialise(file, mapped, &geometries)
                     }
-                    Ok(())
                 })
                 .unwrap();
                 drop(mapped);

@@ -501,11 +501,12 @@ pub fn repair(t: &mut Tables<'_>) {
 }
 
 /// The derived state of a ledger just created, every byte of whose tables is zero (a new
-/// file extended by `set_len`): what [`repair`] makes of such a file, byte for byte (a test
-/// compares the two), without storing the zeros repair stores. So the slot table and the
-/// block links, zero in a new ledger, are not written: their pages stay holes until a process
-/// uses them (no page faults, no memory for them at creation). Written: each device's buddy
-/// words and the free-record list, which links every record.
+/// file extended by `set_len`) but its records, which [`crate::file::write_free_records`]
+/// wrote as the free list: with them, what [`repair`] makes of the zeroed file, byte for byte
+/// (a test compares the two), without storing the zeros repair stores. So the slot table and
+/// the block links, zero in a new ledger, are not written: their pages stay holes until a
+/// process uses them (no page faults, no memory for them at creation). Written here: each
+/// device's buddy words and the head of the free list.
 pub fn fresh(t: &mut Tables<'_>) {
     for d in 0..t.header.device_count as usize {
         let cfg = t.header.devices[d];
@@ -514,11 +515,7 @@ pub fn fresh(t: &mut Tables<'_>) {
             let _ = Buddy::init(words, cfg.limit, cfg.chunk);
         }
     }
-    // The free list as repair builds it: record 0 first.
-    t.state.free_record = 0;
-    for id in (0..t.records.len()).rev() {
-        t.drop_record(id as RecordId);
-    }
+    t.state.free_record = u32::from(!t.records.is_empty());
     t.state.repairs = t.state.repairs.wrapping_add(1);
 }
 
