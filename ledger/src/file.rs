@@ -152,11 +152,12 @@ pub fn validate(header: &Header, file_size: u64, path: &Path) -> Result<(), Ledg
     Ok(())
 }
 
-/// Creates a ledger at `path` with `init` run on the mapping before it becomes visible.
+/// Creates a ledger at `path` with `init` run on the file and its mapping before it becomes
+/// visible.
 pub fn create(
     path: &Path,
     header: &Header,
-    init: impl FnOnce(&Mapped) -> Result<(), LedgerError>,
+    init: impl FnOnce(&File, &Mapped) -> Result<(), LedgerError>,
 ) -> Result<Mapped, LedgerError> {
     let io_error = |source: io::Error| LedgerError::Io { path: path.to_path_buf(), source };
     let name = path.file_name().ok_or_else(|| LedgerError::InvalidConfig(format!("{} has no file name", path.display())))?;
@@ -176,7 +177,7 @@ pub fn create(
         file.set_len(header.total_size).map_err(io_error)?;
         file.write_all_at(as_bytes(header), 0).map_err(io_error)?;
         let mapped = map(&file, *header, path)?;
-        init(&mapped)?;
+        init(&file, &mapped)?;
         // No msync: every process reaches the file through the same page cache (a shared
         // mapping and pread agree on Linux), and a ledger outlives no reboot of its host (its
         // processes do not), so writing it back to disk first would only cost the first
@@ -190,6 +191,47 @@ pub fn create(
     })();
     let _ = fs::remove_file(&temporary);
     result
+}
+
+/// Writes the record table of a new ledger (`header`'s, in `file`, whose bytes are all zero
+/// so far) as [`crate::tables::repair`] leaves it: every record free, record `i` linking to
+/// record `i + 1`, the last to none. Written with `pwrite` in whole pages from one small
+/// buffer, so the kernel fills the pages by its write path (no page read or zeroed first)
+/// instead of faulting them in through a mapping one by one: most of a new ledger's pages are
+/// its records, and the free list links every one. The pages' bytes outside the table (the
+/// end of the slot table before it, the start of the next section after it) are zero in a
+/// new file and written as zero.
+pub fn write_free_records(file: &File, header: &Header) -> io::Result<()> {
+    const WINDOW: u64 = 16 * PAGE;
+    const RECORD: u64 = size_of::<Record>() as u64;
+    let link = std::mem::offset_of!(Record, next_free) as u64;
+    let count = u64::from(header.record_count);
+    let (table, table_end) = (header.records_offset, header.records_offset + count * RECORD);
+    let end = table_end.next_multiple_of(PAGE).min(header.total_size);
+    let mut buffer = vec![0u8; WINDOW as usize];
+    let mut at = table / PAGE * PAGE;
+    while at < end {
+        let len = WINDOW.min(end - at);
+        let window = &mut buffer[..len as usize];
+        window.fill(0);
+        // The records whose link lies in [at, at + len): a link is 4 bytes at an offset that
+        // is a multiple of 8 (records start 64-aligned and are a multiple of 8 long), so
+        // never split across windows.
+        let first = at.saturating_sub(table + link).div_ceil(RECORD);
+        for id in first..count {
+            let offset = table + id * RECORD + link;
+            if offset >= at + len {
+                break;
+            }
+            // Links are record index + 1; 0 ends the list.
+            let next = if id + 1 < count { id as u32 + 2 } else { 0 };
+            let from = (offset - at) as usize;
+            window[from..from + 4].copy_from_slice(&next.to_ne_bytes());
+        }
+        file.write_all_at(window, at)?;
+        at += len;
+    }
+    Ok(())
 }
 
 /// An exclusive `flock` on `.<name>.lock` beside `path`, held until dropped: the turn to
@@ -283,6 +325,11 @@ fn map(file: &File, header: Header, path: &Path) -> Result<Mapped, LedgerError> 
         .len((header.total_size - PAGE) as usize)
         .map_raw(file)
         .map_err(|source| LedgerError::Io { path: path.to_path_buf(), source })?;
+    // The tables are read and written at random: a fault reads no pages ahead of it (on a
+    // disk's filesystem, a new ledger's first fault would otherwise zero-fill a readahead
+    // window of its holes). Advice only: where it is refused, faults read ahead as before.
+    // SAFETY: the range is the mapping just made; the advice changes no byte of it.
+    let _ = unsafe { libc::madvise(map.as_mut_ptr().cast(), map.len(), libc::MADV_RANDOM) };
     Ok(Mapped { header, map, path: path.to_path_buf() })
 }
 

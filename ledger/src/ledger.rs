@@ -21,7 +21,7 @@ use crate::{
     file::{self, Mapped},
     layout::{ContainerNames, DeviceUsage, Geometry, Header, Slot, State, RECORD_LIVE, SLOT_FREE, SLOT_LIVE},
     process::ProcessIdentity,
-    tables::{check, release, reclaim, repair, reserve, zeroed_slot, Tables},
+    tables::{check, fresh, release, reclaim, repair, reserve, zeroed_slot, Tables},
 };
 
 /// Index of a process slot.
@@ -70,15 +70,7 @@ impl Ledger {
             .unwrap_or(0);
         let header = file::plan(geometry, creator, now)?;
         let geometries = geometries(&header)?;
-        let mapped = file::create(path, &header, |mapped| {
-            // SAFETY: the file is new and only this thread can see it.
-            unsafe { crate::lock::RobustMutex::init(std::ptr::addr_of_mut!((*state_ptr(mapped)).lock)) }
-                .map_err(|source| LedgerError::Io { path: path.to_path_buf(), source })?;
-            // The zeroed file is an empty ledger but for its derived state: the first repair
-            // builds it (buddy spaces, free-record list), before anyone else can see the file.
-            repair(&mut tables(mapped, &geometries));
-            Ok(())
-        })?;
+        let mapped = file::create(path, &header, |file, mapped| initialise(file, mapped, &geometries))?;
         Ok(Ledger { mapped, geometries, lock_timeout: None })
     }
 
@@ -512,6 +504,21 @@ impl Ledger {
     }
 }
 
+/// Builds a new ledger's derived state in its zeroed file (`file`, mapped as `mapped`), before
+/// anyone else can see the file: its lock, and what the first repair would build (buddy
+/// spaces, free-record list) without writing the tables' zeros ([`file::write_free_records`],
+/// [`fresh`]).
+fn initialise(file: &std::fs::File, mapped: &Mapped, geometries: &[Option<buddy::Geometry>]) -> Result<(), LedgerError> {
+    let io_error = |source| LedgerError::Io { path: mapped.path.clone(), source };
+    // The records first, before any page is touched through the mapping: the first fault
+    // would read ahead (zero-fill) the pages around it, which the writes then find cached.
+    file::write_free_records(file, &mapped.header).map_err(io_error)?;
+    // SAFETY: the file is new and only this thread can see it.
+    unsafe { crate::lock::RobustMutex::init(std::ptr::addr_of_mut!((*state_ptr(mapped)).lock)) }.map_err(io_error)?;
+    fresh(&mut tables(mapped, geometries));
+    Ok(())
+}
+
 fn state_ptr(mapped: &Mapped) -> *mut State {
     mapped.at(mapped.header.state_offset).cast()
 }
@@ -550,3 +557,65 @@ fn geometries(header: &Header) -> Result<Vec<Option<buddy::Geometry>>, LedgerErr
         .collect()
 }
 
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{layout::CREATOR_HOOK, DeviceConfig};
+
+    /// A new ledger is what the first repair of its zeroed file makes, byte for byte: the
+    /// creation that skips the zeros (`initialise`) builds the same file as the one that
+    /// repaired it (the previous creation), for geometries with one device, several, a device
+    /// without space, and the hook's own.
+    #[test]
+    fn a_new_ledger_is_its_zeroed_files_repair_byte_for_byte() {
+        let dir = std::env::temp_dir().join(format!("ledger-fresh-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let device = |limit: u64, chunk: u64| DeviceConfig { limit, chunk, context_reserve: 1 << 20, ..Default::default() };
+        let geometries = [
+            Geometry { slots: 4, records: 64, devices: vec![device(1 << 30, 2 << 20)] },
+            Geometry { slots: 3, records: 1000, devices: vec![device(1 << 30, 2 << 20), device(100, 4096), device(7 << 20, 4096)] },
+            Geometry::provisioned(&[1], crate::layout::CONTAINER_CHUNK, 518 << 20, 128),
+            Geometry {
+                slots: crate::layout::CONTAINER_SLOTS,
+                records: crate::layout::CONTAINER_RECORDS,
+                devices: vec![device(32 << 30, crate::layout::CONTAINER_CHUNK); 2],
+            },
+        ];
+        for (i, geometry) in geometries.iter().enumerate() {
+            let header = file::plan(geometry, CREATOR_HOOK, 1_700_000_000).unwrap();
+            let geometries = super::geometries(&header).unwrap();
+            let made = |name: &str, repaired: bool| {
+                let path = dir.join(format!("{i}-{name}"));
+                let _ = std::fs::remove_file(&path);
+                let mapped = file::create(&path, &header, |file, mapped| {
+                    if repaired {
+                        // The creation before: the lock, then a repair of the zeroed file.
+                        // SAFETY: the file is new and only this thread can see it.
+                        unsafe { crate::lock::RobustMutex::init(std::ptr::addr_of_mut!((*state_ptr(mapped)).lock)) }.unwrap();
+                        repair(&mut tables(mapped, &geometries));
+                        Ok(())
+                    } else {
+                        initialise(file, mapped, &geometries)
+                    }
+                })
+                .unwrap();
+                drop(mapped);
+                let bytes = std::fs::read(&path).unwrap();
+                std::fs::remove_file(&path).unwrap();
+                bytes
+            };
+            let (fresh_bytes, repaired_bytes) = (made("fresh", false), made("repaired", true));
+            assert_eq!(fresh_bytes.len() as u64, header.total_size);
+            assert!(fresh_bytes == repaired_bytes, "geometry {i}: the fresh ledger differs from the repaired one");
+            // And it is a valid, empty ledger.
+            let path = dir.join(format!("{i}-ledger"));
+            let ledger = Ledger::create(&path, geometry, CREATOR_HOOK).unwrap();
+            assert!(ledger.check().unwrap().is_empty(), "geometry {i}: {:?}", ledger.check());
+            assert_eq!(ledger.repairs().unwrap(), 1);
+            drop(ledger);
+            std::fs::remove_file(&path).unwrap();
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

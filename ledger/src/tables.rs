@@ -500,6 +500,25 @@ pub fn repair(t: &mut Tables<'_>) {
     t.state.repairs = t.state.repairs.wrapping_add(1);
 }
 
+/// The derived state of a ledger just created, every byte of whose tables is zero (a new
+/// file extended by `set_len`) but its records, which [`crate::file::write_free_records`]
+/// wrote as the free list: with them, what [`repair`] makes of the zeroed file, byte for byte
+/// (a test compares the two), without storing the zeros repair stores. So the slot table and
+/// the block links, zero in a new ledger, are not written: their pages stay holes until a
+/// process uses them (no page faults, no memory for them at creation). Written here: each
+/// device's buddy words and the head of the free list.
+pub fn fresh(t: &mut Tables<'_>) {
+    for d in 0..t.header.device_count as usize {
+        let cfg = t.header.devices[d];
+        if let Some((words, _)) = t.device(d) {
+            // The layout was validated at planning; init can only fail on a geometry error.
+            let _ = Buddy::init(words, cfg.limit, cfg.chunk);
+        }
+    }
+    t.state.free_record = u32::from(!t.records.is_empty());
+    t.state.repairs = t.state.repairs.wrapping_add(1);
+}
+
 /// Every invariant of the ledger; returns the violations.
 pub fn check(t: &mut Tables<'_>) -> Vec<String> {
     let mut problems = Vec::new();

@@ -17,6 +17,10 @@
 //! - The hook: the same pairs with and without `libvramguard.so` preloaded, in one process
 //!   and in 8 processes sharing one ledger; and the first CUDA call (which sets the hook up:
 //!   opens the ledger, takes a slot) of 64 processes started together.
+//! - The first hooked process of a container ([`cold_start`]): its start to its first
+//!   allocation with the ledger the agent provisioned, with the hook creating its own, and
+//!   warm, against no hook. A section of its own; `--cold-start-only` measures and rewrites
+//!   that section alone.
 //! - The node agent ([`node_agent`]): its resident memory and idle CPU while it watches 100
 //!   ledgers, and how long a killed process's slot stays taken (p50, p99), against the targets
 //!   of the issue "The agent"; its reconcile passes, reclaims and `/healthz` answers with and
@@ -24,6 +28,7 @@
 //!   its machine and date; `--agent-only` measures and rewrites that section alone.
 //! - The criterion benchmarks of the ledger and the agent ([`criterion`]), against their
 //!   issues' targets.
+mod cold_start;
 mod criterion;
 mod node_agent;
 
@@ -134,6 +139,20 @@ struct Setup {
 }
 
 impl Setup {
+    /// The release builds, a new scratch directory and the benchmark's cgroup.
+    fn release() -> Result<Setup> {
+        let release = root().join("target/release");
+        let scratch = std::env::temp_dir().join(format!("vramguard-bench-{}", std::process::id()));
+        fs::create_dir_all(&scratch)?;
+        Ok(Setup {
+            workload: release.join("fakecuda-workload"),
+            lib_dir: e2e::fake_driver_dir_in(&release)?,
+            hook: release.join("libvramguard.so"),
+            scratch,
+            cgroup: e2e::cgroup::TestCgroup::create("bench")?,
+        })
+    }
+
     /// A workload command against the fake driver on node `node`, hooked with `ledger` if given.
     fn command(&self, node: &str, ledger: Option<&Path>, steps: &[&str]) -> Command {
         let mut command = Command::new(&self.workload);
@@ -163,13 +182,16 @@ impl Setup {
     }
 }
 
-pub fn bench(probes_only: bool, agent_only: bool) -> Result<()> {
+pub fn bench(probes_only: bool, agent_only: bool, cold_start_only: bool) -> Result<()> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         bail!("the benchmark attaches eBPF programs: run it as root");
     }
     if agent_only {
         return agent_only_report();
+    }
+    if cold_start_only {
+        return cold_start_only_report();
     }
     setup::setup()?;
     let object = build_ebpf()?;
@@ -178,15 +200,8 @@ pub fn bench(probes_only: bool, agent_only: bool) -> Result<()> {
     // and the node agent benchmark's workloads.
     run(cargo().args(["build", "-p", "agent", "-p", "fakecuda", "-p", "workload", "-p", "hook"]))?;
     let release = root().join("target/release");
-    let scratch = std::env::temp_dir().join(format!("vramguard-bench-{}", std::process::id()));
-    fs::create_dir_all(&scratch)?;
-    let setup = Setup {
-        workload: release.join("fakecuda-workload"),
-        lib_dir: e2e::fake_driver_dir_in(&release)?,
-        hook: release.join("libvramguard.so"),
-        scratch: scratch.clone(),
-        cgroup: e2e::cgroup::TestCgroup::create("bench")?,
-    };
+    let setup = Setup::release()?;
+    let scratch = setup.scratch.clone();
     let mut rows = Vec::new();
     probes(&setup, &object, &mut rows)?;
     if probes_only {
@@ -197,11 +212,44 @@ pub fn bench(probes_only: bool, agent_only: bool) -> Result<()> {
         return Ok(());
     }
     hook(&setup, &mut rows)?;
+    let cold = cold_start::cold_start(&setup)?;
     let _ = fs::remove_dir_all(&scratch);
     let (mut agent, mut notes) = (Vec::new(), Vec::new());
     node_agent::node_agent(&release.join("vramguard"), &mut agent, &mut notes)?;
     criterion::criterion_rows(&mut rows)?;
-    write_report(&rows, &agent_section(&agent, &notes))
+    write_report(&rows, &cold, &agent_section(&agent, &notes))
+}
+
+/// `--cold-start-only`: the first hooked process of a container alone (release builds of the
+/// fake driver, the workload and the hook), its section of docs/BENCHMARKS.md rewritten in
+/// place (or put before the node agent's) and the rest of the report kept.
+fn cold_start_only_report() -> Result<()> {
+    run(cargo().args(["build", "--release", "-p", "fakecuda", "-p", "workload", "-p", "hook"]))?;
+    let setup = Setup::release()?;
+    let section = cold_start::cold_start(&setup);
+    let _ = fs::remove_dir_all(&setup.scratch);
+    let section = section?;
+    println!("{section}");
+    let path = root().join("docs/BENCHMARKS.md");
+    let text = fs::read_to_string(&path).with_context(|| format!("cannot read {} (a full `cargo xtask bench` writes it)", path.display()))?;
+    fs::write(&path, replace_section(&text, cold_start::HEADING, &section)).with_context(|| format!("cannot write {}", path.display()))?;
+    println!("wrote the cold start's section of {}", path.display());
+    Ok(())
+}
+
+/// `report` with its section under `heading` replaced by `section`, or, without one, with
+/// `section` put before the node agent's (or at the end).
+fn replace_section(report: &str, heading: &str, section: &str) -> String {
+    let section = format!("{}\n\n", section.trim_end());
+    let starts: Vec<usize> = report.match_indices("\n## ").map(|(at, _)| at + 1).collect();
+    if let Some(&start) = starts.iter().find(|&&at| report[at..].starts_with(heading)) {
+        let end = starts.iter().copied().find(|&at| at > start).unwrap_or(report.len());
+        return format!("{}{section}{}", &report[..start], &report[end..]).trim_end().to_string() + "\n";
+    }
+    match starts.iter().find(|&&at| report[at..].starts_with(AGENT_HEADING)) {
+        Some(&at) => format!("{}{section}{}", &report[..at], &report[at..]),
+        None => format!("{}\n\n{}", report.trim_end(), section.trim_end()) + "\n",
+    }
 }
 
 /// `--agent-only`: the node agent's measurement alone (the eBPF object as last built, by
@@ -225,14 +273,14 @@ fn agent_only_report() -> Result<()> {
 }
 
 /// The `## ` sections of a report that `cargo xtask bench` does not write (every one but the
-/// node agent's), in their order.
+/// node agent's and the cold start's), in their order.
 fn kept_sections(report: &str) -> Vec<&str> {
     let starts: Vec<usize> = report.match_indices("\n## ").map(|(at, _)| at + 1).collect();
     starts
         .iter()
         .enumerate()
         .map(|(i, &start)| &report[start..starts.get(i + 1).copied().unwrap_or(report.len())])
-        .filter(|section| !section.starts_with(AGENT_HEADING))
+        .filter(|section| !section.starts_with(AGENT_HEADING) && !section.starts_with(cold_start::HEADING))
         .collect()
 }
 
@@ -588,7 +636,7 @@ fn median(samples: Vec<f64>) -> f64 {
     Spread::of(&samples).median
 }
 
-fn write_report(rows: &[Row], agent: &str) -> Result<()> {
+fn write_report(rows: &[Row], cold: &str, agent: &str) -> Result<()> {
     let mut text = String::from(
         "# Benchmarks\n\nWritten by `cargo xtask bench` against the fake driver (release builds); single-process \
          figures are the median of 7 runs. The eBPF rows come from 21 rounds of the five \
@@ -621,6 +669,8 @@ fn write_report(rows: &[Row], agent: &str) -> Result<()> {
             text.push_str("\n\n");
         }
     }
+    text.push_str(cold.trim_end());
+    text.push_str("\n\n");
     text.push_str(agent);
     fs::create_dir_all(root().join("docs"))?;
     fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))?;
@@ -657,5 +707,16 @@ mod tests {
         let kept = kept_sections(old);
         assert_eq!(kept, vec!["## The Kubernetes client\n\nby hand\n\n"]);
         assert!(kept_sections("# Benchmarks\n\n## The node agent\n\nrows\n").is_empty());
+    }
+
+    #[test]
+    fn the_cold_start_section_is_replaced_in_place_or_put_before_the_agents() {
+        let heading = cold_start::HEADING;
+        let old = format!("# B\n\nintro\n\n## Other\n\nx\n\n{heading}\n\nold\n\n## The node agent\n\nrows\n");
+        let new = replace_section(&old, heading, &format!("{heading}\n\nnew\n"));
+        assert_eq!(new, format!("# B\n\nintro\n\n## Other\n\nx\n\n{heading}\n\nnew\n\n## The node agent\n\nrows\n"));
+        let without = "# B\n\nintro\n\n## The node agent\n\nrows\n";
+        let new = replace_section(without, heading, &format!("{heading}\n\nnew"));
+        assert_eq!(new, format!("# B\n\nintro\n\n{heading}\n\nnew\n\n## The node agent\n\nrows\n"));
     }
 }

@@ -83,6 +83,10 @@ enum Task {
         /// hostile tenants); rewrites its section of the report and keeps the rest.
         #[arg(long)]
         agent_only: bool,
+        /// Only the first hooked process of a container (the agent's ledger, the hook's own,
+        /// warm, no hook); rewrites its section of the report and keeps the rest.
+        #[arg(long, conflicts_with_all = ["agent_only", "probes_only"])]
+        cold_start_only: bool,
     },
 }
 
@@ -95,7 +99,7 @@ fn main() -> Result<()> {
         Task::ValidateManifests => manifests::validate(),
         Task::Test => test(),
         Task::Demo { check, libcuda } => demo::demo(check, libcuda.map_or(demo::Driver::Fake, demo::Driver::Real)),
-        Task::Bench { probes_only, agent_only } => bench::bench(probes_only, agent_only),
+        Task::Bench { probes_only, agent_only, cold_start_only } => bench::bench(probes_only, agent_only, cold_start_only),
     }
 }
 

@@ -6,8 +6,8 @@
 //! an `ftruncate` that extends the file succeeds (tmpfs files are sparse and cannot be sealed)
 //! but allocates nothing, and every store into the extended range then fails (`ENOSPC`, or
 //! `SIGBUS` through a mapping). The node's disk is never touched; the memory is the ledger's
-//! size, charged to the agent's memory cgroup (it writes every page when it creates the
-//! ledger: the free-record list spans the file).
+//! size, charged to the agent's memory cgroup (it allocates every page when it creates the
+//! ledger: the free-record list spans the records, the rest is `fallocate`d).
 //!
 //! The runtime resolves the ledger's host path in the host's mount namespace, so the tmpfs
 //! must be mounted there: with `--ledger-mount-namespace` (the DaemonSet passes
