@@ -844,21 +844,6 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
             .collect()
     }
 
-    /// Unmounts whatever is still mounted under its directory, deepest first.
-    fn unmount_leftovers(&self) {
-        let Ok(mountinfo) = std::fs::read_to_string("/proc/self/mountinfo") else { return };
-        let mut points: Vec<&str> = mountinfo
-            .lines()
-            .filter_map(|line| line.split_whitespace().nth(4))
-            .filter(|point| Path::new(point).starts_with(self.dir.path()))
-            .collect();
-        points.sort_by_key(|p| std::cmp::Reverse(p.len()));
-        for point in points {
-            let Ok(point) = std::ffi::CString::new(point) else { continue };
-            // SAFETY: umount2(2) with a NUL-terminated path under this harness's own directory.
-            unsafe { libc::umount2(point.as_ptr(), libc::MNT_DETACH) };
-        }
-    }
 }
 
 impl Drop for Containerd {
@@ -870,7 +855,7 @@ impl Drop for Containerd {
             eprintln!("containerd harness: {error:#}");
         }
         self.kill_leftovers();
-        self.unmount_leftovers();
+        crate::unmount_under(self.dir.path());
         for path in self.created.iter().rev() {
             let _ = std::fs::remove_dir(path);
         }

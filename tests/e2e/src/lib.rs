@@ -157,8 +157,23 @@ impl TempDir {
 }
 
 impl Drop for TempDir {
+    /// Removes the directory, after unmounting what is mounted under it (the tmpfs of a
+    /// ledger the agent provisioned for a container that the test's runtime never removed).
     fn drop(&mut self) {
+        unmount_under(&self.0);
         let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Unmounts whatever is still mounted under `dir`, deepest first.
+pub fn unmount_under(dir: &Path) {
+    let Ok(mountinfo) = std::fs::read_to_string("/proc/self/mountinfo") else { return };
+    let mut points: Vec<&str> = mountinfo.lines().filter_map(|line| line.split_whitespace().nth(4)).filter(|point| Path::new(point).starts_with(dir)).collect();
+    points.sort_by_key(|p| std::cmp::Reverse(p.len()));
+    for point in points {
+        let Ok(point) = std::ffi::CString::new(point) else { continue };
+        // SAFETY: umount2(2) with a NUL-terminated path under the harness's own directory.
+        unsafe { libc::umount2(point.as_ptr(), libc::MNT_DETACH) };
     }
 }
 
