@@ -71,12 +71,27 @@ const POLL: Duration = Duration::from_micros(200);
 const GAP: Duration = Duration::from_millis(20);
 /// A slot not freed by then was never going to be: the benchmark fails.
 const NEVER: Duration = Duration::from_secs(10);
-/// The issue's targets.
+/// The issues' targets: "The agent" (memory, a pass's mean, a reclaim within 1 s) and "The
+/// agent never takes the node down with it", item 5 (idle CPU, a pass's and a reclaim's p99).
 const RSS_TARGET_MIB: f64 = 64.0;
-const CPU_TARGET_PERCENT: f64 = 1.0;
-/// The issue's target for a reconcile pass, in ms.
+const CPU_TARGET_PERCENT: f64 = 0.5;
+/// The target for a reconcile pass's mean and p50, in ms.
 const PASS_TARGET_MS: f64 = 10.0;
+/// The target for a reconcile pass's p99 (beside 50 hostile ledgers), in ms.
+const PASS_P99_TARGET_MS: f64 = 50.0;
 const RECLAIM_REQUIRED_MS: f64 = 1000.0;
+/// The target for exit-to-reclaim's p99 (beside 50 hostile ledgers), in ms.
+const RECLAIM_P99_TARGET_MS: f64 = 5.0;
+
+/// What an exit-to-reclaim percentile row is held to: p99 to its target, p50 to the 1 s
+/// requirement.
+fn reclaim_target(name: &str) -> (f64, &'static str) {
+    if name == "p99" {
+        (RECLAIM_P99_TARGET_MS, "ms, target")
+    } else {
+        (RECLAIM_REQUIRED_MS, "ms, required")
+    }
+}
 
 /// Measures the agent at `bin` (a release build); adds its rows, and how they were measured
 /// to `notes`.
@@ -146,13 +161,14 @@ pub fn node_agent(bin: &Path, rows: &mut Vec<Row>, notes: &mut Vec<String>) -> R
     ]);
     let many_beside = format!(", {} hostile ledgers and a crafted ELF file present", ManyHostile::LEDGERS);
     for (name, quantile) in [("p50", 0.50), ("p99", 0.99)] {
+        let (target, label) = reclaim_target(name);
         rows.push(Row::target(
             format!("exit-to-reclaim {name}: SIGKILL to slot freed in the ledger, a second round at once (every ledger's worker running)"),
             percentile(&warm.seen, quantile),
             "ms",
             2,
-            RECLAIM_REQUIRED_MS,
-            "ms, required",
+            target,
+            label,
         ));
     }
     for (measured, beside) in [(&plain, ""), (&one_hostile, ", one hostile ledger present"), (&many.measured, many_beside.as_str())] {
@@ -303,20 +319,20 @@ impl Measured {
 
     /// The rows of this configuration: its passes, reclaims and `/healthz` answers.
     fn rows(&self, rows: &mut Vec<Row>, setup: &str, beside: &str) {
-        let pass = |what: &str, seconds: f64| {
+        let pass = |what: &str, seconds: f64, target: f64| {
             Row::target(
                 format!("agent reconcile pass {what}, idle window and reclaims{beside}: {setup}"),
                 seconds * 1e3,
                 "ms",
                 3,
-                PASS_TARGET_MS,
+                target,
                 "ms, target",
             )
         };
         rows.extend([
-            pass("mean", self.passes.mean()),
-            pass("p50 (from the histogram's buckets)", self.passes.quantile(0.50)),
-            pass("p99 (from the histogram's buckets)", self.passes.quantile(0.99)),
+            pass("mean", self.passes.mean(), PASS_TARGET_MS),
+            pass("p50 (from the histogram's buckets)", self.passes.quantile(0.50), PASS_TARGET_MS),
+            pass("p99 (from the histogram's buckets)", self.passes.quantile(0.99), PASS_P99_TARGET_MS),
         ]);
         for (what, seconds) in [("p50", self.reads.quantile(0.50)), ("p99", self.reads.quantile(0.99))] {
             rows.push(Row::reported(
@@ -691,14 +707,15 @@ impl Reclaimed {
         Ok(Reclaimed { seen, logged, from_events, histogram })
     }
 
-    /// p50 and p99 of both figures against the 1 s requirement.
+    /// p50 and p99 of both figures, against the 1 s requirement and the p99 target.
     fn rows(&self, rows: &mut Vec<Row>, beside: &str) {
         let seen = format!("SIGKILL to slot freed in the ledger, {VICTIMS} holders killed one at a time{beside}");
         let logged = format!("the agent's own figure, exit event to slot freed{beside}");
         for (what, samples) in [(seen.as_str(), &self.seen), (logged.as_str(), &self.logged)] {
             for (name, quantile) in [("p50", 0.50), ("p99", 0.99)] {
                 let figure = percentile(samples, quantile);
-                rows.push(Row::target(format!("exit-to-reclaim {name}: {what}"), figure, "ms", 2, RECLAIM_REQUIRED_MS, "ms, required"));
+                let (target, label) = reclaim_target(name);
+                rows.push(Row::target(format!("exit-to-reclaim {name}: {what}"), figure, "ms", 2, target, label));
             }
         }
     }
