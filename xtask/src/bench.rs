@@ -266,8 +266,8 @@ fn agent_only_report() -> Result<()> {
     }
     let path = root().join("docs/BENCHMARKS.md");
     let text = fs::read_to_string(&path).with_context(|| format!("cannot read {} (a full `cargo xtask bench` writes it)", path.display()))?;
-    let kept = text.find(AGENT_HEADING).map_or(text.as_str(), |at| &text[..at]).trim_end();
-    fs::write(&path, format!("{kept}\n\n{}", agent_section(&rows, &notes))).with_context(|| format!("cannot write {}", path.display()))?;
+    // In place: the sections after it (written by hand, or by other benchmarks) stay.
+    fs::write(&path, replace_section(&text, AGENT_HEADING, &agent_section(&rows, &notes))).with_context(|| format!("cannot write {}", path.display()))?;
     println!("wrote the node agent's section of {}", path.display());
     Ok(())
 }
@@ -284,7 +284,7 @@ fn kept_sections(report: &str) -> Vec<&str> {
         .collect()
 }
 
-/// The heading of the node agent's section, the last of the report.
+/// The heading of the node agent's section.
 const AGENT_HEADING: &str = "## The node agent";
 
 /// The node agent's section of the report: its rows and how they were measured, with the
