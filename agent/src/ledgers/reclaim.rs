@@ -302,10 +302,17 @@ impl Reclaimer {
             for Freed { view, detected, chunks, at } in slots {
                 let slot = view.slot;
                 let process = slot.process();
+                // The exit event of the slot's process: by the host pid a sweep recorded, by
+                // the identity /proc gave when the event arrived (none once the exiting
+                // process has left its namespaces), or, for a process in the agent's own pid
+                // namespace, by its pid there.
+                let own = slot.pidns == self.pidns && self.pidns != 0;
                 let tgid = self
                     .pending
                     .iter()
-                    .find(|(tgid, (_, seen))| (slot.host_pid != 0 && **tgid == slot.host_pid) || *seen == Some(process))
+                    .find(|(tgid, (_, seen))| {
+                        (slot.host_pid != 0 && **tgid == slot.host_pid) || *seen == Some(process) || (own && **tgid == slot.pid)
+                    })
                     .map(|(tgid, _)| *tgid);
                 let event = tgid.and_then(|tgid| self.pending.remove(&tgid)).map(|(at, _)| at);
                 // A kept slot: from the sweep that found the driver had let go of it.
