@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# Issue 23's checks on a real driver (see README.md): what NVML reports for each kind of
+# memory (nvml_truth.py), and the agent's one figure against it: an honest PyTorch job with the
+# stream-ordered allocator near its quota under `--enforce signal` (not stopped) beside an
+# un-hooked process in its cgroup taking memory (stopped), and a forked child holding its dead
+# parent's memory (the slot kept, the quota held, released when the child goes; the child not
+# stopped). Usage: truth.sh DIR_WITH_RELEASE_BUILDS [DIR_FOR_LOGS]
+set -u
+bin=$(cd "${1:?usage: truth.sh target/release [logs]}" && pwd)
+out=${2:-/tmp}
+here=$(cd "$(dirname "$0")" && pwd)
+hook="$bin/libvramguard.so"
+agent="$bin/vramguard"
+parts=${TRUTH_PARTS:-facts pool fork}  # which parts run
+part() { case " $parts " in *" $1 "*) return 0;; esac; return 1; }
+failed=0
+fail() { echo "FAILED: $*"; failed=1; }
+echo "date: $(date -u +%FT%TZ) gpu: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader) kernel: $(uname -r)"
+libcuda=${LIBCUDA:-$(ldconfig -p | awk '/libcuda.so.1 / {print $NF; exit}')}
+libcuda=${libcuda:-/usr/local/nvidia/lib64/libcuda.so.1}
+
+echo "== who holds the GPU's device files before any workload (nvidia-persistenced, monitors)"
+for fd in /proc/[0-9]*/fd/*; do
+  case $(readlink "$fd" 2>/dev/null) in /dev/nvidia*) pid=${fd#/proc/}; pid=${pid%%/*}; echo "pid $pid $(cat /proc/$pid/comm 2>/dev/null) $(readlink "$fd")";; esac
+done | sort -u
+pgrep -a nvidia-persiste || echo "no nvidia-persistenced"
+
+if part facts; then
+  echo "== what NVML reports (no hook, no agent)"
+  python3 "$here/nvml_truth.py" facts || fail "nvml_truth.py facts"
+  python3 "$here/nvml_truth.py" fork || fail "nvml_truth.py fork"
+  python3 "$here/nvml_truth.py" fork exec || fail "nvml_truth.py fork exec"
+fi
+
+echo "== the agent on the real driver, --enforce signal"
+cg2=$(awk '$3 == "cgroup2" {print $2; exit}' /proc/mounts)
+if [ -z "$cg2" ]; then cg2=/tmp/vramguard-cg2; mkdir -p $cg2; mount -t cgroup2 none $cg2 || fail "no cgroup2"; fi
+for c in honest fork; do mkdir -p "$cg2/vramguard-gpu-$c"; done
+ledgers=$(mktemp -d /tmp/vramguard-ledgers.XXXXXX)
+mkdir -p "$ledgers/honest" "$ledgers/fork"
+sock=/tmp/vramguard-truth.sock
+"$agent" run --libcuda "$libcuda" --no-discover --socket $sock --ledger-dir "$ledgers" \
+  --enforce signal --cgroup2-separates-containers --metrics-addr 127.0.0.1:9477 > "$out/truth-agent.log" 2>&1 &
+agent_pid=$!
+sleep 3
+kill -0 $agent_pid 2>/dev/null || { fail "the agent did not start: $(grep -v '^ ' "$out/truth-agent.log" | tail -5)"; exit 1; }
+# Run in a subshell: `(in_cgroup NAME cmd...)`; the command then has the subshell's pid.
+in_cgroup() { local c=$1; shift; echo $BASHPID > "$cg2/vramguard-gpu-$c/cgroup.procs" && exec "$@"; }
+audit() { "$agent" audit --socket $sock --json > "$out/audit-$1.json" 2>>"$out/truth-agent.log" || echo "audit $1 failed"; }
+rows() {  # the audit's rows for the given pids
+  python3 - "$out/audit-$1.json" "${@:2}" <<'PY'
+import json, sys
+audit = json.load(open(sys.argv[1]))
+keys = ("state", "total_bytes", "ledger_bytes", "driver_bytes", "pool_kept_bytes", "held_bytes", "escaped_bytes")
+for row in audit["processes"]:
+    if str(row["pid"]) in sys.argv[2:]:
+        print(f"  pid {row['pid']} {row['comm']}: " + ", ".join(f"{k} {row.get(k)}" for k in keys))
+print("  signals sent:", audit.get("stats", {}).get("signals_sent"), "cgroup limits:", audit.get("stats", {}).get("cgroup_limits"))
+PY
+}
+
+# An honest job near its quota (4 GiB: 518 MiB of context, 3 GiB peak), the pool keeping what
+# it freed, and an un-hooked process in its cgroup taking 256 MiB blocks up to 6 GiB.
+if part pool; then
+quota=$((4 << 30))
+rm -f "$out/grab.go"
+(in_cgroup honest env PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync LD_PRELOAD=$hook CUDA_DEVICE_MEMORY_LIMIT=$quota \
+  VRAMGUARD_LEDGER="$ledgers/honest/ledger" python3 "$here/pool_honest.py" $((3 << 30)) 4 3) > "$out/honest.out" 2>&1 &
+honest=$!
+(in_cgroup honest python3 "$here/grab.py" $((6 << 30)) "$out/grab.go") > "$out/grab.out" 2>&1 &
+grab=$!
+for _ in $(seq 160); do grep -q "^freed 1" "$out/honest.out" && break; sleep 0.25; done
+sleep 1.5  # a reconcile pass and an NVML read with the pool holding what the job freed
+audit honest-freed
+echo "honest job (pid $honest) after freeing its 3 GiB, the pool keeping it:"; rows honest-freed $honest
+for _ in $(seq 160); do grep -q "^peak 2" "$out/honest.out" && break; sleep 0.1; done
+grep -q "^ready" "$out/grab.out" || fail "the un-hooked process was not ready: $(tail -2 "$out/grab.out")"
+touch "$out/grab.go"  # it allocates while the honest job holds its peak
+wait $grab; grab_status=$?
+echo "un-hooked process (pid $grab) in the honest job's cgroup: exit status $grab_status, last: $(tail -1 "$out/grab.out")"
+[ $grab_status = 137 ] || fail "the un-hooked process was not stopped by SIGKILL"
+sleep 0.5
+audit honest-peak
+echo "honest job at its peak, after the un-hooked process was stopped:"; rows honest-peak $honest $grab
+wait $honest; honest_status=$?
+echo "honest job: exit status $honest_status, last: $(tail -1 "$out/honest.out")"
+[ $honest_status = 0 ] && grep -q '^done' "$out/honest.out" || fail "the honest job was stopped"
+fi
+
+if part fork; then
+# A forked child holding its dead parent's 900 MiB: quota 518 MiB + 1.5 GiB, so a second
+# process's 900 MiB fits only once the parent's slot is free.
+quota=$(((518 + 1536) << 20))
+hooked() { (in_cgroup fork env LD_PRELOAD=$hook CUDA_DEVICE_MEMORY_LIMIT=$quota VRAMGUARD_LEDGER="$ledgers/fork/ledger" python3 "$here/nvml_truth.py" hold $((900 << 20)) "$@"); }
+rm -f "$out/forkchild" "$out/forkchild.done"
+hooked 8 "$out/forkchild" > "$out/forkparent.out" 2>&1
+parent=$(python3 -c 'import json,sys; print(json.loads(open(sys.argv[1]).readline())["pid"])' "$out/forkparent.out" 2>/dev/null)
+child=$(cat "$out/forkchild" 2>/dev/null)
+sleep 1.5
+audit fork-child
+echo "parent $parent exited, child $child holds its device files:"; rows fork-child $parent $child
+echo "  NVML: $(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ';')"
+hooked 1 > "$out/fork-second.out" 2>&1; second=$?
+echo "a second process's 900 MiB while the child lives: exit $second ($(head -1 "$out/fork-second.out"))"
+[ $second = 3 ] || fail "the second process was not refused while the child held the parent's memory"
+while kill -0 "$child" 2>/dev/null; do sleep 0.2; done
+sleep 1.5
+[ -e "$out/forkchild.done" ] || fail "the forked child was stopped"
+hooked 1 > "$out/fork-third.out" 2>&1; third=$?
+echo "a third process's 900 MiB after the child exited: exit $third ($(head -1 "$out/fork-third.out"))"
+[ $third = 0 ] || fail "the parent's slot was not freed after the child exited"
+fi
+audit end
+kill -TERM $agent_pid; wait $agent_pid || fail "the agent's exit"
+grep -iE "signal|escap|kill" "$out/truth-agent.log" | head -20
+rm -rf "$ledgers"
+for c in honest fork; do rmdir "$cg2/vramguard-gpu-$c" 2>/dev/null; done
+echo "truth.sh: $([ $failed = 0 ] && echo passed || echo FAILED)"
+exit $failed
