@@ -93,6 +93,9 @@ pub struct Kernel {
     pub log: Logger,
     pub limits: Option<enforce::Limits>,
     pub cgroups: CgroupNames,
+    /// Discovery's handle on the new executable mappings (taken by `run` for discovery; none
+    /// if the programs could not be attached).
+    pub exec_mapped: Option<super::exec::ExecMapped>,
 }
 
 /// The loaded programs: dropping them (at the task's end, however it ends: a return, a panic
