@@ -240,11 +240,11 @@ impl Kernel {
 
     /// The probes' maps as they are now.
     fn view(&mut self) -> KernelView {
-        let mut snapshot = self.accounting.snapshot(&mut self.cgroups);
+        let (mut snapshot, processes) = self.accounting.snapshot(&mut self.cgroups);
         snapshot.stats.cgroup_limits = self.limits.as_ref().map_or(0, |l| l.applied() as u64);
         // The agent's signals to escaped processes count with the probes'.
         snapshot.stats.signals_sent = snapshot.stats.signals_sent.saturating_add(self.limits.as_ref().map_or(0, |l| l.escaped_signals()));
         snapshot.kernel_maps.cgroup_limits = self.limits.as_ref().map_or_else(Vec::new, |l| l.ids());
-        KernelView { processes: self.accounting.processes(), snapshot }
+        KernelView { processes, snapshot }
     }
 }
