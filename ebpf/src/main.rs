@@ -37,6 +37,11 @@
 //! event, a capped cgroup) is counted in the per-CPU `STATS` and logged through aya-log, at
 //! most `trouble::LINES_PER_SECOND` lines per kind per second (`LOG_WINDOWS`).
 //!
+//! Discovery is told which processes to read the maps of: `exec_started`, `exec_mmap` and
+//! `exec_mprotect` put a process that execs, maps a file with `PROT_EXEC` or adds `PROT_EXEC`
+//! to a mapping in `EXEC_MAPPED`, which the agent takes and empties at each scan (a full map
+//! is counted in `EXEC_MAPPED_LOST`: the agent then reads every process's maps).
+//!
 //! The agent decides which symbol each program is attached to (agent/src/kernel/probes.rs).
 #![no_std]
 #![no_main]

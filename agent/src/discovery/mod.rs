@@ -418,7 +418,8 @@ impl Discovery {
                 known = Seen { first: now, mapped: false, over: None };
             }
             let young = now.saturating_duration_since(known.first) < YOUNG;
-            if why == Why::New && !(young && !known.mapped) {
+            // Without the kernel's word, a process is read while young until seen mapping a libcuda.
+            if why == Why::New && (known.mapped || !young) {
                 seen.insert(pid, known);
                 continue;
             }
