@@ -12,6 +12,7 @@
 //! | `panic` | a task's name | the task panics ([`armed`], which every supervised task is raced with) |
 //! | `park` | a task's name | the task is never polled again, and so ignores the stop ([`armed`]) |
 //! | `panic-file` | a file name | discovery panics while reading a file of that name ([`panics_on_file`]) |
+//! | `deaf` | a command name | discovery ignores the kernel's word on new mappings of processes of that name (`/proc/<pid>/comm`), as if their events were missed ([`deaf_to`]) |
 //! | `delay` | a step's name | the step sleeps that long first ([`delay`]) |
 //!
 //! Steps that can be delayed: `create-container` (every provisioning's blocking step, after
@@ -27,6 +28,7 @@ pub enum Fault {
     Panic(String, Option<PathBuf>),
     Park(String, Option<PathBuf>),
     PanicOnFile(String),
+    Deaf(String),
     Delay(String, Duration),
 }
 
@@ -37,17 +39,18 @@ pub fn parse(text: &str) -> Result<Fault, String> {
     let mut parts = text.splitn(3, ':');
     let (kind, at) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
     if at.is_empty() {
-        return Err(format!("{text:?}: expected KIND:WHERE (panic, park, panic-file) or delay:WHERE:MS"));
+        return Err(format!("{text:?}: expected KIND:WHERE (panic, park, panic-file, deaf) or delay:WHERE:MS"));
     }
     let fault = match (kind, parts.next()) {
         ("panic", when) => Fault::Panic(at.into(), when.map(PathBuf::from)),
         ("park", when) => Fault::Park(at.into(), when.map(PathBuf::from)),
         ("panic-file", None) => Fault::PanicOnFile(at.into()),
+        ("deaf", None) => Fault::Deaf(at.into()),
         ("delay", Some(ms)) => {
             let ms: u64 = ms.parse().map_err(|_| format!("{text:?}: {ms:?} is not a number of milliseconds"))?;
             Fault::Delay(at.into(), Duration::from_millis(ms))
         }
-        _ => return Err(format!("{text:?}: unknown fault (panic:TASK[:FILE], park:TASK[:FILE], panic-file:NAME, delay:STEP:MS)")),
+        _ => return Err(format!("{text:?}: unknown fault (panic:TASK[:FILE], park:TASK[:FILE], panic-file:NAME, deaf:COMMAND, delay:STEP:MS)")),
     };
     Ok(fault)
 }
@@ -94,6 +97,22 @@ pub fn panics_on_file(path: &str) -> bool {
     faults().iter().any(|fault| matches!(fault, Fault::PanicOnFile(file) if file == name))
 }
 
+/// Whether discovery is to ignore the kernel's word on process `pid`'s new mappings.
+pub fn deaf_to(pid: u32) -> bool {
+    let mut deaf = faults().iter().filter_map(|fault| match fault {
+        Fault::Deaf(name) => Some(name),
+        _ => None,
+    });
+    let Some(first) = deaf.next() else {
+        return false;
+    };
+    let Ok(comm) = std::fs::read_to_string(format!("/proc/{pid}/comm")) else {
+        return false;
+    };
+    let comm = comm.trim_end();
+    comm == first || deaf.any(|name| name == comm)
+}
+
 /// How long the step `step` is to be delayed, if at all.
 pub fn delay(step: &str) -> Option<Duration> {
     faults().iter().find_map(|fault| match fault {
@@ -111,6 +130,7 @@ mod tests {
         assert_eq!(parse("panic:kernel"), Ok(Fault::Panic("kernel".into(), None)));
         assert_eq!(parse("park:reconcile:/run/go"), Ok(Fault::Park("reconcile".into(), Some("/run/go".into()))));
         assert_eq!(parse("panic-file:libcuda.so.1"), Ok(Fault::PanicOnFile("libcuda.so.1".into())));
+        assert_eq!(parse("deaf:fakecuda-worklo"), Ok(Fault::Deaf("fakecuda-worklo".into())));
         assert_eq!(parse("delay:create-container:3000"), Ok(Fault::Delay("create-container".into(), Duration::from_secs(3))));
         assert!(parse("panic").is_err());
         assert!(parse("explode:kernel").is_err());

@@ -126,6 +126,11 @@ pub struct RunArgs {
     /// appeared in the last minute, in milliseconds (every 10th time in those of every process).
     #[arg(long, default_value_t = 1000, value_name = "MS")]
     pub rescan_ms: u64,
+    /// How often discovery reads every process's maps however quiet the kernel is, in
+    /// milliseconds: the safety net for an executable mapping no event announced (between
+    /// two, only the processes the kernel names are read, every --rescan-ms).
+    #[arg(long, default_value_t = discovery::RESCAN_EVERY.as_millis() as u64, value_name = "MS")]
+    pub full_rescan_ms: u64,
     /// How often to drain the event ring buffer, in milliseconds (exits wake the agent at
     /// once, and their records are swept then).
     #[arg(long, default_value_t = 100, value_name = "MS")]
@@ -244,8 +249,8 @@ fn parse_threshold(text: &str) -> Result<u64, String> {
 
 
 pub async fn run(args: RunArgs) -> Result<()> {
-    if args.rescan_ms == 0 || args.drain_ms == 0 || args.sweep_ms == 0 || args.ledger_scan_ms == 0 {
-        bail!("--rescan-ms, --drain-ms, --sweep-ms and --ledger-scan-ms must be at least 1");
+    if args.rescan_ms == 0 || args.full_rescan_ms == 0 || args.drain_ms == 0 || args.sweep_ms == 0 || args.ledger_scan_ms == 0 {
+        bail!("--rescan-ms, --full-rescan-ms, --drain-ms, --sweep-ms and --ledger-scan-ms must be at least 1");
     }
     if args.max_alloc_records_per_cgroup == 0 || args.max_alloc_records_per_cgroup > args.max_alloc_records {
         bail!(
@@ -291,7 +296,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
     };
     let mut kernel = kernel::load::load(&settings, &platform, EBPF_OBJECT)?;
 
-    let mut discovery = Discovery::new(Caps { per_container: args.max_probed_per_container, per_node: args.max_probed_files });
+    let mut discovery = Discovery::new(Caps { per_container: args.max_probed_per_container, per_node: args.max_probed_files })
+        .rescan_every(Duration::from_millis(args.full_rescan_ms));
     for path in &args.libcuda {
         discovery.add_operator_file(path, &mut kernel.attacher())?;
     }
@@ -300,7 +306,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         // The first scan, on the blocking pool (health answers meanwhile): the agent starts
         // with what the running processes map already probed.
         let scanned = tokio::task::spawn_blocking(move || {
-            discovery.scan(&mut kernel.attacher());
+            discovery.scan(None, &mut kernel.attacher());
             (discovery, kernel)
         });
         (discovery, kernel) = scanned.await.context("the first discovery scan failed")?;
@@ -447,9 +453,10 @@ pub async fn run(args: RunArgs) -> Result<()> {
         sweep: Duration::from_millis(args.sweep_ms),
         limits: Duration::from_millis(args.rescan_ms),
     };
+    let kernel_told = kernel.exec_mapped.take();
     tasks.spawn("kernel", kernel.run(every, kernel_wiring));
     let probed_files = discovery.probed().count();
-    let scanner = Scanner { discovery, attacher: RemoteAttacher(attach_tx) };
+    let scanner = Scanner { discovery, attacher: RemoteAttacher(attach_tx), told: kernel_told };
     tasks.spawn(
         "discovery",
         scanner.run(

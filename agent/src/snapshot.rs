@@ -169,6 +169,25 @@ pub struct DiscoveryStats {
     /// each skipped, remembered like a failed file, and counted.
     #[serde(default)]
     pub panicked: u64,
+    /// Processes' maps read: because the kernel told of a new executable mapping (an exec,
+    /// `mmap`, `mprotect`), by a scan of every process (the first, the safety net every
+    /// `--full-rescan-ms`, or after events were lost), and, without the kernel's word, as a
+    /// new process's.
+    #[serde(default)]
+    pub maps_read_event: u64,
+    #[serde(default)]
+    pub maps_read_rescan: u64,
+    #[serde(default)]
+    pub maps_read_new: u64,
+    /// Scans of every process after the first.
+    #[serde(default)]
+    pub rescans: u64,
+    /// Libcuda files (probed or capped) such a scan found that no event led to.
+    #[serde(default)]
+    pub found_by_rescan: u64,
+    /// The kernel's events of new executable mappings lost (its map of processes full).
+    #[serde(default)]
+    pub events_lost: u64,
     /// The most recent files skipped for a reason worth telling (failures, caps, files named
     /// like a libcuda that are not one), newest last.
     pub skipped: Vec<SkippedFile>,

@@ -485,6 +485,18 @@ pub mod names {
     pub const CGROUP_TREE: &str = "CGROUP_TREE";
     /// Ring buffer of the keys of new records (`crate::journal`).
     pub const JOURNAL: &str = "JOURNAL";
+    /// The programs that tell discovery which processes may have a new executable file
+    /// mapping (`crate::exec_mapped`): on `sched:sched_process_exec`, on
+    /// `syscalls:sys_enter_mmap`, and on `syscalls:sys_enter_mprotect` and
+    /// `syscalls:sys_enter_pkey_mprotect`.
+    pub const EXEC_STARTED: &str = "exec_started";
+    pub const EXEC_MMAP: &str = "exec_mmap";
+    pub const EXEC_MPROTECT: &str = "exec_mprotect";
+    /// Hash map: the processes (tgid -> 1) with such an event since discovery last took them.
+    pub const EXEC_MAPPED: &str = "EXEC_MAPPED";
+    /// One-word array: events that found `EXEC_MAPPED` full (discovery then reads every
+    /// process's maps).
+    pub const EXEC_MAPPED_LOST: &str = "EXEC_MAPPED_LOST";
     pub const ALLOC_RETURN: &str = "alloc_return";
     /// Programs that do nothing, never attached by the agent: `cargo xtask bench` puts them
     /// where the agent puts its own, to measure the kernel's floor (an entry and a return
@@ -499,6 +511,22 @@ pub const DEFAULT_MAX_ALLOCS: u32 = 1 << 20;
 /// Default cap on one cgroup's live allocation records (`--max-alloc-records-per-cgroup`).
 pub const DEFAULT_RECORDS_PER_CGROUP: u32 = 1 << 14;
 /// Capacity of `PROC_USAGE`: processes with GPU memory at once.
+/// What tells discovery which processes to read the maps of (the `EXEC_MAPPED` map, taken
+/// and emptied by discovery at each of its scans).
+pub mod exec_mapped {
+    /// Processes remembered between two scans; an event of another one is lost (counted in
+    /// `EXEC_MAPPED_LOST`, and discovery reads every process's maps at its next scan).
+    pub const MAX_PIDS: u32 = 8192;
+    /// `PROT_EXEC` and `MAP_ANONYMOUS` (the same on every Linux architecture).
+    pub const PROT_EXEC: u64 = 0x4;
+    pub const MAP_ANONYMOUS: u64 = 0x20;
+    /// Byte offsets in a `syscalls:sys_enter_*` record (the common header, the syscall's
+    /// number, then each argument as an unsigned long): `prot` is the third argument of
+    /// `mmap`, `mprotect` and `pkey_mprotect`, `flags` the fourth of `mmap`.
+    pub const PROT_OFFSET: usize = 16 + 2 * 8;
+    pub const FLAGS_OFFSET: usize = 16 + 3 * 8;
+}
+
 pub const MAX_PROCS: u32 = 1 << 14;
 /// Capacity of `CGROUP_USAGE`.
 pub const MAX_CGROUPS: u32 = 1 << 12;

@@ -37,6 +37,11 @@
 //! event, a capped cgroup) is counted in the per-CPU `STATS` and logged through aya-log, at
 //! most `trouble::LINES_PER_SECOND` lines per kind per second (`LOG_WINDOWS`).
 //!
+//! Discovery is told which processes to read the maps of: `exec_started`, `exec_mmap` and
+//! `exec_mprotect` put a process that execs, maps a file with `PROT_EXEC` or adds `PROT_EXEC`
+//! to a mapping in `EXEC_MAPPED`, which the agent takes and empties at each scan (a full map
+//! is counted in `EXEC_MAPPED_LOST`: the agent then reads every process's maps).
+//!
 //! The agent decides which symbol each program is attached to (agent/src/kernel/probes.rs).
 #![no_std]
 #![no_main]
@@ -62,7 +67,7 @@ use aya_ebpf::{
 use aya_log_ebpf::warn;
 use common::extmem::{self, ExtKey, ExtPending, ExtRecord, ExtUsage};
 use common::{
-    enforce, journal, pending, spare, stat, trouble, vmm, AddrSpace, AllocKey, AllocKind, AllocRecord, CgroupLimit, CgroupUsage, Event, EventKind,
+    enforce, exec_mapped, journal, pending, spare, stat, trouble, vmm, AddrSpace, AllocKey, AllocKind, AllocRecord, CgroupLimit, CgroupUsage, Event, EventKind,
     LimitCache,
     LogWindow, PendingAlloc, ProcUsage, Usage, DEFAULT_MAX_ALLOCS, DEFAULT_RECORDS_PER_CGROUP, EXITS_BYTES,
     HOST_LOCATION_TYPES, KIND_COUNT, MAX_CGROUPS, MAX_PROCS, PROP_LOCATION_TYPE_OFFSET,
@@ -1380,6 +1385,70 @@ fn emit_exit<C: EbpfContext>(ctx: &C, kind: EventKind, pid_tgid: u64, cgroup_id:
         bump(stat::EXITS_LOST, 1);
         if may_log(trouble::EXIT_LOST) {
             warn!(ctx, "exit ring buffer full: the exit of pid {} is not reported (the agent's sweep finds it)", record.tgid);
+        }
+    }
+}
+
+// ---- processes that may have mapped a new executable file (for discovery) -----------------
+//
+// Discovery reads a process's maps only when one of these says it may have a new executable
+// file mapping (an exec; an `mmap` of a file with `PROT_EXEC`; an `mprotect` adding
+// `PROT_EXEC`, which may be of a file's mapping), and every process's on its slow rescan. The
+// process is put in `EXEC_MAPPED` (once, however many events it has); an event that finds the
+// map full is counted in `EXEC_MAPPED_LOST`, and discovery then reads every process's maps.
+
+#[map]
+static EXEC_MAPPED: HashMap<u32, u8> = HashMap::with_max_entries(exec_mapped::MAX_PIDS, BPF_F_NO_PREALLOC);
+
+#[map]
+static EXEC_MAPPED_LOST: Array<u64> = Array::with_max_entries(1, 0);
+
+/// `sched:sched_process_exec`: a new program image (its own file and its interpreter mapped).
+#[tracepoint]
+pub fn exec_started(_ctx: TracePointContext) -> u32 {
+    exec_mapped_by_current();
+    0
+}
+
+/// `syscalls:sys_enter_mmap`: a file mapped executable.
+#[tracepoint]
+pub fn exec_mmap(ctx: TracePointContext) -> u32 {
+    // SAFETY: bpf_probe_read_kernel of fields inside the tracepoint record.
+    let (Ok(prot), Ok(flags)) = (unsafe { ctx.read_at::<u64>(exec_mapped::PROT_OFFSET) }, unsafe {
+        ctx.read_at::<u64>(exec_mapped::FLAGS_OFFSET)
+    }) else {
+        return 0;
+    };
+    if prot & exec_mapped::PROT_EXEC != 0 && flags & exec_mapped::MAP_ANONYMOUS == 0 {
+        exec_mapped_by_current();
+    }
+    0
+}
+
+/// `syscalls:sys_enter_mprotect` and `syscalls:sys_enter_pkey_mprotect`: a mapping made
+/// executable (of a file or not: the program cannot tell, discovery reads the maps).
+#[tracepoint]
+pub fn exec_mprotect(ctx: TracePointContext) -> u32 {
+    // SAFETY: bpf_probe_read_kernel of a field inside the tracepoint record.
+    if unsafe { ctx.read_at::<u64>(exec_mapped::PROT_OFFSET) }.is_ok_and(|prot| prot & exec_mapped::PROT_EXEC != 0) {
+        exec_mapped_by_current();
+    }
+    0
+}
+
+/// Puts the current process in `EXEC_MAPPED`, or counts the event lost.
+#[inline(always)]
+fn exec_mapped_by_current() {
+    let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    if EXEC_MAPPED.get_ptr(&tgid).is_some() {
+        return;
+    }
+    // Inserted by another thread of the process meanwhile: not lost.
+    if EXEC_MAPPED.insert(&tgid, &1, BPF_NOEXIST as u64).is_err() && EXEC_MAPPED.get_ptr(&tgid).is_none() {
+        if let Some(lost) = EXEC_MAPPED_LOST.get_ptr_mut(0) {
+            // SAFETY: an array element, valid and 8-aligned for the program's run; every
+            // writer adds atomically.
+            add(unsafe { &mut *lost }, 1);
         }
     }
 }

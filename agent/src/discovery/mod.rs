@@ -77,8 +77,13 @@ pub fn well_known_paths() -> String {
     WELL_KNOWN.join(", ")
 }
 
-/// How many [`Discovery::scan`]s make one that reads every process's maps again.
+/// Without the kernel's word on new mappings: how many [`Discovery::scan`]s make one that
+/// reads every process's maps again.
 pub const FULL_SCAN_EVERY: u64 = 10;
+
+/// With it: how often every process's maps are read all the same (`--full-rescan-ms`), the
+/// safety net for a mapping no event announced (see [`crate::kernel::exec`] for what has none).
+pub const RESCAN_EVERY: Duration = Duration::from_secs(60);
 
 /// How long after it first appears a process's maps are read at every scan: programs load
 /// libcuda with `dlopen` at their first CUDA call (the CUDA runtime, PyTorch), some time
@@ -156,10 +161,26 @@ pub struct Discovery {
     /// Cgroups (and the node, as `None`) logged as past their cap.
     capped_logged: BTreeSet<Option<u64>>,
     skipped: VecDeque<SkippedFile>,
-    /// Pid -> when a scan first saw it, whether it was seen mapping a libcuda (a young
-    /// process that has one is not read again until the next full scan), and whether its
-    /// maps went over their bound (reported once, not read again while it runs).
-    seen: HashMap<u32, (Instant, bool, bool)>,
+    /// What scans learned of each process ([`Seen`]): of every running one after a scan of
+    /// every process, and kept for the others between them.
+    seen: HashMap<u32, Seen>,
+    /// Processes to read at the next scan told by the kernel: those it named at this one (a
+    /// mapping announced on entry to `mmap` may be made just after the read), and those
+    /// with files that waited for a later scan (the per-container budget).
+    recheck: BTreeSet<u32>,
+    /// How often every process's maps are read however quiet the kernel is, and when they
+    /// last were.
+    rescan_every: Duration,
+    last_rescan: Option<Instant>,
+    /// What the current scan is for.
+    why: Why,
+    /// Maps read, by [`Why::index`].
+    maps_read: [u64; 3],
+    /// Scans of every process after the first; libcuda files they found (probed or capped)
+    /// that no event led to; events the kernel lost (its map of processes full).
+    rescans: u64,
+    found_by_rescan: u64,
+    events_lost: u64,
     /// Processes reported for maps over their bound.
     maps_over_bound: u64,
     /// Reads that panicked ([`DiscoveryStats::panicked`]).
@@ -169,7 +190,79 @@ pub struct Discovery {
     examined: u64,
 }
 
+/// What the kernel said since the last scan ([`crate::kernel::exec`]): the processes that may
+/// have mapped a new executable file (an exec, an `mmap` of a file with `PROT_EXEC`, an
+/// `mprotect` adding `PROT_EXEC`), and how many such events found its map full.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Told {
+    pub pids: Vec<u32>,
+    pub lost: u64,
+}
+
+/// What scans learned of one process.
+#[derive(Clone, Copy, Debug)]
+struct Seen {
+    /// When a scan first saw it.
+    first: Instant,
+    /// Whether it was seen mapping a libcuda (a young process that has one is not read again
+    /// until the next scan of every process, without the kernel's word).
+    mapped: bool,
+    /// Its start time, if its maps went over their bound (reported once, not read again
+    /// while a process with that pid and start time runs).
+    over: Option<u64>,
+}
+
+/// What reading one process's maps came to.
+#[derive(Default)]
+struct Read {
+    /// One of its files is a libcuda (probed or capped).
+    libcuda: bool,
+    /// Its maps went over the bounds of [`crate::procmaps`] (then only the files before the
+    /// bound were looked at, and the process is reported).
+    over: bool,
+    /// A file of it waits for a later scan (its container's budget was spent).
+    waiting: bool,
+}
+
+/// Why a scan reads the maps it reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Why {
+    /// Every process, with no event to miss: the first scan, and without the kernel's word,
+    /// every [`FULL_SCAN_EVERY`]th.
+    Everyone,
+    /// The kernel named the processes.
+    Event,
+    /// Every process, the kernel's word notwithstanding: the safety net, or after events
+    /// were lost.
+    Rescan,
+    /// Without the kernel's word: the processes that appeared in the last [`YOUNG`].
+    New,
+}
+
+impl Why {
+    /// As `vramguard_discovery_maps_read_total` labels it.
+    fn name(self) -> &'static str {
+        ["event", "rescan", "new"][self.index()]
+    }
+
+    /// Its place in [`Discovery::maps_read`] (a scan of everyone counts as a rescan).
+    fn index(self) -> usize {
+        match self {
+            Why::Event => 0,
+            Why::Everyone | Why::Rescan => 1,
+            Why::New => 2,
+        }
+    }
+}
+
 impl Discovery {
+    /// Every process's maps read every `every` when the kernel tells of new mappings
+    /// ([`RESCAN_EVERY`] unless set).
+    pub fn rescan_every(mut self, every: Duration) -> Discovery {
+        self.rescan_every = every;
+        self
+    }
+
     pub fn new(caps: Caps) -> Discovery {
         Discovery {
             caps,
@@ -179,6 +272,14 @@ impl Discovery {
             capped_logged: BTreeSet::new(),
             skipped: VecDeque::new(),
             seen: HashMap::new(),
+            recheck: BTreeSet::new(),
+            rescan_every: RESCAN_EVERY,
+            last_rescan: None,
+            why: Why::Everyone,
+            maps_read: [0; 3],
+            rescans: 0,
+            found_by_rescan: 0,
+            events_lost: 0,
             maps_over_bound: 0,
             panicked: 0,
             scans: 0,
@@ -199,6 +300,12 @@ impl Discovery {
             capped_containers: self.capped_logged.iter().filter(|c| c.is_some()).count() as u64,
             maps_over_bound: self.maps_over_bound,
             panicked: self.panicked,
+            maps_read_event: self.maps_read[Why::Event.index()],
+            maps_read_rescan: self.maps_read[Why::Rescan.index()],
+            maps_read_new: self.maps_read[Why::New.index()],
+            rescans: self.rescans,
+            found_by_rescan: self.found_by_rescan,
+            events_lost: self.events_lost,
             skipped: self.skipped.iter().cloned().collect(),
         }
     }
@@ -238,67 +345,133 @@ impl Discovery {
         }
     }
 
-    /// Reads the maps of the processes due this scan (those that appeared in the last
-    /// [`YOUNG`] and have not been seen mapping a libcuda yet; every process every
-    /// [`FULL_SCAN_EVERY`]th scan) and probes the libcuda files they map. A file already
-    /// probed needs no finding: its probes cover every process that maps it, whenever it does.
-    pub fn scan(&mut self, prober: &mut dyn Prober) {
-        self.scan_among(running_pids(), prober);
+    /// Reads the maps of the processes due this scan and probes the libcuda files they map. A
+    /// file already probed needs no finding: its probes cover every process that maps it,
+    /// whenever it does.
+    ///
+    /// With the kernel's word (`told`, [`Told`]): the processes it names, and those it named at
+    /// the last scan or whose files waited for a later scan ([`Discovery::recheck`]); every
+    /// process at the first scan, every [`Discovery::rescan_every`] (the safety net), and at
+    /// once after events were lost. Without it (`None`: the programs could not be attached),
+    /// the timer's schedule: the processes that appeared in the last [`YOUNG`] and have not
+    /// been seen mapping a libcuda yet, every process every [`FULL_SCAN_EVERY`]th scan.
+    pub fn scan(&mut self, told: Option<Told>, prober: &mut dyn Prober) {
+        self.scan_of(told, running_pids, prober);
     }
 
-    fn scan_among(&mut self, pids: Vec<u32>, prober: &mut dyn Prober) {
+    /// [`Discovery::scan`], with `everyone` listing the processes a scan of every process
+    /// reads.
+    fn scan_of(&mut self, told: Option<Told>, everyone: impl FnOnce() -> Vec<u32>, prober: &mut dyn Prober) {
         let now = Instant::now();
-        let full = self.scans.is_multiple_of(FULL_SCAN_EVERY);
+        let first = self.scans == 0;
         self.scans += 1;
-        let mut seen = HashMap::new();
+        let Some(told) = told else {
+            let full = first || (self.scans - 1).is_multiple_of(FULL_SCAN_EVERY);
+            let why = if full { Why::Everyone } else { Why::New };
+            if full {
+                self.last_rescan = Some(now);
+            }
+            self.scan_among(everyone(), why, now, prober);
+            return;
+        };
+        self.events_lost += told.lost;
+        let due = now.checked_sub(self.rescan_every).is_none_or(|due| self.last_rescan.is_none_or(|last| last <= due));
+        if first || told.lost > 0 || due {
+            if told.lost > 0 {
+                warn!(lost = told.lost, "the kernel's word on new executable mappings was lost: every process's maps read now");
+            }
+            self.recheck.clear();
+            self.last_rescan = Some(now);
+            // Not the first (before which there were no events to miss): what it finds, no
+            // event announced.
+            let why = if first { Why::Everyone } else { Why::Rescan };
+            self.rescans += u64::from(why == Why::Rescan);
+            self.scan_among(everyone(), why, now, prober);
+            return;
+        }
+        // Read again at the next scan: a mapping announced on entry to `mmap` may be made
+        // just after this read.
+        let again: BTreeSet<u32> = told.pids.iter().copied().collect();
+        let mut pids = std::mem::take(&mut self.recheck);
+        pids.extend(told.pids);
+        self.scan_among(pids.into_iter().collect(), Why::Event, now, prober);
+        self.recheck.extend(again);
+    }
+
+    /// Reads the maps of `pids` that are due (`why`), remembering what it found of each.
+    fn scan_among(&mut self, pids: Vec<u32>, why: Why, now: Instant, prober: &mut dyn Prober) {
+        self.why = why;
         // (dev, ino) as the maps report them -> whether the file is a libcuda (probed or
         // capped): each file is looked at once per scan however many processes map it.
         let mut looked: HashMap<FileId, bool> = HashMap::new();
         let mut budget: HashMap<u64, usize> = HashMap::new();
+        let everyone = matches!(why, Why::Everyone | Why::Rescan | Why::New);
+        let mut seen = if everyone { HashMap::with_capacity(pids.len()) } else { std::mem::take(&mut self.seen) };
         for pid in pids {
-            let (first, mapped, mut over) = self.seen.get(&pid).copied().unwrap_or((now, false, false));
-            let young = now.saturating_duration_since(first) < YOUNG;
-            let mut has = mapped;
-            if (full || (young && !mapped)) && !over {
-                let scanned = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    self.scan_process(pid, &mut looked, &mut budget, prober)
-                }));
-                match scanned {
-                    Ok((libcuda, bounded)) => {
-                        has |= libcuda;
-                        over = bounded;
-                    }
-                    Err(panic) => {
-                        // Not read again while it runs, like a process over its bounds.
-                        self.panicked += 1;
-                        let reason = format!("reading its maps panicked: {}", crate::task::panic_message(&*panic));
-                        warn!(pid, %reason, "skipped a process");
-                        self.note_skipped(&format!("/proc/{pid}/maps"), (0, 0), Origin::Process { pid, cgroup: 0 }, reason);
-                        over = true;
-                    }
+            let mut known = self.seen.remove(&pid).or_else(|| seen.remove(&pid)).unwrap_or(Seen { first: now, mapped: false, over: None });
+            if let Some(start) = known.over {
+                // Over its bound: not read again while it runs (a new process with its pid is).
+                if ledger::process::running_start_time_of(pid) == Some(start) {
+                    seen.insert(pid, known);
+                    continue;
                 }
+                known = Seen { first: now, mapped: false, over: None };
             }
-            seen.insert(pid, (first, has, over));
+            let young = now.saturating_duration_since(known.first) < YOUNG;
+            // Without the kernel's word, a process is read while young until seen mapping a libcuda.
+            if why == Why::New && (known.mapped || !young) {
+                seen.insert(pid, known);
+                continue;
+            }
+            self.maps_read[why.index()] += 1;
+            debug!(pid, reason = why.name(), "reading a process's maps");
+            let scanned = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.scan_process(pid, &mut looked, &mut budget, prober)
+            }));
+            let over = match scanned {
+                Ok(read) => {
+                    known.mapped |= read.libcuda;
+                    if read.waiting {
+                        self.recheck.insert(pid);
+                    }
+                    read.over
+                }
+                Err(panic) => {
+                    // Not read again while it runs, like a process over its bounds.
+                    self.panicked += 1;
+                    let reason = format!("reading its maps panicked: {}", crate::task::panic_message(&*panic));
+                    warn!(pid, %reason, "skipped a process");
+                    self.note_skipped(&format!("/proc/{pid}/maps"), (0, 0), Origin::Process { pid, cgroup: 0 }, reason);
+                    true
+                }
+            };
+            if over {
+                known.over = Some(ledger::process::running_start_time_of(pid).unwrap_or(0));
+            }
+            seen.insert(pid, known);
+        }
+        // A scan of every process forgets the processes gone; one of some keeps the others.
+        if !everyone {
+            seen.extend(self.seen.drain());
         }
         self.seen = seen;
     }
 
-    /// Looks at every executable file `pid` maps: whether one of them is a libcuda, and
-    /// whether its maps went over the bounds of [`crate::procmaps`] (then only the files
-    /// before the bound were looked at, and the process is reported).
+    /// Looks at every executable file `pid` maps ([`Read`]).
     fn scan_process(
         &mut self,
         pid: u32,
         looked: &mut HashMap<FileId, bool>,
         budget: &mut HashMap<u64, usize>,
         prober: &mut dyn Prober,
-    ) -> (bool, bool) {
+    ) -> Read {
         // Processes come and go while we scan: an unreadable maps file is skipped.
         let Ok(file) = File::open(format!("/proc/{pid}/maps")) else {
-            return (false, false);
+            return Read::default();
         };
         let mut cgroup = None;
         let mut has = false;
+        let mut waiting = false;
         let read = maps::executable_files(file, |mapping| {
             let key = (mapping.dev, mapping.ino);
             if let Some(libcuda) = looked.get(&key) {
@@ -312,7 +485,7 @@ impl Discovery {
             }
             // (Each file comes once per process: a file that must wait for a later scan is not
             // tried again for each of its mappings.)
-            let Some(verdict) = self.look_at_mapping(pid, mapping, &mut cgroup, budget, prober) else {
+            let Some(verdict) = self.look_at_mapping(pid, mapping, &mut cgroup, budget, &mut waiting, prober) else {
                 return;
             };
             let libcuda = matches!(verdict, Verdict::Probed | Verdict::Capped);
@@ -330,17 +503,19 @@ impl Discovery {
             self.maps_over_bound += 1;
             self.note_skipped(&format!("/proc/{pid}/maps"), (0, 0), Origin::Process { pid, cgroup }, reason);
         }
-        (has, over.is_some())
+        Read { libcuda: has, over: over.is_some(), waiting }
     }
 
     /// Opens the file mapped at `mapping` and decides about it, unless it is remembered;
-    /// `None` when it could not be opened (gone) or must wait for a later scan (budget).
+    /// `None` when it could not be opened (gone) or must wait for a later scan (budget: then
+    /// `waits` is set).
     fn look_at_mapping(
         &mut self,
         pid: u32,
         mapping: &maps::Mapping<'_>,
         cgroup: &mut Option<u64>,
         budget: &mut HashMap<u64, usize>,
+        waits: &mut bool,
         prober: &mut dyn Prober,
     ) -> Option<Verdict> {
         let link = format!("/proc/{pid}/map_files/{}", mapping.map_files_name());
@@ -359,6 +534,7 @@ impl Discovery {
         let left = budget.entry(cgroup).or_insert(PARSES_PER_CONTAINER_PER_SCAN);
         if *left == 0 {
             debug!(pid, cgroup, "discovery budget of this container spent for this scan: the rest waits");
+            *waits = true;
             return None;
         }
         *left -= 1;
@@ -372,7 +548,12 @@ impl Discovery {
                 return Some(Verdict::Failed(reason));
             }
         };
-        Some(self.look_at(opened, origin, prober))
+        let verdict = self.look_at(opened, origin, prober);
+        if self.why == Why::Rescan && matches!(verdict, Verdict::Probed | Verdict::Capped) {
+            self.found_by_rescan += 1;
+            warn!(path = ?mapping.path, dev = id.0, ino = id.1, pid, "a libcuda found by the rescan: no event of the kernel's led to it");
+        }
+        Some(verdict)
     }
 
     /// Identifies the open file, applies the caps, attaches, logs, and remembers the verdict.
@@ -478,11 +659,17 @@ impl Discovery {
         self.skipped.push_back(SkippedFile { path: shown.to_string(), dev: id.0, ino: id.1, origin: origin.describe(), reason });
     }
 
+    /// Makes the next scan with the kernel's word a rescan.
+    #[cfg(test)]
+    fn rescan_due(&mut self) {
+        self.last_rescan = None;
+    }
+
     /// Makes every process known to the last scan older than [`YOUNG`].
     #[cfg(test)]
     fn age(&mut self) {
-        for (first, ..) in self.seen.values_mut() {
-            *first = first.checked_sub(YOUNG).unwrap_or(*first);
+        for seen in self.seen.values_mut() {
+            seen.first = seen.first.checked_sub(YOUNG).unwrap_or(seen.first);
         }
     }
 }

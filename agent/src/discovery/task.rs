@@ -1,5 +1,6 @@
 //! The discovery task: owns the [`Discovery`] state, scans the processes' maps every
-//! `--rescan-ms` on the blocking pool (files and `/proc` entries are the tenants' to make
+//! `--rescan-ms` on the blocking pool (those the kernel named since the last scan,
+//! [`ExecMapped`], and every process every `--full-rescan-ms`) (files and `/proc` entries are the tenants' to make
 //! expensive: nothing else waits on a scan), asks the kernel task, which owns the programs,
 //! to probe each libcuda it identifies ([`RemoteAttacher`]), and publishes what is probed. A
 //! panic while reading one tenant's file or maps skips that file or process
@@ -12,8 +13,9 @@ use tokio::{
     time::{interval, MissedTickBehavior},
 };
 
-use super::{Discovery, DiscoveryStats};
+use super::{Discovery, DiscoveryStats, Told};
 use crate::{
+    kernel::exec::ExecMapped,
     libcuda::{AttachReport, AttachRequest, Opened, Prober},
     task::Heartbeat,
 };
@@ -57,6 +59,8 @@ impl Found {
 pub struct Scanner {
     pub discovery: Discovery,
     pub attacher: RemoteAttacher,
+    /// The kernel's word on new executable mappings (none: scans go by the timer alone).
+    pub told: Option<ExecMapped>,
 }
 
 impl Scanner {
@@ -80,7 +84,11 @@ impl Scanner {
             let beat = heartbeat.clone();
             let work = tokio::task::spawn_blocking(move || {
                 let mut state = self;
-                state.discovery.scan(&mut state.attacher);
+                let told = state.told.as_mut().map(|told| {
+                    let (pids, lost) = told.take();
+                    Told { pids: pids.into_iter().filter(|pid| !crate::fault::deaf_to(*pid)).collect(), lost }
+                });
+                state.discovery.scan(told, &mut state.attacher);
                 beat.beat();
                 state
             });

@@ -45,8 +45,22 @@ fn caps(per_container: usize, per_node: usize) -> Caps {
     Caps { per_container, per_node }
 }
 
+/// A scan without the kernel's word (the timer's schedule) of this process alone.
 fn scan(discovery: &mut Discovery, prober: &mut Recorder) {
-    discovery.scan_among(vec![std::process::id()], prober);
+    discovery.scan_of(None, || vec![std::process::id()], prober);
+}
+
+/// A scan with the kernel's word: `pids` named since the last one, `lost` events lost; a scan
+/// of every process reads this one and `others`.
+fn told_scan(discovery: &mut Discovery, pids: &[u32], lost: u64, others: &[u32], prober: &mut Recorder) {
+    let everyone = || std::iter::once(std::process::id()).chain(others.iter().copied()).collect();
+    discovery.scan_of(Some(Told { pids: pids.to_vec(), lost }), everyone, prober);
+}
+
+/// Maps read so far, by reason: (event, rescan, new).
+fn reads(discovery: &Discovery) -> (u64, u64, u64) {
+    let stats = discovery.stats();
+    (stats.maps_read_event, stats.maps_read_rescan, stats.maps_read_new)
 }
 
 #[test]
@@ -268,7 +282,8 @@ fn a_process_with_maps_over_the_bound_is_reported_once_and_not_read_again() {
 
     let mut discovery = Discovery::new(caps(4, 64));
     let mut prober = Recorder::default();
-    discovery.scan_among(vec![under.0 as u32, over.0 as u32], &mut prober);
+    let both = || vec![under.0 as u32, over.0 as u32];
+    discovery.scan_of(None, both, &mut prober);
     let stats = discovery.stats();
     assert_eq!(stats.maps_over_bound, 1, "{stats:?}");
     let reported: Vec<_> = stats.skipped.iter().filter(|s| s.path.ends_with("/maps")).collect();
@@ -276,7 +291,99 @@ fn a_process_with_maps_over_the_bound_is_reported_once_and_not_read_again() {
     assert_eq!(reported[0].path, format!("/proc/{}/maps", over.0));
     assert!(reported[0].reason.contains("over the agent's bound of"), "{stats:?}");
     for _ in 0..FULL_SCAN_EVERY {
-        discovery.scan_among(vec![under.0 as u32, over.0 as u32], &mut prober);
+        discovery.scan_of(None, both, &mut prober);
     }
     assert_eq!(discovery.stats().maps_over_bound, 1, "not read (nor reported) again while it runs");
+    // Nor on the kernel's word, nor by a rescan.
+    let before = reads(&discovery);
+    told_scan(&mut discovery, &[over.0 as u32], 0, &[], &mut prober);
+    discovery.rescan_due();
+    told_scan(&mut discovery, &[], 0, &[over.0 as u32], &mut prober);
+    assert_eq!(reads(&discovery), (before.0, before.1 + 1, before.2), "only this process read, by the rescan");
+    assert_eq!(discovery.stats().maps_over_bound, 1);
+}
+
+#[test]
+fn told_by_the_kernel_discovery_reads_only_the_processes_it_names() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let scratch = Scratch::new("told");
+    let library = scratch.library("libnotcuda.so", &LIBCUDA_LIKE);
+    let file = File::open(&library).expect("open");
+    // Processes that change nothing: two children that mapped a page and wait.
+    let idle = [Bloated::start(&file, 1), Bloated::start(&file, 1)];
+    let others: Vec<u32> = idle.iter().map(|b| b.0 as u32).collect();
+    let mut discovery = Discovery::new(caps(4, 64));
+    let mut prober = Recorder::default();
+    told_scan(&mut discovery, &[], 0, &others, &mut prober);
+    assert_eq!(reads(&discovery), (0, 3, 0), "the first scan reads every process");
+    for _ in 0..3 * FULL_SCAN_EVERY {
+        told_scan(&mut discovery, &[], 0, &others, &mut prober);
+    }
+    assert_eq!(reads(&discovery), (0, 3, 0), "a quiet node: no maps read, no process listed");
+    assert!(prober.attached.is_empty());
+
+    // This process maps a renamed libcuda (as dlopen would) and the kernel says so.
+    let map = map_exec(&library);
+    let me = std::process::id();
+    told_scan(&mut discovery, &[me], 0, &others, &mut prober);
+    assert_eq!(prober.attached, vec![id_of(&library)], "found by the event");
+    assert_eq!(reads(&discovery), (1, 3, 0), "this process alone read");
+    told_scan(&mut discovery, &[], 0, &others, &mut prober);
+    assert_eq!(reads(&discovery), (2, 3, 0), "and once more at the next scan (a mapping announced on entry to mmap)");
+    for _ in 0..FULL_SCAN_EVERY {
+        told_scan(&mut discovery, &[], 0, &others, &mut prober);
+    }
+    assert_eq!(reads(&discovery), (2, 3, 0), "then not again");
+    let stats = discovery.stats();
+    assert_eq!((stats.rescans, stats.found_by_rescan, stats.events_lost), (0, 0, 0), "{stats:?}");
+    drop(map);
+}
+
+#[test]
+fn the_rescan_finds_what_no_event_announced_and_counts_it() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let scratch = Scratch::new("rescan");
+    let mut discovery = Discovery::new(caps(4, 64));
+    let mut prober = Recorder::default();
+    told_scan(&mut discovery, &[], 0, &[], &mut prober);
+    // Mapped without a word from the kernel (what it has no event for, or an event missed).
+    let first = scratch.library("libquiet.so", &LIBCUDA_LIKE);
+    let map = map_exec(&first);
+    for _ in 0..FULL_SCAN_EVERY {
+        told_scan(&mut discovery, &[], 0, &[], &mut prober);
+    }
+    assert!(prober.attached.is_empty(), "no event, no read before the rescan is due");
+    discovery.rescan_due();
+    told_scan(&mut discovery, &[], 0, &[], &mut prober);
+    assert_eq!(prober.attached, vec![id_of(&first)], "the rescan finds it");
+    let stats = discovery.stats();
+    assert_eq!((stats.rescans, stats.found_by_rescan), (1, 1), "{stats:?}");
+
+    // Events lost (the kernel's map full): every process read at once, what it finds counted.
+    let second = scratch.library("libquiet2.so", &LIBCUDA_LIKE);
+    let map2 = map_exec(&second);
+    told_scan(&mut discovery, &[], 3, &[], &mut prober);
+    assert_eq!(prober.attached, vec![id_of(&first), id_of(&second)]);
+    let stats = discovery.stats();
+    assert_eq!((stats.rescans, stats.found_by_rescan, stats.events_lost), (2, 2, 3), "{stats:?}");
+    drop((map, map2));
+}
+
+#[test]
+fn a_file_left_for_a_later_scan_is_read_at_the_next_one() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let scratch = Scratch::new("budget");
+    let copies: Vec<PathBuf> = (0..PARSES_PER_CONTAINER_PER_SCAN + 2).map(|i| scratch.library(&format!("libjunk{i}.so"), &["compute"])).collect();
+    let library = scratch.library("libzz.so", &LIBCUDA_LIKE);
+    let mut discovery = Discovery::new(caps(4, 64));
+    let mut prober = Recorder::default();
+    told_scan(&mut discovery, &[], 0, &[], &mut prober);
+    // Mapped last, each lands below the one before: the junk comes first in the maps.
+    let maps: Vec<_> = [&library].into_iter().chain(&copies).map(map_exec).collect();
+    told_scan(&mut discovery, &[std::process::id()], 0, &[], &mut prober);
+    assert!(prober.attached.is_empty(), "this container's budget spent on the other files first");
+    told_scan(&mut discovery, &[], 0, &[], &mut prober);
+    assert_eq!(prober.attached, vec![id_of(&library)], "the rest read at the next scan, with no new event");
+    assert_eq!(discovery.stats().found_by_rescan, 0);
+    drop(maps);
 }

@@ -56,6 +56,9 @@ pub struct Accounting {
     allocs_removed: u64,
     /// The tree's change count and when removed cgroups' entries were last swept.
     cgroups_swept: Option<(u64, Instant)>,
+    /// Each process's command name as first read (`/proc/<pid>/comm`), by its generation:
+    /// read once per process, not at every view (those of processes gone are dropped).
+    comms: std::collections::HashMap<u32, (u64, String)>,
 }
 
 impl Accounting {
@@ -83,6 +86,7 @@ impl Accounting {
             exited: Vec::new(),
             allocs_removed: 0,
             cgroups_swept: None,
+            comms: std::collections::HashMap::new(),
         };
         Ok((accounting, take(ebpf, names::EXITS)?))
     }
@@ -276,33 +280,32 @@ impl Accounting {
         true
     }
 
-    /// Every process the probes saw allocate: the eBPF side of [`crate::reconcile`], cheaper
-    /// than a [`Snapshot`].
-    pub fn processes(&self) -> Vec<EbpfProcess> {
-        self.procs
+    /// The current view, with the cgroups' paths from `names`, and every process the probes
+    /// saw allocate (the eBPF side of [`crate::reconcile`]), from one read of `PROC_USAGE`.
+    pub fn snapshot(&mut self, names: &mut CgroupNames) -> (Snapshot, Vec<EbpfProcess>) {
+        let mut processes: Vec<ProcessRow> = Vec::new();
+        let procs: Vec<(u32, ProcUsage)> = self.procs.iter().filter_map(Result::ok).collect();
+        let ebpf = procs
             .iter()
-            .filter_map(Result::ok)
             .map(|(pid, usage)| EbpfProcess {
-                pid,
+                pid: *pid,
                 generation: usage.generation,
                 cgroup_id: usage.cgroup_id,
                 bytes: usage.usage.total_bytes(),
                 pool_kept: usage.pool_kept(),
             })
-            .collect()
-    }
-
-    /// The current view, with the cgroups' paths from `names`.
-    pub fn snapshot(&mut self, names: &mut CgroupNames) -> Snapshot {
-        let mut processes: Vec<ProcessRow> = Vec::new();
-        let procs: Vec<(u32, ProcUsage)> = self.procs.iter().filter_map(Result::ok).collect();
+            .collect();
+        let mut comms = std::mem::take(&mut self.comms);
         for (pid, proc_usage) in procs {
             let usage = &proc_usage.usage;
+            let comm = match comms.remove(&pid).filter(|(generation, _)| *generation == proc_usage.generation) {
+                Some((_, comm)) => comm,
+                None => fs::read_to_string(format!("/proc/{pid}/comm")).map(|c| c.trim_end().to_string()).unwrap_or_default(),
+            };
+            self.comms.insert(pid, (proc_usage.generation, comm.clone()));
             processes.push(ProcessRow {
                 pid,
-                comm: fs::read_to_string(format!("/proc/{pid}/comm"))
-                    .map(|c| c.trim_end().to_string())
-                    .unwrap_or_default(),
+                comm,
                 cgroup_id: proc_usage.cgroup_id,
                 cgroup: names.path(proc_usage.cgroup_id).unwrap_or_default(),
                 bytes: by_kind(usage),
@@ -351,7 +354,7 @@ impl Accounting {
         let mut kernel_maps = KernelMaps { cgroup_usage: self.cgroups.keys().filter_map(Result::ok).collect(), ..KernelMaps::default() };
         kernel_maps.cgroup_usage.sort_unstable();
         let external_memory = self.external.view(names);
-        Snapshot { processes, cgroups, stats, kernel_maps, external_memory, ..Snapshot::default() }
+        (Snapshot { processes, cgroups, stats, kernel_maps, external_memory, ..Snapshot::default() }, ebpf)
     }
 
     /// The live bytes the probes charge `cgroup` (what the entry probes compare with its

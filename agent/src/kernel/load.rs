@@ -1,5 +1,6 @@
 //! Loading the eBPF object: the loader's globals and map sizes from the agent's settings, the
-//! tracepoints (process exit, cgroup removal, and the cgroup tree's other changes) attached, every uprobe program loaded into the
+//! tracepoints (process exit, cgroup removal, the cgroup tree's other changes, and the new
+//! executable mappings discovery is told of) attached, every uprobe program loaded into the
 //! kernel (attached later, per libcuda file, by [`super::probes`]), the maps taken out for
 //! the accounting, the limits and the log. What it returns is the kernel task's state
 //! ([`Kernel`]): the programs live and die with that task.
@@ -97,6 +98,13 @@ pub fn load(settings: &Settings, platform: &Platform, object: &[u8]) -> Result<K
         None
     };
     let mut cgroups = CgroupNames::watched(super::cgroups::watch_tree(&mut ebpf, platform.rmdir_offsets.is_ok()));
+    let exec_mapped = match super::exec::watch(&mut ebpf) {
+        Ok(watch) => Some(watch),
+        Err(error) => {
+            warn!(error = %format!("{error:#}"), "no word from the kernel on new executable mappings: discovery reads new processes' maps every --rescan-ms and every process's every tenth time");
+            None
+        }
+    };
     if let Some(limits) = limits.as_mut() {
         limits.refresh(&mut cgroups);
         info!(mode = ?settings.enforce, cgroups = limits.applied(), "cgroup limits pushed to the probes");
@@ -114,5 +122,5 @@ pub fn load(settings: &Settings, platform: &Platform, object: &[u8]) -> Result<K
         "allocation records: node-wide and per-cgroup caps, spares a process may keep"
     );
 
-    Ok(Kernel { programs: super::task::Programs::new(ebpf), accounting, exits: exits_ring, log, limits, cgroups })
+    Ok(Kernel { programs: super::task::Programs::new(ebpf), accounting, exits: exits_ring, log, limits, cgroups, exec_mapped })
 }

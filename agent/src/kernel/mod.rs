@@ -6,10 +6,12 @@
 //! count (the per-CPU `STATS` map, [`trouble`]) and log (aya-log records, rate-limited in the
 //! kernel, forwarded into the agent's log by [`log`]), and the deletion of removed cgroups'
 //! `CGROUP_USAGE` and `CGROUP_LIMITS` entries that the `cgroup_rmdir` tracepoint missed, with
-//! the count of the cgroup tree's changes that tells the agent when to walk it ([`cgroups`]).
+//! the count of the cgroup tree's changes that tells the agent when to walk it ([`cgroups`]),
+//! and the processes that may have mapped a new executable file, for discovery ([`exec`]).
 pub mod accounting;
 pub mod cgroups;
 pub mod enforce;
+pub mod exec;
 pub mod extmem;
 pub mod index;
 pub mod load;

@@ -93,6 +93,9 @@ pub struct Kernel {
     pub log: Logger,
     pub limits: Option<enforce::Limits>,
     pub cgroups: CgroupNames,
+    /// Discovery's handle on the new executable mappings (taken by `run` for discovery; none
+    /// if the programs could not be attached).
+    pub exec_mapped: Option<super::exec::ExecMapped>,
 }
 
 /// The loaded programs: dropping them (at the task's end, however it ends: a return, a panic
@@ -237,11 +240,11 @@ impl Kernel {
 
     /// The probes' maps as they are now.
     fn view(&mut self) -> KernelView {
-        let mut snapshot = self.accounting.snapshot(&mut self.cgroups);
+        let (mut snapshot, processes) = self.accounting.snapshot(&mut self.cgroups);
         snapshot.stats.cgroup_limits = self.limits.as_ref().map_or(0, |l| l.applied() as u64);
         // The agent's signals to escaped processes count with the probes'.
         snapshot.stats.signals_sent = snapshot.stats.signals_sent.saturating_add(self.limits.as_ref().map_or(0, |l| l.escaped_signals()));
         snapshot.kernel_maps.cgroup_limits = self.limits.as_ref().map_or_else(Vec::new, |l| l.ids());
-        KernelView { processes: self.accounting.processes(), snapshot }
+        KernelView { processes, snapshot }
     }
 }

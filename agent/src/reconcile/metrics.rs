@@ -42,7 +42,9 @@
 //! `vramguard_enforcement_signals_total`, `vramguard_probes_attached{libcuda}`,
 //! `vramguard_libcuda_files{state}` (probed, failed, capped),
 //! `vramguard_libcuda_capped_containers`, `vramguard_discovery_maps_over_bound_total`,
-//! `vramguard_discovery_panics_total`, `vramguard_ledgers`,
+//! `vramguard_discovery_panics_total`, `vramguard_discovery_maps_read_total{reason}`,
+//! `vramguard_discovery_rescans_total`, `vramguard_discovery_found_by_rescan_total`,
+//! `vramguard_discovery_events_lost_total`, `vramguard_ledgers`,
 //! `vramguard_ledgers_skipped`, `vramguard_ledgers_unreadable`, `vramguard_ledger_workers`,
 //! `vramguard_ledgers_backed_off` (ledgers left alone for a while: lock held, worker failed),
 //! `vramguard_ledger_dirs_crowded` (directories with more entries than the agent reads),
@@ -108,6 +110,10 @@ pub struct Metrics {
     capped_containers: IntGauge,
     maps_over_bound: IntCounter,
     discovery_panics: IntCounter,
+    maps_read: IntCounterVec,
+    rescans: IntCounter,
+    found_by_rescan: IntCounter,
+    discovery_events_lost: IntCounter,
     ledgers: IntGauge,
     ledgers_skipped: IntGauge,
     ledger_workers: IntGauge,
@@ -263,6 +269,25 @@ impl Metrics {
         let discovery_panics = registered(&registry, IntCounter::new(
             "vramguard_discovery_panics_total",
             "Files and processes' maps whose reading panicked in discovery: each skipped (listed in vramguard audit's discovery.skipped), the probes kept",
+        )?)?;
+        let maps_read = registered(&registry, IntCounterVec::new(
+            Opts::new(
+                "vramguard_discovery_maps_read_total",
+                "Processes' /proc/<pid>/maps read by discovery: reason=\"event\" (the kernel told of an exec, or of a file mapped or made executable), reason=\"rescan\" (every process: at start, every --full-rescan-ms, after events were lost), reason=\"new\" (without the kernel's word: a process of the last minute)",
+            ),
+            &["reason"],
+        )?)?;
+        let rescans = registered(&registry, IntCounter::new(
+            "vramguard_discovery_rescans_total",
+            "Scans of every process's maps after the first (every --full-rescan-ms, and after events were lost)",
+        )?)?;
+        let found_by_rescan = registered(&registry, IntCounter::new(
+            "vramguard_discovery_found_by_rescan_total",
+            "Libcuda files (probed or capped) a scan of every process found that no event of the kernel's led to",
+        )?)?;
+        let discovery_events_lost = registered(&registry, IntCounter::new(
+            "vramguard_discovery_events_lost_total",
+            "The kernel's events of new executable mappings that found its map of processes full (each makes discovery read every process's maps)",
         )?)?;
         let capped_containers = registered(&registry, IntGauge::new(
             "vramguard_libcuda_capped_containers",
@@ -495,6 +520,10 @@ impl Metrics {
             capped_containers,
             maps_over_bound,
             discovery_panics,
+            maps_read,
+            rescans,
+            found_by_rescan,
+            discovery_events_lost,
             ledgers,
             ledgers_skipped,
             ledger_workers,
@@ -756,6 +785,12 @@ impl Metrics {
         self.capped_containers.set(value(discovery.capped_containers));
         catch_up(&self.maps_over_bound, discovery.maps_over_bound);
         catch_up(&self.discovery_panics, discovery.panicked);
+        for (reason, total) in [("event", discovery.maps_read_event), ("rescan", discovery.maps_read_rescan), ("new", discovery.maps_read_new)] {
+            catch_up(&self.maps_read.with_label_values(&[reason]), total);
+        }
+        catch_up(&self.rescans, discovery.rescans);
+        catch_up(&self.found_by_rescan, discovery.found_by_rescan);
+        catch_up(&self.discovery_events_lost, discovery.events_lost);
     }
 
     /// Brings the rejection counter of (ledger, device index, container labels) to the

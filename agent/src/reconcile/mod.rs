@@ -106,6 +106,7 @@
 pub use crate::snapshot::{EbpfProcess, EscapedByCgroup, EscapedProcess, State};
 
 pub mod figure;
+pub mod living;
 pub mod metrics;
 pub mod task;
 
@@ -267,6 +268,8 @@ pub struct Reconciler {
     unprobed_logged: BTreeSet<u32>,
     /// The driver's rows the last pass joined with no process, as their pids are others' now.
     driver_unjoined: Vec<UnjoinedProcess>,
+    /// Which of the driver's processes still run, without a /proc read each pass.
+    living: living::Living,
 }
 
 impl Reconciler {
@@ -288,6 +291,7 @@ impl Reconciler {
             escapes: HashMap::new(),
             unprobed_logged: BTreeSet::new(),
             driver_unjoined: Vec::new(),
+            living: living::Living::default(),
         }
     }
 
@@ -367,7 +371,11 @@ impl Reconciler {
         self.unreadable = unreadable;
         let mut observations = observations;
         self.driver_unjoined = match self.driver.clone() {
-            Some(driver) => join_driver(&mut observations, &driver.processes, ledger::process::running_start_time_of),
+            Some(driver) => {
+                let pids: Vec<u32> = driver.processes.keys().copied().collect();
+                let starts = self.living.start_times(&pids, ledger::process::running_start_time_of);
+                join_driver(&mut observations, &driver.processes, |pid| starts.get(&pid).copied().flatten())
+            }
             None => Vec::new(),
         };
         self.judge(observations, Instant::now());
