@@ -11,6 +11,7 @@ pub mod inspect;
 pub mod kernel;
 pub mod libcuda;
 pub mod ledgers;
+pub mod pidfd;
 pub mod pod;
 pub mod preflight;
 pub mod prepared;

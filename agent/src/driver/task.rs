@@ -25,7 +25,7 @@ use super::{
     gap::Gaps,
     DriverStatus, DriverView, Read, State, UnjoinedProcess, NOT_HOLDING, NOT_VISIBLE, NO_FIGURE, REUSED_SINCE_LISTED,
 };
-use crate::task::Heartbeat;
+use crate::{pidfd::Living, task::Heartbeat};
 
 /// How often NVML is read.
 pub const EVERY: Duration = Duration::from_secs(1);
@@ -235,6 +235,9 @@ struct Joiner {
     /// The last save failed (said once until one succeeds).
     unsaved: bool,
     gaps: Gaps,
+    /// The listed processes known to run, by pidfd: their start times without a `/proc` read
+    /// of each at every read.
+    living: Living,
 }
 
 impl Joiner {
@@ -268,7 +271,11 @@ impl Joiner {
             let wanted: Vec<FileKey> = minors.iter().filter_map(|m| keys.get(m).copied().flatten()).collect();
             wanted.is_empty() || holders::holds_any(pid, &wanted)
         };
-        let joined = split(read, self.join.foreign.as_deref(), ledger::process::running_start_time_of, holds, &mut self.listed);
+        let starts = match self.join.foreign {
+            Some(_) => Default::default(),
+            None => self.living.start_times(&read.processes.keys().copied().collect::<Vec<u32>>(), ledger::process::running_start_time_of),
+        };
+        let joined = split(read, self.join.foreign.as_deref(), |pid| starts.get(&pid).copied().flatten(), holds, &mut self.listed);
         if self.listed.changed() {
             if let Some(path) = &self.join.table {
                 match self.listed.save(path, &gpus) {
@@ -290,7 +297,7 @@ impl Joiner {
 fn reader(candidates: Vec<PathBuf>, join: Join, read_seconds: Histogram, requests: std_mpsc::Receiver<oneshot::Sender<Answer>>) {
     let mut nvml: Option<Nvml> = None;
     let mut last_trouble: Option<(Trouble, Instant)> = None;
-    let mut joiner = Joiner { join, listed: Listed::new(), loaded: false, keys: BTreeMap::new(), unsaved: false, gaps: Gaps::default() };
+    let mut joiner = Joiner { join, listed: Listed::new(), loaded: false, keys: BTreeMap::new(), unsaved: false, gaps: Gaps::default(), living: Living::default() };
     while let Ok(reply) = requests.recv() {
         if nvml.is_none() {
             match &last_trouble {

@@ -466,21 +466,11 @@ fn to_signal(processes: &[EscapedProcess], usage: u64, limit: u64, signalled: &s
 /// Sends `signal` to `process` if it still is that process: through a pidfd (opened, then the
 /// start time checked, then signalled: a pid reused in between cannot be hit).
 fn signal_process(process: &EscapedProcess, signal: i32) -> std::io::Result<()> {
-    use std::os::fd::{FromRawFd, OwnedFd, AsRawFd};
-    // SAFETY: pidfd_open(2) with a pid and no flags; returns a new fd or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, process.pid as libc::pid_t, 0) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: a fresh fd this function owns from here on.
-    let pidfd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    let pidfd = crate::pidfd::open(process.pid)?;
     if ledger::process::running_start_time_of(process.pid) != Some(process.start_time) {
         return Err(std::io::Error::new(std::io::ErrorKind::NotFound, "the process is gone (its pid is another process's now)"));
     }
-    // SAFETY: pidfd_send_signal(2) on the pidfd above, no siginfo, no flags.
-    let rc = unsafe { libc::syscall(libc::SYS_pidfd_send_signal, pidfd.as_raw_fd(), signal, std::ptr::null::<libc::siginfo_t>(), 0) };
-    if rc < 0 {
-        let error = std::io::Error::last_os_error();
+    if let Err(error) = crate::pidfd::send_signal(&pidfd, signal) {
         if error.raw_os_error() == Some(libc::EPERM) {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::PermissionDenied,

@@ -106,7 +106,6 @@
 pub use crate::snapshot::{EbpfProcess, EscapedByCgroup, EscapedProcess, State};
 
 pub mod figure;
-pub mod living;
 pub mod metrics;
 pub mod task;
 
@@ -269,7 +268,7 @@ pub struct Reconciler {
     /// The driver's rows the last pass joined with no process, as their pids are others' now.
     driver_unjoined: Vec<UnjoinedProcess>,
     /// Which of the driver's processes still run, without a /proc read each pass.
-    living: living::Living,
+    living: crate::pidfd::Living,
 }
 
 impl Reconciler {
@@ -291,7 +290,7 @@ impl Reconciler {
             escapes: HashMap::new(),
             unprobed_logged: BTreeSet::new(),
             driver_unjoined: Vec::new(),
-            living: living::Living::default(),
+            living: crate::pidfd::Living::default(),
         }
     }
 

@@ -1,17 +1,23 @@
-//! Which of the driver's processes still run, for each pass's join ([`super::join_driver`]),
-//! at one `poll` for all of them rather than a read of each one's `/proc/<pid>/stat`: a
-//! process is looked up in `/proc` once (its start time), with a pidfd opened on it first
-//! (the very process: its pid reused is another process, which the pidfd never names); a pass
-//! polls the pidfds together, and one that is readable (its process exited, a zombie or
-//! reaped) is dropped and the pid looked up in `/proc` again, as every pid was before. At most
-//! [`MAX_PIDFDS`] are held (the rest, and every pid on a kernel without `pidfd_open`, are
-//! looked up in `/proc` at each pass); those of pids the driver no longer reports are closed.
+//! Pidfds: a descriptor on the very process a pid named when it was opened (its pid reused is
+//! another process, which the pidfd never names). What the agent asks of them: to open one
+//! ([`open`]), whether their processes have exited (one `poll` for many, [`exited`]), to
+//! signal one ([`send_signal`]); and [`Living`], which of a set of pids still run the process
+//! first read there.
+//!
+//! [`Living`] serves the joins with the driver's processes (the reconcile pass's and the driver
+//! task's): a process is looked up in `/proc` once (its start time), with a pidfd opened on it
+//! first; a later call polls the pidfds together, and one that is readable (its process exited,
+//! a zombie or reaped) is dropped and the pid looked up in `/proc` again, as every pid was
+//! before. At most [`MAX_PIDFDS`] are held (the rest, and every pid on a kernel without
+//! `pidfd_open`, are looked up in `/proc` at each call); those of pids no longer asked about
+//! are closed.
 use std::{
     collections::HashMap,
-    os::fd::{AsRawFd, FromRawFd, OwnedFd},
+    io,
+    os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd},
 };
 
-/// Pidfds held at most (the driver's processes on a node: tens, rarely hundreds).
+/// Pidfds a [`Living`] holds at most (the driver's processes on a node: tens, rarely hundreds).
 pub const MAX_PIDFDS: usize = 512;
 
 /// The pidfds of the driver's processes known to run, with their start times.
@@ -45,11 +51,11 @@ impl Living {
     /// `pid`'s start time from `/proc`, and a pidfd kept on it when it runs.
     fn look_up(&mut self, pid: u32, start_time_of: &impl Fn(u32) -> Option<u64>) -> Option<u64> {
         self.lookups += 1;
-        let pidfd = (self.known.len() < MAX_PIDFDS).then(|| pidfd_open(pid)).flatten();
+        let pidfd = (self.known.len() < MAX_PIDFDS).then(|| open(pid).ok()).flatten();
         let start = start_time_of(pid)?;
         // Opened before the read and still not readable after it: the process read is the
         // one the pidfd names (a pid is not reused while its process, or its zombie, exists).
-        if let Some(pidfd) = pidfd.filter(|pidfd| !readable(&[pidfd.as_raw_fd()]).first().copied().unwrap_or(true)) {
+        if let Some(pidfd) = pidfd.filter(|pidfd| !exited(&[pidfd.as_raw_fd()]).first().copied().unwrap_or(true)) {
             self.known.insert(pid, (pidfd, start));
         }
         Some(start)
@@ -58,7 +64,7 @@ impl Living {
     /// The known pids whose process has exited (one `poll` for all).
     fn exited(&self) -> Vec<u32> {
         let (pids, fds): (Vec<u32>, Vec<i32>) = self.known.iter().map(|(pid, (fd, _))| (*pid, fd.as_raw_fd())).unzip();
-        readable(&fds).into_iter().zip(pids).filter_map(|(gone, pid)| gone.then_some(pid)).collect()
+        exited(&fds).into_iter().zip(pids).filter_map(|(gone, pid)| gone.then_some(pid)).collect()
     }
 
     #[cfg(test)]
@@ -67,17 +73,21 @@ impl Living {
     }
 }
 
-/// A pidfd on host process `pid` (`None` if it is gone or the kernel has none).
-fn pidfd_open(pid: u32) -> Option<OwnedFd> {
-    // SAFETY: pidfd_open(2) takes a pid and flags, and returns a new descriptor or -1.
+/// A pidfd on host process `pid` (an error if it is gone, ESRCH, or the kernel has none).
+pub fn open(pid: u32) -> io::Result<OwnedFd> {
+    // SAFETY: pidfd_open(2) takes a pid and flags, and returns a new descriptor or -1; it
+    // touches no memory of ours.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
     // SAFETY: a descriptor just returned to us, owned by nothing else.
-    (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as i32) })
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
-/// For each pidfd of `fds`, whether it is readable (its process exited) or in error (taken
-/// as exited: its process is then looked up in /proc again).
-fn readable(fds: &[i32]) -> Vec<bool> {
+/// For each pidfd of `fds`, whether its process has exited (the pidfd is readable) or the
+/// poll failed on it (taken as exited: the caller then asks /proc again). Does not wait.
+pub fn exited(fds: &[RawFd]) -> Vec<bool> {
     let mut polled: Vec<libc::pollfd> = fds.iter().map(|&fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 }).collect();
     // SAFETY: poll(2) over a vector of pollfds it owns for the call, without waiting.
     let ready = unsafe { libc::poll(polled.as_mut_ptr(), polled.len() as libc::nfds_t, 0) };
@@ -85,6 +95,16 @@ fn readable(fds: &[i32]) -> Vec<bool> {
         return vec![true; fds.len()];
     }
     polled.iter().map(|p| p.revents != 0).collect()
+}
+
+/// Sends `signal` to the process `pidfd` names (never to another with its pid since).
+pub fn send_signal(pidfd: &OwnedFd, signal: i32) -> io::Result<()> {
+    // SAFETY: pidfd_send_signal(2) on a pidfd we hold, no siginfo, no flags.
+    let rc = unsafe { libc::syscall(libc::SYS_pidfd_send_signal, pidfd.as_raw_fd(), signal, std::ptr::null::<libc::siginfo_t>(), 0) };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 #[cfg(test)]
