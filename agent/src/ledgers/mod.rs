@@ -44,6 +44,7 @@
 //! to the header the agent created, and any other header is tampering.
 pub mod charge;
 mod directory;
+pub mod exits;
 mod handle;
 pub mod reclaim;
 pub mod sandbox;
@@ -216,6 +217,11 @@ impl Ledgers {
     /// The watched ledgers, by path.
     pub fn iter(&self) -> impl Iterator<Item = (&Path, &LedgerHandle)> {
         self.open.iter().map(|(path, handle)| (path.as_path(), handle.as_ref()))
+    }
+
+    /// The watched ledgers, by path, with their shared handles.
+    pub fn shared(&self) -> impl Iterator<Item = (&Path, &Arc<LedgerHandle>)> {
+        self.open.iter().map(|(path, handle)| (path.as_path(), handle))
     }
 
     pub fn len(&self) -> usize {

@@ -37,6 +37,7 @@
 //! (without them the series of different containers would collide). Of the agent itself:
 //! `vramguard_reclaims_total`, `vramguard_reclaim_latency_seconds`,
 //! `vramguard_reclaim_sweeps_total{sweep}`, `vramguard_reclaim_ledgers_read_total{sweep}`,
+//! `vramguard_reclaim_proc_reads_total`, `vramguard_reclaim_watched`,
 //! `vramguard_reconcile_pass_seconds`,
 //! `vramguard_events_lost_total`, `vramguard_over_limit_allocations_total`,
 //! `vramguard_enforcement_signals_total`, `vramguard_probes_attached{libcuda}`,
@@ -99,6 +100,8 @@ pub struct Metrics {
     latency: Histogram,
     sweeps: IntCounterVec,
     ledgers_read: IntCounterVec,
+    proc_reads: IntCounter,
+    watched: IntGauge,
     pass: Histogram,
     events_lost: IntCounter,
     over_limit: IntCounter,
@@ -289,6 +292,14 @@ impl Metrics {
                 "Ledgers read by reclaim sweeps: sweep=\"exit\" those of exiting processes (the ledgers each was found in), sweep=\"all\" every watched ledger (every --ledger-scan-ms, and for the exit of a process no sweep has seen)",
             ),
             &["sweep"],
+        )?)?;
+        let proc_reads = registered(&registry, IntCounter::new(
+            "vramguard_reclaim_proc_reads_total",
+            "Reads of /proc/<pid> made by reclaim sweeps to judge a slot's process (a process watched through a pidfd needs none)",
+        )?)?;
+        let watched = registered(&registry, IntGauge::new(
+            "vramguard_reclaim_watched",
+            "Live processes in ledgers watched through a pidfd, whose slots the exit path frees when they exit",
         )?)?;
         let pass = registered(&registry, Histogram::with_opts(
             HistogramOpts::new(
@@ -486,6 +497,8 @@ impl Metrics {
             latency,
             sweeps,
             ledgers_read,
+            proc_reads,
+            watched,
             pass,
             events_lost,
             over_limit,
@@ -562,7 +575,14 @@ impl Metrics {
 
     /// The reclaim counters, for the task that reclaims.
     pub fn reclaims(&self) -> Reclaims {
-        Reclaims::new(self.reclaims.clone(), self.latency.clone(), self.sweeps.clone(), self.ledgers_read.clone())
+        Reclaims::new(
+            self.reclaims.clone(),
+            self.latency.clone(),
+            self.sweeps.clone(),
+            self.ledgers_read.clone(),
+            self.proc_reads.clone(),
+            self.watched.clone(),
+        )
     }
 
     /// Rebuilds the gauges from the current state.
