@@ -24,7 +24,8 @@
 //! The eBPF exit events (a process with GPU memory) come here first. The event of a watched
 //! process, or of one whose slot the exit path is freeing or just freed, gives its reclaim's
 //! latency its start (the time the kernel gave the event, inside `do_exit`); every other goes
-//! on to the reclaim task. A reclaim whose event did not come within [`EVENT_WAIT`] (a process
+//! on to the reclaim task (without waiting: a full queue drops it, and the periodic sweep finds
+//! the death). A reclaim whose event did not come within [`EVENT_WAIT`] (a process
 //! without GPU memory sends none) is measured from its pidfd's wake-up.
 use std::{
     collections::{HashMap, HashSet},
@@ -51,9 +52,10 @@ pub const MAX_WATCHED: usize = 4096;
 /// How long a reclaim the exit path made waits for its process's exit event (for its latency).
 pub const EVENT_WAIT: Duration = Duration::from_millis(100);
 
-/// How long an exit event of a watched process waits for its pidfd (then it is dropped: the
-/// process's slot is gone, or the sweeps have it).
+/// How long an exit event waits for the exit path to free its process's slot (then it is
+/// dropped: the process's slot is gone, or the sweeps have it), and how many are kept at most.
 const EVENT_KEPT: Duration = Duration::from_secs(10);
+const EVENTS_KEPT: usize = 65536;
 
 /// A slot of a live process, as a sweep found it.
 pub struct Live {
@@ -266,6 +268,7 @@ impl ExitPath {
         // Reclaims made, waiting for their exit event.
         let mut unmatched: HashMap<u32, Done> = HashMap::new();
         let mut running: JoinSet<Done> = JoinSet::new();
+        let mut dropped = 0u64;
         let mut tick = interval(EVENT_WAIT / 4);
         tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
         loop {
@@ -275,10 +278,15 @@ impl ExitPath {
                     let Some((tgid, at)) = event else { break };
                     if let Some(done) = unmatched.remove(&tgid) {
                         self.report(done, Some(at));
-                    } else if freeing.contains(&tgid) || self.watch.watches(tgid) {
+                        continue;
+                    }
+                    // Kept also for an exit handed on: its process may be watched by the
+                    // sweep that looks for it, and then freed here.
+                    if events.len() < EVENTS_KEPT {
                         events.insert(tgid, at);
-                    } else if self.forward.send((tgid, at)).await.is_err() {
-                        break;
+                    }
+                    if !freeing.contains(&tgid) && !self.watch.watches(tgid) {
+                        self.hand_on(tgid, at, &mut dropped);
                     }
                 }
                 Some((host, process)) = self.fired.recv() => {
@@ -298,9 +306,7 @@ impl ExitPath {
                     }
                     if done.left {
                         let at = events.get(&done.host).copied().unwrap_or(done.woke);
-                        if self.forward.send((done.host, at)).await.is_err() {
-                            break;
-                        }
+                        self.hand_on(done.host, at, &mut dropped);
                     }
                     match events.remove(&done.host) {
                         Some(at) => self.report(done, Some(at)),
@@ -320,6 +326,17 @@ impl ExitPath {
             }
         }
         Ok(())
+    }
+
+    /// Hands the exit of `tgid` (at `at`) on to the reclaim task's sweeps, without waiting: a
+    /// full queue drops it (the periodic sweep finds the death), said at powers of two.
+    fn hand_on(&self, tgid: u32, at: Instant, dropped: &mut u64) {
+        if self.forward.try_send((tgid, at)).is_err() {
+            *dropped += 1;
+            if dropped.is_power_of_two() {
+                warn!(dropped = *dropped, "the reclaim task's exit queue is full: exits dropped (its sweep finds them)");
+            }
+        }
     }
 
     /// Logs and counts the reclaims of `done`, measured from its exit event (`event`) or else
@@ -368,13 +385,11 @@ fn free(host: u32, process: ProcessIdentity, woke: Instant, slots: Vec<(PathBuf,
             done.left = true; // a child may hold its memory: the sweeps ask the driver
             continue;
         }
-        match ledger.reclaim_process(id, process) {
-            Ok(Some(chunks)) => done.freed.push(Freed { path, slot: id, pid: view.slot.pid, chunks, at: Instant::now() }),
-            Ok(None) => {}
-            // Said by the sweeps it is left to (once while it lasts: a workload can hold its
-            // ledger's lock).
-            Err(_) => done.left = true,
-        }
+        // As a sweep frees it (the worker's failures said as a sweep says them); one not freed
+        // (the worker failed, or its hook freed it meanwhile) is left to the sweeps.
+        let freed = super::reclaim::free(&path, &ledger, vec![(view, woke)]);
+        done.left |= freed.is_empty();
+        done.freed.extend(freed.into_iter().map(|freed| Freed { path: path.clone(), slot: freed.view.id, pid: freed.view.slot.pid, chunks: freed.chunks, at: freed.at }));
     }
     done
 }

@@ -401,23 +401,23 @@ enum Verdict {
 }
 
 /// A slot whose process was found gone, and when.
-type Gone = (SlotView, Instant);
+pub(super) type Gone = (SlotView, Instant);
 
-/// A slot freed by a sweep.
-struct Freed {
-    view: SlotView,
+/// A slot freed by a sweep (or by the exit path, [`super::exits`]).
+pub(super) struct Freed {
+    pub(super) view: SlotView,
     /// When its process was found gone.
     detected: Instant,
-    chunks: u64,
+    pub(super) chunks: u64,
     /// When the slot was freed.
-    at: Instant,
+    pub(super) at: Instant,
 }
 
 /// Frees the `gone` slots of `ledger` through its worker, each only if it still describes
 /// the process judged dead; stops at the first failure of the worker itself, or once
 /// [`LEDGER_BUDGET`] is spent (the other slots wait for a later sweep: a bounded time and at
 /// most one log line per ledger and sweep, however many dead slots a workload makes).
-fn free(path: &Path, ledger: &LedgerHandle, gone: Vec<Gone>) -> Vec<Freed> {
+pub(super) fn free(path: &Path, ledger: &LedgerHandle, gone: Vec<Gone>) -> Vec<Freed> {
     let start = Instant::now();
     let mut freed = Vec::new();
     for (view, detected) in gone {

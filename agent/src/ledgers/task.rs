@@ -162,6 +162,7 @@ impl Reclaim {
             }
             if matches!(step, Step::Scan | Step::Periodic) {
                 state.ledgers.scan();
+                reclaims.listed(state.ledgers.listings());
             }
             heartbeat.beat();
             let scope = if step == Step::Exits { state.reclaimer.exit_scope() } else { None };
@@ -203,11 +204,21 @@ pub struct Reclaims {
     pub proc_reads: IntCounter,
     /// Processes watched through pidfds ([`super::exits`]).
     pub watched: IntGauge,
+    /// Listings of the ledger directory, by why ([`super::changes`]).
+    pub listings: IntCounterVec,
 }
 
 impl Reclaims {
-    pub fn new(count: IntCounter, latency: Histogram, sweeps: IntCounterVec, ledgers_read: IntCounterVec, proc_reads: IntCounter, watched: IntGauge) -> Reclaims {
-        Reclaims { count, latency, sweeps, ledgers_read, proc_reads, watched }
+    pub fn new(count: IntCounter, latency: Histogram, sweeps: IntCounterVec, ledgers_read: IntCounterVec, proc_reads: IntCounter, watched: IntGauge, listings: IntCounterVec) -> Reclaims {
+        Reclaims { count, latency, sweeps, ledgers_read, proc_reads, watched, listings }
+    }
+
+    /// Brings the listings' counters up to the scans' counts ([`Ledgers::listings`]).
+    pub fn listed(&self, counts: [u64; 4]) {
+        for (why, count) in super::changes::Why::ALL.iter().zip(counts) {
+            let counter = self.listings.with_label_values(&[why.label()]);
+            counter.inc_by(count.saturating_sub(counter.get()));
+        }
     }
 
     /// Counts one sweep and the ledgers it read.

@@ -38,6 +38,7 @@
 //! `vramguard_reclaims_total`, `vramguard_reclaim_latency_seconds`,
 //! `vramguard_reclaim_sweeps_total{sweep}`, `vramguard_reclaim_ledgers_read_total{sweep}`,
 //! `vramguard_reclaim_proc_reads_total`, `vramguard_reclaim_watched`,
+//! `vramguard_ledger_dir_listings_total{why}`,
 //! `vramguard_reconcile_pass_seconds`,
 //! `vramguard_events_lost_total`, `vramguard_over_limit_allocations_total`,
 //! `vramguard_enforcement_signals_total`, `vramguard_probes_attached{libcuda}`,
@@ -102,6 +103,7 @@ pub struct Metrics {
     ledgers_read: IntCounterVec,
     proc_reads: IntCounter,
     watched: IntGauge,
+    listings: IntCounterVec,
     pass: Histogram,
     events_lost: IntCounter,
     over_limit: IntCounter,
@@ -301,6 +303,13 @@ impl Metrics {
             "vramguard_reclaim_watched",
             "Live processes in ledgers watched through a pidfd, whose slots the exit path frees when they exit",
         )?)?;
+        let listings = registered(&registry, IntCounterVec::new(
+            Opts::new(
+                "vramguard_ledger_dir_listings_total",
+                "Listings of --ledger-dir by the scans, by why: first, changed (inotify said so), rescan (the periodic full listing), unwatched (no inotify)",
+            ),
+            &["why"],
+        )?)?;
         let pass = registered(&registry, Histogram::with_opts(
             HistogramOpts::new(
                 "vramguard_reconcile_pass_seconds",
@@ -499,6 +508,7 @@ impl Metrics {
             ledgers_read,
             proc_reads,
             watched,
+            listings,
             pass,
             events_lost,
             over_limit,
@@ -582,6 +592,7 @@ impl Metrics {
             self.ledgers_read.clone(),
             self.proc_reads.clone(),
             self.watched.clone(),
+            self.listings.clone(),
         )
     }
 

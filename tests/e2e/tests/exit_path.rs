@@ -3,7 +3,8 @@
 //! judge the watched live processes without reading /proc. Counted, not timed: the periodic
 //! step is held for seconds by the test-only fault `--fault delay:reclaim-scan:MS`, and the
 //! reclaim must land while the step is still held (no sweep of every ledger completed in
-//! between); the sweeps' reads of `/proc/<pid>` come from `vramguard_reclaim_proc_reads_total`.
+//! between); the sweeps' reads of `/proc/<pid>` come from `vramguard_reclaim_proc_reads_total`,
+//! the listings of the ledger directory from `vramguard_ledger_dir_listings_total`.
 //! Beside each victim, a live holder whose slot must stay. Needs root; build first (`cargo
 //! build --workspace`), run one test at a time.
 use std::{ffi::OsStr, path::Path, time::Duration};
@@ -77,7 +78,7 @@ fn an_exit_during_a_held_periodic_step_is_reclaimed_without_waiting_for_it() -> 
 }
 
 #[test]
-fn idle_sweeps_read_no_proc_entry_for_watched_processes_and_exits_still_free_slots() -> Result<()> {
+fn idle_sweeps_read_neither_proc_nor_the_directory_and_exits_still_free_slots() -> Result<()> {
     let node = FakeNode::new("exit-path-idle");
     let dir = TempDir::new("exit-path-idle")?;
     let agent = Agent::watching(dir.path(), &[])?;
@@ -95,12 +96,23 @@ fn idle_sweeps_read_no_proc_entry_for_watched_processes_and_exits_still_free_slo
     }
     wait_for(Duration::from_secs(5), "every holder watched through a pidfd", || Ok(metric(&agent, "vramguard_reclaim_watched", &[])? >= 4.0))?;
 
-    // Three sweeps of every ledger: not one read of /proc for the four live slots.
+    // Three sweeps of every ledger: not one read of /proc for the four live slots, and no
+    // listing of the directory (nothing changed in it: inotify said nothing).
+    let listings = |agent: &Agent| -> Result<f64> {
+        Ok(http::samples(&http::fresh_scrape(agent.metrics_addr()?)?, "vramguard_ledger_dir_listings_total").map(|s| s.value).sum())
+    };
     let reads = metric(&agent, "vramguard_reclaim_proc_reads_total", &[])?;
+    let listed = listings(&agent)?;
     let sweeps = metric(&agent, "vramguard_reclaim_sweeps_total", &[("sweep", "all")])?;
     wait_for(Duration::from_secs(10), "three periodic sweeps", || Ok(metric(&agent, "vramguard_reclaim_sweeps_total", &[("sweep", "all")])? >= sweeps + 3.0))?;
     let more = metric(&agent, "vramguard_reclaim_proc_reads_total", &[])? - reads;
     ensure!(more == 0.0, "the idle sweeps read /proc {more} times for 4 watched processes");
+    ensure!(listed > 0.0 && listings(&agent)? == listed, "the quiet directory was listed again ({listed} listings before)");
+
+    // A new container's ledger is still found (inotify: its directory was made).
+    std::fs::create_dir_all(dir.path().join("c"))?;
+    let late = holder(&node, &dir.path().join("c/ledger"))?;
+    recorded(&dir.path().join("c/ledger"), late.pid())?;
 
     // Still judged right: a killed holder's slot is freed by the exit path, the others stay.
     let (ledger, victim) = holders.remove(0);
@@ -115,7 +127,8 @@ fn idle_sweeps_read_no_proc_entry_for_watched_processes_and_exits_still_free_slo
     for (ledger, running) in &holders {
         ensure!(slots(ledger)?.contains(&(running.pid(), running.pid())), "live holder {} lost its slot", running.pid());
     }
-    ensure!(metric(&agent, "vramguard_reclaim_watched", &[])? == 3.0, "the three live holders watched");
+    ensure!(metric(&agent, "vramguard_reclaim_watched", &[])? == 4.0, "the four live holders watched");
+    drop(late);
     agent.stop()?;
     Ok(())
 }
