@@ -393,3 +393,59 @@ fn free(host: u32, process: ProcessIdentity, woke: Instant, slots: Vec<(PathBuf,
     }
     done
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ledger::{layout::CREATOR_AGENT, DeviceConfig, Geometry, Ledger};
+
+    /// A watched ledger (one slot of `process`) and its handle.
+    fn ledger_with(tag: &str, process: ProcessIdentity) -> (PathBuf, Arc<LedgerHandle>, u32) {
+        let dir = std::env::temp_dir().join(format!("vramguard-exits-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("a")).expect("mkdir");
+        let geometry = Geometry { slots: 4, records: 64, devices: vec![DeviceConfig { limit: 64 << 20, chunk: 2 << 20, ..Default::default() }] };
+        let ledger = Ledger::create(&dir.join("a/ledger"), &geometry, CREATOR_AGENT).expect("create");
+        let slot = ledger.register(process).expect("register");
+        let mut ledgers = super::super::Ledgers::new(dir.clone());
+        ledgers.scan();
+        let (_, handle) = ledgers.shared().next().expect("watched");
+        (dir, Arc::clone(handle), slot)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_watched_process_is_told_when_it_exits_and_a_reused_pid_at_once() {
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().expect("spawn sleep");
+        let pid = child.id();
+        let process = crate::identity::identity_of(pid).expect("the child's identity");
+        let (dir, handle, slot) = ledger_with("pidfd", process);
+        let (watch, mut fired) = Watch::new(tokio::runtime::Handle::current(), None);
+        let path = dir.join("a/ledger");
+        let live = |process| Live { host: pid, process, path: path.clone(), slot, ledger: Arc::clone(&handle) };
+        watch.update(&|_| true, vec![live(process)]);
+        assert!(watch.alive(pid, &process), "watched while it runs");
+        assert_eq!(watch.len(), 1);
+        // Told nothing while it runs.
+        assert!(tokio::time::timeout(Duration::from_millis(300), fired.recv()).await.is_err());
+
+        // Killed and left unreaped (a zombie): told at once.
+        child.kill().expect("kill");
+        let told = tokio::time::timeout(Duration::from_secs(5), fired.recv()).await.expect("told within 5 s");
+        assert_eq!(told, Some((pid, process)));
+        let slots = watch.take(pid, process).expect("still watched until taken");
+        assert_eq!(slots.len(), 1);
+        assert!(!watch.alive(pid, &process) && watch.is_empty());
+
+        // A slot whose identity the pid no longer runs (another start time: the pid reused)
+        // is told at once, never watched as alive.
+        let other = ProcessIdentity { start_time: process.start_time + 1, ..process };
+        watch.update(&|_| true, vec![live(other)]);
+        let told = tokio::time::timeout(Duration::from_secs(5), fired.recv()).await.expect("told at once");
+        assert_eq!(told, Some((pid, other)));
+        // A sweep that no longer finds the slot lets it go.
+        watch.update(&|_| true, Vec::new());
+        assert!(watch.is_empty());
+        child.wait().expect("reap");
+        std::fs::remove_dir_all(&dir).expect("cleanup");
+    }
+}
