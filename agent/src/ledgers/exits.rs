@@ -53,8 +53,9 @@ pub const MAX_WATCHED: usize = 4096;
 pub const EVENT_WAIT: Duration = Duration::from_millis(100);
 
 /// How long an exit event waits for the exit path to free its process's slot (then it is
-/// dropped: the process's slot is gone, or the sweeps have it), and how many are kept at most.
-const EVENT_KEPT: Duration = Duration::from_secs(10);
+/// dropped: the process's slot is gone, or the sweeps have it; short, so that a later process
+/// given the same pid is not measured from it), and how many are kept at most.
+const EVENT_KEPT: Duration = Duration::from_secs(1);
 const EVENTS_KEPT: usize = 65536;
 
 /// A slot of a live process, as a sweep found it.
