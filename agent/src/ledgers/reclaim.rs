@@ -233,13 +233,13 @@ impl Reclaimer {
                             Some(false) => Verdict::Dead,
                             None => Verdict::Unknown,
                         }
-                    } else if {
-                        self.proc_reads += 1;
-                        identity::is_process(slot.host_pid, &process)
-                    } {
-                        Verdict::Alive(slot.host_pid)
                     } else {
-                        Verdict::Unknown
+                        self.proc_reads += 1;
+                        if identity::is_process(slot.host_pid, &process) {
+                            Verdict::Alive(slot.host_pid)
+                        } else {
+                            Verdict::Unknown
+                        }
                     };
                     if let Verdict::Alive(host) = verdict {
                         verified.insert((host, process));
