@@ -18,7 +18,8 @@
 //! Steps that can be delayed: `create-container` (every provisioning's blocking step, after
 //! the ledger's tmpfs, the ledger and the record are made, before the container is recorded
 //! as provisioned: [`crate::provision`]) and `create-container.<name>` (the same, for
-//! containers of that name only).
+//! containers of that name only); `reclaim-scan` (the reclaim task's periodic step, in the
+//! blocking pool, before it lists the ledger directory: [`crate::ledgers::task`]).
 use std::{path::PathBuf, sync::OnceLock, time::Duration};
 
 /// One injected fault.

@@ -81,14 +81,16 @@ pub(super) fn key_beneath(root: &Path, path: &Path) -> Option<FileKey> {
 }
 
 /// Regular files (not hidden, not links) in `dir` and its direct subdirectories, at most
-/// `limits.max_per_dir` a directory; and the directories that held more (with what).
+/// `limits.max_per_dir` a directory; the directories that held more (with what); and the
+/// subdirectories listed.
 #[allow(clippy::type_complexity)]
-pub(super) fn candidates(dir: &Path, limits: &Limits) -> std::io::Result<(BTreeMap<PathBuf, FileKey>, BTreeMap<PathBuf, String>)> {
+pub(super) fn candidates(dir: &Path, limits: &Limits) -> std::io::Result<(BTreeMap<PathBuf, FileKey>, BTreeMap<PathBuf, String>, Vec<PathBuf>)> {
     let mut found = BTreeMap::new();
     let mut crowded = BTreeMap::new();
     let root = File::open(dir)?;
     let (files, subdirs) = list(&root, dir, limits, &mut crowded)?;
     found.extend(files);
+    let mut listed = Vec::with_capacity(subdirs.len());
     for name in subdirs {
         // Opened beneath the root without following links: a directory swapped for a link
         // between the listing and now is not entered.
@@ -102,8 +104,9 @@ pub(super) fn candidates(dir: &Path, limits: &Limits) -> std::io::Result<(BTreeM
         if let Ok((files, _)) = list(&sub, &dir.join(&name), limits, &mut crowded) {
             found.extend(files);
         }
+        listed.push(dir.join(&name));
     }
-    Ok((found, crowded))
+    Ok((found, crowded, listed))
 }
 
 /// The regular files (at most `limits.max_per_dir`) and subdirectory names of the directory

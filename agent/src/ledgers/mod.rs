@@ -17,7 +17,8 @@
 //! The ledgers the agent created (pinned, below) are looked up at their paths directly, not
 //! found by listing, and count against no cap. A directory that holds more than the agent
 //! reads is reported (`crowded` in `vramguard audit`, `vramguard_ledger_dirs_crowded`).
-//! [`Ledgers::scan`] runs at start and every second, in the reclaim task ([`task`]).
+//! [`Ledgers::scan`] runs at start and every second, in the reclaim task ([`task`]); it lists
+//! the directory only when inotify says it changed, and every [`changes::RESCAN`] ([`changes`]).
 //!
 //! # Access
 //!
@@ -42,8 +43,10 @@
 //! A ledger the agent created itself (a provisioned container's, [`crate::provision`]) is
 //! *pinned* ([`Ledgers::set_pins`]): whatever file is at its path, whenever it was opened, is held
 //! to the header the agent created, and any other header is tampering.
+pub mod changes;
 pub mod charge;
 mod directory;
+pub mod exits;
 mod handle;
 pub mod reclaim;
 pub mod sandbox;
@@ -53,12 +56,13 @@ pub mod worker;
 use std::{
     collections::BTreeMap,
     path::{Path, PathBuf},
-    sync::Arc,
+    sync::{Arc, Mutex},
 };
 
 use ledger::layout::{checksummed_bytes, fnv1a, Header};
 use tracing::{info, warn};
 
+use changes::Listing;
 use directory::{candidates, open_beneath, FileKey};
 use handle::examine_as;
 pub use directory::MAX_ENTRIES;
@@ -141,6 +145,9 @@ pub struct Ledgers {
     replaced: BTreeMap<PathBuf, Header>,
     /// The ledgers the agent created (see the module doc).
     pinned: BTreeMap<PathBuf, Pin>,
+    /// The last listing of the directory and whether it still holds ([`changes`]); shared
+    /// by the clones, used by the scans (the reclaim task's).
+    listing: Arc<Mutex<Listing>>,
 }
 
 /// A ledger the agent created: the header it created it with and the container's names as
@@ -159,7 +166,6 @@ impl Ledgers {
 
     pub fn with_limits(dir: PathBuf, limits: Limits) -> Ledgers {
         Ledgers {
-            dir,
             launcher: Launcher::for_ledgers(limits.max_bytes),
             limits,
             open: BTreeMap::new(),
@@ -169,7 +175,14 @@ impl Ledgers {
             crowded: BTreeMap::new(),
             replaced: BTreeMap::new(),
             pinned: BTreeMap::new(),
+            listing: Arc::new(Mutex::new(Listing::new(&dir))),
+            dir,
         }
+    }
+
+    /// Listings of the directory the scans made, by why ([`changes::Why::ALL`]'s order).
+    pub fn listings(&self) -> [u64; 4] {
+        self.listing.lock().map_or([0; 4], |listing| listing.counts)
     }
 
     /// Holds the ledgers at these paths to these headers, the ones the agent created (see
@@ -216,6 +229,11 @@ impl Ledgers {
     /// The watched ledgers, by path.
     pub fn iter(&self) -> impl Iterator<Item = (&Path, &LedgerHandle)> {
         self.open.iter().map(|(path, handle)| (path.as_path(), handle.as_ref()))
+    }
+
+    /// The watched ledgers, by path, with their shared handles.
+    pub fn shared(&self) -> impl Iterator<Item = (&Path, &Arc<LedgerHandle>)> {
+        self.open.iter().map(|(path, handle)| (path.as_path(), handle))
     }
 
     pub fn len(&self) -> usize {
@@ -284,24 +302,37 @@ impl Ledgers {
         problems
     }
 
-    /// Brings the set up to date with the directory.
+    /// Brings the set up to date with the directory: lists it if it changed since the last
+    /// listing, or if that is [`changes::RESCAN`] old ([`changes`]).
     pub fn scan(&mut self) {
-        let (candidates, crowded) = match candidates(&self.dir, &self.limits) {
-            Ok(found) => {
-                if self.dir_error.take().is_some() {
-                    info!(dir = %self.dir.display(), "the ledger directory is readable again");
-                }
-                found
-            }
-            Err(error) => {
-                let text = error.to_string();
-                if self.dir_error.as_deref() != Some(text.as_str()) {
-                    warn!(dir = %self.dir.display(), reason = %text, "cannot list the ledger directory");
-                    self.dir_error = Some(text);
-                }
-                (BTreeMap::new(), BTreeMap::new())
-            }
+        let listing = Arc::clone(&self.listing);
+        let mut listing = listing.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let last = match listing.due() {
+            None => listing.last.clone(),
+            Some(_) => None,
         };
+        let (candidates, crowded) = match last {
+            Some(last) => last,
+            None => match candidates(&self.dir, &self.limits) {
+                Ok((found, crowded, subdirs)) => {
+                    if self.dir_error.take().is_some() {
+                        info!(dir = %self.dir.display(), "the ledger directory is readable again");
+                    }
+                    listing.listed(Some((found.clone(), crowded.clone())), &subdirs);
+                    (found, crowded)
+                }
+                Err(error) => {
+                    let text = error.to_string();
+                    if self.dir_error.as_deref() != Some(text.as_str()) {
+                        warn!(dir = %self.dir.display(), reason = %text, "cannot list the ledger directory");
+                        self.dir_error = Some(text);
+                    }
+                    listing.listed(None, &[]);
+                    (BTreeMap::new(), BTreeMap::new())
+                }
+            },
+        };
+        drop(listing);
         // The ledgers the agent created are looked up directly: however many entries a
         // workload makes around them, they are watched.
         let mut candidates = candidates;
@@ -489,6 +520,43 @@ mod tests {
         assert_eq!(ledgers.len(), 3);
         assert_eq!(ledgers.skipped(), 0);
 
+        fs::remove_dir_all(&dir).expect("cleanup");
+        ledgers.scan();
+        assert_eq!(ledgers.len(), 0);
+    }
+
+    #[test]
+    fn lists_the_directory_only_when_inotify_says_it_changed() {
+        let (dir, _, _ledger) = one_ledger("inotify");
+        let mut ledgers = Ledgers::new(dir.clone());
+        let listed = |ledgers: &Ledgers| ledgers.listings().iter().sum::<u64>();
+        ledgers.scan();
+        assert_eq!(ledgers.listings(), [1, 0, 0, 0], "the first scan lists");
+        ledgers.scan(); // `a` was watched after the first listing: listed once more
+        assert_eq!(listed(&ledgers), 2);
+        for _ in 0..3 {
+            ledgers.scan();
+        }
+        assert_eq!(listed(&ledgers), 2, "nothing changed: the last listing holds");
+        assert_eq!(ledgers.len(), 1);
+
+        // A ledger in a new subdirectory, and one beside the first: each found by the next scan.
+        fs::create_dir_all(dir.join("b")).expect("mkdir");
+        Ledger::create(&dir.join("b/ledger"), &geometry(), CREATOR_AGENT).expect("create b");
+        ledgers.scan();
+        assert_eq!(ledgers.len(), 2);
+        Ledger::create(&dir.join("a/other"), &geometry(), CREATOR_AGENT).expect("create a/other");
+        ledgers.scan();
+        ledgers.scan();
+        assert_eq!(ledgers.len(), 3);
+        let before = listed(&ledgers);
+        ledgers.scan();
+        assert_eq!(listed(&ledgers), before, "quiet again");
+        // A removed ledger is let go at the next scan.
+        fs::remove_file(dir.join("a/other")).expect("rm");
+        ledgers.scan();
+        assert_eq!(ledgers.len(), 2);
+        assert_eq!(ledgers.listings()[2], 0, "no periodic full listing within {:?}", changes::RESCAN);
         fs::remove_dir_all(&dir).expect("cleanup");
         ledgers.scan();
         assert_eq!(ledgers.len(), 0);

@@ -55,7 +55,10 @@ use tracing::{info, warn};
 use crate::{
     driver::{DriverView, State as DriverState},
     identity::{self, ProcessTable},
-    ledgers::{AccessError, LedgerHandle, Ledgers},
+    ledgers::{
+        exits::{Live, Watch},
+        AccessError, LedgerHandle, Ledgers,
+    },
 };
 
 /// Time a sweep spends freeing one ledger's dead slots (beyond one worker call).
@@ -90,6 +93,12 @@ pub struct Reclaimer {
     pub ledgers_read: u64,
     /// The agent's pid namespace (inode): a slot of a process in it has its pid as host pid.
     pidns: u64,
+    /// The processes watched through pidfds ([`super::exits`]): alive without a read of /proc
+    /// while watched; told what each sweep found alive.
+    watch: Option<Arc<Watch>>,
+    /// Reads of `/proc/<pid>` made to judge a slot (a scan of /proc not counted): what the
+    /// sweeps cost beyond the ledgers, counted.
+    pub proc_reads: u64,
 }
 
 impl Reclaimer {
@@ -102,7 +111,17 @@ impl Reclaimer {
                  dead process from an invisible one, so it reclaims no ledger slot"
             );
         }
-        Reclaimer { enabled, pending: HashMap::new(), verified: HashSet::new(), unreadable: HashSet::new(), total: 0, driver: None, kept: HashMap::new(), located: HashMap::new(), ledgers_read: 0, pidns: ProcessIdentity::current().map_or(0, |me| me.pidns) }
+        Reclaimer { enabled, pending: HashMap::new(), verified: HashSet::new(), unreadable: HashSet::new(), total: 0, driver: None, kept: HashMap::new(), located: HashMap::new(), ledgers_read: 0, pidns: ProcessIdentity::current().map_or(0, |me| me.pidns), watch: None, proc_reads: 0 }
+    }
+
+    /// Watches the live processes the sweeps find through `watch` ([`super::exits`]), whose
+    /// exit path frees their slots when they die; a watched process is alive to the sweeps
+    /// without a read of /proc. Not when slots are never freed (not in the host's pid
+    /// namespace).
+    pub fn set_watch(&mut self, watch: Arc<Watch>) {
+        if self.enabled {
+            self.watch = Some(watch);
+        }
     }
 
     /// The driver view the next sweeps ask about dead processes' memory (`None`: none).
@@ -180,11 +199,12 @@ impl Reclaimer {
         // process is alive without more ado (checked in full the first time, by start time
         // after that). The others are judged by one scan of /proc made after every read: a
         // process that registered a slot before its ledger was read is in it if it lives.
-        let mut read: Vec<(&Path, &LedgerHandle, Vec<Judged>)> = Vec::new();
+        let mut read: Vec<(&Path, &Arc<LedgerHandle>, Vec<Judged>)> = Vec::new();
         let mut unreadable = HashSet::new();
         let mut unresolved = false;
         let mut located: HashMap<u32, Vec<PathBuf>> = HashMap::new();
-        for (path, ledger) in ledgers.iter().filter(|(path, _)| in_scope(path)) {
+        let mut live: Vec<Live> = Vec::new();
+        for (path, ledger) in ledgers.shared().filter(|(path, _)| in_scope(path)) {
             self.ledgers_read += 1;
             let slots = match ledger.slots() {
                 Ok(slots) => slots,
@@ -204,16 +224,22 @@ impl Reclaimer {
                     let process = slot.process();
                     let verdict = if slot.host_pid == 0 {
                         Verdict::Unknown
+                    } else if self.watch.as_ref().is_some_and(|watch| watch.alive(slot.host_pid, &process)) {
+                        Verdict::Alive(slot.host_pid)
                     } else if self.verified.contains(&(slot.host_pid, process)) {
+                        self.proc_reads += 1;
                         match ledger::process::still_runs(slot.host_pid, slot.start_time) {
                             Some(true) => Verdict::Alive(slot.host_pid),
                             Some(false) => Verdict::Dead,
                             None => Verdict::Unknown,
                         }
-                    } else if identity::is_process(slot.host_pid, &process) {
-                        Verdict::Alive(slot.host_pid)
                     } else {
-                        Verdict::Unknown
+                        self.proc_reads += 1;
+                        if identity::is_process(slot.host_pid, &process) {
+                            Verdict::Alive(slot.host_pid)
+                        } else {
+                            Verdict::Unknown
+                        }
                     };
                     if let Verdict::Alive(host) = verdict {
                         verified.insert((host, process));
@@ -226,20 +252,21 @@ impl Reclaimer {
         }
         let table = unresolved.then(ProcessTable::scan);
         // Per ledger: its dead slots, each with when its death was detected.
-        let mut dead: Vec<(&Path, &LedgerHandle, Vec<Gone>)> = Vec::new();
+        let mut dead: Vec<(&Path, &Arc<LedgerHandle>, Vec<Gone>)> = Vec::new();
         let detected = Instant::now();
         let mut kept: HashMap<ProcessIdentity, (Instant, u32, PathBuf)> = HashMap::new();
         for (path, ledger, judged) in read {
             let mut gone = Vec::new();
             for (view, verdict) in judged {
                 let slot = view.slot;
-                let live = match verdict {
+                let alive = match verdict {
                     Verdict::Alive(host) => Some(host),
                     Verdict::Dead => None,
                     Verdict::Unknown => table.as_ref().and_then(|table| table.find(&slot)),
                 };
-                if let Some(host) = live {
+                if let Some(host) = alive {
                     located.entry(host).or_default().push(path.to_path_buf());
+                    live.push(Live { host, process: slot.process(), path: path.to_path_buf(), slot: view.id, ledger: Arc::clone(ledger) });
                     if slot.host_pid != host {
                         if let Err(error) = ledger.set_host_pid(view.id, host) {
                             warn!(ledger = %path.display(), slot = view.id, %error, "cannot record a slot's host pid");
@@ -277,6 +304,9 @@ impl Reclaimer {
             if !gone.is_empty() {
                 dead.push((path, ledger, gone));
             }
+        }
+        if let Some(watch) = &self.watch {
+            watch.update(&in_scope, live);
         }
         // What this sweep did not read stays as the sweep that read it last left it.
         let released: HashSet<ProcessIdentity> =
@@ -371,23 +401,23 @@ enum Verdict {
 }
 
 /// A slot whose process was found gone, and when.
-type Gone = (SlotView, Instant);
+pub(super) type Gone = (SlotView, Instant);
 
-/// A slot freed by a sweep.
-struct Freed {
-    view: SlotView,
+/// A slot freed by a sweep (or by the exit path, [`super::exits`]).
+pub(super) struct Freed {
+    pub(super) view: SlotView,
     /// When its process was found gone.
     detected: Instant,
-    chunks: u64,
+    pub(super) chunks: u64,
     /// When the slot was freed.
-    at: Instant,
+    pub(super) at: Instant,
 }
 
 /// Frees the `gone` slots of `ledger` through its worker, each only if it still describes
 /// the process judged dead; stops at the first failure of the worker itself, or once
 /// [`LEDGER_BUDGET`] is spent (the other slots wait for a later sweep: a bounded time and at
 /// most one log line per ledger and sweep, however many dead slots a workload makes).
-fn free(path: &Path, ledger: &LedgerHandle, gone: Vec<Gone>) -> Vec<Freed> {
+pub(super) fn free(path: &Path, ledger: &LedgerHandle, gone: Vec<Gone>) -> Vec<Freed> {
     let start = Instant::now();
     let mut freed = Vec::new();
     for (view, detected) in gone {

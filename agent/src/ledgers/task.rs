@@ -3,21 +3,29 @@
 //! processes on their exit events and every `--ledger-scan-ms`, and publishes each new state
 //! of the set (a cheap clone: the handles are shared) for the reconcile task.
 //!
+//! Exits do not wait for its steps: the exit path ([`super::exits`]) runs beside them, in the
+//! same task, frees the slot of a watched process when its pidfd says it exited, and hands the
+//! task the exits it leaves to the sweeps (through the same queue the kernel task's exits took).
+//!
 //! Its steps run on the blocking pool, its state moved there and back, so a slow file never
 //! holds a runtime thread; a step on one ledger is bounded as [`super::reclaim`] says (every
 //! ledger's dead slots freed on a thread of its own, under a budget), and nothing a reconcile
 //! pass does (copies, charges) runs here: reclaim for one tenant waits on no other tenant's
 //! pass.
 use std::{collections::BTreeMap, path::PathBuf, sync::Arc, time::Duration};
-use prometheus::{Histogram, IntCounter, IntCounterVec};
+use prometheus::{Histogram, IntCounter, IntCounterVec, IntGauge};
 
 use tokio::{
     sync::{mpsc, watch, Notify},
     time::{interval, MissedTickBehavior},
 };
-use tracing::info;
+use tracing::{info, warn};
 
-use super::{reclaim::Reclaimer, Ledgers, Pin};
+use super::{
+    exits::{ExitPath, Watch},
+    reclaim::Reclaimer,
+    Ledgers, Pin,
+};
 use crate::{driver::DriverView, task::{changed, Heartbeat}};
 
 /// How often an exit event whose process is not a zombie yet is looked at again: its sweep
@@ -25,6 +33,9 @@ use crate::{driver::DriverView, task::{changed, Heartbeat}};
 /// if it was in none (then less often).
 const EXIT_RETRY: Duration = Duration::from_millis(1);
 const EXIT_RETRY_ALL: Duration = Duration::from_millis(5);
+
+/// Exits the exit path hands on to the sweeps, queued at most.
+const EXIT_QUEUE: usize = 4096;
 
 /// How the task is told things and what it tells.
 pub struct Wiring {
@@ -55,6 +66,9 @@ pub struct Reclaim {
 enum Step {
     /// List the directory first, then sweep every ledger.
     Scan,
+    /// [`Step::Scan`], every `--ledger-scan-ms` (the step the test-only fault `delay:reclaim-scan:MS`
+    /// lengthens, [`crate::fault`]).
+    Periodic,
     /// Sweep every ledger.
     Sweep,
     /// Sweep for the pending exits: the ledgers their processes were found in.
@@ -63,9 +77,21 @@ enum Step {
 
 impl Reclaim {
     /// Scans and sweeps once (before the agent reports itself running), then runs until
-    /// `stop` turns true.
+    /// `stop` turns true, with the exit path beside it.
     pub async fn run(mut self, scan_every: Duration, mut wiring: Wiring) -> anyhow::Result<()> {
-        let mut exits = std::mem::replace(&mut wiring.exits, mpsc::channel(1).1);
+        let events = std::mem::replace(&mut wiring.exits, mpsc::channel(1).1);
+        let (watch, fired) = Watch::new(tokio::runtime::Handle::current(), Some(wiring.reclaims.watched.clone()));
+        self.reclaimer.set_watch(Arc::clone(&watch));
+        let (forward, exits) = mpsc::channel(EXIT_QUEUE);
+        let exit_path = ExitPath { watch, fired, events, forward, reclaims: wiring.reclaims.clone(), changed: wiring.changed.clone() };
+        let stop = wiring.stop.clone();
+        tokio::try_join!(self.serve(scan_every, wiring, exits), exit_path.run(stop))?;
+        Ok(())
+    }
+
+    /// The task's loop: steps for the exits the exit path hands on, every `scan_every`, for
+    /// new driver reads while slots are kept, and for new pins.
+    async fn serve(mut self, scan_every: Duration, mut wiring: Wiring, mut exits: mpsc::Receiver<(u32, std::time::Instant)>) -> anyhow::Result<()> {
         self = self.step(Step::Scan, &mut exits, &mut wiring).await?;
         info!(dir = %self.ledgers.dir().display(), ledgers = self.ledgers.len(), skipped = self.ledgers.skipped(), "watching ledgers");
         let mut scan = interval(scan_every);
@@ -87,7 +113,7 @@ impl Reclaim {
                 }
                 _ = retry.tick(), if self.reclaimer.pending() && self.reclaimer.pending_located() => Step::Exits,
                 _ = retry_all.tick(), if self.reclaimer.pending() && !self.reclaimer.pending_located() => Step::Exits,
-                _ = scan.tick() => Step::Scan,
+                _ = scan.tick() => Step::Periodic,
                 _ = changed(&mut driver) => {
                     if self.reclaimer.kept() == 0 {
                         continue;
@@ -128,14 +154,22 @@ impl Reclaim {
             for (tgid, at) in late() {
                 state.reclaimer.exited(tgid, at);
             }
-            if step == Step::Scan {
+            if step == Step::Periodic {
+                if let Some(by) = crate::fault::delay("reclaim-scan") {
+                    warn!(?by, "fault injected: the periodic reclaim step is delayed");
+                    std::thread::sleep(by);
+                }
+            }
+            if matches!(step, Step::Scan | Step::Periodic) {
                 state.ledgers.scan();
+                reclaims.listed(state.ledgers.listings());
             }
             heartbeat.beat();
             let scope = if step == Step::Exits { state.reclaimer.exit_scope() } else { None };
-            let read_before = state.reclaimer.ledgers_read;
+            let (read_before, proc_before) = (state.reclaimer.ledgers_read, state.reclaimer.proc_reads);
             let reclaimed = state.reclaimer.sweep_with(&state.ledgers, scope.as_ref(), &mut late);
             reclaims.read(scope.is_some(), state.reclaimer.ledgers_read - read_before);
+            reclaims.proc_reads.inc_by(state.reclaimer.proc_reads - proc_before);
             for latency in &reclaimed {
                 reclaims.observe(*latency);
             }
@@ -144,7 +178,7 @@ impl Reclaim {
         match work.await {
             Ok((state, reclaimed, queue)) => {
                 *exits = queue;
-                if step == Step::Scan {
+                if matches!(step, Step::Scan | Step::Periodic) {
                     wiring.published.send_replace(Arc::new(state.ledgers.clone()));
                 }
                 if reclaimed {
@@ -166,11 +200,25 @@ pub struct Reclaims {
     /// Sweeps, and the ledgers they read, by `sweep` (`exit`: for exits, `all`).
     sweeps: IntCounterVec,
     ledgers_read: IntCounterVec,
+    /// Reads of `/proc/<pid>` the sweeps made to judge slots.
+    pub proc_reads: IntCounter,
+    /// Processes watched through pidfds ([`super::exits`]).
+    pub watched: IntGauge,
+    /// Listings of the ledger directory, by why ([`super::changes`]).
+    pub listings: IntCounterVec,
 }
 
 impl Reclaims {
-    pub fn new(count: IntCounter, latency: Histogram, sweeps: IntCounterVec, ledgers_read: IntCounterVec) -> Reclaims {
-        Reclaims { count, latency, sweeps, ledgers_read }
+    pub fn new(count: IntCounter, latency: Histogram, sweeps: IntCounterVec, ledgers_read: IntCounterVec, proc_reads: IntCounter, watched: IntGauge, listings: IntCounterVec) -> Reclaims {
+        Reclaims { count, latency, sweeps, ledgers_read, proc_reads, watched, listings }
+    }
+
+    /// Brings the listings' counters up to the scans' counts ([`Ledgers::listings`]).
+    pub fn listed(&self, counts: [u64; 4]) {
+        for (why, count) in super::changes::Why::ALL.iter().zip(counts) {
+            let counter = self.listings.with_label_values(&[why.label()]);
+            counter.inc_by(count.saturating_sub(counter.get()));
+        }
     }
 
     /// Counts one sweep and the ledgers it read.

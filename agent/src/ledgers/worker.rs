@@ -556,11 +556,12 @@ fn greet(mut running: Running, hello: &Hello, fd: &File) -> Result<(Running, Rep
 }
 
 /// A worker started ahead of need: confined, waiting for its hello. The next ledger that needs
-/// a worker takes it ([`launch`]) and a new one is started for the one after, on a thread of its
+/// a worker takes one ([`launch`]) and a new one is started in its place, on a thread of its
 /// own; so a reclaim in a ledger without a running worker (the first in a container, or after
-/// [`IDLE`]) waits for a hello, not for a process to start and confine itself. One spare for
-/// the agent; it holds nothing (no ledger, no descriptor but its socket) and ends when the
-/// socket closes, the agent's exit included.
+/// [`IDLE`]) waits for a hello, not for a process to start and confine itself. [`SPARES`]
+/// wait, so that exits in several such ledgers one after another (a node's pods killed in
+/// turn) do not outrun their start; each holds nothing (no ledger, no descriptor but its socket)
+/// and ends when the socket closes, the agent's exit included.
 struct Spare {
     program: PathBuf,
     limits: WorkerLimits,
@@ -568,43 +569,58 @@ struct Spare {
     socket: UnixStream,
 }
 
-/// The agent's spare worker, if one was started.
-static SPARE: std::sync::Mutex<Option<Spare>> = std::sync::Mutex::new(None);
+/// Spare workers kept waiting.
+const SPARES: usize = 3;
+
+/// The agent's spare workers, and how many are being started.
+static SPARE: std::sync::Mutex<Vec<Spare>> = std::sync::Mutex::new(Vec::new());
+static STARTING: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 impl Spare {
-    /// The spare, if one was started from `program` under `limits` and still runs.
+    /// A spare, if one was started from `program` under `limits` and still runs (the others
+    /// taken on the way are ended).
     fn take(program: &Path, limits: &WorkerLimits) -> Option<Spare> {
-        let mut spare = SPARE.lock().ok()?.take()?;
-        let runs = spare.child.try_wait().ok().flatten().is_none();
-        if runs && spare.program == program && spare.limits == *limits {
-            return Some(spare);
+        loop {
+            let mut spare = SPARE.lock().ok()?.pop()?;
+            let runs = spare.child.try_wait().ok().flatten().is_none();
+            if runs && spare.program == program && spare.limits == *limits {
+                return Some(spare);
+            }
+            let _ = spare.child.kill();
+            let _ = spare.child.wait();
         }
-        let _ = spare.child.kill();
-        let _ = spare.child.wait();
-        None
     }
 
-    /// Starts a spare on a thread of its own, unless one waits.
+    /// Starts spares, each on a thread of its own, until [`SPARES`] wait or are starting.
     pub(super) fn replenish(program: &Path, limits: &WorkerLimits) {
-        if SPARE.lock().map_or(true, |spare| spare.is_some()) {
-            return;
-        }
-        let (program, limits) = (program.to_path_buf(), *limits);
-        let start = move || {
-            let Ok((ours, theirs)) = UnixStream::pair() else { return };
-            let Ok(child) = spawn(&program, &["ledger-worker"], theirs, &limits) else { return };
-            let mut spare = Spare { program, limits, child, socket: ours };
-            match SPARE.lock() {
-                Ok(mut slot) if slot.is_none() => *slot = Some(spare),
-                // Another one got there first.
-                _ => {
-                    let _ = spare.child.kill();
-                    let _ = spare.child.wait();
+        use std::sync::atomic::Ordering;
+        let waiting = SPARE.lock().map_or(SPARES, |spares| spares.len());
+        let missing = SPARES.saturating_sub(waiting + STARTING.load(Ordering::Acquire));
+        for _ in 0..missing {
+            STARTING.fetch_add(1, Ordering::AcqRel);
+            let (program, limits) = (program.to_path_buf(), *limits);
+            let start = move || {
+                let started = UnixStream::pair().ok().and_then(|(ours, theirs)| {
+                    let child = spawn(&program, &["ledger-worker"], theirs, &limits).ok()?;
+                    Some(Spare { program, limits, child, socket: ours })
+                });
+                if let Some(mut spare) = started {
+                    match SPARE.lock() {
+                        Ok(mut spares) if spares.len() < SPARES => spares.push(spare),
+                        // Enough wait already.
+                        _ => {
+                            let _ = spare.child.kill();
+                            let _ = spare.child.wait();
+                        }
+                    }
                 }
+                STARTING.fetch_sub(1, Ordering::AcqRel);
+            };
+            if let Err(error) = std::thread::Builder::new().name("vramguard-spare".into()).spawn(start) {
+                STARTING.fetch_sub(1, Ordering::AcqRel);
+                tracing::warn!(%error, "cannot start a thread to start a spare ledger worker");
+                return;
             }
-        };
-        if let Err(error) = std::thread::Builder::new().name("vramguard-spare".into()).spawn(start) {
-            tracing::warn!(%error, "cannot start a thread to start a spare ledger worker");
         }
     }
 }

@@ -37,6 +37,8 @@
 //! (without them the series of different containers would collide). Of the agent itself:
 //! `vramguard_reclaims_total`, `vramguard_reclaim_latency_seconds`,
 //! `vramguard_reclaim_sweeps_total{sweep}`, `vramguard_reclaim_ledgers_read_total{sweep}`,
+//! `vramguard_reclaim_proc_reads_total`, `vramguard_reclaim_watched`,
+//! `vramguard_ledger_dir_listings_total{why}`,
 //! `vramguard_reconcile_pass_seconds`,
 //! `vramguard_events_lost_total`, `vramguard_over_limit_allocations_total`,
 //! `vramguard_enforcement_signals_total`, `vramguard_probes_attached{libcuda}`,
@@ -101,6 +103,9 @@ pub struct Metrics {
     latency: Histogram,
     sweeps: IntCounterVec,
     ledgers_read: IntCounterVec,
+    proc_reads: IntCounter,
+    watched: IntGauge,
+    listings: IntCounterVec,
     pass: Histogram,
     events_lost: IntCounter,
     over_limit: IntCounter,
@@ -315,6 +320,21 @@ impl Metrics {
             ),
             &["sweep"],
         )?)?;
+        let proc_reads = registered(&registry, IntCounter::new(
+            "vramguard_reclaim_proc_reads_total",
+            "Reads of /proc/<pid> made by reclaim sweeps to judge a slot's process (a process watched through a pidfd needs none)",
+        )?)?;
+        let watched = registered(&registry, IntGauge::new(
+            "vramguard_reclaim_watched",
+            "Live processes in ledgers watched through a pidfd, whose slots the exit path frees when they exit",
+        )?)?;
+        let listings = registered(&registry, IntCounterVec::new(
+            Opts::new(
+                "vramguard_ledger_dir_listings_total",
+                "Listings of --ledger-dir by the scans, by why: first, changed (inotify said so), rescan (the periodic full listing), unwatched (no inotify)",
+            ),
+            &["why"],
+        )?)?;
         let pass = registered(&registry, Histogram::with_opts(
             HistogramOpts::new(
                 "vramguard_reconcile_pass_seconds",
@@ -511,6 +531,9 @@ impl Metrics {
             latency,
             sweeps,
             ledgers_read,
+            proc_reads,
+            watched,
+            listings,
             pass,
             events_lost,
             over_limit,
@@ -591,7 +614,15 @@ impl Metrics {
 
     /// The reclaim counters, for the task that reclaims.
     pub fn reclaims(&self) -> Reclaims {
-        Reclaims::new(self.reclaims.clone(), self.latency.clone(), self.sweeps.clone(), self.ledgers_read.clone())
+        Reclaims::new(
+            self.reclaims.clone(),
+            self.latency.clone(),
+            self.sweeps.clone(),
+            self.ledgers_read.clone(),
+            self.proc_reads.clone(),
+            self.watched.clone(),
+            self.listings.clone(),
+        )
     }
 
     /// Rebuilds the gauges from the current state.
