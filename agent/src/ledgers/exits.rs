@@ -29,7 +29,6 @@
 //! without GPU memory sends none) is measured from its pidfd's wake-up.
 use std::{
     collections::{HashMap, HashSet},
-    os::fd::{FromRawFd, OwnedFd},
     path::{Path, PathBuf},
     sync::{Arc, Mutex, PoisonError},
     time::{Duration, Instant},
@@ -188,16 +187,9 @@ impl Watch {
     /// Opens a pidfd on `host` and waits on it; `None` if it cannot be opened or registered,
     /// or if /proc cannot say whether `host` still runs `process` once it is open.
     fn open(&self, host: u32, process: ProcessIdentity) -> Option<Waiter> {
-        // SAFETY: pidfd_open(2) takes a pid and flags and returns a new descriptor or -1; it
-        // touches no memory of ours.
-        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, host as libc::pid_t, 0) };
-        if fd < 0 {
-            // Gone already (ESRCH: the next sweep finds it dead), or out of descriptors: the
-            // sweeps judge it by /proc.
-            return None;
-        }
-        // SAFETY: `fd` is a descriptor pidfd_open just returned, owned by nothing else.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+        // Gone already (ESRCH: the next sweep finds it dead), or out of descriptors: the sweeps
+        // judge it by /proc.
+        let fd = crate::pidfd::open(host).ok()?;
         match ledger::process::still_runs(host, process.start_time) {
             Some(true) => {}
             // Died between the sweep and now (or the pid was reused): freed at once.
