@@ -152,6 +152,12 @@ impl ProbedProcesses {
         }
     }
 
+    /// The start time /proc gave for process `pid` of the latest report, if it could be read.
+    pub fn start_time_of(&self, pid: u32) -> Option<u64> {
+        let entry = &self.entries[*self.by_pid.get(&pid)?];
+        entry.identity.map(|identity| identity.start_time)
+    }
+
     /// The row, in the latest report, of the process with `identity`, and the process's
     /// handle here (for [`ProbedProcesses::maps_ledger`]).
     pub fn row_of(&self, identity: &ProcessIdentity) -> Option<(usize, usize)> {

@@ -363,7 +363,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
     let (attach_tx, attach_rx) = mpsc::channel(ATTACH_REQUESTS);
     let (exits_tx, exits_rx) = mpsc::channel(EXIT_QUEUE);
     let (ledger_limits_tx, ledger_limits_rx) = watch::channel(BTreeMap::new());
-    let (escaped_tx, escaped_rx) = watch::channel(Arc::new(BTreeMap::new()));
+    let (holders_tx, holders_rx) = watch::channel(Arc::new(BTreeMap::new()));
     let (found_tx, found_rx) = watch::channel(Arc::new(Found::of(&discovery)));
     let (audits_tx, audits_rx) = mpsc::channel(AUDIT_QUEUE);
     let (driver_tx, driver_rx) = watch::channel(Arc::new(DriverView::default()));
@@ -441,7 +441,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         requests: kernel_rx,
         attach: attach_rx,
         ledger_limits: ledger_limits_rx,
-        escaped: escaped_rx,
+        holders: holders_rx,
         provisioned: provisioned_limits,
         exits: exits_tx,
         changed: changed.clone(),
@@ -489,7 +489,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         found: found_rx.clone(),
         driver: driver_rx,
         ledger_limits: ledger_limits_tx,
-        escaped: escaped_tx,
+        holders: holders_tx,
         publisher,
         changed,
         audits: audits_rx,

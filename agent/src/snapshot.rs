@@ -1,6 +1,6 @@
 //! The agent's view of GPU memory at one instant, as `vramguard audit` receives it over the
 //! control socket and prints it (a table, or `--json`), and the types the rooms hand each other
-//! through it: what the kernel task reports (processes, escaped processes, external memory),
+//! through it: what the kernel task reports (processes, external memory), each cgroup's holders,
 //! what discovery counts, a process's reconciliation state. The module is below the rooms that
 //! fill and read it (kernel, discovery, reconcile, serve): it names their types, never their
 //! code, so that none of them depends on another through it.
@@ -100,20 +100,48 @@ pub struct EbpfProcess {
     pub pool_kept: u64,
 }
 
-/// A process holding memory the probes do not see, as the kernel task sees it, to hold its
-/// container to its limit ([`crate::kernel::enforce`]): which process (host pid and the start
-/// time the driver's row was joined with, so that a pid reused since is never signalled) and
-/// the bytes it holds that the probes cannot see, as two consecutive driver reads showed them
-/// ([`crate::reconcile::Verdict::enforced_bytes`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct EscapedProcess {
+/// A process holding GPU memory in a cgroup, as a reconcile pass saw it, for the kernel task
+/// to hold the cgroup to its limit ([`crate::kernel::enforce`]): which process (host pid and
+/// start time, so that a pid reused since is never signalled) and what it holds, in three
+/// parts that add up to its figure on the probes' scale (contexts aside).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Holder {
     pub pid: u32,
     pub start_time: u64,
-    pub bytes: u64,
+    /// Bytes the driver reports it holding that the probes cannot see, as two consecutive
+    /// driver reads showed them ([`crate::reconcile::Verdict::enforced_bytes`]).
+    pub escaped: u64,
+    /// Live bytes the probes count, as of the pass.
+    pub live: u64,
+    /// What its stream-ordered pools keep of what the probes saw freed, as two consecutive
+    /// driver reads confirmed it ([`crate::reconcile::Verdict::confirmed_kept_bytes`]): 0
+    /// without the driver's view.
+    pub kept: u64,
+    /// Of those bytes, the ones no ledger charges it (all of them for a process without a
+    /// slot): what it holds past the hook's admission.
+    pub uncharged: u64,
 }
 
-/// Per cgroup id: its processes with escaped bytes, largest first.
-pub type EscapedByCgroup = BTreeMap<u64, Vec<EscapedProcess>>;
+impl Holder {
+    /// All it holds on the probes' scale.
+    pub fn held(&self) -> u64 {
+        self.escaped.saturating_add(self.live).saturating_add(self.kept)
+    }
+
+    /// Who is stopped first when its cgroup is over its limit: a process holding memory the
+    /// probes cannot see (largest first), then one holding memory no ledger charges (the
+    /// hook did not admit it), then the others (a limit below what their ledgers admit).
+    pub fn stop_order(&self) -> (u8, std::cmp::Reverse<u64>) {
+        match (self.escaped, self.uncharged) {
+            (0, 0) => (2, std::cmp::Reverse(self.held())),
+            (0, uncharged) => (1, std::cmp::Reverse(uncharged)),
+            (escaped, _) => (0, std::cmp::Reverse(escaped)),
+        }
+    }
+}
+
+/// Per cgroup id: its processes holding memory, in [`Holder::stop_order`].
+pub type HoldersByCgroup = BTreeMap<u64, Vec<Holder>>;
 
 /// Imported external memory, live (imported and not destroyed), as the audit shows it.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]

@@ -209,7 +209,7 @@ pub fn mem_alloc_pitch(ctx: ProbeContext) -> u32 {
     };
     // The pitch is not known before the call: the width stands for it.
     if let Some(width) = ctx.arg::<u64>(2) {
-        check_limit(width.wrapping_mul(height));
+        check_limit(width.wrapping_mul(height), false);
     }
     save(Call {
         out_ptr,
@@ -245,18 +245,45 @@ fn save_sized(ctx: &ProbeContext, kind: AllocKind, space: AddrSpace) -> u32 {
     let (Some(out_ptr), Some(size)) = (ctx.arg::<u64>(0), ctx.arg::<u64>(1)) else {
         return 0;
     };
-    check_limit(size);
+    check_limit(size, matches!(kind, AllocKind::Async));
     save(Call { out_ptr, size, extra: 0, kind: kind as u32, space: space as u32, op: pending::ALLOC })
+}
+
+/// Of a stream-ordered allocation of `size` bytes, what the calling process's pools cannot
+/// serve from what they keep of what it freed (its `pool_kept`): only that is new memory the
+/// driver may take. A pool that keeps what it freed serves the next allocation from it, so
+/// a process that takes back its own pool's memory adds nothing to its cgroup and is never
+/// stopped for it. The kept figure is an upper bound (a pool with a low release threshold
+/// gives memory back at a synchronize no probe sees): what passes here on a figure the driver
+/// no longer holds is new memory all the same, counted live at return, and the agent stops
+/// the process if the driver confirms its cgroup over its limit
+/// (`agent/src/kernel/enforce.rs`).
+#[inline(always)]
+fn beyond_kept(size: u64) -> u64 {
+    let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    // SAFETY: a plain read of a live map value's field, which changes only atomically.
+    let kept = PROC_USAGE.get_ptr(&tgid).map_or(0, |usage| unsafe { core::ptr::read_volatile(&(*usage).pool_kept) });
+    if kept as i64 <= 0 {
+        size
+    } else {
+        size.saturating_sub(kept)
+    }
 }
 
 /// If the calling process's cgroup has a limit that `size` more bytes would pass, counts it
 /// and, in signal mode, signals the process: the signal is delivered on the way back to user
 /// space, before the driver runs, so a fatal one stops the allocation from ever happening.
-fn check_limit(size: u64) {
+/// A stream-ordered allocation (`from_pool`) is checked for what its process's pools cannot
+/// serve from what they keep ([`beyond_kept`]).
+fn check_limit(size: u64, from_pool: bool) {
     // SAFETY: a plain read of a live array element.
     let generation = LIMITS_ON.get_ptr(0).map_or(0, |on| unsafe { core::ptr::read_volatile(on) });
     if generation == 0 {
         return; // no limit pushed: nothing to check
+    }
+    let size = if from_pool { beyond_kept(size) } else { size };
+    if size == 0 {
+        return; // served from what the pools keep: nothing new
     }
     // SAFETY: plain helper call without arguments.
     let cgroup_id = unsafe { bpf_get_current_cgroup_id() };

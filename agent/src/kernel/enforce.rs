@@ -29,17 +29,30 @@
 //! again by the driver's), and what one driver read alone showed (a free between two reads, a
 //! process being torn down), never count.
 //!
-//! Who escaped is who is stopped. In `signal` mode, a cgroup whose probed usage plus those
-//! escaped bytes is over its limit has its escaped processes signalled by the agent, largest
-//! first, until what is left is within it (through a pidfd, checked by the start time the
-//! driver's row was joined with, so that a reused pid is never signalled; each process once
-//! the signal is delivered or the process is found gone, a failed signal is tried again);
-//! the limit pushed to the probes stays the cgroup's, so that the entry probe never stops
-//! the next honest allocator of the cgroup for memory another process escaped with. Only the
-//! escaped bytes of a process a signal failed for come off it. In `audit` mode the limit
-//! pushed is the cgroup's limit less the escaped bytes, so what passes it is counted. This is
-//! as fast as the driver view: about a pass after the second read that shows the memory (two
-//! to four seconds).
+//! Who escaped is who is stopped. In `signal` mode, a cgroup whose usage is over its limit
+//! has processes signalled by the agent until what is left is within it. The usage is what
+//! the last reconcile pass saw its processes hold ([`crate::snapshot::Holder`]): the escaped
+//! bytes above, the probes' live bytes (no more than they count now), and what their
+//! stream-ordered pools keep of what the probes saw freed, as two consecutive driver reads
+//! confirmed it (the driver holds it; the entry probe cannot count it, since a pool with a
+//! low release threshold gives it back at a synchronize no probe sees, and a figure the driver
+//! no longer holds would stop an honest allocation). The order ([`crate::snapshot::Holder::stop_order`]):
+//! processes holding escaped bytes, largest first; then those holding memory no ledger
+//! charges (the hook did not admit it: an un-hooked process beside a pool that keeps what it
+//! freed, or one that took new memory on a kept figure its pool had given back); then the
+//! others (a limit below what their ledger admits). A process that only takes back what its
+//! own pool keeps adds nothing and is never stopped for it: the entry probe checks a
+//! stream-ordered allocation for what the pools cannot serve. Each signal goes through a
+//! pidfd, checked by the process's start time, so that a reused pid is never signalled; each
+//! process once the signal is delivered or the process is found gone; a failed signal is
+//! tried again. The limit pushed to the probes stays the cgroup's, so that the entry probe
+//! never stops the next honest allocator of the cgroup for memory another process escaped
+//! with. Only the escaped bytes of a process a signal failed for come off it. In `audit` mode
+//! the limit pushed is the cgroup's limit less the escaped bytes, so what passes it is
+//! counted, and the processes signal mode would stop are logged. This is as fast as the
+//! driver view: about a pass after the second read that shows the memory (two to four
+//! seconds). Without the driver's view nothing is escaped or kept: the entry probe's live
+//! figure alone is enforced.
 //!
 //! A limit is only ever pushed for a cgroup that exists when it is pushed: the kernel deletes
 //! a removed cgroup's entry (`cgroup_rmdir`), and the agent must not bring it back.
@@ -67,7 +80,7 @@ use common::{enforce, names, CgroupLimit};
 use crate::{
     cgroup::CgroupNames,
     glob::matches,
-    snapshot::{EscapedByCgroup, EscapedProcess},
+    snapshot::{HoldersByCgroup, Holder},
 };
 
 /// What the probes do with an allocation over its cgroup's limit.
@@ -136,8 +149,8 @@ pub struct Limits {
     signal: u32,
     map: HashMap<MapData, u64, CgroupLimit>,
     applied: BTreeMap<u64, CgroupLimit>,
-    /// The processes of each cgroup holding memory the probes do not see, from reconcile.
-    escaped: std::sync::Arc<EscapedByCgroup>,
+    /// The processes holding memory in each cgroup, from reconcile.
+    holders: std::sync::Arc<HoldersByCgroup>,
     /// Each cgroup's limit before its escaped bytes are taken off (what `applied` was made from).
     limit_of: BTreeMap<u64, u64>,
     /// The escaped processes signalled, and the agent's signals to them.
@@ -180,7 +193,7 @@ impl Limits {
             signal: signal as u32,
             map,
             applied: BTreeMap::new(),
-            escaped: Default::default(),
+            holders: Default::default(),
             limit_of: BTreeMap::new(),
             escapes: Escapes::default(),
             on,
@@ -193,9 +206,9 @@ impl Limits {
         self.ledger_limits = limits;
     }
 
-    /// The processes of each cgroup holding memory the probes do not see, and those bytes.
-    pub fn set_escaped(&mut self, escaped: std::sync::Arc<EscapedByCgroup>) {
-        self.escaped = escaped;
+    /// The processes holding memory in each cgroup, as the last reconcile pass saw them.
+    pub fn set_holders(&mut self, holders: std::sync::Arc<HoldersByCgroup>) {
+        self.holders = holders;
     }
 
     /// Signals the agent sent to escaped processes.
@@ -203,13 +216,14 @@ impl Limits {
         self.escapes.signals
     }
 
-    /// For each cgroup whose usage (`probed` bytes plus its escaped bytes) is over its limit:
-    /// in `signal` mode, signals its escaped processes, largest first, until what is left is
-    /// within the limit (see the module doc); in `audit` mode, logs them (once per process).
-    pub fn signal_escaped(&mut self, probed: impl Fn(u64) -> u64) {
-        let escaped = self.escaped.clone();
+    /// For each cgroup whose usage is over its limit (its holders' escaped, live and kept
+    /// bytes; live no more than `probed`, the probes' figure now): in `signal` mode, signals
+    /// its holders in [`Holder::stop_order`] until what is left is within the limit (see the
+    /// module doc); in `audit` mode, logs them (once per process).
+    pub fn signal_over_limit(&mut self, probed: impl Fn(u64) -> u64) {
+        let holders = self.holders.clone();
         let (mode, signal) = (self.mode, self.signal as i32);
-        self.escapes.act(&escaped, &self.limit_of, probed, |process| match mode {
+        self.escapes.act(&holders, &self.limit_of, probed, |process| match mode {
             enforce::SIGNAL => Some(signal_process(process, signal)),
             _ => None,
         });
@@ -276,7 +290,7 @@ impl Limits {
         // unless the agent signals the processes that hold it (see the module doc).
         self.limit_of = wanted.iter().map(|(id, limit)| (*id, limit.limit)).collect();
         for (id, limit) in wanted.iter_mut() {
-            let escaped = self.escaped.get(id).map_or(0, |processes| off_the_limit(self.mode, processes, &self.escapes.failed));
+            let escaped = self.holders.get(id).map_or(0, |processes| off_the_limit(self.mode, processes, &self.escapes.failed));
             limit.limit = limit.limit.saturating_sub(escaped);
         }
         // A ledger's cgroups come from the last reconcile pass: one may have gone since. Only
@@ -383,38 +397,44 @@ struct Escapes {
 }
 
 impl Escapes {
-    /// For each cgroup of `escaped` whose usage (`probed` bytes plus its escaped bytes) is over
-    /// its limit (`limit_of`), hands its escaped processes to `send`,
-    /// largest first, until what is left is within it. `send` answers how the signal went
-    /// (`None`: not sent, `audit` mode: logged once). A process is counted signalled only once
-    /// the signal was delivered or the process is found gone; one a signal failed for is tried
-    /// again at the next call.
+    /// For each cgroup of `holders` whose usage is over its limit (`limit_of`), hands its
+    /// holders to `send` in [`Holder::stop_order`] until what is left is within it. The usage
+    /// is what its holders hold (escaped, live and kept bytes, each as the pass saw it), their
+    /// live bytes no more than the probes count now (`probed`): a process that took its pool's
+    /// memory back since the pass is not counted twice, one that freed is not counted at all.
+    /// `send` answers how the signal went (`None`: not sent, `audit` mode: logged once). A
+    /// process is counted signalled only once the signal was delivered or the process is found
+    /// gone; one a signal failed for is tried again at the next call.
     fn act(
         &mut self,
-        escaped: &EscapedByCgroup,
+        holders: &HoldersByCgroup,
         limit_of: &BTreeMap<u64, u64>,
         probed: impl Fn(u64) -> u64,
-        mut send: impl FnMut(&EscapedProcess) -> Option<std::io::Result<()>>,
+        mut send: impl FnMut(&Holder) -> Option<std::io::Result<()>>,
     ) {
-        let reported: std::collections::BTreeSet<(u32, u64)> = escaped.values().flatten().map(|p| (p.pid, p.start_time)).collect();
+        let reported: std::collections::BTreeSet<(u32, u64)> = holders.values().flatten().map(|p| (p.pid, p.start_time)).collect();
         self.signalled.retain(|process| reported.contains(process));
         self.failed.retain(|process| reported.contains(process));
-        for (cgroup, processes) in escaped {
+        for (cgroup, processes) in holders {
             let Some(&limit) = limit_of.get(cgroup) else { continue };
-            // Every one is confirmed (seen on two driver reads: reconcile publishes no other).
-            let usage = probed(*cgroup).saturating_add(processes.iter().fold(0u64, |sum, p| sum.saturating_add(p.bytes)));
+            let sum = |part: fn(&Holder) -> u64| processes.iter().fold(0u64, |sum, p| sum.saturating_add(part(p)));
+            // Escaped and kept bytes are confirmed (seen on two driver reads: reconcile
+            // publishes no other); live bytes are the probes' own.
+            let usage = sum(|p| p.live).min(probed(*cgroup)).saturating_add(sum(|p| p.kept)).saturating_add(sum(|p| p.escaped));
             for (process, usage) in to_signal(processes, usage, limit, &self.signalled) {
                 let key = (process.pid, process.start_time);
+                let what = if process.escaped > 0 { "whose GPU memory the probes cannot see" } else { "holding GPU memory" };
+                let (pid, escaped_bytes, held_bytes, uncharged_bytes) = (process.pid, process.escaped, process.held(), process.uncharged);
                 match send(&process) {
                     None => {
-                        tracing::warn!(pid = process.pid, cgroup, escaped_bytes = process.bytes, usage, limit,
-                            "a process whose GPU memory the probes cannot see takes its cgroup over its limit: not signalled (--enforce audit; said once per process)");
+                        tracing::warn!(pid, cgroup, escaped_bytes, held_bytes, uncharged_bytes, usage, limit,
+                            "a process {what} takes its cgroup over its limit: not signalled (--enforce audit; said once per process)");
                         self.signalled.insert(key);
                     }
                     Some(Ok(())) => {
                         self.signals += 1;
-                        tracing::warn!(pid = process.pid, cgroup, escaped_bytes = process.bytes, usage, limit,
-                            "signalled a process whose GPU memory the probes cannot see: its cgroup is over its limit");
+                        tracing::warn!(pid, cgroup, escaped_bytes, held_bytes, uncharged_bytes, usage, limit,
+                            "signalled a process {what}: its cgroup is over its limit");
                         self.signalled.insert(key);
                     }
                     Some(Err(error)) if is_gone(&error) => {
@@ -422,7 +442,7 @@ impl Escapes {
                     }
                     Some(Err(error)) => {
                         if self.failed.insert(key) {
-                            tracing::warn!(pid = process.pid, cgroup, %error, "cannot signal a process whose GPU memory the probes cannot see, over its cgroup's limit: tried again at each push (said once)");
+                            tracing::warn!(pid, cgroup, %error, "cannot signal a process over its cgroup's limit: tried again at each push (said once)");
                         }
                     }
                 }
@@ -434,11 +454,11 @@ impl Escapes {
 /// The escaped bytes of a cgroup's `processes` that come off the limit pushed to its probes:
 /// all of them in `audit` mode; in `signal` mode only those of processes a signal `failed`
 /// for (the others are the agent's to stop).
-fn off_the_limit(mode: u32, processes: &[EscapedProcess], failed: &std::collections::BTreeSet<(u32, u64)>) -> u64 {
+fn off_the_limit(mode: u32, processes: &[Holder], failed: &std::collections::BTreeSet<(u32, u64)>) -> u64 {
     processes
         .iter()
         .filter(|p| mode != enforce::SIGNAL || failed.contains(&(p.pid, p.start_time)))
-        .fold(0u64, |sum, p| sum.saturating_add(p.bytes))
+        .fold(0u64, |sum, p| sum.saturating_add(p.escaped))
 }
 
 /// Whether a signal's `error` says the process is gone (`ESRCH`, or its pid another's now).
@@ -446,26 +466,27 @@ fn is_gone(error: &std::io::Error) -> bool {
     error.raw_os_error() == Some(libc::ESRCH) || error.kind() == std::io::ErrorKind::NotFound
 }
 
-/// Of a cgroup's escaped `processes` (largest first), those to signal so that its `usage`
-/// (probed and escaped bytes) comes within `limit`, each with the usage it is signalled at:
-/// the `signalled` ones are on their way out already (what they hold counts as gone).
-fn to_signal(processes: &[EscapedProcess], usage: u64, limit: u64, signalled: &std::collections::BTreeSet<(u32, u64)>) -> Vec<(EscapedProcess, u64)> {
-    let is_signalled = |p: &EscapedProcess| signalled.contains(&(p.pid, p.start_time));
-    let mut usage = processes.iter().filter(|p| is_signalled(p)).fold(usage, |usage, p| usage.saturating_sub(p.bytes));
+/// Of a cgroup's `processes` (in [`Holder::stop_order`]), those to signal so that its
+/// `usage` comes within `limit`, each with the usage it is signalled at: the `signalled` ones
+/// are on their way out already (what they hold counts as gone). A process that holds
+/// nothing is never chosen.
+fn to_signal(processes: &[Holder], usage: u64, limit: u64, signalled: &std::collections::BTreeSet<(u32, u64)>) -> Vec<(Holder, u64)> {
+    let is_signalled = |p: &Holder| signalled.contains(&(p.pid, p.start_time));
+    let mut usage = processes.iter().filter(|p| is_signalled(p)).fold(usage, |usage, p| usage.saturating_sub(p.held()));
     let mut chosen = Vec::new();
-    for process in processes.iter().filter(|p| !is_signalled(p)) {
+    for process in processes.iter().filter(|p| !is_signalled(p) && p.held() > 0) {
         if usage <= limit {
             break;
         }
         chosen.push((*process, usage));
-        usage = usage.saturating_sub(process.bytes);
+        usage = usage.saturating_sub(process.held());
     }
     chosen
 }
 
 /// Sends `signal` to `process` if it still is that process: through a pidfd (opened, then the
 /// start time checked, then signalled: a pid reused in between cannot be hit).
-fn signal_process(process: &EscapedProcess, signal: i32) -> std::io::Result<()> {
+fn signal_process(process: &Holder, signal: i32) -> std::io::Result<()> {
     let pidfd = crate::pidfd::open(process.pid)?;
     if ledger::process::running_start_time_of(process.pid) != Some(process.start_time) {
         return Err(std::io::Error::new(std::io::ErrorKind::NotFound, "the process is gone (its pid is another process's now)"));
@@ -510,10 +531,10 @@ mod tests {
     #[test]
     fn escaped_processes_are_signalled_largest_first_until_the_cgroup_is_within_its_limit() {
         const MIB: u64 = 1 << 20;
-        let process = |pid, bytes| EscapedProcess { pid, start_time: u64::from(pid) * 10, bytes };
+        let process = |pid, bytes| Holder { pid, start_time: u64::from(pid) * 10, escaped: bytes, ..Holder::default() };
         let processes = [process(1, 300 * MIB), process(2, 200 * MIB), process(3, 100 * MIB)];
         let none = std::collections::BTreeSet::new();
-        let pids = |chosen: Vec<(EscapedProcess, u64)>| chosen.into_iter().map(|(p, _)| p.pid).collect::<Vec<_>>();
+        let pids = |chosen: Vec<(Holder, u64)>| chosen.into_iter().map(|(p, _)| p.pid).collect::<Vec<_>>();
         // 100 MiB probed + 600 escaped against 1 GiB: within.
         assert_eq!(pids(to_signal(&processes, 700 * MIB, 1024 * MIB, &none)), Vec::<u32>::new());
         // Against 512 MiB: the largest goes (400 left), that is enough.
@@ -529,9 +550,9 @@ mod tests {
     #[test]
     fn a_process_is_counted_signalled_only_once_the_signal_is_delivered_or_it_is_gone() {
         const MIB: u64 = 1 << 20;
-        let process = |pid| EscapedProcess { pid, start_time: u64::from(pid) * 10, bytes: 200 * MIB };
+        let process = |pid| Holder { pid, start_time: u64::from(pid) * 10, escaped: 200 * MIB, ..Holder::default() };
         // Three escaped processes in cgroup 7, limited to 128 MiB.
-        let escaped = EscapedByCgroup::from([(7, vec![process(1), process(2), process(3)])]);
+        let escaped = HoldersByCgroup::from([(7, vec![process(1), process(2), process(3)])]);
         let limits = BTreeMap::from([(7, 128 * MIB)]);
         let mut escapes = Escapes::default();
         let mut tried = Vec::new();
@@ -557,10 +578,53 @@ mod tests {
         assert_eq!((tried, escapes.signals), (vec![1], 2));
     }
 
+    /// Who is stopped in a cgroup over its limit, case by case: (case, holders as the pass saw
+    /// them, the probes' live bytes now, the limit, the pids signalled).
+    #[test]
+    fn who_is_stopped_when_a_cgroup_is_over_its_limit() {
+        const MIB: u64 = 1 << 20;
+        let h = |pid, escaped, live, kept, uncharged| Holder { pid, start_time: u64::from(pid), escaped, live, kept, uncharged };
+        let sorted = |mut holders: Vec<Holder>| {
+            holders.sort_by_key(Holder::stop_order);
+            holders
+        };
+        /// (case, holders, probed now, limit, pids signalled)
+        type Case = (&'static str, Vec<Holder>, u64, u64, Vec<u32>);
+        #[rustfmt::skip]
+        let cases: [Case; 8] = [
+            ("a hooked pool keeps 600 MiB (charged), an un-hooked process takes 500 beside it",
+                vec![h(1, 0, 0, 600 * MIB, 0), h(2, 0, 500 * MIB, 0, 500 * MIB)], 500 * MIB, 1024 * MIB, vec![2]),
+            ("the pool's owner takes its 600 MiB back (the pass saw it kept, the probes see it live now)",
+                vec![h(1, 0, 0, 600 * MIB, 0)], 600 * MIB, 1024 * MIB, vec![]),
+            ("the owner takes it back beside the un-hooked 400: 1000 MiB, within",
+                vec![h(1, 0, 600 * MIB, 0, 0), h(2, 0, 400 * MIB, 0, 400 * MIB)], 1000 * MIB, 1024 * MIB, vec![]),
+            ("an un-hooked process took new memory on a kept figure its pool had given back",
+                vec![h(3, 0, 1100 * MIB, 0, 1100 * MIB)], 1100 * MIB, 1024 * MIB, vec![3]),
+            ("the un-hooked process freed since the pass: the probes' figure now counts",
+                vec![h(2, 0, 500 * MIB, 0, 500 * MIB), h(1, 0, 0, 600 * MIB, 0)], 0, 1024 * MIB, vec![]),
+            ("escaped first, then memory no ledger charges, then the rest, until within",
+                vec![h(4, 0, 500 * MIB, 0, 0), h(5, 0, 400 * MIB, 0, 400 * MIB), h(6, 300 * MIB, 0, 0, 300 * MIB)], 900 * MIB, 1024 * MIB, vec![6]),
+            ("a limit below what the ledger admits: the charged process is stopped too",
+                vec![h(7, 0, 4096 * MIB, 0, 0)], 4096 * MIB, 3072 * MIB, vec![7]),
+            ("nothing over: nobody",
+                vec![h(1, 0, 0, 600 * MIB, 0), h(2, 0, 424 * MIB, 0, 424 * MIB)], 424 * MIB, 1024 * MIB, vec![]),
+        ];
+        for (case, holders, probed, limit, expected) in cases {
+            let holders = HoldersByCgroup::from([(9, sorted(holders))]);
+            let mut escapes = Escapes::default();
+            let mut stopped = Vec::new();
+            escapes.act(&holders, &BTreeMap::from([(9, limit)]), |_| probed, |p| {
+                stopped.push(p.pid);
+                Some(Ok(()))
+            });
+            assert_eq!(stopped, expected, "{case}");
+        }
+    }
+
     #[test]
     fn escaped_bytes_come_off_the_probes_limit_only_where_the_agent_does_not_signal() {
         const MIB: u64 = 1 << 20;
-        let process = |pid, bytes| EscapedProcess { pid, start_time: 1, bytes };
+        let process = |pid, bytes| Holder { pid, start_time: 1, escaped: bytes, ..Holder::default() };
         let processes = [process(1, 300 * MIB), process(2, 100 * MIB)];
         let none = std::collections::BTreeSet::new();
         // Audit: all of it (what passes the rest is counted).

@@ -45,7 +45,7 @@ use crate::{
     cgroup::CgroupNames,
     libcuda::{AttachRequest, Prober},
     task::{changed, Heartbeat},
-    snapshot::{EbpfProcess, EscapedByCgroup, Snapshot},
+    snapshot::{EbpfProcess, HoldersByCgroup, Snapshot},
 };
 
 /// The eBPF side as of one drain: the processes (for reconcile) and the whole view.
@@ -62,9 +62,9 @@ pub struct Wiring {
     pub attach: mpsc::Receiver<AttachRequest>,
     /// The limits the ledgers' containers are held to (cgroup id -> bytes), from reconcile.
     pub ledger_limits: watch::Receiver<BTreeMap<u64, u64>>,
-    /// The processes of each cgroup holding memory the probes do not see, and those bytes,
+    /// What each cgroup's processes hold (escaped from the probes, live, kept by their pools),
     /// from reconcile (which joins the driver's view: NVML is never on this task's path).
-    pub escaped: watch::Receiver<Arc<EscapedByCgroup>>,
+    pub holders: watch::Receiver<Arc<HoldersByCgroup>>,
     /// The provisioned containers' limits (cgroup path -> bytes), when the agent provisions.
     pub provisioned: Option<watch::Receiver<BTreeMap<String, u64>>>,
     /// Exits for the reclaim task: a bounded queue of exits only (allocations are not events);
@@ -167,7 +167,7 @@ impl Kernel {
         };
         let (mut drain, mut sweep, mut limits_tick) = (tick(every.drain), tick(every.sweep), tick(every.limits));
         let mut provisioned = wiring.provisioned.clone();
-        let mut escaped = Some(wiring.escaped.clone());
+        let mut holders = Some(wiring.holders.clone());
         let mut dropped_exits = 0u64;
         loop {
             wiring.heartbeat.beat();
@@ -190,7 +190,7 @@ impl Kernel {
                 }
                 _ = limits_tick.tick(), if self.limits.is_some() => self.push_limits(&mut wiring),
                 _ = changed(&mut provisioned) => self.push_limits(&mut wiring),
-                _ = changed(&mut escaped), if self.limits.is_some() => self.push_limits(&mut wiring),
+                _ = changed(&mut holders), if self.limits.is_some() => self.push_limits(&mut wiring),
                 request = wiring.requests.recv() => {
                     let Some(reply) = request else { continue };
                     self.drain(&wiring, &mut dropped_exits);
@@ -232,10 +232,10 @@ impl Kernel {
             limits.set_provisioned(provisioned.borrow_and_update().clone());
         }
         limits.set_ledger_limits(wiring.ledger_limits.borrow_and_update().clone());
-        limits.set_escaped(wiring.escaped.borrow_and_update().clone());
+        limits.set_holders(wiring.holders.borrow_and_update().clone());
         limits.refresh(&mut self.cgroups);
         let accounting = &self.accounting;
-        limits.signal_escaped(|cgroup| accounting.cgroup_bytes(cgroup));
+        limits.signal_over_limit(|cgroup| accounting.cgroup_bytes(cgroup));
     }
 
     /// The probes' maps as they are now.

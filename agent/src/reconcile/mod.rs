@@ -83,12 +83,13 @@
 //! charge, and what the driver reports `unprobed` processes holding beyond the probes and the
 //! ledger (their escaped bytes; all of it, context included, for one without a slot), and
 //! the GPU memory no driver row explains that is attributed to one of its cgroups (the holders
-//! of the GPU's device file, [`crate::driver::gap`]). The
-//! enforced escaped bytes of each cgroup's processes go to the kernel task
-//! ([`Reconciler::escaped_by_cgroup`], published by the reconcile task): the cgroup's usage
-//! against its limit is the probes' figure plus them, and in signal mode the escaped
-//! processes of a cgroup over its limit are signalled by the agent (the probes never see
-//! their allocations). The agent's own slot is never judged.
+//! of the GPU's device file, [`crate::driver::gap`]). What
+//! each cgroup's processes hold goes to the kernel task ([`Reconciler::holders_by_cgroup`],
+//! published by the reconcile task): their enforced escaped bytes, the probes' live bytes and
+//! what their pools keep as two driver reads confirmed it. That is the cgroup's usage against
+//! its limit, and in signal mode the processes of a cgroup over its limit are signalled by
+//! the agent, those that escaped the probes or the hook first. The agent's own slot is never
+//! judged.
 //!
 //! # Cost
 //!
@@ -103,7 +104,7 @@
 //! the page of the last pass, [`crate::serve`]), and (at most one per
 //! [`MIN_INTERVAL`]) after a drain of the event ring buffer that found events and a ledger
 //! sweep that reclaimed slots: a quiet node costs one pass a second.
-pub use crate::snapshot::{EbpfProcess, EscapedByCgroup, EscapedProcess, State};
+pub use crate::snapshot::{EbpfProcess, HoldersByCgroup, Holder, State};
 
 pub mod figure;
 pub mod metrics;
@@ -178,6 +179,8 @@ pub struct Observation {
     pub driver: Option<DriverProcess>,
     /// The context reserve of the process's ledger (per device), if it has a slot.
     pub context_reserve: Option<u64>,
+    /// Its start time, as /proc gave it when the probes first reported it.
+    pub start_time: Option<u64>,
 }
 
 /// One process's state, as the last pass judged it.
@@ -215,9 +218,18 @@ pub struct Verdict {
     /// ([`Reconciler::escaped_by_cgroup`]).
     #[serde(default)]
     pub enforced_bytes: u64,
+    /// Of what the probes count its pools keeping ([`Verdict::pool_kept_bytes`]), what two
+    /// consecutive driver reads confirmed the process holding: what its cgroup's usage counts
+    /// of it against the limit ([`Reconciler::holders_by_cgroup`]). 0 without the driver's row.
+    #[serde(default)]
+    pub confirmed_kept_bytes: u64,
     /// The start time the driver's row was joined with (the process the bytes are of).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub driver_start_time: Option<u64>,
+    /// The process's start time (clock ticks after boot), as /proc gave it when the probes first
+    /// reported it, else its driver row's: what a signal to it checks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_time: Option<u64>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -260,9 +272,9 @@ pub struct Reconciler {
     explained: HashMap<u32, Vec<(Instant, u64)>>,
     /// What each process's pools may keep ([`figure::PoolsKeep`]).
     pools: HashMap<u32, figure::PoolsKeep>,
-    /// Per process: the driver row's start time, and its outside and unexplained bytes
-    /// through consecutive reads.
-    escapes: HashMap<u32, (u64, figure::Confirmed, figure::Confirmed)>,
+    /// Per process: the driver row's start time, and its outside, unexplained and pool-kept
+    /// bytes through consecutive reads.
+    escapes: HashMap<u32, (u64, figure::Confirmed, figure::Confirmed, figure::Confirmed)>,
     /// Processes already logged as `unprobed` (said once per process).
     unprobed_logged: BTreeSet<u32>,
     /// The driver's rows the last pass joined with no process, as their pids are others' now.
@@ -381,13 +393,14 @@ impl Reconciler {
     }
 
     /// The process's [`figure::Figure`] as of the driver's last read (see [`figure`]), what
-    /// its pools may keep, and what two consecutive reads confirm of its outside and its
-    /// unexplained bytes: (figure, pools keep, confirmed outside, confirmed unexplained).
+    /// its pools may keep, and what two consecutive reads confirm of its outside, its
+    /// unexplained bytes and what its pools keep (only for a process the driver reports):
+    /// (figure, pools keep, confirmed outside, confirmed unexplained, confirmed kept).
     ///
     /// The probes' figure is taken as of the read: the largest they gave since a read
     /// interval before it started explains the driver's (a free the probes saw after the read
     /// is not an escape), the smallest bounds what the pools can keep.
-    fn figure(&mut self, seen: &Observation, now: Instant) -> (figure::Figure, u64, u64, u64) {
+    fn figure(&mut self, seen: &Observation, now: Instant) -> (figure::Figure, u64, u64, u64, u64) {
         let history = self.explained.entry(seen.pid).or_default();
         history.retain(|(at, _)| now.saturating_duration_since(*at) < EXPLAINED_MEMORY);
         history.push((now, seen.ebpf_bytes));
@@ -414,13 +427,16 @@ impl Reconciler {
         };
         let figure = figure::figure(&views, self.config.context_allowance);
         let start_time = seen.driver.map_or(0, |d| d.start_time);
-        let entry = self.escapes.entry(seen.pid).or_insert((start_time, Default::default(), Default::default()));
+        let entry = self.escapes.entry(seen.pid).or_insert((start_time, Default::default(), Default::default(), Default::default()));
         if entry.0 != start_time {
-            *entry = (start_time, Default::default(), Default::default());
+            *entry = (start_time, Default::default(), Default::default(), Default::default());
         }
         let outside = entry.1.see(read_at, figure.outside);
         let unexplained = entry.2.see(read_at, figure.unexplained);
-        (figure, kept, outside, unexplained)
+        // What the pools keep counts in the cgroup's usage only as the driver holds it, on two
+        // reads: a pool that gave its memory back at a synchronize is seen on the next read.
+        let confirmed_kept = entry.3.see(read_at, if seen.driver.is_some() { kept } else { 0 });
+        (figure, kept, outside, unexplained, confirmed_kept)
     }
 
     /// Judges `observations` as of `now`, logging every change of state.
@@ -435,7 +451,7 @@ impl Reconciler {
         self.escapes.retain(|pid, _| seen_pids.contains(pid));
         self.unprobed_logged.retain(|pid| seen_pids.contains(pid));
         for seen in observations {
-            let (figure, pool_kept_bytes, enforced_bytes, escaped_bytes) = if seen.gone { Default::default() } else { self.figure(&seen, now) };
+            let (figure, pool_kept_bytes, enforced_bytes, escaped_bytes, confirmed_kept_bytes) = if seen.gone { Default::default() } else { self.figure(&seen, now) };
             let escaped = escaped_bytes > 0;
             let driver_start_time = seen.driver.map(|d| d.start_time);
             let state = match seen.ledger_bytes {
@@ -496,7 +512,9 @@ impl Reconciler {
                 // must not switch the driver's view off).
                 escaped_bytes: if matches!(state, State::Unprobed | State::Tampered) { escaped_bytes } else { 0 },
                 enforced_bytes,
+                confirmed_kept_bytes,
                 driver_start_time,
+                start_time: seen.start_time.or(driver_start_time),
             });
         }
         verdicts.sort_by_key(|v| (v.pid, v.state));
@@ -555,20 +573,27 @@ impl Reconciler {
         sums
     }
 
-    /// The processes of each cgroup with enforced escaped bytes ([`Verdict::enforced_bytes`],
-    /// whatever their state), for the kernel task: those bytes count in their cgroup's usage
-    /// against its limit (the probes cannot see them), and in signal mode the confirmed ones
-    /// are what is signalled when that usage is over it. Each carries the start time its
-    /// driver row was joined with (the signal checks it).
-    pub fn escaped_by_cgroup(&self) -> EscapedByCgroup {
-        let mut by_cgroup = EscapedByCgroup::new();
-        for verdict in self.verdicts.iter().filter(|v| v.state != State::Stale && v.enforced_bytes > 0 && v.cgroup_id != 0) {
-            let Some(start_time) = verdict.driver_start_time else { continue };
-            let process = EscapedProcess { pid: verdict.pid, start_time, bytes: verdict.enforced_bytes };
-            by_cgroup.entry(verdict.cgroup_id).or_default().push(process);
+    /// What each cgroup's processes hold, for the kernel task to hold the cgroup to its limit
+    /// ([`crate::kernel::enforce`]): per process, its enforced escaped bytes
+    /// ([`Verdict::enforced_bytes`], whatever its state: the probes cannot see them), the probes'
+    /// live bytes, what its pools keep as two driver reads confirmed it
+    /// ([`Verdict::confirmed_kept_bytes`]), and how much of that no ledger charges it; in
+    /// [`Holder::stop_order`]. Each carries the start time a signal checks; a process whose
+    /// start time is not known, or that holds nothing, is left out.
+    pub fn holders_by_cgroup(&self) -> HoldersByCgroup {
+        let mut by_cgroup = HoldersByCgroup::new();
+        for verdict in self.verdicts.iter().filter(|v| v.state != State::Stale && v.cgroup_id != 0) {
+            // The signal checks the start time the escaped bytes were joined with.
+            let start_time = if verdict.enforced_bytes > 0 { verdict.driver_start_time } else { verdict.start_time };
+            let Some(start_time) = start_time else { continue };
+            let mut process = Holder { pid: verdict.pid, start_time, escaped: verdict.enforced_bytes, live: verdict.ebpf_bytes, kept: verdict.confirmed_kept_bytes, uncharged: 0 };
+            process.uncharged = process.held().saturating_sub(verdict.ledger_bytes.unwrap_or(0));
+            if process.held() > 0 {
+                by_cgroup.entry(verdict.cgroup_id).or_default().push(process);
+            }
         }
         for processes in by_cgroup.values_mut() {
-            processes.sort_by_key(|p| std::cmp::Reverse(p.bytes));
+            processes.sort_by_key(Holder::stop_order);
         }
         by_cgroup
     }
@@ -809,6 +834,7 @@ pub fn observe(
         if ledger.is_none() {
             if let Some(other) = observations.iter_mut().find(|o| o.pid == pid && !o.gone) {
                 (other.ebpf_bytes, other.pool_kept, other.generation) = (bytes, process.pool_kept, process.generation);
+                other.start_time = other.start_time.or(probed.start_time_of(pid));
                 continue;
             }
         }
@@ -820,6 +846,7 @@ pub fn observe(
             ebpf_bytes: bytes,
             pool_kept: process.pool_kept,
             generation: process.generation,
+            start_time: probed.start_time_of(pid),
             extra_contexts,
             header_changed,
             context_reserve,
@@ -1055,7 +1082,7 @@ mod tests {
         two_reads(&mut r, vec![leaky], start);
         assert_eq!((r.verdicts()[0].state, r.verdicts()[0].escaped_bytes), (State::Tampered, 500 * MIB));
         assert_eq!(r.unaccounted_by_ledger(), BTreeMap::from([("/l".to_string(), 500 * MIB)]));
-        assert_eq!(r.escaped_by_cgroup()[&7].iter().map(|p| p.bytes).collect::<Vec<_>>(), [500 * MIB - 2 * MIB]);
+        assert_eq!(r.holders_by_cgroup()[&7].iter().map(|p| p.escaped).collect::<Vec<_>>(), [500 * MIB - 2 * MIB]);
     }
 
     #[test]
@@ -1066,7 +1093,7 @@ mod tests {
         let pid = 4_000_001;
         let escaped = |bytes| Observation { pid, cgroup_id: 7, driver: Some(DriverProcess { bytes, devices: 1, start_time: 4242 }), ..Default::default() };
         let read = |r: &mut Reconciler, at| r.set_driver(Some(Arc::new(DriverView { read_at: Some(at), ..Default::default() })));
-        let published = |r: &Reconciler| r.escaped_by_cgroup().get(&7).cloned().unwrap_or_default();
+        let published = |r: &Reconciler| r.holders_by_cgroup().get(&7).cloned().unwrap_or_default();
         read(&mut r, start);
         r.judge(vec![escaped(200 * MIB)], start);
         assert_eq!(published(&r), [], "one read");
@@ -1076,7 +1103,7 @@ mod tests {
         // The next read shows less: the smaller of the two is what counts.
         read(&mut r, start + Duration::from_secs(1));
         r.judge(vec![escaped(160 * MIB)], start + Duration::from_secs(1));
-        assert_eq!(published(&r), [EscapedProcess { pid, start_time: 4242, bytes: 94 * MIB }]);
+        assert_eq!(published(&r), [Holder { pid, start_time: 4242, escaped: 94 * MIB, uncharged: 94 * MIB, ..Holder::default() }]);
         // A read without it starts over.
         read(&mut r, start + Duration::from_secs(2));
         r.judge(vec![Observation { driver: None, ..escaped(0) }], start + Duration::from_secs(2));
@@ -1112,6 +1139,11 @@ mod tests {
             r.judge(vec![process(0, 2 * GIB, 2 * GIB)], at(second * 1000 + 500));
             let v = &r.verdicts()[0];
             assert_eq!((v.state, v.enforced_bytes, v.pool_kept_bytes, v.held_bytes), (State::Ok, 0, 2 * GIB, 2 * GIB), "{v:?}");
+            // What the pools keep counts in the cgroup's usage once two reads show it held.
+            let confirmed = if second == 0 { 0 } else { 2 * GIB };
+            assert_eq!(v.confirmed_kept_bytes, confirmed, "{v:?}");
+            let holders = r.holders_by_cgroup().get(&7).cloned().unwrap_or_default();
+            assert_eq!(holders.iter().map(|h| (h.live, h.kept, h.escaped)).collect::<Vec<_>>(), if second == 0 { vec![] } else { vec![(0, 2 * GIB, 0)] });
         }
         // Taken again, and 256 MiB more; the read is before the pass that sees it.
         read(&mut r, 6000);
@@ -1121,7 +1153,9 @@ mod tests {
         let v = &r.verdicts()[0];
         // (Unhooked: no ledger has a slot for it; nothing escaped.)
         assert_eq!((v.state, v.enforced_bytes, v.held_bytes), (State::Unhooked, 0, 2 * GIB + 256 * MIB), "{v:?}");
-        assert_eq!(r.escaped_by_cgroup(), EscapedByCgroup::new());
+        // Its cgroup counts what it holds once: live, nothing kept (taken back), nothing escaped.
+        let holders = r.holders_by_cgroup();
+        assert_eq!(holders[&7].iter().map(|h| (h.live, h.kept, h.escaped, h.uncharged)).collect::<Vec<_>>(), [(2 * GIB + 256 * MIB, 0, 0, 2 * GIB + 256 * MIB)]);
 
         // Another process's pool gives its 2 GiB back at a synchronize: a read that started
         // after the probes' figure was seen says so.
@@ -1132,6 +1166,8 @@ mod tests {
         read(&mut r, 9000);
         r.judge(vec![other(0)], at(9500));
         assert_eq!(r.verdicts()[0].pool_kept_bytes, 0);
+        // Neither read counted the 2 GiB it gave back in its cgroup's usage.
+        assert_eq!(r.verdicts()[0].confirmed_kept_bytes, 0);
         // 2 GiB through a copy of libcuda no probe is on: outside, on two reads.
         for ms in [10000, 11000] {
             read(&mut r, ms);
@@ -1271,7 +1307,7 @@ mod tests {
         r.agent = None;
         r.pass(Some(&ledgers), &[me(charged)]);
         let name = path.display().to_string();
-        let ok = Verdict { pid, cgroup_id, state: State::Ok, ledger: Some(name.clone()), ledger_bytes: Some(charged), ebpf_bytes: charged, driver_bytes: None, pool_kept_bytes: 0, held_bytes: charged, escaped_bytes: 0, enforced_bytes: 0, driver_start_time: None };
+        let ok = Verdict { pid, cgroup_id, state: State::Ok, ledger: Some(name.clone()), ledger_bytes: Some(charged), ebpf_bytes: charged, driver_bytes: None, pool_kept_bytes: 0, held_bytes: charged, escaped_bytes: 0, enforced_bytes: 0, confirmed_kept_bytes: 0, driver_start_time: None, start_time: crate::identity::identity_of(pid).map(|i| i.start_time) };
         assert_eq!(r.verdicts(), [ok]);
         assert_eq!(r.ledger_cgroups().get(&name), Some(&BTreeSet::from([cgroup_id])));
         assert_eq!(r.unaccounted_by_ledger(), BTreeMap::new());

@@ -6,8 +6,8 @@
 //! audit` asks for. Each of those runs on the blocking pool with the task's state moved there
 //! and back; nothing critical waits for it: it reads the kernel task's view and the reclaim
 //! task's ledgers when it needs them, and hands on the limits of the ledgers' containers
-//! (cgroup id -> bytes) and the processes of each cgroup the driver reports holding more than
-//! the probes see ([`super::Reconciler::escaped_by_cgroup`]) for the kernel
+//! (cgroup id -> bytes) and what each cgroup's processes hold, escaped from the probes and
+//! kept by their pools as the driver confirms it ([`super::Reconciler::holders_by_cgroup`]), for the kernel
 //! task to push and enforce: the kernel task never waits for NVML or for a pass.
 //!
 //! Passes run every second, after a drain or a reclaim that changed something (at most one
@@ -20,7 +20,7 @@ use tokio::{
     time::{interval, timeout, MissedTickBehavior},
 };
 
-use super::{EscapedByCgroup, Reconciler};
+use super::{HoldersByCgroup, Reconciler};
 use crate::{
     discovery::task::Found,
     driver::DriverView,
@@ -58,7 +58,7 @@ pub struct Wiring {
     /// The limits of the ledgers' containers, for the kernel task.
     pub ledger_limits: watch::Sender<BTreeMap<u64, u64>>,
     /// The processes of each cgroup holding memory the probes do not see, for the kernel task.
-    pub escaped: watch::Sender<Arc<EscapedByCgroup>>,
+    pub holders: watch::Sender<Arc<HoldersByCgroup>>,
     /// The metrics listener's board (none without `--metrics-addr`), and its bell.
     pub publisher: Option<(Publisher, Arc<Notify>)>,
     /// Rung by the kernel and reclaim tasks when a pass is worth running.
@@ -176,11 +176,11 @@ impl Judge {
                 }
             };
             let limits = ledgers.map(|l| ledger_cgroup_limits(l, &state.reconciler)).unwrap_or_default();
-            let escaped = state.reconciler.escaped_by_cgroup();
-            (state, out, limits, escaped, failed)
+            let holders = state.reconciler.holders_by_cgroup();
+            (state, out, limits, holders, failed)
         });
         // A panic in a pass is a bug; the task cannot go on without its state.
-        let (state, out, limits, escaped, failed) = work.await.map_err(|error| anyhow::anyhow!("a reconcile step failed: {error}"))?;
+        let (state, out, limits, holders, failed) = work.await.map_err(|error| anyhow::anyhow!("a reconcile step failed: {error}"))?;
         if let Some(error) = failed {
             anyhow::bail!("the agent's charges cannot be made: {error}");
         }
@@ -189,10 +189,10 @@ impl Judge {
             *held = limits;
             changed
         });
-        wiring.escaped.send_if_modified(|held| {
-            let changed = **held != escaped;
+        wiring.holders.send_if_modified(|held| {
+            let changed = **held != holders;
             if changed {
-                *held = Arc::new(escaped);
+                *held = Arc::new(holders);
             }
             changed
         });

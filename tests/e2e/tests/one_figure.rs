@@ -70,6 +70,16 @@ impl Scene {
     }
 }
 
+/// Waits (20 s at most) for the agent to say it signalled `pid`.
+fn signalled_within(scene: &Scene, pid: u32, what: &str) -> Result<()> {
+    e2e::wait_for(Duration::from_secs(20), what, || {
+        std::thread::sleep(Duration::from_millis(50));
+        Ok(scene.signalled(pid))
+    })
+    .with_context(|| scene.agent.log())?;
+    Ok(())
+}
+
 /// Process `pid`'s row of an audit.
 fn row(audit: &Value, pid: u32) -> Option<Value> {
     audit["processes"].as_array()?.iter().find(|r| r["pid"].as_u64() == Some(u64::from(pid))).cloned()
@@ -93,7 +103,8 @@ fn pool_steps(then: &[&str]) -> Vec<String> {
 /// waits 4 s, then takes 2 GiB from the pool again and 256 MiB more: it finishes, never
 /// signalled, with and without the hook, and the driver's figure for it is what the pool
 /// holds, counted once. Control: the same with 4 GiB at the end is signalled by the entry
-/// probe before the driver allocates.
+/// probe before the driver allocates; the same from the pool (2 GiB of it new) is signalled by
+/// the agent once the driver's reads show the cgroup over its limit.
 #[test]
 fn a_pool_that_keeps_what_it_frees_is_counted_once() -> Result<()> {
     let scene = Scene::start("onefig-pool", "3g")?;
@@ -120,11 +131,21 @@ fn a_pool_that_keeps_what_it_frees_is_counted_once() -> Result<()> {
         assert_eq!(finished.status.signal(), Some(libc::SIGKILL), "{how}: ended by the test's kill only: {finished:?}");
         assert!(finished.stdout.iter().any(|l| l.starts_with("ok async c")), "{how}: {:?}", finished.stdout);
 
-        // The control: 4 GiB at the end passes the limit: the entry probe signals it.
-        let control = scene.workload(hooked, &format!("control{hooked}"))?.steps(pool_steps(&["async b 4g"])).spawn()?;
+        // The controls: 4 GiB more beside what the pool keeps passes the limit. Not from the
+        // pool: the entry probe signals it before the driver allocates.
+        let control = scene.workload(hooked, &format!("control{hooked}"))?.steps(pool_steps(&["alloc b 4g"])).spawn()?;
         let finished = control.wait()?;
         assert_eq!(finished.status.signal(), Some(libc::SIGKILL), "{how}: the control is stopped: {:?}", finished.status);
-        assert!(!finished.stdout.iter().any(|l| l.starts_with("ok async b")), "{how}: the driver allocated b: {:?}", finished.stdout);
+        assert!(!finished.stdout.iter().any(|l| l.starts_with("ok alloc b")), "{how}: the driver allocated b: {:?}", finished.stdout);
+        // 4 GiB from the pool, 2 of them new: the entry probe checks the 2 GiB the pool cannot
+        // serve (within), the driver then holds 4 GiB: the agent signals it once it sees that.
+        let mut control = scene.workload(hooked, &format!("pool-control{hooked}"))?.steps(pool_steps(&["async b 4g"])).spawn()?;
+        control.wait_checkpoint("kept")?;
+        control.resume()?;
+        let pid = control.pid();
+        signalled_within(&scene, pid, "the agent signals the process over its limit")?;
+        let finished = control.wait()?;
+        assert_eq!(finished.status.signal(), Some(libc::SIGKILL), "{how}: the pool control is stopped: {:?}", finished.status);
     }
     scene.agent.stop()?;
     Ok(())
@@ -178,5 +199,62 @@ fn memory_the_hook_charges_and_the_probes_cannot_see_is_counted_once() -> Result
     }
     let log = scene.agent.log();
     scene.agent.stop().with_context(|| log)?;
+    Ok(())
+}
+
+/// Beside a pool that keeps what it freed, the process that takes the room is the one stopped
+/// (found in the fourth session of issue 24's work): a hooked process whose default pool keeps
+/// 600 MiB it freed, and an un-hooked process of the same container taking 500 MiB, under a
+/// 1 GiB limit. The container holds 1.1 GiB: the un-hooked process is signalled once two
+/// driver reads confirm what the pool keeps; the pool's owner then takes its 600 MiB back
+/// from its pool (nothing new) and is never stopped. Before, the un-hooked process passed (the
+/// probes' cgroup figure left the kept bytes out) and the owner was stopped at entry for its
+/// own pool's memory. Then a pool with the default release threshold, which gives what it
+/// frees back at the synchronize: an honest un-hooked process near its limit (500 MiB, then
+/// 400 from the pool's figure, which is new memory) is not stopped; one that takes 600 from
+/// that figure (1.1 GiB) is.
+#[test]
+fn beside_a_pool_that_keeps_what_it_freed_the_process_taking_the_room_is_stopped() -> Result<()> {
+    let scene = Scene::start("onefig-beside", "1g")?;
+    let steps = |kept: &str| vec!["ctx 0".to_string(), format!("pool-threshold {kept}"), "async a 600m".into(), "free-async a".into(), "sync".into()];
+    let owner_steps = steps(KEEP_ALL).into_iter().chain(["checkpoint freed".to_string(), "async b 600m".into(), "checkpoint took".into(), "hold".into()]);
+    let mut owner = scene.workload(true, "owner")?.steps(owner_steps).spawn()?;
+    owner.wait_checkpoint("freed")?;
+    // Two driver reads and passes with the pool's 600 MiB held.
+    std::thread::sleep(Duration::from_millis(2500));
+    let mut taker = scene.workload(false, "taker")?.steps(["ctx 0", "alloc p 500m", "checkpoint held", "hold"]).spawn()?;
+    taker.wait_checkpoint("held").context("the entry probe lets it through (500 MiB live in the cgroup)")?;
+    let pid = taker.pid();
+    signalled_within(&scene, pid, "the agent signals the process that took the room")?;
+    let finished = taker.wait()?;
+    assert_eq!(finished.status.signal(), Some(libc::SIGKILL), "{:?}", finished.status);
+    owner.resume()?;
+    owner.wait_checkpoint("took").with_context(|| format!("the owner stopped taking its pool's memory back: {}\n{}", owner.stderr(), scene.agent.log()))?;
+    // Two more reads and passes: 600 MiB live, nothing kept; within.
+    std::thread::sleep(Duration::from_millis(2500));
+    let audit = scene.agent.audit()?;
+    let seen = row(&audit, owner.pid()).with_context(|| format!("no row: {audit}"))?;
+    assert_eq!(seen["held_bytes"].as_u64(), Some(600 * MIB), "{seen}");
+    assert!(!scene.signalled(owner.pid()), "{}", scene.agent.log());
+    let finished = owner.kill()?;
+    assert_eq!(finished.status.signal(), Some(libc::SIGKILL), "ended by the test's kill only: {finished:?}");
+
+    // The default threshold: the synchronize gives the 600 MiB back; the probes' kept figure
+    // is left above what the pool holds.
+    let then = |steps: Vec<String>, more: &[&str]| steps.into_iter().chain(more.iter().map(|s| s.to_string())).chain(["hold".to_string()]).collect::<Vec<_>>();
+    let honest = then(steps("0"), &["sleep 2500", "alloc p 500m", "async c 400m", "checkpoint near"]);
+    let mut honest = scene.workload(false, "honest")?.steps(honest).spawn()?;
+    honest.wait_checkpoint("near").with_context(|| honest.stderr())?;
+    std::thread::sleep(Duration::from_millis(3000));
+    assert!(!scene.signalled(honest.pid()), "an honest process at 900 MiB of 1 GiB: {}", scene.agent.log());
+    let finished = honest.kill()?;
+    assert_eq!(finished.status.signal(), Some(libc::SIGKILL), "ended by the test's kill only: {finished:?}");
+    let over = then(steps("0"), &["sleep 2500", "alloc p 500m", "async c 600m", "checkpoint over"]);
+    let mut over = scene.workload(false, "over")?.steps(over).spawn()?;
+    over.wait_checkpoint("over").context("the entry probe lets it through (the pool's figure covers it)")?;
+    let pid = over.pid();
+    signalled_within(&scene, pid, "the agent signals the process past its limit")?;
+    assert_eq!(over.wait()?.status.signal(), Some(libc::SIGKILL));
+    scene.agent.stop()?;
     Ok(())
 }
