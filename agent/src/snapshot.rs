@@ -123,6 +123,9 @@ pub struct Holder {
 }
 
 impl Holder {
+    /// Why a holder is stopped, by the first field of its [`Holder::stop_order`].
+    pub const WHY: [&'static str; 3] = ["escaped", "uncharged", "charged"];
+
     /// All it holds on the probes' scale.
     pub fn held(&self) -> u64 {
         self.escaped.saturating_add(self.live).saturating_add(self.kept)
@@ -392,6 +395,10 @@ pub struct Stats {
     /// whenever it is needed).
     #[serde(default)]
     pub cgroup_tree_changes: u64,
+    /// The agent's own signals to processes over their cgroup's limit, by why each was chosen
+    /// ([`Holder::stop_order`]): escaped memory, memory no ledger charges, the rest.
+    #[serde(default)]
+    pub agent_signals: [u64; 3],
 }
 
 impl Snapshot {

@@ -211,9 +211,10 @@ impl Limits {
         self.holders = holders;
     }
 
-    /// Signals the agent sent to escaped processes.
-    pub fn escaped_signals(&self) -> u64 {
-        self.escapes.signals
+    /// Signals the agent sent to processes over their cgroup's limit, in all and by why
+    /// ([`Holder::WHY`]).
+    pub fn agent_signals(&self) -> (u64, [u64; 3]) {
+        (self.escapes.signals, self.escapes.by_why)
     }
 
     /// For each cgroup whose usage is over its limit (its holders' escaped, live and kept
@@ -392,8 +393,9 @@ struct Escapes {
     signalled: std::collections::BTreeSet<(u32, u64)>,
     /// Those a signal failed for (said once; tried again at the next push).
     failed: std::collections::BTreeSet<(u32, u64)>,
-    /// Signals sent.
+    /// Signals sent, and by why ([`Holder::WHY`]).
     signals: u64,
+    by_why: [u64; 3],
 }
 
 impl Escapes {
@@ -433,6 +435,7 @@ impl Escapes {
                     }
                     Some(Ok(())) => {
                         self.signals += 1;
+                        self.by_why[usize::from(process.stop_order().0)] += 1;
                         tracing::warn!(pid, cgroup, escaped_bytes, held_bytes, uncharged_bytes, usage, limit,
                             "signalled a process {what}: its cgroup is over its limit");
                         self.signalled.insert(key);
@@ -618,6 +621,9 @@ mod tests {
                 Some(Ok(()))
             });
             assert_eq!(stopped, expected, "{case}");
+            let why: Vec<usize> = holders[&9].iter().filter(|p| expected.contains(&p.pid)).map(|p| usize::from(p.stop_order().0)).collect();
+            assert_eq!(escapes.by_why.iter().sum::<u64>(), expected.len() as u64, "{case}");
+            assert!(why.iter().all(|w| escapes.by_why[*w] > 0), "{case}: {:?}", escapes.by_why);
         }
     }
 

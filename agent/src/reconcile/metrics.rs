@@ -61,8 +61,11 @@
 //! entries of removed cgroups deleted by the `kernel` tracepoint or the agent's `sweep`),
 //! `vramguard_records_swept_total{by}` (records the sweeps examined: `exit`, the exited
 //! processes' own; `full`, every record, only after losses), `vramguard_full_sweeps_total`,
-//! `vramguard_record_index_keys`, `vramguard_record_index_overflows_total` and
-//! `vramguard_cgroup_tree_walks_total`.
+//! `vramguard_record_index_keys`, `vramguard_record_index_overflows_total`,
+//! `vramguard_cgroup_tree_walks_total` and `vramguard_agent_signals_total{why}` (the agent's
+//! own signals to processes over their cgroup's limit: `escaped` memory the probes cannot
+//! see, memory no ledger charges (`uncharged`), or a limit below what the ledger admits
+//! (`charged`)).
 //! Families kept elsewhere join through [`Metrics::register`] (`vramguard_http_connections_total`,
 //! [`crate::serve::http`]). Gauges are rebuilt from the current state at each render
 //! ([`Metrics::refresh`]).
@@ -150,6 +153,7 @@ pub struct Metrics {
     record_index_keys: IntGauge,
     record_index_overflows: IntCounter,
     cgroup_tree_walks: IntCounter,
+    agent_signals: IntCounterVec,
     container_ebpf: IntGaugeVec,
     container_driver: IntGaugeVec,
     container_held: IntGaugeVec,
@@ -508,6 +512,13 @@ impl Metrics {
             "vramguard_cgroup_tree_walks_total",
             "Walks of the cgroup2 tree (done when the tree changed, not on a timer)",
         )?)?;
+        let agent_signals = registered(&registry, IntCounterVec::new(
+            Opts::new(
+                "vramguard_agent_signals_total",
+                "Signals the agent sent to processes over their cgroup's limit (--enforce signal), by why each was chosen: escaped (memory the probes cannot see), uncharged (memory no ledger charges), charged (a limit below what the ledger admits); also counted in vramguard_enforcement_signals_total",
+            ),
+            &["why"],
+        )?)?;
         let hami = if hami {
             let labels = ["namespace", "pod", "container", "vdevice_index", "device_uuid"];
             // HAMi's monitor marks its per-container families with a constant zone.
@@ -578,6 +589,7 @@ impl Metrics {
             record_index_keys,
             record_index_overflows,
             cgroup_tree_walks,
+            agent_signals,
             container_ebpf,
             container_driver,
             container_held,
@@ -784,6 +796,9 @@ impl Metrics {
         catch_up(&self.full_sweeps, snapshot.stats.full_sweeps);
         catch_up(&self.record_index_overflows, snapshot.stats.record_index_overflows);
         catch_up(&self.cgroup_tree_walks, snapshot.stats.cgroup_tree_walks);
+        for (why, total) in crate::snapshot::Holder::WHY.iter().zip(snapshot.stats.agent_signals) {
+            catch_up(&self.agent_signals.with_label_values(&[why]), total);
+        }
         self.record_index_keys.set(value(snapshot.stats.record_index_keys));
         self.capped.reset();
         self.unrecorded.reset();

@@ -228,6 +228,16 @@ fn beside_a_pool_that_keeps_what_it_freed_the_process_taking_the_room_is_stopped
     signalled_within(&scene, pid, "the agent signals the process that took the room")?;
     let finished = taker.wait()?;
     assert_eq!(finished.status.signal(), Some(libc::SIGKILL), "{:?}", finished.status);
+    // The agent says why, once a pass renders its page.
+    let mut why = Vec::new();
+    e2e::wait_for(Duration::from_secs(5), "vramguard_agent_signals_total{why=\"uncharged\"} 1", || {
+        std::thread::sleep(Duration::from_millis(100));
+        let metrics = e2e::http::scrape(scene.agent.metrics_addr()?)?;
+        why = ["uncharged", "charged", "escaped"].map(|why| e2e::http::metric(&metrics, "vramguard_agent_signals_total", &[("why", why)])).to_vec();
+        Ok(why[0] == Some(1.0))
+    })
+    .with_context(|| format!("{why:?}"))?;
+    assert_eq!(why, [Some(1.0), Some(0.0), Some(0.0)]);
     owner.resume()?;
     owner.wait_checkpoint("took").with_context(|| format!("the owner stopped taking its pool's memory back: {}\n{}", owner.stderr(), scene.agent.log()))?;
     // Two more reads and passes: 600 MiB live, nothing kept; within.
