@@ -102,43 +102,38 @@ pub struct EbpfProcess {
 
 /// A process holding GPU memory in a cgroup, as a reconcile pass saw it, for the kernel task
 /// to hold the cgroup to its limit ([`crate::kernel::enforce`]): which process (host pid and
-/// start time, so that a pid reused since is never signalled) and what it holds, in three
-/// parts that add up to its figure on the probes' scale (contexts aside).
+/// start time, so that a pid reused since is never signalled) and what it holds, on the
+/// probes' scale (contexts aside).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Holder {
     pub pid: u32,
     pub start_time: u64,
-    /// Bytes the driver reports it holding that the probes cannot see, as two consecutive
-    /// driver reads showed them ([`crate::reconcile::Verdict::enforced_bytes`]).
-    pub escaped: u64,
-    /// Live bytes the probes count, as of the pass.
+    /// What two consecutive driver reads showed it holding, each read's figures alone
+    /// ([`crate::reconcile::Verdict::limit_bytes`]): its part of the cgroup's usage.
+    pub held: u64,
+    /// Of `held`, what no ledger charges it: what the hook did not admit
+    /// ([`crate::reconcile::Verdict::unadmitted_bytes`]).
+    pub unadmitted: u64,
+    /// The probes' live bytes at the pass (what they see it free since comes off the usage).
     pub live: u64,
-    /// What its stream-ordered pools keep of what the probes saw freed, as two consecutive
-    /// driver reads confirmed it ([`crate::reconcile::Verdict::confirmed_kept_bytes`]): 0
-    /// without the driver's view.
-    pub kept: u64,
-    /// Of those bytes, the ones no ledger charges it (all of them for a process without a
-    /// slot): what it holds past the hook's admission.
-    pub uncharged: u64,
+    /// Bytes the driver reports it holding that the probes cannot see, as two consecutive
+    /// driver reads showed them ([`crate::reconcile::Verdict::enforced_bytes`]): what
+    /// `--enforce audit` takes off the limit the probes check.
+    pub escaped: u64,
 }
 
 impl Holder {
     /// Why a holder is stopped, by the first field of its [`Holder::stop_order`].
-    pub const WHY: [&'static str; 3] = ["escaped", "uncharged", "charged"];
+    pub const WHY: [&'static str; 2] = ["unadmitted", "admitted"];
 
-    /// All it holds on the probes' scale.
-    pub fn held(&self) -> u64 {
-        self.escaped.saturating_add(self.live).saturating_add(self.kept)
-    }
-
-    /// Who is stopped first when its cgroup is over its limit: a process holding memory the
-    /// probes cannot see (largest first), then one holding memory no ledger charges (the
-    /// hook did not admit it), then the others (a limit below what their ledgers admit).
+    /// Who is stopped first when its cgroup is over its limit: a process holding memory no
+    /// ledger charges (the hook did not admit it: an un-hooked process, memory allocated past
+    /// the hook), largest first; then the others, largest first (a limit below what their
+    /// ledger admits).
     pub fn stop_order(&self) -> (u8, std::cmp::Reverse<u64>) {
-        match (self.escaped, self.uncharged) {
-            (0, 0) => (2, std::cmp::Reverse(self.held())),
-            (0, uncharged) => (1, std::cmp::Reverse(uncharged)),
-            (escaped, _) => (0, std::cmp::Reverse(escaped)),
+        match self.unadmitted {
+            0 => (1, std::cmp::Reverse(self.held)),
+            unadmitted => (0, std::cmp::Reverse(unadmitted)),
         }
     }
 }
@@ -396,9 +391,9 @@ pub struct Stats {
     #[serde(default)]
     pub cgroup_tree_changes: u64,
     /// The agent's own signals to processes over their cgroup's limit, by why each was chosen
-    /// ([`Holder::stop_order`]): escaped memory, memory no ledger charges, the rest.
+    /// ([`Holder::WHY`]): memory no ledger charges, or the rest.
     #[serde(default)]
-    pub agent_signals: [u64; 3],
+    pub agent_signals: [u64; 2],
 }
 
 impl Snapshot {

@@ -62,8 +62,8 @@ pub struct Wiring {
     pub attach: mpsc::Receiver<AttachRequest>,
     /// The limits the ledgers' containers are held to (cgroup id -> bytes), from reconcile.
     pub ledger_limits: watch::Receiver<BTreeMap<u64, u64>>,
-    /// What each cgroup's processes hold (escaped from the probes, live, kept by their pools),
-    /// from reconcile (which joins the driver's view: NVML is never on this task's path).
+    /// What each cgroup's processes hold as the driver shows it, from reconcile (which joins
+    /// the driver's view: NVML is never on this task's path).
     pub holders: watch::Receiver<Arc<HoldersByCgroup>>,
     /// The provisioned containers' limits (cgroup path -> bytes), when the agent provisions.
     pub provisioned: Option<watch::Receiver<BTreeMap<String, u64>>>,
@@ -243,7 +243,7 @@ impl Kernel {
         let (mut snapshot, processes) = self.accounting.snapshot(&mut self.cgroups);
         snapshot.stats.cgroup_limits = self.limits.as_ref().map_or(0, |l| l.applied() as u64);
         // The agent's signals to processes over their cgroup's limit count with the probes'.
-        let (signals, by_why) = self.limits.as_ref().map_or((0, [0; 3]), |l| l.agent_signals());
+        let (signals, by_why) = self.limits.as_ref().map_or((0, [0; 2]), |l| l.agent_signals());
         snapshot.stats.signals_sent = snapshot.stats.signals_sent.saturating_add(signals);
         snapshot.stats.agent_signals = by_why;
         snapshot.kernel_maps.cgroup_limits = self.limits.as_ref().map_or_else(Vec::new, |l| l.ids());

@@ -28,10 +28,13 @@
 //!
 //! * [`Figure::outside`]: what the driver says the process holds beyond what the probes
 //!   explain (live and pool-kept). The ledger explains none of it away (the tenant writes the
-//!   ledger). It is what the probes' cgroup check counts beside its own figure and what a
-//!   signal is for, once [`Confirmed`] on two driver reads.
+//!   ledger). Under `--enforce audit` it comes off the limit the probes check, once
+//!   [`Confirmed`] on two driver reads.
 //! * [`Figure::unexplained`]: what neither the probes nor the ledger explain: the process's
 //!   `unprobed` state and its container's charge, once confirmed too.
+//! * [`at_read`]: what the process holds as of one read, all of it on the probes' scale: its
+//!   part of its cgroup's usage against the limit, and, beyond what its ledger charges, what
+//!   makes it the first to be stopped when the cgroup is over (both once confirmed).
 use std::time::Instant;
 
 /// What a device rounds a process's memory up to beyond its allocations: one 2 MiB page.
@@ -94,7 +97,7 @@ pub fn figure(views: &Views, allowance: u64) -> Figure {
         return Figure { held: probes.max(ledger), outside: 0, unexplained: 0 };
     };
     let devices = u64::from(driver.devices);
-    let on_scale = driver.bytes.saturating_sub(devices.saturating_mul(allowance.saturating_add(DRIVER_PAGE)));
+    let on_scale = on_scale(driver, allowance);
     let outside = on_scale.saturating_sub(probes);
     // A ledger's reserve may only lower the allowance: a workload that made its own ledger
     // chose that figure, and must not explain memory away with it.
@@ -108,6 +111,23 @@ pub fn figure(views: &Views, allowance: u64) -> Figure {
         driver.bytes.saturating_sub(explained).saturating_sub(charged_contexts).max(1)
     };
     Figure { held: probes.max(ledger).max(on_scale), outside, unexplained }
+}
+
+/// The driver's figure of a process on the probes' scale: less a context at `allowance` and a
+/// page per device.
+fn on_scale(driver: DriverView, allowance: u64) -> u64 {
+    driver.bytes.saturating_sub(u64::from(driver.devices).saturating_mul(allowance.saturating_add(DRIVER_PAGE)))
+}
+
+/// What a process holds as of one driver read, for its cgroup's usage against the limit: the
+/// driver's figure on the probes' scale (all it holds there: live, kept by its pools, memory
+/// the probes cannot see), never less than the probes' live bytes at the read (`probes_low`:
+/// the smallest they gave since a read interval before it started); without the driver's row
+/// (NVML lists only processes that own a channel), those live bytes. One read's figures only:
+/// never one view's live counter beside another view's older one, so memory a pool gave back
+/// at a synchronize no probe saw, or trimmed, is gone from it at the first read after.
+pub fn at_read(probes_low: u64, driver: Option<DriverView>, allowance: u64) -> u64 {
+    driver.map_or(probes_low, |driver| on_scale(driver, allowance).max(probes_low))
 }
 
 /// What a process's stream-ordered pools may still keep of what the probes saw freed into

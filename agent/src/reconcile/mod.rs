@@ -85,11 +85,11 @@
 //! the GPU memory no driver row explains that is attributed to one of its cgroups (the holders
 //! of the GPU's device file, [`crate::driver::gap`]). What
 //! each cgroup's processes hold goes to the kernel task ([`Reconciler::holders_by_cgroup`],
-//! published by the reconcile task): their enforced escaped bytes, the probes' live bytes and
-//! what their pools keep as two driver reads confirmed it. That is the cgroup's usage against
-//! its limit, and in signal mode the processes of a cgroup over its limit are signalled by
-//! the agent, those that escaped the probes or the hook first. The agent's own slot is never
-//! judged.
+//! published by the reconcile task): what two driver reads showed each holding, each read's
+//! figures alone ([`figure::at_read`]), and of that what no ledger charges it. That is the
+//! cgroup's usage against its limit, and in signal mode the processes of a cgroup over its
+//! limit are signalled by the agent, those the hook did not admit first. The agent's own slot
+//! is never judged.
 //!
 //! # Cost
 //!
@@ -213,16 +213,20 @@ pub struct Verdict {
     /// Of the process's driver bytes, those the probes (live and pool-kept) do not explain,
     /// its contexts (at `--context-allowance` and a page per device) aside, as two
     /// consecutive driver reads showed them ([`figure::Figure::outside`]); the ledger never
-    /// explains them away (it is the tenant's to write). What its cgroup counts beyond the
-    /// probes' figure and what the process is signalled for, whatever its state
-    /// ([`Reconciler::escaped_by_cgroup`]).
+    /// explains them away (it is the tenant's to write). What `--enforce audit` takes off its
+    /// cgroup's limit in the probes, whatever its state ([`Reconciler::holders_by_cgroup`]).
     #[serde(default)]
     pub enforced_bytes: u64,
-    /// Of what the probes count its pools keeping ([`Verdict::pool_kept_bytes`]), what two
-    /// consecutive driver reads confirmed the process holding: what its cgroup's usage counts
-    /// of it against the limit ([`Reconciler::holders_by_cgroup`]). 0 without the driver's row.
+    /// What the process holds as two consecutive driver reads showed it, each read's figures
+    /// alone ([`figure::at_read`]): what its cgroup's usage counts of it against the limit
+    /// ([`Reconciler::holders_by_cgroup`]). 0 without the driver's view.
     #[serde(default)]
-    pub confirmed_kept_bytes: u64,
+    pub limit_bytes: u64,
+    /// Of those, the bytes no ledger charges it (its slot's bytes and contexts beyond the
+    /// first), on both reads: what the hook did not admit, which makes it the first to be
+    /// stopped when its cgroup is over its limit.
+    #[serde(default)]
+    pub unadmitted_bytes: u64,
     /// The start time the driver's row was joined with (the process the bytes are of).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub driver_start_time: Option<u64>,
@@ -272,15 +276,35 @@ pub struct Reconciler {
     explained: HashMap<u32, Vec<(Instant, u64)>>,
     /// What each process's pools may keep ([`figure::PoolsKeep`]).
     pools: HashMap<u32, figure::PoolsKeep>,
-    /// Per process: the driver row's start time, and its outside, unexplained and pool-kept
-    /// bytes through consecutive reads.
-    escapes: HashMap<u32, (u64, figure::Confirmed, figure::Confirmed, figure::Confirmed)>,
+    /// Per process: what consecutive reads showed of it ([`Reads`]).
+    escapes: HashMap<u32, Reads>,
     /// Processes already logged as `unprobed` (said once per process).
     unprobed_logged: BTreeSet<u32>,
     /// The driver's rows the last pass joined with no process, as their pids are others' now.
     driver_unjoined: Vec<UnjoinedProcess>,
     /// Which of the driver's processes still run, without a /proc read each pass.
     living: crate::pidfd::Living,
+}
+
+/// What consecutive driver reads showed of one process (of the driver row with `start_time`).
+#[derive(Default)]
+struct Reads {
+    start_time: u64,
+    outside: figure::Confirmed,
+    unexplained: figure::Confirmed,
+    held: figure::Confirmed,
+    uncharged: figure::Confirmed,
+}
+
+/// What two consecutive driver reads confirm of a process: its outside and unexplained bytes
+/// ([`figure::Figure`]), what it holds ([`figure::at_read`]) and, of that, what its ledger
+/// does not charge.
+#[derive(Clone, Copy, Debug, Default)]
+struct ConfirmedFigures {
+    outside: u64,
+    unexplained: u64,
+    held: u64,
+    uncharged: u64,
 }
 
 impl Reconciler {
@@ -393,14 +417,12 @@ impl Reconciler {
     }
 
     /// The process's [`figure::Figure`] as of the driver's last read (see [`figure`]), what
-    /// its pools may keep, and what two consecutive reads confirm of its outside, its
-    /// unexplained bytes and what its pools keep (only for a process the driver reports):
-    /// (figure, pools keep, confirmed outside, confirmed unexplained, confirmed kept).
+    /// its pools may keep, and what two consecutive reads confirm ([`ConfirmedFigures`]).
     ///
     /// The probes' figure is taken as of the read: the largest they gave since a read
     /// interval before it started explains the driver's (a free the probes saw after the read
     /// is not an escape), the smallest bounds what the pools can keep.
-    fn figure(&mut self, seen: &Observation, now: Instant) -> (figure::Figure, u64, u64, u64, u64) {
+    fn figure(&mut self, seen: &Observation, now: Instant) -> (figure::Figure, u64, ConfirmedFigures) {
         let history = self.explained.entry(seen.pid).or_default();
         history.retain(|(at, _)| now.saturating_duration_since(*at) < EXPLAINED_MEMORY);
         history.push((now, seen.ebpf_bytes));
@@ -427,16 +449,19 @@ impl Reconciler {
         };
         let figure = figure::figure(&views, self.config.context_allowance);
         let start_time = seen.driver.map_or(0, |d| d.start_time);
-        let entry = self.escapes.entry(seen.pid).or_insert((start_time, Default::default(), Default::default(), Default::default()));
-        if entry.0 != start_time {
-            *entry = (start_time, Default::default(), Default::default(), Default::default());
+        let entry = self.escapes.entry(seen.pid).or_default();
+        if entry.start_time != start_time {
+            *entry = Reads { start_time, ..Reads::default() };
         }
-        let outside = entry.1.see(read_at, figure.outside);
-        let unexplained = entry.2.see(read_at, figure.unexplained);
-        // What the pools keep counts in the cgroup's usage only as the driver holds it, on two
-        // reads: a pool that gave its memory back at a synchronize is seen on the next read.
-        let confirmed_kept = entry.3.see(read_at, if seen.driver.is_some() { kept } else { 0 });
-        (figure, kept, outside, unexplained, confirmed_kept)
+        let at_read = figure::at_read(low, views.driver, self.config.context_allowance);
+        let charged = seen.ledger_bytes.map_or(0, |bytes| bytes.saturating_add(seen.extra_contexts));
+        let confirmed = ConfirmedFigures {
+            outside: entry.outside.see(read_at, figure.outside),
+            unexplained: entry.unexplained.see(read_at, figure.unexplained),
+            held: entry.held.see(read_at, at_read),
+            uncharged: entry.uncharged.see(read_at, at_read.saturating_sub(charged)),
+        };
+        (figure, kept, confirmed)
     }
 
     /// Judges `observations` as of `now`, logging every change of state.
@@ -451,7 +476,8 @@ impl Reconciler {
         self.escapes.retain(|pid, _| seen_pids.contains(pid));
         self.unprobed_logged.retain(|pid| seen_pids.contains(pid));
         for seen in observations {
-            let (figure, pool_kept_bytes, enforced_bytes, escaped_bytes, confirmed_kept_bytes) = if seen.gone { Default::default() } else { self.figure(&seen, now) };
+            let (figure, pool_kept_bytes, confirmed) = if seen.gone { Default::default() } else { self.figure(&seen, now) };
+            let (enforced_bytes, escaped_bytes) = (confirmed.outside, confirmed.unexplained);
             let escaped = escaped_bytes > 0;
             let driver_start_time = seen.driver.map(|d| d.start_time);
             let state = match seen.ledger_bytes {
@@ -512,7 +538,8 @@ impl Reconciler {
                 // must not switch the driver's view off).
                 escaped_bytes: if matches!(state, State::Unprobed | State::Tampered) { escaped_bytes } else { 0 },
                 enforced_bytes,
-                confirmed_kept_bytes,
+                limit_bytes: confirmed.held,
+                unadmitted_bytes: confirmed.uncharged,
                 driver_start_time,
                 start_time: seen.start_time.or(driver_start_time),
             });
@@ -574,21 +601,26 @@ impl Reconciler {
     }
 
     /// What each cgroup's processes hold, for the kernel task to hold the cgroup to its limit
-    /// ([`crate::kernel::enforce`]): per process, its enforced escaped bytes
-    /// ([`Verdict::enforced_bytes`], whatever its state: the probes cannot see them), the probes'
-    /// live bytes, what its pools keep as two driver reads confirmed it
-    /// ([`Verdict::confirmed_kept_bytes`]), and how much of that no ledger charges it; in
-    /// [`Holder::stop_order`]. Each carries the start time a signal checks; a process whose
-    /// start time is not known, or that holds nothing, is left out.
+    /// ([`crate::kernel::enforce`]): per process, what two driver reads confirmed it holding
+    /// ([`Verdict::limit_bytes`]) and of that what no ledger charges
+    /// ([`Verdict::unadmitted_bytes`]), the probes' live bytes at the pass, and its enforced
+    /// escaped bytes ([`Verdict::enforced_bytes`], which `--enforce audit` takes off the
+    /// limit); in [`Holder::stop_order`]. Each carries the start time a signal checks; a
+    /// process whose start time is not known, or that holds nothing, is left out.
     pub fn holders_by_cgroup(&self) -> HoldersByCgroup {
         let mut by_cgroup = HoldersByCgroup::new();
         for verdict in self.verdicts.iter().filter(|v| v.state != State::Stale && v.cgroup_id != 0) {
-            // The signal checks the start time the escaped bytes were joined with.
-            let start_time = if verdict.enforced_bytes > 0 { verdict.driver_start_time } else { verdict.start_time };
-            let Some(start_time) = start_time else { continue };
-            let mut process = Holder { pid: verdict.pid, start_time, escaped: verdict.enforced_bytes, live: verdict.ebpf_bytes, kept: verdict.confirmed_kept_bytes, uncharged: 0 };
-            process.uncharged = process.held().saturating_sub(verdict.ledger_bytes.unwrap_or(0));
-            if process.held() > 0 {
+            // The signal checks the start time the driver's figures were joined with.
+            let Some(start_time) = verdict.driver_start_time.or(verdict.start_time) else { continue };
+            let process = Holder {
+                pid: verdict.pid,
+                start_time,
+                escaped: verdict.enforced_bytes,
+                held: verdict.limit_bytes,
+                live: verdict.ebpf_bytes,
+                unadmitted: verdict.unadmitted_bytes.min(verdict.limit_bytes),
+            };
+            if process.held > 0 || process.live > 0 || process.escaped > 0 {
                 by_cgroup.entry(verdict.cgroup_id).or_default().push(process);
             }
         }
@@ -1103,7 +1135,7 @@ mod tests {
         // The next read shows less: the smaller of the two is what counts.
         read(&mut r, start + Duration::from_secs(1));
         r.judge(vec![escaped(160 * MIB)], start + Duration::from_secs(1));
-        assert_eq!(published(&r), [Holder { pid, start_time: 4242, escaped: 94 * MIB, uncharged: 94 * MIB, ..Holder::default() }]);
+        assert_eq!(published(&r), [Holder { pid, start_time: 4242, held: 94 * MIB, unadmitted: 94 * MIB, live: 0, escaped: 94 * MIB }]);
         // A read without it starts over.
         read(&mut r, start + Duration::from_secs(2));
         r.judge(vec![Observation { driver: None, ..escaped(0) }], start + Duration::from_secs(2));
@@ -1139,11 +1171,12 @@ mod tests {
             r.judge(vec![process(0, 2 * GIB, 2 * GIB)], at(second * 1000 + 500));
             let v = &r.verdicts()[0];
             assert_eq!((v.state, v.enforced_bytes, v.pool_kept_bytes, v.held_bytes), (State::Ok, 0, 2 * GIB, 2 * GIB), "{v:?}");
-            // What the pools keep counts in the cgroup's usage once two reads show it held.
-            let confirmed = if second == 0 { 0 } else { 2 * GIB };
-            assert_eq!(v.confirmed_kept_bytes, confirmed, "{v:?}");
+            // What the pool keeps counts in the cgroup's usage once two reads show it held (as
+            // the driver holds it: a page aside).
+            let held = if second == 0 { 0 } else { 2 * GIB - DRIVER_PAGE };
+            assert_eq!((v.limit_bytes, v.unadmitted_bytes), (held, held), "{v:?}");
             let holders = r.holders_by_cgroup().get(&7).cloned().unwrap_or_default();
-            assert_eq!(holders.iter().map(|h| (h.live, h.kept, h.escaped)).collect::<Vec<_>>(), if second == 0 { vec![] } else { vec![(0, 2 * GIB, 0)] });
+            assert_eq!(holders.iter().map(|h| (h.held, h.live, h.escaped)).collect::<Vec<_>>(), if second == 0 { vec![] } else { vec![(held, 0, 0)] });
         }
         // Taken again, and 256 MiB more; the read is before the pass that sees it.
         read(&mut r, 6000);
@@ -1155,7 +1188,8 @@ mod tests {
         assert_eq!((v.state, v.enforced_bytes, v.held_bytes), (State::Unhooked, 0, 2 * GIB + 256 * MIB), "{v:?}");
         // Its cgroup counts what it holds once: live, nothing kept (taken back), nothing escaped.
         let holders = r.holders_by_cgroup();
-        assert_eq!(holders[&7].iter().map(|h| (h.live, h.kept, h.escaped, h.uncharged)).collect::<Vec<_>>(), [(2 * GIB + 256 * MIB, 0, 0, 2 * GIB + 256 * MIB)]);
+        let held = 2 * GIB + 256 * MIB - DRIVER_PAGE;
+        assert_eq!(holders[&7].iter().map(|h| (h.held, h.live, h.escaped, h.unadmitted)).collect::<Vec<_>>(), [(held, 2 * GIB + 256 * MIB, 0, held)]);
 
         // Another process's pool gives its 2 GiB back at a synchronize: a read that started
         // after the probes' figure was seen says so.
@@ -1167,7 +1201,7 @@ mod tests {
         r.judge(vec![other(0)], at(9500));
         assert_eq!(r.verdicts()[0].pool_kept_bytes, 0);
         // Neither read counted the 2 GiB it gave back in its cgroup's usage.
-        assert_eq!(r.verdicts()[0].confirmed_kept_bytes, 0);
+        assert_eq!(r.verdicts()[0].limit_bytes, 0);
         // 2 GiB through a copy of libcuda no probe is on: outside, on two reads.
         for ms in [10000, 11000] {
             read(&mut r, ms);
@@ -1307,7 +1341,7 @@ mod tests {
         r.agent = None;
         r.pass(Some(&ledgers), &[me(charged)]);
         let name = path.display().to_string();
-        let ok = Verdict { pid, cgroup_id, state: State::Ok, ledger: Some(name.clone()), ledger_bytes: Some(charged), ebpf_bytes: charged, driver_bytes: None, pool_kept_bytes: 0, held_bytes: charged, escaped_bytes: 0, enforced_bytes: 0, confirmed_kept_bytes: 0, driver_start_time: None, start_time: crate::identity::identity_of(pid).map(|i| i.start_time) };
+        let ok = Verdict { pid, cgroup_id, state: State::Ok, ledger: Some(name.clone()), ledger_bytes: Some(charged), ebpf_bytes: charged, driver_bytes: None, pool_kept_bytes: 0, held_bytes: charged, escaped_bytes: 0, enforced_bytes: 0, limit_bytes: 0, unadmitted_bytes: 0, driver_start_time: None, start_time: crate::identity::identity_of(pid).map(|i| i.start_time) };
         assert_eq!(r.verdicts(), [ok]);
         assert_eq!(r.ledger_cgroups().get(&name), Some(&BTreeSet::from([cgroup_id])));
         assert_eq!(r.unaccounted_by_ledger(), BTreeMap::new());

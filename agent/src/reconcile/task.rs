@@ -6,8 +6,8 @@
 //! audit` asks for. Each of those runs on the blocking pool with the task's state moved there
 //! and back; nothing critical waits for it: it reads the kernel task's view and the reclaim
 //! task's ledgers when it needs them, and hands on the limits of the ledgers' containers
-//! (cgroup id -> bytes) and what each cgroup's processes hold, escaped from the probes and
-//! kept by their pools as the driver confirms it ([`super::Reconciler::holders_by_cgroup`]), for the kernel
+//! (cgroup id -> bytes) and what each cgroup's processes hold as two driver reads showed it
+//! ([`super::Reconciler::holders_by_cgroup`]), for the kernel
 //! task to push and enforce: the kernel task never waits for NVML or for a pass.
 //!
 //! Passes run every second, after a drain or a reclaim that changed something (at most one
@@ -57,7 +57,7 @@ pub struct Wiring {
     pub driver: watch::Receiver<Arc<DriverView>>,
     /// The limits of the ledgers' containers, for the kernel task.
     pub ledger_limits: watch::Sender<BTreeMap<u64, u64>>,
-    /// The processes of each cgroup holding memory the probes do not see, for the kernel task.
+    /// What each cgroup's processes hold, for the kernel task.
     pub holders: watch::Sender<Arc<HoldersByCgroup>>,
     /// The metrics listener's board (none without `--metrics-addr`), and its bell.
     pub publisher: Option<(Publisher, Arc<Notify>)>,

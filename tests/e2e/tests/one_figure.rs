@@ -205,14 +205,17 @@ fn memory_the_hook_charges_and_the_probes_cannot_see_is_counted_once() -> Result
 /// Beside a pool that keeps what it freed, the process that takes the room is the one stopped
 /// (found in the fourth session of issue 24's work): a hooked process whose default pool keeps
 /// 600 MiB it freed, and an un-hooked process of the same container taking 500 MiB, under a
-/// 1 GiB limit. The container holds 1.1 GiB: the un-hooked process is signalled once two
-/// driver reads confirm what the pool keeps; the pool's owner then takes its 600 MiB back
-/// from its pool (nothing new) and is never stopped. Before, the un-hooked process passed (the
-/// probes' cgroup figure left the kept bytes out) and the owner was stopped at entry for its
-/// own pool's memory. Then a pool with the default release threshold, which gives what it
-/// frees back at the synchronize: an honest un-hooked process near its limit (500 MiB, then
-/// 400 from the pool's figure, which is new memory) is not stopped; one that takes 600 from
-/// that figure (1.1 GiB) is.
+/// 1 GiB limit. The container holds 1.1 GiB. At once the pool's owner takes its 600 MiB back
+/// from its pool (nothing new; the entry probe checks only what the pool cannot serve) and is
+/// never stopped; the un-hooked process is signalled once two driver reads show the
+/// container over its limit. Before, the un-hooked process passed (the probes' cgroup figure
+/// left the kept bytes out) and the owner was stopped at entry for its own pool's memory.
+/// Then: the owner's pool trimmed to nothing and 500 MiB taken at once beside it stop nobody
+/// (the figures of one read, never a kept figure beside a newer live one); a pool with the
+/// default release threshold, which gives what it frees back at the synchronize: an honest
+/// un-hooked process near its limit at once after it (500 MiB, then 400 from the pool's
+/// figure, which is new memory) is not stopped, one that takes 600 from that figure (1.1 GiB)
+/// is.
 #[test]
 fn beside_a_pool_that_keeps_what_it_freed_the_process_taking_the_room_is_stopped() -> Result<()> {
     let scene = Scene::start("onefig-beside", "1g")?;
@@ -224,22 +227,22 @@ fn beside_a_pool_that_keeps_what_it_freed_the_process_taking_the_room_is_stopped
     std::thread::sleep(Duration::from_millis(2500));
     let mut taker = scene.workload(false, "taker")?.steps(["ctx 0", "alloc p 500m", "checkpoint held", "hold"]).spawn()?;
     taker.wait_checkpoint("held").context("the entry probe lets it through (500 MiB live in the cgroup)")?;
+    owner.resume()?;
+    owner.wait_checkpoint("took").with_context(|| format!("the owner stopped taking its pool's memory back: {}\n{}", owner.stderr(), scene.agent.log()))?;
     let pid = taker.pid();
     signalled_within(&scene, pid, "the agent signals the process that took the room")?;
     let finished = taker.wait()?;
     assert_eq!(finished.status.signal(), Some(libc::SIGKILL), "{:?}", finished.status);
     // The agent says why, once a pass renders its page.
     let mut why = Vec::new();
-    e2e::wait_for(Duration::from_secs(5), "vramguard_agent_signals_total{why=\"uncharged\"} 1", || {
+    e2e::wait_for(Duration::from_secs(5), "vramguard_agent_signals_total{why=\"unadmitted\"} 1", || {
         std::thread::sleep(Duration::from_millis(100));
         let metrics = e2e::http::scrape(scene.agent.metrics_addr()?)?;
-        why = ["uncharged", "charged", "escaped"].map(|why| e2e::http::metric(&metrics, "vramguard_agent_signals_total", &[("why", why)])).to_vec();
+        why = ["unadmitted", "admitted"].map(|why| e2e::http::metric(&metrics, "vramguard_agent_signals_total", &[("why", why)])).to_vec();
         Ok(why[0] == Some(1.0))
     })
     .with_context(|| format!("{why:?}"))?;
-    assert_eq!(why, [Some(1.0), Some(0.0), Some(0.0)]);
-    owner.resume()?;
-    owner.wait_checkpoint("took").with_context(|| format!("the owner stopped taking its pool's memory back: {}\n{}", owner.stderr(), scene.agent.log()))?;
+    assert_eq!(why, [Some(1.0), Some(0.0)]);
     // Two more reads and passes: 600 MiB live, nothing kept; within.
     std::thread::sleep(Duration::from_millis(2500));
     let audit = scene.agent.audit()?;
@@ -249,17 +252,33 @@ fn beside_a_pool_that_keeps_what_it_freed_the_process_taking_the_room_is_stopped
     let finished = owner.kill()?;
     assert_eq!(finished.status.signal(), Some(libc::SIGKILL), "ended by the test's kill only: {finished:?}");
 
+    let then = |steps: Vec<String>, more: &[&str]| steps.into_iter().chain(more.iter().map(|s| s.to_string())).chain(["hold".to_string()]).collect::<Vec<_>>();
+    // The pool trimmed to nothing, then at once 500 MiB beside it: 500 MiB, nobody over.
+    let trims = then(steps(KEEP_ALL), &["checkpoint kept", "trim 0", "checkpoint trimmed"]);
+    let mut trims = scene.workload(true, "trims")?.steps(trims).spawn()?;
+    trims.wait_checkpoint("kept")?;
+    std::thread::sleep(Duration::from_millis(2500));
+    trims.resume()?;
+    trims.wait_checkpoint("trimmed")?;
+    let beside = e2e::holding(scene.workload(false, "beside")?, &["ctx 0", "alloc p 500m"])?;
+    std::thread::sleep(Duration::from_millis(3000));
+    for (who, pid) in [("the trimmed pool's owner", trims.pid()), ("the process beside it", beside.pid())] {
+        assert!(!scene.signalled(pid), "{who}, at 500 MiB in all: {}", scene.agent.log());
+    }
+    for process in [trims, beside] {
+        assert_eq!(process.kill()?.status.signal(), Some(libc::SIGKILL), "ended by the test's kill only");
+    }
+
     // The default threshold: the synchronize gives the 600 MiB back; the probes' kept figure
     // is left above what the pool holds.
-    let then = |steps: Vec<String>, more: &[&str]| steps.into_iter().chain(more.iter().map(|s| s.to_string())).chain(["hold".to_string()]).collect::<Vec<_>>();
-    let honest = then(steps("0"), &["sleep 2500", "alloc p 500m", "async c 400m", "checkpoint near"]);
+    let honest = then(steps("0"), &["alloc p 500m", "async c 400m", "checkpoint near"]);
     let mut honest = scene.workload(false, "honest")?.steps(honest).spawn()?;
     honest.wait_checkpoint("near").with_context(|| honest.stderr())?;
     std::thread::sleep(Duration::from_millis(3000));
     assert!(!scene.signalled(honest.pid()), "an honest process at 900 MiB of 1 GiB: {}", scene.agent.log());
     let finished = honest.kill()?;
     assert_eq!(finished.status.signal(), Some(libc::SIGKILL), "ended by the test's kill only: {finished:?}");
-    let over = then(steps("0"), &["sleep 2500", "alloc p 500m", "async c 600m", "checkpoint over"]);
+    let over = then(steps("0"), &["alloc p 500m", "async c 600m", "checkpoint over"]);
     let mut over = scene.workload(false, "over")?.steps(over).spawn()?;
     over.wait_checkpoint("over").context("the entry probe lets it through (the pool's figure covers it)")?;
     let pid = over.pid();
@@ -268,3 +287,4 @@ fn beside_a_pool_that_keeps_what_it_freed_the_process_taking_the_room_is_stopped
     scene.agent.stop()?;
     Ok(())
 }
+
