@@ -118,22 +118,27 @@ pub struct Holder {
     pub live: u64,
     /// Bytes the driver reports it holding that the probes cannot see, as two consecutive
     /// driver reads showed them ([`crate::reconcile::Verdict::enforced_bytes`]): what
-    /// `--enforce audit` takes off the limit the probes check.
+    /// `--enforce audit` takes off the limit the probes check, and, as far as no ledger charges
+    /// them, what puts the process first to be stopped.
     pub escaped: u64,
 }
 
 impl Holder {
     /// Why a holder is stopped, by the first field of its [`Holder::stop_order`].
-    pub const WHY: [&'static str; 2] = ["unadmitted", "admitted"];
+    pub const WHY: [&'static str; 3] = ["escaped", "unadmitted", "admitted"];
 
-    /// Who is stopped first when its cgroup is over its limit: a process holding memory no
-    /// ledger charges (the hook did not admit it: an un-hooked process, memory allocated past
-    /// the hook), largest first; then the others, largest first (a limit below what their
-    /// ledger admits).
+    /// Who is stopped first when its cgroup is over its limit: a process holding memory
+    /// neither the probes see nor a ledger charges (allocated through a copy of libcuda no
+    /// probe is on, past the hook), largest first; then one holding memory no ledger charges
+    /// (the hook did not admit it: an un-hooked process, new memory on a kept figure its pool
+    /// had given back), largest first; then the others, largest first (a limit below what
+    /// their ledger admits). Memory the hook charges and the probes cannot see (arrays, graph
+    /// memory, a second context) is admitted: it never puts its process first.
     pub fn stop_order(&self) -> (u8, std::cmp::Reverse<u64>) {
-        match self.unadmitted {
-            0 => (1, std::cmp::Reverse(self.held)),
-            unadmitted => (0, std::cmp::Reverse(unadmitted)),
+        match (self.escaped.min(self.unadmitted), self.unadmitted) {
+            (0, 0) => (2, std::cmp::Reverse(self.held)),
+            (0, unadmitted) => (1, std::cmp::Reverse(unadmitted)),
+            (escaped, _) => (0, std::cmp::Reverse(escaped)),
         }
     }
 }
@@ -391,9 +396,10 @@ pub struct Stats {
     #[serde(default)]
     pub cgroup_tree_changes: u64,
     /// The agent's own signals to processes over their cgroup's limit, by why each was chosen
-    /// ([`Holder::WHY`]): memory no ledger charges, or the rest.
+    /// ([`Holder::WHY`]): memory the probes cannot see and no ledger charges, memory no ledger
+    /// charges, or the rest.
     #[serde(default)]
-    pub agent_signals: [u64; 2],
+    pub agent_signals: [u64; 3],
 }
 
 impl Snapshot {

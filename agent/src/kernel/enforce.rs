@@ -37,12 +37,13 @@
 //! counts, and no view's old figure is ever added to another's newer one. In `signal` mode a
 //! cgroup whose usage (that, less what the probes saw leave it since the pass) is over its
 //! limit has processes signalled by the agent until what is left is within it, in
-//! [`crate::snapshot::Holder::stop_order`]: first those holding memory no ledger charges (the
-//! hook did not admit it: an un-hooked process beside a pool that keeps what it freed, memory
-//! through an unprobed copy of libcuda or past the hook, new memory on a kept figure its pool
-//! had given back), largest first; then the others, largest first (a limit below what their
-//! ledger admits). Memory the hook charges that the probes cannot see (an array, graph
-//! memory, a second context) is admitted. Each signal goes through a pidfd, checked by the
+//! [`crate::snapshot::Holder::stop_order`]: first those holding memory neither the probes see
+//! nor a ledger charges (through a copy of libcuda no probe is on), then those holding memory
+//! no ledger charges (the hook did not admit it: an un-hooked process beside a pool that keeps
+//! what it freed, new memory on a kept figure its pool had given back), each largest first;
+//! then the others, largest first (a limit below what their ledger admits). Memory the hook
+//! charges that the probes cannot see (an array, graph memory, a second context) is
+//! admitted. Each signal goes through a pidfd, checked by the
 //! process's start time, so that a reused pid is never signalled; each process once the
 //! signal is delivered or the process is found gone; a failed signal is tried again. The
 //! limit pushed to the probes stays the cgroup's, so that the entry probe never stops the next
@@ -213,7 +214,7 @@ impl Limits {
 
     /// Signals the agent sent to processes over their cgroup's limit, in all and by why
     /// ([`Holder::WHY`]).
-    pub fn agent_signals(&self) -> (u64, [u64; 2]) {
+    pub fn agent_signals(&self) -> (u64, [u64; 3]) {
         (self.stops.signals, self.stops.by_why)
     }
 
@@ -395,7 +396,7 @@ struct Stops {
     failed: std::collections::BTreeSet<(u32, u64)>,
     /// Signals sent, and by why ([`Holder::WHY`]).
     signals: u64,
-    by_why: [u64; 2],
+    by_why: [u64; 3],
 }
 
 impl Stops {
@@ -428,14 +429,14 @@ impl Stops {
                 match send(&process) {
                     None => {
                         tracing::warn!(pid, cgroup, held_bytes, unadmitted_bytes, escaped_bytes, usage, limit, why,
-                            "a process takes its cgroup over its limit: not signalled (--enforce audit; said once per process)");
+                            "a process holding GPU memory past its cgroup's limit: not signalled (--enforce audit; said once per process)");
                         self.signalled.insert(key);
                     }
                     Some(Ok(())) => {
                         self.signals += 1;
                         self.by_why[usize::from(process.stop_order().0)] += 1;
                         tracing::warn!(pid, cgroup, held_bytes, unadmitted_bytes, escaped_bytes, usage, limit, why,
-                            "signalled a process: its cgroup is over its limit");
+                            "signalled a process holding GPU memory past its cgroup's limit");
                         self.signalled.insert(key);
                     }
                     Some(Err(error)) if is_gone(&error) => {
@@ -586,6 +587,8 @@ mod tests {
         const MIB: u64 = 1 << 20;
         // (pid, held on two reads, of it unadmitted by any ledger, live at the pass)
         let h = |pid, held, unadmitted, live| Holder { pid, start_time: u64::from(pid), held, unadmitted, live, escaped: 0 };
+        // The same, with bytes the probes cannot see.
+        let e = |pid, held, unadmitted, live, escaped| Holder { escaped, ..h(pid, held, unadmitted, live) };
         let sorted = |mut holders: Vec<Holder>| {
             holders.sort_by_key(Holder::stop_order);
             holders
@@ -593,7 +596,7 @@ mod tests {
         /// (case, holders, probed now, limit, pids signalled)
         type Case = (&'static str, Vec<Holder>, u64, u64, Vec<u32>);
         #[rustfmt::skip]
-        let cases: [Case; 9] = [
+        let cases: [Case; 10] = [
             ("a hooked pool keeps 600 MiB (its ledger charges it), an un-hooked process takes 500 beside it",
                 vec![h(1, 600 * MIB, 0, 0), h(2, 500 * MIB, 500 * MIB, 500 * MIB)], 500 * MIB, 1024 * MIB, vec![2]),
             ("an un-hooked pool's owner keeps 600, an un-hooked process takes 500: the larger unadmitted goes",
@@ -605,7 +608,9 @@ mod tests {
             ("the un-hooked process freed its 500 since the pass: the probes see it leave",
                 vec![h(2, 500 * MIB, 500 * MIB, 500 * MIB), h(1, 600 * MIB, 0, 0)], 0, 1024 * MIB, vec![]),
             ("memory the hook charges and the probes cannot see (arrays) beside an un-hooked taker: the taker goes",
-                vec![h(4, 3072 * MIB, 0, 1024 * MIB), h(5, 4096 * MIB, 0, 0), h(6, 4096 * MIB, 4096 * MIB, 4096 * MIB)], 5120 * MIB, 10240 * MIB, vec![6]),
+                vec![e(4, 3072 * MIB, 0, 1024 * MIB, 2048 * MIB), h(5, 4096 * MIB, 0, 0), h(6, 4096 * MIB, 4096 * MIB, 4096 * MIB)], 5120 * MIB, 10240 * MIB, vec![6]),
+            ("through a copy no probe is on (94 MiB) beside a larger probed un-hooked neighbour (950): the escaper goes",
+                vec![h(11, 950 * MIB, 950 * MIB, 950 * MIB), e(12, 94 * MIB, 94 * MIB, 0, 94 * MIB)], 950 * MIB, 1024 * MIB, vec![12]),
             ("a limit below what the ledger admits: the admitted process is stopped too",
                 vec![h(7, 4096 * MIB, 0, 4096 * MIB)], 4096 * MIB, 3072 * MIB, vec![7]),
             ("unadmitted first, largest first, then the admitted, until within",
@@ -622,7 +627,7 @@ mod tests {
                 Some(Ok(()))
             });
             assert_eq!(stopped, expected, "{case}");
-            let mut why = [0u64; 2];
+            let mut why = [0u64; 3];
             for p in holders[&9].iter().filter(|p| expected.contains(&p.pid)) {
                 why[usize::from(p.stop_order().0)] += 1;
             }

@@ -243,7 +243,7 @@ impl Kernel {
         let (mut snapshot, processes) = self.accounting.snapshot(&mut self.cgroups);
         snapshot.stats.cgroup_limits = self.limits.as_ref().map_or(0, |l| l.applied() as u64);
         // The agent's signals to processes over their cgroup's limit count with the probes'.
-        let (signals, by_why) = self.limits.as_ref().map_or((0, [0; 2]), |l| l.agent_signals());
+        let (signals, by_why) = self.limits.as_ref().map_or((0, [0; 3]), |l| l.agent_signals());
         snapshot.stats.signals_sent = snapshot.stats.signals_sent.saturating_add(signals);
         snapshot.stats.agent_signals = by_why;
         snapshot.kernel_maps.cgroup_limits = self.limits.as_ref().map_or_else(Vec::new, |l| l.ids());

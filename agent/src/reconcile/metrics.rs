@@ -63,8 +63,9 @@
 //! processes' own; `full`, every record, only after losses), `vramguard_full_sweeps_total`,
 //! `vramguard_record_index_keys`, `vramguard_record_index_overflows_total`,
 //! `vramguard_cgroup_tree_walks_total` and `vramguard_agent_signals_total{why}` (the agent's
-//! own signals to processes over their cgroup's limit: `unadmitted`, for memory no ledger
-//! charges, or `admitted`, a limit below what the ledger admits).
+//! own signals to processes over their cgroup's limit: `escaped`, for memory neither the
+//! probes see nor a ledger charges, `unadmitted`, for memory no ledger charges, or
+//! `admitted`, a limit below what the ledger admits).
 //! Families kept elsewhere join through [`Metrics::register`] (`vramguard_http_connections_total`,
 //! [`crate::serve::http`]). Gauges are rebuilt from the current state at each render
 //! ([`Metrics::refresh`]).
@@ -514,7 +515,7 @@ impl Metrics {
         let agent_signals = registered(&registry, IntCounterVec::new(
             Opts::new(
                 "vramguard_agent_signals_total",
-                "Signals the agent sent to processes over their cgroup's limit (--enforce signal), by why each was chosen: unadmitted (memory no ledger charges), admitted (a limit below what the ledger admits); also counted in vramguard_enforcement_signals_total",
+                "Signals the agent sent to processes over their cgroup's limit (--enforce signal), by why each was chosen: escaped (memory neither the probes see nor a ledger charges), unadmitted (memory no ledger charges), admitted (a limit below what the ledger admits); also counted in vramguard_enforcement_signals_total",
             ),
             &["why"],
         )?)?;

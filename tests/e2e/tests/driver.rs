@@ -281,7 +281,7 @@ fn an_escaped_process_over_its_containers_limit_is_signalled() -> Result<()> {
     let finished = escaped.wait().with_context(|| format!("agent log:\n{}", agent.log()))?;
     assert_eq!(finished.status.signal(), Some(libc::SIGKILL), "stopped by SIGKILL: {:?}", finished.status);
     eprintln!("the escaped process over its limit was signalled {:?} after its allocation", started.elapsed());
-    assert!(log_has(&agent, "signalled a process whose GPU memory", pid), "{}", agent.log());
+    assert!(log_has(&agent, "signalled a process", pid), "{}", agent.log());
     assert!(Agent::stat(&agent.audit()?, "signals_sent") >= 1);
 
     // The control: unprobed, its 160 MiB within its 1 GiB, running two passes later.
@@ -292,7 +292,7 @@ fn an_escaped_process_over_its_containers_limit_is_signalled() -> Result<()> {
     let state = std::fs::read_to_string(format!("/proc/{}/stat", control.pid()))?;
     let state = state.rsplit(')').next().and_then(|rest| rest.split_whitespace().next()).unwrap_or("?").to_string();
     assert!(state != "Z" && state != "X", "the control was stopped (state {state}): {}", agent.log());
-    let signalled = |pid: u32| log_has(&agent, "signalled a process whose GPU memory", pid);
+    let signalled = |pid: u32| log_has(&agent, "signalled a process", pid);
     assert!(!signalled(control.pid()), "{}", agent.log());
 
     // A probed process of the control's container: its first 800 MiB fit beside the escaped
@@ -341,7 +341,7 @@ fn a_slot_forged_up_to_the_drivers_figure_does_not_hide_an_escape_from_the_limit
     let (control, control_ledger) = forged("control", &under)?;
     let (escaped, _) = forged("escaped", &over)?;
     let pid = escaped.pid();
-    let signalled = |pid: u32| log_has(&agent, "signalled a process whose GPU memory", pid);
+    let signalled = |pid: u32| log_has(&agent, "signalled a process", pid);
     wait_for(Duration::from_secs(10), "the escaped process with a forged slot signalled", || {
         std::thread::sleep(Duration::from_millis(50));
         Ok(signalled(pid))
