@@ -2,7 +2,9 @@
 //! own pid namespace, that namespace's inode, and its start time; the host pid is the one
 //! whose `/proc/<pid>/ns/pid` is that namespace, whose last `NSpid` entry is that pid, and
 //! whose start time matches (so a reused pid is never mistaken for the slot's process). A
-//! zombie (killed, not yet reaped) counts as gone: its GPU memory is already released.
+//! zombie (every thread exited, not yet reaped) counts as gone: its GPU memory is already
+//! released ([`ledger::process::running_start_time_of`]; a leader whose other threads run is
+//! not one).
 //!
 //! [`host_pid`] scans /proc for one slot; [`ProcessTable`] scans it once for many slots (the
 //! agent's sweep); [`ProbedProcesses`] keeps the identities of the processes the probes

@@ -35,13 +35,14 @@ impl ProcessIdentity {
 }
 
 /// The start time of process `pid` (as this process's /proc shows it) while it runs: `None`
-/// when it is gone or a zombie (killed, not yet reaped: its memory is already released).
+/// when it is gone or a zombie (every thread exited, not yet reaped: its memory is already
+/// released; a leader whose other threads run is not one, see [`runs`]).
 pub fn running_start_time_of(pid: u32) -> Option<u64> {
     running_start_time(&pid.to_string())
 }
 
 /// Whether host process `pid` (as this process's /proc shows it) still runs the process that
-/// started at `start_time`: `Some(false)` when it certainly does not (no such pid, a zombie, or
+/// started at `start_time`: `Some(false)` when it certainly does not (no such pid, a zombie ([`runs`]), or
 /// the pid reused by a process that started at another time: a process never changes pid, so
 /// the one that started at `start_time` is gone for good); `None` when /proc cannot say (any
 /// other read error, an unparsable line).
@@ -49,7 +50,7 @@ pub fn still_runs(pid: u32, start_time: u64) -> Option<bool> {
     match fs::read_to_string(format!("/proc/{pid}/stat")) {
         Ok(stat) => {
             let (state, start) = parse_stat(&stat)?;
-            Some(start == start_time && !matches!(state, 'Z' | 'X' | 'x'))
+            Some(start == start_time && runs(&pid.to_string(), state))
         }
         // ESRCH: the process died between the open and the read.
         Err(error) if error.kind() == io::ErrorKind::NotFound || error.raw_os_error() == Some(libc::ESRCH) => Some(false),
@@ -60,7 +61,22 @@ pub fn still_runs(pid: u32, start_time: u64) -> Option<bool> {
 fn running_start_time(pid: &str) -> Option<u64> {
     let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let (state, start) = parse_stat(&stat)?;
-    (!matches!(state, 'Z' | 'X' | 'x')).then_some(start)
+    runs(pid, state).then_some(start)
+}
+
+/// Whether process `pid`, whose `/proc/<pid>/stat` says `state`, still runs. A zombie runs
+/// when another of its threads does: `stat` shows the state of the thread-group leader, which
+/// is a zombie from the moment its own thread exits (`pthread_exit` in `main`) while the other
+/// threads go on, holding the process's memory (the process's pidfd and the kernel's exit of
+/// the whole group come only with its last thread). Only a zombie's `task` directory is read.
+fn runs(pid: &str, state: char) -> bool {
+    match state {
+        'X' | 'x' => false,
+        'Z' => fs::read_dir(format!("/proc/{pid}/task"))
+            .map(|tasks| tasks.flatten().any(|task| task.file_name().to_str().is_some_and(|tid| tid != pid)))
+            .unwrap_or(false),
+        _ => true,
+    }
 }
 
 fn start_time(pid: &str) -> io::Result<u64> {
@@ -117,5 +133,71 @@ mod tests {
         assert_eq!(still_runs(pid, start), Some(false), "an exited, unreaped child (a zombie) does not run");
         child.wait().expect("reap");
         assert_eq!(still_runs(pid, start), Some(false), "a reaped child is gone");
+    }
+
+    /// Waits up to 5 s for `done` to hold of child `pid`'s /proc entry.
+    fn wait_until(pid: u32, what: &str, done: impl Fn() -> bool) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while !done() {
+            assert!(std::time::Instant::now() < deadline, "child {pid}: {what} within 5 s");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
+
+    #[test]
+    fn a_process_whose_main_thread_exited_alone_runs_until_its_last_thread_does() {
+        extern "C" fn sleeper(_: *mut libc::c_void) -> *mut libc::c_void {
+            loop {
+                // SAFETY: pause(2) waits for a signal; the test's SIGKILL ends the process.
+                unsafe { libc::pause() };
+            }
+        }
+        // SAFETY: fork(2); the child only starts a thread and ends its own (glibc leaves its
+        // allocator and thread bookkeeping usable in a forked child), then never returns here.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork: {}", io::Error::last_os_error());
+        if pid == 0 {
+            let mut thread: libc::pthread_t = 0;
+            // SAFETY: a thread running `sleeper`, which takes no argument; then exit(2) (not
+            // exit_group) ends this thread alone, without unwinding.
+            unsafe {
+                if libc::pthread_create(&mut thread, std::ptr::null(), sleeper, std::ptr::null_mut()) != 0 {
+                    libc::_exit(3);
+                }
+                libc::syscall(libc::SYS_exit, 0);
+            }
+            unreachable!("exit(2) returned");
+        }
+        /// Kills and reaps the child if the test fails before it does (its thread would hold
+        /// the test's output pipe open).
+        struct Reaped(libc::pid_t);
+        impl Drop for Reaped {
+            fn drop(&mut self) {
+                if self.0 > 0 {
+                    // SAFETY: kill(2) and waitpid(2) of our own unreaped child.
+                    unsafe {
+                        libc::kill(self.0, libc::SIGKILL);
+                        libc::waitpid(self.0, std::ptr::null_mut(), 0);
+                    }
+                }
+            }
+        }
+        let mut guard = Reaped(pid);
+        let pid = pid as u32;
+        let start = start_time(&pid.to_string()).expect("the child's start time");
+        let state = || fs::read_to_string(format!("/proc/{pid}/stat")).ok().and_then(|stat| parse_stat(&stat)).map(|(state, _)| state);
+        wait_until(pid, "its leader a zombie", || state() == Some('Z'));
+        assert_eq!(still_runs(pid, start), Some(true), "its other thread runs: the process runs");
+        assert_eq!(running_start_time_of(pid), Some(start));
+        // SAFETY: kill(2) of our own unreaped child: the pid names it.
+        assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) }, 0);
+        wait_until(pid, "its last thread gone", || fs::read_dir(format!("/proc/{pid}/task")).map_or(true, |tasks| tasks.count() <= 1));
+        assert_eq!(still_runs(pid, start), Some(false), "every thread exited, not reaped yet: a zombie");
+        assert_eq!(running_start_time_of(pid), None);
+        let mut status = 0;
+        // SAFETY: waits for our own child, with a valid out-pointer.
+        assert_eq!(unsafe { libc::waitpid(pid as libc::pid_t, &mut status, 0) }, pid as libc::pid_t);
+        guard.0 = 0;
+        assert!(libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGKILL, "killed, status {status}");
     }
 }

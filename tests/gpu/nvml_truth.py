@@ -30,8 +30,11 @@ import subprocess
 import sys
 import time
 
-MIB, GIB = 1 << 20, 1 << 30
-c_size, c_u64, c_int, c_uint, c_void_p = ctypes.c_size_t, ctypes.c_uint64, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p
+from cudatypes import (
+    GIB, MIB, RELEASE_THRESHOLD, RESERVED_MEM_CURRENT, AccessDesc, ArrayDescriptor, Location, MemAllocNodeParams, PoolProps,
+    c_int, c_size, c_u64, c_uint, c_void_p,
+)
+
 failures = []
 
 
@@ -135,32 +138,6 @@ class Cuda:
 
     def sync(self):
         self.check(self.cu.cuCtxSynchronize(), "cuCtxSynchronize")
-
-
-class ArrayDescriptor(ctypes.Structure):
-    _fields_ = [("width", c_size), ("height", c_size), ("format", c_int), ("channels", c_uint)]
-
-
-class Location(ctypes.Structure):
-    _fields_ = [("type", c_int), ("id", c_int)]
-
-
-class AccessDesc(ctypes.Structure):
-    _fields_ = [("location", Location), ("flags", c_int)]
-
-
-class PoolProps(ctypes.Structure):
-    _fields_ = [
-        ("alloc_type", c_int), ("handle_types", c_int), ("location", Location), ("win32", c_void_p),
-        ("max_size", c_size), ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 54),
-    ]
-
-
-class MemAllocNodeParams(ctypes.Structure):
-    _fields_ = [("pool", PoolProps), ("access", ctypes.POINTER(AccessDesc)), ("access_count", c_size), ("bytesize", c_size), ("dptr", c_u64)]
-
-
-RELEASE_THRESHOLD, RESERVED_MEM_CURRENT = 4, 5  # CUmemPool_attribute
 
 
 def facts():

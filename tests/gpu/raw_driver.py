@@ -17,46 +17,13 @@ import json
 import os
 import sys
 
+from cudatypes import (
+    GIB, MIB, OOM, AccessDesc, AllocationProp, ArrayDescriptor, ArrayRequirements, Location, MemAllocNodeParams, PoolProps,
+    c_int, c_size, c_u64, c_uint, c_void_p,
+)
+
 cu = ctypes.CDLL("libcuda.so.1")
-MIB, GIB = 1 << 20, 1 << 30
-OOM = 2
-c_size, c_u64, c_int, c_uint, c_void_p = ctypes.c_size_t, ctypes.c_uint64, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p
 failures = []
-
-
-class Location(ctypes.Structure):
-    _fields_ = [("type", c_int), ("id", c_int)]
-
-
-class AllocFlags(ctypes.Structure):
-    _fields_ = [("compression", ctypes.c_ubyte), ("rdma", ctypes.c_ubyte), ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
-
-
-class AllocationProp(ctypes.Structure):
-    _fields_ = [("type", c_int), ("handle_types", c_int), ("location", Location), ("win32", c_void_p), ("flags", AllocFlags)]
-
-
-class AccessDesc(ctypes.Structure):
-    _fields_ = [("location", Location), ("flags", c_int)]
-
-
-class ArrayDescriptor(ctypes.Structure):
-    _fields_ = [("width", c_size), ("height", c_size), ("format", c_int), ("channels", c_uint)]
-
-
-class ArrayRequirements(ctypes.Structure):
-    _fields_ = [("size", c_size), ("alignment", c_size), ("reserved", c_uint * 4)]
-
-
-class PoolProps(ctypes.Structure):
-    _fields_ = [
-        ("alloc_type", c_int), ("handle_types", c_int), ("location", Location), ("win32", c_void_p),
-        ("max_size", c_size), ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 54),
-    ]
-
-
-class MemAllocNodeParams(ctypes.Structure):
-    _fields_ = [("pool", PoolProps), ("access", ctypes.POINTER(AccessDesc)), ("access_count", c_size), ("bytesize", c_size), ("dptr", c_u64)]
 
 
 def check(rc, what):

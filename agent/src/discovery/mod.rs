@@ -222,6 +222,8 @@ struct Read {
     over: bool,
     /// A file of it waits for a later scan (its container's budget was spent).
     waiting: bool,
+    /// Its maps could not be opened: it is gone (or was never there).
+    gone: bool,
 }
 
 /// Why a scan reads the maps it reads.
@@ -429,6 +431,10 @@ impl Discovery {
                 self.scan_process(pid, &mut looked, &mut budget, prober)
             }));
             let over = match scanned {
+                // Not remembered until the next scan of every process (which forgets the gone
+                // ones): the kernel names every process that execs or maps code, most of them
+                // short-lived, and a process storm would otherwise grow what is kept.
+                Ok(read) if read.gone && why == Why::Event => continue,
                 Ok(read) => {
                     known.mapped |= read.libcuda;
                     if read.waiting {
@@ -467,7 +473,7 @@ impl Discovery {
     ) -> Read {
         // Processes come and go while we scan: an unreadable maps file is skipped.
         let Ok(file) = File::open(format!("/proc/{pid}/maps")) else {
-            return Read::default();
+            return Read { gone: true, ..Read::default() };
         };
         let mut cgroup = None;
         let mut has = false;
@@ -503,7 +509,7 @@ impl Discovery {
             self.maps_over_bound += 1;
             self.note_skipped(&format!("/proc/{pid}/maps"), (0, 0), Origin::Process { pid, cgroup }, reason);
         }
-        Read { libcuda: has, over: over.is_some(), waiting }
+        Read { libcuda: has, over: over.is_some(), waiting, gone: false }
     }
 
     /// Opens the file mapped at `mapping` and decides about it, unless it is remembered;

@@ -387,3 +387,29 @@ fn a_file_left_for_a_later_scan_is_read_at_the_next_one() {
     assert_eq!(discovery.stats().found_by_rescan, 0);
     drop(maps);
 }
+
+#[test]
+fn processes_named_by_the_kernel_that_are_gone_are_not_kept() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let mut discovery = Discovery::new(caps(4, 64));
+    let mut prober = Recorder::default();
+    told_scan(&mut discovery, &[], 0, &[], &mut prober);
+    let kept = discovery.seen.len();
+    // A storm of short-lived processes, each named by the kernel (an exec, a mapping made
+    // executable) and gone (reaped) before the scan reads it.
+    let gone: Vec<u32> = (0..20)
+        .map(|_| {
+            let mut child = std::process::Command::new("true").spawn().expect("spawn true");
+            child.wait().expect("reap");
+            child.id()
+        })
+        .collect();
+    for _ in 0..3 {
+        told_scan(&mut discovery, &gone, 0, &[], &mut prober);
+    }
+    assert_eq!(reads(&discovery).0, 20 * 3, "each looked for at each scan that named it");
+    assert_eq!(discovery.seen.len(), kept, "nothing kept of the gone processes");
+    // A live process named by the kernel is still remembered.
+    told_scan(&mut discovery, &[std::process::id()], 0, &[], &mut prober);
+    assert!(discovery.seen.contains_key(&std::process::id()));
+}

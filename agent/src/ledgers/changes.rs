@@ -9,10 +9,10 @@
 //! covered by a full listing every [`RESCAN`] whatever it says: a skipped file rewritten
 //! through a mapping (no event) is looked at again by then, and a subdirectory that could not
 //! be watched (the kernel's watch limit, a race with its removal) makes every scan list until
-//! one can. A file made in a new subdirectory before its watch was added is found by the
-//! listing at the next scan (a newly watched subdirectory asks for one). Listings are counted
-//! by why (`vramguard_ledger_dir_listings_total{why}`: `first`, `changed`, `rescan`,
-//! `unwatched`).
+//! one can (logged once while it lasts). A file made in a new subdirectory before its watch
+//! was added is found by the listing at the next scan (a newly watched subdirectory asks for
+//! one). Listings are counted by why (`vramguard_ledger_dir_listings_total{why}`: `first`,
+//! `changed`, `rescan`, `unwatched`: no inotify, or a subdirectory not watched).
 use std::{
     collections::{BTreeMap, HashMap},
     ffi::CString,
@@ -23,6 +23,8 @@ use std::{
     path::{Path, PathBuf},
     time::{Duration, Instant},
 };
+
+use tracing::warn;
 
 use super::directory::FileKey;
 
@@ -75,8 +77,11 @@ pub(super) struct Listing {
     /// The last listing: the candidates and the crowded directories.
     pub(super) last: Option<(BTreeMap<PathBuf, FileKey>, BTreeMap<PathBuf, String>)>,
     listed_at: Instant,
-    /// List again at the next scan (a subdirectory newly watched, or one not watchable).
+    /// List again at the next scan (a subdirectory newly watched).
     again: bool,
+    /// A subdirectory could not be watched at the last listing (the kernel's watch limit, a
+    /// race with its removal): every scan lists, as [`Why::Unwatched`], until one can.
+    unwatched: bool,
     /// Listings made, by [`Why`] (in [`Why::ALL`]'s order).
     pub(super) counts: [u64; 4],
 }
@@ -88,8 +93,8 @@ impl Listing {
         let fd = unsafe { libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC) };
         // SAFETY: `fd` is a descriptor inotify_init1 just returned, owned by nothing else.
         let inotify = (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd) });
-        let inotify = inotify.filter(|inotify| add_watch(inotify, dir).is_some());
-        Listing { inotify, watched: HashMap::new(), last: None, listed_at: Instant::now(), again: false, counts: [0; 4] }
+        let inotify = inotify.filter(|inotify| add_watch(inotify, dir).is_ok());
+        Listing { inotify, watched: HashMap::new(), last: None, listed_at: Instant::now(), again: false, unwatched: false, counts: [0; 4] }
     }
 
     /// Whether the directory must be listed now, and why.
@@ -97,7 +102,9 @@ impl Listing {
         let why = if let Some(inotify) = &self.inotify {
             let changed = drain(inotify);
             if self.last.is_none() {
-            Some(Why::First)
+                Some(Why::First)
+            } else if self.unwatched {
+                Some(Why::Unwatched)
             } else if changed || self.again {
                 Some(Why::Changed)
             } else if self.listed_at.elapsed() >= RESCAN {
@@ -119,6 +126,7 @@ impl Listing {
     pub(super) fn listed(&mut self, listed: Option<(BTreeMap<PathBuf, FileKey>, BTreeMap<PathBuf, String>)>, subdirs: &[PathBuf]) {
         self.listed_at = Instant::now();
         self.again = false;
+        let was_unwatched = std::mem::take(&mut self.unwatched);
         let Some(inotify) = &self.inotify else { return };
         self.last = listed;
         self.watched.retain(|path, wd| {
@@ -136,19 +144,30 @@ impl Listing {
             }
             // Whatever was made there before the watch is found by the next listing.
             self.again = true;
-            if let Some(wd) = add_watch(inotify, path) {
-                self.watched.insert(path.clone(), wd);
+            match add_watch(inotify, path) {
+                Ok(wd) => {
+                    self.watched.insert(path.clone(), wd);
+                }
+                Err(error) => {
+                    if !was_unwatched && !self.unwatched {
+                        warn!(dir = %path.display(), %error, "cannot watch a ledger subdirectory with inotify: every scan lists the ledger directory until it can (said once while it lasts)");
+                    }
+                    self.unwatched = true;
+                }
             }
         }
     }
 }
 
 /// Watches `path` (a directory, not followed if a link); the watch descriptor.
-fn add_watch(inotify: &OwnedFd, path: &Path) -> Option<i32> {
-    let path = CString::new(path.as_os_str().as_bytes()).ok()?;
+fn add_watch(inotify: &OwnedFd, path: &Path) -> std::io::Result<i32> {
+    let path = CString::new(path.as_os_str().as_bytes())?;
     // SAFETY: inotify_add_watch(2) reads the NUL-terminated path, which lives across the call.
     let wd = unsafe { libc::inotify_add_watch(inotify.as_raw_fd(), path.as_ptr(), MASK) };
-    (wd >= 0).then_some(wd)
+    if wd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(wd)
 }
 
 /// Empties the inotify queue (at most [`DRAINS`] reads); whether it held anything (or could

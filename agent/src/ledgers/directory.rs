@@ -125,15 +125,20 @@ fn list(
     let mut read = 0;
     for entry in entries.iter() {
         let Ok(entry) = entry else { continue };
-        let name = std::ffi::OsStr::from_bytes(entry.file_name().to_bytes()).to_os_string();
-        if name.as_bytes().first() == Some(&b'.') {
+        let name = entry.file_name().to_bytes();
+        if name == b"." || name == b".." {
             continue;
         }
+        // Hidden entries count too: a directory a workload fills with them is not read whole.
         read += 1;
         if read > MAX_ENTRIES {
             crowded.insert(path.to_path_buf(), format!("more than {MAX_ENTRIES} entries"));
             break;
         }
+        if name.first() == Some(&b'.') {
+            continue;
+        }
+        let name = std::ffi::OsStr::from_bytes(name).to_os_string();
         // Of the entry itself, never of what a link points at.
         let Ok(stat) = nix::sys::stat::fstatat(Some(handle.as_raw_fd()), name.as_os_str(), nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW) else {
             continue;

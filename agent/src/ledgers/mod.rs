@@ -562,6 +562,46 @@ mod tests {
         assert_eq!(ledgers.len(), 0);
     }
 
+    #[test]
+    fn hidden_entries_count_against_the_entries_read_from_a_directory() {
+        let (dir, _, _ledger) = one_ledger("hidden");
+        let mut ledgers = Ledgers::new(dir.clone());
+        ledgers.scan();
+        assert_eq!((ledgers.len(), ledgers.crowded()), (1, 0));
+        // A workload fills its own directory with hidden files: the listing stops at the bound
+        // (the directory is reported crowded), however many there are.
+        fs::create_dir_all(dir.join("b")).expect("mkdir");
+        for i in 0..=directory::MAX_ENTRIES {
+            fs::write(dir.join(format!("b/.hidden-{i}")), b"").expect("write");
+        }
+        ledgers.scan();
+        assert_eq!(ledgers.crowded(), 1, "{:?}", ledgers.problems());
+        let problem = ledgers.problems().remove(&dir.join("b").display().to_string());
+        assert!(problem.is_some_and(|p| p.contains(&format!("more than {} entries", directory::MAX_ENTRIES))));
+        assert_eq!(ledgers.len(), 1, "the other directory's ledger still watched");
+        fs::remove_dir_all(&dir).expect("cleanup");
+    }
+
+    #[test]
+    fn a_subdirectory_that_cannot_be_watched_makes_every_scan_list_as_unwatched() {
+        let (dir, _, _ledger) = one_ledger("unwatched");
+        let mut listing = changes::Listing::new(&dir);
+        let unwatched = changes::Why::ALL.iter().position(|why| *why == changes::Why::Unwatched).expect("a why");
+        assert_eq!(listing.due(), Some(changes::Why::First));
+        // A subdirectory gone before its watch was added (as when it races with its removal,
+        // or the kernel's watch limit is reached): the next scans list, and say why.
+        listing.listed(Some(Default::default()), &[dir.join("a"), dir.join("gone")]);
+        for _ in 0..3 {
+            assert_eq!(listing.due(), Some(changes::Why::Unwatched));
+            listing.listed(Some(Default::default()), &[dir.join("a"), dir.join("gone")]);
+        }
+        assert_eq!(listing.counts[unwatched], 3);
+        // Once every subdirectory is watched: quiet.
+        listing.listed(Some(Default::default()), &[dir.join("a")]);
+        assert_eq!(listing.due(), None);
+        fs::remove_dir_all(&dir).expect("cleanup");
+    }
+
     /// A fresh directory `vramguard-ledgers-<tag>-<pid>` with one ledger at `a/ledger`.
     fn one_ledger(tag: &str) -> (PathBuf, PathBuf, Ledger) {
         let dir = std::env::temp_dir().join(format!("vramguard-ledgers-{tag}-{}", std::process::id()));

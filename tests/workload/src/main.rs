@@ -94,6 +94,9 @@ Each argument (or script line; # starts a comment) is one step. Sizes take k/m/g
   _exit CODE              _exit(2): no atexit handlers, no destructors
   fork-hold               fork; the child makes no CUDA call and sleeps until killed (it keeps
                           the parent's open files); prints: fork-hold child=PID
+  leader-exit             the main thread exits alone while another sleeps until the process
+                          is killed (its leader a zombie in /proc, the process running on);
+                          prints: leader-exit; the steps after it are not run
   stress THREADS PAIRS SIZE   prints: stress pairs=N
   race-free THREADS ROUNDS SIZE
                           each round cuMemAlloc_v2s SIZE, then THREADS threads cuMemFree_v2
@@ -949,6 +952,18 @@ impl Runner {
                     }
                 }
                 say!("fork-hold child={pid}");
+            }
+            Step::LeaderExit => {
+                std::thread::spawn(|| loop {
+                    std::thread::sleep(Duration::from_secs(3600));
+                });
+                say!("leader-exit");
+                let _ = std::io::stdout().flush();
+                // SAFETY: exit(2) (not exit_group) ends the calling thread alone, at once,
+                // without unwinding: nothing of this thread is used after it, and the
+                // sleeping thread touches nothing of it.
+                unsafe { libc::syscall(libc::SYS_exit, 0) };
+                unreachable!("exit(2) returned");
             }
             Step::Kill => {
                 let _ = std::io::stdout().flush();

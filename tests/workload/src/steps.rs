@@ -113,6 +113,10 @@ pub enum Step {
     /// `fork`; the child makes no CUDA call and sleeps until killed (a forked worker that
     /// keeps the parent's open device files).
     ForkHold,
+    /// The main thread exits alone (`exit(2)`, not `exit_group`) while another thread sleeps
+    /// until the process is killed: the process runs on, holding its memory, while
+    /// `/proc/<pid>/stat` shows its leader a zombie.
+    LeaderExit,
     Kill,
     Procaddr { query: String, export: Option<String>, version: i32, flags: u64 },
     Dlsym(Vec<String>),
@@ -216,6 +220,7 @@ impl Step {
             Step::Exit(_) => "exit",
             Step::RawExit(_) => "_exit",
             Step::ForkHold => "fork-hold",
+            Step::LeaderExit => "leader-exit",
             Step::Kill => "kill",
             Step::Procaddr { .. } => "procaddr",
             Step::Dlsym(_) => "dlsym",
@@ -522,6 +527,10 @@ impl Step {
             "fork-hold" => {
                 want(0, "fork-hold")?;
                 Step::ForkHold
+            }
+            "leader-exit" => {
+                want(0, "leader-exit")?;
+                Step::LeaderExit
             }
             "kill" => {
                 want(0, "kill")?;
