@@ -59,7 +59,13 @@ pub fn is_alive(pid: u32, start_time: u64) -> bool {
     }
     match read_stat(&pid.to_string()) {
         Some(stat) => {
-            let running = stat.state != b'Z' && stat.state != b'X' && stat.state != b'x';
+            // A zombie leader whose other threads run still holds the process's memory, as
+            // the real driver keeps it until the process's last thread is gone.
+            let running = match stat.state {
+                b'X' | b'x' => false,
+                b'Z' => other_thread_runs(pid),
+                _ => true,
+            };
             running && (start_time == 0 || stat.start_time == start_time)
         }
         None => {
@@ -70,6 +76,14 @@ pub fn is_alive(pid: u32, start_time: u64) -> bool {
             rc == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
         }
     }
+}
+
+/// Whether a thread of process `pid` other than its leader is listed in its `task` directory.
+fn other_thread_runs(pid: u32) -> bool {
+    let leader = pid.to_string();
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|tasks| tasks.flatten().any(|task| task.file_name().to_str().is_some_and(|tid| tid != leader)))
+        .unwrap_or(false)
 }
 
 /// The pid the process `owner` has in the pid namespace of `me`, as NVML reports it (the
