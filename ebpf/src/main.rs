@@ -39,8 +39,9 @@
 //!
 //! Discovery is told which processes to read the maps of: `exec_started`, `exec_mmap` and
 //! `exec_mprotect` put a process that execs, maps a file with `PROT_EXEC` or adds `PROT_EXEC`
-//! to a mapping in `EXEC_MAPPED`, which the agent takes and empties at each scan (a full map
-//! is counted in `EXEC_MAPPED_LOST`: the agent then reads every process's maps).
+//! to a mapping in `EXEC_MAPPED`, which the agent takes and empties at each scan, and which a
+//! process leaves when it exits (a full map is counted in `EXEC_MAPPED_LOST`: the agent then
+//! reads every process's maps).
 //!
 //! The agent decides which symbol each program is attached to (agent/src/kernel/probes.rs).
 #![no_std]
@@ -982,6 +983,9 @@ pub fn process_exit(ctx: TracePointContext) -> u32 {
     }
     let pid_tgid = bpf_get_current_pid_tgid();
     let tgid = (pid_tgid >> 32) as u32;
+    // A dead process's maps need no reading: a storm of short-lived processes that map
+    // executable files must not fill the map for the scan (and force a read of every process's).
+    let _ = EXEC_MAPPED.remove(&tgid);
     // SAFETY: copied out at once.
     let Some(dead) = (unsafe { PROC_USAGE.get(&tgid) }).copied() else {
         return 0; // never had GPU memory
