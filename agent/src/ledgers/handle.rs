@@ -49,6 +49,11 @@ impl LedgerHandle {
         ledger::copy::read(&self.file, &self.validated, &self.path)
     }
 
+    /// The ledger's stamp ([`ledger::copy::stamp`]: one `pread`).
+    pub fn stamp(&self) -> Result<ledger::copy::Stamp, LedgerError> {
+        ledger::copy::stamp(&self.file, &self.validated, &self.path)
+    }
+
     /// Copies of the live slots.
     pub fn slots(&self) -> Result<Vec<SlotView>, LedgerError> {
         Ok(self.copy()?.live_slots())
