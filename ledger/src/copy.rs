@@ -15,7 +15,7 @@ use std::{fs::File, io, mem::offset_of, os::unix::fs::FileExt, path::Path};
 
 use crate::{
     error::LedgerError,
-    layout::{ContainerNames, DeviceUsage, Header, Slot, State, MAX_DEVICES, SLOT_LIVE},
+    layout::{ContainerNames, DeviceUsage, Header, Slot, State, MAX_DEVICES, PAGE, SLOT_LIVE},
     SlotView,
 };
 
@@ -72,6 +72,20 @@ pub fn stamp(file: &File, header: &Header, path: &Path) -> Result<Stamp, LedgerE
     let mut bytes = [0u8; STAMP_END - STAMP_START];
     read_exact(file, &mut bytes, header.state_offset + STAMP_START as u64, header, path)?;
     Ok(Stamp::of(&bytes, STAMP_START))
+}
+
+/// The header the file holds now (unvalidated, as [`crate::file::read_header`] reads it) and
+/// the ledger's [`Stamp`], with one `pread` from the file's start to the stamp's end (the
+/// state follows the header's page); `None` where that is not the layout (two reads then).
+pub fn header_and_stamp(file: &File, header: &Header, path: &Path) -> Result<Option<(Header, Stamp)>, LedgerError> {
+    let end = header.state_offset as usize + STAMP_END;
+    let mut bytes = [0u8; 2 * PAGE as usize];
+    if header.state_offset < size_of::<Header>() as u64 || end > bytes.len() {
+        return Ok(None);
+    }
+    read_exact(file, &mut bytes[..end], 0, header, path)?;
+    let now = crate::file::header_from_bytes(&bytes[..size_of::<Header>()]);
+    Ok(now.map(|now| (now, Stamp::of(&bytes[end - (STAMP_END - STAMP_START)..end], STAMP_START))))
 }
 
 impl LedgerCopy {
@@ -237,6 +251,8 @@ mod tests {
         assert_eq!(after.mutations, before.mutations.wrapping_add(1));
         assert_eq!((after.slots_in_use, after.dirty), (slot + 1, 0));
         assert_eq!(after, read(&file, &header, &path).expect("copy").stamp);
+        let (now, both) = header_and_stamp(&file, &header, &path).expect("read").expect("the layout");
+        assert_eq!((crate::file::header_bytes(&now), both), (crate::file::header_bytes(&header), after));
         // Bytes written around the lock (the host pid here) leave it as it was.
         let writable = std::fs::OpenOptions::new().read(true).write(true).open(&path).expect("open");
         crate::file::write_host_pid(&writable, &header, slot, 4242).expect("write");

@@ -32,12 +32,12 @@
 //! dead, kept or unresolved, from a copy that caught no mutation) is *quiet*: the exit path
 //! frees its slots when their processes die, so a periodic sweep has nothing to do there
 //! unless the ledger changed. The periodic sweep ([`Reclaimer::periodic_scope`]) reads
-//! instead its [`Stamp`] (one `pread`: the mutation counter that every locked operation moves,
+//! instead its [`Stamp`] (read by the scan before it, with the header, in the same `pread`: the mutation counter that every locked operation moves,
 //! reads under the lock included, the dirty flag and the slots' high-water mark) and leaves the
 //! ledger unread while the stamp is the one its last copy saw and each of its processes is
 //! still watched; anything else (a slot registered, freed or charged through the lock, a
 //! watched process gone, the file replaced or cut) makes it read as before. An idle node's
-//! periodic sweep is then one `pread` per ledger (`vramguard_reclaim_ledgers_read_total
+//! periodic step is then one `pread` per ledger (`vramguard_reclaim_ledgers_read_total
 //! {sweep="all"}` counts the ledgers read).
 //!
 //! The stamp is what an honest hook moves, not a proof: the file is the workload's, and a
@@ -142,8 +142,11 @@ pub struct Reclaimer {
 struct Quiet {
     ledger: Arc<LedgerHandle>,
     stamp: Stamp,
-    processes: Vec<(u32, ProcessIdentity)>,
+    processes: Vec<Watched>,
 }
+
+/// A live slot's process: its host pid and identity.
+type Watched = (u32, ProcessIdentity);
 
 impl Reclaimer {
     /// A reclaimer; `watching`: whether ledgers are watched at all (else it stays silent).
@@ -236,7 +239,7 @@ impl Reclaimer {
             let unchanged = entry.as_ref().is_some_and(|entry| {
                 !scope.contains(path)
                     && entry.processes.iter().all(|(host, process)| watch.alive(*host, process))
-                    && ledger.stamp().is_ok_and(|stamp| stamp == entry.stamp)
+                    && ledger.scanned_stamp().is_ok_and(|stamp| stamp == entry.stamp)
             });
             if !unchanged {
                 scope.insert(path.to_path_buf());
@@ -273,7 +276,8 @@ impl Reclaimer {
         // process is alive without more ado (checked in full the first time, by start time
         // after that). The others are judged by one scan of /proc made after every read: a
         // process that registered a slot before its ledger was read is in it if it lives.
-        let mut read: Vec<(&Path, &Arc<LedgerHandle>, Vec<Judged>, Option<Stamp>)> = Vec::new();
+        // Each ledger read: its slots judged, and its stamp if the copy was settled.
+        let mut read: Vec<Read<'_>> = Vec::new();
         let mut unreadable = HashSet::new();
         let mut unresolved = false;
         let mut located: HashMap<u32, Vec<PathBuf>> = HashMap::new();
@@ -331,10 +335,10 @@ impl Reclaimer {
         let detected = Instant::now();
         let mut kept: HashMap<ProcessIdentity, (Instant, u32, PathBuf)> = HashMap::new();
         // The ledgers read whose every slot's process lives (quiet if each is watched, below).
-        let mut lively: Vec<(&Path, &Arc<LedgerHandle>, Stamp, Vec<(u32, ProcessIdentity)>)> = Vec::new();
+        let mut lively: Vec<(&Path, &Arc<LedgerHandle>, Stamp, Vec<Watched>)> = Vec::new();
         for (path, ledger, judged, stamp) in read {
             let mut gone = Vec::new();
-            let mut processes = Vec::new();
+            let mut processes: Vec<Watched> = Vec::new();
             let mut all_alive = true;
             for (view, verdict) in judged {
                 let slot = view.slot;
@@ -478,6 +482,9 @@ impl Reclaimer {
 
 /// A slot as read, and what its recorded host pid says of its process.
 type Judged = (SlotView, Verdict);
+
+/// A ledger a sweep read: its path and handle, its slots judged, its stamp (if settled).
+type Read<'a> = (&'a Path, &'a Arc<LedgerHandle>, Vec<Judged>, Option<Stamp>);
 
 /// What a slot's recorded host pid says of the slot's process, before any scan of /proc.
 #[derive(Clone, Copy, PartialEq, Eq)]
