@@ -132,7 +132,8 @@ pub struct RunArgs {
     #[arg(long, default_value_t = discovery::RESCAN_EVERY.as_millis() as u64, value_name = "MS")]
     pub full_rescan_ms: u64,
     /// How often to drain the event ring buffer, in milliseconds (exits wake the agent at
-    /// once, and their records are swept then).
+    /// once, and their records are swept then); on an idle node the period doubles after each
+    /// drain that finds nothing, up to 1 s.
     #[arg(long, default_value_t = 100, value_name = "MS")]
     pub drain_ms: u64,
     /// How often to check whether exits or new records' keys were lost (then every allocation

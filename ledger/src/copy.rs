@@ -15,7 +15,7 @@ use std::{fs::File, io, mem::offset_of, os::unix::fs::FileExt, path::Path};
 
 use crate::{
     error::LedgerError,
-    layout::{ContainerNames, DeviceUsage, Header, Slot, State, MAX_DEVICES, SLOT_LIVE},
+    layout::{ContainerNames, DeviceUsage, Header, Slot, State, MAX_DEVICES, PAGE, SLOT_LIVE},
     SlotView,
 };
 
@@ -35,6 +35,57 @@ pub struct LedgerCopy {
     pub repairs: u64,
     /// Whether the copy saw no mutation in progress (else it may mix two states).
     pub settled: bool,
+    /// The file's [`Stamp`] as the copy read it (of its last attempt).
+    pub stamp: Stamp,
+}
+
+/// The words of a ledger's state that every locked operation moves: its mutation counter
+/// (bumped by each), its dirty flag and its slot table's high-water mark, read with one
+/// `pread` ([`stamp`]). A stamp equal to the one of an earlier settled copy says that no
+/// locked operation ran since; it says nothing of bytes written around the lock (a workload
+/// can write its own ledger file as it likes, counter included), so a reader that skips
+/// copies on it must still copy now and then (the node agent: `agent/src/ledgers/reclaim.rs`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stamp {
+    pub mutations: u64,
+    pub slots_in_use: u32,
+    pub dirty: u32,
+}
+
+/// The bytes of [`State`] that hold a [`Stamp`]: from `dirty` to the end of `mutations`.
+const STAMP_START: usize = offset_of!(State, dirty);
+const STAMP_END: usize = offset_of!(State, mutations) + size_of::<u64>();
+
+impl Stamp {
+    /// The stamp in `bytes`, which start at [`State`]'s `offset` within the state.
+    fn of(bytes: &[u8], offset: usize) -> Stamp {
+        Stamp {
+            mutations: field::<u64>(bytes, offset_of!(State, mutations) - offset),
+            slots_in_use: field::<u32>(bytes, offset_of!(State, slots_in_use) - offset),
+            dirty: field::<u32>(bytes, offset_of!(State, dirty) - offset),
+        }
+    }
+}
+
+/// The [`Stamp`] of the ledger open as `file` (validated as `header`), with one `pread`.
+pub fn stamp(file: &File, header: &Header, path: &Path) -> Result<Stamp, LedgerError> {
+    let mut bytes = [0u8; STAMP_END - STAMP_START];
+    read_exact(file, &mut bytes, header.state_offset + STAMP_START as u64, header, path)?;
+    Ok(Stamp::of(&bytes, STAMP_START))
+}
+
+/// The header the file holds now (unvalidated, as [`crate::file::read_header`] reads it) and
+/// the ledger's [`Stamp`], with one `pread` from the file's start to the stamp's end (the
+/// state follows the header's page); `None` where that is not the layout (two reads then).
+pub fn header_and_stamp(file: &File, header: &Header, path: &Path) -> Result<Option<(Header, Stamp)>, LedgerError> {
+    let end = header.state_offset as usize + STAMP_END;
+    let mut bytes = [0u8; 2 * PAGE as usize];
+    if header.state_offset < size_of::<Header>() as u64 || end > bytes.len() {
+        return Ok(None);
+    }
+    read_exact(file, &mut bytes[..end], 0, header, path)?;
+    let now = crate::file::header_from_bytes(&bytes[..size_of::<Header>()]);
+    Ok(now.map(|now| (now, Stamp::of(&bytes[end - (STAMP_END - STAMP_START)..end], STAMP_START))))
 }
 
 impl LedgerCopy {
@@ -86,6 +137,7 @@ pub fn read(file: &File, header: &Header, path: &Path) -> Result<LedgerCopy, Led
         .map(|device| field::<DeviceUsage>(&state, offset_of!(State, devices) + device * size_of::<DeviceUsage>()))
         .collect();
     Ok(LedgerCopy {
+        stamp: Stamp::of(&state, 0),
         table,
         devices,
         names: field(&state, offset_of!(State, names)),
@@ -184,6 +236,27 @@ mod tests {
         file.set_len(header.total_size * 2).expect("grow");
         assert!(matches!(read(&file, &header, &path), Err(LedgerError::Truncated { .. })));
         drop(ledger);
+        std::fs::remove_file(&path).expect("rm");
+    }
+
+    #[test]
+    fn a_stamp_moves_with_each_locked_operation_and_matches_the_copys() {
+        let (path, ledger) = ledger("stamp");
+        let header = *ledger.header();
+        let file = File::open(&path).expect("open");
+        let before = stamp(&file, &header, &path).expect("stamp");
+        assert_eq!(before, read(&file, &header, &path).expect("copy").stamp);
+        let slot = ledger.register(ProcessIdentity { pid: 10, pidns: 1, start_time: 5 }).expect("register");
+        let after = stamp(&file, &header, &path).expect("stamp");
+        assert_eq!(after.mutations, before.mutations.wrapping_add(1));
+        assert_eq!((after.slots_in_use, after.dirty), (slot + 1, 0));
+        assert_eq!(after, read(&file, &header, &path).expect("copy").stamp);
+        let (now, both) = header_and_stamp(&file, &header, &path).expect("read").expect("the layout");
+        assert_eq!((crate::file::header_bytes(&now), both), (crate::file::header_bytes(&header), after));
+        // Bytes written around the lock (the host pid here) leave it as it was.
+        let writable = std::fs::OpenOptions::new().read(true).write(true).open(&path).expect("open");
+        crate::file::write_host_pid(&writable, &header, slot, 4242).expect("write");
+        assert_eq!(stamp(&file, &header, &path).expect("stamp"), after);
         std::fs::remove_file(&path).expect("rm");
     }
 

@@ -6,8 +6,8 @@
 //! tree are the operator's. It never touches a ledger, a tenant's file or a worker, so the
 //! limits pushed to the probes and the exits handed to reclaim never wait on tenant work.
 //!
-//! Each turn of its loop is one of: drain the exit ring buffer (woken by the ring, or every
-//! `--drain-ms`), sweeping the exited processes' own allocation records; sweep every record if
+//! Each turn of its loop is one of: drain the exit ring buffer (woken by the ring, or by the
+//! drain timer), sweeping the exited processes' own allocation records; sweep every record if
 //! exits or record keys were lost, and removed cgroups' entries if the tree changed
 //! (`--sweep-ms`); push the cgroup limits (every
 //! `--rescan-ms`, and at once when the provisioned containers change); answer a request for
@@ -15,6 +15,18 @@
 //! the probes to a libcuda file discovery identified (an [`AttachRequest`]: discovery reads
 //! the tenants' files, so a panic there never takes the programs with it); forward the
 //! programs' log lines.
+//!
+//! The drain timer is for what does not wake the task: the journal of record keys (written
+//! without a wake-up, so that an allocation costs no wake-up of the agent) and the probes'
+//! allocation and free counters. It runs every `--drain-ms` while drains find something, and
+//! backs off (twice as long after each drain that found nothing) to [`IDLE_DRAIN`] on an idle
+//! node; an exit (the ring wakes the task) or a drain that finds anything brings it back to
+//! `--drain-ms`; any drain (a reconcile pass's view is taken after one) puts the next timed
+//! one a period later. What an idle node's first allocations cost: their keys wait up to
+//! [`IDLE_DRAIN`] in the journal (a journal that fills meanwhile loses keys, counted, and the
+//! next full sweep finds their records, as for any full journal), and the pass they call for
+//! up to as long (a pass runs every second anyway). Enforcement never waits for a drain: the
+//! probes hold the limits.
 use std::{
     collections::BTreeMap,
     mem::ManuallyDrop,
@@ -75,6 +87,20 @@ pub struct Wiring {
     pub changed: Arc<tokio::sync::Notify>,
     pub heartbeat: Heartbeat,
     pub stop: watch::Receiver<bool>,
+}
+
+/// The drain timer's longest period on an idle node (`--drain-ms` while drains find things).
+pub const IDLE_DRAIN: Duration = Duration::from_secs(1);
+
+/// The drain timer's next period after a drain (`timed`: the timer's own) that `found`
+/// something or not: `every` after one that found something, twice `now` after a timed one
+/// that found nothing (up to [`IDLE_DRAIN`]), else `now` again (a drain was just made).
+fn next_drain(found: bool, timed: bool, now: Duration, every: Duration) -> Duration {
+    match (found, timed) {
+        (true, _) => every,
+        (false, true) => (now * 2).min(IDLE_DRAIN.max(every)),
+        (false, false) => now,
+    }
 }
 
 /// How often the task does each thing.
@@ -165,7 +191,12 @@ impl Kernel {
             timer.set_missed_tick_behavior(MissedTickBehavior::Delay);
             timer
         };
-        let (mut drain, mut sweep, mut limits_tick) = (tick(every.drain), tick(every.sweep), tick(every.limits));
+        let (mut sweep, mut limits_tick) = (tick(every.sweep), tick(every.limits));
+        // The drain timer: `every.drain` while drains find something, twice as long after each
+        // that finds nothing, up to [`IDLE_DRAIN`] (see the module doc).
+        let mut drain_every = every.drain;
+        let drain = tokio::time::sleep(drain_every);
+        tokio::pin!(drain);
         let mut provisioned = wiring.provisioned.clone();
         let mut holders = Some(wiring.holders.clone());
         let mut dropped_exits = 0u64;
@@ -175,14 +206,20 @@ impl Kernel {
                 _ = wiring.stop.changed() => break,
                 guard = self.exits.readable_mut() => {
                     guard.context("polling the exit ring buffer")?.clear_ready();
-                    self.drain(&wiring, &mut dropped_exits);
+                    let found = self.drain(&wiring, &mut dropped_exits);
+                    drain_every = next_drain(found, false, drain_every, every.drain);
+                    drain.as_mut().reset(tokio::time::Instant::now() + drain_every);
                 }
                 guard = self.log.readable_mut() => {
                     let mut guard = guard.context("polling the eBPF programs' log")?;
                     guard.get_inner_mut().flush();
                     guard.clear_ready();
                 }
-                _ = drain.tick() => self.drain(&wiring, &mut dropped_exits),
+                () = &mut drain => {
+                    let found = self.drain(&wiring, &mut dropped_exits);
+                    drain_every = next_drain(found, true, drain_every, every.drain);
+                    drain.as_mut().reset(tokio::time::Instant::now() + drain_every);
+                }
                 _ = sweep.tick() => {
                     self.drain(&wiring, &mut dropped_exits);
                     self.accounting.sweep_missed();
@@ -193,7 +230,9 @@ impl Kernel {
                 _ = changed(&mut holders), if self.limits.is_some() => self.push_limits(&mut wiring),
                 request = wiring.requests.recv() => {
                     let Some(reply) = request else { continue };
-                    self.drain(&wiring, &mut dropped_exits);
+                    let found = self.drain(&wiring, &mut dropped_exits);
+                    drain_every = next_drain(found, false, drain_every, every.drain);
+                    drain.as_mut().reset(tokio::time::Instant::now() + drain_every);
                     let _ = reply.send(self.view());
                 }
                 Some(request) = wiring.attach.recv() => {
@@ -206,8 +245,9 @@ impl Kernel {
         Ok(())
     }
 
-    /// Drains the ring; hands the exits to reclaim and sweeps their records.
-    fn drain(&mut self, wiring: &Wiring, dropped: &mut u64) {
+    /// Drains the ring; hands the exits to reclaim and sweeps their records. Whether it found
+    /// anything (an exit, a journaled record, an allocation or free counted).
+    fn drain(&mut self, wiring: &Wiring, dropped: &mut u64) -> bool {
         let drained = self.accounting.drain(self.exits.get_mut());
         for exit in self.accounting.take_exits() {
             if wiring.exits.try_send(exit).is_err() {
@@ -223,6 +263,7 @@ impl Kernel {
         if drained > 0 {
             wiring.changed.notify_one();
         }
+        drained > 0
     }
 
     /// Brings the limits in the probes in line with the ledgers' and the provisioned ones.
@@ -248,5 +289,30 @@ impl Kernel {
         snapshot.stats.agent_signals = by_why;
         snapshot.kernel_maps.cgroup_limits = self.limits.as_ref().map_or_else(Vec::new, |l| l.ids());
         KernelView { processes, snapshot }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_drain_timer_backs_off_while_drains_find_nothing_and_comes_back_at_once() {
+        let every = Duration::from_millis(100);
+        let mut period = every;
+        let mut periods = Vec::new();
+        for _ in 0..6 {
+            period = next_drain(false, true, period, every);
+            periods.push(period.as_millis());
+        }
+        assert_eq!(periods, [200, 400, 800, 1000, 1000, 1000]);
+        // A drain made for another reason that found nothing keeps the period; one that found
+        // something brings it back, timed or not.
+        assert_eq!(next_drain(false, false, period, every), IDLE_DRAIN);
+        assert_eq!(next_drain(true, false, period, every), every);
+        assert_eq!(next_drain(true, true, period, every), every);
+        // A `--drain-ms` above IDLE_DRAIN is never shortened.
+        let slow = Duration::from_secs(5);
+        assert_eq!(next_drain(false, true, slow, slow), slow);
     }
 }

@@ -32,6 +32,9 @@ pub struct LedgerHandle {
     /// shared by the agent's tasks and never changes.)
     pub(super) validated: Header,
     pub(super) worker: Mutex<Worker>,
+    /// The stamp the last scan read with the header ([`LedgerHandle::header_and_stamp`]),
+    /// until the periodic sweep after it takes it ([`LedgerHandle::scanned_stamp`]).
+    scanned: Mutex<Option<ledger::copy::Stamp>>,
 }
 
 impl LedgerHandle {
@@ -47,6 +50,32 @@ impl LedgerHandle {
     /// A private copy of the ledger's state and live slots ([`ledger::copy::read`]).
     pub fn copy(&self) -> Result<LedgerCopy, LedgerError> {
         ledger::copy::read(&self.file, &self.validated, &self.path)
+    }
+
+    /// The ledger's stamp ([`ledger::copy::stamp`]: one `pread`).
+    pub fn stamp(&self) -> Result<ledger::copy::Stamp, LedgerError> {
+        ledger::copy::stamp(&self.file, &self.validated, &self.path)
+    }
+
+    /// The header the file holds now, read with its stamp in one `pread` where the layout
+    /// allows ([`ledger::copy::header_and_stamp`]); the stamp is kept for
+    /// [`LedgerHandle::scanned_stamp`].
+    pub(super) fn header_and_stamp(&self) -> Result<Header, String> {
+        let both = ledger::copy::header_and_stamp(&self.file, &self.validated, &self.path).ok().flatten();
+        let header = match both {
+            Some((header, stamp)) => {
+                *self.scanned.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(stamp);
+                header
+            }
+            None => ledger::file::read_header(&self.file).map_err(|error| error.to_string())?,
+        };
+        Ok(header)
+    }
+
+    /// The stamp the last scan read, if no one took it since; else one read now.
+    pub fn scanned_stamp(&self) -> Result<ledger::copy::Stamp, LedgerError> {
+        let scanned = self.scanned.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+        scanned.map_or_else(|| self.stamp(), Ok)
     }
 
     /// Copies of the live slots.
@@ -124,7 +153,7 @@ impl LedgerHandle {
     }
 
     pub(super) fn new(path: &Path, key: FileKey, file: File, validated: Header, launcher: Launcher) -> LedgerHandle {
-        LedgerHandle { path: path.to_path_buf(), key, file, validated, worker: Mutex::new(Worker::new(launcher)) }
+        LedgerHandle { path: path.to_path_buf(), key, file, validated, worker: Mutex::new(Worker::new(launcher)), scanned: Mutex::new(None) }
     }
 
     /// The same file held to `validated` instead, with a worker of its own (a pin that came

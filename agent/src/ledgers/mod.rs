@@ -379,7 +379,8 @@ impl Ledgers {
         }
         self.changes.retain(|path, _| self.open.contains_key(path));
         for (path, handle) in &self.open {
-            let change = match ledger::file::read_header(&handle.file) {
+            // With the stamp the periodic sweep compares next ([`reclaim`]'s quiet ledgers).
+            let change = match handle.header_and_stamp() {
                 Ok(now) => header_change(&handle.validated, &now),
                 Err(error) => Some(format!("{HEADER_UNREADABLE}: {error}")),
             };

@@ -26,6 +26,33 @@
 //! reclaim is measured from the exit event's arrival when there was one, else from the
 //! sweep that detected the death.
 //!
+//! # Quiet ledgers
+//!
+//! A ledger whose last read found a live, pidfd-watched process in every slot (and nothing
+//! dead, kept or unresolved, from a copy that caught no mutation) is *quiet*: the exit path
+//! frees its slots when their processes die, so a periodic sweep has nothing to do there
+//! unless the ledger changed. The periodic sweep ([`Reclaimer::periodic_scope`]) reads
+//! instead its [`Stamp`] (read by the scan before it, with the header, in the same `pread`: the mutation counter that every locked operation moves,
+//! reads under the lock included, the dirty flag and the slots' high-water mark) and leaves the
+//! ledger unread while the stamp is the one its last copy saw and each of its processes is
+//! still watched; anything else (a slot registered, freed or charged through the lock, a
+//! watched process gone, the file replaced or cut) makes it read as before. An idle node's
+//! periodic step is then one `pread` per ledger (`vramguard_reclaim_ledgers_read_total
+//! {sweep="all"}` counts the ledgers read).
+//!
+//! The stamp is what an honest hook moves, not a proof: the file is the workload's, and a
+//! workload can write a slot around the lock and leave the counter as it was (or write it
+//! back). What that can hide is bounded twice. Every [`READ_ALL`], a periodic sweep reads every
+//! ledger whatever its stamp, so a slot written that way is judged (its dead process's slot
+//! freed, a live one watched) within [`READ_ALL`], checked in
+//! `tests/e2e/tests/exit_path.rs`. And the exit of a process with GPU memory never relies on
+//! it: its exit event makes a sweep of the ledgers it was found in, or of all of them if no
+//! sweep saw it. So a workload that holds its counter still delays, by at most [`READ_ALL`],
+//! only the reclaim of its own container's slots of processes that no sweep saw and that had
+//! no GPU memory; nothing it writes frees another process's slot (a slot is freed only by a
+//! sweep that judged its process dead, through the worker, which refuses a slot that no longer
+//! records that process), and the reconcile pass reads its own copies every pass.
+//!
 //! # The driver's word on what is still held
 //!
 //! The driver keeps a process's memory until the last holder of its device files closes them,
@@ -49,7 +76,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use ledger::{ProcessIdentity, SlotView};
+use ledger::{copy::Stamp, ProcessIdentity, SlotView};
 use tracing::{info, warn};
 
 use crate::{
@@ -66,6 +93,10 @@ pub const LEDGER_BUDGET: Duration = Duration::from_millis(100);
 
 /// How long an exit event waits for its process's slot to be judged dead.
 pub const PENDING_MAX: Duration = Duration::from_secs(10);
+
+/// A periodic sweep reads every ledger, quiet or not, at least this often (see the module
+/// doc's "Quiet ledgers").
+pub const READ_ALL: Duration = Duration::from_secs(10);
 
 pub struct Reclaimer {
     /// False when this agent cannot see every process (not in the host's pid namespace):
@@ -99,7 +130,23 @@ pub struct Reclaimer {
     /// Reads of `/proc/<pid>` made to judge a slot (a scan of /proc not counted): what the
     /// sweeps cost beyond the ledgers, counted.
     pub proc_reads: u64,
+    /// The ledgers the last sweep that read them left with nothing to do (see the module
+    /// doc's "Quiet ledgers"), by path.
+    quiet: HashMap<PathBuf, Quiet>,
+    /// When a sweep last read every ledger.
+    read_all_at: Instant,
 }
+
+/// A ledger whose last read found only processes watched through pidfds: its handle, its
+/// stamp then, and those processes (host pid, identity).
+struct Quiet {
+    ledger: Arc<LedgerHandle>,
+    stamp: Stamp,
+    processes: Vec<Watched>,
+}
+
+/// A live slot's process: its host pid and identity.
+type Watched = (u32, ProcessIdentity);
 
 impl Reclaimer {
     /// A reclaimer; `watching`: whether ledgers are watched at all (else it stays silent).
@@ -111,7 +158,7 @@ impl Reclaimer {
                  dead process from an invisible one, so it reclaims no ledger slot"
             );
         }
-        Reclaimer { enabled, pending: HashMap::new(), verified: HashSet::new(), unreadable: HashSet::new(), total: 0, driver: None, kept: HashMap::new(), located: HashMap::new(), ledgers_read: 0, pidns: ProcessIdentity::current().map_or(0, |me| me.pidns), watch: None, proc_reads: 0 }
+        Reclaimer { enabled, pending: HashMap::new(), verified: HashSet::new(), unreadable: HashSet::new(), total: 0, driver: None, kept: HashMap::new(), located: HashMap::new(), ledgers_read: 0, pidns: ProcessIdentity::current().map_or(0, |me| me.pidns), watch: None, proc_reads: 0, quiet: HashMap::new(), read_all_at: Instant::now() }
     }
 
     /// Watches the live processes the sweeps find through `watch` ([`super::exits`]), whose
@@ -175,6 +222,36 @@ impl Reclaimer {
         self.pending.keys().all(|tgid| self.located.contains_key(tgid))
     }
 
+    /// The ledgers a periodic sweep must read (`None`: all of them): every ledger but the
+    /// quiet ones whose stamp has not moved and whose processes are all still watched, the
+    /// pending exits' ledgers, and all of them every [`READ_ALL`] (see the module doc's "Quiet
+    /// ledgers").
+    pub fn periodic_scope(&mut self, ledgers: &Ledgers) -> Option<HashSet<PathBuf>> {
+        let watch = self.watch.as_ref()?;
+        if self.read_all_at.elapsed() >= READ_ALL || !self.pending_located() {
+            return None;
+        }
+        let mut scope = self.exit_scope().unwrap_or_default();
+        // Those of the ledgers watched now (a ledger let go, or replaced, is no longer quiet).
+        let mut quiet = HashMap::with_capacity(self.quiet.len());
+        for (path, ledger) in ledgers.shared() {
+            let entry = self.quiet.remove(path).filter(|entry| Arc::ptr_eq(ledger, &entry.ledger));
+            let unchanged = entry.as_ref().is_some_and(|entry| {
+                !scope.contains(path)
+                    && entry.processes.iter().all(|(host, process)| watch.alive(*host, process))
+                    && ledger.scanned_stamp().is_ok_and(|stamp| stamp == entry.stamp)
+            });
+            if !unchanged {
+                scope.insert(path.to_path_buf());
+            }
+            if let Some(entry) = entry {
+                quiet.insert(path.to_path_buf(), entry);
+            }
+        }
+        self.quiet = quiet;
+        Some(scope)
+    }
+
     /// Records host pids of live slots and frees the slots of dead processes; returns the
     /// latency of each reclaim.
     ///
@@ -199,15 +276,17 @@ impl Reclaimer {
         // process is alive without more ado (checked in full the first time, by start time
         // after that). The others are judged by one scan of /proc made after every read: a
         // process that registered a slot before its ledger was read is in it if it lives.
-        let mut read: Vec<(&Path, &Arc<LedgerHandle>, Vec<Judged>)> = Vec::new();
+        // Each ledger read: its slots judged, and its stamp if the copy was settled.
+        let mut read: Vec<Read<'_>> = Vec::new();
         let mut unreadable = HashSet::new();
         let mut unresolved = false;
         let mut located: HashMap<u32, Vec<PathBuf>> = HashMap::new();
         let mut live: Vec<Live> = Vec::new();
         for (path, ledger) in ledgers.shared().filter(|(path, _)| in_scope(path)) {
             self.ledgers_read += 1;
-            let slots = match ledger.slots() {
-                Ok(slots) => slots,
+            let (slots, stamp) = match ledger.copy() {
+                // A copy that caught a mutation in progress gives no stamp to rely on.
+                Ok(copy) => (copy.live_slots(), copy.settled.then_some(copy.stamp)),
                 Err(error) => {
                     // Said once, when it starts (a workload can keep its ledger unreadable).
                     if !self.unreadable.contains(path) {
@@ -248,15 +327,19 @@ impl Reclaimer {
                     (view, verdict)
                 })
                 .collect();
-            read.push((path, ledger, judged));
+            read.push((path, ledger, judged, stamp));
         }
         let table = unresolved.then(ProcessTable::scan);
         // Per ledger: its dead slots, each with when its death was detected.
         let mut dead: Vec<(&Path, &Arc<LedgerHandle>, Vec<Gone>)> = Vec::new();
         let detected = Instant::now();
         let mut kept: HashMap<ProcessIdentity, (Instant, u32, PathBuf)> = HashMap::new();
-        for (path, ledger, judged) in read {
+        // The ledgers read whose every slot's process lives (quiet if each is watched, below).
+        let mut lively: Vec<(&Path, &Arc<LedgerHandle>, Stamp, Vec<Watched>)> = Vec::new();
+        for (path, ledger, judged, stamp) in read {
             let mut gone = Vec::new();
+            let mut processes: Vec<Watched> = Vec::new();
+            let mut all_alive = true;
             for (view, verdict) in judged {
                 let slot = view.slot;
                 let alive = match verdict {
@@ -264,7 +347,9 @@ impl Reclaimer {
                     Verdict::Dead => None,
                     Verdict::Unknown => table.as_ref().and_then(|table| table.find(&slot)),
                 };
+                all_alive &= alive.is_some();
                 if let Some(host) = alive {
+                    processes.push((host, slot.process()));
                     located.entry(host).or_default().push(path.to_path_buf());
                     live.push(Live { host, process: slot.process(), path: path.to_path_buf(), slot: view.id, ledger: Arc::clone(ledger) });
                     if slot.host_pid != host {
@@ -304,9 +389,18 @@ impl Reclaimer {
             if !gone.is_empty() {
                 dead.push((path, ledger, gone));
             }
+            if let Some(stamp) = stamp.filter(|_| all_alive) {
+                lively.push((path, ledger, stamp, processes));
+            }
         }
+        self.quiet.retain(|path, _| !in_scope(path));
         if let Some(watch) = &self.watch {
             watch.update(&in_scope, live);
+            for (path, ledger, stamp, processes) in lively {
+                if processes.iter().all(|(host, process)| watch.alive(*host, process)) {
+                    self.quiet.insert(path.to_path_buf(), Quiet { ledger: Arc::clone(ledger), stamp, processes });
+                }
+            }
         }
         // What this sweep did not read stays as the sweep that read it last left it.
         let released: HashSet<ProcessIdentity> =
@@ -366,6 +460,7 @@ impl Reclaimer {
         // is done with, as after a sweep of all.
         self.pending.retain(|tgid, (at, _)| (waiting.contains(tgid) || arrived.contains(tgid)) && at.elapsed() < PENDING_MAX);
         if scope.is_none() {
+            self.read_all_at = Instant::now();
             self.verified = verified;
             self.unreadable = unreadable;
             self.located = located;
@@ -387,6 +482,9 @@ impl Reclaimer {
 
 /// A slot as read, and what its recorded host pid says of its process.
 type Judged = (SlotView, Verdict);
+
+/// A ledger a sweep read: its path and handle, its slots judged, its stamp (if settled).
+type Read<'a> = (&'a Path, &'a Arc<LedgerHandle>, Vec<Judged>, Option<Stamp>);
 
 /// What a slot's recorded host pid says of the slot's process, before any scan of /proc.
 #[derive(Clone, Copy, PartialEq, Eq)]

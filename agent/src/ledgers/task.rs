@@ -165,10 +165,15 @@ impl Reclaim {
                 reclaims.listed(state.ledgers.listings());
             }
             heartbeat.beat();
-            let scope = if step == Step::Exits { state.reclaimer.exit_scope() } else { None };
+            let scope = match step {
+                Step::Exits => state.reclaimer.exit_scope(),
+                // Quiet ledgers whose stamp has not moved are left unread ([`super::reclaim`]).
+                Step::Periodic => state.reclaimer.periodic_scope(&state.ledgers),
+                Step::Scan | Step::Sweep => None,
+            };
             let (read_before, proc_before) = (state.reclaimer.ledgers_read, state.reclaimer.proc_reads);
             let reclaimed = state.reclaimer.sweep_with(&state.ledgers, scope.as_ref(), &mut late);
-            reclaims.read(scope.is_some(), state.reclaimer.ledgers_read - read_before);
+            reclaims.read(step == Step::Exits, state.reclaimer.ledgers_read - read_before);
             reclaims.proc_reads.inc_by(state.reclaimer.proc_reads - proc_before);
             for latency in &reclaimed {
                 reclaims.observe(*latency);

@@ -343,6 +343,9 @@ impl Worker {
         self.recycle_if_spent();
         let result = self.exchange(file, header, path, request);
         self.used_at = Instant::now();
+        if REPLENISH.swap(false, std::sync::atomic::Ordering::AcqRel) {
+            prepare_spare(&self.launcher);
+        }
         match &result {
             Ok(_) | Err(AccessError::Refused(Failure::UnknownSlot(_))) => self.backoff = Backoff::default(),
             // A lock held past the wait: the worker is fine, but the ledger is left alone for
@@ -512,7 +515,10 @@ fn launch(launcher: &Launcher, hello: &Hello, fd: &File) -> Result<(Running, Rep
         if let Some(spare) = Spare::take(program, limits) {
             let running = Running { reader: BufReader::new(spare.socket.try_clone().map_err(|e| AccessError::Worker(format!("cannot start it: socket: {e}")))?), child: Some(spare.child), socket: spare.socket };
             let greeted = greet(running, hello, fd);
-            Spare::replenish(program, limits);
+            // Replaced once the call that took it is answered ([`Worker::call`]): the new
+            // spare's start (a fork of the agent, an exec, its confinement) then does not
+            // compete with that call (a reclaim someone waits for) for the node's CPUs.
+            REPLENISH.store(true, std::sync::atomic::Ordering::Release);
             // A spare that died meanwhile is not the ledger's failure: a fresh worker then.
             if greeted.is_ok() {
                 return greeted;
@@ -557,7 +563,7 @@ fn greet(mut running: Running, hello: &Hello, fd: &File) -> Result<(Running, Rep
 
 /// A worker started ahead of need: confined, waiting for its hello. The next ledger that needs
 /// a worker takes one ([`launch`]) and a new one is started in its place, on a thread of its
-/// own; so a reclaim in a ledger without a running worker (the first in a container, or after
+/// own, once the call that took it is answered (or by the next scan, [`prepare_spare`]); so a reclaim in a ledger without a running worker (the first in a container, or after
 /// [`IDLE`]) waits for a hello, not for a process to start and confine itself. [`SPARES`]
 /// wait, so that exits in several such ledgers one after another (a node's pods killed in
 /// turn) do not outrun their start; each holds nothing (no ledger, no descriptor but its socket)
@@ -574,6 +580,8 @@ const SPARES: usize = 3;
 
 /// The agent's spare workers, and how many are being started.
 static SPARE: std::sync::Mutex<Vec<Spare>> = std::sync::Mutex::new(Vec::new());
+/// A spare was taken and is not replaced yet ([`launch`], [`Worker::call`]).
+static REPLENISH: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 static STARTING: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 impl Spare {

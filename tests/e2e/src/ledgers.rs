@@ -86,6 +86,43 @@ pub fn slot_watch(path: &Path, pid: u32) -> Result<impl FnMut() -> Result<bool>>
     })
 }
 
+/// The [`ledger::copy::Stamp`] of the ledger file at `path` (the words every locked operation
+/// moves), read as the agent reads it.
+pub fn stamp(path: &Path) -> Result<ledger::copy::Stamp> {
+    let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    let header = ledger::file::read_header(&file)?;
+    Ok(ledger::copy::stamp(&file, &header, path)?)
+}
+
+/// [`slots`] read as the agent reads them, from a copy made without the lock: unlike
+/// [`slots`] (whose locked read is an operation that moves the stamp), it leaves the file as it
+/// was.
+pub fn slots_unlocked(path: &Path) -> Result<Vec<(u32, u32)>> {
+    let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    let header = ledger::file::read_header(&file)?;
+    Ok(ledger::copy::read(&file, &header, path)?.live_slots().into_iter().map(|v| (v.slot.pid, v.slot.host_pid)).collect())
+}
+
+/// Writes a live slot of `process` (no charges, no host pid) over slot `index` of the ledger
+/// file at `path` with `pwrite`, without its lock and without moving its mutation counter or
+/// its slots' high-water mark: a workload hiding a slot from readers that trust the counter.
+pub fn forge_slot(path: &Path, index: u32, process: ledger::ProcessIdentity) -> Result<()> {
+    let header = *Ledger::open(path)?.header();
+    if index >= header.slot_count {
+        bail!("slot {index} is past the {} of {}", header.slot_count, path.display());
+    }
+    let at = header.slots_offset + u64::from(index) * size_of::<Slot>() as u64;
+    let file = OpenOptions::new().write(true).open(path)?;
+    // The identity first, the state last (as a hook would fill a slot).
+    file.write_all_at(&process.pid.to_ne_bytes(), at + offset_of!(Slot, pid) as u64)?;
+    file.write_all_at(&process.pidns.to_ne_bytes(), at + offset_of!(Slot, pidns) as u64)?;
+    file.write_all_at(&process.start_time.to_ne_bytes(), at + offset_of!(Slot, start_time) as u64)?;
+    file.write_all_at(&0u32.to_ne_bytes(), at + offset_of!(Slot, host_pid) as u64)?;
+    file.write_all_at(&0u32.to_ne_bytes(), at + offset_of!(Slot, flags) as u64)?;
+    file.write_all_at(&SLOT_LIVE.to_ne_bytes(), at + offset_of!(Slot, state) as u64)?;
+    Ok(())
+}
+
 /// Rewrites the header of the ledger file at `path` through the file, as a workload could:
 /// `change` edits a copy of the header, whose checksum is then recomputed so that a process
 /// opening the file afterwards accepts it. Returns the header as it was.

@@ -5,8 +5,9 @@
 //! reclaim must land while the step is still held (no sweep of every ledger completed in
 //! between); the sweeps' reads of `/proc/<pid>` come from `vramguard_reclaim_proc_reads_total`,
 //! the listings of the ledger directory from `vramguard_ledger_dir_listings_total`.
-//! Beside each victim, a live holder whose slot must stay. Needs root; build first (`cargo
-//! build --workspace`), run one test at a time.
+//! Beside each victim, a live holder whose slot must stay. Quiet ledgers are left unread by the
+//! periodic sweeps, yet a dead process's slot written around the lock is still reclaimed.
+//! Needs root; build first (`cargo build --workspace`), run one test at a time.
 use std::{ffi::OsStr, path::Path, time::Duration};
 
 use anyhow::{ensure, Result};
@@ -129,6 +130,70 @@ fn idle_sweeps_read_neither_proc_nor_the_directory_and_exits_still_free_slots() 
     }
     ensure!(metric(&agent, "vramguard_reclaim_watched", &[])? == 4.0, "the four live holders watched");
     drop(late);
+    agent.stop()?;
+    Ok(())
+}
+
+/// Quiet ledgers (every live slot's process watched through a pidfd) are left unread by the
+/// periodic sweeps while their stamp (the mutation counter every locked operation moves, the
+/// dirty flag, the slots' high-water mark) stays; a workload that writes a slot around the
+/// lock leaves the stamp as it was, and still cannot hide a dead process's slot from reclaim:
+/// every ledger is read again within `READ_ALL` (10 s) whatever its stamp says. A real
+/// process (not hooked, no GPU memory: no exit event) is forged into a hole of the ledger
+/// beside a live hooked holder, then killed; its slot must be freed, the holder's kept.
+#[test]
+fn a_dead_slot_written_around_the_lock_of_a_quiet_ledger_is_still_reclaimed() -> Result<()> {
+    use e2e::ledgers::{forge_slot, slots_unlocked, stamp};
+    const READ_ALL: Duration = Duration::from_secs(10);
+    let node = FakeNode::new("exit-path-forged");
+    let dir = TempDir::new("exit-path-forged")?;
+    let agent = Agent::watching(dir.path(), &[])?;
+    std::fs::create_dir_all(dir.path().join("pod"))?;
+    let ledger = dir.path().join("pod/ledger");
+    let live = holder(&node, &ledger)?;
+    let gone = holder(&node, &ledger)?;
+    recorded(&ledger, live.pid())?;
+    recorded(&ledger, gone.pid())?;
+    // A hole below the slots' high-water mark: the second holder's slot, freed by the exit path.
+    // (The reads with the lock, `slots`, move the stamp: the test uses them only before the
+    // ledger turns quiet.)
+    let hole = ledger::Ledger::open(&ledger)?.slots()?.into_iter().find(|view| view.slot.pid == gone.pid()).map(|view| view.id);
+    let hole = hole.ok_or_else(|| anyhow::anyhow!("no slot of the second holder"))?;
+    let pid = gone.pid();
+    gone.signal(libc::SIGKILL)?;
+    wait_for(Duration::from_secs(1), "the killed holder's slot freed", || Ok(!slots(&ledger)?.iter().any(|&(p, _)| p == pid)))?;
+    drop(gone);
+
+    // Quiet now: three periodic sweeps read the ledger at most once (a sweep of every ledger
+    // comes every READ_ALL), where each read it before.
+    let read = |agent: &Agent| metric(agent, "vramguard_reclaim_ledgers_read_total", &[("sweep", "all")]);
+    let sweeps = |agent: &Agent| metric(agent, "vramguard_reclaim_sweeps_total", &[("sweep", "all")]);
+    std::thread::sleep(Duration::from_millis(1500)); // the sweep after the reclaim read it
+    let (reads_before, sweeps_before) = (read(&agent)?, sweeps(&agent)?);
+    wait_for(Duration::from_secs(10), "three periodic sweeps", || Ok(sweeps(&agent)? >= sweeps_before + 3.0))?;
+    let reads = read(&agent)? - reads_before;
+    ensure!(reads <= 1.0, "a quiet ledger was read {reads} times in three periodic sweeps");
+
+    // The tenant's forgery: a live slot of a real process, written around the lock.
+    let mut victim = std::process::Command::new("sleep").arg("600").spawn()?;
+    let process = ledger::ProcessIdentity {
+        pid: victim.id(),
+        pidns: ledger::ProcessIdentity::current()?.pidns,
+        start_time: ledger::process::running_start_time_of(victim.id()).ok_or_else(|| anyhow::anyhow!("no start time"))?,
+    };
+    let before = stamp(&ledger)?;
+    forge_slot(&ledger, hole, process)?;
+    ensure!(stamp(&ledger)? == before, "the forgery moved the stamp");
+    // (Read without the lock: a locked read is an operation, which moves the stamp.)
+    ensure!(slots_unlocked(&ledger)?.contains(&(victim.id(), 0)), "the forged slot is live: {:?}", slots_unlocked(&ledger)?);
+    victim.kill()?;
+    victim.wait()?;
+    let took = wait_for(READ_ALL + Duration::from_secs(5), "the forged slot of the dead process freed", || {
+        Ok(!slots_unlocked(&ledger)?.iter().any(|&(p, _)| p == process.pid))
+    })?;
+    ensure!(slots(&ledger)? == vec![(live.pid(), live.pid())], "the live holder's slot alone is left: {:?}", slots(&ledger)?);
+    eprintln!("the forged slot was freed {took:?} after its process died");
+    ensure!(!agent.log().contains("panicked"), "the agent panicked: {}", agent.log());
     agent.stop()?;
     Ok(())
 }
