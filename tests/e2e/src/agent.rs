@@ -135,6 +135,12 @@ impl Agent {
 
     /// [`Agent::start_binary`] with these variables set for the agent too.
     pub fn start_binary_env(bin: &Path, args: &[&OsStr], env: &[(OsString, OsString)]) -> Result<Agent> {
+        if std::env::var_os(crate::SHARED_NODE).is_some() && !args.contains(&OsStr::new("--no-discover")) {
+            bail!(
+                "this agent discovers libcuda on the whole node (no --no-discover) while other test binaries run \
+                 beside this one, whose fake drivers it would find: mark the test `/// Runs alone: <why>`"
+            );
+        }
         static COUNTER: AtomicU32 = AtomicU32::new(0);
         let dir = std::env::temp_dir().join(format!(
             "vramguard-agent-{}-{}",
@@ -251,8 +257,10 @@ impl Agent {
         &self.dir
     }
 
-    /// Stops the agent with SIGTERM; fails unless it exits successfully within 10 s.
+    /// Stops the agent with SIGTERM; fails unless it exits successfully within 10 s (of the
+    /// SIGTERM, sent once no other agent stops: [`stopping_alone`]).
     pub fn stop(mut self) -> Result<String> {
+        let _alone = stopping_alone()?;
         let mut child = self.child.take().expect("the child is present until stop or drop");
         // SAFETY: kill(2) on our own child's pid.
         unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
@@ -287,8 +295,10 @@ impl Agent {
         }
     }
 
-    /// Sends SIGTERM and waits up to `limit` for the agent to exit, whatever its status.
+    /// Sends SIGTERM and waits up to `limit` for the agent to exit, whatever its status (once no
+    /// other agent stops: [`stopping_alone`]).
     pub fn terminate(&mut self, limit: Duration) -> Result<(std::process::ExitStatus, Duration)> {
+        let _alone = stopping_alone()?;
         // SAFETY: kill(2) on our own child's pid.
         unsafe { libc::kill(self.pid() as i32, libc::SIGTERM) };
         self.wait_exit(limit)
@@ -313,9 +323,31 @@ impl Agent {
 impl Drop for Agent {
     fn drop(&mut self) {
         if let Some(mut child) = self.child.take() {
+            let _alone = stopping_alone();
             let _ = child.kill();
             let _ = child.wait();
         }
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Waits until no other test's agent on this node stops, and holds that until dropped (an
+/// exclusive `flock` on `target/<profile>/.agent-stop.lock`).
+///
+/// An agent's stop is mostly the kernel's: it removes each of the ~28 probes under one mutex
+/// of its own, waiting a grace period each (about 100 ms), so agents stopping at once on one
+/// node queue behind each other's probes. A node has one agent; so does each measured stop.
+pub fn stopping_alone() -> Result<File> {
+    let path = crate::target_dir()?.join(".agent-stop.lock");
+    let lock = File::options().create(true).truncate(false).write(true).open(&path).with_context(|| format!("cannot open {}", path.display()))?;
+    loop {
+        // SAFETY: flock(2) on a descriptor this function owns.
+        if unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX) } == 0 {
+            return Ok(lock);
+        }
+        let error = std::io::Error::last_os_error();
+        if error.kind() != std::io::ErrorKind::Interrupted {
+            return Err(error).with_context(|| format!("cannot lock {}", path.display()));
+        }
     }
 }

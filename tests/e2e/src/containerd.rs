@@ -247,9 +247,7 @@ impl ContainerSpec {
     /// its `FAKECUDA_*` variables set): a `fakecuda-workload` ([`workload_path`]) in the
     /// container shares devices with the node's workloads on the host.
     pub fn fake_driver(self, node: &FakeNode) -> Result<ContainerSpec> {
-        let driver = crate::fake_driver_dir()?;
-        let name = driver.file_name().and_then(|n| n.to_str()).ok_or_else(|| anyhow!("bad fake driver directory"))?;
-        let mut spec = self.host_programs()?.env("LD_LIBRARY_PATH", &format!("{BUILD_DIR}/{name}"));
+        let mut spec = self.host_programs()?.env("LD_LIBRARY_PATH", &fake_driver_path()?);
         for (key, value) in node.env() {
             let key = key.to_str().ok_or_else(|| anyhow!("non-UTF-8 variable name"))?;
             let value = value.to_str().ok_or_else(|| anyhow!("non-UTF-8 value of {key}"))?;
@@ -257,6 +255,19 @@ impl ContainerSpec {
         }
         Ok(spec.env("FAKECUDA_STATE_DIR", FAKE_STATE_DIR).mount(node.state_dir(), FAKE_STATE_DIR, false))
     }
+}
+
+/// The directory of [`crate::fake_driver_dir`] as a container sees it
+/// ([`ContainerSpec::host_programs`]).
+pub fn fake_driver_path() -> Result<String> {
+    let driver = crate::fake_driver_dir()?;
+    let target = crate::target_dir()?;
+    let under = driver
+        .strip_prefix(&target)
+        .ok()
+        .and_then(Path::to_str)
+        .ok_or_else(|| anyhow!("the fake driver {} is not under {}", driver.display(), target.display()))?;
+    Ok(format!("{BUILD_DIR}/{under}"))
 }
 
 /// `fakecuda-workload` as a container sees it ([`ContainerSpec::host_programs`]).

@@ -43,6 +43,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 
+/// Set (to `1`) by `cargo xtask test` for a test binary that runs beside others: an agent
+/// that discovers libcuda on the whole node (no `--no-discover`) would find the other
+/// binaries' fake drivers, so [`agent::Agent`] refuses to start one there; such a test says
+/// `/// Runs alone: <why>` in its doc (or its file `//! Runs alone: <why>`).
+pub const SHARED_NODE: &str = "VRAMGUARD_E2E_SHARED_NODE";
+
 pub const KIB: u64 = 1 << 10;
 pub const MIB: u64 = 1 << 20;
 pub const GIB: u64 = 1 << 30;
@@ -93,20 +99,72 @@ pub fn hook_lib() -> Result<PathBuf> {
     Ok(path)
 }
 
-/// The fake driver library itself (`target/<profile>/libcuda.so`).
+/// The fake driver library of this test binary (`libcuda.so.1` of [`fake_driver_dir`]).
 pub fn fake_driver_lib() -> Result<PathBuf> {
-    built("libcuda.so", "fakecuda")
+    Ok(fake_driver_dir()?.join("libcuda.so.1"))
 }
 
-/// A directory holding `libcuda.so.1` and `libnvidia-ml.so.1` → `../libcuda.so` (the fake
-/// driver is a fake NVML too), for `LD_LIBRARY_PATH`: `target/<profile>/fakecuda/`.
+/// The fake driver of this test binary, for `LD_LIBRARY_PATH` and `--libcuda`:
+/// `target/<profile>/fakecuda/<binary>/` holding `libcuda.so.1`, a copy of the built
+/// `target/<profile>/libcuda.so` of its own, and `libnvidia-ml.so.1` → `libcuda.so.1` (the fake
+/// driver is a fake NVML too).
+///
+/// A copy, not a link: uprobes are set on a file (an inode), so an agent of one test binary
+/// sees allocations through its own copy only, and `cargo xtask test` can run test binaries
+/// side by side. (An agent that discovers libraries on the whole node still finds the others'
+/// copies: such tests run alone.) Made once per process; kept while the build's library is
+/// not newer; safe against concurrent callers.
+pub fn fake_driver_dir() -> Result<PathBuf> {
+    static DIR: Mutex<Option<PathBuf>> = Mutex::new(None);
+    let mut made = DIR.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Some(dir) = made.as_ref() {
+        return Ok(dir.clone());
+    }
+    let profile_dir = target_dir()?;
+    let lib = profile_dir.join("libcuda.so");
+    if !lib.is_file() {
+        bail!("{} is not built: run `cargo build -p fakecuda` in the tests' profile first", lib.display());
+    }
+    let exe = std::env::current_exe().context("cannot find the test executable's path")?;
+    let dir = profile_dir.join("fakecuda").join(binary_name(&exe));
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    copy_into_place(&lib, &dir.join("libcuda.so.1"))?;
+    link_into_place(&dir, "libnvidia-ml.so.1", Path::new("libcuda.so.1"))?;
+    *made = Some(dir.clone());
+    Ok(dir)
+}
+
+/// The name of a test binary without cargo's hash (`accounting-0123456789abcdef` →
+/// `accounting`), so a rebuild reuses its directory.
+fn binary_name(exe: &Path) -> String {
+    let name = exe.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    match name.rsplit_once('-') {
+        Some((stem, hash)) if hash.len() == 16 && hash.bytes().all(|b| b.is_ascii_hexdigit()) => stem.to_string(),
+        _ => name,
+    }
+}
+
+/// Copies `from` to `to` (through a unique temporary name, renamed into place) unless `to` is
+/// already a copy at least as new, of the same length.
+fn copy_into_place(from: &Path, to: &Path) -> Result<()> {
+    let source = std::fs::metadata(from).with_context(|| format!("cannot read {}", from.display()))?;
+    if let Ok(copy) = std::fs::symlink_metadata(to) {
+        if copy.is_file() && copy.len() == source.len() && copy.modified().ok() >= source.modified().ok() {
+            return Ok(());
+        }
+    }
+    let name = to.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let tmp = to.with_file_name(format!(".{name}.{}.{}", std::process::id(), unique()));
+    std::fs::copy(from, &tmp).with_context(|| format!("cannot copy {} to {}", from.display(), tmp.display()))?;
+    std::fs::rename(&tmp, to).with_context(|| format!("cannot rename {} to {}", tmp.display(), to.display()))?;
+    Ok(())
+}
+
+/// The fake driver shared by everything that runs the build in `profile_dir`
+/// (`target/debug`, `target/release`) outside the tests (the benchmark):
+/// `target/<profile>/fakecuda/` holding `libcuda.so.1` and `libnvidia-ml.so.1` → `../libcuda.so`.
 /// Idempotent and safe against concurrent callers (each link is made under a unique name and
 /// renamed into place).
-pub fn fake_driver_dir() -> Result<PathBuf> {
-    fake_driver_dir_in(&target_dir()?)
-}
-
-/// [`fake_driver_dir`] for the build in `profile_dir` (`target/debug`, `target/release`).
 pub fn fake_driver_dir_in(profile_dir: &Path) -> Result<PathBuf> {
     let lib = profile_dir.join("libcuda.so");
     if !lib.is_file() {
@@ -715,5 +773,18 @@ pub fn parse_ok(line: &str) -> Result<(String, String, u64, u64)> {
             parse_u64(bytes).ok_or_else(|| anyhow!("bad size in {line:?}"))?,
         )),
         _ => bail!("not an ok line: {line:?}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    #[test]
+    fn a_test_binary_is_named_without_cargos_hash() {
+        assert_eq!(super::binary_name(Path::new("/t/debug/deps/accounting-0123456789abcdef")), "accounting");
+        assert_eq!(super::binary_name(Path::new("/t/debug/deps/hostile_ledger-e29ffc3656bc896d")), "hostile_ledger");
+        assert_eq!(super::binary_name(Path::new("/t/debug/xtask")), "xtask");
+        assert_eq!(super::binary_name(Path::new("/t/debug/deps/dra-chain")), "dra-chain");
     }
 }

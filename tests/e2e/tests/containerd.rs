@@ -135,7 +135,8 @@ fn fake_driver_workload_runs_in_a_container_in_its_cgroup() {
     // Un-hooked: the fake libcuda is mapped, no hook is.
     let pid = containerd.container_pid(&container).unwrap();
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
-    assert!(maps.contains("/opt/vramguard-e2e/libcuda.so"), "the fake driver is not mapped:\n{maps}");
+    let driver = format!("{}/libcuda.so.1", e2e::containerd::fake_driver_path().unwrap());
+    assert!(maps.contains(&driver), "the fake driver {driver} is not mapped:\n{maps}");
     assert!(!maps.contains("libvramguard"), "a hook is mapped:\n{maps}");
 
     // Its cgroup is the one the harness names: a plain cgroup2 directory under the pod's
