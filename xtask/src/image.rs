@@ -204,7 +204,10 @@ pub fn image(rootfs: Option<PathBuf>, agent: Agent) -> Result<()> {
             "release"
         }
         Agent::Test => {
-            run(crate::cargo().args(["build", "-p", "agent"])).context("building the agent")?;
+            // Not rebuilt here: a `cargo build -p agent` resolves features for the agent alone,
+            // unlike the workspace's build, and would compile it and its dependencies again.
+            let built = crate::containerd::target().join("debug/vramguard");
+            ensure!(built.is_file(), "{} is not built: `cargo xtask test` builds it before the image", built.display());
             "debug"
         }
     };

@@ -27,6 +27,7 @@ mod layers;
 mod manifests;
 mod prometheus;
 mod setup;
+mod suite;
 
 use std::{
     path::{Path, PathBuf},
@@ -155,27 +156,27 @@ fn build_ebpf() -> Result<PathBuf> {
 
 fn fake_driver() -> Result<PathBuf> {
     run(cargo().args(["build", "-p", "fakecuda", "-p", "workload"]))?;
-    e2e::fake_driver_dir()
+    e2e::fake_driver_dir_in(&debug_dir())
 }
 
 fn test() -> Result<()> {
-    setup::setup()?;
+    setup::ebpf_tools()?;
+    // The fetches (the network) while the build (the CPUs).
+    let (fetched, built) = std::thread::scope(|scope| {
+        let fetching = scope.spawn(setup::fetch);
+        let built = build_all();
+        (fetching.join(), built)
+    });
+    fetched.map_err(|_| anyhow::anyhow!("the setup's fetches panicked"))??;
+    let binaries = built?;
     manifests::validate()?;
     layers::check()?;
-    build_ebpf()?;
-    // Builds every binary the end-to-end tests run (agent, fake driver, workload).
-    run(cargo().args(["build", "--workspace"]))?;
-    fake_driver()?;
     // The agent's image, which tests/e2e/tests/daemonset.rs runs as the DaemonSet's pod: the
     // layout that ships, with the agent just built (CI builds the agent once, not twice).
     let start = std::time::Instant::now();
     image::image(None, image::Agent::Test)?;
     println!("image: built in {:.1?}", start.elapsed());
-    let mut totals = run_tests(cargo().args(["test", "--workspace", "--exclude", "e2e"]))?;
-    // One at a time: uprobes are global, so two tests' agents would see each other's work.
-    let e2e = run_tests(cargo().args(["test", "-p", "e2e", "--", "--test-threads=1"]))?;
-    totals.0 += e2e.0;
-    totals.1 += e2e.1;
+    let mut totals = suite::run(binaries)?;
     // The demo, as `cargo xtask demo` runs it, with its output and its clean-up checked.
     println!("\nrunning the demo (cargo xtask demo), its output checked");
     let demo = demo::check(&demo::Driver::Fake);
@@ -189,34 +190,20 @@ fn test() -> Result<()> {
             totals.1 += 1;
         }
     }
-    // One closing line for the whole run (cargo's last line is only its last test binary's).
+    // One closing line for the whole run.
     println!("{} passed, {} failed", totals.0, totals.1);
     demo.context("the demo check failed")
 }
 
-/// Runs a `cargo test`, echoing its output, and returns the (passed, failed) counts it
-/// reported over all its test binaries; fails if it failed.
-fn run_tests(command: &mut Command) -> Result<(u64, u64)> {
-    use std::io::{BufRead, BufReader};
-    let mut child = command
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .with_context(|| format!("cannot start {command:?}"))?;
-    let stdout = child.stdout.take().context("no stdout pipe")?;
-    let mut totals = (0, 0);
-    for line in BufReader::new(stdout).lines() {
-        let line = line?;
-        println!("{line}");
-        if let Some((passed, failed)) = parse_test_result(&line) {
-            totals.0 += passed;
-            totals.1 += failed;
-        }
-    }
-    let status = child.wait()?;
-    if !status.success() {
-        bail!("{command:?} failed ({status})");
-    }
-    Ok(totals)
+/// The eBPF object, then every library, binary (agent, fake driver, workload, hook) and test
+/// in one build; the test binaries.
+fn build_all() -> Result<Vec<suite::Binary>> {
+    build_ebpf()?;
+    let started = std::time::Instant::now();
+    let binaries = suite::build()?;
+    e2e::fake_driver_dir_in(&debug_dir())?;
+    println!("build: {} test binaries in {:.1?}", binaries.len(), started.elapsed());
+    Ok(binaries)
 }
 
 /// The counts of a libtest summary: `test result: ok. 5 passed; 0 failed; ...`.

@@ -23,11 +23,24 @@ pub const NIGHTLY: &str = "nightly";
 const BPF_LINKER_VERSION: &str = "^0.13";
 
 pub fn setup() -> Result<()> {
+    fetch()?;
+    ebpf_tools()
+}
+
+/// What the tests and the image need beside the build, each fetched where missing: the
+/// manifests' validator and the CUDA clients (Python), containerd, Prometheus, the image's
+/// glibc. Nothing here is needed to compile, so `cargo xtask test` fetches while it builds.
+pub fn fetch() -> Result<()> {
     crate::manifests::setup()?;
     crate::clients::setup()?;
     crate::containerd::setup()?;
     crate::prometheus::setup()?;
-    crate::image::setup()?;
+    crate::image::setup()
+}
+
+/// The eBPF toolchain's pieces (rust-src for the nightly toolchain, bpf-linker), installed
+/// where missing.
+pub fn ebpf_tools() -> Result<()> {
     let sysroot = nightly_sysroot()?;
     if sysroot.join("lib/rustlib/src/rust/library/core").is_dir() {
         println!("setup: rust-src for {NIGHTLY}: present");

@@ -513,6 +513,7 @@ fn run_refuses_a_missing_libcuda_and_non_root() -> Result<()> {
 
 /// The agent finds libcuda files through /proc/<pid>/maps, at start and on re-scans, and
 /// probes each file once whatever path reaches it.
+/// Runs alone: its agent discovers libcuda on the whole node (it would probe the other test binaries' fake drivers).
 #[test]
 fn discovery_probes_every_libcuda_that_processes_map() -> Result<()> {
     // A second, distinct libcuda file (another inode) that only a later process will map.

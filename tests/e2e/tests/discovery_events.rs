@@ -6,6 +6,8 @@
 //! process is not read again; a library mapped under a new name after the agent started is
 //! found by its event; one whose events the agent does not hear (the `deaf` fault, as if they
 //! were missed) is found by the rescan, and counted. Needs root; run with `cargo xtask test`.
+//!
+//! Runs alone: its agents discover libcuda on the whole node (they would probe the other test binaries' fake drivers).
 use std::{
     ffi::OsStr,
     os::unix::fs::MetadataExt,

@@ -3,6 +3,8 @@
 //! memory with the probes' and the ledgers' views. Real processes on the fake driver; the
 //! agent gets the workloads' `FAKECUDA_*` so that its NVML sees their devices. Needs root;
 //! run with `cargo xtask test` (one e2e test at a time).
+//!
+//! Runs alone: its agents discover libcuda on the whole node, and it bounds /healthz's latency.
 use std::{
     ffi::{OsStr, OsString},
     os::unix::{fs::MetadataExt, process::ExitStatusExt},

@@ -6,6 +6,8 @@
 //! driver lets go, and then frees it within 2 s. Real processes on the fake driver, which
 //! keeps the memory the same way (docs/gpu.md); the agent reads the fake's NVML. Needs root;
 //! run with `cargo xtask test` (one e2e test at a time).
+//!
+//! Runs alone: its agents discover libcuda on the whole node (they would probe the other test binaries' fake drivers).
 use std::{ffi::OsStr, path::Path, time::Duration};
 
 use anyhow::{Context, Result};

@@ -519,6 +519,7 @@ fn allocated(w: &mut Running, name: &str) -> Result<u64> {
     bytes.with_context(|| format!("bad line {line:?}"))
 }
 
+/// Bounds latency: the next process waits under 500 ms.
 #[test]
 fn a_sigkilled_holders_quota_goes_to_the_next_process_at_once() -> Result<()> {
     let node = node("sigkill");

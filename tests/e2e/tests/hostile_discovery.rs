@@ -4,6 +4,8 @@
 //! ([`Bystander`]). What each attack must not achieve is checked against the probed set the
 //! agent reports (`vramguard audit --json`: `libcuda[].dev/ino`). Needs root; run with
 //! `cargo xtask test`.
+//!
+//! Runs alone: its agents discover libcuda on the whole node, and it bounds /healthz's latency under attack.
 use std::{
     ffi::OsStr,
     os::unix::fs::MetadataExt,

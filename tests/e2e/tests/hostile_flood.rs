@@ -7,6 +7,8 @@
 //! 8192 entries and a cap of 1000 live records per cgroup. Allocations and frees emit no
 //! events (the maps and the kernel's counters say them), so the flood has no queue to fill;
 //! exits have a ring buffer of their own. Needs root; run with `cargo xtask test`.
+//!
+//! Bounds latency: /healthz answers within 250 ms under attack.
 use std::{
     path::PathBuf,
     time::{Duration, Instant},

@@ -9,6 +9,8 @@
 //! every hostile ledger is reported, with the reason, in `vramguard audit` and in
 //! `vramguard_ledgers_backed_off`. The negative control runs the same scene without the
 //! hostile ledgers. Needs root; run with `cargo xtask test`.
+//!
+//! Bounds latency: /healthz answers within 250 ms under attack.
 use std::{ffi::OsStr, time::Duration};
 
 use anyhow::{ensure, Result};

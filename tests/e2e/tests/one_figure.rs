@@ -6,6 +6,8 @@
 //! (its pools keep what they free above their release threshold, and its NVML reports what
 //! they keep, as the real driver's do), real eBPF, the agent with `--enforce signal`. Needs
 //! root; run with `cargo xtask test` (one e2e test at a time).
+//!
+//! Runs alone: its agents discover libcuda on the whole node (they would probe the other test binaries' fake drivers).
 use std::{
     ffi::OsStr,
     os::unix::process::ExitStatusExt,

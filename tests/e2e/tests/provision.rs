@@ -621,11 +621,13 @@ fn provisioning_beside_hostile_ledgers(hostile: usize) -> Result<()> {
     Ok(())
 }
 
+/// Bounds latency: /healthz within 250 ms and CreateContainer within the NRI deadline, under attack.
 #[test]
 fn fifty_hostile_ledgers_delay_neither_nri_create_container_nor_health() -> Result<()> {
     provisioning_beside_hostile_ledgers(50)
 }
 
+/// Bounds latency: the control of the test above, under the same conditions.
 #[test]
 fn negative_control_the_same_pods_without_hostile_ledgers() -> Result<()> {
     provisioning_beside_hostile_ledgers(0)

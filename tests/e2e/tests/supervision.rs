@@ -13,6 +13,8 @@
 //!   probes stay (an allocation made afterwards is still counted).
 //!
 //! Needs root; run with `cargo xtask test`.
+//!
+//! Runs alone: its agents discover libcuda on the whole node, and it bounds how long a stop takes.
 use std::{
     ffi::{OsStr, OsString},
     path::{Path, PathBuf},
