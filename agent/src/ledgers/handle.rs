@@ -5,6 +5,7 @@ use std::{
     fs::{self, File},
     path::{Path, PathBuf},
     sync::Mutex,
+    time::{Duration, Instant},
 };
 
 use ledger::{
@@ -35,7 +36,22 @@ pub struct LedgerHandle {
     /// The stamp the last scan read with the header ([`LedgerHandle::header_and_stamp`]),
     /// until the periodic sweep after it takes it ([`LedgerHandle::scanned_stamp`]).
     scanned: Mutex<Option<ledger::copy::Stamp>>,
+    /// The live slots of the last settled copy [`LedgerHandle::for_each_slot`] took, while
+    /// they may stand for the file's.
+    slots: Mutex<Option<KeptSlots>>,
 }
+
+/// Live slots kept from a settled copy, with the copy's stamp and when it was taken.
+struct KeptSlots {
+    stamp: ledger::copy::Stamp,
+    taken: Instant,
+    slots: Vec<(u32, Slot)>,
+}
+
+/// How long [`LedgerHandle::for_each_slot`] may hand out the slots of a copy whose stamp the
+/// file still has: the periodic sweep's bound on what a quiet ledger can hide
+/// ([`super::reclaim::READ_ALL`]).
+pub const SLOTS_KEPT_FOR: Duration = super::reclaim::READ_ALL;
 
 impl LedgerHandle {
     pub fn path(&self) -> &Path {
@@ -83,16 +99,44 @@ impl LedgerHandle {
         Ok(self.copy()?.live_slots())
     }
 
-    /// Calls `f` with every live slot of a copy.
-    pub fn for_each_slot(&self, f: impl FnMut(u32, &Slot)) -> Result<(), LedgerError> {
-        self.copy()?.for_each_live(f);
+    /// Calls `f` with every live slot of a copy (the reconcile pass's read, every second).
+    ///
+    /// The slots of the last settled copy stand for the file's while the file's stamp (one
+    /// `pread`) is still that copy's, for at most [`SLOTS_KEPT_FOR`]: every locked operation
+    /// moves the stamp, and the agent's own write around the lock
+    /// ([`LedgerHandle::set_host_pid`]) drops the kept slots. A workload that writes its
+    /// slots around the lock and keeps the stamp is seen within [`SLOTS_KEPT_FOR`], as by the
+    /// periodic sweep ([`super::reclaim`]'s "Quiet ledgers").
+    pub fn for_each_slot(&self, mut f: impl FnMut(u32, &Slot)) -> Result<(), LedgerError> {
+        let stamp = self.stamp()?;
+        {
+            let kept = self.slots.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if let Some(kept) = kept.as_ref().filter(|kept| kept.stamp == stamp && kept.taken.elapsed() < SLOTS_KEPT_FOR) {
+                for (id, slot) in &kept.slots {
+                    f(*id, slot);
+                }
+                return Ok(());
+            }
+        }
+        let taken = Instant::now();
+        let copy = self.copy()?;
+        let mut slots = Vec::new();
+        copy.for_each_live(|id, slot| {
+            f(id, slot);
+            slots.push((id, *slot));
+        });
+        let kept = (copy.settled && copy.stamp == stamp).then_some(KeptSlots { stamp, taken, slots });
+        *self.slots.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = kept;
         Ok(())
     }
 
     /// Records the host pid of `slot`'s process in the file (a hint for readers, who verify
-    /// it): a `pwrite` inside the slot table the validated header describes.
+    /// it): a `pwrite` inside the slot table the validated header describes. Drops the slots
+    /// [`LedgerHandle::for_each_slot`] kept (the write moves no stamp).
     pub fn set_host_pid(&self, slot: u32, host_pid: u32) -> std::io::Result<()> {
-        ledger::file::write_host_pid(&self.file, &self.validated, slot, host_pid)
+        let written = ledger::file::write_host_pid(&self.file, &self.validated, slot, host_pid);
+        *self.slots.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+        written
     }
 
     /// Frees `slot` if it still describes `process` ([`ledger::Ledger::reclaim_process`], in
@@ -153,7 +197,7 @@ impl LedgerHandle {
     }
 
     pub(super) fn new(path: &Path, key: FileKey, file: File, validated: Header, launcher: Launcher) -> LedgerHandle {
-        LedgerHandle { path: path.to_path_buf(), key, file, validated, worker: Mutex::new(Worker::new(launcher)), scanned: Mutex::new(None) }
+        LedgerHandle { path: path.to_path_buf(), key, file, validated, worker: Mutex::new(Worker::new(launcher)), scanned: Mutex::new(None), slots: Mutex::new(None) }
     }
 
     /// The same file held to `validated` instead, with a worker of its own (a pin that came

@@ -614,6 +614,32 @@ mod tests {
     }
 
     #[test]
+    fn the_reconcile_read_keeps_a_copys_slots_while_the_stamp_stands() {
+        let (dir, _, ledger) = one_ledger("kept-slots");
+        let me = ledger::ProcessIdentity::current().expect("identity");
+        let slot = ledger.register(me).expect("register");
+        let mut ledgers = Ledgers::new(dir.clone());
+        ledgers.scan();
+        let (_, handle) = ledgers.iter().next().expect("watched");
+        let host_pids = || {
+            let mut seen = Vec::new();
+            handle.for_each_slot(|id, slot| seen.push((id, slot.host_pid))).expect("read");
+            seen
+        };
+        assert_eq!(host_pids(), vec![(slot, 0)]);
+        // Written around the lock (the stamp stays): the kept copy stands, for SLOTS_KEPT_FOR.
+        ledger.set_host_pid(slot, 4242);
+        assert_eq!(host_pids(), vec![(slot, 0)]);
+        // A locked operation moves the stamp: read again, the write around the lock with it.
+        let other = ledger.register(ledger::ProcessIdentity { pid: 1, pidns: me.pidns, start_time: 1 }).expect("register");
+        assert_eq!(host_pids(), vec![(slot, 4242), (other, 0)]);
+        // The agent's own write around the lock drops what was kept.
+        handle.set_host_pid(other, 7).expect("written");
+        assert_eq!(host_pids(), vec![(slot, 4242), (other, 7)]);
+        fs::remove_dir_all(&dir).expect("cleanup");
+    }
+
+    #[test]
     fn a_dead_slot_is_freed_through_the_worker_which_stops_when_idle() {
         let (dir, _, ledger) = one_ledger("worker");
         let gone = ledger::ProcessIdentity { pid: 1, pidns: 1, start_time: 1 };

@@ -93,8 +93,9 @@
 //!
 //! # Cost
 //!
-//! A pass reads each ledger's slots from a private copy, without its lock
-//! ([`crate::ledgers::LedgerHandle::for_each_slot`])
+//! A pass reads each ledger's slots from a private copy, without its lock, and on a quiet
+//! ledger only its stamp (one `pread`) while the last copy's stands for it, at most
+//! [`crate::ledgers::reclaim::READ_ALL`] ([`crate::ledgers::LedgerHandle::for_each_slot`]),
 //! and looks up each eBPF process's identity in /proc once per process (cached by pid and the
 //! probes' generation of the process, which changes when a pid is reused). Slots without
 //! eBPF memory are looked up in /proc (whether their process still runs, and its cgroup) at
@@ -1359,7 +1360,8 @@ mod tests {
         // process's host pid recorded it is a live process (ledger ahead, within grace).
         r.pass(Some(&ledgers), &[]);
         assert_eq!(r.verdicts(), []);
-        ledger.set_host_pid(slot, pid);
+        // Recorded as the agent's reclaimer does (the ledger's slots read again at once).
+        ledgers.iter().next().expect("watched").1.set_host_pid(slot, pid).expect("written");
         r.pass(Some(&ledgers), &[]);
         assert_eq!(states(&r), vec![(pid, State::Ok)]);
         // Another process (pid 1) is not in any ledger: unhooked. In another cgroup it is
