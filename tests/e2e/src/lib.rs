@@ -138,6 +138,8 @@ pub fn fake_driver_dir() -> Result<PathBuf> {
 /// `accounting`), so a rebuild reuses its directory.
 fn binary_name(exe: &Path) -> String {
     let name = exe.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    // A binary rebuilt while it runs (`cargo xtask test` rebuilds xtask) reads as deleted.
+    let name = name.strip_suffix(" (deleted)").map(str::to_string).unwrap_or(name);
     match name.rsplit_once('-') {
         Some((stem, hash)) if hash.len() == 16 && hash.bytes().all(|b| b.is_ascii_hexdigit()) => stem.to_string(),
         _ => name,
@@ -785,6 +787,7 @@ mod tests {
         assert_eq!(super::binary_name(Path::new("/t/debug/deps/accounting-0123456789abcdef")), "accounting");
         assert_eq!(super::binary_name(Path::new("/t/debug/deps/hostile_ledger-e29ffc3656bc896d")), "hostile_ledger");
         assert_eq!(super::binary_name(Path::new("/t/debug/xtask")), "xtask");
+        assert_eq!(super::binary_name(Path::new("/t/debug/xtask (deleted)")), "xtask");
         assert_eq!(super::binary_name(Path::new("/t/debug/deps/dra-chain")), "dra-chain");
     }
 }
