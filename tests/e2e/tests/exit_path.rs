@@ -8,7 +8,7 @@
 //! Beside each victim, a live holder whose slot must stay. Quiet ledgers are left unread by the
 //! periodic sweeps, yet a dead process's slot written around the lock is still reclaimed.
 //! Needs root; build first (`cargo build --workspace`), run one test at a time.
-use std::{ffi::OsStr, path::Path, time::Duration};
+use std::{ffi::OsStr, path::{Path, PathBuf}, time::Duration};
 
 use anyhow::{ensure, Result};
 use e2e::{agent::Agent, holding, http, ledgers::slots, wait_for, FakeNode, Running, TempDir, GIB};
@@ -30,18 +30,36 @@ fn recorded(ledger: &Path, pid: u32) -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn an_exit_during_a_held_periodic_step_is_reclaimed_without_waiting_for_it() -> Result<()> {
-    let node = FakeNode::new("exit-path-held");
-    let dir = TempDir::new("exit-path-held")?;
-    let fault = format!("delay:reclaim-scan:{}", HELD.as_millis());
-    let agent = Agent::watching(dir.path(), &[OsStr::new("--fault"), OsStr::new(&fault)])?;
+/// A fake node, an agent watching a ledger directory of its own, the ledger of a pod in it,
+/// and two hooked holders in that ledger whose host pids the agent recorded.
+struct TwoHolders {
+    node: FakeNode,
+    dir: TempDir,
+    agent: Agent,
+    ledger: PathBuf,
+    first: Running,
+    second: Running,
+}
+
+/// [`TwoHolders`], the agent started with `more` arguments.
+fn two_holders(tag: &str, more: &[&OsStr]) -> Result<TwoHolders> {
+    let node = FakeNode::new(tag);
+    let dir = TempDir::new(tag)?;
+    let agent = Agent::watching(dir.path(), more)?;
     std::fs::create_dir_all(dir.path().join("pod"))?;
     let ledger = dir.path().join("pod/ledger");
-    let live = holder(&node, &ledger)?;
-    let victim = holder(&node, &ledger)?;
-    recorded(&ledger, live.pid())?;
-    recorded(&ledger, victim.pid())?;
+    let first = holder(&node, &ledger)?;
+    let second = holder(&node, &ledger)?;
+    recorded(&ledger, first.pid())?;
+    recorded(&ledger, second.pid())?;
+    Ok(TwoHolders { node, dir, agent, ledger, first, second })
+}
+
+#[test]
+fn an_exit_during_a_held_periodic_step_is_reclaimed_without_waiting_for_it() -> Result<()> {
+    let fault = format!("delay:reclaim-scan:{}", HELD.as_millis());
+    let TwoHolders { node: _node, dir: _dir, agent, ledger, first: live, second: victim } =
+        two_holders("exit-path-held", &[OsStr::new("--fault"), OsStr::new(&fault)])?;
     wait_for(Duration::from_secs(15), "both holders watched through pidfds", || Ok(metric(&agent, "vramguard_reclaim_watched", &[])? >= 2.0))?;
 
     // A periodic step begins (and is held for HELD): the sweeps of every ledger completed so
@@ -145,15 +163,7 @@ fn idle_sweeps_read_neither_proc_nor_the_directory_and_exits_still_free_slots() 
 fn a_dead_slot_written_around_the_lock_of_a_quiet_ledger_is_still_reclaimed() -> Result<()> {
     use e2e::ledgers::{forge_slot, slots_unlocked, stamp};
     const READ_ALL: Duration = Duration::from_secs(10);
-    let node = FakeNode::new("exit-path-forged");
-    let dir = TempDir::new("exit-path-forged")?;
-    let agent = Agent::watching(dir.path(), &[])?;
-    std::fs::create_dir_all(dir.path().join("pod"))?;
-    let ledger = dir.path().join("pod/ledger");
-    let live = holder(&node, &ledger)?;
-    let gone = holder(&node, &ledger)?;
-    recorded(&ledger, live.pid())?;
-    recorded(&ledger, gone.pid())?;
+    let TwoHolders { node: _node, dir: _dir, agent, ledger, first: live, second: gone } = two_holders("exit-path-forged", &[])?;
     // A hole below the slots' high-water mark: the second holder's slot, freed by the exit path.
     // (The reads with the lock, `slots`, move the stamp: the test uses them only before the
     // ledger turns quiet.)
