@@ -263,7 +263,7 @@ fn save_sized(ctx: &ProbeContext, kind: AllocKind, space: AddrSpace) -> u32 {
 fn beyond_kept(size: u64) -> u64 {
     let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
     // SAFETY: a plain read of a live map value's field, which changes only atomically.
-    let kept = PROC_USAGE.get_ptr(&tgid).map_or(0, |usage| unsafe { core::ptr::read_volatile(&(*usage).pool_kept) });
+    let kept = PROC_USAGE.get_ptr(&tgid).map_or(0, |usage| unsafe { core::ptr::read_volatile(core::ptr::addr_of!((*usage).pool_kept)) });
     if kept as i64 <= 0 {
         size
     } else {
@@ -588,7 +588,7 @@ fn take_over(
     // SAFETY: a live map value; its word changes only by compare-and-swap, and its other
     // fields only between a successful swap to BUSY and the swap back (see `common::spare`),
     // so the copy is the record the word said once the claim below succeeds.
-    let (word, old) = unsafe { (core::ptr::read_volatile(&(*record).link), core::ptr::read_volatile(record)) };
+    let (word, old) = unsafe { (core::ptr::read_volatile(core::ptr::addr_of!((*record).link)), core::ptr::read_volatile(record)) };
     let state = word & spare::STATE;
     // SAFETY: as above.
     if state == spare::BUSY || !unsafe { swap_if(&mut (*record).link, word, (word & !spare::STATE) | spare::BUSY) } {
@@ -854,7 +854,7 @@ pub fn mem_free(ctx: ProbeContext) -> u32 {
         return 0; // not an allocation we saw: the driver will say what it is
     };
     // SAFETY: as in take_over: the copy is the record the word said if the swap succeeds.
-    let (word, old) = unsafe { (core::ptr::read_volatile(&(*record).link), core::ptr::read_volatile(record)) };
+    let (word, old) = unsafe { (core::ptr::read_volatile(core::ptr::addr_of!((*record).link)), core::ptr::read_volatile(record)) };
     if word & spare::STATE != spare::LIVE {
         return 0; // freed already (a spare), or being rewritten: nothing live here
     }
@@ -894,7 +894,7 @@ pub fn mem_free(ctx: ProbeContext) -> u32 {
 #[inline(always)]
 fn take_kept(proc_usage: *mut ProcUsage, size: u64) {
     // SAFETY: a live map value (see `owner`); the field changes only atomically.
-    let kept = unsafe { core::ptr::read_volatile(&(*proc_usage).pool_kept) };
+    let kept = unsafe { core::ptr::read_volatile(core::ptr::addr_of!((*proc_usage).pool_kept)) };
     if kept as i64 <= 0 {
         return;
     }
