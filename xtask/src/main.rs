@@ -167,8 +167,13 @@ fn test() -> Result<()> {
         let built = build_all();
         (fetching.join(), built)
     });
-    fetched.map_err(|_| anyhow::anyhow!("the setup's fetches panicked"))??;
-    let binaries = built?;
+    let fetched = fetched.map_err(|_| anyhow::anyhow!("the setup's fetches panicked")).and_then(|fetched| fetched);
+    let binaries = match (fetched, built) {
+        (Ok(()), Ok(binaries)) => binaries,
+        (Err(fetch), Ok(_)) => return Err(fetch.context("the setup's fetches failed")),
+        (Ok(()), Err(build)) => return Err(build),
+        (Err(fetch), Err(build)) => bail!("the build failed: {build:#}; and the setup's fetches failed: {fetch:#}"),
+    };
     manifests::validate()?;
     layers::check()?;
     // The agent's image, which tests/e2e/tests/daemonset.rs runs as the DaemonSet's pod: the

@@ -190,11 +190,14 @@ fn marks(source: &str) -> Marks {
             }
         } else if let Some((class, _)) = line.strip_prefix("///").and_then(|doc| Class::of(doc.trim())) {
             pending = pending.max(Some(class));
-        } else if let Some(rest) = line.strip_prefix("fn ").or_else(|| line.strip_prefix("pub fn ")) {
+        } else if let Some(rest) = ["fn ", "pub fn ", "async fn "].iter().find_map(|item| line.strip_prefix(item)) {
             if let Some(class) = pending.take() {
                 let name: String = rest.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
                 tests.push((name, class));
             }
+        } else if !(line.starts_with("///") || line.starts_with("#[") || line.starts_with("//") || line.is_empty()) {
+            // A marker belongs to the function its doc is on, not to the next one.
+            pending = None;
         }
     }
     tests.retain(|(_, class)| *class > file.0);
@@ -255,46 +258,22 @@ pub fn run(binaries: Vec<Binary>) -> Result<(u64, u64)> {
 }
 
 /// Runs `jobs` on `lanes` threads, each taking the first job it may start when its last one
-/// ends: any shared one, a bounded one while no other bounded one runs.
+/// ends: one whose binary is not running already (two runs of one binary would share its fake
+/// driver), shared, or bounded while no other bounded one runs.
 fn run_lanes(jobs: Vec<Job>, lanes: usize, logs: &Path) -> Result<Vec<Outcome>> {
-    struct Queue {
-        jobs: VecDeque<Job>,
-        bounded_running: bool,
-    }
     let count = jobs.len();
-    let queue = Arc::new((Mutex::new(Queue { jobs: VecDeque::from(jobs), bounded_running: false }), Condvar::new()));
+    let queue = Arc::new(Lanes { queue: Mutex::new(Queue { jobs: VecDeque::from(jobs), running: Vec::new() }), changed: Condvar::new() });
     let (done, outcomes) = mpsc::channel();
     let mut workers = Vec::new();
     for _ in 0..lanes.min(count) {
         let queue = Arc::clone(&queue);
         let done = done.clone();
         let logs = logs.to_path_buf();
-        workers.push(std::thread::spawn(move || loop {
-            let (lock, changed) = &*queue;
-            let job = {
-                let mut queue = lock.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-                loop {
-                    let bounded_running = queue.bounded_running;
-                    if let Some(at) = queue.jobs.iter().position(|job| job.class == Class::Shared || !bounded_running) {
-                        let job = queue.jobs.remove(at).expect("a position in the queue");
-                        queue.bounded_running |= job.class == Class::Bounded;
-                        break Some(job);
-                    }
-                    if queue.jobs.is_empty() {
-                        break None;
-                    }
-                    queue = changed.wait(queue).unwrap_or_else(|poisoned| poisoned.into_inner());
+        workers.push(std::thread::spawn(move || {
+            while let Some(started) = queue.next() {
+                if done.send(run_one(started.job.clone(), &logs)).is_err() {
+                    break;
                 }
-            };
-            let Some(job) = job else { break };
-            let bounded = job.class == Class::Bounded;
-            let outcome = run_one(job, &logs);
-            if bounded {
-                lock.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).bounded_running = false;
-                changed.notify_all();
-            }
-            if done.send(outcome).is_err() {
-                break;
             }
         }));
     }
@@ -312,6 +291,59 @@ fn run_lanes(jobs: Vec<Job>, lanes: usize, logs: &Path) -> Result<Vec<Outcome>> 
     Ok(all)
 }
 
+/// The jobs waiting for a lane, and the running ones' binaries and classes.
+struct Queue {
+    jobs: VecDeque<Job>,
+    running: Vec<(PathBuf, Class)>,
+}
+
+struct Lanes {
+    queue: Mutex<Queue>,
+    changed: Condvar,
+}
+
+/// A job a lane runs; its end (even by a panic) lets the jobs it held back start.
+struct Started<'a> {
+    lanes: &'a Lanes,
+    job: Job,
+}
+
+impl Lanes {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The next job a lane may start, waiting while none may; `None` once none is left.
+    fn next(&self) -> Option<Started<'_>> {
+        let mut queue = self.lock();
+        loop {
+            let may_start = |job: &Job| {
+                !queue.running.iter().any(|(binary, class)| *binary == job.binary.executable || (*class == Class::Bounded && job.class == Class::Bounded))
+            };
+            if let Some(at) = queue.jobs.iter().position(may_start) {
+                let job = queue.jobs.remove(at)?;
+                queue.running.push((job.binary.executable.clone(), job.class));
+                return Some(Started { lanes: self, job });
+            }
+            if queue.jobs.is_empty() {
+                return None;
+            }
+            queue = self.changed.wait(queue).unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+    }
+}
+
+impl Drop for Started<'_> {
+    fn drop(&mut self) {
+        let mut queue = self.lanes.lock();
+        if let Some(at) = queue.running.iter().position(|(binary, class)| *binary == self.job.binary.executable && *class == self.job.class) {
+            queue.running.remove(at);
+        }
+        drop(queue);
+        self.lanes.changed.notify_all();
+    }
+}
+
 /// Runs one job with its output in `logs`; what it came to.
 fn run_one(job: Job, logs: &Path) -> Outcome {
     let started = Instant::now();
@@ -322,6 +354,7 @@ fn run_one(job: Job, logs: &Path) -> Outcome {
         _ => "",
     };
     let log = logs.join(format!("{name}{suffix}.log"));
+    let _ = fs::remove_file(&log);
     let mut broke = match spawn_and_wait(&job, &log) {
         Ok(None) => None,
         Ok(Some(why)) => Some(why),
@@ -384,6 +417,9 @@ fn spawn_and_wait(job: &Job, log: &Path) -> Result<Option<String>> {
     let deadline = Instant::now() + BINARY_LIMIT;
     loop {
         if let Some(status) = child.try_wait()? {
+            // What it left running in its group (a leaked agent or workload) goes with it.
+            // SAFETY: kill(2) on the process group the child led (made by process_group(0)).
+            unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
             return Ok((!status.success()).then(|| format!("exited {status}")));
         }
         if Instant::now() >= deadline {
@@ -444,5 +480,8 @@ mod tests {
         let bounded = "//! Bounds latency: attacks.\n/// Bounds latency: also.\n#[test]\nfn a() {}\n/// Runs alone: discovery.\n#[test]\nfn b() {}\n";
         assert_eq!(marks(bounded), Marks { file: (Class::Bounded, "attacks.".into()), tests: vec![("b".into(), Class::Alone)] });
         assert_eq!(marks("//! Shares the node.\nfn main() {}\n"), Marks { file: (Class::Shared, String::new()), tests: vec![] });
+        // A marker on something else is not the next function's; `async fn` is a function.
+        let stray = "/// Runs alone: a struct's.\nstruct S;\nfn a() {}\n/// Bounds latency: x\n#[tokio::test]\nasync fn b() {}\n";
+        assert_eq!(marks(stray), Marks { file: (Class::Shared, String::new()), tests: vec![("b".into(), Class::Bounded)] });
     }
 }

@@ -4,14 +4,17 @@
 use std::{
     fs::{self, File},
     path::{Path, PathBuf},
-    sync::Mutex,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc, Mutex,
+    },
     time::{Duration, Instant},
 };
 
 use ledger::{
     copy::LedgerCopy,
     layout::{Header, Slot},
-    LedgerError, ProcessIdentity, SlotView,
+    Kind, LedgerError, ProcessIdentity, SlotView,
 };
 
 use super::{
@@ -36,22 +39,60 @@ pub struct LedgerHandle {
     /// The stamp the last scan read with the header ([`LedgerHandle::header_and_stamp`]),
     /// until the periodic sweep after it takes it ([`LedgerHandle::scanned_stamp`]).
     scanned: Mutex<Option<ledger::copy::Stamp>>,
-    /// The live slots of the last settled copy [`LedgerHandle::for_each_slot`] took, while
-    /// they may stand for the file's.
-    slots: Mutex<Option<KeptSlots>>,
+    /// What the live slots of the last settled copy [`LedgerHandle::for_each_claim`] took
+    /// claim, while they may stand for the file's.
+    kept: Mutex<Option<KeptClaims>>,
+    /// The agent's own writes around the lock ([`LedgerHandle::set_host_pid`]) so far: a copy
+    /// taken while one was made is not kept.
+    writes: AtomicU64,
 }
 
-/// Live slots kept from a settled copy, with the copy's stamp and when it was taken.
-struct KeptSlots {
+/// What a live slot claims, as the reconcile pass reads it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SlotClaim {
+    pub process: ProcessIdentity,
+    /// The host pid the agent recorded (0 until then).
+    pub host_pid: u32,
+    /// The requested bytes it charges ([`slot_bytes`]).
+    pub bytes: u64,
+    /// Its context records beyond the first on each device ([`slot_extra_contexts`]).
+    pub extra_contexts: u64,
+}
+
+/// Claims kept from a settled copy, with the copy's stamp and when it was taken.
+struct KeptClaims {
     stamp: ledger::copy::Stamp,
     taken: Instant,
-    slots: Vec<(u32, Slot)>,
+    claims: Arc<[SlotClaim]>,
 }
 
-/// How long [`LedgerHandle::for_each_slot`] may hand out the slots of a copy whose stamp the
+/// How long [`LedgerHandle::for_each_claim`] may hand out the claims of a copy whose stamp the
 /// file still has: the periodic sweep's bound on what a quiet ledger can hide
 /// ([`super::reclaim::READ_ALL`]).
-pub const SLOTS_KEPT_FOR: Duration = super::reclaim::READ_ALL;
+pub const CLAIMS_KEPT_FOR: Duration = super::reclaim::READ_ALL;
+
+/// The most live slots whose claims are kept for a ledger (about 3 KB): a ledger with more
+/// (a workload can mark every slot of its own ledger live) is copied every time instead.
+pub const CLAIMS_KEPT_MAX: usize = 64;
+
+/// Requested bytes a slot charges, context excluded (see [`crate::reconcile`]'s module doc).
+pub fn slot_bytes(slot: &Slot, devices: usize) -> u64 {
+    slot.devices
+        .iter()
+        .take(devices)
+        .flat_map(|device| [Kind::Data, Kind::Small, Kind::Managed].map(|kind| device.bytes[kind as usize]))
+        .fold(0u64, u64::saturating_add)
+}
+
+/// Bytes of a slot's context records beyond the first on each device (`devices`: its ledger's
+/// validated devices, whose reserve each record is).
+pub fn slot_extra_contexts(slot: &Slot, devices: &[ledger::layout::DeviceConfig]) -> u64 {
+    slot.devices
+        .iter()
+        .zip(devices)
+        .map(|(used, device)| used.bytes[Kind::Context as usize].saturating_sub(device.context_reserve))
+        .fold(0u64, u64::saturating_add)
+}
 
 impl LedgerHandle {
     pub fn path(&self) -> &Path {
@@ -99,43 +140,58 @@ impl LedgerHandle {
         Ok(self.copy()?.live_slots())
     }
 
-    /// Calls `f` with every live slot of a copy (the reconcile pass's read, every second).
+    /// Calls `f` with what every live slot of a copy claims (the reconcile pass's read, every
+    /// second).
     ///
-    /// The slots of the last settled copy stand for the file's while the file's stamp (one
-    /// `pread`) is still that copy's, for at most [`SLOTS_KEPT_FOR`]: every locked operation
-    /// moves the stamp, and the agent's own write around the lock
-    /// ([`LedgerHandle::set_host_pid`]) drops the kept slots. A workload that writes its
-    /// slots around the lock and keeps the stamp is seen within [`SLOTS_KEPT_FOR`], as by the
+    /// The claims of the last settled copy stand for the file's while the file's stamp (one
+    /// `pread`) is still that copy's, for at most [`CLAIMS_KEPT_FOR`], and for ledgers of at
+    /// most [`CLAIMS_KEPT_MAX`] live slots: every locked operation moves the stamp, and the
+    /// agent's own write around the lock ([`LedgerHandle::set_host_pid`]) drops the kept
+    /// claims (a copy taken while it wrote is not kept). A workload that writes its slots
+    /// around the lock and keeps the stamp is seen within [`CLAIMS_KEPT_FOR`], as by the
     /// periodic sweep ([`super::reclaim`]'s "Quiet ledgers").
-    pub fn for_each_slot(&self, mut f: impl FnMut(u32, &Slot)) -> Result<(), LedgerError> {
+    pub fn for_each_claim(&self, mut f: impl FnMut(&SlotClaim)) -> Result<(), LedgerError> {
+        let writes = self.writes.load(Ordering::Acquire);
         let stamp = self.stamp()?;
-        {
-            let kept = self.slots.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            if let Some(kept) = kept.as_ref().filter(|kept| kept.stamp == stamp && kept.taken.elapsed() < SLOTS_KEPT_FOR) {
-                for (id, slot) in &kept.slots {
-                    f(*id, slot);
-                }
-                return Ok(());
-            }
+        let standing = {
+            let kept = self.kept.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            kept.as_ref().filter(|kept| kept.stamp == stamp && kept.taken.elapsed() < CLAIMS_KEPT_FOR).map(|kept| Arc::clone(&kept.claims))
+        };
+        if let Some(claims) = standing {
+            claims.iter().for_each(&mut f);
+            return Ok(());
         }
         let taken = Instant::now();
         let copy = self.copy()?;
-        let mut slots = Vec::new();
-        copy.for_each_live(|id, slot| {
-            f(id, slot);
-            slots.push((id, *slot));
+        let devices = (self.validated.device_count as usize).min(self.validated.devices.len());
+        let mut claims = Vec::new();
+        copy.for_each_live(|_, slot| {
+            let claim = SlotClaim {
+                process: slot.process(),
+                host_pid: slot.host_pid,
+                bytes: slot_bytes(slot, devices),
+                extra_contexts: slot_extra_contexts(slot, &self.validated.devices[..devices]),
+            };
+            f(&claim);
+            if claims.len() <= CLAIMS_KEPT_MAX {
+                claims.push(claim);
+            }
         });
-        let kept = (copy.settled && copy.stamp == stamp).then_some(KeptSlots { stamp, taken, slots });
-        *self.slots.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = kept;
+        let mut kept = self.kept.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Under the lock `set_host_pid` drops the kept claims with: a write it made since the
+        // copy began shows in `writes` here, or drops these after.
+        let keep = copy.settled && copy.stamp == stamp && claims.len() <= CLAIMS_KEPT_MAX && self.writes.load(Ordering::Acquire) == writes;
+        *kept = keep.then(|| KeptClaims { stamp, taken, claims: claims.into() });
         Ok(())
     }
 
     /// Records the host pid of `slot`'s process in the file (a hint for readers, who verify
-    /// it): a `pwrite` inside the slot table the validated header describes. Drops the slots
-    /// [`LedgerHandle::for_each_slot`] kept (the write moves no stamp).
+    /// it): a `pwrite` inside the slot table the validated header describes. Drops the claims
+    /// [`LedgerHandle::for_each_claim`] kept (the write moves no stamp).
     pub fn set_host_pid(&self, slot: u32, host_pid: u32) -> std::io::Result<()> {
         let written = ledger::file::write_host_pid(&self.file, &self.validated, slot, host_pid);
-        *self.slots.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+        self.writes.fetch_add(1, Ordering::AcqRel);
+        *self.kept.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
         written
     }
 
@@ -197,7 +253,7 @@ impl LedgerHandle {
     }
 
     pub(super) fn new(path: &Path, key: FileKey, file: File, validated: Header, launcher: Launcher) -> LedgerHandle {
-        LedgerHandle { path: path.to_path_buf(), key, file, validated, worker: Mutex::new(Worker::new(launcher)), scanned: Mutex::new(None), slots: Mutex::new(None) }
+        LedgerHandle { path: path.to_path_buf(), key, file, validated, worker: Mutex::new(Worker::new(launcher)), scanned: Mutex::new(None), kept: Mutex::new(None), writes: AtomicU64::new(0) }
     }
 
     /// The same file held to `validated` instead, with a worker of its own (a pin that came

@@ -66,7 +66,7 @@ use changes::Listing;
 use directory::{candidates, open_beneath, FileKey};
 use handle::examine_as;
 pub use directory::MAX_ENTRIES;
-pub use handle::{open_no_follow, LedgerHandle};
+pub use handle::{open_no_follow, slot_bytes, slot_extra_contexts, LedgerHandle, SlotClaim, CLAIMS_KEPT_FOR, CLAIMS_KEPT_MAX};
 pub use worker::AccessError;
 use worker::Launcher;
 
@@ -615,7 +615,10 @@ mod tests {
 
     #[test]
     fn the_reconcile_read_keeps_a_copys_slots_while_the_stamp_stands() {
-        let (dir, _, ledger) = one_ledger("kept-slots");
+        let dir = std::env::temp_dir().join(format!("vramguard-ledgers-kept-slots-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(dir.join("a")).expect("mkdir");
+        let ledger = Ledger::create(&dir.join("a/ledger"), &Geometry { slots: CLAIMS_KEPT_MAX as u32 + 2, ..geometry() }, CREATOR_AGENT).expect("create");
         let me = ledger::ProcessIdentity::current().expect("identity");
         let slot = ledger.register(me).expect("register");
         let mut ledgers = Ledgers::new(dir.clone());
@@ -623,19 +626,38 @@ mod tests {
         let (_, handle) = ledgers.iter().next().expect("watched");
         let host_pids = || {
             let mut seen = Vec::new();
-            handle.for_each_slot(|id, slot| seen.push((id, slot.host_pid))).expect("read");
+            handle.for_each_claim(|claim| seen.push((claim.process.pid, claim.host_pid))).expect("read");
             seen
         };
-        assert_eq!(host_pids(), vec![(slot, 0)]);
-        // Written around the lock (the stamp stays): the kept copy stands, for SLOTS_KEPT_FOR.
+        assert_eq!(host_pids(), vec![(me.pid, 0)]);
+        // Written around the lock (the stamp stays): the kept claims stand, for CLAIMS_KEPT_FOR.
         ledger.set_host_pid(slot, 4242);
-        assert_eq!(host_pids(), vec![(slot, 0)]);
+        assert_eq!(host_pids(), vec![(me.pid, 0)]);
         // A locked operation moves the stamp: read again, the write around the lock with it.
         let other = ledger.register(ledger::ProcessIdentity { pid: 1, pidns: me.pidns, start_time: 1 }).expect("register");
-        assert_eq!(host_pids(), vec![(slot, 4242), (other, 0)]);
+        assert_eq!(host_pids(), vec![(me.pid, 4242), (1, 0)]);
         // The agent's own write around the lock drops what was kept.
         handle.set_host_pid(other, 7).expect("written");
-        assert_eq!(host_pids(), vec![(slot, 4242), (other, 7)]);
+        assert_eq!(host_pids(), vec![(me.pid, 4242), (1, 7)]);
+        // A write of the agent's made while a read copies: that copy is not kept.
+        handle.set_host_pid(other, 7).expect("written");
+        let mut wrote = false;
+        handle
+            .for_each_claim(|_| {
+                if !wrote {
+                    handle.set_host_pid(slot, 99).expect("written");
+                    wrote = true;
+                }
+            })
+            .expect("read");
+        assert_eq!(host_pids(), vec![(me.pid, 99), (1, 7)], "the copy taken during the write was kept");
+        // A ledger of more live slots than CLAIMS_KEPT_MAX is copied every time.
+        for pid in 2..=CLAIMS_KEPT_MAX as u32 + 1 {
+            ledger.register(ledger::ProcessIdentity { pid, pidns: me.pidns, start_time: 1 }).expect("register");
+        }
+        assert_eq!(host_pids().len(), CLAIMS_KEPT_MAX + 2);
+        ledger.set_host_pid(slot, 5);
+        assert!(host_pids().contains(&(me.pid, 5)), "claims kept for a ledger past the cap");
         fs::remove_dir_all(&dir).expect("cleanup");
     }
 

@@ -95,7 +95,7 @@
 //!
 //! A pass reads each ledger's slots from a private copy, without its lock, and on a quiet
 //! ledger only its stamp (one `pread`) while the last copy's stands for it, at most
-//! [`crate::ledgers::reclaim::READ_ALL`] ([`crate::ledgers::LedgerHandle::for_each_slot`]),
+//! [`crate::ledgers::reclaim::READ_ALL`] ([`crate::ledgers::LedgerHandle::for_each_claim`]),
 //! and looks up each eBPF process's identity in /proc once per process (cached by pid and the
 //! probes' generation of the process, which changes when a pid is reused). Slots without
 //! eBPF memory are looked up in /proc (whether their process still runs, and its cgroup) at
@@ -121,7 +121,7 @@ use std::{
 // identities, not attacker-chosen strings).
 use foldhash::{HashMap, HashMapExt};
 
-use ledger::{layout::Slot, Kind, ProcessIdentity};
+use ledger::ProcessIdentity;
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
@@ -747,28 +747,11 @@ fn attributed_gaps(driver: &DriverView) -> BTreeMap<u64, u64> {
     by_cgroup
 }
 
-/// Requested bytes a slot charges, context excluded (see the module doc).
-pub fn slot_bytes(slot: &Slot, devices: usize) -> u64 {
-    slot.devices
-        .iter()
-        .take(devices)
-        .flat_map(|device| [Kind::Data, Kind::Small, Kind::Managed].map(|kind| device.bytes[kind as usize]))
-        .fold(0u64, u64::saturating_add)
-}
-
 /// What a slot charges: its requested bytes ([`slot_bytes`]) and its context records beyond
 /// the first on each device ([`slot_extra_contexts`]).
 type Charged = (u64, u64);
 
-/// Bytes of a slot's context records beyond the first on each device (`devices`: its ledger's
-/// validated devices, whose reserve each record is).
-pub fn slot_extra_contexts(slot: &Slot, devices: &[ledger::layout::DeviceConfig]) -> u64 {
-    slot.devices
-        .iter()
-        .zip(devices)
-        .map(|(used, device)| used.bytes[Kind::Context as usize].saturating_sub(device.context_reserve))
-        .fold(0u64, u64::saturating_add)
-}
+pub use crate::ledgers::{slot_bytes, slot_extra_contexts};
 
 /// Joins the ledgers' live slots with the eBPF view (`probed`: the identities of its
 /// processes, updated with it). Also returns the cgroups of each ledger's live processes, and
@@ -804,16 +787,16 @@ pub fn observe(
         let mut matched: Vec<(usize, usize, Charged)> = Vec::new();
         let mut unjoined: Vec<(u32, ProcessIdentity, Charged)> = Vec::new();
         let mut cgroups = BTreeSet::new();
-        let visited = ledger.for_each_slot(|_, slot| {
-            let process = slot.process();
+        let visited = ledger.for_each_claim(|claim| {
+            let process = claim.process;
             if Some(process) == agent {
                 return; // the agent's own charges
             }
-            let bytes = (slot_bytes(slot, devices), slot_extra_contexts(slot, &ledger.header().devices[..devices.min(ledger.header().devices.len())]));
+            let bytes = (claim.bytes, claim.extra_contexts);
             if let Some((row, handle)) = probed.row_of(&process) {
                 matched.push((row, handle, bytes));
-            } else if slot.host_pid != 0 {
-                unjoined.push((slot.host_pid, process, bytes));
+            } else if claim.host_pid != 0 {
+                unjoined.push((claim.host_pid, process, bytes));
             }
             // else: not identified yet; the reclaimer records its host pid soon
         });

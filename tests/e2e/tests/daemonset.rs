@@ -15,6 +15,8 @@
 //! [`adapt_arg`] and [`volume_source`], each with its reason.
 //!
 //! Needs root, the containerd cache and the image (`cargo xtask setup`, `cargo xtask image`).
+//!
+//! Runs alone: the DaemonSet's agent runs as shipped, discovering libcuda on the whole node (it would probe the other test binaries' fake drivers).
 use std::{
     collections::BTreeSet,
     path::{Path, PathBuf},
