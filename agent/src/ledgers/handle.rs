@@ -39,8 +39,8 @@ pub struct LedgerHandle {
     /// The stamp the last scan read with the header ([`LedgerHandle::header_and_stamp`]),
     /// until the periodic sweep after it takes it ([`LedgerHandle::scanned_stamp`]).
     scanned: Mutex<Option<ledger::copy::Stamp>>,
-    /// What the live slots of the last settled copy [`LedgerHandle::for_each_claim`] took
-    /// claim, while they may stand for the file's.
+    /// The claims of the live slots in the last settled copy [`LedgerHandle::for_each_claim`]
+    /// took, while they may stand for the file's.
     kept: Mutex<Option<KeptClaims>>,
     /// The agent's own writes around the lock ([`LedgerHandle::set_host_pid`]) so far: a copy
     /// taken while one was made is not kept.
