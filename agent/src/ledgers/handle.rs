@@ -4,11 +4,7 @@
 use std::{
     fs::{self, File},
     path::{Path, PathBuf},
-    sync::{
-        atomic::{AtomicU64, Ordering},
-        Arc, Mutex,
-    },
-    time::{Duration, Instant},
+    sync::Mutex,
 };
 
 use ledger::{
@@ -39,12 +35,6 @@ pub struct LedgerHandle {
     /// The stamp the last scan read with the header ([`LedgerHandle::header_and_stamp`]),
     /// until the periodic sweep after it takes it ([`LedgerHandle::scanned_stamp`]).
     scanned: Mutex<Option<ledger::copy::Stamp>>,
-    /// The claims of the live slots in the last settled copy [`LedgerHandle::for_each_claim`]
-    /// took, while they may stand for the file's.
-    kept: Mutex<Option<KeptClaims>>,
-    /// The agent's own writes around the lock ([`LedgerHandle::set_host_pid`]) so far: a copy
-    /// taken while one was made is not kept.
-    writes: AtomicU64,
 }
 
 /// What a live slot claims, as the reconcile pass reads it.
@@ -58,22 +48,6 @@ pub struct SlotClaim {
     /// Its context records beyond the first on each device ([`slot_extra_contexts`]).
     pub extra_contexts: u64,
 }
-
-/// Claims kept from a settled copy, with the copy's stamp and when it was taken.
-struct KeptClaims {
-    stamp: ledger::copy::Stamp,
-    taken: Instant,
-    claims: Arc<[SlotClaim]>,
-}
-
-/// How long [`LedgerHandle::for_each_claim`] may hand out the claims of a copy whose stamp the
-/// file still has: the periodic sweep's bound on what a quiet ledger can hide
-/// ([`super::reclaim::READ_ALL`]).
-pub const CLAIMS_KEPT_FOR: Duration = super::reclaim::READ_ALL;
-
-/// The most live slots whose claims are kept for a ledger (about 3 KB): a ledger with more
-/// (a workload can mark every slot of its own ledger live) is copied every time instead.
-pub const CLAIMS_KEPT_MAX: usize = 64;
 
 /// Requested bytes a slot charges, context excluded (see [`crate::reconcile`]'s module doc).
 pub fn slot_bytes(slot: &Slot, devices: usize) -> u64 {
@@ -140,59 +114,28 @@ impl LedgerHandle {
         Ok(self.copy()?.live_slots())
     }
 
-    /// Calls `f` with what every live slot of a copy claims (the reconcile pass's read, every
-    /// second).
-    ///
-    /// The claims of the last settled copy stand for the file's while the file's stamp (one
-    /// `pread`) is still that copy's, for at most [`CLAIMS_KEPT_FOR`], and for ledgers of at
-    /// most [`CLAIMS_KEPT_MAX`] live slots: every locked operation moves the stamp, and the
-    /// agent's own write around the lock ([`LedgerHandle::set_host_pid`]) drops the kept
-    /// claims (a copy taken while it wrote is not kept). A workload that writes its slots
-    /// around the lock and keeps the stamp is seen within [`CLAIMS_KEPT_FOR`], as by the
-    /// periodic sweep ([`super::reclaim`]'s "Quiet ledgers").
+    /// Calls `f` with what every live slot of a fresh copy claims (the reconcile pass's read,
+    /// every second). Always a copy, never the last one's claims while the stamp stands: a
+    /// workload that writes its own slot around the lock (a slot zeroed under its memory) is
+    /// seen by the next pass, within a second, as `tampered`.
     pub fn for_each_claim(&self, mut f: impl FnMut(&SlotClaim)) -> Result<(), LedgerError> {
-        let writes = self.writes.load(Ordering::Acquire);
-        let stamp = self.stamp()?;
-        let standing = {
-            let kept = self.kept.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            kept.as_ref().filter(|kept| kept.stamp == stamp && kept.taken.elapsed() < CLAIMS_KEPT_FOR).map(|kept| Arc::clone(&kept.claims))
-        };
-        if let Some(claims) = standing {
-            claims.iter().for_each(&mut f);
-            return Ok(());
-        }
-        let taken = Instant::now();
         let copy = self.copy()?;
         let devices = (self.validated.device_count as usize).min(self.validated.devices.len());
-        let mut claims = Vec::new();
         copy.for_each_live(|_, slot| {
-            let claim = SlotClaim {
+            f(&SlotClaim {
                 process: slot.process(),
                 host_pid: slot.host_pid,
                 bytes: slot_bytes(slot, devices),
                 extra_contexts: slot_extra_contexts(slot, &self.validated.devices[..devices]),
-            };
-            f(&claim);
-            if claims.len() <= CLAIMS_KEPT_MAX {
-                claims.push(claim);
-            }
+            })
         });
-        let mut kept = self.kept.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        // Under the lock `set_host_pid` drops the kept claims with: a write it made since the
-        // copy began shows in `writes` here, or drops these after.
-        let keep = copy.settled && copy.stamp == stamp && claims.len() <= CLAIMS_KEPT_MAX && self.writes.load(Ordering::Acquire) == writes;
-        *kept = keep.then(|| KeptClaims { stamp, taken, claims: claims.into() });
         Ok(())
     }
 
     /// Records the host pid of `slot`'s process in the file (a hint for readers, who verify
-    /// it): a `pwrite` inside the slot table the validated header describes. Drops the claims
-    /// [`LedgerHandle::for_each_claim`] kept (the write moves no stamp).
+    /// it): a `pwrite` inside the slot table the validated header describes.
     pub fn set_host_pid(&self, slot: u32, host_pid: u32) -> std::io::Result<()> {
-        let written = ledger::file::write_host_pid(&self.file, &self.validated, slot, host_pid);
-        self.writes.fetch_add(1, Ordering::AcqRel);
-        *self.kept.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
-        written
+        ledger::file::write_host_pid(&self.file, &self.validated, slot, host_pid)
     }
 
     /// Frees `slot` if it still describes `process` ([`ledger::Ledger::reclaim_process`], in
@@ -253,7 +196,7 @@ impl LedgerHandle {
     }
 
     pub(super) fn new(path: &Path, key: FileKey, file: File, validated: Header, launcher: Launcher) -> LedgerHandle {
-        LedgerHandle { path: path.to_path_buf(), key, file, validated, worker: Mutex::new(Worker::new(launcher)), scanned: Mutex::new(None), kept: Mutex::new(None), writes: AtomicU64::new(0) }
+        LedgerHandle { path: path.to_path_buf(), key, file, validated, worker: Mutex::new(Worker::new(launcher)), scanned: Mutex::new(None) }
     }
 
     /// The same file held to `validated` instead, with a worker of its own (a pin that came

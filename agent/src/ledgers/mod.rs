@@ -66,7 +66,7 @@ use changes::Listing;
 use directory::{candidates, open_beneath, FileKey};
 use handle::examine_as;
 pub use directory::MAX_ENTRIES;
-pub use handle::{open_no_follow, slot_bytes, slot_extra_contexts, LedgerHandle, SlotClaim, CLAIMS_KEPT_FOR, CLAIMS_KEPT_MAX};
+pub use handle::{open_no_follow, slot_bytes, slot_extra_contexts, LedgerHandle, SlotClaim};
 pub use worker::AccessError;
 use worker::Launcher;
 
@@ -614,50 +614,34 @@ mod tests {
     }
 
     #[test]
-    fn the_reconcile_read_keeps_a_copys_slots_while_the_stamp_stands() {
-        let dir = std::env::temp_dir().join(format!("vramguard-ledgers-kept-slots-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&dir);
-        fs::create_dir_all(dir.join("a")).expect("mkdir");
-        let ledger = Ledger::create(&dir.join("a/ledger"), &Geometry { slots: CLAIMS_KEPT_MAX as u32 + 2, ..geometry() }, CREATOR_AGENT).expect("create");
+    fn the_reconcile_read_sees_a_write_around_the_lock_at_once() {
+        let (dir, _, ledger) = one_ledger("claims");
         let me = ledger::ProcessIdentity::current().expect("identity");
         let slot = ledger.register(me).expect("register");
+        ledger.reserve(slot, 0, ledger::Charge::Device(32 << 20), 0).expect("charge");
         let mut ledgers = Ledgers::new(dir.clone());
         ledgers.scan();
         let (_, handle) = ledgers.iter().next().expect("watched");
-        let host_pids = || {
+        let claims = || {
             let mut seen = Vec::new();
-            handle.for_each_claim(|claim| seen.push((claim.process.pid, claim.host_pid))).expect("read");
+            handle.for_each_claim(|claim| seen.push((claim.process.pid, claim.host_pid, claim.bytes))).expect("read");
             seen
         };
-        assert_eq!(host_pids(), vec![(me.pid, 0)]);
-        // Written around the lock (the stamp stays): the kept claims stand, for CLAIMS_KEPT_FOR.
+        assert_eq!(claims(), vec![(me.pid, 0, 32 << 20)]);
+        // Written around the lock (the stamp stays): the host pid and a slot zeroed under its
+        // memory are both seen by the next read.
         ledger.set_host_pid(slot, 4242);
-        assert_eq!(host_pids(), vec![(me.pid, 0)]);
-        // A locked operation moves the stamp: read again, the write around the lock with it.
-        let other = ledger.register(ledger::ProcessIdentity { pid: 1, pidns: me.pidns, start_time: 1 }).expect("register");
-        assert_eq!(host_pids(), vec![(me.pid, 4242), (1, 0)]);
-        // The agent's own write around the lock drops what was kept.
-        handle.set_host_pid(other, 7).expect("written");
-        assert_eq!(host_pids(), vec![(me.pid, 4242), (1, 7)]);
-        // A write of the agent's made while a read copies: that copy is not kept.
-        handle.set_host_pid(other, 7).expect("written");
-        let mut wrote = false;
-        handle
-            .for_each_claim(|_| {
-                if !wrote {
-                    handle.set_host_pid(slot, 99).expect("written");
-                    wrote = true;
-                }
-            })
-            .expect("read");
-        assert_eq!(host_pids(), vec![(me.pid, 99), (1, 7)], "the copy taken during the write was kept");
-        // A ledger of more live slots than CLAIMS_KEPT_MAX is copied every time.
-        for pid in 2..=CLAIMS_KEPT_MAX as u32 + 1 {
-            ledger.register(ledger::ProcessIdentity { pid, pidns: me.pidns, start_time: 1 }).expect("register");
-        }
-        assert_eq!(host_pids().len(), CLAIMS_KEPT_MAX + 2);
-        ledger.set_host_pid(slot, 5);
-        assert!(host_pids().contains(&(me.pid, 5)), "claims kept for a ledger past the cap");
+        assert_eq!(claims(), vec![(me.pid, 4242, 32 << 20)]);
+        let bytes = ledger.header().slots_offset
+            + u64::from(slot) * std::mem::size_of::<ledger::layout::Slot>() as u64
+            + std::mem::offset_of!(ledger::layout::Slot, devices) as u64
+            + std::mem::offset_of!(ledger::layout::SlotDevice, bytes) as u64;
+        let file = fs::OpenOptions::new().write(true).open(dir.join("a/ledger")).expect("open");
+        std::os::unix::fs::FileExt::write_all_at(&file, &[0u8; 8 * ledger::layout::KINDS], bytes).expect("zeroed");
+        assert_eq!(claims(), vec![(me.pid, 4242, 0)]);
+        // The agent's own write.
+        handle.set_host_pid(slot, 7).expect("written");
+        assert_eq!(claims(), vec![(me.pid, 7, 0)]);
         fs::remove_dir_all(&dir).expect("cleanup");
     }
 

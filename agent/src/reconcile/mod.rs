@@ -93,10 +93,9 @@
 //!
 //! # Cost
 //!
-//! A pass reads each ledger's slots from a private copy, without its lock, and on a quiet
-//! ledger only its stamp (one `pread`) while the last copy's stands for it, at most
-//! [`crate::ledgers::reclaim::READ_ALL`] ([`crate::ledgers::LedgerHandle::for_each_claim`]),
-//! and looks up each eBPF process's identity in /proc once per process (cached by pid and the
+//! A pass reads each ledger's slots from a fresh private copy, without its lock
+//! ([`crate::ledgers::LedgerHandle::for_each_claim`]: never a quiet ledger's last copy, so a
+//! slot written around the lock is judged at the next pass), and looks up each eBPF process's identity in /proc once per process (cached by pid and the
 //! probes' generation of the process, which changes when a pid is reused). Slots without
 //! eBPF memory are looked up in /proc (whether their process still runs, and its cgroup) at
 //! most once a second per process ([`SlotProcesses`]).
