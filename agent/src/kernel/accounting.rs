@@ -244,7 +244,7 @@ impl Accounting {
         // Losses from here on make the next tick sweep again.
         self.full_due = false;
         self.stats.full_sweeps += 1;
-        let records: Vec<(AllocKey, AllocRecord)> = self.allocs.iter().filter_map(Result::ok).collect();
+        let records: Vec<(AllocKey, AllocRecord)> = super::batch::entries(&self.allocs);
         let mut live = Vec::with_capacity(records.len());
         for (key, record) in &records {
             if !self.is_stale(key, record) {
@@ -284,7 +284,7 @@ impl Accounting {
     /// saw allocate (the eBPF side of [`crate::reconcile`]), from one read of `PROC_USAGE`.
     pub fn snapshot(&mut self, names: &mut CgroupNames) -> (Snapshot, Vec<EbpfProcess>) {
         let mut processes: Vec<ProcessRow> = Vec::new();
-        let procs: Vec<(u32, ProcUsage)> = self.procs.iter().filter_map(Result::ok).collect();
+        let procs: Vec<(u32, ProcUsage)> = super::batch::entries(&self.procs);
         let ebpf = procs
             .iter()
             .map(|(pid, usage)| EbpfProcess {
@@ -319,7 +319,7 @@ impl Accounting {
         }
         processes.sort_by_key(|row| row.pid);
         let mut cgroups: Vec<CgroupRow> = Vec::new();
-        let rows: Vec<(u64, Usage)> = self.cgroups.iter().filter_map(Result::ok).map(|(id, entry)| (id, entry.usage)).collect();
+        let rows: Vec<(u64, Usage)> = super::batch::entries(&self.cgroups).into_iter().map(|(id, entry)| (id, entry.usage)).collect();
         let spares = rows.iter().fold(0u64, |sum, (_, usage)| sum.wrapping_add(usage.spares));
         for (cgroup_id, usage) in rows {
             if usage.total_bytes() == 0 && usage.live_records() == 0 && usage.unrecorded == 0 {

@@ -1,5 +1,6 @@
 //! The agent's side of the eBPF programs: which program goes on which libcuda symbol
-//! ([`probes`]), the accounting maps read back and swept ([`accounting`], its index of
+//! ([`probes`]), the accounting maps read back (whole, a chunk of entries per system call:
+//! [`batch`]) and swept ([`accounting`], its index of
 //! records by process, [`index`], and the external-memory imports kept apart from it,
 //! [`extmem`]), the cgroup limits pushed to the
 //! entry probes ([`enforce`]), and the programs' own health and housekeeping: the trouble they
@@ -9,6 +10,7 @@
 //! the count of the cgroup tree's changes that tells the agent when to walk it ([`cgroups`]),
 //! and the processes that may have mapped a new executable file, for discovery ([`exec`]).
 pub mod accounting;
+pub mod batch;
 pub mod cgroups;
 pub mod enforce;
 pub mod exec;
