@@ -144,6 +144,19 @@ impl LedgerHandle {
         self.with_worker(|worker, file, header, path| worker.reclaim(file, header, path, slot, process))
     }
 
+    /// Starts the ledger's worker ahead of a call ([`Worker::warm`]), unless one runs or
+    /// another thread is using it.
+    pub fn warm_worker(&self) -> Result<(), AccessError> {
+        let Ok(mut worker) = self.worker.try_lock() else { return Ok(()) };
+        worker.warm(&self.file, &self.validated, &self.path)
+    }
+
+    /// Whether no worker runs for the ledger (`false` while a thread uses it: it waits for
+    /// none).
+    pub fn worker_cold(&self) -> bool {
+        self.worker.try_lock().is_ok_and(|worker| !worker.running())
+    }
+
     /// Gives `process` a slot ([`ledger::Ledger::register`], in the ledger's worker).
     pub fn register(&self, process: ProcessIdentity) -> Result<u32, AccessError> {
         self.with_worker(|worker, file, header, path| worker.register(file, header, path, process))

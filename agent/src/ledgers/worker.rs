@@ -363,6 +363,31 @@ impl Worker {
         result
     }
 
+    /// Starts the worker ahead of a call (an exit whose slot the worker is to free next), if
+    /// none runs and its ledger is not backed off; a failure is one of the calls' failures
+    /// (the ledger backed off, the reason kept).
+    pub fn warm(&mut self, file: &File, header: &Header, path: &Path) -> Result<(), AccessError> {
+        if let Some(waiting) = self.backoff.waiting() {
+            return Err(waiting);
+        }
+        if self.running.is_some() {
+            return Ok(());
+        }
+        // The spare it takes is replaced after the call it is warmed for (see [`Spare`]).
+        let started = self.start(file, header, path);
+        self.used_at = Instant::now();
+        match started {
+            Ok(running) => {
+                self.running = Some(running);
+                Ok(())
+            }
+            Err(error) => {
+                self.backoff.failed(error.to_string());
+                Err(error)
+            }
+        }
+    }
+
     fn exchange(&mut self, file: &File, header: &Header, path: &Path, request: &Request) -> Result<Reply, AccessError> {
         if self.running.is_none() {
             self.running = Some(self.start(file, header, path)?);
