@@ -444,12 +444,18 @@ mod tests {
         (dir, Arc::clone(handle), slot)
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_watched_process_is_told_when_it_exits_and_a_reused_pid_at_once() {
-        let mut child = std::process::Command::new("sleep").arg("30").spawn().expect("spawn sleep");
+    /// A `sleep 30` child with a slot in a watched ledger (`tag` names its directory).
+    fn sleeper_in_ledger(tag: &str) -> (std::process::Child, u32, ProcessIdentity, PathBuf, Arc<LedgerHandle>, u32) {
+        let child = std::process::Command::new("sleep").arg("30").spawn().expect("spawn sleep");
         let pid = child.id();
         let process = crate::identity::identity_of(pid).expect("the child's identity");
-        let (dir, handle, slot) = ledger_with("pidfd", process);
+        let (dir, handle, slot) = ledger_with(tag, process);
+        (child, pid, process, dir, handle, slot)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_watched_process_is_told_when_it_exits_and_a_reused_pid_at_once() {
+        let (mut child, pid, process, dir, handle, slot) = sleeper_in_ledger("pidfd");
         let (watch, mut fired) = Watch::new(tokio::runtime::Handle::current(), None);
         let path = dir.join("a/ledger");
         let live = |process| Live { host: pid, process, path: path.clone(), slot, ledger: Arc::clone(&handle) };
@@ -483,10 +489,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_exit_event_starts_the_ledgers_worker_before_the_pidfd_fires() {
         use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts};
-        let mut child = std::process::Command::new("sleep").arg("30").spawn().expect("spawn sleep");
-        let pid = child.id();
-        let process = crate::identity::identity_of(pid).expect("the child's identity");
-        let (dir, handle, slot) = ledger_with("warm", process);
+        let (mut child, pid, process, dir, handle, slot) = sleeper_in_ledger("warm");
         let (watch, fired) = Watch::new(tokio::runtime::Handle::current(), None);
         let path = dir.join("a/ledger");
         watch.update(&|_| true, vec![Live { host: pid, process, path: path.clone(), slot, ledger: Arc::clone(&handle) }]);
