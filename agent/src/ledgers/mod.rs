@@ -148,6 +148,9 @@ pub struct Ledgers {
     /// The last listing of the directory and whether it still holds ([`changes`]); shared
     /// by the clones, used by the scans (the reclaim task's).
     listing: Arc<Mutex<Listing>>,
+    /// The live processes of the ledgers' slots watched through pidfds ([`exits::Watch`]),
+    /// once the reclaim task watches them; shared by the clones.
+    watch: Option<Arc<exits::Watch>>,
 }
 
 /// A ledger the agent created: the header it created it with and the container's names as
@@ -177,7 +180,19 @@ impl Ledgers {
             pinned: BTreeMap::new(),
             listing: Arc::new(Mutex::new(Listing::new(&dir))),
             dir,
+            watch: None,
         }
+    }
+
+    /// Shares the pidfd watch of the slots' live processes with the readers of the set.
+    pub fn set_watch(&mut self, watch: Arc<exits::Watch>) {
+        self.watch = Some(watch);
+    }
+
+    /// Whether host pid `host` runs `process`, as a pidfd watch of it says without a read of
+    /// /proc: `false` also when it is not watched (ask /proc then).
+    pub fn watched_alive(&self, host: u32, process: &ledger::ProcessIdentity) -> bool {
+        self.watch.as_ref().is_some_and(|watch| watch.alive(host, process))
     }
 
     /// Listings of the directory the scans made, by why ([`changes::Why::ALL`]'s order).

@@ -82,6 +82,7 @@ impl Reclaim {
         let events = std::mem::replace(&mut wiring.exits, mpsc::channel(1).1);
         let (watch, fired) = Watch::new(tokio::runtime::Handle::current(), Some(wiring.reclaims.watched.clone()));
         self.reclaimer.set_watch(Arc::clone(&watch));
+        self.ledgers.set_watch(Arc::clone(&watch));
         let (forward, exits) = mpsc::channel(EXIT_QUEUE);
         let exit_path = ExitPath { watch, fired, events, forward, reclaims: wiring.reclaims.clone(), changed: wiring.changed.clone() };
         let stop = wiring.stop.clone();

@@ -97,8 +97,10 @@
 //! ([`crate::ledgers::LedgerHandle::for_each_claim`]: never a quiet ledger's last copy, so a
 //! slot written around the lock is judged at the next pass), and looks up each eBPF process's identity in /proc once per process (cached by pid and the
 //! probes' generation of the process, which changes when a pid is reused). Slots without
-//! eBPF memory are looked up in /proc (whether their process still runs, and its cgroup) at
-//! most once a second per process ([`SlotProcesses`]).
+//! eBPF memory are looked up in /proc (whether their process still runs, and its cgroup)
+//! once, then at most once a second per process while the exit path's pidfd watch does not
+//! say it runs ([`SlotProcesses`]: after an agent's restart, whose probes never saw the
+//! running processes' memory, every slot is such).
 //!
 //! Passes run every second, for every `audit` (a `/metrics` scrape runs none: it is served
 //! the page of the last pass, [`crate::serve`]), and (at most one per
@@ -820,7 +822,8 @@ pub fn observe(
             cgroups.insert(ebpf[row].cgroup_id);
         }
         for (host_pid, process, bytes) in unjoined {
-            let (gone, cgroup_id) = slot_processes.look_up(host_pid, process, file);
+            let watched = ledgers.is_some_and(|l| l.watched_alive(host_pid, &process));
+            let (gone, cgroup_id) = slot_processes.look_up(host_pid, process, file, watched);
             if cgroup_id != 0 {
                 cgroups.insert(cgroup_id);
             }
@@ -894,6 +897,8 @@ pub struct SlotProcesses {
     /// By (host pid, the slot's identity).
     known: HashMap<(u32, ProcessIdentity), SlotProcess>,
     pass: u64,
+    /// Looks at /proc made so far.
+    reads: u64,
 }
 
 struct SlotProcess {
@@ -917,15 +922,18 @@ impl SlotProcesses {
 
     /// (gone, cgroup id) of the slot's `process`, whose host pid the slot says is `host_pid`
     /// (a field the workload can write: a host pid that is not the slot's process counts as
-    /// gone, so its cgroup is never taken for the ledger's).
-    fn look_up(&mut self, host_pid: u32, process: ProcessIdentity, file: (u64, u64)) -> (bool, u64) {
+    /// gone, so its cgroup is never taken for the ledger's). `watched`: a pidfd watch says
+    /// that `host_pid` still runs `process` (the exit path's, [`crate::ledgers::exits`]): a
+    /// process checked in full before is not read again while it says so.
+    fn look_up(&mut self, host_pid: u32, process: ProcessIdentity, file: (u64, u64), watched: bool) -> (bool, u64) {
         let pass = self.pass;
         if let Some(known) = self.known.get_mut(&(host_pid, process)) {
-            if !known.gone && known.read.elapsed() >= SLOT_RECHECK {
+            if !known.gone && !watched && known.read.elapsed() >= SLOT_RECHECK {
                 // Checked in full before: whether it still runs is its start time's question
                 // (the cgroup of a container's process stays).
                 known.gone = ledger::process::running_start_time_of(host_pid) != Some(process.start_time);
                 known.read = Instant::now();
+                self.reads += 1;
             }
             known.pass = pass;
             return (known.gone, if known.gone { 0 } else { known.cgroup_id });
@@ -934,6 +942,7 @@ impl SlotProcesses {
         let gone = !identity::is_process(host_pid, &process) || !identity::maps_file(host_pid, file);
         let cgroup_id = if gone { 0 } else { crate::cgroup::id_of_pid(host_pid).unwrap_or(0) };
         self.known.insert((host_pid, process), SlotProcess { gone, cgroup_id, read: Instant::now(), pass });
+        self.reads += 1;
         (gone, cgroup_id)
     }
 }
@@ -947,6 +956,41 @@ mod tests {
 
     fn seen(pid: u32, ledger_bytes: Option<u64>, ebpf_bytes: u64) -> Observation {
         Observation { pid, ledger: ledger_bytes.map(|_| "/l".to_string()), ledger_bytes, ebpf_bytes, ..Default::default() }
+    }
+
+    #[test]
+    fn a_slots_process_a_pidfd_watches_is_not_read_again_while_it_is_watched() {
+        use std::os::unix::fs::MetadataExt;
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().expect("spawn sleep");
+        let pid = child.id();
+        let process = crate::identity::identity_of(pid).expect("the child's identity");
+        // A file the child maps (its program), standing for its ledger.
+        let program = std::fs::metadata(format!("/proc/{pid}/exe")).expect("its program");
+        let file = (program.dev(), program.ino());
+        let mut slots = SlotProcesses::default();
+        let pass = |slots: &mut SlotProcesses, watched: bool| {
+            slots.begin_pass();
+            let seen = slots.look_up(pid, process, file, watched);
+            slots.end_pass();
+            seen
+        };
+        // Checked in full once, watched or not.
+        let (gone, cgroup) = pass(&mut slots, true);
+        assert!(!gone && cgroup != 0, "a running process that maps the file, in a cgroup");
+        assert_eq!(slots.reads, 1);
+        std::thread::sleep(SLOT_RECHECK);
+        // Watched: not read again, whatever the time.
+        assert_eq!(pass(&mut slots, true), (false, cgroup));
+        assert_eq!(slots.reads, 1, "read again while watched");
+        // Not watched (the watch's cap, a pidfd that could not be opened): read once a second.
+        assert_eq!(pass(&mut slots, false), (false, cgroup));
+        assert_eq!(slots.reads, 2);
+        assert_eq!(pass(&mut slots, false), (false, cgroup));
+        assert_eq!(slots.reads, 2, "read twice within a second");
+        child.kill().expect("kill");
+        child.wait().expect("reap");
+        std::thread::sleep(SLOT_RECHECK);
+        assert_eq!(pass(&mut slots, false), (true, 0), "gone once reaped");
     }
 
     fn states(r: &Reconciler) -> Vec<(u32, State)> {
