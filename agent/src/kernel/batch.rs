@@ -19,9 +19,6 @@ const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 /// Entries asked for per call.
 const CHUNK: u32 = 256;
 
-/// The most calls one read makes before it falls back to the iterator (a map that keeps
-/// handing out chunks is read as aya reads it).
-const MAX_CALLS: usize = 4096;
 
 /// The `batch` member of `union bpf_attr` (`linux/bpf.h`): the fields the command reads, in
 /// their order; the kernel takes the rest of the union as zero.
@@ -48,12 +45,15 @@ pub fn entries<K: Pod, V: Pod>(map: &HashMap<MapData, K, V>) -> Vec<(K, V)> {
 /// the command (too old, another map type) or a read does not end.
 fn lookup_batch<K: Pod, V: Pod>(map: &MapData) -> Option<Vec<(K, V)>> {
     let fd = u32::try_from(map.fd().as_fd().as_raw_fd()).ok()?;
+    // Each call that is not the last moves past at least one of the map's buckets (a power of
+    // two at least its `max_entries`): more calls than that, the read does not end.
+    let buckets = map.info().ok()?.max_entries().max(1).checked_next_power_of_two()? as usize;
     let mut keys = vec![0u8; CHUNK as usize * size_of::<K>()];
     let mut values = vec![0u8; CHUNK as usize * size_of::<V>()];
     // The kernel's position in the map between calls (a bucket index for hash maps).
     let (mut position, mut next) = (0u64, 0u64);
     let mut entries = Vec::new();
-    for call in 0..MAX_CALLS {
+    for call in 0..=buckets {
         let mut attr = BatchAttr {
             in_batch: if call == 0 { 0 } else { std::ptr::addr_of!(position) as u64 },
             out_batch: std::ptr::addr_of_mut!(next) as u64,

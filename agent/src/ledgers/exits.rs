@@ -87,9 +87,12 @@ pub struct Watch {
     gauge: Option<prometheus::IntGauge>,
 }
 
+/// A process's slots: each ledger's path, the slot, the ledger.
+type Slots = Vec<(PathBuf, u32, Arc<LedgerHandle>)>;
+
 struct Watched {
     process: ProcessIdentity,
-    slots: Vec<(PathBuf, u32, Arc<LedgerHandle>)>,
+    slots: Slots,
     waiter: Waiter,
 }
 
@@ -176,17 +179,18 @@ impl Watch {
         *said = capped;
     }
 
-    /// The ledgers of watched process `host` whose workers are not running (`None` if it is
-    /// not watched).
-    fn cold_ledgers(&self, host: u32) -> Option<Vec<(PathBuf, Arc<LedgerHandle>)>> {
+    /// The identity of watched process `host` and its slots in ledgers whose workers are not
+    /// running (`None` if it is not watched).
+    fn cold_slots(&self, host: u32) -> Option<(ProcessIdentity, Slots)> {
         let watched = self.lock();
         let entry = watched.get(&host)?;
-        Some(entry.slots.iter().filter(|(_, _, ledger)| ledger.worker_cold()).map(|(path, _, ledger)| (path.clone(), Arc::clone(ledger))).collect())
+        let cold = entry.slots.iter().filter(|(_, _, ledger)| ledger.worker_cold()).map(|(path, slot, ledger)| (path.clone(), *slot, Arc::clone(ledger))).collect();
+        Some((entry.process, cold))
     }
 
     /// Takes process `host` off the watch (its pidfd fired), with the slots it had, if it is
     /// still watched as `process`.
-    fn take(&self, host: u32, process: ProcessIdentity) -> Option<Vec<(PathBuf, u32, Arc<LedgerHandle>)>> {
+    fn take(&self, host: u32, process: ProcessIdentity) -> Option<Slots> {
         let mut watched = self.lock();
         if watched.get(&host).is_none_or(|entry| entry.process != process) {
             return None;
@@ -296,12 +300,12 @@ impl ExitPath {
                     if freeing.contains(&tgid) {
                         continue;
                     }
-                    match self.watch.cold_ledgers(tgid) {
+                    match self.watch.cold_slots(tgid) {
                         None => self.hand_on(tgid, at, &mut dropped),
                         // The kernel tears the process down before its pidfd says so: its
                         // ledgers' workers start meanwhile, so its reclaim waits for no hello.
-                        Some(cold) if !cold.is_empty() => {
-                            warming.spawn_blocking(move || warm(cold));
+                        Some((process, cold)) if !cold.is_empty() => {
+                            warming.spawn_blocking(move || warm(process, cold));
                         }
                         Some(_) => {}
                     }
@@ -381,13 +385,22 @@ impl ExitPath {
     }
 }
 
-/// Starts the workers of `ledgers` ahead of their reclaims; a failure is said as the
+/// Starts the workers of the ledgers whose `slots` the exit path is to free for `process`:
+/// only where the slot still records it and did not fork (an honest process's hook frees its
+/// own slot at its exit, and a forked one's is the sweeps'). A failure is said as the
 /// reclaim's would be (the reclaim then finds the ledger backed off and leaves its slot to the
-/// sweeps).
-fn warm(ledgers: Vec<(PathBuf, Arc<LedgerHandle>)>) {
-    for (path, ledger) in ledgers {
-        if let Err(error) = ledger.warm_worker() {
-            warn!(ledger = %path.display(), %error, "cannot reclaim the dead processes' slots of this ledger for now");
+/// sweeps); a ledger backed off already was said when that began.
+fn warm(process: ProcessIdentity, slots: Slots) {
+    for (path, id, ledger) in slots {
+        let owed = ledger.slots().is_ok_and(|views| {
+            views.iter().any(|view| view.id == id && view.slot.process() == process && view.slot.flags & ledger::layout::SLOT_FORKED == 0)
+        });
+        if !owed {
+            continue;
+        }
+        match ledger.warm_worker() {
+            Ok(()) | Err(super::worker::AccessError::Backoff { .. }) => {}
+            Err(error) => warn!(ledger = %path.display(), %error, "cannot reclaim the dead processes' slots of this ledger for now"),
         }
     }
 }
@@ -395,7 +408,7 @@ fn warm(ledgers: Vec<(PathBuf, Arc<LedgerHandle>)>) {
 /// Frees the slots of the exited process `process` (host pid `host`, whose pidfd fired at
 /// `woke`) that still record it; a slot of a process that forked, and any the worker could not
 /// free, are left to the sweeps.
-fn free(host: u32, process: ProcessIdentity, woke: Instant, slots: Vec<(PathBuf, u32, Arc<LedgerHandle>)>) -> Done {
+fn free(host: u32, process: ProcessIdentity, woke: Instant, slots: Slots) -> Done {
     let mut done = Done { host, woke, freed: Vec::new(), left: false, read: 0 };
     // The pidfd said so; /proc is asked once more, as a sweep would (a zombie is dead).
     if ledger::process::still_runs(host, process.start_time) != Some(false) {
@@ -486,15 +499,30 @@ mod tests {
         std::fs::remove_dir_all(&dir).expect("cleanup");
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn an_exit_event_starts_the_ledgers_worker_before_the_pidfd_fires() {
-        use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts};
-        let (mut child, pid, process, dir, handle, slot) = sleeper_in_ledger("warm");
+    /// An exit path running on `watch` (and `fired`, its receiver): its exit events' sender,
+    /// what it hands the sweeps, its stop and its task.
+    struct Running {
+        events: mpsc::Sender<(u32, Instant)>,
+        forwarded: mpsc::Receiver<(u32, Instant)>,
+        stop: watch::Sender<bool>,
+        task: tokio::task::JoinHandle<anyhow::Result<()>>,
+    }
+
+    /// A `sleep 30` child with a slot in a ledger (`tag` names its directory), watched, and an
+    /// exit path running on its watch: the child, its pid, the directory, the ledger's handle,
+    /// the slot, the exit path.
+    fn watched_exit_path(tag: &str) -> (std::process::Child, u32, PathBuf, Arc<LedgerHandle>, u32, Running) {
+        let (child, pid, process, dir, handle, slot) = sleeper_in_ledger(tag);
         let (watch, fired) = Watch::new(tokio::runtime::Handle::current(), None);
-        let path = dir.join("a/ledger");
-        watch.update(&|_| true, vec![Live { host: pid, process, path: path.clone(), slot, ledger: Arc::clone(&handle) }]);
+        watch.update(&|_| true, vec![Live { host: pid, process, path: dir.join("a/ledger"), slot, ledger: Arc::clone(&handle) }]);
+        let running = exit_path_on(&watch, fired);
+        (child, pid, dir, handle, slot, running)
+    }
+
+    fn exit_path_on(watch: &Arc<Watch>, fired: mpsc::UnboundedReceiver<(u32, ProcessIdentity)>) -> Running {
+        use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts};
         let (events_tx, events) = mpsc::channel(8);
-        let (forward, mut forwarded) = mpsc::channel(8);
+        let (forward, forwarded) = mpsc::channel(8);
         let counter = |name: &str| IntCounterVec::new(Opts::new(name, "test"), &["sweep"]).expect("counter");
         let reclaims = Reclaims::new(
             IntCounter::new("reclaims", "test").expect("counter"),
@@ -505,9 +533,15 @@ mod tests {
             IntGauge::new("watched", "test").expect("gauge"),
             IntCounterVec::new(Opts::new("listings", "test"), &["why"]).expect("counter"),
         );
-        let exit_path = ExitPath { watch: Arc::clone(&watch), fired, events, forward, reclaims: reclaims.clone(), changed: Arc::new(Notify::new()) };
-        let (stop_tx, stop) = watch::channel(false);
-        let running = tokio::spawn(exit_path.run(stop));
+        let exit_path = ExitPath { watch: Arc::clone(watch), fired, events, forward, reclaims, changed: Arc::new(Notify::new()) };
+        let (stop, stopped) = watch::channel(false);
+        Running { events: events_tx, forwarded, stop, task: tokio::spawn(exit_path.run(stopped)) }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_exit_event_starts_the_ledgers_worker_before_the_pidfd_fires() {
+        let (mut child, pid, dir, handle, _, running) = watched_exit_path("warm");
+        let Running { events: events_tx, mut forwarded, stop: stop_tx, task: running } = running;
         assert!(!handle.worker_running(), "no worker before the exit");
 
         // The exit event comes while the process is still torn down (here: still runs): its
@@ -530,6 +564,22 @@ mod tests {
         }
         stop_tx.send(true).expect("stop");
         running.await.expect("joined").expect("the exit path ran");
+        child.wait().expect("reap");
+        std::fs::remove_dir_all(&dir).expect("cleanup");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_exit_event_of_a_process_whose_slot_is_freed_starts_no_worker() {
+        let (mut child, pid, dir, handle, slot, running) = watched_exit_path("freed");
+        let path = dir.join("a/ledger");
+        // Its hook freed its slot at its exit, before the kernel's exit event.
+        ledger::Ledger::open(&path).expect("open").reclaim(slot).expect("freed");
+        running.events.send((pid, Instant::now())).await.expect("sent");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!handle.worker_running(), "a worker started for a slot nobody owes");
+        running.stop.send(true).expect("stop");
+        running.task.await.expect("joined").expect("the exit path ran");
+        child.kill().expect("kill");
         child.wait().expect("reap");
         std::fs::remove_dir_all(&dir).expect("cleanup");
     }

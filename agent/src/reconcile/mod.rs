@@ -894,8 +894,9 @@ pub const SLOT_RECHECK: Duration = Duration::from_secs(1);
 /// slot names them.
 #[derive(Default)]
 pub struct SlotProcesses {
-    /// By (host pid, the slot's identity).
-    known: HashMap<(u32, ProcessIdentity), SlotProcess>,
+    /// By (host pid, the slot's identity, the ledger file it was found in: a slot that copies
+    /// another ledger's host pid and identity is judged on its own file).
+    known: HashMap<(u32, ProcessIdentity, (u64, u64)), SlotProcess>,
     pass: u64,
     /// Looks at /proc made so far.
     reads: u64,
@@ -927,7 +928,7 @@ impl SlotProcesses {
     /// process checked in full before is not read again while it says so.
     fn look_up(&mut self, host_pid: u32, process: ProcessIdentity, file: (u64, u64), watched: bool) -> (bool, u64) {
         let pass = self.pass;
-        if let Some(known) = self.known.get_mut(&(host_pid, process)) {
+        if let Some(known) = self.known.get_mut(&(host_pid, process, file)) {
             if !known.gone && !watched && known.read.elapsed() >= SLOT_RECHECK {
                 // Checked in full before: whether it still runs is its start time's question
                 // (the cgroup of a container's process stays).
@@ -941,7 +942,7 @@ impl SlotProcesses {
         // Not the slot's process, or one that does not map the ledger: no process of it.
         let gone = !identity::is_process(host_pid, &process) || !identity::maps_file(host_pid, file);
         let cgroup_id = if gone { 0 } else { crate::cgroup::id_of_pid(host_pid).unwrap_or(0) };
-        self.known.insert((host_pid, process), SlotProcess { gone, cgroup_id, read: Instant::now(), pass });
+        self.known.insert((host_pid, process, file), SlotProcess { gone, cgroup_id, read: Instant::now(), pass });
         self.reads += 1;
         (gone, cgroup_id)
     }
@@ -964,20 +965,28 @@ mod tests {
         let mut child = std::process::Command::new("sleep").arg("30").spawn().expect("spawn sleep");
         let pid = child.id();
         let process = crate::identity::identity_of(pid).expect("the child's identity");
-        // A file the child maps (its program), standing for its ledger.
-        let program = std::fs::metadata(format!("/proc/{pid}/exe")).expect("its program");
-        let file = (program.dev(), program.ino());
-        let mut slots = SlotProcesses::default();
-        let pass = |slots: &mut SlotProcesses, watched: bool| {
+        let pass = |slots: &mut SlotProcesses, file: (u64, u64), watched: bool| {
             slots.begin_pass();
             let seen = slots.look_up(pid, process, file, watched);
             slots.end_pass();
             seen
         };
-        // Checked in full once, watched or not.
-        let (gone, cgroup) = pass(&mut slots, true);
-        assert!(!gone && cgroup != 0, "a running process that maps the file, in a cgroup");
+        // A file the child maps (its program, once it has replaced the test's), standing for
+        // its ledger; checked in full once, watched or not.
+        let started = Instant::now();
+        let (mut slots, file, cgroup) = loop {
+            let program = std::fs::metadata(format!("/proc/{pid}/exe")).expect("its program");
+            let file = (program.dev(), program.ino());
+            let mut slots = SlotProcesses::default();
+            let (gone, cgroup) = pass(&mut slots, file, true);
+            if !gone {
+                break (slots, file, cgroup);
+            }
+            assert!(started.elapsed() < Duration::from_secs(5), "the child never ran as a process that maps its program");
+            std::thread::sleep(Duration::from_millis(20));
+        };
         assert_eq!(slots.reads, 1);
+        let pass = |slots: &mut SlotProcesses, watched: bool| pass(slots, file, watched);
         std::thread::sleep(SLOT_RECHECK);
         // Watched: not read again, whatever the time.
         assert_eq!(pass(&mut slots, true), (false, cgroup));
