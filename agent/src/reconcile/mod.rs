@@ -95,8 +95,9 @@
 //!
 //! A pass reads each ledger's slots from a fresh private copy, without its lock
 //! ([`crate::ledgers::LedgerHandle::for_each_claim`]: never a quiet ledger's last copy, so a
-//! slot written around the lock is judged at the next pass), and looks up each eBPF process's identity in /proc once per process (cached by pid and the
-//! probes' generation of the process, which changes when a pid is reused). Slots without
+//! slot written around the lock is judged at the next pass), and looks up each eBPF
+//! process's identity in /proc once per process (cached by pid and the probes' generation
+//! of the process, which changes when a pid is reused). Slots without
 //! eBPF memory are looked up in /proc (whether their process still runs, and its cgroup)
 //! once, then at most once a second per process while the exit path's pidfd watch does not
 //! say it runs ([`SlotProcesses`]: after an agent's restart, whose probes never saw the
@@ -748,11 +749,9 @@ fn attributed_gaps(driver: &DriverView) -> BTreeMap<u64, u64> {
     by_cgroup
 }
 
-/// What a slot charges: its requested bytes ([`slot_bytes`]) and its context records beyond
-/// the first on each device ([`slot_extra_contexts`]).
+/// What a slot charges: its requested bytes ([`crate::ledgers::slot_bytes`]) and its context
+/// records beyond the first on each device ([`crate::ledgers::slot_extra_contexts`]).
 type Charged = (u64, u64);
-
-pub use crate::ledgers::{slot_bytes, slot_extra_contexts};
 
 /// Joins the ledgers' live slots with the eBPF view (`probed`: the identities of its
 /// processes, updated with it). Also returns the cgroups of each ledger's live processes, and
@@ -1324,7 +1323,7 @@ mod tests {
         let slot = ledger.register(ProcessIdentity::current().expect("identity")).expect("register");
         let extra = |ledger: &Ledger| {
             let slots = ledger.slots().expect("slots");
-            slot_extra_contexts(&slots[0].slot, &geometry.devices)
+            crate::ledgers::slot_extra_contexts(&slots[0].slot, &geometry.devices)
         };
         // One context on each of two devices: none beyond the first.
         ledger.reserve(slot, 0, Charge::Context, 0).expect("context 0");
