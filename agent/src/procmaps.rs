@@ -58,8 +58,29 @@ pub struct Summary {
 
 /// Hands each line of `/proc/<pid>/maps` (without its newline; bytes that are not UTF-8, as a
 /// path may have, replaced) to `each` until it breaks or a bound is reached.
-pub fn each_line(pid: u32, each: impl FnMut(&str) -> ControlFlow<()>) -> io::Result<Summary> {
-    each_line_of(File::open(format!("/proc/{pid}/maps"))?, each)
+///
+/// A process whose main thread exited alone while its other threads run has an empty
+/// `/proc/<pid>/maps`: the kernel lets go of a thread's address space when the thread exits,
+/// and the leader stays, a zombie, until the last thread does. Then the maps of another of its
+/// threads (`/proc/<pid>/task/<tid>/maps`: every thread shares the one address space) are read.
+pub fn each_line(pid: u32, mut each: impl FnMut(&str) -> ControlFlow<()>) -> io::Result<Summary> {
+    let summary = each_line_of(File::open(format!("/proc/{pid}/maps"))?, &mut each)?;
+    match summary.bytes {
+        0 => match other_thread(pid) {
+            Some(tid) => each_line_of(File::open(format!("/proc/{pid}/task/{tid}/maps"))?, each),
+            None => Ok(summary),
+        },
+        _ => Ok(summary),
+    }
+}
+
+/// A thread of process `pid` other than its leader, if it has one (the first listed: tids
+/// are listed in order, the leader's first, so a process with many threads costs two entries).
+fn other_thread(pid: u32) -> Option<u32> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .ok()?
+        .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .find(|&tid| tid != pid)
 }
 
 /// [`each_line`] over any reader.

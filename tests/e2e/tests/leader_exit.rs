@@ -41,6 +41,16 @@ fn a_process_whose_main_thread_exited_keeps_its_slot_until_its_last_thread_exits
 
     // The agent records it as alive (its host pid written in), and three sweeps later still.
     wait_for(Duration::from_secs(15), "the agent records the holder's host pid", || Ok(slots(&ledger)?.contains(&(pid, pid))))?;
+    // And joins it with its slot: its leader's /proc/<pid>/maps is empty (the kernel let go of
+    // the leader's address space), yet the process maps its ledger. Taken for an un-hooked
+    // process, its memory would be charged to the container a second time.
+    let ledger_path = ledger.to_string_lossy().into_owned();
+    wait_for(Duration::from_secs(5), "the holder joined with its slot (state ok)", || {
+        let audit = agent.audit()?;
+        let row = audit["processes"].as_array().and_then(|rows| rows.iter().find(|r| r["pid"] == pid)).cloned();
+        Ok(row.is_some_and(|r| r["state"] == "ok" && r["ledger"] == ledger_path.as_str()))
+    })
+    .with_context(|| format!("the audit: {}", agent.audit().map(|a| a["processes"].to_string()).unwrap_or_default()))?;
     let metric = |name: &str, labels: &[(&str, &str)]| -> Result<f64> {
         Ok(http::metric(&http::fresh_scrape(agent.metrics_addr()?)?, name, labels).unwrap_or(0.0))
     };
