@@ -42,3 +42,7 @@ class PoolProps(ctypes.Structure):  # CUmemPoolProps
 
 class MemAllocNodeParams(ctypes.Structure):  # CUDA_MEM_ALLOC_NODE_PARAMS
     _fields_ = [("pool", PoolProps), ("access", ctypes.POINTER(AccessDesc)), ("access_count", c_size), ("bytesize", c_size), ("dptr", c_u64)]
+
+
+class IpcMemHandle(ctypes.Structure):  # CUipcMemHandle: 64 bytes, passed by value to cuIpcOpenMemHandle
+    _fields_ = [("reserved", ctypes.c_char * 64)]

@@ -31,7 +31,7 @@ import sys
 import time
 
 from cudatypes import (
-    GIB, MIB, RELEASE_THRESHOLD, RESERVED_MEM_CURRENT, AccessDesc, ArrayDescriptor, Location, MemAllocNodeParams, PoolProps,
+    GIB, MIB, RELEASE_THRESHOLD, RESERVED_MEM_CURRENT, AccessDesc, ArrayDescriptor, IpcMemHandle, Location, MemAllocNodeParams, PoolProps,
     c_int, c_size, c_u64, c_uint, c_void_p,
 )
 
@@ -257,8 +257,8 @@ def ipc(cuda, nvml, me):
     else:
         rc, ptr = cuda.alloc(GIB)
         cuda.check(rc, "cuMemAlloc_v2")
-        handle = (ctypes.c_char * 64)()
-        cuda.check(cu.cuIpcGetMemHandle(handle, c_u64(ptr)), "cuIpcGetMemHandle")
+        handle = IpcMemHandle()
+        cuda.check(cu.cuIpcGetMemHandle(ctypes.byref(handle), c_u64(ptr)), "cuIpcGetMemHandle")
         before = nvml.view(me)
         child = subprocess.Popen([sys.executable, __file__, "ipc-import", bytes(handle).hex()], stdout=subprocess.PIPE, text=True)
         line = child.stdout.readline()
@@ -278,8 +278,10 @@ def ipc_import(hexhandle):
     free_before = c_size()
     total = c_size()
     cuda.check(cuda.cu.cuMemGetInfo_v2(ctypes.byref(free_before), ctypes.byref(total)), "cuMemGetInfo_v2")
-    handle = (ctypes.c_char * 64).from_buffer_copy(bytes.fromhex(hexhandle))
+    handle = IpcMemHandle.from_buffer_copy(bytes.fromhex(hexhandle))
     ptr = c_u64()
+    # The handle is a struct passed by value (a bare ctypes array would be passed as a pointer).
+    cuda.cu.cuIpcOpenMemHandle_v2.argtypes = [ctypes.POINTER(c_u64), IpcMemHandle, c_uint]
     cuda.check(cuda.cu.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), handle, c_uint(1)), "cuIpcOpenMemHandle_v2")
     cuda.sync()
     free_after = c_size()

@@ -68,11 +68,8 @@ for i in $(seq 8); do
 done
 peak=0
 for s in $(seq 60); do
-  used=0
-  for p in "${pids[@]}"; do
-    mib=$(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits | awk -F', ' -v p=$p '$1==p {print $2}')
-    used=$((used + ${mib:-0}))
-  done
+  used=$(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits |
+    awk -F', ' -v pids=" ${pids[*]} " 'index(pids, " " $1 " ") {sum += $2} END {print sum + 0}')
   [ $used -gt $peak ] && peak=$used
   sleep 0.25
 done

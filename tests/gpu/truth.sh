@@ -4,14 +4,19 @@
 # stream-ordered allocator near its quota under `--enforce signal` (not stopped) beside an
 # un-hooked process in its cgroup taking memory (stopped), and a forked child holding its dead
 # parent's memory (the slot kept, the quota held, released when the child goes; the child not
-# stopped). Usage: truth.sh DIR_WITH_RELEASE_BUILDS [DIR_FOR_LOGS]
+# stopped), a stream-ordered pool's release under the hook (`release`: what the hook refused
+# is granted once the driver gave the pool's memory back) and a process whose main thread
+# exited while another holds its memory (`leader`: its slot kept, the quota held, it is not
+# stopped). Usage: truth.sh DIR_WITH_RELEASE_BUILDS [DIR_FOR_LOGS]; the `release` and `leader`
+# parts run `fakecuda-workload` (tests/workload: it dlopens libcuda.so.1) from that directory.
 set -u
 bin=$(cd "${1:?usage: truth.sh target/release [logs]}" && pwd)
 out=${2:-/tmp}
 here=$(cd "$(dirname "$0")" && pwd)
 hook="$bin/libvramguard.so"
 agent="$bin/vramguard"
-parts=${TRUTH_PARTS:-facts pool fork}  # which parts run
+workload="$bin/fakecuda-workload"
+parts=${TRUTH_PARTS:-facts release pool fork leader train}  # which parts run
 part() { case " $parts " in *" $1 "*) return 0;; esac; return 1; }
 failed=0
 fail() { echo "FAILED: $*"; failed=1; }
@@ -32,12 +37,30 @@ if part facts; then
   python3 "$here/nvml_truth.py" fork exec || fail "nvml_truth.py fork exec"
 fi
 
+if part release; then
+  # The hook charges a pool's reserved memory and settles that charge at a synchronize, and
+  # again before a refusal is final (docs/gpu.md, "Stream-ordered pools"). Quota: the context
+  # reserve + 1 GiB, so 700 MiB in the pool and a 700 MiB cuMemAlloc do not fit together:
+  # each cuMemAlloc below is granted only if the pool's 700 MiB went back (pool-stat says
+  # what the driver kept); with the release threshold at 1 GiB it is refused until a trim.
+  echo "== a stream-ordered pool's release under the hook (quota: 518 MiB + 1 GiB)"
+  ledger=$(mktemp -u /tmp/vramguard-release.XXXXXX)
+  LD_PRELOAD=$hook CUDA_DEVICE_MEMORY_LIMIT=$(((518 + 1024) << 20)) VRAMGUARD_LEDGER=$ledger "$workload" "ctx 0" \
+    "pool-threshold 0" "async a 700m" "free-async a" "sync" "pool-stat" "alloc b 700m" "free b" \
+    "async c 700m" "free-async c" "ctx-sync" "pool-stat" "alloc d 700m" "free d" \
+    "async e 700m" "free-async e" "event-sync" "pool-stat" "alloc f 700m" "free f" \
+    "pool-threshold 1g" "async g 700m" "free-async g" "sync" "pool-stat" "expect-oom alloc h 700m" \
+    "trim 0" "pool-stat" "alloc i 700m" "free i" > "$out/release.out" 2>&1 || fail "the pool's release under the hook"
+  sed 's/^/  /' "$out/release.out"
+  rm -f "$ledger"
+fi
+
 echo "== the agent on the real driver, --enforce signal"
 cg2=$(awk '$3 == "cgroup2" {print $2; exit}' /proc/mounts)
 if [ -z "$cg2" ]; then cg2=/tmp/vramguard-cg2; mkdir -p $cg2; mount -t cgroup2 none $cg2 || fail "no cgroup2"; fi
-for c in honest fork; do mkdir -p "$cg2/vramguard-gpu-$c"; done
+for c in honest fork leader train; do mkdir -p "$cg2/vramguard-gpu-$c"; done
 ledgers=$(mktemp -d /tmp/vramguard-ledgers.XXXXXX)
-mkdir -p "$ledgers/honest" "$ledgers/fork"
+mkdir -p "$ledgers/honest" "$ledgers/fork" "$ledgers/leader" "$ledgers/train"
 sock=/tmp/vramguard-truth.sock
 "$agent" run --libcuda "$libcuda" --no-discover --socket $sock --ledger-dir "$ledgers" \
   --enforce signal --cgroup2-separates-containers --metrics-addr 127.0.0.1:9477 > "$out/truth-agent.log" 2>&1 &
@@ -110,10 +133,52 @@ hooked 1 > "$out/fork-third.out" 2>&1; third=$?
 echo "a third process's 900 MiB after the child exited: exit $third ($(head -1 "$out/fork-third.out"))"
 [ $third = 0 ] || fail "the parent's slot was not freed after the child exited"
 fi
+if part leader; then
+# A process whose main thread exited (exit(2) of the leader alone) while another thread holds
+# its 900 MiB: /proc shows its leader a zombie, its pidfd is not readable. Quota 518 MiB +
+# 1.5 GiB: a second process's 900 MiB is refused while it runs, granted after it is killed.
+quota=$(((518 + 1536) << 20))
+leader() { (in_cgroup leader env LD_PRELOAD=$hook CUDA_DEVICE_MEMORY_LIMIT=$quota VRAMGUARD_LEDGER="$ledgers/leader/ledger" "$workload" "$@"); }
+leader "ctx 0" "alloc a 900m" "leader-exit" > "$out/leader.out" 2>&1 &
+job=$!
+for _ in $(seq 100); do grep -q "^leader-exit" "$out/leader.out" && break; sleep 0.1; done
+holder=$(sed -n 's/^ready pid=//p' "$out/leader.out")
+sleep 1.5
+audit leader
+echo "a process (pid $holder) whose main thread exited, another thread holding 900 MiB (state $(awk '{print $3}' /proc/$holder/stat 2>/dev/null)):"; rows leader $holder
+echo "  NVML: $(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ';')"
+leader "ctx 0" "expect-oom alloc b 900m" > "$out/leader-second.out" 2>&1
+echo "a second process's 900 MiB while it runs: $(grep -E '^(oom|ok)' "$out/leader-second.out" | tail -1)"
+grep -q "^oom b" "$out/leader-second.out" || fail "the second process was not refused while the first held its memory"
+kill -0 $holder 2>/dev/null || fail "the process whose main thread exited was stopped"
+kill -KILL $holder; wait $job
+sleep 1.5
+leader "ctx 0" "alloc c 900m" > "$out/leader-third.out" 2>&1 || fail "the killed process's slot was not freed: $(tail -1 "$out/leader-third.out")"
+echo "a third process's 900 MiB after it was killed: $(grep -E '^ok' "$out/leader-third.out" | tail -1)"
+fi
+if part train; then
+# An honest training job (cuBLAS, cuDNN, attention kernels loaded) filled to its 6 GiB quota
+# under --enforce signal, in each allocator mode: never stopped by the agent.
+for conf in "" "backend:cudaMallocAsync"; do
+  (in_cgroup train env PYTORCH_CUDA_ALLOC_CONF=$conf LD_PRELOAD=$hook CUDA_DEVICE_MEMORY_LIMIT=$((6 << 30)) \
+    VRAMGUARD_LEDGER="$ledgers/train/ledger" python3 "$here/train_near_limit.py" 12) > "$out/train.out" 2>&1 &
+  job=$!
+  for _ in $(seq 600); do grep -qE "^training|Error" "$out/train.out" && break; sleep 0.1; done
+  sleep 4
+  audit "train${conf:+-async}"
+  echo "a training job at its quota (allocator: ${conf:-default}, pid $job): $(grep ^training "$out/train.out")"; rows "train${conf:+-async}" $job
+  echo "  NVML: $(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ';')"
+  wait $job; status=$?
+  echo "  exit status $status, last: $(tail -1 "$out/train.out")"
+  [ $status != 137 ] || fail "the honest training job (${conf:-default}) was stopped by SIGKILL"
+  [ $status = 0 ] || fail "the honest training job (${conf:-default}) did not finish: $(tail -3 "$out/train.out")"
+  cp "$out/train.out" "$out/train${conf:+-async}.out"
+done
+fi
 audit end
 kill -TERM $agent_pid; wait $agent_pid || fail "the agent's exit"
 grep -iE "signal|escap|kill" "$out/truth-agent.log" | head -20
 rm -rf "$ledgers"
-for c in honest fork; do rmdir "$cg2/vramguard-gpu-$c" 2>/dev/null; done
+for c in honest fork leader train; do rmdir "$cg2/vramguard-gpu-$c" 2>/dev/null; done
 echo "truth.sh: $([ $failed = 0 ] && echo passed || echo FAILED)"
 exit $failed

@@ -1,0 +1,53 @@
+"""An honest training job at its quota (run under libvramguard.so by truth.sh, `train` part).
+
+A transformer encoder and a convolution trained in bf16 autocast with AdamW (cuBLAS, cuDNN and
+attention kernels loaded, as a real job loads them); after one step it takes 64 MiB blocks
+until the hook refuses one (the quota reached), gives 8 of them back to the allocator for the
+steps to use, and trains on for SECONDS. Prints `training` when it starts to, `done N` after N
+steps. Exit 0: done; 4: a step was refused (torch.OutOfMemoryError) while it trained.
+"""
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+seconds = float(sys.argv[1])
+torch.manual_seed(0)
+model = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(1024, 16, 4096, batch_first=True), 4).cuda()
+conv = torch.nn.Conv2d(64, 128, 3, padding=1).cuda()
+opt = torch.optim.AdamW(list(model.parameters()) + list(conv.parameters()))
+tokens = torch.randn(8, 512, 1024, device="cuda")
+images = torch.randn(16, 64, 128, 128, device="cuda")
+
+
+def step():
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(tokens).float().square().mean() + conv(images).float().square().mean()
+        loss = loss + F.scaled_dot_product_attention(tokens[:, None], tokens[:, None], tokens[:, None]).float().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+step()
+torch.cuda.synchronize()
+blocks = []
+try:
+    while True:
+        blocks.append(torch.empty(64 << 20, dtype=torch.uint8, device="cuda"))
+except torch.OutOfMemoryError:
+    pass
+del blocks[-8:]
+torch.cuda.synchronize()
+print(f"training filled={len(blocks) * 64} MiB reserved={torch.cuda.memory_reserved() >> 20} MiB", flush=True)
+steps, end = 0, time.time() + seconds
+try:
+    while time.time() < end:
+        step()
+        steps += 1
+    torch.cuda.synchronize()
+except torch.OutOfMemoryError as error:
+    print(f"refused after {steps} steps: {str(error)[:200]}", flush=True)
+    sys.exit(4)
+print(f"done {steps}", flush=True)
