@@ -208,9 +208,10 @@ pub struct RunArgs {
     /// row is joined only with a process holding it open (docs/security.md).
     #[arg(long, default_value = driver::task::DEFAULT_DEVICE_FILE, value_name = "PATTERN")]
     pub gpu_device_file: String,
-    /// What the context of a process without a ledger slot may hold on one device (bytes, or
-    /// k/m/g/t): beyond it plus a 2 MiB page, memory the driver reports and the probes do not
-    /// explain makes the process `unprobed` (docs/gpu.md).
+    /// What the context of any process, hooked or not, and what comes with it (module images,
+    /// local memory) may hold on one device (bytes, or k/m/g/t): beyond it plus a 2 MiB page,
+    /// memory the driver reports and the probes and the ledger do not explain makes the
+    /// process `unprobed` (docs/gpu.md).
     #[arg(long, default_value = "600m", value_name = "SIZE", value_parser = parse_threshold)]
     pub context_allowance: u64,
     /// Live allocation records the probes keep across the node (the kernel map's size; each

@@ -18,8 +18,9 @@
 //!   pools included, which the hook charges as data) and the context records beyond the first
 //!   on each device (a second context on one device is real memory the hook charges).
 //! * The driver: NVML's figure less a context at `--context-allowance` and a 2 MiB page per
-//!   device ([`Figure::held`], [`Figure::outside`]); for what the ledger is charged, less
-//!   its ledger's context reserve (never more than the allowance) where it has one.
+//!   device ([`Figure::held`], [`Figure::outside`]); for what the ledger is charged (once the
+//!   driver's figure is beyond that too), less its ledger's context reserve (never more than
+//!   the allowance) where it has one.
 //!
 //! A process holds the larger of the three ([`Figure::held`]): never one view's live counter
 //! plus another view's old difference. A container holds the sum over its processes.
@@ -82,9 +83,9 @@ pub struct Figure {
     /// device at the allowance and a page aside.
     pub outside: u64,
     /// Of the driver's figure, the bytes neither the probes nor the ledger explain, when they
-    /// are beyond its contexts (its ledger's reserve, at most the allowance, or the allowance)
-    /// and a page per device: all of it beyond what they explain, contexts included, except
-    /// the contexts its ledger charges. 0 otherwise.
+    /// are beyond a context at the allowance and a page per device: all of it beyond what
+    /// they explain, contexts included, except the contexts its ledger charges (its reserve,
+    /// at most the allowance). 0 otherwise.
     pub unexplained: u64,
 }
 
@@ -99,15 +100,21 @@ pub fn figure(views: &Views, allowance: u64) -> Figure {
     let devices = u64::from(driver.devices);
     let on_scale = on_scale(driver, allowance);
     let outside = on_scale.saturating_sub(probes);
-    // A ledger's reserve may only lower the allowance: a workload that made its own ledger
-    // chose that figure, and must not explain memory away with it.
-    let reserve = views.ledger.map(|l| l.reserve.min(allowance));
+    // What a process holds on a device beyond its allocations, its context and what comes
+    // with it (module images, local memory, the device heap), is what the operator allows
+    // (`--context-allowance`), for a hooked process as for any other. Its ledger's reserve is
+    // the bare context the hook charges: were it the tolerance, every honest job that loaded
+    // kernels would be `unprobed` (a PyTorch job on an H200 held 70 MiB beyond its 518 MiB
+    // context, docs/gpu.md). Once beyond it, only the contexts the ledger charges are taken
+    // off, and never more than the allowance each: a workload that made its own ledger chose
+    // that reserve, and must not explain memory away with it.
+    let reserve = views.ledger.map_or(0, |l| l.reserve.min(allowance));
     let explained = probes.max(ledger);
-    let contexts = devices.saturating_mul(reserve.unwrap_or(allowance).saturating_add(DRIVER_PAGE));
+    let contexts = devices.saturating_mul(allowance.saturating_add(DRIVER_PAGE));
     let unexplained = if driver.bytes <= explained.saturating_add(contexts) {
         0
     } else {
-        let charged_contexts = devices.saturating_mul(reserve.unwrap_or(0));
+        let charged_contexts = devices.saturating_mul(reserve);
         driver.bytes.saturating_sub(explained).saturating_sub(charged_contexts).max(1)
     };
     Figure { held: probes.max(ledger).max(on_scale), outside, unexplained }
@@ -268,6 +275,30 @@ mod tests {
         for (case, views, held, outside, unexplained) in cases {
             assert_eq!(figure(&views, CTX), Figure { held, outside, unexplained }, "{case}");
         }
+    }
+
+    /// What an honest process holds beyond its allocations and the bare context its ledger
+    /// charges (module images, local memory: 70 MiB for a PyTorch job on an H200 beside its
+    /// 518 MiB context) is within the allowance: none of it is unexplained. Beyond the
+    /// allowance and its page, all of it beyond the charged context is (a cliff of the
+    /// allowance less the reserve, meant: what is beyond is not the context's).
+    #[test]
+    fn what_a_process_holds_beside_its_context_is_within_the_allowance() {
+        let (allowance, reserve) = (600 * MIB, 518 * MIB);
+        let hooked = |driver| Views {
+            probes: 3 * GIB,
+            ledger: Some(LedgerView { bytes: 3 * GIB, extra_contexts: 0, reserve }),
+            driver: Some(DriverView { bytes: driver, devices: 1 }),
+            ..Views::default()
+        };
+        let honest = figure(&hooked(3 * GIB + reserve + 70 * MIB), allowance);
+        assert_eq!((honest.outside, honest.unexplained), (0, 0), "{honest:?}");
+        let edge = figure(&hooked(3 * GIB + allowance + DRIVER_PAGE), allowance);
+        assert_eq!(edge.unexplained, 0, "{edge:?}");
+        let past = figure(&hooked(3 * GIB + allowance + DRIVER_PAGE + 1), allowance);
+        assert_eq!(past.unexplained, allowance + DRIVER_PAGE + 1 - reserve, "{past:?}");
+        let beyond = figure(&hooked(3 * GIB + reserve + 100 * MIB), allowance);
+        assert_eq!((beyond.outside, beyond.unexplained), (16 * MIB, 100 * MIB), "{beyond:?}");
     }
 
     #[test]

@@ -42,10 +42,10 @@
 //! * `unprobed`: the driver ([`crate::driver`], NVML) reports the process holding more than
 //!   the probes and its ledger explain, on two consecutive reads ([`figure`]: more than the
 //!   larger of its probes' bytes, live and kept by its pools, and its ledger's, plus, on each
-//!   device it holds memory on, a context and one 2 MiB page). The context is the ledger's
-//!   context reserve when the process has a slot (never more than the allowance: a workload
-//!   may have made its ledger), else `--context-allowance` ([`DEFAULT_CONTEXT_ALLOWANCE`],
-//!   600 MiB: an H100's context measured 518 MiB, `docs/gpu.md`). Memory allocated through a
+//!   device it holds memory on, a context and one 2 MiB page). The context is
+//!   `--context-allowance` for every process, whatever its ledger's reserve
+//!   ([`DEFAULT_CONTEXT_ALLOWANCE`], 600 MiB: an H100's and an H200's context measured
+//!   518 MiB, and a PyTorch job on the H200 held 70 MiB beside it, `docs/gpu.md`). Memory allocated through a
 //!   libcuda no probe is on (a renamed copy loaded and used before discovery reaches it, one
 //!   past the per-container cap) looks like this. The driver's figure is from its last read
 //!   (up to about two seconds old): it is compared with the largest figure the probes gave
@@ -144,8 +144,9 @@ pub const DEFAULT_GRACE_MS: u64 = 5000;
 pub const TAMPER_CONFIRM: Duration = Duration::from_millis(250);
 /// Passes triggered by events are at least this far apart (the timer's are not affected).
 pub const MIN_INTERVAL: Duration = Duration::from_millis(100);
-/// Default `--context-allowance`: what an unknown process's context may hold on one device
-/// (600 MiB: an H100's measured 518 MiB with room for other drivers' and GPUs', docs/gpu.md).
+/// Default `--context-allowance`: what any process's context (and what comes with it: module
+/// images, local memory) may hold on one device (600 MiB: an H100's and an H200's measured
+/// 518 MiB with room for other drivers' and GPUs' and for what a job loads, docs/gpu.md).
 pub const DEFAULT_CONTEXT_ALLOWANCE: u64 = 600 << 20;
 pub use figure::DRIVER_PAGE;
 /// How long the figures the probes gave a process are remembered, to compare a driver read
@@ -245,7 +246,7 @@ pub struct Config {
     pub threshold: u64,
     /// How long a difference (ledger ahead) may last before it is `drift`.
     pub grace: Duration,
-    /// What the context of a process without a ledger slot may hold per device.
+    /// What the context of any process (and what comes with it) may hold per device.
     pub context_allowance: u64,
 }
 
@@ -1052,7 +1053,7 @@ mod tests {
         r.set_driver(Some(Arc::new(DriverView { read_at: Some(start), ..Default::default() })));
         // 96 MiB through an unprobed copy, and its 64 MiB context: beyond the allowance.
         let escaped = Observation { pid: 20, driver: driver(160 * MIB, 1), ..Default::default() };
-        // A hooked, probed process: its ledger's context reserve and a page explain the rest.
+        // A hooked, probed process: a context at the allowance and a page explain the rest.
         let hooked = Observation { driver: driver(160 * MIB, 1), context_reserve: Some(64 * MIB), ..seen(21, Some(96 * MIB), 96 * MIB) };
         // Exactly at the allowance: context and page on each of two devices.
         let at_edge = Observation { pid: 22, driver: driver(2 * (64 * MIB + DRIVER_PAGE), 2), ..Default::default() };

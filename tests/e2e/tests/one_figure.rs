@@ -204,6 +204,40 @@ fn memory_the_hook_charges_and_the_probes_cannot_see_is_counted_once() -> Result
     Ok(())
 }
 
+/// What a process holds beside its allocations beyond the bare context its ledger charges is
+/// the allowance's (seen on an H200: a PyTorch job held 70 MiB beyond its 518 MiB context, its
+/// ledger's reserve, and was reported `unprobed` and charged for it). A hooked process whose
+/// ledger reserves 32 MiB a context, on the fake's 64 MiB contexts (the allowance): `ok`,
+/// nothing charged to its ledger beyond what its hook charged, and near its quota (1 GiB) and
+/// its cgroup's limit (1 GiB) its last 80 MiB are granted and it is never signalled. Before,
+/// the agent charged its ledger the 32 MiB, and the 80 MiB were refused.
+#[test]
+fn a_context_beyond_the_ledgers_reserve_within_the_allowance_is_not_an_escape() -> Result<()> {
+    let scene = Scene::start("onefig-reserve", "1g")?;
+    let ledger = scene.dir.ledger("reserve")?;
+    let steps = ["ctx 0", "alloc a 900m", "checkpoint held", "alloc b 80m", "checkpoint more", "hold"];
+    let mut w = scene.node.hooked(&ledger, GIB)?.env("VRAMGUARD_CONTEXT_RESERVE", (32 * MIB).to_string()).in_cgroup(&scene.cgroup).steps(steps).spawn()?;
+    w.wait_checkpoint("held")?;
+    let pid = w.pid();
+    let charged = e2e::ledgers::used(&ledger)?;
+    // Two driver reads and the passes after them.
+    std::thread::sleep(Duration::from_millis(3000));
+    let seen = row(&scene.agent.audit()?, pid).context("no row")?;
+    assert_eq!(seen["driver_bytes"].as_u64(), Some(CONTEXT + 900 * MIB), "{seen}");
+    assert_eq!(seen["state"], "ok", "{seen}\nagent log:\n{}", scene.agent.log());
+    assert_eq!(e2e::ledgers::used(&ledger)?, charged, "charged once, by the hook: {}", scene.agent.log());
+    w.resume()?;
+    w.wait_checkpoint("more").with_context(|| format!("refused or stopped near its quota: {}\nagent log:\n{}", w.stderr(), scene.agent.log()))?;
+    std::thread::sleep(Duration::from_millis(2500));
+    let seen = row(&scene.agent.audit()?, pid).context("no row")?;
+    assert_eq!(seen["state"], "ok", "{seen}");
+    assert!(!scene.signalled(pid), "{}", scene.agent.log());
+    w.kill()?;
+    let log = scene.agent.log();
+    scene.agent.stop().with_context(|| log)?;
+    Ok(())
+}
+
 /// Beside a pool that keeps what it freed, the process that takes the room is the one stopped
 /// (found in the fourth session of issue 24's work): a hooked process whose default pool keeps
 /// 600 MiB it freed, and an un-hooked process of the same container taking 500 MiB, under a
