@@ -76,7 +76,8 @@ pub fn each_line(pid: u32, mut each: impl FnMut(&str) -> ControlFlow<()>) -> io:
 
 /// A thread of process `pid` other than its leader, if it has one (the first listed: tids
 /// are listed in order, the leader's first, so a process with many threads costs two entries).
-fn other_thread(pid: u32) -> Option<u32> {
+/// `/proc/<tid>/maps` and `/proc/<tid>/map_files` show the address space of its process.
+pub fn other_thread(pid: u32) -> Option<u32> {
     std::fs::read_dir(format!("/proc/{pid}/task"))
         .ok()?
         .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok())

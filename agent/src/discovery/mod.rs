@@ -471,39 +471,52 @@ impl Discovery {
         budget: &mut HashMap<u64, usize>,
         prober: &mut dyn Prober,
     ) -> Read {
-        // Processes come and go while we scan: an unreadable maps file is skipped.
-        let Ok(file) = File::open(format!("/proc/{pid}/maps")) else {
-            return Read { gone: true, ..Read::default() };
-        };
         let mut cgroup = None;
         let mut has = false;
         let mut waiting = false;
-        let read = maps::executable_files(file, |mapping| {
-            let key = (mapping.dev, mapping.ino);
-            if let Some(libcuda) = looked.get(&key) {
-                has |= libcuda;
-                return;
-            }
-            if self.memo.probed(key) {
-                looked.insert(key, true);
-                has = true;
-                return;
-            }
-            // (Each file comes once per process: a file that must wait for a later scan is not
-            // tried again for each of its mappings.)
-            let Some(verdict) = self.look_at_mapping(pid, mapping, &mut cgroup, budget, &mut waiting, prober) else {
-                return;
+        // A process whose main thread exited alone shows an empty maps under its pid (the
+        // kernel lets go of a thread's address space at its exit): another of its threads
+        // shows it, its maps and its map_files alike (`space`).
+        let mut space = pid;
+        let read = loop {
+            // Processes come and go while we scan: an unreadable maps file is skipped.
+            let Ok(file) = File::open(format!("/proc/{space}/maps")) else {
+                return Read { gone: true, ..Read::default() };
             };
-            let libcuda = matches!(verdict, Verdict::Probed | Verdict::Capped);
-            looked.insert(key, libcuda);
-            has |= libcuda;
-        });
+            let read = maps::executable_files(file, |mapping| {
+                let key = (mapping.dev, mapping.ino);
+                if let Some(libcuda) = looked.get(&key) {
+                    has |= libcuda;
+                    return;
+                }
+                if self.memo.probed(key) {
+                    looked.insert(key, true);
+                    has = true;
+                    return;
+                }
+                // (Each file comes once per process: a file that must wait for a later scan is
+                // not tried again for each of its mappings.)
+                let Some(verdict) = self.look_at_mapping(pid, space, mapping, &mut cgroup, budget, &mut waiting, prober) else {
+                    return;
+                };
+                let libcuda = matches!(verdict, Verdict::Probed | Verdict::Capped);
+                looked.insert(key, libcuda);
+                has |= libcuda;
+            });
+            match read {
+                Ok(summary) if summary.bytes == 0 && space == pid => match crate::procmaps::other_thread(pid) {
+                    Some(tid) => space = tid,
+                    None => break Ok(summary),
+                },
+                read => break read,
+            }
+        };
         let over = match read {
             Ok(summary) => summary.over,
             Err(_) => None, // gone while it was read
         };
         if let Some(bound) = over {
-            let cgroup = *cgroup.get_or_insert_with(|| cgroup::id_of_pid(pid).unwrap_or(0));
+            let cgroup = *cgroup.get_or_insert_with(|| cgroup::id_of_pid(space).unwrap_or(0));
             let reason = format!("{bound}: only the files mapped before it were looked at");
             warn!(pid, cgroup, %reason, "a process's maps are over the bound (not read again while it runs)");
             self.maps_over_bound += 1;
@@ -512,19 +525,23 @@ impl Discovery {
         Read { libcuda: has, over: over.is_some(), waiting, gone: false }
     }
 
-    /// Opens the file mapped at `mapping` and decides about it, unless it is remembered;
-    /// `None` when it could not be opened (gone) or must wait for a later scan (budget: then
-    /// `waits` is set).
+    /// Opens the file mapped at `mapping` in process `pid` and decides about it, unless it is
+    /// remembered; `None` when it could not be opened (gone) or must wait for a later scan
+    /// (budget: then `waits` is set). `space` is the id under `/proc` whose `map_files` show
+    /// the process's address space: `pid`, or another of its threads where its main thread
+    /// exited alone.
+    #[allow(clippy::too_many_arguments)]
     fn look_at_mapping(
         &mut self,
         pid: u32,
+        space: u32,
         mapping: &maps::Mapping<'_>,
         cgroup: &mut Option<u64>,
         budget: &mut HashMap<u64, usize>,
         waits: &mut bool,
         prober: &mut dyn Prober,
     ) -> Option<Verdict> {
-        let link = format!("/proc/{pid}/map_files/{}", mapping.map_files_name());
+        let link = format!("/proc/{space}/map_files/{}", mapping.map_files_name());
         // O_PATH: nothing is opened yet (no open handler runs, no lease is broken).
         let handle = OpenOptions::new().read(true).custom_flags(libc::O_PATH).open(&link).ok()?;
         let metadata = handle.metadata().ok()?;
@@ -536,7 +553,7 @@ impl Discovery {
         if let Some(verdict) = self.memo.get(id, stamp) {
             return Some(verdict.clone());
         }
-        let cgroup = *cgroup.get_or_insert_with(|| cgroup::id_of_pid(pid).unwrap_or(0));
+        let cgroup = *cgroup.get_or_insert_with(|| cgroup::id_of_pid(space).unwrap_or(0));
         let left = budget.entry(cgroup).or_insert(PARSES_PER_CONTAINER_PER_SCAN);
         if *left == 0 {
             debug!(pid, cgroup, "discovery budget of this container spent for this scan: the rest waits");

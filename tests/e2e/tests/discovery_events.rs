@@ -133,3 +133,26 @@ fn a_library_whose_events_are_missed_is_found_by_the_rescan_and_counted() -> Res
     assert!(metric(&page, "vramguard_discovery_rescans_total", &[]).is_some_and(|rescans| rescans >= 1.0));
     Ok(())
 }
+
+/// A library mapped by a process whose main thread exited alone (its leader a zombie: the
+/// kernel let go of the leader's address space, so `/proc/<pid>/maps` and `map_files` show
+/// nothing) is found by its event: the agent reads another of the process's threads'. Before,
+/// such a process could load a renamed libcuda that no probe would ever be on.
+#[test]
+fn a_library_mapped_after_the_main_thread_exited_is_found() -> Result<()> {
+    let ledgers = TempDir::new("de-leader-ledgers")?;
+    let files = TempDir::new("de-leader-files")?;
+    let library = renamed_copy(&files, "libafter.so")?;
+    let id = id_of(&library)?;
+    // No rescan while the test runs: whatever is found, the kernel's word found.
+    let agent = agent(&ledgers, "3600000", &[])?;
+    let node = FakeNode::new("de-leader");
+    let mut mapper = node.workload().steps([format!("leader-exit {}", library.display())]).spawn()?;
+    mapper.expect_prefix("leader-exit")?;
+    mapper.expect_prefix("map ").with_context(|| mapper.stderr())?;
+    let maps = std::fs::read_to_string(format!("/proc/{}/maps", mapper.pid()))?;
+    assert!(maps.is_empty(), "the leader's maps are empty once it exited: {maps}");
+    wait_for(Duration::from_secs(5), "the renamed copy probed", || probed(&agent, id)).with_context(|| agent.log())?;
+    mapper.kill()?;
+    Ok(())
+}

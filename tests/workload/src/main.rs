@@ -94,9 +94,10 @@ Each argument (or script line; # starts a comment) is one step. Sizes take k/m/g
   _exit CODE              _exit(2): no atexit handlers, no destructors
   fork-hold               fork; the child makes no CUDA call and sleeps until killed (it keeps
                           the parent's open files); prints: fork-hold child=PID
-  leader-exit             the main thread exits alone while another sleeps until the process
+  leader-exit [PATH]      the main thread exits alone while another sleeps until the process
                           is killed (its leader a zombie in /proc, the process running on);
-                          prints: leader-exit; the steps after it are not run
+                          prints: leader-exit; the steps after it are not run; with PATH,
+                          the other thread then maps PATH as `map` does; prints: map PATH
   stress THREADS PAIRS SIZE   prints: stress pairs=N
   race-free THREADS ROUNDS SIZE
                           each round cuMemAlloc_v2s SIZE, then THREADS threads cuMemFree_v2
@@ -953,9 +954,24 @@ impl Runner {
                 }
                 say!("fork-hold child={pid}");
             }
-            Step::LeaderExit => {
-                std::thread::spawn(|| loop {
-                    std::thread::sleep(Duration::from_secs(3600));
+            Step::LeaderExit(path) => {
+                let path = path.clone();
+                let pid = std::process::id();
+                std::thread::spawn(move || {
+                    if let Some(path) = path {
+                        // Once the leader is a zombie: its /proc/<pid>/maps is empty then.
+                        while !std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| s.rsplit(')').next().is_some_and(|rest| rest.trim_start().starts_with('Z'))) {
+                            std::thread::sleep(Duration::from_millis(5));
+                        }
+                        match map_exec(&path) {
+                            Ok(()) => say!("map {path}"),
+                            Err(error) => eprintln!("error map {error}"),
+                        }
+                        let _ = std::io::stdout().flush();
+                    }
+                    loop {
+                        std::thread::sleep(Duration::from_secs(3600));
+                    }
                 });
                 say!("leader-exit");
                 let _ = std::io::stdout().flush();

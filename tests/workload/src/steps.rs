@@ -115,8 +115,9 @@ pub enum Step {
     ForkHold,
     /// The main thread exits alone (`exit(2)`, not `exit_group`) while another thread sleeps
     /// until the process is killed: the process runs on, holding its memory, while
-    /// `/proc/<pid>/stat` shows its leader a zombie.
-    LeaderExit,
+    /// `/proc/<pid>/stat` shows its leader a zombie. With a path, that thread maps the file
+    /// read+exec once the leader is a zombie (as `map`).
+    LeaderExit(Option<String>),
     Kill,
     Procaddr { query: String, export: Option<String>, version: i32, flags: u64 },
     Dlsym(Vec<String>),
@@ -220,7 +221,7 @@ impl Step {
             Step::Exit(_) => "exit",
             Step::RawExit(_) => "_exit",
             Step::ForkHold => "fork-hold",
-            Step::LeaderExit => "leader-exit",
+            Step::LeaderExit(_) => "leader-exit",
             Step::Kill => "kill",
             Step::Procaddr { .. } => "procaddr",
             Step::Dlsym(_) => "dlsym",
@@ -528,10 +529,11 @@ impl Step {
                 want(0, "fork-hold")?;
                 Step::ForkHold
             }
-            "leader-exit" => {
-                want(0, "leader-exit")?;
-                Step::LeaderExit
-            }
+            "leader-exit" => match args.len() {
+                0 => Step::LeaderExit(None),
+                1 => Step::LeaderExit(Some(name(0))),
+                _ => return Err(err("usage: leader-exit [PATH]")),
+            },
             "kill" => {
                 want(0, "kill")?;
                 Step::Kill
@@ -661,6 +663,9 @@ mod tests {
         assert_eq!(Step::parse("pool-stat").ok(), Some(Step::PoolStat));
         assert_eq!(Step::parse("nvml-procs 0").ok(), Some(Step::NvmlProcs(0)));
         assert_eq!(Step::parse("map /x/lib.so").ok(), Some(Step::Map("/x/lib.so".into())));
+        assert_eq!(Step::parse("leader-exit").ok(), Some(Step::LeaderExit(None)));
+        assert_eq!(Step::parse("leader-exit /x/lib.so").ok(), Some(Step::LeaderExit(Some("/x/lib.so".into()))));
+        assert!(Step::parse("leader-exit /a /b").is_err());
         assert_eq!(Step::parse("map-many 3 /x/f").ok(), Some(Step::MapMany(3, "/x/f".into())));
         assert_eq!(Step::parse("swap /a /b").ok(), Some(Step::Swap("/a".into(), "/b".into())));
         assert!(Step::parse("swap /a").is_err());
