@@ -66,7 +66,7 @@ pub struct Summary {
 pub fn each_line(pid: u32, mut each: impl FnMut(&str) -> ControlFlow<()>) -> io::Result<Summary> {
     let summary = each_line_of(File::open(format!("/proc/{pid}/maps"))?, &mut each)?;
     match summary.bytes {
-        0 => match other_thread(pid) {
+        0 => match ledger::process::other_thread(pid) {
             Some(tid) => each_line_of(File::open(format!("/proc/{pid}/task/{tid}/maps"))?, each),
             None => Ok(summary),
         },
@@ -74,15 +74,6 @@ pub fn each_line(pid: u32, mut each: impl FnMut(&str) -> ControlFlow<()>) -> io:
     }
 }
 
-/// A thread of process `pid` other than its leader, if it has one (the first listed: tids
-/// are listed in order, the leader's first, so a process with many threads costs two entries).
-/// `/proc/<tid>/maps` and `/proc/<tid>/map_files` show the address space of its process.
-pub fn other_thread(pid: u32) -> Option<u32> {
-    std::fs::read_dir(format!("/proc/{pid}/task"))
-        .ok()?
-        .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .find(|&tid| tid != pid)
-}
 
 /// [`each_line`] over any reader.
 pub fn each_line_of(source: impl Read, mut each: impl FnMut(&str) -> ControlFlow<()>) -> io::Result<Summary> {

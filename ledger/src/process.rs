@@ -72,11 +72,21 @@ fn running_start_time(pid: &str) -> Option<u64> {
 fn runs(pid: &str, state: char) -> bool {
     match state {
         'X' | 'x' => false,
-        'Z' => fs::read_dir(format!("/proc/{pid}/task"))
-            .map(|tasks| tasks.flatten().any(|task| task.file_name().to_str().is_some_and(|tid| tid != pid)))
-            .unwrap_or(false),
+        'Z' => pid.parse().is_ok_and(|pid| other_thread(pid).is_some()),
         _ => true,
     }
+}
+
+/// A thread of process `pid` other than its leader, if it has one (the first listed: tids are
+/// listed in order, the leader's first, so a process with many threads costs two entries).
+/// Where the leader exited alone, the kernel let go of its address space and its descriptor
+/// table: `/proc/<pid>/maps`, `map_files` and `fd` are empty, and `/proc/<tid>/…` show the
+/// ones the process's threads share.
+pub fn other_thread(pid: u32) -> Option<u32> {
+    fs::read_dir(format!("/proc/{pid}/task"))
+        .ok()?
+        .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .find(|&tid| tid != pid)
 }
 
 fn start_time(pid: &str) -> io::Result<u64> {

@@ -504,7 +504,7 @@ impl Discovery {
                 has |= libcuda;
             });
             match read {
-                Ok(summary) if summary.bytes == 0 && space == pid => match crate::procmaps::other_thread(pid) {
+                Ok(summary) if summary.bytes == 0 && space == pid => match ledger::process::other_thread(pid) {
                     Some(tid) => space = tid,
                     None => break Ok(summary),
                 },

@@ -59,12 +59,23 @@ pub struct Held {
 }
 
 /// Which of `wanted` process `pid` holds open; `None` when its descriptors cannot be read
-/// (it exited, or `/proc` refuses).
+/// (it exited, or `/proc` refuses). A process whose main thread exited alone shows no
+/// descriptor under its pid: another of its threads shows the table they share.
 pub fn held_by(pid: u32, wanted: &[FileKey]) -> Option<Held> {
-    let dir = format!("/proc/{pid}/fd");
-    let entries = std::fs::read_dir(&dir).ok()?;
+    let (held, read) = held_in(pid, wanted)?;
+    match read {
+        0 => ledger::process::other_thread(pid).map_or(Some(held), |tid| held_in(tid, wanted).map(|(held, _)| held)),
+        _ => Some(held),
+    }
+}
+
+/// [`held_by`] of `/proc/<id>/fd` alone, and how many descriptors it listed.
+fn held_in(id: u32, wanted: &[FileKey]) -> Option<(Held, usize)> {
+    let entries = std::fs::read_dir(format!("/proc/{id}/fd")).ok()?;
     let mut held = Held::default();
+    let mut read = 0;
     for (n, entry) in entries.enumerate() {
+        read = n + 1;
         if n >= MAX_FDS {
             held.capped = true;
             break;
@@ -85,7 +96,7 @@ pub fn held_by(pid: u32, wanted: &[FileKey]) -> Option<Held> {
             held.keys.push(key);
         }
     }
-    Some(held)
+    Some((held, read))
 }
 
 /// Whether process `pid` holds any of `wanted` open.

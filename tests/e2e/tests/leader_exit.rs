@@ -5,7 +5,7 @@
 //! past the quota) nor the agent's sweeps may take it for dead: its slot stays, the quota
 //! holds, and the slot is freed once its last thread is gone. Real processes, the fake driver,
 //! real eBPF. Needs root; build first (`cargo build --workspace`), run one test at a time.
-use std::{os::unix::process::ExitStatusExt, time::Duration};
+use std::{ffi::OsStr, os::unix::process::ExitStatusExt, time::Duration};
 
 use anyhow::{ensure, Context, Result};
 use e2e::{agent::Agent, http, ledgers::slots, wait_for, FakeNode, TempDir, GIB};
@@ -20,7 +20,13 @@ fn state(pid: u32) -> Result<char> {
 fn a_process_whose_main_thread_exited_keeps_its_slot_until_its_last_thread_exits() -> Result<()> {
     let node = FakeNode::new("leader-exit");
     let dir = TempDir::new("leader-exit")?;
-    let agent = Agent::watching(dir.path(), &[])?;
+    // The driver view on this node's fake NVML, a row joined only with a process holding the
+    // node's device file open (`--gpu-device-file`).
+    let libcuda = e2e::fake_driver_dir()?.join("libcuda.so.1");
+    let device_file = node.state_dir().join(format!("{}-dev{{minor}}", node.name())).into_os_string();
+    let mut args = e2e::agent::watching_args(&libcuda, dir.path());
+    args.extend([OsStr::new("--no-discover"), OsStr::new("--gpu-device-file"), device_file.as_os_str()]);
+    let agent = Agent::start_with_env(&args, node.env())?;
     std::fs::create_dir_all(dir.path().join("pod"))?;
     let ledger = dir.path().join("pod/ledger");
 
@@ -41,14 +47,18 @@ fn a_process_whose_main_thread_exited_keeps_its_slot_until_its_last_thread_exits
 
     // The agent records it as alive (its host pid written in), and three sweeps later still.
     wait_for(Duration::from_secs(15), "the agent records the holder's host pid", || Ok(slots(&ledger)?.contains(&(pid, pid))))?;
-    // And joins it with its slot: its leader's /proc/<pid>/maps is empty (the kernel let go of
-    // the leader's address space), yet the process maps its ledger. Taken for an un-hooked
-    // process, its memory would be charged to the container a second time.
+    // And joins it with its slot and with the driver's row: its leader's /proc/<pid>/maps and
+    // fd are empty (the kernel let go of the leader's address space and descriptor table), yet
+    // the process maps its ledger and holds the device file. Taken for an un-hooked process,
+    // its memory would be charged to the container a second time; its driver row unproven,
+    // what it holds beyond the probes would be seen by no one.
     let ledger_path = ledger.to_string_lossy().into_owned();
-    wait_for(Duration::from_secs(5), "the holder joined with its slot (state ok)", || {
+    wait_for(Duration::from_secs(5), "the holder joined with its slot (state ok) and its driver row", || {
         let audit = agent.audit()?;
         let row = audit["processes"].as_array().and_then(|rows| rows.iter().find(|r| r["pid"] == pid)).cloned();
-        Ok(row.is_some_and(|r| r["state"] == "ok" && r["ledger"] == ledger_path.as_str()))
+        Ok(row.is_some_and(|r| {
+            r["state"] == "ok" && r["ledger"] == ledger_path.as_str() && r["driver_bytes"].as_u64().is_some_and(|b| b >= 600 << 20)
+        }))
     })
     .with_context(|| format!("the audit: {}", agent.audit().map(|a| a["processes"].to_string()).unwrap_or_default()))?;
     let metric = |name: &str, labels: &[(&str, &str)]| -> Result<f64> {
