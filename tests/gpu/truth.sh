@@ -147,6 +147,8 @@ sleep 1.5
 audit leader
 echo "a process (pid $holder) whose main thread exited, another thread holding 900 MiB (state $(awk '{print $3}' /proc/$holder/stat 2>/dev/null)):"; rows leader $holder
 echo "  NVML: $(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ';')"
+python3 -c 'import json, sys; rows = [r for r in json.load(open(sys.argv[1]))["processes"] if r["pid"] == int(sys.argv[2])]; sys.exit(0 if rows and rows[0]["state"] == "ok" and rows[0]["driver_bytes"] else 1)' \
+  "$out/audit-leader.json" "$holder" || fail "the process whose main thread exited is not joined with its slot and its driver row"
 leader "ctx 0" "expect-oom alloc b 900m" > "$out/leader-second.out" 2>&1
 echo "a second process's 900 MiB while it runs: $(grep -E '^(oom|ok)' "$out/leader-second.out" | tail -1)"
 grep -q "^oom b" "$out/leader-second.out" || fail "the second process was not refused while the first held its memory"
