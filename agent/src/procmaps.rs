@@ -61,19 +61,26 @@ pub struct Summary {
 ///
 /// A process whose main thread exited alone while its other threads run has an empty
 /// `/proc/<pid>/maps`: the kernel lets go of a thread's address space when the thread exits,
-/// and the leader stays, a zombie, until the last thread does. Then the maps of another of its
-/// threads (`/proc/<pid>/task/<tid>/maps`: every thread shares the one address space) are read.
+/// and the leader stays, a zombie, until the last thread does. Then the maps of its other
+/// threads (`/proc/<pid>/task/<tid>/maps`: every thread shares the one address space) are
+/// read, the first that is not empty (one exiting shows none), [`THREADS_TRIED`] at most.
 pub fn each_line(pid: u32, mut each: impl FnMut(&str) -> ControlFlow<()>) -> io::Result<Summary> {
     let summary = each_line_of(File::open(format!("/proc/{pid}/maps"))?, &mut each)?;
-    match summary.bytes {
-        0 => match ledger::process::other_thread(pid) {
-            Some(tid) => each_line_of(File::open(format!("/proc/{pid}/task/{tid}/maps"))?, each),
-            None => Ok(summary),
-        },
-        _ => Ok(summary),
+    if summary.bytes > 0 || !ledger::process::has_other_threads(pid) {
+        return Ok(summary);
     }
+    for tid in ledger::process::other_threads(pid, THREADS_TRIED) {
+        let Ok(file) = File::open(format!("/proc/{pid}/task/{tid}/maps")) else { continue };
+        let summary = each_line_of(file, &mut each)?;
+        if summary.bytes > 0 {
+            return Ok(summary);
+        }
+    }
+    Ok(summary)
 }
 
+/// Threads of a process whose main thread exited alone tried for its maps.
+pub const THREADS_TRIED: usize = 8;
 
 /// [`each_line`] over any reader.
 pub fn each_line_of(source: impl Read, mut each: impl FnMut(&str) -> ControlFlow<()>) -> io::Result<Summary> {

@@ -72,21 +72,27 @@ fn running_start_time(pid: &str) -> Option<u64> {
 fn runs(pid: &str, state: char) -> bool {
     match state {
         'X' | 'x' => false,
-        'Z' => pid.parse().is_ok_and(|pid| other_thread(pid).is_some()),
+        'Z' => pid.parse().is_ok_and(|pid| !other_threads(pid, 1).is_empty()),
         _ => true,
     }
 }
 
-/// A thread of process `pid` other than its leader, if it has one (the first listed: tids are
-/// listed in order, the leader's first, so a process with many threads costs two entries).
-/// Where the leader exited alone, the kernel let go of its address space and its descriptor
-/// table: `/proc/<pid>/maps`, `map_files` and `fd` are empty, and `/proc/<tid>/…` show the
-/// ones the process's threads share.
-pub fn other_thread(pid: u32) -> Option<u32> {
-    fs::read_dir(format!("/proc/{pid}/task"))
-        .ok()?
-        .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .find(|&tid| tid != pid)
+/// Up to `limit` threads of process `pid` other than its leader, in the order
+/// `/proc/<pid>/task` lists them. Where the leader exited alone, the kernel let go of its
+/// address space and its descriptor table: `/proc/<pid>/maps`, `map_files` and `fd` are
+/// empty, and its threads' show the address space they share and their descriptor tables
+/// (usually one shared table, but a thread may have one of its own).
+pub fn other_threads(pid: u32, limit: usize) -> Vec<u32> {
+    let Ok(tasks) = fs::read_dir(format!("/proc/{pid}/task")) else { return Vec::new() };
+    tasks.filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok()).filter(|&tid| tid != pid).take(limit).collect()
+}
+
+/// Whether process `pid` has threads besides its leader (`/proc/<pid>/task`'s link count is
+/// 2 and one a thread): one `stat`, to tell a leader that exited alone from a kernel thread or
+/// a process with one thread before listing its threads.
+pub fn has_other_threads(pid: u32) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    fs::metadata(format!("/proc/{pid}/task")).is_ok_and(|meta| meta.nlink() > 3)
 }
 
 fn start_time(pid: &str) -> io::Result<u64> {

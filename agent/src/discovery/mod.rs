@@ -6,7 +6,8 @@
 //! unless `--no-discover`, the processes' executable mappings.
 //!
 //! A discovered file is never looked up by path. Each file-backed executable mapping in
-//! `/proc/<pid>/maps` ([`maps`]) is opened through `/proc/<pid>/map_files/<start>-<end>`: the
+//! `/proc/<pid>/maps` ([`maps`]) is opened through `/proc/<pid>/map_files/<start>-<end>` (a
+//! thread's, pinned, where the main thread exited alone: `thread_dir`): the
 //! kernel hands over the very file mapped there, with no path walk a symlink or rename could
 //! redirect (and no walk that could leave the process's root). It is opened `O_PATH` first and
 //! `fstat`ed, so that nothing but a regular file is ever really opened (opening a device can
@@ -475,12 +476,13 @@ impl Discovery {
         let mut has = false;
         let mut waiting = false;
         // A process whose main thread exited alone shows an empty maps under its pid (the
-        // kernel lets go of a thread's address space at its exit): another of its threads
-        // shows it, its maps and its map_files alike (`space`).
-        let mut space = pid;
+        // kernel lets go of a thread's address space at its exit): one of its threads shows
+        // it, its maps and its map_files alike (`space`, pinned by `thread`).
+        let mut space = format!("/proc/{pid}");
+        let mut thread = None;
         let read = loop {
             // Processes come and go while we scan: an unreadable maps file is skipped.
-            let Ok(file) = File::open(format!("/proc/{space}/maps")) else {
+            let Ok(file) = File::open(format!("{space}/maps")) else {
                 return Read { gone: true, ..Read::default() };
             };
             let read = maps::executable_files(file, |mapping| {
@@ -496,7 +498,7 @@ impl Discovery {
                 }
                 // (Each file comes once per process: a file that must wait for a later scan is
                 // not tried again for each of its mappings.)
-                let Some(verdict) = self.look_at_mapping(pid, space, mapping, &mut cgroup, budget, &mut waiting, prober) else {
+                let Some(verdict) = self.look_at_mapping(pid, &space, mapping, &mut cgroup, budget, &mut waiting, prober) else {
                     return;
                 };
                 let libcuda = matches!(verdict, Verdict::Probed | Verdict::Capped);
@@ -504,8 +506,8 @@ impl Discovery {
                 has |= libcuda;
             });
             match read {
-                Ok(summary) if summary.bytes == 0 && space == pid => match ledger::process::other_thread(pid) {
-                    Some(tid) => space = tid,
+                Ok(summary) if summary.bytes == 0 && thread.is_none() => match thread_dir(pid) {
+                    Some((dir, path)) => (thread, space) = (Some(dir), path),
                     None => break Ok(summary),
                 },
                 read => break read,
@@ -516,7 +518,7 @@ impl Discovery {
             Err(_) => None, // gone while it was read
         };
         if let Some(bound) = over {
-            let cgroup = *cgroup.get_or_insert_with(|| cgroup::id_of_pid(space).unwrap_or(0));
+            let cgroup = *cgroup.get_or_insert_with(|| cgroup::id_of_pid(pid).unwrap_or(0));
             let reason = format!("{bound}: only the files mapped before it were looked at");
             warn!(pid, cgroup, %reason, "a process's maps are over the bound (not read again while it runs)");
             self.maps_over_bound += 1;
@@ -527,21 +529,20 @@ impl Discovery {
 
     /// Opens the file mapped at `mapping` in process `pid` and decides about it, unless it is
     /// remembered; `None` when it could not be opened (gone) or must wait for a later scan
-    /// (budget: then `waits` is set). `space` is the id under `/proc` whose `map_files` show
-    /// the process's address space: `pid`, or another of its threads where its main thread
-    /// exited alone.
+    /// (budget: then `waits` is set). `space` is the directory whose `map_files` show the
+    /// process's address space: `/proc/<pid>`, or one of its threads' ([`thread_dir`]).
     #[allow(clippy::too_many_arguments)]
     fn look_at_mapping(
         &mut self,
         pid: u32,
-        space: u32,
+        space: &str,
         mapping: &maps::Mapping<'_>,
         cgroup: &mut Option<u64>,
         budget: &mut HashMap<u64, usize>,
         waits: &mut bool,
         prober: &mut dyn Prober,
     ) -> Option<Verdict> {
-        let link = format!("/proc/{space}/map_files/{}", mapping.map_files_name());
+        let link = format!("{space}/map_files/{}", mapping.map_files_name());
         // O_PATH: nothing is opened yet (no open handler runs, no lease is broken).
         let handle = OpenOptions::new().read(true).custom_flags(libc::O_PATH).open(&link).ok()?;
         let metadata = handle.metadata().ok()?;
@@ -553,7 +554,7 @@ impl Discovery {
         if let Some(verdict) = self.memo.get(id, stamp) {
             return Some(verdict.clone());
         }
-        let cgroup = *cgroup.get_or_insert_with(|| cgroup::id_of_pid(space).unwrap_or(0));
+        let cgroup = *cgroup.get_or_insert_with(|| cgroup::id_of_pid(pid).unwrap_or(0));
         let left = budget.entry(cgroup).or_insert(PARSES_PER_CONTAINER_PER_SCAN);
         if *left == 0 {
             debug!(pid, cgroup, "discovery budget of this container spent for this scan: the rest waits");
@@ -725,6 +726,26 @@ fn reopen(handle: &File, id: FileId) -> std::io::Result<File> {
         return Err(std::io::Error::other("the file changed while it was opened"));
     }
     Ok(file)
+}
+
+/// Where process `pid`'s main thread exited alone (its `/proc/<pid>/maps` and `map_files` are
+/// empty), a directory showing its address space: one of its threads' `/proc/<tid>`
+/// (`map_files` is there, not under `task/`), opened and checked through the descriptor to be
+/// `pid`'s (`Tgid:` of its `status`: the zombie leader pins its pid, not its threads' ids, and
+/// a tid may be another process's by now), and named through the descriptor
+/// (`/proc/self/fd/<n>`), so that every later open resolves in that thread's directory or
+/// fails. The descriptor pins it while the caller holds it.
+fn thread_dir(pid: u32) -> Option<(File, String)> {
+    if !ledger::process::has_other_threads(pid) {
+        return None;
+    }
+    ledger::process::other_threads(pid, crate::procmaps::THREADS_TRIED).into_iter().find_map(|tid| {
+        let dir = File::open(format!("/proc/{tid}")).ok()?;
+        let path = format!("/proc/self/fd/{}", dir.as_raw_fd());
+        let status = fs::read_to_string(format!("{path}/status")).ok()?;
+        let tgid = status.lines().find_map(|line| line.strip_prefix("Tgid:"))?.trim().parse::<u32>().ok()?;
+        (tgid == pid).then_some((dir, path))
+    })
 }
 
 /// `libcuda.so`, `libcuda.so.1`, `libcuda.so.580.159`, ... (only to decide what is worth a

@@ -1,4 +1,5 @@
-//! Which processes hold a GPU's device files open, from `/proc/<pid>/fd`: the proof that a
+//! Which processes hold a GPU's device files open, from `/proc/<pid>/fd` (its threads' where
+//! its main thread exited alone, [`held_by`]): the proof that a
 //! driver row's pid is the process that holds the memory ([`super::task`]), and the way to
 //! find who holds memory no row explains.
 //!
@@ -59,27 +60,45 @@ pub struct Held {
 }
 
 /// Which of `wanted` process `pid` holds open; `None` when its descriptors cannot be read
-/// (it exited, or `/proc` refuses). A process whose main thread exited alone shows no
-/// descriptor under its pid: another of its threads shows the table they share.
+/// (it exited, or `/proc` refuses).
+///
+/// A process whose main thread exited alone shows no descriptor under its pid (the kernel let
+/// go of the leader's table). Its threads' are read then (`/proc/<pid>/task/<tid>/fd`):
+/// mostly the one table they share, but a thread may have one of its own (a clone without
+/// `CLONE_FILES`, `unshare`), so each thread's, [`MAX_THREADS`] at most, and [`MAX_FDS`]
+/// descriptors of them all together; past either, `capped`, as for any process.
 pub fn held_by(pid: u32, wanted: &[FileKey]) -> Option<Held> {
-    let (held, read) = held_in(pid, wanted)?;
-    match read {
-        0 => ledger::process::other_thread(pid).map_or(Some(held), |tid| held_in(tid, wanted).map(|(held, _)| held)),
-        _ => Some(held),
-    }
-}
-
-/// [`held_by`] of `/proc/<id>/fd` alone, and how many descriptors it listed.
-fn held_in(id: u32, wanted: &[FileKey]) -> Option<(Held, usize)> {
-    let entries = std::fs::read_dir(format!("/proc/{id}/fd")).ok()?;
     let mut held = Held::default();
     let mut read = 0;
-    for (n, entry) in entries.enumerate() {
-        read = n + 1;
-        if n >= MAX_FDS {
+    held_in(&format!("/proc/{pid}/fd"), wanted, &mut held, &mut read)?;
+    if read > 0 || !ledger::process::has_other_threads(pid) {
+        return Some(held);
+    }
+    let threads = ledger::process::other_threads(pid, MAX_THREADS + 1);
+    held.capped = threads.len() > MAX_THREADS;
+    for tid in threads.iter().take(MAX_THREADS) {
+        // A thread gone meanwhile has nothing to show.
+        let _ = held_in(&format!("/proc/{pid}/task/{tid}/fd"), wanted, &mut held, &mut read);
+        if held.capped {
+            break;
+        }
+    }
+    Some(held)
+}
+
+/// Threads of a process whose main thread exited alone whose descriptors are read at most.
+pub const MAX_THREADS: usize = 256;
+
+/// Adds what the descriptors listed in `dir` hold of `wanted` to `held`, counting them in
+/// `read` ([`MAX_FDS`] at most, then `capped`).
+fn held_in(dir: &str, wanted: &[FileKey], held: &mut Held, read: &mut usize) -> Option<()> {
+    let entries = std::fs::read_dir(dir).ok()?;
+    for entry in entries {
+        if *read >= MAX_FDS {
             held.capped = true;
             break;
         }
+        *read += 1;
         let Ok(entry) = entry else { continue };
         let path = entry.path();
         // Sockets, pipes and anonymous inodes (the most common descriptors) are never a GPU's
@@ -96,7 +115,7 @@ fn held_in(id: u32, wanted: &[FileKey]) -> Option<(Held, usize)> {
             held.keys.push(key);
         }
     }
-    Some((held, read))
+    Some(())
 }
 
 /// Whether process `pid` holds any of `wanted` open.
