@@ -1,7 +1,9 @@
 //! Memory on a GPU that no row explains: the device's used memory (`nvmlDeviceGetMemoryInfo`)
-//! less the sum of the figures NVML lists on it less the driver's own reserve. NVML lists only
-//! processes with a channel, and rows may carry no figure, so a driver client without a
-//! channel holds memory no row shows (docs/gpu.md); this is the final check.
+//! less the sum of the figures NVML lists on it, less the driver's own reserve, less
+//! [`PER_PROCESS`] for each process listed with a figure (the driver's memory beside each
+//! process's row). NVML lists only processes with a channel, and rows may carry no figure, so
+//! a driver client without a channel holds memory no row shows (docs/gpu.md); this is the
+//! final check.
 //!
 //! The reserve is measured, not assumed: at a read that lists no process on the GPU, when no
 //! process but the agent holds the GPU's device file ([`super::holders`], one scan of `/proc`
@@ -31,6 +33,12 @@ use super::{
 /// Unexplained memory below this is reported but neither looked into nor charged (64 MiB,
 /// the reconcile's drift threshold).
 pub const TOLERANCE: u64 = 64 << 20;
+/// What the driver holds on a GPU for each process it lists, beyond the process's row, taken
+/// off the gap: an H200 (driver 580) showed 8.81 MiB beside one process's primary context and
+/// 14.38 MiB beside two processes' (docs/gpu.md, 2026-11-28). Without it the gap passed its
+/// tolerance with about eight honest processes on one GPU, was alerted on, and was charged
+/// to a container whose process held the device file unlisted (a forked child).
+pub const PER_PROCESS: u64 = 16 << 20;
 /// Time one scan of `/proc` for a GPU's holders may take (a scan of 1,000 processes takes
 /// a few milliseconds, docs/BENCHMARKS.md). A scan cut short that found no holder keeps the
 /// holders the last complete one found while the gap lasts.
@@ -96,7 +104,9 @@ impl Gaps {
                 }
             }
             let reserve = self.reserves.get(&device.index).copied();
-            let mut gap = Gap { reserve, unexplained: reserve.map(|r| used.saturating_sub(device.listed).saturating_sub(r)), ..Gap::default() };
+            let beside_rows = u64::from(device.processes).saturating_mul(PER_PROCESS);
+            let unexplained = reserve.map(|r| used.saturating_sub(device.listed).saturating_sub(r).saturating_sub(beside_rows));
+            let mut gap = Gap { reserve, unexplained, ..Gap::default() };
             if let (Some(unexplained), Some(key)) = (gap.unexplained, key) {
                 if unexplained > TOLERANCE {
                     let scan = holders::scan(&[key], me, SCAN_BUDGET);
@@ -128,5 +138,35 @@ impl Gaps {
             }
             device.gap = gap;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    fn device(used: u64, listed: u64, processes: u32) -> DeviceMemory {
+        DeviceMemory { memory: Some((80 << 30, used)), listed, processes, ..DeviceMemory::default() }
+    }
+
+    /// What the driver holds beside each listed process's row (8.81 MiB each, as an H200
+    /// showed) is no gap with nine processes on one GPU (79 MiB: past the tolerance, were it
+    /// counted); memory a client without a channel holds is, less what the listed processes
+    /// are allowed.
+    #[test]
+    fn the_drivers_memory_beside_each_row_is_no_gap() {
+        let (mut gaps, keys, listed) = (Gaps::default(), BTreeMap::new(), BTreeSet::new());
+        let reserve = 615 * MIB;
+        gaps.update(&mut [device(reserve, 0, 0)], &keys, &listed, 0);
+        let (rows, beside) = (9 * 518 * MIB, 9 * (8810 * MIB / 1000));
+        assert!(beside > TOLERANCE);
+        let mut busy = [device(reserve + rows + beside, rows, 9)];
+        gaps.update(&mut busy, &keys, &listed, 0);
+        assert_eq!(busy[0].gap.unexplained, Some(0), "{:?}", busy[0].gap);
+        let mut hidden = [device(reserve + rows + beside + 700 * MIB, rows, 9)];
+        gaps.update(&mut hidden, &keys, &listed, 0);
+        assert_eq!(hidden[0].gap.unexplained, Some(700 * MIB + beside - 9 * PER_PROCESS), "{:?}", hidden[0].gap);
     }
 }

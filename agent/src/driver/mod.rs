@@ -243,6 +243,9 @@ pub struct DeviceMemory {
     pub listed: u64,
     /// Rows listed on it without a figure.
     pub unfigured: u32,
+    /// Processes listed on it with a figure.
+    #[serde(default)]
+    pub processes: u32,
     /// What no row explains of its memory ([`gap`]).
     #[serde(default)]
     pub gap: gap::Gap,

@@ -186,9 +186,10 @@ impl Nvml {
                     // instances are not read has no rows to compare, and is left out).
                     let mut described = described;
                     for infos in &lists {
-                        let instance = add_device(&mut read, DeviceMemory { listed: 0, unfigured: 0, ..described.clone() }, infos);
+                        let instance = add_device(&mut read, DeviceMemory { listed: 0, unfigured: 0, processes: 0, ..described.clone() }, infos);
                         described.listed = described.listed.saturating_add(instance.listed);
                         described.unfigured += instance.unfigured;
+                        described.processes += instance.processes;
                     }
                     read.devices.push(described);
                 }
@@ -217,7 +218,7 @@ impl Nvml {
             // SAFETY: a handle NVML gave and a valid out-pointer.
             (unsafe { get(device, &mut info) } == NVML_SUCCESS).then_some((info.total, info.used))
         });
-        DeviceMemory { index, minor, uuid: uuid.unwrap_or_default(), name: name.unwrap_or_default(), memory, listed: 0, unfigured: 0, gap: Default::default() }
+        DeviceMemory { index, minor, uuid: uuid.unwrap_or_default(), name: name.unwrap_or_default(), memory, listed: 0, unfigured: 0, processes: 0, gap: Default::default() }
     }
 
     /// Whether `device` is a GPU in MIG mode (false without `nvmlDeviceGetMigMode`, and for a
@@ -309,6 +310,7 @@ fn add_device(read: &mut Read, mut device: DeviceMemory, infos: &[nvmlProcessInf
     }
     for (pid, bytes) in on_device {
         device.listed = device.listed.saturating_add(bytes);
+        device.processes += 1;
         let process = read.processes.entry(pid).or_default();
         process.bytes = process.bytes.saturating_add(bytes);
         process.devices += 1;

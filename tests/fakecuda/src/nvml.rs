@@ -14,7 +14,9 @@
 //!
 //! Running processes are those with a channel: a process started with
 //! `FAKECUDA_NO_CHANNEL=1` holds memory (in `used`) that no list shows, as a real driver
-//! client without a channel does (docs/gpu.md).
+//! client without a channel does (docs/gpu.md). With `FAKECUDA_UNLISTED_BYTES` (in the
+//! caller's environment), each row leaves that much of its process's memory out, as the real
+//! driver's own memory beside each process's row is in `used` and in no row.
 //!
 //! Names are `NVIDIA H100 80GB HBM3` (the fake's devices are H100-like, see
 //! [`crate::attributes`]); the driver version is `580.65.06` (a CUDA 13.0 driver, as
@@ -389,11 +391,13 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
         };
         // Pids as the caller sees them; processes it cannot see are left out.
         // Clients without a channel are not running processes to NVML (their memory is in
-        // the device's `used` all the same).
+        // the device's `used` all the same); a listed process's row leaves out
+        // `FAKECUDA_UNLISTED_BYTES` of what it holds, as the real driver's rows do.
+        let unlisted = n.cfg.unlisted_bytes;
         let procs: Vec<(u32, u64)> = holders
             .iter()
             .filter(|(_, _, flags)| flags & FLAG_NO_CHANNEL == 0)
-            .filter_map(|(owner, bytes, _)| Some((procinfo::pid_seen_by(owner, &n.me)?, *bytes)))
+            .filter_map(|(owner, bytes, _)| Some((procinfo::pid_seen_by(owner, &n.me)?, bytes.saturating_sub(unlisted))))
             .collect();
         // SAFETY: non-null, and the caller passes a valid unsigned int pointer.
         let room = unsafe { infoCount.read() } as usize;
