@@ -1,9 +1,10 @@
 """An honest training job at its quota (run under libvramguard.so by truth.sh, `train` part).
 
 A transformer encoder and a convolution trained in bf16 autocast with AdamW (cuBLAS, cuDNN and
-attention kernels loaded, as a real job loads them); after one step it takes 64 MiB blocks
-until the hook refuses one (the quota reached), gives 8 of them back to the allocator for the
-steps to use, and trains on for SECONDS. Prints `training` when it starts to, `done N` after N
+attention kernels loaded, as a real job loads them); after two steps (the second measured:
+what a step takes beyond what the job holds between steps) it takes 64 MiB blocks until the
+hook refuses one (the quota reached), gives back to the allocator a step's need and a quarter
+more, and trains on for SECONDS. Prints `training` when it starts to, `done N` after N
 steps. Exit 0: done; 4: a step was refused (torch.OutOfMemoryError) while it trained.
 """
 import sys
@@ -32,15 +33,25 @@ def step():
 
 step()
 torch.cuda.synchronize()
+try:
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    need = torch.cuda.max_memory_allocated() - base
+except RuntimeError:  # an allocator that keeps no such figures
+    need = 2 << 30
+block = 64 << 20
+give_back = -(-(need + need // 4) // block)
 blocks = []
 try:
     while True:
-        blocks.append(torch.empty(64 << 20, dtype=torch.uint8, device="cuda"))
+        blocks.append(torch.empty(block, dtype=torch.uint8, device="cuda"))
 except torch.OutOfMemoryError:
     pass
-del blocks[-8:]
+del blocks[-give_back:]
 torch.cuda.synchronize()
-print(f"training filled={len(blocks) * 64} MiB reserved={torch.cuda.memory_reserved() >> 20} MiB", flush=True)
+print(f"training filled={len(blocks) * 64} MiB step_needs={need >> 20} MiB gave_back={give_back * 64} MiB reserved={torch.cuda.memory_reserved() >> 20} MiB", flush=True)
 steps, end = 0, time.time() + seconds
 try:
     while time.time() < end:

@@ -139,21 +139,22 @@ if part leader; then
 # 1.5 GiB: a second process's 900 MiB is refused while it runs, granted after it is killed.
 quota=$(((518 + 1536) << 20))
 leader() { (in_cgroup leader env LD_PRELOAD=$hook CUDA_DEVICE_MEMORY_LIMIT=$quota VRAMGUARD_LEDGER="$ledgers/leader/ledger" "$workload" "$@"); }
-leader "ctx 0" "alloc a 900m" "leader-exit" > "$out/leader.out" 2>&1 &
-job=$!
+(in_cgroup leader env LD_PRELOAD=$hook CUDA_DEVICE_MEMORY_LIMIT=$quota VRAMGUARD_LEDGER="$ledgers/leader/ledger" \
+  "$workload" "ctx 0" "alloc a 900m" "leader-exit") > "$out/leader.out" 2>&1 &
+holder=$!
 for _ in $(seq 100); do grep -q "^leader-exit" "$out/leader.out" && break; sleep 0.1; done
-holder=$(sed -n 's/^ready pid=//p' "$out/leader.out")
-sleep 1.5
-audit leader
+joined() {  # the audit's row of the holder: state ok, with the driver's figure
+  python3 -c 'import json, sys; rows = [r for r in json.load(open(sys.argv[1]))["processes"] if r["pid"] == int(sys.argv[2])]; sys.exit(0 if rows and rows[0]["state"] == "ok" and rows[0]["driver_bytes"] else 1)' "$out/audit-leader.json" "$holder"
+}
+for _ in $(seq 20); do sleep 0.5; audit leader; joined && break; done
 echo "a process (pid $holder) whose main thread exited, another thread holding 900 MiB (state $(awk '{print $3}' /proc/$holder/stat 2>/dev/null)):"; rows leader $holder
 echo "  NVML: $(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ';')"
-python3 -c 'import json, sys; rows = [r for r in json.load(open(sys.argv[1]))["processes"] if r["pid"] == int(sys.argv[2])]; sys.exit(0 if rows and rows[0]["state"] == "ok" and rows[0]["driver_bytes"] else 1)' \
-  "$out/audit-leader.json" "$holder" || fail "the process whose main thread exited is not joined with its slot and its driver row"
+joined || fail "the process whose main thread exited is not joined with its slot and its driver row"
 leader "ctx 0" "expect-oom alloc b 900m" > "$out/leader-second.out" 2>&1
 echo "a second process's 900 MiB while it runs: $(grep -E '^(oom|ok)' "$out/leader-second.out" | tail -1)"
 grep -q "^oom b" "$out/leader-second.out" || fail "the second process was not refused while the first held its memory"
 kill -0 $holder 2>/dev/null || fail "the process whose main thread exited was stopped"
-kill -KILL $holder; wait $job
+kill -KILL $holder; wait $holder
 sleep 1.5
 leader "ctx 0" "alloc c 900m" > "$out/leader-third.out" 2>&1 || fail "the killed process's slot was not freed: $(tail -1 "$out/leader-third.out")"
 echo "a third process's 900 MiB after it was killed: $(grep -E '^ok' "$out/leader-third.out" | tail -1)"

@@ -220,10 +220,13 @@ fn a_context_beyond_the_ledgers_reserve_within_the_allowance_is_not_an_escape() 
     w.wait_checkpoint("held")?;
     let pid = w.pid();
     let charged = e2e::ledgers::used(&ledger)?;
-    // Two driver reads and the passes after them.
-    std::thread::sleep(Duration::from_millis(3000));
+    e2e::wait_for(Duration::from_secs(10), "the driver's row joined", || {
+        Ok(row(&scene.agent.audit()?, pid).is_some_and(|seen| seen["driver_bytes"].as_u64() == Some(CONTEXT + 900 * MIB)))
+    })
+    .with_context(|| scene.agent.log())?;
+    // Two driver reads more (one a second) and the passes after them: what they confirm is acted on.
+    std::thread::sleep(Duration::from_millis(2500));
     let seen = row(&scene.agent.audit()?, pid).context("no row")?;
-    assert_eq!(seen["driver_bytes"].as_u64(), Some(CONTEXT + 900 * MIB), "{seen}");
     assert_eq!(seen["state"], "ok", "{seen}\nagent log:\n{}", scene.agent.log());
     assert_eq!(e2e::ledgers::used(&ledger)?, charged, "charged once, by the hook: {}", scene.agent.log());
     w.resume()?;
