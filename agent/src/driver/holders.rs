@@ -75,7 +75,6 @@ pub fn held_by(pid: u32, wanted: &[FileKey]) -> Option<Held> {
         return Some(held);
     }
     let threads = ledger::process::other_threads(pid, MAX_THREADS + 1);
-    held.capped = threads.len() > MAX_THREADS;
     for tid in threads.iter().take(MAX_THREADS) {
         // A thread gone meanwhile has nothing to show.
         let _ = held_in(&format!("/proc/{pid}/task/{tid}/fd"), wanted, &mut held, &mut read);
@@ -83,6 +82,7 @@ pub fn held_by(pid: u32, wanted: &[FileKey]) -> Option<Held> {
             break;
         }
     }
+    held.capped |= threads.len() > MAX_THREADS;
     Some(held)
 }
 
