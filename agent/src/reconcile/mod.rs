@@ -389,6 +389,14 @@ impl Reconciler {
         &self.verdicts
     }
 
+    /// When a pass can confirm what the last pass saw and could not yet act on: a ledger
+    /// behind the probes ([`TAMPER_CONFIRM`] after it was first seen), so that a slot written
+    /// down is `tampered` that long after the pass that saw it, not a timer's period later.
+    pub fn next_confirmation(&self) -> Option<Instant> {
+        let last = self.last_pass?;
+        self.behind.values().map(|since| *since + TAMPER_CONFIRM).filter(|at| *at > last).min()
+    }
+
     /// Whether an event-triggered pass is due ([`MIN_INTERVAL`] since the last).
     pub fn due(&self) -> bool {
         self.last_pass.is_none_or(|at| at.elapsed() >= MIN_INTERVAL)
@@ -1033,15 +1041,18 @@ mod tests {
             ],
             now,
         );
-        // 3's ledger is behind: not yet tampered (a free may be in flight).
+        // 3's ledger is behind: not yet tampered (a free may be in flight), and a pass is
+        // asked for when it can be confirmed.
         assert_eq!(
             states(&r),
             vec![(1, State::Ok), (2, State::Unhooked), (3, State::Ok), (4, State::Ok), (5, State::Stale), (6, State::Ok)]
         );
+        assert_eq!(r.next_confirmation(), Some(now + TAMPER_CONFIRM));
         assert_eq!(r.ebpf_bytes_by_ledger().get("/l"), Some(&(264 * MIB)));
         // Still behind a confirmation period later: tampered.
         r.judge(vec![seen(3, Some(0), 100 * MIB)], now + TAMPER_CONFIRM);
         assert_eq!(states(&r), vec![(3, State::Tampered)]);
+        assert_eq!(r.next_confirmation(), None, "nothing left to confirm");
     }
 
     #[test]

@@ -98,11 +98,14 @@ impl Judge {
         let mut tick = interval(EVERY);
         tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let wanted = wiring.publisher.as_ref().map(|(_, wanted)| wanted.clone());
+        // A pass at the moment what the last one saw can be confirmed (a slot written down).
+        let mut confirm = None;
         loop {
             wiring.heartbeat.beat();
             let step = tokio::select! {
                 _ = wiring.stop.changed() => break,
                 _ = tick.tick() => Step::Pass,
+                _ = at(confirm) => Step::Pass,
                 _ = wiring.changed.notified() => {
                     if !self.reconciler.due() {
                         continue;
@@ -116,6 +119,7 @@ impl Judge {
                 },
             };
             self = self.step(step, &wiring).await?;
+            confirm = self.reconciler.next_confirmation().map(tokio::time::Instant::from_std);
         }
         let charging = self.charging;
         let ledgers = wiring.ledgers.as_ref().map(|l| l.borrow().clone());
@@ -274,6 +278,14 @@ pub fn not_ready(found: &Found, provisioning: Option<&Provisioning>) -> Option<&
 }
 
 /// The bell's next ring; never, without a metrics listener.
+/// Waits until `deadline`, or forever without one.
+async fn at(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
+}
+
 async fn rung(bell: Option<&Notify>) {
     match bell {
         Some(bell) => bell.notified().await,
