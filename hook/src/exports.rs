@@ -327,16 +327,37 @@ pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
     free_pointer(driver, dptr, None, || unsafe { real(dptr) })
 }
 
+/// A stream-ordered allocation's stream, and the driver's calls on it in the allocation's
+/// form (`_ptsz` or not: the NULL stream means the per-thread one there).
+struct OnStream {
+    stream: CUstream,
+    /// `cuStreamIsCapturing`.
+    is_capturing: Option<IsCapturing>,
+    /// `cuMemFreeAsync`.
+    free: Option<unsafe extern "C" fn(CUdeviceptr, CUstream) -> CUresult>,
+    /// `cuStreamSynchronize`.
+    synchronize: Option<unsafe extern "C" fn(CUstream) -> CUresult>,
+}
+
+/// Frees pool allocation `address`, which the application has not seen, on its stream and
+/// waits for the free to run; whether it did.
+fn undo_allocation(on: &OnStream, address: u64) -> bool {
+    let (Some(free), Some(synchronize)) = (on.free, on.synchronize) else { return false };
+    // SAFETY: an allocation the driver just made on the caller's stream, freed once, then that
+    // stream synchronized.
+    unsafe { free(address as CUdeviceptr, on.stream) == CUDA_SUCCESS && synchronize(on.stream) == CUDA_SUCCESS }
+}
+
 /// An allocation from a stream-ordered pool (`None`: the current device's current pool) on
-/// `stream`, charged for what the pool holds (see `pools`); passed through while the stream
-/// is being captured (`is_capturing`: the allocation's form of `cuStreamIsCapturing`).
+/// `on.stream`, charged for what the pool holds (see `pools`); passed through while the stream
+/// is being captured.
 ///
 /// # Safety
 /// `dptr` is the caller's out-pointer of the driver call.
 unsafe fn pool_allocate(
     driver: &Driver,
     pool: Option<CUmemoryPool>,
-    (stream, is_capturing): (CUstream, Option<IsCapturing>),
+    on: OnStream,
     dptr: *mut CUdeviceptr,
     size: usize,
     call: impl FnOnce() -> CUresult,
@@ -353,11 +374,12 @@ unsafe fn pool_allocate(
     let Some(device) = session.ledger_device(ordinal) else {
         return if session.refuses(ordinal) { CUDA_ERROR_OUT_OF_MEMORY } else { call() };
     };
-    if capturing(is_capturing, stream) {
+    if capturing(on.is_capturing, on.stream) {
         return call();
     }
     let pool = pool.or_else(|| current_pool(driver, ordinal));
     let mut call = Some(call);
+    let mut undo = |address: u64| undo_allocation(&on, address);
     let outcome = pool.and_then(|pool| {
         session.pools.allocate(
             session,
@@ -371,6 +393,7 @@ unsafe fn pool_allocate(
                 // SAFETY: the driver succeeded, so it wrote the out-pointer.
                 (result, (result == CUDA_SUCCESS).then(|| unsafe { *dptr }))
             },
+            Some(&mut undo),
         )
     });
     match (outcome, call) {
@@ -405,34 +428,34 @@ fn capturing(is_capturing: Option<IsCapturing>, stream: CUstream) -> bool {
 }
 
 macro_rules! async_alloc {
-    ($name:ident, $field:ident, $capturing:ident) => {
+    ($name:ident, $field:ident, $capturing:ident, $free:ident, $synchronize:ident) => {
         #[no_mangle]
         pub unsafe extern "C" fn $name(dptr: *mut CUdeviceptr, bytesize: usize, hStream: CUstream) -> CUresult {
             let driver = driver_or_return!();
             let real = real_or_return!(driver, $field);
-            let stream = (hStream, driver.$capturing);
+            let on = OnStream { stream: hStream, is_capturing: driver.$capturing, free: driver.$free, synchronize: driver.$synchronize };
             // SAFETY: forwards the caller's arguments unchanged.
-            unsafe { pool_allocate(driver, None, stream, dptr, bytesize, || real(dptr, bytesize, hStream)) }
+            unsafe { pool_allocate(driver, None, on, dptr, bytesize, || real(dptr, bytesize, hStream)) }
         }
     };
 }
-async_alloc!(cuMemAllocAsync, mem_alloc_async, stream_is_capturing);
-async_alloc!(cuMemAllocAsync_ptsz, mem_alloc_async_ptsz, stream_is_capturing_ptsz);
+async_alloc!(cuMemAllocAsync, mem_alloc_async, stream_is_capturing, mem_free_async, stream_synchronize);
+async_alloc!(cuMemAllocAsync_ptsz, mem_alloc_async_ptsz, stream_is_capturing_ptsz, mem_free_async_ptsz, stream_synchronize_ptsz);
 
 macro_rules! pool_alloc {
-    ($name:ident, $field:ident, $capturing:ident) => {
+    ($name:ident, $field:ident, $capturing:ident, $free:ident, $synchronize:ident) => {
         #[no_mangle]
         pub unsafe extern "C" fn $name(dptr: *mut CUdeviceptr, bytesize: usize, pool: CUmemoryPool, hStream: CUstream) -> CUresult {
             let driver = driver_or_return!();
             let real = real_or_return!(driver, $field);
-            let stream = (hStream, driver.$capturing);
+            let on = OnStream { stream: hStream, is_capturing: driver.$capturing, free: driver.$free, synchronize: driver.$synchronize };
             // SAFETY: forwards the caller's arguments unchanged.
-            unsafe { pool_allocate(driver, Some(pool), stream, dptr, bytesize, || real(dptr, bytesize, pool, hStream)) }
+            unsafe { pool_allocate(driver, Some(pool), on, dptr, bytesize, || real(dptr, bytesize, pool, hStream)) }
         }
     };
 }
-pool_alloc!(cuMemAllocFromPoolAsync, mem_alloc_from_pool, stream_is_capturing);
-pool_alloc!(cuMemAllocFromPoolAsync_ptsz, mem_alloc_from_pool_ptsz, stream_is_capturing_ptsz);
+pool_alloc!(cuMemAllocFromPoolAsync, mem_alloc_from_pool, stream_is_capturing, mem_free_async, stream_synchronize);
+pool_alloc!(cuMemAllocFromPoolAsync_ptsz, mem_alloc_from_pool_ptsz, stream_is_capturing_ptsz, mem_free_async_ptsz, stream_synchronize_ptsz);
 
 macro_rules! async_free {
     ($name:ident, $field:ident) => {

@@ -286,6 +286,7 @@ fn grow(driver: &Driver, needs: Option<Needs>, call: impl FnOnce() -> CUresult) 
                 *bytes,
                 |charge, settle| reserve_in_pool(session, *device, charge, 0, settle),
                 || (call.take().map_or(CUDA_ERROR_NOT_FOUND, |call| call()), None),
+                None,
             );
             match (outcome, call) {
                 (Some(PoolOutcome::Called(result)), _) => result,

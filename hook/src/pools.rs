@@ -11,6 +11,14 @@
 //! and trims settle it again. A pool's charge is a stack of ledger records, released from the
 //! top while the rest still covers what the pool holds.
 //!
+//! A pool can grow although its free part is large enough in sum: an allocation takes one
+//! contiguous free range, so memory freed in pieces may not serve it (measured on an H200: a
+//! PyTorch `cudaMallocAsync` job's pool grew by 64 MiB blocks with more than that free, past
+//! its quota, until the probes stopped it). A growth the ledger cannot charge after the call
+//! is undone: the allocation is freed on its stream, the stream synchronized, the pool trimmed
+//! to what is charged, and the caller gets `CUDA_ERROR_OUT_OF_MEMORY`, as from a device of the
+//! quota's size. Only that refusal path pays for the synchronize.
+//!
 //! A synchronize (`cuStreamSynchronize`, `cuEventSynchronize`, `cuCtxSynchronize`) gives a
 //! pool's reserved memory above its release threshold back to the driver through no call
 //! wrapped here, so before any admission of the process is refused, every pool charge is
@@ -43,7 +51,7 @@ use std::{
 
 use cuda_abi::{
     CUdevice, CUmemoryPool, CUresult, CUstream, CUDA_SUCCESS, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT,
-    CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, CU_MEMPOOL_ATTR_USED_MEM_CURRENT, CUDA_ERROR_NOT_READY};
+    CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, CU_MEMPOOL_ATTR_USED_MEM_CURRENT, CUDA_ERROR_NOT_READY, CUDA_ERROR_OUT_OF_MEMORY};
 use ledger::{Charge, RecordId};
 
 use crate::{real::Driver, session::Session};
@@ -132,6 +140,15 @@ impl Source {
         }
     }
 
+    /// Asks the driver to give back what the pool keeps beyond `keep` bytes (a graph pool is
+    /// left alone: only a launch grows it, and no launch is undone).
+    fn trim_to(self, driver: &Driver, keep: u64) {
+        if let (Source::Pool(pool), Some(trim)) = (self, driver.mem_pool_trim_to) {
+            // SAFETY: a pool handle the driver gave the application; `keep` by value.
+            let _ = unsafe { trim(pool, usize::try_from(keep).unwrap_or(usize::MAX)) };
+        }
+    }
+
     fn used(self, driver: &Driver) -> Option<u64> {
         match self {
             Source::Pool(pool) => attribute(driver, pool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT),
@@ -159,7 +176,9 @@ impl Pools {
     /// `device`; `None` when the driver cannot report pool usage (the caller then charges
     /// the allocation by itself). `admit` is given the growth to charge and a way to settle
     /// every pool of this process (as [`Pools::settle_all`], under the lock held here), for
-    /// its refusal path.
+    /// its refusal path. `undo` frees an allocation `call` made and waits until the free has
+    /// run: it is called when the pool grew past what the ledger can charge (see the module
+    /// doc); without it (a graph launch) such a growth stays, and is said.
     #[allow(clippy::too_many_arguments)]
     pub fn allocate(
         &self,
@@ -170,6 +189,7 @@ impl Pools {
         size: u64,
         admit: impl FnOnce(Charge, &mut dyn FnMut() -> bool) -> Option<RecordId>,
         call: impl FnOnce() -> (CUresult, Option<u64>),
+        undo: Option<&mut dyn FnMut(u64) -> bool>,
     ) -> Option<PoolOutcome> {
         let reserved = pool.reserved(driver)?;
         let used = pool.used(driver)?;
@@ -195,11 +215,37 @@ impl Pools {
         let (result, address) = call();
         let reserved = pool.reserved(driver).unwrap_or(reserved);
         let charge = state.charges.entry(key).or_insert(PoolCharge { device, records: Vec::new(), charged: 0 });
-        settle(session, charge, reserved, chunk);
-        if let (CUDA_SUCCESS, Some(address)) = (result, address) {
-            state.origin.insert(address, (Owner::Live(pool.key()), size));
+        let mut missing = settle_quietly(session, charge, reserved, chunk);
+        if missing > 0 && settle_every_saying(session, driver, state, false) {
+            // Other pools gave memory back at a synchronize: charge the rest now.
+            let charge = state.charges.entry(key).or_insert(PoolCharge { device, records: Vec::new(), charged: 0 });
+            missing = settle_quietly(session, charge, reserved, chunk);
         }
-        Some(PoolOutcome::Called(result))
+        match (result, address, undo) {
+            (CUDA_SUCCESS, Some(address), Some(undo)) if missing > 0 => {
+                // The pool grew past the quota (its free part was in pieces): give it back.
+                let freed = undo(address);
+                let charge = state.charges.entry(key).or_insert(PoolCharge { device, records: Vec::new(), charged: 0 });
+                pool.trim_to(driver, charge.charged);
+                if let Some(reserved) = pool.reserved(driver) {
+                    settle(session, charge, reserved, chunk);
+                }
+                if freed {
+                    return Some(PoolOutcome::Called(CUDA_ERROR_OUT_OF_MEMORY));
+                }
+                state.origin.insert(address, (Owner::Live(key), size));
+                Some(PoolOutcome::Called(result))
+            }
+            (result, address, _) => {
+                if missing > 0 {
+                    say_uncharged(missing);
+                }
+                if let (CUDA_SUCCESS, Some(address)) = (result, address) {
+                    state.origin.insert(address, (Owner::Live(key), size));
+                }
+                Some(PoolOutcome::Called(result))
+            }
+        }
     }
 
     /// Whether `address` is a live pool allocation of this process.
@@ -354,6 +400,11 @@ fn drain(session: &Session, driver: &Driver, state: &mut PoolState) {
 
 /// [`Pools::settle_all`] with the lock held.
 fn settle_every(session: &Session, driver: &Driver, state: &mut PoolState) -> bool {
+    settle_every_saying(session, driver, state, true)
+}
+
+/// [`settle_every`], saying what the ledger could not charge if `say`.
+fn settle_every_saying(session: &Session, driver: &Driver, state: &mut PoolState, say: bool) -> bool {
     let charged = |state: &PoolState| -> u64 {
         let live = state.charges.values().map(|c| c.charged);
         live.chain(state.retired.values().map(|r| r.charge.charged)).fold(0, u64::saturating_add)
@@ -363,7 +414,10 @@ fn settle_every(session: &Session, driver: &Driver, state: &mut PoolState) -> bo
     for (key, charge) in &mut state.charges {
         if let Some(reserved) = Source::from_key(*key).reserved(driver) {
             let chunk = session.ledger.header().devices[charge.device as usize].chunk;
-            settle(session, charge, reserved, chunk);
+            let missing = settle_quietly(session, charge, reserved, chunk);
+            if say && missing > 0 {
+                say_uncharged(missing);
+            }
         }
     }
     charged(state) < before
@@ -384,8 +438,21 @@ fn settle_pool(session: &Session, driver: &Driver, state: &mut PoolState, pool: 
     settle(session, charge, reserved, chunk);
 }
 
-/// Makes `charge` cover exactly the pool's `reserved` bytes (in whole chunks).
+/// [`settle_quietly`], saying what the ledger could not charge.
 fn settle(session: &Session, charge: &mut PoolCharge, reserved: u64, chunk: u64) {
+    let missing = settle_quietly(session, charge, reserved, chunk);
+    if missing > 0 {
+        say_uncharged(missing);
+    }
+}
+
+fn say_uncharged(missing: u64) {
+    crate::session::say(&format!("a memory pool holds {missing} bytes more than the ledger could charge"));
+}
+
+/// Makes `charge` cover exactly the pool's `reserved` bytes (in whole chunks); what the
+/// ledger could not charge of them (0: all of it).
+fn settle_quietly(session: &Session, charge: &mut PoolCharge, reserved: u64, chunk: u64) -> u64 {
     let target = reserved.div_ceil(chunk).saturating_mul(chunk);
     while let Some(&(record, bytes)) = charge.records.last() {
         if charge.charged - bytes < target {
@@ -407,16 +474,17 @@ fn settle(session: &Session, charge: &mut PoolCharge, reserved: u64, chunk: u64)
     }
     if charge.charged < target {
         let missing = target - charge.charged;
-        // The pool grew past what was admitted (it can only by the driver's own rounding):
-        // keep the books true, or say why they cannot be.
+        // The pool grew past what was admitted (the driver's rounding, or a free part in
+        // pieces): keep the books true, or say how far they cannot be.
         match session.ledger.reserve(session.slot, charge.device, Charge::Device(missing), 0) {
             Ok(record) => {
                 charge.records.push((record, missing));
                 charge.charged += missing;
             }
-            Err(error) => crate::session::say(&format!("a memory pool holds {missing} bytes more than the ledger could charge: {error}")),
+            Err(_) => return missing,
         }
     }
+    0
 }
 
 #[cfg(test)]

@@ -275,6 +275,45 @@ fn pools_keep_reserved_memory_until_trimmed() -> Result<()> {
     Ok(())
 }
 
+/// As the driver's, a pool's allocation takes one contiguous free range: memory freed in
+/// pieces serves what fits in a piece, and a larger allocation grows the pool although its
+/// free part is large enough in sum (the growth extends a free range at the pool's end).
+#[test]
+fn a_pool_whose_free_part_is_in_pieces_grows_for_what_no_piece_holds() -> Result<()> {
+    let node = FakeNode::new("pieces");
+    let out = node
+        .workload()
+        .steps([
+            "ctx 0",
+            "async a 4m",
+            "async b 4m",
+            "async c 4m",
+            "free-async a",
+            "free-async c",
+            "devstat 0", // 12m reserved, 8m of it free in two pieces
+            "async d 6m",
+            "devstat 0", // no piece holds 6m: c's, at the end, grows by 2m
+            "async e 4m",
+            "devstat 0", // a's piece holds it
+            "free-async b",
+            "free-async e",
+            "async f 10m",
+            "devstat 0", // a's and b's pieces joined: 8m free at the start, not 10m: grows at the end
+            "free-async d",
+            "free-async f",
+            "async g 24m",
+            "devstat 0", // all joined again: 24m holds it
+            "free-async g",
+            "trim 0",
+            "devstat 0",
+        ])
+        .run()?
+        .success()?;
+    let expected: Vec<u64> = [12, 14, 14, 24, 24, 0].iter().map(|m| CTX + m * MIB).collect();
+    assert_eq!(devstats(&out)?, expected);
+    Ok(())
+}
+
 #[test]
 fn vmm_handles_charge_until_released_and_unmapped() -> Result<()> {
     let node = FakeNode::new("vmm");

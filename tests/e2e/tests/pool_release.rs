@@ -150,6 +150,37 @@ fn while_the_pool_keeps_its_memory_the_allocation_is_refused() -> Result<()> {
     Ok(())
 }
 
+/// A pool whose free part is in pieces: 900 MiB taken in three allocations, the first and the
+/// last freed (the pool keeps them: threshold 1 GiB), so 600 MiB are free in two pieces of
+/// 300. 400 MiB fit by sum but in no piece: the driver grows the pool by 100 MiB, past the
+/// quota (64 MiB of context + 900 MiB of pool + 100 > 1 GiB). Measured on an H200 with a
+/// PyTorch `cudaMallocAsync` job: such growths passed the quota by 64 MiB a time until the
+/// probes stopped it. The hook gives that growth back and refuses the allocation (the device
+/// never holds more than the quota, the process goes on); 300 MiB, which a piece holds, are
+/// granted from the pool with nothing new charged.
+#[test]
+fn a_pool_growth_the_quota_cannot_hold_is_given_back_and_refused() -> Result<()> {
+    let node = node("pool-pieces");
+    let ledger = node.ledger_path();
+    let first = ["pool-threshold 1g", "async a 300m", "async b 300m", "async c 300m", "free-async a", "free-async c"];
+    let mut w = spawn(&node, &first, &["expect-oom async d 400m", "checkpoint refused", "async e 300m", "pool-stat"])?;
+    assert_eq!(node.used(0)?, CTX + 900 * MIB, "the pool keeps what was freed");
+    w.resume()?;
+    w.wait_checkpoint("refused")?;
+    assert_eq!(node.used(0)?, CTX + 900 * MIB, "the growth was given back");
+    assert_eq!(ledgers::used(&ledger)?, CTX + 900 * MIB, "the ledger charges what the pool holds");
+    w.resume()?;
+    w.wait_checkpoint("done")?;
+    assert_eq!(node.used(0)?, CTX + 900 * MIB, "a piece held the last allocation");
+    w.resume()?;
+    let out = w.wait()?.success()?;
+    assert_eq!(out.lines("oom ").collect::<Vec<_>>(), ["oom d"], "only what the quota cannot hold is refused");
+    out.line("ok async e ").with_context(|| format!("granted from a piece: {:?}", out.stdout))?;
+    assert_eq!(out.line("pool-stat ")?, format!("pool-stat reserved={} used={}", 900 * MIB, 600 * MIB));
+    ensure!(!out.stderr.contains("more than the ledger could charge"), "nothing left uncharged: {}", out.stderr);
+    Ok(())
+}
+
 /// What NVML says `pid` uses on device 0 (`None`: not listed), asked by a process of its own
 /// that never initialises the driver (as `nvidia-smi`).
 fn nvml_used(node: &FakeNode, pid: u32) -> Result<Option<u64>> {

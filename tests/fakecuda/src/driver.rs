@@ -85,10 +85,15 @@ pub struct Dev {
 }
 
 /// A stream-ordered memory pool (a device's default pool, or one from `cuMemPoolCreate`).
-#[derive(Debug, Clone, Copy)]
+///
+/// Like the driver's, its reserve is laid out in address order and an allocation takes one
+/// contiguous free range of it: memory freed in pieces serves only what fits in a piece, so
+/// a pool whose free part is large enough in sum may still grow (measured on an H200: a
+/// PyTorch `cudaMallocAsync` job's pool grew by 64 MiB blocks with more than that free).
+#[derive(Debug, Clone)]
 pub struct Pool {
     pub dev: usize,
-    /// Bytes held from the device (charged), in whole 2 MiB pages.
+    /// Bytes held from the device (charged), grown in whole 2 MiB pages.
     pub reserved: u64,
     /// Bytes of live allocations.
     pub used: u64,
@@ -102,6 +107,12 @@ pub struct Pool {
     pub reuse: [i32; 3],
     /// Destroyed while allocations were live: goes once they are freed.
     destroyed: bool,
+    /// The reserve's free ranges (offset → length): backed, unused, coalesced.
+    free: BTreeMap<u64, u64>,
+    /// Live allocations' ranges (address → offset, length).
+    placed: HashMap<u64, (u64, u64)>,
+    /// Where the next growth goes (offsets of released ranges are not reused).
+    end: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -337,6 +348,67 @@ impl Pool {
             max_size,
             reuse: [1; 3],
             destroyed: false,
+            free: BTreeMap::new(),
+            placed: HashMap::new(),
+            end: 0,
+        }
+    }
+
+    /// Where `size` bytes would go: the smallest free range that holds them, or else the
+    /// growth (in whole pages) that makes room at the end, extending a free range there.
+    fn place(&self, size: u64) -> R<(u64, u64)> {
+        let fits = self.free.iter().filter(|(_, &len)| len >= size).min_by_key(|(&off, &len)| (len, off));
+        if let Some((&off, _)) = fits {
+            return Ok((off, 0));
+        }
+        let tail = self.free.iter().next_back().filter(|(&off, &len)| off + len == self.end);
+        let (off, have) = tail.map_or((self.end, 0), |(&off, &len)| (off, len));
+        Ok((off, round_up(size - have, PAGE).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?))
+    }
+
+    /// Takes `[off, off + size)`, after growing the reserve by `growth` at its end.
+    fn take(&mut self, addr: u64, off: u64, size: u64, growth: u64) {
+        if growth > 0 {
+            let at = self.free.remove(&off).map_or(self.end, |_| off);
+            self.free.insert(at, self.end + growth - at);
+            self.end += growth;
+            self.reserved += growth;
+        }
+        if let Some(len) = self.free.remove(&off) {
+            if len > size {
+                self.free.insert(off + size, len - size);
+            }
+        }
+        self.placed.insert(addr, (off, size));
+        self.used += size;
+    }
+
+    /// Gives allocation `addr`'s range back to the free part, joined with its neighbours.
+    fn give_back(&mut self, addr: u64) {
+        let Some((mut off, mut len)) = self.placed.remove(&addr) else { return };
+        self.used = self.used.saturating_sub(len);
+        if let Some(next) = self.free.remove(&(off + len)) {
+            len += next;
+        }
+        if let Some((&prev, &prev_len)) = self.free.range(..off).next_back().filter(|(&p, &l)| p + l == off) {
+            self.free.remove(&prev);
+            off = prev;
+            len += prev_len;
+        }
+        self.free.insert(off, len);
+    }
+
+    /// Releases up to `bytes` of the free part, from the highest ranges down.
+    fn release(&mut self, mut bytes: u64) {
+        while bytes > 0 {
+            let Some((&off, &len)) = self.free.iter().next_back() else { break };
+            let cut = len.min(bytes);
+            self.free.remove(&off);
+            if cut < len {
+                self.free.insert(off, len - cut);
+            }
+            self.reserved -= cut;
+            bytes -= cut;
         }
     }
 }
@@ -661,7 +733,7 @@ impl Driver {
             Kind::Pool(pool) => {
                 // Freed memory stays reserved by the pool until trimmed or synchronized.
                 let p = self.pools.get_mut(&pool).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-                p.used = p.used.saturating_sub(a.size);
+                p.give_back(ptr);
                 if p.destroyed && p.used == 0 {
                     self.pool_trim(pool, 0)?;
                     self.pools.remove(&pool);
@@ -719,15 +791,16 @@ impl Driver {
         if size == 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        let p = *self.pool(pool)?;
-        let used = p.used.checked_add(size).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
-        let reserved = if used > p.reserved { round_up(used, PAGE).ok_or(CUDA_ERROR_OUT_OF_MEMORY)? } else { p.reserved };
+        let p = self.pool(pool)?;
+        let dev = p.dev;
+        let (off, growth) = p.place(size)?;
+        let reserved = p.reserved.checked_add(growth).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
         if p.max_size != 0 && reserved > p.max_size {
             return Err(CUDA_ERROR_OUT_OF_MEMORY);
         }
         let (addr, _) = self.take_va(size)?;
-        let charged = self.recharge(p.dev, |u| {
-            u.pool_reserved = u.pool_reserved.checked_sub(p.reserved)?.checked_add(reserved)?;
+        let charged = self.recharge(dev, |u| {
+            u.pool_reserved = u.pool_reserved.checked_add(growth)?;
             Some(())
         });
         if let Err(e) = charged {
@@ -735,30 +808,32 @@ impl Driver {
             return Err(e);
         }
         if let Some(p) = self.pools.get_mut(&pool) {
-            p.used = used;
-            p.reserved = reserved;
-            p.used_high = p.used_high.max(used);
-            p.reserved_high = p.reserved_high.max(reserved);
+            p.take(addr, off, size, growth);
+            p.used_high = p.used_high.max(p.used);
+            p.reserved_high = p.reserved_high.max(p.reserved);
         }
-        self.allocs.insert(addr, Alloc { dev: p.dev, ctx, size, kind: Kind::Pool(pool) });
+        self.allocs.insert(addr, Alloc { dev, ctx, size, kind: Kind::Pool(pool) });
         Ok(addr)
     }
 
-    /// `cuMemPoolTrimTo`: releases reserved memory down to
-    /// `max(round_up(used, 2 MiB), round_up(min(reserved, keep), 2 MiB))`.
+    /// `cuMemPoolTrimTo`: releases free reserved memory down to
+    /// `max(round_up(used, 2 MiB), round_up(min(reserved, keep), 2 MiB))`, as far as the free
+    /// part allows.
     pub fn pool_trim(&mut self, pool: u64, keep: u64) -> R<()> {
-        let p = *self.pools.get(&pool).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let p = self.pools.get(&pool).ok_or(CUDA_ERROR_INVALID_VALUE)?;
         let floor = round_up(p.used, PAGE).ok_or(CUDA_ERROR_INVALID_VALUE)?;
         let kept = round_up(p.reserved.min(keep), PAGE).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let (dev, before) = (p.dev, p.reserved);
         let target = floor.max(kept);
-        if target < p.reserved {
-            self.recharge(p.dev, |u| {
-                u.pool_reserved = u.pool_reserved.checked_sub(p.reserved - target)?;
+        if target < before {
+            if let Some(p) = self.pools.get_mut(&pool) {
+                p.release(before - target);
+            }
+            let after = self.pools.get(&pool).map_or(before, |p| p.reserved);
+            self.recharge(dev, |u| {
+                u.pool_reserved = u.pool_reserved.checked_sub(before - after)?;
                 Some(())
             })?;
-            if let Some(p) = self.pools.get_mut(&pool) {
-                p.reserved = target;
-            }
         }
         Ok(())
     }
