@@ -211,8 +211,10 @@ pub struct RunArgs {
     /// What the context of any process, hooked or not, and what comes with it (module images,
     /// local memory) may hold on one device (bytes, or k/m/g/t): beyond it plus a 2 MiB page,
     /// memory the driver reports and the probes and the ledger do not explain makes the
-    /// process `unprobed` (docs/gpu.md).
-    #[arg(long, default_value = "600m", value_name = "SIZE", value_parser = parse_threshold)]
+    /// process `unprobed` (docs/gpu.md: 518 MiB of context and up to 310 MiB of kernels and
+    /// library handles for PyTorch jobs loading modules lazily, the CUDA default; about
+    /// 1.5 GiB more with `CUDA_MODULE_LOADING=EAGER`).
+    #[arg(long, default_value = "1g", value_name = "SIZE", value_parser = parse_threshold)]
     pub context_allowance: u64,
     /// Live allocation records the probes keep across the node (the kernel map's size; each
     /// takes about 100 bytes of kernel memory while it exists).

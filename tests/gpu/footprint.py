@@ -3,27 +3,39 @@
 No hook, no agent. After each step, one JSON line: NVML's figure for this process, PyTorch's
 reserved memory (what the probes and the ledger see of it: the caching allocator's segments,
 or the stream-ordered pool's reserve) and the difference less the 518 MiB context, the memory
-that the agent's context allowance (`--context-allowance`, 600 MiB a device) must cover for an
+that the agent's context allowance (`--context-allowance`, 1 GiB a device) must cover for an
 honest job not to be taken for one that escaped: module images (the kernels it loaded),
 local memory, cuBLAS and cuDNN handles. The allocator comes from PYTORCH_CUDA_ALLOC_CONF and
 the loading from CUDA_MODULE_LOADING, as the caller sets them.
 """
 import json
 import os
+import subprocess
 import time
 
-import pynvml
 import torch
 import torch.nn.functional as F
 
 MIB = 1 << 20
 CONTEXT = 518 * MIB
-pynvml.nvmlInit()
-device = pynvml.nvmlDeviceGetHandleByIndex(0)
 me = os.getpid()
+try:  # NVML's row in bytes where pynvml is installed, else nvidia-smi's in MiB
+    import pynvml
+    pynvml.nvmlInit()
+    device = pynvml.nvmlDeviceGetHandleByIndex(0)
+except ImportError:
+    pynvml = None
 
 
 def row():
+    if pynvml is None:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            pid, used = (field.strip() for field in line.split(","))
+            if pid == str(me):
+                return int(used) * MIB
+        return None
     for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(device):
         if proc.pid == me:
             return proc.usedGpuMemory

@@ -16,7 +16,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 hook="$bin/libvramguard.so"
 agent="$bin/vramguard"
 workload="$bin/fakecuda-workload"
-parts=${TRUTH_PARTS:-facts release pool fork leader train}  # which parts run
+parts=${TRUTH_PARTS:-facts release pool fork leader many train}  # which parts run
 part() { case " $parts " in *" $1 "*) return 0;; esac; return 1; }
 failed=0
 fail() { echo "FAILED: $*"; failed=1; }
@@ -58,9 +58,9 @@ fi
 echo "== the agent on the real driver, --enforce signal"
 cg2=$(awk '$3 == "cgroup2" {print $2; exit}' /proc/mounts)
 if [ -z "$cg2" ]; then cg2=/tmp/vramguard-cg2; mkdir -p $cg2; mount -t cgroup2 none $cg2 || fail "no cgroup2"; fi
-for c in honest fork leader train; do mkdir -p "$cg2/vramguard-gpu-$c"; done
+for c in honest fork leader many train; do mkdir -p "$cg2/vramguard-gpu-$c"; done
 ledgers=$(mktemp -d /tmp/vramguard-ledgers.XXXXXX)
-mkdir -p "$ledgers/honest" "$ledgers/fork" "$ledgers/leader" "$ledgers/train"
+mkdir -p "$ledgers/honest" "$ledgers/fork" "$ledgers/leader" "$ledgers/many" "$ledgers/train"
 sock=/tmp/vramguard-truth.sock
 "$agent" run --libcuda "$libcuda" --no-discover --socket $sock --ledger-dir "$ledgers" \
   --enforce signal --cgroup2-separates-containers --metrics-addr 127.0.0.1:9477 > "$out/truth-agent.log" 2>&1 &
@@ -159,6 +159,29 @@ sleep 1.5
 leader "ctx 0" "alloc c 900m" > "$out/leader-third.out" 2>&1 || fail "the killed process's slot was not freed: $(tail -1 "$out/leader-third.out")"
 echo "a third process's 900 MiB after it was killed: $(grep -E '^ok' "$out/leader-third.out" | tail -1)"
 fi
+if part many; then
+# 16 hooked processes of one container, 256 MiB each: the driver's memory beside each NVML row
+# (driver::gap::PER_PROCESS allows 16 MiB a row) must not be reported as the GPU's gap, nor
+# charged to anyone, and no process is stopped.
+quota=$((16 * (518 + 512) << 20))
+pids=""
+for i in $(seq 16); do
+  (in_cgroup many env LD_PRELOAD=$hook CUDA_DEVICE_MEMORY_LIMIT=$quota VRAMGUARD_LEDGER="$ledgers/many/ledger" \
+    "$workload" "ctx 0" "alloc a 256m" "sleep 9000") > "$out/many-$i.out" 2>&1 &
+  pids="$pids $!"
+done
+sleep 6
+audit many
+echo "16 processes of 256 MiB each:"; rows many $pids
+echo "  NVML: $(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ';')"
+echo "  device used (v2): $(nvidia-smi --query-gpu=memory.used,memory.reserved --format=csv,noheader)"
+python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:9477/metrics').read().decode())" > "$out/metrics-many.txt" || fail "no /metrics"
+grep -E '^vramguard_(device_unexplained_bytes|device_driver_reserve_bytes|driver_unattributed)' "$out/metrics-many.txt" | sed 's/^/  /'
+if grep -E '^vramguard_device_unexplained_bytes' "$out/metrics-many.txt" | awk '$NF > 0 {found=1} END {exit !found}'; then
+  fail "16 honest processes were reported as the GPU's gap"
+fi
+i=0; for pid in $pids; do i=$((i + 1)); wait $pid || fail "process $i of 16 (pid $pid, exit $?): $(tail -1 "$out/many-$i.out")"; done
+fi
 if part train; then
 # An honest training job (cuBLAS, cuDNN, attention kernels loaded) filled to its 6 GiB quota
 # under --enforce signal, in each allocator mode: never stopped by the agent.
@@ -182,6 +205,6 @@ audit end
 kill -TERM $agent_pid; wait $agent_pid || fail "the agent's exit"
 grep -iE "signal|escap|kill" "$out/truth-agent.log" | head -20
 rm -rf "$ledgers"
-for c in honest fork leader train; do rmdir "$cg2/vramguard-gpu-$c" 2>/dev/null; done
+for c in honest fork leader many train; do rmdir "$cg2/vramguard-gpu-$c" 2>/dev/null; done
 echo "truth.sh: $([ $failed = 0 ] && echo passed || echo FAILED)"
 exit $failed

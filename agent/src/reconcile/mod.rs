@@ -44,8 +44,9 @@
 //!   larger of its probes' bytes, live and kept by its pools, and its ledger's, plus, on each
 //!   device it holds memory on, a context and one 2 MiB page). The context is
 //!   `--context-allowance` for every process, whatever its ledger's reserve
-//!   ([`DEFAULT_CONTEXT_ALLOWANCE`], 600 MiB: an H100's and an H200's context measured
-//!   518 MiB, and a PyTorch job on the H200 held 70 MiB beside it, `docs/gpu.md`). Memory allocated through a
+//!   ([`DEFAULT_CONTEXT_ALLOWANCE`], 1 GiB: an H100's and an H200's context measured
+//!   518 MiB, and PyTorch jobs on the H200 held up to 310 MiB beside it with the CUDA
+//!   default of loading modules lazily, `docs/gpu.md`). Memory allocated through a
 //!   libcuda no probe is on (a renamed copy loaded and used before discovery reaches it, one
 //!   past the per-container cap) looks like this. The driver's figure is from its last read
 //!   (up to about two seconds old): it is compared with the largest figure the probes gave
@@ -145,9 +146,10 @@ pub const TAMPER_CONFIRM: Duration = Duration::from_millis(250);
 /// Passes triggered by events are at least this far apart (the timer's are not affected).
 pub const MIN_INTERVAL: Duration = Duration::from_millis(100);
 /// Default `--context-allowance`: what any process's context (and what comes with it: module
-/// images, local memory) may hold on one device (600 MiB: an H100's and an H200's measured
-/// 518 MiB with room for other drivers' and GPUs' and for what a job loads, docs/gpu.md).
-pub const DEFAULT_CONTEXT_ALLOWANCE: u64 = 600 << 20;
+/// images, local memory) may hold on one device (1 GiB: an H100's and an H200's measured
+/// 518 MiB, and up to 310 MiB that PyTorch jobs loading modules lazily held beside it on the
+/// H200, with room for other drivers, GPUs and libraries; docs/gpu.md).
+pub const DEFAULT_CONTEXT_ALLOWANCE: u64 = 1 << 30;
 pub use figure::DRIVER_PAGE;
 /// How long the figures the probes gave a process are remembered, to compare a driver read
 /// that is behind them with what they said when it started.
