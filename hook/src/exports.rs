@@ -21,7 +21,7 @@ use cuda_abi::{
         nvmlDevice_t, nvmlMemory_t, nvmlMemory_v2_t, nvmlReturn_t, NVML_DEVICE_UUID_V2_BUFFER_SIZE, NVML_ERROR_FUNCTION_NOT_FOUND,
         NVML_ERROR_LIBRARY_NOT_FOUND, NVML_SUCCESS,
     },
-    CUcontext, CUdevice, CUdeviceptr, CUevent, CUmemoryPool, CUresult, CUstream, CUDA_ERROR_NOT_FOUND, CUDA_ERROR_NOT_INITIALIZED,
+    CUcontext, CUdevice, CUdeviceptr, CUevent, CUmemoryPool, CUresult, CUstream, CUDA_ERROR_NOT_INITIALIZED,
     CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS, CU_STREAM_CAPTURE_STATUS_NONE,
 };
 use ledger::{Charge, RecordId, ReserveError};
@@ -360,7 +360,7 @@ unsafe fn pool_allocate(
     on: OnStream,
     dptr: *mut CUdeviceptr,
     size: usize,
-    call: impl FnOnce() -> CUresult,
+    mut call: impl FnMut() -> CUresult,
 ) -> CUresult {
     if dptr.is_null() {
         return call();
@@ -378,7 +378,7 @@ unsafe fn pool_allocate(
         return call();
     }
     let pool = pool.or_else(|| current_pool(driver, ordinal));
-    let mut call = Some(call);
+    let mut call = call;
     let mut undo = |address: u64| undo_allocation(&on, address);
     let outcome = pool.and_then(|pool| {
         session.pools.allocate(
@@ -389,20 +389,20 @@ unsafe fn pool_allocate(
             size as u64,
             |charge, settle| reserve_in_pool(session, device, charge, pool as u64, settle),
             || {
-                let result = call.take().map_or(CUDA_ERROR_NOT_FOUND, |call| call());
+                let result = call();
                 // SAFETY: the driver succeeded, so it wrote the out-pointer.
                 (result, (result == CUDA_SUCCESS).then(|| unsafe { *dptr }))
             },
             Some(&mut undo),
         )
     });
-    match (outcome, call) {
-        (Some(PoolOutcome::Called(result)), _) => result,
-        (Some(PoolOutcome::Refused), _) => CUDA_ERROR_OUT_OF_MEMORY,
-        // The driver cannot say what the pool holds: charge the allocation itself.
+    match outcome {
+        Some(PoolOutcome::Called(result)) => result,
+        Some(PoolOutcome::Refused) => CUDA_ERROR_OUT_OF_MEMORY,
+        // The driver cannot say what the pool holds (`allocate` called nothing): charge the
+        // allocation itself.
         // SAFETY: as this function's contract.
-        (None, Some(call)) => unsafe { allocate(driver, Space::Pointer, Charge::Device(size as u64), None, dptr, call) },
-        (None, None) => CUDA_ERROR_NOT_FOUND, // unreachable: no outcome means no call
+        None => unsafe { allocate(driver, Space::Pointer, Charge::Device(size as u64), None, dptr, call) },
     }
 }
 

@@ -15,9 +15,13 @@
 //! contiguous free range, so memory freed in pieces may not serve it (measured on an H200: a
 //! PyTorch `cudaMallocAsync` job's pool grew by 64 MiB blocks with more than that free, past
 //! its quota, until the probes stopped it). A growth the ledger cannot charge after the call
-//! is undone: the allocation is freed on its stream, the stream synchronized, the pool trimmed
-//! to what is charged, and the caller gets `CUDA_ERROR_OUT_OF_MEMORY`, as from a device of the
-//! quota's size. Only that refusal path pays for the synchronize.
+//! is undone: the allocation is freed on its stream, the stream synchronized and the pool's
+//! free part given back to the driver (`cuMemPoolTrimTo(0)`, as `torch.cuda.empty_cache()`
+//! does), and the allocation is tried once more, now growing the pool by what it needs, which
+//! is admitted as any growth; if that too passes the quota, the caller gets
+//! `CUDA_ERROR_OUT_OF_MEMORY`. So a job whose allocations fit in its quota by sum gets them,
+//! and the device never holds more than the quota. Only this path pays for the synchronize
+//! and the pool's lost cache.
 //!
 //! A synchronize (`cuStreamSynchronize`, `cuEventSynchronize`, `cuCtxSynchronize`) gives a
 //! pool's reserved memory above its release threshold back to the driver through no call
@@ -178,7 +182,8 @@ impl Pools {
     /// every pool of this process (as [`Pools::settle_all`], under the lock held here), for
     /// its refusal path. `undo` frees an allocation `call` made and waits until the free has
     /// run: it is called when the pool grew past what the ledger can charge (see the module
-    /// doc); without it (a graph launch) such a growth stays, and is said.
+    /// doc), after which the pool's free part is given back to the driver and the allocation
+    /// tried once more; without it (a graph launch) such a growth stays, and is said.
     #[allow(clippy::too_many_arguments)]
     pub fn allocate(
         &self,
@@ -187,63 +192,80 @@ impl Pools {
         pool: Source,
         device: u32,
         size: u64,
-        admit: impl FnOnce(Charge, &mut dyn FnMut() -> bool) -> Option<RecordId>,
-        call: impl FnOnce() -> (CUresult, Option<u64>),
-        undo: Option<&mut dyn FnMut(u64) -> bool>,
+        mut admit: impl FnMut(Charge, &mut dyn FnMut() -> bool) -> Option<RecordId>,
+        mut call: impl FnMut() -> (CUresult, Option<u64>),
+        mut undo: Option<&mut dyn FnMut(u64) -> bool>,
     ) -> Option<PoolOutcome> {
-        let reserved = pool.reserved(driver)?;
-        let used = pool.used(driver)?;
+        let (mut reserved, mut used) = (pool.reserved(driver)?, pool.used(driver)?);
         let chunk = session.ledger.header().devices[device as usize].chunk;
         let key = pool.key();
         self.used.store(true, Ordering::Relaxed);
         let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let state = &mut *guard;
         drain(session, driver, state);
-        let charge = state.charges.entry(key).or_insert(PoolCharge { device, records: Vec::new(), charged: 0 });
-        // Bring the charge up to what the pool holds now, then admit the worst-case growth
-        // (on a refusal, this process's other pools are settled before it is final).
-        settle(session, charge, reserved, chunk);
-        if size > reserved.saturating_sub(used) {
-            let growth = size.div_ceil(chunk).saturating_mul(chunk);
-            let Some(record) = admit(Charge::Device(growth), &mut || settle_every(session, driver, state)) else {
-                return Some(PoolOutcome::Refused);
-            };
+        let mut gave_back = false;
+        loop {
             let charge = state.charges.entry(key).or_insert(PoolCharge { device, records: Vec::new(), charged: 0 });
-            charge.records.push((record, growth));
-            charge.charged += growth;
-        }
-        let (result, address) = call();
-        let reserved = pool.reserved(driver).unwrap_or(reserved);
-        let charge = state.charges.entry(key).or_insert(PoolCharge { device, records: Vec::new(), charged: 0 });
-        let mut missing = settle_quietly(session, charge, reserved, chunk);
-        if missing > 0 && settle_every_saying(session, driver, state, false) {
-            // Other pools gave memory back at a synchronize: charge the rest now.
-            let charge = state.charges.entry(key).or_insert(PoolCharge { device, records: Vec::new(), charged: 0 });
-            missing = settle_quietly(session, charge, reserved, chunk);
-        }
-        match (result, address, undo) {
-            (CUDA_SUCCESS, Some(address), Some(undo)) if missing > 0 => {
-                // The pool grew past the quota (its free part was in pieces): give it back.
-                let freed = undo(address);
+            // Bring the charge up to what the pool holds now, then admit the worst-case growth
+            // (on a refusal, this process's other pools are settled before it is final).
+            settle(session, charge, reserved, chunk);
+            if size > reserved.saturating_sub(used) {
+                let growth = size.div_ceil(chunk).saturating_mul(chunk);
+                let Some(record) = admit(Charge::Device(growth), &mut || settle_every(session, driver, state)) else {
+                    return Some(PoolOutcome::Refused);
+                };
                 let charge = state.charges.entry(key).or_insert(PoolCharge { device, records: Vec::new(), charged: 0 });
-                pool.trim_to(driver, charge.charged);
-                if let Some(reserved) = pool.reserved(driver) {
-                    settle(session, charge, reserved, chunk);
+                charge.records.push((record, growth));
+                charge.charged += growth;
+            }
+            let (result, address) = call();
+            let after = pool.reserved(driver).unwrap_or(reserved);
+            let charge = state.charges.entry(key).or_insert(PoolCharge { device, records: Vec::new(), charged: 0 });
+            let mut missing = settle_quietly(session, charge, after, chunk);
+            if missing > 0 && settle_every_saying(session, driver, state, false) {
+                // Other pools gave memory back at a synchronize: charge the rest now.
+                let charge = state.charges.entry(key).or_insert(PoolCharge { device, records: Vec::new(), charged: 0 });
+                missing = settle_quietly(session, charge, after, chunk);
+            }
+            let undo = match (result, address, undo.as_mut()) {
+                (CUDA_SUCCESS, Some(_), Some(undo)) if missing > 0 => undo,
+                _ => {
+                    if missing > 0 {
+                        say_uncharged(missing);
+                    }
+                    if let (CUDA_SUCCESS, Some(address)) = (result, address) {
+                        state.origin.insert(address, (Owner::Live(key), size));
+                    }
+                    return Some(PoolOutcome::Called(result));
                 }
-                if freed {
+            };
+            // The pool grew past the quota (its free part was in pieces): give the growth
+            // back, and with it every free piece, so that one more try grows the pool afresh
+            // by what the quota can hold; a second such growth is refused.
+            let address = address.unwrap_or_default();
+            let freed = undo(address);
+            pool.trim_to(driver, 0);
+            let now = pool.reserved(driver);
+            let charge = state.charges.entry(key).or_insert(PoolCharge { device, records: Vec::new(), charged: 0 });
+            settle(session, charge, now.unwrap_or(after), chunk);
+            if !freed {
+                state.origin.insert(address, (Owner::Live(key), size));
+                return Some(PoolOutcome::Called(result));
+            }
+            match (now, pool.used(driver)) {
+                (Some(now), Some(in_use)) if !gave_back => (reserved, used, gave_back) = (now, in_use, true),
+                (now, in_use) => {
+                    static REPORTED: AtomicBool = AtomicBool::new(false);
+                    if !REPORTED.swap(true, Ordering::Relaxed) {
+                        let (now, in_use) = (now.unwrap_or(after), in_use.unwrap_or(used));
+                        crate::session::say(&format!(
+                            "GPU memory quota exceeded on device {device}: a memory pool would grow past it for {size} bytes \
+                             ({now} bytes reserved, {in_use} in use: what it keeps free is in pieces, none holds them); \
+                             returning CUDA_ERROR_OUT_OF_MEMORY"
+                        ));
+                    }
                     return Some(PoolOutcome::Called(CUDA_ERROR_OUT_OF_MEMORY));
                 }
-                state.origin.insert(address, (Owner::Live(key), size));
-                Some(PoolOutcome::Called(result))
-            }
-            (result, address, _) => {
-                if missing > 0 {
-                    say_uncharged(missing);
-                }
-                if let (CUDA_SUCCESS, Some(address)) = (result, address) {
-                    state.origin.insert(address, (Owner::Live(key), size));
-                }
-                Some(PoolOutcome::Called(result))
             }
         }
     }

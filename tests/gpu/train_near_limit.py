@@ -5,7 +5,8 @@ attention kernels loaded, as a real job loads them); after two steps (the second
 what a step takes beyond what the job holds between steps) it takes 64 MiB blocks until the
 hook refuses one (the quota reached), gives back to the allocator a step's need and a quarter
 more, and trains on for SECONDS. Prints `training` when it starts to, `done N` after N
-steps. Exit 0: done; 4: a step was refused (torch.OutOfMemoryError) while it trained.
+steps. Exit 0: done; 4: a step was refused (torch.OutOfMemoryError) while it trained, with
+what the allocator held from the driver then.
 """
 import sys
 import time
@@ -59,6 +60,9 @@ try:
         steps += 1
     torch.cuda.synchronize()
 except torch.OutOfMemoryError as error:
-    print(f"refused after {steps} steps: {str(error)[:200]}", flush=True)
+    # What the allocator holds from the driver when refused (a stream-ordered pool's reserve,
+    # free pieces included): at the quota, the refusal is the quota's, as on a device its size.
+    reason = str(error).splitlines()[0][:120]
+    print(f"refused after {steps} steps: reserved={torch.cuda.memory_reserved() >> 20} MiB allocated={torch.cuda.memory_allocated() >> 20} MiB: {reason}", flush=True)
     sys.exit(4)
 print(f"done {steps}", flush=True)
