@@ -2,9 +2,8 @@
 //! `libnvidia-ml.so.1` beside the `--libcuda` file) and joins each process's driver-reported
 //! memory with the probes' and the ledgers' views. Real processes on the fake driver; the
 //! agent gets the workloads' `FAKECUDA_*` so that its NVML sees their devices. Needs root;
-//! run with `cargo xtask test` (one e2e test at a time).
-//!
-//! Runs alone: its agents discover libcuda on the whole node, and it bounds /healthz's latency.
+//! run with `cargo xtask test`. Its agents probe its own fake driver alone (`--no-discover`),
+//! except the two tests of what discovery leaves unprobed, which run alone.
 use std::{
     ffi::{OsStr, OsString},
     os::unix::{fs::MetadataExt, process::ExitStatusExt},
@@ -101,6 +100,8 @@ fn a_hooked_process_sees_the_charge(node: &FakeNode, ledger: &Path, cgroup: &Tes
 /// would fit without it; the metrics and the log say so. Negative control in the same
 /// agent and container: the hooked, probed process holding the same is `ok`, its context not
 /// counted twice.
+///
+/// Runs alone: its agent discovers libcuda on the whole node (it would probe the other test binaries' fake drivers).
 #[test]
 fn memory_allocated_through_an_unprobed_copy_is_seen_by_the_driver() -> Result<()> {
     let dir = TempDir::new("drv-ledgers")?;
@@ -178,6 +179,8 @@ fn memory_allocated_through_an_unprobed_copy_is_seen_by_the_driver() -> Result<(
 /// so the fifth is capped and never probed. Within 3 s of its allocation the process is
 /// `unprobed` with at least 96 MiB, and its container's ledger is charged with it, so a
 /// hooked process of the container is refused what would fit without it.
+///
+/// Runs alone: its agent discovers libcuda on the whole node (it would probe the other test binaries' fake drivers).
 #[test]
 fn memory_allocated_through_a_fifth_copy_past_the_cap_is_seen_by_the_driver() -> Result<()> {
     let dir = TempDir::new("drv-fifth")?;
@@ -246,8 +249,7 @@ impl SignalScene {
         let node = FakeNode::new(name).with_env("FAKECUDA_CONTEXT_BYTES", "64m");
         let libcuda = e2e::fake_driver_dir()?.join("libcuda.so.1");
         let more = [
-            OsStr::new("--max-probed-per-container"),
-            OsStr::new("0"),
+            OsStr::new("--no-discover"),
             OsStr::new("--limits"),
             limits.as_os_str(),
             OsStr::new("--enforce"),
@@ -373,6 +375,8 @@ fn a_slot_forged_up_to_the_drivers_figure_does_not_hide_an_escape_from_the_limit
 /// hanging for 10 s) the agent starts, reclaims another container's dead process within a
 /// second, answers `/healthz` throughout, and says why in audit (`driver`), the metrics and
 /// once in the log.
+///
+/// Bounds latency: `/healthz` within 250 ms while NVML fails or hangs.
 #[test]
 fn without_nvml_the_agent_runs_and_says_why() -> Result<()> {
     let broken = TempDir::new("drv-broken")?;

@@ -5,9 +5,8 @@
 //! process is refused past the quota, `vramguard audit` and `/metrics` show it) until the
 //! driver lets go, and then frees it within 2 s. Real processes on the fake driver, which
 //! keeps the memory the same way (docs/gpu.md); the agent reads the fake's NVML. Needs root;
-//! run with `cargo xtask test` (one e2e test at a time).
-//!
-//! Runs alone: its agents discover libcuda on the whole node (they would probe the other test binaries' fake drivers).
+//! run with `cargo xtask test`. Its agents probe its own fake driver alone (`--no-discover`),
+//! so it shares the node with the other test binaries.
 use std::{ffi::OsStr, path::Path, time::Duration};
 
 use anyhow::{Context, Result};
@@ -60,7 +59,7 @@ fn a_forked_child_keeps_its_dead_parents_memory_charged_until_it_exits() -> Resu
     let node = FakeNode::new("fork").with_env("FAKECUDA_CONTEXT_BYTES", "0").with_env("FAKECUDA_DEVICE_BYTES", "8g");
     let libcuda = e2e::fake_driver_dir()?.join("libcuda.so.1");
     let mut args = e2e::agent::watching_args(&libcuda, dir.path());
-    args.extend([OsStr::new("--context-allowance"), OsStr::new("64m")]);
+    args.extend([OsStr::new("--no-discover"), OsStr::new("--context-allowance"), OsStr::new("64m")]);
     let agent = Agent::start_with_env(&args, node.env())?;
     let cgroup = TestCgroup::create("fork")?;
     let ledger = dir.ledger("fork")?;
@@ -114,6 +113,7 @@ fn a_forked_child_keeps_its_dead_parents_memory_charged_until_it_exits() -> Resu
 fn restart_args<'a>(libcuda: &'a Path, ledgers: &'a Path, state: &'a Path, device_file: &'a OsStr) -> Vec<&'a OsStr> {
     let mut args = e2e::agent::watching_args(libcuda, ledgers);
     args.extend([
+        OsStr::new("--no-discover"),
         OsStr::new("--context-allowance"),
         OsStr::new("64m"),
         OsStr::new("--state-dir"),

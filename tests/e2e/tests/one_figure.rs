@@ -5,9 +5,8 @@
 //! driver reads, is signalled in the process that holds it. Real processes on the fake driver
 //! (its pools keep what they free above their release threshold, and its NVML reports what
 //! they keep, as the real driver's do), real eBPF, the agent with `--enforce signal`. Needs
-//! root; run with `cargo xtask test` (one e2e test at a time).
-//!
-//! Runs alone: its agents discover libcuda on the whole node (they would probe the other test binaries' fake drivers).
+//! root; run with `cargo xtask test`. Its agents probe its own fake driver alone
+//! (`--no-discover`), so it shares the node with the other test binaries.
 use std::{
     ffi::OsStr,
     os::unix::process::ExitStatusExt,
@@ -49,6 +48,7 @@ impl Scene {
         let libcuda = e2e::fake_driver_dir()?.join("libcuda.so.1");
         let mut args = e2e::agent::watching_args(&libcuda, dir.path());
         args.extend([
+            OsStr::new("--no-discover"),
             OsStr::new("--context-allowance"),
             OsStr::new("64m"),
             OsStr::new("--limits"),
