@@ -155,6 +155,9 @@ pub struct CUmemPoolProps {
 // CUdriverProcAddress_flags (a bit set, passed as `cuuint64_t flags`).
 pub const CU_GET_PROC_ADDRESS_LEGACY_STREAM: u64 = 1 << 0;
 pub const CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM: u64 = 1 << 1;
+/// `CU_STREAM_PER_THREAD`: the per-thread default stream's handle (what NULL means to a
+/// `_ptsz` call), as an address.
+pub const CU_STREAM_PER_THREAD: usize = 0x2;
 
 // CUdriverProcAddressQueryResult.
 pub const CU_GET_PROC_ADDRESS_SUCCESS: c_int = 0;

@@ -335,17 +335,23 @@ struct OnStream {
     is_capturing: Option<IsCapturing>,
     /// `cuMemFreeAsync`.
     free: Option<unsafe extern "C" fn(CUdeviceptr, CUstream) -> CUresult>,
-    /// `cuStreamSynchronize`.
-    synchronize: Option<unsafe extern "C" fn(CUstream) -> CUresult>,
+    /// Whether this is a `_ptsz` call.
+    per_thread: bool,
 }
 
-/// Frees pool allocation `address`, which the application has not seen, on its stream and
-/// waits for the free to run; whether it did.
-fn undo_allocation(on: &OnStream, address: u64) -> bool {
-    let (Some(free), Some(synchronize)) = (on.free, on.synchronize) else { return false };
-    // SAFETY: an allocation the driver just made on the caller's stream, freed once, then that
-    // stream synchronized.
-    unsafe { free(address as CUdeviceptr, on.stream) == CUDA_SUCCESS && synchronize(on.stream) == CUDA_SUCCESS }
+impl OnStream {
+    /// Queues the free of pool allocation `address`, which the application has not seen, on
+    /// its stream; that stream as `cuStreamQuery` takes it, if the driver took the free.
+    fn give_back(&self, driver: &Driver, address: u64) -> Option<usize> {
+        let free = self.free?;
+        // SAFETY: an allocation the driver just made on the caller's stream, freed once.
+        let queued = crate::pools::relaxed(driver, || unsafe { free(address as CUdeviceptr, self.stream) }) == CUDA_SUCCESS;
+        let stream = match self.stream as usize {
+            0 if self.per_thread => cuda_abi::CU_STREAM_PER_THREAD,
+            stream => stream,
+        };
+        queued.then_some(stream)
+    }
 }
 
 /// An allocation from a stream-ordered pool (`None`: the current device's current pool) on
@@ -379,7 +385,7 @@ unsafe fn pool_allocate(
     }
     let pool = pool.or_else(|| current_pool(driver, ordinal));
     let mut call = call;
-    let mut undo = |address: u64| undo_allocation(&on, address);
+    let mut give_back = |address: u64| on.give_back(driver, address);
     let outcome = pool.and_then(|pool| {
         session.pools.allocate(
             session,
@@ -393,12 +399,17 @@ unsafe fn pool_allocate(
                 // SAFETY: the driver succeeded, so it wrote the out-pointer.
                 (result, (result == CUDA_SUCCESS).then(|| unsafe { *dptr }))
             },
-            Some(&mut undo),
+            Some(&mut give_back),
         )
     });
     match outcome {
         Some(PoolOutcome::Called(result)) => result,
         Some(PoolOutcome::Refused) => CUDA_ERROR_OUT_OF_MEMORY,
+        Some(PoolOutcome::GivenBack) => {
+            // SAFETY: the caller's out-pointer (non-NULL, checked above): no longer a pointer.
+            unsafe { *dptr = 0 };
+            CUDA_ERROR_OUT_OF_MEMORY
+        }
         // The driver cannot say what the pool holds (`allocate` called nothing): charge the
         // allocation itself.
         // SAFETY: as this function's contract.
@@ -428,34 +439,34 @@ fn capturing(is_capturing: Option<IsCapturing>, stream: CUstream) -> bool {
 }
 
 macro_rules! async_alloc {
-    ($name:ident, $field:ident, $capturing:ident, $free:ident, $synchronize:ident) => {
+    ($name:ident, $field:ident, $capturing:ident, $free:ident, $per_thread:expr) => {
         #[no_mangle]
         pub unsafe extern "C" fn $name(dptr: *mut CUdeviceptr, bytesize: usize, hStream: CUstream) -> CUresult {
             let driver = driver_or_return!();
             let real = real_or_return!(driver, $field);
-            let on = OnStream { stream: hStream, is_capturing: driver.$capturing, free: driver.$free, synchronize: driver.$synchronize };
+            let on = OnStream { stream: hStream, is_capturing: driver.$capturing, free: driver.$free, per_thread: $per_thread };
             // SAFETY: forwards the caller's arguments unchanged.
             unsafe { pool_allocate(driver, None, on, dptr, bytesize, || real(dptr, bytesize, hStream)) }
         }
     };
 }
-async_alloc!(cuMemAllocAsync, mem_alloc_async, stream_is_capturing, mem_free_async, stream_synchronize);
-async_alloc!(cuMemAllocAsync_ptsz, mem_alloc_async_ptsz, stream_is_capturing_ptsz, mem_free_async_ptsz, stream_synchronize_ptsz);
+async_alloc!(cuMemAllocAsync, mem_alloc_async, stream_is_capturing, mem_free_async, false);
+async_alloc!(cuMemAllocAsync_ptsz, mem_alloc_async_ptsz, stream_is_capturing_ptsz, mem_free_async_ptsz, true);
 
 macro_rules! pool_alloc {
-    ($name:ident, $field:ident, $capturing:ident, $free:ident, $synchronize:ident) => {
+    ($name:ident, $field:ident, $capturing:ident, $free:ident, $per_thread:expr) => {
         #[no_mangle]
         pub unsafe extern "C" fn $name(dptr: *mut CUdeviceptr, bytesize: usize, pool: CUmemoryPool, hStream: CUstream) -> CUresult {
             let driver = driver_or_return!();
             let real = real_or_return!(driver, $field);
-            let on = OnStream { stream: hStream, is_capturing: driver.$capturing, free: driver.$free, synchronize: driver.$synchronize };
+            let on = OnStream { stream: hStream, is_capturing: driver.$capturing, free: driver.$free, per_thread: $per_thread };
             // SAFETY: forwards the caller's arguments unchanged.
             unsafe { pool_allocate(driver, Some(pool), on, dptr, bytesize, || real(dptr, bytesize, pool, hStream)) }
         }
     };
 }
-pool_alloc!(cuMemAllocFromPoolAsync, mem_alloc_from_pool, stream_is_capturing, mem_free_async, stream_synchronize);
-pool_alloc!(cuMemAllocFromPoolAsync_ptsz, mem_alloc_from_pool_ptsz, stream_is_capturing_ptsz, mem_free_async_ptsz, stream_synchronize_ptsz);
+pool_alloc!(cuMemAllocFromPoolAsync, mem_alloc_from_pool, stream_is_capturing, mem_free_async, false);
+pool_alloc!(cuMemAllocFromPoolAsync_ptsz, mem_alloc_from_pool_ptsz, stream_is_capturing_ptsz, mem_free_async_ptsz, true);
 
 macro_rules! async_free {
     ($name:ident, $field:ident) => {

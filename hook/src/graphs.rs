@@ -290,7 +290,8 @@ fn grow(driver: &Driver, needs: Option<Needs>, call: impl FnOnce() -> CUresult) 
             );
             match (outcome, call) {
                 (Some(PoolOutcome::Called(result)), _) => result,
-                (Some(PoolOutcome::Refused), _) => CUDA_ERROR_OUT_OF_MEMORY,
+                // A launch is never given back (no `give_back` above): refused either way.
+                (Some(PoolOutcome::Refused | PoolOutcome::GivenBack), _) => CUDA_ERROR_OUT_OF_MEMORY,
                 // The driver cannot report its graph pool: nothing to settle to.
                 (None, Some(call)) => call(),
                 (None, None) => CUDA_ERROR_NOT_FOUND, // unreachable: no outcome means no call

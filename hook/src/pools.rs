@@ -14,14 +14,19 @@
 //! A pool can grow although its free part is large enough in sum: an allocation takes one
 //! contiguous free range, so memory freed in pieces may not serve it (measured on an H200: a
 //! PyTorch `cudaMallocAsync` job's pool grew by 64 MiB blocks with more than that free, past
-//! its quota, until the probes stopped it). A growth the ledger cannot charge after the call
-//! is undone: the allocation is freed on its stream, the stream synchronized and the pool's
-//! free part given back to the driver (`cuMemPoolTrimTo(0)`, as `torch.cuda.empty_cache()`
-//! does), and the allocation is tried once more, now growing the pool by what it needs, which
-//! is admitted as any growth; if that too passes the quota, the caller gets
-//! `CUDA_ERROR_OUT_OF_MEMORY`. So a job whose allocations fit in its quota by sum gets them,
-//! and the device never holds more than the quota. Only this path pays for the synchronize
-//! and the pool's lost cache.
+//! its quota, until the probes stopped it). A growth the ledger cannot charge (over quota)
+//! after the call is given back: the allocation is freed on its stream (`cuMemFreeAsync`,
+//! which the application never saw), and once the stream has run it (`cuStreamQuery`, polled
+//! for at most [`UNDO_WAIT`] with the pools' lock released, never a blocking synchronize) the
+//! pool's free part is given back to the driver (`cuMemPoolTrimTo(0)`, as
+//! `torch.cuda.empty_cache()` does) and the allocation is tried once more: where whole free
+//! chunks went back, the pool grows afresh, admitted as any growth. Otherwise the caller gets
+//! `CUDA_ERROR_OUT_OF_MEMORY`, as from a device of the quota's size (on the H200 the free
+//! pieces shared the driver's chunks with live tensors and nothing but the growth went back).
+//! The device holds the growth from the call until the stream has run the free; a stream
+//! still busy after [`UNDO_WAIT`] is trimmed at the process's next pool call once it is idle.
+//! Driver calls on this path run in the relaxed stream-capture mode, so that another thread's
+//! capture is not broken. Only this path pays for any of it.
 //!
 //! A synchronize (`cuStreamSynchronize`, `cuEventSynchronize`, `cuCtxSynchronize`) gives a
 //! pool's reserved memory above its release threshold back to the driver through no call
@@ -46,17 +51,18 @@
 //! starts from nothing.
 use std::{
     collections::HashMap,
-    ffi::c_void,
+    ffi::{c_int, c_void},
     sync::{
         atomic::{AtomicBool, Ordering},
         Mutex,
     },
+    time::{Duration, Instant},
 };
 
 use cuda_abi::{
     CUdevice, CUmemoryPool, CUresult, CUstream, CUDA_SUCCESS, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT,
-    CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, CU_MEMPOOL_ATTR_USED_MEM_CURRENT, CUDA_ERROR_NOT_READY, CUDA_ERROR_OUT_OF_MEMORY};
-use ledger::{Charge, RecordId};
+    CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, CU_MEMPOOL_ATTR_USED_MEM_CURRENT, CUDA_ERROR_NOT_READY, CU_STREAM_CAPTURE_MODE_RELAXED};
+use ledger::{Charge, RecordId, ReserveError};
 
 use crate::{real::Driver, session::Session};
 
@@ -85,7 +91,14 @@ struct PoolState {
     /// Charges of destroyed pools that still had live allocations, by [`Owner::Retired`] id.
     retired: HashMap<u64, Retired>,
     next_retired: u64,
+    /// Pools (by charge key) that hold a growth given back on a stream (as an address) that
+    /// had not run it yet: trimmed to their charge once it has.
+    untrimmed: Vec<(u64, usize)>,
 }
+
+/// How long an allocation whose pool grew past the quota waits for its stream to run the free
+/// that gives the growth back, before it is refused.
+pub const UNDO_WAIT: Duration = Duration::from_millis(200);
 
 /// Whose charge a live pool allocation is part of.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -111,6 +124,9 @@ pub enum PoolOutcome {
     Called(CUresult),
     /// Refused before the driver was called: over quota.
     Refused,
+    /// The driver allocated, but the pool grew past the quota: the allocation was freed again
+    /// and is refused (the caller clears its out-pointer).
+    GivenBack,
 }
 
 /// A pool: a stream-ordered one, or a device's graph memory pool (by driver ordinal).
@@ -180,10 +196,10 @@ impl Pools {
     /// `device`; `None` when the driver cannot report pool usage (the caller then charges
     /// the allocation by itself). `admit` is given the growth to charge and a way to settle
     /// every pool of this process (as [`Pools::settle_all`], under the lock held here), for
-    /// its refusal path. `undo` frees an allocation `call` made and waits until the free has
-    /// run: it is called when the pool grew past what the ledger can charge (see the module
-    /// doc), after which the pool's free part is given back to the driver and the allocation
-    /// tried once more; without it (a graph launch) such a growth stays, and is said.
+    /// its refusal path. `give_back` queues the free of an allocation `call` made on its
+    /// stream and returns that stream as `cuStreamQuery` takes it; it is called when the call
+    /// grew the pool past the quota (see the module doc); without it (a graph launch) such a
+    /// growth stays, and is said.
     #[allow(clippy::too_many_arguments)]
     pub fn allocate(
         &self,
@@ -194,17 +210,17 @@ impl Pools {
         size: u64,
         mut admit: impl FnMut(Charge, &mut dyn FnMut() -> bool) -> Option<RecordId>,
         mut call: impl FnMut() -> (CUresult, Option<u64>),
-        mut undo: Option<&mut dyn FnMut(u64) -> bool>,
+        mut give_back: Option<&mut dyn FnMut(u64) -> Option<usize>>,
     ) -> Option<PoolOutcome> {
         let (mut reserved, mut used) = (pool.reserved(driver)?, pool.used(driver)?);
         let chunk = session.ledger.header().devices[device as usize].chunk;
         let key = pool.key();
         self.used.store(true, Ordering::Relaxed);
         let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        let state = &mut *guard;
-        drain(session, driver, state);
-        let mut gave_back = false;
+        drain(session, driver, &mut guard);
+        let mut tried_again = false;
         loop {
+            let state = &mut *guard;
             let charge = state.charges.entry(key).or_insert(PoolCharge { device, records: Vec::new(), charged: 0 });
             // Bring the charge up to what the pool holds now, then admit the worst-case growth
             // (on a refusal, this process's other pools are settled before it is final).
@@ -221,50 +237,49 @@ impl Pools {
             let (result, address) = call();
             let after = pool.reserved(driver).unwrap_or(reserved);
             let charge = state.charges.entry(key).or_insert(PoolCharge { device, records: Vec::new(), charged: 0 });
-            let mut missing = settle_quietly(session, charge, after, chunk);
-            if missing > 0 && settle_every_saying(session, driver, state, false) {
+            let mut short = settle_quietly(session, charge, after, chunk);
+            if short.is_some() && settle_every_saying(session, driver, state, false) {
                 // Other pools gave memory back at a synchronize: charge the rest now.
                 let charge = state.charges.entry(key).or_insert(PoolCharge { device, records: Vec::new(), charged: 0 });
-                missing = settle_quietly(session, charge, after, chunk);
+                short = settle_quietly(session, charge, after, chunk);
             }
-            let undo = match (result, address, undo.as_mut()) {
-                (CUDA_SUCCESS, Some(_), Some(undo)) if missing > 0 => undo,
-                _ => {
-                    if missing > 0 {
-                        say_uncharged(missing);
-                    }
-                    if let (CUDA_SUCCESS, Some(address)) = (result, address) {
-                        state.origin.insert(address, (Owner::Live(key), size));
-                    }
-                    return Some(PoolOutcome::Called(result));
-                }
+            // Only a growth of this call that the quota cannot hold is given back.
+            let over_quota = matches!(short, Some((_, ReserveError::OverQuota { .. }))) && after > reserved;
+            let stream = match (result, address, give_back.as_mut()) {
+                (CUDA_SUCCESS, Some(address), Some(give_back)) if over_quota => give_back(address),
+                _ => None,
             };
-            // The pool grew past the quota (its free part was in pieces): give the growth
-            // back, and with it every free piece, so that one more try grows the pool afresh
-            // by what the quota can hold; a second such growth is refused.
-            let address = address.unwrap_or_default();
-            let freed = undo(address);
-            pool.trim_to(driver, 0);
-            let now = pool.reserved(driver);
-            let charge = state.charges.entry(key).or_insert(PoolCharge { device, records: Vec::new(), charged: 0 });
-            settle(session, charge, now.unwrap_or(after), chunk);
-            if !freed {
-                state.origin.insert(address, (Owner::Live(key), size));
+            let Some(stream) = stream else {
+                if let Some((missing, error)) = short {
+                    say_uncharged(missing, &error);
+                }
+                if let (CUDA_SUCCESS, Some(address)) = (result, address) {
+                    state.origin.insert(address, (Owner::Live(key), size));
+                }
                 return Some(PoolOutcome::Called(result));
+            };
+            // The free is queued: wait for the stream to run it, without the lock (another
+            // thread's work on it may need the pools), then give the pool's free part back.
+            drop(guard);
+            let ran = idle_within(driver, stream, UNDO_WAIT);
+            guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            let state = &mut *guard;
+            if !ran {
+                state.untrimmed.push((key, stream));
+                refused_growth(device, size, after, used);
+                return Some(PoolOutcome::GivenBack);
             }
-            match (now, pool.used(driver)) {
-                (Some(now), Some(in_use)) if !gave_back => (reserved, used, gave_back) = (now, in_use, true),
-                (now, in_use) => {
-                    static REPORTED: AtomicBool = AtomicBool::new(false);
-                    if !REPORTED.swap(true, Ordering::Relaxed) {
-                        let (now, in_use) = (now.unwrap_or(after), in_use.unwrap_or(used));
-                        crate::session::say(&format!(
-                            "GPU memory quota exceeded on device {device}: a memory pool would grow past it for {size} bytes \
-                             ({now} bytes reserved, {in_use} in use: what it keeps free is in pieces, none holds them); \
-                             returning CUDA_ERROR_OUT_OF_MEMORY"
-                        ));
-                    }
-                    return Some(PoolOutcome::Called(CUDA_ERROR_OUT_OF_MEMORY));
+            relaxed(driver, || pool.trim_to(driver, 0));
+            let (now, in_use) = (pool.reserved(driver), pool.used(driver));
+            if let Some(now) = now {
+                let charge = state.charges.entry(key).or_insert(PoolCharge { device, records: Vec::new(), charged: 0 });
+                settle(session, charge, now, chunk);
+            }
+            match (now, in_use) {
+                (Some(now), Some(in_use)) if !tried_again => (reserved, used, tried_again) = (now, in_use, true),
+                _ => {
+                    refused_growth(device, size, now.unwrap_or(after), in_use.unwrap_or(used));
+                    return Some(PoolOutcome::GivenBack);
                 }
             }
         }
@@ -408,11 +423,24 @@ impl Pools {
 /// idle (any answer but `CUDA_ERROR_NOT_READY`: a stream the application destroyed has run
 /// its work).
 fn drain(session: &Session, driver: &Driver, state: &mut PoolState) {
+    // Pools holding a growth whose give-back free has run since: trimmed to their charge.
+    let mut k = 0;
+    while k < state.untrimmed.len() {
+        let (key, stream) = state.untrimmed[k];
+        if !idle(driver, stream) {
+            k += 1;
+            continue;
+        }
+        state.untrimmed.swap_remove(k);
+        if let Some(charge) = state.charges.get(&key) {
+            let keep = charge.charged;
+            relaxed(driver, || Source::from_key(key).trim_to(driver, keep));
+        }
+        settle_pool(session, driver, state, Source::from_key(key));
+    }
     state.retired.retain(|_, retired| {
         let Some(stream) = retired.draining else { return true };
-        // SAFETY: a stream handle the application passed to cuMemFreeAsync (the driver answers
-        // one destroyed since with an error code).
-        let done = driver.stream_query.is_none_or(|query| (unsafe { query(stream as CUstream) }) != CUDA_ERROR_NOT_READY);
+        let done = idle(driver, stream);
         if done {
             release_all(session, &mut retired.charge);
         }
@@ -436,9 +464,8 @@ fn settle_every_saying(session: &Session, driver: &Driver, state: &mut PoolState
     for (key, charge) in &mut state.charges {
         if let Some(reserved) = Source::from_key(*key).reserved(driver) {
             let chunk = session.ledger.header().devices[charge.device as usize].chunk;
-            let missing = settle_quietly(session, charge, reserved, chunk);
-            if say && missing > 0 {
-                say_uncharged(missing);
+            if let (true, Some((missing, error))) = (say, settle_quietly(session, charge, reserved, chunk)) {
+                say_uncharged(missing, &error);
             }
         }
     }
@@ -462,19 +489,70 @@ fn settle_pool(session: &Session, driver: &Driver, state: &mut PoolState, pool: 
 
 /// [`settle_quietly`], saying what the ledger could not charge.
 fn settle(session: &Session, charge: &mut PoolCharge, reserved: u64, chunk: u64) {
-    let missing = settle_quietly(session, charge, reserved, chunk);
-    if missing > 0 {
-        say_uncharged(missing);
+    if let Some((missing, error)) = settle_quietly(session, charge, reserved, chunk) {
+        say_uncharged(missing, &error);
     }
 }
 
-fn say_uncharged(missing: u64) {
-    crate::session::say(&format!("a memory pool holds {missing} bytes more than the ledger could charge"));
+fn say_uncharged(missing: u64, error: &ReserveError) {
+    crate::session::say(&format!("a memory pool holds {missing} bytes more than the ledger could charge: {error}"));
+}
+
+/// Says, once a process, that an allocation was refused because its pool would grow past
+/// the quota with the free part it keeps in pieces.
+fn refused_growth(device: u32, size: u64, reserved: u64, used: u64) {
+    static REPORTED: AtomicBool = AtomicBool::new(false);
+    if !REPORTED.swap(true, Ordering::Relaxed) {
+        crate::session::say(&format!(
+            "GPU memory quota exceeded on device {device}: a memory pool would grow past it for {size} bytes \
+             ({reserved} bytes reserved, {used} in use: what it keeps free is in pieces, none holds them); \
+             returning CUDA_ERROR_OUT_OF_MEMORY"
+        ));
+    }
+}
+
+/// Whether `stream` (as an address) has run all its work: `cuStreamQuery` answers anything but
+/// `CUDA_ERROR_NOT_READY` (a stream the application destroyed has run its work).
+fn idle(driver: &Driver, stream: usize) -> bool {
+    let Some(query) = driver.stream_query else { return true };
+    // SAFETY: a stream handle the application passed to the driver (or the per-thread
+    // stream's); the driver answers a destroyed one with an error code.
+    relaxed(driver, || unsafe { query(stream as CUstream) }) != CUDA_ERROR_NOT_READY
+}
+
+/// Polls [`idle`] for at most `wait`; whether the stream ran its work in time.
+fn idle_within(driver: &Driver, stream: usize, wait: Duration) -> bool {
+    let deadline = Instant::now() + wait;
+    loop {
+        if idle(driver, stream) {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_micros(250));
+    }
+}
+
+/// Runs `f` with this thread's stream-capture mode relaxed (where the driver has
+/// `cuThreadExchangeStreamCaptureMode`), so that its calls do not break another thread's
+/// capture in the global mode.
+pub fn relaxed<T>(driver: &Driver, f: impl FnOnce() -> T) -> T {
+    let Some(exchange) = driver.thread_exchange_stream_capture_mode else { return f() };
+    let mut mode: c_int = CU_STREAM_CAPTURE_MODE_RELAXED;
+    // SAFETY: the driver reads and writes one CUstreamCaptureMode through the live local.
+    let swapped = unsafe { exchange(&mut mode) } == CUDA_SUCCESS;
+    let out = f();
+    if swapped {
+        // SAFETY: as above; puts the thread's mode back.
+        let _ = unsafe { exchange(&mut mode) };
+    }
+    out
 }
 
 /// Makes `charge` cover exactly the pool's `reserved` bytes (in whole chunks); what the
-/// ledger could not charge of them (0: all of it).
-fn settle_quietly(session: &Session, charge: &mut PoolCharge, reserved: u64, chunk: u64) -> u64 {
+/// ledger could not charge of them, and why (`None`: all of it).
+fn settle_quietly(session: &Session, charge: &mut PoolCharge, reserved: u64, chunk: u64) -> Option<(u64, ReserveError)> {
     let target = reserved.div_ceil(chunk).saturating_mul(chunk);
     while let Some(&(record, bytes)) = charge.records.last() {
         if charge.charged - bytes < target {
@@ -503,10 +581,10 @@ fn settle_quietly(session: &Session, charge: &mut PoolCharge, reserved: u64, chu
                 charge.records.push((record, missing));
                 charge.charged += missing;
             }
-            Err(_) => return missing,
+            Err(error) => return Some((missing, error)),
         }
     }
-    0
+    None
 }
 
 #[cfg(test)]

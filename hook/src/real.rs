@@ -143,6 +143,8 @@ driver_api! {
         // A destroyed pool's charge (see `pools`).
         mem_pool_destroy = c"cuMemPoolDestroy": fn(CUmemoryPool);
         stream_query = c"cuStreamQuery": fn(CUstream);
+        // Driver calls the hook makes of its own run in the relaxed capture mode (see `pools`).
+        thread_exchange_stream_capture_mode = c"cuThreadExchangeStreamCaptureMode": fn(*mut c_int);
         // Synchronizes, where pools give memory back (see `pools`).
         stream_synchronize = c"cuStreamSynchronize": fn(CUstream);
         stream_synchronize_ptsz = c"cuStreamSynchronize_ptsz": fn(CUstream);

@@ -225,7 +225,8 @@ fn memory_allocated_through_a_fifth_copy_past_the_cap_is_seen_by_the_driver() ->
 
 /// The scene of the signal tests: a renamed copy of libcuda (`libs`), a container limited to
 /// 64 MiB (`over`) and one to 1 GiB (`under`) in a limits file, and the agent on them with
-/// `--enforce signal`, probing no libcuda of any container (`--max-probed-per-container 0`).
+/// `--enforce signal`, probing its own fake driver alone (`--no-discover`: the copy is never
+/// probed).
 struct SignalScene {
     dir: TempDir,
     _attacker: TempDir,

@@ -398,14 +398,24 @@ impl Pool {
         self.free.insert(off, len);
     }
 
-    /// Releases up to `bytes` of the free part, from the highest ranges down.
+    /// Releases up to `bytes` (whole pages) of the free part, from the highest ranges down:
+    /// only the pages a free range holds whole, as the driver gives back only chunks no live
+    /// allocation shares (a free piece inside a page with a live allocation stays reserved).
     fn release(&mut self, mut bytes: u64) {
-        while bytes > 0 {
-            let Some((&off, &len)) = self.free.iter().next_back() else { break };
-            let cut = len.min(bytes);
+        let ranges: Vec<(u64, u64)> = self.free.iter().rev().map(|(&off, &len)| (off, len)).collect();
+        for (off, len) in ranges {
+            // The whole pages inside the range: [first, last).
+            let (first, last) = (round_up(off, PAGE).unwrap_or(u64::MAX), (off + len) / PAGE * PAGE);
+            if bytes == 0 || last <= first {
+                continue;
+            }
+            let cut = (last - first).min(bytes);
             self.free.remove(&off);
-            if cut < len {
-                self.free.insert(off, len - cut);
+            if last - cut > off {
+                self.free.insert(off, last - cut - off);
+            }
+            if off + len > last {
+                self.free.insert(last, off + len - last);
             }
             self.reserved -= cut;
             bytes -= cut;
@@ -784,8 +794,9 @@ impl Driver {
         Ok(())
     }
 
-    /// An allocation from `pool`: the pool's reserve grows in 2 MiB steps only when its live
-    /// allocations would exceed it (and never past its `maxSize`).
+    /// An allocation from `pool`: from the smallest free range that holds it, else the pool's
+    /// reserve grows at its end in 2 MiB steps (never past its `maxSize`), so a free part in
+    /// pieces may not serve it though large enough in sum.
     pub fn pool_alloc(&mut self, pool: u64, size: u64) -> R<u64> {
         let (ctx, _) = self.current()?;
         if size == 0 {
@@ -817,24 +828,24 @@ impl Driver {
     }
 
     /// `cuMemPoolTrimTo`: releases free reserved memory down to
-    /// `max(round_up(used, 2 MiB), round_up(min(reserved, keep), 2 MiB))`, as far as the free
-    /// part allows.
+    /// `max(round_up(used, 2 MiB), round_up(min(reserved, keep), 2 MiB))`, as far as whole free
+    /// pages allow ([`Pool::release`]).
     pub fn pool_trim(&mut self, pool: u64, keep: u64) -> R<()> {
         let p = self.pools.get(&pool).ok_or(CUDA_ERROR_INVALID_VALUE)?;
         let floor = round_up(p.used, PAGE).ok_or(CUDA_ERROR_INVALID_VALUE)?;
         let kept = round_up(p.reserved.min(keep), PAGE).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        let (dev, before) = (p.dev, p.reserved);
         let target = floor.max(kept);
-        if target < before {
-            if let Some(p) = self.pools.get_mut(&pool) {
-                p.release(before - target);
-            }
-            let after = self.pools.get(&pool).map_or(before, |p| p.reserved);
-            self.recharge(dev, |u| {
-                u.pool_reserved = u.pool_reserved.checked_sub(before - after)?;
-                Some(())
-            })?;
+        if target >= p.reserved {
+            return Ok(());
         }
+        let mut trimmed = p.clone();
+        trimmed.release(p.reserved - target);
+        let (dev, released) = (p.dev, p.reserved - trimmed.reserved);
+        self.recharge(dev, |u| {
+            u.pool_reserved = u.pool_reserved.checked_sub(released)?;
+            Some(())
+        })?;
+        self.pools.insert(pool, trimmed);
         Ok(())
     }
 
