@@ -17,14 +17,18 @@
 //! its quota, until the probes stopped it). A growth the ledger cannot charge (over quota)
 //! after the call is given back: the allocation is freed on its stream (`cuMemFreeAsync`,
 //! which the application never saw), and once the stream has run it (`cuStreamQuery`, polled
-//! for at most [`UNDO_WAIT`] with the pools' lock released, never a blocking synchronize) the
-//! pool's free part is given back to the driver (`cuMemPoolTrimTo(0)`, as
-//! `torch.cuda.empty_cache()` does) and the allocation is tried once more: where whole free
-//! chunks went back, the pool grows afresh, admitted as any growth. Otherwise the caller gets
+//! for at most [`UNDO_WAIT`] with the pools' lock released; then `cuStreamSynchronize` of the
+//! idle stream, which returns at once and makes the driver take the block back: a trim after
+//! the query alone released nothing on the H200) the pool's free part is given back to the
+//! driver (`cuMemPoolTrimTo(0)`, as `torch.cuda.empty_cache()` does). If that brought the pool
+//! within its charge, the allocation is tried once more: where whole free chunks went back, the
+//! pool grows afresh, admitted as any growth. Otherwise the caller gets
 //! `CUDA_ERROR_OUT_OF_MEMORY`, as from a device of the quota's size (on the H200 the free
 //! pieces shared the driver's chunks with live tensors and nothing but the growth went back).
-//! The device holds the growth from the call until the stream has run the free; a stream
-//! still busy after [`UNDO_WAIT`] is trimmed at the process's next pool call once it is idle.
+//! The device holds the growth from the call until then; a pool the driver has not let go of
+//! it yet (a stream still busy after [`UNDO_WAIT`]) is trimmed to its charge at the process's
+//! next pool call once the stream is idle, and meanwhile only the charged part of what it
+//! keeps free serves allocations without an admission, so the process never grows into it.
 //! Driver calls on this path run in the relaxed stream-capture mode, so that another thread's
 //! capture is not broken. Only this path pays for any of it.
 //!
@@ -223,9 +227,12 @@ impl Pools {
             let state = &mut *guard;
             let charge = state.charges.entry(key).or_insert(PoolCharge { device, records: Vec::new(), charged: 0 });
             // Bring the charge up to what the pool holds now, then admit the worst-case growth
-            // (on a refusal, this process's other pools are settled before it is final).
-            settle(session, charge, reserved, chunk);
-            if size > reserved.saturating_sub(used) {
+            // (on a refusal, this process's other pools are settled before it is final). Only
+            // the charged part of what the pool keeps free may serve without an admission: a
+            // pool holding more than its charge (a growth not yet given back) must not let the
+            // process grow into the rest.
+            let _ = settle_quietly(session, charge, reserved, chunk);
+            if size > reserved.min(charge.charged).saturating_sub(used) {
                 let growth = size.div_ceil(chunk).saturating_mul(chunk);
                 let Some(record) = admit(Charge::Device(growth), &mut || settle_every(session, driver, state)) else {
                     return Some(PoolOutcome::Refused);
@@ -259,9 +266,11 @@ impl Pools {
                 return Some(PoolOutcome::Called(result));
             };
             // The free is queued: wait for the stream to run it, without the lock (another
-            // thread's work on it may need the pools), then give the pool's free part back.
+            // thread's work on it may need the pools), synchronize the idle stream (at once: it
+            // is what makes the driver take the freed block back into the pool, measured on the
+            // H200), then give the pool's free part back.
             drop(guard);
-            let ran = idle_within(driver, stream, UNDO_WAIT);
+            let ran = idle_within(driver, stream, UNDO_WAIT) && synchronized(driver, stream);
             guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
             let state = &mut *guard;
             if !ran {
@@ -271,13 +280,16 @@ impl Pools {
             }
             relaxed(driver, || pool.trim_to(driver, 0));
             let (now, in_use) = (pool.reserved(driver), pool.used(driver));
-            if let Some(now) = now {
-                let charge = state.charges.entry(key).or_insert(PoolCharge { device, records: Vec::new(), charged: 0 });
-                settle(session, charge, now, chunk);
-            }
+            let charge = state.charges.entry(key).or_insert(PoolCharge { device, records: Vec::new(), charged: 0 });
+            let short = now.and_then(|now| settle_quietly(session, charge, now, chunk));
             match (now, in_use) {
-                (Some(now), Some(in_use)) if !tried_again => (reserved, used, tried_again) = (now, in_use, true),
+                // Room made: one more try, growing the pool afresh.
+                (Some(now), Some(in_use)) if !tried_again && short.is_none() => (reserved, used, tried_again) = (now, in_use, true),
                 _ => {
+                    if short.is_some() {
+                        // The driver kept the growth: trimmed to the charge at a later call.
+                        state.untrimmed.push((key, stream));
+                    }
                     refused_growth(device, size, now.unwrap_or(after), in_use.unwrap_or(used));
                     return Some(PoolOutcome::GivenBack);
                 }
@@ -427,7 +439,7 @@ fn drain(session: &Session, driver: &Driver, state: &mut PoolState) {
     let mut k = 0;
     while k < state.untrimmed.len() {
         let (key, stream) = state.untrimmed[k];
-        if !idle(driver, stream) {
+        if !(idle(driver, stream) && synchronized(driver, stream)) {
             k += 1;
             continue;
         }
@@ -518,6 +530,14 @@ fn idle(driver: &Driver, stream: usize) -> bool {
     // SAFETY: a stream handle the application passed to the driver (or the per-thread
     // stream's); the driver answers a destroyed one with an error code.
     relaxed(driver, || unsafe { query(stream as CUstream) }) != CUDA_ERROR_NOT_READY
+}
+
+/// `cuStreamSynchronize` of a stream [`idle`] found idle (it returns at once, unless another
+/// thread queued work since); whether it succeeded.
+fn synchronized(driver: &Driver, stream: usize) -> bool {
+    let Some(synchronize) = driver.stream_synchronize else { return true };
+    // SAFETY: as in `idle`.
+    relaxed(driver, || unsafe { synchronize(stream as CUstream) }) == CUDA_SUCCESS
 }
 
 /// Polls [`idle`] for at most `wait`; whether the stream ran its work in time.

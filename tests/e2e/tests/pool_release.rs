@@ -157,12 +157,16 @@ fn while_the_pool_keeps_its_memory_the_allocation_is_refused() -> Result<()> {
 /// PyTorch `cudaMallocAsync` job: such growths passed the quota by 64 MiB a time until the
 /// probes stopped it. The hook gives that growth back with the pool's free pieces and tries
 /// again: the pool grows afresh by the 400 MiB, which the quota holds (granted; the device
-/// holds 64 + 300 + 400 MiB). 300 MiB more do not fit: refused. The device never holds more
-/// than the quota, nothing is left uncharged, the process goes on.
+/// holds 64 + 300 + 400 MiB). 300 MiB more do not fit: refused. The device ends at most at
+/// the quota, nothing is left uncharged, the process goes on. The fake keeps stream-ordered
+/// frees from a trim until a synchronize (`FAKECUDA_TRIM_OBSERVED`), as the H200 did: a give-back
+/// that trimmed after `cuStreamQuery` alone left the growth in the pool and let the process
+/// take it again, uncharged (it was stopped).
 #[test]
 fn a_pool_whose_free_part_is_in_pieces_grows_afresh_within_the_quota() -> Result<()> {
     for (alloc, free) in [("async", "free-async"), ("async-ptsz", "free-async-ptsz")] {
-        let node = node("pool-pieces");
+        // As on the H200: a trim keeps what a stream-ordered free released until a synchronize.
+        let node = node("pool-pieces").with_env("FAKECUDA_TRIM_OBSERVED", "1");
         let ledger = node.ledger_path();
         let first = [
             "pool-threshold 1g".to_string(),
@@ -201,7 +205,7 @@ fn a_pool_whose_free_part_is_in_pieces_grows_afresh_within_the_quota() -> Result
 /// on: once memory is freed, what fits is granted.
 #[test]
 fn a_growth_past_the_quota_that_giving_back_cannot_make_room_for_is_refused() -> Result<()> {
-    let node = node("pool-shared-pages");
+    let node = node("pool-shared-pages").with_env("FAKECUDA_TRIM_OBSERVED", "1");
     let ledger = node.ledger_path();
     let first = [
         "pool-threshold 1g",

@@ -11,6 +11,7 @@
 //! | `FAKECUDA_FREE_SYNCHRONIZES` | `1`: `cuMemFree_v2` synchronizes the device, releasing its pools above their threshold as `cuCtxSynchronize` does (the programming guide says `cudaFree` synchronizes; whether the real driver's implicit synchronization releases pools is not documented: the knob stands for a release at a call after which the hook does not settle pools) | `0` |
 //! | `FAKECUDA_NO_CHANNEL`    | `1`: this process is a driver client without a channel: the memory it holds counts in each device's used memory, and NVML's running-process lists leave it out (see [`crate::devfile`] and docs/gpu.md) | `0` |
 //! | `FAKECUDA_UNLISTED_BYTES` | of what each process NVML lists holds on a device, the bytes its row leaves out (they count in the device's used memory, as the real driver's own memory beside each process's row does: 5.6-8.8 MiB a process on an H200, docs/gpu.md); read by the process that calls NVML | 0 |
+//! | `FAKECUDA_TRIM_OBSERVED` | `1`: `cuMemPoolTrimTo` keeps what `cuMemFreeAsync` freed until a synchronize of its device observed it (`cuda.h`: such allocations "can count as outstanding"; on the H200 a trim after `cuStreamQuery` alone released nothing of a just-freed block, docs/gpu.md) | `0` |
 //! | `FAKECUDA_NVML`          | `absent`, `fail` or `hang`: NVML misbehaves ([`crate::nvml`]) | unset |
 //! | `FAKECUDA_NVML_HANG_MS`  | how long `hang` sleeps per NVML call           | 10000      |
 //!
@@ -41,6 +42,8 @@ pub struct Config {
     pub no_channel: bool,
     /// Bytes NVML's row of each listed process leaves out (counted in `used` all the same).
     pub unlisted_bytes: u64,
+    /// A trim keeps stream-ordered frees no synchronize has observed yet.
+    pub trim_observed: bool,
 }
 
 /// A variable with a value the fake cannot use.
@@ -149,7 +152,8 @@ impl Config {
         let trace = flag("FAKECUDA_TRACE")?;
         let free_synchronizes = flag("FAKECUDA_FREE_SYNCHRONIZES")?;
         let no_channel = flag("FAKECUDA_NO_CHANNEL")?;
-        Ok(Config { device_count, device_bytes, context_bytes, node, state_dir, trace, free_synchronizes, no_channel, unlisted_bytes })
+        let trim_observed = flag("FAKECUDA_TRIM_OBSERVED")?;
+        Ok(Config { device_count, device_bytes, context_bytes, node, state_dir, trace, free_synchronizes, no_channel, unlisted_bytes, trim_observed })
     }
 }
 

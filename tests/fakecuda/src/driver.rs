@@ -113,6 +113,9 @@ pub struct Pool {
     placed: HashMap<u64, (u64, u64)>,
     /// Where the next growth goes (offsets of released ranges are not reused).
     end: u64,
+    /// Ranges `cuMemFreeAsync` freed that no synchronize has observed yet (with
+    /// `FAKECUDA_TRIM_OBSERVED`: a trim keeps the pages they touch).
+    unobserved: Vec<(u64, u64)>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -351,6 +354,7 @@ impl Pool {
             free: BTreeMap::new(),
             placed: HashMap::new(),
             end: 0,
+            unobserved: Vec::new(),
         }
     }
 
@@ -383,9 +387,13 @@ impl Pool {
         self.used += size;
     }
 
-    /// Gives allocation `addr`'s range back to the free part, joined with its neighbours.
-    fn give_back(&mut self, addr: u64) {
+    /// Gives allocation `addr`'s range back to the free part, joined with its neighbours;
+    /// `unobserved`: until a synchronize observes it, a trim keeps it.
+    fn give_back(&mut self, addr: u64, unobserved: bool) {
         let Some((mut off, mut len)) = self.placed.remove(&addr) else { return };
+        if unobserved {
+            self.unobserved.push((off, len));
+        }
         self.used = self.used.saturating_sub(len);
         if let Some(next) = self.free.remove(&(off + len)) {
             len += next;
@@ -404,22 +412,33 @@ impl Pool {
     fn release(&mut self, mut bytes: u64) {
         let ranges: Vec<(u64, u64)> = self.free.iter().rev().map(|(&off, &len)| (off, len)).collect();
         for (off, len) in ranges {
-            // The whole pages inside the range: [first, last).
-            let (first, last) = (round_up(off, PAGE).unwrap_or(u64::MAX), (off + len) / PAGE * PAGE);
-            if bytes == 0 || last <= first {
-                continue;
+            // The whole pages inside the range, from the top, that no unobserved free touches.
+            let first = round_up(off, PAGE).unwrap_or(u64::MAX);
+            let mut page = (off + len) / PAGE * PAGE;
+            while bytes > 0 && page >= first + PAGE {
+                let start = page - PAGE;
+                if self.unobserved.iter().any(|&(o, l)| o < page && start < o + l) {
+                    page = start;
+                    continue;
+                }
+                self.cut(start, PAGE);
+                bytes -= PAGE;
+                page = start;
             }
-            let cut = (last - first).min(bytes);
-            self.free.remove(&off);
-            if last - cut > off {
-                self.free.insert(off, last - cut - off);
-            }
-            if off + len > last {
-                self.free.insert(last, off + len - last);
-            }
-            self.reserved -= cut;
-            bytes -= cut;
         }
+    }
+
+    /// Releases `[start, start + len)`, which lies inside one free range.
+    fn cut(&mut self, start: u64, len: u64) {
+        let Some((&off, &range)) = self.free.range(..=start).next_back() else { return };
+        self.free.remove(&off);
+        if start > off {
+            self.free.insert(off, start - off);
+        }
+        if off + range > start + len {
+            self.free.insert(start + len, off + range - start - len);
+        }
+        self.reserved -= len;
     }
 }
 
@@ -742,9 +761,11 @@ impl Driver {
             })?,
             Kind::Pool(pool) => {
                 // Freed memory stays reserved by the pool until trimmed or synchronized.
+                let unobserved = async_only && self.cfg.trim_observed;
                 let p = self.pools.get_mut(&pool).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-                p.give_back(ptr);
+                p.give_back(ptr, unobserved);
                 if p.destroyed && p.used == 0 {
+                    p.unobserved.clear();
                     self.pool_trim(pool, 0)?;
                     self.pools.remove(&pool);
                 }
@@ -784,6 +805,9 @@ impl Driver {
         let dev = self.pool(pool)?.dev;
         if pool == pool_handle(dev) {
             return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        if let Some(p) = self.pools.get_mut(&pool) {
+            p.unobserved.clear(); // its free part goes back at once
         }
         self.pool_trim(pool, 0)?;
         if self.pool(pool)?.used == 0 {
@@ -852,6 +876,9 @@ impl Driver {
     /// What a synchronization does to pools, as the driver: each pool of device `dev` (every
     /// device for `None`) gives back reserved memory above its release threshold.
     pub fn pools_synchronized(&mut self, dev: Option<usize>) -> R<()> {
+        for p in self.pools.values_mut().filter(|p| dev.is_none_or(|d| d == p.dev)) {
+            p.unobserved.clear(); // the synchronize observed every free before it
+        }
         let due: Vec<(u64, u64)> = self
             .pools
             .iter()
