@@ -14,23 +14,23 @@
 //! A pool can grow although its free part is large enough in sum: an allocation takes one
 //! contiguous free range, so memory freed in pieces may not serve it (measured on an H200: a
 //! PyTorch `cudaMallocAsync` job's pool grew by 64 MiB blocks with more than that free, past
-//! its quota, until the probes stopped it). A growth the ledger cannot charge (over quota)
-//! after the call is given back: the allocation is freed on its stream (`cuMemFreeAsync`,
-//! which the application never saw), and once the stream has run it (`cuStreamQuery`, polled
-//! for at most [`UNDO_WAIT`] with the pools' lock released; then `cuStreamSynchronize` of the
-//! idle stream, which returns at once and makes the driver take the block back: a trim after
-//! the query alone released nothing on the H200) the pool's free part is given back to the
-//! driver (`cuMemPoolTrimTo(0)`, as `torch.cuda.empty_cache()` does). If that brought the pool
-//! within its charge, the allocation is tried once more: where whole free chunks went back, the
-//! pool grows afresh, admitted as any growth. Otherwise the caller gets
-//! `CUDA_ERROR_OUT_OF_MEMORY`, as from a device of the quota's size (on the H200 the free
-//! pieces shared the driver's chunks with live tensors and nothing but the growth went back).
-//! The device holds the growth from the call until then; a pool the driver has not let go of
-//! it yet (a stream still busy after [`UNDO_WAIT`]) is trimmed to its charge at the process's
-//! next pool call once the stream is idle, and meanwhile only the charged part of what it
-//! keeps free serves allocations without an admission, so the process never grows into it.
-//! Driver calls on this path run in the relaxed stream-capture mode, so that another thread's
-//! capture is not broken. Only this path pays for any of it.
+//! its quota, until the probes stopped it). A growth of the call that the ledger cannot charge
+//! (over quota) is given back: the allocation is freed on its stream (`cuMemFreeAsync`; the
+//! application never sees it), and with the pools' lock released the stream is polled
+//! (`cuStreamQuery`) for at most [`UNDO_WAIT`], then synchronized (`cuStreamSynchronize`: at
+//! once if it is idle, else waiting for the work queued before; it is what makes the driver
+//! take the freed block back, since a trim after the query alone released nothing on the
+//! H200: `cuda.h` counts frees no synchronize observed as outstanding). Then the pool's free
+//! part is given back to the driver (`cuMemPoolTrimTo(0)`, as `torch.cuda.empty_cache()`
+//! does; to its charge if the synchronize failed). If that released more than the growth
+//! (whole free chunks went back), the allocation is tried once more, the pool growing afresh
+//! as an admitted growth; otherwise the caller gets `CUDA_ERROR_OUT_OF_MEMORY` and its
+//! out-pointer cleared, as from a device of the quota's size (on the H200 the free pieces
+//! shared the driver's chunks with live tensors and only the growth went back). The device
+//! holds the growth from the call until then. Should the driver keep it anyway, the pool's
+//! charge stays short, and of what it keeps free only the charged part serves an allocation
+//! without an admission. The driver calls of this path run in the relaxed stream-capture mode,
+//! so that another thread's capture is not broken. Only this path pays for any of it.
 //!
 //! A synchronize (`cuStreamSynchronize`, `cuEventSynchronize`, `cuCtxSynchronize`) gives a
 //! pool's reserved memory above its release threshold back to the driver through no call
@@ -95,13 +95,10 @@ struct PoolState {
     /// Charges of destroyed pools that still had live allocations, by [`Owner::Retired`] id.
     retired: HashMap<u64, Retired>,
     next_retired: u64,
-    /// Pools (by charge key) that hold a growth given back on a stream (as an address) that
-    /// had not run it yet: trimmed to their charge once it has.
-    untrimmed: Vec<(u64, usize)>,
 }
 
-/// How long an allocation whose pool grew past the quota waits for its stream to run the free
-/// that gives the growth back, before it is refused.
+/// How long an allocation whose pool grew past the quota polls its stream for the free that
+/// gives the growth back before it synchronizes the stream (waiting for what was queued).
 pub const UNDO_WAIT: Duration = Duration::from_millis(200);
 
 /// Whose charge a live pool allocation is part of.
@@ -203,7 +200,8 @@ impl Pools {
     /// its refusal path. `give_back` queues the free of an allocation `call` made on its
     /// stream and returns that stream as `cuStreamQuery` takes it; it is called when the call
     /// grew the pool past the quota (see the module doc); without it (a graph launch) such a
-    /// growth stays, and is said.
+    /// growth stays, and is said. The pools' lock is released while a given-back growth's
+    /// stream runs the free.
     #[allow(clippy::too_many_arguments)]
     pub fn allocate(
         &self,
@@ -216,7 +214,8 @@ impl Pools {
         mut call: impl FnMut() -> (CUresult, Option<u64>),
         mut give_back: Option<&mut dyn FnMut(u64) -> Option<usize>>,
     ) -> Option<PoolOutcome> {
-        let (mut reserved, mut used) = (pool.reserved(driver)?, pool.used(driver)?);
+        pool.reserved(driver)?;
+        pool.used(driver)?;
         let chunk = session.ledger.header().devices[device as usize].chunk;
         let key = pool.key();
         self.used.store(true, Ordering::Relaxed);
@@ -225,17 +224,23 @@ impl Pools {
         let mut tried_again = false;
         loop {
             let state = &mut *guard;
+            // What the pool holds, read under the lock (another thread's allocation or trim
+            // must not be taken for this one's growth).
+            let (Some(reserved), Some(used)) = (pool.reserved(driver), pool.used(driver)) else {
+                return Some(if tried_again { PoolOutcome::GivenBack } else { PoolOutcome::Refused });
+            };
             let charge = state.charges.entry(key).or_insert(PoolCharge { device, records: Vec::new(), charged: 0 });
             // Bring the charge up to what the pool holds now, then admit the worst-case growth
-            // (on a refusal, this process's other pools are settled before it is final). Only
-            // the charged part of what the pool keeps free may serve without an admission: a
-            // pool holding more than its charge (a growth not yet given back) must not let the
-            // process grow into the rest.
+            // (on a refusal, this process's other pools are settled before it is final). Of
+            // what a stream-ordered pool keeps free, only the charged part serves without an
+            // admission: a pool still holding a growth it could not give back must not serve
+            // an allocation that needs more than that part.
             let _ = settle_quietly(session, charge, reserved, chunk);
-            if size > reserved.min(charge.charged).saturating_sub(used) {
+            let held = if matches!(pool, Source::Pool(_)) { reserved.min(charge.charged) } else { reserved };
+            if size > held.saturating_sub(used) {
                 let growth = size.div_ceil(chunk).saturating_mul(chunk);
                 let Some(record) = admit(Charge::Device(growth), &mut || settle_every(session, driver, state)) else {
-                    return Some(PoolOutcome::Refused);
+                    return Some(if tried_again { PoolOutcome::GivenBack } else { PoolOutcome::Refused });
                 };
                 let charge = state.charges.entry(key).or_insert(PoolCharge { device, records: Vec::new(), charged: 0 });
                 charge.records.push((record, growth));
@@ -263,32 +268,40 @@ impl Pools {
                 if let (CUDA_SUCCESS, Some(address)) = (result, address) {
                     state.origin.insert(address, (Owner::Live(key), size));
                 }
-                return Some(PoolOutcome::Called(result));
+                return Some(match result {
+                    // A retry's failure: the out-pointer may still hold the given-back address.
+                    CUDA_SUCCESS => PoolOutcome::Called(result),
+                    _ if tried_again => PoolOutcome::GivenBack,
+                    _ => PoolOutcome::Called(result),
+                });
             };
-            // The free is queued: wait for the stream to run it, without the lock (another
-            // thread's work on it may need the pools), synchronize the idle stream (at once: it
-            // is what makes the driver take the freed block back into the pool, measured on the
-            // H200), then give the pool's free part back.
+            // The free is queued on the caller's own stream. Without the lock (another
+            // thread's work may need the pools): wait for the stream to run it, polling at
+            // first, then synchronize it (at once if idle; it is what makes the driver take the
+            // freed block back into the pool, measured on the H200). Then give the pool's free
+            // part back.
             drop(guard);
-            let ran = idle_within(driver, stream, UNDO_WAIT) && synchronized(driver, stream);
+            let synchronized = {
+                let _ = idle_within(driver, stream, UNDO_WAIT);
+                synchronized(driver, stream)
+            };
             guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
             let state = &mut *guard;
-            if !ran {
-                state.untrimmed.push((key, stream));
-                refused_growth(device, size, after, used);
+            let Some(charge) = state.charges.get_mut(&key) else {
+                // The application destroyed the pool meanwhile: its charge ended with it.
                 return Some(PoolOutcome::GivenBack);
-            }
-            relaxed(driver, || pool.trim_to(driver, 0));
+            };
+            let keep = if synchronized { 0 } else { charge.charged };
+            relaxed(driver, || pool.trim_to(driver, keep));
             let (now, in_use) = (pool.reserved(driver), pool.used(driver));
-            let charge = state.charges.entry(key).or_insert(PoolCharge { device, records: Vec::new(), charged: 0 });
             let short = now.and_then(|now| settle_quietly(session, charge, now, chunk));
-            match (now, in_use) {
-                // Room made: one more try, growing the pool afresh.
-                (Some(now), Some(in_use)) if !tried_again && short.is_none() => (reserved, used, tried_again) = (now, in_use, true),
+            match (now, &short) {
+                // The trim released more than the growth (whole free chunks went back): one more
+                // try, growing the pool afresh.
+                (Some(now), None) if synchronized && !tried_again && now < reserved => tried_again = true,
                 _ => {
-                    if short.is_some() {
-                        // The driver kept the growth: trimmed to the charge at a later call.
-                        state.untrimmed.push((key, stream));
+                    if let Some((missing, error)) = short {
+                        say_uncharged(missing, &error);
                     }
                     refused_growth(device, size, now.unwrap_or(after), in_use.unwrap_or(used));
                     return Some(PoolOutcome::GivenBack);
@@ -435,21 +448,6 @@ impl Pools {
 /// idle (any answer but `CUDA_ERROR_NOT_READY`: a stream the application destroyed has run
 /// its work).
 fn drain(session: &Session, driver: &Driver, state: &mut PoolState) {
-    // Pools holding a growth whose give-back free has run since: trimmed to their charge.
-    let mut k = 0;
-    while k < state.untrimmed.len() {
-        let (key, stream) = state.untrimmed[k];
-        if !(idle(driver, stream) && synchronized(driver, stream)) {
-            k += 1;
-            continue;
-        }
-        state.untrimmed.swap_remove(k);
-        if let Some(charge) = state.charges.get(&key) {
-            let keep = charge.charged;
-            relaxed(driver, || Source::from_key(key).trim_to(driver, keep));
-        }
-        settle_pool(session, driver, state, Source::from_key(key));
-    }
     state.retired.retain(|_, retired| {
         let Some(stream) = retired.draining else { return true };
         let done = idle(driver, stream);
@@ -532,8 +530,8 @@ fn idle(driver: &Driver, stream: usize) -> bool {
     relaxed(driver, || unsafe { query(stream as CUstream) }) != CUDA_ERROR_NOT_READY
 }
 
-/// `cuStreamSynchronize` of a stream [`idle`] found idle (it returns at once, unless another
-/// thread queued work since); whether it succeeded.
+/// `cuStreamSynchronize` of `stream` (as an address), in the relaxed capture mode; whether it
+/// succeeded.
 fn synchronized(driver: &Driver, stream: usize) -> bool {
     let Some(synchronize) = driver.stream_synchronize else { return true };
     // SAFETY: as in `idle`.
