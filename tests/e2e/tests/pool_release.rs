@@ -161,12 +161,14 @@ fn while_the_pool_keeps_its_memory_the_allocation_is_refused() -> Result<()> {
 /// the quota, nothing is left uncharged, the process goes on. The fake keeps stream-ordered
 /// frees from a trim until a synchronize (`FAKECUDA_TRIM_OBSERVED`), as the H200 did: a give-back
 /// that trimmed after `cuStreamQuery` alone left the growth in the pool and let the process
-/// take it again, uncharged (it was stopped).
+/// take it again, uncharged (it was stopped). Once more with the stream busy past the hook's
+/// poll (`FAKECUDA_STREAM_BUSY_MS`): the hook then waits for it in a synchronize.
 #[test]
 fn a_pool_whose_free_part_is_in_pieces_grows_afresh_within_the_quota() -> Result<()> {
-    for (alloc, free) in [("async", "free-async"), ("async-ptsz", "free-async-ptsz")] {
+    // The last: its stream still busy 600 ms after each free, past the hook's 200 ms poll.
+    for (alloc, free, busy_ms) in [("async", "free-async", "0"), ("async-ptsz", "free-async-ptsz", "0"), ("async", "free-async", "600")] {
         // As on the H200: a trim keeps what a stream-ordered free released until a synchronize.
-        let node = node("pool-pieces").with_env("FAKECUDA_TRIM_OBSERVED", "1");
+        let node = node("pool-pieces").with_env("FAKECUDA_TRIM_OBSERVED", "1").with_env("FAKECUDA_STREAM_BUSY_MS", busy_ms);
         let ledger = node.ledger_path();
         let first = [
             "pool-threshold 1g".to_string(),

@@ -12,6 +12,7 @@
 //! | `FAKECUDA_NO_CHANNEL`    | `1`: this process is a driver client without a channel: the memory it holds counts in each device's used memory, and NVML's running-process lists leave it out (see [`crate::devfile`] and docs/gpu.md) | `0` |
 //! | `FAKECUDA_UNLISTED_BYTES` | of what each process NVML lists holds on a device, the bytes its row leaves out (they count in the device's used memory, as the real driver's own memory beside each process's row does: 5.6-8.8 MiB a process on an H200, docs/gpu.md); read by the process that calls NVML | 0 |
 //! | `FAKECUDA_TRIM_OBSERVED` | `1`: `cuMemPoolTrimTo` keeps what `cuMemFreeAsync` freed until a synchronize of its device observed it (`cuda.h`: such allocations "can count as outstanding"; on the H200 a trim after `cuStreamQuery` alone released nothing of a just-freed block, docs/gpu.md) | `0` |
+//! | `FAKECUDA_STREAM_BUSY_MS` | after a `cuMemFreeAsync`, its stream has work queued for this long: `cuStreamQuery` answers `CUDA_ERROR_NOT_READY` and `cuStreamSynchronize` waits until it has run | 0 |
 //! | `FAKECUDA_NVML`          | `absent`, `fail` or `hang`: NVML misbehaves ([`crate::nvml`]) | unset |
 //! | `FAKECUDA_NVML_HANG_MS`  | how long `hang` sleeps per NVML call           | 10000      |
 //!
@@ -44,6 +45,8 @@ pub struct Config {
     pub unlisted_bytes: u64,
     /// A trim keeps stream-ordered frees no synchronize has observed yet.
     pub trim_observed: bool,
+    /// How long a stream stays busy after a `cuMemFreeAsync` on it (ms; 0: never busy).
+    pub stream_busy_ms: u64,
 }
 
 /// A variable with a value the fake cannot use.
@@ -153,7 +156,11 @@ impl Config {
         let free_synchronizes = flag("FAKECUDA_FREE_SYNCHRONIZES")?;
         let no_channel = flag("FAKECUDA_NO_CHANNEL")?;
         let trim_observed = flag("FAKECUDA_TRIM_OBSERVED")?;
-        Ok(Config { device_count, device_bytes, context_bytes, node, state_dir, trace, free_synchronizes, no_channel, unlisted_bytes, trim_observed })
+        let stream_busy_ms = match get("FAKECUDA_STREAM_BUSY_MS")? {
+            None => 0,
+            Some(v) => v.parse::<u64>().ok().filter(|&ms| ms <= 60_000).ok_or_else(|| bad("FAKECUDA_STREAM_BUSY_MS", &v, "expected milliseconds, at most 60000"))?,
+        };
+        Ok(Config { device_count, device_bytes, context_bytes, node, state_dir, trace, free_synchronizes, no_channel, unlisted_bytes, trim_observed, stream_busy_ms })
     }
 }
 

@@ -360,7 +360,11 @@ exports_sharing_body! {
             if let Some(node) = crate::graphs::capture_free(d, hStream, api == Api::MemFreeAsyncPtsz) {
                 return node;
             }
-            d.free(dptr, true)
+            d.free(dptr, true)?;
+            if d.cfg.stream_busy_ms > 0 {
+                crate::streams::mark_busy(hStream, api == Api::MemFreeAsyncPtsz, d.cfg.stream_busy_ms);
+            }
+            Ok(())
         })
     }
 }

@@ -23,6 +23,7 @@
 use std::collections::BTreeMap;
 use std::ffi::{c_int, c_uint};
 use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use cuda_abi::*;
 
@@ -40,6 +41,24 @@ struct Handles {
     streams: BTreeMap<u64, usize>,
     events: BTreeMap<u64, usize>,
     next: u64,
+}
+
+/// Streams with work queued (`FAKECUDA_STREAM_BUSY_MS`), by handle: until when.
+static BUSY: Mutex<BTreeMap<u64, Instant>> = Mutex::new(BTreeMap::new());
+
+/// `stream` (NULL of a `_ptsz` call is the per-thread stream) has work queued for `ms`.
+pub(crate) fn mark_busy(stream: CUstream, per_thread: bool, ms: u64) {
+    let key = match stream as u64 {
+        0 if per_thread => 2,
+        s => s,
+    };
+    BUSY.lock().unwrap_or_else(PoisonError::into_inner).insert(key, Instant::now() + Duration::from_millis(ms));
+}
+
+/// Until when `stream` has work queued, if it has.
+fn busy_until(stream: CUstream) -> Option<Instant> {
+    let busy = BUSY.lock().unwrap_or_else(PoisonError::into_inner);
+    busy.get(&(stream as u64)).copied().filter(|&until| until > Instant::now())
 }
 
 static HANDLES: Mutex<Handles> = Mutex::new(Handles { streams: BTreeMap::new(), events: BTreeMap::new(), next: 0 });
@@ -105,6 +124,9 @@ pub unsafe extern "C" fn cuStreamDestroy_v2(hStream: CUstream) -> CUresult {
 
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamSynchronize(hStream: CUstream) -> CUresult {
+    if let Some(until) = busy_until(hStream) {
+        std::thread::sleep(until.saturating_duration_since(Instant::now()));
+    }
     call(Api::StreamSynchronize, |d| {
         let dev = stream_dev(d, hStream)?;
         d.pools_synchronized(Some(dev))
@@ -113,7 +135,13 @@ pub unsafe extern "C" fn cuStreamSynchronize(hStream: CUstream) -> CUresult {
 
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamQuery(hStream: CUstream) -> CUresult {
-    call(Api::StreamQuery, |d| stream_dev(d, hStream).map(|_| ()))
+    call(Api::StreamQuery, |d| {
+        stream_dev(d, hStream)?;
+        match busy_until(hStream) {
+            Some(_) => Err(CUDA_ERROR_NOT_READY),
+            None => Ok(()),
+        }
+    })
 }
 
 #[no_mangle]
