@@ -198,5 +198,9 @@ mod tests {
         assert_eq!(cfg(&[("FAKECUDA_FREE_SYNCHRONIZES", "yes")]).expect_err("bad flag").var, "FAKECUDA_FREE_SYNCHRONIZES");
         assert!(!c.no_channel);
         assert!(cfg(&[("FAKECUDA_NO_CHANNEL", "1")]).expect("flag").no_channel);
+        assert!(!c.trim_observed && cfg(&[("FAKECUDA_TRIM_OBSERVED", "1")]).expect("flag").trim_observed);
+        assert_eq!((c.stream_busy_ms, cfg(&[("FAKECUDA_STREAM_BUSY_MS", "600")]).expect("ms").stream_busy_ms), (0, 600));
+        assert_eq!(cfg(&[("FAKECUDA_STREAM_BUSY_MS", "1s")]).expect_err("not ms").var, "FAKECUDA_STREAM_BUSY_MS");
+        assert!(cfg(&[("FAKECUDA_STREAM_BUSY_MS", "60001")]).is_err());
     }
 }
