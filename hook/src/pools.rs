@@ -214,8 +214,6 @@ impl Pools {
         mut call: impl FnMut() -> (CUresult, Option<u64>),
         mut give_back: Option<&mut dyn FnMut(u64) -> Option<usize>>,
     ) -> Option<PoolOutcome> {
-        pool.reserved(driver)?;
-        pool.used(driver)?;
         let chunk = session.ledger.header().devices[device as usize].chunk;
         let key = pool.key();
         self.used.store(true, Ordering::Relaxed);
@@ -227,7 +225,9 @@ impl Pools {
             // What the pool holds, read under the lock (another thread's allocation or trim
             // must not be taken for this one's growth).
             let (Some(reserved), Some(used)) = (pool.reserved(driver), pool.used(driver)) else {
-                return Some(if tried_again { PoolOutcome::GivenBack } else { PoolOutcome::Refused });
+                // A driver that cannot say: the caller charges the allocation by itself (a
+                // retry's: refused, the given-back address cleared).
+                return tried_again.then_some(PoolOutcome::GivenBack);
             };
             let charge = state.charges.entry(key).or_insert(PoolCharge { device, records: Vec::new(), charged: 0 });
             // Bring the charge up to what the pool holds now, then admit the worst-case growth
