@@ -384,7 +384,6 @@ unsafe fn pool_allocate(
         return call();
     }
     let pool = pool.or_else(|| current_pool(driver, ordinal));
-    let mut call = call;
     let mut give_back = |address: u64| on.give_back(driver, address);
     let outcome = pool.and_then(|pool| {
         session.pools.allocate(

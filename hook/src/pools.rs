@@ -281,10 +281,8 @@ impl Pools {
             // freed block back into the pool, measured on the H200). Then give the pool's free
             // part back.
             drop(guard);
-            let synchronized = {
-                let _ = idle_within(driver, stream, UNDO_WAIT);
-                synchronized(driver, stream)
-            };
+            wait_idle(driver, stream, UNDO_WAIT);
+            let synchronized = synchronized(driver, stream);
             guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
             let state = &mut *guard;
             let Some(charge) = state.charges.get_mut(&key) else {
@@ -474,7 +472,8 @@ fn settle_every_saying(session: &Session, driver: &Driver, state: &mut PoolState
     for (key, charge) in &mut state.charges {
         if let Some(reserved) = Source::from_key(*key).reserved(driver) {
             let chunk = session.ledger.header().devices[charge.device as usize].chunk;
-            if let (true, Some((missing, error))) = (say, settle_quietly(session, charge, reserved, chunk)) {
+            let short = settle_quietly(session, charge, reserved, chunk);
+            if let Some((missing, error)) = short.filter(|_| say) {
                 say_uncharged(missing, &error);
             }
         }
@@ -538,16 +537,10 @@ fn synchronized(driver: &Driver, stream: usize) -> bool {
     relaxed(driver, || unsafe { synchronize(stream as CUstream) }) == CUDA_SUCCESS
 }
 
-/// Polls [`idle`] for at most `wait`; whether the stream ran its work in time.
-fn idle_within(driver: &Driver, stream: usize, wait: Duration) -> bool {
+/// Polls [`idle`] until the stream has run its work, for at most `wait`.
+fn wait_idle(driver: &Driver, stream: usize, wait: Duration) {
     let deadline = Instant::now() + wait;
-    loop {
-        if idle(driver, stream) {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
-        }
+    while !idle(driver, stream) && Instant::now() < deadline {
         std::thread::sleep(Duration::from_micros(250));
     }
 }

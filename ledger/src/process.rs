@@ -72,7 +72,7 @@ fn running_start_time(pid: &str) -> Option<u64> {
 fn runs(pid: &str, state: char) -> bool {
     match state {
         'X' | 'x' => false,
-        'Z' => pid.parse().is_ok_and(|pid| !other_threads(pid, 1).is_empty()),
+        'Z' => pid.parse().is_ok_and(has_other_threads),
         _ => true,
     }
 }
@@ -87,11 +87,10 @@ pub fn other_threads(pid: u32, limit: usize) -> Vec<u32> {
     tasks.filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok()).filter(|&tid| tid != pid).take(limit).collect()
 }
 
-/// Whether process `pid` has threads besides its leader (`/proc/<pid>/task`'s link count is
-/// 2 and one a thread): one `stat`, to tell a leader that exited alone from a kernel thread or
-/// a process with one thread before listing its threads.
+/// Whether process `pid` has threads besides its leader (`/proc/<pid>/task`'s link count is 2
+/// plus one per thread): one `stat`, to tell a leader that exited alone from a kernel thread
+/// or a process with one thread before listing its threads.
 pub fn has_other_threads(pid: u32) -> bool {
-    use std::os::unix::fs::MetadataExt;
     fs::metadata(format!("/proc/{pid}/task")).is_ok_and(|meta| meta.nlink() > 3)
 }
 

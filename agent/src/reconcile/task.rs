@@ -277,7 +277,6 @@ pub fn not_ready(found: &Found, provisioning: Option<&Provisioning>) -> Option<&
     }
 }
 
-/// The bell's next ring; never, without a metrics listener.
 /// Waits until `deadline`, or forever without one.
 async fn at(deadline: Option<tokio::time::Instant>) {
     match deadline {
@@ -286,6 +285,7 @@ async fn at(deadline: Option<tokio::time::Instant>) {
     }
 }
 
+/// The bell's next ring; never, without a metrics listener.
 async fn rung(bell: Option<&Notify>) {
     match bell {
         Some(bell) => bell.notified().await,

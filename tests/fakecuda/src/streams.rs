@@ -49,7 +49,7 @@ static BUSY: Mutex<BTreeMap<u64, Instant>> = Mutex::new(BTreeMap::new());
 /// `stream` (NULL of a `_ptsz` call is the per-thread stream) has work queued for `ms`.
 pub(crate) fn mark_busy(stream: CUstream, per_thread: bool, ms: u64) {
     let key = match stream as u64 {
-        0 if per_thread => 2,
+        0 if per_thread => CU_STREAM_PER_THREAD as u64,
         s => s,
     };
     BUSY.lock().unwrap_or_else(PoisonError::into_inner).insert(key, Instant::now() + Duration::from_millis(ms));
