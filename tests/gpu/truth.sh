@@ -7,7 +7,9 @@
 # stopped), a stream-ordered pool's release under the hook (`release`: what the hook refused
 # is granted once the driver gave the pool's memory back) and a process whose main thread
 # exited while another holds its memory (`leader`: its slot kept, the quota held, it is not
-# stopped). Usage: truth.sh DIR_WITH_RELEASE_BUILDS [DIR_FOR_LOGS]; the `release` and `leader`
+# stopped), a training job at its quota in each allocator mode and with eager loading (`train`)
+# and a stream-ordered job on three streams and in a CUDA graph (`streams`): never stopped, never
+# past the quota on the driver. Usage: truth.sh DIR_WITH_RELEASE_BUILDS [DIR_FOR_LOGS]; the `release` and `leader`
 # parts run `fakecuda-workload` (tests/workload: it dlopens libcuda.so.1) from that directory.
 set -u
 bin=$(cd "${1:?usage: truth.sh target/release [logs]}" && pwd)
@@ -16,7 +18,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 hook="$bin/libvramguard.so"
 agent="$bin/vramguard"
 workload="$bin/fakecuda-workload"
-parts=${TRUTH_PARTS:-facts release pool fork leader many train}  # which parts run
+parts=${TRUTH_PARTS:-facts release pool fork leader many train streams}  # which parts run
 part() { case " $parts " in *" $1 "*) return 0;; esac; return 1; }
 failed=0
 fail() { echo "FAILED: $*"; failed=1; }
@@ -58,9 +60,9 @@ fi
 echo "== the agent on the real driver, --enforce signal"
 cg2=$(awk '$3 == "cgroup2" {print $2; exit}' /proc/mounts)
 if [ -z "$cg2" ]; then cg2=/tmp/vramguard-cg2; mkdir -p $cg2; mount -t cgroup2 none $cg2 || fail "no cgroup2"; fi
-for c in honest fork leader many train; do mkdir -p "$cg2/vramguard-gpu-$c"; done
+for c in honest fork leader many train streams; do mkdir -p "$cg2/vramguard-gpu-$c"; done
 ledgers=$(mktemp -d /tmp/vramguard-ledgers.XXXXXX)
-mkdir -p "$ledgers/honest" "$ledgers/fork" "$ledgers/leader" "$ledgers/many" "$ledgers/train"
+mkdir -p "$ledgers/honest" "$ledgers/fork" "$ledgers/leader" "$ledgers/many" "$ledgers/train" "$ledgers/streams"
 sock=/tmp/vramguard-truth.sock
 "$agent" run --libcuda "$libcuda" --no-discover --socket $sock --ledger-dir "$ledgers" \
   --enforce signal --cgroup2-separates-containers --metrics-addr 127.0.0.1:9477 > "$out/truth-agent.log" 2>&1 &
@@ -182,38 +184,83 @@ if grep -E '^vramguard_device_unexplained_bytes' "$out/metrics-many.txt" | awk '
 fi
 i=0; for pid in $pids; do i=$((i + 1)); wait $pid || fail "process $i of 16 (pid $pid, exit $?): $(tail -1 "$out/many-$i.out")"; done
 fi
+slack=$((1024 - 518))  # what the 1 GiB allowance leaves uncharged beside the 518 MiB context (docs/security.md)
+nvml_peak() {  # PID FILE: the most NVML reports for PID, in MiB, polled until PID ends
+  local peak=0 used
+  while kill -0 "$1" 2>/dev/null; do
+    used=$(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits | awk -F', ' -v p="$1" '$1 == p {print $2}')
+    [ "${used:-0}" -le $peak ] || { peak=$used; echo $peak > "$2"; }
+    sleep 0.3
+  done
+}
 if part train; then
 # An honest training job (cuBLAS, cuDNN, attention kernels loaded) filled to its 6 GiB quota
-# under --enforce signal, in each allocator mode: never stopped by the agent.
-for conf in "" "backend:cudaMallocAsync"; do
-  (in_cgroup train env PYTORCH_CUDA_ALLOC_CONF=$conf LD_PRELOAD=$hook CUDA_DEVICE_MEMORY_LIMIT=$((6 << 30)) \
+# under --enforce signal, in each allocator mode and with eager module loading (1.5 GiB of
+# kernels beyond the context: past the 1 GiB allowance, so charged): never stopped by the agent,
+# and never holding more on the driver than its quota and what the allowance leaves uncharged
+# beside the context the hook charges (the slack below).
+for mode in default async eager; do
+  case $mode in
+    default) env=(PYTORCH_CUDA_ALLOC_CONF=);;
+    async) env=(PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync);;
+    eager) env=(PYTORCH_CUDA_ALLOC_CONF= CUDA_MODULE_LOADING=EAGER);;
+  esac
+  (in_cgroup train env "${env[@]}" LD_PRELOAD=$hook CUDA_DEVICE_MEMORY_LIMIT=$((6 << 30)) \
     VRAMGUARD_LEDGER="$ledgers/train/ledger" python3 "$here/train_near_limit.py" 12) > "$out/train.out" 2>&1 &
   job=$!
+  rm -f "$out/train.peak"; nvml_peak $job "$out/train.peak" &
   for _ in $(seq 600); do grep -qE "^training|Error" "$out/train.out" && break; sleep 0.1; done
   sleep 4
-  audit "train${conf:+-async}"
-  echo "a training job at its quota (allocator: ${conf:-default}, pid $job): $(grep ^training "$out/train.out")"; rows "train${conf:+-async}" $job
+  audit "train-$mode"
+  echo "a training job at its quota ($mode, pid $job): $(grep ^training "$out/train.out")"; rows "train-$mode" $job
   echo "  NVML: $(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ';')"
   wait $job; status=$?
-  echo "  exit status $status, last: $(tail -1 "$out/train.out")"
-  [ $status != 137 ] || fail "the honest training job (${conf:-default}) was stopped by SIGKILL"
-  if [ $status = 4 ] && [ -n "$conf" ]; then
+  sleep 0.4
+  peak=$(cat "$out/train.peak" 2>/dev/null)
+  echo "  exit status $status, NVML peak ${peak:-?} MiB, last: $(tail -1 "$out/train.out")"
+  [ $status != 137 ] || fail "the honest training job ($mode) was stopped by SIGKILL"
+  [ "${peak:-0}" -le $((6144 + slack)) ] || fail "the training job ($mode) held ${peak} MiB on the driver, past its 6144 MiB quota and the $slack MiB left uncharged"
+  if [ $status = 4 ] && [ $mode = async ]; then
     # A stream-ordered pool's free part in pieces (docs/gpu.md): refused only with the pool's
     # reserve at the quota (6 GiB less the 518 MiB context, within 256 MiB), never past it.
     reserved=$(sed -n 's/^refused after .* reserved=\([0-9]*\) MiB.*/\1/p' "$out/train.out")
     echo "  refused with the pool holding ${reserved:-?} MiB of the $((6144 - 518)) MiB the quota leaves it"
     [ "${reserved:-0}" -ge $((6144 - 518 - 256)) ] && [ "${reserved:-0}" -le $((6144 - 518)) ] ||
-      fail "the honest training job (${conf}) was refused below its quota, or its pool passed it"
+      fail "the honest training job ($mode) was refused below its quota, or its pool passed it"
   else
-    [ $status = 0 ] || fail "the honest training job (${conf:-default}) did not finish: $(tail -3 "$out/train.out")"
+    [ $status = 0 ] || fail "the honest training job ($mode) did not finish: $(tail -3 "$out/train.out")"
   fi
-  [ -z "$conf" ] || cp "$out/train.out" "$out/train-async.out"
+  cp "$out/train.out" "$out/train-$mode.out"
 done
+fi
+if part streams; then
+# An honest stream-ordered job at its 4 GiB quota on three streams, its pool's free part in
+# pieces, then a training step captured in a CUDA graph replayed on the three streams
+# (streams_near_limit.py): never stopped, never past its quota (and the slack above) on the driver.
+(in_cgroup streams env PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync LD_PRELOAD=$hook CUDA_DEVICE_MEMORY_LIMIT=$((4 << 30)) \
+  VRAMGUARD_LEDGER="$ledgers/streams/ledger" python3 "$here/streams_near_limit.py" 10) > "$out/streams.out" 2>&1 &
+job=$!
+rm -f "$out/streams.peak"; nvml_peak $job "$out/streams.peak" &
+for _ in $(seq 600); do grep -qE "^training|Error" "$out/streams.out" && break; sleep 0.1; done
+sleep 3
+audit streams
+echo "a job on three streams and a graph at its quota (pid $job):"; grep -E '^(filled|big|training)' "$out/streams.out" | sed 's/^/  /'; rows streams $job
+wait $job; status=$?
+sleep 0.4
+peak=$(cat "$out/streams.peak" 2>/dev/null)
+echo "  exit status $status, NVML peak ${peak:-?} MiB, last: $(tail -1 "$out/streams.out")"
+[ $status != 137 ] || fail "the honest job on three streams was stopped by SIGKILL"
+[ "${peak:-0}" -le $((4096 + slack)) ] || fail "the job on three streams held ${peak} MiB on the driver, past its 4096 MiB quota and the $slack MiB left uncharged"
+if [ $status = 4 ]; then  # refused only with the driver holding its quota for it (within 256 MiB)
+  [ "${peak:-0}" -ge $((4096 - 256)) ] || fail "the job on three streams was refused below its quota: $(tail -1 "$out/streams.out")"
+else
+  [ $status = 0 ] || fail "the job on three streams failed: $(grep -v Warning "$out/streams.out" | tail -3)"
+fi
 fi
 audit end
 kill -TERM $agent_pid; wait $agent_pid || fail "the agent's exit"
 grep -iE "signal|escap|kill" "$out/truth-agent.log" | head -20
 rm -rf "$ledgers"
-for c in honest fork leader many train; do rmdir "$cg2/vramguard-gpu-$c" 2>/dev/null; done
+for c in honest fork leader many train streams; do rmdir "$cg2/vramguard-gpu-$c" 2>/dev/null; done
 echo "truth.sh: $([ $failed = 0 ] && echo passed || echo FAILED)"
 exit $failed

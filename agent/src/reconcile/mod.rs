@@ -296,6 +296,10 @@ pub struct Reconciler {
 #[derive(Default)]
 struct Reads {
     start_time: u64,
+    /// What the probes and the ledger explained at the last pass, and the last pass that saw
+    /// it rise.
+    explained: u64,
+    explained_rose: Option<Instant>,
     outside: figure::Confirmed,
     unexplained: figure::Confirmed,
     held: figure::Confirmed,
@@ -469,9 +473,22 @@ impl Reconciler {
         }
         let at_read = figure::at_read(low, views.driver, self.config.context_allowance);
         let charged = seen.ledger_bytes.map_or(0, |bytes| bytes.saturating_add(seen.extra_contexts));
+        // A read that started before the pass that saw what the probes and the ledger explain
+        // rise may show the driver before the growth, which then hides what they do not
+        // explain: it may raise the unexplained figure, never lower it. (A job filling its
+        // quota while its kernels' memory is charged must not see the charge dropped, fill
+        // the room and be stopped: an H200, docs/gpu.md.) A ledger written up at every pass
+        // gains nothing by it: the figure only stays.
+        let explained = seen.ebpf_bytes.max(charged);
+        if explained > entry.explained {
+            entry.explained_rose = Some(now);
+        }
+        entry.explained = explained;
+        let behind = read_at.zip(entry.explained_rose).is_some_and(|(read, rose)| read < rose);
+        let unexplained = if behind { figure.unexplained.max(entry.unexplained.confirmed()) } else { figure.unexplained };
         let confirmed = ConfirmedFigures {
             outside: entry.outside.see(read_at, figure.outside),
-            unexplained: entry.unexplained.see(read_at, figure.unexplained),
+            unexplained: entry.unexplained.see(read_at, unexplained),
             held: entry.held.see(read_at, at_read),
             uncharged: entry.uncharged.see(read_at, at_read.saturating_sub(charged)),
         };
@@ -1164,6 +1181,42 @@ mod tests {
         assert_eq!((r.verdicts()[0].state, r.verdicts()[0].escaped_bytes), (State::Tampered, 500 * MIB));
         assert_eq!(r.unaccounted_by_ledger(), BTreeMap::from([("/l".to_string(), 500 * MIB)]));
         assert_eq!(r.holders_by_cgroup()[&7].iter().map(|p| p.escaped).collect::<Vec<_>>(), [500 * MIB - 2 * MIB]);
+    }
+
+    /// A job whose kernels (eager loading, 800 MiB past its 64 MiB context) are charged, then
+    /// fills its quota between a read and the pass that joins it: the read shows the driver
+    /// before the growth, which hides the kernels' memory. The charge stays (the job would
+    /// otherwise fill the room it held, pass its quota on the driver and be stopped: an H200,
+    /// docs/gpu.md). A read that started after the growth lowers it as any read does.
+    #[test]
+    fn memory_charged_beside_a_growing_ledger_stays_charged_until_a_read_after_the_growth() {
+        let mut r = Reconciler::new(Config { context_allowance: 64 * MIB, ..Config::default() });
+        let start = Instant::now();
+        let at = |ms| start + Duration::from_millis(ms);
+        let job = |ledger: u64, driver: u64| Observation {
+            cgroup_id: 7,
+            driver: Some(DriverProcess { bytes: driver, devices: 1, start_time: 1 }),
+            context_reserve: Some(64 * MIB),
+            ..seen(80, Some(ledger), ledger)
+        };
+        let pass = |r: &mut Reconciler, read: u64, ledger, driver| {
+            r.set_driver(Some(Arc::new(DriverView { read_at: Some(at(read)), ..Default::default() })));
+            r.judge(vec![job(ledger, driver)], at(read + 500));
+            (r.verdicts()[0].state, r.verdicts()[0].escaped_bytes, r.unaccounted_by_ledger().get("/l").copied().unwrap_or(0))
+        };
+        let kernels = 800 * MIB;
+        pass(&mut r, 0, 200 * MIB, 200 * MIB + 64 * MIB + kernels);
+        assert_eq!(pass(&mut r, 1000, 200 * MIB, 200 * MIB + 64 * MIB + kernels), (State::Unprobed, kernels, kernels));
+        // 3 GiB more in the ledger by the pass; the read started before it.
+        assert_eq!(pass(&mut r, 2000, 3200 * MIB, 200 * MIB + 64 * MIB + kernels), (State::Unprobed, kernels, kernels));
+        // A read after the growth shows it all: the same charge.
+        assert_eq!(pass(&mut r, 3000, 3200 * MIB, 3200 * MIB + 64 * MIB + kernels), (State::Unprobed, kernels, kernels));
+        // The kernels' memory is given back (an unloaded module): a read after it lowers it.
+        let less = 100 * MIB;
+        assert_eq!(pass(&mut r, 4000, 3200 * MIB, 3200 * MIB + 64 * MIB + less), (State::Unprobed, less, less));
+        // Without a growth, a read showing more needs two reads as before.
+        assert_eq!(pass(&mut r, 5000, 3200 * MIB, 3200 * MIB + 64 * MIB + kernels), (State::Unprobed, less, less));
+        assert_eq!(pass(&mut r, 6000, 3200 * MIB, 3200 * MIB + 64 * MIB + kernels), (State::Unprobed, kernels, kernels));
     }
 
     #[test]
