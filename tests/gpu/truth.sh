@@ -193,6 +193,14 @@ nvml_peak() {  # PID FILE: the most NVML reports for PID, in MiB, polled until P
     sleep 0.3
   done
 }
+ended() {  # NAME QUOTA_MIB WHAT: waits for $job (its output and NVML peak in $out/NAME.*); sets status, peak
+  wait $job; status=$?
+  sleep 0.4
+  peak=$(cat "$out/$1.peak" 2>/dev/null)
+  echo "  exit status $status, NVML peak ${peak:-?} MiB, last: $(tail -1 "$out/$1.out")"
+  [ $status != 137 ] || fail "the honest $3 was stopped by SIGKILL"
+  [ "${peak:-0}" -le $(($2 + slack)) ] || fail "the $3 held ${peak} MiB on the driver, past its $2 MiB quota and the $slack MiB left uncharged"
+}
 if part train; then
 # An honest training job (cuBLAS, cuDNN, attention kernels loaded) filled to its 6 GiB quota
 # under --enforce signal, in each allocator mode and with eager module loading (1.5 GiB of
@@ -214,12 +222,7 @@ for mode in default async eager; do
   audit "train-$mode"
   echo "a training job at its quota ($mode, pid $job): $(grep ^training "$out/train.out")"; rows "train-$mode" $job
   echo "  NVML: $(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ';')"
-  wait $job; status=$?
-  sleep 0.4
-  peak=$(cat "$out/train.peak" 2>/dev/null)
-  echo "  exit status $status, NVML peak ${peak:-?} MiB, last: $(tail -1 "$out/train.out")"
-  [ $status != 137 ] || fail "the honest training job ($mode) was stopped by SIGKILL"
-  [ "${peak:-0}" -le $((6144 + slack)) ] || fail "the training job ($mode) held ${peak} MiB on the driver, past its 6144 MiB quota and the $slack MiB left uncharged"
+  ended train 6144 "training job ($mode)"
   if [ $status = 4 ] && [ $mode = async ]; then
     # A stream-ordered pool's free part in pieces (docs/gpu.md): refused only with the pool's
     # reserve at the quota (6 GiB less the 518 MiB context, within 256 MiB), never past it.
@@ -245,12 +248,7 @@ for _ in $(seq 600); do grep -qE "^training|Error" "$out/streams.out" && break; 
 sleep 3
 audit streams
 echo "a job on three streams and a graph at its quota (pid $job):"; grep -E '^(filled|big|training)' "$out/streams.out" | sed 's/^/  /'; rows streams $job
-wait $job; status=$?
-sleep 0.4
-peak=$(cat "$out/streams.peak" 2>/dev/null)
-echo "  exit status $status, NVML peak ${peak:-?} MiB, last: $(tail -1 "$out/streams.out")"
-[ $status != 137 ] || fail "the honest job on three streams was stopped by SIGKILL"
-[ "${peak:-0}" -le $((4096 + slack)) ] || fail "the job on three streams held ${peak} MiB on the driver, past its 4096 MiB quota and the $slack MiB left uncharged"
+ended streams 4096 "job on three streams"
 if [ $status = 4 ]; then  # refused only with the driver holding its quota for it (within 256 MiB)
   [ "${peak:-0}" -ge $((4096 - 256)) ] || fail "the job on three streams was refused below its quota: $(tail -1 "$out/streams.out")"
 else
