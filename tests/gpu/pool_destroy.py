@@ -8,11 +8,19 @@ be asked:
   3. cuMemFreeAsync of it (before and after synchronizing the stream);
   4. a new pool: does it get the old handle?
   5. a pool with freed (reserved, unused) memory only, destroyed.
+
+With `--hooked` (run under libvramguard.so with a quota: run.sh), cuMemGetInfo_v2 shows the
+ledger, so the deltas are what the hook charges; it then exits 1 unless the live allocation
+stays charged after the destroy (at least 256 MiB) and the charge is all given back once it is
+freed and synchronized (step 3) and once the emptied pool is destroyed (step 5), within 2 MiB.
 """
 import ctypes
 import sys
 
-cu = ctypes.CDLL(sys.argv[1] if len(sys.argv) > 1 else "libcuda.so.1")
+args = [a for a in sys.argv[1:] if not a.startswith("--")]
+hooked = "--hooked" in sys.argv
+cu = ctypes.CDLL(args[0] if args else "libcuda.so.1")
+seen = {}
 MIB = 1 << 20
 RESERVED, USED, THRESHOLD = 5, 7, 4
 
@@ -51,6 +59,7 @@ def report(what, pool=None):
         rc_u = cu.cuMemPoolGetAttribute(pool, USED, ctypes.byref(value))
         used = value.value if rc_u == 0 else None
         attrs = f" reserved_attr={'rc=%d' % rc_r if reserved is None else reserved // MIB} used_attr={'rc=%d' % rc_u if used is None else used // MIB}"
+    seen[what] = held
     print(f"{what}: held={held:.0f} MiB{attrs}", flush=True)
 
 
@@ -106,3 +115,12 @@ report("5 destroyed empty")
 third = make_pool()
 print(f"6 third pool handle {third.value:#x} same-as-second={third.value == again.value}")
 print(f"6 destroy rc={cu.cuMemPoolDestroy(third)}")
+if hooked:
+    wrong = []
+    if seen["2 destroyed, one live, synchronized"] < 256:
+        wrong.append("the live allocation of a destroyed pool is not charged")
+    for step in ("3 last freed, synchronized", "5 destroyed empty"):
+        if abs(seen[step]) > 2:
+            wrong.append(f"{step}: {seen[step]:.0f} MiB still charged")
+    print("hooked:", "; ".join(wrong) or "the charge follows the driver", flush=True)
+    sys.exit(1 if wrong else 0)

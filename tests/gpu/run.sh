@@ -50,8 +50,12 @@ LD_PRELOAD=$hook CUDA_DEVICE_MEMORY_LIMIT=$(( (518 + 1024 + 64) << 20 )) VRAMGUA
   python3 "$here/raw_driver.py" hooked || failed=1
 rm -f "$ledger"
 
-echo "== a destroyed memory pool (what the driver does)"
+echo "== a destroyed memory pool (what the driver does, then what the hook charges)"
 python3 "$here/pool_destroy.py" || failed=1
+ledger=$(mktemp -u /tmp/vramguard-gpu.XXXXXX)
+LD_PRELOAD=$hook CUDA_DEVICE_MEMORY_LIMIT=$(( (518 + 1024) << 20 )) VRAMGUARD_LEDGER=$ledger \
+  python3 "$here/pool_destroy.py" --hooked || failed=1
+rm -f "$ledger"
 
 echo "== an alloc+free pair on the driver: bare, under the hook"
 python3 "$here/pair_cost.py" 20000 $((1 << 20)) || failed=1

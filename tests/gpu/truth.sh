@@ -55,6 +55,22 @@ if part release; then
     "trim 0" "pool-stat" "alloc i 700m" "free i" > "$out/release.out" 2>&1 || fail "the pool's release under the hook"
   sed 's/^/  /' "$out/release.out"
   rm -f "$ledger"
+  # Across processes of one ledger (quota: two contexts + 1 GiB): one process's pool keeps
+  # 700 MiB (threshold 1 GiB), so another's 700 MiB is refused; once the first trims its pool
+  # (pool-stat: the driver gave it back), the other's 700 MiB is granted.
+  echo "== a pool's release seen by another process of the ledger (quota: 2 x 518 MiB + 1 GiB)"
+  ledger=$(mktemp -u /tmp/vramguard-release.XXXXXX)
+  quota=$(((2 * 518 + 1024) << 20))
+  LD_PRELOAD=$hook CUDA_DEVICE_MEMORY_LIMIT=$quota VRAMGUARD_LEDGER=$ledger "$workload" "ctx 0" \
+    "pool-threshold 1g" "async a 700m" "free-async a" "sync" "pool-stat" "sleep 3000" "trim 0" "pool-stat" "sleep 4000" > "$out/release-keeper.out" 2>&1 &
+  keeper=$!
+  sleep 1.5
+  LD_PRELOAD=$hook CUDA_DEVICE_MEMORY_LIMIT=$quota VRAMGUARD_LEDGER=$ledger "$workload" "ctx 0" \
+    "expect-oom alloc b 700m" "sleep 3000" "alloc c 700m" "free c" > "$out/release-other.out" 2>&1 ||
+    fail "another process was not granted what the pool gave back: $(tail -2 "$out/release-other.out")"
+  wait $keeper || fail "the process keeping a pool failed: $(tail -2 "$out/release-keeper.out")"
+  sed 's/^/  keeper: /' "$out/release-keeper.out"; sed 's/^/  other: /' "$out/release-other.out"
+  rm -f "$ledger"
 fi
 
 echo "== the agent on the real driver, --enforce signal"
