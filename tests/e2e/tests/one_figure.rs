@@ -241,6 +241,56 @@ fn a_context_beyond_the_ledgers_reserve_within_the_allowance_is_not_an_escape() 
     Ok(())
 }
 
+/// Memory the driver holds beside an honest job's allocations past the allowance (an H200 job
+/// with eager module loading held 1.5 GiB of kernels; here a 400 MiB context on the 64 MiB
+/// allowance, its ledger's reserve 32 MiB) is charged to its ledger, and stays charged while
+/// the job fills its ledger in steps faster than the driver is read: each pass then joins a
+/// driver read older than the ledger, which hides the kernels' memory. The job is refused
+/// its last 200 MiB at its quota and never signalled. Before, the charge fell to nothing at
+/// the first such pass, the job was granted the room it had held, passed its 1 GiB limit on
+/// the driver and was stopped as escaped (docs/gpu.md, third run of 2026-11-28).
+#[test]
+fn memory_charged_beside_a_filling_ledger_stays_charged_and_the_job_is_refused_not_stopped() -> Result<()> {
+    let scene = Scene::start("onefig-eager", "1g")?;
+    let ledger = scene.dir.ledger("eager")?;
+    let steps = [
+        "ctx 0", "checkpoint loaded",
+        "alloc a 150m", "sleep 400", "alloc b 150m", "sleep 400", "alloc c 150m", "sleep 400", "alloc d 150m",
+        "sleep 1500", "expect-oom alloc e 200m", "checkpoint full", "hold",
+    ];
+    let mut w = scene
+        .node
+        .hooked(&ledger, GIB)?
+        .env("FAKECUDA_CONTEXT_BYTES", "400m")
+        .env("VRAMGUARD_CONTEXT_RESERVE", (32 * MIB).to_string())
+        .in_cgroup(&scene.cgroup)
+        .steps(steps)
+        .spawn()?;
+    w.wait_checkpoint("loaded")?;
+    let pid = w.pid();
+    // The kernels' memory: the driver's 400 MiB less the 32 MiB context the ledger charges.
+    let kernels = 368 * MIB;
+    e2e::wait_for(Duration::from_secs(10), "the kernels' memory charged", || Ok(e2e::ledgers::used(&ledger)? == 32 * MIB + kernels))
+        .with_context(|| format!("{} MiB in the ledger; agent log:\n{}", e2e::ledgers::used(&ledger).unwrap_or(0) / MIB, scene.agent.log()))?;
+    w.resume()?;
+    w.wait_checkpoint("full").with_context(|| format!("not refused at its quota, or stopped: {}\nagent log:\n{}", w.stderr(), scene.agent.log()))?;
+    std::thread::sleep(Duration::from_millis(2500));
+    let log = scene.agent.log();
+    assert!(!scene.signalled(pid), "the honest job was signalled:\n{log}");
+    let charges: Vec<u64> = log
+        .lines()
+        .filter(|l| l.contains("held outside its ledger") && l.contains("/eager"))
+        .filter_map(|l| l.split("charged=").nth(1)?.split_whitespace().next()?.parse().ok())
+        .collect();
+    assert!(charges.first() == Some(&kernels) && charges.iter().all(|&c| c >= kernels), "the charge fell while the job filled: {charges:?}\n{log}");
+    assert_eq!(e2e::ledgers::used(&ledger)?, 32 * MIB + kernels + 600 * MIB, "{log}");
+    let seen = row(&scene.agent.audit()?, pid).context("no row")?;
+    assert_eq!(seen["state"], "unprobed", "{seen}");
+    w.kill()?;
+    scene.agent.stop().with_context(|| log)?;
+    Ok(())
+}
+
 /// Beside a pool that keeps what it freed, the process that takes the room is the one stopped
 /// (found in the fourth session of issue 24's work): a hooked process whose default pool keeps
 /// 600 MiB it freed, and an un-hooked process of the same container taking 500 MiB, under a
