@@ -10,11 +10,13 @@ be asked:
   5. a pool with freed (reserved, unused) memory only, destroyed.
 
 With `--hooked` (run under libvramguard.so with a quota: run.sh), cuMemGetInfo_v2 shows the
-ledger, so the deltas are what the hook charges; it then exits 1 unless the live allocation
+ledger, so the deltas are what the hook charges; it then exits 1 unless the device's total is
+the quota (CUDA_DEVICE_MEMORY_LIMIT, in bytes: the hook is in), the live allocation
 stays charged after the destroy (at least 256 MiB) and the charge is all given back once it is
 freed and synchronized (step 3) and once the emptied pool is destroyed (step 5), within 2 MiB.
 """
 import ctypes
+import os
 import sys
 
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
@@ -117,6 +119,12 @@ print(f"6 third pool handle {third.value:#x} same-as-second={third.value == agai
 print(f"6 destroy rc={cu.cuMemPoolDestroy(third)}")
 if hooked:
     wrong = []
+    # Under the hook the device's total is the quota: the deltas above are the ledger's.
+    total = ctypes.c_size_t()
+    check(cu.cuMemGetInfo_v2(ctypes.byref(ctypes.c_size_t()), ctypes.byref(total)), "cuMemGetInfo_v2")
+    limit = int(os.environ.get("CUDA_DEVICE_MEMORY_LIMIT", "0"))
+    if total.value != limit:
+        wrong.append(f"the device's total is {total.value}, not the quota {limit}: not hooked")
     if seen["2 destroyed, one live, synchronized"] < 256:
         wrong.append("the live allocation of a destroyed pool is not charged")
     for step in ("3 last freed, synchronized", "5 destroyed empty"):

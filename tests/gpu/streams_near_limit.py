@@ -83,6 +83,9 @@ except RuntimeError as error:  # torch.OutOfMemoryError, or a graph launch's CUD
     if "out of memory" not in str(error):
         raise
     reason = str(error).splitlines()[0][:120]
-    print(f"refused after {steps} steps: reserved={torch.cuda.memory_reserved() // MIB} MiB: {reason}", flush=True)
+    # What the hook shows free of the quota (cuMemGetInfo_v2: the quota less what its ledger
+    # holds): a refusal at the quota leaves little.
+    free = torch.cuda.mem_get_info()[0]
+    print(f"refused after {steps} steps: reserved={torch.cuda.memory_reserved() // MIB} MiB quota_free={free // MIB} MiB: {reason}", flush=True)
     sys.exit(4)
 print(f"done {steps}", flush=True)
