@@ -1,7 +1,8 @@
 //! One figure per process, and summed per container: what a process holds on its GPUs from
 //! the three views ([`figure`]), taken as of one driver read; what its stream-ordered pools
 //! may still keep of what the probes saw freed ([`PoolsKeep`]); and the two-read
-//! confirmation a figure needs before anything acts on it ([`Confirmed`]).
+//! confirmation a figure needs before anything acts on it ([`Confirmed`], and [`Agreed`] for
+//! one that must not fall on one read).
 //!
 //! # The views, on one scale
 //!
@@ -226,6 +227,37 @@ impl Confirmed {
     }
 }
 
+/// A figure that moves only when two consecutive driver reads agree that it moved: up to the
+/// smaller of the two, down to the larger ([`Confirmed`] keeps the two reads). One read that
+/// caught a process low (a free, the read, the same allocation again, all between two passes)
+/// does not lower it, as one read that caught it high does not raise it. Without a read it is 0.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Agreed {
+    reads: Confirmed,
+    value: u64,
+}
+
+impl Agreed {
+    /// Takes `bytes` as what the read started at `read` shows; returns the figure.
+    pub fn see(&mut self, read: Option<Instant>, bytes: u64) -> u64 {
+        self.reads.see(read, bytes);
+        self.value = match (self.reads.read, self.reads.before) {
+            (Some(_), Some(before)) => {
+                let (low, high) = (before.min(self.reads.now), before.max(self.reads.now));
+                self.value.clamp(low, high)
+            }
+            (Some(_), None) => self.value,
+            (None, _) => 0,
+        };
+        self.value
+    }
+
+    /// The figure.
+    pub fn value(&self) -> u64 {
+        self.value
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
@@ -329,6 +361,22 @@ mod tests {
         // A new process with the pid starts over.
         pools.update(0, 2, at(3300));
         assert_eq!(pools.kept(), 0);
+    }
+
+    #[test]
+    fn a_figure_moves_once_two_reads_agree() {
+        let start = Instant::now();
+        let read = |s| Some(start + Duration::from_secs(s));
+        let mut a = Agreed::default();
+        assert_eq!(a.see(read(0), 100), 0, "one read");
+        assert_eq!(a.see(read(1), 80), 80, "two reads above it: the smaller");
+        assert_eq!(a.see(read(2), 10), 80, "one read below it");
+        assert_eq!(a.see(read(3), 90), 80, "the two reads either side of it");
+        assert_eq!(a.see(read(4), 95), 90, "two above: the smaller");
+        assert_eq!(a.see(read(5), 20), 90);
+        assert_eq!(a.see(read(6), 30), 30, "two below: the larger");
+        assert_eq!(a.see(read(6), 25), 25, "the same read again: the smaller of what it showed");
+        assert_eq!(a.see(None, 50), 0, "no read");
     }
 
     #[test]

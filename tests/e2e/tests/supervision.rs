@@ -14,7 +14,7 @@
 //!
 //! Needs root; run with `cargo xtask test`.
 //!
-//! Bounds latency: it bounds how long a stop takes (2 s after a panic, 5 s after SIGTERM).
+//! Runs alone: its agents discover libcuda on the whole node, and it bounds how long a stop takes.
 use std::{
     ffi::{OsStr, OsString},
     path::{Path, PathBuf},
@@ -167,7 +167,6 @@ fn sigterm_completes_within_5_s_with_a_parked_task() -> Result<()> {
     Ok(())
 }
 
-/// Runs alone: its agent discovers libcuda on the whole node (it would probe the other test binaries' fake drivers).
 #[test]
 fn a_file_that_panics_the_scanner_is_skipped_and_counted_and_the_probes_stay() -> Result<()> {
     let node = FakeNode::new("supervise-scan").with_env("FAKECUDA_DEVICE_BYTES", "8g").with_env("FAKECUDA_CONTEXT_BYTES", "64m");
