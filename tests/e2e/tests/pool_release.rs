@@ -243,6 +243,38 @@ fn a_growth_past_the_quota_that_giving_back_cannot_make_room_for_is_refused() ->
     Ok(())
 }
 
+/// A driver that keeps a growth the hook gave back (`FAKECUDA_TRIM_KEEPS`: its trim releases
+/// nothing): the pool then holds 2 MiB its charge cannot (the quota is full). Of what the pool
+/// keeps free, only the charged part (two 1 MiB pieces) serves without an admission: 3 MiB
+/// more goes to the ledger first and is refused there, so the pool does not grow again past
+/// the quota. Without that rule the uncharged 2 MiB counted as free, the driver was asked and
+/// grew the pool again (2 MiB more), which it kept too.
+#[test]
+fn a_growth_the_driver_keeps_serves_nothing_uncharged() -> Result<()> {
+    let node = node("pool-keeps").with_env("FAKECUDA_TRIM_KEEPS", "1");
+    let ledger = node.ledger_path();
+    let first =
+        ["pool-threshold 1g", "async a 300m", "async x 1m", "async b 1m", "async c 300m", "async y 1m", "async d 1m", "async e 356m", "free-async x", "free-async y"];
+    let mut w = spawn(&node, &first, &["expect-oom async f 2m", "checkpoint kept", "expect-oom async g 3m"])?;
+    assert_eq!(node.used(0)?, LIMIT, "the quota taken: 960 MiB in the pool, 2 MiB of it free in pieces");
+    w.resume()?;
+    w.wait_checkpoint("kept")?;
+    assert_eq!(node.used(0)?, LIMIT + 2 * MIB, "the driver kept the growth the hook gave back");
+    assert_eq!(ledgers::used(&ledger)?, LIMIT, "the quota's full");
+    w.resume()?;
+    w.wait_checkpoint("done")?;
+    assert_eq!(node.used(0)?, LIMIT + 2 * MIB, "no new growth: the 3 MiB were refused by the ledger, not given back by the driver");
+    w.resume()?;
+    let out = w.wait()?.success()?;
+    assert_eq!(out.lines("oom ").collect::<Vec<_>>(), ["oom f", "oom g"], "{}", out.stderr);
+    ensure!(
+        out.stderr.contains(&format!("GPU memory quota exceeded on device 0: {} bytes requested", 4 * MIB)),
+        "g refused at its admission (its growth, 4 MiB: two pages): {}",
+        out.stderr
+    );
+    Ok(())
+}
+
 /// What NVML says `pid` uses on device 0 (`None`: not listed), asked by a process of its own
 /// that never initialises the driver (as `nvidia-smi`).
 fn nvml_used(node: &FakeNode, pid: u32) -> Result<Option<u64>> {

@@ -12,6 +12,7 @@
 //! | `FAKECUDA_NO_CHANNEL`    | `1`: this process is a driver client without a channel: the memory it holds counts in each device's used memory, and NVML's running-process lists leave it out (see [`crate::devfile`] and docs/gpu.md) | `0` |
 //! | `FAKECUDA_UNLISTED_BYTES` | of what each process NVML lists holds on a device, the bytes its row leaves out (they count in the device's used memory, as the real driver's own memory beside each process's row does: 5.6-8.8 MiB a process on an H200, docs/gpu.md); read by the process that calls NVML | 0 |
 //! | `FAKECUDA_TRIM_OBSERVED` | `1`: `cuMemPoolTrimTo` keeps what `cuMemFreeAsync` freed until a synchronize of its device observed it (`cuda.h`: such allocations "can count as outstanding"; on the H200 a trim after `cuStreamQuery` alone released nothing of a just-freed block, docs/gpu.md) | `0` |
+//! | `FAKECUDA_TRIM_KEEPS`    | `1`: `cuMemPoolTrimTo` releases nothing, nor does a synchronize (a driver that keeps what a pool reserved: the case the hook's pools must survive without charging less than the device holds) | `0` |
 //! | `FAKECUDA_STREAM_BUSY_MS` | after a `cuMemFreeAsync`, its stream has work queued for this long: `cuStreamQuery` answers `CUDA_ERROR_NOT_READY` and `cuStreamSynchronize` waits until it has run | 0 |
 //! | `FAKECUDA_NVML`          | `absent`, `fail` or `hang`: NVML misbehaves ([`crate::nvml`]) | unset |
 //! | `FAKECUDA_NVML_HANG_MS`  | how long `hang` sleeps per NVML call           | 10000      |
@@ -45,6 +46,8 @@ pub struct Config {
     pub unlisted_bytes: u64,
     /// A trim keeps stream-ordered frees no synchronize has observed yet.
     pub trim_observed: bool,
+    /// A trim (or a synchronize) releases nothing of a pool.
+    pub trim_keeps: bool,
     /// How long a stream stays busy after a `cuMemFreeAsync` on it (ms; 0: never busy).
     pub stream_busy_ms: u64,
 }
@@ -156,11 +159,12 @@ impl Config {
         let free_synchronizes = flag("FAKECUDA_FREE_SYNCHRONIZES")?;
         let no_channel = flag("FAKECUDA_NO_CHANNEL")?;
         let trim_observed = flag("FAKECUDA_TRIM_OBSERVED")?;
+        let trim_keeps = flag("FAKECUDA_TRIM_KEEPS")?;
         let stream_busy_ms = match get("FAKECUDA_STREAM_BUSY_MS")? {
             None => 0,
             Some(v) => v.parse::<u64>().ok().filter(|&ms| ms <= 60_000).ok_or_else(|| bad("FAKECUDA_STREAM_BUSY_MS", &v, "expected milliseconds, at most 60000"))?,
         };
-        Ok(Config { device_count, device_bytes, context_bytes, node, state_dir, trace, free_synchronizes, no_channel, unlisted_bytes, trim_observed, stream_busy_ms })
+        Ok(Config { device_count, device_bytes, context_bytes, node, state_dir, trace, free_synchronizes, no_channel, unlisted_bytes, trim_observed, trim_keeps, stream_busy_ms })
     }
 }
 
@@ -199,6 +203,7 @@ mod tests {
         assert!(!c.no_channel);
         assert!(cfg(&[("FAKECUDA_NO_CHANNEL", "1")]).expect("flag").no_channel);
         assert!(!c.trim_observed && cfg(&[("FAKECUDA_TRIM_OBSERVED", "1")]).expect("flag").trim_observed);
+        assert!(!c.trim_keeps && cfg(&[("FAKECUDA_TRIM_KEEPS", "1")]).expect("flag").trim_keeps);
         assert_eq!((c.stream_busy_ms, cfg(&[("FAKECUDA_STREAM_BUSY_MS", "600")]).expect("ms").stream_busy_ms), (0, 600));
         assert_eq!(cfg(&[("FAKECUDA_STREAM_BUSY_MS", "1s")]).expect_err("not ms").var, "FAKECUDA_STREAM_BUSY_MS");
         assert!(cfg(&[("FAKECUDA_STREAM_BUSY_MS", "60001")]).is_err());

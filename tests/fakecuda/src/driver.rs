@@ -853,9 +853,12 @@ impl Driver {
 
     /// `cuMemPoolTrimTo`: releases free reserved memory down to
     /// `max(round_up(used, 2 MiB), round_up(min(reserved, keep), 2 MiB))`, as far as whole free
-    /// pages allow ([`Pool::release`]).
+    /// pages allow ([`Pool::release`]); nothing under `FAKECUDA_TRIM_KEEPS`.
     pub fn pool_trim(&mut self, pool: u64, keep: u64) -> R<()> {
         let p = self.pools.get(&pool).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        if self.cfg.trim_keeps {
+            return Ok(());
+        }
         let floor = round_up(p.used, PAGE).ok_or(CUDA_ERROR_INVALID_VALUE)?;
         let kept = round_up(p.reserved.min(keep), PAGE).ok_or(CUDA_ERROR_INVALID_VALUE)?;
         let target = floor.max(kept);
