@@ -12,7 +12,7 @@
 //! | `FAKECUDA_NO_CHANNEL`    | `1`: this process is a driver client without a channel: the memory it holds counts in each device's used memory, and NVML's running-process lists leave it out (see [`crate::devfile`] and docs/gpu.md) | `0` |
 //! | `FAKECUDA_UNLISTED_BYTES` | of what each process NVML lists holds on a device, the bytes its row leaves out (they count in the device's used memory, as the real driver's own memory beside each process's row does: 5.6-8.8 MiB a process on an H200, docs/gpu.md); read by the process that calls NVML | 0 |
 //! | `FAKECUDA_TRIM_OBSERVED` | `1`: `cuMemPoolTrimTo` keeps what `cuMemFreeAsync` freed until a synchronize of its device observed it (`cuda.h`: such allocations "can count as outstanding"; on the H200 a trim after `cuStreamQuery` alone released nothing of a just-freed block, docs/gpu.md) | `0` |
-//! | `FAKECUDA_TRIM_KEEPS`    | `1`: `cuMemPoolTrimTo` releases nothing, nor does a synchronize (a driver that keeps what a pool reserved: the case the hook's pools must survive without charging less than the device holds) | `0` |
+//! | `FAKECUDA_TRIM_KEEPS`    | `1`: `cuMemPoolTrimTo` releases nothing, nor does a synchronize (a driver that keeps what a pool reserved: the case the hook's pools must survive without charging less than the device holds); a destroyed pool's memory still goes back | `0` |
 //! | `FAKECUDA_STREAM_BUSY_MS` | after a `cuMemFreeAsync`, its stream has work queued for this long: `cuStreamQuery` answers `CUDA_ERROR_NOT_READY` and `cuStreamSynchronize` waits until it has run | 0 |
 //! | `FAKECUDA_NVML`          | `absent`, `fail` or `hang`: NVML misbehaves ([`crate::nvml`]) | unset |
 //! | `FAKECUDA_NVML_HANG_MS`  | how long `hang` sleeps per NVML call           | 10000      |

@@ -853,12 +853,10 @@ impl Driver {
 
     /// `cuMemPoolTrimTo`: releases free reserved memory down to
     /// `max(round_up(used, 2 MiB), round_up(min(reserved, keep), 2 MiB))`, as far as whole free
-    /// pages allow ([`Pool::release`]); nothing under `FAKECUDA_TRIM_KEEPS`.
+    /// pages allow ([`Pool::release`]). (A destroy's release too: `FAKECUDA_TRIM_KEEPS` is the
+    /// callers', the application's trim and a synchronize.)
     pub fn pool_trim(&mut self, pool: u64, keep: u64) -> R<()> {
         let p = self.pools.get(&pool).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        if self.cfg.trim_keeps {
-            return Ok(());
-        }
         let floor = round_up(p.used, PAGE).ok_or(CUDA_ERROR_INVALID_VALUE)?;
         let kept = round_up(p.reserved.min(keep), PAGE).ok_or(CUDA_ERROR_INVALID_VALUE)?;
         let target = floor.max(kept);
@@ -881,6 +879,9 @@ impl Driver {
     pub fn pools_synchronized(&mut self, dev: Option<usize>) -> R<()> {
         for p in self.pools.values_mut().filter(|p| dev.is_none_or(|d| d == p.dev)) {
             p.unobserved.clear(); // the synchronize observed every free before it
+        }
+        if self.cfg.trim_keeps {
+            return Ok(());
         }
         let due: Vec<(u64, u64)> = self
             .pools

@@ -398,6 +398,9 @@ pub unsafe extern "C" fn cuDeviceGetMemPool(pool: *mut CUmemoryPool, dev: CUdevi
 pub unsafe extern "C" fn cuMemPoolTrimTo(pool: CUmemoryPool, minBytesToKeep: usize) -> CUresult {
     call(Api::MemPoolTrimTo, |d| {
         d.pool(pool as u64)?;
+        if d.cfg.trim_keeps {
+            return Ok(()); // FAKECUDA_TRIM_KEEPS: a driver that keeps what its pools reserved
+        }
         d.pool_trim(pool as u64, minBytesToKeep as u64)
     })
 }
