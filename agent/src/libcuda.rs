@@ -79,6 +79,11 @@ pub struct AttachReport {
     pub missing: Vec<String>,
     /// Symbols skipped because they alias an attached one (same address).
     pub aliases: Vec<String>,
+    /// How the probes are linked in the kernel: `uprobe_multi` (a link per program, removed
+    /// in one grace period) or `perf_event` (a link per probe, each removed in its own: a
+    /// kernel without uprobe_multi links, or `--uprobe-links perf`).
+    #[serde(default)]
+    pub links: String,
 }
 
 /// The identity of a file: device and inode.

@@ -89,7 +89,7 @@ fn main() -> Result<()> {
             let ran = runtime.block_on(run::run(*args));
             // A step stuck on the blocking pool (a task's, aborted at the stop) is not waited for.
             runtime.shutdown_timeout(SHUTDOWN_WAIT);
-            // The probes are: the kernel takes about 100 ms to detach each.
+            // The probes are: the kernel waits for a grace period for each link, or perf event.
             if !agent::kernel::task::wait_detached(DETACH_WAIT) {
                 tracing::warn!("the probes are not detached yet: they go with the agent's exit");
             }

@@ -22,8 +22,8 @@
 //! the agent, which exits non-zero naming it, so that the kubelet restarts it at once. The
 //! stop gives each task a deadline and aborts it past it (a stuck task cannot hold it): the
 //! reconcile task first (it frees the agent's charges), with the kernel task (its programs
-//! go with it: detaching takes the kernel about 100 ms a probe, on a thread of its own that
-//! the process waits for), then the others (the reclaim task frees whatever of the agent's
+//! go with it: the kernel waits a grace period for each link, at once for the uprobe_multi
+//! links, on a thread of its own that the process waits for), then the others (the reclaim task frees whatever of the agent's
 //! slots is left).
 //!
 //! Blocking and tenant-sized work runs on tokio's blocking pool (bounded in `main`), the
@@ -117,6 +117,13 @@ pub struct RunArgs {
     /// (`--libcuda` files and those at the usual install paths are not counted).
     #[arg(long, default_value_t = 64, value_name = "N")]
     pub max_probed_files: usize,
+    /// How the probes are linked in the kernel: `auto`, one uprobe_multi link per program and
+    /// file where the kernel has them (Linux 6.6 and later; removed in about 0.1 s at a stop),
+    /// else a perf event per probe; `perf`, a perf event per probe always (a libcuda's 28 take
+    /// about 3 s to remove, one at a time across the node). `vramguard inspect` says which
+    /// each file got.
+    #[arg(long, value_enum, default_value_t = kernel::probes::LinkKind::Auto, value_name = "KIND")]
+    pub uprobe_links: kernel::probes::LinkKind,
     /// On a hybrid cgroup node (controllers on cgroup v1, cgroup2 mounted beside them), allow
     /// `--enforce signal`: the operator states that the container runtime places every
     /// container in a cgroup2 group of its own (as systemd-managed runtimes do).
@@ -297,6 +304,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         signal: args.signal,
         limits: args.limits.clone(),
         ledger_limits: args.ledger_dir.is_some(),
+        links: args.uprobe_links,
     };
     let mut kernel = kernel::load::load(&settings, &platform, EBPF_OBJECT)?;
 

@@ -592,7 +592,7 @@ impl Discovery {
             Outcome::Probed(mut report) => {
                 info!(
                     path = ?shown, dev = id.0, ino = id.1, origin = %origin.describe(),
-                    attached = report.attached.len(), missing = ?report.missing, aliases = ?report.aliases,
+                    attached = report.attached.len(), missing = ?report.missing, aliases = ?report.aliases, links = %report.links,
                     "probes attached to libcuda"
                 );
                 report.dev = id.0;

@@ -1,7 +1,8 @@
 //! Loading the eBPF object: the loader's globals and map sizes from the agent's settings, the
 //! tracepoints (process exit, cgroup removal, the cgroup tree's other changes, and the new
 //! executable mappings discovery is told of) attached, every uprobe program loaded into the
-//! kernel (attached later, per libcuda file, by [`super::probes`]), the maps taken out for
+//! kernel for uprobe_multi links ([`super::multi`]; attached later, per libcuda file, by
+//! [`super::probes`], which loads them for perf events where those links are refused), the maps taken out for
 //! the accounting, the limits and the log. What it returns is the kernel task's state
 //! ([`Kernel`]): the programs live and die with that task.
 use std::path::PathBuf;
@@ -11,7 +12,7 @@ use aya::programs::TracePoint;
 use tokio::io::unix::AsyncFd;
 use tracing::{info, warn};
 
-use super::{accounting::Accounting, enforce, task::Kernel};
+use super::{accounting::Accounting, enforce, multi::MultiPrograms, task::Kernel};
 use crate::{cgroup::CgroupNames, preflight::Platform};
 
 /// What the loading depends on (from `vramguard run`'s arguments).
@@ -28,6 +29,8 @@ pub struct Settings {
     pub limits: Option<PathBuf>,
     /// Whether the ledgers' limits are pushed too (`--ledger-dir`).
     pub ledger_limits: bool,
+    /// How the uprobes are linked (`--uprobe-links`).
+    pub links: super::probes::LinkKind,
 }
 
 /// Loads `object` (the embedded eBPF object) and attaches its tracepoints.
@@ -47,6 +50,17 @@ pub fn load(settings: &Settings, platform: &Platform, object: &[u8]) -> Result<K
         .map_max_entries(common::names::JOURNAL, super::accounting::journal_bytes(settings.journal_bytes)?)
         .load(object)
         .context("the kernel refused the eBPF object")?;
+    // While every map is in `ebpf` (the log's is taken next).
+    let multi = match settings.links {
+        super::probes::LinkKind::Perf => None,
+        super::probes::LinkKind::Auto => match MultiPrograms::load(object, &ebpf, &super::probes::program_names()) {
+            Ok(multi) => Some(multi),
+            Err(error) => {
+                warn!(error = %format!("{error:#}"), "no uprobe_multi links on this kernel: the probes are perf events (each removed in a grace period of its own)");
+                None
+            }
+        },
+    };
     // Before any program runs, so that no line is lost.
     let log = super::log::init(&mut ebpf)?;
     let exit: &mut TracePoint = ebpf
@@ -80,7 +94,6 @@ pub fn load(settings: &Settings, platform: &Platform, object: &[u8]) -> Result<K
             "no cgroup:cgroup_rmdir tracepoint: removed cgroups' map entries are deleted by the sweep (--sweep-ms) only"
         ),
     }
-    super::probes::load_programs(&mut ebpf)?;
     match (enforce::deny_support(&mut ebpf), settings.enforce) {
         (Ok(()), _) => info!("deny mode: this kernel lets uprobes write registers, but this build does not implement deny yet"),
         (Err(reason), enforce::Mode::Deny) => bail!("--enforce deny is unavailable: {reason}; use --enforce signal or audit"),
@@ -122,5 +135,5 @@ pub fn load(settings: &Settings, platform: &Platform, object: &[u8]) -> Result<K
         "allocation records: node-wide and per-cgroup caps, spares a process may keep"
     );
 
-    Ok(Kernel { programs: super::task::Programs::new(ebpf), accounting, exits: exits_ring, log, limits, cgroups, exec_mapped })
+    Ok(Kernel { programs: super::task::Programs::new(ebpf, multi), accounting, exits: exits_ring, log, limits, cgroups, exec_mapped })
 }

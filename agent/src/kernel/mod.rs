@@ -1,5 +1,6 @@
 //! The agent's side of the eBPF programs: which program goes on which libcuda symbol
-//! ([`probes`]), the accounting maps read back (whole, a chunk of entries per system call:
+//! ([`probes`]; as uprobe_multi links where the kernel has them, the programs loaded for
+//! those by [`multi`]), the accounting maps read back (whole, a chunk of entries per system call:
 //! [`batch`]) and swept ([`accounting`], its index of
 //! records by process, [`index`], and the external-memory imports kept apart from it,
 //! [`extmem`]), the cgroup limits pushed to the
@@ -18,6 +19,7 @@ pub mod extmem;
 pub mod index;
 pub mod load;
 pub mod log;
+pub mod multi;
 pub mod probes;
 pub mod trouble;
 pub mod task;

@@ -7,10 +7,16 @@
 //! library does not export (an older driver) is skipped and reported; two symbols at one
 //! address (an alias) get one set of probes, or every call through them would count twice.
 //! The external-memory probes ([`EXTMEM_PROBES`]) are optional: a library without those
-//! symbols is probed as before (they are listed as missing).
+//! symbols is probed as before (they are listed as missing). A program goes on all its offsets
+//! in a file as one uprobe_multi link ([`super::multi`]), or, on a kernel without those, as
+//! a perf event per offset.
 use std::{
     collections::{BTreeMap, HashMap},
-    os::{fd::AsRawFd, unix::fs::MetadataExt},
+    ffi::CString,
+    os::{
+        fd::{AsRawFd, OwnedFd},
+        unix::fs::MetadataExt,
+    },
     path::{Path, PathBuf},
 };
 
@@ -22,43 +28,71 @@ use aya::{
     },
     Ebpf,
 };
+use tracing::warn;
 
+use super::multi::MultiPrograms;
 use crate::libcuda::{Opened, Prober};
 
 pub use crate::libcuda::{AttachReport, ProbeSpec, EXTMEM_PROBES, PROBES, RETURN_PROGRAM};
 
-/// Loads every uprobe program of the object into the kernel (once, before any attach).
-pub fn load_programs(ebpf: &mut Ebpf) -> Result<()> {
+/// How the probes are linked in the kernel (`--uprobe-links`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LinkKind {
+    /// uprobe_multi links where the kernel has them (Linux 6.6 and later), else perf events.
+    Auto,
+    /// A perf event per probe (slower to remove: each waits for a grace period of its own,
+    /// under a mutex the whole node shares).
+    Perf,
+}
+
+/// The names of every uprobe program of the object.
+pub fn program_names() -> Vec<&'static str> {
     let mut names: Vec<&str> = PROBES.iter().map(|probe| probe.entry).collect();
     names.push(RETURN_PROGRAM);
     names.extend(EXTMEM_PROBES.iter().flat_map(|(_, entry, ret)| std::iter::once(*entry).chain(*ret)));
     names.sort_unstable();
     names.dedup();
-    for name in names {
-        uprobe(ebpf, name)?
-            .load()
-            .with_context(|| format!("the kernel refused to load the eBPF program `{name}`"))?;
-    }
-    Ok(())
+    names
+}
+
+/// A probe's link in the kernel: a perf event (one program at one offset, through aya), or a
+/// uprobe_multi link (one program at all its offsets in a file).
+pub enum Link {
+    Perf(&'static str, UProbeLinkId),
+    Multi(OwnedFd),
 }
 
 /// Attaches the programs to files [`crate::discovery`] opened and identified, noting each
-/// probe's link (for [`detach_all`]).
+/// link (for [`detach_all`]): as uprobe_multi links where `multi` was loaded, else (or where
+/// the kernel refuses those for a file) as perf events, the programs for which aya loads at
+/// their first attach.
 pub struct Attacher<'a> {
     pub ebpf: &'a mut Ebpf,
-    pub links: &'a mut Vec<(&'static str, UProbeLinkId)>,
+    pub multi: Option<&'a MultiPrograms>,
+    pub links: &'a mut Vec<Link>,
 }
 
-/// Detaches every probe in `links`. Each detach waits for the kernel's unregistration of the
-/// perf event (its tracepoint synchronisation: about 100 ms on 6.18, serialised by the
-/// kernel's event mutex, so detaching in parallel gains nothing): a libcuda's 28 probes take
-/// about 2.7 s, at the stop or at the process's exit alike.
-pub fn detach_all(ebpf: &mut Ebpf, links: Vec<(&'static str, UProbeLinkId)>) {
-    for (program, link) in links {
-        if let Ok(program) = uprobe(ebpf, program) {
-            let _ = program.detach(link);
+/// Detaches every probe in `links`. The uprobe_multi links are closed at once, each on a
+/// thread of its own, so that the kernel's grace periods for them overlap (about 80 ms for a
+/// libcuda's, against 0.4 s one after another). A perf event's removal waits for a grace
+/// period of its own under the kernel's event mutex (about 110 ms on 6.18, so detaching them
+/// in parallel gains nothing): a libcuda's 28 take about 3 s.
+pub fn detach_all(ebpf: &mut Ebpf, links: Vec<Link>) {
+    let (multi, perf): (Vec<Link>, Vec<Link>) = links.into_iter().partition(|link| matches!(link, Link::Multi(_)));
+    std::thread::scope(|scope| {
+        for link in multi {
+            let closing = std::thread::Builder::new().name("vramguard-unlink".into());
+            // Without a thread, the link is closed here.
+            let _ = closing.spawn_scoped(scope, move || drop(link));
         }
-    }
+        for link in perf {
+            if let Link::Perf(program, id) = link {
+                if let Ok(program) = uprobe(ebpf, program) {
+                    let _ = program.detach(id);
+                }
+            }
+        }
+    });
 }
 
 impl Prober for Attacher<'_> {
@@ -70,8 +104,22 @@ impl Prober for Attacher<'_> {
     /// detached again.
     fn attach(&mut self, file: &Opened, offsets: &BTreeMap<&'static str, u64>) -> Result<AttachReport> {
         let target = PathBuf::from(format!("/proc/self/fd/{}", file.file.as_raw_fd()));
-        let mut links: Vec<(&'static str, UProbeLinkId)> = Vec::new();
-        let result = attach_all(self.ebpf, &target, offsets, &mut links).and_then(|mut report| {
+        let (mut report, points) = plan(offsets)?;
+        let mut links: Vec<Link> = Vec::new();
+        let multi = self.multi.and_then(|multi| match attach_multi(multi, &target, &points, &mut links) {
+            Ok(()) => Some("uprobe_multi"),
+            Err(error) => {
+                warn!(file = %file.shown, error = %format!("{error:#}"), "the kernel refused uprobe_multi links for this file: its probes are perf events (each removed in a grace period of its own)");
+                detach_all(self.ebpf, std::mem::take(&mut links));
+                None
+            }
+        });
+        let linked = match multi {
+            Some(kind) => Ok(kind),
+            None => attach_perf(self.ebpf, &target, &points, &mut links).map(|()| "perf_event"),
+        };
+        let result = linked.and_then(|kind| {
+            report.links = kind.to_string();
             let metadata = std::fs::metadata(&target).with_context(|| format!("cannot stat {} after attaching", target.display()))?;
             if (metadata.dev(), metadata.ino()) != file.id {
                 bail!(
@@ -94,14 +142,11 @@ impl Prober for Attacher<'_> {
     }
 }
 
-/// Attaches every probe whose symbol `offsets` has to `target`, recording each link.
-fn attach_all(
-    ebpf: &mut Ebpf,
-    target: &Path,
-    offsets: &BTreeMap<&'static str, u64>,
-    links: &mut Vec<(&'static str, UProbeLinkId)>,
-) -> Result<AttachReport> {
+/// Which program goes on which offset of a file that exports `offsets` (each probe's entry
+/// program, then the return program where it has one), and the report of it.
+fn plan(offsets: &BTreeMap<&'static str, u64>) -> Result<(AttachReport, Vec<(&'static str, u64)>)> {
     let mut report = AttachReport::default();
+    let mut points = Vec::new();
     let mut seen: HashMap<u64, &str> = HashMap::new();
     for probe in &PROBES {
         let Some(&offset) = offsets.get(probe.symbol) else {
@@ -112,9 +157,9 @@ fn attach_all(
             report.aliases.push(probe.symbol.to_string());
             continue;
         }
-        links.push((probe.entry, attach_one(ebpf, probe.entry, offset, target)?));
+        points.push((probe.entry, offset));
         if probe.returns {
-            links.push((RETURN_PROGRAM, attach_one(ebpf, RETURN_PROGRAM, offset, target)?));
+            points.push((RETURN_PROGRAM, offset));
         }
         report.attached.push(probe.symbol.to_string());
     }
@@ -130,19 +175,44 @@ fn attach_all(
             report.aliases.push(symbol.to_string());
             continue;
         }
-        links.push((entry, attach_one(ebpf, entry, offset, target)?));
+        points.push((entry, offset));
         if let Some(ret) = ret {
-            links.push((ret, attach_one(ebpf, ret, offset, target)?));
+            points.push((ret, offset));
         }
         report.attached.push(symbol.to_string());
     }
-    Ok(report)
+    Ok((report, points))
 }
 
-fn attach_one(ebpf: &mut Ebpf, program: &str, offset: u64, target: &Path) -> Result<UProbeLinkId> {
-    uprobe(ebpf, program)?
-        .attach(offset, target, UProbeScope::AllProcesses)
-        .with_context(|| format!("attaching `{program}` at offset {offset:#x}"))
+/// Puts each program on its `points` in `target` as one uprobe_multi link.
+fn attach_multi(multi: &MultiPrograms, target: &Path, points: &[(&'static str, u64)], links: &mut Vec<Link>) -> Result<()> {
+    let path = CString::new(target.as_os_str().as_encoded_bytes()).context("a path with a NUL byte")?;
+    let mut by_program: BTreeMap<&str, Vec<u64>> = BTreeMap::new();
+    for &(program, offset) in points {
+        by_program.entry(program).or_default().push(offset);
+    }
+    for (program, offsets) in by_program {
+        let link = multi
+            .attach(program, &path, &offsets)
+            .with_context(|| format!("linking `{program}` at {} offsets", offsets.len()))?;
+        links.push(Link::Multi(link));
+    }
+    Ok(())
+}
+
+/// Puts each program on each of its `points` in `target` as a perf event.
+fn attach_perf(ebpf: &mut Ebpf, target: &Path, points: &[(&'static str, u64)], links: &mut Vec<Link>) -> Result<()> {
+    for &(program, offset) in points {
+        let probe = uprobe(ebpf, program)?;
+        if probe.fd().is_err() {
+            probe.load().with_context(|| format!("the kernel refused to load the eBPF program `{program}`"))?;
+        }
+        let id = probe
+            .attach(offset, target, UProbeScope::AllProcesses)
+            .with_context(|| format!("attaching `{program}` at offset {offset:#x}"))?;
+        links.push(Link::Perf(program, id));
+    }
+    Ok(())
 }
 
 fn uprobe<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut UProbe> {

@@ -37,7 +37,6 @@ use std::{
 use anyhow::{Context, Result};
 use aya::{
     maps::{MapData, RingBuf},
-    programs::uprobe::UProbeLinkId,
     Ebpf,
 };
 use tokio::{
@@ -51,7 +50,8 @@ use super::{
     accounting::Accounting,
     enforce,
     log::Logger,
-    probes::Attacher,
+    multi::MultiPrograms,
+    probes::{Attacher, Link},
 };
 use crate::{
     cgroup::CgroupNames,
@@ -126,20 +126,22 @@ pub struct Kernel {
 
 /// The loaded programs: dropping them (at the task's end, however it ends: a return, a panic
 /// or an abort) starts detaching every probe and tracepoint on a thread of its own (the
-/// kernel takes about 100 ms a probe), which [`wait_detached`] waits for before the agent
-/// exits.
+/// kernel waits for a grace period for each link, or perf event), which [`wait_detached`]
+/// waits for before the agent exits.
 pub struct Programs {
     ebpf: ManuallyDrop<Ebpf>,
+    /// The uprobe programs loaded for uprobe_multi links (none: perf events).
+    multi: Option<MultiPrograms>,
     /// Every probe attached.
-    links: Vec<(&'static str, UProbeLinkId)>,
+    links: Vec<Link>,
 }
 
 /// The threads detaching dropped programs.
 static DETACHING: Mutex<Vec<std::thread::JoinHandle<()>>> = Mutex::new(Vec::new());
 
 impl Programs {
-    pub fn new(ebpf: Ebpf) -> Programs {
-        Programs { ebpf: ManuallyDrop::new(ebpf), links: Vec::new() }
+    pub fn new(ebpf: Ebpf, multi: Option<MultiPrograms>) -> Programs {
+        Programs { ebpf: ManuallyDrop::new(ebpf), multi, links: Vec::new() }
     }
 }
 
@@ -148,12 +150,15 @@ impl Drop for Programs {
         // SAFETY: the programs are taken once, here, and the field is never used again.
         let mut ebpf = unsafe { ManuallyDrop::take(&mut self.ebpf) };
         let links = std::mem::take(&mut self.links);
+        let multi = self.multi.take();
         let detach = move || {
             let started = std::time::Instant::now();
-            let probes = links.len();
+            let links_count = links.len();
             super::probes::detach_all(&mut ebpf, links);
+            let probes = started.elapsed();
+            drop(multi);
             drop(ebpf);
-            info!(probes, took = ?started.elapsed(), "probes detached");
+            info!(links = links_count, probes = ?probes, took = ?started.elapsed(), "probes detached");
         };
         match std::thread::Builder::new().name("vramguard-detach".into()).spawn(detach) {
             Ok(thread) => DETACHING.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(thread),
@@ -181,7 +186,8 @@ pub fn wait_detached(limit: Duration) -> bool {
 impl Kernel {
     /// Attaches probes for the task's owner before the task runs (`--libcuda`, the first scan).
     pub fn attacher(&mut self) -> Attacher<'_> {
-        Attacher { ebpf: &mut self.programs.ebpf, links: &mut self.programs.links }
+        let programs = &mut self.programs;
+        Attacher { ebpf: &mut programs.ebpf, multi: programs.multi.as_ref(), links: &mut programs.links }
     }
 
     /// Runs until `stop` turns true; then flushes the programs' log and detaches every probe.

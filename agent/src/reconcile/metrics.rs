@@ -41,7 +41,7 @@
 //! `vramguard_ledger_dir_listings_total{why}`,
 //! `vramguard_reconcile_pass_seconds`,
 //! `vramguard_events_lost_total`, `vramguard_over_limit_allocations_total`,
-//! `vramguard_enforcement_signals_total`, `vramguard_probes_attached{libcuda}`,
+//! `vramguard_enforcement_signals_total`, `vramguard_probes_attached{libcuda, links}`,
 //! `vramguard_libcuda_files{state}` (probed, failed, capped),
 //! `vramguard_libcuda_capped_containers`, `vramguard_discovery_maps_over_bound_total`,
 //! `vramguard_discovery_panics_total`, `vramguard_discovery_maps_read_total{reason}`,
@@ -264,7 +264,7 @@ impl Metrics {
             "GPU memory a process holds as the eBPF probes saw it",
             &["pid", "cgroup"],
         )?;
-        let probes = gauge_vec(&registry, "vramguard_probes_attached", "Probes attached per libcuda file", &["libcuda"])?;
+        let probes = gauge_vec(&registry, "vramguard_probes_attached", "Probes attached per libcuda file, by how the kernel links them (links: uprobe_multi or perf_event)", &["libcuda", "links"])?;
         let libcuda_files = gauge_vec(
             &registry,
             "vramguard_libcuda_files",
@@ -822,7 +822,7 @@ impl Metrics {
         self.records_cap.set(value(snapshot.stats.records_cap));
         self.probes.reset();
         for report in probes {
-            self.probes.with_label_values(&[report.path.as_str()]).set(report.attached.len() as i64);
+            self.probes.with_label_values(&[report.path.as_str(), report.links.as_str()]).set(report.attached.len() as i64);
         }
         let discovery = &snapshot.discovery;
         for (state, files) in [("probed", discovery.probed), ("failed", discovery.failed), ("capped", discovery.capped)] {
@@ -869,7 +869,7 @@ mod tests {
         let mut metrics = Metrics::new(false).expect("metrics");
         metrics.reclaimed(Duration::from_millis(3));
         let snapshot = Snapshot {
-            libcuda: vec![AttachReport { path: "/lib/libcuda.so.1".into(), attached: vec!["a".into(), "b".into()], ..Default::default() }],
+            libcuda: vec![AttachReport { path: "/lib/libcuda.so.1".into(), attached: vec!["a".into(), "b".into()], links: "uprobe_multi".into(), ..Default::default() }],
             ..Default::default()
         };
         let mut reconciler = Reconciler::new(Default::default());
@@ -879,7 +879,7 @@ mod tests {
         let text = metrics.encode().expect("encode");
         assert!(text.contains("vramguard_reclaims_total 1"), "{text}");
         assert!(text.contains("vramguard_reclaim_latency_seconds_bucket{le=\"0.005\"} 1"), "{text}");
-        assert!(text.contains("vramguard_probes_attached{libcuda=\"/lib/libcuda.so.1\"} 2"), "{text}");
+        assert!(text.contains("vramguard_probes_attached{libcuda=\"/lib/libcuda.so.1\",links=\"uprobe_multi\"} 2"), "{text}");
         assert!(text.contains("vramguard_events_lost_total 0"), "{text}");
         assert!(text.contains("vramguard_process_state{pid=\"41\",state=\"unhooked\"} 1"), "{text}");
         assert!(text.contains("vramguard_process_state{pid=\"41\",state=\"ok\"} 0"), "{text}");

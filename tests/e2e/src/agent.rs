@@ -334,9 +334,10 @@ impl Drop for Agent {
 /// Waits until no other test's agent on this node stops, and holds that until dropped (an
 /// exclusive `flock` on `target/<profile>/.agent-stop.lock`).
 ///
-/// An agent's stop is mostly the kernel's: it removes each of the ~28 probes under one mutex
-/// of its own, waiting a grace period each (about 100 ms), so agents stopping at once on one
-/// node queue behind each other's probes. A node has one agent; so does each measured stop.
+/// An agent's stop is mostly the kernel's: it removes each tracepoint link (9), and each probe
+/// where they are perf events (28 for a libcuda, `--uprobe-links perf`), under one mutex of
+/// its own, waiting a grace period each (about 70-110 ms), so agents stopping at once on one
+/// node queue behind each other's. A node has one agent; so does each measured stop.
 pub fn stopping_alone() -> Result<File> {
     let path = crate::target_dir()?.join(".agent-stop.lock");
     let lock = File::options().create(true).truncate(false).write(true).open(&path).with_context(|| format!("cannot open {}", path.display()))?;

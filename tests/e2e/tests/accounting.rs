@@ -116,12 +116,35 @@ fn run_sequence(agent: &Agent, via: Via) -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn every_api_family_is_accounted_exactly_per_cgroup_and_process() -> Result<()> {
-    let agent = agent()?;
+/// How the kernel links the probes of the one libcuda `agent` probes (`uprobe_multi` or
+/// `perf_event`), as its audit says.
+fn links(agent: &Agent) -> Result<String> {
+    let audit = agent.audit()?;
+    let files = rows(&audit, "libcuda");
+    let [file] = files.as_slice() else { bail!("one libcuda probed: {audit}") };
+    Ok(file["links"].as_str().unwrap_or_default().to_string())
+}
+
+/// Runs the sequence of every API family under an agent started with `args`, whose probes
+/// the kernel links as `links`.
+fn every_family(args: &[&OsStr], expected: &str) -> Result<()> {
+    let agent = Agent::start_on_fake_driver(args)?;
+    assert_eq!(links(&agent)?, expected);
     run_sequence(&agent, Via::Dlsym)?;
     agent.stop()?;
     Ok(())
+}
+
+/// This kernel (6.18) has uprobe_multi links: the agent uses them by default.
+#[test]
+fn every_api_family_is_accounted_exactly_per_cgroup_and_process() -> Result<()> {
+    every_family(&[], "uprobe_multi")
+}
+
+/// The perf events a kernel without uprobe_multi links gets (forced here): the same figures.
+#[test]
+fn every_api_family_is_accounted_exactly_through_perf_event_probes_too() -> Result<()> {
+    every_family(&[OsStr::new("--uprobe-links"), OsStr::new("perf")], "perf_event")
 }
 
 #[test]

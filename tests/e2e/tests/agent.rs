@@ -84,8 +84,8 @@ fn the_agent_watches_ledgers_reclaims_dead_slots_and_exports_metrics() -> Result
         .find(|s| s.label("pid") == live.pid().to_string())
         .map(|s| s.value as u64);
     assert_eq!(ebpf, Some(100 * MIB), "the eBPF view of the live holder");
-    let probes = samples(&all, "vramguard_probes_attached").map(|s| s.value).sum::<f64>();
-    ensure!(probes > 0.0, "probes attached: {probes}");
+    let probes = samples(&all, "vramguard_probes_attached").filter(|s| s.label("links") == "uprobe_multi").map(|s| s.value).sum::<f64>();
+    ensure!(probes > 0.0, "probes attached through uprobe_multi links: {probes}");
     assert_eq!(single(&all, "vramguard_events_lost_total")?, 0.0);
 
     // Holders SIGKILLed and left unreaped: the agent (nothing else touches the ledger)

@@ -86,20 +86,6 @@ impl Scene {
     }
 }
 
-/// How long the kernel took to detach the probes, as the agent logged it (`took=2.7s`).
-fn detach_time(log: &str) -> Option<Duration> {
-    let line = log.lines().find(|l| l.contains("probes detached"))?;
-    let took = line.split("took=").nth(1)?.split_whitespace().next()?;
-    let (number, unit) = took.split_at(took.find(|c: char| c.is_ascii_alphabetic())?);
-    let number: f64 = number.parse().ok()?;
-    Some(Duration::from_secs_f64(match unit {
-        "s" => number,
-        "ms" => number / 1e3,
-        "µs" | "us" => number / 1e6,
-        _ => return None,
-    }))
-}
-
 fn arm(path: &Path) -> Result<()> {
     std::fs::write(path, b"now").with_context(|| format!("cannot create {}", path.display()))
 }
@@ -126,12 +112,9 @@ fn a_task_that_panics_ends_the_agent_naming_it_with_its_probes_detached_and_char
         let log = agent.log();
         eprintln!("{task}: the agent exited ({status}) {took:?} after the panic");
         ensure!(!status.success(), "{task}: the agent exits non-zero after a task's panic: {log}");
-        // Within 2 s, or within a second of the kernel's detaching the probes where that takes
-        // longer: it takes the kernel about 100 ms a probe (the agent logs how long), during
-        // the stop or at the exit alike, and the stop goes on meanwhile.
-        let detach = detach_time(&log).with_context(|| format!("{task}: the detach's duration: {log}"))?;
-        let bound = Duration::from_secs(2).max(detach + Duration::from_secs(1));
-        ensure!(took <= bound, "{task}: exited within {bound:?} (the kernel took {detach:?} to detach the probes; the agent {took:?}): {log}");
+        // Within 2 s: the probes' uprobe_multi links go in one grace period (the stop logs how
+        // long; as perf events they took about 3 s, and this bound was loosened by that).
+        ensure!(took <= Duration::from_secs(2), "{task}: exited within 2 s (the agent took {took:?}): {log}");
         ensure!(
             log.contains(&format!("the {task} task failed: it panicked: fault injected")),
             "{task}: the agent names the task and the panic: {log}"
@@ -154,11 +137,7 @@ fn sigterm_completes_within_5_s_with_a_parked_task() -> Result<()> {
         let (status, took) = agent.terminate(Duration::from_secs(30))?;
         let log = agent.log();
         eprintln!("{task} parked: SIGTERM completed in {took:?} ({status})");
-        // Within 5 s, or within a second of the kernel's detaching the probes, where that
-        // takes longer (as above).
-        let detach = detach_time(&log).with_context(|| format!("{task}: the detach's duration: {log}"))?;
-        let bound = Duration::from_secs(5).max(detach + Duration::from_millis(1500));
-        ensure!(took <= bound, "{task} parked: SIGTERM completes within {bound:?} (the kernel took {detach:?} to detach the probes; the agent {took:?}): {log}");
+        ensure!(took <= Duration::from_secs(5), "{task} parked: SIGTERM completes within 5 s (the agent took {took:?}): {log}");
         ensure!(log.contains(&format!("the {task} task failed: it did not stop within")), "{task}: the parked task is named: {log}");
         ensure!(log.contains("probes detached"), "{task}: the probes are detached: {log}");
         ensure!(used(&scene.ledger)? == scene.own, "{task}: the agent's charge is released: {} MiB in the ledger: {log}", used(&scene.ledger)? / MIB);
