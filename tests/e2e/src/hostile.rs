@@ -72,8 +72,8 @@ impl Bystander {
     }
 
     /// Starts a fresh process of the container, then SIGKILLs the oldest and fails unless its
-    /// slot is freed within [`RECLAIM_WITHIN`]; returns how long the reclaim took.
-    pub fn kill_and_expect_reclaim(&mut self, agent: &Agent) -> Result<Duration> {
+    /// slot is freed within [`RECLAIM_WITHIN`]; returns the killed process's pid.
+    pub fn kill_and_expect_reclaim(&mut self, agent: &Agent) -> Result<u32> {
         self.spawn()?;
         self.wait_recorded(agent)?;
         let victim = self.processes.remove(0);
@@ -85,7 +85,7 @@ impl Bystander {
         })
         .with_context(|| format!("agent log:\n{}", agent.log()))?;
         eprintln!("bystander process {pid} reclaimed {took:?} after its kill");
-        Ok(took)
+        Ok(pid)
     }
 }
 

@@ -28,7 +28,10 @@
 //!   hostile; one hostile ledger of the largest geometry, scribbled on ([`Hostile`]); 50
 //!   hostile ledgers (`e2e::hostile::HostileLedgers`) and a process mapping a crafted ELF
 //!   file ([`ManyHostile`]).
+//! - Stops ([`Stops`]): agents started beside the holders and stopped by SIGTERM, with the
+//!   probes as uprobe_multi links (the default) and as perf events, side by side.
 use std::{
+    ffi::OsStr,
     os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
     time::{Duration, Instant},
@@ -105,7 +108,7 @@ pub fn node_agent(bin: &Path, rows: &mut Vec<Row>, notes: &mut Vec<String>) -> R
             Ok(path)
         })
         .collect::<Result<_>>()?;
-    let agent = start(bin, dir.path(), 0, &node, Nvml::Fake)?;
+    let agent = start(bin, dir.path(), 0, &node, Nvml::Fake, &[])?;
     let mut holders = Vec::new();
     for path in &paths[..BUSY_LEDGERS] {
         for _ in 0..HOLDERS_PER_LEDGER {
@@ -121,22 +124,23 @@ pub fn node_agent(bin: &Path, rows: &mut Vec<Row>, notes: &mut Vec<String>) -> R
     agent.stop()?;
     // A new agent beside the running holders, as after an agent's restart: its probes never
     // saw their allocations.
-    let restarted = start(bin, dir.path(), 0, &node, Nvml::Fake)?;
+    let restarted = start(bin, dir.path(), 0, &node, Nvml::Fake, &[])?;
     let after_restart = Idle::measure(&restarted)?;
     restarted.stop()?;
     // The same idle window without the driver view (the fake NVML made absent): what the
     // driver view adds to a pass.
-    let blind = start(bin, dir.path(), 0, &node, Nvml::Absent)?;
+    let blind = start(bin, dir.path(), 0, &node, Nvml::Absent, &[])?;
     let without_nvml = Idle::measure(&blind)?;
     blind.stop()?;
     // A third agent, with one hostile ledger beside the others.
     let hostile = Hostile::plant(dir.path())?;
-    let beside = start(bin, dir.path(), 1, &node, Nvml::Fake)?;
+    let beside = start(bin, dir.path(), 1, &node, Nvml::Fake, &[])?;
     let one_hostile = Measured::of(&beside, &node, &paths)?;
     beside.stop()?;
     drop(hostile);
     // A fourth, with many hostile tenants and a crafted ELF file.
     let many = ManyHostile::measure(bin, &dir, &node, &paths)?;
+    let stops = Stops::measure(bin, &dir, &node)?;
     let held = holders.len();
     drop(holders);
 
@@ -235,6 +239,8 @@ pub fn node_agent(bin: &Path, rows: &mut Vec<Row>, notes: &mut Vec<String>) -> R
         percentile(&warm.logged, 0.99),
     ));
     notes.push(Health::note(configurations));
+    stops.rows(rows);
+    notes.push(stops.note());
     notes.push(format!(
         "The driver view: each agent loads the fake NVML beside the fake libcuda, with the node's variables, so it \
          lists the node's processes and their memory as the fake driver holds it (every holder, its context \
@@ -468,7 +474,7 @@ impl ManyHostile {
         let mut mapper = node.workload().steps([format!("map {}", elf.display()), "checkpoint mapped".into(), "hold".into()]).spawn()?;
         mapper.wait_checkpoint("mapped")?;
         let mut hostile = HostileLedgers::make(dir.path(), Self::LEDGERS, OWED)?;
-        let agent = start(bin, dir.path(), Self::LEDGERS, node, Nvml::Fake)?;
+        let agent = start(bin, dir.path(), Self::LEDGERS, node, Nvml::Fake, &[])?;
         let attacked = Instant::now();
         hostile.attack(Self::HELD_FOR)?;
         let names: Vec<String> = hostile.paths().iter().map(|p| p.display().to_string()).collect();
@@ -528,6 +534,88 @@ impl ManyHostile {
 /// Starts the agent at `bin` on the kit's fake driver, watching `dir`, with its health
 /// listener, and waits until it watches every ledger there (`extra` more than the
 /// benchmark's).
+/// Agents stopped by SIGTERM, as the kubelet stops one ([`Stops::ROUNDS`] of each kind of
+/// probe link, the first kind alternating), beside the running holders.
+struct Stops {
+    /// Per kind (uprobe_multi, perf events): each stop's SIGTERM to exit, and the agent's own
+    /// `probes=` (its probes detached) and `took=` (its tracepoints too), in ms.
+    kinds: [Vec<(f64, f64, f64)>; 2],
+}
+
+impl Stops {
+    const ROUNDS: usize = 5;
+    const KINDS: [(&'static str, &'static [&'static str]); 2] =
+        [("uprobe_multi links (the default)", &[]), ("perf events (`--uprobe-links perf`)", &["--uprobe-links", "perf"])];
+
+    fn measure(bin: &Path, dir: &TempDir, node: &FakeNode) -> Result<Stops> {
+        let mut kinds = [Vec::new(), Vec::new()];
+        for round in 0..Self::ROUNDS {
+            for turn in 0..2 {
+                let kind = (round + turn) % 2;
+                let agent = start(bin, dir.path(), 0, node, Nvml::Fake, Self::KINDS[kind].1)?;
+                let started = Instant::now();
+                let log = agent.stop()?;
+                let stopped = started.elapsed().as_secs_f64() * 1e3;
+                let line = log.lines().find(|line| line.contains("probes detached")).context("no `probes detached` line in the agent's log")?;
+                let field = |name: &str| -> Result<f64> {
+                    let value = line.split(&format!(" {name}=")).nth(1).and_then(|rest| rest.split_whitespace().next());
+                    value.and_then(millis).with_context(|| format!("no {name}= in {line}"))
+                };
+                kinds[kind].push((stopped, field("probes")?, field("took")?));
+            }
+        }
+        Ok(Stops { kinds })
+    }
+
+    fn rows(&self, rows: &mut Vec<Row>) {
+        for ((kind, _), stops) in Self::KINDS.iter().zip(&self.kinds) {
+            let median = |pick: fn(&(f64, f64, f64)) -> f64| percentile(&sorted(stops.iter().map(pick).collect()), 0.50);
+            rows.push(Row::reported(format!("agent stop, SIGTERM to exit, {kind}: median of {} stops", stops.len()), median(|s| s.0), "ms", 0));
+            rows.push(Row::reported(format!("agent stop, the probes' detaching, {kind}: median of {} stops", stops.len()), median(|s| s.1), "ms", 0));
+        }
+    }
+
+    fn note(&self) -> String {
+        let range = |stops: &[(f64, f64, f64)], pick: fn(&(f64, f64, f64)) -> f64| {
+            let all = sorted(stops.iter().map(pick).collect());
+            format!("{:.0}-{:.0} ms", all.first().copied().unwrap_or(f64::NAN), all.last().copied().unwrap_or(f64::NAN))
+        };
+        format!(
+            "Agent stops: {} rounds, each starting an agent of each kind (the first alternating) on the same ledgers \
+             beside the running holders and stopping it with SIGTERM, timed from the signal to the exit. The agent logs \
+             its detaching (`probes detached links=N probes=... took=...`: `probes` the uprobes alone, `took` the \
+             tracepoints too). uprobe_multi links: stops {}, probes {}, with the tracepoints {}; perf events: stops {}, \
+             probes {}, with the tracepoints {}.",
+            Self::ROUNDS,
+            range(&self.kinds[0], |s| s.0),
+            range(&self.kinds[0], |s| s.1),
+            range(&self.kinds[0], |s| s.2),
+            range(&self.kinds[1], |s| s.0),
+            range(&self.kinds[1], |s| s.1),
+            range(&self.kinds[1], |s| s.2),
+        )
+    }
+}
+
+/// Milliseconds in a duration as Rust's `Debug` writes it (`77.08ms`, `2.98s`, `950µs`).
+fn millis(text: &str) -> Option<f64> {
+    let unit = text.find(|c: char| c.is_alphabetic() || c == 'µ')?;
+    let (number, unit) = text.split_at(unit);
+    let number: f64 = number.parse().ok()?;
+    match unit {
+        "s" => Some(number * 1e3),
+        "ms" => Some(number),
+        "µs" | "us" => Some(number / 1e3),
+        "ns" => Some(number / 1e6),
+        _ => None,
+    }
+}
+
+fn sorted(mut samples: Vec<f64>) -> Vec<f64> {
+    samples.sort_by(f64::total_cmp);
+    samples
+}
+
 /// Whether the agent's driver view reads the fake NVML.
 #[derive(Clone, Copy, PartialEq)]
 enum Nvml {
@@ -539,9 +627,10 @@ enum Nvml {
 
 /// Starts the agent at `bin` on the ledgers in `dir` (and `extra` more) with the node's
 /// variables, so that the fake NVML it loads sees the node's processes.
-fn start(bin: &Path, dir: &Path, extra: usize, node: &FakeNode, nvml: Nvml) -> Result<Agent> {
+fn start(bin: &Path, dir: &Path, extra: usize, node: &FakeNode, nvml: Nvml, more: &[&str]) -> Result<Agent> {
     let libcuda = e2e::fake_driver_dir()?.join("libcuda.so.1");
-    let args = e2e::agent::watching_args(&libcuda, dir);
+    let mut args = e2e::agent::watching_args(&libcuda, dir);
+    args.extend(more.iter().map(OsStr::new));
     let mut env = node.env().to_vec();
     if nvml == Nvml::Absent {
         env.push(("FAKECUDA_NVML".into(), "absent".into()));
