@@ -106,8 +106,8 @@
 //!
 //! Passes run every second, for every `audit` (a `/metrics` scrape runs none: it is served
 //! the page of the last pass, [`crate::serve`]), and (at most one per
-//! [`MIN_INTERVAL`]) after a drain of the event ring buffer that found events and a ledger
-//! sweep that reclaimed slots: a quiet node costs one pass a second.
+//! [`MIN_INTERVAL`], [`SETTLE`] after the first) after a drain of the event ring buffer that
+//! found events and a ledger sweep that reclaimed slots: a quiet node costs one pass a second.
 pub use crate::snapshot::{EbpfProcess, HoldersByCgroup, Holder, State};
 
 pub mod figure;
@@ -145,6 +145,12 @@ pub const DEFAULT_GRACE_MS: u64 = 5000;
 pub const TAMPER_CONFIRM: Duration = Duration::from_millis(250);
 /// Passes triggered by events are at least this far apart (the timer's are not affected).
 pub const MIN_INTERVAL: Duration = Duration::from_millis(100);
+/// How long a pass triggered by an event waits (for more to come): an exit's event comes
+/// while the kernel still tears its process down, and the exit path frees its slots a
+/// millisecond or a few later; a pass started at once ran beside that reclaim on the node's
+/// CPUs (the slowest reclaims beside 50 hostile ledgers, 3-4 ms, were each beside such a
+/// pass), and saw the process dead but still in its slot.
+pub const SETTLE: Duration = Duration::from_millis(25);
 /// Default `--context-allowance`: what any process's context (and what comes with it: module
 /// images, local memory) may hold on one device (1 GiB: an H100's and an H200's measured
 /// 518 MiB, and up to 310 MiB that PyTorch jobs loading modules lazily held beside it on the

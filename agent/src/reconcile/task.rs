@@ -11,7 +11,7 @@
 //! task to push and enforce: the kernel task never waits for NVML or for a pass.
 //!
 //! Passes run every second, after a drain or a reclaim that changed something (at most one
-//! per [`super::MIN_INTERVAL`]), and for every `audit`.
+//! per [`super::MIN_INTERVAL`], [`super::SETTLE`] after it), and for every `audit`.
 use std::{collections::BTreeMap, net::SocketAddr, sync::Arc, time::Duration};
 
 use bytes::Bytes;
@@ -100,17 +100,20 @@ impl Judge {
         let wanted = wiring.publisher.as_ref().map(|(_, wanted)| wanted.clone());
         // A pass at the moment what the last one saw can be confirmed (a slot written down).
         let mut confirm = None;
+        // A pass an event called for, once it settled ([`super::SETTLE`]).
+        let mut settled = None;
         loop {
             wiring.heartbeat.beat();
             let step = tokio::select! {
                 _ = wiring.stop.changed() => break,
                 _ = tick.tick() => Step::Pass,
                 _ = at(confirm) => Step::Pass,
+                _ = at(settled) => Step::Pass,
                 _ = wiring.changed.notified() => {
-                    if !self.reconciler.due() {
-                        continue;
+                    if self.reconciler.due() && settled.is_none() {
+                        settled = Some(tokio::time::Instant::now() + super::SETTLE);
                     }
-                    Step::Pass
+                    continue;
                 }
                 _ = rung(wanted.as_deref()) => Step::Render,
                 request = wiring.audits.recv() => match request {
@@ -118,6 +121,9 @@ impl Judge {
                     None => continue,
                 },
             };
+            if matches!(step, Step::Pass) {
+                settled = None;
+            }
             self = self.step(step, &wiring).await?;
             confirm = self.reconciler.next_confirmation().map(tokio::time::Instant::from_std);
         }

@@ -531,9 +531,6 @@ impl ManyHostile {
     }
 }
 
-/// Starts the agent at `bin` on the kit's fake driver, watching `dir`, with its health
-/// listener, and waits until it watches every ledger there (`extra` more than the
-/// benchmark's).
 /// Agents stopped by SIGTERM, as the kubelet stops one ([`Stops::ROUNDS`] of each kind of
 /// probe link, the first kind alternating), beside the running holders.
 struct Stops {
@@ -625,8 +622,9 @@ enum Nvml {
     Absent,
 }
 
-/// Starts the agent at `bin` on the ledgers in `dir` (and `extra` more) with the node's
-/// variables, so that the fake NVML it loads sees the node's processes.
+/// Starts the agent at `bin` (with `more` arguments) on the kit's fake driver and the ledgers
+/// in `dir` (and `extra` more), with its health listener and the node's variables, so that the
+/// fake NVML it loads sees the node's processes; waits until it watches every ledger there.
 fn start(bin: &Path, dir: &Path, extra: usize, node: &FakeNode, nvml: Nvml, more: &[&str]) -> Result<Agent> {
     let libcuda = e2e::fake_driver_dir()?.join("libcuda.so.1");
     let mut args = e2e::agent::watching_args(&libcuda, dir);
