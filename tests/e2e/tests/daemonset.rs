@@ -554,6 +554,10 @@ fn the_daemonset_pod_runs_the_agent_with_the_manifest_privileges() -> Result<()>
     wait_for(timeout(), "the driver view (NVML) ok", || Ok(node.audit()?["driver"]["state"] == "ok")).with_context(|| format!("{}", node.audit().map(|a| a["driver"].clone()).unwrap_or_default()))?;
     let driver = node.audit()?["driver"].clone();
     ensure!(driver["library"] == "/host/driver/libnvidia-ml.so.1", "NVML was not loaded beside --libcuda: {driver}");
+    // With the manifest's capabilities the kernel links the probes as uprobe_multi links
+    // (removed in one grace period at a stop), not as a perf event each.
+    let files = node.audit()?["libcuda"].as_array().cloned().unwrap_or_default();
+    ensure!(!files.is_empty() && files.iter().all(|f| f["links"] == "uprobe_multi"), "the probes' links: {files:?}");
 
     // An upgrade: the pod replaced while the workload runs. The old agent stops cleanly; the
     // initContainer puts the hook in place again (copy, then rename: the workload keeps the
