@@ -14,6 +14,7 @@
 //! | `panic-file` | a file name | discovery panics while reading a file of that name ([`panics_on_file`]) |
 //! | `deaf` | a command name | discovery ignores the kernel's word on new mappings of processes of that name (`/proc/<pid>/comm`), as if their events were missed ([`deaf_to`]) |
 //! | `delay` | a step's name | the step sleeps that long first ([`delay`]) |
+//! | `refuse` | `uprobe-multi` | the kernel refuses every uprobe_multi link of a file but its first, as one without them does (the first is made, to be removed again: [`refused`]) |
 //!
 //! Steps that can be delayed: `create-container` (every provisioning's blocking step, after
 //! the ledger's tmpfs, the ledger and the record are made, before the container is recorded
@@ -31,6 +32,7 @@ pub enum Fault {
     PanicOnFile(String),
     Deaf(String),
     Delay(String, Duration),
+    Refuse(String),
 }
 
 static FAULTS: OnceLock<Vec<Fault>> = OnceLock::new();
@@ -40,18 +42,19 @@ pub fn parse(text: &str) -> Result<Fault, String> {
     let mut parts = text.splitn(3, ':');
     let (kind, at) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
     if at.is_empty() {
-        return Err(format!("{text:?}: expected KIND:WHERE (panic, park, panic-file, deaf) or delay:WHERE:MS"));
+        return Err(format!("{text:?}: expected KIND:WHERE (panic, park, panic-file, deaf, refuse) or delay:WHERE:MS"));
     }
     let fault = match (kind, parts.next()) {
         ("panic", when) => Fault::Panic(at.into(), when.map(PathBuf::from)),
         ("park", when) => Fault::Park(at.into(), when.map(PathBuf::from)),
         ("panic-file", None) => Fault::PanicOnFile(at.into()),
         ("deaf", None) => Fault::Deaf(at.into()),
+        ("refuse", None) => Fault::Refuse(at.into()),
         ("delay", Some(ms)) => {
             let ms: u64 = ms.parse().map_err(|_| format!("{text:?}: {ms:?} is not a number of milliseconds"))?;
             Fault::Delay(at.into(), Duration::from_millis(ms))
         }
-        _ => return Err(format!("{text:?}: unknown fault (panic:TASK[:FILE], park:TASK[:FILE], panic-file:NAME, deaf:COMMAND, delay:STEP:MS)")),
+        _ => return Err(format!("{text:?}: unknown fault (panic:TASK[:FILE], park:TASK[:FILE], panic-file:NAME, deaf:COMMAND, delay:STEP:MS, refuse:uprobe-multi)")),
     };
     Ok(fault)
 }
@@ -114,6 +117,11 @@ pub fn deaf_to(pid: u32) -> bool {
     comm == first || deaf.any(|name| name == comm)
 }
 
+/// Whether the kernel is to refuse `call` (as if it had no such call).
+pub fn refused(call: &str) -> bool {
+    faults().iter().any(|fault| matches!(fault, Fault::Refuse(name) if name == call))
+}
+
 /// How long the step `step` is to be delayed, if at all.
 pub fn delay(step: &str) -> Option<Duration> {
     faults().iter().find_map(|fault| match fault {
@@ -133,6 +141,7 @@ mod tests {
         assert_eq!(parse("panic-file:libcuda.so.1"), Ok(Fault::PanicOnFile("libcuda.so.1".into())));
         assert_eq!(parse("deaf:fakecuda-worklo"), Ok(Fault::Deaf("fakecuda-worklo".into())));
         assert_eq!(parse("delay:create-container:3000"), Ok(Fault::Delay("create-container".into(), Duration::from_secs(3))));
+        assert_eq!(parse("refuse:uprobe-multi"), Ok(Fault::Refuse("uprobe-multi".into())));
         assert!(parse("panic").is_err());
         assert!(parse("explode:kernel").is_err());
         assert!(parse("delay:x:soon").is_err());

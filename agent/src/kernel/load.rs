@@ -56,11 +56,14 @@ pub fn load(settings: &Settings, platform: &Platform, object: &[u8]) -> Result<K
         super::probes::LinkKind::Auto => match MultiPrograms::load(object, &ebpf, &super::probes::program_names()) {
             Ok(multi) => Some(multi),
             Err(error) => {
-                warn!(error = %format!("{error:#}"), "no uprobe_multi links on this kernel: the probes are perf events (each removed in a grace period of its own)");
+                warn!(error = %format!("{error:#}"), "the uprobe programs cannot be loaded for uprobe_multi links: the probes are perf events (each removed in a grace period of its own)");
                 None
             }
         },
     };
+    if multi.is_none() {
+        super::probes::load_programs(&mut ebpf)?;
+    }
     // Before any program runs, so that no line is lost.
     let log = super::log::init(&mut ebpf)?;
     let exit: &mut TracePoint = ebpf

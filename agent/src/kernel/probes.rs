@@ -45,6 +45,20 @@ pub enum LinkKind {
     Perf,
 }
 
+/// Loads every uprobe program of the object for perf events (where there are no uprobe_multi
+/// links: the verifier's word at the start, not at the first attach).
+pub fn load_programs(ebpf: &mut Ebpf) -> Result<()> {
+    for name in program_names() {
+        uprobe(ebpf, name)?
+            .load()
+            .with_context(|| format!("the kernel refused to load the eBPF program `{name}`"))?;
+    }
+    Ok(())
+}
+
+/// At most this many threads close a stop's uprobe_multi links (each closes its share).
+const UNLINKING_THREADS: usize = 32;
+
 /// The names of every uprobe program of the object.
 pub fn program_names() -> Vec<&'static str> {
     let mut names: Vec<&str> = PROBES.iter().map(|probe| probe.entry).collect();
@@ -63,27 +77,31 @@ pub enum Link {
 }
 
 /// Attaches the programs to files [`crate::discovery`] opened and identified, noting each
-/// link (for [`detach_all`]): as uprobe_multi links where `multi` was loaded, else (or where
-/// the kernel refuses those for a file) as perf events, the programs for which aya loads at
-/// their first attach.
+/// link (for [`detach_all`]): as uprobe_multi links where `multi` was loaded and the kernel
+/// has them ([`MultiPrograms::refused`]), else as perf events (the programs for which aya
+/// loads at their first attach, where `multi` was loaded).
 pub struct Attacher<'a> {
     pub ebpf: &'a mut Ebpf,
-    pub multi: Option<&'a MultiPrograms>,
+    pub multi: Option<&'a mut MultiPrograms>,
     pub links: &'a mut Vec<Link>,
 }
 
-/// Detaches every probe in `links`. The uprobe_multi links are closed at once, each on a
-/// thread of its own, so that the kernel's grace periods for them overlap (about 80 ms for a
-/// libcuda's, against 0.4 s one after another). A perf event's removal waits for a grace
-/// period of its own under the kernel's event mutex (about 110 ms on 6.18, so detaching them
-/// in parallel gains nothing): a libcuda's 28 take about 3 s.
+/// Detaches every probe in `links`. The uprobe_multi links are closed at once, on up to
+/// [`UNLINKING_THREADS`] threads, so that the kernel's grace periods for them overlap (about
+/// 80 ms for a libcuda's, against 0.4 s one after another). A perf event's removal waits for a
+/// grace period of its own under the kernel's event mutex (about 110 ms on 6.18, so detaching
+/// them in parallel gains nothing): a libcuda's 28 take about 3 s.
 pub fn detach_all(ebpf: &mut Ebpf, links: Vec<Link>) {
     let (multi, perf): (Vec<Link>, Vec<Link>) = links.into_iter().partition(|link| matches!(link, Link::Multi(_)));
+    let mut shares: Vec<Vec<Link>> = (0..UNLINKING_THREADS.min(multi.len())).map(|_| Vec::new()).collect();
+    for (i, link) in multi.into_iter().enumerate() {
+        shares[i % UNLINKING_THREADS].push(link);
+    }
     std::thread::scope(|scope| {
-        for link in multi {
+        for share in shares {
             let closing = std::thread::Builder::new().name("vramguard-unlink".into());
-            // Without a thread, the link is closed here.
-            let _ = closing.spawn_scoped(scope, move || drop(link));
+            // Without a thread, the share is closed here.
+            let _ = closing.spawn_scoped(scope, move || drop(share));
         }
         for link in perf {
             if let Link::Perf(program, id) = link {
@@ -106,17 +124,27 @@ impl Prober for Attacher<'_> {
         let target = PathBuf::from(format!("/proc/self/fd/{}", file.file.as_raw_fd()));
         let (mut report, points) = plan(offsets)?;
         let mut links: Vec<Link> = Vec::new();
-        let multi = self.multi.and_then(|multi| match attach_multi(multi, &target, &points, &mut links) {
-            Ok(()) => Some("uprobe_multi"),
-            Err(error) => {
-                warn!(file = %file.shown, error = %format!("{error:#}"), "the kernel refused uprobe_multi links for this file: its probes are perf events (each removed in a grace period of its own)");
-                detach_all(self.ebpf, std::mem::take(&mut links));
-                None
-            }
-        });
-        let linked = match multi {
-            Some(kind) => Ok(kind),
+        let linked = match self.multi.as_deref_mut().filter(|multi| multi.usable()) {
             None => attach_perf(self.ebpf, &target, &points, &mut links).map(|()| "perf_event"),
+            Some(multi) => match attach_multi(multi, &target, &points, &mut links) {
+                Ok(()) => {
+                    multi.made();
+                    Ok("uprobe_multi")
+                }
+                // The kernel has them: the file is refused (as for any failed attach).
+                Err(error) if multi.known_to_work() => Err(error),
+                Err(error) => {
+                    detach_all(self.ebpf, std::mem::take(&mut links));
+                    match attach_perf(self.ebpf, &target, &points, &mut links) {
+                        Ok(()) => {
+                            multi.refused();
+                            warn!(file = %file.shown, error = %format!("{error:#}"), "the kernel refuses uprobe_multi links: the probes are perf events from now on (each removed in a grace period of its own)");
+                            Ok("perf_event")
+                        }
+                        Err(perf) => Err(error.context(format!("and as perf events: {perf:#}"))),
+                    }
+                }
+            },
         };
         let result = linked.and_then(|kind| {
             report.links = kind.to_string();
@@ -191,7 +219,10 @@ fn attach_multi(multi: &MultiPrograms, target: &Path, points: &[(&'static str, u
     for &(program, offset) in points {
         by_program.entry(program).or_default().push(offset);
     }
-    for (program, offsets) in by_program {
+    for (made, (program, offsets)) in by_program.into_iter().enumerate() {
+        if made > 0 && crate::fault::refused("uprobe-multi") {
+            return Err(std::io::Error::from_raw_os_error(libc::EINVAL)).with_context(|| format!("linking `{program}` (--fault refuse:uprobe-multi)"));
+        }
         let link = multi
             .attach(program, &path, &offsets)
             .with_context(|| format!("linking `{program}` at {} offsets", offsets.len()))?;

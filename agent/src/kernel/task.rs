@@ -187,7 +187,7 @@ impl Kernel {
     /// Attaches probes for the task's owner before the task runs (`--libcuda`, the first scan).
     pub fn attacher(&mut self) -> Attacher<'_> {
         let programs = &mut self.programs;
-        Attacher { ebpf: &mut programs.ebpf, multi: programs.multi.as_ref(), links: &mut programs.links }
+        Attacher { ebpf: &mut programs.ebpf, multi: programs.multi.as_mut(), links: &mut programs.links }
     }
 
     /// Runs until `stop` turns true; then flushes the programs' log and detaches every probe.

@@ -5,7 +5,7 @@
 use std::ffi::OsStr;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use e2e::{agent::Agent, cgroup::TestCgroup, fake_driver_dir, FakeNode, Running, Via, MIB};
 use serde_json::Value;
 
@@ -145,6 +145,21 @@ fn every_api_family_is_accounted_exactly_per_cgroup_and_process() -> Result<()> 
 #[test]
 fn every_api_family_is_accounted_exactly_through_perf_event_probes_too() -> Result<()> {
     every_family(&[OsStr::new("--uprobe-links"), OsStr::new("perf")], "perf_event")
+}
+
+/// A kernel that refuses uprobe_multi links (as before 6.6; injected here past a file's first
+/// link, which is made and removed again): the agent says so once and probes with perf events,
+/// the same figures.
+#[test]
+fn a_kernel_that_refuses_uprobe_multi_links_gets_perf_events_with_the_same_figures() -> Result<()> {
+    let agent = Agent::start_on_fake_driver(&[OsStr::new("--fault"), OsStr::new("refuse:uprobe-multi")])?;
+    assert_eq!(links(&agent)?, "perf_event");
+    run_sequence(&agent, Via::Dlsym)?;
+    let log = agent.stop()?;
+    ensure!(log.matches("the kernel refuses uprobe_multi links").count() == 1, "said once: {log}");
+    // Every probe detached at the stop: the perf events, none of the links made and removed.
+    ensure!(log.contains("probes detached links=28 "), "the stop's detaching: {log}");
+    Ok(())
 }
 
 #[test]
