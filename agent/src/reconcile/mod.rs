@@ -106,8 +106,9 @@
 //!
 //! Passes run every second, for every `audit` (a `/metrics` scrape runs none: it is served
 //! the page of the last pass, [`crate::serve`]), and (at most one per
-//! [`MIN_INTERVAL`], [`SETTLE`] after the first) after a drain of the event ring buffer that
-//! found events and a ledger sweep that reclaimed slots: a quiet node costs one pass a second.
+//! [`MIN_INTERVAL`], [`SETTLE`] after the first event) after a drain of the event ring buffer
+//! that found events and a ledger sweep that reclaimed slots: a quiet node costs one pass a
+//! second.
 pub use crate::snapshot::{EbpfProcess, HoldersByCgroup, Holder, State};
 
 pub mod figure;
@@ -409,9 +410,11 @@ impl Reconciler {
         self.behind.values().map(|since| *since + TAMPER_CONFIRM).filter(|at| *at > last).min()
     }
 
-    /// Whether an event-triggered pass is due ([`MIN_INTERVAL`] since the last).
-    pub fn due(&self) -> bool {
-        self.last_pass.is_none_or(|at| at.elapsed() >= MIN_INTERVAL)
+    /// When a pass an event calls for now runs: [`SETTLE`] from now, and [`MIN_INTERVAL`] after
+    /// the last pass at the soonest.
+    pub fn event_pass_at(&self) -> Instant {
+        let settled = Instant::now() + SETTLE;
+        self.last_pass.map_or(settled, |at| settled.max(at + MIN_INTERVAL))
     }
 
     /// One pass over the watched ledgers and the eBPF view.

@@ -10,8 +10,9 @@
 //! ([`super::Reconciler::holders_by_cgroup`]), for the kernel
 //! task to push and enforce: the kernel task never waits for NVML or for a pass.
 //!
-//! Passes run every second, after a drain or a reclaim that changed something (at most one
-//! per [`super::MIN_INTERVAL`], [`super::SETTLE`] after it), and for every `audit`.
+//! Passes run every second, after a drain or a reclaim that changed something ([`super::SETTLE`]
+//! after it, and [`super::MIN_INTERVAL`] after the last pass at the soonest), and for every
+//! `audit`.
 use std::{collections::BTreeMap, net::SocketAddr, sync::Arc, time::Duration};
 
 use bytes::Bytes;
@@ -110,8 +111,8 @@ impl Judge {
                 _ = at(confirm) => Step::Pass,
                 _ = at(settled) => Step::Pass,
                 _ = wiring.changed.notified() => {
-                    if self.reconciler.due() && settled.is_none() {
-                        settled = Some(tokio::time::Instant::now() + super::SETTLE);
+                    if settled.is_none() {
+                        settled = Some(tokio::time::Instant::from_std(self.reconciler.event_pass_at()));
                     }
                     continue;
                 }
@@ -121,7 +122,7 @@ impl Judge {
                     None => continue,
                 },
             };
-            if matches!(step, Step::Pass) {
+            if matches!(step, Step::Pass | Step::Audit(_)) {
                 settled = None;
             }
             self = self.step(step, &wiring).await?;
