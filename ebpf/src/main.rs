@@ -132,11 +132,6 @@ static JOURNAL: RingBuf = RingBuf::with_byte_size(journal::BYTES, 0);
 #[map]
 static CGROUP_TREE: Array<u64> = Array::with_max_entries(1, 0);
 
-/// One zeroed `ProcUsage` per CPU, from which new usage entries are made (a 64-byte zero
-/// value built on the stack would be a call to a byte-wise `memset`).
-#[map]
-static SCRATCH: PerCpuArray<ProcUsage> = PerCpuArray::with_max_entries(1, 0);
-
 /// One zeroed `CgroupUsage` per CPU, from which new cgroup entries are made.
 #[map]
 static CGROUP_SCRATCH: PerCpuArray<CgroupUsage> = PerCpuArray::with_max_entries(1, 0);
@@ -643,13 +638,16 @@ fn proc_entry(tgid: u32) -> Option<*mut ProcUsage> {
     if let Some(entry) = PROC_USAGE.get_ptr_mut(&tgid) {
         return Some(entry);
     }
-    let fresh = SCRATCH.get_ptr_mut(0)?;
-    // SAFETY: this CPU's scratch value, valid for the program's run; a program is not
-    // preempted by another on the same CPU. Its usage is never written, so stays zero.
+    // On the stack, not in a per-CPU scratch value: a uprobe program runs with migration
+    // disabled but may be preempted, and another task's program on this CPU would rewrite the
+    // scratch value's cgroup between these lines and the insert.
+    let mut fresh = core::mem::MaybeUninit::<ProcUsage>::uninit();
+    // SAFETY: every word of the stack value is written before it is read.
     let fresh = unsafe {
-        (*fresh).cgroup_id = bpf_get_current_cgroup_id();
-        (*fresh).generation = bpf_ktime_get_ns();
-        &*fresh
+        zero_words(fresh.as_mut_ptr());
+        core::ptr::write_volatile(core::ptr::addr_of_mut!((*fresh.as_mut_ptr()).cgroup_id), bpf_get_current_cgroup_id());
+        core::ptr::write_volatile(core::ptr::addr_of_mut!((*fresh.as_mut_ptr()).generation), bpf_ktime_get_ns());
+        fresh.assume_init_ref()
     };
     // Two threads of one process may race here: NOEXIST lets exactly one create it.
     let _ = PROC_USAGE.insert(&tgid, fresh, BPF_NOEXIST as u64);
@@ -1109,10 +1107,6 @@ static EXTMEM_PROCS: HashMap<u32, ExtUsage> = HashMap::with_max_entries(MAX_PROC
 #[map]
 static EXTMEM_CGROUPS: HashMap<u64, ExtUsage> = HashMap::with_max_entries(MAX_CGROUPS, BPF_F_NO_PREALLOC);
 
-/// One zeroed `ExtUsage` per CPU, from which new entries are made.
-#[map]
-static EXT_SCRATCH: PerCpuArray<ExtUsage> = PerCpuArray::with_max_entries(1, 0);
-
 /// `cuImportExternalMemory(CUexternalMemory *extMem_out, const
 /// CUDA_EXTERNAL_MEMORY_HANDLE_DESCRIPTOR *memHandleDesc)`: saves the out pointer and the
 /// descriptor's `size` (read from the caller's memory; a descriptor that cannot be read is one
@@ -1253,18 +1247,17 @@ fn ext_entry<K>(map: &HashMap<K, ExtUsage>, key: &K, owner: bool) -> Option<*mut
     if let Some(entry) = map.get_ptr_mut(key) {
         return Some(entry);
     }
-    let fresh = EXT_SCRATCH.get_ptr_mut(0)?;
-    // SAFETY: this CPU's scratch value, valid for the program's run; a program is not
-    // preempted by another on the same CPU. Its counters are never written, so stay zero.
+    // On the stack, as in `proc_entry` (a per-CPU scratch value could be rewritten by a
+    // program of another task that preempts this one).
+    let mut fresh = core::mem::MaybeUninit::<ExtUsage>::uninit();
+    // SAFETY: every word of the stack value is written before it is read.
     let fresh = unsafe {
+        zero_words(fresh.as_mut_ptr());
         if owner {
-            (*fresh).cgroup_id = bpf_get_current_cgroup_id();
-            (*fresh).generation = bpf_ktime_get_ns();
-        } else {
-            (*fresh).cgroup_id = 0;
-            (*fresh).generation = 0;
+            core::ptr::write_volatile(core::ptr::addr_of_mut!((*fresh.as_mut_ptr()).cgroup_id), bpf_get_current_cgroup_id());
+            core::ptr::write_volatile(core::ptr::addr_of_mut!((*fresh.as_mut_ptr()).generation), bpf_ktime_get_ns());
         }
-        &*fresh
+        fresh.assume_init_ref()
     };
     // Two threads may race here: NOEXIST lets exactly one create it.
     let _ = map.insert(key, fresh, BPF_NOEXIST as u64);
@@ -1272,6 +1265,23 @@ fn ext_entry<K>(map: &HashMap<K, ExtUsage>, key: &K, owner: bool) -> Option<*mut
 }
 
 // ---- helpers -----------------------------------------------------------------------------
+
+/// Zeroes the value at `to`, a word at a time (volatile stores: a zeroing the compiler merged
+/// would be a call to `memset`, which eBPF has not).
+///
+/// # Safety
+/// `to` points to writable memory of a `T` whose size is a multiple of 8 bytes, aligned to 8.
+#[inline(always)]
+unsafe fn zero_words<T>(to: *mut T) {
+    const { assert!(core::mem::size_of::<T>() % 8 == 0 && core::mem::align_of::<T>() >= 8) };
+    let words = to.cast::<u64>();
+    let mut i = 0;
+    while i < core::mem::size_of::<T>() / 8 {
+        // SAFETY: word `i` lies inside the value (the caller's promise).
+        unsafe { core::ptr::write_volatile(words.add(i), 0) };
+        i += 1;
+    }
+}
 
 /// Charges a new allocation of `size` bytes of `kind` to `usage`: a recorded one (counted in
 /// `allocs`) or one without a record (counted in `unrecorded`).
