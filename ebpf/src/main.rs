@@ -1340,8 +1340,11 @@ unsafe fn swap_if(field: *mut u64, old: u64, new: u64) -> bool {
 
 fn bump(index: u32, value: u64) {
     if let Some(counter) = STATS.get_ptr_mut(index) {
-        // SAFETY: this CPU's element of a per-CPU array, valid for the program's run; a
-        // program is not preempted by another on the same CPU mid-update.
+        // SAFETY: this CPU's element of a per-CPU array, valid for the program's run. Not an
+        // atomic add (the hot paths' cost): a uprobe program runs preemptibly, and one
+        // preempted mid-update by another task's program bumping the same counter on this CPU
+        // loses one of the two counts; the counters say how much moved and whether anything
+        // did, and a counter that loses one count still moves.
         unsafe { *counter += value };
     }
 }
