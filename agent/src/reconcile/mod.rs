@@ -1053,6 +1053,24 @@ mod tests {
     }
 
     #[test]
+    fn a_pass_an_event_calls_for_settles_first_and_keeps_its_distance_from_the_last() {
+        let mut r = Reconciler::new(Config::default());
+        let before = Instant::now();
+        let at = r.event_pass_at();
+        assert!(at >= before + SETTLE && at <= Instant::now() + SETTLE, "no pass yet: SETTLE from now");
+        // Just after a pass: MIN_INTERVAL after it (later than SETTLE from now), not dropped.
+        let passed = Instant::now();
+        r.judge(Vec::new(), passed);
+        let at = r.event_pass_at();
+        assert!(at >= passed + MIN_INTERVAL && at <= Instant::now() + MIN_INTERVAL, "MIN_INTERVAL after the last pass");
+        // A pass long ago: SETTLE from now.
+        let before = Instant::now();
+        r.judge(Vec::new(), before - Duration::from_secs(1));
+        let at = r.event_pass_at();
+        assert!(at >= before + SETTLE && at <= Instant::now() + SETTLE, "SETTLE from now");
+    }
+
+    #[test]
     fn judges_each_state() {
         let mut r = Reconciler::new(Config::default());
         let now = Instant::now();
