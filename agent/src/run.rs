@@ -23,8 +23,8 @@
 //! stop gives each task a deadline and aborts it past it (a stuck task cannot hold it): the
 //! reconcile task first (it frees the agent's charges), with the kernel task (its programs
 //! go with it: the kernel waits a grace period for each link, at once for the uprobe_multi
-//! links, on a thread of its own that the process waits for), then the others (the reclaim task frees whatever of the agent's
-//! slots is left).
+//! links, on a thread of its own that the process waits for), then the others (the reclaim
+//! task frees whatever of the agent's slots is left).
 //!
 //! Blocking and tenant-sized work runs on tokio's blocking pool (bounded in `main`), the
 //! task's state moved there and back; the critical tasks (health, kernel, reclaim, NRI) never
@@ -120,8 +120,8 @@ pub struct RunArgs {
     /// How the probes are linked in the kernel: `auto`, one uprobe_multi link per program and
     /// file where the kernel has them (Linux 6.6 and later; removed in about 0.1 s at a stop),
     /// else a perf event per probe; `perf`, a perf event per probe always (a libcuda's 28 take
-    /// about 3 s to remove, one at a time across the node). `vramguard inspect` says which
-    /// each file got.
+    /// about 3 s to remove, one at a time across the node). `vramguard audit` says which each
+    /// file got.
     #[arg(long, value_enum, default_value_t = kernel::probes::LinkKind::Auto, value_name = "KIND")]
     pub uprobe_links: kernel::probes::LinkKind,
     /// On a hybrid cgroup node (controllers on cgroup v1, cgroup2 mounted beside them), allow

@@ -475,8 +475,9 @@ fn one_pair(setup: &Setup, steps: &[&str]) -> Result<f64> {
 }
 
 /// Programs of the eBPF object on the fake driver's `cuMemAlloc_v2` entry and return and
-/// `cuMemFree_v2` entry (in that order), attached as the agent attaches them (by symbol here:
-/// the cost of a probe hit does not depend on how it was attached), for as long as this
+/// `cuMemFree_v2` entry (in that order), attached as perf events (by symbol here; the agent
+/// links them as uprobe_multi links where the kernel has them, whose per-call cost showed no
+/// difference measured by hand: docs/BENCHMARKS.md), for as long as this
 /// lives. The agent's other work (discovery, ledgers, the exit tracepoint) is not part of a
 /// pair's cost. Without `spares`, the object is loaded keeping no spare record (the agent's
 /// `--max-spare-records-per-process 0`).

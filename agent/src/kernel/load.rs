@@ -2,8 +2,8 @@
 //! tracepoints (process exit, cgroup removal, the cgroup tree's other changes, and the new
 //! executable mappings discovery is told of) attached, every uprobe program loaded into the
 //! kernel for uprobe_multi links ([`super::multi`]; attached later, per libcuda file, by
-//! [`super::probes`], which loads them for perf events where those links are refused), the maps taken out for
-//! the accounting, the limits and the log. What it returns is the kernel task's state
+//! [`super::probes`], which loads them for perf events where those links are refused), the
+//! maps taken out for the accounting, the limits and the log. What it returns is the kernel task's state
 //! ([`Kernel`]): the programs live and die with that task.
 use std::path::PathBuf;
 

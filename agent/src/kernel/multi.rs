@@ -42,10 +42,18 @@ const VERIFIER_LOG_BYTES: usize = 256 * 1024;
 /// The uprobe programs, loaded for uprobe_multi links.
 pub struct MultiPrograms {
     programs: HashMap<&'static str, Loaded>,
-    /// Whether the kernel made one of these links (then it has them).
-    linked: bool,
-    /// Whether it refused them where perf events attached (then it has none: not used again).
-    refused: bool,
+    support: Support,
+}
+
+/// What the kernel showed of these links.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Support {
+    /// Nothing yet.
+    Unknown,
+    /// It made one: it has them.
+    Works,
+    /// It refused them where perf events attached: it has none (not tried again).
+    Refused,
 }
 
 struct Loaded {
@@ -92,30 +100,30 @@ impl MultiPrograms {
             let fd = load_program(name, &function.instructions, &program.license, if sleepable { BPF_F_SLEEPABLE } else { 0 })?;
             programs.insert(name, Loaded { fd, returns });
         }
-        Ok(MultiPrograms { programs, linked: false, refused: false })
+        Ok(MultiPrograms { programs, support: Support::Unknown })
     }
 
     /// Whether these links are to be tried (the kernel did not refuse them where perf events
     /// attached).
     pub fn usable(&self) -> bool {
-        !self.refused
+        self.support != Support::Refused
     }
 
     /// Whether a refusal of these links is the file's (once one was made) rather than the kernel's.
     pub fn known_to_work(&self) -> bool {
-        self.linked
+        self.support == Support::Works
     }
 
     /// A link was made: the kernel has them.
     pub fn made(&mut self) {
-        self.linked = true;
+        self.support = Support::Works;
     }
 
     /// The kernel refused the links of a file whose perf events then attached: it has none
     /// (unless one was made before); they are not tried again.
     pub fn refused(&mut self) {
-        if !self.linked {
-            self.refused = true;
+        if self.support == Support::Unknown {
+            self.support = Support::Refused;
         }
     }
 

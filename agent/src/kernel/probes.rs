@@ -95,7 +95,8 @@ pub fn detach_all(ebpf: &mut Ebpf, links: Vec<Link>) {
     let (multi, perf): (Vec<Link>, Vec<Link>) = links.into_iter().partition(|link| matches!(link, Link::Multi(_)));
     let mut shares: Vec<Vec<Link>> = (0..UNLINKING_THREADS.min(multi.len())).map(|_| Vec::new()).collect();
     for (i, link) in multi.into_iter().enumerate() {
-        shares[i % UNLINKING_THREADS].push(link);
+        let share = i % shares.len();
+        shares[share].push(link);
     }
     std::thread::scope(|scope| {
         for share in shares {

@@ -47,7 +47,7 @@ use e2e::{
     ledgers, wait_for, FakeNode, Running, TempDir, GIB, MIB,
 };
 
-use super::Row;
+use super::{Row, Spread};
 
 /// Container directories under `--ledger-dir`, each with a ledger.
 const LEDGERS: usize = 100;
@@ -566,7 +566,7 @@ impl Stops {
 
     fn rows(&self, rows: &mut Vec<Row>) {
         for ((kind, _), stops) in Self::KINDS.iter().zip(&self.kinds) {
-            let median = |pick: fn(&(f64, f64, f64)) -> f64| percentile(&sorted(stops.iter().map(pick).collect()), 0.50);
+            let median = |pick: fn(&(f64, f64, f64)) -> f64| Spread::of(&stops.iter().map(pick).collect::<Vec<_>>()).median;
             rows.push(Row::reported(format!("agent stop, SIGTERM to exit, {kind}: median of {} stops", stops.len()), median(|s| s.0), "ms", 0));
             rows.push(Row::reported(format!("agent stop, the probes' detaching, {kind}: median of {} stops", stops.len()), median(|s| s.1), "ms", 0));
         }
@@ -574,8 +574,8 @@ impl Stops {
 
     fn note(&self) -> String {
         let range = |stops: &[(f64, f64, f64)], pick: fn(&(f64, f64, f64)) -> f64| {
-            let all = sorted(stops.iter().map(pick).collect());
-            format!("{:.0}-{:.0} ms", all.first().copied().unwrap_or(f64::NAN), all.last().copied().unwrap_or(f64::NAN))
+            let (low, high) = stops.iter().map(pick).fold((f64::INFINITY, f64::NEG_INFINITY), |(low, high), v| (low.min(v), high.max(v)));
+            format!("{low:.0}-{high:.0} ms")
         };
         format!(
             "Agent stops: {} rounds, each starting an agent of each kind (the first alternating) on the same ledgers \
@@ -606,11 +606,6 @@ fn millis(text: &str) -> Option<f64> {
         "ns" => Some(number / 1e6),
         _ => None,
     }
-}
-
-fn sorted(mut samples: Vec<f64>) -> Vec<f64> {
-    samples.sort_by(f64::total_cmp);
-    samples
 }
 
 /// Whether the agent's driver view reads the fake NVML.
