@@ -175,6 +175,12 @@ impl LedgerHandle {
         self.with_worker(|worker, file, header, path| worker.recharge(file, header, path, &request))
     }
 
+    /// Whether the ledger is backed off ([`Worker::backed_off`]); `false` while another thread
+    /// uses its worker (a call then waits for that one, as any call does).
+    pub fn backed_off(&self) -> bool {
+        self.worker.try_lock().is_ok_and(|worker| worker.backed_off())
+    }
+
     /// Whether the ledger's worker process runs now.
     pub fn worker_running(&self) -> bool {
         self.worker.lock().is_ok_and(|worker| worker.running())

@@ -407,13 +407,20 @@ impl Reclaimer {
             self.kept.iter().filter(|(p, (_, _, path))| in_scope(path) && !kept.contains_key(p)).map(|(p, _)| *p).collect();
         self.kept.retain(|_, (_, _, path)| !in_scope(path));
         self.kept.extend(kept);
-        let freed: Vec<(&Path, Vec<Freed>)> = std::thread::scope(|scope| {
-            let running: Vec<_> = dead
-                .into_iter()
-                .map(|(path, ledger, gone)| (path, scope.spawn(move || free(path, ledger, gone))))
-                .collect();
-            running.into_iter().filter_map(|(path, thread)| Some((path, thread.join().ok()?))).collect()
-        });
+        // A backed-off ledger's slots wait (its worker would refuse at once: said when the
+        // backoff began); the others' are freed at once, a thread per ledger when there are
+        // several (one ledger's lock wait must not delay the others').
+        dead.retain(|(_, ledger, _)| !ledger.backed_off());
+        let freed: Vec<(&Path, Vec<Freed>)> = match dead.len() {
+            0 | 1 => dead.into_iter().map(|(path, ledger, gone)| (path, free(path, ledger, gone))).collect(),
+            _ => std::thread::scope(|scope| {
+                let running: Vec<_> = dead
+                    .into_iter()
+                    .map(|(path, ledger, gone)| (path, scope.spawn(move || free(path, ledger, gone))))
+                    .collect();
+                running.into_iter().filter_map(|(path, thread)| Some((path, thread.join().ok()?))).collect()
+            }),
+        };
         // Exits that arrived while this sweep ran: their slots may have been read alive, so
         // they stay pending for the next sweep (below) whatever this one found.
         let mut arrived = HashSet::new();

@@ -319,6 +319,11 @@ impl Worker {
         Worker { launcher, running: None, backoff: Backoff::default(), busy_at: None, used_at: Instant::now() }
     }
 
+    /// Whether the worker's ledger is backed off: a call now would be refused at once.
+    pub fn backed_off(&self) -> bool {
+        self.backoff.until.is_some_and(|until| until > Instant::now())
+    }
+
     /// The reason of the last failure while its backoff lasts, or a lock found held in the
     /// last `RECENT`.
     pub fn failing(&self) -> Option<String> {
