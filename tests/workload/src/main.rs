@@ -981,8 +981,15 @@ impl Runner {
                 unsafe { libc::syscall(libc::SYS_exit, 0) };
                 unreachable!("exit(2) returned");
             }
-            Step::Kill => {
+            Step::Kill(stamp) => {
                 let _ = std::io::stdout().flush();
+                if let Some(path) = stamp {
+                    let mut now = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+                    // SAFETY: writes the clock's value into `now`, a valid timespec.
+                    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
+                    let ns = now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64;
+                    std::fs::write(path, ns.to_string()).map_err(|e| Err(format!("kill: cannot write {path}: {e}")))?;
+                }
                 // SAFETY: sends SIGKILL to this process; nothing is borrowed across it.
                 unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
                 loop {

@@ -118,7 +118,10 @@ pub enum Step {
     /// `/proc/<pid>/stat` shows its leader a zombie. With a path, that thread maps the file
     /// read+exec once the leader is a zombie (as `map`).
     LeaderExit(Option<String>),
-    Kill,
+    /// `kill(getpid(), SIGKILL)`. With a path, `CLOCK_MONOTONIC` in ns is written to it first
+    /// (the moment of the exit, for whoever measures from it: a file, so that no reader of
+    /// the workload's output is woken between the reading and the kill).
+    Kill(Option<String>),
     Procaddr { query: String, export: Option<String>, version: i32, flags: u64 },
     Dlsym(Vec<String>),
     Calls(Vec<String>),
@@ -222,7 +225,7 @@ impl Step {
             Step::RawExit(_) => "_exit",
             Step::ForkHold => "fork-hold",
             Step::LeaderExit(_) => "leader-exit",
-            Step::Kill => "kill",
+            Step::Kill(_) => "kill",
             Step::Procaddr { .. } => "procaddr",
             Step::Dlsym(_) => "dlsym",
             Step::Calls(_) => "calls",
@@ -534,10 +537,11 @@ impl Step {
                 1 => Step::LeaderExit(Some(name(0))),
                 _ => return Err(err("usage: leader-exit [PATH]")),
             },
-            "kill" => {
-                want(0, "kill")?;
-                Step::Kill
-            }
+            "kill" => match args.len() {
+                0 => Step::Kill(None),
+                1 => Step::Kill(Some(name(0))),
+                _ => return Err(err("usage: kill [PATH]")),
+            },
             "map" => {
                 want(1, "map PATH")?;
                 Step::Map(name(0))
@@ -662,6 +666,9 @@ mod tests {
         assert_eq!(Step::parse("pool-threshold 1g").ok(), Some(Step::PoolThreshold(1 << 30)));
         assert_eq!(Step::parse("pool-stat").ok(), Some(Step::PoolStat));
         assert_eq!(Step::parse("nvml-procs 0").ok(), Some(Step::NvmlProcs(0)));
+        assert_eq!(Step::parse("kill").ok(), Some(Step::Kill(None)));
+        assert_eq!(Step::parse("kill /x/stamp").ok(), Some(Step::Kill(Some("/x/stamp".into()))));
+        assert!(Step::parse("kill a b").is_err());
         assert_eq!(Step::parse("map /x/lib.so").ok(), Some(Step::Map("/x/lib.so".into())));
         assert_eq!(Step::parse("leader-exit").ok(), Some(Step::LeaderExit(None)));
         assert_eq!(Step::parse("leader-exit /x/lib.so").ok(), Some(Step::LeaderExit(Some("/x/lib.so".into()))));
