@@ -318,6 +318,25 @@ impl Agent {
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.join("agent.log")).unwrap_or_default()
     }
+
+    /// The agent's line about the reclaim of process `pid` (a host pid), waited for up to a
+    /// second. Its fields say what drove it: `by="exit path"` (the process's pidfd or exit
+    /// event woke the exit path, which logs once the event came or 100 ms later: on two busy
+    /// CPUs an event can come later than the pidfd, `from_exit_event=false`), or none, from the
+    /// reclaim task's sweeps (`from_exit_event=true`: a sweep the exit event called for; else
+    /// the periodic one).
+    pub fn reclaim_line(&self, pid: u32) -> Result<String> {
+        let host_pid = format!("host_pid={pid} ");
+        let find = || {
+            self.log()
+                .lines()
+                .find(|line| line.contains("reclaimed the slot of a process that is gone") && line.contains(&host_pid))
+                .map(str::to_string)
+        };
+        crate::wait_for(Duration::from_secs(1), "the reclaim of a killed process", || Ok(find().is_some()))
+            .with_context(|| format!("no reclaim of {pid} logged: {}", self.log()))?;
+        find().context("the reclaim's line went away")
+    }
 }
 
 impl Drop for Agent {

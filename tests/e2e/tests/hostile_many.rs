@@ -13,11 +13,11 @@
 //! Bounds latency: /healthz answers within 250 ms under attack.
 use std::{ffi::OsStr, time::Duration};
 
-use anyhow::{ensure, Context, Result};
+use anyhow::{ensure, Result};
 use e2e::{
     agent::Agent,
     hostile::{assert_serving, Bystander, HealthProbe, HostileLedgers, LOCK_HELD, OWED},
-    http, wait_for, FakeNode, TempDir,
+    http, FakeNode, TempDir,
 };
 
 /// Hostile ledgers in the attack.
@@ -65,18 +65,11 @@ fn scene(hostile: usize) -> Result<()> {
     ensure!(probes >= 20, "{probes} /healthz probes");
     let log = agent.log();
     ensure!(!log.contains("panicked"), "the agent panicked: {log}");
-    // Each of those reclaims was the exit path's (woken by the process's pidfd or its exit
-    // event), not left to the next periodic sweep (which also lands within the second, but
-    // only by its period). The exit path logs a reclaim once its exit event came, or 100 ms
-    // later (on two busy CPUs an event can come later than the pidfd: `from_exit_event=false`).
+    // Each of those reclaims was the exit path's (the bystanders were watched), not left to
+    // the next periodic sweep (which also lands within the second, but only by its period).
     for pid in killed {
-        let by_exit_path = |log: &str| {
-            log.lines().any(|line| {
-                line.contains("reclaimed the slot of a process that is gone") && line.contains(&format!("host_pid={pid} ")) && line.contains("by=\"exit path\"")
-            })
-        };
-        wait_for(Duration::from_secs(1), "the exit path's reclaim of a bystander process", || Ok(by_exit_path(&agent.log())))
-            .with_context(|| format!("the reclaim of {pid} was the exit path's: {}", agent.log()))?;
+        let line = agent.reclaim_line(pid)?;
+        ensure!(line.contains("by=\"exit path\""), "the reclaim of {pid} was not the exit path's: {line}");
     }
     // Each hostile ledger's lock was met (and logged) a bounded number of times: backed off,
     // not retried at every pass (about 20 s of the scene: at most a handful per ledger).
