@@ -258,7 +258,8 @@ impl Reclaimer {
     /// Two phases: the slots of every ledger are read and judged first; then each ledger's
     /// dead slots are freed by its worker, every ledger on a thread of its own, so a ledger
     /// whose worker is slow (a workload holding its lock or damaging it) costs the sweep at
-    /// most one worker deadline in all and never delays the other ledgers' reclaims.
+    /// most one worker deadline in all and never delays the other ledgers' reclaims. A ledger
+    /// backed off (its worker would refuse at once) gets no thread: its slots wait.
     pub fn sweep(&mut self, ledgers: &Ledgers) -> Vec<Duration> {
         self.sweep_with(ledgers, None, &mut Vec::new)
     }
@@ -408,19 +409,15 @@ impl Reclaimer {
         self.kept.retain(|_, (_, _, path)| !in_scope(path));
         self.kept.extend(kept);
         // A backed-off ledger's slots wait (its worker would refuse at once: said when the
-        // backoff began); the others' are freed at once, a thread per ledger when there are
-        // several (one ledger's lock wait must not delay the others').
+        // backoff began) without a thread started for them.
         dead.retain(|(_, ledger, _)| !ledger.backed_off());
-        let freed: Vec<(&Path, Vec<Freed>)> = match dead.len() {
-            0 | 1 => dead.into_iter().map(|(path, ledger, gone)| (path, free(path, ledger, gone))).collect(),
-            _ => std::thread::scope(|scope| {
-                let running: Vec<_> = dead
-                    .into_iter()
-                    .map(|(path, ledger, gone)| (path, scope.spawn(move || free(path, ledger, gone))))
-                    .collect();
-                running.into_iter().filter_map(|(path, thread)| Some((path, thread.join().ok()?))).collect()
-            }),
-        };
+        let freed: Vec<(&Path, Vec<Freed>)> = std::thread::scope(|scope| {
+            let running: Vec<_> = dead
+                .into_iter()
+                .map(|(path, ledger, gone)| (path, scope.spawn(move || free(path, ledger, gone))))
+                .collect();
+            running.into_iter().filter_map(|(path, thread)| Some((path, thread.join().ok()?))).collect()
+        });
         // Exits that arrived while this sweep ran: their slots may have been read alive, so
         // they stay pending for the next sweep (below) whatever this one found.
         let mut arrived = HashSet::new();

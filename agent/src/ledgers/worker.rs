@@ -308,9 +308,13 @@ impl Backoff {
         self.reason = reason;
     }
 
+    /// How long the backoff lasts still, if it does.
+    fn left(&self) -> Option<Duration> {
+        self.until?.checked_duration_since(Instant::now())
+    }
+
     fn waiting(&self) -> Option<AccessError> {
-        let left = self.until?.checked_duration_since(Instant::now())?;
-        Some(AccessError::Backoff { left, reason: self.reason.clone() })
+        Some(AccessError::Backoff { left: self.left()?, reason: self.reason.clone() })
     }
 }
 
@@ -321,7 +325,7 @@ impl Worker {
 
     /// Whether the worker's ledger is backed off: a call now would be refused at once.
     pub fn backed_off(&self) -> bool {
-        self.backoff.until.is_some_and(|until| until > Instant::now())
+        self.backoff.left().is_some()
     }
 
     /// The reason of the last failure while its backoff lasts, or a lock found held in the
