@@ -320,11 +320,11 @@ impl Agent {
     }
 
     /// The agent's line about the reclaim of process `pid` (a host pid), waited for up to a
-    /// second. Its fields say what drove it: `by="exit path"` (the process's pidfd or exit
-    /// event woke the exit path, which logs once the event came or 100 ms later: on two busy
-    /// CPUs an event can come later than the pidfd, `from_exit_event=false`), or none, from the
-    /// reclaim task's sweeps (`from_exit_event=true`: a sweep the exit event called for; else
-    /// the periodic one).
+    /// second. Its fields say what freed it and from when its latency runs: `by="exit path"`
+    /// (the process's pidfd or exit event woke the exit path, which logs once the event came
+    /// or 100 ms later), else the reclaim task's sweeps; `from_exit_event=true` when its exit
+    /// event came in time (the latency runs from it), `false` when it did not (on two busy
+    /// CPUs an event can come later than the pidfd).
     pub fn reclaim_line(&self, pid: u32) -> Result<String> {
         let host_pid = format!("host_pid={pid} ");
         let find = || {

@@ -826,7 +826,8 @@ impl Reclaimed {
                 let said = std::fs::read_to_string(&stamp).with_context(|| format!("reading {}", stamp.display()))?;
                 let exited: u64 = said.parse().with_context(|| format!("process {pid} wrote {said:?}"))?;
                 drop(victim); // reaped now
-                seen.push(freed.saturating_sub(exited) as f64 / 1e6);
+                ensure!(freed >= exited, "process {pid} read its clock ({exited} ns) after its slot was found free ({freed} ns)");
+                seen.push((freed - exited) as f64 / 1e6);
                 pids.push(pid);
                 std::thread::sleep(GAP);
             }
