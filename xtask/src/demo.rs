@@ -163,7 +163,7 @@ pub fn check(driver: &Driver) -> Result<()> {
     let mut transcript = Transcript::default();
     let footprint = show(&mut transcript, driver)?;
     check_transcript(transcript.text(), &footprint).context("the demo's output")?;
-    check_clean(&footprint).context("the demo's clean-up")
+    check_clean(&footprint, Children::All).context("the demo's clean-up")
 }
 
 fn require_root() -> Result<()> {
@@ -462,10 +462,31 @@ pub fn check_transcript(text: &str, footprint: &Footprint) -> Result<()> {
     provisioning::check_transcript(text, &footprint.provisioning).context("scene 2 (provisioning through containerd)")
 }
 
+/// The child processes of this one that [`check_clean`] answers for.
+#[derive(Clone, Copy, Debug)]
+pub enum Children<'a> {
+    /// Every child: the demo's check, where this process runs nothing but the demo.
+    All,
+    /// Only the children with these pids: a unit test, which shares its process with other
+    /// tests spawning children of their own on other threads.
+    #[cfg_attr(not(test), allow(dead_code))]
+    Only(&'a [u32]),
+}
+
+impl Children<'_> {
+    fn answers_for(self, pid: u32) -> bool {
+        match self {
+            Children::All => true,
+            Children::Only(pids) => pids.contains(&pid),
+        }
+    }
+}
+
 /// Checks that nothing the demo made is left: its cgroups, the fake node's device files, the
-/// ledger root, the agent's directory, and any child process of this one (running or not
-/// reaped).
-pub fn check_clean(footprint: &Footprint) -> Result<()> {
+/// ledger root, the agent's directory, any child process of this one that `children` answers
+/// for (running or not reaped), and what [`provisioning::leftovers`] looks for (containerd,
+/// its shims, mounts).
+pub fn check_clean(footprint: &Footprint, children: Children<'_>) -> Result<()> {
     let mut left: Vec<String> = Vec::new();
     for dir in footprint.cgroups.iter().chain([&footprint.ledger_root, &footprint.agent_dir]) {
         if fs::symlink_metadata(dir).is_ok() {
@@ -473,7 +494,7 @@ pub fn check_clean(footprint: &Footprint) -> Result<()> {
         }
     }
     left.extend(node_files(&footprint.node, &footprint.state_dir)?);
-    for (pid, comm) in children_of(std::process::id())? {
+    for (pid, comm) in children_of(std::process::id())?.into_iter().filter(|(pid, _)| children.answers_for(*pid)) {
         left.push(format!("process {pid} ({comm})"));
     }
     left.extend(provisioning::leftovers(&footprint.provisioning)?);
@@ -638,46 +659,65 @@ libcuda probed: /x/fakecuda/libcuda.so.1; events: 9 received, 0 lost
         let _ = fs::remove_dir_all(&dir);
         fs::create_dir_all(dir.join("shm")).expect("mkdir");
         let footprint = footprint(&dir);
-        check_clean(&footprint).expect("nothing left yet");
+        // Other tests of this binary spawn children on other threads meanwhile (`objdump` in
+        // image's): each check below answers only for the children this test spawned.
+        let none = Children::Only(&[]);
+        check_clean(&footprint, none).expect("nothing left yet");
 
         let scene = &footprint.provisioning;
         for leftover in [dir.join("cgroup"), dir.join("ledgers"), dir.join("agent"), scene.dir.clone(), scene.containerd_dir.clone(), scene.cgroup_parent.clone(), scene.agent_dir.clone()] {
             fs::create_dir(&leftover).expect("mkdir");
-            let error = check_clean(&footprint).expect_err("a directory left behind");
+            let error = check_clean(&footprint, none).expect_err("a directory left behind");
             assert!(format!("{error:#}").contains(&leftover.display().to_string()), "{error:#}");
             fs::remove_dir(&leftover).expect("rmdir");
         }
         for name in ["e2e-demo-1-0-dev0", ".e2e-demo-1-0-dev0.tmp", "e2e-demo-1-0.ledger", "e2e-demo-nri-1-5-dev0"] {
             fs::write(dir.join("shm").join(name), b"").expect("write");
-            assert!(check_clean(&footprint).is_err(), "{name} left behind");
+            assert!(check_clean(&footprint, none).is_err(), "{name} left behind");
             fs::remove_file(dir.join("shm").join(name)).expect("rm");
         }
         for name in ["e2e-demo-1-00-dev0", "e2e-other-1-0-dev0"] {
             fs::write(dir.join("shm").join(name), b"").expect("write");
         }
-        check_clean(&footprint).expect("other nodes' files are not the demo's");
+        check_clean(&footprint, none).expect("other nodes' files are not the demo's");
 
         let mut child = std::process::Command::new("sleep").arg("30").spawn().expect("spawn sleep");
-        let error = check_clean(&footprint).expect_err("a running child");
+        let pids = [child.id()];
+        let ours = Children::Only(&pids);
+        let error = check_clean(&footprint, ours).expect_err("a running child");
         // Named by its pid: its name may still be this thread's (the kernel sets a new
         // program's name after closing the descriptors whose closing ends `spawn`'s wait).
         assert!(format!("{error:#}").contains(&format!("process {} (", child.id())), "{error:#}");
+        check_clean(&footprint, none).expect("a child the check does not answer for is not reported");
         child.kill().expect("kill");
-        assert!(check_clean(&footprint).is_err(), "a child not reaped yet (a zombie) is still left behind");
+        assert!(check_clean(&footprint, ours).is_err(), "a child not reaped yet (a zombie) is still left behind");
         child.wait().expect("wait");
-        check_clean(&footprint).expect("clean again");
+        check_clean(&footprint, ours).expect("clean again");
 
-        // A process naming containerd's directory in its command line, as its shims do.
-        let mut shim = std::process::Command::new("sleep")
-            .arg0(scene.containerd_dir.join("containerd-shim-runc-v2"))
-            .arg("30")
-            .spawn()
-            .expect("spawn sleep");
-        let error = check_clean(&footprint).expect_err("a process naming containerd's directory");
+        // A process naming containerd's directory in its command line, as its shims do: caught
+        // by that alone (a real shim is no child of the demo, and this one is not answered for
+        // as a child here).
+        let arg0 = scene.containerd_dir.join("containerd-shim-runc-v2");
+        let mut shim = std::process::Command::new("sleep").arg0(&arg0).arg("30").spawn().expect("spawn sleep");
+        until_exec(shim.id(), &arg0);
+        let error = check_clean(&footprint, none).expect_err("a process naming containerd's directory");
         assert!(format!("{error:#}").contains(&format!("process {} ({}", shim.id(), scene.containerd_dir.display())), "{error:#}");
         shim.kill().expect("kill");
         shim.wait().expect("wait");
-        check_clean(&footprint).expect("clean again");
+        check_clean(&footprint, Children::Only(&[shim.id()])).expect("clean again");
         fs::remove_dir_all(&dir).expect("cleanup");
+    }
+
+    /// Waits until process `pid` runs the program it was spawned with, `arg0` first on its
+    /// command line: `spawn` can return while the kernel is still in the middle of the exec,
+    /// and until the new program's arguments are set up /proc shows this test binary's
+    /// command line or an empty one, not the one a check of command lines looks for.
+    fn until_exec(pid: u32, arg0: &Path) {
+        use std::os::unix::ffi::OsStrExt as _;
+        wait_for(Duration::from_secs(10), &format!("process {pid} running {}", arg0.display()), || {
+            let cmdline = fs::read(format!("/proc/{pid}/cmdline")).context("the spawned process's cmdline")?;
+            Ok(cmdline.split(|b| *b == 0).next() == Some(arg0.as_os_str().as_bytes()))
+        })
+        .expect("the spawned process runs its program");
     }
 }
