@@ -14,6 +14,7 @@
 //! | `panic-file` | a file name | discovery panics while reading a file of that name ([`panics_on_file`]) |
 //! | `deaf` | a command name | discovery ignores the kernel's word on new mappings of processes of that name (`/proc/<pid>/comm`), as if their events were missed ([`deaf_to`]) |
 //! | `delay` | a step's name | the step sleeps that long first ([`delay`]) |
+//! | `die` | a step's name | the agent kills itself (SIGKILL) at that step, as a crash or a `kill -9` there would ([`die_at`]) |
 //! | `refuse` | `uprobe-multi` | the kernel refuses every uprobe_multi link of a file but its first, as one without them does (the first is made, to be removed again: [`refused`]) |
 //!
 //! Steps that can be delayed: `create-container` (every provisioning's blocking step, after
@@ -21,6 +22,11 @@
 //! as provisioned: [`crate::provision`]) and `create-container.<name>` (the same, for
 //! containers of that name only); `reclaim-scan` (the reclaim task's periodic step, in the
 //! blocking pool, before it lists the ledger directory: [`crate::ledgers::task`]).
+//!
+//! Steps to die at (the DRA driver's, [`crate::dra::prepare`]): `prepare-spec` (a claim's CDI
+//! spec on disk, its checkpoint entry not), `prepare-recorded` (both, the kubelet not
+//! answered), `unprepare-spec` (the spec removed, the entry not), `unprepare-forgotten` (the
+//! entry removed, the claim's ledger not released).
 use std::{path::PathBuf, sync::OnceLock, time::Duration};
 
 /// One injected fault.
@@ -33,6 +39,7 @@ pub enum Fault {
     Deaf(String),
     Delay(String, Duration),
     Refuse(String),
+    Die(String),
 }
 
 static FAULTS: OnceLock<Vec<Fault>> = OnceLock::new();
@@ -42,7 +49,7 @@ pub fn parse(text: &str) -> Result<Fault, String> {
     let mut parts = text.splitn(3, ':');
     let (kind, at) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
     if at.is_empty() {
-        return Err(format!("{text:?}: expected KIND:WHERE (panic, park, panic-file, deaf, refuse) or delay:WHERE:MS"));
+        return Err(format!("{text:?}: expected KIND:WHERE (panic, park, panic-file, deaf, refuse, die) or delay:WHERE:MS"));
     }
     let fault = match (kind, parts.next()) {
         ("panic", when) => Fault::Panic(at.into(), when.map(PathBuf::from)),
@@ -50,11 +57,12 @@ pub fn parse(text: &str) -> Result<Fault, String> {
         ("panic-file", None) => Fault::PanicOnFile(at.into()),
         ("deaf", None) => Fault::Deaf(at.into()),
         ("refuse", None) => Fault::Refuse(at.into()),
+        ("die", None) => Fault::Die(at.into()),
         ("delay", Some(ms)) => {
             let ms: u64 = ms.parse().map_err(|_| format!("{text:?}: {ms:?} is not a number of milliseconds"))?;
             Fault::Delay(at.into(), Duration::from_millis(ms))
         }
-        _ => return Err(format!("{text:?}: unknown fault (panic:TASK[:FILE], park:TASK[:FILE], panic-file:NAME, deaf:COMMAND, delay:STEP:MS, refuse:uprobe-multi)")),
+        _ => return Err(format!("{text:?}: unknown fault (panic:TASK[:FILE], park:TASK[:FILE], panic-file:NAME, deaf:COMMAND, delay:STEP:MS, refuse:uprobe-multi, die:STEP)")),
     };
     Ok(fault)
 }
@@ -122,6 +130,16 @@ pub fn refused(call: &str) -> bool {
     faults().iter().any(|fault| matches!(fault, Fault::Refuse(name) if name == call))
 }
 
+/// Kills the agent with SIGKILL if a `die` fault names `step` (nothing runs after it: no
+/// destructor, no flush, as after a `kill -9`).
+pub fn die_at(step: &str) {
+    if faults().iter().any(|fault| matches!(fault, Fault::Die(name) if name == step)) {
+        tracing::warn!(step, "fault injected: the agent kills itself here");
+        let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
+        std::process::abort();
+    }
+}
+
 /// How long the step `step` is to be delayed, if at all.
 pub fn delay(step: &str) -> Option<Duration> {
     faults().iter().find_map(|fault| match fault {
@@ -138,6 +156,7 @@ mod tests {
     fn parses_each_kind_and_refuses_the_rest() {
         assert_eq!(parse("panic:kernel"), Ok(Fault::Panic("kernel".into(), None)));
         assert_eq!(parse("park:reconcile:/run/go"), Ok(Fault::Park("reconcile".into(), Some("/run/go".into()))));
+        assert_eq!(parse("die:prepare-spec"), Ok(Fault::Die("prepare-spec".into())));
         assert_eq!(parse("panic-file:libcuda.so.1"), Ok(Fault::PanicOnFile("libcuda.so.1".into())));
         assert_eq!(parse("deaf:fakecuda-worklo"), Ok(Fault::Deaf("fakecuda-worklo".into())));
         assert_eq!(parse("delay:create-container:3000"), Ok(Fault::Delay("create-container".into(), Duration::from_secs(3))));

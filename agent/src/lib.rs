@@ -8,6 +8,7 @@ pub mod fault;
 pub mod glob;
 pub mod identity;
 pub mod inspect;
+pub mod inventory;
 pub mod kernel;
 pub mod libcuda;
 pub mod ledgers;

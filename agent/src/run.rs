@@ -10,6 +10,7 @@
 //! | reclaim ([`ledgers::task`]) | the watched ledgers, the reclaimer | scans `--ledger-dir`, frees dead processes' slots | within per-ledger budgets |
 //! | reconcile ([`reconcile::task`]) | reconciler, charges, metrics registry | passes, charges, metrics page, audit snapshots | yes (bounded per ledger) |
 //! | driver ([`driver::task`]) | NVML, its reader thread | reads every device's processes once a second, within a budget | no |
+//! | inventory ([`inventory::Tracker`]) | nothing | the node's GPUs from the driver's view, for the DRA driver and the NRI side | no |
 //! | discovery ([`discovery::task`]) | discovery state | finds libcuda files, asks the kernel task to probe them | yes (bounded per file) |
 //! | nri ([`provision::nri`]) | its connection | answers the runtime within [`NRI_DEADLINE`] | no |
 //! | publish ([`provision`]) | nothing | hands the provisioned containers' pins and limits on | no |
@@ -40,6 +41,7 @@ use tracing::{error, info, warn};
 
 use crate::{
     driver::{self, task::Driver, DriverView},
+    inventory,
     discovery::{
         self,
         task::{Found, RemoteAttacher, Scanner},
@@ -347,7 +349,9 @@ pub async fn run(args: RunArgs) -> Result<()> {
         )?;
     }
     let mut ledgers = args.ledger_dir.clone().map(|dir| Ledgers::with_limits(dir, ledger_limits));
-    let (provisioner, capacity) = provisioner(&args).await?.unzip();
+    // The node's GPUs, one inventory for the slices, prepare, health and the NRI side.
+    let (gpus_tx, gpus_rx) = watch::channel(None);
+    let (provisioner, capacity) = provisioner(&args, gpus_rx.clone()).await?.unzip();
     let mut capacity = capacity.flatten();
     let metrics = Metrics::new(args.hami_metrics)?;
     let mut judge = Judge {
@@ -406,7 +410,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         tasks.spawn_abortable("capacity", alive.ended());
     }
     let dra_node = if args.dra.dra { crate::dra::plugin::Node::of(&args.provision).await?.with_ledgers(provisioner.clone()) } else { Default::default() };
-    if let Some((plugin, families)) = crate::dra::plugin::wire(&args.dra, dra_node.clone(), driver_rx.clone(), stop.clone()).await? {
+    if let Some((plugin, families)) = crate::dra::plugin::wire(&args.dra, dra_node.clone(), gpus_rx.clone(), driver_rx.clone(), stop.clone()).await? {
         for family in families {
             judge.metrics.register(family)?;
         }
@@ -488,12 +492,16 @@ pub async fn run(args: RunArgs) -> Result<()> {
         state_dir: Some(args.provision.state_dir.clone()),
     };
     tasks.spawn_unit("driver", driver_task.run(driver_tx, liveness.register("driver", DRIVER_ALLOWED), stop.clone()));
+    let reserve = if args.dra.dra { args.dra_slices.dra_memory_reserve } else { 0 };
+    tasks.spawn("inventory", inventory::Tracker { flag: args.provision.gpu_memory.clone(), reserve }.run(driver_rx.clone(), gpus_tx, stop.clone()));
+    let mut dra_status = None;
     if args.dra.dra {
         let slices = crate::dra::slices::Publisher::start(&args.dra_slices, &dra_node, liveness.register("dra-slices", crate::dra::slices::ALLOWED)).await?;
         for family in slices.collectors() {
             judge.metrics.register(family)?;
         }
-        tasks.spawn("dra-slices", slices.run(driver_rx.clone(), stop.clone()));
+        dra_status = Some(slices.status());
+        tasks.spawn("dra-slices", slices.run(gpus_rx.clone(), stop.clone()));
     }
     let judge_wiring = reconcile::task::Wiring {
         kernel: kernel_tx,
@@ -506,6 +514,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         changed,
         audits: audits_rx,
         provisioning: provisioning.clone(),
+        dra: dra_status,
         metrics_addr,
         health_addr,
         heartbeat: liveness.register("reconcile", TENANT_WORK_ALLOWED),
@@ -555,9 +564,15 @@ pub async fn run(args: RunArgs) -> Result<()> {
 
 /// The provisioner `--nri` asks for, with its quota sources, and the node's advertised
 /// capacity (with `--kube` and `--gpu-memory`); `None` without `--nri`.
-async fn provisioner(args: &RunArgs) -> Result<Option<(Arc<Provisioner>, Option<provision::kube::Capacity>)>> {
+async fn provisioner(args: &RunArgs, gpus: inventory::Shared) -> Result<Option<(Arc<Provisioner>, Option<provision::kube::Capacity>)>> {
     let wanted = &args.provision;
     if !wanted.nri {
+        if args.dra.dra {
+            bail!(
+                "--dra needs --nri: a claim's GPU is handed to its containers only with the ledger, hook and limit the NRI side gives \
+                 them (without it they would get the GPU and nothing behind their claim)"
+            );
+        }
         if wanted.quota_file.is_some() || wanted.quota_from_annotation || wanted.refuse_overcommit || (wanted.kube.kube && !args.dra.dra) {
             bail!("--kube (without --dra), --quota-file, --quota-from-annotation and --refuse-overcommit provision containers: they need --nri");
         }
@@ -590,7 +605,7 @@ async fn provisioner(args: &RunArgs) -> Result<Option<(Arc<Provisioner>, Option<
     if sources.kube.is_none() && sources.file.is_none() && !sources.annotation {
         bail!("--nri needs a quota source: --kube, --quota-file FILE or --quota-from-annotation");
     }
-    let provisioner = Provisioner::new(wanted, ledger_dir, sources).map_err(|e| anyhow!("cannot provision containers: {e}"))?;
+    let provisioner = Provisioner::new(wanted, ledger_dir, sources).map_err(|e| anyhow!("cannot provision containers: {e}"))?.with_inventory(gpus);
     Ok(Some((Arc::new(provisioner), capacity)))
 }
 

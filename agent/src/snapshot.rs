@@ -51,10 +51,28 @@ pub struct Snapshot {
     /// The driver view's state (NVML): `ok`, or why there is none.
     #[serde(default)]
     pub driver: crate::driver::DriverStatus,
+    /// The DRA driver's published pool (absent without `--dra`).
+    #[serde(default)]
+    pub dra: Option<DraStatus>,
     /// Imported external memory (`cuImportExternalMemory`), live, per process and cgroup:
     /// shown, never charged.
     #[serde(default)]
     pub external_memory: ExternalMemory,
+}
+
+/// The DRA driver's ResourceSlice pool as last published (`--dra`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DraStatus {
+    /// `shared` (claims share a GPU by consumable capacity), `whole` (the API server drops the
+    /// shared form, `DRAConsumableCapacity` being off: each GPU goes whole to one claim), or
+    /// empty before the first publication.
+    pub sharing: String,
+    /// The pool's generation.
+    pub generation: i64,
+    /// Where the GPUs came from: `nvml`, or `gpu-memory` (the flag, without NVML).
+    pub source: String,
+    /// (index, `memory` capacity in bytes) of each published GPU.
+    pub gpus: Vec<(u32, u64)>,
 }
 
 /// A process's reconciliation state.
@@ -463,6 +481,15 @@ impl Snapshot {
         );
         for note in self.driver.notes() {
             let _ = writeln!(out, "  {note}");
+        }
+        if let Some(dra) = &self.dra {
+            let gpus: Vec<String> = dra.gpus.iter().map(|(index, capacity)| format!("gpu-{index} {}", human(*capacity))).collect();
+            let form = match dra.sharing.as_str() {
+                "shared" => "shared: claims share each GPU's memory (consumable capacity)",
+                "whole" => "whole: each GPU goes to one claim (the API server drops the shared form: DRAConsumableCapacity is off)",
+                _ => "not published yet",
+            };
+            let _ = writeln!(out, "DRA pool (gpu.vramguard.io, from {}): {form}; generation {}; {}", dra.source, dra.generation, gpus.join(", "));
         }
         let probed: Vec<&str> = self.libcuda.iter().map(|f| f.path.as_str()).collect();
         let _ = writeln!(

@@ -24,7 +24,10 @@ use super::{
         NodeWatchResourcesResponse,
     },
 };
-use crate::driver::{DriverView, State};
+use crate::{
+    driver::{DriverView, State},
+    inventory,
+};
 
 /// The health service as the registration names it.
 pub const SERVICE: &str = "v1alpha1.DRAResourceHealth";
@@ -34,10 +37,14 @@ pub const RESEND: Duration = Duration::from_secs(20);
 /// How long the kubelet may go without a message before it takes the health as unknown.
 pub const TIMEOUT: Duration = Duration::from_secs(60);
 
-/// The health service: the node's pool and GPUs, and the driver task's view.
+/// The health service: the node's pool, its GPUs (the [`inventory`] the slices publish), and
+/// the driver task's view.
 pub struct Health {
     pub pool: String,
-    pub gpus: u32,
+    pub gpus: inventory::Shared,
+    /// The GPUs listed before NVML ever answered (`--gpu-memory`'s indices): with NVML
+    /// failing from the start, they are reported unhealthy rather than not at all.
+    pub until_known: Vec<u32>,
     pub driver: watch::Receiver<Arc<DriverView>>,
 }
 
@@ -54,7 +61,12 @@ pub fn health_of(view: &DriverView) -> (HealthStatus, String) {
 impl Health {
     fn message(&self, (health, message): &(HealthStatus, String)) -> NodeWatchResourcesResponse {
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-        let devices = (0..self.gpus)
+        let indices: Vec<u32> = match self.gpus.borrow().as_ref() {
+            Some(inventory) => inventory.gpus.iter().map(|gpu| gpu.index).collect(),
+            None => self.until_known.clone(),
+        };
+        let devices = indices
+            .into_iter()
             .map(|gpu| DeviceHealth {
                 device: Some(DeviceIdentifier { pool_name: self.pool.clone(), device_name: device_name(gpu) }),
                 health: *health as i32,
@@ -125,7 +137,10 @@ mod tests {
     #[tokio::test]
     async fn the_gpus_are_healthy_while_nvml_answers_and_unhealthy_when_it_fails() {
         let (driver_tx, driver) = watch::channel(view(State::Starting, None));
-        let health = Arc::new(Health { pool: "node-1".into(), gpus: 2, driver });
+        // GPUs 0 and 3 (minor numbers need not be dense).
+        let mut listed = crate::inventory::from_flag(&[1 << 30; 4], 0);
+        listed.gpus.retain(|gpu| gpu.index == 0 || gpu.index == 3);
+        let health = Arc::new(Health { pool: "node-1".into(), gpus: crate::inventory::fixed(Some(listed)), until_known: vec![0, 1, 2, 3, 4], driver });
         let mut stream = health.node_watch_resources(Request::new(NodeWatchResourcesRequest {})).await.expect("a watch").into_inner();
         let first = next(&mut stream).await;
         assert_eq!(first.devices.len(), 2);
@@ -133,7 +148,7 @@ mod tests {
         driver_tx.send(view(State::Ok, None)).expect("watched");
         let healthy = next(&mut stream).await;
         let names: Vec<_> = healthy.devices.iter().map(|d| d.device.clone().expect("an id").device_name).collect();
-        assert_eq!(names, ["gpu-0", "gpu-1"]);
+        assert_eq!(names, ["gpu-0", "gpu-3"], "the inventory's GPUs");
         assert!(healthy.devices.iter().all(|d| d.health == HealthStatus::Healthy as i32 && d.device.as_ref().is_some_and(|i| i.pool_name == "node-1")));
         assert!(healthy.devices.iter().all(|d| d.health_check_timeout_seconds == 60 && d.last_updated_time > 0));
         // The same health again is no news; a failure is.

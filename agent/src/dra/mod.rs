@@ -16,7 +16,6 @@
 //! runtime see only what the API (`resource.k8s.io/v1`) and CDI define.
 
 pub mod health;
-pub mod inventory;
 pub mod plugin;
 pub mod policy;
 pub mod prepare;

@@ -330,10 +330,11 @@ pub fn start<C: Claims>(
 /// The DRA driver's flags of `vramguard run`.
 #[derive(clap::Args, Clone, Debug)]
 pub struct DraArgs {
-    /// Be the DRA driver gpu.vramguard.io: publish the node's GPUs as a ResourceSlice pool and
-    /// run the kubelet plugin that prepares the ResourceClaims allocated on them; the node-wide
-    /// `vramguard.io/gpu-memory` is no longer advertised. Needs --kube (the API server),
-    /// --node-name and --gpu-memory (each GPU's memory: a share past it is refused).
+    /// Be the DRA driver gpu.vramguard.io: publish the node's GPUs (NVML's; --gpu-memory's
+    /// where there is no NVML) as a ResourceSlice pool and run the kubelet plugin that
+    /// prepares the ResourceClaims allocated on them; the node-wide `vramguard.io/gpu-memory`
+    /// is no longer advertised. Needs --kube (the API server) and --nri (no GPU is handed out
+    /// without the ledger and limit the NRI side gives the claim's containers).
     #[arg(long)]
     pub dra: bool,
     /// The kubelet's plugin registry directory, where the registration socket is created.
@@ -347,19 +348,34 @@ pub struct DraArgs {
     pub cdi_dir: PathBuf,
     /// Where the GPUs' device nodes (`nvidia<N>`) are on the host: a prepared claim's CDI spec
     /// gives its containers `/dev/nvidia<N>`, and the driver's control nodes (`nvidiactl`,
-    /// `nvidia-uvm`, ...) it finds there, from there (the tests point it at stand-ins).
+    /// `nvidia-uvm`, ...) the host has, from there (the tests point it at stand-ins).
     #[arg(long, default_value = "/dev", value_name = "DIR")]
     pub dra_device_dir: PathBuf,
+    /// Where the agent sees --dra-device-dir, to find which control nodes the host has (the
+    /// DaemonSet mounts the host's /dev read-only at /host/dev: the agent container's own
+    /// /dev is what its runtime gave it, without nvidia-uvm under the NVIDIA runtime's
+    /// `utility` capability). Default: --dra-device-dir itself.
+    #[arg(long, value_name = "DIR")]
+    pub dra_host_dev: Option<PathBuf>,
+}
+
+impl DraArgs {
+    /// The GPUs' device nodes, on the host and as the agent sees them.
+    pub fn nodes(&self) -> super::cdi::Nodes {
+        let view = self.dra_host_dev.clone().unwrap_or_else(|| self.dra_device_dir.clone());
+        super::cdi::Nodes { dir: self.dra_device_dir.clone(), view }
+    }
 }
 
 /// What the plugin is given from the rest of the agent's configuration: the API server
-/// (`--kube`), the node's name, each GPU's memory (`--gpu-memory`), the state directory.
+/// (`--kube`), the node's name, the state directory.
 #[derive(Clone, Default)]
 pub struct Node {
     /// A client of the API server `--kube` names.
     pub kube: Option<kube::Client>,
     pub name: String,
-    pub gpu_memory: Vec<u64>,
+    /// How many GPUs `--gpu-memory` names (the health's list until NVML first answers).
+    pub flag_gpus: usize,
     pub state_dir: PathBuf,
     /// The NRI side's provisioner (`--nri`), whose claims' ledgers unprepare removes.
     pub ledgers: Option<Arc<crate::provision::Provisioner>>,
@@ -373,7 +389,7 @@ impl Node {
             None => None,
         };
         let name = if kube.is_some() { provision.kube.node()?.to_owned() } else { String::new() };
-        Ok(Node { kube, name, gpu_memory: provision.gpu_memory.clone(), state_dir: provision.state_dir.clone(), ledgers: None })
+        Ok(Node { kube, name, flag_gpus: provision.gpu_memory.len(), state_dir: provision.state_dir.clone(), ledgers: None })
     }
 
     /// The node whose claims' ledgers are `provisioner`'s (`None` without `--nri`).
@@ -383,11 +399,13 @@ impl Node {
 }
 
 /// The plugin's task and its metrics' families as `--dra` asks for them (`None` without it):
-/// the claims from the API server `--kube` names, the GPUs `--gpu-memory` names, the
-/// checkpoint in `--state-dir`, the GPUs' health from the driver task's view.
+/// the claims from the API server `--kube` names, the node's GPUs (the [`crate::inventory`]
+/// the slices publish), the checkpoint in `--state-dir` (every recorded claim's CDI spec
+/// restored before the sockets are served), the GPUs' health from the driver task's view.
 pub async fn wire(
     args: &DraArgs,
     node: Node,
+    gpus: crate::inventory::Shared,
     driver: watch::Receiver<Arc<crate::driver::DriverView>>,
     stop: watch::Receiver<bool>,
 ) -> Result<Option<(impl std::future::Future<Output = Result<()>> + Send + 'static, Vec<Box<dyn Collector>>)>> {
@@ -397,9 +415,12 @@ pub async fn wire(
     let Some(client) = node.kube else {
         anyhow::bail!("--dra needs --kube: the DRA driver gets the claims it prepares from the API server");
     };
-    let Node { name: node, gpu_memory, state_dir, ledgers, .. } = node;
-    if gpu_memory.is_empty() {
-        anyhow::bail!("--dra needs --gpu-memory (each GPU's memory, e.g. 80Gi,80Gi): the driver refuses shares past it");
+    let Node { name: node, state_dir, ledgers, flag_gpus, .. } = node;
+    if ledgers.is_none() {
+        anyhow::bail!(
+            "--dra needs --nri: a claim's GPU goes to its containers only with the ledger, hook and limit the NRI side gives them; \
+             without it the containers would get the GPU and nothing behind their claim"
+        );
     }
     let checkpoint_dir = state_dir.clone();
     let checkpoint = tokio::task::spawn_blocking(move || super::checkpoint::Checkpoint::open(&checkpoint_dir))
@@ -408,8 +429,11 @@ pub async fn wire(
         .map_err(anyhow::Error::msg)?;
     info!(claims = checkpoint.claims().count(), path = %checkpoint.path().display(), "the DRA checkpoint");
     let claims = super::prepare::KubeClaims(client);
-    let health = Health { pool: node.clone(), gpus: gpu_memory.len() as u32, driver };
-    let preparer = Preparer::new(claims, node, gpu_memory, args.cdi_dir.clone(), state_dir, checkpoint).with_device_dir(args.dra_device_dir.clone()).with_ledgers(ledgers);
+    let until_known = (0u32..).take(flag_gpus).collect();
+    let health = Health { pool: node.clone(), gpus: gpus.clone(), until_known, driver };
+    let preparer = Preparer::new(claims, node, gpus, args.cdi_dir.clone(), state_dir, checkpoint).with_nodes(args.nodes()).with_ledgers(ledgers);
+    let (written, removed) = preparer.restore().await.map_err(|e| anyhow::anyhow!("restoring the prepared claims' CDI specs: {e}"))?;
+    info!(written, removed, cdi_dir = %args.cdi_dir.display(), "the prepared claims' CDI specs restored (written: missing or different; removed: of claims not recorded)");
     let metrics = Metrics::new()?;
     let sockets = Sockets { registry_dir: args.kubelet_registry_dir.clone(), plugins_dir: args.kubelet_plugins_dir.clone() };
     let task = start(sockets, preparer, health, metrics.clone(), stop)?;

@@ -4,11 +4,17 @@
 //! Prepare takes the claim from the API server ([`Claims`]), checks that it is the claim the
 //! kubelet means (its `metadata.uid`) and that it is allocated, takes the allocation results
 //! of [`DRIVER`] in this node's pool as [`Share`]s (the quota on a GPU is the result's
-//! `consumedCapacity.memory`), refuses a share that would make the prepared memory on its GPU
-//! exceed the GPU's (the driver's own check that the scheduler did not over-commit), then
-//! writes the claim's CDI spec and records it in the [`Checkpoint`] before answering. A claim
-//! already recorded is answered from the checkpoint alone, without the API server: prepare is
-//! idempotent, and so is unprepare (a claim the checkpoint does not hold is unprepared
+//! `consumedCapacity.memory`; a result without one, as the API server leaves every result
+//! where the `DRAConsumableCapacity` gate is off, has the GPU whole: its published
+//! capacity), refuses a share that would make the prepared memory on its GPU exceed the
+//! GPU's capacity as the node's [`inventory`] publishes it (the driver's own check that the
+//! scheduler did not over-commit), then writes the claim's CDI spec and records it in the
+//! [`Checkpoint`] before answering. A claim already recorded is answered from the checkpoint
+//! without the API server, its spec written again first if it is missing or different (a
+//! reboot empties `/var/run/cdi`, a tmpfs, and keeps the checkpoint: kubernetes#141433); at
+//! start [`Preparer::restore`] writes every recorded claim's spec and removes the specs of
+//! claims not recorded (a crash between the two writes). Prepare is idempotent, and so is
+//! unprepare (a claim the checkpoint does not hold is unprepared
 //! already), which needs nothing but the checkpoint (the claim may be gone from the API
 //! server). Unprepare then asks the provisioner ([`crate::provision::Provisioner::release_claim`],
 //! with `--nri`) to remove the claim's ledger, which it does at once if no process of the
@@ -32,7 +38,12 @@ use std::{
 use k8s_openapi::api::resource::v1::ResourceClaim;
 
 use super::{cdi, checkpoint::Checkpoint, device_index, Prepared, Share, DRIVER, MEMORY};
-use crate::{provision::Provisioner, quantity::parse_quantity};
+use crate::{
+    fault::die_at,
+    inventory::{self, Inventory},
+    provision::Provisioner,
+    quantity::parse_quantity,
+};
 
 /// How long one claim's prepare or unprepare may take, the API server's answer included:
 /// past it the claim's answer is an error, well before the kubelet's 45 s.
@@ -72,6 +83,8 @@ pub enum Reason {
     UidChanged,
     /// The claim has no `status.allocation`.
     NotAllocated,
+    /// The node's GPUs are not known yet (NVML has not answered, and no `--gpu-memory`).
+    NoInventory,
     /// No result of this driver in this node's pool.
     NoDevice,
     /// A result that this driver cannot serve: not one of its device names, a GPU the node
@@ -86,11 +99,12 @@ pub enum Reason {
 }
 
 impl Reason {
-    pub const ALL: [Reason; 9] = [
+    pub const ALL: [Reason; 10] = [
         Reason::Api,
         Reason::NotFound,
         Reason::UidChanged,
         Reason::NotAllocated,
+        Reason::NoInventory,
         Reason::NoDevice,
         Reason::BadResult,
         Reason::OverCapacity,
@@ -104,6 +118,7 @@ impl Reason {
             Reason::NotFound => "not_found",
             Reason::UidChanged => "uid_changed",
             Reason::NotAllocated => "not_allocated",
+            Reason::NoInventory => "no_inventory",
             Reason::NoDevice => "no_device",
             Reason::BadResult => "bad_result",
             Reason::OverCapacity => "over_capacity",
@@ -147,12 +162,13 @@ pub struct Preparer<C> {
     claims: C,
     /// This node's name: the driver's pool.
     node: String,
-    /// Each GPU's memory in bytes, by index (`--gpu-memory`).
-    gpus: Vec<u64>,
+    /// The node's GPUs, as the slices publish them.
+    gpus: inventory::Shared,
     cdi_dir: PathBuf,
     state_dir: PathBuf,
-    /// Where the GPUs' device nodes are on the host (`--dra-device-dir`, `/dev`).
-    device_dir: PathBuf,
+    /// Where the GPUs' device nodes are on the host and as the agent sees them
+    /// (`--dra-device-dir`, `--dra-host-dev`).
+    nodes: cdi::Nodes,
     /// Locked on the blocking pool only.
     checkpoint: Arc<Mutex<Checkpoint>>,
     /// The claims' ledgers (`--nri`): unprepare removes a claim's.
@@ -160,8 +176,8 @@ pub struct Preparer<C> {
 }
 
 impl<C: Claims> Preparer<C> {
-    pub fn new(claims: C, node: String, gpus: Vec<u64>, cdi_dir: PathBuf, state_dir: PathBuf, checkpoint: Checkpoint) -> Preparer<C> {
-        Preparer { claims, node, gpus, cdi_dir, state_dir, device_dir: PathBuf::from(cdi::DEVICE_DIR), checkpoint: Arc::new(Mutex::new(checkpoint)), ledgers: None }
+    pub fn new(claims: C, node: String, gpus: inventory::Shared, cdi_dir: PathBuf, state_dir: PathBuf, checkpoint: Checkpoint) -> Preparer<C> {
+        Preparer { claims, node, gpus, cdi_dir, state_dir, nodes: cdi::Nodes::host(), checkpoint: Arc::new(Mutex::new(checkpoint)), ledgers: None }
     }
 
     /// The preparer whose unprepare removes a claim's ledger through `provisioner` (the NRI
@@ -170,10 +186,37 @@ impl<C: Claims> Preparer<C> {
         Preparer { ledgers: provisioner, ..self }
     }
 
-    /// The preparer with the GPUs' device nodes taken from `device_dir` (the CDI specs' host
-    /// paths) instead of `/dev`.
-    pub fn with_device_dir(self, device_dir: PathBuf) -> Preparer<C> {
-        Preparer { device_dir, ..self }
+    /// The preparer with the GPUs' device nodes at `nodes` (the CDI specs' host paths, and
+    /// where the agent sees them) instead of the host's `/dev`.
+    pub fn with_nodes(self, nodes: cdi::Nodes) -> Preparer<C> {
+        Preparer { nodes, ..self }
+    }
+
+    /// What an agent does at start, before it serves the kubelet: every recorded claim's spec
+    /// written where it is missing or different (after a reboot the CDI directory, a tmpfs,
+    /// is empty while the checkpoint is on disk), and this driver's specs of claims not
+    /// recorded removed with their directories (a crash after the spec, before the record:
+    /// the kubelet prepares the claim again). Returns (written, removed).
+    pub async fn restore(&self) -> Result<(usize, usize), String> {
+        let (checkpoint, cdi_dir, state_dir, nodes) = (self.checkpoint.clone(), self.cdi_dir.clone(), self.state_dir.clone(), self.nodes.clone());
+        blocking(move || {
+            let checkpoint = lock(&checkpoint);
+            let mut written = 0;
+            for prepared in checkpoint.claims() {
+                if cdi::write_in(&cdi_dir, &state_dir, &nodes, prepared)?.1 {
+                    written += 1;
+                }
+            }
+            let mut removed = 0;
+            for uid in cdi::written_uids(&cdi_dir, &state_dir)? {
+                if checkpoint.get(&uid).is_none() {
+                    cdi::remove(&cdi_dir, &state_dir, &uid)?;
+                    removed += 1;
+                }
+            }
+            Ok((written, removed))
+        })
+        .await
     }
 
     /// The checkpoint this preparer keeps, for a reader of the prepared claims beside it (the
@@ -201,7 +244,19 @@ impl<C: Claims> Preparer<C> {
 
     async fn prepare_unbounded(&self, asked: &Asked) -> Result<Outcome, Refusal> {
         let (checkpoint, uid) = (self.checkpoint.clone(), asked.uid.clone());
-        let known = blocking(move || Ok(lock(&checkpoint).get(&uid).cloned())).await.map_err(|e| refuse(Reason::Write, e))?;
+        let (cdi_dir, state_dir, nodes) = (self.cdi_dir.clone(), self.state_dir.clone(), self.nodes.clone());
+        let known = blocking(move || {
+            let checkpoint = lock(&checkpoint);
+            let Some(prepared) = checkpoint.get(&uid).cloned() else { return Ok(None) };
+            // The runtime resolves the devices from the spec: it must be there before the answer.
+            let (path, written) = cdi::write_in(&cdi_dir, &state_dir, &nodes, &prepared)?;
+            if written {
+                tracing::warn!(uid = %prepared.uid, spec = %path.display(), "a prepared claim's CDI spec was missing or different (a reboot empties the CDI directory): written again");
+            }
+            Ok(Some(prepared))
+        })
+        .await
+        .map_err(|e| refuse(Reason::Write, e))?;
         if let Some(prepared) = known {
             return Ok(Outcome::Repeated(prepared));
         }
@@ -210,10 +265,12 @@ impl<C: Claims> Preparer<C> {
             Ok(None) => return Err(refuse(Reason::NotFound, format!("claim {}/{} not found in the API server", asked.namespace, asked.name))),
             Err(error) => return Err(refuse(Reason::Api, format!("cannot get claim {}/{}: {error}", asked.namespace, asked.name))),
         };
-        let prepared = shares_of(&claim, asked, &self.node, &self.gpus)?;
-        let (checkpoint, gpus, cdi_dir, state_dir) = (self.checkpoint.clone(), self.gpus.clone(), self.cdi_dir.clone(), self.state_dir.clone());
-        let device_dir = self.device_dir.clone();
-        blocking(move || Ok(commit(&mut lock(&checkpoint), &gpus, &cdi_dir, &state_dir, &device_dir, prepared)))
+        let Some(gpus) = self.gpus.borrow().clone() else {
+            return Err(refuse(Reason::NoInventory, "the node's GPUs are not known yet (NVML has not answered, and there is no --gpu-memory): the kubelet will ask again".into()));
+        };
+        let prepared = shares_of(&claim, asked, &self.node, &gpus)?;
+        let (checkpoint, cdi_dir, state_dir, nodes) = (self.checkpoint.clone(), self.cdi_dir.clone(), self.state_dir.clone(), self.nodes.clone());
+        blocking(move || Ok(commit(&mut lock(&checkpoint), &gpus, &cdi_dir, &state_dir, &nodes, prepared)))
             .await
             .map_err(|e| refuse(Reason::Write, e))?
     }
@@ -233,7 +290,9 @@ impl<C: Claims> Preparer<C> {
             // The spec goes first: a claim whose spec cannot be removed stays recorded, so
             // that the kubelet's next try (or the next agent's) removes it.
             cdi::remove(&cdi_dir, &state_dir, &uid)?;
+            die_at("unprepare-spec");
             checkpoint.remove(&uid)?;
+            die_at("unprepare-forgotten");
             Ok(known)
         });
         let work = async {
@@ -255,10 +314,10 @@ impl<C: Claims> Preparer<C> {
 /// lock, so that two claims cannot both take a GPU's last bytes.
 fn commit(
     checkpoint: &mut Checkpoint,
-    gpus: &[u64],
+    gpus: &Inventory,
     cdi_dir: &std::path::Path,
     state_dir: &std::path::Path,
-    device_dir: &std::path::Path,
+    nodes: &cdi::Nodes,
     prepared: Prepared,
 ) -> Result<Outcome, Refusal> {
     if let Some(known) = checkpoint.get(&prepared.uid) {
@@ -270,7 +329,7 @@ fn commit(
         *used.entry(share.gpu).or_default() += share.memory;
     }
     for share in &prepared.shares {
-        let capacity = gpus.get(share.gpu as usize).copied().unwrap_or(0);
+        let capacity = gpus.gpu(share.gpu).map_or(0, |gpu| gpu.capacity);
         let before = used.get(&share.gpu).copied().unwrap_or(0);
         let after = before.saturating_add(share.memory);
         if after > capacity {
@@ -285,19 +344,24 @@ fn commit(
         }
         used.insert(share.gpu, after);
     }
-    cdi::write_in(cdi_dir, state_dir, device_dir, &prepared).map_err(|e| refuse(Reason::Write, e))?;
+    cdi::write_in(cdi_dir, state_dir, nodes, &prepared).map_err(|e| refuse(Reason::Write, e))?;
+    die_at("prepare-spec");
     if let Err(error) = checkpoint.insert(prepared.clone()) {
         // Not recorded: not prepared (the kubelet will try again).
         let _ = cdi::remove(cdi_dir, state_dir, &prepared.uid);
         return Err(refuse(Reason::Write, error));
     }
+    die_at("prepare-recorded");
     Ok(Outcome::Prepared(prepared))
 }
 
 /// The claim's shares on this node's GPUs, checked: the claim the kubelet means (its UID),
 /// allocated, each result of this driver in this node's pool one of its GPUs with the memory
-/// it consumes. Results of other drivers and other pools are not this driver's to prepare.
-pub fn shares_of(claim: &ResourceClaim, asked: &Asked, node: &str, gpus: &[u64]) -> Result<Prepared, Refusal> {
+/// it consumes (its `consumedCapacity.memory`, or without one the GPU's whole published
+/// capacity: the scheduler gave it the device whole). Several results on one GPU (requests of
+/// one claim) are several shares there, their sum the claim's quota on it. Results of other
+/// drivers and other pools are not this driver's to prepare.
+pub fn shares_of(claim: &ResourceClaim, asked: &Asked, node: &str, gpus: &Inventory) -> Result<Prepared, Refusal> {
     let id = format!("{}/{}", asked.namespace, asked.name);
     let uid = claim.metadata.uid.as_deref().unwrap_or_default();
     if uid != asked.uid {
@@ -313,21 +377,16 @@ pub fn shares_of(claim: &ResourceClaim, asked: &Asked, node: &str, gpus: &[u64])
         let Some(gpu) = device_index(&result.device) else {
             return Err(bad(format!("not a device of {DRIVER} (gpu-<index>)")));
         };
-        if gpu as usize >= gpus.len() {
-            return Err(bad(format!("GPU {gpu} is not on this node (it has {} GPUs)", gpus.len())));
-        }
-        let Some(quantity) = result.consumed_capacity.as_ref().and_then(|c| c.get(MEMORY)) else {
-            return Err(bad(format!(
-                "no consumedCapacity.{MEMORY}: the device allows multiple allocations, so the scheduler records the memory each \
-                 claim consumes (is the DRAConsumableCapacity feature gate on in the API server, the scheduler and the kubelet?)"
-            )));
+        let Some(published) = gpus.gpu(gpu) else {
+            let have: Vec<String> = gpus.gpus.iter().map(|g| super::device_name(g.index)).collect();
+            return Err(bad(format!("GPU {gpu} is not on this node (its GPUs: {})", have.join(", "))));
         };
-        let Some(memory) = parse_quantity(&quantity.0) else {
-            return Err(bad(format!("consumedCapacity.{MEMORY} {:?} is not a quantity of bytes", quantity.0)));
+        let memory = match result.consumed_capacity.as_ref().and_then(|c| c.get(MEMORY)) {
+            Some(quantity) => parse_quantity(&quantity.0).ok_or_else(|| bad(format!("consumedCapacity.{MEMORY} {:?} is not a quantity of bytes", quantity.0)))?,
+            // The scheduler records what a claim consumes only where the gate is on; without
+            // it the device went to this claim whole.
+            None => published.capacity,
         };
-        if shares.iter().any(|s| s.gpu == gpu) {
-            return Err(bad(format!("a second result on GPU {gpu} (one claim, one share of a GPU)")));
-        }
         shares.push(Share {
             request: result.request.clone(),
             pool: result.pool.clone(),
@@ -401,6 +460,11 @@ mod tests {
         r
     }
 
+    /// A node of GPUs of these sizes (capacity the same), indexed from 0.
+    fn gpus(sizes: &[u64]) -> Inventory {
+        crate::inventory::from_flag(sizes, 0)
+    }
+
     fn asked(name: &str, uid: &str) -> Asked {
         Asked { namespace: "team".into(), uid: uid.into(), name: name.into() }
     }
@@ -412,11 +476,12 @@ mod tests {
         dir
     }
 
-    fn preparer(tag: &str, gpus: Vec<u64>) -> (Preparer<Arc<Fake>>, Arc<Fake>, PathBuf) {
+    fn preparer(tag: &str, sizes: Vec<u64>) -> (Preparer<Arc<Fake>>, Arc<Fake>, PathBuf) {
         let dir = tempdir(tag);
         let fake = Arc::new(Fake::default());
         let checkpoint = Checkpoint::open(&dir.join("state")).expect("checkpoint");
-        (Preparer::new(fake.clone(), NODE.into(), gpus, dir.join("cdi"), dir.join("state"), checkpoint), fake, dir)
+        let shared = crate::inventory::fixed(Some(gpus(&sizes)));
+        (Preparer::new(fake.clone(), NODE.into(), shared, dir.join("cdi"), dir.join("state"), checkpoint), fake, dir)
     }
 
     fn put(fake: &Fake, claim: ResourceClaim) {
@@ -427,14 +492,14 @@ mod tests {
     #[test]
     fn a_claim_re_created_under_the_same_name_is_refused_with_both_uids() {
         let c = claim("c", "uid-new", Some(json!([result(DRIVER, NODE, "gpu-0", Some("8Gi"))])));
-        let refusal = shares_of(&c, &asked("c", "uid-old"), NODE, &[80 * GIB]).expect_err("another UID");
+        let refusal = shares_of(&c, &asked("c", "uid-old"), NODE, &gpus(&[80 * GIB])).expect_err("another UID");
         assert_eq!(refusal.reason, Reason::UidChanged);
         assert_eq!(refusal.message, r#"claim team/c has UID "uid-new", the kubelet asked for "uid-old""#);
     }
 
     #[test]
     fn a_claim_without_allocation_is_refused() {
-        let refusal = shares_of(&claim("c", "u", None), &asked("c", "u"), NODE, &[80 * GIB]).expect_err("not allocated");
+        let refusal = shares_of(&claim("c", "u", None), &asked("c", "u"), NODE, &gpus(&[80 * GIB])).expect_err("not allocated");
         assert_eq!(refusal.reason, Reason::NotAllocated);
         assert!(refusal.message.contains("claim team/c (UID u) is not allocated"), "{}", refusal.message);
     }
@@ -446,7 +511,7 @@ mod tests {
             result(DRIVER, "node-2", "gpu-0", Some("2Gi")),
             result(DRIVER, NODE, "gpu-1", Some("8Gi")),
         ]);
-        let prepared = shares_of(&claim("c", "u", Some(results)), &asked("c", "u"), NODE, &[80 * GIB, 80 * GIB]).expect("one share");
+        let prepared = shares_of(&claim("c", "u", Some(results)), &asked("c", "u"), NODE, &gpus(&[80 * GIB, 80 * GIB])).expect("one share");
         assert_eq!(prepared.shares.len(), 1);
         let share = &prepared.shares[0];
         assert_eq!((share.gpu, share.memory, share.device.as_str(), share.pool.as_str()), (1, 8 * GIB, "gpu-1", NODE));
@@ -454,19 +519,27 @@ mod tests {
         assert_eq!(share.share_id.as_deref(), Some("2f0c3a4e-0000-4000-8000-000000000001"));
         // Only others' results: nothing of this driver to prepare.
         let others = json!([result("other.example.com", NODE, "gpu-0", Some("1Gi"))]);
-        let refusal = shares_of(&claim("c", "u", Some(others)), &asked("c", "u"), NODE, &[80 * GIB]).expect_err("none");
+        let refusal = shares_of(&claim("c", "u", Some(others)), &asked("c", "u"), NODE, &gpus(&[80 * GIB])).expect_err("none");
         assert_eq!(refusal.reason, Reason::NoDevice);
     }
 
     #[test]
-    fn a_result_without_its_memory_or_on_a_gpu_the_node_lacks_is_refused() {
-        let refusal = shares_of(&claim("c", "u", Some(json!([result(DRIVER, NODE, "gpu-0", None)]))), &asked("c", "u"), NODE, &[80 * GIB])
-            .expect_err("no consumedCapacity");
-        assert_eq!(refusal.reason, Reason::BadResult);
-        assert!(refusal.message.contains("no consumedCapacity.memory") && refusal.message.contains("DRAConsumableCapacity"), "{}", refusal.message);
+    fn a_result_without_its_memory_has_the_gpu_whole_and_one_on_a_gpu_the_node_lacks_is_refused() {
+        // As the API server leaves a result where DRAConsumableCapacity is off: no
+        // consumedCapacity, no shareID. The scheduler gave the device whole.
+        let mut whole = result(DRIVER, NODE, "gpu-1", None);
+        whole.as_object_mut().expect("object").remove("shareID");
+        let prepared = shares_of(&claim("c", "u", Some(json!([whole]))), &asked("c", "u"), NODE, &crate::inventory::from_flag(&[80 * GIB, 40 * GIB], GIB)).expect("the whole GPU");
+        assert_eq!((prepared.shares[0].gpu, prepared.shares[0].memory, prepared.shares[0].share_id.as_deref()), (1, 39 * GIB, None), "its published capacity");
+        // Minor numbers need not be dense: GPU 3 of a node whose GPUs are 0 and 3.
+        let mut sparse = gpus(&[GIB; 4]);
+        sparse.gpus.retain(|g| g.index == 0 || g.index == 3);
+        assert!(shares_of(&claim("c", "u", Some(json!([result(DRIVER, NODE, "gpu-3", Some("1Gi"))]))), &asked("c", "u"), NODE, &sparse).is_ok());
+        let refusal = shares_of(&claim("c", "u", Some(json!([result(DRIVER, NODE, "gpu-1", Some("1Gi"))]))), &asked("c", "u"), NODE, &sparse).expect_err("no GPU 1");
+        assert!(refusal.message.contains("GPU 1 is not on this node (its GPUs: gpu-0, gpu-3)"), "{}", refusal.message);
         for (device, memory, says) in [("gpu-3", "1Gi", "GPU 3 is not on this node"), ("mig-0", "1Gi", "not a device of"), ("gpu-0", "lots", "not a quantity")] {
             let c = claim("c", "u", Some(json!([result(DRIVER, NODE, device, Some(memory))])));
-            let refusal = shares_of(&c, &asked("c", "u"), NODE, &[80 * GIB]).expect_err(device);
+            let refusal = shares_of(&c, &asked("c", "u"), NODE, &gpus(&[80 * GIB])).expect_err(device);
             assert_eq!(refusal.reason, Reason::BadResult);
             assert!(refusal.message.contains(says), "{}", refusal.message);
         }
@@ -518,6 +591,60 @@ mod tests {
         let error = preparer.unprepare(&asked("a", "../..")).await.expect_err("not a UID");
         assert_eq!(error, r#"claim team/a: "../.." is not a UID"#);
         assert!(dir.join("state/dra/checkpoint.json").exists() && dir.join("state/dra/claims").exists());
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[tokio::test]
+    async fn after_a_reboot_emptied_the_cdi_directory_the_specs_are_written_again() {
+        let (preparer, fake, dir) = preparer("reboot", vec![80 * GIB, 80 * GIB]);
+        put(&fake, claim("a", "ua", Some(json!([result(DRIVER, NODE, "gpu-0", Some("8Gi"))]))));
+        put(&fake, claim("b", "ub", Some(json!([result(DRIVER, NODE, "gpu-1", Some("8Gi"))]))));
+        for (name, uid) in [("a", "ua"), ("b", "ub")] {
+            assert!(matches!(preparer.prepare(&asked(name, uid)).await, Ok(Outcome::Prepared(_))));
+        }
+        let (spec_a, spec_b) = (cdi::spec_path(&dir.join("cdi"), "ua"), cdi::spec_path(&dir.join("cdi"), "ub"));
+        let written = std::fs::read(&spec_a).expect("a's spec");
+        // The reboot: /var/run/cdi is a tmpfs, the checkpoint is on disk.
+        std::fs::remove_dir_all(dir.join("cdi")).expect("emptied");
+        // The kubelet prepares again: answered from the checkpoint, the spec there first.
+        assert!(matches!(preparer.prepare(&asked("a", "ua")).await, Ok(Outcome::Repeated(_))));
+        assert_eq!(std::fs::read(&spec_a).expect("written again"), written);
+        // A spec someone changed is made right; one that is right is left alone.
+        std::fs::write(&spec_a, b"{}").expect("changed");
+        assert!(matches!(preparer.prepare(&asked("a", "ua")).await, Ok(Outcome::Repeated(_))));
+        assert_eq!(std::fs::read(&spec_a).expect("right again"), written);
+        // At start (a new agent after the reboot), every recorded claim's spec, and an orphan
+        // (a spec written before a crash, its claim never recorded) removed.
+        assert!(!spec_b.exists(), "b not asked again yet");
+        let orphan = Prepared { uid: "uo".into(), namespace: "team".into(), name: "o".into(), shares: Vec::new() };
+        cdi::write_in(&dir.join("cdi"), &dir.join("state"), &cdi::Nodes::host(), &orphan).expect("orphan");
+        assert_eq!(preparer.restore().await, Ok((1, 1)), "b's written, the orphan's removed, a's left");
+        assert!(spec_b.exists() && !cdi::spec_path(&dir.join("cdi"), "uo").exists() && !cdi::claim_dir(&dir.join("state"), "uo").exists());
+        assert_eq!(preparer.restore().await, Ok((0, 0)), "nothing more to do");
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[tokio::test]
+    async fn two_requests_on_one_gpu_are_two_shares_summed_against_it() {
+        let (preparer, fake, dir) = preparer("two-requests", vec![10 * GIB]);
+        let mut second = result(DRIVER, NODE, "gpu-0", Some("3Gi"));
+        second["request"] = json!("gpu-b");
+        put(&fake, claim("a", "ua", Some(json!([result(DRIVER, NODE, "gpu-0", Some("6Gi")), second]))));
+        let Ok(Outcome::Prepared(prepared)) = preparer.prepare(&asked("a", "ua")).await else { panic!("prepared") };
+        assert_eq!(prepared.shares.iter().map(|s| (s.request.as_str(), s.gpu, s.memory)).collect::<Vec<_>>(), [("gpu", 0, 6 * GIB), ("gpu-b", 0, 3 * GIB)]);
+        put(&fake, claim("b", "ub", Some(json!([result(DRIVER, NODE, "gpu-0", Some("2Gi"))]))));
+        assert_eq!(preparer.prepare(&asked("b", "ub")).await.map_err(|r| r.reason), Err(Reason::OverCapacity), "9 GiB of 10 taken by a's two");
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[tokio::test]
+    async fn before_the_node_s_gpus_are_known_a_claim_is_refused_for_the_kubelet_to_retry() {
+        let dir = tempdir("no-inventory");
+        let fake = Arc::new(Fake::default());
+        let checkpoint = Checkpoint::open(&dir.join("state")).expect("checkpoint");
+        let preparer = Preparer::new(fake.clone(), NODE.into(), crate::inventory::fixed(None), dir.join("cdi"), dir.join("state"), checkpoint);
+        put(&fake, claim("a", "ua", Some(json!([result(DRIVER, NODE, "gpu-0", Some("1Gi"))]))));
+        assert_eq!(preparer.prepare(&asked("a", "ua")).await.map_err(|r| r.reason), Err(Reason::NoInventory));
         let _ = std::fs::remove_dir_all(dir);
     }
 

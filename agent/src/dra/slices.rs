@@ -1,5 +1,5 @@
 //! The node's ResourceSlice pool (`--dra`): one pool named after the node, one device per GPU
-//! of the [`inventory`](super::inventory) (`gpu-<N>`, attributes `uuid`, `index`, `product`,
+//! of the [`inventory`](crate::inventory) (`gpu-<N>`, attributes `uuid`, `index`, `product`,
 //! `memory`, `source`; `allowMultipleAllocations`; a `memory` capacity with the request
 //! [`policy`](super::policy)), at most [`DEVICES_PER_SLICE`] devices a slice, the slices named
 //! `<node>-gpu.vramguard.io-<k>`.
@@ -14,6 +14,23 @@
 //! no answer within [`REQUEST_TIMEOUT`] is retried with a doubling backoff up to the period,
 //! logged and counted (`vramguard_dra_slice_syncs_total{result="error"}`).
 //!
+//! The slices are owned by the node's Node object (an ownerReference with its UID, read from
+//! the API server before the first write), so the API server's garbage collector removes them
+//! with a deleted node.
+//!
+//! # Where `DRAConsumableCapacity` is off
+//!
+//! On Kubernetes 1.34 and 1.35 the gate is off by default, and the API server then drops what
+//! it guards from every write: a device's `allowMultipleAllocations`, a capacity's
+//! `requestPolicy` (and, in claims, the requests' capacity and the results'
+//! `consumedCapacity` and `shareID`). The publisher reads that in the API server's answer to
+//! its write: a device it wrote as shared that comes back without `allowMultipleAllocations`.
+//! It then publishes each GPU as a whole device ([`Sharing::Whole`]: its `memory` capacity
+//! and no policy, which the scheduler gives to one claim at a time), once, and keeps that form
+//! until the agent restarts (a cluster whose gate is turned on gets shared GPUs at the next
+//! agent start); prepare gives a result without `consumedCapacity` the GPU's whole capacity.
+//! `vramguard audit` and `vramguard_dra_sharing` say which form is published.
+//!
 //! Before its first sync it withdraws the node-wide extended resource: if the node's
 //! `status.capacity` holds `vramguard.io/gpu-memory` (an agent without `--dra` put it there),
 //! it is removed (a JSON patch of the status subresource, as the capacity task adds it), so
@@ -23,25 +40,24 @@ use std::{collections::BTreeMap, sync::Arc, time::Duration};
 use k8s_openapi::{
     api::core::v1::Node,
     api::resource::v1::{Device, DeviceAttribute, DeviceCapacity, ResourcePool, ResourceSlice, ResourceSliceSpec},
-    apimachinery::pkg::{api::resource::Quantity, apis::meta::v1::ObjectMeta},
+    apimachinery::pkg::{
+        api::resource::Quantity,
+        apis::meta::v1::{ObjectMeta, OwnerReference},
+    },
 };
 use kube::{
     api::{DeleteParams, ListParams, Patch, PatchParams, PostParams},
     Api, Client,
 };
-use prometheus::{core::Collector, IntCounterVec, IntGauge, Opts};
+use prometheus::{core::Collector, IntCounterVec, IntGauge, IntGaugeVec, Opts};
 use tokio::{sync::watch, time::Instant};
 use tracing::{info, warn};
 
-use super::{
-    device_name,
-    inventory::{self, Inventory},
-    policy::Settings,
-    DRIVER, MEMORY,
-};
+use super::{device_name, policy::Settings, DRIVER, MEMORY};
 use crate::{
-    driver::DriverView,
+    inventory::{self, Inventory},
     provision::kube::{KubeError, RESOURCE},
+    snapshot::DraStatus,
     task::Heartbeat,
 };
 
@@ -114,14 +130,40 @@ impl SliceArgs {
     }
 }
 
+/// How the pool's GPUs are published.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Sharing {
+    /// Devices that allow multiple allocations, a `memory` capacity with a request policy:
+    /// claims share a GPU, each its `consumedCapacity`.
+    Shared,
+    /// Each GPU a device of one claim at a time (the API server drops the shared form:
+    /// `DRAConsumableCapacity` off).
+    Whole,
+}
+
+impl Sharing {
+    pub fn name(self) -> &'static str {
+        match self {
+            Sharing::Shared => "shared",
+            Sharing::Whole => "whole",
+        }
+    }
+}
+
 /// The names of the pool's slices: `<node>-gpu.vramguard.io-<k>`.
 pub fn slice_name(node: &str, k: usize) -> String {
     format!("{node}-{DRIVER}-{k}")
 }
 
 /// The pool's slices for `inventory` at `generation` (at least one, empty when no GPU can
-/// take a claim), and the GPUs left out (less capacity than the policy's minimum).
+/// take a claim), and the GPUs left out (less capacity than the policy's minimum), shared.
 pub fn build(node: &str, inventory: &Inventory, settings: &Settings, generation: i64) -> (Vec<ResourceSlice>, Vec<u32>) {
+    build_as(node, None, inventory, settings, generation, Sharing::Shared)
+}
+
+/// [`build`], owned by the Node `owner` (its UID) where given, in the `sharing` form.
+pub fn build_as(node: &str, owner: Option<&str>, inventory: &Inventory, settings: &Settings, generation: i64, sharing: Sharing) -> (Vec<ResourceSlice>, Vec<u32>) {
     let mut left_out = Vec::new();
     let devices: Vec<Device> = inventory
         .gpus
@@ -141,11 +183,12 @@ pub fn build(node: &str, inventory: &Inventory, settings: &Settings, generation:
             if let Some(uuid) = &gpu.uuid {
                 attributes.insert("uuid".to_owned(), string(uuid));
             }
-            let capacity = DeviceCapacity { value: Quantity(gpu.capacity.to_string()), request_policy: Some(policy.to_api()) };
+            let shared = sharing == Sharing::Shared;
+            let capacity = DeviceCapacity { value: Quantity(gpu.capacity.to_string()), request_policy: shared.then(|| policy.to_api()) };
             Some(Device {
                 name: device_name(gpu.index),
                 attributes: Some(attributes),
-                allow_multiple_allocations: Some(true),
+                allow_multiple_allocations: shared.then_some(true),
                 capacity: Some(BTreeMap::from([(MEMORY.to_owned(), capacity)])),
                 ..Device::default()
             })
@@ -157,7 +200,13 @@ pub fn build(node: &str, inventory: &Inventory, settings: &Settings, generation:
         .into_iter()
         .enumerate()
         .map(|(k, devices)| ResourceSlice {
-            metadata: ObjectMeta { name: Some(slice_name(node, k)), ..ObjectMeta::default() },
+            metadata: ObjectMeta {
+                name: Some(slice_name(node, k)),
+                owner_references: owner.map(|uid| {
+                    vec![OwnerReference { api_version: "v1".into(), kind: "Node".into(), name: node.to_owned(), uid: uid.to_owned(), controller: Some(true), ..OwnerReference::default() }]
+                }),
+                ..ObjectMeta::default()
+            },
             spec: ResourceSliceSpec {
                 driver: DRIVER.to_owned(),
                 node_name: Some(node.to_owned()),
@@ -176,6 +225,7 @@ pub struct SliceMetrics {
     syncs: IntCounterVec,
     generation: IntGauge,
     devices: IntGauge,
+    sharing: IntGaugeVec,
 }
 
 impl SliceMetrics {
@@ -187,11 +237,18 @@ impl SliceMetrics {
             )?,
             generation: IntGauge::new("vramguard_dra_slice_generation", "The generation of the ResourceSlice pool last published")?,
             devices: IntGauge::new("vramguard_dra_devices", "GPUs in the ResourceSlice pool last published")?,
+            sharing: IntGaugeVec::new(
+                Opts::new(
+                    "vramguard_dra_sharing",
+                    "1 for the form the node's GPUs are published in: shared (consumable capacity), or whole (the API server drops the shared form: DRAConsumableCapacity is off)",
+                ),
+                &["form"],
+            )?,
         })
     }
 
     pub fn collectors(&self) -> Vec<Box<dyn Collector>> {
-        vec![Box::new(self.syncs.clone()), Box::new(self.generation.clone()), Box::new(self.devices.clone())]
+        vec![Box::new(self.syncs.clone()), Box::new(self.generation.clone()), Box::new(self.devices.clone()), Box::new(self.sharing.clone())]
     }
 }
 
@@ -200,6 +257,16 @@ impl SliceMetrics {
 struct Published {
     generation: i64,
     inventory: Inventory,
+    sharing: Sharing,
+}
+
+/// What the publisher has learned of its node and the API server.
+struct Learned {
+    /// The Node's UID (the slices' owner), once read.
+    owner: Option<String>,
+    /// Whether the node-wide extended resource was withdrawn.
+    withdrawn: bool,
+    sharing: Sharing,
 }
 
 /// The publisher task's state.
@@ -208,23 +275,20 @@ pub struct Publisher {
     nodes: Api<Node>,
     node: String,
     settings: Settings,
-    /// `--gpu-memory`: the fake inventory where there is no NVML.
-    gpu_memory: Vec<u64>,
-    reserve: u64,
     every: Duration,
     metrics: SliceMetrics,
     heartbeat: Heartbeat,
+    status: watch::Sender<DraStatus>,
 }
 
 impl Publisher {
-    /// The publisher `--dra` asks for: the API server and node of `--kube`, the fake
-    /// inventory of `--gpu-memory`.
+    /// The publisher `--dra` asks for: the API server and node of `--kube`.
     pub async fn start(args: &SliceArgs, node: &super::plugin::Node, heartbeat: Heartbeat) -> anyhow::Result<Publisher> {
         let Some(client) = node.kube.clone() else {
             anyhow::bail!("--dra publishes the node's GPUs through the Kubernetes API: it needs --kube");
         };
         let metrics = SliceMetrics::new()?;
-        Publisher::new(client, &node.name, args, node.gpu_memory.clone(), metrics, heartbeat).map_err(anyhow::Error::msg)
+        Publisher::new(client, &node.name, args, metrics, heartbeat).map_err(anyhow::Error::msg)
     }
 
     /// The publisher's metric families, for the agent's page.
@@ -232,7 +296,7 @@ impl Publisher {
         self.metrics.collectors()
     }
 
-    pub fn new(client: Client, node: &str, args: &SliceArgs, gpu_memory: Vec<u64>, metrics: SliceMetrics, heartbeat: Heartbeat) -> Result<Publisher, String> {
+    pub fn new(client: Client, node: &str, args: &SliceArgs, metrics: SliceMetrics, heartbeat: Heartbeat) -> Result<Publisher, String> {
         let settings = args.settings()?;
         if args.dra_slices_every_s == 0 {
             return Err("--dra-slices-every-s must be at least 1".into());
@@ -245,27 +309,30 @@ impl Publisher {
             nodes: Api::all(client),
             node: node.to_owned(),
             settings,
-            gpu_memory,
-            reserve: args.dra_memory_reserve,
             every: Duration::from_secs(args.dra_slices_every_s),
             metrics,
             heartbeat,
+            status: watch::channel(DraStatus::default()).0,
         })
     }
 
-    /// Keeps the pool published until `stop` turns true.
-    pub async fn run(self, mut driver: watch::Receiver<Arc<DriverView>>, mut stop: watch::Receiver<bool>) -> anyhow::Result<()> {
-        let mut inventory: Option<Inventory> = None;
+    /// What the publisher last published, for `vramguard audit`.
+    pub fn status(&self) -> watch::Receiver<DraStatus> {
+        self.status.subscribe()
+    }
+
+    /// Keeps the pool of the node's [`inventory`] published until `stop` turns true.
+    pub async fn run(self, mut gpus: inventory::Shared, mut stop: watch::Receiver<bool>) -> anyhow::Result<()> {
+        let mut inventory: Option<Arc<Inventory>> = None;
         let mut published: Option<Published> = None;
         let mut retry = FIRST_RETRY;
         let mut due = Instant::now();
         let mut waiting_logged = false;
-        let mut withdrawn = false;
+        let mut learned = Learned { owner: None, withdrawn: false, sharing: Sharing::Shared };
         loop {
             self.heartbeat.beat();
-            let seen = inventory::from_view(&driver.borrow_and_update(), &self.gpu_memory, self.reserve);
+            let seen = gpus.borrow_and_update().clone();
             if let Some(seen) = seen.filter(|seen| inventory.as_ref() != Some(seen)) {
-                info!(source = seen.source.name(), gpus = ?seen.gpus.iter().map(|g| g.index).collect::<Vec<_>>(), "dra: the node's GPUs");
                 inventory = Some(seen);
                 due = Instant::now();
             }
@@ -278,8 +345,9 @@ impl Publisher {
                         }
                         due = Instant::now() + self.every;
                     }
-                    Some(inventory) => match self.publish(inventory, published.as_ref(), &mut withdrawn).await {
+                    Some(inventory) => match self.publish(inventory, published.as_ref(), &mut learned).await {
                         Ok(now) => {
+                            self.report(&now);
                             published = Some(now);
                             retry = FIRST_RETRY;
                             due = Instant::now() + self.every;
@@ -295,12 +363,12 @@ impl Publisher {
             }
             tokio::select! {
                 _ = stop.changed() => return Ok(()),
-                changed = driver.changed() => {
+                changed = gpus.changed() => {
                     if changed.is_err() {
                         if *stop.borrow() {
                             return Ok(());
                         }
-                        anyhow::bail!("the driver view is no longer published");
+                        anyhow::bail!("the node's inventory is no longer published");
                     }
                 }
                 () = tokio::time::sleep_until(due) => {}
@@ -311,18 +379,48 @@ impl Publisher {
         }
     }
 
-    /// [`Publisher::withdraw`], then [`Publisher::sync`].
-    async fn publish(&self, inventory: &Inventory, published: Option<&Published>, withdrawn: &mut bool) -> Result<Published, KubeError> {
-        self.withdraw(withdrawn).await?;
-        self.sync(inventory, published).await
+    /// [`Publisher::withdraw`], then [`Publisher::sync`]; again at once in the whole form if
+    /// the API server dropped the shared one.
+    async fn publish(&self, inventory: &Inventory, published: Option<&Published>, learned: &mut Learned) -> Result<Published, KubeError> {
+        self.withdraw(learned).await?;
+        let (now, dropped) = self.sync(inventory, published, learned).await?;
+        if !dropped {
+            return Ok(now);
+        }
+        warn!(
+            node = %self.node,
+            "dra: the API server dropped allowMultipleAllocations and the request policy from the node's ResourceSlices \
+             (the DRAConsumableCapacity feature gate is off): each GPU is published whole, for one claim at a time"
+        );
+        learned.sharing = Sharing::Whole;
+        Ok(self.sync(inventory, Some(&now), learned).await?.0)
     }
 
-    /// Removes the node-wide extended resource from the node's capacity, once.
-    async fn withdraw(&self, withdrawn: &mut bool) -> Result<(), KubeError> {
-        if *withdrawn {
+    /// Tells the audit and the metrics what is published.
+    fn report(&self, published: &Published) {
+        for form in [Sharing::Shared, Sharing::Whole] {
+            self.metrics.sharing.with_label_values(&[form.name()]).set(i64::from(form == published.sharing));
+        }
+        let gpus = published.inventory.gpus.iter().map(|gpu| (gpu.index, gpu.capacity)).collect();
+        self.status.send_replace(DraStatus {
+            sharing: published.sharing.name().into(),
+            generation: published.generation,
+            source: published.inventory.source.name().into(),
+            gpus,
+        });
+    }
+
+    /// Reads the Node (its UID, the slices' owner) and removes the node-wide extended
+    /// resource from its capacity, once.
+    async fn withdraw(&self, learned: &mut Learned) -> Result<(), KubeError> {
+        if learned.withdrawn && learned.owner.is_some() {
             return Ok(());
         }
         let node = timed(format!("reading node {}", self.node), self.nodes.get(&self.node)).await?;
+        learned.owner = node.metadata.uid.clone();
+        if learned.withdrawn {
+            return Ok(());
+        }
         let capacity = node.status.as_ref().and_then(|s| s.capacity.as_ref());
         if let Some(old) = capacity.and_then(|c| c.get(RESOURCE)) {
             let path = format!("/status/capacity/{}", RESOURCE.replace('~', "~0").replace('/', "~1"));
@@ -333,43 +431,45 @@ impl Publisher {
             timed(what, self.nodes.patch_status(&self.node, &params, &Patch::<()>::Json(patch))).await?;
             info!(node = %self.node, was = %old.0, "dra: the node no longer advertises {RESOURCE} (its GPUs are DRA devices)");
         }
-        *withdrawn = true;
+        learned.withdrawn = true;
         Ok(())
     }
 
     /// Lists the node's slices of this driver and writes the pool if they are not what was
-    /// published for `inventory`.
-    async fn sync(&self, inventory: &Inventory, published: Option<&Published>) -> Result<Published, KubeError> {
+    /// published for `inventory`; also says whether the API server dropped the shared form's
+    /// fields from what it wrote (read in its answers).
+    async fn sync(&self, inventory: &Inventory, published: Option<&Published>, learned: &Learned) -> Result<(Published, bool), KubeError> {
+        let (sharing, owner) = (learned.sharing, learned.owner.as_deref());
         let selector = format!("spec.nodeName={},spec.driver={DRIVER}", self.node);
         let what = format!("listing the ResourceSlices of node {}", self.node);
         let found = timed(what, self.api.list(&ListParams::default().fields(&selector))).await?.items;
         let found_generation = found.iter().map(|s| s.spec.pool.generation).max();
-        if let Some(published) = published.filter(|p| &p.inventory == inventory) {
-            let (wanted, _) = build(&self.node, inventory, &self.settings, published.generation);
+        if let Some(published) = published.filter(|p| &p.inventory == inventory && p.sharing == sharing) {
+            let (wanted, _) = build_as(&self.node, owner, inventory, &self.settings, published.generation, sharing);
             if same_pool(&found, &wanted) {
                 self.metrics.syncs.with_label_values(&["unchanged"]).inc();
-                return Ok(published.clone());
+                return Ok((published.clone(), false));
             }
         }
         let generation = found_generation.into_iter().chain(published.map(|p| p.generation)).max().unwrap_or(0) + 1;
-        let (wanted, left_out) = build(&self.node, inventory, &self.settings, generation);
+        let (wanted, left_out) = build_as(&self.node, owner, inventory, &self.settings, generation, sharing);
         if !left_out.is_empty() {
             warn!(gpus = ?left_out, min = self.settings.min, "dra: GPUs with less memory than --dra-memory-min (after --dra-memory-reserve) are not published");
         }
         let by_name: BTreeMap<&str, &ResourceSlice> = found.iter().filter_map(|s| Some((s.metadata.name.as_deref()?, s))).collect();
         let params = PostParams { field_manager: Some("vramguard".into()), ..PostParams::default() };
+        let mut dropped = false;
         for slice in &wanted {
             let name = slice.metadata.name.clone().unwrap_or_default();
-            match by_name.get(name.as_str()) {
+            let written = match by_name.get(name.as_str()) {
                 Some(existing) => {
                     let mut slice = slice.clone();
                     slice.metadata.resource_version = existing.metadata.resource_version.clone();
-                    timed(format!("updating ResourceSlice {name}"), self.api.replace(&name, &params, &slice)).await?;
+                    timed(format!("updating ResourceSlice {name}"), self.api.replace(&name, &params, &slice)).await?
                 }
-                None => {
-                    timed(format!("creating ResourceSlice {name}"), self.api.create(&params, slice)).await?;
-                }
-            }
+                None => timed(format!("creating ResourceSlice {name}"), self.api.create(&params, slice)).await?,
+            };
+            dropped |= shared_form_dropped(slice, &written);
         }
         for stale in by_name.keys().filter(|name| !wanted.iter().any(|w| w.metadata.name.as_deref() == Some(**name))) {
             match timed(format!("deleting stale ResourceSlice {stale}"), self.api.delete(stale, &DeleteParams::default())).await {
@@ -378,12 +478,25 @@ impl Publisher {
             }
         }
         let devices: usize = wanted.iter().map(|s| s.spec.devices.as_ref().map_or(0, Vec::len)).sum();
-        info!(node = %self.node, generation, slices = wanted.len(), devices, replaced = found.len(), "dra: published the node's ResourceSlice pool");
+        info!(node = %self.node, generation, slices = wanted.len(), devices, replaced = found.len(), sharing = sharing.name(), "dra: published the node's ResourceSlice pool");
         self.metrics.syncs.with_label_values(&["published"]).inc();
         self.metrics.generation.set(generation);
         self.metrics.devices.set(devices as i64);
-        Ok(Published { generation, inventory: inventory.clone() })
+        Ok((Published { generation, inventory: inventory.clone(), sharing }, dropped))
     }
+}
+
+/// Whether the API server's copy of a slice it wrote (`written`) lacks what `sent` had of the
+/// shared form: a device's `allowMultipleAllocations`, or a capacity's request policy (what
+/// it drops where `DRAConsumableCapacity` is off).
+fn shared_form_dropped(sent: &ResourceSlice, written: &ResourceSlice) -> bool {
+    let devices = |slice: &ResourceSlice| slice.spec.devices.clone().unwrap_or_default();
+    let written = devices(written);
+    devices(sent).iter().any(|device| {
+        let Some(copy) = written.iter().find(|w| w.name == device.name) else { return false };
+        let policies = |d: &Device| d.capacity.iter().flat_map(|c| c.values()).filter(|c| c.request_policy.is_some()).count();
+        (device.allow_multiple_allocations == Some(true) && copy.allow_multiple_allocations != Some(true)) || policies(copy) < policies(device)
+    })
 }
 
 /// Whether `found` is the pool `wanted`: the same slices by name, each at the wanted
@@ -393,8 +506,19 @@ fn same_pool(found: &[ResourceSlice], wanted: &[ResourceSlice]) -> bool {
     let devices = |slice: &ResourceSlice| slice.spec.devices.clone().map(|d| d.into_iter().map(canonical).collect::<Vec<_>>());
     found.len() == wanted.len()
         && wanted.iter().all(|w| {
-            found.iter().any(|f| f.metadata.name == w.metadata.name && f.spec.pool == w.spec.pool && f.spec.node_name == w.spec.node_name && devices(f) == devices(w))
+            found.iter().any(|f| {
+                f.metadata.name == w.metadata.name
+                    && owners(f) == owners(w)
+                    && f.spec.pool == w.spec.pool
+                    && f.spec.node_name == w.spec.node_name
+                    && devices(f) == devices(w)
+            })
         })
+}
+
+/// The (kind, name, uid) of a slice's owners.
+fn owners(slice: &ResourceSlice) -> Vec<(&str, &str, &str)> {
+    slice.metadata.owner_references.iter().flatten().map(|o| (o.kind.as_str(), o.name.as_str(), o.uid.as_str())).collect()
 }
 
 /// `device` with its capacities' quantities in bytes (a quantity that is not a whole number
@@ -430,7 +554,7 @@ async fn timed<T>(what: String, request: impl std::future::Future<Output = Resul
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dra::inventory::{from_flag, Gpu, Source};
+    use crate::inventory::{from_flag, Gpu, Source};
 
     const GIB: u64 = 1 << 30;
 

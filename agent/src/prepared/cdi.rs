@@ -21,7 +21,7 @@
 //! device node has a `hostPath` (the lowest that carries one). containerd 1.7.24 (Debian
 //! trixie's CDI library) accepts both.
 use std::fs;
-use std::os::unix::fs::DirBuilderExt;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use serde_json::json;
@@ -80,25 +80,44 @@ pub fn valid_uid(uid: &str) -> bool {
     !uid.is_empty() && uid.len() <= 128 && uid.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
 }
 
+/// Where the GPUs' device nodes are: on the host (`dir`, what the spec names: the runtime
+/// resolves it on the host) and as the agent sees that directory (`view`: in the DaemonSet a
+/// read-only mount of the host's `/dev`, since the agent container's own `/dev` is what the
+/// NVIDIA runtime gave it, without `nvidia-uvm` under the `utility` capability).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Nodes {
+    pub dir: PathBuf,
+    pub view: PathBuf,
+}
+
+impl Nodes {
+    /// The nodes in `dir`, seen there.
+    pub fn at(dir: &Path) -> Nodes {
+        Nodes { dir: dir.to_path_buf(), view: dir.to_path_buf() }
+    }
+
+    /// The host's `/dev`, seen there.
+    pub fn host() -> Nodes {
+        Nodes::at(Path::new(DEVICE_DIR))
+    }
+}
+
 /// Writes the claim's directory and its spec (replacing an earlier one, atomically), with the
 /// host's GPU device nodes ([`DEVICE_DIR`]).
 pub fn write(cdi_dir: &Path, state_dir: &Path, prepared: &Prepared) -> Result<PathBuf, String> {
-    write_in(cdi_dir, state_dir, Path::new(DEVICE_DIR), prepared)
+    write_in(cdi_dir, state_dir, &Nodes::host(), prepared).map(|(path, _)| path)
 }
 
-/// [`write`], with GPU `N`'s device node taken from `<device_dir>/nvidia<N>` (the tests' stand-in
-/// nodes; a node elsewhere than `/dev` is a `hostPath` in the spec).
-pub fn write_in(cdi_dir: &Path, state_dir: &Path, device_dir: &Path, prepared: &Prepared) -> Result<PathBuf, String> {
-    if !valid_uid(&prepared.uid) {
-        return Err(format!("claim UID {:?} is not a UID", prepared.uid));
-    }
+/// The claim's spec: one device per GPU, GPU `N`'s node `<nodes.dir>/nvidia<N>` (a node
+/// elsewhere than `/dev` is a `hostPath` of CDI 0.5.0), the control nodes [`Nodes::view`]
+/// shows, the claim's directory mounted.
+pub fn spec(state_dir: &Path, nodes: &Nodes, prepared: &Prepared) -> serde_json::Value {
     let dir = claim_dir(state_dir, &prepared.uid);
-    fs::DirBuilder::new().recursive(true).mode(0o755).create(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-    let elsewhere = device_dir != Path::new(DEVICE_DIR);
+    let elsewhere = nodes.dir != Path::new(DEVICE_DIR);
     let node = |name: &str| {
         let mut node = json!({"path": format!("{DEVICE_DIR}/{name}")});
         if elsewhere {
-            node["hostPath"] = json!(device_dir.join(name));
+            node["hostPath"] = json!(nodes.dir.join(name));
         }
         node
     };
@@ -113,7 +132,7 @@ pub fn write_in(cdi_dir: &Path, state_dir: &Path, device_dir: &Path, prepared: &
     }
     let controls: Vec<serde_json::Value> = CONTROL_NODES
         .iter()
-        .filter(|name| fs::metadata(device_dir.join(name)).is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_char_device(&m.file_type())))
+        .filter(|name| fs::metadata(nodes.view.join(name)).is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_char_device(&m.file_type())))
         .map(|name| node(name))
         .collect();
     let mut edits = json!({
@@ -123,23 +142,82 @@ pub fn write_in(cdi_dir: &Path, state_dir: &Path, device_dir: &Path, prepared: &
     if !controls.is_empty() {
         edits["deviceNodes"] = json!(controls);
     }
-    let spec = json!({
+    json!({
         "cdiVersion": if elsewhere { CDI_VERSION_HOST_PATH } else { CDI_VERSION },
         "kind": format!("{DRIVER}/{CLASS}"),
         "devices": devices,
         "containerEdits": edits,
-    });
+    })
+}
+
+/// Makes the claim's directory and spec what they should be: the spec written (through a
+/// temporary file, synced, renamed into place, the directory synced) unless the file there
+/// already has exactly its bytes. Returns the spec's path and whether it was written: a
+/// repeated prepare, or an agent starting after a reboot emptied the CDI directory (a tmpfs
+/// at `/var/run/cdi`), writes what is missing or different and nothing else.
+pub fn write_in(cdi_dir: &Path, state_dir: &Path, nodes: &Nodes, prepared: &Prepared) -> Result<(PathBuf, bool), String> {
+    if !valid_uid(&prepared.uid) {
+        return Err(format!("claim UID {:?} is not a UID", prepared.uid));
+    }
+    let dir = claim_dir(state_dir, &prepared.uid);
+    fs::DirBuilder::new().recursive(true).mode(0o755).create(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
     let path = spec_path(cdi_dir, &prepared.uid);
+    let bytes = serde_json::to_vec_pretty(&spec(state_dir, nodes, prepared)).map_err(|e| e.to_string())?;
+    if fs::read(&path).is_ok_and(|there| there == bytes) {
+        return Ok((path, false));
+    }
     fs::DirBuilder::new().recursive(true).mode(0o755).create(cdi_dir).map_err(|e| format!("cannot create {}: {e}", cdi_dir.display()))?;
     let temporary = cdi_dir.join(format!(".{DRIVER}-{}.json.new", prepared.uid));
-    let bytes = serde_json::to_vec_pretty(&spec).map_err(|e| e.to_string())?;
-    fs::write(&temporary, bytes)
-        .and_then(|()| fs::rename(&temporary, &path))
-        .map_err(|e| {
-            let _ = fs::remove_file(&temporary);
-            format!("cannot write the CDI spec {}: {e}", path.display())
-        })?;
-    Ok(path)
+    durable_replace(&temporary, &path, &bytes, 0o644).map_err(|e| format!("cannot write the CDI spec {}: {e}", path.display()))?;
+    Ok((path, true))
+}
+
+/// Writes `bytes` to `path` (mode `mode`) so that a crash leaves the old file or the new one,
+/// whole, and the new one survives a power loss once this returns: through `temporary`
+/// (synced), renamed into place, then the directory synced. `temporary` is removed on failure.
+pub fn durable_replace(temporary: &Path, path: &Path, bytes: &[u8], mode: u32) -> std::io::Result<()> {
+    let written = (|| {
+        let mut file = fs::OpenOptions::new().write(true).create(true).truncate(true).mode(mode).open(temporary)?;
+        std::io::Write::write_all(&mut file, bytes)?;
+        file.sync_all()?;
+        fs::rename(temporary, path)?;
+        sync_dir(path)
+    })();
+    if written.is_err() {
+        let _ = fs::remove_file(temporary);
+    }
+    written
+}
+
+/// Syncs the directory holding `path` (a rename or removal there is then on disk).
+pub fn sync_dir(path: &Path) -> std::io::Result<()> {
+    match path.parent() {
+        Some(dir) => fs::File::open(dir)?.sync_all(),
+        None => Ok(()),
+    }
+}
+
+/// The UIDs of the claims whose spec is in `cdi_dir` or whose directory is under `state_dir`
+/// (this driver's files only; a name that is not a UID is no claim's).
+pub fn written_uids(cdi_dir: &Path, state_dir: &Path) -> Result<std::collections::BTreeSet<String>, String> {
+    let mut uids = std::collections::BTreeSet::new();
+    let prefix = format!("{DRIVER}-");
+    for (dir, spec) in [(cdi_dir.to_path_buf(), true), (claims_dir(state_dir), false)] {
+        let entries = match fs::read_dir(&dir) {
+            Ok(entries) => entries,
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(error) => return Err(format!("cannot list {}: {error}", dir.display())),
+        };
+        for entry in entries {
+            let name = entry.map_err(|e| format!("cannot list {}: {e}", dir.display()))?.file_name();
+            let Some(name) = name.to_str() else { continue };
+            let uid = if spec { name.strip_prefix(&prefix).and_then(|rest| rest.strip_suffix(".json")) } else { Some(name) };
+            if let Some(uid) = uid.filter(|uid| valid_uid(uid)) {
+                uids.insert(uid.to_owned());
+            }
+        }
+    }
+    Ok(uids)
 }
 
 /// Removes the claim's spec and directory; what is already gone is no error.
@@ -149,7 +227,7 @@ pub fn remove(cdi_dir: &Path, state_dir: &Path, uid: &str) -> Result<(), String>
     }
     let path = spec_path(cdi_dir, uid);
     match fs::remove_file(&path) {
-        Ok(()) => {}
+        Ok(()) => sync_dir(&path).map_err(|e| format!("cannot sync {}: {e}", cdi_dir.display()))?,
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
         Err(error) => return Err(format!("cannot remove the CDI spec {}: {error}", path.display())),
     }
@@ -234,7 +312,7 @@ mod tests {
     #[test]
     fn device_nodes_from_elsewhere_are_host_paths_of_cdi_0_5() {
         let root = tempdir("host-path");
-        let path = write_in(&root.join("cdi"), &root.join("state"), &root.join("nodes"), &claim("u-2", vec![share(0, 1)])).expect("written");
+        let (path, _) = write_in(&root.join("cdi"), &root.join("state"), &Nodes::at(&root.join("nodes")), &claim("u-2", vec![share(0, 1)])).expect("written");
         let spec = read(&path);
         assert_eq!(spec["cdiVersion"], CDI_VERSION_HOST_PATH);
         let node = &spec["devices"][0]["containerEdits"]["deviceNodes"][0];
@@ -260,7 +338,7 @@ mod tests {
         // Not character devices: left out as missing ones are (nvidia-uvm-tools).
         fs::write(nodes.join("nvidia-uvm-tools"), b"").expect("a file");
         fs::create_dir_all(nodes.join("nvidia-caps")).expect("a dir");
-        let path = write_in(&root.join("cdi"), &root.join("state"), &nodes, &claim("u-3", vec![share(0, 1), share(1, 1)])).expect("written");
+        let (path, _) = write_in(&root.join("cdi"), &root.join("state"), &Nodes::at(&nodes), &claim("u-3", vec![share(0, 1), share(1, 1)])).expect("written");
         let spec = read(&path);
         assert_eq!(spec["cdiVersion"], CDI_VERSION_HOST_PATH, "host paths: the lowest version that carries them");
         let at = |name: &str| json!({"path": format!("/dev/{name}"), "hostPath": nodes.join(name)});
@@ -270,8 +348,14 @@ mod tests {
         // A node without them: none.
         let bare = root.join("bare");
         fs::create_dir_all(&bare).expect("bare");
-        let spec = read(&write_in(&root.join("cdi"), &root.join("state"), &bare, &claim("u-4", vec![share(0, 1)])).expect("written"));
+        let spec = read(&write_in(&root.join("cdi"), &root.join("state"), &Nodes::at(&bare), &claim("u-4", vec![share(0, 1)])).expect("written").0);
         assert!(spec["containerEdits"].get("deviceNodes").is_none(), "{spec}");
+        // The agent's own view lacks them (its container's /dev, without nvidia-uvm under the
+        // NVIDIA runtime's `utility`), the host's has them: the host's view decides, and the
+        // spec names the host's paths.
+        let spec = read(&write_in(&root.join("cdi"), &root.join("state"), &Nodes { dir: bare.clone(), view: nodes.clone() }, &claim("u-5", vec![share(0, 1)])).expect("written").0);
+        let at_host = |name: &str| json!({"path": format!("/dev/{name}"), "hostPath": bare.join(name)});
+        assert_eq!(spec["containerEdits"]["deviceNodes"], json!([at_host("nvidiactl"), at_host("nvidia-uvm"), at_host("nvidia-modeset")]));
         fs::remove_dir_all(&root).expect("cleanup");
     }
 

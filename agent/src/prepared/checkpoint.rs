@@ -8,8 +8,7 @@
 //! its quota behind.
 use std::collections::BTreeMap;
 use std::fs;
-use std::io::Write;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -37,7 +36,12 @@ impl Checkpoint {
     /// The checkpoint under `state_dir` (`<state-dir>/dra/checkpoint.json`): what it holds, or
     /// empty when there is no file yet.
     pub fn open(state_dir: &Path) -> Result<Checkpoint, String> {
-        let path = state_dir.join("dra").join("checkpoint.json");
+        let dir = state_dir.join("dra");
+        let path = dir.join("checkpoint.json");
+        // The agent's alone, whoever made it first (the claims' directories below it are
+        // mounted into containers by the runtime, which is root).
+        fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        fs::set_permissions(&dir, fs::Permissions::from_mode(0o700)).map_err(|e| format!("cannot make {} the agent's alone: {e}", dir.display()))?;
         let claims = match fs::read(&path) {
             Ok(bytes) => {
                 let on_disk: OnDisk = serde_json::from_slice(&bytes).map_err(|e| format!("the DRA checkpoint {} is not valid: {e}", path.display()))?;
@@ -91,7 +95,8 @@ impl Checkpoint {
         }
     }
 
-    /// Writes the book through a temporary file beside it, synced and renamed into place.
+    /// Writes the book through a temporary file beside it, synced, renamed into place, the
+    /// directory synced ([`super::cdi::durable_replace`]).
     fn save(&self) -> Result<(), String> {
         let bytes = serde_json::to_vec_pretty(&OnDisk { version: VERSION, claims: self.claims.clone() }).map_err(|e| e.to_string())?;
         let temporary = self.path.with_extension("json.new");
@@ -99,15 +104,9 @@ impl Checkpoint {
             if let Some(dir) = self.path.parent() {
                 fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
             }
-            let mut file = fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&temporary)?;
-            file.write_all(&bytes)?;
-            file.sync_all()?;
-            fs::rename(&temporary, &self.path)
+            super::cdi::durable_replace(&temporary, &self.path, &bytes, 0o600)
         })();
-        written.map_err(|error| {
-            let _ = fs::remove_file(&temporary);
-            format!("cannot write the DRA checkpoint {}: {error}", self.path.display())
-        })
+        written.map_err(|error| format!("cannot write the DRA checkpoint {}: {error}", self.path.display()))
     }
 }
 
@@ -145,7 +144,18 @@ mod tests {
         let again = Checkpoint::open(&dir).expect("read");
         assert_eq!(again.claims().cloned().collect::<Vec<_>>(), vec![claim("a", 8 << 30)]);
         let mode = fs::metadata(again.path()).expect("file").permissions();
-        assert_eq!(std::os::unix::fs::PermissionsExt::mode(&mode) & 0o777, 0o600);
+        assert_eq!(mode.mode() & 0o777, 0o600);
+        assert!(!dir.join("dra/checkpoint.json.new").exists(), "no temporary left");
+    }
+
+    #[test]
+    fn the_directory_is_the_agents_alone_whoever_made_it() {
+        let dir = tempdir();
+        // Made 0755 by someone else (a hostPath DirectoryOrCreate, an older agent).
+        fs::DirBuilder::new().mode(0o755).create(dir.join("dra")).expect("dir");
+        fs::set_permissions(dir.join("dra"), fs::Permissions::from_mode(0o755)).expect("chmod");
+        Checkpoint::open(&dir).expect("opened");
+        assert_eq!(fs::metadata(dir.join("dra")).expect("dir").permissions().mode() & 0o777, 0o700);
     }
 
     #[test]

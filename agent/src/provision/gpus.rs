@@ -26,7 +26,7 @@ pub fn given(devices: &[String], cdi: &[String], annotations: &BTreeMap<String, 
         if index < gpus as usize {
             Ok(index)
         } else {
-            Err(format!("{named} names GPU {index}, the node has {gpus} (--gpu-memory)"))
+            Err(format!("{named} names GPU {index}, the node has {gpus}"))
         }
     };
     let mut found = BTreeSet::new();

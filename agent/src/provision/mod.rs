@@ -219,8 +219,11 @@ pub struct Provisioner {
     sources: Sources,
     hook: PathBuf,
     preload: PathBuf,
-    /// Each GPU's memory (empty: unknown, one GPU assumed).
+    /// `--gpu-memory`: each GPU's memory where NVML is absent (empty: unknown, one GPU assumed).
     gpu_memory: Vec<u64>,
+    /// The node's GPUs as the agent's [`crate::inventory`] has them (NVML's, where it
+    /// answers): what the DRA driver publishes and prepares from; wins over `gpu_memory`.
+    gpus: crate::inventory::Shared,
     refuse_overcommit: bool,
     /// `--max-provisioned-containers`, `--max-provisioned-per-pod`.
     max_containers: usize,
@@ -290,6 +293,7 @@ impl Provisioner {
             hook: args.hook_library.clone(),
             preload,
             gpu_memory: args.gpu_memory.clone(),
+            gpus: crate::inventory::fixed(None),
             refuse_overcommit: args.refuse_overcommit,
             max_containers: args.max_provisioned_containers,
             max_per_pod: args.max_provisioned_per_pod,
@@ -333,9 +337,24 @@ impl Provisioner {
         self.sources.kube.as_ref().map(|pods| pods.state().synced())
     }
 
-    /// The node's GPUs (`--gpu-memory`'s count; one when it is not given).
+    /// The provisioner that sizes the node by `gpus` (the agent's inventory) where it has one.
+    pub fn with_inventory(self, gpus: crate::inventory::Shared) -> Provisioner {
+        Provisioner { gpus, ..self }
+    }
+
+    /// The range of the node's GPU indices: the inventory's (NVML's minor numbers), else
+    /// `--gpu-memory`'s count; one when neither says.
     fn node_gpus(&self) -> u32 {
-        u32::try_from(self.gpu_memory.len()).unwrap_or(u32::MAX).max(1)
+        let known = self.gpus.borrow().as_ref().map(|inventory| inventory.index_bound()).filter(|&bound| bound > 0);
+        known.unwrap_or_else(|| u32::try_from(self.gpu_memory.len()).unwrap_or(u32::MAX)).max(1)
+    }
+
+    /// GPU `index`'s memory: the inventory's, else `--gpu-memory`'s.
+    fn gpu_memory_of(&self, index: usize) -> Option<u64> {
+        if let Some(inventory) = self.gpus.borrow().as_ref().filter(|inventory| !inventory.gpus.is_empty()) {
+            return u32::try_from(index).ok().and_then(|index| inventory.gpu(index)).map(|gpu| gpu.memory);
+        }
+        self.gpu_memory.get(index).copied()
     }
 
     /// How many containers with a quota were held to every GPU since the agent started because
@@ -736,7 +755,7 @@ impl Provisioner {
     fn check_overcommit(&self, record: &Record, seen: &[usize], flights: &HashMap<String, Flight>) -> Result<(), String> {
         let containers = self.lock();
         for &gpu in seen {
-            let Some(&memory) = self.gpu_memory.get(gpu) else { continue };
+            let Some(memory) = self.gpu_memory_of(gpu) else { continue };
             let gpu = gpu as u32;
             let made = containers.values().filter(|p| p.record.claim.is_none()).map(|p| (&p.record.container_id, p.record.quota, &p.record.gpus));
             let flying = flights.iter().map(|(id, f)| (id, f.quota, &f.gpus));

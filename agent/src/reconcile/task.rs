@@ -67,6 +67,8 @@ pub struct Wiring {
     /// `vramguard audit`'s requests.
     pub audits: mpsc::Receiver<oneshot::Sender<Snapshot>>,
     pub provisioning: Option<Provisioning>,
+    /// The DRA driver's published pool (`--dra`), for the audit.
+    pub dra: Option<watch::Receiver<crate::snapshot::DraStatus>>,
     pub metrics_addr: Option<SocketAddr>,
     pub health_addr: Option<SocketAddr>,
     pub heartbeat: Heartbeat,
@@ -143,6 +145,7 @@ impl Judge {
         let found = wiring.found.borrow().clone();
         let driver = wiring.driver.borrow().clone();
         let provisioning = wiring.provisioning.clone();
+        let dra = wiring.dra.clone();
         let (metrics_addr, health_addr) = (wiring.metrics_addr, wiring.health_addr);
         let page_behind = wiring.publisher.as_ref().is_some_and(|(publisher, _)| publisher.behind());
         let kernel = match step {
@@ -183,6 +186,7 @@ impl Judge {
                         snapshot.provisioned = p.provisioner.provisioned().into_iter().map(|p| p.record).collect();
                         snapshot.nri_connected = Some(*p.connected.borrow());
                     }
+                    snapshot.dra = dra.as_ref().map(|dra| dra.borrow().clone());
                     Out::Audit(reply, Box::new(snapshot))
                 }
             };

@@ -6,10 +6,9 @@
 //! computed here, not through the function the allocator shares with the agent.
 use std::collections::{BTreeMap, BTreeSet};
 
-use agent::dra::{
+use agent::{
+    dra::{policy::Settings, slices::build},
     inventory::from_flag,
-    policy::Settings,
-    slices::build,
 };
 mod allocator;
 

@@ -67,7 +67,7 @@ fn claim(uid: &str, memory: u64, gpus: &[u32]) -> Prepared {
 
 /// Prepares `claim` as the kubelet plugin does: its CDI spec, then its checkpoint entry.
 fn prepare(containerd: &Containerd, state: &Path, nodes: &Path, prepared: &Prepared) -> Result<()> {
-    cdi::write_in(&containerd.cdi_dir(), state, nodes, prepared).map_err(anyhow::Error::msg)?;
+    cdi::write_in(&containerd.cdi_dir(), state, &cdi::Nodes::at(nodes), prepared).map_err(anyhow::Error::msg)?;
     Checkpoint::open(state).and_then(|mut book| book.insert(prepared.clone())).map_err(anyhow::Error::msg)
 }
 
@@ -254,7 +254,7 @@ fn containers_of_a_claim_are_held_to_its_share_of_the_gpu_and_share_it() -> Resu
 
     // A CDI spec of a claim the checkpoint does not hold: refused with the reason, counted.
     let u3 = "6f1c0d36-0000-4000-8000-0000000000b3";
-    cdi::write_in(&node.containerd.cdi_dir(), &node.path("state"), &node.path("nodes"), &claim(u3, GIB, &[0])).map_err(anyhow::Error::msg)?;
+    cdi::write_in(&node.containerd.cdi_dir(), &node.path("state"), &cdi::Nodes::at(&node.path("nodes")), &claim(u3, GIB, &[0])).map_err(anyhow::Error::msg)?;
     let before = node.refused("not_prepared")?;
     let error = node.run("stray", &device_of(u3, 0), &[], &[]).expect_err("a claim not prepared");
     ensure!(format!("{error:#}").contains(&format!("DRA claim {u3} is not prepared")), "{error:#}");

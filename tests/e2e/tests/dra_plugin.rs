@@ -39,26 +39,21 @@ const SHARE: &str = "0c6f7a1e-2b3c-4d5e-8f90-a1b2c3d4e5f6";
 /// The agent on the fake driver as the DaemonSet runs it with `--dra`: two GPUs of 16 GiB, its
 /// state, the kubelet's directories and the CDI directory under `dir`.
 fn start_agent(api: &ApiServer, dir: &Path, account: &Path, fake: &FakeNode, more: &[&str]) -> Result<Agent> {
-    let libcuda = e2e::fake_driver_dir()?.join("libcuda.so.1");
-    let mut args: Vec<OsString> = vec![
-        "--libcuda".into(),
-        libcuda.into(),
-        "--no-discover".into(),
-        "--metrics-addr".into(),
-        "127.0.0.1:0".into(),
-        "--state-dir".into(),
-        dir.join("state").into(),
+    // With --nri (--dra refuses to start without it), whose runtime never comes here.
+    std::fs::create_dir_all(dir.join("ledgers"))?;
+    let mut args = e2e::agent::kube_node_args(dir, "16Gi,16Gi")?;
+    args.extend::<[OsString; _]>([
         "--dra".into(),
-        "--kube".into(),
-        "--gpu-memory".into(),
-        "16Gi,16Gi".into(),
+        // Each GPU's whole memory is the devices' capacity.
+        "--dra-memory-reserve".into(),
+        "0".into(),
         "--kubelet-registry-dir".into(),
         dir.join("registry").into(),
         "--kubelet-plugins-dir".into(),
         dir.join("plugins").into(),
         "--cdi-dir".into(),
         dir.join("cdi").into(),
-    ];
+    ]);
     args.extend(more.iter().map(OsString::from));
     let mut env = api.pod_env(account);
     // The fake's NVML (beside its libcuda) sees the node's devices.
