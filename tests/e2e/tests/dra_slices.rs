@@ -16,6 +16,12 @@
 //! the capacity an agent without `--dra` left in the node's status is removed. On a node
 //! without NVML, `--gpu-memory` is the inventory, and the devices say so.
 //!
+//! Where the API server's `DRAConsumableCapacity` gate is off (1.34, 1.35), the agent reads in
+//! the server's answer that it dropped the shared form, publishes each GPU whole once (two
+//! writes in all, none at the checks after), says so in the audit and its metrics, and
+//! prepares a claim the scheduler gave a GPU whole (no `consumedCapacity`) as that GPU's
+//! published capacity.
+//!
 //! Needs root and the built binaries (no containerd: the agent's NRI side waits for one).
 use std::{
     ffi::{OsStr, OsString},
@@ -26,9 +32,12 @@ use anyhow::{ensure, Context, Result};
 use e2e::{agent::Agent, http, timeout, wait_for, FakeNode, TempDir, GIB};
 use serde_json::{json, Value};
 
+mod allocator;
+mod dra;
 mod kube_api;
 
-use kube_api::{ApiServer, Mode, NODE};
+use dra::kubelet::{self, Kubelet};
+use kube_api::{resource, ApiServer, Mode, NODE};
 
 const DRIVER: &str = "gpu.vramguard.io";
 
@@ -220,6 +229,73 @@ fn without_nvml_the_gpu_memory_flag_is_a_fake_inventory_and_says_so() -> Result<
         ensure!(attributes["memory"]["int"] == memory, "{device}");
         ensure!(device["capacity"]["memory"]["value"].as_str() == Some(&*(memory - GIB).to_string()), "{device}");
     }
+    drop(agent);
+    fake.cleanup();
+    Ok(())
+}
+
+/// The agent's writes of ResourceSlices (creates and updates) the API server received.
+fn slice_writes(api: &ApiServer) -> usize {
+    api.seen().iter().filter(|r| matches!(r.method.as_str(), "POST" | "PUT") && r.target.starts_with("/apis/resource.k8s.io/v1/resourceslices")).count()
+}
+
+#[test]
+fn with_the_consumable_capacity_gate_off_each_gpu_is_published_whole_once_and_a_claim_gets_it_whole() -> Result<()> {
+    let api = ApiServer::start()?;
+    api.set_consumable_capacity(false);
+    let dir = TempDir::new("dra-slices-gate-off")?;
+    let account = dir.path().join("serviceaccount");
+    api.service_account(&account)?;
+    std::fs::create_dir_all(dir.path().join("ledgers"))?;
+    let fake = FakeNode::new("dra-slices-gate-off").with_env("FAKECUDA_DEVICE_COUNT", "2").with_env("FAKECUDA_DEVICE_BYTES", "80g");
+    let mut args = e2e::agent::kube_node_args(dir.path(), "80g")?;
+    for (flag, sub) in [("--kubelet-registry-dir", "registry"), ("--kubelet-plugins-dir", "plugins"), ("--cdi-dir", "cdi")] {
+        args.extend([OsString::from(flag), dir.path().join(sub).into()]);
+    }
+    args.extend(["--dra", "--dra-slices-every-s", "1"].map(OsString::from));
+    let mut env: Vec<(OsString, OsString)> = fake.env().to_vec();
+    env.extend(api.pod_env(&account));
+    let args: Vec<&OsStr> = args.iter().map(OsString::as_os_str).collect();
+    let agent = Agent::start_with_env(&args, &env)?;
+    let whole = |api: &ApiServer| {
+        pool(api).iter().flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default()).filter(|d| d.get("allowMultipleAllocations").is_none()).count()
+    };
+    wait_for(timeout(), "the pool published whole", || Ok(whole(&api) == 2 && agent.audit()?["dra"]["sharing"] == "whole")).with_context(|| agent.log())?;
+    // Five checks later: no more writes than the shared form dropped and the whole one.
+    std::thread::sleep(std::time::Duration::from_secs(5));
+    ensure!(slice_writes(&api) == 2, "a create (shared, dropped) and one update (whole), then none: {}\n{}", slice_writes(&api), agent.log());
+    let checks = http::metric(&http::scrape(agent.metrics_addr()?)?, "vramguard_dra_slice_syncs_total", &[("result", "unchanged")]).unwrap_or(0.0);
+    ensure!(checks >= 3.0, "the checks ran and found the pool as published: {checks}");
+    let samples = http::scrape(agent.metrics_addr()?)?;
+    ensure!(http::metric(&samples, "vramguard_dra_sharing", &[("form", "whole")]) == Some(1.0), "the metric says whole");
+    ensure!(http::metric(&samples, "vramguard_dra_sharing", &[("form", "shared")]) == Some(0.0), "and not shared");
+    let audit = agent.audit()?;
+    ensure!(audit["dra"]["gpus"] == json!([[0, 79 * GIB], [1, 79 * GIB]]), "{}", audit["dra"]);
+    let table = std::process::Command::new(e2e::agent::agent_bin()?).args(["audit", "--socket"]).arg(agent.socket()).output()?;
+    let table = String::from_utf8_lossy(&table.stdout);
+    ensure!(table.contains("whole: each GPU goes to one claim") && table.contains("DRAConsumableCapacity is off"), "{table}");
+
+    // The scheduler (gate off) gives a claim GPU 0 whole; the API server dropped the
+    // claim's capacity request and its result has no consumedCapacity, no shareID.
+    let mut scheduler = allocator::Allocator::new(&pool(&api))?;
+    ensure!(scheduler.devices.iter().all(|d| !d.shared), "{:?}", scheduler.devices);
+    let uid = "3f2e1d0c-0000-4000-8000-00000000aa01";
+    let mut asked = resource::claim("team-a", "whole", uid, "8Gi", None);
+    resource::drop_gated(&mut asked);
+    let allocated = scheduler.allocate(&asked, &json!({"resource": "pods", "name": "p", "uid": "p"}))?.map_err(|r| anyhow::anyhow!("{r:?}"))?;
+    api.put_claim(allocated.clone());
+    let result = &allocated["status"]["allocation"]["devices"]["results"][0];
+    ensure!(result.get("consumedCapacity").is_none() && result.get("shareID").is_none() && result["device"] == "gpu-0", "{result}");
+    let second = resource::claim("team-a", "next", "3f2e1d0c-0000-4000-8000-00000000aa02", "1Gi", None);
+    let placed = scheduler.allocate(&second, &json!({}))?.map_err(|r| anyhow::anyhow!("{r:?}"))?;
+    ensure!(placed["status"]["allocation"]["devices"]["results"][0]["device"] == "gpu-1", "GPU 0 is taken whole: {placed}");
+    let kubelet = Kubelet::new(&dir.path().join("registry"))?;
+    let plugin = kubelet.register(DRIVER, timeout()).with_context(|| agent.log())?;
+    let answer = kubelet.prepare(&plugin, vec![kubelet::claim("team-a", "whole", uid)])?;
+    let prepared = &answer.claims[uid];
+    ensure!(prepared.error.is_empty() && prepared.devices.len() == 1 && prepared.devices[0].share_id.is_none(), "{prepared:?}\n{}", agent.log());
+    let checkpoint: Value = serde_json::from_slice(&std::fs::read(dir.path().join("state/dra/checkpoint.json"))?)?;
+    ensure!(checkpoint["claims"][uid]["shares"][0]["memory"] == 79 * GIB, "the GPU's whole published capacity: {checkpoint}");
     drop(agent);
     fake.cleanup();
     Ok(())

@@ -15,6 +15,10 @@
 //! * The status: `allocation.devices.results[]` (`request`, `driver`, `pool`, `device`,
 //!   `shareID` a fresh UUID, `consumedCapacity.memory`), `allocation.nodeSelector` (the
 //!   node's name), `reservedFor` (the consumer).
+//! * A device that does not allow multiple allocations (every device where the API server's
+//!   `DRAConsumableCapacity` gate is off: it drops the field) goes whole to one claim: it is
+//!   eligible only while no claim holds it, and its result has neither `shareID` nor
+//!   `consumedCapacity` (the scheduler records those only for shared devices).
 // Shared by several test files, each using part of it.
 #![allow(dead_code)]
 use std::collections::BTreeMap;
@@ -33,6 +37,8 @@ pub struct Device {
     /// `capacity.memory.value` in bytes.
     pub capacity: u64,
     pub policy: Option<Policy>,
+    /// Allows multiple allocations (else: one claim at a time, whole).
+    pub shared: bool,
 }
 
 /// The allocator's book: the current devices and what each claim consumes on them.
@@ -69,12 +75,10 @@ impl Allocator {
             for slice in current {
                 for device in slice.spec.devices.iter().flatten() {
                     let Some(memory) = device.capacity.as_ref().and_then(|c| c.get(MEMORY)) else { continue };
-                    if device.allow_multiple_allocations != Some(true) {
-                        continue;
-                    }
+                    let shared = device.allow_multiple_allocations == Some(true);
                     let capacity = ::agent::provision::kube::parse_quantity(&memory.value.0).with_context(|| format!("{pool}/{}: capacity {:?}", device.name, memory.value.0))?;
                     let policy = memory.request_policy.as_ref().map(Policy::from_api).transpose().map_err(anyhow::Error::msg)?;
-                    devices.push(Device { pool: pool.clone(), name: device.name.clone(), node: slice.spec.node_name.clone().unwrap_or_default(), capacity, policy });
+                    devices.push(Device { pool: pool.clone(), name: device.name.clone(), node: slice.spec.node_name.clone().unwrap_or_default(), capacity, policy, shared });
                 }
             }
         }
@@ -90,6 +94,10 @@ impl Allocator {
     /// the device is eligible for it.
     pub fn consumed(&self, index: usize, request: Option<u64>) -> Option<u64> {
         let device = self.devices.get(index)?;
+        if !device.shared {
+            // Whole: the request (if any) is only a selection: at most the capacity.
+            return (request.unwrap_or(0) <= device.capacity && self.used(index) == 0).then_some(device.capacity);
+        }
         match &device.policy {
             Some(policy) => policy.consumed(device.capacity, request),
             None => Some(request.unwrap_or(device.capacity)).filter(|&r| r <= device.capacity),
@@ -127,10 +135,12 @@ impl Allocator {
             };
             taken.push((index, consumed));
             let device = &self.devices[index];
-            results.push(json!({
-                "request": name, "driver": DRIVER, "pool": device.pool, "device": device.name,
-                "shareID": share_id()?, "consumedCapacity": {MEMORY: consumed.to_string()}
-            }));
+            let mut result = json!({"request": name, "driver": DRIVER, "pool": device.pool, "device": device.name});
+            if device.shared {
+                result["shareID"] = json!(share_id()?);
+                result["consumedCapacity"] = json!({MEMORY: consumed.to_string()});
+            }
+            results.push(result);
         }
         let node = taken.first().map(|(d, _)| self.devices[*d].node.clone()).unwrap_or_default();
         self.allocated.insert(uid, taken);

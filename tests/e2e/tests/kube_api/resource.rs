@@ -25,6 +25,54 @@ pub struct Resources {
     pub classes: BTreeMap<String, Value>,
     /// The watches of ResourceSlices, with their field selectors.
     pub slice_watches: Vec<(Selector, mpsc::UnboundedSender<Bytes>)>,
+    /// `DRAConsumableCapacity` off, as in the API servers of Kubernetes 1.34 and 1.35 by
+    /// default ([`drop_gated`]).
+    pub gate_off: bool,
+}
+
+/// What an API server whose `DRAConsumableCapacity` gate is off does to what it is given to
+/// store (KEP-5075: the fields the gate guards are dropped on create and update, unless the
+/// stored object already used them): a ResourceSlice's devices lose `allowMultipleAllocations`
+/// and their capacities' `requestPolicy`; a ResourceClaim's requests lose `capacity`, its
+/// allocation results `consumedCapacity` and `shareID`.
+pub fn drop_gated(object: &mut Value) {
+    let each = |list: &mut Value, fields: &[&str]| {
+        for item in list.as_array_mut().into_iter().flatten() {
+            if let Some(item) = item.as_object_mut() {
+                for field in fields {
+                    item.remove(*field);
+                }
+            }
+        }
+    };
+    match object["kind"].as_str() {
+        Some("ResourceSlice") => {
+            for device in object["spec"]["devices"].as_array_mut().into_iter().flatten() {
+                if let Some(device) = device.as_object_mut() {
+                    device.remove("allowMultipleAllocations");
+                }
+                for capacity in device["capacity"].as_object_mut().into_iter().flat_map(|c| c.values_mut()) {
+                    if let Some(capacity) = capacity.as_object_mut() {
+                        capacity.remove("requestPolicy");
+                    }
+                }
+            }
+        }
+        Some("ResourceClaim") => {
+            for request in object["spec"]["devices"]["requests"].as_array_mut().into_iter().flatten() {
+                if let Some(exactly) = request["exactly"].as_object_mut() {
+                    exactly.remove("capacity");
+                }
+                for sub in request["firstAvailable"].as_array_mut().into_iter().flatten() {
+                    if let Some(sub) = sub.as_object_mut() {
+                        sub.remove("capacity");
+                    }
+                }
+            }
+            each(&mut object["status"]["allocation"]["devices"]["results"], &["consumedCapacity", "shareID"]);
+        }
+        _ => {}
+    }
 }
 
 /// A field selector's terms: (field, value) pairs that must all match.
@@ -98,9 +146,19 @@ pub fn claim(namespace: &str, name: &str, uid: &str, memory: &str, results: Opti
 
 impl super::ApiServer {
     /// Puts a ResourceClaim in the server (replacing one of the same namespace and name).
-    pub fn put_claim(&self, claim: Value) {
+    pub fn put_claim(&self, mut claim: Value) {
         let key = (claim["metadata"]["namespace"].as_str().unwrap_or_default().to_owned(), claim["metadata"]["name"].as_str().unwrap_or_default().to_owned());
-        self.with(|s| s.resource.claims.insert(key, claim));
+        self.with(|s| {
+            if s.resource.gate_off {
+                drop_gated(&mut claim);
+            }
+            s.resource.claims.insert(key, claim)
+        });
+    }
+
+    /// Turns `DRAConsumableCapacity` off (as 1.34 and 1.35 ship) or on.
+    pub fn set_consumable_capacity(&self, on: bool) {
+        self.with(|s| s.resource.gate_off = !on);
     }
 
     /// Removes a ResourceClaim from the server.
@@ -144,7 +202,7 @@ fn slices(state: &mut ApiState, asked: &Asked<'_>) -> Option<Answer> {
             None => not_found(name),
         },
         ("POST", ["resourceslices"]) => {
-            let mut slice = match valid_slice(asked.body, None) {
+            let mut slice = match valid_slice(asked.body, None, state.resource.gate_off) {
                 Ok(slice) => slice,
                 Err(answer) => return Some(*answer),
             };
@@ -161,7 +219,7 @@ fn slices(state: &mut ApiState, asked: &Asked<'_>) -> Option<Answer> {
             answer(StatusCode::CREATED, &slice)
         }
         ("PUT", ["resourceslices", name]) => {
-            let mut slice = match valid_slice(asked.body, Some(name)) {
+            let mut slice = match valid_slice(asked.body, Some(name), state.resource.gate_off) {
                 Ok(slice) => slice,
                 Err(answer) => return Some(*answer),
             };
@@ -240,8 +298,9 @@ fn tell(state: &mut ApiState, kind: &str, slice: &Value) {
 }
 
 /// The body of a create or update, checked as the real server validates a ResourceSlice
-/// (the fields this driver's slices use), or the 400/422 it answers.
-fn valid_slice(body: &str, name: Option<&str>) -> Result<Value, Box<Answer>> {
+/// (the fields this driver's slices use), or the 400/422 it answers; with the gate off, the
+/// gated fields dropped first (the real server drops them before it validates).
+fn valid_slice(body: &str, name: Option<&str>, gate_off: bool) -> Result<Value, Box<Answer>> {
     let invalid = |why: &str| status(StatusCode::UNPROCESSABLE_ENTITY, "Invalid", &format!("ResourceSlice is invalid: {why}"));
     let mut slice: Value = serde_json::from_str(body).map_err(|e| Box::new(status(StatusCode::BAD_REQUEST, "BadRequest", &format!("not JSON: {e}"))))?;
     if slice["apiVersion"] != "resource.k8s.io/v1" || slice["kind"] != "ResourceSlice" {
@@ -250,6 +309,9 @@ fn valid_slice(body: &str, name: Option<&str>) -> Result<Value, Box<Answer>> {
     let Some(own) = slice["metadata"]["name"].as_str().filter(|n| !n.is_empty()) else { return Err(Box::new(invalid("metadata.name: Required value"))) };
     if name.is_some_and(|name| name != own) {
         return Err(Box::new(status(StatusCode::BAD_REQUEST, "BadRequest", "the name in the body does not match the path")));
+    }
+    if gate_off {
+        drop_gated(&mut slice);
     }
     let spec = &slice["spec"];
     if spec["driver"].as_str().is_none_or(str::is_empty) {
