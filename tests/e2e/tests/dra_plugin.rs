@@ -234,3 +234,67 @@ fn a_panic_in_the_plugin_ends_the_agent_naming_it_and_the_next_agent_replaces_it
 fn all(message: &NodeWatchResourcesResponse, health: HealthStatus) -> bool {
     message.devices.len() == 2 && message.devices.iter().all(|d| d.health == health as i32)
 }
+
+/// What is on the node of claim `TRAIN_UID`: its spec, its directory, its checkpoint entry.
+fn on_disk(dir: &Path) -> Result<(bool, bool, bool)> {
+    let spec = dir.join("cdi").join(format!("{DRIVER}-{TRAIN_UID}.json")).exists();
+    let claim_dir = dir.join("state/dra/claims").join(TRAIN_UID).exists();
+    let checkpoint = std::fs::read_to_string(dir.join("state/dra/checkpoint.json")).unwrap_or_default().contains(TRAIN_UID);
+    Ok((spec, claim_dir, checkpoint))
+}
+
+#[test]
+fn a_kill_at_each_step_of_prepare_and_unprepare_leaves_what_a_restarted_agent_completes_or_undoes() -> Result<()> {
+    let (api, dir, account) = scene("dra-plugin-crash")?;
+    let train = [(DRIVER, NODE, "gpu-1", Some("8Gi"), SHARE)];
+    api.put_claim(resource::claim("team-a", "train", TRAIN_UID, "8Gi", Some(&train)));
+    let fake = FakeNode::new("dra-plugin-crash").with_env("FAKECUDA_DEVICE_COUNT", "2").with_env("FAKECUDA_DEVICE_BYTES", "16g");
+    let kubelet = Kubelet::new(&dir.path().join("registry"))?;
+    let prepare = |plugin: &dra::kubelet::Plugin| kubelet.prepare(plugin, vec![claim("team-a", "train", TRAIN_UID)]);
+    let unprepare = |plugin: &dra::kubelet::Plugin| kubelet.unprepare(plugin, vec![claim("team-a", "train", TRAIN_UID)]);
+    // (step, whether the claim is prepared before the call, what a kill there leaves on disk:
+    // spec, directory, checkpoint entry).
+    let steps = [
+        ("prepare-spec", false, (true, true, false)),
+        ("prepare-recorded", false, (true, true, true)),
+        ("unprepare-spec", true, (false, false, true)),
+        ("unprepare-forgotten", true, (false, false, false)),
+    ];
+    for (step, prepared_before, left) in steps {
+        if prepared_before {
+            let agent = start_agent(&api, dir.path(), &account, &fake, &[])?;
+            let plugin = kubelet.register(DRIVER, timeout()).with_context(|| agent.log())?;
+            ensure!(prepare(&plugin)?.claims[TRAIN_UID].error.is_empty(), "{step}: prepared first\n{}", agent.log());
+            agent.stop()?;
+        }
+        let fault = format!("die:{step}");
+        let mut agent = start_agent(&api, dir.path(), &account, &fake, &["--fault", &fault])?;
+        let plugin = kubelet.register(DRIVER, timeout()).with_context(|| agent.log())?;
+        let call = if prepared_before { unprepare(&plugin).map(|_| ()) } else { prepare(&plugin).map(|_| ()) };
+        ensure!(call.is_err(), "{step}: the agent died inside the call");
+        let (status, _) = agent.wait_exit(timeout())?;
+        ensure!(std::os::unix::process::ExitStatusExt::signal(&status) == Some(9), "{step}: killed: {status:?}");
+        ensure!(on_disk(dir.path())? == left, "{step}: left {:?}", on_disk(dir.path())?);
+        drop(agent);
+
+        // The next agent, and the kubelet asking again.
+        let agent = start_agent(&api, dir.path(), &account, &fake, &[])?;
+        let plugin = kubelet.register(DRIVER, timeout()).with_context(|| agent.log())?;
+        let at_start = on_disk(dir.path())?;
+        if prepared_before {
+            // A recorded claim's spec is there again at start; the retry undoes it all.
+            ensure!(at_start == (left.2, left.2, left.2), "{step}: at start {at_start:?}\n{}", agent.log());
+            ensure!(unprepare(&plugin)?.claims[TRAIN_UID].error.is_empty(), "{step}: the retry");
+            ensure!(on_disk(dir.path())? == (false, false, false), "{step}: undone {:?}", on_disk(dir.path())?);
+        } else {
+            // An unrecorded claim's spec is removed at start; a recorded one's kept.
+            ensure!(at_start == (left.2, left.2, left.2), "{step}: at start {at_start:?}\n{}", agent.log());
+            ensure!(prepare(&plugin)?.claims[TRAIN_UID].error.is_empty(), "{step}: the retry\n{}", agent.log());
+            ensure!(on_disk(dir.path())? == (true, true, true), "{step}: completed {:?}", on_disk(dir.path())?);
+            ensure!(unprepare(&plugin)?.claims[TRAIN_UID].error.is_empty(), "{step}: cleaned for the next step");
+        }
+        agent.stop()?;
+    }
+    fake.cleanup();
+    Ok(())
+}
