@@ -605,7 +605,12 @@ async fn provisioner(args: &RunArgs, gpus: inventory::Shared) -> Result<Option<(
     if sources.kube.is_none() && sources.file.is_none() && !sources.annotation {
         bail!("--nri needs a quota source: --kube, --quota-file FILE or --quota-from-annotation");
     }
-    let provisioner = Provisioner::new(wanted, ledger_dir, sources).map_err(|e| anyhow!("cannot provision containers: {e}"))?.with_inventory(gpus);
+    let mut provisioner = Provisioner::new(wanted, ledger_dir, sources).map_err(|e| anyhow!("cannot provision containers: {e}"))?;
+    // With --dra the NRI side sizes the node by the DRA driver's inventory (NVML's); without
+    // it, by --gpu-memory as before (NVML's sizing of that path is still to come).
+    if args.dra.dra {
+        provisioner = provisioner.with_inventory(gpus);
+    }
     Ok(Some((Arc::new(provisioner), capacity)))
 }
 

@@ -92,6 +92,8 @@ pub enum Reason {
     BadResult,
     /// The shares would exceed a GPU's memory.
     OverCapacity,
+    /// A result with admin access, which this driver does not serve.
+    AdminAccess,
     /// The CDI spec or the checkpoint could not be written.
     Write,
     /// Past [`CLAIM_DEADLINE`].
@@ -99,7 +101,7 @@ pub enum Reason {
 }
 
 impl Reason {
-    pub const ALL: [Reason; 10] = [
+    pub const ALL: [Reason; 11] = [
         Reason::Api,
         Reason::NotFound,
         Reason::UidChanged,
@@ -108,6 +110,7 @@ impl Reason {
         Reason::NoDevice,
         Reason::BadResult,
         Reason::OverCapacity,
+        Reason::AdminAccess,
         Reason::Write,
         Reason::Timeout,
     ];
@@ -122,6 +125,7 @@ impl Reason {
             Reason::NoDevice => "no_device",
             Reason::BadResult => "bad_result",
             Reason::OverCapacity => "over_capacity",
+            Reason::AdminAccess => "admin_access",
             Reason::Write => "write",
             Reason::Timeout => "timeout",
         }
@@ -203,15 +207,21 @@ impl<C: Claims> Preparer<C> {
             let checkpoint = lock(&checkpoint);
             let mut written = 0;
             for prepared in checkpoint.claims() {
-                if cdi::write_in(&cdi_dir, &state_dir, &nodes, prepared)?.1 {
-                    written += 1;
+                // One claim's spec that cannot be written is that claim's problem: its
+                // repeated prepare tries again; the others' are written, the driver serves.
+                match cdi::write_in(&cdi_dir, &state_dir, &nodes, prepared) {
+                    Ok((_, true)) => written += 1,
+                    Ok((_, false)) => {}
+                    Err(error) => tracing::error!(uid = %prepared.uid, "cannot restore a prepared claim's CDI spec: {error}"),
                 }
             }
             let mut removed = 0;
             for uid in cdi::written_uids(&cdi_dir, &state_dir)? {
                 if checkpoint.get(&uid).is_none() {
-                    cdi::remove(&cdi_dir, &state_dir, &uid)?;
-                    removed += 1;
+                    match cdi::remove(&cdi_dir, &state_dir, &uid) {
+                        Ok(()) => removed += 1,
+                        Err(error) => tracing::error!(%uid, "cannot remove the CDI spec of a claim not recorded: {error}"),
+                    }
                 }
             }
             Ok((written, removed))
@@ -374,6 +384,11 @@ pub fn shares_of(claim: &ResourceClaim, asked: &Asked, node: &str, gpus: &Invent
     let mut shares: Vec<Share> = Vec::new();
     for result in results.iter().filter(|r| r.driver == DRIVER && r.pool == node) {
         let bad = |what: String| refuse(Reason::BadResult, format!("claim {id}: the result for request {:?} on device {:?}: {what}", result.request, result.device));
+        if result.admin_access == Some(true) {
+            // Admin access (KEP-4381) is outside the scheduler's capacity books: no quota of
+            // this driver's could stand for it. Refused, never counted as a tenant's share.
+            return Err(refuse(Reason::AdminAccess, format!("claim {id}: the result for request {:?} on device {:?} has admin access, which {DRIVER} does not serve", result.request, result.device)));
+        }
         let Some(gpu) = device_index(&result.device) else {
             return Err(bad(format!("not a device of {DRIVER} (gpu-<index>)")));
         };
@@ -622,6 +637,15 @@ mod tests {
         assert!(spec_b.exists() && !cdi::spec_path(&dir.join("cdi"), "uo").exists() && !cdi::claim_dir(&dir.join("state"), "uo").exists());
         assert_eq!(preparer.restore().await, Ok((0, 0)), "nothing more to do");
         let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn an_admin_access_result_is_refused_and_counts_nothing() {
+        let mut admin = result(DRIVER, NODE, "gpu-0", Some("1Gi"));
+        admin["adminAccess"] = json!(true);
+        let refusal = shares_of(&claim("c", "u", Some(json!([admin]))), &asked("c", "u"), NODE, &gpus(&[80 * GIB])).expect_err("admin access");
+        assert_eq!(refusal.reason, Reason::AdminAccess);
+        assert!(refusal.message.contains("admin access"), "{}", refusal.message);
     }
 
     #[tokio::test]

@@ -410,12 +410,11 @@ impl Publisher {
         });
     }
 
-    /// Reads the Node (its UID, the slices' owner) and removes the node-wide extended
-    /// resource from its capacity, once.
+    /// Reads the Node (its UID, the slices' owner: at every check) and removes the node-wide
+    /// extended resource from its capacity, once.
     async fn withdraw(&self, learned: &mut Learned) -> Result<(), KubeError> {
-        if learned.withdrawn && learned.owner.is_some() {
-            return Ok(());
-        }
+        // Read at every check: a Node deleted and made again under the same name has another
+        // UID, and slices owned by the old one would be collected.
         let node = timed(format!("reading node {}", self.node), self.nodes.get(&self.node)).await?;
         learned.owner = node.metadata.uid.clone();
         if learned.withdrawn {

@@ -222,7 +222,8 @@ pub struct Provisioner {
     /// `--gpu-memory`: each GPU's memory where NVML is absent (empty: unknown, one GPU assumed).
     gpu_memory: Vec<u64>,
     /// The node's GPUs as the agent's [`crate::inventory`] has them (NVML's, where it
-    /// answers): what the DRA driver publishes and prepares from; wins over `gpu_memory`.
+    /// answers): what the DRA driver publishes and prepares from; wins over `gpu_memory`
+    /// (given with `--dra` only).
     gpus: crate::inventory::Shared,
     refuse_overcommit: bool,
     /// `--max-provisioned-containers`, `--max-provisioned-per-pod`.
