@@ -157,10 +157,33 @@ pub fn claimed(state_dir: &Path, workload: &Workload) -> Result<Option<Claimed>,
     let given = gpus::given(&workload.devices, &[], &BTreeMap::new(), u32::MAX).unwrap_or_default();
     let wanted: Vec<usize> = shares.keys().map(|&gpu| gpu as usize).collect();
     if given != wanted {
-        return Err(Refusal::new(
-            "devices",
-            format!("the container of DRA claim {uid} has the device nodes of GPUs {given:?}, the claim's are {wanted:?}: the runtime did not give it the claim's GPUs (alone)"),
-        ));
+        let (extra, missing): (Vec<usize>, Vec<usize>) = (given.iter().filter(|g| !wanted.contains(g)).copied().collect(), wanted.iter().filter(|w| !given.contains(w)).copied().collect());
+        return Err(if !given.is_empty() && missing.is_empty() {
+            // Beside the claim's GPUs, another one: NVIDIA's device plugin (`nvidia.com/gpu`)
+            // or its runtime gave it a GPU no claim accounts for.
+            Refusal::new(
+                "foreign_gpus",
+                format!(
+                    "the container of DRA claim {uid} also has GPUs {extra:?}, which its claim (GPUs {wanted:?}) does not hold: another device plugin \
+                     (nvidia.com/gpu) gave them; ask for GPUs through the claim alone (the webhook converts nvidia.com/gpu with vramguard.io/gpu-memory)"
+                ),
+            )
+        } else if !given.is_empty() && extra.is_empty() {
+            // Some of the claim's GPUs: the container names one request of a claim whose
+            // requests are on several GPUs; its ledger is the claim's, device by device.
+            Refusal::new(
+                "partial_claim",
+                format!(
+                    "the container of DRA claim {uid} has GPUs {given:?} of its claim's {wanted:?} (it names some of the claim's requests): a container \
+                     gets all of its claim's GPUs (name the claim without `request`, or split it into claims of their own)"
+                ),
+            )
+        } else {
+            Refusal::new(
+                "devices",
+                format!("the container of DRA claim {uid} has the device nodes of GPUs {given:?}, the claim's are {wanted:?}: the runtime did not give it the claim's GPUs (alone)"),
+            )
+        });
     }
     Ok(Some(Claimed {
         uid,
@@ -508,10 +531,13 @@ mod tests {
         assert_eq!(r.reason, "not_prepared", "{r:?}");
         assert!(r.message.contains("u9") && r.message.contains("not prepared"), "{r:?}");
         assert_eq!(refused(&member(&dir, "c4", &["u1", "u2"], &[0, 1, 3])).reason, "several_claims");
-        // The claim's GPUs, no fewer, no more.
-        for gpus in [&[1][..], &[1, 2, 3], &[]] {
-            assert_eq!(refused(&member(&dir, "c5", &["u1"], gpus)).reason, "devices", "{gpus:?}");
+        // The claim's GPUs, no fewer, no more: some of them (one request named), one more
+        // (another device plugin's), others, none.
+        for (gpus, reason) in [(&[1][..], "partial_claim"), (&[1, 2, 3], "foreign_gpus"), (&[0, 1], "devices"), (&[], "devices")] {
+            let r = refused(&member(&dir, "c5", &["u1"], gpus));
+            assert_eq!(r.reason, reason, "{gpus:?}: {r:?}");
         }
+        assert!(refused(&member(&dir, "c5", &["u1"], &[1, 2, 3])).message.contains("also has GPUs [2]"));
         // Under the claims' directory but no claim's: the directory itself, deeper, `..`.
         for source in [cdi::claims_dir(&dir), cdi::claim_dir(&dir, "u1").join("x"), cdi::claims_dir(&dir).join("..")] {
             let mut w = member(&dir, "c6", &[], &[1, 3]);
