@@ -42,9 +42,11 @@ pub const TIMEOUT: Duration = Duration::from_secs(60);
 pub struct Health {
     pub pool: String,
     pub gpus: inventory::Shared,
-    /// The GPUs listed before NVML ever answered (`--gpu-memory`'s indices): with NVML
-    /// failing from the start, they are reported unhealthy rather than not at all.
-    pub until_known: Vec<u32>,
+    /// Every GPU the health has listed, and those it lists before NVML ever answered
+    /// (`--gpu-memory`'s indices and the GPUs of the claims prepared when the agent started):
+    /// one the inventory no longer has (NVML stopped listing it) is reported unhealthy, not
+    /// dropped from the list, so that the pods of its claims see it.
+    pub known: std::sync::Mutex<std::collections::BTreeSet<u32>>,
     pub driver: watch::Receiver<Arc<DriverView>>,
 }
 
@@ -58,17 +60,33 @@ pub fn health_of(view: &DriverView) -> (HealthStatus, String) {
     }
 }
 
+/// Each GPU's health and its message, by index.
+type Healths = Vec<(u32, HealthStatus, String)>;
+
 impl Health {
-    fn message(&self, (health, message): &(HealthStatus, String)) -> NodeWatchResourcesResponse {
+    /// The health of every GPU the node has or had: the driver's state for those the
+    /// inventory lists (all known ones before it lists any), unhealthy for one it no longer
+    /// lists.
+    fn healths(&self, view: &DriverView) -> Healths {
+        let (health, message) = health_of(view);
+        let listed: Option<Vec<u32>> = self.gpus.borrow().as_ref().map(|inventory| inventory.gpus.iter().map(|gpu| gpu.index).collect());
+        let mut known = self.known.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        known.extend(listed.iter().flatten().copied());
+        known
+            .iter()
+            .map(|&gpu| match &listed {
+                Some(listed) if !listed.contains(&gpu) => (gpu, HealthStatus::Unhealthy, format!("NVML no longer lists GPU {gpu} (off the bus, or its driver failed)")),
+                _ => (gpu, health, message.clone()),
+            })
+            .collect()
+    }
+
+    fn message(&self, healths: &Healths) -> NodeWatchResourcesResponse {
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-        let indices: Vec<u32> = match self.gpus.borrow().as_ref() {
-            Some(inventory) => inventory.gpus.iter().map(|gpu| gpu.index).collect(),
-            None => self.until_known.clone(),
-        };
-        let devices = indices
-            .into_iter()
-            .map(|gpu| DeviceHealth {
-                device: Some(DeviceIdentifier { pool_name: self.pool.clone(), device_name: device_name(gpu) }),
+        let devices = healths
+            .iter()
+            .map(|(gpu, health, message)| DeviceHealth {
+                device: Some(DeviceIdentifier { pool_name: self.pool.clone(), device_name: device_name(*gpu) }),
                 health: *health as i32,
                 last_updated_time: i64::try_from(now).unwrap_or(i64::MAX),
                 health_check_timeout_seconds: TIMEOUT.as_secs() as i64,
@@ -91,7 +109,7 @@ impl DraResourceHealth for Arc<Health> {
         // The watch's own task: it ends when the kubelet drops the stream (or the driver task
         // is gone).
         tokio::spawn(async move {
-            let mut sent = health_of(&driver.borrow_and_update());
+            let mut sent = health.healths(&driver.borrow_and_update());
             loop {
                 if sender.send(Ok(health.message(&sent))).await.is_err() {
                     return;
@@ -104,7 +122,7 @@ impl DraResourceHealth for Arc<Health> {
                             if changed.is_err() {
                                 return;
                             }
-                            let now = health_of(&driver.borrow_and_update());
+                            let now = health.healths(&driver.borrow_and_update());
                             if now != sent {
                                 sent = now;
                                 break;
@@ -140,7 +158,8 @@ mod tests {
         // GPUs 0 and 3 (minor numbers need not be dense).
         let mut listed = crate::inventory::from_flag(&[1 << 30; 4], 0);
         listed.gpus.retain(|gpu| gpu.index == 0 || gpu.index == 3);
-        let health = Arc::new(Health { pool: "node-1".into(), gpus: crate::inventory::fixed(Some(listed)), until_known: vec![0, 1, 2, 3, 4], driver });
+        let (gpus_tx, gpus) = watch::channel(Some(Arc::new(listed.clone())));
+        let health = Arc::new(Health { pool: "node-1".into(), gpus, known: Default::default(), driver });
         let mut stream = health.node_watch_resources(Request::new(NodeWatchResourcesRequest {})).await.expect("a watch").into_inner();
         let first = next(&mut stream).await;
         assert_eq!(first.devices.len(), 2);
@@ -159,5 +178,22 @@ mod tests {
         assert_eq!(failing.devices[0].message, "NVML is failing: nvmlDeviceGetCount: Unknown Error");
         driver_tx.send(view(State::Hung, Some("a read has not returned"))).expect("watched");
         assert!(next(&mut stream).await.devices.iter().all(|d| d.health == HealthStatus::Unhealthy as i32 && d.message.contains("hung")));
+        // NVML answers again without GPU 3: it stays in the list, unhealthy.
+        listed.gpus.retain(|gpu| gpu.index == 0);
+        gpus_tx.send_replace(Some(Arc::new(listed)));
+        driver_tx.send(view(State::Ok, None)).expect("watched");
+        let lost = next(&mut stream).await;
+        let states: Vec<(String, i32)> = lost.devices.iter().map(|d| (d.device.clone().expect("an id").device_name, d.health)).collect();
+        assert_eq!(states, [("gpu-0".to_owned(), HealthStatus::Healthy as i32), ("gpu-3".to_owned(), HealthStatus::Unhealthy as i32)]);
+        assert_eq!(lost.devices[1].message, "NVML no longer lists GPU 3 (off the bus, or its driver failed)");
+    }
+
+    #[tokio::test]
+    async fn before_nvml_answers_the_known_gpus_are_listed() {
+        let (_driver_tx, driver) = watch::channel(view(State::Failing, Some("init failed")));
+        let health = Arc::new(Health { pool: "n".into(), gpus: crate::inventory::fixed(None), known: std::sync::Mutex::new([0, 5].into()), driver });
+        let mut stream = health.node_watch_resources(Request::new(NodeWatchResourcesRequest {})).await.expect("a watch").into_inner();
+        let first = next(&mut stream).await;
+        assert_eq!(first.devices.iter().map(|d| (d.device.clone().expect("id").device_name, d.health)).collect::<Vec<_>>(), [("gpu-0".to_owned(), HealthStatus::Unhealthy as i32), ("gpu-5".to_owned(), HealthStatus::Unhealthy as i32)]);
     }
 }

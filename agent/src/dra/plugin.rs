@@ -429,8 +429,9 @@ pub async fn wire(
         .map_err(anyhow::Error::msg)?;
     info!(claims = checkpoint.claims().count(), path = %checkpoint.path().display(), "the DRA checkpoint");
     let claims = super::prepare::KubeClaims(client);
-    let until_known = (0u32..).take(flag_gpus).collect();
-    let health = Health { pool: node.clone(), gpus: gpus.clone(), until_known, driver };
+    // Before NVML answers: the flag's GPUs and those of the claims prepared already.
+    let known: std::collections::BTreeSet<u32> = (0u32..).take(flag_gpus).chain(checkpoint.claims().flat_map(|c| c.shares.iter().map(|s| s.gpu))).collect();
+    let health = Health { pool: node.clone(), gpus: gpus.clone(), known: std::sync::Mutex::new(known), driver };
     let preparer = Preparer::new(claims, node, gpus, args.cdi_dir.clone(), state_dir, checkpoint).with_nodes(args.nodes()).with_ledgers(ledgers);
     let (written, removed) = preparer.restore().await.map_err(|e| anyhow::anyhow!("restoring the prepared claims' CDI specs: {e}"))?;
     info!(written, removed, cdi_dir = %args.cdi_dir.display(), "the prepared claims' CDI specs restored (written: missing or different; removed: of claims not recorded)");
