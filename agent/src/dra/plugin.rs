@@ -21,6 +21,7 @@
 //! | `vramguard_dra_prepare_refusals_total{reason}` | refused claims by [`Reason`] (`over_capacity`: the scheduler over-committed a GPU) |
 //! | `vramguard_dra_unprepares_total{result}` | claims unprepared: `unprepared`, `not_prepared` (unknown UID: success), `failed` |
 //! | `vramguard_dra_prepared_claims` | claims prepared on the node (the checkpoint's) |
+//! | `vramguard_dra_stale_claims_dropped_total` | prepared claims dropped because the API server no longer had them for `--dra-stale-after-s` |
 //! | `vramguard_dra_registration_notifications_total{result}` | the kubelet's word on the registration: `registered`, `failed` |
 //! | `vramguard_dra_registered` | 1 while the kubelet's last word was that the plugin is registered |
 use std::{
@@ -89,6 +90,7 @@ pub struct Metrics {
     refusals: IntCounterVec,
     unprepares: IntCounterVec,
     prepared: IntGauge,
+    stale: prometheus::IntCounter,
     notifications: IntCounterVec,
     registered: IntGauge,
 }
@@ -101,6 +103,10 @@ impl Metrics {
             refusals: vec("vramguard_dra_prepare_refusals_total", "Claims the DRA driver refused to prepare, by reason (over_capacity: the allocation over-commits a GPU)", "reason")?,
             unprepares: vec("vramguard_dra_unprepares_total", "Claims the kubelet asked the DRA driver to unprepare, by result: unprepared, not_prepared, failed", "result")?,
             prepared: IntGauge::new("vramguard_dra_prepared_claims", "Claims prepared on this node by the DRA driver (its checkpoint's)")?,
+            stale: prometheus::IntCounter::new(
+                "vramguard_dra_stale_claims_dropped_total",
+                "Prepared claims the DRA driver dropped because the API server no longer had them (deleted, or another UID) for --dra-stale-after-s",
+            )?,
             notifications: vec("vramguard_dra_registration_notifications_total", "The kubelet's registration status notifications to the DRA plugin: registered, failed", "result")?,
             registered: IntGauge::new("vramguard_dra_registered", "1 while the kubelet's last word was that the DRA plugin is registered")?,
         };
@@ -127,6 +133,7 @@ impl Metrics {
             Box::new(self.refusals.clone()),
             Box::new(self.unprepares.clone()),
             Box::new(self.prepared.clone()),
+            Box::new(self.stale.clone()),
             Box::new(self.notifications.clone()),
             Box::new(self.registered.clone()),
         ]
@@ -279,6 +286,7 @@ pub fn start<C: Claims>(
     preparer: Preparer<C>,
     health: Health,
     metrics: Metrics,
+    stale: Stale,
     mut stop: watch::Receiver<bool>,
 ) -> Result<impl std::future::Future<Output = Result<()>> + Send + 'static> {
     let dra_path = std::path::absolute(sockets.dra()).context("the DRA socket's absolute path")?;
@@ -288,12 +296,14 @@ pub fn start<C: Claims>(
     info!(registration = %registration_path.display(), dra = %dra_path.display(), "serving the DRA kubelet plugin");
     let registrar = Registrar { endpoint: dra_path.clone(), metrics: metrics.clone() };
     let driver = Arc::new(Driver { preparer, metrics });
+    let sweeper = driver.clone();
     Ok(async move {
         let stopped = async move {
             let _ = stop.wait_for(|stop| *stop).await;
         };
         let stopped = futures_util::future::FutureExt::shared(Box::pin(stopped));
         let stopping = stopped.clone();
+        let sweep_stop = stopped.clone();
         driver.count().await;
         let dra = tonic::transport::Server::builder()
             .add_service(DraPluginServer::from_arc(driver))
@@ -302,10 +312,28 @@ pub fn start<C: Claims>(
         let registration = tonic::transport::Server::builder()
             .add_service(RegistrationServer::new(registrar))
             .serve_with_incoming_shutdown(UnixListenerStream::new(registration_listener), stopped);
+        // Claims gone from the API server, looked up between sweeps' sleeps; the stop ends it
+        // at a sleep (a sweep under way is finished, as the calls in flight are).
+        let sweeping = async move {
+            let mut gone = std::collections::BTreeMap::new();
+            let mut sweep_stop = std::pin::pin!(sweep_stop);
+            loop {
+                tokio::select! {
+                    () = tokio::time::sleep(stale.every) => {}
+                    () = &mut sweep_stop => return,
+                }
+                let swept = sweeper.preparer.sweep(&mut gone, stale.after).await;
+                sweeper.metrics.stale.inc_by(swept.dropped.len() as u64);
+                if !swept.dropped.is_empty() {
+                    sweeper.count().await;
+                }
+            }
+        };
         let served = async {
             tokio::try_join!(
                 async { dra.await.context("the DRA service failed") },
                 async { registration.await.context("the registration service failed") },
+                async { Ok::<(), anyhow::Error>(sweeping.await) },
             )
         };
         let mut served = std::pin::pin!(served);
@@ -325,6 +353,13 @@ pub fn start<C: Claims>(
         let _ = tokio::time::timeout(DRAIN, served).await;
         Ok(())
     })
+}
+
+/// When prepared claims gone from the API server are dropped ([`Preparer::sweep`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Stale {
+    pub after: std::time::Duration,
+    pub every: std::time::Duration,
 }
 
 /// The DRA driver's flags of `vramguard run`.
@@ -357,6 +392,15 @@ pub struct DraArgs {
     /// `utility` capability). Default: --dra-device-dir itself.
     #[arg(long, value_name = "DIR")]
     pub dra_host_dev: Option<PathBuf>,
+    /// How long a prepared claim must be gone from the API server (deleted, or made again
+    /// with another UID) before its entry is dropped without the kubelet's unprepare, in
+    /// seconds (the kubelet unprepares a claim when its pods end; an entry left would hold
+    /// its share of the GPU for good).
+    #[arg(long, default_value_t = 600, value_name = "S")]
+    pub dra_stale_after_s: u64,
+    /// How often the prepared claims are looked up in the API server for that, in seconds.
+    #[arg(long, default_value_t = 60, value_name = "S")]
+    pub dra_stale_every_s: u64,
 }
 
 impl DraArgs {
@@ -437,6 +481,10 @@ pub async fn wire(
     info!(written, removed, cdi_dir = %args.cdi_dir.display(), "the prepared claims' CDI specs restored (written: missing or different; removed: of claims not recorded)");
     let metrics = Metrics::new()?;
     let sockets = Sockets { registry_dir: args.kubelet_registry_dir.clone(), plugins_dir: args.kubelet_plugins_dir.clone() };
-    let task = start(sockets, preparer, health, metrics.clone(), stop)?;
+    if args.dra_stale_every_s == 0 {
+        anyhow::bail!("--dra-stale-every-s must be at least 1");
+    }
+    let stale = Stale { after: std::time::Duration::from_secs(args.dra_stale_after_s), every: std::time::Duration::from_secs(args.dra_stale_every_s) };
+    let task = start(sockets, preparer, health, metrics.clone(), stale, stop)?;
     Ok(Some((task, metrics.collectors())))
 }

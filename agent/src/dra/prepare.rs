@@ -320,6 +320,65 @@ impl<C: Claims> Preparer<C> {
     }
 }
 
+/// What a sweep for claims gone from the API server found ([`Preparer::sweep`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Swept {
+    /// Entries dropped: their claim gone (404, or another UID) for the whole window.
+    pub dropped: Vec<String>,
+    /// Entries whose claim is gone, within the window still (the kubelet may unprepare them).
+    pub waiting: usize,
+    /// Claims the API server could not be asked about (nothing concluded).
+    pub unknown: usize,
+}
+
+impl<C: Claims> Preparer<C> {
+    /// Drops the checkpoint entries whose claim the API server no longer has (404, or a claim
+    /// of the same name with another UID: deleted and made again) once it has been gone for
+    /// `window` (`gone`: since when each was first seen gone; kept by the caller between
+    /// sweeps): the kubelet unprepares a claim when its pods end, and a claim gone that long
+    /// was never unprepared here (the kubelet was down, or lost it). Dropped as an unprepare
+    /// drops it: spec, entry, then the ledger where no process of its containers is left
+    /// (kept otherwise, as unprepare keeps it). An entry left would hold its share of the GPU
+    /// for good, refusing new claims as `over_capacity`. A claim the API server cannot be
+    /// asked about is left as it is.
+    pub async fn sweep(&self, gone: &mut BTreeMap<String, std::time::Instant>, window: Duration) -> Swept {
+        let checkpoint = self.checkpoint.clone();
+        let recorded: Vec<Prepared> = blocking(move || Ok(lock(&checkpoint).claims().cloned().collect())).await.unwrap_or_default();
+        gone.retain(|uid, _| recorded.iter().any(|p| &p.uid == uid));
+        let mut swept = Swept::default();
+        for prepared in recorded {
+            let answer = tokio::time::timeout(CLAIM_DEADLINE, self.claims.get(&prepared.namespace, &prepared.name)).await;
+            let missing = match answer {
+                Ok(Ok(None)) => true,
+                Ok(Ok(Some(claim))) => claim.metadata.uid.as_deref() != Some(prepared.uid.as_str()),
+                Ok(Err(_)) | Err(_) => {
+                    swept.unknown += 1;
+                    continue;
+                }
+            };
+            if !missing {
+                gone.remove(&prepared.uid);
+                continue;
+            }
+            let since = *gone.entry(prepared.uid.clone()).or_insert_with(std::time::Instant::now);
+            if since.elapsed() < window {
+                swept.waiting += 1;
+                continue;
+            }
+            let asked = Asked { namespace: prepared.namespace.clone(), uid: prepared.uid.clone(), name: prepared.name.clone() };
+            match self.unprepare(&asked).await {
+                Ok(_) => {
+                    tracing::warn!(claim = %format!("{}/{}", prepared.namespace, prepared.name), uid = %prepared.uid, gone_for = ?since.elapsed(), "dra: dropped a prepared claim the API server no longer has (the kubelet never unprepared it)");
+                    gone.remove(&prepared.uid);
+                    swept.dropped.push(prepared.uid);
+                }
+                Err(error) => tracing::warn!(uid = %prepared.uid, "dra: cannot drop a prepared claim gone from the API server: {error}"),
+            }
+        }
+        swept
+    }
+}
+
 /// Checks the capacity, writes the spec and records the claim: one step under the checkpoint's
 /// lock, so that two claims cannot both take a GPU's last bytes.
 fn commit(
@@ -669,6 +728,33 @@ mod tests {
         let preparer = Preparer::new(fake.clone(), NODE.into(), crate::inventory::fixed(None), dir.join("cdi"), dir.join("state"), checkpoint);
         put(&fake, claim("a", "ua", Some(json!([result(DRIVER, NODE, "gpu-0", Some("1Gi"))]))));
         assert_eq!(preparer.prepare(&asked("a", "ua")).await.map_err(|r| r.reason), Err(Reason::NoInventory));
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[tokio::test]
+    async fn a_claim_gone_from_the_api_server_for_the_window_is_dropped_and_frees_its_share() {
+        let (preparer, fake, dir) = preparer("sweep", vec![10 * GIB]);
+        put(&fake, claim("a", "ua", Some(json!([result(DRIVER, NODE, "gpu-0", Some("8Gi"))]))));
+        put(&fake, claim("b", "ub", Some(json!([result(DRIVER, NODE, "gpu-0", Some("1Gi"))]))));
+        put(&fake, claim("c", "uc", Some(json!([result(DRIVER, NODE, "gpu-0", Some("4Gi"))]))));
+        for (name, uid) in [("a", "ua"), ("b", "ub")] {
+            assert!(matches!(preparer.prepare(&asked(name, uid)).await, Ok(Outcome::Prepared(_))));
+        }
+        assert_eq!(preparer.prepare(&asked("c", "uc")).await.map_err(|r| r.reason), Err(Reason::OverCapacity));
+        let mut gone = BTreeMap::new();
+        // Both there: nothing.
+        assert_eq!(preparer.sweep(&mut gone, Duration::ZERO).await, Swept::default());
+        // a deleted, b deleted and made again (another UID): gone, within the window.
+        fake.claims.lock().expect("fake").remove(&("team".to_owned(), "a".to_owned()));
+        put(&fake, claim("b", "ub-new", None));
+        let swept = preparer.sweep(&mut gone, Duration::from_secs(3600)).await;
+        assert_eq!((swept.dropped.len(), swept.waiting), (0, 2));
+        assert!(cdi::spec_path(&dir.join("cdi"), "ua").exists(), "kept within the window");
+        // The window passed: dropped as an unprepare drops them, and c fits.
+        let swept = preparer.sweep(&mut gone, Duration::ZERO).await;
+        assert_eq!(swept.dropped, ["ua", "ub"]);
+        assert!(!cdi::spec_path(&dir.join("cdi"), "ua").exists() && preparer.prepared_claims().await == 0 && gone.is_empty());
+        assert!(matches!(preparer.prepare(&asked("c", "uc")).await, Ok(Outcome::Prepared(_))));
         let _ = std::fs::remove_dir_all(dir);
     }
 

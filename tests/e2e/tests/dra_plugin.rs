@@ -298,3 +298,34 @@ fn a_kill_at_each_step_of_prepare_and_unprepare_leaves_what_a_restarted_agent_co
     fake.cleanup();
     Ok(())
 }
+
+#[test]
+fn a_prepared_claim_deleted_from_the_api_server_stops_holding_its_share_after_the_window() -> Result<()> {
+    let (api, dir, account) = scene("dra-plugin-stale")?;
+    let fake = FakeNode::new("dra-plugin-stale").with_env("FAKECUDA_DEVICE_COUNT", "2").with_env("FAKECUDA_DEVICE_BYTES", "16g");
+    let big = [(DRIVER, NODE, "gpu-0", Some("12Gi"), SHARE)];
+    api.put_claim(resource::claim("team-a", "big", "uid-stale-big", "12Gi", Some(&big)));
+    let next = [(DRIVER, NODE, "gpu-0", Some("8Gi"), "0c6f7a1e-0000-4000-8000-0000000000b2")];
+    api.put_claim(resource::claim("team-a", "next", "uid-stale-next", "8Gi", Some(&next)));
+    // A window of 0 s, looked at each second.
+    let agent = start_agent(&api, dir.path(), &account, &fake, &["--dra-stale-after-s", "0", "--dra-stale-every-s", "1"])?;
+    let kubelet = Kubelet::new(&dir.path().join("registry"))?;
+    let plugin = kubelet.register(DRIVER, timeout()).with_context(|| agent.log())?;
+    ensure!(kubelet.prepare(&plugin, vec![claim("team-a", "big", "uid-stale-big")])?.claims["uid-stale-big"].error.is_empty(), "{}", agent.log());
+    let refused = kubelet.prepare(&plugin, vec![claim("team-a", "next", "uid-stale-next")])?;
+    ensure!(refused.claims["uid-stale-next"].error.contains("over-commits the GPU"), "12 + 8 GiB on a 16 GiB GPU: {refused:?}");
+    // Still there: kept, whatever the sweeps.
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    ensure!(dir.path().join("cdi").join(format!("{DRIVER}-uid-stale-big.json")).exists(), "a claim still in the API server is kept");
+    // Deleted from the API server, never unprepared by the kubelet: dropped, its share free.
+    api.delete_claim("team-a", "big");
+    wait_metric(&agent, "vramguard_dra_stale_claims_dropped_total", &[], 1.0)?;
+    ensure!(!dir.path().join("cdi").join(format!("{DRIVER}-uid-stale-big.json")).exists(), "its spec removed");
+    wait_metric(&agent, "vramguard_dra_prepared_claims", &[], 0.0)?;
+    let prepared = kubelet.prepare(&plugin, vec![claim("team-a", "next", "uid-stale-next")])?;
+    ensure!(prepared.claims["uid-stale-next"].error.is_empty(), "{prepared:?}\n{}", agent.log());
+    ensure!(agent.log().contains("dropped a prepared claim the API server no longer has"), "{}", agent.log());
+    agent.stop()?;
+    fake.cleanup();
+    Ok(())
+}
