@@ -1,6 +1,8 @@
 //! `cargo xtask setup`'s containerd part: fetches the Debian packages the end-to-end tests
-//! run a real containerd from (`e2e::containerd::PACKAGES`: containerd with NRI, runc,
-//! busybox) and keeps their binaries in `target/containerd/`, so the tests run offline.
+//! run a real containerd from (`e2e::containerd::PACKAGES`: containerd 1.7 with NRI, runc,
+//! busybox) and keeps their binaries in `target/containerd/`, so the tests run offline; and
+//! containerd 2 (`e2e::containerd::PACKAGES_2`: Debian unstable's daemon, shim and `ctr`) in
+//! `target/containerd-2/`, which the tests' containerd 2 runs with the first cache's runc.
 //!
 //! Nothing is installed on the system: `apt-get` runs with a private state, cache and source
 //! list (the suites the packages come from, signed by the keys of Debian's archive keyring)
@@ -17,7 +19,7 @@ use std::{
 };
 
 use anyhow::{bail, Context, Result};
-use e2e::containerd::{cached_name, Cache, Package, PACKAGES, VERSIONS_FILE};
+use e2e::containerd::{cached_name, Cache, Package, Version, PACKAGES, VERSIONS_FILE};
 
 /// Debian's archive, as the machine's own apt sources name it.
 const ARCHIVE: &str = "http://deb.debian.org/debian";
@@ -29,10 +31,26 @@ pub(crate) fn target() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| crate::root().join("target"))
 }
 
-/// Fills `target/containerd/` unless it is complete.
+/// Fills `target/containerd/` and `target/containerd-2/` unless they are complete.
 pub fn setup() -> Result<()> {
     // runc from bookworm links the host's libseccomp: it must run here.
-    setup_set("containerd", PACKAGES, &Cache::dir_in(&target()), &["containerd", "runc"])
+    setup_set("containerd", PACKAGES, &Cache::dir_in(&target()), &["containerd", "runc"])?;
+    // Unstable moves: whatever it has now must still be a containerd 2.
+    let dir = Version::V2.cache_dir_in(&target());
+    setup_set("containerd 2", Version::V2.packages(), &dir, &["containerd", "ctr"])?;
+    let cache = Cache::open_set(&dir, Version::V2.packages())?;
+    let said = output(Command::new(cache.bin("containerd")).arg("--version"))?;
+    let version = said.split_whitespace().nth(2).unwrap_or_default();
+    if !Version::V2.answers(version) {
+        bail!(
+            "{} says {:?}: Debian unstable's containerd is no longer a 2.x; remove {} and pin another suite in \
+             e2e::containerd::PACKAGES_2",
+            cache.bin("containerd").display(),
+            said.trim(),
+            dir.display()
+        );
+    }
+    Ok(())
 }
 
 /// Fills the cache `dir` (named `what` in messages) with the files of `packages` unless it is

@@ -3,8 +3,9 @@
 //! - `setup`: install what building needs and is missing (rust-src for the nightly toolchain,
 //!   `bpf-linker` built against the nightly toolchain's own LLVM, `kubernetes-validate` and
 //!   the real CUDA clients the e2e tests run (cuda-bindings, numba-cuda, nvidia-ml-py, nvitop;
-//!   pinned) in a Python environment at `target/pyenv`, and containerd, runc and busybox from Debian's
-//!   archive in `target/containerd` for the end-to-end tests); a no-op when all is there.
+//!   pinned) in a Python environment at `target/pyenv`, and containerd 1.7, runc and busybox from
+//!   Debian's archive in `target/containerd`, containerd 2 from Debian unstable in
+//!   `target/containerd-2`, for the end-to-end tests); a no-op when all is there.
 //! - `build-ebpf`: compile `ebpf/` for `bpfel-unknown-none` (the agent embeds the object).
 //! - `fake-driver`: build the fake CUDA driver; print the directory holding `libcuda.so.1` (and
 //!   `libnvidia-ml.so.1`: the fake is a fake NVML too).
@@ -47,7 +48,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Task {
     /// Install what is missing: the eBPF toolchain pieces (rust-src, bpf-linker), the manifests'
-    /// validator, and the containerd the end-to-end tests run (target/containerd).
+    /// validator, and the containerds the end-to-end tests run (target/containerd, target/containerd-2).
     Setup,
     /// Compile the eBPF programs for bpfel-unknown-none.
     BuildEbpf,

@@ -2,6 +2,14 @@
 //! `cargo xtask setup` caches (Debian's packages, [`PACKAGES`]), with NRI enabled on a socket
 //! the test chooses, and driven through the CRI API like a kubelet would ([`cri`]).
 //!
+//! Two lines of containerd are cached ([`Version`]): 1.7 (trixie's, [`PACKAGES`], the
+//! default) and 2 (Debian unstable's, [`PACKAGES_2`]: its daemon, shim and `ctr`; runc and
+//! busybox are 1.7's cache's). [`Containerd::start_version`] names one; [`Containerd::start`]
+//! runs [`Version::current`]: the one [`Version::run`] set for the calling thread (a test
+//! that runs another test's body on containerd 2), else [`VERSION_ENV`], else 1.7. The two
+//! are configured alike in the old and the new layout of the configuration
+//! ([`Containerd::config`]).
+//!
 //! [`Containerd::start`] runs containerd with everything of its own under a temporary
 //! directory (root, state, gRPC socket, runc's state, the pods' logs), the `native`
 //! snapshotter, runc with the cgroupfs driver (a container's cgroup is the plain directory
@@ -20,6 +28,7 @@
 pub mod cri;
 pub mod image;
 
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::io::{Read, Seek, SeekFrom};
 use std::os::unix::ffi::OsStrExt;
@@ -61,6 +70,112 @@ pub const PACKAGES: &[Package] = &[
     Package { name: "busybox-static", suite: "bookworm", files: &["bin/busybox"] },
 ];
 
+/// What `cargo xtask setup` fetches for [`Version::V2`]: the current containerd 2 from Debian
+/// unstable (2.1.9 when this was written; it needs glibc 2.34, so it runs on bookworm), its
+/// daemon, shim and `ctr`. runc and busybox are [`PACKAGES`]'.
+pub const PACKAGES_2: &[Package] = &[Package {
+    name: "containerd",
+    suite: "sid",
+    files: &["usr/bin/containerd", "usr/bin/ctr", "usr/bin/containerd-shim-runc-v2"],
+}];
+
+/// The variable naming the containerd [`Containerd::start`] runs where no test chose one
+/// (`1.7` or `2`): `VRAMGUARD_E2E_CONTAINERD=2 cargo test -p e2e` runs every containerd test
+/// on containerd 2.
+pub const VERSION_ENV: &str = "VRAMGUARD_E2E_CONTAINERD";
+
+/// A line of containerd the kit runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Version {
+    /// containerd 1.7 ([`PACKAGES`]): a version 2 configuration, CDI and NRI off unless it
+    /// turns them on.
+    V1_7,
+    /// containerd 2 ([`PACKAGES_2`]): a version 3 configuration (the CRI plugin's keys split
+    /// between `io.containerd.cri.v1.images` and `io.containerd.cri.v1.runtime`), CDI and NRI
+    /// on by default.
+    V2,
+}
+
+thread_local! {
+    /// The version [`Version::run`] set for this thread.
+    static CHOSEN: Cell<Option<Version>> = const { Cell::new(None) };
+}
+
+impl Version {
+    /// Both lines, oldest first.
+    pub const ALL: [Version; 2] = [Version::V1_7, Version::V2];
+
+    /// `1.7` or `2`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Version::V1_7 => "1.7",
+            Version::V2 => "2",
+        }
+    }
+
+    /// The version named `name` (`1.7`, `2`, or a `2.x`).
+    pub fn parse(name: &str) -> Result<Version> {
+        match name.trim() {
+            "1.7" => Ok(Version::V1_7),
+            n if n == "2" || n.starts_with("2.") => Ok(Version::V2),
+            other => bail!("no containerd {other:?} in the e2e kit: 1.7 or 2"),
+        }
+    }
+
+    /// What `cargo xtask setup` caches for it (runc and busybox are in [`PACKAGES`] only).
+    pub fn packages(self) -> &'static [Package] {
+        match self {
+            Version::V1_7 => PACKAGES,
+            Version::V2 => PACKAGES_2,
+        }
+    }
+
+    /// Its cache in the target directory `target`: `target/containerd` (1.7, with runc and
+    /// busybox) or `target/containerd-2`.
+    pub fn cache_dir_in(self, target: &Path) -> PathBuf {
+        match self {
+            Version::V1_7 => target.join("containerd"),
+            Version::V2 => target.join("containerd-2"),
+        }
+    }
+
+    /// Whether a CRI `runtime_version` (`1.7.24~ds1`, `2.1.9+unknown`, `v2.1.9`) is of this line.
+    pub fn answers(self, runtime_version: &str) -> bool {
+        let version = runtime_version.trim_start_matches('v');
+        match self {
+            Version::V1_7 => version.starts_with("1.7."),
+            Version::V2 => version.starts_with("2."),
+        }
+    }
+
+    /// The version [`Containerd::start`] runs: this thread's ([`Version::run`]), else
+    /// [`VERSION_ENV`]'s, else 1.7.
+    pub fn current() -> Result<Version> {
+        if let Some(chosen) = CHOSEN.with(Cell::get) {
+            return Ok(chosen);
+        }
+        match std::env::var(VERSION_ENV) {
+            Ok(name) if !name.trim().is_empty() => Version::parse(&name).with_context(|| format!("{VERSION_ENV}={name}")),
+            _ => Ok(Version::V1_7),
+        }
+    }
+
+    /// Runs `body` with this version as the thread's choice: each [`Containerd::start`] in
+    /// it (on this thread) runs this containerd. A test runs another test's body this way on
+    /// containerd 2: `Version::V2.run(the_other_test)`.
+    pub fn run<T>(self, body: impl FnOnce() -> T) -> T {
+        struct Restore(Option<Version>);
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                CHOSEN.with(|c| c.set(self.0));
+            }
+        }
+        let _restore = Restore(CHOSEN.with(|c| c.replace(Some(self))));
+        eprintln!("e2e kit: this test runs containerd {}", self.name());
+        body()
+    }
+}
+
 /// The file in the cache listing `package version` lines, written last by setup: the cache
 /// is complete when it is there.
 pub const VERSIONS_FILE: &str = "VERSIONS";
@@ -85,16 +200,24 @@ pub struct Cache {
 }
 
 impl Cache {
-    /// The cache directory of the target directory `target` (`target/containerd`).
+    /// The cache directory of the target directory `target` (`target/containerd`: 1.7's,
+    /// with runc and busybox).
     pub fn dir_in(target: &Path) -> PathBuf {
-        target.join("containerd")
+        Version::V1_7.cache_dir_in(target)
     }
 
-    /// The cache of the target directory this test binary was built in.
+    /// The cache of the target directory this test binary was built in (1.7's, with runc and
+    /// busybox).
     pub fn locate() -> Result<Cache> {
+        Cache::locate_version(Version::V1_7)
+    }
+
+    /// The cache of `version` in the target directory this test binary was built in.
+    pub fn locate_version(version: Version) -> Result<Cache> {
         let profile = crate::target_dir()?;
         let target = profile.parent().ok_or_else(|| anyhow!("{} has no parent", profile.display()))?;
-        Cache::open(&Cache::dir_in(target))
+        Cache::open_set(&version.cache_dir_in(target), version.packages())
+            .with_context(|| format!("containerd {} for the e2e tests is not fetched", version.name()))
     }
 
     /// The containerd cache at `dir`; fails, saying to run setup, unless it is complete.
@@ -296,7 +419,14 @@ struct Pod {
 
 /// A private containerd with NRI; see the module's documentation.
 pub struct Containerd {
+    /// Which containerd runs.
+    version: Version,
+    /// Its daemon, shim and `ctr`.
     cache: Cache,
+    /// runc and busybox (1.7's cache).
+    base: Cache,
+    /// What its CRI `Version` answered at the latest start.
+    runtime_version: String,
     dir: TempDir,
     nri_socket: PathBuf,
     process: Option<Child>,
@@ -313,10 +443,17 @@ pub struct Containerd {
 }
 
 impl Containerd {
-    /// Starts a containerd whose NRI socket is `nri_socket` (its directory must exist) and
-    /// imports the test image; returns once it answers CRI and the NRI socket is there.
+    /// Starts a containerd ([`Version::current`]) whose NRI socket is `nri_socket` (its
+    /// directory must exist) and imports the test image; returns once it answers CRI and the
+    /// NRI socket is there.
     pub fn start(nri_socket: &Path) -> Result<Containerd> {
         Containerd::start_seeing(nri_socket, &[])
+    }
+
+    /// [`Containerd::start`] of containerd `version`; fails, saying that `cargo xtask setup`
+    /// fetches it, where it is not cached.
+    pub fn start_version(version: Version, nri_socket: &Path) -> Result<Containerd> {
+        Containerd::start_version_seeing(version, nri_socket, &[])
     }
 
     /// [`Containerd::start`], with containerd in a mount namespace of its own (a slave of the
@@ -328,14 +465,23 @@ impl Containerd {
     /// (empty; nothing is mounted there in the host's namespace). Its namespace is
     /// `/proc/<pid()>/ns/mnt`.
     pub fn start_seeing(nri_socket: &Path, binds: &[(PathBuf, PathBuf)]) -> Result<Containerd> {
-        let cache = Cache::locate()?;
+        Containerd::start_version_seeing(Version::current()?, nri_socket, binds)
+    }
+
+    /// [`Containerd::start_seeing`] of containerd `version`.
+    pub fn start_version_seeing(version: Version, nri_socket: &Path, binds: &[(PathBuf, PathBuf)]) -> Result<Containerd> {
+        let base = Cache::locate()?;
+        let cache = Cache::locate_version(version)?;
         let dir = TempDir::new("containerd")?;
         static NEXT: AtomicU32 = AtomicU32::new(0);
         let cgroup_parent = format!("/vramguard-e2e-containerd-{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
         let socket = dir.path().join("containerd.sock");
         let mut containerd = Containerd {
             cri: cri::Client::new(&socket, timeout())?,
+            version,
             cache,
+            base,
+            runtime_version: String::new(),
             dir,
             nri_socket: nri_socket.to_path_buf(),
             process: None,
@@ -383,9 +529,20 @@ impl Containerd {
         self.process.as_ref().map(Child::id)
     }
 
-    /// The cache it runs from.
+    /// The cache its daemon, shim and `ctr` come from (1.7's also holds runc and busybox).
     pub fn cache(&self) -> &Cache {
         &self.cache
+    }
+
+    /// Which containerd this is.
+    pub fn version(&self) -> Version {
+        self.version
+    }
+
+    /// What its CRI `Version` answered as the runtime's version at the latest start
+    /// (`1.7.24~ds1`, `2.1.9+unknown`).
+    pub fn runtime_version(&self) -> &str {
+        &self.runtime_version
     }
 
     /// What containerd logged so far.
@@ -636,15 +793,38 @@ impl Containerd {
         for sub in ["root", "state", "runc", "opt", "cni", "nri-plugins", "nri-conf", "cdi"] {
             std::fs::create_dir_all(dir.join(sub)).with_context(|| format!("cannot create {}", dir.join(sub).display()))?;
         }
-        let quote = |p: PathBuf| toml_string(&p.to_string_lossy());
-        let config = format!(
-            r#"version = 2
-root = {root}
-state = {state}
-# Snapshotters this harness does not use, not probed.
-disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.zfs", "io.containerd.tracing.processor.v1.otlp", "io.containerd.internal.v1.tracing"]
+        let path = dir.join("config.toml");
+        std::fs::write(&path, self.config()).with_context(|| format!("cannot write {}", path.display()))
+    }
 
-[grpc]
+    /// The configuration: its own root, state, sockets and directories, the test image as
+    /// the sandbox image, the `native` snapshotter, runc from the cache with the cgroupfs
+    /// driver, CDI from [`Containerd::cdi_dir`] and NRI on the test's socket. containerd 1.7
+    /// reads it in version 2's layout (CDI and NRI turned on here); containerd 2 in version
+    /// 3's, where both are on by default (said here all the same) and `ctr images import`
+    /// (through the transfer service) needs to be told what to unpack to.
+    pub fn config(&self) -> String {
+        let dir = self.dir.path();
+        let quote = |p: PathBuf| toml_string(&p.to_string_lossy());
+        let (root, state, socket, ttrpc, opt) = (
+            quote(dir.join("root")),
+            quote(dir.join("state")),
+            quote(self.socket()),
+            quote(dir.join("containerd.ttrpc.sock")),
+            quote(dir.join("opt")),
+        );
+        let (image, runc, runc_root, cni, cdi) = (
+            toml_string(IMAGE),
+            quote(self.base.bin("runc")),
+            quote(dir.join("runc")),
+            quote(dir.join("cni")),
+            quote(self.cdi_dir()),
+        );
+        let (nri, nri_plugins, nri_conf) = (quote(self.nri_socket.clone()), quote(dir.join("nri-plugins")), quote(dir.join("nri-conf")));
+        // Top-level keys (before any table), then the tables both versions read alike.
+        let top = format!("root = {root}\nstate = {state}\n");
+        let common = format!(
+            r#"[grpc]
   address = {socket}
 
 [ttrpc]
@@ -653,49 +833,78 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
 [plugins."io.containerd.internal.v1.opt"]
   path = {opt}
 
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = {image}
-  restrict_oom_score_adj = true
-  disable_apparmor = true
-  # CDI devices named in a container's `cdi.k8s.io/` annotations, from the specs a test
-  # writes in [`Containerd::cdi_dir`].
-  enable_cdi = true
-  cdi_spec_dirs = [{cdi}]
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "native"
-    default_runtime_name = "runc"
-    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
-      runtime_type = "io.containerd.runc.v2"
-      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
-        BinaryName = {runc}
-        Root = {runc_root}
-        SystemdCgroup = false
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = {cni}
-    conf_dir = {cni}
-
 [plugins."io.containerd.nri.v1.nri"]
   disable = false
   socket_path = {nri}
   plugin_path = {nri_plugins}
   plugin_config_path = {nri_conf}
-"#,
-            root = quote(dir.join("root")),
-            state = quote(dir.join("state")),
-            socket = quote(self.socket()),
-            ttrpc = quote(dir.join("containerd.ttrpc.sock")),
-            opt = quote(dir.join("opt")),
-            image = toml_string(IMAGE),
-            runc = quote(self.cache.bin("runc")),
-            runc_root = quote(dir.join("runc")),
-            cni = quote(dir.join("cni")),
-            nri = quote(self.nri_socket.clone()),
-            nri_plugins = quote(dir.join("nri-plugins")),
-            nri_conf = quote(dir.join("nri-conf")),
-            cdi = quote(self.cdi_dir()),
+"#
         );
-        let path = dir.join("config.toml");
-        std::fs::write(&path, config).with_context(|| format!("cannot write {}", path.display()))
+        // The CRI plugin's runtime part, in the table `table` (1.7: `io.containerd.grpc.v1.cri`,
+        // which also holds the images' keys, `more`; 2: `io.containerd.cri.v1.runtime`).
+        let runtime = |table: &str, more: &str, more_containerd: &str, cni_bin: &str| {
+            format!(
+                r#"[{table}]
+{more}  restrict_oom_score_adj = true
+  disable_apparmor = true
+  # CDI devices named in a container's `cdi.k8s.io/` annotations or CRI's CDI_devices, from
+  # the specs a test writes in [`Containerd::cdi_dir`] (CDI is on by default in containerd 2).
+  enable_cdi = true
+  cdi_spec_dirs = [{cdi}]
+  [{table}.containerd]
+{more_containerd}    default_runtime_name = "runc"
+    [{table}.containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [{table}.containerd.runtimes.runc.options]
+        BinaryName = {runc}
+        Root = {runc_root}
+        SystemdCgroup = false
+  [{table}.cni]
+    {cni_bin}
+    conf_dir = {cni}
+"#
+            )
+        };
+        match self.version {
+            Version::V1_7 => {
+                let runtime = runtime(
+                    r#"plugins."io.containerd.grpc.v1.cri""#,
+                    &format!("  sandbox_image = {image}\n"),
+                    "    snapshotter = \"native\"\n",
+                    &format!("bin_dir = {cni}"),
+                );
+                format!(
+                    r#"version = 2
+{top}# Snapshotters this harness does not use, not probed.
+disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.zfs", "io.containerd.tracing.processor.v1.otlp", "io.containerd.internal.v1.tracing"]
+
+{common}
+{runtime}"#
+                )
+            }
+            Version::V2 => {
+                let runtime = runtime(r#"plugins."io.containerd.cri.v1.runtime""#, "", "", &format!("bin_dirs = [{cni}]"));
+                format!(
+                    r#"version = 3
+{top}# Snapshotters and differs this harness does not use, not probed.
+disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.erofs", "io.containerd.snapshotter.v1.blockfile", "io.containerd.differ.v1.erofs", "io.containerd.tracing.processor.v1.otlp", "io.containerd.internal.v1.tracing"]
+
+{common}
+[plugins."io.containerd.cri.v1.images"]
+  snapshotter = "native"
+  [plugins."io.containerd.cri.v1.images".pinned_images]
+    sandbox = {image}
+
+{runtime}
+# `ctr images import` goes through the transfer service, which unpacks only to what it is
+# given here ("no unpack platforms defined" otherwise).
+[[plugins."io.containerd.transfer.v1.local".unpack_config]]
+  platform = "linux/amd64"
+  snapshotter = "native"
+"#
+                )
+            }
+        }
     }
 
     /// Starts the containerd process and waits until it answers CRI and NRI's socket is there.
@@ -739,6 +948,11 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
             return Err(error.context(format!("containerd's log:\n{}", tail(&log_path, log_offset))));
         }
         self.started = start.elapsed();
+        let answered = self.cri.version()?.runtime_version;
+        if !self.version.answers(&answered) {
+            bail!("containerd {} was asked for, {} answers CRI (cache {})", self.version.name(), answered, self.cache.bin("containerd").display());
+        }
+        self.runtime_version = answered;
         Ok(())
     }
 
@@ -746,7 +960,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
     fn import_image(&self) -> Result<()> {
         let archive = self.dir.path().join("image.tar");
         let loader = std::fs::canonicalize(LOADER).with_context(|| format!("cannot resolve {LOADER}"))?;
-        image::write_archive(&archive, IMAGE, &["/bin/sleep", "2147483647"], &self.cache.bin("busybox"), &loader)?;
+        image::write_archive(&archive, IMAGE, &["/bin/sleep", "2147483647"], &self.base.bin("busybox"), &loader)?;
         self.import(&archive)
     }
 

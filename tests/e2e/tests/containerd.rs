@@ -1,14 +1,15 @@
 //! The containerd harness (`e2e::containerd`) against a real containerd with NRI, driven
 //! through CRI: pods and containers run, `exec_sync` answers, the fake-driver workload runs
 //! inside a container, a container's cgroup is where the harness says, containerd restarts
-//! and still serves, its NRI socket is where the test asked, and dropping it leaves nothing.
+//! and still serves, its NRI socket is where the test asked, and dropping it leaves nothing;
+//! the same on containerd 2 (`*_on_containerd_2`, [`Version::run`]).
 //! Needs root and the cache `cargo xtask setup` fills (without it these tests fail).
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use e2e::containerd::{cri, Cache, ContainerId, ContainerSpec, Containerd, PodId};
+use e2e::containerd::{cri, Cache, ContainerId, ContainerSpec, Containerd, PodId, Version};
 use e2e::{timeout, wait_for, FakeNode, TempDir, MIB};
 
 /// A containerd with its NRI socket in `dir`.
@@ -16,7 +17,8 @@ fn containerd(dir: &TempDir) -> Containerd {
     let begin = Instant::now();
     let containerd = Containerd::start(&dir.path().join("nri.sock")).expect("start containerd");
     eprintln!(
-        "containerd serving CRI and NRI {:?} after launch, image imported {:?} after ({})",
+        "containerd {} serving CRI and NRI {:?} after launch, image imported {:?} after ({})",
+        containerd.runtime_version(),
         containerd.start_time(),
         begin.elapsed(),
         containerd.cache().versions().trim_end().replace('\n', "; ")
@@ -70,7 +72,7 @@ fn pod_and_container_run_and_exec_sync_answers() {
     let containerd = containerd(&dir);
     let version = containerd.cri().version().expect("CRI Version");
     assert_eq!(version.runtime_name, "containerd");
-    assert!(version.runtime_version.contains("1.7."), "{version:?}");
+    assert!(containerd.version().answers(&version.runtime_version), "{version:?}");
 
     let begin = Instant::now();
     let pod = containerd.pod("web", "team-a", "uid-1", &[("example.com/pod", "yes")]).expect("run a pod");
@@ -213,4 +215,92 @@ fn dropping_the_harness_leaves_nothing() {
         std::fs::read(entry.path().join("cmdline")).is_ok_and(|c| c.split(|&b| b == 0).any(|a| a == socket.to_str().unwrap().as_bytes()))
     });
     assert!(!shim_left, "a shim of the dropped containerd still runs");
+}
+
+#[test]
+fn nri_socket_appears_where_asked_on_containerd_2() {
+    Version::V2.run(nri_socket_appears_where_asked)
+}
+
+#[test]
+fn pod_and_container_run_and_exec_sync_answers_on_containerd_2() {
+    Version::V2.run(pod_and_container_run_and_exec_sync_answers)
+}
+
+#[test]
+fn fake_driver_workload_runs_in_a_container_in_its_cgroup_on_containerd_2() {
+    Version::V2.run(fake_driver_workload_runs_in_a_container_in_its_cgroup)
+}
+
+#[test]
+fn restarted_containerd_still_serves_its_containers_on_containerd_2() {
+    Version::V2.run(restarted_containerd_still_serves_its_containers)
+}
+
+#[test]
+fn dropping_the_harness_leaves_nothing_on_containerd_2() {
+    Version::V2.run(dropping_the_harness_leaves_nothing)
+}
+
+/// The containerd 2 cache is there (`cargo xtask setup` fetches it), and its containerd is a 2.
+#[test]
+fn containerd_2_is_cached() {
+    let cache = Cache::locate_version(Version::V2).expect("the containerd 2 cache");
+    assert!(cache.versions().contains("containerd 2."), "{}", cache.versions());
+    let empty = TempDir::new("no-cache-2").unwrap();
+    let error = Cache::open_set(empty.path(), Version::V2.packages()).err().expect("an empty directory is no cache");
+    assert!(format!("{error:#}").contains("run `cargo xtask setup`"), "{error:#}");
+}
+
+/// Each containerd reads the kit's configuration as meant (containerd ignores keys it does not
+/// know, so a key in the wrong table would go unnoticed): `containerd config dump` of the
+/// running one shows the test's NRI socket, CDI on with the test's directory, the native
+/// snapshotter and the cached runc, in its own layout; containerd 2 also unpacks imports to
+/// the native snapshotter.
+#[test]
+fn each_containerd_reads_the_configuration_as_written() {
+    for version in Version::ALL {
+        let dir = TempDir::new("ctd-config").unwrap();
+        let containerd = Containerd::start_version(version, &dir.path().join("nri.sock")).expect("start containerd");
+        let config = containerd.socket().with_file_name("config.toml");
+        let out = std::process::Command::new(containerd.cache().bin("containerd"))
+            .arg("--config")
+            .arg(&config)
+            .args(["config", "dump"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        // 2 writes single-quoted strings, 1.7 double-quoted ones.
+        let dump = String::from_utf8_lossy(&out.stdout).replace('\'', "\"");
+        let value = |table: &str, key: &str| dumped(&dump, table, key).unwrap_or_else(|| panic!("{version:?}: no {key} in [{table}]:\n{dump}"));
+        let quoted = |path: &Path| format!("\"{}\"", path.display());
+        let nri = r#"plugins."io.containerd.nri.v1.nri""#;
+        assert_eq!(value(nri, "disable"), "false", "{version:?}");
+        assert_eq!(value(nri, "socket_path"), quoted(containerd.nri_socket()), "{version:?}");
+        let (runtime, images) = match version {
+            Version::V1_7 => (r#"plugins."io.containerd.grpc.v1.cri""#, r#"plugins."io.containerd.grpc.v1.cri".containerd"#),
+            Version::V2 => (r#"plugins."io.containerd.cri.v1.runtime""#, r#"plugins."io.containerd.cri.v1.images""#),
+        };
+        let layout = if version == Version::V1_7 { "2" } else { "3" };
+        assert!(dump.lines().any(|l| l == format!("version = {layout}")), "{version:?}: {dump}");
+        assert_eq!(value(images, "snapshotter"), "\"native\"", "{version:?}");
+        assert_eq!(value(runtime, "enable_cdi"), "true", "{version:?}");
+        assert_eq!(value(runtime, "cdi_spec_dirs"), format!("[{}]", quoted(&containerd.cdi_dir())), "{version:?}");
+        let runc = format!("{runtime}.containerd.runtimes.runc.options");
+        assert_eq!(value(&runc, "BinaryName"), quoted(&Cache::locate().unwrap().bin("runc")), "{version:?}");
+        assert_eq!(value(&runc, "SystemdCgroup"), "false", "{version:?}");
+        if version == Version::V2 {
+            let unpack = r#"[plugins."io.containerd.transfer.v1.local".unpack_config]"#;
+            assert_eq!(value(unpack, "platform"), "\"linux/amd64\"", "{dump}");
+            assert_eq!(value(unpack, "snapshotter"), "\"native\"", "{dump}");
+        }
+    }
+}
+
+/// The value of `key` in the table `[table]` (or the array of tables `[[table]]`, given as
+/// `[table]`) of a `containerd config dump`.
+fn dumped(dump: &str, table: &str, key: &str) -> Option<String> {
+    let header = format!("[{table}]");
+    let mut lines = dump.lines().map(str::trim).skip_while(|l| *l != header).skip(1);
+    lines.by_ref().take_while(|l| !l.starts_with('[')).find_map(|l| l.strip_prefix(key)?.trim_start().strip_prefix('=').map(|v| v.trim().to_owned()))
 }
