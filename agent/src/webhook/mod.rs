@@ -24,18 +24,23 @@
 //! admission step leaves it behind.
 //!
 //! Here the webhook makes sure, through the API server, that the namespace has a template
-//! per distinct size, `vramguard-gpu-memory-<size>` ([`mutate::template_name`]: one device
+//! per distinct shape, `vramguard-gpu-memory-<size>` ([`mutate::template_name`]: one device
 //! of DeviceClass `gpu.vramguard.io`, `allocationMode: ExactCount, count: 1, capacity:
-//! {requests: {memory: <size>}}`), and patches the pod: a pod claim per container that asked
-//! (`vramguard-<container>`, from its size's template), named in that container's
-//! `resources.claims`, and `vramguard.io/gpu-memory` removed from its limits and requests
-//! (init containers too). Claims are then made, owned and deleted by Kubernetes with the
-//! pod, as for any templated claim; the webhook's writes are a handful of small immutable
-//! objects per namespace, idempotent (an existing template with the same spec is used as it
-//! is; one that asks for something else refuses the pod, never overwritten), and none per
-//! pod. Containers of one pod get one claim each (their own quota, as the extended resource
-//! gave them), sizes share templates, never claims. A dry run is patched and writes nothing
-//! (`sideEffects: NoneOnDryRun`).
+//! {requests: {memory: <size>}}`; `...-<size>-x<N>` with `count: N` for a container that
+//! also asks `nvidia.com/gpu: N`, [`mutate::Shape`]), and patches the pod: a pod claim per
+//! main container that asked (`vramguard-<container>`, from its shape's template), named in
+//! that container's `resources.claims`, and `vramguard.io/gpu-memory` (and `nvidia.com/gpu`
+//! beside it, which NVIDIA's device plugin would otherwise also allocate) removed from its
+//! limits and requests. Init containers too: a sidecar gets its own claim; an ordinary one,
+//! which runs before the main containers, names a main container's claim that holds it, or
+//! one it shares with the other init containers ([`mutate::share`]). Claims are then made,
+//! owned and deleted by Kubernetes with the pod, as for any templated claim; the webhook's
+//! writes are a handful of small immutable objects per namespace, idempotent (an existing
+//! template with the same spec is used as it is; one that asks for something else refuses
+//! the pod, never overwritten), and none per pod. Containers that run together get one
+//! claim each (their own quota, as the extended resource gave them), shapes share
+//! templates, never claims. A dry run is patched and writes nothing (`sideEffects:
+//! NoneOnDryRun`).
 //!
 //! # When the webhook is down
 //!
@@ -57,7 +62,7 @@
 //! caller (the API server presents no client certificate unless configured to), so a review's
 //! body is decoded with bounds (size, time) and every field checked, since anything that
 //! reaches the Service can post one. A forged review gets the patch of a pod that is never
-//! created, and makes the webhook create a template per size in the namespace it names: the
+//! created, and makes the webhook create a template per shape in the namespace it names: the
 //! creations are capped ([`templates::CREATIONS_PER_MINUTE`]) so that such a client cannot
 //! fill etcd quickly; a NetworkPolicy admitting only the control plane to the webhook's port
 //! (its addresses are the cluster's own) closes the Service to others.
@@ -80,7 +85,7 @@ use crate::{
     serve::http::{self as serve_http, Connections, Site},
 };
 
-/// How long one API call for a template may take (a review makes up to three per size, within
+/// How long one API call for a template may take (a review makes up to three per shape, within
 /// the API server's `timeoutSeconds: 10`).
 const API_DEADLINE: Duration = Duration::from_secs(3);
 

@@ -26,18 +26,18 @@ use tracing::{debug, info, warn};
 
 use super::{
     metrics::WebhookMetrics,
-    mutate::{mutate, quantity_text},
+    mutate::{mutate, Shape},
     templates::{Ensured, TemplateError, Templates},
 };
 
 /// Where the pods' templates are made sure of: the API server ([`Templates`]), or a test's.
 pub trait TemplateStore: Sync {
-    fn ensure(&self, namespace: &str, bytes: u64) -> impl Future<Output = Result<Ensured, TemplateError>> + Send;
+    fn ensure(&self, namespace: &str, shape: Shape) -> impl Future<Output = Result<Ensured, TemplateError>> + Send;
 }
 
 impl TemplateStore for Templates {
-    fn ensure(&self, namespace: &str, bytes: u64) -> impl Future<Output = Result<Ensured, TemplateError>> + Send {
-        Templates::ensure(self, namespace, bytes)
+    fn ensure(&self, namespace: &str, shape: Shape) -> impl Future<Output = Result<Ensured, TemplateError>> + Send {
+        Templates::ensure(self, namespace, shape)
     }
 }
 
@@ -95,12 +95,12 @@ async fn decide(body: &[u8], store: &impl TemplateStore, metrics: &WebhookMetric
         return ("bad_request", Answer { status: StatusCode::BAD_REQUEST, body: json!({"error": "a pod's creation without a namespace"}) });
     };
     if !request.dry_run {
-        for &bytes in &mutation.sizes {
-            match store.ensure(&namespace, bytes).await {
+        for &shape in &mutation.shapes {
+            match store.ensure(&namespace, shape).await {
                 Ok(Ensured::Existing) => metrics.template("existing"),
                 Ok(Ensured::Created) => {
                     metrics.template("created");
-                    info!(%namespace, size = %quantity_text(bytes), "ResourceClaimTemplate created");
+                    info!(%namespace, %shape, "ResourceClaimTemplate created");
                 }
                 Err(error @ TemplateError::Differs { .. }) => {
                     metrics.template("differs");
@@ -121,8 +121,8 @@ async fn decide(body: &[u8], store: &impl TemplateStore, metrics: &WebhookMetric
             }
         }
     }
-    let sizes: Vec<String> = mutation.sizes.iter().map(|&b| quantity_text(b)).collect();
-    debug!(%namespace, pod = %name, ?sizes, dry_run = request.dry_run, "pod converted to claims");
+    let shapes: Vec<String> = mutation.shapes.iter().map(Shape::to_string).collect();
+    debug!(%namespace, pod = %name, ?shapes, dry_run = request.dry_run, "pod converted to claims");
     let warnings = mutation.warnings.clone();
     match serde_json::to_vec(&mutation.into_patch()) {
         Ok(patch) => ("mutated", allowed(&uid, Some(&patch), &warnings)),
@@ -174,13 +174,13 @@ mod tests {
     /// Records the templates asked for; fails as told.
     #[derive(Default)]
     struct Store {
-        asked: Mutex<Vec<(String, u64)>>,
+        asked: Mutex<Vec<(String, Shape)>>,
         fail: Option<fn() -> TemplateError>,
     }
 
     impl TemplateStore for Store {
-        fn ensure(&self, namespace: &str, bytes: u64) -> impl Future<Output = Result<Ensured, TemplateError>> + Send {
-            self.asked.lock().expect("lock").push((namespace.to_owned(), bytes));
+        fn ensure(&self, namespace: &str, shape: Shape) -> impl Future<Output = Result<Ensured, TemplateError>> + Send {
+            self.asked.lock().expect("lock").push((namespace.to_owned(), shape));
             let result = match self.fail {
                 Some(fail) => Err(fail()),
                 None => Ok(Ensured::Created),
@@ -230,7 +230,7 @@ mod tests {
         let mut patched = pod(Some("8Gi"));
         json_patch::patch(&mut patched, &patch).expect("applies");
         assert_eq!(patched["spec"]["resourceClaims"], json!([{"name": "vramguard-main", "resourceClaimTemplateName": "vramguard-gpu-memory-8gi"}]));
-        assert_eq!(*store.asked.lock().expect("lock"), vec![("ml".to_owned(), 8u64 << 30)]);
+        assert_eq!(*store.asked.lock().expect("lock"), vec![("ml".to_owned(), Shape::one(8 << 30))]);
         assert_eq!(metrics.reviews("mutated"), 1);
     }
 

@@ -1,6 +1,7 @@
-//! The ResourceClaimTemplates the webhook's pods name: one per size and namespace,
-//! `vramguard-gpu-memory-<size>` ([`super::mutate::template_name`]), asking for one device of
-//! the DeviceClass (`gpu.vramguard.io` by default) with `capacity.requests.memory` = the size:
+//! The ResourceClaimTemplates the webhook's pods name: one per [`Shape`] and namespace,
+//! `vramguard-gpu-memory-<size>` on one GPU, `vramguard-gpu-memory-<size>-x<N>` on N
+//! ([`super::mutate::template_name`]), asking for that many devices of the DeviceClass
+//! (`gpu.vramguard.io` by default) with `capacity.requests.memory` = the size on each:
 //!
 //! ```yaml
 //! spec:
@@ -11,6 +12,15 @@
 //!         exactly: {deviceClassName: gpu.vramguard.io, allocationMode: ExactCount, count: 1,
 //!                   capacity: {requests: {memory: 8Gi}}}
 //! ```
+//!
+//! The scheduler gives one request's devices distinct GPUs: its allocator looks for a
+//! request's next device after the one it took last (k8s.io/dynamic-resource-allocation's
+//! structured allocator), where a device that allows multiple allocations could otherwise be
+//! taken again. No `distinctAttribute` constraint is written: it is a field of the
+//! `DRAConsumableCapacity` gate, dropped where the gate is off (where each GPU is published
+//! whole and cannot be taken twice anyway). Were one request ever given a GPU twice, prepare
+//! sums the shares on it (`crate::dra::prepare::shares_of`): the quota would then be the sum
+//! there, on fewer GPUs.
 //!
 //! [`Templates::ensure`] makes sure the template exists before the pod that names it is
 //! admitted: a `GET` (one call once it exists), a `POST` when it does not, and on `409
@@ -33,7 +43,7 @@ use k8s_openapi::{
 };
 use kube::{api::PostParams, Api, Client};
 
-use super::mutate::{quantity_text, template_name};
+use super::mutate::{quantity_text, template_name, Shape};
 use crate::{
     dra::MEMORY,
     provision::kube::{parse_quantity, KubeError},
@@ -103,32 +113,32 @@ impl Templates {
         Templates { client, class, deadline, minute }
     }
 
-    /// The template for `bytes` in `namespace` exists with the spec this webhook writes
+    /// The template for `shape` in `namespace` exists with the spec this webhook writes
     /// (created if it did not).
-    pub async fn ensure(&self, namespace: &str, bytes: u64) -> Result<Ensured, TemplateError> {
+    pub async fn ensure(&self, namespace: &str, shape: Shape) -> Result<Ensured, TemplateError> {
         let api: Api<ResourceClaimTemplate> = Api::namespaced(self.client.clone(), namespace);
-        let name = template_name(bytes);
+        let name = template_name(shape);
         if let Some(existing) = self.call("reading", namespace, &name, api.get_opt(&name)).await? {
-            return self.check(namespace, &existing, bytes).map(|()| Ensured::Existing);
+            return self.check(namespace, &existing, shape).map(|()| Ensured::Existing);
         }
         if !self.minute.lock().unwrap_or_else(PoisonError::into_inner).take(Instant::now()) {
             return Err(TemplateError::Capped { namespace: namespace.into(), name });
         }
         let params = PostParams { dry_run: false, field_manager: Some(FIELD_MANAGER.into()) };
-        match self.call("creating", namespace, &name, api.create(&params, &template(namespace, bytes, &self.class))).await {
+        match self.call("creating", namespace, &name, api.create(&params, &template(namespace, shape, &self.class))).await {
             Ok(_) => Ok(Ensured::Created),
             Err(KubeError::Status { code: 409, .. }) => match self.call("reading", namespace, &name, api.get_opt(&name)).await? {
-                Some(existing) => self.check(namespace, &existing, bytes).map(|()| Ensured::Existing),
+                Some(existing) => self.check(namespace, &existing, shape).map(|()| Ensured::Existing),
                 None => Err(KubeError::Status { code: 409, what: format!("creating {namespace}/{name}"), message: "exists, then not found".into() }.into()),
             },
             Err(error) => Err(error.into()),
         }
     }
 
-    fn check(&self, namespace: &str, existing: &ResourceClaimTemplate, bytes: u64) -> Result<(), TemplateError> {
-        match differs(existing, bytes, &self.class) {
+    fn check(&self, namespace: &str, existing: &ResourceClaimTemplate, shape: Shape) -> Result<(), TemplateError> {
+        match differs(existing, shape, &self.class) {
             None => Ok(()),
-            Some(why) => Err(TemplateError::Differs { namespace: namespace.into(), name: template_name(bytes), why }),
+            Some(why) => Err(TemplateError::Differs { namespace: namespace.into(), name: template_name(shape), why }),
         }
     }
 
@@ -143,18 +153,18 @@ impl Templates {
     }
 }
 
-/// The template the webhook writes for `bytes` in `namespace`.
-pub fn template(namespace: &str, bytes: u64, class: &str) -> ResourceClaimTemplate {
+/// The template the webhook writes for `shape` in `namespace`.
+pub fn template(namespace: &str, shape: Shape, class: &str) -> ResourceClaimTemplate {
     let request = ExactDeviceRequest {
         device_class_name: class.to_owned(),
         allocation_mode: Some("ExactCount".into()),
-        count: Some(1),
-        capacity: Some(CapacityRequirements { requests: Some(BTreeMap::from([(MEMORY.to_owned(), Quantity(quantity_text(bytes)))])) }),
+        count: Some(i64::from(shape.gpus)),
+        capacity: Some(CapacityRequirements { requests: Some(BTreeMap::from([(MEMORY.to_owned(), Quantity(quantity_text(shape.bytes)))])) }),
         ..ExactDeviceRequest::default()
     };
     ResourceClaimTemplate {
         metadata: ObjectMeta {
-            name: Some(template_name(bytes)),
+            name: Some(template_name(shape)),
             namespace: Some(namespace.to_owned()),
             labels: Some(BTreeMap::from([(MANAGED_BY.0.to_owned(), MANAGED_BY.1.to_owned())])),
             ..ObjectMeta::default()
@@ -171,9 +181,10 @@ pub fn template(namespace: &str, bytes: u64, class: &str) -> ResourceClaimTempla
     }
 }
 
-/// How `existing` differs from what the webhook writes for `bytes` (quantities compared as
-/// bytes: the API server may spell them otherwise); `None` when it asks for the same.
-pub fn differs(existing: &ResourceClaimTemplate, bytes: u64, class: &str) -> Option<String> {
+/// How `existing` differs from what the webhook writes for `shape` (quantities compared as
+/// bytes: the API server may spell them otherwise; a count left out is 1); `None` when it
+/// asks for the same.
+pub fn differs(existing: &ResourceClaimTemplate, shape: Shape, class: &str) -> Option<String> {
     let devices = existing.spec.spec.devices.as_ref();
     if devices.is_some_and(|d| d.constraints.as_ref().is_some_and(|c| !c.is_empty()) || d.config.as_ref().is_some_and(|c| !c.is_empty())) {
         return Some("it has constraints or config".into());
@@ -184,16 +195,20 @@ pub fn differs(existing: &ResourceClaimTemplate, bytes: u64, class: &str) -> Opt
     if exactly.device_class_name != class {
         return Some(format!("DeviceClass {:?}, not {class:?}", exactly.device_class_name));
     }
-    if exactly.allocation_mode.as_deref().is_some_and(|m| m != "ExactCount") || exactly.count.is_some_and(|c| c != 1) {
-        return Some("not exactly one device".into());
+    if exactly.allocation_mode.as_deref().is_some_and(|m| m != "ExactCount") {
+        return Some(format!("allocation mode {:?}, not ExactCount", exactly.allocation_mode.as_deref().unwrap_or_default()));
+    }
+    let count = exactly.count.unwrap_or(1);
+    if count != i64::from(shape.gpus) {
+        return Some(format!("{count} devices, not {}", shape.gpus));
     }
     if exactly.selectors.as_ref().is_some_and(|s| !s.is_empty()) || exactly.admin_access == Some(true) {
         return Some("it has selectors or admin access".into());
     }
     let memory = exactly.capacity.as_ref().and_then(|c| c.requests.as_ref()).and_then(|r| r.get(MEMORY));
     match memory.map(|q| parse_quantity(&q.0)) {
-        Some(Some(asked)) if asked == bytes => None,
-        Some(_) => Some(format!("memory {:?}, not {}", memory.map(|q| q.0.as_str()).unwrap_or_default(), quantity_text(bytes))),
+        Some(Some(asked)) if asked == shape.bytes => None,
+        Some(_) => Some(format!("memory {:?}, not {}", memory.map(|q| q.0.as_str()).unwrap_or_default(), quantity_text(shape.bytes))),
         None => Some("no memory request".into()),
     }
 }
@@ -215,7 +230,7 @@ mod tests {
 
     #[test]
     fn the_template_on_the_wire() {
-        let written = serde_json::to_value(template("ml", 8 << 30, "gpu.vramguard.io")).expect("json");
+        let written = serde_json::to_value(template("ml", Shape::one(8 << 30), "gpu.vramguard.io")).expect("json");
         assert_eq!(
             written,
             json!({
@@ -227,6 +242,16 @@ mod tests {
                 }}]}}}
             })
         );
+        // Two GPUs with 8 GiB on each: one request of two devices, the count in the name.
+        let two = serde_json::to_value(template("ml", Shape { bytes: 8 << 30, gpus: 2 }, "gpu.vramguard.io")).expect("json");
+        assert_eq!(two["metadata"]["name"], "vramguard-gpu-memory-8gi-x2");
+        assert_eq!(
+            two["spec"]["spec"]["devices"]["requests"],
+            json!([{"name": "gpu", "exactly": {
+                "deviceClassName": "gpu.vramguard.io", "allocationMode": "ExactCount", "count": 2,
+                "capacity": {"requests": {"memory": "8Gi"}}
+            }}])
+        );
     }
 
     fn exactly(t: &mut ResourceClaimTemplate) -> &mut ExactDeviceRequest {
@@ -236,21 +261,28 @@ mod tests {
     #[test]
     fn what_differs() {
         let class = "gpu.vramguard.io";
-        let ours = template("ml", 8 << 30, class);
-        assert_eq!(differs(&ours, 8 << 30, class), None);
+        let eight = Shape::one(8 << 30);
+        let ours = template("ml", eight, class);
+        assert_eq!(differs(&ours, eight, class), None);
         // The same bytes spelled otherwise, defaults left out: the same.
         let mut respelled = ours.clone();
         exactly(&mut respelled).capacity = Some(CapacityRequirements { requests: Some(BTreeMap::from([(MEMORY.into(), Quantity("8589934592".into()))])) });
         exactly(&mut respelled).allocation_mode = None;
         exactly(&mut respelled).count = None;
-        assert_eq!(differs(&respelled, 8 << 30, class), None);
-        assert!(differs(&ours, 4 << 30, class).is_some_and(|why| why.contains("memory \"8Gi\", not 4Gi")));
-        assert!(differs(&ours, 8 << 30, "other.class").is_some_and(|why| why.contains("DeviceClass")));
+        assert_eq!(differs(&respelled, eight, class), None);
+        assert!(differs(&ours, Shape::one(4 << 30), class).is_some_and(|why| why.contains("memory \"8Gi\", not 4Gi")));
+        assert!(differs(&ours, eight, "other.class").is_some_and(|why| why.contains("DeviceClass")));
         let mut two = ours.clone();
         exactly(&mut two).count = Some(2);
-        assert!(differs(&two, 8 << 30, class).is_some());
+        assert!(differs(&two, eight, class).is_some_and(|why| why == "2 devices, not 1"), "{:?}", differs(&two, eight, class));
+        assert_eq!(differs(&two, Shape { bytes: 8 << 30, gpus: 2 }, class), None);
+        // A count left out is one device, not two.
+        assert!(differs(&respelled, Shape { bytes: 8 << 30, gpus: 2 }, class).is_some_and(|why| why == "1 devices, not 2"));
+        let mut all = ours.clone();
+        exactly(&mut all).allocation_mode = Some("All".into());
+        assert!(differs(&all, eight, class).is_some_and(|why| why.contains("not ExactCount")));
         let mut empty = ours;
         empty.spec.spec.devices = None;
-        assert!(differs(&empty, 8 << 30, class).is_some_and(|why| why.contains("0 requests")));
+        assert!(differs(&empty, eight, class).is_some_and(|why| why.contains("0 requests")));
     }
 }

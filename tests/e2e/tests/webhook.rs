@@ -4,7 +4,9 @@
 //! token, as in a pod). AdmissionReviews go in as the API server sends them; the returned
 //! patch is applied to the original pod with RFC 6902 semantics and the result checked: a pod
 //! with `vramguard.io/gpu-memory: 8Gi` ends with a claim of 8Gi memory and no extended
-//! resource, a pod without it is untouched.
+//! resource, a pod without it is untouched; beside `nvidia.com/gpu: N` the claim is of N GPUs
+//! and `nvidia.com/gpu` is gone; an init container names a main container's claim that holds
+//! it, a sidecar keeps its own.
 mod kube_api;
 
 use std::{
@@ -26,6 +28,7 @@ use rustls::pki_types::{pem::PemObject, CertificateDer, ServerName};
 use serde_json::{json, Value};
 
 const RESOURCE: &str = "vramguard.io/gpu-memory";
+const NVIDIA_GPU: &str = "nvidia.com/gpu";
 
 /// A CA of the test's own and a certificate for 127.0.0.1 it signed, written to `dir`:
 /// (the CA's PEM, the certificate's file, the key's file).
@@ -225,19 +228,14 @@ fn a_pod_with_8gi_gets_a_claim_of_8gi_memory_and_a_pod_without_it_is_untouched()
     let first = response(&answer, uid)?;
     assert_eq!(first["allowed"], true, "{first}");
     let mutated = patched(&original, &first)?;
-    // A claim per container that asked, from its size's template.
-    assert_eq!(
-        mutated["spec"]["resourceClaims"],
-        json!([
-            {"name": "vramguard-fetch", "resourceClaimTemplateName": "vramguard-gpu-memory-2gi"},
-            {"name": "vramguard-main", "resourceClaimTemplateName": "vramguard-gpu-memory-8gi"}
-        ])
-    );
+    // One claim, main's, from its size's template: the init container, which runs before
+    // main starts and asks less, names it too (the pod holds the max, not the sum).
+    assert_eq!(mutated["spec"]["resourceClaims"], json!([{"name": "vramguard-main", "resourceClaimTemplateName": "vramguard-gpu-memory-8gi"}]));
     let main = &mutated["spec"]["containers"][0];
     assert_eq!(main["resources"]["claims"], json!([{"name": "vramguard-main"}]));
     assert_eq!(main["resources"]["limits"], json!({"cpu": "2"}), "the extended resource is gone, the rest stays");
     assert_eq!(main["resources"]["requests"], json!({"cpu": "1"}));
-    assert_eq!(mutated["spec"]["initContainers"][0]["resources"]["claims"], json!([{"name": "vramguard-fetch"}]));
+    assert_eq!(mutated["spec"]["initContainers"][0]["resources"]["claims"], json!([{"name": "vramguard-main"}]));
     assert!(!mutated.to_string().contains(RESOURCE), "no {RESOURCE} left anywhere: {mutated}");
     assert_eq!(mutated["spec"]["containers"][1], original["spec"]["containers"][1], "the sidecar is untouched");
     assert_eq!(mutated["metadata"], original["metadata"]);
@@ -250,10 +248,9 @@ fn a_pod_with_8gi_gets_a_claim_of_8gi_memory_and_a_pod_without_it_is_untouched()
         json!([{"name": "gpu", "exactly": {"deviceClassName": "gpu.vramguard.io", "allocationMode": "ExactCount", "count": 1, "capacity": {"requests": {"memory": "8Gi"}}}}])
     );
     assert_eq!(template["metadata"]["labels"]["app.kubernetes.io/managed-by"], "vramguard-webhook");
-    let two = api.with(|s| s.templates.get(&("ml".to_owned(), "vramguard-gpu-memory-2gi".to_owned())).cloned()).context("the 2Gi template")?;
-    assert_eq!(two["spec"]["spec"]["devices"]["requests"][0]["exactly"]["capacity"]["requests"]["memory"], "2Gi");
+    assert!(api.with(|s| s.templates.len() == 1), "no template for the init container's size");
     let posts = |api: &ApiServer| api.seen().iter().filter(|s| s.method == "POST").count();
-    assert_eq!(posts(&api), 2);
+    assert_eq!(posts(&api), 1);
     assert!(api.seen().iter().all(|s| s.authorization.as_deref() == Some(&format!("Bearer {TOKEN}"))));
 
     // The next pod of the same sizes (another spelling of 8 GiB): the same templates, read,
@@ -261,8 +258,8 @@ fn a_pod_with_8gi_gets_a_claim_of_8gi_memory_and_a_pod_without_it_is_untouched()
     let second = pod("ml", Some("8192Mi"), Some("2Gi"));
     let (_, answer) = https(webhook.addr, &ca, Method::POST, "/mutate", review("second", "ml", &second, false))?;
     let patched_second = patched(&second, &response(&answer, "second")?)?;
-    assert_eq!(patched_second["spec"]["resourceClaims"][1]["resourceClaimTemplateName"], "vramguard-gpu-memory-8gi");
-    assert_eq!(posts(&api), 2, "nothing written for templates that exist");
+    assert_eq!(patched_second["spec"]["resourceClaims"][0]["resourceClaimTemplateName"], "vramguard-gpu-memory-8gi");
+    assert_eq!(posts(&api), 1, "nothing written for templates that exist");
 
     // A pod without the resource: allowed as it is, no patch, no call to the API server.
     let calls = api.seen().len();
@@ -274,9 +271,109 @@ fn a_pod_with_8gi_gets_a_claim_of_8gi_memory_and_a_pod_without_it_is_untouched()
 
     assert_eq!(webhook.sample("vramguard_webhook_reviews_total{result=\"mutated\"}")?, 2.0);
     assert_eq!(webhook.sample("vramguard_webhook_reviews_total{result=\"untouched\"}")?, 1.0);
-    assert_eq!(webhook.sample("vramguard_webhook_templates_total{outcome=\"created\"}")?, 2.0);
-    assert_eq!(webhook.sample("vramguard_webhook_templates_total{outcome=\"existing\"}")?, 2.0);
+    assert_eq!(webhook.sample("vramguard_webhook_templates_total{outcome=\"created\"}")?, 1.0);
+    assert_eq!(webhook.sample("vramguard_webhook_templates_total{outcome=\"existing\"}")?, 1.0);
     assert_eq!(e2e::http::get(webhook.metrics, "/healthz")?, (200, "ok\n".to_owned()));
+    Ok(())
+}
+
+/// A container of a pod: `name` with `resources`.
+fn container(name: &str, resources: Value) -> Value {
+    json!({"name": name, "image": format!("registry.example/{name}:1"), "resources": resources})
+}
+
+/// A pod of a ReplicaSet with these init containers and containers.
+fn pod_of(namespace: &str, init: Vec<Value>, containers: Vec<Value>) -> Value {
+    json!({
+        "kind": "Pod", "apiVersion": "v1",
+        "metadata": {"generateName": "train-7d9f8c-", "namespace": namespace},
+        "spec": {"initContainers": init, "containers": containers, "restartPolicy": "Always"}
+    })
+}
+
+/// The webhook's answer to `pod`'s creation in `ml`: its `response`.
+fn admit(webhook: &Webhook, ca: &str, uid: &str, pod: &Value) -> Result<Value> {
+    let (status, answer) = https(webhook.addr, ca, Method::POST, "/mutate", review(uid, "ml", pod, false))?;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&answer));
+    response(&answer, uid)
+}
+
+#[test]
+fn nvidia_gpu_beside_the_quota_becomes_the_claims_count_and_sidecars_keep_their_claim() -> Result<()> {
+    let dir = e2e::TempDir::new("webhook-gpus")?;
+    let (api, account, ca, cert, key) = setup(dir.path())?;
+    let webhook = Webhook::start(dir.path(), &api, &account, &cert, &key)?;
+    let template = |name: &str| api.with(|s| s.templates.get(&("ml".to_owned(), name.to_owned())).cloned());
+
+    // nvidia.com/gpu: 2 beside 8Gi: one claim of two GPUs with 8Gi on each, and nvidia.com/gpu
+    // gone, so that the device plugin allocates nothing beside it.
+    let two = pod_of(
+        "ml",
+        vec![],
+        vec![container("train", json!({"limits": {RESOURCE: "8Gi", NVIDIA_GPU: "2", "cpu": "4"}, "requests": {RESOURCE: "8Gi", NVIDIA_GPU: "2", "cpu": "4"}}))],
+    );
+    let answer = admit(&webhook, &ca, "two", &two)?;
+    assert_eq!(answer["allowed"], true, "{answer}");
+    let mutated = patched(&two, &answer)?;
+    assert_eq!(mutated["spec"]["resourceClaims"], json!([{"name": "vramguard-train", "resourceClaimTemplateName": "vramguard-gpu-memory-8gi-x2"}]));
+    let train = &mutated["spec"]["containers"][0]["resources"];
+    assert_eq!((&train["limits"], &train["requests"]), (&json!({"cpu": "4"}), &json!({"cpu": "4"})));
+    assert_eq!(train["claims"], json!([{"name": "vramguard-train"}]));
+    let written = template("vramguard-gpu-memory-8gi-x2").context("the template of two GPUs")?;
+    assert_eq!(
+        written["spec"]["spec"]["devices"]["requests"],
+        json!([{"name": "gpu", "exactly": {"deviceClassName": "gpu.vramguard.io", "allocationMode": "ExactCount", "count": 2, "capacity": {"requests": {"memory": "8Gi"}}}}])
+    );
+
+    // nvidia.com/gpu: 1: the template of one GPU, as without it; the resource gone all the same.
+    let one = pod_of("ml", vec![], vec![container("serve", json!({"limits": {RESOURCE: "8Gi", NVIDIA_GPU: "1"}}))]);
+    let mutated = patched(&one, &admit(&webhook, &ca, "one", &one)?)?;
+    assert_eq!(mutated["spec"]["resourceClaims"], json!([{"name": "vramguard-serve", "resourceClaimTemplateName": "vramguard-gpu-memory-8gi"}]));
+    assert!(!mutated.to_string().contains(NVIDIA_GPU), "{mutated}");
+    assert_eq!(template("vramguard-gpu-memory-8gi").context("the template of one GPU")?["spec"]["spec"]["devices"]["requests"][0]["exactly"]["count"], 1);
+
+    // nvidia.com/gpu alone: the device plugin's, left as it is, no API call.
+    let calls = api.seen().len();
+    let plain = pod_of("ml", vec![], vec![container("cuda", json!({"limits": {NVIDIA_GPU: "2"}}))]);
+    assert_eq!(admit(&webhook, &ca, "plain", &plain)?, json!({"uid": "plain", "allowed": true}));
+    assert_eq!(api.seen().len(), calls);
+
+    // A sidecar (restartPolicy: Always) runs beside main: a claim of its own. An init
+    // container that asks more than main gets one of its own (main's quota is not raised).
+    let mut proxy = container("proxy", json!({"limits": {RESOURCE: "2Gi"}}));
+    proxy["restartPolicy"] = json!("Always");
+    let sidecar = pod_of("ml", vec![proxy, container("convert", json!({"limits": {RESOURCE: "12Gi"}}))], vec![container("main", json!({"limits": {RESOURCE: "8Gi"}}))]);
+    let mutated = patched(&sidecar, &admit(&webhook, &ca, "sidecar", &sidecar)?)?;
+    assert_eq!(
+        mutated["spec"]["resourceClaims"],
+        json!([
+            {"name": "vramguard-proxy", "resourceClaimTemplateName": "vramguard-gpu-memory-2gi"},
+            {"name": "vramguard-convert", "resourceClaimTemplateName": "vramguard-gpu-memory-12gi"},
+            {"name": "vramguard-main", "resourceClaimTemplateName": "vramguard-gpu-memory-8gi"}
+        ])
+    );
+    let names: Vec<&Value> = ["initContainers", "containers"].iter().flat_map(|l| mutated["spec"][l].as_array().into_iter().flatten()).map(|c| &c["resources"]["claims"]).collect();
+    assert_eq!(names, [&json!([{"name": "vramguard-proxy"}]), &json!([{"name": "vramguard-convert"}]), &json!([{"name": "vramguard-main"}])]);
+
+    // What cannot be converted honestly is refused, saying what to write; nothing is written.
+    let posts = api.seen().iter().filter(|s| s.method == "POST").count();
+    for (uid, limits, requests, message) in [
+        ("differ", json!({RESOURCE: "8Gi", NVIDIA_GPU: "2"}), json!({RESOURCE: "8Gi", NVIDIA_GPU: "1"}),
+         "container \"train\": requests.nvidia.com/gpu (1) differs from limits.nvidia.com/gpu (2): write the same number of GPUs in both, or in limits alone"),
+        ("zero", json!({RESOURCE: "8Gi", NVIDIA_GPU: "0"}), json!({}),
+         "container \"train\": nvidia.com/gpu is 0 but vramguard.io/gpu-memory asks 8Gi on each of its GPUs: write nvidia.com/gpu: 1 or more, or remove vramguard.io/gpu-memory from a container that needs no GPU"),
+        ("half", json!({RESOURCE: "8Gi", NVIDIA_GPU: "1.5"}), json!({}),
+         "container \"train\": limits.nvidia.com/gpu \"1.5\" is not a whole number of GPUs: beside vramguard.io/gpu-memory it is the number of GPUs the quota is on, each with 8Gi (write e.g. nvidia.com/gpu: 2)"),
+        ("many", json!({RESOURCE: "8Gi", NVIDIA_GPU: "64"}), json!({}),
+         "container \"train\": nvidia.com/gpu 64 is more GPUs than one claim can be given (32, the API's limit on a claim's devices): write 32 or fewer"),
+    ] {
+        let pod = pod_of("ml", vec![], vec![container("train", json!({"limits": limits, "requests": requests}))]);
+        let refused = admit(&webhook, &ca, uid, &pod)?;
+        assert_eq!((refused["allowed"].clone(), refused["status"]["code"].clone()), (json!(false), json!(422)), "{refused}");
+        assert_eq!(refused["status"]["message"], message);
+    }
+    assert_eq!(api.seen().iter().filter(|s| s.method == "POST").count(), posts);
+    assert_eq!(webhook.sample("vramguard_webhook_reviews_total{result=\"denied\"}")?, 4.0);
     Ok(())
 }
 
