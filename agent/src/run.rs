@@ -410,11 +410,13 @@ pub async fn run(args: RunArgs) -> Result<()> {
         tasks.spawn_abortable("capacity", alive.ended());
     }
     let dra_node = if args.dra.dra { crate::dra::plugin::Node::of(&args.provision).await?.with_ledgers(provisioner.clone()) } else { Default::default() };
-    if let Some((plugin, families)) = crate::dra::plugin::wire(&args.dra, dra_node.clone(), gpus_rx.clone(), driver_rx.clone(), stop.clone()).await? {
-        for family in families {
+    let mut held_whole = None;
+    if let Some(plugin) = crate::dra::plugin::wire(&args.dra, dra_node.clone(), gpus_rx.clone(), driver_rx.clone(), stop.clone()).await? {
+        for family in plugin.collectors {
             judge.metrics.register(family)?;
         }
-        tasks.spawn("dra-plugin", plugin);
+        held_whole = Some(plugin.held_whole);
+        tasks.spawn("dra-plugin", plugin.task);
     }
 
     let ledgers_rx = ledgers.map(|ledgers| {
@@ -501,7 +503,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
             judge.metrics.register(family)?;
         }
         dra_status = Some(slices.status());
-        tasks.spawn("dra-slices", slices.run(gpus_rx.clone(), stop.clone()));
+        let held_whole = held_whole.take().context("--dra: the plugin is wired before the slices")?;
+        tasks.spawn("dra-slices", slices.run(gpus_rx.clone(), held_whole, stop.clone()));
     }
     let judge_wiring = reconcile::task::Wiring {
         kernel: kernel_tx,

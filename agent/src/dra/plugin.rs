@@ -442,6 +442,15 @@ impl Node {
     }
 }
 
+/// The plugin as [`wire`] makes it.
+pub struct Wired<T> {
+    pub task: T,
+    /// Its metrics' families.
+    pub collectors: Vec<Box<dyn Collector>>,
+    /// The GPUs its prepared claims hold whole, for the slices.
+    pub held_whole: watch::Receiver<std::collections::BTreeSet<u32>>,
+}
+
 /// The plugin's task and its metrics' families as `--dra` asks for them (`None` without it):
 /// the claims from the API server `--kube` names, the node's GPUs (the [`crate::inventory`]
 /// the slices publish), the checkpoint in `--state-dir` (every recorded claim's CDI spec
@@ -452,7 +461,7 @@ pub async fn wire(
     gpus: crate::inventory::Shared,
     driver: watch::Receiver<Arc<crate::driver::DriverView>>,
     stop: watch::Receiver<bool>,
-) -> Result<Option<(impl std::future::Future<Output = Result<()>> + Send + 'static, Vec<Box<dyn Collector>>)>> {
+) -> Result<Option<Wired<impl std::future::Future<Output = Result<()>> + Send + 'static>>> {
     if !args.dra {
         return Ok(None);
     }
@@ -485,6 +494,7 @@ pub async fn wire(
         anyhow::bail!("--dra-stale-every-s must be at least 1");
     }
     let stale = Stale { after: std::time::Duration::from_secs(args.dra_stale_after_s), every: std::time::Duration::from_secs(args.dra_stale_every_s) };
+    let held_whole = preparer.held_whole();
     let task = start(sockets, preparer, health, metrics.clone(), stale, stop)?;
-    Ok(Some((task, metrics.collectors())))
+    Ok(Some(Wired { task, collectors: metrics.collectors(), held_whole }))
 }

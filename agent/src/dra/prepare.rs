@@ -28,7 +28,7 @@
 //! files and the checkpoint's fsync are written on the blocking pool, one claim at a time (the
 //! capacity check and the record are one step).
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     future::Future,
     path::PathBuf,
     sync::{Arc, Mutex},
@@ -36,6 +36,7 @@ use std::{
 };
 
 use k8s_openapi::api::resource::v1::ResourceClaim;
+use tokio::sync::watch;
 
 use super::{cdi, checkpoint::Checkpoint, device_index, Prepared, Share, DRIVER, MEMORY};
 use crate::{
@@ -177,11 +178,39 @@ pub struct Preparer<C> {
     checkpoint: Arc<Mutex<Checkpoint>>,
     /// The claims' ledgers (`--nri`): unprepare removes a claim's.
     ledgers: Option<Arc<Provisioner>>,
+    /// The GPUs a prepared claim holds whole (results without a `shareID`: the scheduler gave
+    /// it the device whole), for the slices: such a GPU is published whole until those claims
+    /// are unprepared, since the scheduler does not weigh a device's dedicated allocation
+    /// against the shares it places on it once it is published shared.
+    whole: Arc<watch::Sender<BTreeSet<u32>>>,
+}
+
+/// The GPUs `checkpoint`'s claims hold whole.
+fn whole_gpus(checkpoint: &Checkpoint) -> BTreeSet<u32> {
+    checkpoint.claims().flat_map(|c| &c.shares).filter(|share| share.share_id.is_none()).map(|share| share.gpu).collect()
 }
 
 impl<C: Claims> Preparer<C> {
     pub fn new(claims: C, node: String, gpus: inventory::Shared, cdi_dir: PathBuf, state_dir: PathBuf, checkpoint: Checkpoint) -> Preparer<C> {
-        Preparer { claims, node, gpus, cdi_dir, state_dir, nodes: cdi::Nodes::host(), checkpoint: Arc::new(Mutex::new(checkpoint)), ledgers: None }
+        let whole = Arc::new(watch::channel(whole_gpus(&checkpoint)).0);
+        Preparer { claims, node, gpus, cdi_dir, state_dir, nodes: cdi::Nodes::host(), checkpoint: Arc::new(Mutex::new(checkpoint)), ledgers: None, whole }
+    }
+
+    /// The GPUs the prepared claims hold whole, kept current.
+    pub fn held_whole(&self) -> watch::Receiver<BTreeSet<u32>> {
+        self.whole.subscribe()
+    }
+
+    /// Tells the slices which GPUs are held whole now.
+    async fn tell_whole(&self) {
+        let checkpoint = self.checkpoint.clone();
+        if let Ok(now) = blocking(move || Ok(whole_gpus(&lock(&checkpoint)))).await {
+            self.whole.send_if_modified(|held| {
+                let changed = *held != now;
+                *held = now;
+                changed
+            });
+        }
     }
 
     /// The preparer whose unprepare removes a claim's ledger through `provisioner` (the NRI
@@ -244,7 +273,12 @@ impl<C: Claims> Preparer<C> {
     /// Prepares one claim, within [`CLAIM_DEADLINE`].
     pub async fn prepare(&self, asked: &Asked) -> Result<Outcome, Refusal> {
         match tokio::time::timeout(CLAIM_DEADLINE, self.prepare_unbounded(asked)).await {
-            Ok(outcome) => outcome,
+            Ok(outcome) => {
+                if matches!(outcome, Ok(Outcome::Prepared(_))) {
+                    self.tell_whole().await;
+                }
+                outcome
+            }
             Err(_) => Err(refuse(
                 Reason::Timeout,
                 format!("claim {}/{} was not prepared within {CLAIM_DEADLINE:?} (the API server or the disk is slow)", asked.namespace, asked.name),
@@ -314,7 +348,10 @@ impl<C: Claims> Preparer<C> {
             Ok(known)
         };
         match tokio::time::timeout(CLAIM_DEADLINE, work).await {
-            Ok(done) => done,
+            Ok(done) => {
+                self.tell_whole().await;
+                done
+            }
             Err(_) => Err(format!("claim {}/{} was not unprepared within {CLAIM_DEADLINE:?} (the disk is slow)", asked.namespace, asked.name)),
         }
     }

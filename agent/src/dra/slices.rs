@@ -31,11 +31,20 @@
 //! agent start); prepare gives a result without `consumedCapacity` the GPU's whole capacity.
 //! `vramguard audit` and `vramguard_dra_sharing` say which form is published.
 //!
+//! A GPU a prepared claim holds whole (a result without a `shareID`, allocated while the gate
+//! was off) is published whole in either form until that claim is unprepared: once a device
+//! is published shared the scheduler weighs only the shares on it, not a dedicated
+//! allocation, and would place shares beside the claim that has it all.
+//!
 //! Before its first sync it withdraws the node-wide extended resource: if the node's
 //! `status.capacity` holds `vramguard.io/gpu-memory` (an agent without `--dra` put it there),
 //! it is removed (a JSON patch of the status subresource, as the capacity task adds it), so
 //! that the scheduler stops placing quotas on the node's sum once its GPUs are DRA devices.
-use std::{collections::BTreeMap, sync::Arc, time::Duration};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    sync::Arc,
+    time::Duration,
+};
 
 use k8s_openapi::{
     api::core::v1::Node,
@@ -159,11 +168,20 @@ pub fn slice_name(node: &str, k: usize) -> String {
 /// The pool's slices for `inventory` at `generation` (at least one, empty when no GPU can
 /// take a claim), and the GPUs left out (less capacity than the policy's minimum), shared.
 pub fn build(node: &str, inventory: &Inventory, settings: &Settings, generation: i64) -> (Vec<ResourceSlice>, Vec<u32>) {
-    build_as(node, None, inventory, settings, generation, Sharing::Shared)
+    build_as(node, None, inventory, settings, generation, Sharing::Shared, &BTreeSet::new())
 }
 
-/// [`build`], owned by the Node `owner` (its UID) where given, in the `sharing` form.
-pub fn build_as(node: &str, owner: Option<&str>, inventory: &Inventory, settings: &Settings, generation: i64, sharing: Sharing) -> (Vec<ResourceSlice>, Vec<u32>) {
+/// [`build`], owned by the Node `owner` (its UID) where given, in the `sharing` form, the
+/// GPUs in `whole` (held whole by a prepared claim) whole whatever the form.
+pub fn build_as(
+    node: &str,
+    owner: Option<&str>,
+    inventory: &Inventory,
+    settings: &Settings,
+    generation: i64,
+    sharing: Sharing,
+    whole: &BTreeSet<u32>,
+) -> (Vec<ResourceSlice>, Vec<u32>) {
     let mut left_out = Vec::new();
     let devices: Vec<Device> = inventory
         .gpus
@@ -183,7 +201,7 @@ pub fn build_as(node: &str, owner: Option<&str>, inventory: &Inventory, settings
             if let Some(uuid) = &gpu.uuid {
                 attributes.insert("uuid".to_owned(), string(uuid));
             }
-            let shared = sharing == Sharing::Shared;
+            let shared = sharing == Sharing::Shared && !whole.contains(&gpu.index);
             let capacity = DeviceCapacity { value: Quantity(gpu.capacity.to_string()), request_policy: shared.then(|| policy.to_api()) };
             Some(Device {
                 name: device_name(gpu.index),
@@ -258,6 +276,8 @@ struct Published {
     generation: i64,
     inventory: Inventory,
     sharing: Sharing,
+    /// The GPUs published whole because a prepared claim holds them whole.
+    whole: BTreeSet<u32>,
 }
 
 /// What the publisher has learned of its node and the API server.
@@ -267,6 +287,8 @@ struct Learned {
     /// Whether the node-wide extended resource was withdrawn.
     withdrawn: bool,
     sharing: Sharing,
+    /// The GPUs prepared claims hold whole, as the plugin last said.
+    whole: BTreeSet<u32>,
 }
 
 /// The publisher task's state.
@@ -322,18 +344,24 @@ impl Publisher {
     }
 
     /// Keeps the pool of the node's [`inventory`] published until `stop` turns true.
-    pub async fn run(self, mut gpus: inventory::Shared, mut stop: watch::Receiver<bool>) -> anyhow::Result<()> {
+    /// `whole`: the GPUs prepared claims hold whole (the plugin's), published whole.
+    pub async fn run(self, mut gpus: inventory::Shared, mut whole: watch::Receiver<BTreeSet<u32>>, mut stop: watch::Receiver<bool>) -> anyhow::Result<()> {
         let mut inventory: Option<Arc<Inventory>> = None;
         let mut published: Option<Published> = None;
         let mut retry = FIRST_RETRY;
         let mut due = Instant::now();
         let mut waiting_logged = false;
-        let mut learned = Learned { owner: None, withdrawn: false, sharing: Sharing::Shared };
+        let mut learned = Learned { owner: None, withdrawn: false, sharing: Sharing::Shared, whole: whole.borrow().clone() };
         loop {
             self.heartbeat.beat();
             let seen = gpus.borrow_and_update().clone();
             if let Some(seen) = seen.filter(|seen| inventory.as_ref() != Some(seen)) {
                 inventory = Some(seen);
+                due = Instant::now();
+            }
+            let held = whole.borrow_and_update().clone();
+            if held != learned.whole {
+                learned.whole = held;
                 due = Instant::now();
             }
             if Instant::now() >= due {
@@ -371,6 +399,9 @@ impl Publisher {
                         anyhow::bail!("the node's inventory is no longer published");
                     }
                 }
+                // The plugin's word; once it is gone (its task ended, which ends the agent) the
+                // GPUs held whole stay as last told.
+                Ok(()) = whole.changed() => {}
                 () = tokio::time::sleep_until(due) => {}
             }
             if *stop.borrow() {
@@ -438,20 +469,20 @@ impl Publisher {
     /// published for `inventory`; also says whether the API server dropped the shared form's
     /// fields from what it wrote (read in its answers).
     async fn sync(&self, inventory: &Inventory, published: Option<&Published>, learned: &Learned) -> Result<(Published, bool), KubeError> {
-        let (sharing, owner) = (learned.sharing, learned.owner.as_deref());
+        let (sharing, owner, whole) = (learned.sharing, learned.owner.as_deref(), &learned.whole);
         let selector = format!("spec.nodeName={},spec.driver={DRIVER}", self.node);
         let what = format!("listing the ResourceSlices of node {}", self.node);
         let found = timed(what, self.api.list(&ListParams::default().fields(&selector))).await?.items;
         let found_generation = found.iter().map(|s| s.spec.pool.generation).max();
-        if let Some(published) = published.filter(|p| &p.inventory == inventory && p.sharing == sharing) {
-            let (wanted, _) = build_as(&self.node, owner, inventory, &self.settings, published.generation, sharing);
+        if let Some(published) = published.filter(|p| &p.inventory == inventory && p.sharing == sharing && &p.whole == whole) {
+            let (wanted, _) = build_as(&self.node, owner, inventory, &self.settings, published.generation, sharing, whole);
             if same_pool(&found, &wanted) {
                 self.metrics.syncs.with_label_values(&["unchanged"]).inc();
                 return Ok((published.clone(), false));
             }
         }
         let generation = found_generation.into_iter().chain(published.map(|p| p.generation)).max().unwrap_or(0) + 1;
-        let (wanted, left_out) = build_as(&self.node, owner, inventory, &self.settings, generation, sharing);
+        let (wanted, left_out) = build_as(&self.node, owner, inventory, &self.settings, generation, sharing, whole);
         if !left_out.is_empty() {
             warn!(gpus = ?left_out, min = self.settings.min, "dra: GPUs with less memory than --dra-memory-min (after --dra-memory-reserve) are not published");
         }
@@ -481,7 +512,7 @@ impl Publisher {
         self.metrics.syncs.with_label_values(&["published"]).inc();
         self.metrics.generation.set(generation);
         self.metrics.devices.set(devices as i64);
-        Ok((Published { generation, inventory: inventory.clone(), sharing }, dropped))
+        Ok((Published { generation, inventory: inventory.clone(), sharing, whole: whole.clone() }, dropped))
     }
 }
 

@@ -234,6 +234,41 @@ fn without_nvml_the_gpu_memory_flag_is_a_fake_inventory_and_says_so() -> Result<
     Ok(())
 }
 
+/// A node of two 80 GiB GPUs whose API server has `DRAConsumableCapacity` off, with the
+/// kubelet's directories for the plugin.
+struct GateOff {
+    api: ApiServer,
+    dir: TempDir,
+    account: std::path::PathBuf,
+    fake: FakeNode,
+}
+
+impl GateOff {
+    fn new(tag: &str) -> Result<GateOff> {
+        let api = ApiServer::start()?;
+        api.set_consumable_capacity(false);
+        let dir = TempDir::new(tag)?;
+        let account = dir.path().join("serviceaccount");
+        api.service_account(&account)?;
+        std::fs::create_dir_all(dir.path().join("ledgers"))?;
+        let fake = FakeNode::new(tag).with_env("FAKECUDA_DEVICE_COUNT", "2").with_env("FAKECUDA_DEVICE_BYTES", "80g");
+        Ok(GateOff { api, dir, account, fake })
+    }
+
+    /// The agent with `--dra`, its slices checked each second.
+    fn agent(&self) -> Result<Agent> {
+        let mut args = e2e::agent::kube_node_args(self.dir.path(), "80g")?;
+        for (flag, sub) in [("--kubelet-registry-dir", "registry"), ("--kubelet-plugins-dir", "plugins"), ("--cdi-dir", "cdi")] {
+            args.extend([OsString::from(flag), self.dir.path().join(sub).into()]);
+        }
+        args.extend(["--dra", "--dra-slices-every-s", "1"].map(OsString::from));
+        let mut env: Vec<(OsString, OsString)> = self.fake.env().to_vec();
+        env.extend(self.api.pod_env(&self.account));
+        let args: Vec<&OsStr> = args.iter().map(OsString::as_os_str).collect();
+        Agent::start_with_env(&args, &env)
+    }
+}
+
 /// The agent's writes of ResourceSlices (creates and updates) the API server received.
 fn slice_writes(api: &ApiServer) -> usize {
     api.seen().iter().filter(|r| matches!(r.method.as_str(), "POST" | "PUT") && r.target.starts_with("/apis/resource.k8s.io/v1/resourceslices")).count()
@@ -241,22 +276,9 @@ fn slice_writes(api: &ApiServer) -> usize {
 
 #[test]
 fn with_the_consumable_capacity_gate_off_each_gpu_is_published_whole_once_and_a_claim_gets_it_whole() -> Result<()> {
-    let api = ApiServer::start()?;
-    api.set_consumable_capacity(false);
-    let dir = TempDir::new("dra-slices-gate-off")?;
-    let account = dir.path().join("serviceaccount");
-    api.service_account(&account)?;
-    std::fs::create_dir_all(dir.path().join("ledgers"))?;
-    let fake = FakeNode::new("dra-slices-gate-off").with_env("FAKECUDA_DEVICE_COUNT", "2").with_env("FAKECUDA_DEVICE_BYTES", "80g");
-    let mut args = e2e::agent::kube_node_args(dir.path(), "80g")?;
-    for (flag, sub) in [("--kubelet-registry-dir", "registry"), ("--kubelet-plugins-dir", "plugins"), ("--cdi-dir", "cdi")] {
-        args.extend([OsString::from(flag), dir.path().join(sub).into()]);
-    }
-    args.extend(["--dra", "--dra-slices-every-s", "1"].map(OsString::from));
-    let mut env: Vec<(OsString, OsString)> = fake.env().to_vec();
-    env.extend(api.pod_env(&account));
-    let args: Vec<&OsStr> = args.iter().map(OsString::as_os_str).collect();
-    let agent = Agent::start_with_env(&args, &env)?;
+    let scene = GateOff::new("dra-slices-gate-off")?;
+    let (api, dir, fake) = (&scene.api, &scene.dir, &scene.fake);
+    let agent = scene.agent()?;
     let whole = |api: &ApiServer| {
         pool(api).iter().flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default()).filter(|d| d.get("allowMultipleAllocations").is_none()).count()
     };
@@ -297,6 +319,62 @@ fn with_the_consumable_capacity_gate_off_each_gpu_is_published_whole_once_and_a_
     let checkpoint: Value = serde_json::from_slice(&std::fs::read(dir.path().join("state/dra/checkpoint.json"))?)?;
     ensure!(checkpoint["claims"][uid]["shares"][0]["memory"] == 79 * GIB, "the GPU's whole published capacity: {checkpoint}");
     drop(agent);
+    fake.cleanup();
+    Ok(())
+}
+
+/// Whether each GPU of the pool is published shared (`allowMultipleAllocations`), by name.
+fn shared_by_gpu(api: &ApiServer) -> Vec<(String, bool)> {
+    let mut out: Vec<(String, bool)> = pool(api)
+        .iter()
+        .flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default())
+        .map(|d| (d["name"].as_str().unwrap_or_default().to_owned(), d["allowMultipleAllocations"] == true))
+        .collect();
+    out.sort();
+    out
+}
+
+#[test]
+fn a_gpu_a_claim_holds_whole_stays_whole_after_the_gate_is_turned_on_until_the_claim_is_unprepared() -> Result<()> {
+    let scene = GateOff::new("dra-slices-gate-on")?;
+    let (api, dir, fake) = (&scene.api, &scene.dir, &scene.fake);
+    let start = || scene.agent();
+    let kubelet = Kubelet::new(&dir.path().join("registry"))?;
+
+    // Gate off: a claim gets GPU 0 whole.
+    let agent = start()?;
+    wait_for(timeout(), "the pool published whole", || Ok(shared_by_gpu(&api) == [("gpu-0".into(), false), ("gpu-1".into(), false)])).with_context(|| agent.log())?;
+    let mut scheduler = allocator::Allocator::new(&pool(&api))?;
+    let whole_uid = "3f2e1d0c-0000-4000-8000-00000000bb01";
+    let mut asked = resource::claim("team-a", "whole", whole_uid, "8Gi", None);
+    resource::drop_gated(&mut asked);
+    let allocated = scheduler.allocate(&asked, &json!({}))?.map_err(|r| anyhow::anyhow!("{r:?}"))?;
+    ensure!(allocated["status"]["allocation"]["devices"]["results"][0]["device"] == "gpu-0", "{allocated}");
+    api.put_claim(allocated);
+    let plugin = kubelet.register(DRIVER, timeout()).with_context(|| agent.log())?;
+    ensure!(kubelet.prepare(&plugin, vec![kubelet::claim("team-a", "whole", whole_uid)])?.claims[whole_uid].error.is_empty(), "{}", agent.log());
+    agent.stop()?;
+
+    // The gate turned on, the agents restarted: GPU 1 is shared, GPU 0 stays whole while the
+    // claim holds it (the scheduler would place shares on it beside the dedicated claim).
+    api.set_consumable_capacity(true);
+    let agent = start()?;
+    wait_for(timeout(), "GPU 1 shared, GPU 0 whole", || Ok(shared_by_gpu(&api) == [("gpu-0".into(), false), ("gpu-1".into(), true)])).with_context(|| agent.log())?;
+    ensure!(agent.audit()?["dra"]["sharing"] == "shared", "{}", agent.audit()?["dra"]);
+    scheduler.refresh(&pool(&api))?;
+    let shared_uid = "3f2e1d0c-0000-4000-8000-00000000bb02";
+    let allocated = scheduler.allocate(&resource::claim("team-a", "shared", shared_uid, "8Gi", None), &json!({}))?.map_err(|r| anyhow::anyhow!("{r:?}"))?;
+    ensure!(allocated["status"]["allocation"]["devices"]["results"][0]["device"] == "gpu-1", "not beside the whole claim: {allocated}");
+    api.put_claim(allocated);
+    let plugin = kubelet.register(DRIVER, timeout()).with_context(|| agent.log())?;
+    let answer = kubelet.prepare(&plugin, vec![kubelet::claim("team-a", "shared", shared_uid)])?;
+    ensure!(answer.claims[shared_uid].error.is_empty(), "{answer:?}\n{}", agent.log());
+
+    // The whole claim unprepared: GPU 0 is shared again.
+    ensure!(kubelet.unprepare(&plugin, vec![kubelet::claim("team-a", "whole", whole_uid)])?.claims[whole_uid].error.is_empty(), "unprepared");
+    scheduler.release(whole_uid);
+    wait_for(timeout(), "both GPUs shared", || Ok(shared_by_gpu(&api) == [("gpu-0".into(), true), ("gpu-1".into(), true)])).with_context(|| agent.log())?;
+    agent.stop()?;
     fake.cleanup();
     Ok(())
 }

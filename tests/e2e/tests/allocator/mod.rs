@@ -5,13 +5,15 @@
 //!
 //! * Only the pools' current slices count: per pool, the slices of its highest generation, and
 //!   only when all `resourceSliceCount` of them are there.
-//! * A request (`spec.devices.requests[].exactly`, `ExactCount` of 1) consumes, on a device of
-//!   the driver, its `capacity.requests.memory` rounded by the device's request policy with
-//!   the agent's own function ([`::agent::dra::policy::Policy::consumed`]): below `min` → `min`,
-//!   up to the step, past `max` → not eligible, no request → the `default`.
-//! * A device takes the request when the sum of what its claims consume stays at most its
-//!   `memory` value; the first such device in the pools' order is chosen; none: the claim is
-//!   unschedulable and nothing of it is allocated.
+//! * A request (`spec.devices.requests[].exactly`, `ExactCount` of `count`) takes `count`
+//!   distinct devices; on a shared device it consumes its `capacity.requests.memory` rounded
+//!   by the device's published request policy ([`Range::consumed`], written here from the
+//!   KEP's rules, not the agent's code): below `min` → `min`, up to the step, past `max` →
+//!   not eligible, no request → the `default`.
+//! * A shared device takes the request when the sum of what its shares consume stays at most
+//!   its `memory` value (allocations of the device whole are not in that sum: the scheduler
+//!   books dedicated and shared allocations apart); the first such device in the pools' order
+//!   is chosen; none: the claim is unschedulable and nothing of it is allocated.
 //! * The status: `allocation.devices.results[]` (`request`, `driver`, `pool`, `device`,
 //!   `shareID` a fresh UUID, `consumedCapacity.memory`), `allocation.nodeSelector` (the
 //!   node's name), `reservedFor` (the consumer).
@@ -23,10 +25,35 @@
 #![allow(dead_code)]
 use std::collections::BTreeMap;
 
-use ::agent::dra::{policy::Policy, DRIVER, MEMORY};
+use ::agent::dra::{DRIVER, MEMORY};
 use anyhow::{bail, Context, Result};
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use serde_json::{json, Value};
+
+/// A `validRange` request policy as published, in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Range {
+    pub min: u64,
+    pub step: Option<u64>,
+    pub max: Option<u64>,
+    pub default: Option<u64>,
+}
+
+impl Range {
+    /// What a request of `request` bytes (`None`: none) consumes on a device of `capacity`
+    /// under this policy, as KEP-5075 states the scheduler's rounding: below `min`, `min`;
+    /// with a step, `min` plus the excess rounded up to whole steps; past `max`, not
+    /// eligible; no request, the `default` (the whole capacity without one).
+    pub fn consumed(&self, capacity: u64, request: Option<u64>) -> Option<u64> {
+        let Some(asked) = request else { return Some(self.default.unwrap_or(capacity)).filter(|&d| d <= capacity) };
+        let rounded = match self.step {
+            _ if asked <= self.min => self.min,
+            Some(step) if step > 0 => self.min + (asked - self.min).div_ceil(step) * step,
+            _ => asked,
+        };
+        (rounded <= self.max.unwrap_or(capacity) && rounded <= capacity).then_some(rounded)
+    }
+}
 
 /// A device of a current pool.
 #[derive(Clone, Debug)]
@@ -36,30 +63,51 @@ pub struct Device {
     pub node: String,
     /// `capacity.memory.value` in bytes.
     pub capacity: u64,
-    pub policy: Option<Policy>,
+    pub policy: Option<Range>,
     /// Allows multiple allocations (else: one claim at a time, whole).
     pub shared: bool,
 }
 
-/// The allocator's book: the current devices and what each claim consumes on them.
+/// One result the allocator made: the device (pool, name), and what it consumes there if the
+/// device was shared (`None`: allocated whole, dedicated).
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Taken {
+    pool: String,
+    device: String,
+    shared: Option<u64>,
+}
+
+/// The allocator's book: the current devices and what each claim holds of them.
 #[derive(Debug, Default)]
 pub struct Allocator {
     pub devices: Vec<Device>,
-    /// Claim UID → (device index, bytes) per result.
-    allocated: BTreeMap<String, Vec<(usize, u64)>>,
+    /// Claim UID → its results.
+    allocated: BTreeMap<String, Vec<Taken>>,
 }
 
 /// Why a claim was not allocated.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Refused {
-    /// No device with room for one of its requests.
+    /// No device (or not `count` devices) with room for one of its requests.
     Unschedulable { request: String },
+}
+
+fn bytes(text: &str, what: &str) -> Result<u64> {
+    ::agent::provision::kube::parse_quantity(text).with_context(|| format!("{what}: {text:?} is not a quantity of bytes"))
 }
 
 impl Allocator {
     /// The devices of `slices` (JSON as the API server serves them) that belong to this
     /// driver's current pools.
     pub fn new(slices: &[Value]) -> Result<Allocator> {
+        let mut allocator = Allocator::default();
+        allocator.refresh(slices)?;
+        Ok(allocator)
+    }
+
+    /// The pools as now published (`slices`), the allocations kept (by pool and device name:
+    /// the scheduler's book of allocated claims outlives a republished pool).
+    pub fn refresh(&mut self, slices: &[Value]) -> Result<()> {
         let slices: Vec<ResourceSlice> = slices.iter().map(|s| serde_json::from_value(s.clone())).collect::<Result<_, _>>().context("a ResourceSlice")?;
         let mut pools: BTreeMap<String, Vec<&ResourceSlice>> = BTreeMap::new();
         for slice in slices.iter().filter(|s| s.spec.driver == DRIVER) {
@@ -76,27 +124,50 @@ impl Allocator {
                 for device in slice.spec.devices.iter().flatten() {
                     let Some(memory) = device.capacity.as_ref().and_then(|c| c.get(MEMORY)) else { continue };
                     let shared = device.allow_multiple_allocations == Some(true);
-                    let capacity = ::agent::provision::kube::parse_quantity(&memory.value.0).with_context(|| format!("{pool}/{}: capacity {:?}", device.name, memory.value.0))?;
-                    let policy = memory.request_policy.as_ref().map(Policy::from_api).transpose().map_err(anyhow::Error::msg)?;
+                    let capacity = bytes(&memory.value.0, &format!("{pool}/{}: capacity", device.name))?;
+                    let policy = match &memory.request_policy {
+                        None => None,
+                        Some(policy) => {
+                            let range = policy.valid_range.as_ref().context("only validRange policies are allocated here")?;
+                            Some(Range {
+                                min: bytes(&range.min.0, "min")?,
+                                step: range.step.as_ref().map(|q| bytes(&q.0, "step")).transpose()?,
+                                max: range.max.as_ref().map(|q| bytes(&q.0, "max")).transpose()?,
+                                default: policy.default.as_ref().map(|q| bytes(&q.0, "default")).transpose()?,
+                            })
+                        }
+                    };
                     devices.push(Device { pool: pool.clone(), name: device.name.clone(), node: slice.spec.node_name.clone().unwrap_or_default(), capacity, policy, shared });
                 }
             }
         }
-        Ok(Allocator { devices, allocated: BTreeMap::new() })
+        self.devices = devices;
+        Ok(())
     }
 
-    /// What the claims allocated now consume on device `index`.
+    fn results_on(&self, index: usize) -> impl Iterator<Item = &Taken> {
+        let device = &self.devices[index];
+        self.allocated.values().flatten().filter(move |t| t.pool == device.pool && t.device == device.name)
+    }
+
+    /// What the shares allocated now consume on device `index` (dedicated allocations are not
+    /// in this sum: the scheduler keeps the two apart).
     pub fn used(&self, index: usize) -> u64 {
-        self.allocated.values().flatten().filter(|(d, _)| *d == index).map(|(_, b)| b).sum()
+        self.results_on(index).filter_map(|t| t.shared).sum()
+    }
+
+    /// Whether device `index` is allocated whole (dedicated) to a claim.
+    pub fn dedicated(&self, index: usize) -> bool {
+        self.results_on(index).any(|t| t.shared.is_none())
     }
 
     /// What a request of `request` bytes (`None`: no request) consumes on device `index`, if
-    /// the device is eligible for it.
+    /// the device is eligible for it (its room aside).
     pub fn consumed(&self, index: usize, request: Option<u64>) -> Option<u64> {
         let device = self.devices.get(index)?;
         if !device.shared {
-            // Whole: the request (if any) is only a selection: at most the capacity.
-            return (request.unwrap_or(0) <= device.capacity && self.used(index) == 0).then_some(device.capacity);
+            // Whole: a request is a selection only (at most the capacity).
+            return (request.unwrap_or(0) <= device.capacity).then_some(device.capacity);
         }
         match &device.policy {
             Some(policy) => policy.consumed(device.capacity, request),
@@ -105,45 +176,64 @@ impl Allocator {
     }
 
     /// Allocates `claim` (a ResourceClaim as JSON) for `consumer` (`{resource, name, uid}`):
-    /// the claim with its `status` written, or why not (nothing allocated then).
+    /// the claim with its `status` written, or why not (nothing allocated then). Each request
+    /// (`exactly`, `ExactCount` of `count`) gets `count` distinct devices, first fit in the
+    /// pools' order: a shared device while the sum of the shares on it stays within its
+    /// capacity (several requests of one claim may share it, each its own `shareID`); a
+    /// device that is not shared while no claim has it (not twice in one claim either).
     pub fn allocate(&mut self, claim: &Value, consumer: &Value) -> Result<std::result::Result<Value, Refused>> {
         let uid = claim["metadata"]["uid"].as_str().context("the claim has no uid")?.to_owned();
         if self.allocated.contains_key(&uid) {
             bail!("claim {uid} is allocated already");
         }
         let requests = claim["spec"]["devices"]["requests"].as_array().context("the claim has no requests")?;
-        let mut taken: Vec<(usize, u64)> = Vec::new();
+        let mut taken: Vec<(usize, Option<u64>)> = Vec::new();
         let mut results = Vec::new();
         for request in requests {
             let name = request["name"].as_str().context("a request without a name")?;
             let exactly = &request["exactly"];
-            if exactly["allocationMode"].as_str().unwrap_or("ExactCount") != "ExactCount" || exactly["count"].as_u64().unwrap_or(1) != 1 {
-                bail!("request {name}: only ExactCount of 1 is allocated here");
+            if exactly["allocationMode"].as_str().unwrap_or("ExactCount") != "ExactCount" {
+                bail!("request {name}: only ExactCount is allocated here");
             }
+            let count = exactly["count"].as_u64().unwrap_or(1);
             let asked = match &exactly["capacity"]["requests"][MEMORY] {
                 Value::Null => None,
-                Value::String(q) => Some(::agent::provision::kube::parse_quantity(q).with_context(|| format!("request {name}: memory {q:?}"))?),
+                Value::String(q) => Some(bytes(q, &format!("request {name}: memory"))?),
                 other => bail!("request {name}: memory {other} is not a quantity"),
             };
-            let room = |index: usize, allocator: &Allocator, taken: &[(usize, u64)]| {
-                let consumed = allocator.consumed(index, asked)?;
-                let used = allocator.used(index) + taken.iter().filter(|(d, _)| *d == index).map(|(_, b)| b).sum::<u64>();
-                (used + consumed <= allocator.devices[index].capacity).then_some(consumed)
-            };
-            let Some((index, consumed)) = (0..self.devices.len()).find_map(|i| room(i, self, &taken).map(|c| (i, c))) else {
-                return Ok(Err(Refused::Unschedulable { request: name.to_owned() }));
-            };
-            taken.push((index, consumed));
-            let device = &self.devices[index];
-            let mut result = json!({"request": name, "driver": DRIVER, "pool": device.pool, "device": device.name});
-            if device.shared {
-                result["shareID"] = json!(share_id()?);
-                result["consumedCapacity"] = json!({MEMORY: consumed.to_string()});
+            let mut mine: Vec<usize> = Vec::new();
+            for _ in 0..count {
+                let room = |index: usize| -> Option<u64> {
+                    if mine.contains(&index) {
+                        return None; // distinct devices within a request
+                    }
+                    let consumed = self.consumed(index, asked)?;
+                    let device = &self.devices[index];
+                    if !device.shared {
+                        let free = !self.dedicated(index) && self.used(index) == 0 && !taken.iter().any(|(d, _)| *d == index);
+                        return free.then_some(consumed);
+                    }
+                    let pending: u64 = taken.iter().filter(|(d, _)| *d == index).filter_map(|(_, b)| *b).sum();
+                    (self.used(index) + pending + consumed <= device.capacity).then_some(consumed)
+                };
+                let Some((index, consumed)) = (0..self.devices.len()).find_map(|i| room(i).map(|c| (i, c))) else {
+                    return Ok(Err(Refused::Unschedulable { request: name.to_owned() }));
+                };
+                let device = &self.devices[index];
+                let shared = device.shared.then_some(consumed);
+                taken.push((index, shared));
+                mine.push(index);
+                let mut result = json!({"request": name, "driver": DRIVER, "pool": device.pool, "device": device.name});
+                if device.shared {
+                    result["shareID"] = json!(share_id()?);
+                    result["consumedCapacity"] = json!({MEMORY: consumed.to_string()});
+                }
+                results.push(result);
             }
-            results.push(result);
         }
         let node = taken.first().map(|(d, _)| self.devices[*d].node.clone()).unwrap_or_default();
-        self.allocated.insert(uid, taken);
+        let book = taken.iter().map(|(d, shared)| Taken { pool: self.devices[*d].pool.clone(), device: self.devices[*d].name.clone(), shared: *shared }).collect();
+        self.allocated.insert(uid, book);
         let mut claim = claim.clone();
         claim["status"] = json!({
             "allocation": {

@@ -30,11 +30,23 @@ pub struct Resources {
     pub gate_off: bool,
 }
 
+/// Whether `object` (a ResourceSlice or a ResourceClaim) uses a field `DRAConsumableCapacity`
+/// guards: the API server with the gate off keeps such fields on an update of an object that
+/// already uses them (the registry's rule for a disabled field: drop it only where the old
+/// object does not use it).
+pub fn uses_gated(object: &Value) -> bool {
+    let devices = object["spec"]["devices"].as_array().into_iter().flatten();
+    let slice = devices.clone().any(|d| d["allowMultipleAllocations"] == true || d["capacity"].as_object().is_some_and(|c| c.values().any(|v| !v["requestPolicy"].is_null())));
+    let requests = object["spec"]["devices"]["requests"].as_array().into_iter().flatten().any(|r| !r["exactly"]["capacity"].is_null());
+    let results = object["status"]["allocation"]["devices"]["results"].as_array().into_iter().flatten().any(|r| !r["consumedCapacity"].is_null() || !r["shareID"].is_null());
+    slice || requests || results
+}
+
 /// What an API server whose `DRAConsumableCapacity` gate is off does to what it is given to
-/// store (KEP-5075: the fields the gate guards are dropped on create and update, unless the
-/// stored object already used them): a ResourceSlice's devices lose `allowMultipleAllocations`
-/// and their capacities' `requestPolicy`; a ResourceClaim's requests lose `capacity`, its
-/// allocation results `consumedCapacity` and `shareID`.
+/// store where the stored object did not use the gated fields ([`uses_gated`]): a
+/// ResourceSlice's devices lose `allowMultipleAllocations` and their capacities'
+/// `requestPolicy`; a ResourceClaim's requests lose `capacity`, its allocation results
+/// `consumedCapacity` and `shareID`.
 pub fn drop_gated(object: &mut Value) {
     let each = |list: &mut Value, fields: &[&str]| {
         for item in list.as_array_mut().into_iter().flatten() {
@@ -149,7 +161,7 @@ impl super::ApiServer {
     pub fn put_claim(&self, mut claim: Value) {
         let key = (claim["metadata"]["namespace"].as_str().unwrap_or_default().to_owned(), claim["metadata"]["name"].as_str().unwrap_or_default().to_owned());
         self.with(|s| {
-            if s.resource.gate_off {
+            if s.resource.gate_off && !s.resource.claims.get(&key).is_some_and(uses_gated) {
                 drop_gated(&mut claim);
             }
             s.resource.claims.insert(key, claim)
@@ -219,7 +231,9 @@ fn slices(state: &mut ApiState, asked: &Asked<'_>) -> Option<Answer> {
             answer(StatusCode::CREATED, &slice)
         }
         ("PUT", ["resourceslices", name]) => {
-            let mut slice = match valid_slice(asked.body, Some(name), state.resource.gate_off) {
+            // An update keeps the gated fields of a slice that uses them already.
+            let keeps = state.resource.slices.get(*name).is_some_and(uses_gated);
+            let mut slice = match valid_slice(asked.body, Some(name), state.resource.gate_off && !keeps) {
                 Ok(slice) => slice,
                 Err(answer) => return Some(*answer),
             };
