@@ -952,6 +952,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         if !self.version.answers(&answered) {
             bail!("containerd {} was asked for, {} answers CRI (cache {})", self.version.name(), answered, self.cache.bin("containerd").display());
         }
+        eprintln!("e2e kit: containerd {answered} ({} asked) serves CRI and NRI after {:?}", self.version.name(), self.started);
         self.runtime_version = answered;
         Ok(())
     }

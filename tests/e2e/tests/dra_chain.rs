@@ -1,10 +1,11 @@
-//! The DRA driver's whole chain on one node (issue 25, the first Must show): a real containerd
-//! (1.7.24, CDI and NRI on) with the agent binary as its NRI plugin and as the kubelet plugin
-//! (`--nri --kube --dra`, two GPUs of 8 GiB, its CDI specs in containerd's CDI directory, the
-//! GPUs' device nodes stand-ins in the test's directory: `--dra-device-dir`), the tests' API
-//! server (`kube_api/`) holding the ResourceClaims, and the test kubelet (`dra/kubelet.rs`)
-//! that finds the plugin through its registration socket, prepares the claims a pod needs and
-//! creates its container through CRI with the CDI devices the plugin returned (`CDI_devices`).
+//! The DRA driver's whole chain on one node (issue 25, the first Must show; on containerd 2 as
+//! well, `*_on_containerd_2`): a real containerd (1.7.24, CDI and NRI on) with the agent binary
+//! as its NRI plugin and as the kubelet plugin (`--nri --kube --dra`, two GPUs of 8 GiB, its
+//! CDI specs in containerd's CDI directory, the GPUs' device nodes stand-ins in the test's
+//! directory: `--dra-device-dir`), the tests' API server (`kube_api/`) holding the
+//! ResourceClaims, and the test kubelet (`dra/kubelet.rs`) that finds the plugin through its
+//! registration socket, prepares the claims a pod needs and creates its container through CRI
+//! with the CDI devices the plugin returned (`CDI_devices`).
 //!
 //! The claims are allocated by the test allocator (`tests/allocator/`) from the ResourceSlice pool
 //! the agent published: the scheduler's consumable-capacity allocation with the published
@@ -39,7 +40,7 @@ use agent::dra::cdi;
 use anyhow::{bail, ensure, Context, Result};
 use e2e::{
     agent::Agent,
-    containerd::{ContainerId, ContainerSpec, Containerd, PodId},
+    containerd::{ContainerId, ContainerSpec, Containerd, PodId, Version},
     timeout, wait_for, FakeNode, TempDir, GIB, MIB,
 };
 use serde_json::{json, Value};
@@ -305,4 +306,11 @@ fn mounted(dir: &std::path::Path) -> Result<bool> {
     let mountinfo = std::fs::read_to_string("/proc/self/mountinfo")?;
     let dir = dir.to_str().context("a UTF-8 path")?;
     Ok(mountinfo.lines().any(|line| line.split_whitespace().nth(4) == Some(dir)))
+}
+
+/// The same chain on containerd 2 (Debian unstable's; CDI and NRI on by default, its version 3
+/// configuration): the kubelet's `CDI_devices` reach runc and the NRI side alike.
+#[test]
+fn a_claim_allocated_prepared_and_run_through_cri_is_held_to_its_share_of_one_gpu_on_containerd_2() -> Result<()> {
+    Version::V2.run(a_claim_allocated_prepared_and_run_through_cri_is_held_to_its_share_of_one_gpu)
 }

@@ -1,7 +1,7 @@
-//! The NRI side of the DRA driver with a real containerd (1.7.24, CDI and NRI on), issue 25
-//! item 2: a claim prepared as the kubelet plugin prepares it (its checkpoint entry and CDI
-//! spec, written through `agent::dra`), a container created through CRI with the claim's CDI
-//! device, provisioned from the claim's share.
+//! The NRI side of the DRA driver with a real containerd (1.7.24, CDI and NRI on; the same on
+//! containerd 2, `*_on_containerd_2`), issue 25 item 2: a claim prepared as the kubelet plugin
+//! prepares it (its checkpoint entry and CDI spec, written through `agent::dra`), a container
+//! created through CRI with the claim's CDI device, provisioned from the claim's share.
 //!
 //! Needs root, the containerd cache (`cargo xtask setup`) and the built binaries.
 use std::path::{Path, PathBuf};
@@ -14,7 +14,7 @@ use agent::dra::{cdi, checkpoint::Checkpoint, Prepared, Share};
 use agent::provision::nri::{Adjustment, Container, Handler, Pod};
 use anyhow::{ensure, Context, Result};
 use e2e::agent::{provisioning_args, Agent};
-use e2e::containerd::{workload_path, ContainerId, ContainerSpec, Containerd, PodId};
+use e2e::containerd::{workload_path, ContainerId, ContainerSpec, Containerd, PodId, Version};
 use e2e::{timeout, wait_for, FakeNode, TempDir, GIB};
 use serde_json::Value;
 
@@ -283,4 +283,16 @@ fn containers_of_a_claim_are_held_to_its_share_of_the_gpu_and_share_it() -> Resu
 /// Claim `uid`'s CDI device on GPU `gpu`, as CRI's `CDI_devices` carries it.
 fn device_of(uid: &str, gpu: u32) -> Vec<String> {
     vec![cdi::qualified(uid, gpu)]
+}
+
+/// [`nri_sees_the_claim_s_cdi_edits`] on containerd 2: its NRI sees the CDI edits as 1.7's does.
+#[test]
+fn nri_sees_the_claim_s_cdi_edits_on_containerd_2() -> Result<()> {
+    Version::V2.run(nri_sees_the_claim_s_cdi_edits)
+}
+
+/// [`containers_of_a_claim_are_held_to_its_share_of_the_gpu_and_share_it`] on containerd 2.
+#[test]
+fn containers_of_a_claim_are_held_to_its_share_of_the_gpu_and_share_it_on_containerd_2() -> Result<()> {
+    Version::V2.run(containers_of_a_claim_are_held_to_its_share_of_the_gpu_and_share_it)
 }

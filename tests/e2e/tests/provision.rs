@@ -3,7 +3,8 @@
 //! 1g`), pods are created through the CRI API, and workloads inside the containers allocate
 //! through the fake driver. Issue 17's NRI part of "many hostile tenants" is here too: pods
 //! created beside 50 hostile ledgers ([`e2e::hostile::HostileLedgers`]) get their answer from
-//! the agent within the runtime's NRI deadline.
+//! the agent within the runtime's NRI deadline. Every test but that pair also runs on
+//! containerd 2 (`*_on_containerd_2`).
 //!
 //! Needs the containerd cache (`cargo xtask setup`) and the built binaries (`cargo xtask test`).
 use std::{
@@ -16,7 +17,7 @@ use std::{
 use anyhow::{ensure, Context, Result};
 use e2e::{
     agent::{agent_bin, provisioning_args, Agent},
-    containerd::{workload_path, ContainerId, ContainerSpec, Containerd, PodId},
+    containerd::{workload_path, ContainerId, ContainerSpec, Containerd, PodId, Version},
     hostile::{HealthProbe, HostileLedgers, OWED},
     timeout, wait_for, FakeNode, TempDir, GIB,
 };
@@ -631,4 +632,48 @@ fn fifty_hostile_ledgers_delay_neither_nri_create_container_nor_health() -> Resu
 #[test]
 fn negative_control_the_same_pods_without_hostile_ledgers() -> Result<()> {
     provisioning_beside_hostile_ledgers(0)
+}
+
+// The tests above on containerd 2 (Debian unstable's, NRI and CDI on by default): each runs
+// the same body with the kit's containerd 2 (the hostile-ledger pair, which bounds latencies,
+// runs on 1.7 only).
+
+#[test]
+fn a_container_with_a_quota_gets_hook_env_and_ledger_and_is_held_to_it_on_containerd_2() -> Result<()> {
+    Version::V2.run(a_container_with_a_quota_gets_hook_env_and_ledger_and_is_held_to_it)
+}
+
+#[test]
+fn a_process_that_escapes_the_hook_is_held_by_the_cgroup_limit_on_containerd_2() -> Result<()> {
+    Version::V2.run(a_process_that_escapes_the_hook_is_held_by_the_cgroup_limit)
+}
+
+#[test]
+fn a_container_without_a_quota_is_untouched_and_unhooked_on_containerd_2() -> Result<()> {
+    Version::V2.run(a_container_without_a_quota_is_untouched_and_unhooked)
+}
+
+#[test]
+fn the_plugin_is_back_after_the_runtime_restarts_on_containerd_2() -> Result<()> {
+    Version::V2.run(the_plugin_is_back_after_the_runtime_restarts)
+}
+
+#[test]
+fn a_restarted_agent_restores_its_state_and_synchronize_prunes_it_on_containerd_2() -> Result<()> {
+    Version::V2.run(a_restarted_agent_restores_its_state_and_synchronize_prunes_it)
+}
+
+#[test]
+fn a_provisioned_container_cannot_grow_the_node_disk_through_its_ledger_on_containerd_2() -> Result<()> {
+    Version::V2.run(a_provisioned_container_cannot_grow_the_node_disk_through_its_ledger)
+}
+
+#[test]
+fn a_container_whose_env_names_gpus_it_was_not_given_is_held_to_the_runtime_s_on_containerd_2() -> Result<()> {
+    Version::V2.run(a_container_whose_env_names_gpus_it_was_not_given_is_held_to_the_runtime_s)
+}
+
+#[test]
+fn a_container_given_gpus_by_cdi_is_held_to_them_whatever_its_env_says_on_containerd_2() -> Result<()> {
+    Version::V2.run(a_container_given_gpus_by_cdi_is_held_to_them_whatever_its_env_says)
 }
