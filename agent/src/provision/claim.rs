@@ -579,6 +579,8 @@ mod provisioned {
         assert_eq!((&a.mounts[0].source, &b.mounts[0].source), (&shared, &shared), "one ledger for the claim");
         assert_eq!(c.mounts[0].source, root.join("ledgers/dra-u2/ledger"));
         assert_eq!(a.mounts[1].source, b.mounts[1].source, "one limits file");
+        // No inventory with UUIDs here: NVIDIA's runtime is told to give nothing of its own.
+        assert!(a.env.contains(&(super::super::NVIDIA_VISIBLE_DEVICES.into(), "void".into())), "{:?}", a.env);
         let made: BTreeMap<String, Provisioned> = p.provisioned().into_iter().map(|x| (x.record.container_id.clone(), x)).collect();
         let header = &made["a"].header;
         assert_eq!((header.device_count, header.devices[0].limit, header.devices[1].limit), (2, 3 << 30, 5 << 30));
@@ -611,6 +613,21 @@ mod provisioned {
             std::fs::create_dir_all(&dir).expect("cgroup");
             std::fs::write(dir.join("cgroup.events"), format!("populated {populated}\nfrozen 0\n")).expect("events");
         }
+    }
+
+    #[test]
+    fn a_claim_s_containers_are_given_its_gpus_by_uuid_for_nvidia_s_runtime() {
+        let (root, p) = provisioner("dra-visible", "namespace=team-a 1g\n", true);
+        let mut inventory = crate::inventory::from_flag(&[8 << 30; 4], 0);
+        for gpu in &mut inventory.gpus {
+            gpu.uuid = Some(format!("GPU-{}", gpu.index));
+        }
+        let p = p.with_inventory(crate::inventory::fixed(Some(inventory)));
+        let state = root.join("state");
+        prepare(&state, "u1", &[(1, 1 << 30), (3, 1 << 30)]);
+        let adjustment = block_on(p.create_container(&member(&state, "a", &["u1"], &[1, 3]))).expect("provisioned");
+        assert!(adjustment.env.contains(&(super::super::NVIDIA_VISIBLE_DEVICES.into(), "GPU-1,GPU-3".into())), "{:?}", adjustment.env);
+        std::fs::remove_dir_all(&root).expect("cleanup");
     }
 
     #[test]

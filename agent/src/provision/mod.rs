@@ -12,6 +12,7 @@
 //! | [`ledger::provisioned::HOOK`] | `--hook-library` | read-only |
 //! | [`ledger::provisioned::PRELOAD`] | `<state-dir>/ld.so.preload`, naming the hook | read-only: every dynamically linked process loads the hook |
 //! | env `VRAMGUARD_LEDGER`, `CUDA_DEVICE_MEMORY_LIMIT`, `POD_NAME`, `POD_NAMESPACE`, `CONTAINER_NAME` | the agent's values (they win over the pod's) | for tools; the hook ignores them here |
+//! | env `NVIDIA_VISIBLE_DEVICES` (a DRA claim's containers) | the claim's GPUs by UUID (`void` where one is not known) | NVIDIA's runtime gives the container those GPUs alone, whatever the image's `all` |
 //!
 //! The agent holds the ledger to the header it created ([`crate::ledgers::Ledgers::set_pins`]: a
 //! rewritten or re-created file is `tampered`, never adopted) and pushes the container's
@@ -89,6 +90,9 @@ use store::Store;
 
 /// The most containers of unknown quota kept to be looked at again.
 const MAX_UNDECIDED: usize = 4096;
+
+/// The NVIDIA container runtime's variable naming the GPUs it gives a container.
+pub const NVIDIA_VISIBLE_DEVICES: &str = "NVIDIA_VISIBLE_DEVICES";
 
 /// `--max-provisioned-containers` by default: a bit over the kubelet's default 110 pods, each
 /// with one container with a GPU-memory quota (the usual GPU pod).
@@ -789,13 +793,31 @@ impl Provisioner {
                 bind(&self.hook, provisioned::HOOK, true),
                 bind(&self.preload, provisioned::PRELOAD, true),
             ],
-            env: vec![
+            env: [
                 ("VRAMGUARD_LEDGER".into(), provisioned::LEDGER.into()),
                 ("CUDA_DEVICE_MEMORY_LIMIT".into(), r.quota.to_string()),
                 ("POD_NAME".into(), r.pod.clone()),
                 ("POD_NAMESPACE".into(), r.namespace.clone()),
                 ("CONTAINER_NAME".into(), r.container.clone()),
-            ],
+            ]
+            .into_iter()
+            .chain(r.claim.is_some().then(|| (NVIDIA_VISIBLE_DEVICES.into(), self.claim_visible_devices(&r.gpus))))
+            .collect(),
+        }
+    }
+
+    /// What NVIDIA's container runtime is told to give a claim's container
+    /// (`NVIDIA_VISIBLE_DEVICES`): the claim's GPUs by UUID, whatever the image or the pod
+    /// says (CUDA images say `all`, and under the NVIDIA runtime its hook would add every GPU
+    /// of the node beside the claim's, after NRI has seen the spec); `void` (nothing of the
+    /// NVIDIA runtime's) where a UUID is not known, since a GPU index there is NVML's, not
+    /// the minor number the claim names.
+    fn claim_visible_devices(&self, gpus: &[u32]) -> String {
+        let inventory = self.gpus.borrow();
+        let uuids: Option<Vec<String>> = gpus.iter().map(|&gpu| inventory.as_ref()?.gpu(gpu)?.uuid.clone()).collect();
+        match uuids {
+            Some(uuids) if !uuids.is_empty() => uuids.join(","),
+            _ => "void".into(),
         }
     }
 

@@ -168,7 +168,8 @@ impl Node {
     /// (it sleeps).
     fn run(&self, claim: &Prepared) -> Result<(PodId, ContainerId)> {
         let pod = self.containerd.pod(claim.name, NAMESPACE, &format!("uid-{}", claim.name), &[])?;
-        let mut spec = ContainerSpec::new("main").fake_driver(&self.fake)?;
+        // As a CUDA image says it (NVIDIA's runtime would give such a container every GPU).
+        let mut spec = ContainerSpec::new("main").fake_driver(&self.fake)?.env("NVIDIA_VISIBLE_DEVICES", "all");
         for device in &claim.cdi_devices {
             spec = spec.cdi_device(device);
         }
@@ -254,6 +255,14 @@ fn a_claim_allocated_prepared_and_run_through_cri_is_held_to_its_share_of_one_gp
     ensure!(devices.contains(&"/dev/nvidia1") && !devices.contains(&"/dev/nvidia0"), "the runtime gave GPU 1's node alone: {devices:?}");
     // With the control nodes, which the NRI side counts as no GPU (serve is held to GPU 1 alone).
     ensure!(devices.contains(&"/dev/nvidiactl") && devices.contains(&"/dev/nvidia-uvm"), "the control nodes: {devices:?}");
+    // NVIDIA's runtime is told the claim's GPU alone (by the UUID the pool publishes), not the
+    // image's `all`.
+    let uuid = node.api.with(|state| {
+        state.resource.slices.values().flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default()).find(|d| d["name"] == "gpu-1").map(|d| d["attributes"]["uuid"]["string"].clone())
+    });
+    let uuid = uuid.and_then(|u| u.as_str().map(str::to_owned)).context("gpu-1's uuid")?;
+    let env: Vec<&str> = runtime["process"]["env"].as_array().into_iter().flatten().filter_map(Value::as_str).filter(|e| e.starts_with("NVIDIA_VISIBLE_DEVICES=")).collect();
+    ensure!(env == [format!("NVIDIA_VISIBLE_DEVICES={uuid}")], "the claim's GPU alone, the image's value replaced: {env:?}");
 
     // serve unprepared while its container runs: its ledger is kept, its workload still held.
     let answer = node.kubelet.unprepare(&node.plugin, vec![kubelet::claim(NAMESPACE, serve.name, serve.uid)])?;
