@@ -323,3 +323,130 @@ fn mounted(dir: &std::path::Path) -> Result<bool> {
 fn a_claim_allocated_prepared_and_run_through_cri_is_held_to_its_share_of_one_gpu_on_containerd_2() -> Result<()> {
     Version::V2.run(a_claim_allocated_prepared_and_run_through_cri_is_held_to_its_share_of_one_gpu)
 }
+
+/// A claim of `requests` (`(name, count, memory)`), allocated by the scheduler, prepared: the
+/// allocated claim and the plugin's answer for it.
+fn claim_of(node: &mut Node, name: &str, uid: &str, requests: &[(&str, u64, &str)]) -> Result<(Value, agent::dra::proto::v1::NodePrepareResourceResponse)> {
+    let requests: Vec<Value> = requests
+        .iter()
+        .map(|(request, count, memory)| {
+            json!({"name": request, "exactly": {
+                "deviceClassName": DRIVER, "allocationMode": "ExactCount", "count": count,
+                "capacity": {"requests": {"memory": memory}}
+            }})
+        })
+        .collect();
+    let claim = json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"namespace": NAMESPACE, "name": name, "uid": uid},
+        "spec": {"devices": {"requests": requests}}
+    });
+    let allocated = node.scheduler.allocate(&claim, &json!({"resource": "pods", "name": name, "uid": format!("uid-{name}")}))?.map_err(|r| anyhow::anyhow!("{name}: {r:?}"))?;
+    node.api.put_claim(allocated.clone());
+    let answer = node.kubelet.prepare(&node.plugin, vec![kubelet::claim(NAMESPACE, name, uid)])?;
+    let answer = answer.claims.get(uid).cloned().with_context(|| format!("no answer for {name}"))?;
+    Ok((allocated, answer))
+}
+
+/// The results' devices of an allocated claim.
+fn devices_of(allocated: &Value) -> Vec<String> {
+    allocated["status"]["allocation"]["devices"]["results"].as_array().into_iter().flatten().filter_map(|r| r["device"].as_str().map(str::to_owned)).collect()
+}
+
+/// The CDI devices the kubelet hands a container that names `request` of the claim (`None`:
+/// the whole claim), as the kubelet picks them from the plugin's answer.
+fn cdi_for(answer: &agent::dra::proto::v1::NodePrepareResourceResponse, request: Option<&str>) -> Vec<String> {
+    let mut ids: Vec<String> = answer
+        .devices
+        .iter()
+        .filter(|d| request.is_none_or(|r| d.request_names.iter().any(|n| n == r)))
+        .flat_map(|d| d.cdi_device_ids.clone())
+        .collect();
+    ids.sort();
+    ids.dedup();
+    ids
+}
+
+/// Claims as resource.k8s.io/v1 allows them (issue 38, item 4), on two GPUs of 8 GiB: a
+/// request of `count: 2` (a share on each GPU), two requests of one claim on one GPU (their
+/// sum its quota there), two requests on two GPUs, a container naming one request of that
+/// claim (refused: its ledger is the claim's, GPU by GPU), and a result with admin access
+/// (refused, counting nothing).
+#[test]
+fn claims_of_several_requests_counts_and_admin_access_are_prepared_and_held_or_refused_with_why() -> Result<()> {
+    let mut node = Node::new("dra-requests")?;
+    let held = |node: &Node, name: &str, id: &ContainerId, uid: &str, limits: &[(u64, u64)]| -> Result<()> {
+        let record = provisioned(&node.agent, id)?.with_context(|| format!("{name} not provisioned:\n{}", node.agent.log()))?;
+        ensure!(record["claim"] == uid, "{name}: {record}");
+        ensure!(node.ledger_limits(uid)? == limits, "{name}: the ledger {:?}", node.ledger_limits(uid)?);
+        let over = format!("{}m", limits[0].1 / MIB);
+        let lines = dra::node::workload(&node.containerd, id, &["ctx 0", &format!("expect-oom alloc x {over}")]).with_context(|| node.agent.log())?;
+        ensure!(lines.iter().any(|l| l == "oom x"), "{name}: {lines:?}");
+        Ok(())
+    };
+    let run = |node: &Node, name: &str, cdi: &[String]| -> Result<ContainerId> {
+        let pod = node.containerd.pod(name, NAMESPACE, &format!("uid-{name}"), &[])?;
+        let mut spec = ContainerSpec::new("main").fake_driver(&node.fake)?;
+        for device in cdi {
+            spec = spec.cdi_device(device);
+        }
+        node.containerd.run_container(&pod, &spec)
+    };
+    let release = |node: &mut Node, name: &str, uid: &str, id: &ContainerId| -> Result<()> {
+        node.containerd.stop_container(id, Duration::from_secs(1))?;
+        let answer = node.kubelet.unprepare(&node.plugin, vec![kubelet::claim(NAMESPACE, name, uid)])?;
+        ensure!(answer.claims.get(uid).is_some_and(|c| c.error.is_empty()), "{answer:?}");
+        node.scheduler.release(uid);
+        Ok(())
+    };
+
+    // count: 2, 2 GiB each: one share on each GPU, one CDI device each.
+    let uid = "5a0e2c4a-1b3f-4e5d-9a6b-0c1d2e3f4b01";
+    let (allocated, answer) = claim_of(&mut node, "pair", uid, &[("gpu", 2, "2Gi")])?;
+    ensure!(devices_of(&allocated) == ["gpu-0", "gpu-1"] && answer.error.is_empty(), "{allocated}\n{answer:?}");
+    let id = run(&node, "pair", &cdi_for(&answer, None))?;
+    held(&node, "pair", &id, uid, &[(0, 2 * GIB), (1, 2 * GIB)])?;
+    release(&mut node, "pair", uid, &id)?;
+
+    // Two requests on one GPU: one CDI device, the quota their sum.
+    let uid = "5a0e2c4a-1b3f-4e5d-9a6b-0c1d2e3f4b02";
+    let (allocated, answer) = claim_of(&mut node, "twin", uid, &[("a", 1, "1Gi"), ("b", 1, "2Gi")])?;
+    ensure!(devices_of(&allocated) == ["gpu-0", "gpu-0"] && answer.error.is_empty(), "{allocated}\n{answer:?}");
+    ensure!(answer.devices.iter().map(|d| d.request_names.clone()).collect::<Vec<_>>() == [vec!["a".to_owned()], vec!["b".to_owned()]], "{answer:?}");
+    ensure!(cdi_for(&answer, None).len() == 1, "one GPU, one CDI device: {answer:?}");
+    let id = run(&node, "twin", &cdi_for(&answer, None))?;
+    held(&node, "twin", &id, uid, &[(0, 3 * GIB)])?;
+    // A container naming request a alone gets the same GPU: the claim's quota there.
+    let alone = run(&node, "twin-a", &cdi_for(&answer, Some("a")))?;
+    held(&node, "twin-a", &alone, uid, &[(0, 3 * GIB)])?;
+    node.containerd.stop_container(&alone, Duration::from_secs(1))?;
+    release(&mut node, "twin", uid, &id)?;
+
+    // Two requests on two GPUs (6 GiB do not fit twice on one of 8).
+    let uid = "5a0e2c4a-1b3f-4e5d-9a6b-0c1d2e3f4b03";
+    let (allocated, answer) = claim_of(&mut node, "split", uid, &[("a", 1, "6Gi"), ("b", 1, "6Gi")])?;
+    ensure!(devices_of(&allocated) == ["gpu-0", "gpu-1"] && answer.error.is_empty(), "{allocated}\n{answer:?}");
+    let id = run(&node, "split", &cdi_for(&answer, None))?;
+    held(&node, "split", &id, uid, &[(0, 6 * GIB), (1, 6 * GIB)])?;
+    // A container naming request b alone gets GPU 1 of the claim's two: refused, saying why.
+    let error = run(&node, "split-b", &cdi_for(&answer, Some("b"))).expect_err("a part of the claim");
+    let error = format!("{error:#}");
+    ensure!(error.contains("has GPUs [1] of its claim's [0, 1]") && error.contains("name the claim without `request`"), "{error}");
+    let samples = e2e::http::scrape(node.agent.metrics_addr()?)?;
+    ensure!(e2e::http::metric(&samples, "vramguard_dra_containers_refused_total", &[("reason", "partial_claim")]) == Some(1.0), "counted");
+    release(&mut node, "split", uid, &id)?;
+
+    // Admin access: refused with the reason, nothing prepared.
+    let uid = "5a0e2c4a-1b3f-4e5d-9a6b-0c1d2e3f4b04";
+    let claim = resource::claim(NAMESPACE, "admin", uid, "1Gi", Some(&[(DRIVER, NODE, "gpu-0", Some("1Gi"), "0c6f7a1e-0000-4000-8000-0000000000c1")]));
+    let mut claim = claim;
+    claim["status"]["allocation"]["devices"]["results"][0]["adminAccess"] = json!(true);
+    node.api.put_claim(claim);
+    let answer = node.kubelet.prepare(&node.plugin, vec![kubelet::claim(NAMESPACE, "admin", uid)])?;
+    ensure!(answer.claims[uid].error.contains("admin access") && answer.claims[uid].devices.is_empty(), "{answer:?}");
+    ensure!(!cdi::spec_path(&node.containerd.cdi_dir(), uid).exists(), "no spec");
+    let samples = e2e::http::scrape(node.agent.metrics_addr()?)?;
+    ensure!(e2e::http::metric(&samples, "vramguard_dra_prepare_refusals_total", &[("reason", "admin_access")]) == Some(1.0), "counted");
+    node.fake.cleanup();
+    Ok(())
+}
