@@ -369,9 +369,9 @@ fn cdi_for(answer: &agent::dra::proto::v1::NodePrepareResourceResponse, request:
 
 /// Claims as resource.k8s.io/v1 allows them (issue 38, item 4), on two GPUs of 8 GiB: a
 /// request of `count: 2` (a share on each GPU), two requests of one claim on one GPU (their
-/// sum its quota there), two requests on two GPUs, a container naming one request of that
-/// claim (refused: its ledger is the claim's, GPU by GPU), and a result with admin access
-/// (refused, counting nothing).
+/// sum its quota there; with NVIDIA's device plugin's GPU beside it, refused), two requests
+/// on two GPUs, a container naming one request of that claim (refused: its ledger is the
+/// claim's, GPU by GPU), and a result with admin access (refused, counting nothing).
 #[test]
 fn claims_of_several_requests_counts_and_admin_access_are_prepared_and_held_or_refused_with_why() -> Result<()> {
     let mut node = Node::new("dra-requests")?;
@@ -420,6 +420,18 @@ fn claims_of_several_requests_counts_and_admin_access_are_prepared_and_held_or_r
     let alone = run(&node, "twin-a", &cdi_for(&answer, Some("a")))?;
     held(&node, "twin-a", &alone, uid, &[(0, 3 * GIB)])?;
     node.containerd.stop_container(&alone, Duration::from_secs(1))?;
+    // NVIDIA's device plugin beside it: its CDI device for GPU 1 as well (the pod asked
+    // nvidia.com/gpu too): refused, saying why.
+    let nvidia = json!({"cdiVersion": "0.5.0", "kind": "nvidia.com/gpu", "devices": [
+        {"name": "1", "containerEdits": {"deviceNodes": [{"path": "/dev/nvidia1", "hostPath": node.path("nodes/nvidia1")}]}}
+    ]});
+    std::fs::write(node.containerd.cdi_dir().join("nvidia.json"), serde_json::to_vec(&nvidia)?)?;
+    let mut both = cdi_for(&answer, None);
+    both.push("nvidia.com/gpu=1".into());
+    let error = format!("{:#}", run(&node, "twin-plugin", &both).expect_err("GPUs from both"));
+    ensure!(error.contains("also has GPUs [1]") && error.contains("nvidia.com/gpu"), "{error}");
+    let samples = e2e::http::scrape(node.agent.metrics_addr()?)?;
+    ensure!(e2e::http::metric(&samples, "vramguard_dra_containers_refused_total", &[("reason", "foreign_gpus")]) == Some(1.0), "counted");
     release(&mut node, "twin", uid, &id)?;
 
     // Two requests on two GPUs (6 GiB do not fit twice on one of 8).

@@ -329,3 +329,33 @@ fn a_prepared_claim_deleted_from_the_api_server_stops_holding_its_share_after_th
     fake.cleanup();
     Ok(())
 }
+
+#[test]
+fn dra_without_nri_refuses_to_start_and_hands_out_nothing() -> Result<()> {
+    let (api, dir, account) = scene("dra-plugin-no-nri")?;
+    let fake = FakeNode::new("dra-plugin-no-nri").with_env("FAKECUDA_DEVICE_COUNT", "2");
+    let libcuda = e2e::fake_driver_dir()?.join("libcuda.so.1");
+    let mut env = api.pod_env(&account);
+    env.extend(fake.env().iter().cloned());
+    let out = std::process::Command::new(e2e::agent::agent_bin()?)
+        .arg("run")
+        .arg("--socket")
+        .arg(dir.path().join("agent.sock"))
+        .arg("--libcuda")
+        .arg(&libcuda)
+        .args(["--no-discover", "--kube", "--dra", "--kubelet-registry-dir"])
+        .arg(dir.path().join("registry"))
+        .arg("--kubelet-plugins-dir")
+        .arg(dir.path().join("plugins"))
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(!out.status.success(), "the agent must not start: {stderr}");
+    ensure!(stderr.contains("--dra needs --nri") && stderr.contains("nothing behind their claim"), "it says why: {stderr}");
+    ensure!(!dir.path().join("registry").join(format!("{DRIVER}-reg.sock")).exists(), "no plugin registered");
+    ensure!(api.with(|s| s.resource.slices.is_empty()), "no slice published");
+    fake.cleanup();
+    Ok(())
+}
