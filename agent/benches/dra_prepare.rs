@@ -70,13 +70,16 @@ fn main() {
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     let claims = InMemory(Mutex::new((0..PREPARED + ROUNDS).map(claim).collect()));
     let checkpoint = Checkpoint::open(&dir.join("state")).expect("checkpoint");
-    let preparer = Preparer::new(claims, NODE.into(), vec![80 << 30; 4], dir.join("cdi"), dir.join("state"), checkpoint);
+    let gpus = agent::inventory::fixed(Some(agent::inventory::from_flag(&[80 << 30; 4], 0)));
+    let preparer = Preparer::new(claims, NODE.into(), gpus.clone(), dir.join("cdi"), dir.join("state"), checkpoint);
     let (_driver_tx, driver) = watch::channel(Arc::new(DriverView::default()));
-    let health = Health { pool: NODE.into(), gpus: 4, driver };
+    let health = Health { pool: NODE.into(), gpus, known: Default::default(), driver };
+    // No claim goes from the API server while it runs: the stale sweep never drops one.
+    let stale = agent::dra::plugin::Stale { after: std::time::Duration::from_secs(3600), every: std::time::Duration::from_secs(3600) };
     let sockets = Sockets { registry_dir: dir.join("registry"), plugins_dir: dir.join("plugins") };
     let (_stop_tx, stop) = watch::channel(false);
     let latencies = runtime.block_on(async {
-        let serving = start(sockets.clone(), preparer, health, Metrics::new().expect("metrics"), stop).expect("start");
+        let serving = start(sockets.clone(), preparer, health, Metrics::new().expect("metrics"), stale, stop).expect("start");
         tokio::spawn(serving);
         let channel = tonic::transport::Endpoint::try_from(format!("unix://{}", sockets.dra().display()))
             .expect("endpoint")

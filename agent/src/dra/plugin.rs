@@ -333,7 +333,10 @@ pub fn start<C: Claims>(
             tokio::try_join!(
                 async { dra.await.context("the DRA service failed") },
                 async { registration.await.context("the registration service failed") },
-                async { Ok::<(), anyhow::Error>(sweeping.await) },
+                async {
+                    sweeping.await;
+                    Ok::<(), anyhow::Error>(())
+                },
             )
         };
         let mut served = std::pin::pin!(served);

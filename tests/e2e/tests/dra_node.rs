@@ -112,7 +112,10 @@ fn host_path_of(pod: &Value, container: &Value, path: &str) -> Result<String> {
 }
 
 /// The agent's arguments as shipped, redirected (see the module doc), and its environment.
-fn shipped_agent(pod: &Value, hosts: &HostPaths, limits: &Path) -> Result<(Vec<OsString>, Vec<(OsString, OsString)>)> {
+/// An environment variable.
+type Var = (OsString, OsString);
+
+fn shipped_agent(pod: &Value, hosts: &HostPaths, limits: &Path) -> Result<(Vec<OsString>, Vec<Var>)> {
     let container = pod["containers"].as_array().and_then(|c| c.iter().find(|c| c["name"] == "agent")).context("no agent container")?;
     let args: Vec<&str> = container["args"].as_array().context("no args")?.iter().filter_map(Value::as_str).collect();
     ensure!(args.first() == Some(&"run"), "the agent runs `vramguard run`: {args:?}");
@@ -152,7 +155,7 @@ fn shipped_agent(pod: &Value, hosts: &HostPaths, limits: &Path) -> Result<(Vec<O
     out.push(plugin.parent().context("the plugin directory's parent")?.into());
     out.push(OsString::from("--dra-device-dir"));
     out.push(hosts.host("/dev")?.into());
-    let mut env: Vec<(OsString, OsString)> = Vec::new();
+    let mut env: Vec<Var> = Vec::new();
     for var in container["env"].as_array().into_iter().flatten() {
         if let (Some(name), Some(value)) = (var["name"].as_str(), var["value"].as_str()) {
             env.push((name.into(), value.into()));

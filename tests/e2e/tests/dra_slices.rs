@@ -282,10 +282,10 @@ fn with_the_consumable_capacity_gate_off_each_gpu_is_published_whole_once_and_a_
     let whole = |api: &ApiServer| {
         pool(api).iter().flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default()).filter(|d| d.get("allowMultipleAllocations").is_none()).count()
     };
-    wait_for(timeout(), "the pool published whole", || Ok(whole(&api) == 2 && agent.audit()?["dra"]["sharing"] == "whole")).with_context(|| agent.log())?;
+    wait_for(timeout(), "the pool published whole", || Ok(whole(api) == 2 && agent.audit()?["dra"]["sharing"] == "whole")).with_context(|| agent.log())?;
     // Five checks later: no more writes than the shared form dropped and the whole one.
     std::thread::sleep(std::time::Duration::from_secs(5));
-    ensure!(slice_writes(&api) == 2, "a create (shared, dropped) and one update (whole), then none: {}\n{}", slice_writes(&api), agent.log());
+    ensure!(slice_writes(api) == 2, "a create (shared, dropped) and one update (whole), then none: {}\n{}", slice_writes(api), agent.log());
     let checks = http::metric(&http::scrape(agent.metrics_addr()?)?, "vramguard_dra_slice_syncs_total", &[("result", "unchanged")]).unwrap_or(0.0);
     ensure!(checks >= 3.0, "the checks ran and found the pool as published: {checks}");
     let samples = http::scrape(agent.metrics_addr()?)?;
@@ -299,7 +299,7 @@ fn with_the_consumable_capacity_gate_off_each_gpu_is_published_whole_once_and_a_
 
     // The scheduler (gate off) gives a claim GPU 0 whole; the API server dropped the
     // claim's capacity request and its result has no consumedCapacity, no shareID.
-    let mut scheduler = allocator::Allocator::new(&pool(&api))?;
+    let mut scheduler = allocator::Allocator::new(&pool(api))?;
     ensure!(scheduler.devices.iter().all(|d| !d.shared), "{:?}", scheduler.devices);
     let uid = "3f2e1d0c-0000-4000-8000-00000000aa01";
     let mut asked = resource::claim("team-a", "whole", uid, "8Gi", None);
@@ -343,8 +343,8 @@ fn a_gpu_a_claim_holds_whole_stays_whole_after_the_gate_is_turned_on_until_the_c
 
     // Gate off: a claim gets GPU 0 whole.
     let agent = start()?;
-    wait_for(timeout(), "the pool published whole", || Ok(shared_by_gpu(&api) == [("gpu-0".into(), false), ("gpu-1".into(), false)])).with_context(|| agent.log())?;
-    let mut scheduler = allocator::Allocator::new(&pool(&api))?;
+    wait_for(timeout(), "the pool published whole", || Ok(shared_by_gpu(api) == [("gpu-0".into(), false), ("gpu-1".into(), false)])).with_context(|| agent.log())?;
+    let mut scheduler = allocator::Allocator::new(&pool(api))?;
     let whole_uid = "3f2e1d0c-0000-4000-8000-00000000bb01";
     let mut asked = resource::claim("team-a", "whole", whole_uid, "8Gi", None);
     resource::drop_gated(&mut asked);
@@ -359,9 +359,9 @@ fn a_gpu_a_claim_holds_whole_stays_whole_after_the_gate_is_turned_on_until_the_c
     // claim holds it (the scheduler would place shares on it beside the dedicated claim).
     api.set_consumable_capacity(true);
     let agent = start()?;
-    wait_for(timeout(), "GPU 1 shared, GPU 0 whole", || Ok(shared_by_gpu(&api) == [("gpu-0".into(), false), ("gpu-1".into(), true)])).with_context(|| agent.log())?;
+    wait_for(timeout(), "GPU 1 shared, GPU 0 whole", || Ok(shared_by_gpu(api) == [("gpu-0".into(), false), ("gpu-1".into(), true)])).with_context(|| agent.log())?;
     ensure!(agent.audit()?["dra"]["sharing"] == "shared", "{}", agent.audit()?["dra"]);
-    scheduler.refresh(&pool(&api))?;
+    scheduler.refresh(&pool(api))?;
     let shared_uid = "3f2e1d0c-0000-4000-8000-00000000bb02";
     let allocated = scheduler.allocate(&resource::claim("team-a", "shared", shared_uid, "8Gi", None), &json!({}))?.map_err(|r| anyhow::anyhow!("{r:?}"))?;
     ensure!(allocated["status"]["allocation"]["devices"]["results"][0]["device"] == "gpu-1", "not beside the whole claim: {allocated}");
@@ -373,7 +373,7 @@ fn a_gpu_a_claim_holds_whole_stays_whole_after_the_gate_is_turned_on_until_the_c
     // The whole claim unprepared: GPU 0 is shared again.
     ensure!(kubelet.unprepare(&plugin, vec![kubelet::claim("team-a", "whole", whole_uid)])?.claims[whole_uid].error.is_empty(), "unprepared");
     scheduler.release(whole_uid);
-    wait_for(timeout(), "both GPUs shared", || Ok(shared_by_gpu(&api) == [("gpu-0".into(), true), ("gpu-1".into(), true)])).with_context(|| agent.log())?;
+    wait_for(timeout(), "both GPUs shared", || Ok(shared_by_gpu(api) == [("gpu-0".into(), true), ("gpu-1".into(), true)])).with_context(|| agent.log())?;
     agent.stop()?;
     fake.cleanup();
     Ok(())
