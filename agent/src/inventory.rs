@@ -113,6 +113,13 @@ impl Tracker {
             let seen = from_view(&driver.borrow_and_update(), &self.flag, self.reserve);
             if let Some(seen) = seen.filter(|seen| sender.borrow().as_deref() != Some(seen)) {
                 info!(source = seen.source.name(), gpus = ?seen.gpus.iter().map(|g| (g.index, g.memory)).collect::<Vec<_>>(), "the node's GPUs");
+                if seen.source == Source::Flag {
+                    warn!(
+                        gpus = seen.gpus.len(),
+                        "NVML is absent (no driver library found, or the agent's container was not given the driver): the node's GPUs are \
+                         --gpu-memory's, one per value, whatever the node has"
+                    );
+                }
                 match seen.flag_disagreement(&self.flag) {
                     Some(disagreement) if !warned => {
                         warn!("{disagreement}: NVML's figures are the node's; --gpu-memory is ignored where NVML answers");
