@@ -409,7 +409,12 @@ pub async fn run(args: RunArgs) -> Result<()> {
     if let Some(alive) = capacity.as_mut().and_then(provision::kube::Capacity::take_alive) {
         tasks.spawn_abortable("capacity", alive.ended());
     }
-    let dra_node = if args.dra.dra { crate::dra::plugin::Node::of(&args.provision).await?.with_ledgers(provisioner.clone()) } else { Default::default() };
+    let dra_node = if args.dra.dra {
+        let connected = provisioning.as_ref().map(|p| p.connected.clone());
+        crate::dra::plugin::Node::of(&args.provision).await?.with_ledgers(provisioner.clone()).with_nri(connected)
+    } else {
+        Default::default()
+    };
     let mut held_whole = None;
     if let Some(plugin) = crate::dra::plugin::wire(&args.dra, dra_node.clone(), gpus_rx.clone(), driver_rx.clone(), stop.clone()).await? {
         for family in plugin.collectors {

@@ -22,6 +22,7 @@
 //! | `vramguard_dra_unprepares_total{result}` | claims unprepared: `unprepared`, `not_prepared` (unknown UID: success), `failed` |
 //! | `vramguard_dra_prepared_claims` | claims prepared on the node (the checkpoint's) |
 //! | `vramguard_dra_stale_claims_dropped_total` | prepared claims dropped because the API server no longer had them for `--dra-stale-after-s` |
+//! | `vramguard_dra_stale_claims_in_use` | such claims kept at the last sweep because a container of theirs may still run |
 //! | `vramguard_dra_registration_notifications_total{result}` | the kubelet's word on the registration: `registered`, `failed` |
 //! | `vramguard_dra_registered` | 1 while the kubelet's last word was that the plugin is registered |
 use std::{
@@ -91,6 +92,7 @@ pub struct Metrics {
     unprepares: IntCounterVec,
     prepared: IntGauge,
     stale: prometheus::IntCounter,
+    stale_in_use: IntGauge,
     notifications: IntCounterVec,
     registered: IntGauge,
 }
@@ -106,6 +108,10 @@ impl Metrics {
             stale: prometheus::IntCounter::new(
                 "vramguard_dra_stale_claims_dropped_total",
                 "Prepared claims the DRA driver dropped because the API server no longer had them (deleted, or another UID) for --dra-stale-after-s",
+            )?,
+            stale_in_use: IntGauge::new(
+                "vramguard_dra_stale_claims_in_use",
+                "Prepared claims gone from the API server past --dra-stale-after-s kept because a container of theirs may still run (at the last sweep)",
             )?,
             notifications: vec("vramguard_dra_registration_notifications_total", "The kubelet's registration status notifications to the DRA plugin: registered, failed", "result")?,
             registered: IntGauge::new("vramguard_dra_registered", "1 while the kubelet's last word was that the DRA plugin is registered")?,
@@ -134,6 +140,7 @@ impl Metrics {
             Box::new(self.unprepares.clone()),
             Box::new(self.prepared.clone()),
             Box::new(self.stale.clone()),
+            Box::new(self.stale_in_use.clone()),
             Box::new(self.notifications.clone()),
             Box::new(self.registered.clone()),
         ]
@@ -324,6 +331,7 @@ pub fn start<C: Claims>(
                 }
                 let swept = sweeper.preparer.sweep(&mut gone, stale.after).await;
                 sweeper.metrics.stale.inc_by(swept.dropped.len() as u64);
+                sweeper.metrics.stale_in_use.set(swept.in_use as i64);
                 if !swept.dropped.is_empty() {
                     sweeper.count().await;
                 }
@@ -426,6 +434,8 @@ pub struct Node {
     pub state_dir: PathBuf,
     /// The NRI side's provisioner (`--nri`), whose claims' ledgers unprepare removes.
     pub ledgers: Option<Arc<crate::provision::Provisioner>>,
+    /// Whether the NRI side is connected to the runtime: nothing is prepared while it is not.
+    pub nri: Option<watch::Receiver<bool>>,
 }
 
 impl Node {
@@ -436,12 +446,17 @@ impl Node {
             None => None,
         };
         let name = if kube.is_some() { provision.kube.node()?.to_owned() } else { String::new() };
-        Ok(Node { kube, name, flag_gpus: provision.gpu_memory.len(), state_dir: provision.state_dir.clone(), ledgers: None })
+        Ok(Node { kube, name, flag_gpus: provision.gpu_memory.len(), state_dir: provision.state_dir.clone(), ledgers: None, nri: None })
     }
 
     /// The node whose claims' ledgers are `provisioner`'s (`None` without `--nri`).
     pub fn with_ledgers(self, provisioner: Option<Arc<crate::provision::Provisioner>>) -> Node {
         Node { ledgers: provisioner, ..self }
+    }
+
+    /// The node whose NRI side says through `connected` whether it is connected to the runtime.
+    pub fn with_nri(self, connected: Option<watch::Receiver<bool>>) -> Node {
+        Node { nri: connected, ..self }
     }
 }
 
@@ -471,7 +486,7 @@ pub async fn wire(
     let Some(client) = node.kube else {
         anyhow::bail!("--dra needs --kube: the DRA driver gets the claims it prepares from the API server");
     };
-    let Node { name: node, state_dir, ledgers, flag_gpus, .. } = node;
+    let Node { name: node, state_dir, ledgers, flag_gpus, nri, .. } = node;
     if ledgers.is_none() {
         anyhow::bail!(
             "--dra needs --nri: a claim's GPU goes to its containers only with the ledger, hook and limit the NRI side gives them; \
@@ -488,7 +503,7 @@ pub async fn wire(
     // Before NVML answers: the flag's GPUs and those of the claims prepared already.
     let known: std::collections::BTreeSet<u32> = (0u32..).take(flag_gpus).chain(checkpoint.claims().flat_map(|c| c.shares.iter().map(|s| s.gpu))).collect();
     let health = Health { pool: node.clone(), gpus: gpus.clone(), known: std::sync::Mutex::new(known), driver };
-    let preparer = Preparer::new(claims, node, gpus, args.cdi_dir.clone(), state_dir, checkpoint).with_nodes(args.nodes()).with_ledgers(ledgers);
+    let preparer = Preparer::new(claims, node, gpus, args.cdi_dir.clone(), state_dir, checkpoint).with_nodes(args.nodes()).with_ledgers(ledgers).with_nri(nri);
     let (written, removed) = preparer.restore().await.map_err(|e| anyhow::anyhow!("restoring the prepared claims' CDI specs: {e}"))?;
     info!(written, removed, cdi_dir = %args.cdi_dir.display(), "the prepared claims' CDI specs restored (written: missing or different; removed: of claims not recorded)");
     let metrics = Metrics::new()?;

@@ -86,6 +86,9 @@ pub enum Reason {
     NotAllocated,
     /// The node's GPUs are not known yet (NVML has not answered, and no `--gpu-memory`).
     NoInventory,
+    /// The agent is not connected to the runtime's NRI: a container of the claim would be
+    /// created without its ledger and limit.
+    NriDown,
     /// No result of this driver in this node's pool.
     NoDevice,
     /// A result that this driver cannot serve: not one of its device names, a GPU the node
@@ -102,12 +105,13 @@ pub enum Reason {
 }
 
 impl Reason {
-    pub const ALL: [Reason; 11] = [
+    pub const ALL: [Reason; 12] = [
         Reason::Api,
         Reason::NotFound,
         Reason::UidChanged,
         Reason::NotAllocated,
         Reason::NoInventory,
+        Reason::NriDown,
         Reason::NoDevice,
         Reason::BadResult,
         Reason::OverCapacity,
@@ -123,6 +127,7 @@ impl Reason {
             Reason::UidChanged => "uid_changed",
             Reason::NotAllocated => "not_allocated",
             Reason::NoInventory => "no_inventory",
+            Reason::NriDown => "nri_down",
             Reason::NoDevice => "no_device",
             Reason::BadResult => "bad_result",
             Reason::OverCapacity => "over_capacity",
@@ -183,6 +188,9 @@ pub struct Preparer<C> {
     /// are unprepared, since the scheduler does not weigh a device's dedicated allocation
     /// against the shares it places on it once it is published shared.
     whole: Arc<watch::Sender<BTreeSet<u32>>>,
+    /// Whether the NRI side is connected to the runtime (`None`: not asked, the tests'): no
+    /// claim is prepared, not even again, while it is not.
+    nri: Option<watch::Receiver<bool>>,
 }
 
 /// The GPUs `checkpoint`'s claims hold whole.
@@ -193,7 +201,12 @@ fn whole_gpus(checkpoint: &Checkpoint) -> BTreeSet<u32> {
 impl<C: Claims> Preparer<C> {
     pub fn new(claims: C, node: String, gpus: inventory::Shared, cdi_dir: PathBuf, state_dir: PathBuf, checkpoint: Checkpoint) -> Preparer<C> {
         let whole = Arc::new(watch::channel(whole_gpus(&checkpoint)).0);
-        Preparer { claims, node, gpus, cdi_dir, state_dir, nodes: cdi::Nodes::host(), checkpoint: Arc::new(Mutex::new(checkpoint)), ledgers: None, whole }
+        Preparer { claims, node, gpus, cdi_dir, state_dir, nodes: cdi::Nodes::host(), checkpoint: Arc::new(Mutex::new(checkpoint)), ledgers: None, whole, nri: None }
+    }
+
+    /// The preparer that prepares nothing while `connected` (the NRI side's) is false.
+    pub fn with_nri(self, connected: Option<watch::Receiver<bool>>) -> Preparer<C> {
+        Preparer { nri: connected, ..self }
     }
 
     /// The GPUs the prepared claims hold whole, kept current.
@@ -287,6 +300,18 @@ impl<C: Claims> Preparer<C> {
     }
 
     async fn prepare_unbounded(&self, asked: &Asked) -> Result<Outcome, Refusal> {
+        // Fail closed: the runtime creates a claim's containers once prepare answered, and
+        // without the NRI side it would create them with the GPU and nothing behind the claim.
+        if self.nri.as_ref().is_some_and(|connected| !*connected.borrow()) {
+            return Err(refuse(
+                Reason::NriDown,
+                format!(
+                    "claim {}/{}: the agent is not connected to the container runtime's NRI (off in its configuration, or reconnecting): \
+                     its containers would get the GPU without their ledger and limit; the kubelet will ask again",
+                    asked.namespace, asked.name
+                ),
+            ));
+        }
         let (checkpoint, uid) = (self.checkpoint.clone(), asked.uid.clone());
         let (cdi_dir, state_dir, nodes) = (self.cdi_dir.clone(), self.state_dir.clone(), self.nodes.clone());
         let known = blocking(move || {
@@ -366,6 +391,10 @@ pub struct Swept {
     pub waiting: usize,
     /// Claims the API server could not be asked about (nothing concluded).
     pub unknown: usize,
+    /// Entries gone past the window kept because a container of the claim may still run: its
+    /// memory is still held, so its share still counts (the claim was deleted from under a
+    /// running pod, or a pod force-deleted while its kubelet was down).
+    pub in_use: usize,
 }
 
 impl<C: Claims> Preparer<C> {
@@ -374,8 +403,9 @@ impl<C: Claims> Preparer<C> {
     /// `window` (`gone`: since when each was first seen gone; kept by the caller between
     /// sweeps): the kubelet unprepares a claim when its pods end, and a claim gone that long
     /// was never unprepared here (the kubelet was down, or lost it). Dropped as an unprepare
-    /// drops it: spec, entry, then the ledger where no process of its containers is left
-    /// (kept otherwise, as unprepare keeps it). An entry left would hold its share of the GPU
+    /// drops it (spec, entry, ledger) only when no container of the claim may still run: one
+    /// that may (the claim deleted from under its pod) keeps the entry, whose share of the
+    /// GPU its memory still takes. An entry left would hold its share of the GPU
     /// for good, refusing new claims as `over_capacity`. A claim the API server cannot be
     /// asked about is left as it is.
     pub async fn sweep(&self, gone: &mut BTreeMap<String, std::time::Instant>, window: Duration) -> Swept {
@@ -401,6 +431,14 @@ impl<C: Claims> Preparer<C> {
             if since.elapsed() < window {
                 swept.waiting += 1;
                 continue;
+            }
+            if let Some(provisioner) = &self.ledgers {
+                let running = provisioner.claim_in_use(&prepared.uid).await;
+                if !running.is_empty() {
+                    tracing::warn!(uid = %prepared.uid, ?running, "dra: a prepared claim is gone from the API server but its containers may still run: kept (its share still counts)");
+                    swept.in_use += 1;
+                    continue;
+                }
             }
             let asked = Asked { namespace: prepared.namespace.clone(), uid: prepared.uid.clone(), name: prepared.name.clone() };
             match self.unprepare(&asked).await {
@@ -754,6 +792,22 @@ mod tests {
         assert_eq!(prepared.shares.iter().map(|s| (s.request.as_str(), s.gpu, s.memory)).collect::<Vec<_>>(), [("gpu", 0, 6 * GIB), ("gpu-b", 0, 3 * GIB)]);
         put(&fake, claim("b", "ub", Some(json!([result(DRIVER, NODE, "gpu-0", Some("2Gi"))]))));
         assert_eq!(preparer.prepare(&asked("b", "ub")).await.map_err(|r| r.reason), Err(Reason::OverCapacity), "9 GiB of 10 taken by a's two");
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[tokio::test]
+    async fn while_nri_is_not_connected_no_claim_is_prepared_not_even_again() {
+        let (preparer, fake, dir) = preparer("nri-down", vec![80 * GIB]);
+        let (connected_tx, connected) = watch::channel(true);
+        let preparer = preparer.with_nri(Some(connected));
+        put(&fake, claim("a", "ua", Some(json!([result(DRIVER, NODE, "gpu-0", Some("8Gi"))]))));
+        assert!(matches!(preparer.prepare(&asked("a", "ua")).await, Ok(Outcome::Prepared(_))));
+        connected_tx.send_replace(false);
+        let refusal = preparer.prepare(&asked("a", "ua")).await.expect_err("NRI down");
+        assert_eq!(refusal.reason, Reason::NriDown);
+        assert!(refusal.message.contains("not connected to the container runtime's NRI"), "{}", refusal.message);
+        connected_tx.send_replace(true);
+        assert!(matches!(preparer.prepare(&asked("a", "ua")).await, Ok(Outcome::Repeated(_))));
         let _ = std::fs::remove_dir_all(dir);
     }
 

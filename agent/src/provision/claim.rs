@@ -262,6 +262,18 @@ pub fn liveness(root: Option<&Path>, cgroups_path: &str) -> Liveness {
     }
 }
 
+/// Why recorded container `id` may still run (the kernel's word on its cgroup), `None` if
+/// no process of it is left; a container not recorded yet (its creation in flight) may.
+fn may_run(containers: &Mutex<BTreeMap<String, Provisioned>>, root: Option<&Path>, id: &str) -> Option<String> {
+    let containers = containers.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let Some(member) = containers.get(id) else { return Some("being created (not recorded yet)".to_owned()) };
+    match liveness(root, &member.record.cgroups_path) {
+        Liveness::Populated => Some(format!("its cgroup {} has processes", member.record.cgroups_path)),
+        Liveness::Unknown(why) => Some(why),
+        Liveness::Empty | Liveness::Gone => None,
+    }
+}
+
 /// The claims' ledgers, by claim UID, and the containers sharing each.
 #[derive(Clone, Default)]
 pub struct Claims {
@@ -390,17 +402,7 @@ impl super::Provisioner {
     pub async fn release_claim(&self, uid: &str) -> Result<Released, String> {
         let (claims, store, containers, root) = (self.claims.clone(), self.store.clone(), self.containers.clone(), self.cgroup_root.clone());
         let owned = uid.to_owned();
-        let released = tokio::task::spawn_blocking(move || {
-            claims.release(&store, &owned, |id| {
-                let containers = containers.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-                let Some(member) = containers.get(id) else { return Some("being created (not recorded yet)".to_owned()) };
-                match liveness(root.as_deref(), &member.record.cgroups_path) {
-                    Liveness::Populated => Some(format!("its cgroup {} has processes", member.record.cgroups_path)),
-                    Liveness::Unknown(why) => Some(why),
-                    Liveness::Empty | Liveness::Gone => None,
-                }
-            })
-        })
+        let released = tokio::task::spawn_blocking(move || claims.release(&store, &owned, |id| may_run(&containers, root.as_deref(), id)))
         .await
         .map_err(|error| format!("releasing DRA claim {uid}'s ledger failed: {error}"))??;
         match &released {
@@ -422,6 +424,18 @@ impl super::Provisioner {
             }
         }
         Ok(released)
+    }
+
+    /// The members of claim `uid` that may still run, and why (the kernel's word on their
+    /// cgroups, as [`Provisioner::release_claim`] asks it): empty when none may.
+    pub async fn claim_in_use(&self, uid: &str) -> Vec<(String, String)> {
+        let (claims, containers, root) = (self.claims.clone(), self.containers.clone(), self.cgroup_root.clone());
+        let owned = uid.to_owned();
+        let members = tokio::task::spawn_blocking(move || {
+            let members = claims.members().remove(&owned).unwrap_or_default();
+            members.into_iter().filter_map(|id| may_run(&containers, root.as_deref(), &id).map(|why| (id, why))).collect()
+        });
+        members.await.unwrap_or_else(|error| vec![(String::new(), format!("the check failed: {error}"))])
     }
 
     /// The claim `workload` belongs to (the checkpoint read on the blocking pool); a refusal is
@@ -579,8 +593,8 @@ mod provisioned {
         assert_eq!((&a.mounts[0].source, &b.mounts[0].source), (&shared, &shared), "one ledger for the claim");
         assert_eq!(c.mounts[0].source, root.join("ledgers/dra-u2/ledger"));
         assert_eq!(a.mounts[1].source, b.mounts[1].source, "one limits file");
-        // No inventory with UUIDs here: NVIDIA's runtime is told to give nothing of its own.
-        assert!(a.env.contains(&(super::super::NVIDIA_VISIBLE_DEVICES.into(), "void".into())), "{:?}", a.env);
+        // No inventory with UUIDs here: NVIDIA's runtime is told to give no GPU of its own.
+        assert!(a.env.contains(&(super::super::NVIDIA_VISIBLE_DEVICES.into(), "none".into())), "{:?}", a.env);
         let made: BTreeMap<String, Provisioned> = p.provisioned().into_iter().map(|x| (x.record.container_id.clone(), x)).collect();
         let header = &made["a"].header;
         assert_eq!((header.device_count, header.devices[0].limit, header.devices[1].limit), (2, 3 << 30, 5 << 30));

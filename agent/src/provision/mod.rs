@@ -12,7 +12,7 @@
 //! | [`ledger::provisioned::HOOK`] | `--hook-library` | read-only |
 //! | [`ledger::provisioned::PRELOAD`] | `<state-dir>/ld.so.preload`, naming the hook | read-only: every dynamically linked process loads the hook |
 //! | env `VRAMGUARD_LEDGER`, `CUDA_DEVICE_MEMORY_LIMIT`, `POD_NAME`, `POD_NAMESPACE`, `CONTAINER_NAME` | the agent's values (they win over the pod's) | for tools; the hook ignores them here |
-//! | env `NVIDIA_VISIBLE_DEVICES` (a DRA claim's containers) | the claim's GPUs by UUID (`void` where one is not known) | NVIDIA's runtime gives the container those GPUs alone, whatever the image's `all` |
+//! | env `NVIDIA_VISIBLE_DEVICES` (a DRA claim's containers) | the claim's GPUs by UUID (`none` where one is not known) | NVIDIA's runtime gives the container those GPUs alone (and the driver's libraries), whatever the image's `all` |
 //!
 //! The agent holds the ledger to the header it created ([`crate::ledgers::Ledgers::set_pins`]: a
 //! rewritten or re-created file is `tampered`, never adopted) and pushes the container's
@@ -809,15 +809,16 @@ impl Provisioner {
     /// What NVIDIA's container runtime is told to give a claim's container
     /// (`NVIDIA_VISIBLE_DEVICES`): the claim's GPUs by UUID, whatever the image or the pod
     /// says (CUDA images say `all`, and under the NVIDIA runtime its hook would add every GPU
-    /// of the node beside the claim's, after NRI has seen the spec); `void` (nothing of the
-    /// NVIDIA runtime's) where a UUID is not known, since a GPU index there is NVML's, not
-    /// the minor number the claim names.
+    /// of the node beside the claim's, after NRI has seen the spec); `none` (the driver's
+    /// libraries and no GPU of the NVIDIA runtime's: the claim's CDI spec gave its GPUs' nodes)
+    /// where a UUID is not known, since a GPU index there is NVML's, not the minor number the
+    /// claim names.
     fn claim_visible_devices(&self, gpus: &[u32]) -> String {
         let inventory = self.gpus.borrow();
         let uuids: Option<Vec<String>> = gpus.iter().map(|&gpu| inventory.as_ref()?.gpu(gpu)?.uuid.clone()).collect();
         match uuids {
             Some(uuids) if !uuids.is_empty() => uuids.join(","),
-            _ => "void".into(),
+            _ => "none".into(),
         }
     }
 

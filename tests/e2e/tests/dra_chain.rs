@@ -119,6 +119,11 @@ impl Node {
             // The published capacity is each GPU's whole memory, as --gpu-memory gives it.
             "--dra-memory-reserve".into(),
             "0".into(),
+            // Claims gone from the API server are looked at each second, with no window.
+            "--dra-stale-after-s".into(),
+            "0".into(),
+            "--dra-stale-every-s".into(),
+            "1".into(),
         ]);
         let mut env = api.pod_env(&account);
         env.extend(fake.env().iter().cloned());
@@ -459,6 +464,27 @@ fn claims_of_several_requests_counts_and_admin_access_are_prepared_and_held_or_r
     ensure!(!cdi::spec_path(&node.containerd.cdi_dir(), uid).exists(), "no spec");
     let samples = e2e::http::scrape(node.agent.metrics_addr()?)?;
     ensure!(e2e::http::metric(&samples, "vramguard_dra_prepare_refusals_total", &[("reason", "admin_access")]) == Some(1.0), "counted");
+    node.fake.cleanup();
+    Ok(())
+}
+
+/// A claim deleted from the API server while its container runs (its finalizer stripped, or
+/// its pod force-deleted while the kubelet was down) keeps its entry, and so its share of the
+/// GPU, while the container may run; once it has stopped, the entry is dropped.
+#[test]
+fn a_claim_deleted_under_a_running_container_keeps_its_share_until_the_container_stops() -> Result<()> {
+    let mut node = Node::new("dra-stale-running")?;
+    let held = node.claim("held", "6b1f3d5a-1b3f-4e5d-9a6b-0c1d2e3f4c01", "4Gi")?;
+    let (_pod, id) = node.run(&held)?;
+    node.api.delete_claim(NAMESPACE, held.name);
+    let metric = |name: &str| -> Result<f64> { Ok(e2e::http::metric(&e2e::http::scrape(node.agent.metrics_addr()?)?, name, &[]).unwrap_or(-1.0)) };
+    wait_for(timeout(), "the sweep keeps the running claim", || Ok(metric("vramguard_dra_stale_claims_in_use")? == 1.0)).with_context(|| node.agent.log())?;
+    ensure!(cdi::spec_path(&node.containerd.cdi_dir(), held.uid).exists(), "kept while its container runs");
+    ensure!(std::fs::read_to_string(node.path("state/dra/checkpoint.json"))?.contains(held.uid), "its share still counts");
+    node.containerd.stop_container(&id, Duration::from_secs(1))?;
+    wait_for(timeout(), "dropped once its container stopped", || Ok(metric("vramguard_dra_stale_claims_dropped_total")? == 1.0)).with_context(|| node.agent.log())?;
+    ensure!(!cdi::spec_path(&node.containerd.cdi_dir(), held.uid).exists(), "its spec removed");
+    ensure!(!node.ledger_dir(held.uid).exists(), "its ledger removed with it");
     node.fake.cleanup();
     Ok(())
 }

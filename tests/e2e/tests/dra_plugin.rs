@@ -22,7 +22,7 @@ use std::{
 };
 
 use anyhow::{ensure, Context, Result};
-use e2e::{agent::Agent, http, timeout, wait_for, FakeNode, TempDir};
+use e2e::{agent::Agent, containerd::Containerd, http, timeout, wait_for, FakeNode, TempDir};
 use serde_json::Value;
 
 mod dra;
@@ -39,7 +39,8 @@ const SHARE: &str = "0c6f7a1e-2b3c-4d5e-8f90-a1b2c3d4e5f6";
 /// The agent on the fake driver as the DaemonSet runs it with `--dra`: two GPUs of 16 GiB, its
 /// state, the kubelet's directories and the CDI directory under `dir`.
 fn start_agent(api: &ApiServer, dir: &Path, account: &Path, fake: &FakeNode, more: &[&str]) -> Result<Agent> {
-    // With --nri (--dra refuses to start without it), whose runtime never comes here.
+    // With --nri (--dra refuses to start without it) on the runtime at `<dir>/nri.sock`
+    // ([`runtime`]) where there is one: no claim is prepared until the agent is connected.
     std::fs::create_dir_all(dir.join("ledgers"))?;
     let mut args = e2e::agent::kube_node_args(dir, "16Gi,16Gi")?;
     args.extend::<[OsString; _]>([
@@ -59,7 +60,16 @@ fn start_agent(api: &ApiServer, dir: &Path, account: &Path, fake: &FakeNode, mor
     // The fake's NVML (beside its libcuda) sees the node's devices.
     env.extend(fake.env().iter().cloned());
     let args: Vec<&OsStr> = args.iter().map(OsString::as_os_str).collect();
-    Agent::start_with_env(&args, &env)
+    let agent = Agent::start_with_env(&args, &env)?;
+    if dir.join("nri.sock").exists() {
+        wait_for(timeout(), "the agent connected to the runtime's NRI", || Ok(agent.audit()?["nri_connected"] == true)).with_context(|| agent.log())?;
+    }
+    Ok(agent)
+}
+
+/// A containerd whose NRI socket is `<dir>/nri.sock`, where [`start_agent`]'s agent connects.
+fn runtime(dir: &Path) -> Result<Containerd> {
+    Containerd::start(&dir.join("nri.sock"))
 }
 
 /// The claim `team-a/<name>`'s GETs the API server answered.
@@ -88,6 +98,7 @@ fn scene(tag: &str) -> Result<(ApiServer, TempDir, PathBuf)> {
 #[test]
 fn the_kubelet_registers_the_plugin_and_prepares_and_unprepares_claims_across_a_restart() -> Result<()> {
     let (api, dir, account) = scene("dra-plugin")?;
+    let _runtime = runtime(dir.path())?;
     // An 8 GiB share of GPU 1, as the scheduler allocated it.
     let train = [(DRIVER, NODE, "gpu-1", Some("8Gi"), SHARE)];
     api.put_claim(resource::claim("team-a", "train", TRAIN_UID, "8Gi", Some(&train)));
@@ -205,6 +216,7 @@ fn the_kubelet_registers_the_plugin_and_prepares_and_unprepares_claims_across_a_
 #[test]
 fn a_panic_in_the_plugin_ends_the_agent_naming_it_and_the_next_agent_replaces_its_stale_sockets() -> Result<()> {
     let (api, dir, account) = scene("dra-plugin-panic")?;
+    let _runtime = runtime(dir.path())?;
     let fake = FakeNode::new("dra-plugin-panic").with_env("FAKECUDA_DEVICE_COUNT", "2");
     let trigger = dir.path().join("panic-now");
     let fault = format!("panic:dra-plugin:{}", trigger.display());
@@ -246,6 +258,7 @@ fn on_disk(dir: &Path) -> Result<(bool, bool, bool)> {
 #[test]
 fn a_kill_at_each_step_of_prepare_and_unprepare_leaves_what_a_restarted_agent_completes_or_undoes() -> Result<()> {
     let (api, dir, account) = scene("dra-plugin-crash")?;
+    let _runtime = runtime(dir.path())?;
     let train = [(DRIVER, NODE, "gpu-1", Some("8Gi"), SHARE)];
     api.put_claim(resource::claim("team-a", "train", TRAIN_UID, "8Gi", Some(&train)));
     let fake = FakeNode::new("dra-plugin-crash").with_env("FAKECUDA_DEVICE_COUNT", "2").with_env("FAKECUDA_DEVICE_BYTES", "16g");
@@ -302,6 +315,7 @@ fn a_kill_at_each_step_of_prepare_and_unprepare_leaves_what_a_restarted_agent_co
 #[test]
 fn a_prepared_claim_deleted_from_the_api_server_stops_holding_its_share_after_the_window() -> Result<()> {
     let (api, dir, account) = scene("dra-plugin-stale")?;
+    let _runtime = runtime(dir.path())?;
     let fake = FakeNode::new("dra-plugin-stale").with_env("FAKECUDA_DEVICE_COUNT", "2").with_env("FAKECUDA_DEVICE_BYTES", "16g");
     let big = [(DRIVER, NODE, "gpu-0", Some("12Gi"), SHARE)];
     api.put_claim(resource::claim("team-a", "big", "uid-stale-big", "12Gi", Some(&big)));
@@ -356,6 +370,31 @@ fn dra_without_nri_refuses_to_start_and_hands_out_nothing() -> Result<()> {
     ensure!(stderr.contains("--dra needs --nri") && stderr.contains("nothing behind their claim"), "it says why: {stderr}");
     ensure!(!dir.path().join("registry").join(format!("{DRIVER}-reg.sock")).exists(), "no plugin registered");
     ensure!(api.with(|s| s.resource.slices.is_empty()), "no slice published");
+    fake.cleanup();
+    Ok(())
+}
+
+#[test]
+fn while_the_agent_is_not_connected_to_the_runtime_s_nri_no_claim_is_prepared() -> Result<()> {
+    let (api, dir, account) = scene("dra-plugin-nri-down")?;
+    let fake = FakeNode::new("dra-plugin-nri-down").with_env("FAKECUDA_DEVICE_COUNT", "2").with_env("FAKECUDA_DEVICE_BYTES", "16g");
+    let train = [(DRIVER, NODE, "gpu-1", Some("8Gi"), SHARE)];
+    api.put_claim(resource::claim("team-a", "train", TRAIN_UID, "8Gi", Some(&train)));
+    // No runtime yet (NRI off in containerd 1.7's configuration looks the same to the agent).
+    let agent = start_agent(&api, dir.path(), &account, &fake, &[])?;
+    let kubelet = Kubelet::new(&dir.path().join("registry"))?;
+    let plugin = kubelet.register(DRIVER, timeout()).with_context(|| agent.log())?;
+    let refused = kubelet.prepare(&plugin, vec![claim("team-a", "train", TRAIN_UID)])?;
+    let error = &refused.claims[TRAIN_UID].error;
+    ensure!(error.contains("not connected to the container runtime's NRI") && refused.claims[TRAIN_UID].devices.is_empty(), "{refused:?}");
+    ensure!(!dir.path().join("cdi").join(format!("{DRIVER}-{TRAIN_UID}.json")).exists(), "no spec");
+    wait_metric(&agent, "vramguard_dra_prepare_refusals_total", &[("reason", "nri_down")], 1.0)?;
+    // The runtime comes: the kubelet's next try is prepared.
+    let _runtime = runtime(dir.path())?;
+    wait_for(timeout(), "the agent connected to the runtime's NRI", || Ok(agent.audit()?["nri_connected"] == true)).with_context(|| agent.log())?;
+    let prepared = kubelet.prepare(&plugin, vec![claim("team-a", "train", TRAIN_UID)])?;
+    ensure!(prepared.claims[TRAIN_UID].error.is_empty(), "{prepared:?}\n{}", agent.log());
+    agent.stop()?;
     fake.cleanup();
     Ok(())
 }

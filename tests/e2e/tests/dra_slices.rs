@@ -241,6 +241,8 @@ struct GateOff {
     dir: TempDir,
     account: std::path::PathBuf,
     fake: FakeNode,
+    /// The runtime whose NRI the agent connects to (it prepares nothing without).
+    _runtime: e2e::containerd::Containerd,
 }
 
 impl GateOff {
@@ -252,7 +254,8 @@ impl GateOff {
         api.service_account(&account)?;
         std::fs::create_dir_all(dir.path().join("ledgers"))?;
         let fake = FakeNode::new(tag).with_env("FAKECUDA_DEVICE_COUNT", "2").with_env("FAKECUDA_DEVICE_BYTES", "80g");
-        Ok(GateOff { api, dir, account, fake })
+        let runtime = e2e::containerd::Containerd::start(&dir.path().join("nri.sock"))?;
+        Ok(GateOff { api, dir, account, fake, _runtime: runtime })
     }
 
     /// The agent with `--dra`, its slices checked each second.
@@ -265,7 +268,9 @@ impl GateOff {
         let mut env: Vec<(OsString, OsString)> = self.fake.env().to_vec();
         env.extend(self.api.pod_env(&self.account));
         let args: Vec<&OsStr> = args.iter().map(OsString::as_os_str).collect();
-        Agent::start_with_env(&args, &env)
+        let agent = Agent::start_with_env(&args, &env)?;
+        wait_for(timeout(), "the agent connected to the runtime's NRI", || Ok(agent.audit()?["nri_connected"] == true)).with_context(|| agent.log())?;
+        Ok(agent)
     }
 }
 
