@@ -488,3 +488,38 @@ fn a_claim_deleted_under_a_running_container_keeps_its_share_until_the_container
     node.fake.cleanup();
     Ok(())
 }
+
+/// An init container and the main container of one pod name the same claim (the webhook's
+/// sharing: init containers run alone, before the main ones): the init container takes most
+/// of the claim's quota and exits; its slot is the claim's ledger's no more, and the main
+/// container then has the whole quota (the pod holds the larger of the two, not their sum).
+#[test]
+fn an_init_container_and_the_main_container_of_one_claim_each_have_its_whole_quota_in_turn() -> Result<()> {
+    let mut node = Node::new("dra-init")?;
+    let shared = node.claim("shared", "6b1f3d5a-1b3f-4e5d-9a6b-0c1d2e3f4d01", "4Gi")?;
+    let pod = node.containerd.pod(shared.name, NAMESPACE, "uid-shared", &[])?;
+    let spec = |name: &str| -> Result<ContainerSpec> {
+        let mut spec = ContainerSpec::new(name).fake_driver(&node.fake)?;
+        for device in &shared.cdi_devices {
+            spec = spec.cdi_device(device);
+        }
+        Ok(spec)
+    };
+    // The init container: a context and 3 GiB of the 4, then it ends.
+    let init = spec("init")?.command([e2e::containerd::workload_path().as_str(), "ctx 0", "alloc a 3g", "meminfo"]);
+    let init = node.containerd.run_container(&pod, &init).with_context(|| node.agent.log())?;
+    wait_for(timeout(), "the init container to end", || Ok(node.containerd.status(&init)?.status.map(|s| s.state) == Some(e2e::containerd::cri::CONTAINER_EXITED)))?;
+    ensure!(node.containerd.status(&init)?.status.map(|s| s.exit_code) == Some(0), "the init container's allocations were granted:\n{}", node.agent.log());
+    // Its slot reclaimed from the claim's ledger (the agent saw it exit).
+    let ledger = node.ledger_dir(shared.uid).join("ledger");
+    wait_for(timeout(), "the init container's slot reclaimed", || Ok(ledger_devices(&ledger, "used_bytes")? == [(0, 0)])).with_context(|| node.agent.log())?;
+    // The main container: the same 3 GiB again (granted: the init's are gone with it), and
+    // past the quota refused.
+    let main = node.containerd.run_container(&pod, &spec("main")?).with_context(|| node.agent.log())?;
+    let record = provisioned(&node.agent, &main)?.context("main provisioned")?;
+    ensure!(record["claim"] == shared.uid && record["quota"] == 4 * GIB, "{record}");
+    let lines = dra::node::workload(&node.containerd, &main, &["ctx 0", "alloc a 3g", "expect-oom alloc x 1g", "meminfo"]).with_context(|| node.agent.log())?;
+    ensure!(lines.iter().any(|l| l == "oom x") && !lines.iter().any(|l| l == "oom a"), "{lines:?}\n{}", node.agent.log());
+    node.fake.cleanup();
+    Ok(())
+}
