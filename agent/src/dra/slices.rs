@@ -23,12 +23,15 @@
 //! On Kubernetes 1.34 and 1.35 the gate is off by default, and the API server then drops what
 //! it guards from every write: a device's `allowMultipleAllocations`, a capacity's
 //! `requestPolicy` (and, in claims, the requests' capacity and the results'
-//! `consumedCapacity` and `shareID`). The publisher reads that in the API server's answer to
-//! its write: a device it wrote as shared that comes back without `allowMultipleAllocations`.
-//! It then publishes each GPU as a whole device ([`Sharing::Whole`]: its `memory` capacity
-//! and no policy, which the scheduler gives to one claim at a time), once, and keeps that form
-//! until the agent restarts (a cluster whose gate is turned on gets shared GPUs at the next
-//! agent start); prepare gives a result without `consumedCapacity` the GPU's whole capacity.
+//! `consumedCapacity` and `shareID`). At every check the publisher asks the API server with a
+//! dry-run create ([`Publisher::probe`]: admitted and answered as a create, nothing stored)
+//! of a slice in the shared form, and reads the answer: a device sent shared that comes back
+//! without `allowMultipleAllocations` means the gate is off. It then publishes each GPU as a
+//! whole device ([`Sharing::Whole`]: its `memory` capacity and no policy, which the scheduler
+//! gives to one claim at a time), written once in that form, and follows the gate when it is
+//! turned off or on (a dry-run create has no old object whose use of the fields would keep
+//! them). Prepare gives a result without `consumedCapacity` the GPU's whole capacity. The
+//! answer to each real write is read the same way, in case the probe could not tell.
 //! `vramguard audit` and `vramguard_dra_sharing` say which form is published.
 //!
 //! A GPU a prepared claim holds whole (a result without a `shareID`, allocated while the gate
@@ -414,6 +417,19 @@ impl Publisher {
     /// the API server dropped the shared one.
     async fn publish(&self, inventory: &Inventory, published: Option<&Published>, learned: &mut Learned) -> Result<Published, KubeError> {
         self.withdraw(learned).await?;
+        if let Some(sharing) = self.probe(inventory, learned).await? {
+            if sharing != learned.sharing {
+                match sharing {
+                    Sharing::Whole => warn!(
+                        node = %self.node,
+                        "dra: the API server drops allowMultipleAllocations and the request policy (the DRAConsumableCapacity feature gate \
+                         is off): each GPU is published whole, for one claim at a time"
+                    ),
+                    Sharing::Shared => info!(node = %self.node, "dra: the API server keeps the shared form (DRAConsumableCapacity is on): GPUs are published shared"),
+                }
+                learned.sharing = sharing;
+            }
+        }
         let (now, dropped) = self.sync(inventory, published, learned).await?;
         if !dropped {
             return Ok(now);
@@ -425,6 +441,30 @@ impl Publisher {
         );
         learned.sharing = Sharing::Whole;
         Ok(self.sync(inventory, Some(&now), learned).await?.0)
+    }
+
+    /// What the API server does with the shared form now: a dry-run create (nothing stored,
+    /// admission and the fields' dropping as for a real one) of a slice of the node's first
+    /// GPU in the shared form, its answer read back. `Some(Whole)` where it drops
+    /// `allowMultipleAllocations` or the request policy (`DRAConsumableCapacity` off: asked at
+    /// every check, so a gate turned off or on is followed without a restart and without a
+    /// write of the wrong form); `None` where there is no GPU to ask with, or the probe's name
+    /// is taken (the form stays as it is).
+    async fn probe(&self, inventory: &Inventory, learned: &Learned) -> Result<Option<Sharing>, KubeError> {
+        let mut first = inventory.clone();
+        first.gpus.truncate(1);
+        let (slices, _) = build_as(&self.node, learned.owner.as_deref(), &first, &self.settings, 1, Sharing::Shared, &BTreeSet::new());
+        let Some(mut slice) = slices.into_iter().next().filter(|s| s.spec.devices.as_ref().is_some_and(|d| !d.is_empty())) else { return Ok(None) };
+        slice.metadata.name = Some(format!("{}-probe", slice_name(&self.node, 0)));
+        let params = PostParams { dry_run: true, field_manager: Some("vramguard".into()) };
+        match timed(format!("probing the API server with a dry-run ResourceSlice of node {}", self.node), self.api.create(&params, &slice)).await {
+            Ok(answer) => Ok(Some(if shared_form_dropped(&slice, &answer) { Sharing::Whole } else { Sharing::Shared })),
+            Err(KubeError::Status { code: 409, .. }) => {
+                warn!(node = %self.node, "dra: a ResourceSlice has the probe's name: the form of the GPUs stays {}", learned.sharing.name());
+                Ok(None)
+            }
+            Err(error) => Err(error),
+        }
     }
 
     /// Tells the audit and the metrics what is published.

@@ -180,7 +180,8 @@ impl super::ApiServer {
 }
 
 /// ResourceSlices, as the real server keeps them (cluster-scoped): a list and a watch with
-/// the `spec.nodeName` and `spec.driver` field selectors, a create (409 if the name is taken),
+/// the `spec.nodeName` and `spec.driver` field selectors, a create (409 if the name is taken;
+/// with `dryRun=All` answered and not stored),
 /// an update (`PUT`: 404 if absent, 409 on a stale `resourceVersion`), a delete; each write
 /// validated as resource.k8s.io/v1 validates a slice (a name, the driver, the pool, exactly one
 /// of the node fields, at most 128 devices, a request policy only on a device that allows
@@ -221,6 +222,11 @@ fn slices(state: &mut ApiState, asked: &Asked<'_>) -> Option<Answer> {
             let name = slice["metadata"]["name"].as_str().unwrap_or_default().to_owned();
             if state.resource.slices.contains_key(&name) {
                 return Some(status(StatusCode::CONFLICT, "AlreadyExists", &format!("resourceslices.resource.k8s.io \"{name}\" already exists")));
+            }
+            // `dryRun=All`: validated, its gated fields dropped and answered as a create would
+            // be, nothing stored or told.
+            if asked.query.get("dryRun") == Some(&"All") {
+                return Some(answer(StatusCode::CREATED, &slice));
             }
             state.version += 1;
             slice["metadata"]["resourceVersion"] = json!(state.version.to_string());
