@@ -25,8 +25,8 @@ const fn free(symbol: &'static str, entry: &'static str) -> ProbeSpec {
     ProbeSpec { symbol, entry, returns: false }
 }
 
-/// Every driver API vramguard accounts (DESIGN.md §5), and the VMM calls that decide how
-/// long a `cuMemCreate` handle's memory lives (mapping, unmapping, retaining).
+/// Every driver API vramguard accounts (docs/design.md, "The eBPF probes"), and the VMM calls
+/// that decide how long a `cuMemCreate` handle's memory lives (mapping, unmapping, retaining).
 pub const PROBES: [ProbeSpec; 15] = [
     alloc("cuMemAlloc_v2", "mem_alloc"),
     alloc("cuMemAllocPitch_v2", "mem_alloc_pitch"),

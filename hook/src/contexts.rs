@@ -1,8 +1,9 @@
-//! Context lifetimes: every CUDA context holds device memory of its own (DESIGN §4: 518 MiB on
-//! an H100), so each is charged the device's context reserve for as long as it lives. A
-//! created context (`cuCtxCreate_v2/_v3/_v4`) from its creation to its `cuCtxDestroy_v2`; a
-//! device's primary context from the retain that creates it to the release that drops its
-//! last reference (`cuDevicePrimaryCtxRetain` / `cuDevicePrimaryCtxRelease(_v2)`).
+//! Context lifetimes: every CUDA context holds device memory of its own (docs/design.md,
+//! "Platform facts": 518 MiB on an H100), so each is charged the device's context reserve
+//! for as long as it lives. A created context (`cuCtxCreate_v2/_v3/_v4`) from its creation
+//! to its `cuCtxDestroy_v2`; a device's primary context from the retain that creates it to
+//! the release that drops its last reference (`cuDevicePrimaryCtxRetain` /
+//! `cuDevicePrimaryCtxRelease(_v2)`).
 //!
 //! Context creation and destruction are serialised per process, so a second thread cannot slip
 //! a context past a charge that is about to be refused. Not covered: the legacy `cuCtxCreate`

@@ -1,7 +1,7 @@
 //! `libvramguard.so`: preloaded into every process of a container (`LD_PRELOAD` or
 //! `/etc/ld.so.preload`), it interposes the CUDA driver API and admits every allocation
 //! through the container's ledger before the real driver is called, so no container exceeds
-//! its quota, however many processes race (DESIGN.md §2-4).
+//! its quota, however many processes race (docs/design.md, "The hook", "The ledger").
 //!
 //! * [`config`]: the environment (HAMi-core's variables and vramguard's own).
 //! * [`real`]: the real libcuda, the process's NVML and the real `dlsym`.

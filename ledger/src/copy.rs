@@ -1,6 +1,6 @@
 //! Reading a ledger without mapping it or taking its lock: a bounded copy of its shared state
 //! and live slots, made with `pread` into private memory and checked against a header the
-//! reader validated earlier. This is how the node agent reads ledgers (`../shared/security.md`,
+//! reader validated earlier. This is how the node agent reads ledgers (`docs/security.md`,
 //! rule 1): the file is writable by its workload at any moment, so the agent never maps it (a
 //! truncated mapping kills the reader with SIGBUS) and never runs the lock's code on it (glibc
 //! writes through pointers stored inside a robust mutex).

@@ -9,7 +9,7 @@
 //! predecessor died mid-update, whether or not the mutex reported `EOWNERDEAD`) rebuilds the
 //! derived state before going on.
 //!
-//! Accounting rules (DESIGN.md §4): a device allocation of a chunk or more takes
+//! Accounting rules (docs/design.md, "The ledger"): a device allocation of a chunk or more takes
 //! ceil(bytes / chunk) whole chunks of its own; smaller ones are packed per (process,
 //! device), which is charged ceil(live small bytes / chunk) chunks; a context reserve is
 //! charged once per (process, device); managed memory takes whole chunks like data.

@@ -1,5 +1,5 @@
 //! The shared quota ledger: one memory-mapped file per container that every hooked process
-//! and the node agent map at once (DESIGN.md §4). No CUDA and no eBPF in here.
+//! and the node agent map at once (docs/design.md, "The ledger"). No CUDA and no eBPF here.
 //!
 //! * [`layout`]: the file's byte layout (header page with limits, state, slots, records,
 //!   per-device buddy spaces and block links).

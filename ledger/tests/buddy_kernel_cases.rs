@@ -1,4 +1,4 @@
-//! Ports of the Linux `gpu_buddy` KUnit cases (as restated in buddy-acceptance.md), plus a
+//! Ports of the Linux `gpu_buddy` KUnit cases (docs/design.md, "The ledger"), plus a
 //! property test against a simple model. Behaviour is ported from the case descriptions;
 //! no kernel code is copied.
 

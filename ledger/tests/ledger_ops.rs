@@ -59,7 +59,7 @@ fn assert_sound(ledger: &Ledger) {
 fn granularity_matches_the_driver() {
     let dir = TempDir::new("granularity");
     let ledger = Ledger::create(&dir.file(), &geometry(4096 * MIB, 0), CREATOR_AGENT).unwrap();
-    // The five H100 figures of DESIGN.md §4, each in a process of its own.
+    // The five H100 figures of docs/design.md ("Platform facts"), each in a process of its own.
     let cases: [(u32, u64, u64, u64); 5] =
         [(1000, 512, 2 * MIB, 1), (200, 64 << 10, 14 * MIB, 2), (200, MIB, 200 * MIB, 3), (100, 2 * MIB, 200 * MIB, 4), (100, 3 * MIB, 400 * MIB, 5)];
     for (count, size, expected, pid) in cases {

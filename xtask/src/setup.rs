@@ -1,5 +1,5 @@
-//! `cargo xtask setup`: the eBPF toolchain, installed only where missing (DESIGN.md §7);
-//! also the manifests' validator ([`crate::manifests`]), the real CUDA clients
+//! `cargo xtask setup`: the eBPF toolchain, installed only where missing (docs/design.md,
+//! "Platform facts"); also the manifests' validator ([`crate::manifests`]), the real CUDA clients
 //! ([`crate::clients`]), the containerd the end-to-end tests run ([`crate::containerd`]) and
 //! the Prometheus the monitoring tests run ([`crate::prometheus`]).
 //!

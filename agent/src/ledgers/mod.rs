@@ -22,7 +22,7 @@
 //!
 //! # Access
 //!
-//! The agent never maps a ledger and never takes its lock (`../shared/security.md`, rule 1):
+//! The agent never maps a ledger and never takes its lock (`docs/security.md`, rule 1):
 //! [`LedgerHandle`] reads bounded private copies ([`ledger::copy`]), writes host pids with
 //! `pwrite` at offsets from the validated header, and hands the operations that need the
 //! lock (reclaim, the agent's own charge) to a confined worker process per ledger

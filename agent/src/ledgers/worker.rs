@@ -2,7 +2,7 @@
 //!
 //! A ledger file is writable by its workload at any moment, and its lock is a glibc robust
 //! mutex whose unlock writes through pointers stored in the file; a truncated mapping kills
-//! with SIGBUS. So the agent never maps a ledger (`../shared/security.md`, rule 1): it reads
+//! with SIGBUS. So the agent never maps a ledger (`docs/security.md`, rule 1): it reads
 //! bounded copies ([`ledger::copy`]) and hands every locked operation (reclaiming a dead
 //! process's slot, registering and recharging the agent's own slot) to a worker: a process
 //! of its own per ledger, started from the agent's binary (`vramguard ledger-worker`), that

@@ -1,7 +1,7 @@
 //! Which of the node's GPUs a container was given, as the container runtime says: the only
 //! answer the quota's ledger, the cgroup limit and the over-commit check use.
 //!
-//! Trusted (the runtime's, `security.md` rule 5): the device nodes in the container's OCI spec
+//! Trusted (the runtime's: `docs/security.md`, rule 5): the device nodes in the container's OCI spec
 //! (`linux.devices`, as NRI hands it over in CreateContainer: what the kubelet's device plugin
 //! or CDI put there) and the CDI device names the runtime reports (NRI's `CDI_devices`, newer
 //! NRI) or the container's CDI annotations (`cdi.k8s.io/...`, set by the kubelet from the

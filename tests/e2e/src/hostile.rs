@@ -1,5 +1,5 @@
 //! What every attack test of the adversarial suite (`tests/hostile_*.rs`) checks while its
-//! attack runs (`../shared/security.md`, "How we test it"): the agent is still alive and still
+//! attack runs (`docs/security.md`, "How the rules are tested"): the agent is still alive and still
 //! serving `/metrics` ([`assert_serving`]), it still reclaims the slot of a SIGKILLed
 //! process of *another* container within a second ([`Bystander`]), `/healthz` answers in
 //! time throughout ([`HealthProbe`]), and it never maps a ledger file, nor does any of its
@@ -176,7 +176,7 @@ pub fn worker_pids(agent: u32) -> Vec<u32> {
     found
 }
 
-/// The rule "the agent never maps a ledger" (`../shared/security.md`, rule 1), read from the
+/// The rule "the agent never maps a ledger" (`docs/security.md`, rule 1), read from the
 /// kernel: no file under `dir` (the agent's `--ledger-dir`: every ledger of the test, those
 /// removed or replaced since included) is in `/proc/<agent>/maps`, and each of the agent's
 /// ledger workers maps at most one (the ledger it works on, as designed).

@@ -16,7 +16,7 @@ fn devstats(out: &e2e::Finished) -> Result<Vec<u64>> {
 
 #[test]
 fn granularity_matches_the_h100_figures() -> Result<()> {
-    // (count, size, expected device delta) from DESIGN §4.
+    // (count, size, expected device delta) from docs/design.md, "Platform facts".
     let cases = [(1000, 512, 2 * MIB), (200, 64 * KIB, 14 * MIB), (200, MIB, 200 * MIB), (100, 2 * MIB, 200 * MIB), (100, 3 * MIB, 400 * MIB)];
     for (count, size, expected) in cases {
         let node = FakeNode::new("granularity");

@@ -1,4 +1,4 @@
-//! The adversarial suite, ledger files (issue "Hostile tenants"; `../shared/security.md`): a
+//! The adversarial suite, ledger files (issue "Hostile tenants"; `docs/security.md`): a
 //! workload can write any byte of its ledger at any moment, and cut, grow or replace it. Each
 //! attack is a real process (the helper binary `hostile-attacker`, `src/bin/`) working on the
 //! attacker container's ledger while the agent operates on it (a process of that container is

@@ -7,7 +7,7 @@
 //! VMM + resources` (arrays and the graph memory pool, see [`crate::resources`]),
 //! where `large` is the sum of allocations of 2 MiB or more, each rounded up to whole 2 MiB
 //! pages, and `small` the sum of the sizes of live smaller allocations (packed into shared
-//! 2 MiB pages per process and device). This reproduces the H100 measurements of DESIGN §4.
+//! 2 MiB pages per process and device). This reproduces the H100 figures of docs/design.md.
 //!
 //! Every change is computed first, then charged to the device file (which refuses with
 //! `CUDA_ERROR_OUT_OF_MEMORY` and charges nothing when it does not fit), then committed here.

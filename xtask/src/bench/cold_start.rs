@@ -322,8 +322,8 @@ fn section(added: &[Vec<f64>], bare_ns: &[f64], own_bytes: u64, agent_bytes: u64
 const HAMI_COLD_MS: f64 = 1.4;
 const HAMI_WARM_MS: f64 = 0.72;
 
-/// HAMi-core's figures as prior-art.md recorded them (not measured by this benchmark: its
-/// sources are not on the machines this runs on).
+/// HAMi-core's figures as docs/design.md records them ("Measured side by side"; not
+/// measured by this benchmark: its sources are not on the machines this runs on).
 const HAMI_CORE: &str = "\nHAMi-core is not measured here: its sources are not on this machine. \
     Recorded on 2026-11-26 in the project's prior-art notes (\"Measured side by side\": \
     HAMi-core `8f3a89c` as its build script ships it, Debug -O0, against vramguard's hook on the same fake \
