@@ -13,9 +13,10 @@
 //!   offline from the release binaries and Debian's glibc (`--rootfs DIR`: the same root file
 //!   system as a directory, which `deploy/Dockerfile` copies onto `scratch`); see [`image`].
 //! - `validate-manifests`: check deploy/'s manifests against the Kubernetes schemas, offline.
-//! - `test`: everything above, the image (`image`, which the DaemonSet's end-to-end test
-//!   runs), then every test of the workspace, then the demo with its output and clean-up
-//!   checked (`demo::check`).
+//! - `test`: everything above, the checks of the sources (the agent's layering, `layers`; no
+//!   tracked file pointing outside the repository, `standalone`), the image (`image`, which
+//!   the DaemonSet's end-to-end test runs), then every test of the workspace, then the demo
+//!   with its output and clean-up checked (`demo::check`).
 //! - `demo`: the agent, the fake driver and sample workloads, end to end (needs root).
 //! - `bench`: what the eBPF probes, the hook and the node agent cost; writes docs/BENCHMARKS.md
 //!   (`--probes-only`: the probes' rows, printed; `--agent-only`: the node agent's section alone).
@@ -28,6 +29,7 @@ mod layers;
 mod manifests;
 mod prometheus;
 mod setup;
+mod standalone;
 mod suite;
 
 use std::{
@@ -177,6 +179,7 @@ fn test() -> Result<()> {
     };
     manifests::validate()?;
     layers::check()?;
+    standalone::check()?;
     // The agent's image, which tests/e2e/tests/daemonset.rs runs as the DaemonSet's pod: the
     // layout that ships, with the agent just built (CI builds the agent once, not twice).
     let start = std::time::Instant::now();
