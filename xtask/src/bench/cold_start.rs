@@ -325,7 +325,7 @@ const HAMI_WARM_MS: f64 = 0.72;
 /// HAMi-core's figures as docs/design.md records them ("Measured side by side"; not
 /// measured by this benchmark: its sources are not on the machines this runs on).
 const HAMI_CORE: &str = "\nHAMi-core is not measured here: its sources are not on this machine. \
-    Recorded on 2026-11-26 in the project's prior-art notes (\"Measured side by side\": \
+    Recorded on 2026-11-26 in docs/design.md (\"Prior art\", \"Measured side by side\": \
     HAMi-core `8f3a89c` as its build script ships it, Debug -O0, against vramguard's hook on the same fake \
     driver, in one run): start-up to the first allocation, warm +0.72 ms (HAMi-core) against \
     +0.36 ms (vramguard); cold, the first process creating the shared file, +1.4 ms (HAMi-core) \
