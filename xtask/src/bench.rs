@@ -657,7 +657,7 @@ fn write_report(rows: &[Row], cold: &str, agent: &str) -> Result<()> {
          the baseline the fake driver's own cost, and the ratio (baseline + figure) / baseline, \
          how many times the bare call's time the call takes with vramguard. On a real H100 the \
          driver's own pair costs about 80-100 us and a context about 518 MiB and many \
-         milliseconds (docs/design.md, "Platform facts"), so added costs are to be read against those, not against \
+         milliseconds (docs/design.md, \"Platform facts\"), so added costs are to be read against those, not against \
          the fake. Targets (the node agent, ratio marked \"of target\"): the baseline is the \
          issue's target or requirement and the ratio figure / target, under 1 when it is met.\n",
     );
