@@ -494,7 +494,7 @@ pub async fn wire(
         );
     }
     let checkpoint_dir = state_dir.clone();
-    let checkpoint = tokio::task::spawn_blocking(move || super::checkpoint::Checkpoint::open(&checkpoint_dir))
+    let checkpoint = tokio::task::spawn_blocking(move || super::checkpoint::Checkpoint::own(&checkpoint_dir))
         .await
         .context("opening the DRA checkpoint")?
         .map_err(anyhow::Error::msg)?;

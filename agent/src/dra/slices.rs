@@ -143,8 +143,7 @@ impl SliceArgs {
 }
 
 /// How the pool's GPUs are published.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Sharing {
     /// Devices that allow multiple allocations, a `memory` capacity with a request policy:
     /// claims share a GPU, each its `consumedCapacity`.

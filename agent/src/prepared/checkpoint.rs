@@ -36,12 +36,7 @@ impl Checkpoint {
     /// The checkpoint under `state_dir` (`<state-dir>/dra/checkpoint.json`): what it holds, or
     /// empty when there is no file yet.
     pub fn open(state_dir: &Path) -> Result<Checkpoint, String> {
-        let dir = state_dir.join("dra");
-        let path = dir.join("checkpoint.json");
-        // The agent's alone, whoever made it first (the claims' directories below it are
-        // mounted into containers by the runtime, which is root).
-        fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-        fs::set_permissions(&dir, fs::Permissions::from_mode(0o700)).map_err(|e| format!("cannot make {} the agent's alone: {e}", dir.display()))?;
+        let path = state_dir.join("dra").join("checkpoint.json");
         let claims = match fs::read(&path) {
             Ok(bytes) => {
                 let on_disk: OnDisk = serde_json::from_slice(&bytes).map_err(|e| format!("the DRA checkpoint {} is not valid: {e}", path.display()))?;
@@ -54,6 +49,17 @@ impl Checkpoint {
             Err(error) => return Err(format!("cannot read the DRA checkpoint {}: {error}", path.display())),
         };
         Ok(Checkpoint { path, claims })
+    }
+
+    /// [`Checkpoint::open`] for the driver that writes it, once at its start: the directory
+    /// made the agent's alone first (0700), whoever made it (the claims' directories below it
+    /// are mounted into containers by the runtime, which is root). Readers (the NRI side) use
+    /// `open`, which changes nothing.
+    pub fn own(state_dir: &Path) -> Result<Checkpoint, String> {
+        let dir = state_dir.join("dra");
+        fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        fs::set_permissions(&dir, fs::Permissions::from_mode(0o700)).map_err(|e| format!("cannot make {} the agent's alone: {e}", dir.display()))?;
+        Checkpoint::open(state_dir)
     }
 
     pub fn path(&self) -> &Path {
@@ -154,7 +160,7 @@ mod tests {
         // Made 0755 by someone else (a hostPath DirectoryOrCreate, an older agent).
         fs::DirBuilder::new().mode(0o755).create(dir.join("dra")).expect("dir");
         fs::set_permissions(dir.join("dra"), fs::Permissions::from_mode(0o755)).expect("chmod");
-        Checkpoint::open(&dir).expect("opened");
+        Checkpoint::own(&dir).expect("opened");
         assert_eq!(fs::metadata(dir.join("dra")).expect("dir").permissions().mode() & 0o777, 0o700);
     }
 

@@ -194,8 +194,12 @@ impl Node {
 
     /// `vramguard_dra_unprepared_ledgers_total{result}` on the agent's page.
     fn unprepared_ledgers(&self, result: &str) -> Result<f64> {
-        let samples = e2e::http::scrape(self.agent.metrics_addr()?)?;
-        e2e::http::metric(&samples, "vramguard_dra_unprepared_ledgers_total", &[("result", result)]).context("no vramguard_dra_unprepared_ledgers_total")
+        self.metric("vramguard_dra_unprepared_ledgers_total", &[("result", result)])?.context("no vramguard_dra_unprepared_ledgers_total")
+    }
+
+    /// `name{labels}` on the agent's page now.
+    fn metric(&self, name: &str, labels: &[(&str, &str)]) -> Result<Option<f64>> {
+        Ok(e2e::http::metric(&e2e::http::scrape(self.agent.metrics_addr()?)?, name, labels))
     }
 
     /// Checks that `id` is provisioned from `claim` on GPU 1 alone and that its workload is
@@ -435,8 +439,7 @@ fn claims_of_several_requests_counts_and_admin_access_are_prepared_and_held_or_r
     both.push("nvidia.com/gpu=1".into());
     let error = format!("{:#}", run(&node, "twin-plugin", &both).expect_err("GPUs from both"));
     ensure!(error.contains("also has GPUs [1]") && error.contains("nvidia.com/gpu"), "{error}");
-    let samples = e2e::http::scrape(node.agent.metrics_addr()?)?;
-    ensure!(e2e::http::metric(&samples, "vramguard_dra_containers_refused_total", &[("reason", "foreign_gpus")]) == Some(1.0), "counted");
+    ensure!(node.metric("vramguard_dra_containers_refused_total", &[("reason", "foreign_gpus")])? == Some(1.0), "counted");
     release(&mut node, "twin", uid, &id)?;
 
     // Two requests on two GPUs (6 GiB do not fit twice on one of 8).
@@ -449,8 +452,7 @@ fn claims_of_several_requests_counts_and_admin_access_are_prepared_and_held_or_r
     let error = run(&node, "split-b", &cdi_for(&answer, Some("b"))).expect_err("a part of the claim");
     let error = format!("{error:#}");
     ensure!(error.contains("has GPUs [1] of its claim's [0, 1]") && error.contains("name the claim without `request`"), "{error}");
-    let samples = e2e::http::scrape(node.agent.metrics_addr()?)?;
-    ensure!(e2e::http::metric(&samples, "vramguard_dra_containers_refused_total", &[("reason", "partial_claim")]) == Some(1.0), "counted");
+    ensure!(node.metric("vramguard_dra_containers_refused_total", &[("reason", "partial_claim")])? == Some(1.0), "counted");
     release(&mut node, "split", uid, &id)?;
 
     // Admin access: refused with the reason, nothing prepared.
@@ -462,8 +464,7 @@ fn claims_of_several_requests_counts_and_admin_access_are_prepared_and_held_or_r
     let answer = node.kubelet.prepare(&node.plugin, vec![kubelet::claim(NAMESPACE, "admin", uid)])?;
     ensure!(answer.claims[uid].error.contains("admin access") && answer.claims[uid].devices.is_empty(), "{answer:?}");
     ensure!(!cdi::spec_path(&node.containerd.cdi_dir(), uid).exists(), "no spec");
-    let samples = e2e::http::scrape(node.agent.metrics_addr()?)?;
-    ensure!(e2e::http::metric(&samples, "vramguard_dra_prepare_refusals_total", &[("reason", "admin_access")]) == Some(1.0), "counted");
+    ensure!(node.metric("vramguard_dra_prepare_refusals_total", &[("reason", "admin_access")])? == Some(1.0), "counted");
     node.fake.cleanup();
     Ok(())
 }
@@ -477,12 +478,11 @@ fn a_claim_deleted_under_a_running_container_keeps_its_share_until_the_container
     let held = node.claim("held", "6b1f3d5a-1b3f-4e5d-9a6b-0c1d2e3f4c01", "4Gi")?;
     let (_pod, id) = node.run(&held)?;
     node.api.delete_claim(NAMESPACE, held.name);
-    let metric = |name: &str| -> Result<f64> { Ok(e2e::http::metric(&e2e::http::scrape(node.agent.metrics_addr()?)?, name, &[]).unwrap_or(-1.0)) };
-    wait_for(timeout(), "the sweep keeps the running claim", || Ok(metric("vramguard_dra_stale_claims_in_use")? == 1.0)).with_context(|| node.agent.log())?;
+    wait_for(timeout(), "the sweep keeps the running claim", || Ok(node.metric("vramguard_dra_stale_claims_in_use", &[])? == Some(1.0))).with_context(|| node.agent.log())?;
     ensure!(cdi::spec_path(&node.containerd.cdi_dir(), held.uid).exists(), "kept while its container runs");
     ensure!(std::fs::read_to_string(node.path("state/dra/checkpoint.json"))?.contains(held.uid), "its share still counts");
     node.containerd.stop_container(&id, Duration::from_secs(1))?;
-    wait_for(timeout(), "dropped once its container stopped", || Ok(metric("vramguard_dra_stale_claims_dropped_total")? == 1.0)).with_context(|| node.agent.log())?;
+    wait_for(timeout(), "dropped once its container stopped", || Ok(node.metric("vramguard_dra_stale_claims_dropped_total", &[])? == Some(1.0))).with_context(|| node.agent.log())?;
     ensure!(!cdi::spec_path(&node.containerd.cdi_dir(), held.uid).exists(), "its spec removed");
     ensure!(!node.ledger_dir(held.uid).exists(), "its ledger removed with it");
     node.fake.cleanup();
