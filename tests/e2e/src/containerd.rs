@@ -38,7 +38,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, bail, ensure, Context, Result};
 
 use crate::{cgroup, timeout, wait_for, FakeNode, TempDir};
 
@@ -966,7 +966,10 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
     }
 
     /// Imports an OCI image archive into CRI's namespace (`ctr images import`), under the
-    /// name its index gives.
+    /// name its index gives; returns once CRI's image service knows every image of the
+    /// namespace. (CRI learns of an imported image from containerd's event, after `ctr` has
+    /// returned: a pod run at once can miss its sandbox image and try to pull it, as one
+    /// run in CI did on containerd 2.)
     pub fn import(&self, archive: &Path) -> Result<()> {
         let output = Command::new(self.cache.bin("ctr"))
             .arg("--address")
@@ -983,6 +986,18 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
                 String::from_utf8_lossy(&output.stdout),
                 String::from_utf8_lossy(&output.stderr)
             );
+        }
+        let listed = Command::new(self.cache.bin("ctr"))
+            .arg("--address")
+            .arg(self.socket())
+            .args(["--namespace", NAMESPACE, "images", "ls", "-q"])
+            .stdin(Stdio::null())
+            .output()
+            .context("cannot run ctr")?;
+        ensure!(listed.status.success(), "ctr images ls failed ({}): {}", listed.status, String::from_utf8_lossy(&listed.stderr));
+        let names = String::from_utf8_lossy(&listed.stdout).into_owned();
+        for name in names.lines().filter(|n| !n.is_empty()) {
+            wait_for(timeout(), &format!("CRI to know the imported image {name}"), || self.cri.has_image(name))?;
         }
         Ok(())
     }

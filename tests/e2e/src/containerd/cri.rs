@@ -1,10 +1,11 @@
-//! A client for the subset of the CRI (`runtime.v1.RuntimeService`) the end-to-end tests use,
+//! A client for the subset of the CRI (`runtime.v1.RuntimeService`, and `ImageService`'s
+//! `ImageStatus`) the end-to-end tests use,
 //! over a runtime's unix socket.
 //!
 //! The messages are hand-written prost structs carrying only the fields the tests set or read;
 //! names and field numbers are those of the CRI's `api.proto` (cri-api 0.32, Debian's
 //! `golang-github-kubernetes-cri-api-dev`). Fields left out are skipped by the decoder, as
-//! protobuf allows. A unary gRPC call is an HTTP/2 POST to `/runtime.v1.RuntimeService/<Rpc>`
+//! protobuf allows. A unary gRPC call is an HTTP/2 POST to `/runtime.v1.<Service>/<Rpc>`
 //! whose bodies are length-prefixed messages (1 byte "compressed" = 0, 4 bytes big-endian
 //! length, the message) and whose outcome is the `grpc-status` trailer (or header, for a
 //! trailers-only answer). Each call opens a connection of its own, so a client outlives a
@@ -212,6 +213,25 @@ pub struct ImageSpec {
 }
 
 #[derive(Clone, PartialEq, Message)]
+pub struct ImageStatusRequest {
+    #[prost(message, optional, tag = "1")]
+    pub image: Option<ImageSpec>,
+}
+
+#[derive(Clone, PartialEq, Message)]
+pub struct ImageStatusResponse {
+    #[prost(message, optional, tag = "1")]
+    pub image: Option<Image>,
+}
+
+/// `Image`: only its id.
+#[derive(Clone, PartialEq, Message)]
+pub struct Image {
+    #[prost(string, tag = "1")]
+    pub id: String,
+}
+
+#[derive(Clone, PartialEq, Message)]
 pub struct KeyValue {
     #[prost(string, tag = "1")]
     pub key: String,
@@ -407,7 +427,13 @@ impl Client {
 
     /// Calls `runtime.v1.RuntimeService/<method>`.
     pub fn call<Req: Message, Resp: Message + Default>(&self, method: &str, request: &Req) -> Result<Resp> {
-        let future = unary(&self.socket, method, request.encode_to_vec());
+        self.call_on("RuntimeService", method, request)
+    }
+
+    /// Calls `runtime.v1.<service>/<method>` (`RuntimeService`, `ImageService`).
+    pub fn call_on<Req: Message, Resp: Message + Default>(&self, service: &str, method: &str, request: &Req) -> Result<Resp> {
+        let path = format!("{service}/{method}");
+        let future = unary(&self.socket, &path, request.encode_to_vec());
         let bytes = self
             .runtime
             .block_on(async { tokio::time::timeout(self.timeout, future).await })
@@ -417,6 +443,12 @@ impl Client {
 
     pub fn version(&self) -> Result<VersionResponse> {
         self.call("Version", &VersionRequest { version: "v1".into() })
+    }
+
+    /// Whether CRI's image service knows `image` (its `ImageStatus` names an image).
+    pub fn has_image(&self, image: &str) -> Result<bool> {
+        let answer: ImageStatusResponse = self.call_on("ImageService", "ImageStatus", &ImageStatusRequest { image: Some(ImageSpec { image: image.into() }) })?;
+        Ok(answer.image.is_some_and(|i| !i.id.is_empty()))
     }
 }
 
@@ -433,7 +465,7 @@ async fn unary(socket: &Path, method: &str, message: Vec<u8>) -> Result<Bytes> {
     body.put_u8(0);
     body.put_u32(u32::try_from(message.len()).context("CRI request too large")?);
     body.put_slice(&message);
-    let request = hyper::Request::post(format!("http://localhost/runtime.v1.RuntimeService/{method}"))
+    let request = hyper::Request::post(format!("http://localhost/runtime.v1.{method}"))
         .header(CONTENT_TYPE, HeaderValue::from_static("application/grpc"))
         .header(TE, HeaderValue::from_static("trailers"))
         .body(Full::new(body.freeze()))
