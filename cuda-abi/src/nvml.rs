@@ -1,6 +1,6 @@
 //! The C ABI of the NVML subset vramguard deals with (`nvml.h`): the memory queries a
 //! workload can ask a GPU's size with, and what it takes to reach them (init, device handles,
-//! UUIDs). The hook (`hook/`) wraps the memory queries, the fake driver (`tests/fakecuda`)
+//! UUIDs), and the per-cgroup memory limits of drivers r615 and later. The hook (`hook/`) wraps the memory queries, the fake driver (`tests/fakecuda`)
 //! implements them all, and the workload (`tests/workload`) calls them.
 //!
 //! `nvmlReturn_t` is a C enum (`int`-sized), kept as `c_int` and compared with the constants
@@ -43,9 +43,12 @@ pub const NVML_SUCCESS: nvmlReturn_t = 0;
 pub const NVML_ERROR_UNINITIALIZED: nvmlReturn_t = 1;
 pub const NVML_ERROR_INVALID_ARGUMENT: nvmlReturn_t = 2;
 pub const NVML_ERROR_NOT_SUPPORTED: nvmlReturn_t = 3;
+pub const NVML_ERROR_NO_PERMISSION: nvmlReturn_t = 4;
 pub const NVML_ERROR_NOT_FOUND: nvmlReturn_t = 6;
 pub const NVML_ERROR_INSUFFICIENT_SIZE: nvmlReturn_t = 7;
 pub const NVML_ERROR_DRIVER_NOT_LOADED: nvmlReturn_t = 9;
+pub const NVML_ERROR_GPU_IS_LOST: nvmlReturn_t = 15;
+pub const NVML_ERROR_OPERATING_SYSTEM: nvmlReturn_t = 17;
 pub const NVML_ERROR_LIBRARY_NOT_FOUND: nvmlReturn_t = 12;
 pub const NVML_ERROR_FUNCTION_NOT_FOUND: nvmlReturn_t = 13;
 pub const NVML_ERROR_ARGUMENT_VERSION_MISMATCH: nvmlReturn_t = 25;
@@ -71,6 +74,36 @@ pub const NVML_DEVICE_UUID_V2_BUFFER_SIZE: usize = 96;
 /// `NVML_VALUE_NOT_AVAILABLE` as `usedGpuMemory` holds it (`(unsigned long long)-1`): the
 /// driver does not say (e.g. without the rights to see the process).
 pub const NVML_VALUE_NOT_AVAILABLE: u64 = u64::MAX;
+
+/// `NVML_DEVICE_MEMORY_LIMIT_MAX`: the hard limit that means "none".
+pub const NVML_DEVICE_MEMORY_LIMIT_MAX: u64 = 0xFFFF_FFFF_FFFF_FFFF;
+
+/// `nvmlSetMemoryLimits_v1_t` (driver r615+, CUDA 13.4): a cgroup's limits on one device.
+/// `nameSpace` is the full sysfs path of the cgroup's directory (NUL-terminated); no limit is
+/// soft 0 and hard [`NVML_DEVICE_MEMORY_LIMIT_MAX`]. The struct carries no version field.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct nvmlSetMemoryLimits_v1_t {
+    pub name_space: *const std::ffi::c_char,
+    pub soft_limit: u64,
+    pub hard_limit: u64,
+}
+
+/// `nvmlGetMemoryLimits_v1_t`: `nameSpace` in; the limits and `currentUsed` (what the cgroup's
+/// processes hold on the device, as the driver counts it) out.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct nvmlGetMemoryLimits_v1_t {
+    pub name_space: *const std::ffi::c_char,
+    pub soft_limit: u64,
+    pub hard_limit: u64,
+    pub current_used: u64,
+}
+
+/// `nvmlDeviceSetMemoryLimits_v1(nvmlDevice_t device, nvmlSetMemoryLimits_v1_t *limits)`.
+pub type NvmlDeviceSetMemoryLimitsV1 = unsafe extern "C" fn(nvmlDevice_t, *mut nvmlSetMemoryLimits_v1_t) -> nvmlReturn_t;
+/// `nvmlDeviceGetMemoryLimits_v1(nvmlDevice_t device, nvmlGetMemoryLimits_v1_t *limits)`.
+pub type NvmlDeviceGetMemoryLimitsV1 = unsafe extern "C" fn(nvmlDevice_t, *mut nvmlGetMemoryLimits_v1_t) -> nvmlReturn_t;
 
 /// `nvmlInit_v2`.
 pub type NvmlInitV2 = unsafe extern "C" fn() -> nvmlReturn_t;
