@@ -4,6 +4,7 @@ pub mod cgroup;
 pub mod discovery;
 pub mod dra;
 pub mod driver;
+pub mod driver_limits;
 pub mod fault;
 pub mod glob;
 pub mod identity;

@@ -10,6 +10,7 @@
 //! | reclaim ([`ledgers::task`]) | the watched ledgers, the reclaimer | scans `--ledger-dir`, frees dead processes' slots | within per-ledger budgets |
 //! | reconcile ([`reconcile::task`]) | reconciler, charges, metrics registry | passes, charges, metrics page, audit snapshots | yes (bounded per ledger) |
 //! | driver ([`driver::task`]) | NVML, its reader thread | reads every device's processes once a second, within a budget | no |
+//! | driver-limits ([`driver_limits`]) | its NVML, the limits thread | `--nri`: each provisioned container's quota set in the driver (r615+) and read back, once a second and at StartContainer | no |
 //! | inventory ([`inventory::Tracker`]) | nothing | the node's GPUs from the driver's view, for the DRA driver and the NRI side | no |
 //! | discovery ([`discovery::task`]) | discovery state | finds libcuda files, asks the kernel task to probe them | yes (bounded per file) |
 //! | nri ([`provision::nri`]) | its connection | answers the runtime within [`NRI_DEADLINE`] | no |
@@ -41,6 +42,7 @@ use tracing::{error, info, warn};
 
 use crate::{
     driver::{self, task::Driver, DriverView},
+    driver_limits,
     inventory,
     discovery::{
         self,
@@ -351,7 +353,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
     let mut ledgers = args.ledger_dir.clone().map(|dir| Ledgers::with_limits(dir, ledger_limits));
     // The node's GPUs, one inventory for the slices, prepare, health and the NRI side.
     let (gpus_tx, gpus_rx) = watch::channel(None);
-    let (provisioner, capacity) = provisioner(&args, gpus_rx.clone()).await?.unzip();
+    let (limiter, limits_queue) = driver_limits::channel();
+    let (provisioner, capacity) = provisioner(&args, gpus_rx.clone(), limiter).await?.unzip();
     let mut capacity = capacity.flatten();
     let metrics = Metrics::new(args.hami_metrics)?;
     let mut judge = Judge {
@@ -460,12 +463,34 @@ pub async fn run(args: RunArgs) -> Result<()> {
         }
         None => (None, None),
     };
+    // The driver's own per-cgroup limits (r615+), for the provisioned containers.
+    let (driver_limits_tx, driver_limits_rx) = watch::channel(crate::snapshot::DriverLimits::default());
+    let driver_limits_rx = match provisioner.as_ref() {
+        Some(provisioner) => {
+            let metrics = driver_limits::Metrics::new()?;
+            for family in metrics.collectors() {
+                judge.metrics.register(family)?;
+            }
+            let wanted = provisioner.clone();
+            let task = driver_limits::Task {
+                candidates: driver::locate(args.nvml.as_deref(), &args.libcuda),
+                cgroup_root: crate::cgroup::cgroup2_mount(),
+                wants: Box::new(move || wanted.driver_wants()),
+                changes: provisioner.changes(),
+                metrics,
+            };
+            tasks.spawn("driver-limits", task.run(limits_queue, driver_limits_tx, liveness.register("driver-limits", driver_limits::ALLOWED), stop.clone()));
+            Some(driver_limits_rx)
+        }
+        None => None,
+    };
     let kernel_wiring = kernel::task::Wiring {
         requests: kernel_rx,
         attach: attach_rx,
         ledger_limits: ledger_limits_rx,
         holders: holders_rx,
         provisioned: provisioned_limits,
+        driver_limits: driver_limits_rx.clone(),
         exits: exits_tx,
         changed: changed.clone(),
         heartbeat: liveness.register("kernel", KERNEL_ALLOWED),
@@ -523,6 +548,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         audits: audits_rx,
         provisioning: provisioning.clone(),
         dra: dra_status,
+        driver_limits: driver_limits_rx,
         metrics_addr,
         health_addr,
         heartbeat: liveness.register("reconcile", TENANT_WORK_ALLOWED),
@@ -572,7 +598,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
 
 /// The provisioner `--nri` asks for, with its quota sources, and the node's advertised
 /// capacity (with `--kube` and `--gpu-memory`); `None` without `--nri`.
-async fn provisioner(args: &RunArgs, gpus: inventory::Shared) -> Result<Option<(Arc<Provisioner>, Option<provision::kube::Capacity>)>> {
+async fn provisioner(args: &RunArgs, gpus: inventory::Shared, limiter: driver_limits::Limiter) -> Result<Option<(Arc<Provisioner>, Option<provision::kube::Capacity>)>> {
     let wanted = &args.provision;
     if !wanted.nri {
         if args.dra.dra {
@@ -613,7 +639,7 @@ async fn provisioner(args: &RunArgs, gpus: inventory::Shared) -> Result<Option<(
     if sources.kube.is_none() && sources.file.is_none() && !sources.annotation {
         bail!("--nri needs a quota source: --kube, --quota-file FILE or --quota-from-annotation");
     }
-    let mut provisioner = Provisioner::new(wanted, ledger_dir, sources).map_err(|e| anyhow!("cannot provision containers: {e}"))?;
+    let mut provisioner = Provisioner::new(wanted, ledger_dir, sources).map_err(|e| anyhow!("cannot provision containers: {e}"))?.with_driver_limits(limiter);
     // With --dra the NRI side sizes the node by the DRA driver's inventory (NVML's); without
     // it, by --gpu-memory as before (NVML's sizing of that path is still to come).
     if args.dra.dra {

@@ -54,6 +54,10 @@ pub struct Snapshot {
     /// The DRA driver's published pool (absent without `--dra`).
     #[serde(default)]
     pub dra: Option<DraStatus>,
+    /// The driver's own per-cgroup limits (r615+): which GPUs have them, and each
+    /// provisioned container's as set and read back (absent without `--nri`).
+    #[serde(default)]
+    pub driver_limits: Option<DriverLimits>,
     /// Imported external memory (`cuImportExternalMemory`), live, per process and cgroup:
     /// shown, never charged.
     #[serde(default)]
@@ -73,6 +77,65 @@ pub struct DraStatus {
     pub source: String,
     /// (index, `memory` capacity in bytes) of each published GPU.
     pub gpus: Vec<(u32, u64)>,
+}
+
+/// The driver's own per-cgroup GPU memory limits (NVIDIA r615 and later), as the agent set
+/// and last read them back ([`crate::driver_limits`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DriverLimits {
+    /// The NVML file the limits go through, once one is loaded.
+    pub library: Option<String>,
+    /// Why no GPU has them (no NVML, no cgroup v2), when that is so for the whole node.
+    pub reason: Option<String>,
+    /// Each GPU (by minor number): whether the driver's limits are in force there, and why not.
+    pub gpus: Vec<GpuLimits>,
+    /// Each provisioned container with a quota, by container id.
+    pub containers: BTreeMap<String, ContainerLimits>,
+}
+
+/// Whether one GPU takes the driver's per-cgroup limits.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuLimits {
+    pub gpu: u32,
+    pub in_force: bool,
+    /// Why not (`NOT_SUPPORTED`, MIG mode, no symbol), where not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub why_not: Option<String>,
+}
+
+/// One container's driver limits: per GPU, the quota asked and what the driver read back.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ContainerLimits {
+    /// The container's cgroup, relative to the cgroup2 root.
+    pub cgroup: String,
+    pub gpus: Vec<ContainerGpuLimit>,
+    /// The driver holds the container to its quota on every one of its GPUs: its cgroup gets
+    /// no probe limit and no signal, and its figure is the driver's.
+    pub held: bool,
+}
+
+/// A container's driver limit on one GPU.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ContainerGpuLimit {
+    pub gpu: u32,
+    /// The quota asked for (the hard limit).
+    pub quota: u64,
+    /// The hard limit the driver read back.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hard: Option<u64>,
+    /// What the driver counts against it (`currentUsed`): every process of the cgroup.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub used: Option<u64>,
+    /// Why the limit is not in force here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+impl DriverLimits {
+    /// The cgroups (relative to the cgroup2 root) the driver holds to their quota.
+    pub fn held_cgroups(&self) -> std::collections::BTreeSet<String> {
+        self.containers.values().filter(|c| c.held).map(|c| c.cgroup.clone()).collect()
+    }
 }
 
 /// A process's reconciliation state.

@@ -2,8 +2,11 @@
 //! devices, and each device's running processes (compute `_v3`, and graphics `_v3` when the
 //! library has it); a GPU in MIG mode is read per MIG device (see [`super`]). Where the
 //! library has them, each GPU's minor number (`nvmlDeviceGetMinorNumber`: its device file,
-//! [`super::holders`]), UUID, product name and memory (`nvmlDeviceGetMemoryInfo`) are read too. Used only
-//! from the driver task's reader thread ([`super::task`]).
+//! [`super::holders`]), UUID, product name and memory (`nvmlDeviceGetMemoryInfo`) are read too.
+//! Where the driver has them (r615 and later), the per-cgroup memory limits
+//! (`nvmlDeviceSetMemoryLimits_v1`, `nvmlDeviceGetMemoryLimits_v1`, [`Nvml::limits`]). Each
+//! thread that calls NVML owns an [`Nvml`] of its own: the driver task's reader thread
+//! ([`super::task`]) and the limits thread ([`super::limits`]); NVML counts its inits.
 use std::{
     collections::BTreeMap,
     ffi::{c_uint, CStr},
@@ -52,6 +55,8 @@ pub struct Nvml {
     uuid: Option<NvmlDeviceGetUuid>,
     name: Option<NvmlDeviceGetName>,
     memory: Option<NvmlDeviceGetMemoryInfo>,
+    /// Both per-cgroup limit functions, where the library has both (drivers r615 and later).
+    limits: Option<(NvmlDeviceSetMemoryLimitsV1, NvmlDeviceGetMemoryLimitsV1)>,
     /// Keeps the functions above loaded; last, so it is dropped after them.
     _library: Library,
 }
@@ -115,6 +120,8 @@ impl Nvml {
             let uuid = symbol::<NvmlDeviceGetUuid>(&library, path, "nvmlDeviceGetUUID").ok();
             let name = symbol::<NvmlDeviceGetName>(&library, path, "nvmlDeviceGetName").ok();
             let memory = symbol::<NvmlDeviceGetMemoryInfo>(&library, path, "nvmlDeviceGetMemoryInfo").ok();
+            let set_limits = symbol::<NvmlDeviceSetMemoryLimitsV1>(&library, path, "nvmlDeviceSetMemoryLimits_v1").ok();
+            let get_limits = symbol::<NvmlDeviceGetMemoryLimitsV1>(&library, path, "nvmlDeviceGetMemoryLimits_v1").ok();
             symbol::<NvmlInitV2>(&library, path, "nvmlInit_v2")?;
             Ok(Nvml {
                 path: path.to_path_buf(),
@@ -129,6 +136,7 @@ impl Nvml {
                 uuid,
                 name,
                 memory,
+                limits: set_limits.zip(get_limits),
                 _library: library,
             })
         }
@@ -140,7 +148,7 @@ impl Nvml {
     }
 
     /// NVML's text for a result code.
-    fn error(&self, rc: nvmlReturn_t) -> String {
+    pub fn error(&self, rc: nvmlReturn_t) -> String {
         let text = self.error_string.and_then(|f| {
             // SAFETY: nvmlErrorString returns NULL or a static NUL-terminated string.
             let ptr = unsafe { f(rc) };
@@ -283,6 +291,88 @@ impl Nvml {
             }
         }
         Err(NVML_ERROR_INSUFFICIENT_SIZE)
+    }
+}
+
+/// A GPU as the limits side addresses it: its minor number, whether it is in MIG mode
+/// (NVML takes no MIG handle for limits) and its handle (valid while its [`Nvml`] lives).
+pub struct LimitDevice {
+    pub minor: u32,
+    pub mig: bool,
+    handle: nvmlDevice_t,
+}
+
+/// A cgroup's limits on one device as the driver reads them back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CgroupLimit {
+    pub soft: u64,
+    pub hard: u64,
+    /// What the cgroup's processes hold on the device, as the driver counts it.
+    pub used: u64,
+}
+
+/// A per-cgroup limit call that did not succeed: its result code and NVML's text for it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LimitError {
+    pub rc: nvmlReturn_t,
+    pub text: String,
+}
+
+impl Nvml {
+    /// Whether the library has both per-cgroup limit functions.
+    pub fn has_limits(&self) -> bool {
+        self.limits.is_some()
+    }
+
+    /// The GPUs, in NVML's order, as the limits side addresses them.
+    pub fn limit_devices(&self) -> Result<Vec<LimitDevice>, String> {
+        let mut count: c_uint = 0;
+        // SAFETY: a valid out-pointer.
+        let rc = unsafe { (self.device_count)(&mut count) };
+        if rc != NVML_SUCCESS {
+            return Err(format!("nvmlDeviceGetCount_v2: {}", self.error(rc)));
+        }
+        (0..count)
+            .map(|index| {
+                let mut handle: nvmlDevice_t = std::ptr::null_mut();
+                // SAFETY: a valid out-pointer; `index` below the count NVML gave.
+                let rc = unsafe { (self.handle)(index, &mut handle) };
+                if rc != NVML_SUCCESS {
+                    return Err(format!("nvmlDeviceGetHandleByIndex_v2({index}): {}", self.error(rc)));
+                }
+                let minor = self.describe(index, handle).minor;
+                Ok(LimitDevice { minor, mig: self.in_mig_mode(handle), handle })
+            })
+            .collect()
+    }
+
+    /// `nvmlDeviceGetMemoryLimits_v1` for the cgroup directory `cgroup` (its full sysfs
+    /// path): `None` where the driver has no limit for it (`NVML_ERROR_NOT_FOUND`).
+    pub fn get_limit(&self, device: &LimitDevice, cgroup: &CStr) -> Result<Option<CgroupLimit>, LimitError> {
+        let Some((_, get)) = self.limits else { return Err(self.no_limits()) };
+        let mut limits = nvmlGetMemoryLimits_v1_t { name_space: cgroup.as_ptr(), soft_limit: 0, hard_limit: 0, current_used: 0 };
+        // SAFETY: a handle NVML gave; the struct is valid for the call and its path a
+        // NUL-terminated string that outlives it.
+        match unsafe { get(device.handle, &mut limits) } {
+            NVML_SUCCESS => Ok(Some(CgroupLimit { soft: limits.soft_limit, hard: limits.hard_limit, used: limits.current_used })),
+            NVML_ERROR_NOT_FOUND => Ok(None),
+            rc => Err(LimitError { rc, text: self.error(rc) }),
+        }
+    }
+
+    /// `nvmlDeviceSetMemoryLimits_v1` for the cgroup directory `cgroup` (its full sysfs path).
+    pub fn set_limit(&self, device: &LimitDevice, cgroup: &CStr, soft: u64, hard: u64) -> Result<(), LimitError> {
+        let Some((set, _)) = self.limits else { return Err(self.no_limits()) };
+        let mut limits = nvmlSetMemoryLimits_v1_t { name_space: cgroup.as_ptr(), soft_limit: soft, hard_limit: hard };
+        // SAFETY: as in `get_limit`.
+        match unsafe { set(device.handle, &mut limits) } {
+            NVML_SUCCESS => Ok(()),
+            rc => Err(LimitError { rc, text: self.error(rc) }),
+        }
+    }
+
+    fn no_limits(&self) -> LimitError {
+        LimitError { rc: NVML_ERROR_FUNCTION_NOT_FOUND, text: format!("{} has no nvmlDeviceSetMemoryLimits_v1 (a driver before r615)", self.path.display()) }
     }
 }
 
@@ -429,6 +519,7 @@ mod tests {
             uuid: None,
             name: None,
             memory: None,
+            limits: None,
             _library: Library::from(libloading::os::unix::Library::this()),
         }
     }

@@ -144,6 +144,9 @@ pub struct Limits {
     rules: Vec<Rule>,
     /// Cgroup path -> limit, of the provisioned containers.
     provisioned: BTreeMap<String, u64>,
+    /// Cgroup paths the driver holds to their quota itself (r615+, [`crate::driver_limits`]):
+    /// no probe limit and no signal for them, unless a rule of the limits file names them.
+    driver_held: std::collections::BTreeSet<String>,
     /// Cgroup id -> limit, from the watched ledgers.
     ledger_limits: BTreeMap<u64, u64>,
     mode: u32,
@@ -189,6 +192,7 @@ impl Limits {
             file,
             rules,
             provisioned: BTreeMap::new(),
+            driver_held: Default::default(),
             ledger_limits: BTreeMap::new(),
             mode,
             signal: signal as u32,
@@ -237,6 +241,13 @@ impl Limits {
         self.provisioned = limits;
     }
 
+    /// The cgroups (paths relative to the cgroup2 root) the driver holds to their quota: the
+    /// provisioned and the ledgers' limits stand down for them (the driver's out-of-memory
+    /// stops what would pass the quota; nobody is signalled for it).
+    pub fn set_driver_held(&mut self, held: std::collections::BTreeSet<String>) {
+        self.driver_held = held;
+    }
+
     /// Re-reads the limits file if it changed: new rules replace the old ones; a file that
     /// cannot be read or parsed leaves the old rules in force (and is logged once).
     fn reload(&mut self) {
@@ -273,11 +284,16 @@ impl Limits {
         self.reload();
         let mut wanted = BTreeMap::new();
         let mut walked = false;
-        if !self.rules.is_empty() || !self.provisioned.is_empty() {
+        let mut held = std::collections::BTreeSet::new();
+        if !self.rules.is_empty() || !self.provisioned.is_empty() || !self.driver_held.is_empty() {
             walked = true;
             for (id, path) in names.all() {
                 let limit = match self.rules.iter().find(|rule| matches(&rule.pattern, path)) {
                     Some(rule) => Some(rule.limit),
+                    None if self.driver_held.contains(path) => {
+                        held.insert(*id);
+                        None
+                    }
                     None => self.provisioned.get(path).copied(),
                 };
                 if let Some(limit) = limit {
@@ -285,7 +301,7 @@ impl Limits {
                 }
             }
         }
-        for (id, limit) in &self.ledger_limits {
+        for (id, limit) in self.ledger_limits.iter().filter(|(id, _)| !held.contains(id)) {
             wanted.entry(*id).or_insert(CgroupLimit { limit: *limit, mode: self.mode, signal: self.signal });
         }
         // What the probes cannot see a cgroup's processes hold comes off what they may allocate,

@@ -79,6 +79,8 @@ pub struct Wiring {
     pub holders: watch::Receiver<Arc<HoldersByCgroup>>,
     /// The provisioned containers' limits (cgroup path -> bytes), when the agent provisions.
     pub provisioned: Option<watch::Receiver<BTreeMap<String, u64>>>,
+    /// The driver's own limits (r615+): the cgroups it holds get no probe limit.
+    pub driver_limits: Option<watch::Receiver<crate::snapshot::DriverLimits>>,
     /// Exits for the reclaim task: a bounded queue of exits only (allocations are not events);
     /// an exit that finds it full is dropped, and the reclaim sweep finds that process gone
     /// within a second.
@@ -204,6 +206,7 @@ impl Kernel {
         let drain = tokio::time::sleep(drain_every);
         tokio::pin!(drain);
         let mut provisioned = wiring.provisioned.clone();
+        let mut driver_limits = wiring.driver_limits.clone();
         let mut holders = Some(wiring.holders.clone());
         let mut dropped_exits = 0u64;
         loop {
@@ -233,6 +236,7 @@ impl Kernel {
                 }
                 _ = limits_tick.tick(), if self.limits.is_some() => self.push_limits(&mut wiring),
                 _ = changed(&mut provisioned) => self.push_limits(&mut wiring),
+                _ = changed(&mut driver_limits) => self.push_limits(&mut wiring),
                 _ = changed(&mut holders), if self.limits.is_some() => self.push_limits(&mut wiring),
                 request = wiring.requests.recv() => {
                     let Some(reply) = request else { continue };
@@ -277,6 +281,9 @@ impl Kernel {
         let Some(limits) = self.limits.as_mut() else { return };
         if let Some(provisioned) = wiring.provisioned.as_mut() {
             limits.set_provisioned(provisioned.borrow_and_update().clone());
+        }
+        if let Some(driver) = wiring.driver_limits.as_mut() {
+            limits.set_driver_held(driver.borrow_and_update().held_cgroups());
         }
         limits.set_ledger_limits(wiring.ledger_limits.borrow_and_update().clone());
         limits.set_holders(wiring.holders.borrow_and_update().clone());

@@ -229,6 +229,9 @@ pub struct Provisioner {
     /// answers): what the DRA driver publishes and prepares from; wins over `gpu_memory`
     /// (given with `--dra` only).
     gpus: crate::inventory::Shared,
+    /// Where the driver's own per-cgroup limits are asked for at StartContainer (`None`:
+    /// not asked; the limits task's passes still set them).
+    limiter: Option<crate::driver_limits::Limiter>,
     refuse_overcommit: bool,
     /// `--max-provisioned-containers`, `--max-provisioned-per-pod`.
     max_containers: usize,
@@ -299,6 +302,7 @@ impl Provisioner {
             preload,
             gpu_memory: args.gpu_memory.clone(),
             gpus: crate::inventory::fixed(None),
+            limiter: None,
             refuse_overcommit: args.refuse_overcommit,
             max_containers: args.max_provisioned_containers,
             max_per_pod: args.max_provisioned_per_pod,
@@ -345,6 +349,17 @@ impl Provisioner {
     /// The provisioner that sizes the node by `gpus` (the agent's inventory) where it has one.
     pub fn with_inventory(self, gpus: crate::inventory::Shared) -> Provisioner {
         Provisioner { gpus, ..self }
+    }
+
+    /// Asks `limiter` for the driver's own limits of each provisioned container as it starts.
+    pub fn with_driver_limits(self, limiter: crate::driver_limits::Limiter) -> Provisioner {
+        Provisioner { limiter: Some(limiter), ..self }
+    }
+
+    /// What the driver is asked for each provisioned container: its quota on each of its
+    /// GPUs, on its cgroup (one whose cgroup path cannot be named is left out).
+    pub fn driver_wants(&self) -> Vec<crate::driver_limits::Want> {
+        self.lock().values().filter_map(|p| driver_want(&p.record)).collect()
     }
 
     /// The range of the node's GPU indices: the inventory's (NVML's minor numbers), else
@@ -802,6 +817,7 @@ impl Provisioner {
             ]
             .into_iter()
             .chain(r.claim.is_some().then(|| (NVIDIA_VISIBLE_DEVICES.into(), self.claim_visible_devices(&r.gpus))))
+            .chain(toolkit_limits(r))
             .collect(),
         }
     }
@@ -983,6 +999,16 @@ impl nri::Handler for Provisioner {
         Provisioner::abandon(self, &container.id).await;
     }
 
+    async fn start_container(&self, _pod: nri::Pod, container: nri::Container, budget: std::time::Duration) {
+        let Some(limiter) = &self.limiter else { return };
+        let want = self.lock().get(&container.id).and_then(|p| driver_want(&p.record));
+        if let Some(want) = want {
+            if limiter.apply(want, budget).await.is_none() {
+                warn!(container = %container.id, "driver limits: not set before the container starts (the limits thread did not answer in time); the next pass sets them");
+            }
+        }
+    }
+
     async fn remove_container(&self, _pod: nri::Pod, container: nri::Container) {
         Provisioner::remove_container(self, &container.id).await;
     }
@@ -1070,6 +1096,31 @@ impl Creation {
             }
         }
     }
+}
+
+/// The NVIDIA container toolkit's memory variables, as the operator's quota has them, whatever
+/// the pod wrote: its CDI hook (`apply-cuda-memory-limits`) sets the driver's limit on the
+/// container's cgroup from `NVIDIA_GPU_MEMORY_LIMIT` (hard) and `NVIDIA_GPU_MEMORY_REQUEST`
+/// (soft) as the runtime creates the container. The limit is the quota in bytes (the
+/// smallest of a claim's shares: the hook sets one figure on every GPU); the request is removed
+/// (NRI's `-NAME`): soft 0, as the agent sets it. The agent's own Set, at StartContainer
+/// (after the hook ran, before the process starts), is the one that stands.
+fn toolkit_limits(record: &Record) -> [(String, String); 2] {
+    let limit = (0..record.gpus.len().max(1)).map(|i| record.quota_on(i)).min().unwrap_or(record.quota);
+    [(NVIDIA_GPU_MEMORY_LIMIT.into(), limit.to_string()), (format!("-{NVIDIA_GPU_MEMORY_REQUEST}"), String::new())]
+}
+
+/// The toolkit's variables for the driver's hard and soft limits.
+pub const NVIDIA_GPU_MEMORY_LIMIT: &str = "NVIDIA_GPU_MEMORY_LIMIT";
+pub const NVIDIA_GPU_MEMORY_REQUEST: &str = "NVIDIA_GPU_MEMORY_REQUEST";
+
+/// What the driver is asked for `record`'s container (`None`: its cgroup cannot be named).
+fn driver_want(record: &Record) -> Option<crate::driver_limits::Want> {
+    Some(crate::driver_limits::Want {
+        container: record.container_id.clone(),
+        cgroup: cgroup_dir(&record.cgroups_path)?,
+        quotas: record.gpus.iter().enumerate().map(|(i, &gpu)| (gpu, record.quota_on(i))).collect(),
+    })
 }
 
 /// The cgroup directory, relative to the cgroup2 root, of a runtime's `cgroups_path`: a

@@ -69,6 +69,8 @@ pub struct Wiring {
     pub provisioning: Option<Provisioning>,
     /// The DRA driver's published pool (`--dra`), for the audit.
     pub dra: Option<watch::Receiver<crate::snapshot::DraStatus>>,
+    /// The driver's own per-cgroup limits (`--nri`), for the audit and the figure.
+    pub driver_limits: Option<watch::Receiver<crate::snapshot::DriverLimits>>,
     pub metrics_addr: Option<SocketAddr>,
     pub health_addr: Option<SocketAddr>,
     pub heartbeat: Heartbeat,
@@ -146,6 +148,7 @@ impl Judge {
         let driver = wiring.driver.borrow().clone();
         let provisioning = wiring.provisioning.clone();
         let dra = wiring.dra.clone();
+        let driver_limits = wiring.driver_limits.clone();
         let (metrics_addr, health_addr) = (wiring.metrics_addr, wiring.health_addr);
         let page_behind = wiring.publisher.as_ref().is_some_and(|(publisher, _)| publisher.behind());
         let kernel = match step {
@@ -187,6 +190,7 @@ impl Judge {
                         snapshot.nri_connected = Some(*p.connected.borrow());
                     }
                     snapshot.dra = dra.as_ref().map(|dra| dra.borrow().clone());
+                    snapshot.driver_limits = driver_limits.as_ref().map(|limits| limits.borrow().clone());
                     Out::Audit(reply, Box::new(snapshot))
                 }
             };

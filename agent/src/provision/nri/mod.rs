@@ -1,7 +1,7 @@
 //! The NRI plugin: the agent's connection to the container runtime's NRI socket.
 //!
 //! The plugin dials the runtime (containerd ≥ 1.7, CRI-O ≥ 1.26), registers under a name and
-//! an index, subscribes to CreateContainer, RemoveContainer and RemovePodSandbox, receives the
+//! an index, subscribes to CreateContainer, StartContainer, RemoveContainer and RemovePodSandbox, receives the
 //! runtime's pods and containers (Synchronize), and from then on answers each event through a
 //! [`Handler`]. CreateContainer's answer is an [`Adjustment`] (bind mounts and environment
 //! variables; an environment variable set there replaces the container's own of that name) or
@@ -115,6 +115,13 @@ pub trait Handler: Send + Sync + 'static {
     /// call has stopped; the answer to the runtime is not waiting for it.
     fn abandon_container(&self, container: Container) -> impl Future<Output = ()> + Send {
         let _ = container;
+        async {}
+    }
+    /// A container is about to start: the runtime made it (its cgroup is there) and starts its
+    /// process once answered. Answered within `budget` (the deadline) whatever this does; it
+    /// never fails the start.
+    fn start_container(&self, pod: Pod, container: Container, budget: Duration) -> impl Future<Output = ()> + Send {
+        let _ = (pod, container, budget);
         async {}
     }
     /// A container was removed. Past the deadline the runtime is answered and the call goes on.

@@ -18,6 +18,7 @@ pub const PLUGIN_SERVICE: &str = "nri.pkg.api.v1alpha1.Plugin";
 pub mod event {
     pub const REMOVE_POD_SANDBOX: i32 = 3;
     pub const CREATE_CONTAINER: i32 = 4;
+    pub const START_CONTAINER: i32 = 6;
     pub const REMOVE_CONTAINER: i32 = 11;
 
     /// The bit of `event` in `ConfigureResponse.events`.

@@ -30,6 +30,7 @@ const REGISTER_STREAM: u32 = 1;
 
 /// The events the plugin subscribes to.
 pub(super) const EVENTS: i32 = event::bit(event::CREATE_CONTAINER)
+    | event::bit(event::START_CONTAINER)
     | event::bit(event::REMOVE_CONTAINER)
     | event::bit(event::REMOVE_POD_SANDBOX);
 
@@ -300,6 +301,10 @@ impl<H: Handler> Session<'_, H> {
                 let remove = decode::<proto::ContainerRequest>(payload, "RemoveContainerRequest")?;
                 self.remove_container(remove, reply, deadline, calls).await;
             }
+            "StartContainer" => {
+                let start = decode::<proto::ContainerRequest>(payload, "StartContainerRequest")?;
+                self.start_container(start, reply, deadline, calls).await;
+            }
             "RemovePodSandbox" => {
                 let remove = decode::<proto::PodRequest>(payload, "RemovePodSandboxRequest")?;
                 self.remove_pod(remove.pod, reply, deadline, calls).await;
@@ -316,6 +321,13 @@ impl<H: Handler> Session<'_, H> {
                     }
                     event::REMOVE_POD_SANDBOX => {
                         self.remove_pod(change.pod, reply, deadline, calls).await
+                    }
+                    event::START_CONTAINER => {
+                        let start = proto::ContainerRequest {
+                            pod: change.pod,
+                            container: change.container,
+                        };
+                        self.start_container(start, reply, deadline, calls).await;
                     }
                     _ => {
                         reply.send(Ok(proto::Empty {}.encode_to_vec())).await;
@@ -348,6 +360,32 @@ impl<H: Handler> Session<'_, H> {
         let answer = proto::Empty {}.encode_to_vec();
         calls.spawn(answer_event(
             "RemoveContainer",
+            work,
+            deadline,
+            reply,
+            answer,
+            Done::Answered,
+        ));
+    }
+
+    /// StartContainer: answered (always with success: the start is never failed) once the
+    /// handler is done or at the deadline.
+    async fn start_container(
+        &self,
+        start: proto::ContainerRequest,
+        reply: Reply,
+        deadline: Duration,
+        calls: &mut JoinSet<Done>,
+    ) {
+        let Some((pod, container)) = pod_and_container(start) else {
+            reply.send(Ok(proto::Empty {}.encode_to_vec())).await;
+            return;
+        };
+        let handler = Arc::clone(self.handler);
+        let work = tokio::spawn(async move { handler.start_container(pod, container, deadline).await });
+        let answer = proto::Empty {}.encode_to_vec();
+        calls.spawn(answer_event(
+            "StartContainer",
             work,
             deadline,
             reply,

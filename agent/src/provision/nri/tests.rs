@@ -322,6 +322,7 @@ enum Seen {
     Create(String),
     RemoveContainer(String, String),
     RemovePod(String),
+    Start(String, String),
     /// A slow CreateContainer's future was dropped.
     Cancelled(String),
     /// The creation was abandoned (the runtime answered without the handler's adjustment).
@@ -423,6 +424,13 @@ impl Handler for Recorder {
         let seen = self.seen.clone();
         async move {
             let _ = seen.send(Seen::RemovePod(pod.id));
+        }
+    }
+
+    fn start_container(&self, pod: Pod, container: Container, _budget: Duration) -> impl std::future::Future<Output = ()> + Send {
+        let seen = self.seen.clone();
+        async move {
+            let _ = seen.send(Seen::Start(pod.id, container.id));
         }
     }
 }
@@ -626,6 +634,7 @@ async fn registers_subscribes_and_hands_synchronize_to_the_handler() {
     let events = peer.handshake(&sync_one()).await;
     // api.proto: bit (event - 1) for each event subscribed.
     let want = (1 << (CREATE_CONTAINER - 1))
+        | (1 << (START_CONTAINER - 1))
         | (1 << (REMOVE_CONTAINER - 1))
         | (1 << (REMOVE_POD_SANDBOX - 1));
     assert_eq!(events, want, "events subscribed: {events:#b}");
@@ -816,7 +825,20 @@ async fn removals_reach_the_handler_by_state_change_and_by_their_own_calls() {
         .bytes(2, &pod_bytes("p1"));
     assert_eq!(peer.call("StateChange", &change.0, None).await.code, 0);
     assert_eq!(plugin.next_seen().await, Seen::RemovePod("p1".into()));
-    // An event the handler does not take is acknowledged and goes no further.
+    // StartContainer (the driver's limits are set there): by state change and by its own
+    // call, answered with success.
+    let change = Writer::default()
+        .uint(1, START_CONTAINER)
+        .bytes(2, &pod_bytes("p1"))
+        .bytes(3, &container_bytes("c2", "p1", "main"));
+    assert_eq!(peer.call("StateChange", &change.0, None).await.code, 0);
+    assert_eq!(plugin.next_seen().await, Seen::Start("p1".into(), "c2".into()));
+    let start = Writer::default()
+        .bytes(1, &pod_bytes("p1"))
+        .bytes(2, &container_bytes("c3", "p1", "main"));
+    assert_eq!(peer.call("StartContainer", &start.0, None).await.code, 0);
+    assert_eq!(plugin.next_seen().await, Seen::Start("p1".into(), "c3".into()));
+    // An event without its container is acknowledged and goes no further.
     let change = Writer::default()
         .uint(1, START_CONTAINER)
         .bytes(2, &pod_bytes("p1"));
