@@ -132,6 +132,38 @@ pub struct ContainerGpuLimit {
 }
 
 impl DriverLimits {
+    /// The audit's lines: which GPUs take the driver's limits (and why not), then each
+    /// container's limits as read back.
+    fn render(&self, out: &mut String) {
+        let gpus: Vec<String> = self
+            .gpus
+            .iter()
+            .map(|g| match &g.why_not {
+                None => format!("gpu-{} in force", g.gpu),
+                Some(why) => format!("gpu-{} not in force ({why})", g.gpu),
+            })
+            .collect();
+        let said = match (&self.reason, gpus.is_empty()) {
+            (Some(reason), _) => format!("none: {reason}"),
+            (None, true) => "not read yet".to_string(),
+            (None, false) => gpus.join("; "),
+        };
+        let _ = writeln!(out, "driver limits (per cgroup, r615+): {said}");
+        for (id, container) in &self.containers {
+            let gpus: Vec<String> = container
+                .gpus
+                .iter()
+                .map(|g| match (&g.error, g.hard, g.used) {
+                    (Some(error), _, _) => format!("gpu-{} quota {}: {error}", g.gpu, human(g.quota)),
+                    (None, Some(hard), Some(used)) => format!("gpu-{} hard {} used {}", g.gpu, human(hard), human(used)),
+                    _ => format!("gpu-{} quota {}: not read", g.gpu, human(g.quota)),
+                })
+                .collect();
+            let held = if container.held { "held by the driver" } else { "not held by the driver" };
+            let _ = writeln!(out, "  {} {held}: {}", truncate(id, 16), gpus.join(", "));
+        }
+    }
+
     /// The cgroups (relative to the cgroup2 root) the driver holds to their quota.
     pub fn held_cgroups(&self) -> std::collections::BTreeSet<String> {
         self.containers.values().filter(|c| c.held).map(|c| c.cgroup.clone()).collect()
@@ -553,6 +585,9 @@ impl Snapshot {
                 _ => "not published yet",
             };
             let _ = writeln!(out, "DRA pool (gpu.vramguard.io, from {}): {form}; generation {}; {}", dra.source, dra.generation, gpus.join(", "));
+        }
+        if let Some(limits) = &self.driver_limits {
+            limits.render(&mut out);
         }
         let probed: Vec<&str> = self.libcuda.iter().map(|f| f.path.as_str()).collect();
         let _ = writeln!(

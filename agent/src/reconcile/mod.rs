@@ -285,6 +285,9 @@ pub struct Reconciler {
     unreadable: BTreeSet<String>,
     /// The driver's latest view, for the next pass.
     driver: Option<Arc<DriverView>>,
+    /// The cgroups the driver holds to their quota itself (r615+), by id: what it counts
+    /// against the limit (`currentUsed`, summed over the container's GPUs).
+    driver_held: BTreeMap<u64, u64>,
     /// What the probes counted of each process at recent passes: (when, live bytes).
     explained: HashMap<u32, Vec<(Instant, u64)>>,
     /// What each process's pools may keep ([`figure::PoolsKeep`]).
@@ -338,6 +341,7 @@ impl Reconciler {
             ledger_cgroups: BTreeMap::new(),
             unreadable: BTreeSet::new(),
             driver: None,
+            driver_held: BTreeMap::new(),
             explained: HashMap::new(),
             pools: HashMap::new(),
             escapes: HashMap::new(),
@@ -363,6 +367,14 @@ impl Reconciler {
     /// The driver's view the next passes join (the latest published; `None` without one).
     pub fn set_driver(&mut self, view: Option<Arc<DriverView>>) {
         self.driver = view;
+    }
+
+    /// The cgroups the driver holds to their quota (by id), with what the driver counts in
+    /// each (`currentUsed` over its GPUs): the fourth view. For them the device-total gap is
+    /// not attributed (the driver's own figure has what it guessed at: a forked child, a
+    /// client without a channel), and their container's figure is never below the driver's.
+    pub fn set_driver_held(&mut self, held: BTreeMap<u64, u64>) {
+        self.driver_held = held;
     }
 
     /// Records the identity of eBPF process (`pid`, `generation`) as if read from /proc (for
@@ -632,6 +644,9 @@ impl Reconciler {
         // Memory no row of the driver explains, attributed to the cgroup whose processes hold
         // the GPU's device file (crate::driver::gap): its container's ledger is charged too.
         for (cgroup, bytes) in self.driver.as_deref().map(attributed_gaps).unwrap_or_default() {
+            if self.driver_held.contains_key(&cgroup) {
+                continue;
+            }
             if let Some(ledger) = owners.get(&cgroup) {
                 let sum = sums.entry(ledger.to_string()).or_default();
                 *sum = sum.saturating_add(bytes);
@@ -700,6 +715,18 @@ impl Reconciler {
                 let sum = sums.entry(ledger.to_string()).or_default();
                 *sum = sum.saturating_add(verdict.held_bytes);
             }
+        }
+        // Where the driver holds the containers, its own count of their cgroups is the floor.
+        let mut counted: BTreeMap<&str, u64> = BTreeMap::new();
+        for (cgroup, used) in &self.driver_held {
+            if let Some(ledger) = owners.get(cgroup) {
+                let sum = counted.entry(ledger).or_default();
+                *sum = sum.saturating_add(*used);
+            }
+        }
+        for (ledger, used) in counted {
+            let sum = sums.entry(ledger.to_string()).or_default();
+            *sum = (*sum).max(used);
         }
         sums
     }

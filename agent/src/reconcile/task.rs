@@ -170,6 +170,7 @@ impl Judge {
             let shared = ledgers.clone();
             let ledgers = ledgers.as_deref();
             state.reconciler.set_driver(Some(driver));
+            state.reconciler.set_driver_held(driver_held(driver_limits.as_ref()));
             let mut failed = None;
             if let Some(view) = kernel {
                 // Once the agent stops, no charge is made that its stop would not free.
@@ -323,4 +324,25 @@ fn ledger_cgroup_limits(ledgers: &Ledgers, reconciler: &Reconciler) -> BTreeMap<
         }
     }
     limits
+}
+
+/// The cgroups the driver holds to their quota, by id (the inode of the cgroup2 directory),
+/// with what it counts in each over the container's GPUs; a cgroup gone since is left out.
+fn driver_held(limits: Option<&watch::Receiver<crate::snapshot::DriverLimits>>) -> BTreeMap<u64, u64> {
+    use std::os::unix::fs::MetadataExt;
+    let Some(limits) = limits else { return BTreeMap::new() };
+    let limits = limits.borrow().clone();
+    if !limits.containers.values().any(|c| c.held) {
+        return BTreeMap::new();
+    }
+    let Some(root) = crate::cgroup::cgroup2_mount() else { return BTreeMap::new() };
+    limits
+        .containers
+        .values()
+        .filter(|c| c.held)
+        .filter_map(|c| {
+            let id = std::fs::metadata(root.join(c.cgroup.trim_start_matches('/'))).ok()?.ino();
+            Some((id, c.gpus.iter().filter_map(|g| g.used).fold(0u64, u64::saturating_add)))
+        })
+        .collect()
 }
