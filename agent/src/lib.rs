@@ -2,6 +2,7 @@
 //! and the benchmarks under `benches/` drive its modules directly.
 pub mod cgroup;
 pub mod discovery;
+pub mod doctor;
 pub mod dra;
 pub mod driver;
 pub mod driver_limits;

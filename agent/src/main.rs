@@ -41,6 +41,10 @@ enum Command {
     /// Serve the mutating admission webhook that turns `vramguard.io/gpu-memory` limits into
     /// DRA claims (a Deployment of its own; no eBPF, no node access), until SIGTERM.
     Webhook(Box<agent::webhook::WebhookArgs>),
+    /// Check the node's preconditions (kernel, containerd's NRI and CDI, NVML and the device
+    /// files; with --kube, the API server): a line each, `ok`, `warn` or `fail`; exits
+    /// non-zero if a check fails.
+    Doctor(Box<agent::doctor::DoctorArgs>),
     /// Internal: the confined process the agent starts for each ledger it operates on.
     #[command(hide = true)]
     LedgerWorker,
@@ -110,6 +114,10 @@ fn main() -> Result<()> {
             }
             Ok(())
         }
+        Command::Doctor(args) => match agent::doctor::run(*args)? {
+            true => Ok(()),
+            false => std::process::exit(1),
+        },
         Command::Inspect { ledger, json } => inspect::inspect(&ledger, json),
         Command::Reclaim { ledger, slot } => inspect::reclaim(&ledger, slot),
         Command::LedgerWorker => std::process::exit(agent::ledgers::worker::main()),
