@@ -126,6 +126,8 @@ apis! {
     NvmlDeviceGetMemoryInfo = "nvmlDeviceGetMemoryInfo",
     NvmlDeviceGetMemoryInfoV2 = "nvmlDeviceGetMemoryInfo_v2",
     NvmlErrorString = "nvmlErrorString",
+    NvmlDeviceSetMemoryLimitsV1 = "nvmlDeviceSetMemoryLimits_v1",
+    NvmlDeviceGetMemoryLimitsV1 = "nvmlDeviceGetMemoryLimits_v1",
     DeviceUsage = "fakecuda_device_usage",
     ApiCalls = "fakecuda_api_calls",
     // External memory (crate::external).

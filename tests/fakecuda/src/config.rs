@@ -16,6 +16,7 @@
 //! | `FAKECUDA_STREAM_BUSY_MS` | after a `cuMemFreeAsync`, its stream has work queued for this long: `cuStreamQuery` answers `CUDA_ERROR_NOT_READY` and `cuStreamSynchronize` waits until it has run | 0 |
 //! | `FAKECUDA_NVML`          | `absent`, `fail` or `hang`: NVML misbehaves ([`crate::nvml`]) | unset |
 //! | `FAKECUDA_NVML_HANG_MS`  | how long `hang` sleeps per NVML call           | 10000      |
+//! | `FAKECUDA_DRIVER_VERSION` | the driver version NVML reports (`MAJOR.MINOR[.PATCH]`, digits); a major of 615 or more is a driver with per-cgroup memory limits ([`crate::limits`]) and CUDA 13.4 (`cuDriverGetVersion` 13040), below it CUDA 13.0 (13000) and no limits | `580.65.06` |
 //!
 //! Sizes are plain bytes or a number with a `k`/`m`/`g`/`t` suffix (1024-based, parsed by
 //! [`cuda_abi::parse_size`]). An empty variable counts as unset.
@@ -50,6 +51,65 @@ pub struct Config {
     pub trim_keeps: bool,
     /// How long a stream stays busy after a `cuMemFreeAsync` on it (ms; 0: never busy).
     pub stream_busy_ms: u64,
+    /// The driver version this process sees (`FAKECUDA_DRIVER_VERSION`).
+    pub driver_version: DriverVersion,
+}
+
+/// A driver version as NVML reports it (`580.65.06`), and what it implies.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DriverVersion {
+    text: String,
+    major: u32,
+}
+
+impl DriverVersion {
+    /// What the fake reports when `FAKECUDA_DRIVER_VERSION` is unset: a CUDA 13.0 driver.
+    pub const DEFAULT: &'static str = "580.65.06";
+    /// The first driver branch with per-cgroup memory limits (`nvmlDeviceSetMemoryLimits_v1`).
+    pub const MEMORY_LIMITS_MAJOR: u32 = 615;
+
+    /// Parses `MAJOR.MINOR[.PATCH]` (digits, at most 32 characters).
+    pub fn parse(text: &str) -> Option<DriverVersion> {
+        let text = text.trim();
+        let parts: Vec<&str> = text.split('.').collect();
+        let digits = |p: &&str| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit());
+        if text.len() > 32 || !(2..=3).contains(&parts.len()) || !parts.iter().all(digits) {
+            return None;
+        }
+        Some(DriverVersion { text: text.to_owned(), major: parts[0].parse().ok()? })
+    }
+
+    /// The version from the environment of this process, the default when unset or unusable
+    /// (for the entry points that work before `cuInit`; `cuInit` and `nvmlInit` report a bad
+    /// value).
+    pub fn from_env() -> DriverVersion {
+        std::env::var("FAKECUDA_DRIVER_VERSION").ok().and_then(|v| Self::parse(&v)).unwrap_or_default()
+    }
+
+    /// The text NVML reports.
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
+    /// Whether this driver has per-cgroup memory limits (r615 and later).
+    pub fn has_memory_limits(&self) -> bool {
+        self.major >= Self::MEMORY_LIMITS_MAJOR
+    }
+
+    /// The CUDA version the driver reports (`cuDriverGetVersion`): 13.4 from r615 on, else 13.0.
+    pub fn cuda_version(&self) -> i32 {
+        if self.has_memory_limits() {
+            13040
+        } else {
+            13000
+        }
+    }
+}
+
+impl Default for DriverVersion {
+    fn default() -> DriverVersion {
+        DriverVersion { text: Self::DEFAULT.to_owned(), major: 580 }
+    }
 }
 
 /// A variable with a value the fake cannot use.
@@ -164,7 +224,11 @@ impl Config {
             None => 0,
             Some(v) => v.parse::<u64>().ok().filter(|&ms| ms <= 60_000).ok_or_else(|| bad("FAKECUDA_STREAM_BUSY_MS", &v, "expected milliseconds, at most 60000"))?,
         };
-        Ok(Config { device_count, device_bytes, context_bytes, node, state_dir, trace, free_synchronizes, no_channel, unlisted_bytes, trim_observed, trim_keeps, stream_busy_ms })
+        let driver_version = match get("FAKECUDA_DRIVER_VERSION")? {
+            None => DriverVersion::default(),
+            Some(v) => DriverVersion::parse(&v).ok_or_else(|| bad("FAKECUDA_DRIVER_VERSION", &v, "expected MAJOR.MINOR[.PATCH] in digits, e.g. 615.10.02"))?,
+        };
+        Ok(Config { device_count, device_bytes, context_bytes, node, state_dir, trace, free_synchronizes, no_channel, unlisted_bytes, trim_observed, trim_keeps, stream_busy_ms, driver_version })
     }
 }
 
@@ -207,5 +271,18 @@ mod tests {
         assert_eq!((c.stream_busy_ms, cfg(&[("FAKECUDA_STREAM_BUSY_MS", "600")]).expect("ms").stream_busy_ms), (0, 600));
         assert_eq!(cfg(&[("FAKECUDA_STREAM_BUSY_MS", "1s")]).expect_err("not ms").var, "FAKECUDA_STREAM_BUSY_MS");
         assert!(cfg(&[("FAKECUDA_STREAM_BUSY_MS", "60001")]).is_err());
+    }
+
+    #[test]
+    fn driver_versions() {
+        let old = cfg(&[]).expect("defaults").driver_version;
+        assert_eq!((old.text(), old.has_memory_limits(), old.cuda_version()), ("580.65.06", false, 13000));
+        let new = cfg(&[("FAKECUDA_DRIVER_VERSION", "615.10.02")]).expect("r615").driver_version;
+        assert_eq!((new.text(), new.has_memory_limits(), new.cuda_version()), ("615.10.02", true, 13040));
+        assert!(DriverVersion::parse("614.99").is_some_and(|v| !v.has_memory_limits()));
+        assert!(DriverVersion::parse("700.1").is_some_and(|v| v.has_memory_limits()));
+        for bad in ["615", "615.", "r615.1", "615.1.2.3", "615.x.1"] {
+            assert_eq!(cfg(&[("FAKECUDA_DRIVER_VERSION", bad)]).expect_err(bad).var, "FAKECUDA_DRIVER_VERSION");
+        }
     }
 }

@@ -2,18 +2,20 @@
 //! process using the device maps, so that processes compete for the same memory like they do
 //! on a real GPU.
 //!
-//! Layout (little-endian, offsets in bytes; version 1):
+//! Layout (little-endian, offsets in bytes; version 2):
 //!
 //! ```text
 //! header (HEADER_SIZE bytes)
 //!   0  magic        [u8; 8]  b"FAKECUDA"
-//!   8  version      u32      1
+//!   8  version      u32      2 (see below for 1)
 //!  12  header_size  u32      HEADER_SIZE
 //!  16  slot_size    u32      SLOT_SIZE
 //!  20  slot_count   u32      SLOT_COUNT
 //!  24  total_bytes  u64      device memory, fixed by the creator
 //!  32  index        u32      device ordinal
 //!  36  high_water   u32      slots [0, high_water) may be in use; only grows (atomic)
+//!  40  limited      u32      entries for this device in the node's limits file, as the
+//!                            last set left them (atomic; 0: the file need not be read)
 //! slots (slot_count x SLOT_SIZE bytes), one per process holding memory
 //!   0  pid          u32      0 = free slot
 //!   4  flags        u32      FLAG_NO_CHANNEL: NVML does not list the slot (0 in files
@@ -21,7 +23,15 @@
 //!   8  start_time   u64      /proc/<pid>/stat field 22
 //!  16  pidns        u64      pid-namespace inode
 //!  24  charged      u64      bytes this process holds on the device
+//!  32  cgroup       u64      key of the process's cgroup when it claimed the slot
+//!                            ([`crate::cgroup::key`]; 0: no cgroup2 membership known)
+//!  40  (reserved to SLOT_SIZE, zero)
 //! ```
+//!
+//! Version 1 was this layout without the `cgroup` and `limited` fields, which no version-1
+//! writer touched (zero, as "no cgroup known" and "no limits" are): a version-1 file (a state
+//! file left by an older build) is taken as it is and marked version 2 when opened, after
+//! which an older build refuses it.
 //!
 //! The file is created complete under a temporary name and then hard-linked into place, so no
 //! process ever sees it half-initialised; the first creator fixes its size, later processes
@@ -31,7 +41,10 @@
 //! if its holder dies. It does not exclude threads sharing one open file, so callers hold the
 //! driver's in-process mutex as well (every `DeviceFile` lives behind it).
 //!
-//! Device use is the sum of the `charged` fields of live slots.
+//! Device use is the sum of the `charged` fields of live slots; a cgroup's use is the sum over
+//! the live slots that carry its key. A process that grows its charge is refused when its
+//! cgroup has a hard limit on the device ([`crate::limits`]) that the cgroup's use would pass,
+//! checked under the lock, so two processes of one cgroup cannot both pass it.
 //!
 //! # Lifetime: the memory lives as long as the open file
 //!
@@ -59,18 +72,20 @@ use cuda_abi::{CUresult, CUDA_ERROR_OPERATING_SYSTEM, CUDA_ERROR_OUT_OF_MEMORY};
 use crate::procinfo::ProcId;
 
 pub const MAGIC: [u8; 8] = *b"FAKECUDA";
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 pub const HEADER_SIZE: usize = 4096;
 pub const SLOT_SIZE: usize = 64;
 pub const SLOT_COUNT: usize = 1024;
 const FILE_SIZE: usize = HEADER_SIZE + SLOT_SIZE * SLOT_COUNT;
 
 const OFF_HIGH_WATER: usize = 36;
+const OFF_LIMITED: usize = 40;
 const OFF_PID: usize = 0;
 const OFF_FLAGS: usize = 4;
 const OFF_START: usize = 8;
 const OFF_PIDNS: usize = 16;
 const OFF_CHARGED: usize = 24;
+const OFF_CGROUP: usize = 32;
 
 /// Slot flag: the process is a driver client without a channel, which NVML's running-process
 /// lists leave out (its memory counts in the device's `used` all the same).
@@ -149,55 +164,71 @@ pub fn device_path(dir: &Path, node: &str, index: u32) -> PathBuf {
     dir.join(format!("{node}-dev{index}"))
 }
 
+/// Opens the shared state file at `path` read-write (read-only where its `mode` lets this
+/// process do no more), or creates it: complete (`init` fills it) under a temporary name next
+/// to it, then hard-linked into place, so no process ever sees it half-initialised; when
+/// another process links its own first, that one is used. It gets `mode` whatever the umask
+/// (0666 for a device file: a GPU is shared). `what` names the file in errors.
+pub(crate) fn open_or_create_shared(path: &Path, what: &str, mode: u32, init: impl Fn(&File) -> io::Result<()>) -> Result<File, OpenError> {
+    let os_err = |doing: &str, e: io::Error| OpenError {
+        message: format!("fakecuda: {doing} {}: {e}", path.display()),
+        code: CUDA_ERROR_OPERATING_SYSTEM,
+    };
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+        return Err(os_err(&format!("no place for the {what}"), io::ErrorKind::InvalidInput.into()));
+    };
+    for _ in 0..8 {
+        let opened = match OpenOptions::new().read(true).write(true).open(path) {
+            Err(e) if e.kind() == io::ErrorKind::PermissionDenied => OpenOptions::new().read(true).open(path),
+            other => other,
+        };
+        match opened {
+            Ok(file) => return Ok(file),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(os_err(&format!("cannot open {what}"), e)),
+        }
+        let tmp = dir.join(format!(
+            ".{}.{}.{}.tmp",
+            name.to_string_lossy(),
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos())
+                .unwrap_or(0)
+        ));
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(mode)
+            .open(&tmp)
+            .map_err(|e| os_err("cannot create a temporary file next to", e))?;
+        let made = (|| -> io::Result<()> {
+            file.set_permissions(std::fs::Permissions::from_mode(mode))?;
+            init(&file)?;
+            std::fs::hard_link(&tmp, path)
+        })();
+        let _ = std::fs::remove_file(&tmp);
+        match made {
+            Ok(()) => return Ok(file),
+            // Another process created it first: use theirs.
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(os_err(&format!("cannot create {what}"), e)),
+        }
+    }
+    Err(OpenError { message: format!("fakecuda: {what} {} keeps disappearing", path.display()), code: CUDA_ERROR_OPERATING_SYSTEM })
+}
+
 impl DeviceFile {
     /// Opens device `index`'s state file, creating it with `total` bytes of memory if it does
     /// not exist yet. An existing file keeps the size its creator gave it.
     pub fn open_or_create(dir: &Path, node: &str, index: u32, total: u64) -> Result<DeviceFile, OpenError> {
         let path = device_path(dir, node, index);
-        let os_err = |what: &str, e: io::Error| OpenError {
-            message: format!("fakecuda: {what} {}: {e}", path.display()),
-            code: CUDA_ERROR_OPERATING_SYSTEM,
-        };
-        for _ in 0..8 {
-            match OpenOptions::new().read(true).write(true).open(&path) {
-                Ok(file) => return Self::validate(path, file, index),
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                Err(e) => return Err(os_err("cannot open device state file", e)),
-            }
-            let tmp = dir.join(format!(
-                ".{node}-dev{index}.{}.{}.tmp",
-                std::process::id(),
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map(|d| d.as_nanos())
-                    .unwrap_or(0)
-            ));
-            let file = OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create_new(true)
-                .mode(0o666)
-                .open(&tmp)
-                .map_err(|e| os_err("cannot create a temporary file next to", e))?;
-            let init = (|| -> io::Result<()> {
-                // Readable and writable by every user, whatever the umask: a GPU is shared.
-                file.set_permissions(std::fs::Permissions::from_mode(0o666))?;
-                file.set_len(FILE_SIZE as u64)?;
-                file.write_all_at(&header_bytes(total, index), 0)?;
-                std::fs::hard_link(&tmp, &path)
-            })();
-            let _ = std::fs::remove_file(&tmp);
-            match init {
-                Ok(()) => return Self::validate(path, file, index),
-                // Another process created it first: use theirs.
-                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
-                Err(e) => return Err(os_err("cannot create device state file", e)),
-            }
-        }
-        Err(OpenError {
-            message: format!("fakecuda: device state file {} keeps disappearing", path.display()),
-            code: CUDA_ERROR_OPERATING_SYSTEM,
-        })
+        let file = open_or_create_shared(&path, "device state file", 0o666, |file| {
+            file.set_len(FILE_SIZE as u64)?;
+            file.write_all_at(&header_bytes(total, index), 0)
+        })?;
+        Self::validate(path, file, index)
     }
 
     fn validate(path: PathBuf, file: File, index: u32) -> Result<DeviceFile, OpenError> {
@@ -212,7 +243,7 @@ impl DeviceFile {
             return Err(invalid("bad magic".into()));
         }
         let version = le_u32(&h, 8);
-        if version != VERSION {
+        if version != VERSION && version != 1 {
             return Err(invalid(format!("layout version {version}, expected {VERSION}")));
         }
         let (header_size, slot_size, slot_count) =
@@ -249,6 +280,10 @@ impl DeviceFile {
         if map == libc::MAP_FAILED {
             return Err(invalid(format!("mmap failed: {}", io::Error::last_os_error())));
         }
+        // SAFETY: the 4-byte, 4-aligned version field of the page-aligned mapping just made;
+        // other processes read it only at open.
+        let version = unsafe { &*map.cast::<u8>().add(8).cast::<AtomicU32>() };
+        let _ = version.compare_exchange(1, VERSION, Ordering::Relaxed, Ordering::Relaxed);
         Ok(DeviceFile { path, file, map: map.cast(), slot_count, total })
     }
 
@@ -284,6 +319,22 @@ impl DeviceFile {
         // SAFETY: a 4-byte, 4-aligned header field inside the page-aligned mapping, which lives
         // as long as `self`; other processes access it only atomically.
         unsafe { &*self.map.add(OFF_HIGH_WATER).cast::<AtomicU32>() }
+    }
+
+    fn limited_field(&self) -> &AtomicU32 {
+        // SAFETY: as in `high_water`, for the 4-byte, 4-aligned `limited` field.
+        unsafe { &*self.map.add(OFF_LIMITED).cast::<AtomicU32>() }
+    }
+
+    /// Records how many entries the node's limits file holds for this device (the setter
+    /// does, holding the limits file's lock).
+    pub fn set_limited(&self, entries: u32) {
+        self.limited_field().store(entries, Ordering::Relaxed);
+    }
+
+    /// Whether the node's limits file may hold entries for this device.
+    pub fn limited(&self) -> bool {
+        self.limited_field().load(Ordering::Relaxed) != 0
     }
 
     /// The slots that may be in use: `0..high_water` (clamped to the file's slot count).
@@ -346,6 +397,7 @@ impl DeviceFile {
 
     fn clear_slot(&self, slot: usize) {
         self.u64_at(slot, OFF_CHARGED).store(0, Ordering::Relaxed);
+        self.u64_at(slot, OFF_CGROUP).store(0, Ordering::Relaxed);
         self.u32_at(slot, OFF_FLAGS).store(0, Ordering::Relaxed);
         self.u64_at(slot, OFF_START).store(0, Ordering::Relaxed);
         self.u64_at(slot, OFF_PIDNS).store(0, Ordering::Relaxed);
@@ -356,6 +408,14 @@ impl DeviceFile {
     pub fn used(&self, _lock: &Locked<'_>) -> u64 {
         self.live_slots()
             .filter(|&s| self.u32_at(s, OFF_PID).load(Ordering::Relaxed) != 0)
+            .fold(0u64, |sum, s| sum.saturating_add(self.u64_at(s, OFF_CHARGED).load(Ordering::Relaxed)))
+    }
+
+    /// Bytes the processes of the cgroup with key `cgroup` hold on the device: the sum over
+    /// occupied slots that carry the key (reap first to leave dead processes out).
+    pub fn cgroup_used(&self, _lock: &Locked<'_>, cgroup: u64) -> u64 {
+        self.live_slots()
+            .filter(|&s| self.u32_at(s, OFF_PID).load(Ordering::Relaxed) != 0 && self.u64_at(s, OFF_CGROUP).load(Ordering::Relaxed) == cgroup)
             .fold(0u64, |sum, s| sum.saturating_add(self.u64_at(s, OFF_CHARGED).load(Ordering::Relaxed)))
     }
 
@@ -382,8 +442,8 @@ impl DeviceFile {
         freed
     }
 
-    /// Finds `me`'s slot (trying `hint` first), or claims a free one.
-    fn slot_for(&self, me: &ProcId, hint: Option<usize>, claim: bool, flags: u32) -> Option<usize> {
+    /// Finds `me`'s slot (trying `hint` first), or claims a free one (recording `tag`).
+    fn slot_for(&self, me: &ProcId, hint: Option<usize>, claim: bool, tag: SlotTag) -> Option<usize> {
         if let Some(h) = hint.filter(|&h| self.live_slots().contains(&h)) {
             if self.slot_owner(h) == *me {
                 return Some(h);
@@ -405,7 +465,8 @@ impl DeviceFile {
             self.high_water().store(s as u32 + 1, Ordering::Relaxed);
         }
         self.u64_at(s, OFF_CHARGED).store(0, Ordering::Relaxed);
-        self.u32_at(s, OFF_FLAGS).store(flags, Ordering::Relaxed);
+        self.u64_at(s, OFF_CGROUP).store(tag.cgroup, Ordering::Relaxed);
+        self.u32_at(s, OFF_FLAGS).store(tag.flags, Ordering::Relaxed);
         self.u64_at(s, OFF_START).store(me.start_time, Ordering::Relaxed);
         self.u64_at(s, OFF_PIDNS).store(me.pidns, Ordering::Relaxed);
         self.u32_at(s, OFF_PID).store(me.pid, Ordering::Relaxed);
@@ -413,24 +474,38 @@ impl DeviceFile {
     }
 
     /// Changes what `me` holds on the device from `current` to `new` bytes. Growing fails with
-    /// `CUDA_ERROR_OUT_OF_MEMORY` (charging nothing) when the device cannot hold it, after
-    /// reaping dead processes once. `hint` caches `me`'s slot index between calls; `flags`
-    /// ([`FLAG_NO_CHANNEL`]) go into a slot this call claims.
-    pub fn recharge(&self, me: &ProcId, hint: &mut Option<usize>, current: u64, new: u64, flags: u32) -> Result<(), CUresult> {
+    /// `CUDA_ERROR_OUT_OF_MEMORY` (charging nothing) when the device cannot hold it, or when
+    /// `hard_limit` (asked under the lock, only to grow, and only when the device is
+    /// [`limited`](Self::limited)) gives a limit on `me`'s cgroup that the cgroup's use would
+    /// pass, each after reaping dead processes once. `hint` caches
+    /// `me`'s slot index between calls; `tag` goes into a slot this call claims.
+    pub fn recharge(
+        &self,
+        me: &ProcId,
+        hint: &mut Option<usize>,
+        current: u64,
+        new: u64,
+        tag: SlotTag,
+        hard_limit: impl FnOnce() -> Result<Option<u64>, CUresult>,
+    ) -> Result<(), CUresult> {
         if current == new {
             return Ok(());
         }
         let lock = self.lock()?;
         if new > current {
             let need = new - current;
+            let limit = if self.limited() { hard_limit()? } else { None };
+            // Our own slot holds `current` (or nothing if it was lost); count it as ours.
+            let mine = |dev: &Self| {
+                dev.slot_for(me, *hint, false, tag).map(|s| dev.u64_at(s, OFF_CHARGED).load(Ordering::Relaxed)).unwrap_or(0)
+            };
             let fits = |dev: &Self| {
-                // Our own slot holds `current` (or nothing if it was lost); count it as ours.
-                let mine = dev
-                    .slot_for(me, *hint, false, 0)
-                    .map(|s| dev.u64_at(s, OFF_CHARGED).load(Ordering::Relaxed))
-                    .unwrap_or(0);
-                let others = dev.used(&lock).saturating_sub(mine);
-                others.checked_add(new).is_some_and(|t| t <= dev.total)
+                let mine = mine(dev);
+                let on_device = dev.used(&lock).saturating_sub(mine).checked_add(new).is_some_and(|t| t <= dev.total);
+                let in_cgroup = limit.is_none_or(|hard| {
+                    dev.cgroup_used(&lock, tag.cgroup).saturating_sub(mine).checked_add(new).is_some_and(|t| t <= hard)
+                });
+                on_device && in_cgroup
             };
             if need > self.total || !fits(self) {
                 self.reap(&lock, me);
@@ -440,21 +515,68 @@ impl DeviceFile {
             }
         }
         if new == 0 {
-            if let Some(s) = self.slot_for(me, *hint, false, 0) {
+            if let Some(s) = self.slot_for(me, *hint, false, tag) {
                 self.clear_slot(s);
             }
             *hint = None;
             return Ok(());
         }
-        let slot = match self.slot_for(me, *hint, true, flags) {
+        let slot = match self.slot_for(me, *hint, true, tag) {
             Some(s) => s,
             None => {
                 self.reap(&lock, me);
-                self.slot_for(me, None, true, flags).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?
+                self.slot_for(me, None, true, tag).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?
             }
         };
         self.u64_at(slot, OFF_CHARGED).store(new, Ordering::Relaxed);
         *hint = Some(slot);
         Ok(())
+    }
+}
+
+/// What a slot records of its process besides who it is.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SlotTag {
+    /// [`FLAG_NO_CHANNEL`] or 0.
+    pub flags: u32,
+    /// The process's cgroup key ([`crate::cgroup::key`]; 0: none known).
+    pub cgroup: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_version_1_file_is_taken_and_marked_version_2() {
+        let dir = std::env::temp_dir().join(format!("fakecuda-devfile-v1-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = device_path(&dir, "v1", 0);
+        let mut header = header_bytes(1 << 30, 0);
+        header[8..12].copy_from_slice(&1u32.to_le_bytes());
+        let file = OpenOptions::new().read(true).write(true).create_new(true).open(&path).expect("create");
+        file.set_len(FILE_SIZE as u64).expect("size");
+        file.write_all_at(&header, 0).expect("header");
+        let dev = DeviceFile::open_or_create(&dir, "v1", 0, 1 << 30).expect("a version-1 file opens");
+        let mut version = [0u8; 4];
+        file.read_exact_at(&mut version, 8).expect("read");
+        assert_eq!(u32::from_le_bytes(version), VERSION);
+        let me = ProcId::current();
+        let mut hint = None;
+        let tag = SlotTag { flags: 0, cgroup: 7 };
+        dev.recharge(&me, &mut hint, 0, 8 << 20, tag, || Ok(Some(6 << 20))).expect("the limits file is not read while no limit is set");
+        dev.recharge(&me, &mut hint, 8 << 20, 0, tag, || Ok(Some(0))).expect("shrinking is never refused");
+        dev.set_limited(1);
+        dev.recharge(&me, &mut hint, 0, 4 << 20, tag, || Ok(Some(6 << 20))).expect("under the limit");
+        assert_eq!(dev.recharge(&me, &mut hint, 4 << 20, 8 << 20, tag, || Ok(Some(6 << 20))), Err(CUDA_ERROR_OUT_OF_MEMORY));
+        dev.recharge(&me, &mut hint, 4 << 20, 8 << 20, tag, || Ok(None)).expect("no limit");
+        let lock = dev.lock().expect("lock");
+        assert_eq!((dev.cgroup_used(&lock, 7), dev.cgroup_used(&lock, 8), dev.used(&lock)), (8 << 20, 0, 8 << 20));
+        drop(lock);
+        header[8..12].copy_from_slice(&3u32.to_le_bytes());
+        file.write_all_at(&header, 0).expect("header");
+        assert!(DeviceFile::open_or_create(&dir, "v1", 0, 1 << 30).is_err(), "version 3 is refused");
+        drop(dev);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -10,7 +10,12 @@
 //! 2 MiB pages per process and device). This reproduces the H100 figures of docs/design.md.
 //!
 //! Every change is computed first, then charged to the device file (which refuses with
-//! `CUDA_ERROR_OUT_OF_MEMORY` and charges nothing when it does not fit), then committed here.
+//! `CUDA_ERROR_OUT_OF_MEMORY` and charges nothing when it does not fit, on the device or
+//! under a hard limit of the process's cgroup, [`crate::limits`]), then committed here. Every
+//! kind above is charged through that one path, so a cgroup's hard limit bounds all of them,
+//! whatever copy of the library the process loaded. The process's cgroup is the one it was in
+//! at `cuInit` (a move afterwards is not followed: what the real driver does then is not
+//! known).
 //!
 //! Everything lives behind one process-wide mutex ([`call`]), which also serialises threads
 //! for the device files' flock. A forked child sees the driver as not initialised until it
@@ -26,7 +31,8 @@ use cuda_abi::*;
 
 use crate::api::Api;
 use crate::config::Config;
-use crate::devfile::DeviceFile;
+use crate::devfile::{DeviceFile, SlotTag};
+use crate::limits::LimitsFile;
 use crate::errors::error_name;
 use crate::procinfo::ProcId;
 
@@ -227,6 +233,10 @@ pub struct Driver {
     pub me: ProcId,
     pub cfg: Config,
     pub devs: Vec<Dev>,
+    /// The node's per-cgroup limits.
+    limits: LimitsFile,
+    /// This process's cgroup key at `cuInit` ([`crate::cgroup::key`]; 0: none).
+    cgroup: u64,
     contexts: HashMap<u64, Ctx>,
     allocs: HashMap<u64, Alloc>,
     /// Host mappings of managed allocations, by address.
@@ -484,11 +494,17 @@ impl Driver {
             drop(lock);
             devs.push(Dev { file, slot_hint: None, usage: Usage::default(), primary_refs: 0 });
         }
+        let limits = LimitsFile::open_or_create(&cfg.state_dir, &cfg.node).map_err(|e| {
+            eprintln!("{}", e.message);
+            e.code
+        })?;
         let pools = (0..devs.len()).map(|d| (pool_handle(d), Pool::new(d, 0))).collect();
         Ok(Driver {
             me,
             cfg,
             devs,
+            limits,
+            cgroup: crate::cgroup::own_key(),
             contexts: HashMap::new(),
             allocs: HashMap::new(),
             host_maps: HashMap::new(),
@@ -514,18 +530,27 @@ impl Driver {
         self.devs.get(dev).ok_or(CUDA_ERROR_INVALID_DEVICE)
     }
 
-    /// Applies `change` to this process's usage of `dev`, charging the device for it first.
-    /// `change` returns `None` on arithmetic overflow (reported as out of memory).
+    /// Applies `change` to this process's usage of `dev`, charging the device for it first
+    /// (within its cgroup's hard limit there, if any). `change` returns `None` on arithmetic
+    /// overflow (reported as out of memory).
     fn recharge(&mut self, dev: usize, change: impl FnOnce(&mut Usage) -> Option<()>) -> R<()> {
         let context_bytes = self.cfg.context_bytes;
         let me = self.me;
         let flags = if self.cfg.no_channel { crate::devfile::FLAG_NO_CHANNEL } else { 0 };
+        let tag = SlotTag { flags, cgroup: self.cgroup };
+        let (limits, index) = (&self.limits, u32::try_from(dev).map_err(|_| CUDA_ERROR_INVALID_DEVICE)?);
         let d = self.devs.get_mut(dev).ok_or(CUDA_ERROR_INVALID_DEVICE)?;
         let mut usage = d.usage;
         change(&mut usage).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
         let current = d.usage.footprint(context_bytes).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
         let new = usage.footprint(context_bytes).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
-        d.file.recharge(&me, &mut d.slot_hint, current, new, flags)?;
+        let hard_limit = || {
+            limits.hard_limit(tag.cgroup, index).map_err(|e| {
+                eprintln!("fakecuda: cannot read the cgroup limits: {e}");
+                CUDA_ERROR_OPERATING_SYSTEM
+            })
+        };
+        d.file.recharge(&me, &mut d.slot_hint, current, new, tag, hard_limit)?;
         d.usage = usage;
         Ok(())
     }

@@ -56,9 +56,6 @@ macro_rules! exports_sharing_body {
 }
 pub(crate) use exports_sharing_body;
 
-/// The driver version the fake reports (CUDA 13.0).
-pub const DRIVER_VERSION: c_int = 13000;
-
 /// Bytes -> `size_t`.
 fn sz(n: u64) -> usize {
     usize::try_from(n).unwrap_or(usize::MAX)
@@ -67,14 +64,7 @@ fn sz(n: u64) -> usize {
 /// A stable UUID for device `index` of node `node`: FNV-1a hashes, shaped as an RFC 9562
 /// version-8 (custom) UUID. The fake NVML reports the same bytes ([`crate::nvml`]).
 pub(crate) fn device_uuid(node: &str, index: usize) -> [u8; 16] {
-    let fnv = |seed: u64| {
-        let mut h = 0xcbf2_9ce4_8422_2325u64 ^ seed;
-        for b in node.bytes().chain(b"/dev".iter().copied()).chain(index.to_string().bytes()) {
-            h ^= u64::from(b);
-            h = h.wrapping_mul(0x0000_0100_0000_01b3);
-        }
-        h
-    };
+    let fnv = |seed: u64| crate::cgroup::fnv1a(seed, node.bytes().chain(*b"/dev").chain(index.to_string().bytes()));
     let mut u = [0u8; 16];
     u[..8].copy_from_slice(&fnv(0).to_be_bytes());
     u[8..].copy_from_slice(&fnv(0x9e37_79b9_7f4a_7c15).to_be_bytes());
@@ -105,11 +95,14 @@ pub unsafe extern "C" fn cuInit(Flags: c_uint) -> CUresult {
     }
 }
 
+/// CUDA 13.0, or 13.4 for a `FAKECUDA_DRIVER_VERSION` of r615 or later ([`crate::config`]),
+/// read from the environment at each call (it works before `cuInit`).
 #[no_mangle]
 pub unsafe extern "C" fn cuDriverGetVersion(driverVersion: *mut c_int) -> CUresult {
     count(Api::DriverGetVersion);
+    let version = crate::config::DriverVersion::from_env().cuda_version();
     // SAFETY: the caller passes NULL or a valid int pointer.
-    unsafe { out(driverVersion, DRIVER_VERSION) }.err().unwrap_or(CUDA_SUCCESS)
+    unsafe { out(driverVersion, version) }.err().unwrap_or(CUDA_SUCCESS)
 }
 
 #[no_mangle]

@@ -10,7 +10,10 @@
 //! entry points are in [`exports`] (arrays in [`resources`], graphs, stream capture and graph
 //! memory in [`graphs`], imported external memory in [`external`]); `cuGetProcAddress`
 //! resolution is in [`procaddr`]. The same
-//! library is a minimal NVML too ([`nvml`]: init, device handles and UUIDs, memory info).
+//! library is a minimal NVML too ([`nvml`]: init, device handles and UUIDs, memory info, and
+//! the per-cgroup memory limits of drivers r615 and later, kept machine-wide in [`limits`] and
+//! enforced at every charge of device memory; cgroup paths and keys in [`cgroup`]). The
+//! driver version it claims is a knob (`FAKECUDA_DRIVER_VERSION`, default `580.65.06`).
 //!
 //! Build: `cargo build -p fakecuda` gives `target/<profile>/libcuda.so` with soname
 //! `libcuda.so.1`; point `LD_LIBRARY_PATH` at a directory holding a `libcuda.so.1` symlink to it
@@ -18,6 +21,7 @@
 
 pub mod api;
 pub mod attributes;
+pub mod cgroup;
 pub mod config;
 pub mod devfile;
 pub mod driver;
@@ -25,6 +29,9 @@ pub mod errors;
 pub mod exports;
 pub mod external;
 pub mod graphs;
+pub mod limits;
+#[cfg(test)]
+mod limits_tests;
 pub mod nvml;
 pub mod pools;
 pub mod procaddr;

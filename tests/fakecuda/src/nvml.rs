@@ -7,7 +7,8 @@
 //! `nvmlDeviceGetMinorNumber` (the index: device `i`'s file is `<node>-dev<i>`, as
 //! `/dev/nvidia<minor>` is a real GPU's),
 //! `nvmlDeviceGetName`, `nvmlDeviceGetUUID`, `nvmlDeviceGetMemoryInfo`,
-//! `nvmlDeviceGetMemoryInfo_v2`, `nvmlDeviceGetComputeRunningProcesses_v3` and
+//! `nvmlDeviceGetMemoryInfo_v2`, `nvmlDeviceGetComputeRunningProcesses_v3`,
+//! `nvmlDeviceSetMemoryLimits_v1`, `nvmlDeviceGetMemoryLimits_v1` and
 //! `nvmlErrorString`, with `nvml.h`'s signatures and result codes ([`cuda_abi::nvml`]).
 //! A tool's other queries find no symbol, which pynvml reports as
 //! `NVML_ERROR_FUNCTION_NOT_FOUND` and the tools show as N/A.
@@ -19,10 +20,12 @@
 //! driver's own memory beside each process's row is in `used` and in no row.
 //!
 //! Names are `NVIDIA H100 80GB HBM3` (the fake's devices are H100-like, see
-//! [`crate::attributes`]); the driver version is `580.65.06` (a CUDA 13.0 driver, as
-//! `cuDriverGetVersion` says). Running processes are every live process's slot in the
-//! device file, with the bytes it holds (`usedGpuMemory`: its contexts, allocations, VMM
-//! handles and pools' reserved memory through every copy of the fake, a pool's going down at
+//! [`crate::attributes`]); the driver version is `FAKECUDA_DRIVER_VERSION` as the process saw
+//! it at init, `580.65.06` by default (a CUDA 13.0 driver; `nvmlSystemGetCudaDriverVersion`
+//! says 13000 as `cuDriverGetVersion` does, 13040 for r615 and later). Running processes are
+//! every live process's slot in the device file, with the bytes it holds (`usedGpuMemory`: its
+//! contexts, allocations, VMM handles and pools' reserved memory through every copy of the
+//! fake, a pool's going down at
 //! the synchronize that releases it, and all of it when the last holder of the process's open
 //! device file closes it: at its exit, or a forked child's, [`crate::devfile`]); the pids are those the processes have in
 //! the caller's pid namespace, as the real NVML reports them (a process the caller cannot
@@ -49,6 +52,37 @@
 //! * NULL out-pointers, indices past the device count and unknown device handles are
 //!   `NVML_ERROR_INVALID_ARGUMENT`.
 //!
+//! # Per-cgroup memory limits (driver r615+, CUDA 13.4)
+//!
+//! `nvmlDeviceSetMemoryLimits_v1` and `nvmlDeviceGetMemoryLimits_v1` keep a soft and a hard
+//! limit per (cgroup, device) in the node's limits file ([`crate::limits`]); every copy of
+//! the fake libcuda refuses an allocation (of any kind it charges) that would take a cgroup
+//! past its hard limit on the device, with `CUDA_ERROR_OUT_OF_MEMORY`. Checks, in this order:
+//! * outside a session: `NVML_ERROR_UNINITIALIZED`;
+//! * an unknown device handle, a NULL struct or a NULL `nameSpace`:
+//!   `NVML_ERROR_INVALID_ARGUMENT`;
+//! * a driver before r615 (`FAKECUDA_DRIVER_VERSION`'s major below 615, the default 580
+//!   included): `NVML_ERROR_NOT_SUPPORTED`;
+//! * set only: a caller whose effective uid is not 0: `NVML_ERROR_NO_PERMISSION`;
+//! * a `nameSpace` that is not an existing directory of a cgroup2 file system under a cgroup2
+//!   mount of the caller (`/proc/self/mountinfo`): `NVML_ERROR_OPERATING_SYSTEM` ("the cgroup
+//!   path cannot be opened"; a removed cgroup's path is one);
+//! * set only: soft above hard, or a limit above the device's memory (hard
+//!   `NVML_DEVICE_MEMORY_LIMIT_MAX` is no limit and allowed): `NVML_ERROR_INVALID_ARGUMENT`;
+//!   soft 0 with hard MAX clears the entry (clearing what is not set succeeds);
+//! * get only: no entry for the cgroup and device, or one set on a cgroup removed since and
+//!   made again at the same path (removing a cgroup clears its limits):
+//!   `NVML_ERROR_NOT_FOUND`; else soft, hard and `currentUsed`.
+//! * the limits file unreadable: `NVML_ERROR_UNKNOWN`.
+//!
+//! `currentUsed` is the sum of what every live process of the cgroup holds on the device:
+//! the per-process figure of the device file (contexts, allocations, VMM, pools; the
+//! `usedGpuMemory` above, with no `FAKECUDA_UNLISTED_BYTES` taken off), dead processes reaped
+//! first; memory a forked child keeps after its parent died counts, in the parent's cgroup.
+//! What the real r615 driver counts there (its own per-process memory? a process moved
+//! between cgroups?) is owed to a run on a real GPU; so is whether it refuses with out of
+//! memory at the limit exactly or earlier. The soft limit is stored and reported only.
+//!
 //! A knob for the tests of NVML's callers, read from the environment of the process that
 //! loads the fake at each call: `FAKECUDA_NVML=absent` makes the init calls return
 //! `NVML_ERROR_DRIVER_NOT_LOADED` (a node without the driver), `fail` makes every call after
@@ -66,6 +100,7 @@
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
 use std::ffi::{c_char, c_int, c_uint, CStr};
+use std::os::unix::ffi::OsStrExt;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use cuda_abi::nvml::*;
@@ -73,9 +108,11 @@ use cuda_abi::gpu_uuid_text;
 
 use crate::api::Api;
 use crate::config::{Config, MAX_DEVICES};
+use crate::cgroup::{self, Found};
 use crate::devfile::{DeviceFile, FLAG_NO_CHANNEL};
 use crate::driver::{self, count};
 use crate::exports::device_uuid;
+use crate::limits::{self, LimitsFile};
 use crate::procinfo::{self, ProcId};
 
 /// One NVML session of this process (between the first init and the last shutdown).
@@ -84,6 +121,8 @@ struct Nvml {
     cfg: Config,
     /// Opened by the process in `me` (reopened in a forked child, whose flock must be its own).
     devs: Vec<DeviceFile>,
+    /// The node's per-cgroup limits (reopened in a forked child, as `devs`).
+    limits: LimitsFile,
     me: ProcId,
 }
 
@@ -112,22 +151,22 @@ fn lock() -> MutexGuard<'static, Option<Nvml>> {
     NVML.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-fn open_devices(cfg: &Config) -> R<Vec<DeviceFile>> {
-    (0..cfg.device_count)
-        .map(|i| {
-            DeviceFile::open_or_create(&cfg.state_dir, &cfg.node, i, cfg.device_bytes).map_err(|e| {
-                eprintln!("{}", e.message);
-                NVML_ERROR_UNKNOWN
-            })
-        })
-        .collect()
+fn open_files(cfg: &Config) -> R<(Vec<DeviceFile>, LimitsFile)> {
+    let reported = |e: crate::devfile::OpenError| {
+        eprintln!("{}", e.message);
+        NVML_ERROR_UNKNOWN
+    };
+    let devs = (0..cfg.device_count)
+        .map(|i| DeviceFile::open_or_create(&cfg.state_dir, &cfg.node, i, cfg.device_bytes).map_err(reported))
+        .collect::<R<Vec<_>>>()?;
+    Ok((devs, LimitsFile::open_or_create(&cfg.state_dir, &cfg.node).map_err(reported)?))
 }
 
 impl Nvml {
-    /// Reopens the device files in a forked child.
+    /// Reopens the device files and the limits file in a forked child.
     fn refresh(&mut self) -> R<()> {
         if self.me.pid != std::process::id() {
-            self.devs = open_devices(&self.cfg)?;
+            (self.devs, self.limits) = open_files(&self.cfg)?;
             self.me = ProcId::current();
         }
         Ok(())
@@ -153,6 +192,37 @@ impl Nvml {
         let file = self.devs.get(self.index(device)?).ok_or(NVML_ERROR_INVALID_ARGUMENT)?;
         let (used, total) = driver::usage_of(file, &self.me).map_err(|_| NVML_ERROR_UNKNOWN)?;
         Ok((total, used.min(total)))
+    }
+
+    /// The checks both limits calls begin with, in order (module doc): the device (its
+    /// index), the caller's struct (read), its `nameSpace`, the feature, root (for `root`),
+    /// the cgroup the `nameSpace` names.
+    ///
+    /// # Safety
+    /// `limits` must be NULL or valid for a read of `T`, whose `nameSpace` (`name_space` gives
+    /// it) is NULL or a NUL-terminated string.
+    unsafe fn limits_args<T>(&self, device: nvmlDevice_t, limits: *mut T, name_space: impl Fn(&T) -> *const c_char, root: bool) -> R<(usize, T, Found)> {
+        let i = self.index(device)?;
+        if limits.is_null() {
+            return Err(NVML_ERROR_INVALID_ARGUMENT);
+        }
+        // SAFETY: non-null, and valid for a read per this function's contract.
+        let l = unsafe { limits.read() };
+        let ns = name_space(&l);
+        if ns.is_null() {
+            return Err(NVML_ERROR_INVALID_ARGUMENT);
+        }
+        if !self.cfg.driver_version.has_memory_limits() {
+            return Err(NVML_ERROR_NOT_SUPPORTED);
+        }
+        // SAFETY: geteuid has no preconditions.
+        if root && unsafe { libc::geteuid() } != 0 {
+            return Err(NVML_ERROR_NO_PERMISSION);
+        }
+        // SAFETY: non-null and NUL-terminated per this function's contract.
+        let path = std::ffi::OsStr::from_bytes(unsafe { CStr::from_ptr(ns) }.to_bytes());
+        let cg = cgroup::resolve(std::path::Path::new(path), self.limits.mounts()).ok_or(NVML_ERROR_OPERATING_SYSTEM)?;
+        Ok((i, l, cg))
     }
 }
 
@@ -205,9 +275,9 @@ fn init(api: Api) -> nvmlReturn_t {
             return NVML_ERROR_UNKNOWN;
         }
     };
-    match open_devices(&cfg) {
-        Ok(devs) => {
-            *guard = Some(Nvml { refs: 1, cfg, devs, me: ProcId::current() });
+    match open_files(&cfg) {
+        Ok((devs, limits)) => {
+            *guard = Some(Nvml { refs: 1, cfg, devs, limits, me: ProcId::current() });
             NVML_SUCCESS
         }
         Err(e) => e,
@@ -302,8 +372,6 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(device: nvmlDevice_t, memory
     })
 }
 
-/// The driver version NVML reports.
-pub const DRIVER_VERSION_TEXT: &str = "580.65.06";
 /// The device name NVML reports.
 pub const DEVICE_NAME: &str = "NVIDIA H100 80GB HBM3";
 
@@ -329,19 +397,19 @@ unsafe fn write_text(buf: *mut c_char, length: c_uint, text: &str) -> R<()> {
 #[no_mangle]
 pub unsafe extern "C" fn nvmlSystemGetDriverVersion(version: *mut c_char, length: c_uint) -> nvmlReturn_t {
     // SAFETY: the caller passes NULL or a buffer of `length` bytes.
-    with_nvml(Api::NvmlSystemGetDriverVersion, |_| unsafe { write_text(version, length, DRIVER_VERSION_TEXT) })
+    with_nvml(Api::NvmlSystemGetDriverVersion, |n| unsafe { write_text(version, length, n.cfg.driver_version.text()) })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn nvmlSystemGetCudaDriverVersion(version: *mut c_int) -> nvmlReturn_t {
     // SAFETY: the caller passes NULL or a valid int pointer.
-    with_nvml(Api::NvmlSystemGetCudaDriverVersion, |_| unsafe { out(version, crate::exports::DRIVER_VERSION) })
+    with_nvml(Api::NvmlSystemGetCudaDriverVersion, |n| unsafe { out(version, n.cfg.driver_version.cuda_version()) })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn nvmlSystemGetCudaDriverVersion_v2(version: *mut c_int) -> nvmlReturn_t {
     // SAFETY: the caller passes NULL or a valid int pointer.
-    with_nvml(Api::NvmlSystemGetCudaDriverVersionV2, |_| unsafe { out(version, crate::exports::DRIVER_VERSION) })
+    with_nvml(Api::NvmlSystemGetCudaDriverVersionV2, |n| unsafe { out(version, n.cfg.driver_version.cuda_version()) })
 }
 
 #[no_mangle]
@@ -418,17 +486,65 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
     })
 }
 
+/// Sets (or clears) a cgroup's memory limits on a device (module doc: the checks, in order).
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceSetMemoryLimits_v1(device: nvmlDevice_t, limits: *mut nvmlSetMemoryLimits_v1_t) -> nvmlReturn_t {
+    with_nvml(Api::NvmlDeviceSetMemoryLimitsV1, |n| {
+        // SAFETY: the caller passes NULL or a valid struct whose nameSpace is NULL or a path.
+        let (i, l, cg) = unsafe { n.limits_args(device, limits, |l| l.name_space, true) }?;
+        let total = n.devs.get(i).ok_or(NVML_ERROR_INVALID_ARGUMENT)?.total();
+        let hard_ok = l.hard_limit <= total || l.hard_limit == NVML_DEVICE_MEMORY_LIMIT_MAX;
+        if l.soft_limit > l.hard_limit || l.soft_limit > total || !hard_ok {
+            return Err(NVML_ERROR_INVALID_ARGUMENT);
+        }
+        let mark = |entries: &[limits::Entry]| {
+            for (d, file) in (0u32..).zip(&n.devs) {
+                file.set_limited(entries.iter().filter(|e| e.dev == d).count() as u32);
+            }
+        };
+        n.limits.set(&cg, i as u32, l.soft_limit, l.hard_limit, mark).map_err(|e| {
+            eprintln!("fakecuda: cannot set the limits of cgroup {}: {e}", cg.rel);
+            NVML_ERROR_UNKNOWN
+        })
+    })
+}
+
+/// A cgroup's memory limits on a device, and what its processes hold there (module doc).
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetMemoryLimits_v1(device: nvmlDevice_t, limits: *mut nvmlGetMemoryLimits_v1_t) -> nvmlReturn_t {
+    with_nvml(Api::NvmlDeviceGetMemoryLimitsV1, |n| {
+        // SAFETY: the caller passes NULL or a valid struct whose nameSpace is NULL or a path.
+        let (i, mut l, cg) = unsafe { n.limits_args(device, limits, |l| l.name_space, false) }?;
+        let unknown = |e: std::io::Error| {
+            eprintln!("fakecuda: cannot read the cgroup limits: {e}");
+            NVML_ERROR_UNKNOWN
+        };
+        let entry = n.limits.get(&cg, i as u32).map_err(unknown)?.ok_or(NVML_ERROR_NOT_FOUND)?;
+        let file = n.devs.get(i).ok_or(NVML_ERROR_INVALID_ARGUMENT)?;
+        let used = {
+            let lock = file.lock().map_err(|_| NVML_ERROR_UNKNOWN)?;
+            file.reap(&lock, &n.me);
+            file.cgroup_used(&lock, entry.key)
+        };
+        (l.soft_limit, l.hard_limit, l.current_used) = (entry.soft, entry.hard, used);
+        // SAFETY: non-null (checked above) and valid for writes per the caller's contract.
+        unsafe { out(limits, l) }
+    })
+}
+
 /// Descriptions of the result codes the fake returns (NVML's wording).
 const ERRORS: &[(nvmlReturn_t, &CStr)] = &[
     (NVML_SUCCESS, c"Success"),
     (NVML_ERROR_UNINITIALIZED, c"Uninitialized"),
     (NVML_ERROR_INVALID_ARGUMENT, c"Invalid Argument"),
     (NVML_ERROR_NOT_SUPPORTED, c"Not Supported"),
+    (NVML_ERROR_NO_PERMISSION, c"Insufficient Permissions"),
     (NVML_ERROR_NOT_FOUND, c"Not Found"),
     (NVML_ERROR_INSUFFICIENT_SIZE, c"Insufficient Size"),
     (NVML_ERROR_DRIVER_NOT_LOADED, c"Driver Not Loaded"),
     (NVML_ERROR_LIBRARY_NOT_FOUND, c"NVML Shared Library Not Found"),
     (NVML_ERROR_FUNCTION_NOT_FOUND, c"Function Not Found"),
+    (NVML_ERROR_OPERATING_SYSTEM, c"Operating System Error"),
     (NVML_ERROR_ARGUMENT_VERSION_MISMATCH, c"Argument Version Mismatch"),
 ];
 
