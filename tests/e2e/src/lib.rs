@@ -53,6 +53,9 @@ pub const KIB: u64 = 1 << 10;
 pub const MIB: u64 = 1 << 20;
 pub const GIB: u64 = 1 << 30;
 
+/// The driver version [`FakeNode::r615`] gives a node: a driver with per-cgroup memory limits.
+pub const R615_DRIVER_VERSION: &str = "615.10.02";
+
 /// The fake driver's default context reserve (`FAKECUDA_CONTEXT_BYTES`).
 pub const DEFAULT_CONTEXT_BYTES: u64 = 64 * MIB;
 
@@ -259,6 +262,42 @@ pub fn holding(workload: Workload, steps: &[&str]) -> Result<Running> {
     Ok(running)
 }
 
+/// The first line of the fake driver's limits file (`tests/fakecuda/src/limits.rs`).
+const LIMITS_HEADER: &str = "fakecuda-limits 1";
+
+/// One line of the fake driver's limits file: `<key hex> <dev> <soft> <hard> <cgroup id> <path>`.
+struct LimitEntry {
+    key: u64,
+    dev: u32,
+    soft: u64,
+    hard: u64,
+    id: u64,
+    rel: String,
+    /// The line itself.
+    line: String,
+}
+
+/// The entries of a limits file's text.
+fn limit_entries(text: &str) -> Result<Vec<LimitEntry>> {
+    let mut lines = text.lines();
+    if lines.next() != Some(LIMITS_HEADER) {
+        bail!("not a limits file of the fake driver: {text:?}");
+    }
+    lines
+        .map(|line| {
+            let f: Vec<&str> = line.splitn(6, ' ').collect();
+            let num = |i: usize| f.get(i).and_then(|w| w.parse::<u64>().ok());
+            let entry = (|| {
+                let key = u64::from_str_radix(f.first()?, 16).ok()?;
+                let dev = u32::try_from(num(1)?).ok()?;
+                let rel = f.get(5)?.to_string();
+                Some(LimitEntry { key, dev, soft: num(2)?, hard: num(3)?, id: num(4)?, rel, line: line.to_owned() })
+            })();
+            entry.ok_or_else(|| anyhow!("a bad line in the fake driver's limits file: {line:?}"))
+        })
+        .collect()
+}
+
 fn unique() -> u64 {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     NEXT.fetch_add(1, Ordering::Relaxed)
@@ -288,6 +327,19 @@ impl FakeNode {
         node
     }
 
+    /// A node whose driver is r615 or later ([`R615_DRIVER_VERSION`]): per-cgroup memory
+    /// limits (`nvmlDeviceSetMemoryLimits_v1`), CUDA 13.4. [`FakeNode::new`] is a 580 driver.
+    pub fn r615(tag: &str) -> FakeNode {
+        FakeNode::new(tag).with_driver_version(R615_DRIVER_VERSION)
+    }
+
+    /// Makes every process of this node (workloads, and an agent given [`FakeNode::env`]) see
+    /// `FAKECUDA_DRIVER_VERSION=version` (`MAJOR.MINOR[.PATCH]`; a major of 615 or more has
+    /// per-cgroup memory limits).
+    pub fn with_driver_version(self, version: &str) -> FakeNode {
+        self.with_env("FAKECUDA_DRIVER_VERSION", version)
+    }
+
     /// Adds a `FAKECUDA_*` setting (or any variable) for every workload of this node.
     pub fn with_env(mut self, key: impl Into<OsString>, value: impl Into<OsString>) -> FakeNode {
         self.env.push((key.into(), value.into()));
@@ -307,6 +359,102 @@ impl FakeNode {
     /// The state file of device `index`.
     pub fn device_file(&self, index: u32) -> PathBuf {
         self.state_dir.join(format!("{}-dev{index}", self.name))
+    }
+
+    /// The per-cgroup memory limits the fake driver keeps for the cgroup at `cgroup_rel_path`
+    /// (relative to the cgroup2 root, e.g. [`cgroup::TestCgroup::path`]) on device `dev`, read
+    /// from the node's limits file: `Some((soft, hard, used))` as
+    /// `nvmlDeviceGetMemoryLimits_v1` reports them (hard `u64::MAX`: no hard limit; `used`:
+    /// what the live processes of the cgroup hold on the device, from the device file), `None`
+    /// when none are set, or were set on a cgroup since removed (removal clears them). The
+    /// fake's file formats are in `tests/fakecuda` (`limits.rs`, `devfile.rs`).
+    pub fn driver_limit(&self, cgroup_rel_path: &str, dev: u32) -> Result<Option<(u64, u64, u64)>> {
+        let Some((_, text)) = self.limits_file(libc::LOCK_SH)? else { return Ok(None) };
+        let Some(e) = limit_entries(&text)?.into_iter().find(|e| e.dev == dev && e.rel == cgroup_rel_path) else {
+            return Ok(None);
+        };
+        if let Ok(root) = cgroup::cgroup2_root() {
+            use std::os::unix::fs::MetadataExt;
+            let dir = root.join(cgroup_rel_path.trim_start_matches('/'));
+            if std::fs::metadata(dir).map(|m| m.ino()).ok() != Some(e.id) {
+                return Ok(None);
+            }
+        }
+        Ok(Some((e.soft, e.hard, self.cgroup_used(e.key, dev)?)))
+    }
+
+    /// Removes the fake driver's limits of the cgroup at `cgroup_rel_path` on device `dev`
+    /// behind everyone's back (as a driver reload would lose them); nothing set is no error.
+    pub fn clear_driver_limit(&self, cgroup_rel_path: &str, dev: u32) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        let Some((file, text)) = self.limits_file(libc::LOCK_EX)? else { return Ok(()) };
+        let kept = limit_entries(&text)?.into_iter().filter(|e| !(e.dev == dev && e.rel == cgroup_rel_path));
+        let kept: String = std::iter::once(LIMITS_HEADER.to_owned()).chain(kept.map(|e| e.line)).map(|line| line + "\n").collect();
+        file.write_all_at(kept.as_bytes(), 0)?;
+        file.set_len(kept.len() as u64)?;
+        Ok(())
+    }
+
+    /// The node's limits file under `flock(how)` (held while the file is open; open to write
+    /// for `LOCK_EX`), and its text; `None` when the fake has not made it.
+    fn limits_file(&self, how: libc::c_int) -> Result<Option<(std::fs::File, String)>> {
+        use std::os::fd::AsRawFd;
+        let path = self.state_dir.join(format!("{}-limits", self.name));
+        let file = match std::fs::OpenOptions::new().read(true).write(how == libc::LOCK_EX).open(&path) {
+            Ok(file) => file,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e).with_context(|| format!("cannot open {}", path.display())),
+        };
+        // SAFETY: flock on a descriptor `file` keeps open (released when it closes).
+        if unsafe { libc::flock(file.as_raw_fd(), how) } != 0 {
+            bail!("cannot lock {}: {}", path.display(), std::io::Error::last_os_error());
+        }
+        let mut text = String::new();
+        (&file).read_to_string(&mut text).with_context(|| format!("cannot read {}", path.display()))?;
+        Ok(Some((file, text)))
+    }
+
+    /// What the live processes whose device slots carry cgroup key `key` hold on device `dev`
+    /// (a slot is live while some open file holds its lock byte; the fake's `devfile.rs`).
+    fn cgroup_used(&self, key: u64, dev: u32) -> Result<u64> {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::fs::FileExt;
+        let path = self.device_file(dev);
+        let file = match std::fs::File::open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+            Err(e) => return Err(e).with_context(|| format!("cannot open {}", path.display())),
+        };
+        let mut header = [0u8; 40];
+        file.read_exact_at(&mut header, 0)?;
+        let word = |at: usize| u32::from_le_bytes([header[at], header[at + 1], header[at + 2], header[at + 3]]) as usize;
+        if &header[..8] != b"FAKECUDA" || word(8) != 2 {
+            bail!("{} is not a version-2 device file of the fake driver", path.display());
+        }
+        let (header_size, slot_size, slots) = (word(12), word(16), word(20).min(word(36)));
+        // SAFETY: flock on a descriptor `file` keeps open (dropped with it).
+        unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_SH) };
+        let mut used = 0u64;
+        for s in 0..slots {
+            let mut slot = [0u8; 40];
+            file.read_exact_at(&mut slot, (header_size + s * slot_size) as u64)?;
+            let u64_at = |at: usize| u64::from_le_bytes(slot[at..at + 8].try_into().unwrap_or_default());
+            if slot[..4] == [0; 4] || u64_at(32) != key {
+                continue;
+            }
+            // SAFETY: an all-zero flock is valid; F_OFD_GETLK on our own descriptor only asks.
+            let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+            fl.l_type = libc::F_WRLCK as libc::c_short;
+            fl.l_whence = libc::SEEK_SET as libc::c_short;
+            fl.l_start = (1i64 << 40) + s as i64;
+            fl.l_len = 1;
+            // SAFETY: as above, with a valid flock pointer.
+            let held = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_GETLK, &mut fl) } != 0 || fl.l_type != libc::F_UNLCK as libc::c_short;
+            if held {
+                used = used.saturating_add(u64_at(24));
+            }
+        }
+        Ok(used)
     }
 
     /// The environment every workload of this node gets.
@@ -361,7 +509,8 @@ impl FakeNode {
         Ok(self.devstat(dev)?.0)
     }
 
-    /// Removes this node's device state files (and any temporaries of their creation).
+    /// Removes this node's device state files and limits file (and any temporaries of their
+    /// creation).
     pub fn cleanup(&self) {
         let Ok(entries) = std::fs::read_dir(&self.state_dir) else { return };
         let prefix = format!("{}-dev", self.name);
@@ -369,10 +518,14 @@ impl FakeNode {
         // The ledger and the temporaries of its creation (`.<name>.ledger.creating.<pid>`).
         let ledger = format!("{}.ledger", self.name);
         let ledger_tmp = format!(".{ledger}.");
+        // The fake driver's per-cgroup limits, and the temporaries of its creation.
+        let limits = format!("{}-limits", self.name);
+        let limits_tmp = format!(".{limits}.");
         for entry in entries.flatten() {
             let name = entry.file_name();
             let name = name.to_string_lossy();
-            if name.starts_with(&prefix) || name.starts_with(&tmp_prefix) || name == ledger || name.starts_with(&ledger_tmp) {
+            let ours = [&prefix, &tmp_prefix, &ledger_tmp, &limits_tmp].iter().any(|p| name.starts_with(p.as_str()));
+            if ours || name == ledger || name == limits {
                 let _ = std::fs::remove_file(entry.path());
             }
         }
