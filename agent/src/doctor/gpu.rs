@@ -210,6 +210,7 @@ pub fn nvml(facts: &Facts) -> Check {
 }
 
 pub fn driver_limits(facts: &Facts) -> Check {
+    /// Said for a driver without the limits, whichever way it shows it.
     const BEFORE_615: &str = "quotas held by the hook and probes only";
     const UPGRADE: &str = "a driver r615 or later holds each provisioned container to its quota itself (nothing to do otherwise)";
     let Ok(loaded) = &facts.nvml else {
@@ -217,7 +218,7 @@ pub fn driver_limits(facts: &Facts) -> Check {
     };
     let version = version_of(loaded);
     match &loaded.limits {
-        Limits::NoFunctions => Check::warn("driver-limits", format!("{version} before r615 (no nvmlDeviceSetMemoryLimits_v1): {BEFORE_615}"), UPGRADE),
+        Limits::NoFunctions => Check::warn("driver-limits", format!("{version}: driver before r615: {BEFORE_615} (no nvmlDeviceSetMemoryLimits_v1)"), UPGRADE),
         Limits::NoCgroup2 => Check::warn("driver-limits", "no cgroup v2 mount: the driver's limits are set on cgroup v2 directories", "see the cgroups line"),
         Limits::Unread(reason) => Check::warn("driver-limits", format!("cannot list the GPUs: {reason}"), "see the nvml line"),
         Limits::PerGpu(gpus) => {
@@ -343,7 +344,7 @@ mod tests {
     fn a_driver_before_r615_warns() {
         let check = driver_limits(&facts(Ok(loaded(Limits::NoFunctions)), &ALL));
         assert_eq!(check.status, Status::Warn);
-        assert!(check.detail.contains("before r615") && check.detail.contains("hook and probes only"), "{check:?}");
+        assert!(check.detail.contains("driver 580.65.06: driver before r615: quotas held by the hook and probes only"), "{check:?}");
         let not_supported = Limits::PerGpu(vec![(0, Probe::Refused(NVML_ERROR_NOT_SUPPORTED, "Not Supported (3)".into())), (3, Probe::Takes)]);
         let check = driver_limits(&facts(Ok(loaded(not_supported)), &ALL));
         assert_eq!(check.status, Status::Warn);
