@@ -1102,12 +1102,13 @@ impl Creation {
 /// the pod wrote: its CDI hook (`apply-cuda-memory-limits`) sets the driver's limit on the
 /// container's cgroup from `NVIDIA_GPU_MEMORY_LIMIT` (hard) and `NVIDIA_GPU_MEMORY_REQUEST`
 /// (soft) as the runtime creates the container. The limit is the quota in bytes (the
-/// smallest of a claim's shares: the hook sets one figure on every GPU); the request is removed
-/// (NRI's `-NAME`): soft 0, as the agent sets it. The agent's own Set, at StartContainer
-/// (after the hook ran, before the process starts), is the one that stands.
+/// smallest of a claim's shares: the hook sets one figure on every GPU); the request is `0`:
+/// soft 0, as the agent sets it. (NRI's removal marker, `-NAME`, is not applied to the
+/// environment by containerd 1.7 or 2.1: the pod's value would stay.) The agent's own Set, at
+/// StartContainer (after the hook ran, before the process starts), is the one that stands.
 fn toolkit_limits(record: &Record) -> [(String, String); 2] {
     let limit = (0..record.gpus.len().max(1)).map(|i| record.quota_on(i)).min().unwrap_or(record.quota);
-    [(NVIDIA_GPU_MEMORY_LIMIT.into(), limit.to_string()), (format!("-{NVIDIA_GPU_MEMORY_REQUEST}"), String::new())]
+    [(NVIDIA_GPU_MEMORY_LIMIT.into(), limit.to_string()), (NVIDIA_GPU_MEMORY_REQUEST.into(), "0".into())]
 }
 
 /// The toolkit's variables for the driver's hard and soft limits.

@@ -86,6 +86,12 @@ struct Node {
 
 impl Node {
     fn new(tag: &str) -> Result<Node> {
+        Node::on_driver(tag, None)
+    }
+
+    /// [`Node::new`] whose fake driver calls itself `version` (`FAKECUDA_DRIVER_VERSION`:
+    /// from 615 on, it takes per-cgroup limits).
+    fn on_driver(tag: &str, version: Option<&str>) -> Result<Node> {
         let api = ApiServer::start()?;
         let dir = TempDir::new(tag)?;
         let account = dir.path().join("serviceaccount");
@@ -102,7 +108,10 @@ impl Node {
         }
         // One fake GPU of 8 GiB, whichever of the node's GPUs a container gets; contexts
         // charged what the agent's ledgers reserve (518 MiB).
-        let fake = FakeNode::new(tag).with_env("FAKECUDA_DEVICE_BYTES", "8g").with_env("FAKECUDA_CONTEXT_BYTES", "518m");
+        let mut fake = FakeNode::new(tag).with_env("FAKECUDA_DEVICE_BYTES", "8g").with_env("FAKECUDA_CONTEXT_BYTES", "518m");
+        if let Some(version) = version {
+            fake = fake.with_env("FAKECUDA_DRIVER_VERSION", version);
+        }
         let containerd = Containerd::start(&dir.path().join("nri.sock"))?;
         let path = |sub: &str| OsString::from(dir.path().join(sub));
         let mut args = e2e::agent::kube_node_args(dir.path(), "8Gi,8Gi")?;
@@ -383,7 +392,8 @@ fn cdi_for(answer: &agent::dra::proto::v1::NodePrepareResourceResponse, request:
 /// claim's, GPU by GPU), and a result with admin access (refused, counting nothing).
 #[test]
 fn claims_of_several_requests_counts_and_admin_access_are_prepared_and_held_or_refused_with_why() -> Result<()> {
-    let mut node = Node::new("dra-requests")?;
+    // On a driver with per-cgroup limits: a claim's containers get them on each GPU.
+    let mut node = Node::on_driver("dra-requests", Some("615.20.01"))?;
     let held = |node: &Node, name: &str, id: &ContainerId, uid: &str, limits: &[(u64, u64)]| -> Result<()> {
         let record = provisioned(&node.agent, id)?.with_context(|| format!("{name} not provisioned:\n{}", node.agent.log()))?;
         ensure!(record["claim"] == uid, "{name}: {record}");
@@ -415,6 +425,20 @@ fn claims_of_several_requests_counts_and_admin_access_are_prepared_and_held_or_r
     ensure!(devices_of(&allocated) == ["gpu-0", "gpu-1"] && answer.error.is_empty(), "{allocated}\n{answer:?}");
     let id = run(&node, "pair", &cdi_for(&answer, None))?;
     held(&node, "pair", &id, uid, &[(0, 2 * GIB), (1, 2 * GIB)])?;
+    // The driver's limit on each of the claim's GPUs, on the container's cgroup.
+    let cgroup = node.containerd.container_cgroup_path(&id)?;
+    wait_for(timeout(), "the claim's limits in the driver on both GPUs", || {
+        let audit = node.agent.audit()?;
+        let limits = &audit["driver_limits"]["containers"][id.0.as_str()];
+        let hard: Vec<(u64, u64)> = limits["gpus"].as_array().map_or_else(Vec::new, |gpus| {
+            gpus.iter().filter_map(|g| Some((g["gpu"].as_u64()?, g["hard"].as_u64()?))).collect()
+        });
+        Ok(limits["held"] == true && hard == [(0, 2 * GIB), (1, 2 * GIB)])
+    })
+    .with_context(|| node.agent.log())?;
+    for gpu in [0, 1] {
+        ensure!(node.fake.driver_limit(&cgroup, gpu)?.is_some_and(|(_, hard, _)| hard == 2 * GIB), "the fake driver holds GPU {gpu}");
+    }
     release(&mut node, "pair", uid, &id)?;
 
     // Two requests on one GPU: one CDI device, the quota their sum.
