@@ -292,9 +292,20 @@ fn on_a_580_node_the_agent_says_why_not_and_holds_the_quota_as_before() -> Resul
         let audit = node.agent().audit()?;
         Ok(audit["kernel_maps"]["cgroup_limits"].as_array().is_some_and(|ids| ids.iter().any(|id| id.as_u64() == Some(cgroup_id))))
     })?;
-    // As before: the escaped process is killed at the allocation by the probes.
+    // As before: the escaped process is killed at the allocation by the probes, and so is a
+    // forked child's allocation past the quota.
     let over = node.escape(&main, None, "'ctx 0' 'alloc a 512m' 'alloc b 1g'")?;
     ensure!(over.exit_code == 137, "the escaped process must be killed: {over:?}");
+    let forked = node.escape(&main, None, "'ctx 0' 'alloc a 256m' 'fork ctx 0; alloc b 1g'")?;
+    ensure!(forked.stdout.contains("signal=9"), "the child must be killed: {forked:?}");
+    // A renamed copy no probe is on: the driver's view shows its memory, and the agent
+    // signals it once two reads showed the container over its quota (the driver's figure
+    // less a context at the agent's allowance, 1 GiB by default, and a page).
+    let made = node.containerd.exec_sync(&main, &["sh", "-c", RENAMED])?;
+    ensure!(made.exit_code == 0, "{made:?}");
+    let renamed = node.escape(&main, Some("/tmp/renamed"), "'ctx 0' 'alloc a 1g' 'alloc b 1100m' hold")?;
+    ensure!(renamed.exit_code == 137 && renamed.stdout.contains("ok alloc b"), "the copy's holder must be signalled: {renamed:?}");
+    ensure!(node.signals()? >= 1, "signalled");
     ensure!(node.fake.driver_limit(&node.cgroup(&main)?, 0)?.is_none(), "no driver limit on a 580 node");
     node.fake.cleanup();
     Ok(())
