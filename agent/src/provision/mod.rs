@@ -199,6 +199,9 @@ pub struct Workload {
     pub container_annotations: BTreeMap<String, String>,
     /// The pod's annotations.
     pub annotations: BTreeMap<String, String>,
+    /// The NVIDIA toolkit's memory variables the container's own environment sets
+    /// ([`TOOLKIT_MEMORY_VARS`]): the agent overrides them, and adds none.
+    pub toolkit_vars: Vec<String>,
 }
 
 /// Where quotas come from, in this order: the Kubernetes pod spec, the quota file, the
@@ -668,7 +671,9 @@ impl Provisioner {
             id = %workload.container_id, quota, source, ledger = %made.ledger.display(),
             "container provisioned"
         );
-        Ok(self.injection(&made))
+        let mut adjustment = self.injection(&made);
+        adjustment.env.extend(toolkit_overrides(&made.record, &workload.toolkit_vars));
+        Ok(adjustment)
     }
 
     /// What the agent records of `workload` provisioned with `quota` on the GPUs `seen`.
@@ -817,7 +822,6 @@ impl Provisioner {
             ]
             .into_iter()
             .chain(r.claim.is_some().then(|| (NVIDIA_VISIBLE_DEVICES.into(), self.claim_visible_devices(&r.gpus))))
-            .chain(toolkit_limits(r))
             .collect(),
         }
     }
@@ -971,6 +975,7 @@ impl Workload {
             mounts: container.mounts.clone(),
             container_annotations: container.annotations.clone(),
             annotations: pod.annotations.clone(),
+            toolkit_vars: container.env.iter().map(|(k, _)| k).filter(|k| TOOLKIT_MEMORY_VARS.contains(&k.as_str())).cloned().collect(),
         }
     }
 }
@@ -1098,22 +1103,27 @@ impl Creation {
     }
 }
 
-/// The NVIDIA container toolkit's memory variables, as the operator's quota has them, whatever
-/// the pod wrote: its CDI hook (`apply-cuda-memory-limits`) sets the driver's limit on the
-/// container's cgroup from `NVIDIA_GPU_MEMORY_LIMIT` (hard) and `NVIDIA_GPU_MEMORY_REQUEST`
-/// (soft) as the runtime creates the container. The limit is the quota in bytes (the
-/// smallest of a claim's shares: the hook sets one figure on every GPU); the request is `0`:
-/// soft 0, as the agent sets it. (NRI's removal marker, `-NAME`, is not applied to the
-/// environment by containerd 1.7 or 2.1: the pod's value would stay.) The agent's own Set, at
-/// StartContainer (after the hook ran, before the process starts), is the one that stands.
-fn toolkit_limits(record: &Record) -> [(String, String); 2] {
-    let limit = (0..record.gpus.len().max(1)).map(|i| record.quota_on(i)).min().unwrap_or(record.quota);
-    [(NVIDIA_GPU_MEMORY_LIMIT.into(), limit.to_string()), (NVIDIA_GPU_MEMORY_REQUEST.into(), "0".into())]
-}
+/// The variables NVIDIA's container toolkit reads for the driver's limit: its CDI hook
+/// (`nvidia-cdi-hook apply-cuda-memory-limits`, a `createRuntime` hook) sets the container's
+/// cgroup to soft `_REQUEST(S)` and hard `_LIMIT(S)` MiB when both of a pair are set, and does
+/// nothing otherwise (some versions read the plural names first).
+pub const TOOLKIT_MEMORY_VARS: [&str; 4] =
+    ["NVIDIA_GPU_MEMORY_LIMIT", "NVIDIA_GPU_MEMORY_REQUEST", "NVIDIA_GPU_MEMORY_LIMITS", "NVIDIA_GPU_MEMORY_REQUESTS"];
 
-/// The toolkit's variables for the driver's hard and soft limits.
-pub const NVIDIA_GPU_MEMORY_LIMIT: &str = "NVIDIA_GPU_MEMORY_LIMIT";
-pub const NVIDIA_GPU_MEMORY_REQUEST: &str = "NVIDIA_GPU_MEMORY_REQUEST";
+/// What the agent sets in a provisioned container whose own environment sets `present` of
+/// [`TOOLKIT_MEMORY_VARS`]: those, and only those, each limit to the quota in whole MiB (a
+/// claim's smallest share: the hook sets one figure on every GPU), each request to 0 (soft 0,
+/// as the agent sets it), so a pod cannot pick its own limit through the toolkit. A variable
+/// the pod did not set is not added: where the pod did not turn the hook on, the agent does
+/// not either (it would fail the container's creation where it cannot work: a driver before
+/// r615, a host without a pure cgroup v2). NRI cannot remove a variable (its adaptation drops
+/// removal markers). The agent's own Set, at StartContainer (after `runc create` ran the hook,
+/// before the process starts), is the one that stands.
+fn toolkit_overrides(record: &Record, present: &[String]) -> Vec<(String, String)> {
+    let quota = (0..record.gpus.len().max(1)).map(|i| record.quota_on(i)).min().unwrap_or(record.quota);
+    let mib = (quota >> 20).to_string();
+    present.iter().map(|name| (name.clone(), if name.contains("LIMIT") { mib.clone() } else { "0".into() })).collect()
+}
 
 /// What the driver is asked for `record`'s container (`None`: its cgroup cannot be named).
 fn driver_want(record: &Record) -> Option<crate::driver_limits::Want> {

@@ -261,17 +261,77 @@ fn an_agent_restart_sets_a_limit_gone_meanwhile() -> Result<()> {
     Ok(())
 }
 
+/// A stand-in for NVIDIA's toolkit CDI hook `apply-cuda-memory-limits` (a `createRuntime`
+/// hook): it reads the container's environment from the bundle's `config.json`, does nothing
+/// unless both `NVIDIA_GPU_MEMORY_REQUEST` and `_LIMIT` are set, parses each as whole MiB
+/// (failing the creation, as the toolkit does, on anything else) and records the soft and hard
+/// limits it would set, in bytes, in the file its argument names.
+const TOOLKIT_HOOK: &str = r#"
+import json, os, sys
+state = json.load(sys.stdin)
+config = json.load(open(os.path.join(state["bundle"], "config.json")))
+env = dict(e.split("=", 1) for e in config["process"]["env"] if "=" in e)
+out = sys.argv[1]
+request, limit = env.get("NVIDIA_GPU_MEMORY_REQUEST"), env.get("NVIDIA_GPU_MEMORY_LIMIT")
+if request is None or limit is None:
+    open(out, "w").write("off\n")
+    sys.exit(0)
+try:
+    soft, hard = int(request) * 1024 * 1024, int(limit) * 1024 * 1024
+except ValueError:
+    sys.stderr.write("apply-cuda-memory-limits: not MiB: %r %r\n" % (request, limit))
+    sys.exit(1)
+open(out, "w").write("set soft=%d hard=%d\n" % (soft, hard))
+"#;
+
+/// The NVIDIA toolkit's CDI device `nvidia.com/gpu=0` in the node's CDI directory, carrying
+/// [`TOOLKIT_HOOK`] writing to `out`.
+fn toolkit_cdi(node: &Node, out: &std::path::Path) -> Result<()> {
+    let script = node.path("apply-cuda-memory-limits.py");
+    std::fs::write(&script, TOOLKIT_HOOK)?;
+    let spec = serde_json::json!({"cdiVersion": "0.5.0", "kind": "nvidia.com/gpu", "devices": [{"name": "0", "containerEdits": {
+        "env": ["TOOLKIT_GPU=0"],
+        "hooks": [{"hookName": "createRuntime", "path": "/usr/bin/python3", "args": ["python3", script, out]}]
+    }}]});
+    std::fs::write(node.containerd.cdi_dir().join("nvidia.json"), serde_json::to_vec(&spec)?)?;
+    Ok(())
+}
+
 #[test]
 fn a_pod_s_own_nvidia_gpu_memory_limit_is_replaced_by_the_operator_s_quota() -> Result<()> {
     let node = Node::new("dl-env", R615)?;
-    let (_pod, main) = node.pod("greedy", "uid-env", &[("NVIDIA_GPU_MEMORY_LIMIT", "80g"), ("NVIDIA_GPU_MEMORY_REQUEST", "80g")], &[])?;
-    let env = node.containerd.container_env(&main)?;
-    ensure!(env.contains(&format!("NVIDIA_GPU_MEMORY_LIMIT={QUOTA}")), "the operator's quota: {env:?}");
-    let requests: Vec<&String> = env.iter().filter(|e| e.starts_with("NVIDIA_GPU_MEMORY_REQUEST=")).collect();
-    ensure!(requests == ["NVIDIA_GPU_MEMORY_REQUEST=0"], "the pod's request replaced by 0 (soft 0): {env:?}");
-    node.wait_held(&main)?;
-    let escaped = node.escape(&main, None, "'ctx 0' 'alloc a 900m' 'expect-oom alloc b 512m'")?;
+    let out = node.path("toolkit-hook");
+    toolkit_cdi(&node, &out)?;
+    let run = |name: &str, env: &[(&str, &str)]| -> Result<ContainerId> {
+        let pod = node.containerd.pod(name, "team-a", &format!("uid-{name}"), &[])?;
+        let mut spec = ContainerSpec::new("main").fake_driver(&node.fake)?.cdi_device("nvidia.com/gpu=0");
+        for (key, value) in env {
+            spec = spec.env(key, value);
+        }
+        node.containerd.run_container(&pod, &spec)
+    };
+    // A pod asking the toolkit for 80 GiB (in a form the hook would refuse, too): the hook
+    // sees the operator's quota in MiB and a request of 0, the container is created, and the
+    // driver holds it to the quota.
+    let greedy = run("greedy", &[("NVIDIA_GPU_MEMORY_LIMIT", "80g"), ("NVIDIA_GPU_MEMORY_REQUEST", "80g"), ("NVIDIA_GPU_MEMORY_LIMITS", "81920")])?;
+    let env = node.containerd.container_env(&greedy)?;
+    let toolkit: Vec<&String> = env.iter().filter(|e| e.starts_with("NVIDIA_GPU_MEMORY_")).collect();
+    ensure!(
+        toolkit == [&format!("NVIDIA_GPU_MEMORY_LIMIT={}", QUOTA >> 20), "NVIDIA_GPU_MEMORY_REQUEST=0", &format!("NVIDIA_GPU_MEMORY_LIMITS={}", QUOTA >> 20)],
+        "the operator's quota, the pod's names only: {env:?}"
+    );
+    let hook = std::fs::read_to_string(&out)?;
+    ensure!(hook == format!("set soft=0 hard={QUOTA}\n"), "the toolkit's hook: {hook:?}");
+    node.wait_held(&greedy)?;
+    ensure!(node.fake.driver_limit(&node.cgroup(&greedy)?, 0)?.is_some_and(|(soft, hard, _)| soft == 0 && hard == QUOTA), "the agent's limit stands");
+    let escaped = node.escape(&greedy, None, "'ctx 0' 'alloc a 900m' 'expect-oom alloc b 512m'")?;
     ensure!(escaped.exit_code == 0 && escaped.stdout.contains("oom b"), "{escaped:?}");
+    // A pod that sets neither: none is added, the hook stays off.
+    let plain = run("plain", &[])?;
+    let env = node.containerd.container_env(&plain)?;
+    ensure!(!env.iter().any(|e| e.starts_with("NVIDIA_GPU_MEMORY_")), "none added: {env:?}");
+    ensure!(std::fs::read_to_string(&out)? == "off\n", "the hook stays off");
+    node.wait_held(&plain)?;
     node.fake.cleanup();
     Ok(())
 }
