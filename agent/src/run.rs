@@ -464,7 +464,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         None => (None, None),
     };
     // The driver's own per-cgroup limits (r615+), for the provisioned containers.
-    let (driver_limits_tx, driver_limits_rx) = watch::channel(crate::snapshot::DriverLimits::default());
+    let (driver_limits_tx, driver_limits_rx) = watch::channel(crate::driver_limits::DriverLimits::default());
     let driver_limits_rx = match provisioner.as_ref() {
         Some(provisioner) => {
             let metrics = driver_limits::Metrics::new()?;

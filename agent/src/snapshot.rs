@@ -8,7 +8,7 @@ use std::{collections::BTreeMap, fmt::Write as _};
 
 use serde::{Deserialize, Serialize};
 
-use crate::libcuda::AttachReport;
+use crate::{driver_limits::DriverLimits, libcuda::AttachReport};
 
 /// Live bytes by allocation kind (`device`, `managed`, `async`, `vmm`).
 pub type BytesByKind = BTreeMap<String, u64>;
@@ -77,97 +77,6 @@ pub struct DraStatus {
     pub source: String,
     /// (index, `memory` capacity in bytes) of each published GPU.
     pub gpus: Vec<(u32, u64)>,
-}
-
-/// The driver's own per-cgroup GPU memory limits (NVIDIA r615 and later), as the agent set
-/// and last read them back ([`crate::driver_limits`]).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DriverLimits {
-    /// The NVML file the limits go through, once one is loaded.
-    pub library: Option<String>,
-    /// Why no GPU has them (no NVML, no cgroup v2), when that is so for the whole node.
-    pub reason: Option<String>,
-    /// Each GPU (by minor number): whether the driver's limits are in force there, and why not.
-    pub gpus: Vec<GpuLimits>,
-    /// Each provisioned container with a quota, by container id.
-    pub containers: BTreeMap<String, ContainerLimits>,
-}
-
-/// Whether one GPU takes the driver's per-cgroup limits.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct GpuLimits {
-    pub gpu: u32,
-    pub in_force: bool,
-    /// Why not (`NOT_SUPPORTED`, MIG mode, no symbol), where not.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub why_not: Option<String>,
-}
-
-/// One container's driver limits: per GPU, the quota asked and what the driver read back.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ContainerLimits {
-    /// The container's cgroup, relative to the cgroup2 root.
-    pub cgroup: String,
-    pub gpus: Vec<ContainerGpuLimit>,
-    /// The driver holds the container to its quota on every one of its GPUs: its cgroup gets
-    /// no probe limit and no signal, and its figure is the driver's.
-    pub held: bool,
-}
-
-/// A container's driver limit on one GPU.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ContainerGpuLimit {
-    pub gpu: u32,
-    /// The quota asked for (the hard limit).
-    pub quota: u64,
-    /// The hard limit the driver read back.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub hard: Option<u64>,
-    /// What the driver counts against it (`currentUsed`): every process of the cgroup.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub used: Option<u64>,
-    /// Why the limit is not in force here.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub error: Option<String>,
-}
-
-impl DriverLimits {
-    /// The audit's lines: which GPUs take the driver's limits (and why not), then each
-    /// container's limits as read back.
-    fn render(&self, out: &mut String) {
-        let gpus: Vec<String> = self
-            .gpus
-            .iter()
-            .map(|g| match &g.why_not {
-                None => format!("gpu-{} in force", g.gpu),
-                Some(why) => format!("gpu-{} not in force ({why})", g.gpu),
-            })
-            .collect();
-        let said = match (&self.reason, gpus.is_empty()) {
-            (Some(reason), _) => format!("none: {reason}"),
-            (None, true) => "not read yet".to_string(),
-            (None, false) => gpus.join("; "),
-        };
-        let _ = writeln!(out, "driver limits (per cgroup, r615+): {said}");
-        for (id, container) in &self.containers {
-            let gpus: Vec<String> = container
-                .gpus
-                .iter()
-                .map(|g| match (&g.error, g.hard, g.used) {
-                    (Some(error), _, _) => format!("gpu-{} quota {}: {error}", g.gpu, human(g.quota)),
-                    (None, Some(hard), Some(used)) => format!("gpu-{} hard {} used {}", g.gpu, human(hard), human(used)),
-                    _ => format!("gpu-{} quota {}: not read", g.gpu, human(g.quota)),
-                })
-                .collect();
-            let held = if container.held { "held by the driver" } else { "not held by the driver" };
-            let _ = writeln!(out, "  {} {held}: {}", truncate(id, 16), gpus.join(", "));
-        }
-    }
-
-    /// The cgroups (relative to the cgroup2 root) the driver holds to their quota.
-    pub fn held_cgroups(&self) -> std::collections::BTreeSet<String> {
-        self.containers.values().filter(|c| c.held).map(|c| c.cgroup.clone()).collect()
-    }
 }
 
 /// A process's reconciliation state.
@@ -587,7 +496,7 @@ impl Snapshot {
             let _ = writeln!(out, "DRA pool (gpu.vramguard.io, from {}): {form}; generation {}; {}", dra.source, dra.generation, gpus.join(", "));
         }
         if let Some(limits) = &self.driver_limits {
-            limits.render(&mut out);
+            render_driver_limits(limits, &mut out);
         }
         let probed: Vec<&str> = self.libcuda.iter().map(|f| f.path.as_str()).collect();
         let _ = writeln!(
@@ -598,6 +507,42 @@ impl Snapshot {
             self.stats.events_lost
         );
         out
+    }
+}
+
+/// The audit's lines: which GPUs take the driver's limits (and why not), then each
+/// container's limits as read back.
+fn render_driver_limits(limits: &DriverLimits, out: &mut String) {
+    let gpus: Vec<String> = limits
+        .gpus
+        .iter()
+        .map(|g| match &g.why_not {
+            None => format!("gpu-{} in force", g.gpu),
+            Some(why) => format!("gpu-{} not in force ({why})", g.gpu),
+        })
+        .collect();
+    let said = match (&limits.reason, gpus.is_empty()) {
+        (Some(reason), _) => format!("none: {reason}"),
+        (None, true) => "not read yet".to_string(),
+        (None, false) => gpus.join("; "),
+    };
+    let _ = writeln!(out, "driver limits (per cgroup, r615+): {said}");
+    for (id, container) in &limits.containers {
+        let gpus: Vec<String> = container
+            .gpus
+            .iter()
+            .map(|g| match (&g.error, g.hard, g.used) {
+                (Some(error), _, _) => format!("gpu-{} quota {}: {error}", g.gpu, human(g.quota)),
+                (None, Some(hard), Some(used)) => format!("gpu-{} hard {} used {}", g.gpu, human(hard), human(used)),
+                _ => format!("gpu-{} quota {}: not read", g.gpu, human(g.quota)),
+            })
+            .collect();
+        let held = match (&container.why_not, container.held) {
+            (_, true) => "held by the driver".to_string(),
+            (Some(why), false) => format!("not held by the driver ({why})"),
+            (None, false) => "not held by the driver".to_string(),
+        };
+        let _ = writeln!(out, "  {} {held}: {}", truncate(id, 16), gpus.join(", "));
     }
 }
 

@@ -4,9 +4,10 @@
 //! library has them, each GPU's minor number (`nvmlDeviceGetMinorNumber`: its device file,
 //! [`super::holders`]), UUID, product name and memory (`nvmlDeviceGetMemoryInfo`) are read too.
 //! Where the driver has them (r615 and later), the per-cgroup memory limits
-//! (`nvmlDeviceSetMemoryLimits_v1`, `nvmlDeviceGetMemoryLimits_v1`, [`Nvml::limits`]). Each
-//! thread that calls NVML owns an [`Nvml`] of its own: the driver task's reader thread
-//! ([`super::task`]) and the limits thread ([`super::limits`]); NVML counts its inits.
+//! (`nvmlDeviceSetMemoryLimits_v1`, `nvmlDeviceGetMemoryLimits_v1`, [`Nvml::set_limit`],
+//! [`Nvml::get_limit`]). Each thread that calls NVML owns an [`Nvml`] of its own: the driver
+//! task's reader thread ([`super::task`]) and the limits thread
+//! ([`crate::driver_limits`]); NVML counts its inits.
 use std::{
     collections::BTreeMap,
     ffi::{c_uint, CStr},
@@ -299,6 +300,8 @@ impl Nvml {
 pub struct LimitDevice {
     pub minor: u32,
     pub mig: bool,
+    /// Its memory, where NVML says (a limit above it is refused).
+    pub memory: Option<u64>,
     handle: nvmlDevice_t,
 }
 
@@ -340,8 +343,8 @@ impl Nvml {
                 if rc != NVML_SUCCESS {
                     return Err(format!("nvmlDeviceGetHandleByIndex_v2({index}): {}", self.error(rc)));
                 }
-                let minor = self.describe(index, handle).minor;
-                Ok(LimitDevice { minor, mig: self.in_mig_mode(handle), handle })
+                let described = self.describe(index, handle);
+                Ok(LimitDevice { minor: described.minor, mig: self.in_mig_mode(handle), memory: described.memory.map(|(total, _)| total), handle })
             })
             .collect()
     }

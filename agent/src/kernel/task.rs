@@ -80,7 +80,7 @@ pub struct Wiring {
     /// The provisioned containers' limits (cgroup path -> bytes), when the agent provisions.
     pub provisioned: Option<watch::Receiver<BTreeMap<String, u64>>>,
     /// The driver's own limits (r615+): the cgroups it holds get no probe limit.
-    pub driver_limits: Option<watch::Receiver<crate::snapshot::DriverLimits>>,
+    pub driver_limits: Option<watch::Receiver<crate::driver_limits::DriverLimits>>,
     /// Exits for the reclaim task: a bounded queue of exits only (allocations are not events);
     /// an exit that finds it full is dropped, and the reclaim sweep finds that process gone
     /// within a second.

@@ -70,7 +70,7 @@ pub struct Wiring {
     /// The DRA driver's published pool (`--dra`), for the audit.
     pub dra: Option<watch::Receiver<crate::snapshot::DraStatus>>,
     /// The driver's own per-cgroup limits (`--nri`), for the audit and the figure.
-    pub driver_limits: Option<watch::Receiver<crate::snapshot::DriverLimits>>,
+    pub driver_limits: Option<watch::Receiver<crate::driver_limits::DriverLimits>>,
     pub metrics_addr: Option<SocketAddr>,
     pub health_addr: Option<SocketAddr>,
     pub heartbeat: Heartbeat,
@@ -328,7 +328,7 @@ fn ledger_cgroup_limits(ledgers: &Ledgers, reconciler: &Reconciler) -> BTreeMap<
 
 /// The cgroups the driver holds to their quota, by id (the inode of the cgroup2 directory),
 /// with what it counts in each over the container's GPUs; a cgroup gone since is left out.
-fn driver_held(limits: Option<&watch::Receiver<crate::snapshot::DriverLimits>>) -> BTreeMap<u64, u64> {
+fn driver_held(limits: Option<&watch::Receiver<crate::driver_limits::DriverLimits>>) -> BTreeMap<u64, u64> {
     use std::os::unix::fs::MetadataExt;
     let Some(limits) = limits else { return BTreeMap::new() };
     let limits = limits.borrow().clone();

@@ -45,6 +45,11 @@ struct Node {
 
 impl Node {
     fn new(tag: &str, version: &str) -> Result<Node> {
+        Node::with_env(tag, version, &[])
+    }
+
+    /// [`Node::new`] with these `FAKECUDA_*` settings too.
+    fn with_env(tag: &str, version: &str, env: &[(&str, &str)]) -> Result<Node> {
         let dir = TempDir::new(tag)?;
         // Contexts of 64 MiB: the driver counts them against the limit, as it counts all a
         // cgroup's processes hold.
@@ -52,6 +57,7 @@ impl Node {
             .with_env("FAKECUDA_DEVICE_BYTES", "8g")
             .with_env("FAKECUDA_CONTEXT_BYTES", "64m")
             .with_env("FAKECUDA_DRIVER_VERSION", version);
+        let fake = env.iter().fold(fake, |fake, (key, value)| fake.with_env(key, value));
         std::fs::create_dir_all(dir.path().join("ledgers"))?;
         std::fs::write(dir.path().join("quotas"), "namespace=team-a 1g\n")?;
         let containerd = Containerd::start(&dir.path().join("nri.sock"))?;
@@ -241,6 +247,27 @@ fn the_limit_is_set_before_the_first_process_runs_and_goes_with_the_container() 
     node.containerd.remove_pod(&pod)?;
     wait_for(timeout(), "the limit gone with the container", || Ok(node.fake.driver_limit(&cgroup, 0)?.is_none()))?;
     wait_for(timeout(), "the container gone from the audit", || Ok(node.limits(&main)?.is_null()))?;
+    node.fake.cleanup();
+    Ok(())
+}
+
+/// NVML hangs (every call sleeps 5 s, as a lost GPU's can): the container is answered within
+/// the runtime's deadline and starts, nobody is held by the driver, and the probes hold the
+/// quota as on an older driver.
+#[test]
+fn a_hung_nvml_delays_no_container_and_holds_nobody() -> Result<()> {
+    let node = Node::with_env("dl-hang", R615, &[("FAKECUDA_NVML", "hang"), ("FAKECUDA_NVML_HANG_MS", "5000")])?;
+    let began = std::time::Instant::now();
+    let (_pod, main) = node.pod("trainer", "uid-hang", &[], &[])?;
+    eprintln!("created and started in {:?} with NVML hanging", began.elapsed());
+    ensure!(node.limits(&main)?["held"] != true, "not held");
+    let cgroup_id = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(node.containerd.container_cgroup(&main)?)?);
+    wait_for(timeout(), "the container's cgroup limit pushed to the probes", || {
+        let audit = node.agent().audit()?;
+        Ok(audit["kernel_maps"]["cgroup_limits"].as_array().is_some_and(|ids| ids.iter().any(|id| id.as_u64() == Some(cgroup_id))))
+    })?;
+    let over = node.escape(&main, None, "'ctx 0' 'alloc a 512m' 'alloc b 1g'")?;
+    ensure!(over.exit_code == 137, "the escaped process is killed by the probes: {over:?}");
     node.fake.cleanup();
     Ok(())
 }
