@@ -191,6 +191,11 @@ pub struct RunArgs {
     /// (`hami_vgpu_memory_used_bytes`, `hami_vgpu_memory_limit_bytes`), for its dashboards.
     #[arg(long)]
     pub hami_metrics: bool,
+    /// Leave the driver's own per-cgroup limits (NVIDIA r615+) alone: neither set nor read,
+    /// every provisioned container held by the hook, the probes and `--enforce` as on an older
+    /// driver (docs/provisioning.md, "The driver's own limit").
+    #[arg(long)]
+    pub no_driver_limits: bool,
     /// A limits file (`CGROUP_PATTERN LIMIT` per line) for workloads that bypass the hook;
     /// its cgroups' allocations over their limit are handled as `--enforce` says.
     #[arg(long, value_name = "FILE")]
@@ -465,7 +470,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
     };
     // The driver's own per-cgroup limits (r615+), for the provisioned containers.
     let (driver_limits_tx, driver_limits_rx) = watch::channel(crate::driver_limits::DriverLimits::default());
-    let driver_limits_rx = match provisioner.as_ref() {
+    let driver_limits_rx = match provisioner.as_ref().filter(|_| !args.no_driver_limits) {
         Some(provisioner) => {
             let metrics = driver_limits::Metrics::new()?;
             for family in metrics.collectors() {
@@ -639,7 +644,10 @@ async fn provisioner(args: &RunArgs, gpus: inventory::Shared, limiter: driver_li
     if sources.kube.is_none() && sources.file.is_none() && !sources.annotation {
         bail!("--nri needs a quota source: --kube, --quota-file FILE or --quota-from-annotation");
     }
-    let mut provisioner = Provisioner::new(wanted, ledger_dir, sources).map_err(|e| anyhow!("cannot provision containers: {e}"))?.with_driver_limits(limiter);
+    let mut provisioner = Provisioner::new(wanted, ledger_dir, sources).map_err(|e| anyhow!("cannot provision containers: {e}"))?;
+    if !args.no_driver_limits {
+        provisioner = provisioner.with_driver_limits(limiter);
+    }
     // With --dra the NRI side sizes the node by the DRA driver's inventory (NVML's); without
     // it, by --gpu-memory as before (NVML's sizing of that path is still to come).
     if args.dra.dra {

@@ -6,8 +6,8 @@
 //! Children keep the NVML session and the driver out of this process, whose environment the
 //! NVML unit test changes.
 //!
-//! The tests that make cgroups need root and a cgroup2 mount; without them they say so on
-//! stderr and pass without checking.
+//! The tests that make cgroups need root and a cgroup2 mount; without them they fail saying
+//! so (the project's machines have both).
 
 use std::ffi::{c_char, CString};
 use std::io::{BufRead, BufReader, Write};
