@@ -14,7 +14,8 @@
 //!   GPU without; any other answer leaves it with (the root's own limits mean nothing here).
 //!   Logged once per change, in `vramguard audit` and in `vramguard_driver_limits_in_force{gpu}`.
 //! * **Set**: a container's hard limit is its quota on each GPU the runtime gave it, and its
-//!   largest share on every other GPU of the node (which it should not be able to open: a limit
+//!   largest share on every other GPU of the node (a limits file rule's cgroup: the rule's
+//!   limit on every GPU, a bound the probes' total for the cgroup stays under) (which it should not be able to open: a limit
 //!   there costs nothing, and holds it should the runtime's word about its GPUs be wrong); each
 //!   cut to the GPU's memory (NVML refuses a limit above it); soft 0 (no guarantee asked: the
 //!   over-commit policy is the operator's, not the driver's). The NRI side asks at
@@ -130,14 +131,29 @@ impl DriverLimits {
     }
 }
 
-/// What the agent asks of the driver for one container: its quota on each GPU it was given.
+/// What the agent asks of the driver for one cgroup: a provisioned container's quota on each
+/// GPU it was given, or a limits file rule's limit on every GPU.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Want {
+    /// The container's id, or `limits file: <cgroup>` for a rule's cgroup.
     pub container: String,
-    /// The container's cgroup, relative to the cgroup2 root.
+    /// The cgroup, relative to the cgroup2 root.
     pub cgroup: String,
     /// (GPU minor number, quota in bytes).
     pub quotas: Vec<(u32, u64)>,
+    /// The limit on every other GPU of the node.
+    pub others: u64,
+    /// Whether a limit read back on every GPU holds the cgroup (its probe limit and signals
+    /// stand down): a provisioned container's quota is per GPU, as the driver's limit; a
+    /// rule's limit is the cgroup's over all its GPUs together, which the probes keep.
+    pub hold: bool,
+}
+
+impl Want {
+    /// A limits file rule's cgroup: `limit` on every GPU, the probes' total kept.
+    pub fn ruled(cgroup: &str, limit: u64) -> Want {
+        Want { container: format!("limits file: {cgroup}"), cgroup: cgroup.to_string(), quotas: Vec::new(), others: limit, hold: false }
+    }
 }
 
 enum Job {
@@ -400,9 +416,8 @@ impl Thread {
             limits.why_not = Some(format!("cgroup {:?}: a NUL in its path", want.cgroup));
             return limits;
         };
-        let largest = want.quotas.iter().map(|&(_, quota)| quota).max().unwrap_or(0);
         for gpu in &support.gpus {
-            let asked = want.quotas.iter().find(|&&(g, _)| g == gpu.gpu).map_or(largest, |&(_, quota)| quota);
+            let asked = want.quotas.iter().find(|&&(g, _)| g == gpu.gpu).map_or(want.others, |&(_, quota)| quota);
             let quota = gpu.memory.map_or(asked, |memory| asked.min(memory));
             let mut limit = ContainerGpuLimit { gpu: gpu.gpu, quota, ..Default::default() };
             let device = self.devices.iter().find(|d| d.minor == gpu.gpu);
@@ -424,7 +439,7 @@ impl Thread {
             }
             limits.gpus.push(limit);
         }
-        limits.held = !limits.gpus.is_empty() && limits.gpus.iter().all(|g| g.hard == Some(g.quota));
+        limits.held = want.hold && !limits.gpus.is_empty() && limits.gpus.iter().all(|g| g.hard == Some(g.quota));
         limits
     }
 }

@@ -470,6 +470,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
     };
     // The driver's own per-cgroup limits (r615+), for the provisioned containers.
     let (driver_limits_tx, driver_limits_rx) = watch::channel(crate::driver_limits::DriverLimits::default());
+    let (ruled_tx, ruled_rx) = watch::channel(BTreeMap::<String, u64>::new());
     let driver_limits_rx = match provisioner.as_ref().filter(|_| !args.no_driver_limits) {
         Some(provisioner) => {
             let metrics = driver_limits::Metrics::new()?;
@@ -480,7 +481,14 @@ pub async fn run(args: RunArgs) -> Result<()> {
             let task = driver_limits::Task {
                 candidates: driver::locate(args.nvml.as_deref(), &args.libcuda),
                 cgroup_root: crate::cgroup::cgroup2_mount(),
-                wants: Box::new(move || wanted.driver_wants()),
+                // The provisioned containers', then the limits file's other cgroups'.
+                wants: Box::new(move || {
+                    let mut wants = wanted.driver_wants();
+                    let provisioned: std::collections::BTreeSet<String> = wants.iter().map(|w| w.cgroup.clone()).collect();
+                    let ruled = ruled_rx.borrow();
+                    wants.extend(ruled.iter().filter(|(cgroup, _)| !provisioned.contains(*cgroup)).map(|(cgroup, limit)| driver_limits::Want::ruled(cgroup, *limit)));
+                    wants
+                }),
                 changes: provisioner.changes(),
                 metrics,
             };
@@ -496,6 +504,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         holders: holders_rx,
         provisioned: provisioned_limits,
         driver_limits: driver_limits_rx.clone(),
+        ruled: Some(ruled_tx),
         exits: exits_tx,
         changed: changed.clone(),
         heartbeat: liveness.register("kernel", KERNEL_ALLOWED),

@@ -149,6 +149,9 @@ pub struct Limits {
     driver_held: std::collections::BTreeSet<String>,
     /// Cgroup id -> limit, from the watched ledgers.
     ledger_limits: BTreeMap<u64, u64>,
+    /// Cgroup path -> limit, of the cgroups a rule of the limits file named at the last
+    /// refresh (the driver's limits are set on them too).
+    ruled: BTreeMap<String, u64>,
     mode: u32,
     signal: u32,
     map: HashMap<MapData, u64, CgroupLimit>,
@@ -194,6 +197,7 @@ impl Limits {
             provisioned: BTreeMap::new(),
             driver_held: Default::default(),
             ledger_limits: BTreeMap::new(),
+            ruled: BTreeMap::new(),
             mode,
             signal: signal as u32,
             map,
@@ -248,6 +252,12 @@ impl Limits {
         self.driver_held = held;
     }
 
+    /// The cgroups a rule of the limits file named at the last refresh (path relative to the
+    /// cgroup2 root -> the rule's limit).
+    pub fn ruled(&self) -> &BTreeMap<String, u64> {
+        &self.ruled
+    }
+
     /// Re-reads the limits file if it changed: new rules replace the old ones; a file that
     /// cannot be read or parsed leaves the old rules in force (and is logged once).
     fn reload(&mut self) {
@@ -285,11 +295,15 @@ impl Limits {
         let mut wanted = BTreeMap::new();
         let mut walked = false;
         let mut held = std::collections::BTreeSet::new();
+        let mut ruled = BTreeMap::new();
         if !self.rules.is_empty() || !self.provisioned.is_empty() || !self.driver_held.is_empty() {
             walked = true;
             for (id, path) in names.all() {
                 let limit = match self.rules.iter().find(|rule| matches(&rule.pattern, path)) {
-                    Some(rule) => Some(rule.limit),
+                    Some(rule) => {
+                        ruled.insert(path.clone(), rule.limit);
+                        Some(rule.limit)
+                    }
                     None if self.driver_held.contains(path) => {
                         held.insert(*id);
                         None
@@ -301,6 +315,7 @@ impl Limits {
                 }
             }
         }
+        self.ruled = ruled;
         for (id, limit) in self.ledger_limits.iter().filter(|(id, _)| !held.contains(id)) {
             wanted.entry(*id).or_insert(CgroupLimit { limit: *limit, mode: self.mode, signal: self.signal });
         }

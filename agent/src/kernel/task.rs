@@ -81,6 +81,9 @@ pub struct Wiring {
     pub provisioned: Option<watch::Receiver<BTreeMap<String, u64>>>,
     /// The driver's own limits (r615+): the cgroups it holds get no probe limit.
     pub driver_limits: Option<watch::Receiver<crate::driver_limits::DriverLimits>>,
+    /// Where the cgroups the limits file's rules name go (path -> limit), for the driver's
+    /// limits.
+    pub ruled: Option<watch::Sender<BTreeMap<String, u64>>>,
     /// Exits for the reclaim task: a bounded queue of exits only (allocations are not events);
     /// an exit that finds it full is dropped, and the reclaim sweep finds that process gone
     /// within a second.
@@ -288,6 +291,15 @@ impl Kernel {
         limits.set_ledger_limits(wiring.ledger_limits.borrow_and_update().clone());
         limits.set_holders(wiring.holders.borrow_and_update().clone());
         limits.refresh(&mut self.cgroups);
+        if let Some(ruled) = &wiring.ruled {
+            ruled.send_if_modified(|old| {
+                let changed = old != limits.ruled();
+                if changed {
+                    old.clone_from(limits.ruled());
+                }
+                changed
+            });
+        }
         let accounting = &self.accounting;
         limits.signal_over_limit(|cgroup| accounting.cgroup_bytes(cgroup));
     }

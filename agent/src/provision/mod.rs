@@ -1127,11 +1127,9 @@ fn toolkit_overrides(record: &Record, present: &[String]) -> Vec<(String, String
 
 /// What the driver is asked for `record`'s container (`None`: its cgroup cannot be named).
 fn driver_want(record: &Record) -> Option<crate::driver_limits::Want> {
-    Some(crate::driver_limits::Want {
-        container: record.container_id.clone(),
-        cgroup: cgroup_dir(&record.cgroups_path)?,
-        quotas: record.gpus.iter().enumerate().map(|(i, &gpu)| (gpu, record.quota_on(i))).collect(),
-    })
+    let quotas: Vec<(u32, u64)> = record.gpus.iter().enumerate().map(|(i, &gpu)| (gpu, record.quota_on(i))).collect();
+    let others = quotas.iter().map(|&(_, quota)| quota).max().unwrap_or(record.quota);
+    Some(crate::driver_limits::Want { container: record.container_id.clone(), cgroup: cgroup_dir(&record.cgroups_path)?, quotas, others, hold: true })
 }
 
 /// The cgroup directory, relative to the cgroup2 root, of a runtime's `cgroups_path`: a

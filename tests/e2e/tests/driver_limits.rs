@@ -71,7 +71,10 @@ impl Node {
     }
 
     fn start_agent(&mut self) -> Result<()> {
-        let args = provisioning_args(&self.path("nri.sock"), &self.path("state"), &self.path("quotas"), "8g")?;
+        let mut args = provisioning_args(&self.path("nri.sock"), &self.path("state"), &self.path("quotas"), "8g")?;
+        if self.path("limits").exists() {
+            args.extend(["--limits".into(), self.path("limits").into()]);
+        }
         let libcuda = e2e::fake_driver_dir()?.join("libcuda.so.1");
         let mut all: Vec<OsString> = vec![
             "--libcuda".into(),
@@ -268,6 +271,27 @@ fn a_hung_nvml_delays_no_container_and_holds_nobody() -> Result<()> {
     })?;
     let over = node.escape(&main, None, "'ctx 0' 'alloc a 512m' 'alloc b 1g'")?;
     ensure!(over.exit_code == 137, "the escaped process is killed by the probes: {over:?}");
+    node.fake.cleanup();
+    Ok(())
+}
+
+/// A cgroup the limits file names (a pod without a quota) gets the rule's limit in the driver
+/// on every GPU too; the probes keep holding it to the rule's total (not held by the driver).
+#[test]
+fn a_limits_file_rule_s_cgroups_get_the_driver_s_limit_too() -> Result<()> {
+    let mut node = Node::new("dl-rules", R615)?;
+    let parent = node.containerd.cgroup_parent().to_string();
+    std::fs::write(node.path("limits"), format!("{parent}/poduid-ruled/* 512m\n"))?;
+    node.agent.take().context("agent")?.stop()?;
+    node.start_agent()?;
+    let pod = node.containerd.pod("web", "team-b", "uid-ruled", &[])?;
+    let main = node.containerd.run_container(&pod, &ContainerSpec::new("main").fake_driver(&node.fake)?)?;
+    let cgroup = node.cgroup(&main)?;
+    wait_for(timeout(), "the rule's limit in the driver", || Ok(node.fake.driver_limit(&cgroup, 0)?.is_some_and(|(_, hard, _)| hard == 512 * MIB)))
+        .with_context(|| node.agent().log())?;
+    let audit = node.agent().audit()?;
+    let row = &audit["driver_limits"]["containers"][format!("limits file: {cgroup}").as_str()];
+    ensure!(row["held"] == false && row["gpus"][0]["hard"].as_u64() == Some(512 * MIB), "set, not held: {}", audit["driver_limits"]);
     node.fake.cleanup();
     Ok(())
 }
