@@ -6,6 +6,7 @@
 //! | `vramguard_webhook_templates_total{outcome}` | ResourceClaimTemplates made sure of: `existing`, `created`, `differs` (a template of that name asks for something else), `capped` (past the creations' cap a minute: the pod is refused), `error` (the API failed or did not answer in time) |
 //! | `vramguard_webhook_connections_total{outcome}` | connections to `--listen` by how they ended: `answered`, `closed`, `refused` (past the cap), `evicted` (idle past the cap), `tls_failed` (the handshake), `timed_out`, `bad_request`, `error` |
 //! | `vramguard_webhook_certificate_reloads_total{result}` | changes of the TLS files: `loaded`, `failed` (the previous pair is still served) |
+//! | `vramguard_webhook_certificate_events_total{event}` | with `--manage-certificate`, the Secret's and the configuration's writes: `created` (no Secret), `adopted` (a valid one found at the start), `renewed` (a serving pair near its end), `repaired` (a broken Secret rewritten), `ca_rotated` (a CA near its end), `ca_bundle` (the configuration's `caBundle` written), `failed` (a pass that could not finish: the pair served stays) |
 //! | `vramguard_webhook_review_seconds` | time to answer a review (the template calls included) |
 use anyhow::Result;
 use prometheus::{Histogram, HistogramOpts, IntCounterVec, Opts, Registry};
@@ -17,6 +18,7 @@ pub struct WebhookMetrics {
     templates: IntCounterVec,
     connections: IntCounterVec,
     reloads: IntCounterVec,
+    certificates: IntCounterVec,
     seconds: Histogram,
 }
 
@@ -25,6 +27,7 @@ const REVIEWS: [&str; 5] = ["mutated", "untouched", "denied", "failed", "bad_req
 const TEMPLATES: [&str; 5] = ["existing", "created", "differs", "capped", "error"];
 pub const CONNECTIONS: [&str; 8] = ["answered", "closed", "refused", "evicted", "tls_failed", "timed_out", "bad_request", "error"];
 const RELOADS: [&str; 2] = ["loaded", "failed"];
+const CERTIFICATES: [&str; 7] = ["created", "adopted", "renewed", "repaired", "ca_rotated", "ca_bundle", "failed"];
 
 fn family(registry: &Registry, name: &str, help: &str, label: &str, values: &[&str]) -> Result<IntCounterVec> {
     let counter = IntCounterVec::new(Opts::new(name, help), &[label])?;
@@ -53,6 +56,13 @@ impl WebhookMetrics {
                 &CONNECTIONS,
             )?,
             reloads: family(registry, "vramguard_webhook_certificate_reloads_total", "Changes of the TLS files: loaded, failed", "result", &RELOADS)?,
+            certificates: family(
+                registry,
+                "vramguard_webhook_certificate_events_total",
+                "With --manage-certificate, the Secret's and caBundle's writes: created, adopted, renewed, repaired, ca_rotated, ca_bundle, failed",
+                "event",
+                &CERTIFICATES,
+            )?,
             seconds,
         })
     }
@@ -72,6 +82,10 @@ impl WebhookMetrics {
 
     pub fn reload(&self, result: &str) {
         self.reloads.with_label_values(&[result]).inc();
+    }
+
+    pub fn certificate(&self, event: &str) {
+        self.certificates.with_label_values(&[event]).inc();
     }
 
     #[cfg(test)]

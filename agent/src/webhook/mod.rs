@@ -6,7 +6,9 @@
 //! This room owns the conversion of a pod's extended resource into DRA claims
 //! ([`mutate`], pure), the ResourceClaimTemplates the converted pods name ([`templates`], the
 //! webhook's only writes), the AdmissionReview protocol ([`review`]), the HTTPS listener and
-//! its limits ([`server`]), its certificate and its reload ([`tls`]) and its counters
+//! its limits ([`server`]), its certificate and its reload ([`tls`]), or with
+//! `--manage-certificate` its own CA and pair kept in a Secret and its configuration's
+//! `caBundle` ([`secret`], [`pki`]), and its counters
 //! ([`metrics`]; served on `--metrics-addr` with `/healthz` and `/readyz`).
 //!
 //! # The scheme, and why
@@ -68,7 +70,9 @@
 //! (its addresses are the cluster's own) closes the Service to others.
 pub mod metrics;
 pub mod mutate;
+pub mod pki;
 pub mod review;
+pub mod secret;
 pub mod server;
 pub mod templates;
 pub mod tls;
@@ -95,7 +99,8 @@ pub struct WebhookArgs {
     /// Where to serve admission reviews over HTTPS (`POST /mutate`).
     #[arg(long, default_value = "0.0.0.0:8443", value_name = "ADDR")]
     pub listen: SocketAddr,
-    /// The PEM certificate chain served (the Secret's `tls.crt`), re-read when it changes.
+    /// The PEM certificate chain served (the Secret's `tls.crt`), re-read when it changes
+    /// (without `--manage-certificate`).
     #[arg(long, default_value = "/etc/vramguard/webhook-tls/tls.crt", value_name = "PATH")]
     pub tls_cert: PathBuf,
     /// The PEM private key of the certificate (the Secret's `tls.key`).
@@ -104,6 +109,35 @@ pub struct WebhookArgs {
     /// Where to serve `/metrics`, `/healthz` and `/readyz` over plain HTTP.
     #[arg(long, default_value = "0.0.0.0:9400", value_name = "ADDR")]
     pub metrics_addr: SocketAddr,
+    /// Make the CA and serving pair, keep them in `--tls-secret` (created, renewed before their
+    /// end, repaired) and write the CA into `--webhook-configuration`'s caBundle, instead of
+    /// reading `--tls-cert` and `--tls-key` (cert-manager's, or a Secret of your own).
+    #[arg(long)]
+    pub manage_certificate: bool,
+    /// With `--manage-certificate`: the Secret that holds the CA and the pair.
+    #[arg(long, default_value = "vramguard-system/vramguard-webhook-tls", value_name = "NAMESPACE/NAME")]
+    pub tls_secret: String,
+    /// With `--manage-certificate`: the Service the API server calls, in the Secret's namespace
+    /// (its DNS names are the certificate's).
+    #[arg(long, default_value = "vramguard-webhook", value_name = "NAME")]
+    pub service: String,
+    /// With `--manage-certificate`: the MutatingWebhookConfiguration whose webhooks' caBundle
+    /// is the Secret's CA.
+    #[arg(long, default_value = "vramguard-webhook", value_name = "NAME")]
+    pub webhook_configuration: String,
+    /// How often the Secret is checked (seconds).
+    #[arg(long, default_value_t = 60, value_name = "SECONDS", hide = true)]
+    pub certificate_check_every: u64,
+    /// The serving certificate's life and how long before its end it is renewed (seconds).
+    #[arg(long, default_value_t = pki::Lifetimes::default().serving.as_secs(), value_name = "SECONDS", hide = true)]
+    pub certificate_validity: u64,
+    #[arg(long, default_value_t = pki::Lifetimes::default().serving_renew_before.as_secs(), value_name = "SECONDS", hide = true)]
+    pub certificate_renew_before: u64,
+    /// The CA's life and how long before its end it is replaced (seconds).
+    #[arg(long, default_value_t = pki::Lifetimes::default().ca.as_secs(), value_name = "SECONDS", hide = true)]
+    pub ca_validity: u64,
+    #[arg(long, default_value_t = pki::Lifetimes::default().ca_renew_before.as_secs(), value_name = "SECONDS", hide = true)]
+    pub ca_renew_before: u64,
     /// The DeviceClass the templates' requests name.
     #[arg(long, default_value = DRIVER, value_name = "NAME")]
     pub device_class: String,
@@ -114,12 +148,25 @@ pub struct WebhookArgs {
 
 /// Serves admission reviews until SIGTERM or SIGINT.
 pub async fn run(args: WebhookArgs) -> Result<()> {
-    let certificates = tls::Certificates::load(&args.tls_cert, &args.tls_key)?;
-    let acceptor = tokio_rustls::TlsAcceptor::from(certificates.server_config()?);
     let client = args.api.config().await?.client()?;
-    let store = Arc::new(templates::Templates::new(client, args.device_class.clone(), API_DEADLINE));
     let registry = prometheus::Registry::new();
     let metrics = metrics::WebhookMetrics::new(&registry)?;
+    let (certificates, managed) = if args.manage_certificate {
+        let (namespace, secret) = secret::parse_secret(&args.tls_secret)?;
+        let place = secret::Place { namespace, secret, service: args.service.clone(), configuration: args.webhook_configuration.clone() };
+        let lifetimes = pki::Lifetimes {
+            ca: Duration::from_secs(args.ca_validity),
+            ca_renew_before: Duration::from_secs(args.ca_renew_before),
+            serving: Duration::from_secs(args.certificate_validity),
+            serving_renew_before: Duration::from_secs(args.certificate_renew_before),
+        };
+        let managed = secret::Managed::new(client.clone(), place, lifetimes, API_DEADLINE, metrics.clone());
+        (managed.start().await?, Some(managed))
+    } else {
+        (tls::Certificates::load(&args.tls_cert, &args.tls_key)?, None)
+    };
+    let acceptor = tokio_rustls::TlsAcceptor::from(certificates.server_config()?);
+    let store = Arc::new(templates::Templates::new(client, args.device_class.clone(), API_DEADLINE));
     let connections = Connections::named("vramguard_webhook_metrics_connections_total", "Connections to the webhook's --metrics-addr by how they ended")?;
     registry.register(connections.collector())?;
     let (metrics_addr, metrics_site) = serve_http::serve_site(args.metrics_addr, serve_http::LIMITS, Site::Registry(registry), connections).await?;
@@ -130,11 +177,19 @@ pub async fn run(args: WebhookArgs) -> Result<()> {
     tokio::select! {
         () = reviews => anyhow::bail!("the webhook's listener ended"),
         () = metrics_site => anyhow::bail!("the metrics listener ended"),
-        () = certificates.watch(metrics) => anyhow::bail!("the certificate watch ended"),
+        () = keep(certificates, managed, metrics, Duration::from_secs(args.certificate_check_every.max(1))) => anyhow::bail!("the certificate watch ended"),
         _ = terminate.recv() => info!("SIGTERM: stopping"),
         _ = interrupt.recv() => info!("SIGINT: stopping"),
     }
     Ok(())
+}
+
+/// Keeps the served pair current: the Secret's (`managed`) or the files'.
+async fn keep(certificates: Arc<tls::Certificates>, managed: Option<secret::Managed>, metrics: metrics::WebhookMetrics, every: Duration) {
+    match managed {
+        Some(managed) => managed.keep(certificates, every).await,
+        None => certificates.watch(metrics).await,
+    }
 }
 
 #[cfg(test)]
@@ -160,5 +215,11 @@ mod tests {
         let explicit = Cli::try_parse_from(["x", "--kube-api", "https://10.0.0.1:6443", "--kube-ca-file", "ca.crt", "--listen", "127.0.0.1:0"]).expect("flags");
         assert_eq!(explicit.webhook.api.kube_api.as_deref(), Some("https://10.0.0.1:6443"));
         assert!(Cli::try_parse_from(["x", "--kubeconfig", "k"]).is_ok(), "no --kube here");
+        assert!(!cli.webhook.manage_certificate);
+        assert_eq!(cli.webhook.tls_secret, "vramguard-system/vramguard-webhook-tls");
+        assert_eq!(cli.webhook.certificate_renew_before, 30 * 86_400);
+        let managed = Cli::try_parse_from(["x", "--manage-certificate", "--tls-secret", "ns/s", "--service", "svc", "--webhook-configuration", "c", "--certificate-validity", "20"]).expect("managed");
+        assert!(managed.webhook.manage_certificate);
+        assert_eq!((managed.webhook.service.as_str(), managed.webhook.webhook_configuration.as_str(), managed.webhook.certificate_validity), ("svc", "c", 20));
     }
 }

@@ -54,7 +54,7 @@ pub const REQUEST: &str = "gpu";
 /// The label the webhook's templates carry.
 pub const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "vramguard-webhook");
 /// The field manager of the webhook's writes.
-const FIELD_MANAGER: &str = "vramguard-webhook";
+pub const FIELD_MANAGER: &str = "vramguard-webhook";
 
 /// The most templates created in a minute.
 pub const CREATIONS_PER_MINUTE: u32 = 30;

@@ -4,7 +4,9 @@
 //! that way): every [`RELOAD_EVERY`] the files are read (at most [`MAX_PEM_BYTES`] each) and,
 //! if their bytes changed, parsed; a pair that parses and matches is served to every new
 //! handshake from then on, one that does not is logged and counted, and the previous pair
-//! stays. A start without a valid pair fails.
+//! stays. A start without a valid pair fails. With `--manage-certificate` the pair comes from
+//! the Secret instead ([`super::secret`]), given here in memory ([`Certificates::from_pem`],
+//! [`Certificates::set`]) and swapped the same way.
 use std::{
     fmt,
     io::Read,
@@ -32,8 +34,8 @@ pub const MAX_PEM_BYTES: u64 = 1 << 20;
 
 /// The served pair, and the files' bytes it was last checked against.
 pub struct Certificates {
-    cert: PathBuf,
-    key: PathBuf,
+    /// The files re-read (none: the pair is given in memory).
+    files: Option<(PathBuf, PathBuf)>,
     provider: Arc<CryptoProvider>,
     current: RwLock<Arc<CertifiedKey>>,
     seen: Mutex<(Vec<u8>, Vec<u8>)>,
@@ -41,7 +43,7 @@ pub struct Certificates {
 
 impl fmt::Debug for Certificates {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Certificates").field("cert", &self.cert).field("key", &self.key).finish()
+        f.debug_struct("Certificates").field("files", &self.files).finish()
     }
 }
 
@@ -58,12 +60,31 @@ impl Certificates {
         let (cert_pem, key_pem) = (read(cert)?, read(key)?);
         let pair = parse(&cert_pem, &key_pem, &provider).with_context(|| format!("the TLS pair {} and {}", cert.display(), key.display()))?;
         Ok(Arc::new(Certificates {
-            cert: cert.to_owned(),
-            key: key.to_owned(),
+            files: Some((cert.to_owned(), key.to_owned())),
             provider,
             current: RwLock::new(Arc::new(pair)),
             seen: Mutex::new((cert_pem, key_pem)),
         }))
+    }
+
+    /// The pair in the PEM texts `cert` and `key`, checked (re-read from nowhere: [`Self::set`]).
+    pub fn from_pem(cert: &[u8], key: &[u8]) -> Result<Arc<Certificates>> {
+        let provider = Arc::new(ring::default_provider());
+        let pair = parse(cert, key, &provider).context("the TLS pair")?;
+        Ok(Arc::new(Certificates { files: None, provider, current: RwLock::new(Arc::new(pair)), seen: Mutex::new((cert.to_vec(), key.to_vec())) }))
+    }
+
+    /// Serves the pair in `cert` and `key` to every new handshake if it differs from the one
+    /// served and is valid. `Ok(true)`: a new pair is served.
+    pub fn set(&self, cert: &[u8], key: &[u8]) -> Result<bool> {
+        let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
+        if seen.0 == cert && seen.1 == key {
+            return Ok(false);
+        }
+        let pair = parse(cert, key, &self.provider)?;
+        *seen = (cert.to_vec(), key.to_vec());
+        *self.current.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(pair);
+        Ok(true)
     }
 
     /// rustls' server configuration, its certificate from here at each handshake; HTTP/1.1
@@ -81,7 +102,8 @@ impl Certificates {
     /// Reads the files; serves their pair from now on if they changed and hold a valid one.
     /// `Ok(true)`: a new pair is served.
     pub fn reload(&self) -> Result<bool> {
-        let (cert_pem, key_pem) = (read(&self.cert)?, read(&self.key)?);
+        let Some((cert, key)) = &self.files else { return Ok(false) };
+        let (cert_pem, key_pem) = (read(cert)?, read(key)?);
         let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
         if seen.0 == cert_pem && seen.1 == key_pem {
             return Ok(false);
@@ -106,7 +128,7 @@ impl Certificates {
                 Ok(Ok(false)) => {}
                 Ok(Ok(true)) => {
                     metrics.reload("loaded");
-                    info!(cert = %self.cert.display(), "serving the renewed TLS certificate");
+                    info!(files = ?self.files, "serving the renewed TLS certificate");
                 }
                 Ok(Err(error)) => {
                     metrics.reload("failed");
