@@ -32,6 +32,7 @@ use serde_json::{json, Value};
 use e2e::{agent::Agent, timeout, wait_for};
 use tokio::{sync::mpsc, task::AbortHandle};
 
+pub mod objects;
 pub mod resource;
 pub mod templates;
 
@@ -77,6 +78,9 @@ pub struct ApiState {
     pub resource: resource::Resources,
     /// ResourceClaimTemplates by (namespace, name) ([`templates`]: the admission webhook's).
     pub templates: std::collections::BTreeMap<(String, String), Value>,
+    /// Secrets and MutatingWebhookConfigurations ([`objects`]: the admission webhook's
+    /// certificate and its caBundle).
+    pub objects: std::collections::BTreeMap<objects::Key, Value>,
     /// The connections being served, to cut when the mode changes.
     connections: Vec<AbortHandle>,
     /// The listener's task (aborted: connections refused).
@@ -301,6 +305,10 @@ async fn serve(state: &Mutex<ApiState>, request: Request<Incoming>) -> Answer {
                 }
             }
             answer(StatusCode::OK, &state.node.clone())
+        }
+        (method, ["api", "v1", "namespaces", namespace, "secrets", rest @ ..]) => objects::serve(&mut state, &objects::SECRETS, method, namespace, rest, &body),
+        (method, ["apis", "admissionregistration.k8s.io", "v1", "mutatingwebhookconfigurations", rest @ ..]) => {
+            objects::serve(&mut state, &objects::WEBHOOK_CONFIGURATIONS, method, "", rest, &body)
         }
         (method, ["apis", "resource.k8s.io", "v1", "namespaces", namespace, "resourceclaimtemplates", rest @ ..]) => {
             templates::serve(&mut state, method, namespace, rest, &body)

@@ -1,0 +1,279 @@
+//! The admission webhook's own certificate (`vramguard webhook --manage-certificate`, issue 40
+//! item 3), the real binary against the mock API server (`kube_api`): the first replica
+//! creates the Secret (a CA and a serving pair) and writes the CA into the
+//! MutatingWebhookConfiguration's `caBundle`, and a client that trusts only that CA completes a
+//! handshake for the Service's DNS names; a second replica adopts the same Secret, and two that
+//! start together end serving one; a pair near its end is renewed and served without a
+//! restart; a Secret someone broke and a `caBundle` someone changed are repaired.
+mod kube_api;
+
+use std::{
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::Arc,
+};
+
+use anyhow::{bail, Context, Result};
+use base64::Engine as _;
+use kube_api::{
+    objects::{SECRETS, WEBHOOK_CONFIGURATIONS},
+    ApiServer,
+};
+use rustls::pki_types::{pem::PemObject, CertificateDer, ServerName};
+use serde_json::{json, Value};
+
+const NAMESPACE: &str = "vramguard-system";
+const SECRET: &str = "vramguard-webhook-tls";
+const CONFIGURATION: &str = "vramguard-webhook";
+const SERVICE_NAME: &str = "vramguard-webhook.vramguard-system.svc";
+
+/// `vramguard webhook --manage-certificate` on loopback ports; killed when dropped.
+struct Webhook {
+    child: Child,
+    log: PathBuf,
+    addr: SocketAddr,
+    metrics: SocketAddr,
+}
+
+impl Drop for Webhook {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Webhook {
+    /// Started (not yet serving), its log `<dir>/<tag>.log`, with `more` arguments.
+    fn spawn(dir: &Path, tag: &str, api: &ApiServer, account: &Path, more: &[&str]) -> Result<Webhook> {
+        let log = dir.join(format!("{tag}.log"));
+        let child = Command::new(e2e::agent::agent_bin()?)
+            .args(["webhook", "--listen", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0", "--manage-certificate"])
+            .args(["--tls-secret", &format!("{NAMESPACE}/{SECRET}"), "--service", "vramguard-webhook", "--webhook-configuration", CONFIGURATION])
+            .args(["--certificate-check-every", "1"])
+            .args(more)
+            .args(["--kube-api", &format!("https://127.0.0.1:{}", api.addr.port()), "--kube-token-file"])
+            .arg(account.join("token"))
+            .arg("--kube-ca-file")
+            .arg(account.join("ca.crt"))
+            .env("VRAMGUARD_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log)?)
+            .spawn()?;
+        Ok(Webhook { child, log, addr: "0.0.0.0:0".parse()?, metrics: "0.0.0.0:0".parse()? })
+    }
+
+    /// Waits until it serves (its addresses in its log).
+    fn serving(mut self) -> Result<Webhook> {
+        e2e::wait_for(e2e::timeout(), "the webhook serves", || {
+            if let Some(status) = self.child.try_wait()? {
+                bail!("the webhook exited ({status}): {}", self.log());
+            }
+            let log = self.log();
+            let field = |name: &str| log.split_whitespace().find_map(|w| w.strip_prefix(name)).and_then(|a| a.parse::<SocketAddr>().ok());
+            match (field("webhook_addr="), field("metrics_addr=")) {
+                (Some(addr), Some(metrics)) => {
+                    (self.addr, self.metrics) = (addr, metrics);
+                    Ok(true)
+                }
+                _ => Ok(false),
+            }
+        })?;
+        Ok(self)
+    }
+
+    fn start(dir: &Path, tag: &str, api: &ApiServer, account: &Path, more: &[&str]) -> Result<Webhook> {
+        Webhook::spawn(dir, tag, api, account, more)?.serving()
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// `vramguard_webhook_certificate_events_total{event}`.
+    fn events(&self, event: &str) -> Result<u64> {
+        let (_, page) = e2e::http::get(self.metrics, "/metrics")?;
+        let series = format!("vramguard_webhook_certificate_events_total{{event=\"{event}\"}}");
+        page.lines()
+            .find_map(|line| line.strip_prefix(series.as_str()).and_then(|v| v.trim().parse().ok()))
+            .with_context(|| format!("{series} not on the page:\n{page}"))
+    }
+
+    /// The certificate it serves (DER) to a client that trusts only `ca_pem` and asks for
+    /// `name`; an error if the handshake fails.
+    fn handshake(&self, ca_pem: &[u8], name: &str) -> Result<Vec<u8>> {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        runtime.block_on(async {
+            let mut roots = rustls::RootCertStore::empty();
+            for cert in CertificateDer::pem_slice_iter(ca_pem) {
+                roots.add(cert?)?;
+            }
+            let config = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+                .with_safe_default_protocol_versions()?
+                .with_root_certificates(roots)
+                .with_no_client_auth();
+            let tcp = tokio::net::TcpStream::connect(self.addr).await?;
+            let connect = tokio_rustls::TlsConnector::from(Arc::new(config)).connect(ServerName::try_from(name.to_owned())?, tcp);
+            let tls = tokio::time::timeout(e2e::timeout(), connect).await??;
+            let served = tls.get_ref().1.peer_certificates().and_then(|c| c.first()).context("no certificate served")?;
+            Ok(served.to_vec())
+        })
+    }
+}
+
+/// An API server with the webhook configuration (its caBundle a placeholder, as the manifest
+/// before the webhook wrote it) and the service account's files under `dir`.
+fn setup(dir: &Path) -> Result<(ApiServer, PathBuf)> {
+    let api = ApiServer::start()?;
+    let account = dir.join("account");
+    api.service_account(&account)?;
+    let webhook = |name: &str| {
+        json!({
+            "name": name, "admissionReviewVersions": ["v1"],
+            "clientConfig": {"service": {"name": "vramguard-webhook", "namespace": NAMESPACE, "path": "/mutate", "port": 443}, "caBundle": "UExBQ0VIT0xERVI="},
+            "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"], "scope": "Namespaced"}],
+            "failurePolicy": "Fail", "sideEffects": "NoneOnDryRun", "timeoutSeconds": 10
+        })
+    };
+    api.put_object(
+        &WEBHOOK_CONFIGURATIONS,
+        json!({
+            "apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
+            "metadata": {"name": CONFIGURATION, "uid": "5f0c0000-0000-4000-8000-000000000001"},
+            "webhooks": [webhook("gpu-memory.vramguard.io"), webhook("second.vramguard.io")]
+        }),
+    );
+    Ok((api, account))
+}
+
+fn decode(value: &Value) -> Vec<u8> {
+    value.as_str().and_then(|s| base64::engine::general_purpose::STANDARD.decode(s).ok()).unwrap_or_default()
+}
+
+/// The Secret: (resourceVersion, ca.crt, tls.crt), the texts decoded.
+fn secret(api: &ApiServer) -> Result<(String, Vec<u8>, Vec<u8>)> {
+    let secret = api.object(&SECRETS, NAMESPACE, SECRET).context("no Secret")?;
+    let version = secret["metadata"]["resourceVersion"].as_str().unwrap_or_default().to_owned();
+    Ok((version, decode(&secret["data"]["ca.crt"]), decode(&secret["data"]["tls.crt"])))
+}
+
+/// The caBundles of the configuration's webhooks, decoded.
+fn ca_bundles(api: &ApiServer) -> Result<Vec<Vec<u8>>> {
+    let configuration = api.object(&WEBHOOK_CONFIGURATIONS, "", CONFIGURATION).context("no configuration")?;
+    Ok(configuration["webhooks"].as_array().into_iter().flatten().map(|w| decode(&w["clientConfig"]["caBundle"])).collect())
+}
+
+/// The first certificate of a PEM text, DER.
+fn der(pem: &[u8]) -> Result<Vec<u8>> {
+    Ok(CertificateDer::pem_slice_iter(pem).next().context("no certificate")??.to_vec())
+}
+
+#[test]
+fn the_first_start_creates_the_secret_and_the_ca_bundle() -> Result<()> {
+    let dir = e2e::TempDir::new("webhook-cert")?;
+    let (api, account) = setup(dir.path())?;
+    let webhook = Webhook::start(dir.path(), "first", &api, &account, &[])?;
+    let stored = api.object(&SECRETS, NAMESPACE, SECRET).context("no Secret")?;
+    assert_eq!(stored["type"], "kubernetes.io/tls", "{stored}");
+    for key in ["ca.crt", "ca.key", "tls.crt", "tls.key"] {
+        assert!(!decode(&stored["data"][key]).is_empty(), "{key} in {stored}");
+    }
+    assert!(String::from_utf8_lossy(&decode(&stored["data"]["ca.key"])).contains("PRIVATE KEY"));
+    let (_, ca, tls) = secret(&api)?;
+    assert_eq!(ca_bundles(&api)?, vec![ca.clone(), ca.clone()], "every webhook's caBundle is the Secret's CA");
+    for name in ["vramguard-webhook", "vramguard-webhook.vramguard-system", SERVICE_NAME, "vramguard-webhook.vramguard-system.svc.cluster.local"] {
+        assert_eq!(webhook.handshake(&ca, name).with_context(|| format!("{name}: {}", webhook.log()))?, der(&tls)?, "{name}");
+    }
+    assert!(webhook.handshake(&ca, "other.vramguard-system.svc").is_err(), "a name not in the certificate");
+    assert_eq!(webhook.events("created")?, 1);
+    assert_eq!(webhook.events("ca_bundle")?, 1);
+    assert_eq!(webhook.events("adopted")?, 0);
+    // Nothing to do on the next passes: no more writes.
+    let seen = api.seen().iter().filter(|s| s.method != "GET").count();
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    assert_eq!(api.seen().iter().filter(|s| s.method != "GET").count(), seen, "{}", webhook.log());
+    Ok(())
+}
+
+#[test]
+fn a_second_replica_adopts_the_secret_and_two_at_once_end_with_one() -> Result<()> {
+    let dir = e2e::TempDir::new("webhook-cert")?;
+    let (api, account) = setup(dir.path())?;
+    let first = Webhook::start(dir.path(), "first", &api, &account, &[])?;
+    let (version, ca, tls) = secret(&api)?;
+    let second = Webhook::start(dir.path(), "second", &api, &account, &[])?;
+    assert_eq!(secret(&api)?, (version, ca.clone(), tls.clone()), "the second replica wrote nothing");
+    assert_eq!(second.handshake(&ca, SERVICE_NAME)?, der(&tls)?);
+    assert_eq!(first.handshake(&ca, SERVICE_NAME)?, der(&tls)?);
+    assert_eq!((second.events("adopted")?, second.events("created")?), (1, 0));
+    drop((first, second));
+
+    // Two replicas started together against an API server without the Secret.
+    let (api, account) = setup(&dir.path().join("race"))?;
+    let (one, two) = (Webhook::spawn(dir.path(), "one", &api, &account, &[])?, Webhook::spawn(dir.path(), "two", &api, &account, &[])?);
+    let (one, two) = (one.serving()?, two.serving()?);
+    let (_, ca, tls) = secret(&api)?;
+    assert_eq!(one.handshake(&ca, SERVICE_NAME)?, der(&tls)?, "{}", one.log());
+    assert_eq!(two.handshake(&ca, SERVICE_NAME)?, der(&tls)?, "{}", two.log());
+    assert_eq!(one.events("created")? + two.events("created")?, 1);
+    assert_eq!(ca_bundles(&api)?, vec![ca.clone(), ca]);
+    Ok(())
+}
+
+#[test]
+fn a_pair_near_its_end_is_renewed_and_served_without_a_restart() -> Result<()> {
+    let dir = e2e::TempDir::new("webhook-cert")?;
+    let (api, account) = setup(dir.path())?;
+    // A pair of 20 s renewed 15 s before its end: every 5 s.
+    let webhook = Webhook::start(dir.path(), "renewing", &api, &account, &["--certificate-validity", "20", "--certificate-renew-before", "15"])?;
+    let (version, ca, tls) = secret(&api)?;
+    assert_eq!(webhook.handshake(&ca, SERVICE_NAME)?, der(&tls)?);
+    e2e::wait_for(e2e::timeout(), "the Secret's pair renewed", || Ok(secret(&api)?.0 != version)).with_context(|| webhook.log())?;
+    let (_, renewed_ca, _) = secret(&api)?;
+    assert_eq!(renewed_ca, ca, "the same CA signs the renewed pair");
+    e2e::wait_for(e2e::timeout(), "the renewed pair served", || {
+        let served = webhook.handshake(&ca, SERVICE_NAME)?;
+        Ok(served != der(&tls)? && served == der(&secret(&api)?.2)?)
+    })
+    .with_context(|| webhook.log())?;
+    assert!(webhook.events("renewed")? >= 1);
+    assert_eq!(webhook.events("repaired")?, 0);
+    assert!(webhook.log().contains("renewed"), "{}", webhook.log());
+    Ok(())
+}
+
+#[test]
+fn a_secret_someone_broke_and_a_changed_ca_bundle_are_repaired() -> Result<()> {
+    let dir = e2e::TempDir::new("webhook-cert")?;
+    let (api, account) = setup(dir.path())?;
+    // A Secret of someone else's, all garbage, there before the start: replaced at the start.
+    api.put_object(
+        &SECRETS,
+        json!({"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+               "metadata": {"name": SECRET, "namespace": NAMESPACE, "uid": "0b1e0000-0000-4000-8000-00000000000a"},
+               "data": {"ca.crt": "Z2FyYmFnZQ==", "tls.crt": "Z2FyYmFnZQ=="}}),
+    );
+    let webhook = Webhook::start(dir.path(), "repairing", &api, &account, &[])?;
+    let (_, ca, tls) = secret(&api)?;
+    assert_eq!(webhook.handshake(&ca, SERVICE_NAME)?, der(&tls)?);
+    assert_eq!(ca_bundles(&api)?, vec![ca.clone(), ca.clone()]);
+    assert_eq!(api.object(&SECRETS, NAMESPACE, SECRET).context("Secret")?["type"], "Opaque", "the type is immutable: kept");
+    assert_eq!(webhook.events("repaired")?, 1);
+
+    // Garbage in tls.crt while it runs: a new pair from the same CA, served.
+    let mut broken = api.object(&SECRETS, NAMESPACE, SECRET).context("Secret")?;
+    broken["data"]["tls.crt"] = json!("bm90IGEgY2VydGlmaWNhdGU=");
+    api.put_object(&SECRETS, broken);
+    e2e::wait_for(e2e::timeout(), "the Secret repaired", || Ok(der(&secret(&api)?.2).is_ok())).with_context(|| webhook.log())?;
+    let (_, repaired_ca, repaired) = secret(&api)?;
+    assert_eq!(repaired_ca, ca);
+    e2e::wait_for(e2e::timeout(), "the repaired pair served", || Ok(webhook.handshake(&ca, SERVICE_NAME)? == der(&repaired)?)).with_context(|| webhook.log())?;
+    assert_eq!(webhook.events("repaired")?, 2);
+
+    // A caBundle someone changed: the Secret's CA again.
+    let mut configuration = api.object(&WEBHOOK_CONFIGURATIONS, "", CONFIGURATION).context("configuration")?;
+    configuration["webhooks"][1]["clientConfig"]["caBundle"] = json!("Zm9v");
+    api.put_object(&WEBHOOK_CONFIGURATIONS, configuration);
+    e2e::wait_for(e2e::timeout(), "the caBundle written again", || Ok(ca_bundles(&api)? == vec![ca.clone(), ca.clone()])).with_context(|| webhook.log())?;
+    Ok(())
+}
