@@ -5,7 +5,7 @@
 //!
 //! This room owns the conversion of a pod's extended resource into DRA claims
 //! ([`mutate`], pure), the ResourceClaimTemplates the converted pods name ([`templates`], the
-//! webhook's only writes), the AdmissionReview protocol ([`review`]), the HTTPS listener and
+//! webhook's only writes besides its certificate's), the AdmissionReview protocol ([`review`]), the HTTPS listener and
 //! its limits ([`server`]), its certificate and its reload ([`tls`]), or with
 //! `--manage-certificate` its own CA and pair kept in a Secret and its configuration's
 //! `caBundle` ([`secret`], [`pki`]), and its counters
