@@ -16,8 +16,8 @@
 //!   are not refused); either written by an update carrying the `resourceVersion` read, and on
 //!   `409` (someone wrote in between) read and checked again.
 //!
-//! Then the `caBundle` of every webhook of the configuration is made `ca.crt` (an update with
-//! the `resourceVersion` read, when it differs), and only then is the pair served (the
+//! Then the `caBundle` of every webhook of the configuration is made `ca.crt` (a JSON patch of
+//! those that differ, at the `resourceVersion` read), and only then is the pair served (the
 //! configuration trusts a new CA before any replica serves a pair it signed). At the start a
 //! Secret that cannot be made sure of fails the start (after a few tries); a configuration that
 //! does not exist yet is logged and tried again. Then every `--certificate-check-every` the
@@ -34,7 +34,7 @@ use k8s_openapi::{
     ByteString,
 };
 use kube::{
-    api::PostParams,
+    api::{Patch, PatchParams, PostParams},
     Api, Client,
 };
 use tracing::{info, warn};
@@ -96,6 +96,29 @@ fn data_of(bundle: &Bundle) -> BTreeMap<String, ByteString> {
         (TLS_CRT.to_owned(), ByteString(bundle.tls_crt.clone())),
         (TLS_KEY.to_owned(), ByteString(bundle.tls_key.clone())),
     ])
+}
+
+/// The JSON patch that sets every webhook's `caBundle` to `ca_crt` (`None`: all do already),
+/// the configuration's `resourceVersion` in it: the API server applies it only to the version
+/// read (`409` otherwise), so the webhooks' indexes are the ones read. A patch, not an
+/// update: fields of the configuration this client's types do not know are left alone.
+fn ca_bundle_patch(configuration: &MutatingWebhookConfiguration, ca_crt: &[u8]) -> Option<json_patch::Patch> {
+    use base64::Engine as _;
+    let bundle = base64::engine::general_purpose::STANDARD.encode(ca_crt);
+    let mut operations: Vec<serde_json::Value> = configuration
+        .webhooks
+        .iter()
+        .flatten()
+        .enumerate()
+        .filter(|(_, webhook)| webhook.client_config.ca_bundle.as_ref().map(|b| b.0.as_slice()) != Some(ca_crt))
+        .map(|(i, _)| serde_json::json!({"op": "add", "path": format!("/webhooks/{i}/clientConfig/caBundle"), "value": bundle}))
+        .collect();
+    if operations.is_empty() {
+        return None;
+    }
+    let version = configuration.metadata.resource_version.clone().unwrap_or_default();
+    operations.push(serde_json::json!({"op": "replace", "path": "/metadata/resourceVersion", "value": version}));
+    serde_json::from_value(serde_json::Value::Array(operations)).ok()
 }
 
 fn conflict(error: &KubeError) -> bool {
@@ -200,20 +223,13 @@ impl Managed {
         let name = &self.place.configuration;
         let params = PostParams { dry_run: false, field_manager: Some(FIELD_MANAGER.into()) };
         for _ in 0..TRIES {
-            let Some(mut configuration) = self.call(format!("reading MutatingWebhookConfiguration {name}"), self.configurations.get_opt(name)).await? else {
+            let Some(configuration) = self.call(format!("reading MutatingWebhookConfiguration {name}"), self.configurations.get_opt(name)).await? else {
                 return Ok(false);
             };
-            let mut changed = false;
-            for webhook in configuration.webhooks.iter_mut().flatten() {
-                if webhook.client_config.ca_bundle.as_ref().map(|b| b.0.as_slice()) != Some(ca_crt) {
-                    webhook.client_config.ca_bundle = Some(ByteString(ca_crt.to_vec()));
-                    changed = true;
-                }
-            }
-            if !changed {
-                return Ok(true);
-            }
-            match self.call(format!("updating MutatingWebhookConfiguration {name}"), self.configurations.replace(name, &params, &configuration)).await {
+            let Some(patch) = ca_bundle_patch(&configuration, ca_crt) else { return Ok(true) };
+            let params = PatchParams { field_manager: params.field_manager.clone(), ..PatchParams::default() };
+            let patch: Patch<()> = Patch::Json(patch);
+            match self.call(format!("patching MutatingWebhookConfiguration {name}"), self.configurations.patch(name, &params, &patch)).await {
                 Ok(_) => {
                     self.metrics.certificate("ca_bundle");
                     info!(configuration = %name, "webhook certificate: the caBundle is the Secret's CA");
@@ -290,6 +306,31 @@ mod tests {
         for bad in ["", "name", "/name", "ns/", "a/b/c"] {
             assert!(parse_secret(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn the_ca_bundle_patch_sets_what_differs_at_the_version_read() {
+        use k8s_openapi::api::admissionregistration::v1::{MutatingWebhook, WebhookClientConfig};
+        let webhook = |name: &str, bundle: Option<&[u8]>| MutatingWebhook {
+            name: name.into(),
+            client_config: WebhookClientConfig { ca_bundle: bundle.map(|b| ByteString(b.to_vec())), ..WebhookClientConfig::default() },
+            ..MutatingWebhook::default()
+        };
+        let mut configuration = MutatingWebhookConfiguration {
+            metadata: ObjectMeta { name: Some("c".into()), resource_version: Some("42".into()), ..ObjectMeta::default() },
+            webhooks: Some(vec![webhook("a", Some(b"CA")), webhook("b", None), webhook("c", Some(b"old"))]),
+        };
+        let patch = serde_json::to_value(ca_bundle_patch(&configuration, b"CA").expect("a patch")).expect("json");
+        assert_eq!(
+            patch,
+            serde_json::json!([
+                {"op": "add", "path": "/webhooks/1/clientConfig/caBundle", "value": "Q0E="},
+                {"op": "add", "path": "/webhooks/2/clientConfig/caBundle", "value": "Q0E="},
+                {"op": "replace", "path": "/metadata/resourceVersion", "value": "42"}
+            ])
+        );
+        configuration.webhooks = Some(vec![webhook("a", Some(b"CA"))]);
+        assert!(ca_bundle_patch(&configuration, b"CA").is_none());
     }
 
     #[test]

@@ -132,7 +132,9 @@ fn setup(dir: &Path) -> Result<(ApiServer, PathBuf)> {
             "name": name, "admissionReviewVersions": ["v1"],
             "clientConfig": {"service": {"name": "vramguard-webhook", "namespace": NAMESPACE, "path": "/mutate", "port": 443}, "caBundle": "UExBQ0VIT0xERVI="},
             "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"], "scope": "Namespaced"}],
-            "failurePolicy": "Fail", "sideEffects": "NoneOnDryRun", "timeoutSeconds": 10
+            "failurePolicy": "Fail", "sideEffects": "NoneOnDryRun", "timeoutSeconds": 10,
+            // A field of a later Kubernetes than the webhook's client types know.
+            "aFieldOfLater": {"kept": true}
         })
     };
     api.put_object(
@@ -185,6 +187,19 @@ fn the_first_start_creates_the_secret_and_the_ca_bundle() -> Result<()> {
         assert_eq!(webhook.handshake(&ca, name).with_context(|| format!("{name}: {}", webhook.log()))?, der(&tls)?, "{name}");
     }
     assert!(webhook.handshake(&ca, "other.vramguard-system.svc").is_err(), "a name not in the certificate");
+    // The caBundle was patched: the rest of the configuration is as it was.
+    let configuration = api.object(&WEBHOOK_CONFIGURATIONS, "", CONFIGURATION).context("configuration")?;
+    assert_eq!(configuration["webhooks"][1]["aFieldOfLater"]["kept"], true, "{configuration}");
+    assert_eq!(configuration["webhooks"][0]["failurePolicy"], "Fail", "{configuration}");
+    let writes: Vec<String> = api.seen().iter().filter(|s| s.method != "GET").map(|s| format!("{} {}", s.method, s.target.split('?').next().unwrap_or_default())).collect();
+    assert_eq!(
+        writes,
+        [
+            "POST /api/v1/namespaces/vramguard-system/secrets",
+            "PATCH /apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/vramguard-webhook"
+        ],
+        "one creation, one patch"
+    );
     assert_eq!(webhook.events("created")?, 1);
     assert_eq!(webhook.events("ca_bundle")?, 1);
     assert_eq!(webhook.events("adopted")?, 0);

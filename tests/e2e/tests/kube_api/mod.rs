@@ -306,9 +306,13 @@ async fn serve(state: &Mutex<ApiState>, request: Request<Incoming>) -> Answer {
             }
             answer(StatusCode::OK, &state.node.clone())
         }
-        (method, ["api", "v1", "namespaces", namespace, "secrets", rest @ ..]) => objects::serve(&mut state, &objects::SECRETS, method, namespace, rest, &body),
+        (method, ["api", "v1", "namespaces", namespace, "secrets", rest @ ..]) => {
+            let content_type = parts.headers.get(CONTENT_TYPE).and_then(|v| v.to_str().ok());
+            objects::serve(&mut state, &objects::SECRETS, (method, content_type), namespace, rest, &body)
+        }
         (method, ["apis", "admissionregistration.k8s.io", "v1", "mutatingwebhookconfigurations", rest @ ..]) => {
-            objects::serve(&mut state, &objects::WEBHOOK_CONFIGURATIONS, method, "", rest, &body)
+            let content_type = parts.headers.get(CONTENT_TYPE).and_then(|v| v.to_str().ok());
+            objects::serve(&mut state, &objects::WEBHOOK_CONFIGURATIONS, (method, content_type), "", rest, &body)
         }
         (method, ["apis", "resource.k8s.io", "v1", "namespaces", namespace, "resourceclaimtemplates", rest @ ..]) => {
             templates::serve(&mut state, method, namespace, rest, &body)

@@ -2,7 +2,9 @@
 //! (admissionregistration.k8s.io/v1, cluster-scoped), kept as the real server keeps any object:
 //! `GET` of one (404 when absent), `POST` (201; `409 AlreadyExists` when the name is taken),
 //! `PUT` (404 when absent; `409 Conflict` when the body's `resourceVersion` is not the stored
-//! one; a Secret's `type` is immutable: 422), each write stamped with a new `resourceVersion`.
+//! one; a Secret's `type` is immutable: 422), `PATCH` by a JSON patch (422 when it does not
+//! apply; `409` when it sets a `resourceVersion` that is not the stored one, as the real server
+//! takes it for a precondition), each write stamped with a new `resourceVersion`.
 use serde_json::{json, Value};
 use hyper::StatusCode;
 
@@ -27,7 +29,8 @@ fn key(kind: &Kind, namespace: &str, name: &str) -> Key {
 }
 
 /// A request for `kind` in `namespace` ("" cluster-scoped), `rest` the path after the plural.
-pub fn serve(state: &mut ApiState, kind: &Kind, method: &str, namespace: &str, rest: &[&str], body: &str) -> Answer {
+pub fn serve(state: &mut ApiState, kind: &Kind, asked: (&str, Option<&str>), namespace: &str, rest: &[&str], body: &str) -> Answer {
+    let (method, content_type) = asked;
     let group = kind.api_version.split_once('/').map_or("", |(g, _)| g);
     let what = if group.is_empty() { kind.plural.to_owned() } else { format!("{}.{group}", kind.plural) };
     match (method, rest) {
@@ -80,7 +83,32 @@ pub fn serve(state: &mut ApiState, kind: &Kind, method: &str, namespace: &str, r
             state.objects.insert(key, object.clone());
             answer(StatusCode::OK, &object)
         }
-        _ => status(StatusCode::METHOD_NOT_ALLOWED, "MethodNotAllowed", "only GET of one, POST and PUT here"),
+        ("PATCH", [name]) => {
+            let key = key(kind, namespace, name);
+            let Some(existing) = state.objects.get(&key) else {
+                return status(StatusCode::NOT_FOUND, "NotFound", &format!("{what} \"{name}\" not found"));
+            };
+            if content_type != Some("application/json-patch+json") {
+                return status(StatusCode::UNSUPPORTED_MEDIA_TYPE, "UnsupportedMediaType", "this server takes JSON patches");
+            }
+            let Ok(patch) = serde_json::from_str::<json_patch::Patch>(body) else {
+                return status(StatusCode::BAD_REQUEST, "BadRequest", "not a JSON patch");
+            };
+            let mut object = existing.clone();
+            if let Err(error) = json_patch::patch(&mut object, &patch) {
+                return status(StatusCode::UNPROCESSABLE_ENTITY, "Invalid", &format!("the patch does not apply: {error}"));
+            }
+            // A resourceVersion the patch sets is a precondition, as for an update.
+            if object["metadata"]["resourceVersion"] != existing["metadata"]["resourceVersion"] {
+                let message = format!("Operation cannot be fulfilled on {what} \"{name}\": the object has been modified; please apply your changes to the latest version and try again");
+                return status(StatusCode::CONFLICT, "Conflict", &message);
+            }
+            state.version += 1;
+            object["metadata"]["resourceVersion"] = json!(state.version.to_string());
+            state.objects.insert(key, object.clone());
+            answer(StatusCode::OK, &object)
+        }
+        _ => status(StatusCode::METHOD_NOT_ALLOWED, "MethodNotAllowed", "only GET of one, POST, PUT and a JSON PATCH here"),
     }
 }
 
