@@ -18,6 +18,9 @@ const EXIT_FORMAT: &str = "events/sched/sched_process_exit/format";
 /// process's own.
 pub const MOUNTINFO: [&str; 2] = ["/proc/1/mountinfo", "/proc/self/mountinfo"];
 
+/// The first process's cgroups (the host's init with `hostPID`).
+pub const INIT_CGROUP: &str = "/proc/1/cgroup";
+
 /// The cgroup v1 controllers (a v1 hierarchy with one of these is a controller hierarchy; a
 /// `name=` one is not).
 const V1_CONTROLLERS: [&str; 14] =
@@ -36,6 +39,8 @@ pub struct Facts {
     pub tracefs: Option<String>,
     /// The mount table's text, or why it could not be read.
     pub mountinfo: Result<String, String>,
+    /// The first process's `/proc/1/cgroup` as this process sees it, where readable.
+    pub init_cgroup: Option<String>,
 }
 
 impl Facts {
@@ -55,12 +60,40 @@ impl Facts {
             uprobe_events: TRACEFS.iter().any(|dir| under(root, dir).join("uprobe_events").exists()),
             tracefs: TRACEFS.iter().find(|dir| under(root, dir).join(EXIT_FORMAT).exists()).map(|dir| dir.to_string()),
             mountinfo,
+            init_cgroup: std::fs::read_to_string(under(root, INIT_CGROUP)).ok(),
         }
     }
 }
 
 pub fn checks(facts: &Facts) -> Vec<Check> {
-    vec![kernel(&facts.release), btf(facts.btf), uprobes(facts.uprobe_pmu, facts.uprobe_events), tracefs(facts.tracefs.as_deref()), cgroups(&facts.mountinfo)]
+    vec![
+        kernel(&facts.release),
+        btf(facts.btf),
+        uprobes(facts.uprobe_pmu, facts.uprobe_events),
+        tracefs(facts.tracefs.as_deref()),
+        cgroups(&facts.mountinfo),
+        cgroup_namespace(facts.init_cgroup.as_deref()),
+    ]
+}
+
+/// Whether this process sees the host's cgroup2 tree: in a cgroup namespace of its own, the
+/// first process's cgroup (the host's init, with `hostPID`) is outside it, and its path reads
+/// `/..`; the containers' cgroups are then not under this process's `/sys/fs/cgroup`, and the
+/// agent cannot name them (their probe limits, the driver's limits).
+pub fn cgroup_namespace(init_cgroup: Option<&str>) -> Check {
+    let Some(text) = init_cgroup else {
+        return Check::warn("cgroup-namespace", "cannot read /proc/1/cgroup", "run the doctor as root with the host's pid namespace (hostPID in the agent's pod)");
+    };
+    let unified = text.lines().find_map(|line| line.strip_prefix("0::"));
+    match unified {
+        Some(path) if path.starts_with("/..") => Check::warn(
+            "cgroup-namespace",
+            format!("a cgroup namespace of its own: the host's init is at {path} from here, so the containers' cgroups are not under this process's /sys/fs/cgroup; their probe limits and the driver's limits (r615+) cannot be set, the hook alone holds provisioned containers"),
+            "run the agent in the host's cgroup namespace (a host cgroup2 tree mounted at /sys/fs/cgroup, or a runtime that keeps the host's namespace for privileged pods)",
+        ),
+        Some(path) => Check::ok("cgroup-namespace", format!("the host's cgroup tree (the host's init at {})", if path.is_empty() { "/" } else { path })),
+        None => Check::ok("cgroup-namespace", "no cgroup2 line for the host's init (cgroup v1): nothing to see"),
+    }
 }
 
 /// `MAJOR.MINOR` of a kernel release.
@@ -215,10 +248,19 @@ mod tests {
     }
 
     #[test]
+    fn a_cgroup_namespace_of_its_own_is_said() {
+        assert_eq!(cgroup_namespace(Some("0::/init.scope\n")).status, Status::Ok);
+        let private = cgroup_namespace(Some("0::/../../init.scope\n"));
+        assert_eq!(private.status, Status::Warn);
+        assert!(private.detail.contains("driver's limits"), "{private:?}");
+        assert_eq!(cgroup_namespace(None).status, Status::Warn);
+    }
+
+    #[test]
     fn reads_a_root_of_files() {
         let dir = std::env::temp_dir().join(format!("vramguard-doctor-host-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        for (path, text) in [(OSRELEASE, "4.19.0\n"), (UPROBE_PMU, "7\n"), ("/proc/self/mountinfo", UNIFIED)] {
+        for (path, text) in [(OSRELEASE, "4.19.0\n"), (UPROBE_PMU, "7\n"), ("/proc/self/mountinfo", UNIFIED), (INIT_CGROUP, "0::/../../init.scope\n")] {
             let path = under(&dir, path);
             std::fs::create_dir_all(path.parent().expect("a parent")).expect("mkdir");
             std::fs::write(path, text).expect("write");
@@ -228,7 +270,14 @@ mod tests {
         let got: Vec<(&str, Status)> = checks(&facts).iter().map(|c| (c.check, c.status)).collect();
         assert_eq!(
             got,
-            [("kernel", Status::Fail), ("btf", Status::Fail), ("uprobes", Status::Ok), ("tracefs", Status::Warn), ("cgroups", Status::Ok)]
+            [
+                ("kernel", Status::Fail),
+                ("btf", Status::Fail),
+                ("uprobes", Status::Ok),
+                ("tracefs", Status::Warn),
+                ("cgroups", Status::Ok),
+                ("cgroup-namespace", Status::Warn)
+            ]
         );
     }
 }

@@ -60,6 +60,7 @@ pub const DOCS: &[(&str, &str)] = &[
     ("uprobes", "doctor-kernel-btf-uprobes-cgroups"),
     ("tracefs", "doctor-kernel-btf-uprobes-cgroups"),
     ("cgroups", "doctor-kernel-btf-uprobes-cgroups"),
+    ("cgroup-namespace", "doctor-kernel-btf-uprobes-cgroups"),
     ("containerd-config", "doctor-containerd-nri-cdi-nvidia-runtime"),
     ("nri", "doctor-containerd-nri-cdi-nvidia-runtime"),
     ("cdi", "doctor-containerd-nri-cdi-nvidia-runtime"),

@@ -65,6 +65,7 @@ impl Node {
         let files = [
             ("proc/sys/kernel/osrelease", "6.8.0-45-generic\n"),
             ("proc/1/mountinfo", UNIFIED_MOUNTS),
+            ("proc/1/cgroup", "0::/init.scope\n"),
             ("sys/kernel/btf/vmlinux", ""),
             ("sys/bus/event_source/devices/uprobe/type", "7\n"),
             ("sys/kernel/tracing/events/sched/sched_process_exit/format", "name: sched_process_exit\n"),
@@ -142,7 +143,7 @@ fn a_node_with_everything_in_place_passes() -> Result<()> {
     let (code, checks) = node.doctor(&["--kube"], &env)?;
     ensure!(code == 0 && failed(&checks).is_empty(), "exit {code}: {checks:#?}");
     // driver-limits depends on the driver's version and on this machine's cgroup2 mount.
-    let host = ["kernel", "btf", "uprobes", "tracefs", "cgroups", "containerd-config", "nri", "cdi", "nvidia-runtime", "mig"];
+    let host = ["kernel", "btf", "uprobes", "tracefs", "cgroups", "cgroup-namespace", "containerd-config", "nri", "cdi", "nvidia-runtime", "mig"];
     let kube = ["kube-api", "kube-rbac", "device-plugin", "dra-drivers", "dra-gate"];
     for name in host.into_iter().chain(kube) {
         expect(&checks, name, "ok", "")?;
