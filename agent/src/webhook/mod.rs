@@ -160,6 +160,7 @@ pub async fn run(args: WebhookArgs) -> Result<()> {
             serving: Duration::from_secs(args.certificate_validity),
             serving_renew_before: Duration::from_secs(args.certificate_renew_before),
         };
+        lifetimes.check()?;
         let managed = secret::Managed::new(client.clone(), place, lifetimes, API_DEADLINE, metrics.clone());
         (managed.start().await?, Some(managed))
     } else {

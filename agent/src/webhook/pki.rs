@@ -53,6 +53,21 @@ impl Default for Lifetimes {
     }
 }
 
+impl Lifetimes {
+    /// Refuses lifetimes that would renew at every pass: a renewal window as long as the life,
+    /// or a CA replaced later than its serving pairs are renewed (a pair never outlives its CA,
+    /// so one cut short by its CA's end would be due again at once).
+    pub fn check(&self) -> Result<()> {
+        if self.serving_renew_before >= self.serving || self.ca_renew_before >= self.ca {
+            bail!("a certificate's renewal window must be shorter than its life: {self:?}");
+        }
+        if self.ca_renew_before < self.serving_renew_before {
+            bail!("the CA must be replaced at least as early before its end as the serving pair is renewed: {self:?}");
+        }
+        Ok(())
+    }
+}
+
 /// The Secret's four keys, PEM.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Bundle {
@@ -113,9 +128,11 @@ pub fn new_ca(lifetimes: &Lifetimes, now: SystemTime) -> Result<(String, String)
     Ok((cert.pem(), key.serialize_pem()))
 }
 
-/// A new serving pair for `names`, signed by the CA whose key is `ca_key` (PEM), valid from
-/// `now` for `lifetimes.serving`: (certificate, key), PEM.
-pub fn new_serving(ca_key: &[u8], names: &[String], lifetimes: &Lifetimes, now: SystemTime) -> Result<(String, String)> {
+/// A new serving pair for `names`, signed by the CA `ca_crt` (its first certificate, PEM)
+/// whose key is `ca_key` (PEM), valid from `now` for `lifetimes.serving` but not past the CA's
+/// end: (certificate, key), PEM.
+pub fn new_serving(ca_crt: &[u8], ca_key: &[u8], names: &[String], lifetimes: &Lifetimes, now: SystemTime) -> Result<(String, String)> {
+    let ca_end = certificates(ca_crt).ok().and_then(|certs| validity(&certs[0])).map_or(i64::MAX, |(_, end)| end);
     let ca_key = KeyPair::from_pem(std::str::from_utf8(ca_key).context("ca.key is not text")?).context("ca.key")?;
     let issuer = Issuer::new(ca_params()?, ca_key);
     let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)?;
@@ -127,7 +144,7 @@ pub fn new_serving(ca_key: &[u8], names: &[String], lifetimes: &Lifetimes, now: 
     params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
     params.use_authority_key_identifier_extension = true;
     params.not_before = date(unix(now) - BACKDATE.as_secs() as i64)?;
-    params.not_after = date(unix(now) + lifetimes.serving.as_secs() as i64)?;
+    params.not_after = date((unix(now) + lifetimes.serving.as_secs() as i64).min(ca_end))?;
     let cert = params.signed_by(&key, &issuer)?;
     Ok((cert.pem(), key.serialize_pem()))
 }
@@ -136,7 +153,7 @@ pub fn new_serving(ca_key: &[u8], names: &[String], lifetimes: &Lifetimes, now: 
 /// a serving pair it signed.
 pub fn new_bundle(trusted: &[u8], names: &[String], lifetimes: &Lifetimes, now: SystemTime) -> Result<Bundle> {
     let (ca_crt, ca_key) = new_ca(lifetimes, now)?;
-    let (tls_crt, tls_key) = new_serving(ca_key.as_bytes(), names, lifetimes, now)?;
+    let (tls_crt, tls_key) = new_serving(ca_crt.as_bytes(), ca_key.as_bytes(), names, lifetimes, now)?;
     let mut ca_crt = ca_crt.into_bytes();
     ca_crt.extend_from_slice(trusted);
     Ok(Bundle { ca_crt, ca_key: ca_key.into_bytes(), tls_crt: tls_crt.into_bytes(), tls_key: tls_key.into_bytes() })
@@ -144,7 +161,7 @@ pub fn new_bundle(trusted: &[u8], names: &[String], lifetimes: &Lifetimes, now: 
 
 /// The bundle with a new serving pair from its CA (the CAs after the first kept while valid).
 pub fn renew_serving(bundle: &Bundle, names: &[String], lifetimes: &Lifetimes, now: SystemTime) -> Result<Bundle> {
-    let (tls_crt, tls_key) = new_serving(&bundle.ca_key, names, lifetimes, now)?;
+    let (tls_crt, tls_key) = new_serving(&bundle.ca_crt, &bundle.ca_key, names, lifetimes, now)?;
     let certs = certificates(&bundle.ca_crt)?;
     let mut ca_crt = pem(&certs[..1]);
     ca_crt.extend_from_slice(&still_valid(&certs[1..], now));
@@ -326,6 +343,18 @@ mod tests {
     }
 
     #[test]
+    fn lifetimes_that_would_renew_for_ever_are_refused() {
+        assert!(Lifetimes::default().check().is_ok());
+        let short = |serving, serving_renew_before, ca, ca_renew_before| {
+            Lifetimes { serving: Duration::from_secs(serving), serving_renew_before: Duration::from_secs(serving_renew_before), ca: Duration::from_secs(ca), ca_renew_before: Duration::from_secs(ca_renew_before) }.check()
+        };
+        assert!(short(20, 15, 3600, 60).is_ok());
+        assert!(short(20, 20, 3600, 60).is_err());
+        assert!(short(20, 15, 60, 60).is_err());
+        assert!(short(3600, 600, 7200, 60).is_err(), "the CA replaced after its pairs are due");
+    }
+
+    #[test]
     fn reads_the_dates_it_wrote() {
         let lifetimes = Lifetimes::default();
         let (ca, _) = new_ca(&lifetimes, at(NOW)).expect("ca");
@@ -383,12 +412,18 @@ mod tests {
         let foreign = Bundle { tls_crt: other.tls_crt.clone(), tls_key: other.tls_key.clone(), ..bundle.clone() };
         assert!(serving_broken(verdict(&foreign)), "signed by another CA");
         // Signed by the CA but for other names.
-        let (crt, key) = new_serving(&bundle.ca_key, &dns_names("other", "vramguard-system"), &lifetimes, at(NOW)).expect("other names");
+        let (crt, key) = new_serving(&bundle.ca_crt, &bundle.ca_key, &dns_names("other", "vramguard-system"), &lifetimes, at(NOW)).expect("other names");
         let wrong = Bundle { tls_crt: crt.into_bytes(), tls_key: key.into_bytes(), ..bundle.clone() };
         match verdict(&wrong) {
             Verdict::Serving { why, expiring: false } => assert!(why.contains("vramguard-webhook"), "{why}"),
             v => panic!("{v:?}"),
         }
+        // A serving pair never outlives its CA.
+        let brief = Lifetimes { ca: Duration::from_secs(600), ..lifetimes };
+        let capped = new_bundle(&[], &names(), &brief, at(NOW)).expect("capped");
+        let ends = |pem: &[u8]| validity(&certificates(pem).expect("pem")[0]).expect("dates").1;
+        assert_eq!(ends(&capped.tls_crt), ends(&capped.ca_crt));
+        assert_eq!(ends(&capped.ca_crt), NOW as i64 + 600);
         // A short life: due once within its renewal window.
         let short = Lifetimes { serving: Duration::from_secs(60), serving_renew_before: Duration::from_secs(30), ..lifetimes };
         let soon = new_bundle(&[], &names(), &short, at(NOW)).expect("short");
