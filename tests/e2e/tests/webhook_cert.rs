@@ -232,6 +232,22 @@ fn a_second_replica_adopts_the_secret_and_two_at_once_end_with_one() -> Result<(
     assert_eq!(two.handshake(&ca, SERVICE_NAME)?, der(&tls)?, "{}", two.log());
     assert_eq!(one.events("created")? + two.events("created")?, 1);
     assert_eq!(ca_bundles(&api)?, vec![ca.clone(), ca]);
+    drop((one, two));
+
+    // The race made certain: another replica's Secret lands between this one's read (none)
+    // and its create, which gets 409; it reads that Secret and serves it.
+    let theirs = api.object(&SECRETS, NAMESPACE, SECRET).context("Secret")?;
+    let (api, account) = setup(&dir.path().join("lost"))?;
+    api.interpose(&SECRETS, theirs.clone());
+    let late = Webhook::start(dir.path(), "late", &api, &account, &[])?;
+    assert!(!api.interposing(), "the other replica's Secret was written");
+    let (_, ca, tls) = secret(&api)?;
+    assert_eq!((ca.clone(), tls.clone()), (decode(&theirs["data"]["ca.crt"]), decode(&theirs["data"]["tls.crt"])), "the winner's Secret kept");
+    assert_eq!(late.handshake(&ca, SERVICE_NAME)?, der(&tls)?);
+    assert_eq!((late.events("created")?, late.events("adopted")?), (0, 1));
+    let secrets: Vec<String> = api.seen().iter().filter(|s| s.target.contains("/secrets")).map(|s| s.method.clone()).collect();
+    assert_eq!(secrets[..3], ["GET", "POST", "GET"], "read, create (409), read again: {secrets:?}");
+    assert_eq!(ca_bundles(&api)?, vec![ca.clone(), ca]);
     Ok(())
 }
 
@@ -254,6 +270,27 @@ fn a_pair_near_its_end_is_renewed_and_served_without_a_restart() -> Result<()> {
     assert!(webhook.events("renewed")? >= 1);
     assert_eq!(webhook.events("repaired")?, 0);
     assert!(webhook.log().contains("renewed"), "{}", webhook.log());
+    drop(webhook);
+
+    // A CA of 40 s replaced 32 s before its end: a new CA and pair, the old CA still trusted
+    // beside the new one (in ca.crt and every caBundle) until it ends.
+    let (api, account) = setup(&dir.path().join("ca"))?;
+    let lifetimes = ["--ca-validity", "40", "--ca-renew-before", "32", "--certificate-validity", "3600", "--certificate-renew-before", "10"];
+    let webhook = Webhook::start(dir.path(), "rotating", &api, &account, &lifetimes)?;
+    let (_, first_ca, _) = secret(&api)?;
+    e2e::wait_for(e2e::timeout(), "the CA replaced, the old one still trusted", || {
+        let (_, ca, tls) = secret(&api)?;
+        let cas: Vec<Vec<u8>> = CertificateDer::pem_slice_iter(&ca).map(|c| Ok(c?.to_vec())).collect::<Result<_>>()?;
+        let newest = cas[0].clone();
+        let newest_pem = format!("-----BEGIN CERTIFICATE-----\n{}\n-----END CERTIFICATE-----\n", base64::engine::general_purpose::STANDARD.encode(&newest));
+        Ok(cas.len() >= 2
+            && cas.contains(&der(&first_ca)?)
+            && ca_bundles(&api)? == vec![ca.clone(), ca.clone()]
+            && webhook.handshake(newest_pem.as_bytes(), SERVICE_NAME).ok() == Some(der(&tls)?)
+            && webhook.handshake(&first_ca, SERVICE_NAME).is_err())
+    })
+    .with_context(|| webhook.log())?;
+    assert!(webhook.events("ca_rotated")? >= 1);
     Ok(())
 }
 
@@ -284,6 +321,25 @@ fn a_secret_someone_broke_and_a_changed_ca_bundle_are_repaired() -> Result<()> {
     assert_eq!(repaired_ca, ca);
     e2e::wait_for(e2e::timeout(), "the repaired pair served", || Ok(webhook.handshake(&ca, SERVICE_NAME)? == der(&repaired)?)).with_context(|| webhook.log())?;
     assert_eq!(webhook.events("repaired")?, 2);
+
+    // Broken again, and another replica repairs it between this one's read and its update:
+    // the update meets a stale resourceVersion (409), the Secret is read again, found valid
+    // and served as it is (the other replica's repair is not overwritten).
+    let good = api.object(&SECRETS, NAMESPACE, SECRET).context("Secret")?;
+    let mut broken = good.clone();
+    broken["data"]["tls.key"] = json!("bm90IGEga2V5");
+    api.interpose(&SECRETS, good.clone());
+    let before = api.seen().len();
+    api.put_object(&SECRETS, broken);
+    e2e::wait_for(e2e::timeout(), "the interposed write met", || Ok(!api.interposing())).with_context(|| webhook.log())?;
+    e2e::wait_for(e2e::timeout(), "the Secret read again", || Ok(api.seen()[before..].iter().filter(|s| s.target.contains("/secrets/")).count() >= 3))?;
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    let (_, after_ca, after_tls) = secret(&api)?;
+    assert_eq!((after_ca, after_tls.clone()), (decode(&good["data"]["ca.crt"]), decode(&good["data"]["tls.crt"])), "{}", webhook.log());
+    let puts = api.seen()[before..].iter().filter(|s| s.method == "PUT" && s.target.contains("/secrets/")).count();
+    assert_eq!(puts, 1, "one update, refused; none after: {}", webhook.log());
+    assert_eq!(webhook.events("repaired")?, 2, "the lost update is not counted");
+    assert_eq!(webhook.handshake(&ca, SERVICE_NAME)?, der(&after_tls)?);
 
     // A caBundle someone changed: the Secret's CA again.
     let mut configuration = api.object(&WEBHOOK_CONFIGURATIONS, "", CONFIGURATION).context("configuration")?;

@@ -81,6 +81,8 @@ pub struct ApiState {
     /// Secrets and MutatingWebhookConfigurations ([`objects`]: the admission webhook's
     /// certificate and its caBundle).
     pub objects: std::collections::BTreeMap<objects::Key, Value>,
+    /// Writes of another writer, stored just before the next write to their name ([`objects`]).
+    pub interpose: Vec<(objects::Key, Value)>,
     /// The connections being served, to cut when the mode changes.
     connections: Vec<AbortHandle>,
     /// The listener's task (aborted: connections refused).

@@ -4,7 +4,10 @@
 //! `PUT` (404 when absent; `409 Conflict` when the body's `resourceVersion` is not the stored
 //! one; a Secret's `type` is immutable: 422), `PATCH` by a JSON patch (422 when it does not
 //! apply; `409` when it sets a `resourceVersion` that is not the stored one, as the real server
-//! takes it for a precondition), each write stamped with a new `resourceVersion`.
+//! takes it for a precondition), each write stamped with a new `resourceVersion`. A test can
+//! have another writer get there first ([`super::ApiServer::interpose`]): the object it gave is
+//! stored just before the next write to that name is served, which then meets it as it would
+//! meet a replica's write made between its read and its own.
 use serde_json::{json, Value};
 use hyper::StatusCode;
 
@@ -45,6 +48,7 @@ pub fn serve(state: &mut ApiState, kind: &Kind, asked: (&str, Option<&str>), nam
             };
             let name = object["metadata"]["name"].as_str().unwrap_or_default().to_owned();
             let key = key(kind, namespace, &name);
+            interposed(state, &key);
             if state.objects.contains_key(&key) {
                 return status(StatusCode::CONFLICT, "AlreadyExists", &format!("{what} \"{name}\" already exists"));
             }
@@ -62,6 +66,7 @@ pub fn serve(state: &mut ApiState, kind: &Kind, asked: (&str, Option<&str>), nam
                 Err(answer) => return *answer,
             };
             let key = key(kind, namespace, name);
+            interposed(state, &key);
             let Some(existing) = state.objects.get(&key) else {
                 return status(StatusCode::NOT_FOUND, "NotFound", &format!("{what} \"{name}\" not found"));
             };
@@ -85,6 +90,7 @@ pub fn serve(state: &mut ApiState, kind: &Kind, asked: (&str, Option<&str>), nam
         }
         ("PATCH", [name]) => {
             let key = key(kind, namespace, name);
+            interposed(state, &key);
             let Some(existing) = state.objects.get(&key) else {
                 return status(StatusCode::NOT_FOUND, "NotFound", &format!("{what} \"{name}\" not found"));
             };
@@ -109,6 +115,16 @@ pub fn serve(state: &mut ApiState, kind: &Kind, asked: (&str, Option<&str>), nam
             answer(StatusCode::OK, &object)
         }
         _ => status(StatusCode::METHOD_NOT_ALLOWED, "MethodNotAllowed", "only GET of one, POST, PUT and a JSON PATCH here"),
+    }
+}
+
+/// Stores the object another writer was to write to `key` first, if any.
+fn interposed(state: &mut ApiState, key: &Key) {
+    if let Some(at) = state.interpose.iter().position(|(k, _)| k == key) {
+        let (_, mut object) = state.interpose.remove(at);
+        state.version += 1;
+        object["metadata"]["resourceVersion"] = json!(state.version.to_string());
+        state.objects.insert(key.clone(), object);
     }
 }
 
@@ -144,6 +160,19 @@ fn parsed(kind: &Kind, namespace: &str, name: Option<&str>, body: &str) -> Resul
 }
 
 impl super::ApiServer {
+    /// Another writer's `object` of `kind`, stored just before the next write to its name is
+    /// served (that write then finds it there: `409` for a create or a stale version).
+    pub fn interpose(&self, kind: &Kind, object: Value) {
+        let namespace = object["metadata"]["namespace"].as_str().unwrap_or_default().to_owned();
+        let name = object["metadata"]["name"].as_str().unwrap_or_default().to_owned();
+        self.with(|s| s.interpose.push((key(kind, &namespace, &name), object)));
+    }
+
+    /// Whether an interposed write is still waiting.
+    pub fn interposing(&self) -> bool {
+        self.with(|s| !s.interpose.is_empty())
+    }
+
     /// The stored object of `kind` (`namespace` "" for cluster-scoped), if any.
     pub fn object(&self, kind: &Kind, namespace: &str, name: &str) -> Option<Value> {
         self.with(|s| s.objects.get(&key(kind, namespace, name)).cloned())
