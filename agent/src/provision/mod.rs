@@ -361,8 +361,21 @@ impl Provisioner {
 
     /// What the driver is asked for each provisioned container: its quota on each of its
     /// GPUs, on its cgroup (one whose cgroup path cannot be named is left out).
+    /// A container held to its quota by its cgroup limit alone (created while its quota could
+    /// not be told, found since: no ledger, no hook) gets that limit on every GPU as a bound,
+    /// the probes keeping its total (never held by the driver).
     pub fn driver_wants(&self) -> Vec<crate::driver_limits::Want> {
-        self.lock().values().filter_map(|p| driver_want(&p.record)).collect()
+        let mut wants: Vec<crate::driver_limits::Want> = self.lock().values().filter_map(|p| driver_want(&p.record)).collect();
+        if let Ok(late) = self.unprovisioned.lock() {
+            wants.extend(late.iter().map(|(id, (_, cgroup, limit))| crate::driver_limits::Want {
+                container: id.clone(),
+                cgroup: cgroup.clone(),
+                quotas: Vec::new(),
+                others: *limit,
+                hold: false,
+            }));
+        }
+        wants
     }
 
     /// The range of the node's GPU indices: the inventory's (NVML's minor numbers), else

@@ -305,9 +305,16 @@ fn an_agent_restart_sets_a_limit_gone_meanwhile() -> Result<()> {
     let cgroup = node.cgroup(&main)?;
     node.fake.clear_driver_limit(&cgroup, 0)?;
     ensure!(node.fake.driver_limit(&cgroup, 0)?.is_none(), "cleared while the agent was away");
+    // A container made while the agent was away: never provisioned (no hook), held by its
+    // cgroup limit once the agent is back, and bounded by the driver too.
+    let (_late_pod, late) = node.pod("late", "uid-late", &[], &[])?;
     node.start_agent()?;
     node.wait_held(&main)?;
     ensure!(node.fake.driver_limit(&cgroup, 0)?.is_some_and(|(_, hard, _)| hard == QUOTA), "set again");
+    let late_cgroup = node.cgroup(&late)?;
+    wait_for(timeout(), "the late container's bound in the driver", || Ok(node.fake.driver_limit(&late_cgroup, 0)?.is_some_and(|(_, hard, _)| hard == QUOTA)))
+        .with_context(|| node.agent().log())?;
+    ensure!(node.limits(&late)?["held"] == false, "a bound, not held: the probes keep it");
     node.fake.cleanup();
     Ok(())
 }
