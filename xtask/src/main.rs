@@ -13,7 +13,10 @@
 //!   offline from the release binaries and Debian's glibc (`--rootfs DIR`: the same root file
 //!   system as a directory, which `deploy/Dockerfile` copies onto `scratch`); see [`image`].
 //! - `validate-manifests`: check deploy/'s manifests against the Kubernetes schemas, offline.
-//! - `test`: everything above, the checks of the sources (the agent's layering, `layers`; no
+//! - `install-files`: write deploy/install/'s files, one per way of installing, from the
+//!   manifests (`--check`: fail unless the committed ones are up to date); see [`install`].
+//! - `test`: everything above, the checks of the sources (the install files, `install`; the
+//!   agent's layering, `layers`; no
 //!   tracked file pointing outside the repository, `standalone`), the image (`image`, which
 //!   the DaemonSet's end-to-end test runs), then every test of the workspace, then the demo
 //!   with its output and clean-up checked (`demo::check`).
@@ -25,6 +28,7 @@ mod clients;
 mod containerd;
 mod demo;
 mod image;
+mod install;
 mod layers;
 mod manifests;
 mod prometheus;
@@ -65,6 +69,13 @@ enum Task {
     },
     /// Validate the Kubernetes manifests under deploy/ against the bundled schemas (offline).
     ValidateManifests,
+    /// Write deploy/install/vramguard.yaml (NRI) and vramguard-dra.yaml (DRA and the webhook)
+    /// from the manifests under deploy/.
+    InstallFiles {
+        /// Write nothing; fail if the committed files differ from what the sources give.
+        #[arg(long)]
+        check: bool,
+    },
     /// Set up, build, and run every test (the end-to-end ones need root), then the demo, checked.
     Test,
     /// Run the agent against the fake driver with sample workloads and show what it sees.
@@ -101,6 +112,7 @@ fn main() -> Result<()> {
         Task::FakeDriver => fake_driver().map(|dir| println!("{}", dir.display())),
         Task::Image { rootfs } => image::image(rootfs, image::Agent::Release),
         Task::ValidateManifests => manifests::validate(),
+        Task::InstallFiles { check } => install::install_files(check),
         Task::Test => test(),
         Task::Demo { check, libcuda } => demo::demo(check, libcuda.map_or(demo::Driver::Fake, demo::Driver::Real)),
         Task::Bench { probes_only, agent_only, cold_start_only } => bench::bench(probes_only, agent_only, cold_start_only),
@@ -177,6 +189,7 @@ fn test() -> Result<()> {
         (Ok(()), Err(build)) => return Err(build),
         (Err(fetch), Err(build)) => bail!("the build failed: {build:#}; and the setup's fetches failed: {fetch:#}"),
     };
+    install::install_files(true)?;
     manifests::validate()?;
     layers::check()?;
     standalone::check()?;
