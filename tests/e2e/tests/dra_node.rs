@@ -1,6 +1,7 @@
 //! The DRA driver as operators run it (issue 38, Must show 1 and 2): the agent started with the
-//! arguments of `deploy/kubernetes/daemonset.yaml` with `deploy/dra/patch/daemonset.json`
-//! applied, read from the files, on a fake node of 8 GPUs of 80 GiB beside a real containerd.
+//! arguments of the DaemonSet in `deploy/install/vramguard-dra.yaml` (the DRA install file:
+//! `deploy/kubernetes/daemonset.yaml` with `deploy/dra/patch/daemonset.json` applied), on a
+//! fake node of 8 GPUs of 80 GiB beside a real containerd.
 //!
 //! Only what must be redirected is: each path argument is followed through the pod's
 //! `volumeMounts` to its volume's host path, and each host path of the node to the test's
@@ -61,19 +62,19 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-/// The DaemonSet's pod spec with the DRA patch applied, as `kubectl patch --type json` does.
+/// The pod spec of the DaemonSet the DRA install file ships (`deploy/install/vramguard-dra.yaml`:
+/// `cargo xtask install-files` applied the DRA patch to `deploy/kubernetes/daemonset.yaml`).
 fn shipped_pod_spec() -> Result<Value> {
-    let text = std::fs::read_to_string(root().join("deploy/kubernetes/daemonset.yaml"))?;
+    let text = std::fs::read_to_string(root().join("deploy/install/vramguard-dra.yaml"))?;
     let mut daemonset = None;
-    for document in text.split("\n---") {
-        let value: Value = serde_yaml::from_str(document).context("daemonset.yaml")?;
+    for document in text.split("\n---\n") {
+        let value: Value = serde_yaml::from_str(document).context("vramguard-dra.yaml")?;
         if value["kind"] == "DaemonSet" {
+            ensure!(daemonset.is_none(), "two DaemonSets in vramguard-dra.yaml");
             daemonset = Some(value);
         }
     }
-    let mut daemonset = daemonset.context("no DaemonSet in daemonset.yaml")?;
-    let patch: json_patch::Patch = serde_json::from_slice(&std::fs::read(root().join("deploy/dra/patch/daemonset.json"))?).context("the DRA patch")?;
-    json_patch::patch(&mut daemonset, &patch).context("the DRA patch does not apply to the DaemonSet")?;
+    let daemonset = daemonset.context("no DaemonSet in vramguard-dra.yaml")?;
     Ok(daemonset["spec"]["template"]["spec"].clone())
 }
 
