@@ -1,8 +1,9 @@
 //! The agent's image and its DaemonSet, run as Kubernetes runs them (issue 19, items 1-2):
 //! `cargo xtask image`'s OCI archive (`target/vramguard-image.tar`, built by `cargo xtask
 //! test` before the e2e tests) is listed and imported into a real containerd, and the agent's
-//! pod is made through CRI from `deploy/kubernetes/daemonset.yaml` itself: its containers,
-//! command and args, env, securityContext (exactly its capabilities, `readOnlyRootFilesystem`,
+//! pod is made through CRI from the DaemonSet of `deploy/install/vramguard.yaml` itself (the
+//! install file, `cargo xtask install-files`' copy of `deploy/kubernetes/daemonset.yaml`
+//! and its companions): its containers, command and args, env, securityContext (exactly its capabilities, `readOnlyRootFilesystem`,
 //! seccomp, `allowPrivilegeEscalation`), `hostPID` and volumes, the initContainer run to its
 //! end first, as the kubelet does.
 //!
@@ -52,12 +53,13 @@ fn archive() -> Result<PathBuf> {
     Ok(path)
 }
 
-/// A YAML file of deploy/kubernetes as JSON documents (parsed by PyYAML in the project's
-/// Python environment, which `cargo xtask setup` installs for the manifests' validator).
-fn manifest(name: &str) -> Result<Vec<Value>> {
+/// The install file `deploy/install/vramguard.yaml`, which users apply, as JSON documents
+/// (parsed by PyYAML in the project's Python environment, which `cargo xtask setup` installs
+/// for the manifests' validator).
+fn manifest() -> Result<Vec<Value>> {
     let profile = target_dir()?;
     let python = profile.parent().ok_or_else(|| anyhow!("no target directory"))?.join("pyenv/bin/python");
-    let file = root().join("deploy/kubernetes").join(name);
+    let file = root().join("deploy/install/vramguard.yaml");
     let out = Command::new(&python)
         .args(["-c", "import json, sys, yaml; print(json.dumps([d for d in yaml.safe_load_all(open(sys.argv[1])) if d]))"])
         .arg(&file)
@@ -69,8 +71,10 @@ fn manifest(name: &str) -> Result<Vec<Value>> {
 
 /// The DaemonSet's pod spec.
 fn pod_spec() -> Result<Value> {
-    let docs = manifest("daemonset.yaml")?;
-    let daemonset = docs.iter().find(|d| d["kind"] == "DaemonSet").context("no DaemonSet in daemonset.yaml")?;
+    let docs = manifest()?;
+    let mut daemonsets = docs.iter().filter(|d| d["kind"] == "DaemonSet");
+    let daemonset = daemonsets.next().context("no DaemonSet in vramguard.yaml")?;
+    ensure!(daemonsets.next().is_none(), "two DaemonSets in vramguard.yaml");
     Ok(daemonset["spec"]["template"]["spec"].clone())
 }
 
@@ -258,8 +262,8 @@ impl Node {
             });
         }
         if let Some(map) = volume["configMap"]["name"].as_str() {
-            // A ConfigMap: its data (from configmap.yaml) written as files, as the kubelet does.
-            let docs = manifest("configmap.yaml")?;
+            // A ConfigMap: its data (from the install file) written as files, as the kubelet does.
+            let docs = manifest()?;
             let data = docs.iter().find(|d| d["kind"] == "ConfigMap" && d["metadata"]["name"] == map).with_context(|| format!("no ConfigMap {map}"))?;
             let dir = self.dir.path().join("limits");
             for (file, text) in data["data"].as_object().context("a ConfigMap without data")? {
