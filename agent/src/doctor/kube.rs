@@ -158,10 +158,10 @@ pub fn rbac(facts: &Facts) -> Check {
     let (required_denied, dra_denied) = (refused(&required), refused(&dra));
     let others: Vec<String> = required.iter().chain(&dra).filter_map(|(what, r)| r.err().filter(|f| !f.denied()).map(|f| format!("{what}: {}", f.text()))).collect();
     if !required_denied.is_empty() {
-        return Check::fail("kube-rbac", format!("refused: {}", required_denied.join(", ")), "apply deploy/kubernetes/rbac.yaml (the ClusterRole vramguard-agent and its binding to the agent's service account)");
+        return Check::fail("kube-rbac", format!("refused: {}", required_denied.join(", ")), "apply deploy/install/vramguard.yaml again (its ClusterRole vramguard-agent and the binding to the agent's service account; from deploy/kubernetes/rbac.yaml)");
     }
     if !dra_denied.is_empty() {
-        return Check::warn("kube-rbac", format!("refused: {} (needed with --dra)", dra_denied.join(", ")), "with --dra, apply deploy/dra/rbac.yaml");
+        return Check::warn("kube-rbac", format!("refused: {} (needed with --dra)", dra_denied.join(", ")), "with --dra, install with deploy/install/vramguard-dra.yaml (its DRA rules come from deploy/dra/rbac.yaml)");
     }
     if !others.is_empty() {
         return Check::warn("kube-rbac", format!("allowed as far as asked; not answered: {}", others.join("; ")), "see the lines below; a 404 on resourceslices: the API server has no resource.k8s.io/v1 (DRA needs Kubernetes 1.34+)");
@@ -280,11 +280,11 @@ mod tests {
     fn rbac_required_fails_dra_warns() {
         let pods = rbac(&Facts { pods: Err(denied()), ..up() });
         assert_eq!(pods.status, Status::Fail);
-        assert!(pods.detail.contains("list pods") && pods.fix.as_deref().unwrap_or_default().contains("deploy/kubernetes/rbac.yaml"), "{pods:?}");
+        assert!(pods.detail.contains("list pods") && pods.fix.as_deref().unwrap_or_default().contains("deploy/install/vramguard.yaml"), "{pods:?}");
         assert_eq!(rbac(&Facts { node_status: Err(denied()), ..up() }).status, Status::Fail);
         let dra = rbac(&Facts { slices: Err(denied()), probe: Err(denied()), ..up() });
         assert_eq!(dra.status, Status::Warn);
-        assert!(dra.fix.as_deref().unwrap_or_default().contains("deploy/dra/rbac.yaml"), "{dra:?}");
+        assert!(dra.fix.as_deref().unwrap_or_default().contains("deploy/install/vramguard-dra.yaml"), "{dra:?}");
         let old = rbac(&Facts { slices: Err(Failure::Status(404, "NotFound".into())), ..up() });
         assert_eq!(old.status, Status::Warn);
     }
