@@ -335,7 +335,9 @@ fn driver_held(limits: Option<&watch::Receiver<crate::driver_limits::DriverLimit
     if !limits.containers.values().any(|c| c.held) {
         return BTreeMap::new();
     }
-    let Some(root) = crate::cgroup::cgroup2_mount() else { return BTreeMap::new() };
+    // The cgroup2 mount does not move while the agent runs: read once, not at every pass.
+    static ROOT: std::sync::OnceLock<Option<std::path::PathBuf>> = std::sync::OnceLock::new();
+    let Some(root) = ROOT.get_or_init(crate::cgroup::cgroup2_mount) else { return BTreeMap::new() };
     limits
         .containers
         .values()

@@ -30,6 +30,7 @@ pub mod hostile;
 pub mod http;
 pub mod ledgers;
 pub mod prometheus;
+pub mod webhook;
 
 use std::ffi::{OsStr, OsString};
 use std::io::{BufRead, BufReader, Read, Write};

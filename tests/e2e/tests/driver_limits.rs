@@ -130,6 +130,13 @@ impl Node {
         .with_context(|| format!("audit: {}", self.agent().audit().map(|a| a["driver_limits"].to_string()).unwrap_or_default()))
     }
 
+    /// Whether the probes hold container `id`'s cgroup to a limit (the kernel's map has it).
+    fn probe_limited(&self, id: &ContainerId) -> Result<bool> {
+        let cgroup_id = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(self.containerd.container_cgroup(id)?)?);
+        let audit = self.agent().audit()?;
+        Ok(audit["kernel_maps"]["cgroup_limits"].as_array().is_some_and(|ids| ids.iter().any(|id| id.as_u64() == Some(cgroup_id))))
+    }
+
     /// The cgroup of container `id`, relative to the cgroup2 root.
     fn cgroup(&self, id: &ContainerId) -> Result<String> {
         self.containerd.container_cgroup_path(id)
@@ -180,11 +187,7 @@ fn on_an_r615_node_escaping_processes_meet_the_driver_s_limit_and_nobody_is_sign
     ensure!(node.fake.driver_limit(&node.cgroup(&main)?, 0)?.is_some_and(|(soft, hard, _)| soft == 0 && hard == QUOTA), "the fake driver holds the quota");
     eprintln!("driver limits read back: {limits}");
     // The cgroup the driver holds gets no probe limit.
-    let cgroup_id = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(node.containerd.container_cgroup(&main)?)?);
-    wait_for(timeout(), "no probe limit on the held cgroup", || {
-        let audit = node.agent().audit()?;
-        Ok(!audit["kernel_maps"]["cgroup_limits"].as_array().is_some_and(|ids| ids.iter().any(|id| id.as_u64() == Some(cgroup_id))))
-    })?;
+    wait_for(timeout(), "no probe limit on the held cgroup", || Ok(!node.probe_limited(&main)?))?;
     // The audit shows the driver's figure for the container: all its processes hold.
     let seen = wait_value("the driver's figure in the audit", || {
         let used = node.limits(&main)?["gpus"][0]["used"].as_u64().unwrap_or(0);
@@ -264,11 +267,7 @@ fn a_hung_nvml_delays_no_container_and_holds_nobody() -> Result<()> {
     let (_pod, main) = node.pod("trainer", "uid-hang", &[], &[])?;
     eprintln!("created and started in {:?} with NVML hanging", began.elapsed());
     ensure!(node.limits(&main)?["held"] != true, "not held");
-    let cgroup_id = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(node.containerd.container_cgroup(&main)?)?);
-    wait_for(timeout(), "the container's cgroup limit pushed to the probes", || {
-        let audit = node.agent().audit()?;
-        Ok(audit["kernel_maps"]["cgroup_limits"].as_array().is_some_and(|ids| ids.iter().any(|id| id.as_u64() == Some(cgroup_id))))
-    })?;
+    wait_for(timeout(), "the container's cgroup limit pushed to the probes", || node.probe_limited(&main))?;
     let over = node.escape(&main, None, "'ctx 0' 'alloc a 512m' 'alloc b 1g'")?;
     ensure!(over.exit_code == 137, "the escaped process is killed by the probes: {over:?}");
     node.fake.cleanup();
@@ -405,11 +404,7 @@ fn on_a_580_node_the_agent_says_why_not_and_holds_the_quota_as_before() -> Resul
     })?;
     ensure!(why.to_lowercase().contains("not supported") || why.contains("NOT_SUPPORTED"), "{why:?}");
     ensure!(node.limits(&main)?["held"] == false, "not held by the driver");
-    let cgroup_id = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(node.containerd.container_cgroup(&main)?)?);
-    wait_for(timeout(), "the container's cgroup limit pushed to the probes", || {
-        let audit = node.agent().audit()?;
-        Ok(audit["kernel_maps"]["cgroup_limits"].as_array().is_some_and(|ids| ids.iter().any(|id| id.as_u64() == Some(cgroup_id))))
-    })?;
+    wait_for(timeout(), "the container's cgroup limit pushed to the probes", || node.probe_limited(&main))?;
     // As before: the escaped process is killed at the allocation by the probes, and so is a
     // forked child's allocation past the quota.
     let over = node.escape(&main, None, "'ctx 0' 'alloc a 512m' 'alloc b 1g'")?;

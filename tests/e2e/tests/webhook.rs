@@ -10,14 +10,15 @@
 mod kube_api;
 
 use std::{
+    ffi::OsString,
     net::SocketAddr,
     path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
     sync::Arc,
     time::Duration,
 };
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
+use e2e::webhook::Webhook;
 use base64::Engine as _;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -53,67 +54,11 @@ fn certificate(dir: &Path) -> Result<(String, PathBuf, PathBuf)> {
     Ok((ca.pem(), cert_file, key_file))
 }
 
-/// `vramguard webhook` on loopback ports, reaching `api` with the service account's files in
-/// `account`; killed when dropped.
-struct Webhook {
-    child: Child,
-    log: PathBuf,
-    addr: SocketAddr,
-    metrics: SocketAddr,
-}
-
-impl Drop for Webhook {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Webhook {
-    fn start(dir: &Path, api: &ApiServer, account: &Path, cert: &Path, key: &Path) -> Result<Webhook> {
-        let log = dir.join("webhook.log");
-        let child = Command::new(e2e::agent::agent_bin()?)
-            .args(["webhook", "--listen", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0", "--tls-cert"])
-            .arg(cert)
-            .arg("--tls-key")
-            .arg(key)
-            .args(["--kube-api", &format!("https://127.0.0.1:{}", api.addr.port()), "--kube-token-file"])
-            .arg(account.join("token"))
-            .arg("--kube-ca-file")
-            .arg(account.join("ca.crt"))
-            .env("VRAMGUARD_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log)?)
-            .spawn()?;
-        let mut webhook = Webhook { child, log, addr: "0.0.0.0:0".parse()?, metrics: "0.0.0.0:0".parse()? };
-        e2e::wait_for(e2e::timeout(), "the webhook serves", || {
-            if let Some(status) = webhook.child.try_wait()? {
-                bail!("the webhook exited ({status}): {}", webhook.log());
-            }
-            let log = webhook.log();
-            let field = |name: &str| log.split_whitespace().find_map(|w| w.strip_prefix(name)).and_then(|a| a.parse::<SocketAddr>().ok());
-            match (field("webhook_addr="), field("metrics_addr=")) {
-                (Some(addr), Some(metrics)) => {
-                    (webhook.addr, webhook.metrics) = (addr, metrics);
-                    Ok(true)
-                }
-                _ => Ok(false),
-            }
-        })?;
-        Ok(webhook)
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// `/metrics`'s sample of `series` (a name and its labels as the page writes them).
-    fn sample(&self, series: &str) -> Result<f64> {
-        let (_, page) = e2e::http::get(self.metrics, "/metrics")?;
-        page.lines()
-            .find_map(|line| line.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
-            .with_context(|| format!("{series} not on the page:\n{page}"))
-    }
+/// `vramguard webhook` serving `cert` and `key`, reaching `api` with the service account's
+/// files in `account`.
+fn start_webhook(dir: &Path, api: &ApiServer, account: &Path, cert: &Path, key: &Path) -> Result<Webhook> {
+    let args: Vec<OsString> = vec!["--tls-cert".into(), cert.into(), "--tls-key".into(), key.into()];
+    Webhook::spawn(dir.join("webhook.log"), api.addr.port(), account, &args)?.serving()
 }
 
 /// An HTTPS request to `addr`, the server verified against `ca_pem` for the name 127.0.0.1:
@@ -219,7 +164,7 @@ fn setup(dir: &Path) -> Result<(ApiServer, PathBuf, String, PathBuf, PathBuf)> {
 fn a_pod_with_8gi_gets_a_claim_of_8gi_memory_and_a_pod_without_it_is_untouched() -> Result<()> {
     let dir = e2e::TempDir::new("webhook")?;
     let (api, account, ca, cert, key) = setup(dir.path())?;
-    let webhook = Webhook::start(dir.path(), &api, &account, &cert, &key)?;
+    let webhook = start_webhook(dir.path(), &api, &account, &cert, &key)?;
 
     let original = pod("ml", Some("8Gi"), Some("2Gi"));
     let uid = "3f6b1c2e-8d4a-4e7b-9c1d-2a3b4c5d6e7f";
@@ -302,7 +247,7 @@ fn admit(webhook: &Webhook, ca: &str, uid: &str, pod: &Value) -> Result<Value> {
 fn nvidia_gpu_beside_the_quota_becomes_the_claims_count_and_sidecars_keep_their_claim() -> Result<()> {
     let dir = e2e::TempDir::new("webhook-gpus")?;
     let (api, account, ca, cert, key) = setup(dir.path())?;
-    let webhook = Webhook::start(dir.path(), &api, &account, &cert, &key)?;
+    let webhook = start_webhook(dir.path(), &api, &account, &cert, &key)?;
     let template = |name: &str| api.with(|s| s.templates.get(&("ml".to_owned(), name.to_owned())).cloned());
 
     // nvidia.com/gpu: 2 beside 8Gi: one claim of two GPUs with 8Gi on each, and nvidia.com/gpu
@@ -381,7 +326,7 @@ fn nvidia_gpu_beside_the_quota_becomes_the_claims_count_and_sidecars_keep_their_
 fn refusals_bad_requests_dry_runs_and_an_api_server_down() -> Result<()> {
     let dir = e2e::TempDir::new("webhook-refusals")?;
     let (api, account, ca, cert, key) = setup(dir.path())?;
-    let webhook = Webhook::start(dir.path(), &api, &account, &cert, &key)?;
+    let webhook = start_webhook(dir.path(), &api, &account, &cert, &key)?;
     let post = |body: Vec<u8>| https(webhook.addr, &ca, Method::POST, "/mutate", body);
 
     // Not a quantity: refused, with the container and the value named.
@@ -443,7 +388,7 @@ fn refusals_bad_requests_dry_runs_and_an_api_server_down() -> Result<()> {
 fn tls_is_verified_and_a_renewed_certificate_is_served_without_a_restart() -> Result<()> {
     let dir = e2e::TempDir::new("webhook-tls")?;
     let (api, account, ca, cert, key) = setup(dir.path())?;
-    let webhook = Webhook::start(dir.path(), &api, &account, &cert, &key)?;
+    let webhook = start_webhook(dir.path(), &api, &account, &cert, &key)?;
     let plain = review("tls", "ml", &pod("ml", None, None), false);
     assert_eq!(https(webhook.addr, &ca, Method::POST, "/mutate", plain.clone())?.0, 200);
     // A client trusting another CA refuses the webhook's certificate.

@@ -8,13 +8,13 @@
 mod kube_api;
 
 use std::{
-    net::SocketAddr,
+    ffi::OsString,
     path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
     sync::Arc,
 };
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
+use e2e::webhook::Webhook;
 use base64::Engine as _;
 use kube_api::{
     objects::{SECRETS, WEBHOOK_CONFIGURATIONS},
@@ -28,75 +28,42 @@ const SECRET: &str = "vramguard-webhook-tls";
 const CONFIGURATION: &str = "vramguard-webhook";
 const SERVICE_NAME: &str = "vramguard-webhook.vramguard-system.svc";
 
-/// `vramguard webhook --manage-certificate` on loopback ports; killed when dropped.
-struct Webhook {
-    child: Child,
-    log: PathBuf,
-    addr: SocketAddr,
-    metrics: SocketAddr,
+/// `vramguard webhook --manage-certificate` with the test's names and a check every second,
+/// and `more` arguments, its log `<dir>/<tag>.log`: started, not yet serving.
+fn spawn(dir: &Path, tag: &str, api: &ApiServer, account: &Path, more: &[&str]) -> Result<Webhook> {
+    let args: Vec<OsString> = [
+        "--manage-certificate",
+        "--tls-secret",
+        &format!("{NAMESPACE}/{SECRET}"),
+        "--service",
+        "vramguard-webhook",
+        "--webhook-configuration",
+        CONFIGURATION,
+        "--certificate-check-every",
+        "1",
+    ]
+    .iter()
+    .chain(more)
+    .map(OsString::from)
+    .collect();
+    Webhook::spawn(dir.join(format!("{tag}.log")), api.addr.port(), account, &args)
 }
 
-impl Drop for Webhook {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// [`spawn`], serving.
+fn start(dir: &Path, tag: &str, api: &ApiServer, account: &Path, more: &[&str]) -> Result<Webhook> {
+    spawn(dir, tag, api, account, more)?.serving()
 }
 
-impl Webhook {
-    /// Started (not yet serving), its log `<dir>/<tag>.log`, with `more` arguments.
-    fn spawn(dir: &Path, tag: &str, api: &ApiServer, account: &Path, more: &[&str]) -> Result<Webhook> {
-        let log = dir.join(format!("{tag}.log"));
-        let child = Command::new(e2e::agent::agent_bin()?)
-            .args(["webhook", "--listen", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0", "--manage-certificate"])
-            .args(["--tls-secret", &format!("{NAMESPACE}/{SECRET}"), "--service", "vramguard-webhook", "--webhook-configuration", CONFIGURATION])
-            .args(["--certificate-check-every", "1"])
-            .args(more)
-            .args(["--kube-api", &format!("https://127.0.0.1:{}", api.addr.port()), "--kube-token-file"])
-            .arg(account.join("token"))
-            .arg("--kube-ca-file")
-            .arg(account.join("ca.crt"))
-            .env("VRAMGUARD_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log)?)
-            .spawn()?;
-        Ok(Webhook { child, log, addr: "0.0.0.0:0".parse()?, metrics: "0.0.0.0:0".parse()? })
-    }
+/// What the tests ask of a webhook beside the kit's.
+trait Certified {
+    fn events(&self, event: &str) -> Result<u64>;
+    fn handshake(&self, ca_pem: &[u8], name: &str) -> Result<Vec<u8>>;
+}
 
-    /// Waits until it serves (its addresses in its log).
-    fn serving(mut self) -> Result<Webhook> {
-        e2e::wait_for(e2e::timeout(), "the webhook serves", || {
-            if let Some(status) = self.child.try_wait()? {
-                bail!("the webhook exited ({status}): {}", self.log());
-            }
-            let log = self.log();
-            let field = |name: &str| log.split_whitespace().find_map(|w| w.strip_prefix(name)).and_then(|a| a.parse::<SocketAddr>().ok());
-            match (field("webhook_addr="), field("metrics_addr=")) {
-                (Some(addr), Some(metrics)) => {
-                    (self.addr, self.metrics) = (addr, metrics);
-                    Ok(true)
-                }
-                _ => Ok(false),
-            }
-        })?;
-        Ok(self)
-    }
-
-    fn start(dir: &Path, tag: &str, api: &ApiServer, account: &Path, more: &[&str]) -> Result<Webhook> {
-        Webhook::spawn(dir, tag, api, account, more)?.serving()
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
+impl Certified for Webhook {
     /// `vramguard_webhook_certificate_events_total{event}`.
     fn events(&self, event: &str) -> Result<u64> {
-        let (_, page) = e2e::http::get(self.metrics, "/metrics")?;
-        let series = format!("vramguard_webhook_certificate_events_total{{event=\"{event}\"}}");
-        page.lines()
-            .find_map(|line| line.strip_prefix(series.as_str()).and_then(|v| v.trim().parse().ok()))
-            .with_context(|| format!("{series} not on the page:\n{page}"))
+        Ok(self.sample(&format!("vramguard_webhook_certificate_events_total{{event=\"{event}\"}}"))? as u64)
     }
 
     /// The certificate it serves (DER) to a client that trusts only `ca_pem` and asks for
@@ -174,7 +141,7 @@ fn der(pem: &[u8]) -> Result<Vec<u8>> {
 fn the_first_start_creates_the_secret_and_the_ca_bundle() -> Result<()> {
     let dir = e2e::TempDir::new("webhook-cert")?;
     let (api, account) = setup(dir.path())?;
-    let webhook = Webhook::start(dir.path(), "first", &api, &account, &[])?;
+    let webhook = start(dir.path(), "first", &api, &account, &[])?;
     let stored = api.object(&SECRETS, NAMESPACE, SECRET).context("no Secret")?;
     assert_eq!(stored["type"], "kubernetes.io/tls", "{stored}");
     for key in ["ca.crt", "ca.key", "tls.crt", "tls.key"] {
@@ -214,9 +181,9 @@ fn the_first_start_creates_the_secret_and_the_ca_bundle() -> Result<()> {
 fn a_second_replica_adopts_the_secret_and_two_at_once_end_with_one() -> Result<()> {
     let dir = e2e::TempDir::new("webhook-cert")?;
     let (api, account) = setup(dir.path())?;
-    let first = Webhook::start(dir.path(), "first", &api, &account, &[])?;
+    let first = start(dir.path(), "first", &api, &account, &[])?;
     let (version, ca, tls) = secret(&api)?;
-    let second = Webhook::start(dir.path(), "second", &api, &account, &[])?;
+    let second = start(dir.path(), "second", &api, &account, &[])?;
     assert_eq!(secret(&api)?, (version, ca.clone(), tls.clone()), "the second replica wrote nothing");
     assert_eq!(second.handshake(&ca, SERVICE_NAME)?, der(&tls)?);
     assert_eq!(first.handshake(&ca, SERVICE_NAME)?, der(&tls)?);
@@ -225,7 +192,7 @@ fn a_second_replica_adopts_the_secret_and_two_at_once_end_with_one() -> Result<(
 
     // Two replicas started together against an API server without the Secret.
     let (api, account) = setup(&dir.path().join("race"))?;
-    let (one, two) = (Webhook::spawn(dir.path(), "one", &api, &account, &[])?, Webhook::spawn(dir.path(), "two", &api, &account, &[])?);
+    let (one, two) = (spawn(dir.path(), "one", &api, &account, &[])?, spawn(dir.path(), "two", &api, &account, &[])?);
     let (one, two) = (one.serving()?, two.serving()?);
     let (_, ca, tls) = secret(&api)?;
     assert_eq!(one.handshake(&ca, SERVICE_NAME)?, der(&tls)?, "{}", one.log());
@@ -239,7 +206,7 @@ fn a_second_replica_adopts_the_secret_and_two_at_once_end_with_one() -> Result<(
     let theirs = api.object(&SECRETS, NAMESPACE, SECRET).context("Secret")?;
     let (api, account) = setup(&dir.path().join("lost"))?;
     api.interpose(&SECRETS, theirs.clone());
-    let late = Webhook::start(dir.path(), "late", &api, &account, &[])?;
+    let late = start(dir.path(), "late", &api, &account, &[])?;
     assert!(!api.interposing(), "the other replica's Secret was written");
     let (_, ca, tls) = secret(&api)?;
     assert_eq!((ca.clone(), tls.clone()), (decode(&theirs["data"]["ca.crt"]), decode(&theirs["data"]["tls.crt"])), "the winner's Secret kept");
@@ -256,7 +223,7 @@ fn a_pair_near_its_end_is_renewed_and_served_without_a_restart() -> Result<()> {
     let dir = e2e::TempDir::new("webhook-cert")?;
     let (api, account) = setup(dir.path())?;
     // A pair of 20 s renewed 15 s before its end: every 5 s.
-    let webhook = Webhook::start(dir.path(), "renewing", &api, &account, &["--certificate-validity", "20", "--certificate-renew-before", "15"])?;
+    let webhook = start(dir.path(), "renewing", &api, &account, &["--certificate-validity", "20", "--certificate-renew-before", "15"])?;
     let (version, ca, tls) = secret(&api)?;
     assert_eq!(webhook.handshake(&ca, SERVICE_NAME)?, der(&tls)?);
     e2e::wait_for(e2e::timeout(), "the Secret's pair renewed", || Ok(secret(&api)?.0 != version)).with_context(|| webhook.log())?;
@@ -276,7 +243,7 @@ fn a_pair_near_its_end_is_renewed_and_served_without_a_restart() -> Result<()> {
     // beside the new one (in ca.crt and every caBundle) until it ends.
     let (api, account) = setup(&dir.path().join("ca"))?;
     let lifetimes = ["--ca-validity", "40", "--ca-renew-before", "32", "--certificate-validity", "3600", "--certificate-renew-before", "10"];
-    let webhook = Webhook::start(dir.path(), "rotating", &api, &account, &lifetimes)?;
+    let webhook = start(dir.path(), "rotating", &api, &account, &lifetimes)?;
     let (_, first_ca, _) = secret(&api)?;
     e2e::wait_for(e2e::timeout(), "the CA replaced, the old one still trusted", || {
         let (_, ca, tls) = secret(&api)?;
@@ -305,7 +272,7 @@ fn a_secret_someone_broke_and_a_changed_ca_bundle_are_repaired() -> Result<()> {
                "metadata": {"name": SECRET, "namespace": NAMESPACE, "uid": "0b1e0000-0000-4000-8000-00000000000a"},
                "data": {"ca.crt": "Z2FyYmFnZQ==", "tls.crt": "Z2FyYmFnZQ=="}}),
     );
-    let webhook = Webhook::start(dir.path(), "repairing", &api, &account, &[])?;
+    let webhook = start(dir.path(), "repairing", &api, &account, &[])?;
     let (_, ca, tls) = secret(&api)?;
     assert_eq!(webhook.handshake(&ca, SERVICE_NAME)?, der(&tls)?);
     assert_eq!(ca_bundles(&api)?, vec![ca.clone(), ca.clone()]);
