@@ -21,6 +21,7 @@
 //! | `vramguard_dra_prepare_refusals_total{reason}` | refused claims by [`Reason`] (`over_capacity`: the scheduler over-committed a GPU) |
 //! | `vramguard_dra_unprepares_total{result}` | claims unprepared: `unprepared`, `not_prepared` (unknown UID: success), `failed` |
 //! | `vramguard_dra_prepared_claims` | claims prepared on the node (the checkpoint's) |
+//! | `vramguard_dra_admin_access_claims` | of those, claims with admin access (KEP-5018: monitoring, no quota, counted against no GPU) |
 //! | `vramguard_dra_stale_claims_dropped_total` | prepared claims dropped because the API server no longer had them for `--dra-stale-after-s` |
 //! | `vramguard_dra_stale_claims_in_use` | such claims kept at the last sweep because a container of theirs may still run |
 //! | `vramguard_dra_registration_notifications_total{result}` | the kubelet's word on the registration: `registered`, `failed` |
@@ -91,6 +92,7 @@ pub struct Metrics {
     refusals: IntCounterVec,
     unprepares: IntCounterVec,
     prepared: IntGauge,
+    admin_access: IntGauge,
     stale: prometheus::IntCounter,
     stale_in_use: IntGauge,
     notifications: IntCounterVec,
@@ -105,6 +107,10 @@ impl Metrics {
             refusals: vec("vramguard_dra_prepare_refusals_total", "Claims the DRA driver refused to prepare, by reason (over_capacity: the allocation over-commits a GPU)", "reason")?,
             unprepares: vec("vramguard_dra_unprepares_total", "Claims the kubelet asked the DRA driver to unprepare, by result: unprepared, not_prepared, failed", "result")?,
             prepared: IntGauge::new("vramguard_dra_prepared_claims", "Claims prepared on this node by the DRA driver (its checkpoint's)")?,
+            admin_access: IntGauge::new(
+                "vramguard_dra_admin_access_claims",
+                "Prepared claims with admin access (monitoring: their containers have no quota and count against no GPU)",
+            )?,
             stale: prometheus::IntCounter::new(
                 "vramguard_dra_stale_claims_dropped_total",
                 "Prepared claims the DRA driver dropped because the API server no longer had them (deleted, or another UID) for --dra-stale-after-s",
@@ -139,6 +145,7 @@ impl Metrics {
             Box::new(self.refusals.clone()),
             Box::new(self.unprepares.clone()),
             Box::new(self.prepared.clone()),
+            Box::new(self.admin_access.clone()),
             Box::new(self.stale.clone()),
             Box::new(self.stale_in_use.clone()),
             Box::new(self.notifications.clone()),
@@ -248,6 +255,7 @@ impl<C: Claims> Driver<C> {
 
     async fn count(&self) {
         self.metrics.prepared.set(self.preparer.prepared_claims().await as i64);
+        self.metrics.admin_access.set(self.preparer.admin_access_claims().await as i64);
     }
 }
 

@@ -96,7 +96,8 @@ pub enum Reason {
     BadResult,
     /// The shares would exceed a GPU's memory.
     OverCapacity,
-    /// A result with admin access, which this driver does not serve.
+    /// A claim with both admin-access results and results with a quota: a container of it
+    /// would get GPUs with a ledger and GPUs without one (ask them in two claims).
     AdminAccess,
     /// The CDI spec or the checkpoint could not be written.
     Write,
@@ -193,9 +194,9 @@ pub struct Preparer<C> {
     nri: Option<watch::Receiver<bool>>,
 }
 
-/// The GPUs `checkpoint`'s claims hold whole.
+/// The GPUs `checkpoint`'s claims hold whole (an admin-access share holds nothing).
 fn whole_gpus(checkpoint: &Checkpoint) -> BTreeSet<u32> {
-    checkpoint.claims().flat_map(|c| &c.shares).filter(|share| share.share_id.is_none()).map(|share| share.gpu).collect()
+    checkpoint.claims().flat_map(|c| &c.shares).filter(|share| share.share_id.is_none() && !share.admin_access).map(|share| share.gpu).collect()
 }
 
 impl<C: Claims> Preparer<C> {
@@ -281,6 +282,12 @@ impl<C: Claims> Preparer<C> {
     pub async fn prepared_claims(&self) -> usize {
         let checkpoint = self.checkpoint.clone();
         blocking(move || Ok(lock(&checkpoint).claims().count())).await.unwrap_or(0)
+    }
+
+    /// Of the claims prepared now, those with admin access (no quota, counted against no GPU).
+    pub async fn admin_access_claims(&self) -> usize {
+        let checkpoint = self.checkpoint.clone();
+        blocking(move || Ok(lock(&checkpoint).claims().filter(|c| c.shares.iter().any(|s| s.admin_access)).count())).await.unwrap_or(0)
     }
 
     /// Prepares one claim, within [`CLAIM_DEADLINE`].
@@ -468,11 +475,12 @@ fn commit(
         // Prepared meanwhile by another call for the same claim.
         return Ok(Outcome::Repeated(known.clone()));
     }
+    // Admin-access shares are in no sum: they hold no memory of the GPU's (KEP-5018).
     let mut used: BTreeMap<u32, u64> = BTreeMap::new();
-    for share in checkpoint.claims().flat_map(|c| &c.shares) {
+    for share in checkpoint.claims().flat_map(|c| &c.shares).filter(|share| !share.admin_access) {
         *used.entry(share.gpu).or_default() += share.memory;
     }
-    for share in &prepared.shares {
+    for share in prepared.shares.iter().filter(|share| !share.admin_access) {
         let capacity = gpus.gpu(share.gpu).map_or(0, |gpu| gpu.capacity);
         let before = used.get(&share.gpu).copied().unwrap_or(0);
         let after = before.saturating_add(share.memory);
@@ -505,6 +513,15 @@ fn commit(
 /// capacity: the scheduler gave it the device whole). Several results on one GPU (requests of
 /// one claim) are several shares there, their sum the claim's quota on it. Results of other
 /// drivers and other pools are not this driver's to prepare.
+///
+/// A result with `adminAccess` (KEP-5018: the API server allows it only in a namespace
+/// labelled `resource.kubernetes.io/admin-access: "true"`, and the scheduler allocates it
+/// ignoring the device's other allocations) is a share with no quota (`memory` 0, whatever
+/// `consumedCapacity` says: the API does not say whether the scheduler records one for it,
+/// and none of it is taken from the claims that hold the GPU), marked
+/// [`Share::admin_access`]: its containers get the GPU's device node and no ledger, no limit
+/// (monitoring). A claim that mixes admin-access and ordinary results is refused
+/// ([`Reason::AdminAccess`]): its containers would get GPUs with a ledger and GPUs without.
 pub fn shares_of(claim: &ResourceClaim, asked: &Asked, node: &str, gpus: &Inventory) -> Result<Prepared, Refusal> {
     let id = format!("{}/{}", asked.namespace, asked.name);
     let uid = claim.metadata.uid.as_deref().unwrap_or_default();
@@ -518,11 +535,7 @@ pub fn shares_of(claim: &ResourceClaim, asked: &Asked, node: &str, gpus: &Invent
     let mut shares: Vec<Share> = Vec::new();
     for result in results.iter().filter(|r| r.driver == DRIVER && r.pool == node) {
         let bad = |what: String| refuse(Reason::BadResult, format!("claim {id}: the result for request {:?} on device {:?}: {what}", result.request, result.device));
-        if result.admin_access == Some(true) {
-            // Admin access (KEP-4381) is outside the scheduler's capacity books: no quota of
-            // this driver's could stand for it. Refused, never counted as a tenant's share.
-            return Err(refuse(Reason::AdminAccess, format!("claim {id}: the result for request {:?} on device {:?} has admin access, which {DRIVER} does not serve", result.request, result.device)));
-        }
+        let admin_access = result.admin_access == Some(true);
         let Some(gpu) = device_index(&result.device) else {
             return Err(bad(format!("not a device of {DRIVER} (gpu-<index>)")));
         };
@@ -531,6 +544,7 @@ pub fn shares_of(claim: &ResourceClaim, asked: &Asked, node: &str, gpus: &Invent
             return Err(bad(format!("GPU {gpu} is not on this node (its GPUs: {})", have.join(", "))));
         };
         let memory = match result.consumed_capacity.as_ref().and_then(|c| c.get(MEMORY)) {
+            _ if admin_access => 0,
             Some(quantity) => parse_quantity(&quantity.0).ok_or_else(|| bad(format!("consumedCapacity.{MEMORY} {:?} is not a quantity of bytes", quantity.0)))?,
             // The scheduler records what a claim consumes only where the gate is on; without
             // it the device went to this claim whole.
@@ -544,10 +558,18 @@ pub fn shares_of(claim: &ResourceClaim, asked: &Asked, node: &str, gpus: &Invent
             share_id: result.share_id.clone(),
             memory,
             cdi_device: cdi::qualified(uid, gpu),
+            admin_access,
         });
     }
     if shares.is_empty() {
         return Err(refuse(Reason::NoDevice, format!("claim {id} has no device of {DRIVER} allocated on node {node}")));
+    }
+    if shares.iter().any(|s| s.admin_access) && shares.iter().any(|s| !s.admin_access) {
+        let admin: Vec<&str> = shares.iter().filter(|s| s.admin_access).map(|s| s.request.as_str()).collect();
+        return Err(refuse(
+            Reason::AdminAccess,
+            format!("claim {id}: requests {admin:?} have admin access and the others a quota: a container of the claim would get GPUs without their ledger; ask for admin access in a claim of its own"),
+        ));
     }
     Ok(Prepared { uid: uid.to_owned(), namespace: asked.namespace.clone(), name: asked.name.clone(), shares })
 }
@@ -773,13 +795,39 @@ mod tests {
         let _ = std::fs::remove_dir_all(dir);
     }
 
-    #[test]
-    fn an_admin_access_result_is_refused_and_counts_nothing() {
-        let mut admin = result(DRIVER, NODE, "gpu-0", Some("1Gi"));
+    #[tokio::test]
+    async fn an_admin_access_result_is_prepared_without_a_quota_and_counts_against_no_gpu() {
+        let (preparer, fake, dir) = preparer("admin", vec![10 * GIB]);
+        // The GPU full: a claim of all of it.
+        put(&fake, claim("a", "ua", Some(json!([result(DRIVER, NODE, "gpu-0", Some("10Gi"))]))));
+        assert!(matches!(preparer.prepare(&asked("a", "ua")).await, Ok(Outcome::Prepared(_))));
+        // Admin access with a consumedCapacity (shared device) and without (whole): both fit.
+        let mut shared = result(DRIVER, NODE, "gpu-0", Some("1Gi"));
+        shared["adminAccess"] = json!(true);
+        let mut whole = result(DRIVER, NODE, "gpu-0", None);
+        whole["adminAccess"] = json!(true);
+        whole.as_object_mut().expect("object").remove("shareID");
+        put(&fake, claim("m", "um", Some(json!([shared]))));
+        put(&fake, claim("w", "uw", Some(json!([whole]))));
+        for (name, uid) in [("m", "um"), ("w", "uw")] {
+            let Ok(Outcome::Prepared(prepared)) = preparer.prepare(&asked(name, uid)).await else { panic!("{name} prepared") };
+            assert_eq!(prepared.shares.iter().map(|s| (s.gpu, s.memory, s.admin_access)).collect::<Vec<_>>(), [(0, 0, true)]);
+            assert!(cdi::spec_path(&dir.join("cdi"), uid).exists(), "its CDI spec: the GPU's device node");
+        }
+        assert_eq!((preparer.prepared_claims().await, preparer.admin_access_claims().await), (3, 2));
+        assert!(preparer.held_whole().borrow().is_empty(), "an admin-access result holds no GPU whole");
+        // Still full for an ordinary claim.
+        put(&fake, claim("b", "ub", Some(json!([result(DRIVER, NODE, "gpu-0", Some("1Gi"))]))));
+        assert_eq!(preparer.prepare(&asked("b", "ub")).await.map_err(|r| r.reason), Err(Reason::OverCapacity));
+        // Admin access and a quota in one claim: refused, saying why.
+        let mut admin = result(DRIVER, NODE, "gpu-0", None);
         admin["adminAccess"] = json!(true);
-        let refusal = shares_of(&claim("c", "u", Some(json!([admin]))), &asked("c", "u"), NODE, &gpus(&[80 * GIB])).expect_err("admin access");
+        admin["request"] = json!("watch");
+        let mixed = claim("x", "ux", Some(json!([result(DRIVER, NODE, "gpu-0", Some("1Gi")), admin])));
+        let refusal = shares_of(&mixed, &asked("x", "ux"), NODE, &gpus(&[80 * GIB])).expect_err("mixed");
         assert_eq!(refusal.reason, Reason::AdminAccess);
-        assert!(refusal.message.contains("admin access"), "{}", refusal.message);
+        assert!(refusal.message.contains(r#"requests ["watch"] have admin access"#), "{}", refusal.message);
+        let _ = std::fs::remove_dir_all(dir);
     }
 
     #[tokio::test]

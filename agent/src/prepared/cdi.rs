@@ -253,6 +253,7 @@ mod tests {
             share_id: Some(format!("00000000-0000-4000-8000-00000000000{gpu}")),
             memory,
             cdi_device: qualified("6f1c0d36-1", gpu),
+            admin_access: false,
         }
     }
 

@@ -134,6 +134,7 @@ mod tests {
                 share_id: Some("6f1c0d36-0000-4000-8000-000000000001".into()),
                 memory,
                 cdi_device: format!("gpu.vramguard.io/claim={uid}-gpu-1"),
+                admin_access: false,
             }],
         }
     }

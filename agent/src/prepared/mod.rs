@@ -60,6 +60,11 @@ pub struct Share {
     pub memory: u64,
     /// The fully qualified CDI device name returned to the kubelet (`<vendor>/<class>=<name>`).
     pub cdi_device: String,
+    /// `results[].adminAccess`: the device was allocated for administrative access (KEP-5018:
+    /// monitoring, beside the claims that hold it). Such a share has no quota (`memory` 0)
+    /// and is counted against no GPU; absent from checkpoints written before it: false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub admin_access: bool,
 }
 
 #[cfg(test)]

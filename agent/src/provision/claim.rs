@@ -77,7 +77,7 @@ use std::{
 
 use tracing::{info, warn};
 
-use super::{gpus, store::Store, Provisioned, Record, Workload};
+use super::{gpus, nri::Adjustment, store::Store, Provisioned, Record, Workload};
 use crate::prepared::{cdi, checkpoint::Checkpoint};
 
 /// What a claim's ledger is named by in the store and the ledger directory.
@@ -101,6 +101,9 @@ pub struct Claimed {
     /// The claim's GPUs, ascending, and the quota on each (its shares there, summed).
     pub gpus: Vec<u32>,
     pub quotas: Vec<u64>,
+    /// The claim has admin access (KEP-5018, every share [`crate::prepared::Share::admin_access`]):
+    /// its containers are monitoring ones, given the claim's GPUs and no quota (`quotas` empty).
+    pub admin_access: bool,
 }
 
 /// Why a container that names a claim is refused: the reason (the metric's label) and the
@@ -146,12 +149,17 @@ pub fn claimed(state_dir: &Path, workload: &Workload) -> Result<Option<Claimed>,
     let Some(prepared) = book.get(&uid) else {
         return Err(Refusal::new("not_prepared", format!("DRA claim {uid} is not prepared on this node (not in {})", book.path().display())));
     };
+    let admin_access = prepared.shares.iter().any(|share| share.admin_access);
+    if admin_access && !prepared.shares.iter().all(|share| share.admin_access) {
+        // Prepare refuses such a claim; a checkpoint that holds one is not the driver's.
+        return Err(Refusal::new("admin_access", format!("DRA claim {uid} mixes admin access and quotas: its containers are not created")));
+    }
     let mut shares: BTreeMap<u32, u64> = BTreeMap::new();
     for share in &prepared.shares {
         let quota = shares.entry(share.gpu).or_default();
         *quota = quota.saturating_add(share.memory);
     }
-    if shares.is_empty() || shares.values().any(|&quota| quota == 0) {
+    if shares.is_empty() || (!admin_access && shares.values().any(|&quota| quota == 0)) {
         return Err(Refusal::new("no_share", format!("DRA claim {uid} has no memory on some GPU of this node: {:?}", prepared.shares)));
     }
     let given = gpus::given(&workload.devices, &[], &BTreeMap::new(), u32::MAX).unwrap_or_default();
@@ -190,7 +198,8 @@ pub fn claimed(state_dir: &Path, workload: &Workload) -> Result<Option<Claimed>,
         namespace: prepared.namespace.clone(),
         name: prepared.name.clone(),
         gpus: shares.keys().copied().collect(),
-        quotas: shares.values().copied().collect(),
+        quotas: if admin_access { Vec::new() } else { shares.values().copied().collect() },
+        admin_access,
     }))
 }
 
@@ -461,6 +470,19 @@ impl super::Provisioner {
             .map_err(|error| format!("vramguard: looking up the container's DRA claim failed: {error}"))
     }
 
+    /// What a container of admin-access claim `claim` is given: not provisioned (no ledger, no
+    /// limit in the driver, no cgroup limit: a monitoring container beside the claims that
+    /// hold the GPU; the probes still see and account its memory), only told its claim's GPUs
+    /// (`NVIDIA_VISIBLE_DEVICES`), as every claim's container is. Logged, never recorded.
+    pub(super) fn admin_access_container(&self, workload: &Workload, claim: &Claimed) -> Adjustment {
+        info!(
+            namespace = %workload.namespace, pod = %workload.pod, container = %workload.container, id = %workload.container_id,
+            claim = %claim.uid, gpus = ?claim.gpus, admin_access = true,
+            "a container of a DRA claim with admin access: created with its GPUs and no quota (monitoring)"
+        );
+        Adjustment { mounts: Vec::new(), env: vec![(super::NVIDIA_VISIBLE_DEVICES.into(), self.claim_visible_devices(&claim.gpus))] }
+    }
+
     /// What the agent records of `workload` provisioned from `claim`.
     pub(super) fn claim_record(&self, workload: &Workload, claim: &Claimed) -> Record {
         let seen: Vec<usize> = claim.gpus.iter().map(|&gpu| gpu as usize).collect();
@@ -493,6 +515,7 @@ mod tests {
                     share_id: None,
                     memory,
                     cdi_device: cdi::qualified(uid, gpu),
+                    admin_access: false,
                 })
                 .collect(),
         }

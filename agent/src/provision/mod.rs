@@ -628,6 +628,7 @@ impl Provisioner {
             return Err(format!("vramguard: container id {:?} is reserved for DRA claims' ledgers", workload.container_id));
         }
         let record = match self.claim_of(workload).await? {
+            Some(claimed) if claimed.admin_access => return Ok(self.admin_access_container(workload, &claimed)),
             Some(claimed) => self.claim_record(workload, &claimed),
             None => {
                 let Some((quota, source)) = self.quota(workload).await? else {
@@ -925,6 +926,9 @@ impl Provisioner {
                 continue;
             }
             if let Ok(Ok(Some(claimed))) = self.look_up_claim(workload).await {
+                if claimed.admin_access {
+                    continue; // no quota to hold it to
+                }
                 let Some(cgroup) = cgroup_dir(&workload.cgroups_path) else { continue };
                 let limit = self.claim_record(workload, &claimed).cgroup_limit();
                 warn!(

@@ -58,6 +58,8 @@ use kube_api::{resource, ApiServer, NODE};
 
 const DRIVER: &str = "gpu.vramguard.io";
 const NAMESPACE: &str = "team-a";
+/// A namespace labelled `resource.kubernetes.io/admin-access: "true"` (its claims may ask admin access).
+const ADMIN_NAMESPACE: &str = "gpu-monitoring";
 /// Each GPU's memory (`--gpu-memory`): the devices' `memory` capacity.
 const GPU_MEMORY: u64 = 8 * GIB;
 
@@ -366,6 +368,18 @@ fn claim_of(node: &mut Node, name: &str, uid: &str, requests: &[(&str, u64, &str
     Ok((allocated, answer))
 }
 
+/// A ResourceClaim of one request of the driver's class with admin access (a monitoring claim:
+/// no capacity asked).
+fn admin_claim(namespace: &str, name: &str, uid: &str) -> Value {
+    json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"namespace": namespace, "name": name, "uid": uid},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+            "deviceClassName": DRIVER, "allocationMode": "ExactCount", "count": 1, "adminAccess": true
+        }}]}}
+    })
+}
+
 /// The results' devices of an allocated claim.
 fn devices_of(allocated: &Value) -> Vec<String> {
     allocated["status"]["allocation"]["devices"]["results"].as_array().into_iter().flatten().filter_map(|r| r["device"].as_str().map(str::to_owned)).collect()
@@ -389,7 +403,9 @@ fn cdi_for(answer: &agent::dra::proto::v1::NodePrepareResourceResponse, request:
 /// request of `count: 2` (a share on each GPU), two requests of one claim on one GPU (their
 /// sum its quota there; with NVIDIA's device plugin's GPU beside it, refused), two requests
 /// on two GPUs, a container naming one request of that claim (refused: its ledger is the
-/// claim's, GPU by GPU), and a result with admin access (refused, counting nothing).
+/// claim's, GPU by GPU), and a claim with admin access (KEP-5018: allocated by the scheduler
+/// beside a claim that fills the GPU, prepared without counting against it, its container run
+/// with the GPU and no quota; refused by the API server in a namespace not labelled for it).
 #[test]
 fn claims_of_several_requests_counts_and_admin_access_are_prepared_and_held_or_refused_with_why() -> Result<()> {
     // On a driver with per-cgroup limits: a claim's containers get them on each GPU.
@@ -479,16 +495,47 @@ fn claims_of_several_requests_counts_and_admin_access_are_prepared_and_held_or_r
     ensure!(node.metric("vramguard_dra_containers_refused_total", &[("reason", "partial_claim")])? == Some(1.0), "counted");
     release(&mut node, "split", uid, &id)?;
 
-    // Admin access: refused with the reason, nothing prepared.
-    let uid = "5a0e2c4a-1b3f-4e5d-9a6b-0c1d2e3f4b04";
-    let claim = resource::claim(NAMESPACE, "admin", uid, "1Gi", Some(&[(DRIVER, NODE, "gpu-0", Some("1Gi"), "0c6f7a1e-0000-4000-8000-0000000000c1")]));
-    let mut claim = claim;
-    claim["status"]["allocation"]["devices"]["results"][0]["adminAccess"] = json!(true);
-    node.api.put_claim(claim);
-    let answer = node.kubelet.prepare(&node.plugin, vec![kubelet::claim(NAMESPACE, "admin", uid)])?;
-    ensure!(answer.claims[uid].error.contains("admin access") && answer.claims[uid].devices.is_empty(), "{answer:?}");
-    ensure!(!cdi::spec_path(&node.containerd.cdi_dir(), uid).exists(), "no spec");
-    ensure!(node.metric("vramguard_dra_prepare_refusals_total", &[("reason", "admin_access")])? == Some(1.0), "counted");
+    // Admin access (KEP-5018). A claim fills GPU 0 (8 GiB of 8); a monitoring claim with admin
+    // access, in a namespace labelled for it, is allocated GPU 0 all the same (the scheduler
+    // ignores the device's other allocations for it), its result marked `adminAccess`.
+    let full = "5a0e2c4a-1b3f-4e5d-9a6b-0c1d2e3f4b04";
+    let (allocated, answer) = claim_of(&mut node, "full", full, &[("gpu", 1, "8Gi")])?;
+    ensure!(devices_of(&allocated) == ["gpu-0"] && answer.error.is_empty(), "{allocated}\n{answer:?}");
+    node.api.label_namespace(ADMIN_NAMESPACE, json!({resource::ADMIN_ACCESS_LABEL: "true"}));
+    let uid = "5a0e2c4a-1b3f-4e5d-9a6b-0c1d2e3f4b05";
+    node.api.create_claim(admin_claim(ADMIN_NAMESPACE, "watch", uid)).map_err(anyhow::Error::msg)?;
+    let consumer = json!({"resource": "pods", "name": "watch", "uid": "uid-watch"});
+    let allocated = node.scheduler.allocate(&admin_claim(ADMIN_NAMESPACE, "watch", uid), &consumer)?.map_err(|r| anyhow::anyhow!("watch: {r:?}"))?;
+    let result = &allocated["status"]["allocation"]["devices"]["results"][0];
+    ensure!(result["device"] == "gpu-0" && result["adminAccess"] == true, "beside the full claim: {allocated}");
+    node.api.put_claim(allocated.clone());
+    // Prepared: GPU 0's CDI device, its spec GPU 0's node; not counted against GPU 0 (the
+    // full claim's 8 GiB and this one's would be over it).
+    let answer = node.kubelet.prepare(&node.plugin, vec![kubelet::claim(ADMIN_NAMESPACE, "watch", uid)])?;
+    let answer = answer.claims.get(uid).cloned().context("no answer for watch")?;
+    ensure!(answer.error.is_empty() && cdi_for(&answer, None) == [cdi::qualified(uid, 0)], "{answer:?}\n{}", node.agent.log());
+    let spec: Value = serde_json::from_slice(&std::fs::read(cdi::spec_path(&node.containerd.cdi_dir(), uid)).context("watch's CDI spec")?)?;
+    ensure!(spec["devices"][0]["containerEdits"]["deviceNodes"][0]["path"] == "/dev/nvidia0", "{spec}");
+    ensure!(node.metric("vramguard_dra_admin_access_claims", &[])? == Some(1.0), "shown as admin access");
+    // Its container runs through containerd with GPU 0 and no quota: not provisioned (no
+    // ledger, no limit in the driver), its allocations past any claim's share granted.
+    let pod = node.containerd.pod("watch", ADMIN_NAMESPACE, "uid-watch", &[])?;
+    let mut spec = ContainerSpec::new("main").fake_driver(&node.fake)?;
+    for device in cdi_for(&answer, None) {
+        spec = spec.cdi_device(&device);
+    }
+    let id = node.containerd.run_container(&pod, &spec).with_context(|| node.agent.log())?;
+    ensure!(provisioned(&node.agent, &id)?.is_none() && !node.ledger_dir(uid).exists(), "no ledger for admin access:\n{}", node.agent.log());
+    let lines = dra::node::workload(&node.containerd, &id, &["ctx 0", "alloc a 6g", "meminfo"]).with_context(|| node.agent.log())?;
+    ensure!(!lines.iter().any(|l| l.starts_with("oom ")) && lines.iter().any(|l| l.contains(&format!("total={GPU_MEMORY}"))), "not limited: {lines:?}");
+    let cgroup = node.containerd.container_cgroup_path(&id)?;
+    ensure!((0..2).all(|gpu| node.fake.driver_limit(&cgroup, gpu).is_ok_and(|l| l.is_none())), "no limit in the driver");
+    ensure!(node.agent.audit()?["driver_limits"]["containers"][id.0.as_str()].is_null(), "no limit asked of the driver");
+    ensure!(node.agent.log().contains("admin access: created with its GPUs and no quota"), "logged as admin access");
+    // A namespace without the label: the API server refuses the claim, nothing is stored.
+    let refused = node.api.create_claim(admin_claim(NAMESPACE, "sneak", "5a0e2c4a-1b3f-4e5d-9a6b-0c1d2e3f4b06")).expect_err("not labelled");
+    ensure!(refused.contains("spec.devices.requests[0].exactly.adminAccess: Forbidden: admin access to devices requires the `resource.kubernetes.io/admin-access: true` label"), "{refused}");
+    ensure!(node.api.with(|s| !s.resource.claims.contains_key(&(NAMESPACE.to_owned(), "sneak".to_owned()))), "not stored");
     node.fake.cleanup();
     Ok(())
 }
@@ -546,4 +593,17 @@ fn an_init_container_and_the_main_container_of_one_claim_each_have_its_whole_quo
     ensure!(lines.iter().any(|l| l == "oom x") && !lines.iter().any(|l| l == "oom a"), "{lines:?}\n{}", node.agent.log());
     node.fake.cleanup();
     Ok(())
+}
+
+/// The claims of issue 38 (several requests, `count`, a request named, NVIDIA's device
+/// plugin beside a claim, admin access) on containerd 2.
+#[test]
+fn claims_of_several_requests_counts_and_admin_access_are_prepared_and_held_or_refused_with_why_on_containerd_2() -> Result<()> {
+    Version::V2.run(claims_of_several_requests_counts_and_admin_access_are_prepared_and_held_or_refused_with_why)
+}
+
+/// The init container and the main container of one claim on containerd 2.
+#[test]
+fn an_init_container_and_the_main_container_of_one_claim_each_have_its_whole_quota_in_turn_on_containerd_2() -> Result<()> {
+    Version::V2.run(an_init_container_and_the_main_container_of_one_claim_each_have_its_whole_quota_in_turn)
 }

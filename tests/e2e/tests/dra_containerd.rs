@@ -60,6 +60,7 @@ fn claim(uid: &str, memory: u64, gpus: &[u32]) -> Prepared {
                 share_id: Some(format!("00000000-0000-4000-8000-00000000000{gpu}")),
                 memory,
                 cdi_device: cdi::qualified(uid, gpu),
+                admin_access: false,
             })
             .collect(),
     }

@@ -21,6 +21,15 @@
 //!   `DRAConsumableCapacity` gate is off: it drops the field) goes whole to one claim: it is
 //!   eligible only while no claim holds it, and its result has neither `shareID` nor
 //!   `consumedCapacity` (the scheduler records those only for shared devices).
+//! * A request with `adminAccess: true` (KEP-5018; the API server let it in only in a namespace
+//!   labelled `resource.kubernetes.io/admin-access: "true"`, `kube_api::resource`) ignores the
+//!   device's other allocations, as the API's field documentation states: it is allocated a
+//!   device that other claims hold whole or fill, its result carries `adminAccess: true`, and
+//!   it is booked against nothing (later claims still fit where they did). On a shared device
+//!   its result has a `shareID` and a `consumedCapacity` like any other there: the API
+//!   documents those as set for every allocation of such a device and says nothing apart for
+//!   admin access, so the stand-in takes the reading that gives the driver the most to
+//!   ignore (the driver must count it against nothing either way).
 // Shared by several test files, each using part of it.
 #![allow(dead_code)]
 use std::collections::BTreeMap;
@@ -75,6 +84,8 @@ struct Taken {
     pool: String,
     device: String,
     shared: Option<u64>,
+    /// Admin access: in no book.
+    admin: bool,
 }
 
 /// The allocator's book: the current devices and what each claim holds of them.
@@ -147,7 +158,7 @@ impl Allocator {
 
     fn results_on(&self, index: usize) -> impl Iterator<Item = &Taken> {
         let device = &self.devices[index];
-        self.allocated.values().flatten().filter(move |t| t.pool == device.pool && t.device == device.name)
+        self.allocated.values().flatten().filter(move |t| !t.admin && t.pool == device.pool && t.device == device.name)
     }
 
     /// What the shares allocated now consume on device `index` (dedicated allocations are not
@@ -187,7 +198,8 @@ impl Allocator {
             bail!("claim {uid} is allocated already");
         }
         let requests = claim["spec"]["devices"]["requests"].as_array().context("the claim has no requests")?;
-        let mut taken: Vec<(usize, Option<u64>)> = Vec::new();
+        // (device, what a share consumes, admin access)
+        let mut taken: Vec<(usize, Option<u64>, bool)> = Vec::new();
         let mut results = Vec::new();
         for request in requests {
             let name = request["name"].as_str().context("a request without a name")?;
@@ -196,6 +208,7 @@ impl Allocator {
                 bail!("request {name}: only ExactCount is allocated here");
             }
             let count = exactly["count"].as_u64().unwrap_or(1);
+            let admin = exactly["adminAccess"] == true;
             let asked = match &exactly["capacity"]["requests"][MEMORY] {
                 Value::Null => None,
                 Value::String(q) => Some(bytes(q, &format!("request {name}: memory"))?),
@@ -208,12 +221,16 @@ impl Allocator {
                         return None; // distinct devices within a request
                     }
                     let consumed = self.consumed(index, asked)?;
+                    if admin {
+                        return Some(consumed); // whatever else holds the device
+                    }
                     let device = &self.devices[index];
+                    let ordinary = |d: &usize, a: &bool| *d == index && !*a;
                     if !device.shared {
-                        let free = !self.dedicated(index) && self.used(index) == 0 && !taken.iter().any(|(d, _)| *d == index);
+                        let free = !self.dedicated(index) && self.used(index) == 0 && !taken.iter().any(|(d, _, a)| ordinary(d, a));
                         return free.then_some(consumed);
                     }
-                    let pending: u64 = taken.iter().filter(|(d, _)| *d == index).filter_map(|(_, b)| *b).sum();
+                    let pending: u64 = taken.iter().filter(|(d, _, a)| ordinary(d, a)).filter_map(|(_, b, _)| *b).sum();
                     (self.used(index) + pending + consumed <= device.capacity).then_some(consumed)
                 };
                 let Some((index, consumed)) = (0..self.devices.len()).find_map(|i| room(i).map(|c| (i, c))) else {
@@ -221,9 +238,12 @@ impl Allocator {
                 };
                 let device = &self.devices[index];
                 let shared = device.shared.then_some(consumed);
-                taken.push((index, shared));
+                taken.push((index, shared, admin));
                 mine.push(index);
                 let mut result = json!({"request": name, "driver": DRIVER, "pool": device.pool, "device": device.name});
+                if admin {
+                    result["adminAccess"] = json!(true);
+                }
                 if device.shared {
                     result["shareID"] = json!(share_id()?);
                     result["consumedCapacity"] = json!({MEMORY: consumed.to_string()});
@@ -231,8 +251,8 @@ impl Allocator {
                 results.push(result);
             }
         }
-        let node = taken.first().map(|(d, _)| self.devices[*d].node.clone()).unwrap_or_default();
-        let book = taken.iter().map(|(d, shared)| Taken { pool: self.devices[*d].pool.clone(), device: self.devices[*d].name.clone(), shared: *shared }).collect();
+        let node = taken.first().map(|(d, _, _)| self.devices[*d].node.clone()).unwrap_or_default();
+        let book = taken.iter().map(|(d, shared, admin)| Taken { pool: self.devices[*d].pool.clone(), device: self.devices[*d].name.clone(), shared: *shared, admin: *admin }).collect();
         self.allocated.insert(uid, book);
         let mut claim = claim.clone();
         claim["status"] = json!({

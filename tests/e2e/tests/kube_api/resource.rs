@@ -28,6 +28,24 @@ pub struct Resources {
     /// `DRAConsumableCapacity` off, as in the API servers of Kubernetes 1.34 and 1.35 by
     /// default ([`drop_gated`]).
     pub gate_off: bool,
+    /// The labels of each namespace (a namespace not here has none): what the admin-access
+    /// check reads ([`admin_access_forbidden`]).
+    pub namespace_labels: BTreeMap<String, Value>,
+}
+
+/// The label a namespace needs for claims and claim templates with admin access in it
+/// (KEP-5018; `DRAAdminAccess`, on by default from Kubernetes 1.34).
+pub const ADMIN_ACCESS_LABEL: &str = "resource.kubernetes.io/admin-access";
+
+/// Why the API server refuses `requests` (a claim's `spec.devices.requests`, at `path`) in
+/// `namespace`: a request with `exactly.adminAccess: true` where the namespace is not labelled
+/// [`ADMIN_ACCESS_LABEL`]`: "true"` (the value compared as written). The message is the API
+/// server's field error.
+pub fn admin_access_forbidden(resources: &Resources, namespace: &str, requests: &Value, path: &str) -> Option<String> {
+    let allowed = resources.namespace_labels.get(namespace).is_some_and(|labels| labels[ADMIN_ACCESS_LABEL] == "true");
+    let requests = requests.as_array()?;
+    let (i, _) = requests.iter().enumerate().find(|(_, r)| r["exactly"]["adminAccess"] == true).filter(|_| !allowed)?;
+    Some(format!("{path}[{i}].exactly.adminAccess: Forbidden: admin access to devices requires the `{ADMIN_ACCESS_LABEL}: true` label on the containing namespace"))
 }
 
 /// Whether `object` (a ResourceSlice or a ResourceClaim) uses a field `DRAConsumableCapacity`
@@ -166,6 +184,24 @@ impl super::ApiServer {
             }
             s.resource.claims.insert(key, claim)
         });
+    }
+
+    /// Creates a ResourceClaim as a client does (its `status` left as given, for the tests'
+    /// scheduler to fill later), validated as the API server validates one: a request with
+    /// admin access in a namespace without [`ADMIN_ACCESS_LABEL`] is refused (`422 Invalid`,
+    /// the API server's message), nothing stored.
+    pub fn create_claim(&self, claim: Value) -> Result<(), String> {
+        let (namespace, name) = (claim["metadata"]["namespace"].as_str().unwrap_or_default().to_owned(), claim["metadata"]["name"].as_str().unwrap_or_default().to_owned());
+        if let Some(why) = self.with(|s| admin_access_forbidden(&s.resource, &namespace, &claim["spec"]["devices"]["requests"], "spec.devices.requests")) {
+            return Err(format!("ResourceClaim.resource.k8s.io {name:?} is invalid: {why}"));
+        }
+        self.put_claim(claim);
+        Ok(())
+    }
+
+    /// Sets namespace `namespace`'s labels.
+    pub fn label_namespace(&self, namespace: &str, labels: Value) {
+        self.with(|s| s.resource.namespace_labels.insert(namespace.to_owned(), labels));
     }
 
     /// Turns `DRAConsumableCapacity` off (as 1.34 and 1.35 ship) or on.

@@ -1,7 +1,8 @@
 //! The mock API server's ResourceClaimTemplates (resource.k8s.io/v1, namespaced): `GET` of
 //! one and `POST` (create; `409 AlreadyExists` when the name is taken), checked as the real
 //! server checks what the admission webhook writes: the kind and version, the name, the
-//! namespace (the path's, or none), and each request naming a DeviceClass.
+//! namespace (the path's, or none), each request naming a DeviceClass, and admin access only
+//! in a namespace labelled for it ([`super::resource::admin_access_forbidden`]).
 use serde_json::{json, Value};
 use hyper::StatusCode;
 
@@ -24,6 +25,9 @@ fn create(state: &mut ApiState, namespace: &str, body: &str) -> Answer {
         return status(StatusCode::BAD_REQUEST, "BadRequest", "not JSON");
     };
     if let Some(why) = invalid(&template, namespace) {
+        return status(StatusCode::UNPROCESSABLE_ENTITY, "Invalid", &why);
+    }
+    if let Some(why) = super::resource::admin_access_forbidden(&state.resource, namespace, &template["spec"]["spec"]["devices"]["requests"], "spec.spec.devices.requests") {
         return status(StatusCode::UNPROCESSABLE_ENTITY, "Invalid", &why);
     }
     let name = template["metadata"]["name"].as_str().unwrap_or_default().to_owned();
