@@ -17,8 +17,9 @@
 //! without NVML, `--gpu-memory` is the inventory, and the devices say so.
 //!
 //! Where the API server's `DRAConsumableCapacity` gate is off (1.34, 1.35), the agent reads in
-//! the server's answer that it dropped the shared form, publishes each GPU whole once (two
-//! writes in all, none at the checks after), says so in the audit and its metrics, and
+//! the server's answer that it dropped the shared form (a dry run of the shared form tells it,
+//! before any write), publishes each GPU whole once (one write in all: the slice's create,
+//! none at the checks after), says so in the audit and its metrics, and
 //! prepares a claim the scheduler gave a GPU whole (no `consumedCapacity`) as that GPU's
 //! published capacity.
 //!
@@ -298,7 +299,7 @@ fn with_the_consumable_capacity_gate_off_each_gpu_is_published_whole_once_and_a_
         pool(api).iter().flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default()).filter(|d| d.get("allowMultipleAllocations").is_none()).count()
     };
     wait_for(timeout(), "the pool published whole", || Ok(whole(api) == 2 && agent.audit()?["dra"]["sharing"] == "whole")).with_context(|| agent.log())?;
-    // Five checks later: no more writes than the shared form dropped and the whole one.
+    // Five checks later: no write but the whole form's create.
     std::thread::sleep(std::time::Duration::from_secs(5));
     ensure!(slice_writes(api) == 1, "one create, whole (the dry run told the form), then none: {}\n{}", slice_writes(api), agent.log());
     let checks = http::metric(&http::scrape(agent.metrics_addr()?)?, "vramguard_dra_slice_syncs_total", &[("result", "unchanged")]).unwrap_or(0.0);
