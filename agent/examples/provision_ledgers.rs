@@ -32,7 +32,7 @@ fn run() -> Result<(), String> {
     let quota: u64 = quota.parse().map_err(|e| format!("QUOTA {quota:?}: {e}"))?;
     let processes: u32 = processes.parse().map_err(|e| format!("PROCESSES {processes:?}: {e}"))?;
     let store = Store::open(&PathBuf::from(state), &PathBuf::from(ledgers), Some(Mounter::new(None)))?
-        .sized(Sizing { processes, gpu_memory: Vec::new() });
+        .sized(Sizing { processes, ..Sizing::default() });
     let mut made = Vec::new();
     let result = (|| {
         for id in ids {

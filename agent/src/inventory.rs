@@ -13,7 +13,10 @@
 //! over `--gpu-memory`, which is then ignored (a warning names both where they differ: an
 //! H100 "80GB" has 81559 MiB, not the 80Gi of a flag). Where the node has no NVML (`absent`),
 //! `--gpu-memory` is a fake inventory, one GPU per value: no UUID, product `unknown`, and the
-//! attribute `source: gpu-memory` says so on every device.
+//! attribute `source: gpu-memory` says so on every device. It must then give one size per GPU
+//! the node's device files show (`/dev/nvidia<N>`, `--gpu-device-file`): another count is an
+//! error that stops the agent, saying both (one `80Gi` on a node of eight GPUs would make a
+//! node of one).
 use std::sync::Arc;
 
 use tokio::sync::watch;
@@ -89,6 +92,15 @@ impl Inventory {
 /// The inventory as the agent's parts read it: `None` until the first good read (or the flag's).
 pub type Shared = watch::Receiver<Option<Arc<Inventory>>>;
 
+/// GPU `index`'s memory as `shared` has it where it has GPUs, else `fallback[index]`
+/// (`--gpu-memory`, before the first inventory).
+pub fn memory_of(shared: &Shared, fallback: &[u64], index: usize) -> Option<u64> {
+    if let Some(inventory) = shared.borrow().as_ref().filter(|inventory| !inventory.gpus.is_empty()) {
+        return u32::try_from(index).ok().and_then(|index| inventory.gpu(index)).map(|gpu| gpu.memory);
+    }
+    fallback.get(index).copied()
+}
+
 /// A receiver that never changes, holding `inventory` (tests, and the parts built before the
 /// tracker).
 pub fn fixed(inventory: Option<Inventory>) -> Shared {
@@ -103,14 +115,48 @@ pub struct Tracker {
     pub flag: Vec<u64>,
     /// What no claim can have of a GPU (`--dra-memory-reserve`; 0 without `--dra`).
     pub reserve: u64,
+    /// `--gpu-device-file`: the GPUs' device files, which the flag must match where NVML is
+    /// absent ([`device_files`], looked at once, at the start).
+    pub device_file: String,
+}
+
+/// The minor numbers whose GPU device file exists, `pattern` being `--gpu-device-file`
+/// (`/dev/nvidia{minor}`), looked at up to [`MAX_MINOR`].
+pub fn device_files(pattern: &str) -> Vec<u32> {
+    (0..MAX_MINOR).filter(|minor| std::path::Path::new(&pattern.replace("{minor}", &minor.to_string())).exists()).collect()
+}
+
+/// The GPU minor numbers looked at for device files (the driver numbers GPUs below 255;
+/// nodes have at most 16).
+pub const MAX_MINOR: u32 = 64;
+
+/// Where `--gpu-memory` is the inventory (NVML absent), why it cannot be: its count is not
+/// the count of the node's GPU device files.
+pub fn flag_mismatch(flag: &[u64], device_files: &[u32], pattern: &str) -> Option<String> {
+    (!flag.is_empty() && !device_files.is_empty() && flag.len() != device_files.len()).then(|| {
+        format!(
+            "NVML is absent and --gpu-memory gives {} size(s), but the node has {} GPU device files ({} for minors {device_files:?}): \
+             give one size per GPU (e.g. --gpu-memory={}), or give the agent the driver's NVML (--host-root, --nvml)",
+            flag.len(),
+            device_files.len(),
+            pattern,
+            vec!["80Gi"; device_files.len()].join(",")
+        )
+    })
 }
 
 impl Tracker {
     /// Runs until `stop` (or the driver view's sender is gone at the stop).
     pub async fn run(self, mut driver: watch::Receiver<Arc<DriverView>>, sender: watch::Sender<Option<Arc<Inventory>>>, mut stop: watch::Receiver<bool>) -> anyhow::Result<()> {
         let mut warned = false;
+        let files = device_files(&self.device_file);
         loop {
             let seen = from_view(&driver.borrow_and_update(), &self.flag, self.reserve);
+            if seen.as_ref().is_some_and(|seen| seen.source == Source::Flag) {
+                if let Some(mismatch) = flag_mismatch(&self.flag, &files, &self.device_file) {
+                    anyhow::bail!("{mismatch}");
+                }
+            }
             if let Some(seen) = seen.filter(|seen| sender.borrow().as_deref() != Some(seen)) {
                 info!(source = seen.source.name(), gpus = ?seen.gpus.iter().map(|g| (g.index, g.memory)).collect::<Vec<_>>(), "the node's GPUs");
                 if seen.source == Source::Flag {
@@ -249,11 +295,49 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn without_nvml_a_flag_of_another_count_than_the_device_files_stops_the_tracker_saying_both() {
+        let dir = std::env::temp_dir().join(format!("vramguard-inventory-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        for minor in [0, 1, 3] {
+            std::fs::write(dir.join(format!("nvidia{minor}")), b"").expect("a device file stand-in");
+        }
+        std::fs::write(dir.join("nvidiactl"), b"").expect("not a GPU");
+        let pattern = format!("{}/nvidia{{minor}}", dir.display());
+        assert_eq!(device_files(&pattern), [0, 1, 3]);
+        let run = |flag: Vec<u64>, state: State| {
+            let (driver_tx, driver_rx) = watch::channel(Arc::new(view(state, vec![device(0, Some(80 * GIB))])));
+            let (sender, shared) = watch::channel(None);
+            let (stop_tx, stop) = watch::channel(false);
+            let tracker = Tracker { flag, reserve: 0, device_file: pattern.clone() };
+            async move {
+                // Kept while the tracker runs: it ends when its senders are gone.
+                let _senders = (driver_tx, stop_tx);
+                let ended = tokio::time::timeout(std::time::Duration::from_millis(200), tracker.run(driver_rx, sender, stop)).await;
+                (ended, shared.borrow().clone())
+            }
+        };
+        let (ended, shared) = run(vec![80 * GIB], State::Absent).await;
+        let error = ended.expect("ended at once").expect_err("one size for three GPUs");
+        let said = format!("{error:#}");
+        assert!(said.contains("gives 1 size(s), but the node has 3 GPU device files") && said.contains("--gpu-memory=80Gi,80Gi,80Gi"), "{said}");
+        assert_eq!(shared, None, "nothing published from a flag that does not match");
+        let (ended, shared) = run(vec![80 * GIB; 3], State::Absent).await;
+        assert!(ended.is_err(), "one per GPU: the tracker runs on");
+        assert_eq!(shared.map(|i| i.gpus.len()), Some(3));
+        // NVML answers: the flag is not the inventory, whatever its count.
+        let (ended, shared) = run(vec![80 * GIB], State::Ok).await;
+        assert!(ended.is_err(), "runs on");
+        assert_eq!(shared.map(|i| i.source), Some(Source::Nvml));
+        assert_eq!(flag_mismatch(&[GIB], &[], "p"), None, "no device file seen: the flag as given");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test]
     async fn the_tracker_keeps_the_last_good_inventory_and_sends_changes_only() {
         let (driver_tx, driver_rx) = watch::channel(Arc::new(view(State::Starting, vec![])));
         let (sender, mut shared) = watch::channel(None);
         let (stop_tx, stop) = watch::channel(false);
-        let task = tokio::spawn(Tracker { flag: vec![8 * GIB], reserve: GIB }.run(driver_rx, sender, stop));
+        let task = tokio::spawn(Tracker { flag: vec![8 * GIB], reserve: GIB, device_file: "/nonexistent/nvidia{minor}".into() }.run(driver_rx, sender, stop));
         driver_tx.send_replace(Arc::new(view(State::Ok, vec![device(0, Some(80 * GIB)), device(1, Some(80 * GIB))])));
         shared.changed().await.expect("sent");
         let first = shared.borrow_and_update().clone().expect("two GPUs");

@@ -113,6 +113,13 @@ pub struct RunArgs {
     /// Probe only the --libcuda files: do not scan processes and the usual install paths.
     #[arg(long)]
     pub no_discover: bool,
+    /// The host's root directory as the agent sees it (the DaemonSet mounts the host's `/`
+    /// read-only at `/host`): the driver's libcuda and NVML are looked for at the known
+    /// install directories under it (the GPU operator's `/run/nvidia/driver` first, then
+    /// Debian's, RHEL's, GKE's, ...), symlinks resolved inside it; the one found is logged and
+    /// in `vramguard audit`. Default: `/` (an agent running on the host).
+    #[arg(long, default_value = "/", value_name = "DIR")]
+    pub host_root: PathBuf,
     /// At most this many libcuda files found in one container's (cgroup's) processes get
     /// probes; more are logged once and counted.
     #[arg(long, default_value_t = 4, value_name = "N")]
@@ -322,8 +329,17 @@ pub async fn run(args: RunArgs) -> Result<()> {
     for path in &args.libcuda {
         discovery.add_operator_file(path, &mut kernel.attacher())?;
     }
+    // The driver's libraries where the host installed them (none looked for with
+    // --no-discover: the operator named every file).
+    let installed = (!args.no_discover).then(|| driver::install::find(&args.host_root));
+    if let Some(found) = &installed {
+        match &found.libcuda {
+            Some(_) => info!(host_root = %args.host_root.display(), "the driver's libraries: {}", found.describe()),
+            None => warn!(host_root = %args.host_root.display(), "the driver's libraries: {}", found.describe()),
+        }
+    }
     if !args.no_discover {
-        discovery.add_well_known(&mut kernel.attacher());
+        discovery.add_well_known(installed.as_ref().and_then(|found| found.libcuda.as_deref()), &mut kernel.attacher());
         // The first scan, on the blocking pool (health answers meanwhile): the agent starts
         // with what the running processes map already probed.
         let scanned = tokio::task::spawn_blocking(move || {
@@ -335,8 +351,10 @@ pub async fn run(args: RunArgs) -> Result<()> {
     if discovery.probed().next().is_none() {
         bail!(
             "no libcuda found: none given with --libcuda, none mapped by a running process, none \
-             at {} ({} files skipped: see the log). Give --libcuda PATH (the host's libcuda.so.1)",
+             at {} and {} ({} files skipped: see the log). Give --host-root DIR (the host's / as the agent sees it) \
+             or --libcuda PATH (the host's libcuda.so.1)",
             discovery::well_known_paths(),
+            installed.as_ref().map_or_else(|| "(--no-discover)".to_string(), driver::install::Found::describe),
             discovery.stats().skipped.len()
         );
     }
@@ -390,7 +408,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
     let (holders_tx, holders_rx) = watch::channel(Arc::new(BTreeMap::new()));
     let (found_tx, found_rx) = watch::channel(Arc::new(Found::of(&discovery)));
     let (audits_tx, audits_rx) = mpsc::channel(AUDIT_QUEUE);
-    let (driver_tx, driver_rx) = watch::channel(Arc::new(DriverView::default()));
+    let first_view = DriverView { status: driver::DriverStatus { install: installed.as_ref().map(driver::install::Found::describe), ..Default::default() }, ..Default::default() };
+    let (driver_tx, driver_rx) = watch::channel(Arc::new(first_view));
     let mut provisioned_limits = None;
     let mut pins = None;
     let provisioning = match provisioner.as_ref() {
@@ -479,7 +498,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
             }
             let wanted = provisioner.clone();
             let task = driver_limits::Task {
-                candidates: driver::locate(args.nvml.as_deref(), &args.libcuda),
+                candidates: driver::locate(args.nvml.as_deref(), &args.libcuda, installed.as_ref()),
                 cgroup_root: crate::cgroup::cgroup2_mount(),
                 // The provisioned containers', then the limits file's other cgroups'.
                 wants: Box::new(move || {
@@ -532,14 +551,14 @@ pub async fn run(args: RunArgs) -> Result<()> {
     let read_seconds = driver::task::read_seconds()?;
     judge.metrics.register(Box::new(read_seconds.clone()))?;
     let driver_task = Driver {
-        candidates: driver::locate(args.nvml.as_deref(), &args.libcuda),
+        candidates: driver::locate(args.nvml.as_deref(), &args.libcuda, installed.as_ref()),
         read_seconds,
         device_file: args.gpu_device_file.clone(),
         state_dir: Some(args.provision.state_dir.clone()),
     };
     tasks.spawn_unit("driver", driver_task.run(driver_tx, liveness.register("driver", DRIVER_ALLOWED), stop.clone()));
     let reserve = if args.dra.dra { args.dra_slices.dra_memory_reserve } else { 0 };
-    tasks.spawn("inventory", inventory::Tracker { flag: args.provision.gpu_memory.clone(), reserve }.run(driver_rx.clone(), gpus_tx, stop.clone()));
+    tasks.spawn("inventory", inventory::Tracker { flag: args.provision.gpu_memory.clone(), reserve, device_file: args.gpu_device_file.clone() }.run(driver_rx.clone(), gpus_tx, stop.clone()));
     let mut dra_status = None;
     if args.dra.dra {
         let slices = crate::dra::slices::Publisher::start(&args.dra_slices, &dra_node, liveness.register("dra-slices", crate::dra::slices::ALLOWED)).await?;
@@ -611,7 +630,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
 }
 
 /// The provisioner `--nri` asks for, with its quota sources, and the node's advertised
-/// capacity (with `--kube` and `--gpu-memory`); `None` without `--nri`.
+/// capacity (with `--kube`, without `--dra`: the inventory's GPUs); `None` without `--nri`.
 async fn provisioner(args: &RunArgs, gpus: inventory::Shared, limiter: driver_limits::Limiter) -> Result<Option<(Arc<Provisioner>, Option<provision::kube::Capacity>)>> {
     let wanted = &args.provision;
     if !wanted.nri {
@@ -638,12 +657,9 @@ async fn provisioner(args: &RunArgs, gpus: inventory::Shared, limiter: driver_li
             let capacity = if args.dra.dra {
                 info!("--dra: the node's GPUs are published as DRA devices; the node-wide vramguard.io/gpu-memory is not advertised");
                 None
-            } else if wanted.gpu_memory.is_empty() {
-                warn!("no --gpu-memory: the node's vramguard.io/gpu-memory capacity is not advertised");
-                None
             } else {
                 let every = wanted.kube.capacity_every();
-                Some(provision::kube::Capacity::start(client, node, wanted.gpu_memory.clone(), wanted.kube.overcommit, every)?)
+                Some(provision::kube::Capacity::start(client, node, gpus.clone(), wanted.kube.overcommit, every)?)
             };
             (Some(pods), capacity)
         }
@@ -657,11 +673,9 @@ async fn provisioner(args: &RunArgs, gpus: inventory::Shared, limiter: driver_li
     if !args.no_driver_limits {
         provisioner = provisioner.with_driver_limits(limiter);
     }
-    // With --dra the NRI side sizes the node by the DRA driver's inventory (NVML's); without
-    // it, by --gpu-memory as before (NVML's sizing of that path is still to come).
-    if args.dra.dra {
-        provisioner = provisioner.with_inventory(gpus);
-    }
+    // The NRI side sizes the node by the agent's inventory (NVML's; --gpu-memory's where NVML
+    // is absent), as the DRA driver does.
+    let provisioner = provisioner.with_inventory(gpus);
     Ok(Some((Arc::new(provisioner), capacity)))
 }
 

@@ -431,9 +431,14 @@ async fn a_pod_not_cached_yet_is_fetched_directly() {
 async fn the_node_capacity_is_patched_and_reasserted() {
     let mock = Mock::start(None).await;
     let every = Duration::from_millis(50);
-    let capacity = Capacity::start(client(&mock.url(), None, None), NODE, vec![80 * GI, 80 * GI], 1.0, every).expect("start");
-    assert_eq!(capacity.bytes(), 160 * GI);
+    // The node's GPUs: none known yet (NVML not read), then NVML's two.
+    let (gpus, inventory) = tokio::sync::watch::channel(None);
+    let capacity = Capacity::start(client(&mock.url(), None, None), NODE, inventory, 1.0, every).expect("start");
     let is_patch = |r: &Recorded| r.method == "PATCH";
+    tokio::time::sleep(every * 4).await;
+    assert_eq!(mock.count(|_| true), 0, "nothing is advertised before the inventory has a GPU");
+    assert!(!capacity.state().asserted());
+    gpus.send_replace(Some(std::sync::Arc::new(agent::inventory::from_flag(&[80 * GI, 80 * GI], 0))));
     eventually("the first patch", || mock.count(is_patch) == 1).await;
     let patch = mock.requests().into_iter().find(is_patch).expect("patch");
     assert_eq!(path(&patch), "/api/v1/nodes/node-a/status");
@@ -467,6 +472,17 @@ async fn the_node_capacity_is_patched_and_reasserted() {
     // The agent counts a patch once its answer is back: after the server has it.
     eventually("three patches counted", || capacity.state().patches() == 3).await;
     assert!(capacity.state().connected());
+
+    // A GPU gone from the inventory: the new sum at once, not after a period.
+    let slow = Mock::start(None).await;
+    let (gpus, inventory) = tokio::sync::watch::channel(Some(std::sync::Arc::new(agent::inventory::from_flag(&[80 * GI, 80 * GI], 0))));
+    let capacity = Capacity::start(client(&slow.url(), None, None), NODE, inventory, 1.5, Duration::from_secs(3600)).expect("start");
+    eventually("the first patch", || slow.count(is_patch) == 1).await;
+    assert_eq!(slow.with(|s| s.node["status"]["capacity"]["vramguard.io/gpu-memory"].clone()), json!((240 * GI).to_string()), "times the overcommit");
+    gpus.send_replace(Some(std::sync::Arc::new(agent::inventory::from_flag(&[80 * GI], 0))));
+    eventually("the new sum", || slow.count(is_patch) == 2).await;
+    assert_eq!(slow.with(|s| s.node["status"]["capacity"]["vramguard.io/gpu-memory"].clone()), json!((120 * GI).to_string()));
+    drop(capacity);
 }
 
 #[tokio::test]

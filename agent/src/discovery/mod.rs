@@ -331,14 +331,15 @@ impl Discovery {
         }
     }
 
-    /// Probes the libcuda files at the usual host install paths; a bad one is logged.
-    pub fn add_well_known(&mut self, prober: &mut dyn Prober) {
-        for path in WELL_KNOWN {
-            let opened = match open_path(Path::new(path)) {
+    /// Probes the libcuda files at the usual host install paths, and `installed` (the one
+    /// found under the host's root, `crate::driver::install`); a bad one is logged.
+    pub fn add_well_known(&mut self, installed: Option<&Path>, prober: &mut dyn Prober) {
+        for path in installed.into_iter().chain(WELL_KNOWN.iter().map(Path::new)) {
+            let opened = match open_path(path) {
                 Ok(opened) => opened,
                 Err(error) if error.downcast_ref::<std::io::Error>().map(std::io::Error::kind) == Some(std::io::ErrorKind::NotFound) => continue,
                 Err(error) => {
-                    warn!(path, error = %format!("{error:#}"), "skipped a well-known libcuda path");
+                    warn!(path = %path.display(), error = %format!("{error:#}"), "skipped a well-known libcuda path");
                     continue;
                 }
             };

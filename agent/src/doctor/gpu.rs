@@ -84,10 +84,12 @@ pub struct Facts {
 }
 
 impl Facts {
-    /// Loads NVML as `run` would (`--nvml`, else beside `--libcuda`, else the usual places),
-    /// on a thread of its own, waiting [`NVML_BUDGET`] at most; then looks at the device files.
-    pub fn read(nvml: Option<&Path>, libcuda: &[PathBuf], dev_dir: &Path) -> Facts {
-        let candidates = driver::locate(nvml, libcuda);
+    /// Loads NVML as `run` would (`--nvml`, else beside `--libcuda`, else where the driver's
+    /// install under the host's `root` has it, else the usual places), on a thread of its
+    /// own, waiting [`NVML_BUDGET`] at most; then looks at the device files.
+    pub fn read(nvml: Option<&Path>, libcuda: &[PathBuf], root: &Path, dev_dir: &Path) -> Facts {
+        let installed = driver::install::find(root);
+        let candidates = driver::locate(nvml, libcuda, Some(&installed));
         let (sender, receiver) = std::sync::mpsc::channel();
         let asked = std::thread::Builder::new().name("vramguard-doctor-nvml".into()).spawn(move || {
             let _ = sender.send(ask(&candidates));
@@ -394,7 +396,7 @@ mod tests {
     #[test]
     fn reads_no_nvml_where_there_is_none() {
         let dir = std::env::temp_dir();
-        let facts = Facts::read(Some(Path::new("/nonexistent/libnvidia-ml.so.1")), &[], &dir);
+        let facts = Facts::read(Some(Path::new("/nonexistent/libnvidia-ml.so.1")), &[], &dir, &dir);
         assert!(matches!(&facts.nvml, Err((State::Absent, _))), "{:?}", facts.nvml);
         assert_eq!(nvml(&facts).status, Status::Warn);
         assert_eq!(facts.files.keys().collect::<Vec<_>>(), ["nvidia-uvm", "nvidiactl"]);

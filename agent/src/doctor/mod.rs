@@ -162,7 +162,7 @@ pub fn checks(args: &DoctorArgs) -> anyhow::Result<Vec<Check>> {
     };
     checks.extend(containerd::checks(&containerd::Facts::read(&config, &socket_host, &socket_seen), &args.cdi_dir));
     let dev_dir = args.dev_dir.clone().unwrap_or_else(|| under(&args.root, "/dev"));
-    checks.extend(gpu::checks(&gpu::Facts::read(args.nvml.as_deref(), &args.libcuda, &dev_dir)));
+    checks.extend(gpu::checks(&gpu::Facts::read(args.nvml.as_deref(), &args.libcuda, &args.root, &dev_dir)));
     if args.kube {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         checks.extend(runtime.block_on(kube::checks(&args.api, args.node.as_deref())));

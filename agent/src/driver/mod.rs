@@ -31,6 +31,7 @@
 //! processes left out, and says why (`mig` in the status, and the log once).
 pub mod gap;
 pub mod holders;
+pub mod install;
 pub mod listed;
 pub mod nvml;
 pub mod task;
@@ -52,13 +53,15 @@ const WELL_KNOWN_DIRS: [&str; 4] =
     ["/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/local/nvidia/lib64", "/usr/lib/aarch64-linux-gnu"];
 
 /// The candidate NVML files, in the order they are tried: the operator's `--nvml` (alone,
-/// when given), else `libnvidia-ml.so.1` beside each `--libcuda` file, else at the usual
-/// install directories.
-pub fn locate(operator: Option<&Path>, libcuda: &[PathBuf]) -> Vec<PathBuf> {
+/// when given), else `libnvidia-ml.so.1` beside each `--libcuda` file, then what [`install`]
+/// found under the host's root (and the name in each of its known directories there), then
+/// the usual install directories of the agent's own root.
+pub fn locate(operator: Option<&Path>, libcuda: &[PathBuf], found: Option<&install::Found>) -> Vec<PathBuf> {
     if let Some(path) = operator {
         return vec![path.to_path_buf()];
     }
     let mut candidates: Vec<PathBuf> = libcuda.iter().filter_map(|file| file.parent()).map(|dir| dir.join(LIBRARY)).collect();
+    candidates.extend(found.map(install::Found::nvml_candidates).unwrap_or_default());
     candidates.extend(WELL_KNOWN_DIRS.iter().map(|dir| Path::new(dir).join(LIBRARY)));
     let mut seen = std::collections::BTreeSet::new();
     candidates.retain(|path| seen.insert(path.clone()));
@@ -120,13 +123,16 @@ pub struct DriverStatus {
     /// Each GPU's memory as the last read found it, and what no row explains of it.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub devices: Vec<DeviceMemory>,
+    /// Where the driver's libraries were found at the agent's start ([`install::Found::describe`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub install: Option<String>,
 }
 
 impl DriverStatus {
     /// What `vramguard audit`'s table says below the state: the GPUs in MIG mode, the pid
     /// namespace if it is not the host's, and the processes not joined.
     pub fn notes(&self) -> Vec<String> {
-        let mut notes = Vec::new();
+        let mut notes: Vec<String> = self.install.iter().map(|found| format!("driver libraries: {found}")).collect();
         for mig in &self.mig {
             notes.push(match &mig.unread {
                 None => format!("GPU {} in MIG mode: read per MIG device ({} read)", mig.index, mig.instances),
@@ -196,7 +202,7 @@ pub fn foreign_pid_namespace() -> Option<String> {
 
 impl Default for DriverStatus {
     fn default() -> DriverStatus {
-        DriverStatus { state: State::Starting, reason: None, library: None, reads: 0, mig: Vec::new(), pid_namespace: None, unjoined: Vec::new(), devices: Vec::new() }
+        DriverStatus { state: State::Starting, reason: None, library: None, reads: 0, mig: Vec::new(), pid_namespace: None, unjoined: Vec::new(), devices: Vec::new(), install: None }
     }
 }
 
@@ -266,12 +272,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_operators_path_comes_alone_then_beside_libcuda_then_the_usual_places() {
-        assert_eq!(locate(Some(Path::new("/x/nvml.so")), &[PathBuf::from("/d/libcuda.so.1")]), [PathBuf::from("/x/nvml.so")]);
-        let found = locate(None, &[PathBuf::from("/d/libcuda.so.1"), PathBuf::from("/usr/lib64/libcuda.so.1")]);
+    fn the_operators_path_comes_alone_then_beside_libcuda_then_the_host_s_then_the_usual_places() {
+        assert_eq!(locate(Some(Path::new("/x/nvml.so")), &[PathBuf::from("/d/libcuda.so.1")], None), [PathBuf::from("/x/nvml.so")]);
+        let found = locate(None, &[PathBuf::from("/d/libcuda.so.1"), PathBuf::from("/usr/lib64/libcuda.so.1")], None);
         assert_eq!(found[0], PathBuf::from("/d/libnvidia-ml.so.1"));
         assert_eq!(found[1], PathBuf::from("/usr/lib64/libnvidia-ml.so.1"));
         assert_eq!(found.iter().filter(|p| p.starts_with("/usr/lib64")).count(), 1, "{found:?}");
         assert_eq!(found.len(), 1 + WELL_KNOWN_DIRS.len());
+        let host = install::Found { root: "/host".into(), dir: Some("usr/lib64"), layout: None, libcuda: None, nvml: Some("/host/usr/lib64/libnvidia-ml.so.580".into()) };
+        let found = locate(None, &[PathBuf::from("/d/libcuda.so.1")], Some(&host));
+        assert_eq!(found[..3], [PathBuf::from("/d/libnvidia-ml.so.1"), "/host/usr/lib64/libnvidia-ml.so.580".into(), "/host/run/nvidia/driver/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1".into()]);
+        assert_eq!(found.last(), Some(&Path::new(WELL_KNOWN_DIRS[3]).join(LIBRARY)), "the agent's own places last");
     }
 }

@@ -118,7 +118,7 @@ impl Driver {
                     match answer {
                         Ok((read, unjoined)) => {
                             reads += 1;
-                            let status = DriverStatus { state: State::Ok, reason: None, library, reads, mig: read.mig, pid_namespace: pid_namespace.clone(), unjoined, devices: read.devices };
+                            let status = DriverStatus { state: State::Ok, reason: None, library, reads, mig: read.mig, pid_namespace: pid_namespace.clone(), unjoined, devices: read.devices, install: None };
                             publish(&view, status, Some((read.processes, started.unwrap_or_else(Instant::now))));
                         }
                         Err(trouble) => publish(&view, DriverStatus { state: trouble.state, reason: Some(trouble.reason), library, reads, ..Default::default() }, None),
@@ -130,8 +130,11 @@ impl Driver {
 }
 
 /// Publishes a new view, logging once per change of state (or of reason while not `ok`).
-fn publish(view: &watch::Sender<Arc<DriverView>>, status: DriverStatus, read: Option<(BTreeMap<u32, super::DriverProcess>, Instant)>) {
+/// Where the driver's libraries were found ([`DriverStatus::install`]) stays as the first view
+/// said it.
+fn publish(view: &watch::Sender<Arc<DriverView>>, mut status: DriverStatus, read: Option<(BTreeMap<u32, super::DriverProcess>, Instant)>) {
     let before = view.borrow().status.clone();
+    status.install = before.install.clone();
     if status.state == State::Ok {
         tell_what_is_not_joined(&before, &status);
     }

@@ -226,11 +226,12 @@ pub struct Provisioner {
     sources: Sources,
     hook: PathBuf,
     preload: PathBuf,
-    /// `--gpu-memory`: each GPU's memory where NVML is absent (empty: unknown, one GPU assumed).
+    /// `--gpu-memory`: each GPU's memory before the inventory has GPUs (empty: unknown, one
+    /// GPU assumed).
     gpu_memory: Vec<u64>,
-    /// The node's GPUs as the agent's [`crate::inventory`] has them (NVML's, where it
-    /// answers): what the DRA driver publishes and prepares from; wins over `gpu_memory`
-    /// (given with `--dra` only).
+    /// The node's GPUs as the agent's [`crate::inventory`] has them (NVML's where it answers,
+    /// `--gpu-memory`'s where NVML is absent): what the DRA driver publishes and prepares
+    /// from, and what the NRI side sizes with; wins over `gpu_memory`.
     gpus: crate::inventory::Shared,
     /// Where the driver's own per-cgroup limits are asked for at StartContainer (`None`:
     /// not asked; the limits task's passes still set them).
@@ -278,7 +279,7 @@ impl Provisioner {
         if !hook.is_file() {
             return Err(format!("--hook-library {} is not a file", args.hook_library.display()));
         }
-        let sizing = store::Sizing { processes: args.max_processes_per_container, gpu_memory: args.gpu_memory.clone() };
+        let sizing = store::Sizing { processes: args.max_processes_per_container, gpu_memory: args.gpu_memory.clone(), gpus: crate::inventory::fixed(None) };
         let store = Store::open(&args.state_dir, ledger_dir, mounts)?.sized(sizing);
         let preload = args.state_dir.join("ld.so.preload");
         std::fs::write(&preload, format!("{}\n", provisioned::HOOK)).map_err(|e| format!("cannot write {}: {e}", preload.display()))?;
@@ -349,9 +350,11 @@ impl Provisioner {
         self.sources.kube.as_ref().map(|pods| pods.state().synced())
     }
 
-    /// The provisioner that sizes the node by `gpus` (the agent's inventory) where it has one.
+    /// The provisioner that sizes the node, and its ledgers, by `gpus` (the agent's
+    /// inventory) where it has one.
     pub fn with_inventory(self, gpus: crate::inventory::Shared) -> Provisioner {
-        Provisioner { gpus, ..self }
+        let store = self.store.resized(gpus.clone());
+        Provisioner { gpus, store, ..self }
     }
 
     /// Asks `limiter` for the driver's own limits of each provisioned container as it starts.
@@ -387,10 +390,7 @@ impl Provisioner {
 
     /// GPU `index`'s memory: the inventory's, else `--gpu-memory`'s.
     fn gpu_memory_of(&self, index: usize) -> Option<u64> {
-        if let Some(inventory) = self.gpus.borrow().as_ref().filter(|inventory| !inventory.gpus.is_empty()) {
-            return u32::try_from(index).ok().and_then(|index| inventory.gpu(index)).map(|gpu| gpu.memory);
-        }
-        self.gpu_memory.get(index).copied()
+        crate::inventory::memory_of(&self.gpus, &self.gpu_memory, index)
     }
 
     /// How many containers with a quota were held to every GPU since the agent started because

@@ -49,7 +49,7 @@ pub struct Record {
     pub cgroups_path: String,
     /// The quota on each GPU, in bytes.
     pub quota: u64,
-    /// The node's GPUs (`--gpu-memory`'s count).
+    /// The node's GPUs (the inventory's index range when the container was provisioned).
     pub devices: u32,
     /// The GPUs the runtime gave the container, as indices of the node's, in order: the
     /// ledger's devices (ledger device `i` is GPU `gpus[i]`, the container's driver ordinal
@@ -106,8 +106,11 @@ pub struct Provisioned {
 pub struct Sizing {
     /// Processes of one container that may use the GPU at once: the ledger's slots.
     pub processes: u32,
-    /// Each GPU's memory (empty: unknown), the most a device's limit is made.
+    /// Each GPU's memory before the inventory has GPUs (`--gpu-memory`; empty: unknown), the
+    /// most a device's limit is made.
     pub gpu_memory: Vec<u64>,
+    /// The node's GPUs ([`crate::inventory`]), whose memory wins over `gpu_memory`.
+    pub gpus: crate::inventory::Shared,
 }
 
 /// The slots of a provisioned ledger when nothing says otherwise (`--max-processes-per-container`).
@@ -115,7 +118,7 @@ pub const DEFAULT_PROCESSES: u32 = 128;
 
 impl Default for Sizing {
     fn default() -> Sizing {
-        Sizing { processes: DEFAULT_PROCESSES, gpu_memory: Vec::new() }
+        Sizing { processes: DEFAULT_PROCESSES, gpu_memory: Vec::new(), gpus: crate::inventory::fixed(None) }
     }
 }
 
@@ -131,7 +134,7 @@ impl Sizing {
                 .enumerate()
                 .map(|(i, &gpu)| {
                     let quota = record.quota_on(i);
-                    self.gpu_memory.get(gpu as usize).map_or(quota, |&memory| quota.min(memory))
+                    crate::inventory::memory_of(&self.gpus, &self.gpu_memory, gpu as usize).map_or(quota, |memory| quota.min(memory))
                 })
                 .collect(),
         };
@@ -171,6 +174,12 @@ impl Store {
 
     /// The store, its ledgers sized by `sizing`.
     pub fn sized(self, sizing: Sizing) -> Store {
+        Store { sizing, ..self }
+    }
+
+    /// The store sizing its ledgers by the inventory `gpus` too.
+    pub fn resized(self, gpus: crate::inventory::Shared) -> Store {
+        let sizing = Sizing { gpus, ..self.sizing };
         Store { sizing, ..self }
     }
 
@@ -461,7 +470,7 @@ mod tests {
     fn ledgers_are_sized_by_quota_processes_and_gpu_memory() {
         let root = std::env::temp_dir().join(format!("vramguard-store-sized-{}", std::process::id()));
         let _ = fs::remove_dir_all(&root);
-        let sizing = Sizing { processes: 16, gpu_memory: vec![8 << 30, 8 << 30, 8 << 30, 4 << 30] };
+        let sizing = Sizing { processes: 16, gpu_memory: vec![8 << 30, 8 << 30, 8 << 30, 4 << 30], gpus: crate::inventory::fixed(None) };
         let store = Store::open(&root.join("state"), &root.join("ledgers"), None).expect("store").sized(sizing);
         let tiny = store.create(Record { quota: 1, ..record("t1") }).expect("a 1-byte quota is provisioned");
         assert_eq!((tiny.header.slot_count, tiny.header.devices[0].limit, tiny.header.devices[0].chunks), (16, 0, 0));

@@ -1,5 +1,7 @@
 //! The node's advertised `vramguard.io/gpu-memory`: the sum of its GPUs' memory times the
-//! overcommit factor, in bytes. Every period the node is read (`GET`) and, when its
+//! overcommit factor, in bytes, the GPUs being the agent's inventory ([`crate::inventory`]:
+//! NVML's, `--gpu-memory`'s only where NVML is absent); nothing is advertised before the
+//! inventory has a GPU, and a change of the inventory is advertised at once. Every period the node is read (`GET`) and, when its
 //! `status.capacity` lacks the resource or holds another value (the kubelet zeroes extended
 //! resources when it believes the node was recreated), patched through the status
 //! subresource (kube's `patch_status`) with the JSON patch the API documents for extended
@@ -61,7 +63,6 @@ impl CapacityState {
 
 /// The task that keeps the node's capacity; stops when dropped.
 pub struct Capacity {
-    bytes: u64,
     state: Arc<CapacityState>,
     task: JoinHandle<()>,
     /// The task's end, until the agent's supervisor takes it ([`Capacity::take_alive`]).
@@ -75,38 +76,28 @@ impl Drop for Capacity {
 }
 
 impl Capacity {
-    /// Starts advertising `sum(bytes_per_gpu) * overcommit` bytes on `node`, checked every
-    /// `every`, on the current tokio runtime.
-    pub fn start(
-        client: Client,
-        node: &str,
-        bytes_per_gpu: Vec<u64>,
-        overcommit: f64,
-        every: Duration,
-    ) -> Result<Capacity, KubeError> {
+    /// Starts advertising `sum(the GPUs' memory) * overcommit` bytes on `node`, the GPUs
+    /// being `gpus`' (the agent's inventory), checked every `every` and whenever `gpus`
+    /// changes, on the current tokio runtime.
+    pub fn start(client: Client, node: &str, gpus: crate::inventory::Shared, overcommit: f64, every: Duration) -> Result<Capacity, KubeError> {
         valid_name("node", node)?;
-        let bytes = capacity_bytes(&bytes_per_gpu, overcommit)?;
+        capacity_bytes(&[1 << 30], overcommit)?;
         if every.is_zero() {
             return Err(KubeError::Config("the capacity's period must be more than zero".into()));
         }
         let state = Arc::new(CapacityState::default());
         let (sentinel, alive) = crate::task::sentinel();
-        let advertise = run(client, node.to_owned(), bytes, every, state.clone());
+        let advertise = run(client, node.to_owned(), gpus, overcommit, every, state.clone());
         let task = tokio::spawn(async move {
             let _sentinel = sentinel;
             advertise.await;
         });
-        Ok(Capacity { bytes, state, task, alive: Some(alive) })
+        Ok(Capacity { state, task, alive: Some(alive) })
     }
 
     /// The task's end, for the agent's supervisor (once).
     pub fn take_alive(&mut self) -> Option<crate::task::Alive> {
         self.alive.take()
-    }
-
-    /// The bytes advertised.
-    pub fn bytes(&self) -> u64 {
-        self.bytes
     }
 
     pub fn state(&self) -> &CapacityState {
@@ -118,7 +109,7 @@ impl Capacity {
 /// factor is not a positive finite number, or the result does not fit.
 pub fn capacity_bytes(bytes_per_gpu: &[u64], overcommit: f64) -> Result<u64, KubeError> {
     if bytes_per_gpu.is_empty() {
-        return Err(KubeError::Config("no GPU memory given (--gpu-memory)".into()));
+        return Err(KubeError::Config("no GPU: the node's inventory is empty".into()));
     }
     if !(overcommit.is_finite() && overcommit > 0.0) {
         return Err(KubeError::Config(format!("the overcommit factor must be a positive number, not {overcommit}")));
@@ -144,22 +135,49 @@ pub fn patch_body(bytes: u64) -> Vec<u8> {
     serde_json::json!([{ "op": "add", "path": path, "value": bytes.to_string() }]).to_string().into_bytes()
 }
 
-async fn run(client: Client, node: String, bytes: u64, every: Duration, state: Arc<CapacityState>) {
+async fn run(client: Client, node: String, mut gpus: crate::inventory::Shared, overcommit: f64, every: Duration, state: Arc<CapacityState>) {
     let mut backoff = Backoff::new(Duration::from_millis(500).min(every), every);
     let api: Api<Node> = Api::all(client);
     loop {
-        match check(&api, &node, bytes, &state).await {
-            Ok(()) => {
-                state.connected.store(true, Ordering::Relaxed);
-                kube::runtime::utils::Backoff::reset(&mut backoff);
-                tokio::time::sleep(every).await;
+        let memory: Vec<u64> = gpus.borrow_and_update().as_ref().map(|inventory| inventory.gpus.iter().map(|gpu| gpu.memory).collect()).unwrap_or_default();
+        let wait = if memory.is_empty() {
+            // No inventory yet (NVML not read, or absent without --gpu-memory): nothing to say.
+            state.asserted.store(false, Ordering::Relaxed);
+            None
+        } else {
+            match capacity_bytes(&memory, overcommit) {
+                Err(error) => {
+                    warn!("kube: the node's {RESOURCE} cannot be advertised: {error}");
+                    state.errors.fetch_add(1, Ordering::Relaxed);
+                    None
+                }
+                Ok(bytes) => match check(&api, &node, bytes, &state).await {
+                    Ok(()) => {
+                        state.connected.store(true, Ordering::Relaxed);
+                        kube::runtime::utils::Backoff::reset(&mut backoff);
+                        Some(every)
+                    }
+                    Err(error) => {
+                        warn!("kube: advertising {RESOURCE}={bytes} on node {node}: {error}");
+                        state.connected.store(false, Ordering::Relaxed);
+                        state.errors.fetch_add(1, Ordering::Relaxed);
+                        Some(backoff.next_wait())
+                    }
+                },
             }
-            Err(error) => {
-                warn!("kube: advertising {RESOURCE}={bytes} on node {node}: {error}");
-                state.connected.store(false, Ordering::Relaxed);
-                state.errors.fetch_add(1, Ordering::Relaxed);
-                tokio::time::sleep(backoff.next_wait()).await;
+        };
+        // The period, or at once when the GPUs change (never, once the inventory is gone at
+        // the agent's stop: the task is aborted then).
+        let changed = async {
+            if gpus.changed().await.is_err() {
+                std::future::pending::<()>().await;
             }
+        };
+        match wait {
+            Some(wait) => {
+                let _ = tokio::time::timeout(wait, changed).await;
+            }
+            None => changed.await,
         }
     }
 }

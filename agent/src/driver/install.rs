@@ -1,0 +1,221 @@
+//! Where the node's NVIDIA driver keeps its user-space libraries (`libcuda.so.1`, which the
+//! probes attach to, and `libnvidia-ml.so.1`, NVML), found by the agent itself so that no
+//! DaemonSet needs a per-distribution path: the known install directories are looked at under
+//! the host's root as the agent sees it (`--host-root`, the DaemonSet's read-only hostPath of
+//! `/`; `/` for an agent on the host), the NVIDIA GPU operator's driver root
+//! (`/run/nvidia/driver`, where its driver container installs a whole root) first.
+//!
+//! Each name is resolved inside that root (`openat2(2)` with `RESOLVE_IN_ROOT`): a driver's
+//! `libcuda.so.1 -> /usr/lib/...` symlink names the host's file, never the agent
+//! container's. The file found is named as the agent sees it (`/host/usr/lib/...`), the path
+//! the probes and `dlopen` use; what was found, and where, is logged and in `vramguard audit`
+//! (the driver view's `install`).
+use std::{
+    os::fd::AsRawFd,
+    path::{Path, PathBuf},
+};
+
+use nix::fcntl::{openat2, OFlag, OpenHow, ResolveFlag};
+use nix::sys::stat::Mode;
+
+/// The CUDA driver library's file name.
+pub const LIBCUDA: &str = "libcuda.so.1";
+
+/// The known install directories, relative to a root, in the order they are looked at, and
+/// whose layout each is.
+pub const KNOWN_DIRS: [(&str, &str); 10] = [
+    ("run/nvidia/driver/usr/lib/x86_64-linux-gnu", "the NVIDIA GPU operator's driver root"),
+    ("run/nvidia/driver/usr/lib64", "the NVIDIA GPU operator's driver root"),
+    ("run/nvidia/driver/usr/lib/aarch64-linux-gnu", "the NVIDIA GPU operator's driver root"),
+    ("usr/lib/x86_64-linux-gnu", "Debian and Ubuntu"),
+    ("usr/lib64", "RHEL, Fedora, SUSE and Amazon Linux"),
+    ("usr/lib/aarch64-linux-gnu", "Debian and Ubuntu on arm64"),
+    ("home/kubernetes/bin/nvidia/lib64", "GKE's Container-Optimized OS"),
+    ("usr/local/nvidia/lib64", "GKE and NVIDIA's container images"),
+    ("usr/lib/x86_64-linux-gnu/nvidia/current", "Debian's nvidia packages"),
+    ("usr/lib", "a distribution without a multiarch directory"),
+];
+
+/// What was found under a root.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Found {
+    /// The root looked under, as the agent sees it.
+    pub root: PathBuf,
+    /// The directory, relative to the root, where libcuda was found (else where NVML was).
+    pub dir: Option<&'static str>,
+    /// Whose layout that directory is.
+    pub layout: Option<&'static str>,
+    /// libcuda, as the agent sees the file (symlinks resolved inside the root).
+    pub libcuda: Option<PathBuf>,
+    /// NVML, the same way: beside libcuda when it is there, else in the first known directory
+    /// that has it.
+    pub nvml: Option<PathBuf>,
+}
+
+impl Found {
+    /// One line for the log and the audit.
+    pub fn describe(&self) -> String {
+        let file = |path: &Option<PathBuf>, name: &str| match path {
+            Some(path) => path.display().to_string(),
+            None => format!("no {name}"),
+        };
+        match (self.dir, self.layout) {
+            (Some(dir), Some(layout)) => format!(
+                "{} under {} ({layout}): {}, {}",
+                dir,
+                self.root.display(),
+                file(&self.libcuda, LIBCUDA),
+                file(&self.nvml, super::LIBRARY)
+            ),
+            _ => format!("none of {LIBCUDA} and {} at the known install directories under {}", super::LIBRARY, self.root.display()),
+        }
+    }
+
+    /// The NVML files worth trying under this root, in order: the one found, then the name in
+    /// every known directory (a driver root the GPU operator mounts later is found at NVML's
+    /// next retry).
+    pub fn nvml_candidates(&self) -> Vec<PathBuf> {
+        let mut candidates: Vec<PathBuf> = self.nvml.iter().cloned().collect();
+        candidates.extend(KNOWN_DIRS.iter().map(|(dir, _)| self.root.join(dir).join(super::LIBRARY)));
+        candidates
+    }
+}
+
+/// Looks for the driver's libraries under `root`.
+pub fn find(root: &Path) -> Found {
+    let mut found = Found { root: root.to_path_buf(), dir: None, layout: None, libcuda: None, nvml: None };
+    let Ok(dir) = std::fs::File::open(root) else {
+        return found;
+    };
+    for (known, layout) in KNOWN_DIRS {
+        let Some(libcuda) = resolve(&dir, &format!("{known}/{LIBCUDA}")) else { continue };
+        found.dir = Some(known);
+        found.layout = Some(layout);
+        found.libcuda = Some(libcuda);
+        found.nvml = resolve(&dir, &format!("{known}/{}", super::LIBRARY));
+        break;
+    }
+    if found.nvml.is_none() {
+        for (known, layout) in KNOWN_DIRS {
+            if let Some(nvml) = resolve(&dir, &format!("{known}/{}", super::LIBRARY)) {
+                found.dir = found.dir.or(Some(known));
+                found.layout = found.layout.or(Some(layout));
+                found.nvml = Some(nvml);
+                break;
+            }
+        }
+    }
+    found
+}
+
+/// `name` (relative) opened inside the root `dir` as a regular file, and named as the agent
+/// sees it: `None` where it is missing, not a regular file, or cannot be opened.
+fn resolve(dir: &std::fs::File, name: &str) -> Option<PathBuf> {
+    let how = OpenHow::new().flags(OFlag::O_PATH | OFlag::O_CLOEXEC).mode(Mode::empty()).resolve(ResolveFlag::RESOLVE_IN_ROOT | ResolveFlag::RESOLVE_NO_MAGICLINKS);
+    let fd = openat2(dir.as_raw_fd(), name, how).ok()?;
+    // SAFETY: `openat2` returned a new descriptor that nothing else owns.
+    let file = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    if !file.metadata().ok()?.is_file() {
+        return None;
+    }
+    std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd())).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::symlink;
+
+    /// A fresh directory standing for a host's root (canonical: the agent names files by
+    /// their real paths).
+    struct Root(PathBuf);
+
+    impl Root {
+        fn path(&self) -> &Path {
+            &self.0
+        }
+    }
+
+    impl Drop for Root {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn root(tag: &str) -> Root {
+        let dir = std::env::temp_dir().join(format!("vramguard-install-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("a temporary directory");
+        Root(dir.canonicalize().expect("canonical"))
+    }
+
+    fn file(root: &Path, path: &str) -> PathBuf {
+        let path = root.join(path);
+        std::fs::create_dir_all(path.parent().expect("a parent")).expect("mkdir");
+        std::fs::write(&path, b"\x7fELF").expect("write");
+        path
+    }
+
+    #[test]
+    fn the_first_known_directory_with_libcuda_wins_and_nvml_is_taken_beside_it() {
+        let root = root("first");
+        let libcuda = file(root.path(), "usr/lib64/libcuda.so.580.65.06");
+        symlink("libcuda.so.580.65.06", root.path().join("usr/lib64/libcuda.so.1")).expect("symlink");
+        let nvml = file(root.path(), "usr/lib64/libnvidia-ml.so.1");
+        file(root.path(), "usr/lib/libnvidia-ml.so.1");
+        let found = find(root.path());
+        assert_eq!(found.dir, Some("usr/lib64"));
+        assert_eq!(found.layout, Some("RHEL, Fedora, SUSE and Amazon Linux"));
+        assert_eq!(found.libcuda.as_deref(), Some(libcuda.as_path()), "the symlink's target, as the agent names it");
+        assert_eq!(found.nvml.as_deref(), Some(nvml.as_path()));
+        assert!(found.describe().contains("usr/lib64 under") && found.describe().contains("libcuda.so.580.65.06"), "{}", found.describe());
+    }
+
+    #[test]
+    fn the_gpu_operator_s_driver_root_comes_first() {
+        let root = root("operator");
+        file(root.path(), "usr/lib/x86_64-linux-gnu/libcuda.so.1");
+        let operator = file(root.path(), "run/nvidia/driver/usr/lib/x86_64-linux-gnu/libcuda.so.1");
+        let found = find(root.path());
+        assert_eq!(found.libcuda.as_deref(), Some(operator.as_path()));
+        assert_eq!(found.layout, Some("the NVIDIA GPU operator's driver root"));
+        assert_eq!(found.nvml, None, "no NVML anywhere");
+        assert!(found.describe().contains("no libnvidia-ml.so.1"), "{}", found.describe());
+    }
+
+    #[test]
+    fn an_absolute_symlink_is_resolved_inside_the_root_never_the_agent_s() {
+        let root = root("absolute");
+        // The host's alternatives link, absolute: inside the root it names the root's file.
+        let target = file(root.path(), "etc/alternatives/libcuda.so.1");
+        std::fs::create_dir_all(root.path().join("usr/lib/x86_64-linux-gnu")).expect("mkdir");
+        symlink("/etc/alternatives/libcuda.so.1", root.path().join("usr/lib/x86_64-linux-gnu/libcuda.so.1")).expect("symlink");
+        // A link that climbs out of the root stays in it too (`..` of the root is the root).
+        symlink("../../../../../../etc/hostname", root.path().join("usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1")).expect("symlink");
+        let found = find(root.path());
+        assert_eq!(found.libcuda.as_deref(), Some(target.as_path()));
+        assert_eq!(found.nvml, None, "the root has no etc/hostname: the agent's own is not taken");
+    }
+
+    #[test]
+    fn nothing_found_is_said_and_nvml_is_still_looked_for_in_every_known_directory_later() {
+        let root = root("nothing");
+        std::fs::create_dir_all(root.path().join("usr/lib64/libcuda.so.1")).expect("a directory of that name");
+        let found = find(root.path());
+        assert_eq!((found.dir, found.libcuda.as_ref(), found.nvml.as_ref()), (None, None, None));
+        assert!(found.describe().starts_with("none of libcuda.so.1 and libnvidia-ml.so.1"), "{}", found.describe());
+        let candidates = found.nvml_candidates();
+        assert_eq!(candidates.len(), KNOWN_DIRS.len());
+        assert_eq!(candidates[0], root.path().join("run/nvidia/driver/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1"));
+        assert_eq!(find(&root.path().join("missing")).libcuda, None);
+    }
+
+    #[test]
+    fn nvml_alone_is_found_where_libcuda_is_not() {
+        let root = root("nvml");
+        let nvml = file(root.path(), "usr/lib/aarch64-linux-gnu/libnvidia-ml.so.1");
+        let found = find(root.path());
+        assert_eq!((found.libcuda.as_ref(), found.nvml.as_deref(), found.dir), (None, Some(nvml.as_path()), Some("usr/lib/aarch64-linux-gnu")));
+        assert_eq!(found.nvml_candidates()[0], nvml);
+    }
+}
