@@ -138,6 +138,28 @@ pub fn fake_driver_dir() -> Result<PathBuf> {
     Ok(dir)
 }
 
+/// The driver version [`install_fake_driver`] names its files with.
+pub const INSTALLED_VERSION: &str = "580.65.06";
+
+/// Makes `root` (standing for a host's `/`) hold this test binary's fake driver at `dir`
+/// (`usr/lib/x86_64-linux-gnu`, `run/nvidia/driver/usr/lib64`, ...) as NVIDIA's packages lay
+/// it out: `libcuda.so.<version>` and `libnvidia-ml.so.<version>` ([`INSTALLED_VERSION`]),
+/// each a hard link to [`fake_driver_lib`] (a copy where it is on another file system), and
+/// `libcuda.so.1`, `libnvidia-ml.so.1` relative symlinks to them. Returns the directory.
+pub fn install_fake_driver(root: &Path, dir: &str) -> Result<PathBuf> {
+    let lib = fake_driver_lib()?;
+    let at = root.join(dir);
+    std::fs::create_dir_all(&at).with_context(|| format!("cannot create {}", at.display()))?;
+    for name in ["libcuda.so", "libnvidia-ml.so"] {
+        let file = format!("{name}.{INSTALLED_VERSION}");
+        if std::fs::hard_link(&lib, at.join(&file)).is_err() {
+            std::fs::copy(&lib, at.join(&file)).with_context(|| format!("cannot copy {} into {}", lib.display(), at.display()))?;
+        }
+        std::os::unix::fs::symlink(&file, at.join(format!("{name}.1"))).with_context(|| format!("cannot link {name}.1 in {}", at.display()))?;
+    }
+    Ok(at)
+}
+
 /// The name of a test binary without cargo's hash (`accounting-0123456789abcdef` →
 /// `accounting`), so a rebuild reuses its directory.
 fn binary_name(exe: &Path) -> String {

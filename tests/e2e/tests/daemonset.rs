@@ -224,17 +224,46 @@ struct Node {
 /// `/var/lib/vramguard`, `nri` for `/var/run/nri` (containerd sees them there).
 const SEEN_AT: [(&str, &str); 2] = [("state", "/var/lib/vramguard"), ("nri", "/var/run/nri")];
 
+/// Where a fake node installs its driver under the host's root, and how many GPUs of what
+/// size it has.
+struct Gpus {
+    /// The install directory under the host's root (`usr/lib/x86_64-linux-gnu`: Debian's).
+    driver_dir: &'static str,
+    count: u32,
+    /// `FAKECUDA_DEVICE_BYTES`.
+    bytes: &'static str,
+}
+
+/// One GPU of 8 GiB, the driver where Debian and Ubuntu install it.
+const ONE_GPU: Gpus = Gpus { driver_dir: "usr/lib/x86_64-linux-gnu", count: 1, bytes: "8g" };
+
 impl Node {
-    /// containerd with the image imported and the pod's sandbox made (no container yet).
+    /// containerd with the image imported and the pod's sandbox made (no container yet), on a
+    /// node of one GPU with the driver where Debian installs it.
     fn new(tag: &str) -> Result<Node> {
+        Node::with_gpus(tag, &ONE_GPU)
+    }
+
+    /// [`Node::new`] on a node of `gpus`.
+    fn with_gpus(tag: &str, gpus: &Gpus) -> Result<Node> {
         let dir = TempDir::new(tag)?;
         for sub in ["state", "nri", "limits", "run"] {
             std::fs::create_dir_all(dir.path().join(sub))?;
         }
-        let binds: Vec<(PathBuf, PathBuf)> = SEEN_AT.iter().map(|(d, p)| (dir.path().join(d), PathBuf::from(p))).collect();
+        // The host's root: the driver's libraries where this node's distribution has them. A
+        // host's `/` is a shared mount (systemd makes it so), which the manifest's
+        // HostToContainer propagation needs: the stand-in is bound onto itself, shared, in
+        // containerd's namespace.
+        let host_root = dir.path().join("host-root");
+        e2e::install_fake_driver(&host_root, gpus.driver_dir)?;
+        let mut binds: Vec<(PathBuf, PathBuf)> = SEEN_AT.iter().map(|(d, p)| (dir.path().join(d), PathBuf::from(p))).collect();
+        binds.push((host_root.clone(), host_root));
         let containerd = Containerd::start_seeing(&dir.path().join("nri/nri.sock"), &binds)?;
         containerd.import(&archive()?)?;
-        let fake = FakeNode::new(tag).with_env("FAKECUDA_DEVICE_BYTES", "8g").with_env("FAKECUDA_CONTEXT_BYTES", "518m");
+        let fake = FakeNode::new(tag)
+            .with_env("FAKECUDA_DEVICE_BYTES", gpus.bytes)
+            .with_env("FAKECUDA_DEVICE_COUNT", gpus.count.to_string())
+            .with_env("FAKECUDA_CONTEXT_BYTES", "518m");
         let pod = containerd.host_pid_pod("vramguard-agent-e2e", "vramguard-system", &format!("uid-{tag}"))?;
         let metrics_port = free_port()?;
         Ok(Node { dir, fake, containerd, pod, agent: None, inits: Vec::new(), metrics_port })
@@ -244,18 +273,11 @@ impl Node {
     fn volume_source(&self, volume: &Value) -> Result<PathBuf> {
         let name = volume["name"].as_str().context("a volume without a name")?;
         if let Some(path) = volume["hostPath"]["path"].as_str() {
-            return Ok(match name {
-                // The host's NVIDIA driver directory: here a directory of the test holding the
-                // fake driver as libcuda.so.1 and, beside it, libnvidia-ml.so.1 (copies: the
-                // build's are links out of their directory), so `--libcuda` stays as written.
-                "driver" => {
-                    let dir = self.dir.path().join("driver");
-                    std::fs::create_dir_all(&dir)?;
-                    for file in ["libcuda.so.1", "libnvidia-ml.so.1"] {
-                        std::fs::copy(e2e::fake_driver_dir()?.join(file), dir.join(file))?;
-                    }
-                    dir
-                }
+            return Ok(match path {
+                // The host's root: here a directory of the test holding only the fake driver,
+                // installed as the node's distribution does (`Node::with_gpus`), so that
+                // `--host-root` stays as written and the agent finds it there itself.
+                "/" => self.dir.path().join("host-root"),
                 // Everything else is the host path itself: `state` and `nri` are the test's
                 // directories there in containerd's namespace; tracefs and BTF the machine's.
                 _ => PathBuf::from(path),
@@ -328,8 +350,8 @@ impl Node {
             // of 9400/9401 on every address.
             "--metrics-addr" => vec![format!("--metrics-addr=127.0.0.1:{}", self.metrics_port)],
             "--health-addr" => vec![format!("--health-addr=127.0.0.1:{}", free_port()?)],
-            // Everything else as written (`--libcuda=/host/driver/libcuda.so.1`: the driver
-            // volume is the fake driver's directory).
+            // Everything else as written (`--host-root=/host`: the volume is the test's stand-in
+            // for the host's root, holding the fake driver).
             _ => vec![arg.to_string()],
         })
     }
@@ -380,6 +402,13 @@ impl Node {
         self.start(None)?;
         self.wait_ready()?;
         Ok((code, log))
+    }
+
+    /// Waits until the driver view (NVML) reads; its audit entry.
+    fn driver_ok(&self) -> Result<Value> {
+        wait_for(timeout(), "the driver view (NVML) ok", || Ok(self.audit()?["driver"]["state"] == "ok"))
+            .with_context(|| format!("{}\n{}", self.audit().map(|a| a["driver"].clone()).unwrap_or_default(), self.agent_log()))?;
+        Ok(self.audit()?["driver"].clone())
     }
 
     fn agent(&self) -> Result<&ContainerId> {
@@ -554,10 +583,15 @@ fn the_daemonset_pod_runs_the_agent_with_the_manifest_privileges() -> Result<()>
     let record = audit["provisioned"].as_array().into_iter().flatten().find(|r| r["container_id"] == main.0.as_str()).cloned();
     let record = record.with_context(|| format!("the agent has no record of the workload: {audit}"))?;
     ensure!(record["quota"] == QUOTA && record["namespace"] == "team-a", "{record}");
-    // The driver's view: NVML found beside --libcuda in the driver volume, and reading.
-    wait_for(timeout(), "the driver view (NVML) ok", || Ok(node.audit()?["driver"]["state"] == "ok")).with_context(|| format!("{}", node.audit().map(|a| a["driver"].clone()).unwrap_or_default()))?;
-    let driver = node.audit()?["driver"].clone();
-    ensure!(driver["library"] == "/host/driver/libnvidia-ml.so.1", "NVML was not loaded beside --libcuda: {driver}");
+    // The driver's view: NVML found by the agent where Debian installs it under the host's
+    // root, and reading; the install found is in the audit.
+    let driver = node.driver_ok()?;
+    let debian = format!("/host/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.{}", e2e::INSTALLED_VERSION);
+    ensure!(driver["library"] == debian.as_str(), "NVML was not loaded from the host's install: {driver}");
+    ensure!(
+        driver["install"].as_str().is_some_and(|found| found.starts_with("usr/lib/x86_64-linux-gnu under /host (Debian and Ubuntu)")),
+        "the install found is not in the audit: {driver}"
+    );
     // With the manifest's capabilities the kernel links the probes as uprobe_multi links
     // (removed in one grace period at a stop), not as a perf event each.
     let files = node.audit()?["libcuda"].as_array().cloned().unwrap_or_default();
@@ -593,6 +627,40 @@ fn the_daemonset_pod_runs_the_agent_with_the_manifest_privileges() -> Result<()>
     node.containerd.stop_container(&agent, Duration::from_secs(grace))?;
     ensure!(exit_code(&node.containerd, &agent)? == 0, "the agent's exit code: {}; log: {}", exit_code(&node.containerd, &agent)?, node.agent_log());
     ensure!(node.agent_log().contains("vramguard agent stopped"), "no clean stop in the log: {}", node.agent_log());
+    Ok(())
+}
+
+/// The same install file, unedited, on a node of 8 GPUs of 141 GiB whose driver the NVIDIA GPU
+/// operator installed (its driver root, `/run/nvidia/driver`, on a RHEL-like image): the
+/// agent finds the driver there, sizes the node from NVML (no `--gpu-memory` in the file), and
+/// a workload the runtime did not say the GPUs of is held to its quota on all 8.
+#[test]
+fn the_daemonset_runs_unedited_on_a_node_of_eight_gpus_of_another_size_and_driver_root() -> Result<()> {
+    let gpus = Gpus { driver_dir: "run/nvidia/driver/usr/lib64", count: 8, bytes: "141g" };
+    let mut node = Node::with_gpus("ds-eight", &gpus)?;
+    let args = pod_spec()?["containers"][0]["args"].clone();
+    ensure!(!args.to_string().contains("--gpu-memory"), "the DaemonSet sizes GPUs by flag: {args}");
+    node.start(None)?;
+    node.wait_ready()?;
+    let driver = node.driver_ok()?;
+    let operator = format!("/host/run/nvidia/driver/usr/lib64/libnvidia-ml.so.{}", e2e::INSTALLED_VERSION);
+    ensure!(driver["library"] == operator.as_str(), "NVML was not loaded from the GPU operator's driver root: {driver}");
+    ensure!(
+        driver["install"].as_str().is_some_and(|found| found.contains("under /host (the NVIDIA GPU operator's driver root)")),
+        "{driver}"
+    );
+    let memory: Vec<u64> = driver["devices"].as_array().into_iter().flatten().filter_map(|d| d["memory"][0].as_u64()).collect();
+    ensure!(memory == vec![141 << 30; 8], "NVML's GPUs: {driver}");
+    let log = node.agent_log();
+    ensure!(log.contains("the driver's libraries: run/nvidia/driver/usr/lib64 under /host"), "the install found is not logged: {log}");
+
+    let (_pod, main) = node.workload("uid-eight")?;
+    let audit = node.audit()?;
+    let record = audit["provisioned"].as_array().into_iter().flatten().find(|r| r["container_id"] == main.0.as_str()).cloned();
+    let record = record.with_context(|| format!("the agent has no record of the workload: {audit}"))?;
+    ensure!(record["devices"] == 8 && record["gpus"] == serde_json::json!([0, 1, 2, 3, 4, 5, 6, 7]), "the node's 8 GPUs from NVML: {record}");
+    let lines = node.allocate(&main, &PAST_QUOTA)?;
+    ensure!(lines.iter().any(|l| l.starts_with("oom ")), "the context past the quota was granted: {lines:?}");
     Ok(())
 }
 

@@ -9,11 +9,13 @@
 //! directories, the CDI directory, where the host's device nodes are) are followed the same
 //! way and passed. A path the manifest does not mount cannot be followed and fails the test.
 //! Ports become free loopback ports, and the host's mount namespace the test's (containerd's).
-//! `--gpu-memory=80Gi`, one size, stays as shipped: NVML lists the node's 8 GPUs.
+//! The driver's libraries are found by the agent under the host's root (`--host-root`), where
+//! the test installed the fake driver as Debian does; no `--gpu-memory`: NVML lists the
+//! node's 8 GPUs.
 //!
 //! Shown:
 //! * the published pool is NVML's 8 GPUs (each an H100's 81559 MiB less the default 1 GiB
-//!   reserve, whatever `--gpu-memory=80Gi` says), owned by the Node; the health lists the
+//!   reserve), owned by the Node; the health lists the
 //!   same 8;
 //! * a claim on each of the 8 GPUs, allocated by the tests' scheduler from that pool, is
 //!   prepared, and its container, made through CRI with the plugin's CDI devices, is
@@ -195,18 +197,20 @@ impl Node {
             stand_in_node(&path("host-dev"), name)?;
         }
         ensure!(!Path::new("/dev/nvidia-uvm").exists(), "this machine has nvidia-uvm: the test needs a /dev without it");
-        // 8 GPUs for the agent's NVML, each with what NVML says of an H100 80GB (81559 MiB,
-        // not the shipped --gpu-memory=80Gi); a container sees the one it is given.
+        // 8 GPUs for the agent's NVML, each with what NVML says of an H100 80GB (81559 MiB);
+        // a container sees the one it is given.
         let fake = FakeNode::new(tag).with_env("FAKECUDA_DEVICE_BYTES", format!("{H100_MIB}m")).with_env("FAKECUDA_CONTEXT_BYTES", "518m");
         let containerd = Containerd::start(&path("nri/nri.sock"))?;
-        let driver_dir = e2e::fake_driver_dir()?;
+        // The host's root holds the driver where Debian installs it: the agent finds it there.
+        e2e::install_fake_driver(&path("host-root"), "usr/lib/x86_64-linux-gnu")?;
         let hosts = HostPaths(vec![
             ("/var/lib/vramguard", path("state")),
             ("/var/run/nri", path("nri")),
             ("/var/run/cdi", containerd.cdi_dir()),
             ("/var/lib/kubelet", path("kubelet")),
-            ("/usr/lib/x86_64-linux-gnu", driver_dir),
             ("/dev", path("host-dev")),
+            // Only `/` itself: every other host path has its own stand-in above.
+            ("/", path("host-root")),
         ]);
         // The initContainer's work: the hook where provisioned containers get it from.
         std::fs::copy(e2e::hook_lib()?, path("state/lib/libvramguard.so"))?;
@@ -274,7 +278,7 @@ fn the_shipped_daemonset_prepares_and_enforces_claims_on_each_of_eight_gpus_and_
     let kubelet = Kubelet::new(&node.path("kubelet/plugins_registry"))?;
     let plugin = kubelet.register(DRIVER, timeout()).with_context(|| agent.log())?;
 
-    // The pool is NVML's 8 GPUs, whatever --gpu-memory says, owned by the Node.
+    // The pool is NVML's 8 GPUs, owned by the Node.
     wait_for(timeout(), "the pool of 8 GPUs", || Ok(node.published().iter().map(|s| s["spec"]["devices"].as_array().map_or(0, Vec::len)).sum::<usize>() == GPUS as usize))
         .with_context(|| agent.log())?;
     let slices = node.published();
@@ -285,7 +289,11 @@ fn the_shipped_daemonset_prepares_and_enforces_claims_on_each_of_eight_gpus_and_
     }
     let mut scheduler = Allocator::new(&slices)?;
     ensure!(scheduler.devices.iter().all(|d| d.capacity == H100_MIB * MIB - GIB), "NVML's memory less the 1 GiB reserve: {:?}", scheduler.devices);
-    ensure!(agent.log().contains("--gpu-memory says [85899345920] bytes, NVML says"), "the disagreement is said: {}", agent.log());
+    // The driver's libraries, found under the host's root where Debian installs them.
+    let audit = agent.audit()?;
+    let library = audit["driver"]["library"].as_str().unwrap_or_default().to_string();
+    ensure!(library.ends_with(&format!("host-root/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.{}", e2e::INSTALLED_VERSION)), "NVML from the host's root: {}", audit["driver"]);
+    ensure!(audit["driver"]["install"].as_str().is_some_and(|found| found.contains("(Debian and Ubuntu)")), "{}", audit["driver"]);
     let mut health = kubelet.watch_health(&plugin)?;
     let healthy = kubelet.health_until(&mut health, timeout(), |m| m.devices.len() == GPUS as usize).with_context(|| agent.log())?;
     let listed: Vec<String> = healthy.devices.iter().filter_map(|d| d.device.as_ref()).map(|d| d.device_name.clone()).collect();
