@@ -203,6 +203,42 @@ pub fn claimed(state_dir: &Path, workload: &Workload) -> Result<Option<Claimed>,
     }))
 }
 
+/// Where NVIDIA's device plugin also gave a claim's container GPUs in a way the runtime
+/// resolves after NRI (so that no device node shows them yet): its `volume-mounts` strategy
+/// (mounts under [`DEVICE_LIST_MOUNTS`], which the NVIDIA runtime reads as GPUs) or its
+/// `envvar` strategy (`NVIDIA_VISIBLE_DEVICES` naming GPUs, by index or UUID, that the claim
+/// does not hold). The agent replaces that variable with the claim's GPUs, but such a
+/// container was given a GPU no claim accounts for (the device plugin counts it as taken):
+/// refused as `foreign_gpus`, saying what to write. `all`, `void`, `none` and the claim's own
+/// GPUs are not a device plugin's word (the CUDA images set `all`). `uuid` names GPU `N`'s
+/// UUID where the inventory knows it.
+pub fn device_plugin_gpus(workload: &Workload, claim: &Claimed, uuid: &dyn Fn(u32) -> Option<String>) -> Option<Refusal> {
+    let refusal = |how: String| {
+        Refusal::new(
+            "foreign_gpus",
+            format!(
+                "the container of DRA claim {} was also given GPUs by NVIDIA's device plugin ({how}), which its claim (GPUs {:?}) does not hold: \
+                 ask for GPUs through the claim alone (remove nvidia.com/gpu from the container's resources; the webhook converts it with vramguard.io/gpu-memory)",
+                claim.uid, claim.gpus
+            ),
+        )
+    };
+    if let Some(mount) = workload.mounts.iter().find(|m| Path::new(&m.destination).starts_with(DEVICE_LIST_MOUNTS)) {
+        return Some(refusal(format!("its volume-mounts strategy: {}", mount.destination)));
+    }
+    let listed = workload.visible_devices.as_deref()?;
+    let own = |entry: &str| {
+        claim.gpus.iter().any(|&gpu| entry.parse::<u32>().ok() == Some(gpu) || uuid(gpu).is_some_and(|uuid| uuid.eq_ignore_ascii_case(entry)))
+    };
+    let foreign: Vec<&str> =
+        listed.split(',').map(str::trim).filter(|entry| !entry.is_empty() && !matches!(*entry, "all" | "void" | "none") && !own(entry)).collect();
+    (!foreign.is_empty()).then(|| refusal(format!("NVIDIA_VISIBLE_DEVICES={listed}: {}", foreign.join(","))))
+}
+
+/// Where the NVIDIA container runtime reads a container's GPUs from mounts (the device
+/// plugin's `volume-mounts` device list strategy).
+pub const DEVICE_LIST_MOUNTS: &str = "/var/run/nvidia-container-devices";
+
 /// What unprepare did with a claim's ledger ([`Claims::release`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Released {
@@ -450,7 +486,17 @@ impl super::Provisioner {
     /// The claim `workload` belongs to (the checkpoint read on the blocking pool); a refusal is
     /// logged and counted here.
     pub(super) async fn claim_of(&self, workload: &Workload) -> Result<Option<Claimed>, String> {
-        let found = self.look_up_claim(workload).await?;
+        let found = self.look_up_claim(workload).await?.and_then(|claimed| match claimed {
+            Some(claim) => {
+                let inventory = self.gpus.borrow().clone();
+                let uuid = |gpu: u32| inventory.as_ref().and_then(|inventory| inventory.gpu(gpu)).and_then(|gpu| gpu.uuid.clone());
+                match device_plugin_gpus(workload, &claim, &uuid) {
+                    Some(refusal) => Err(refusal),
+                    None => Ok(Some(claim)),
+                }
+            }
+            None => Ok(None),
+        });
         found.map_err(|refusal| {
             self.counters.claim_refused(refusal.reason);
             warn!(
@@ -765,5 +811,28 @@ mod provisioned {
         assert_eq!(p.cgroup_limits(), BTreeMap::from([("/k8s.io/late".to_string(), 3 << 30), ("/k8s.io/stale".to_string(), 1 << 30)]));
         assert_eq!(p.counters().claim_refused_total("not_prepared"), 1, "only the creation was refused");
         std::fs::remove_dir_all(&root).expect("cleanup");
+    }
+
+    #[test]
+    fn a_device_plugin_s_mounts_or_variable_naming_other_gpus_make_foreign_gpus() {
+        let claim = Claimed { uid: "u".into(), namespace: "team-a".into(), name: "c".into(), gpus: vec![2], quotas: vec![1 << 30], admin_access: false };
+        let uuid = |gpu: u32| Some(format!("GPU-{gpu}aaa"));
+        let with = |env: Option<&str>, mount: Option<&str>| {
+            let mut workload = member(Path::new("/state"), "id", &["u"], &[2]);
+            workload.visible_devices = env.map(str::to_owned);
+            workload.mounts.extend(mount.map(|m| crate::provision::nri::Mount { source: "/dev/null".into(), destination: m.into(), read_only: true }));
+            device_plugin_gpus(&workload, &claim, &uuid)
+        };
+        for fine in [None, Some("all"), Some("void"), Some("none"), Some(""), Some("2"), Some("GPU-2AAA"), Some("2, GPU-2aaa")] {
+            assert_eq!(with(fine, None), None, "{fine:?}");
+        }
+        for (foreign, named) in [("GPU-5aaa", "GPU-5aaa"), ("2,3", "3"), ("GPU-2aaa,GPU-7aaa", "GPU-7aaa"), ("MIG-1", "MIG-1")] {
+            let refusal = with(Some(foreign), None).unwrap_or_else(|| panic!("{foreign} is another GPU"));
+            assert_eq!(refusal.reason, "foreign_gpus");
+            assert!(refusal.message.contains(&format!("NVIDIA_VISIBLE_DEVICES={foreign}: {named}")) && refusal.message.contains("does not hold"), "{}", refusal.message);
+        }
+        let refusal = with(Some("all"), Some("/var/run/nvidia-container-devices/GPU-5aaa")).expect("the volume-mounts strategy");
+        assert!(refusal.message.contains("volume-mounts strategy: /var/run/nvidia-container-devices/GPU-5aaa"), "{}", refusal.message);
+        assert_eq!(with(None, Some("/var/run/nvidia-container-devicesX")), None, "another directory");
     }
 }

@@ -202,6 +202,10 @@ pub struct Workload {
     /// The NVIDIA toolkit's memory variables the container's own environment sets
     /// ([`TOOLKIT_MEMORY_VARS`]): the agent overrides them, and adds none.
     pub toolkit_vars: Vec<String>,
+    /// `NVIDIA_VISIBLE_DEVICES` as the container's environment has it (the image's, the pod
+    /// spec's, or NVIDIA's device plugin's under its `envvar` strategy), for a claim's
+    /// containers only ([`claim::device_plugin_gpus`]): never trusted to give GPUs.
+    pub visible_devices: Option<String>,
 }
 
 /// Where quotas come from, in this order: the Kubernetes pod spec, the quota file, the
@@ -993,6 +997,7 @@ impl Workload {
             container_annotations: container.annotations.clone(),
             annotations: pod.annotations.clone(),
             toolkit_vars: container.env.iter().map(|(k, _)| k).filter(|k| TOOLKIT_MEMORY_VARS.contains(&k.as_str())).cloned().collect(),
+            visible_devices: container.env.iter().rev().find(|(k, _)| k == "NVIDIA_VISIBLE_DEVICES").map(|(_, v)| v.clone()),
         }
     }
 }
