@@ -277,10 +277,7 @@ fn a_claim_allocated_prepared_and_run_through_cri_is_held_to_its_share_of_one_gp
     ensure!(devices.contains(&"/dev/nvidiactl") && devices.contains(&"/dev/nvidia-uvm"), "the control nodes: {devices:?}");
     // NVIDIA's runtime is told the claim's GPU alone (by the UUID the pool publishes), not the
     // image's `all`.
-    let uuid = node.api.with(|state| {
-        state.resource.slices.values().flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default()).find(|d| d["name"] == "gpu-1").map(|d| d["attributes"]["uuid"]["string"].clone())
-    });
-    let uuid = uuid.and_then(|u| u.as_str().map(str::to_owned)).context("gpu-1's uuid")?;
+    let uuid = uuid_of(&node, "gpu-1")?;
     let env: Vec<&str> = runtime["process"]["env"].as_array().into_iter().flatten().filter_map(Value::as_str).filter(|e| e.starts_with("NVIDIA_VISIBLE_DEVICES=")).collect();
     ensure!(env == [format!("NVIDIA_VISIBLE_DEVICES={uuid}")], "the claim's GPU alone, the image's value replaced: {env:?}");
 
@@ -381,6 +378,14 @@ fn admin_claim(namespace: &str, name: &str, uid: &str) -> Value {
 }
 
 /// The results' devices of an allocated claim.
+/// The UUID the published pool gives device `device` (`gpu-N`).
+fn uuid_of(node: &Node, device: &str) -> Result<String> {
+    let uuid = node.api.with(|state| {
+        state.resource.slices.values().flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default()).find(|d| d["name"] == device).map(|d| d["attributes"]["uuid"]["string"].clone())
+    });
+    uuid.and_then(|u| u.as_str().map(str::to_owned)).with_context(|| format!("{device}'s uuid"))
+}
+
 fn devices_of(allocated: &Value) -> Vec<String> {
     allocated["status"]["allocation"]["devices"]["results"].as_array().into_iter().flatten().filter_map(|r| r["device"].as_str().map(str::to_owned)).collect()
 }
@@ -480,6 +485,30 @@ fn claims_of_several_requests_counts_and_admin_access_are_prepared_and_held_or_r
     let error = format!("{:#}", run(&node, "twin-plugin", &both).expect_err("GPUs from both"));
     ensure!(error.contains("also has GPUs [1]") && error.contains("nvidia.com/gpu"), "{error}");
     ensure!(node.metric("vramguard_dra_containers_refused_total", &[("reason", "foreign_gpus")])? == Some(1.0), "counted");
+    // The device plugin's default `envvar` strategy gives no device node before the NVIDIA
+    // runtime reads the variable: NVIDIA_VISIBLE_DEVICES naming GPU 1 by its UUID (as the
+    // device plugin names GPUs) beside the claim: refused too, naming the variable.
+    // A container of the claim's CDI devices, with what `device_plugin` adds.
+    let beside = |name: &str, device_plugin: &dyn Fn(ContainerSpec) -> ContainerSpec| -> Result<ContainerId> {
+        let pod = node.containerd.pod(name, NAMESPACE, &format!("uid-{name}"), &[])?;
+        let mut spec = device_plugin(ContainerSpec::new("main").fake_driver(&node.fake)?);
+        for device in cdi_for(&answer, None) {
+            spec = spec.cdi_device(&device);
+        }
+        node.containerd.run_container(&pod, &spec)
+    };
+    let gpu1 = uuid_of(&node, "gpu-1")?;
+    let error = format!("{:#}", beside("twin-envvar", &|spec| spec.env("NVIDIA_VISIBLE_DEVICES", &gpu1)).expect_err("GPU 1 from the device plugin's variable"));
+    ensure!(error.contains(&format!("NVIDIA_VISIBLE_DEVICES={gpu1}")) && error.contains("remove nvidia.com/gpu"), "{error}");
+    // Its `volume-mounts` strategy: a mount the NVIDIA runtime reads as a GPU.
+    let mount = |spec: ContainerSpec| spec.mount(node.path("nodes/nvidia1"), format!("/var/run/nvidia-container-devices/{gpu1}"), true);
+    let error = format!("{:#}", beside("twin-mounts", &mount).expect_err("GPU 1 from the device plugin's mount"));
+    ensure!(error.contains("volume-mounts strategy: /var/run/nvidia-container-devices/"), "{error}");
+    ensure!(node.metric("vramguard_dra_containers_refused_total", &[("reason", "foreign_gpus")])? == Some(3.0), "each counted");
+    // The claim's own GPU by UUID, as an operator may write it: created.
+    let own = uuid_of(&node, "gpu-0")?;
+    let mine = beside("twin-own", &|spec| spec.env("NVIDIA_VISIBLE_DEVICES", &own)).with_context(|| node.agent.log())?;
+    node.containerd.stop_container(&mine, Duration::from_secs(1))?;
     release(&mut node, "twin", uid, &id)?;
 
     // Two requests on two GPUs (6 GiB do not fit twice on one of 8).
