@@ -110,9 +110,17 @@ impl Agent {
     /// serving metrics on a free local port (`--metrics-addr 127.0.0.1:0`), followed by
     /// `more` arguments: how the DaemonSet runs it.
     pub fn watching(dir: &Path, more: &[&OsStr]) -> Result<Agent> {
-        let mut args = vec![OsStr::new("--ledger-dir"), dir.as_os_str(), OsStr::new("--metrics-addr"), OsStr::new("127.0.0.1:0")];
+        Agent::watching_node(dir, more, &[])
+    }
+
+    /// [`Agent::watching`] with `env` set for the agent too (a [`crate::FakeNode::env`]: its
+    /// NVML, which sizes the node's GPUs, then sees that node's devices).
+    pub fn watching_node(dir: &Path, more: &[&OsStr], env: &[(OsString, OsString)]) -> Result<Agent> {
+        let libcuda = crate::fake_driver_dir()?.join("libcuda.so.1");
+        let mut args = vec![OsStr::new("--libcuda"), libcuda.as_os_str(), OsStr::new("--no-discover")];
+        args.extend([OsStr::new("--ledger-dir"), dir.as_os_str(), OsStr::new("--metrics-addr"), OsStr::new("127.0.0.1:0")]);
         args.extend_from_slice(more);
-        Agent::start_on_fake_driver(&args)
+        Agent::start_with_env(&args, env)
     }
 
     /// Starts `vramguard run` with these arguments (and a socket of its own) and waits until

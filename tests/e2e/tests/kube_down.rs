@@ -124,7 +124,7 @@ fn with_the_api_server_down_only_a_known_quota_that_cannot_be_provisioned_is_ref
     }
     let fake = FakeNode::new("kube-down").with_env("FAKECUDA_DEVICE_BYTES", "8g").with_env("FAKECUDA_CONTEXT_BYTES", "518m");
     let containerd = Containerd::start(&dir.path().join("nri.sock"))?;
-    let agent = api.agent(dir.path(), &account, &["--refuse-overcommit"])?;
+    let agent = api.agent(&fake, dir.path(), &account, &["--refuse-overcommit"])?;
     wait_for(timeout(), "the agent watching the node's pods", || Ok(api.with(|s| !s.watches.is_empty()))).with_context(|| agent.log())?;
     let remembered = dir.path().join("state/pods.json");
     wait_for(timeout(), "the pod cache's state written", || Ok(std::fs::read_to_string(&remembered).is_ok_and(|t| t.contains("trainer-restart"))))?;
@@ -163,7 +163,7 @@ fn with_the_api_server_down_only_a_known_quota_that_cannot_be_provisioned_is_ref
 
     // Restarted while the API server refuses connections: the state on disk decides.
     drop(agent);
-    let agent = api.agent(dir.path(), &account, &["--refuse-overcommit"])?;
+    let agent = api.agent(&fake, dir.path(), &account, &["--refuse-overcommit"])?;
     let restart = Round { containerd: &containerd, fake: &fake, agent: &agent, tag: "restart" };
     restart.provisioned("trainer", "kubernetes (last known state)")?;
     restart.untouched("web", "team-b", &[])?;

@@ -50,7 +50,7 @@ fn the_quota_comes_from_the_pod_spec_through_the_api_and_the_capacity_is_publish
 
     let fake = FakeNode::new("kube-quota").with_env("FAKECUDA_DEVICE_BYTES", "8g").with_env("FAKECUDA_CONTEXT_BYTES", "518m");
     let containerd = Containerd::start(&dir.path().join("nri.sock"))?;
-    let agent = api.agent(dir.path(), &account, &[])?;
+    let agent = api.agent(&fake, dir.path(), &account, &[])?;
     wait_for(timeout(), "the agent watching the node's pods", || Ok(api.with(|s| !s.watches.is_empty()))).with_context(|| agent.log())?;
 
     // The node's capacity: the 8 GiB GPU, through the status subresource.

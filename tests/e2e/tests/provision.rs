@@ -45,7 +45,9 @@ impl Node {
         Node::with_gpus(tag, "8g", more)
     }
 
-    /// A node whose agent is told the GPUs of `gpu_memory` (`--gpu-memory`) and `more`.
+    /// A node of the GPUs `gpu_memory` lists (one size per GPU, all the same: the fake
+    /// driver's, which the agent's NVML reads), whose agent is also told them with
+    /// `--gpu-memory` (ignored where NVML answers, as here), and `more`.
     fn with_gpus(tag: &str, gpu_memory: &str, more: &[&OsStr]) -> Result<Node> {
         let mut node = Node::without_agent(tag, gpu_memory)?;
         node.start_agent_with(more)?;
@@ -56,7 +58,12 @@ impl Node {
     /// started yet (see [`Node::start_agent_with`]).
     fn without_agent(tag: &str, gpu_memory: &str) -> Result<Node> {
         let dir = TempDir::new(tag)?;
-        let fake = FakeNode::new(tag).with_env("FAKECUDA_DEVICE_BYTES", "8g").with_env("FAKECUDA_CONTEXT_BYTES", "518m");
+        let sizes: Vec<u64> = gpu_memory.split(',').map(|size| agent::provision::parse_quota(size).with_context(|| format!("{size:?}"))).collect::<Result<_>>()?;
+        ensure!(sizes.iter().all(|&size| size == sizes[0]), "the fake driver's GPUs have one size: {gpu_memory}");
+        let fake = FakeNode::new(tag)
+            .with_env("FAKECUDA_DEVICE_BYTES", sizes[0].to_string())
+            .with_env("FAKECUDA_DEVICE_COUNT", sizes.len().to_string())
+            .with_env("FAKECUDA_CONTEXT_BYTES", "518m");
         std::fs::create_dir_all(dir.path().join("ledgers"))?;
         std::fs::write(dir.path().join("quotas"), "namespace=team-a 1g\n")?;
         let containerd = Containerd::start(&dir.path().join("nri.sock"))?;
@@ -75,7 +82,7 @@ impl Node {
         let args = provisioning_args(&self.path("nri.sock"), &self.path("state"), &self.path("quotas"), &self.gpu_memory)?;
         let args: Vec<&OsStr> =
             args.iter().map(OsString::as_os_str).chain([OsStr::new("--hami-metrics")]).chain(more.iter().copied()).collect();
-        let agent = Agent::watching(&self.path("ledgers"), &args)?;
+        let agent = Agent::watching_node(&self.path("ledgers"), &args, self.fake.env())?;
         let began = Instant::now();
         wait_for(timeout(), "the agent registered with containerd", || Ok(agent.audit()?["nri_connected"] == true))
             .with_context(|| agent.log())?;

@@ -194,15 +194,17 @@ impl ApiServer {
         });
     }
 
-    /// An agent on the fake driver as containerd's NRI plugin (its socket `<dir>/nri.sock`,
-    /// its state `<dir>/state`, ledgers under `<dir>/ledgers`, one GPU of 8 GiB) with `--kube`
-    /// alone for quotas, reaching this server as the DaemonSet's pod does (the service's
-    /// address, the node's name, the service account's files in `account`), and `more`
-    /// arguments; returned once it is registered with containerd.
-    pub fn agent(&self, dir: &Path, account: &Path, more: &[&str]) -> Result<Agent> {
+    /// An agent on the fake driver of `fake` (its NVML sees that node's GPUs) as containerd's
+    /// NRI plugin (its socket `<dir>/nri.sock`, its state `<dir>/state`, ledgers under
+    /// `<dir>/ledgers`) with `--kube` alone for quotas, reaching this server as the
+    /// DaemonSet's pod does (the service's address, the node's name, the service account's
+    /// files in `account`), and `more` arguments; returned once it is registered with
+    /// containerd.
+    pub fn agent(&self, fake: &e2e::FakeNode, dir: &Path, account: &Path, more: &[&str]) -> Result<Agent> {
         let mut args = e2e::agent::kube_node_args(dir, "8g")?;
         args.extend(more.iter().map(OsString::from));
-        let env = self.pod_env(account);
+        let mut env = self.pod_env(account);
+        env.extend(fake.env().iter().cloned());
         let args: Vec<&OsStr> = args.iter().map(OsString::as_os_str).collect();
         let agent = Agent::start_with_env(&args, &env)?;
         wait_for(timeout(), "the agent registered with containerd", || Ok(agent.audit()?["nri_connected"] == true))
