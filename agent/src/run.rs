@@ -558,7 +558,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
     };
     tasks.spawn_unit("driver", driver_task.run(driver_tx, liveness.register("driver", DRIVER_ALLOWED), stop.clone()));
     let reserve = if args.dra.dra { args.dra_slices.dra_memory_reserve } else { 0 };
-    tasks.spawn("inventory", inventory::Tracker { flag: args.provision.gpu_memory.clone(), reserve, device_file: args.gpu_device_file.clone() }.run(driver_rx.clone(), gpus_tx, stop.clone()));
+    tasks.spawn("inventory", inventory::Tracker { flag: args.provision.gpu_memory.clone(), reserve, device_file: host_device_files(&args.host_root) }.run(driver_rx.clone(), gpus_tx, stop.clone()));
     let mut dra_status = None;
     if args.dra.dra {
         let slices = crate::dra::slices::Publisher::start(&args.dra_slices, &dra_node, liveness.register("dra-slices", crate::dra::slices::ALLOWED)).await?;
@@ -675,8 +675,15 @@ async fn provisioner(args: &RunArgs, gpus: inventory::Shared, limiter: driver_li
     }
     // The NRI side sizes the node by the agent's inventory (NVML's; --gpu-memory's where NVML
     // is absent), as the DRA driver does.
-    let provisioner = provisioner.with_inventory(gpus);
+    let provisioner = provisioner.with_inventory(gpus, host_device_files(&args.host_root));
     Ok(Some((Arc::new(provisioner), capacity)))
+}
+
+/// The host's GPU device files (`/dev/nvidia{minor}` under `--host-root`: the host's, whatever
+/// the runtime gave the agent's container), which the node's GPUs are counted by where NVML
+/// has not said.
+fn host_device_files(host_root: &std::path::Path) -> String {
+    format!("{}/nvidia{{minor}}", host_root.join("dev").display())
 }
 
 /// The NRI plugin's settings (it reconnects by itself for as long as the agent runs).

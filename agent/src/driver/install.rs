@@ -36,6 +36,9 @@ pub const KNOWN_DIRS: [(&str, &str); 10] = [
     ("usr/lib", "a distribution without a multiarch directory"),
 ];
 
+/// The NVIDIA GPU operator's driver root, relative to the host's root.
+pub const OPERATOR_ROOT: &str = "run/nvidia/driver";
+
 /// What was found under a root.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Found {
@@ -72,11 +75,13 @@ impl Found {
     }
 
     /// The NVML files worth trying under this root, in order: the one found, then the name in
-    /// every known directory (a driver root the GPU operator mounts later is found at NVML's
-    /// next retry).
+    /// the GPU operator's driver root (mounted by its driver container after boot, when the
+    /// agent may have started: found at NVML's next retry; the operator's own links are
+    /// relative).
     pub fn nvml_candidates(&self) -> Vec<PathBuf> {
         let mut candidates: Vec<PathBuf> = self.nvml.iter().cloned().collect();
-        candidates.extend(KNOWN_DIRS.iter().map(|(dir, _)| self.root.join(dir).join(super::LIBRARY)));
+        let operator = KNOWN_DIRS.iter().filter(|(dir, _)| dir.starts_with(OPERATOR_ROOT));
+        candidates.extend(operator.map(|(dir, _)| self.root.join(dir).join(super::LIBRARY)));
         candidates
     }
 }
@@ -205,7 +210,7 @@ mod tests {
         assert_eq!((found.dir, found.libcuda.as_ref(), found.nvml.as_ref()), (None, None, None));
         assert!(found.describe().starts_with("none of libcuda.so.1 and libnvidia-ml.so.1"), "{}", found.describe());
         let candidates = found.nvml_candidates();
-        assert_eq!(candidates.len(), KNOWN_DIRS.len());
+        assert_eq!(candidates.len(), 3, "the GPU operator's root only: {candidates:?}");
         assert_eq!(candidates[0], root.path().join("run/nvidia/driver/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1"));
         assert_eq!(find(&root.path().join("missing")).libcuda, None);
     }

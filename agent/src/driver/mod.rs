@@ -283,5 +283,6 @@ mod tests {
         let found = locate(None, &[PathBuf::from("/d/libcuda.so.1")], Some(&host));
         assert_eq!(found[..3], [PathBuf::from("/d/libnvidia-ml.so.1"), "/host/usr/lib64/libnvidia-ml.so.580".into(), "/host/run/nvidia/driver/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1".into()]);
         assert_eq!(found.last(), Some(&Path::new(WELL_KNOWN_DIRS[3]).join(LIBRARY)), "the agent's own places last");
+        assert_eq!(found.len(), 2 + 3 + WELL_KNOWN_DIRS.len());
     }
 }

@@ -80,12 +80,29 @@ impl Trouble {
 }
 
 impl Nvml {
-    /// Loads the first of `candidates` that exists and initializes it.
+    /// Loads and initializes the first of `candidates` that exists and does (a library that
+    /// cannot be loaded or initialized, say a stale copy of another driver version, gives way
+    /// to the next); where none does, the first one's trouble, the others' said after it.
     pub fn open(candidates: &[PathBuf]) -> Result<Nvml, Trouble> {
-        let Some(path) = candidates.iter().find(|path| path.exists()) else {
+        let mut troubles: Vec<Trouble> = Vec::new();
+        for path in candidates.iter().filter(|path| path.exists()) {
+            match Nvml::open_one(path) {
+                Ok(nvml) => return Ok(nvml),
+                Err(trouble) => troubles.push(trouble),
+            }
+        }
+        let mut troubles = troubles.into_iter();
+        let Some(mut first) = troubles.next() else {
             let tried: Vec<String> = candidates.iter().map(|p| p.display().to_string()).collect();
             return Err(Trouble::absent(format!("no {} at {}", super::LIBRARY, tried.join(", "))));
         };
+        for other in troubles {
+            first.reason = format!("{}; then {}", first.reason, other.reason);
+        }
+        Err(first)
+    }
+
+    fn open_one(path: &Path) -> Result<Nvml, Trouble> {
         let nvml = Nvml::load(path)?;
         // SAFETY: nvmlInit_v2 takes no argument; the library stays loaded while `nvml` lives.
         let rc = unsafe { (nvml.init_fn()?)() };
@@ -540,5 +557,26 @@ mod tests {
         assert_eq!(read.processes.keys().copied().collect::<Vec<_>>(), [200]);
         let unread = read.mig[0].unread.clone().unwrap_or_default();
         assert!(unread.contains("nvmlDeviceGetMigDeviceHandleByIndex") && unread.contains("left out"), "{unread}");
+    }
+
+    #[test]
+    fn a_candidate_that_cannot_be_loaded_gives_way_to_the_next_and_every_trouble_is_said() {
+        let dir = std::env::temp_dir().join(format!("vramguard-nvml-open-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let (stale, broken) = (dir.join("stale/libnvidia-ml.so.1"), dir.join("broken/libnvidia-ml.so.1"));
+        for file in [&stale, &broken] {
+            std::fs::create_dir_all(file.parent().expect("parent")).expect("dir");
+            std::fs::write(file, b"not a library").expect("write");
+        }
+        let missing = dir.join("missing/libnvidia-ml.so.1");
+        let trouble = Nvml::open(&[missing.clone(), stale.clone(), broken.clone()]).err().expect("no candidate loads");
+        assert_eq!(trouble.state, State::Absent);
+        let (first, then) = trouble.reason.split_once("; then ").expect("both said");
+        assert!(first.contains(&format!("cannot load {}", stale.display())), "{}", trouble.reason);
+        assert!(then.contains(&format!("cannot load {}", broken.display())), "{}", trouble.reason);
+        assert!(!trouble.reason.contains("missing"), "a missing file is not tried: {}", trouble.reason);
+        let trouble = Nvml::open(std::slice::from_ref(&missing)).err().expect("none there");
+        assert!(trouble.reason.starts_with("no libnvidia-ml.so.1 at") && trouble.reason.contains("missing"), "{}", trouble.reason);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -206,12 +206,15 @@ pub fn claimed(state_dir: &Path, workload: &Workload) -> Result<Option<Claimed>,
 /// Where NVIDIA's device plugin also gave a claim's container GPUs in a way the runtime
 /// resolves after NRI (so that no device node shows them yet): its `volume-mounts` strategy
 /// (mounts under [`DEVICE_LIST_MOUNTS`], which the NVIDIA runtime reads as GPUs) or its
-/// `envvar` strategy (`NVIDIA_VISIBLE_DEVICES` naming GPUs, by index or UUID, that the claim
-/// does not hold). The agent replaces that variable with the claim's GPUs, but such a
-/// container was given a GPU no claim accounts for (the device plugin counts it as taken):
-/// refused as `foreign_gpus`, saying what to write. `all`, `void`, `none` and the claim's own
-/// GPUs are not a device plugin's word (the CUDA images set `all`). `uuid` names GPU `N`'s
-/// UUID where the inventory knows it.
+/// `envvar` strategy with its default `deviceIDStrategy: uuid` (`NVIDIA_VISIBLE_DEVICES`
+/// naming a `GPU-…` UUID that is not one of the claim's GPUs'). Such a container was given a
+/// GPU no claim accounts for (the device plugin counts it as taken): refused as
+/// `foreign_gpus`, saying what to write. Only what can be told for sure is refused (a false
+/// refusal stops an honest job): `all`, `void`, `none`, indices (NVML's numbering, which is
+/// not the minor numbers claims use), MIG UUIDs and CDI names are left alone, as is every
+/// UUID while the inventory does not know the claim's GPUs' UUIDs; the agent replaces the
+/// variable with the claim's GPUs whatever it said. `uuid` names GPU `N`'s UUID where the
+/// inventory knows it.
 pub fn device_plugin_gpus(workload: &Workload, claim: &Claimed, uuid: &dyn Fn(u32) -> Option<String>) -> Option<Refusal> {
     let refusal = |how: String| {
         Refusal::new(
@@ -227,11 +230,13 @@ pub fn device_plugin_gpus(workload: &Workload, claim: &Claimed, uuid: &dyn Fn(u3
         return Some(refusal(format!("its volume-mounts strategy: {}", mount.destination)));
     }
     let listed = workload.visible_devices.as_deref()?;
-    let own = |entry: &str| {
-        claim.gpus.iter().any(|&gpu| entry.parse::<u32>().ok() == Some(gpu) || uuid(gpu).is_some_and(|uuid| uuid.eq_ignore_ascii_case(entry)))
-    };
-    let foreign: Vec<&str> =
-        listed.split(',').map(str::trim).filter(|entry| !entry.is_empty() && !matches!(*entry, "all" | "void" | "none") && !own(entry)).collect();
+    let own: Option<Vec<String>> = claim.gpus.iter().map(|&gpu| uuid(gpu)).collect();
+    let own = own?;
+    let foreign: Vec<&str> = listed
+        .split(',')
+        .map(str::trim)
+        .filter(|entry| entry.len() > 4 && entry.get(..4).is_some_and(|prefix| prefix.eq_ignore_ascii_case("GPU-")) && !own.iter().any(|uuid| uuid.eq_ignore_ascii_case(entry)))
+        .collect();
     (!foreign.is_empty()).then(|| refusal(format!("NVIDIA_VISIBLE_DEVICES={listed}: {}", foreign.join(","))))
 }
 
@@ -705,7 +710,7 @@ mod provisioned {
         for gpu in &mut inventory.gpus {
             gpu.uuid = Some(format!("GPU-{}", gpu.index));
         }
-        let p = p.with_inventory(crate::inventory::fixed(Some(inventory)));
+        let p = p.with_inventory(crate::inventory::fixed(Some(inventory)), String::new());
         let state = root.join("state");
         prepare(&state, "u1", &[(1, 1 << 30), (3, 1 << 30)]);
         let adjustment = block_on(p.create_container(&member(&state, "a", &["u1"], &[1, 3]))).expect("provisioned");
@@ -816,23 +821,26 @@ mod provisioned {
     #[test]
     fn a_device_plugin_s_mounts_or_variable_naming_other_gpus_make_foreign_gpus() {
         let claim = Claimed { uid: "u".into(), namespace: "team-a".into(), name: "c".into(), gpus: vec![2], quotas: vec![1 << 30], admin_access: false };
-        let uuid = |gpu: u32| Some(format!("GPU-{gpu}aaa"));
-        let with = |env: Option<&str>, mount: Option<&str>| {
+        let known = |gpu: u32| Some(format!("GPU-{gpu}aaa"));
+        let with = |env: Option<&str>, mount: Option<&str>, uuid: &dyn Fn(u32) -> Option<String>| {
             let mut workload = member(Path::new("/state"), "id", &["u"], &[2]);
             workload.visible_devices = env.map(str::to_owned);
             workload.mounts.extend(mount.map(|m| crate::provision::nri::Mount { source: "/dev/null".into(), destination: m.into(), read_only: true }));
-            device_plugin_gpus(&workload, &claim, &uuid)
+            device_plugin_gpus(&workload, &claim, uuid)
         };
-        for fine in [None, Some("all"), Some("void"), Some("none"), Some(""), Some("2"), Some("GPU-2AAA"), Some("2, GPU-2aaa")] {
-            assert_eq!(with(fine, None), None, "{fine:?}");
+        // Nothing a device plugin's for sure: indices are NVML's numbering, not minors.
+        for fine in [None, Some("all"), Some("void"), Some("none"), Some(""), Some("2"), Some("0,1"), Some("GPU-2AAA"), Some("2, GPU-2aaa"), Some("MIG-1"), Some("nvidia.com/gpu=all")] {
+            assert_eq!(with(fine, None, &known), None, "{fine:?}");
         }
-        for (foreign, named) in [("GPU-5aaa", "GPU-5aaa"), ("2,3", "3"), ("GPU-2aaa,GPU-7aaa", "GPU-7aaa"), ("MIG-1", "MIG-1")] {
-            let refusal = with(Some(foreign), None).unwrap_or_else(|| panic!("{foreign} is another GPU"));
+        for (foreign, named) in [("GPU-5aaa", "GPU-5aaa"), ("GPU-2aaa,GPU-7aaa", "GPU-7aaa"), ("gpu-9aaa", "gpu-9aaa")] {
+            let refusal = with(Some(foreign), None, &known).unwrap_or_else(|| panic!("{foreign} is another GPU"));
             assert_eq!(refusal.reason, "foreign_gpus");
             assert!(refusal.message.contains(&format!("NVIDIA_VISIBLE_DEVICES={foreign}: {named}")) && refusal.message.contains("does not hold"), "{}", refusal.message);
         }
-        let refusal = with(Some("all"), Some("/var/run/nvidia-container-devices/GPU-5aaa")).expect("the volume-mounts strategy");
+        assert_eq!(with(Some("GPU-5aaa"), None, &|_| None), None, "the claim's UUIDs unknown: nothing can be told");
+        assert_eq!(with(Some("GPé-x,ééé"), None, &known), None, "bytes of the tenant's, no panic");
+        let refusal = with(Some("all"), Some("/var/run/nvidia-container-devices/GPU-5aaa"), &known).expect("the volume-mounts strategy");
         assert!(refusal.message.contains("volume-mounts strategy: /var/run/nvidia-container-devices/GPU-5aaa"), "{}", refusal.message);
-        assert_eq!(with(None, Some("/var/run/nvidia-container-devicesX")), None, "another directory");
+        assert_eq!(with(None, Some("/var/run/nvidia-container-devicesX"), &known), None, "another directory");
     }
 }

@@ -237,6 +237,9 @@ pub struct Provisioner {
     /// `--gpu-memory`'s where NVML is absent): what the DRA driver publishes and prepares
     /// from, and what the NRI side sizes with; wins over `gpu_memory`.
     gpus: crate::inventory::Shared,
+    /// The host's GPU device files (`/dev/nvidia{minor}`), counted where neither the
+    /// inventory nor `gpu_memory` says how many GPUs the node has.
+    device_files: String,
     /// Where the driver's own per-cgroup limits are asked for at StartContainer (`None`:
     /// not asked; the limits task's passes still set them).
     limiter: Option<crate::driver_limits::Limiter>,
@@ -310,6 +313,7 @@ impl Provisioner {
             preload,
             gpu_memory: args.gpu_memory.clone(),
             gpus: crate::inventory::fixed(None),
+            device_files: String::new(),
             limiter: None,
             refuse_overcommit: args.refuse_overcommit,
             max_containers: args.max_provisioned_containers,
@@ -355,10 +359,11 @@ impl Provisioner {
     }
 
     /// The provisioner that sizes the node, and its ledgers, by `gpus` (the agent's
-    /// inventory) where it has one.
-    pub fn with_inventory(self, gpus: crate::inventory::Shared) -> Provisioner {
+    /// inventory) where it has one, else by `--gpu-memory`, else counts the GPUs by the host's
+    /// device files (`device_files`, `{minor}` standing for the number: see [`Self::node_gpus`]).
+    pub fn with_inventory(self, gpus: crate::inventory::Shared, device_files: String) -> Provisioner {
         let store = self.store.resized(gpus.clone());
-        Provisioner { gpus, store, ..self }
+        Provisioner { gpus, store, device_files, ..self }
     }
 
     /// Asks `limiter` for the driver's own limits of each provisioned container as it starts.
@@ -386,10 +391,14 @@ impl Provisioner {
     }
 
     /// The range of the node's GPU indices: the inventory's (NVML's minor numbers), else
-    /// `--gpu-memory`'s count; one when neither says.
+    /// `--gpu-memory`'s count, else (NVML not read yet, or failing, and no flag: a container
+    /// created then is still held to every GPU it was given) one past the highest minor number
+    /// of the host's GPU device files; one when none says.
     fn node_gpus(&self) -> u32 {
         let known = self.gpus.borrow().as_ref().map(|inventory| inventory.index_bound()).filter(|&bound| bound > 0);
-        known.unwrap_or_else(|| u32::try_from(self.gpu_memory.len()).unwrap_or(u32::MAX)).max(1)
+        let flag = u32::try_from(self.gpu_memory.len()).unwrap_or(u32::MAX);
+        let files = || crate::inventory::device_files(&self.device_files).last().map_or(0, |minor| minor + 1);
+        known.unwrap_or_else(|| if flag > 0 { flag } else { files() }).max(1)
     }
 
     /// GPU `index`'s memory: the inventory's, else `--gpu-memory`'s.
@@ -1268,6 +1277,24 @@ pub(super) mod tests {
 
     pub(super) fn block_on<F: std::future::Future>(future: F) -> F::Output {
         tokio::runtime::Builder::new_current_thread().build().expect("runtime").block_on(future)
+    }
+
+    #[test]
+    fn before_nvml_answers_and_without_gpu_memory_the_gpus_are_counted_by_the_host_s_device_files() {
+        let (root, p) = provisioner("devfiles", "namespace=team-a 1g\n", false);
+        std::fs::create_dir_all(root.join("dev")).expect("dev");
+        for name in ["nvidia0", "nvidia1", "nvidia3", "nvidiactl"] {
+            std::fs::write(root.join("dev").join(name), b"").expect("a device file stand-in");
+        }
+        let p = Provisioner { gpu_memory: Vec::new(), ..p }.with_inventory(crate::inventory::fixed(None), format!("{}/dev/nvidia{{minor}}", root.display()));
+        block_on(p.create_container(&workload("team-a", "trainer", "c1", "3"))).expect("provisioned");
+        let made = &p.provisioned()[0];
+        assert_eq!((made.record.gpus.as_slice(), made.record.devices), (&[3][..], 4), "GPU 3 of the host's 4 minors, as given");
+        assert_eq!(p.gpus_undetermined(), 0);
+        // Without the files either: one GPU assumed, and GPU 3 is past it (held to every GPU).
+        let none = Provisioner { gpu_memory: Vec::new(), ..provisioner_in(&root, false) }.with_inventory(crate::inventory::fixed(None), String::new());
+        assert_eq!(none.node_gpus(), 1);
+        std::fs::remove_dir_all(&root).expect("cleanup");
     }
 
     #[test]
