@@ -32,14 +32,18 @@ use e2e::{
 };
 use serde_json::Value;
 
+mod kube_api;
+
+use kube_api::{api_pod, ApiServer};
+
 /// The quota the test's quota file gives namespace `team-a` (what `--kube` would read from
 /// the pod's `vramguard.io/gpu-memory`).
 const QUOTA: u64 = 1 << 30;
 /// A second process's context in the workload container, past its quota beside the first
 /// process's context and 128 MiB.
 const PAST_QUOTA: [&str; 1] = ["expect-oom ctx 0"];
-/// The node name the downward API would give (`NODE_NAME`).
-const NODE_NAME: &str = "e2e-node";
+/// Where the kubelet mounts a pod's service account (`automountServiceAccountToken`).
+const SERVICE_ACCOUNT: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -210,6 +214,8 @@ fn exit_code(containerd: &Containerd, id: &ContainerId) -> Result<i32> {
 /// manifest's host paths, the fake GPU, the agent's pod.
 struct Node {
     dir: TempDir,
+    /// The tests' API server: the pods' quotas (`--kube`), the node's advertised capacity.
+    api: ApiServer,
     fake: FakeNode,
     containerd: Containerd,
     pod: PodId,
@@ -250,6 +256,8 @@ impl Node {
         for sub in ["state", "nri", "limits", "run"] {
             std::fs::create_dir_all(dir.path().join(sub))?;
         }
+        let api = ApiServer::start()?;
+        api.service_account(&dir.path().join("serviceaccount"))?;
         // The host's root: the driver's libraries where this node's distribution has them. A
         // host's `/` is a shared mount (systemd makes it so), which the manifest's
         // HostToContainer propagation needs: the stand-in is bound onto itself, shared, in
@@ -266,7 +274,7 @@ impl Node {
             .with_env("FAKECUDA_CONTEXT_BYTES", "518m");
         let pod = containerd.host_pid_pod("vramguard-agent-e2e", "vramguard-system", &format!("uid-{tag}"))?;
         let metrics_port = free_port()?;
-        Ok(Node { dir, fake, containerd, pod, agent: None, inits: Vec::new(), metrics_port })
+        Ok(Node { dir, api, fake, containerd, pod, agent: None, inits: Vec::new(), metrics_port })
     }
 
     /// The manifest's volumes as host paths of this node, keyed by volume name.
@@ -291,9 +299,6 @@ impl Node {
             for (file, text) in data["data"].as_object().context("a ConfigMap without data")? {
                 std::fs::write(dir.join(file), text.as_str().unwrap_or_default())?;
             }
-            // `--kube` reads quotas from the API server; here they come from this file (see
-            // `adapt_arg`).
-            std::fs::write(dir.join("quotas"), "namespace=team-a 1g\n")?;
             return Ok(dir);
         }
         if volume.get("emptyDir").is_some() {
@@ -315,7 +320,7 @@ impl Node {
             let key = env["name"].as_str().context("an env entry without a name")?;
             let value = match (env["value"].as_str(), env["valueFrom"]["fieldRef"]["fieldPath"].as_str()) {
                 (Some(value), _) => value.to_string(),
-                (None, Some("spec.nodeName")) => NODE_NAME.to_string(),
+                (None, Some("spec.nodeName")) => kube_api::NODE.to_string(),
                 _ => bail!("env {key}: no mapping for {env}"),
             };
             spec = spec.env(key, &value);
@@ -339,10 +344,6 @@ impl Node {
     fn adapt_arg(&self, arg: &str) -> Result<Vec<String>> {
         let containerd_pid = self.containerd.pid().context("containerd is not running")?;
         Ok(match arg.split_once('=').map_or(arg, |(flag, _)| flag) {
-            // No API server here: the quota of namespace team-a comes from a quota file in the
-            // limits volume instead of the pods' vramguard.io/gpu-memory (the Kubernetes path
-            // is tested against the mock API server, agent/tests/kube_api.rs).
-            "--kube" => vec!["--quota-file=/etc/vramguard/quotas".into()],
             // The "host" of this test is containerd's mount namespace (where the pod's host
             // paths are the test's directories), not pid 1's.
             "--ledger-mount-namespace" => vec![format!("--ledger-mount-namespace=/proc/{containerd_pid}/ns/mnt")],
@@ -382,6 +383,14 @@ impl Node {
             agent = agent.env(&key, &value);
         }
         agent = agent.env("FAKECUDA_STATE_DIR", FAKE_STATE_DIR).mount(self.fake.state_dir(), FAKE_STATE_DIR, false);
+        // What the kubelet gives every pod that mounts its service account's token: the token,
+        // CA and namespace at the standard path, and the API server's service variables (the
+        // pod shares the machine's network here: the tests' API server on loopback).
+        ensure!(spec["automountServiceAccountToken"] == true, "the DaemonSet no longer mounts its service account's token");
+        agent = agent
+            .mount(self.dir.path().join("serviceaccount"), SERVICE_ACCOUNT, true)
+            .env("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+            .env("KUBERNETES_SERVICE_PORT", &self.api.addr.port().to_string());
         let id = self.containerd.run_container(&self.pod, &agent)?;
         self.agent = Some(id.clone());
         Ok(id)
@@ -446,6 +455,9 @@ impl Node {
     /// A workload pod of namespace team-a, provisioned by the agent through NRI; its
     /// container's process holds 128 MiB through the fake driver under the hook.
     fn workload(&self, uid: &str) -> Result<(PodId, ContainerId)> {
+        // The pod as the API server has it: its container's vramguard.io/gpu-memory limit is
+        // the quota (`--kube`).
+        self.api.add_pod(api_pod("team-a", "trainer", uid, Some("1Gi")), true);
         let pod = self.containerd.pod("trainer", "team-a", uid, &[])?;
         let spec = ContainerSpec::new("main").command([workload_path().as_str(), "ctx 0", "alloc held 128m", "hold"]).fake_driver(&self.fake)?;
         let id = self.containerd.run_container(&pod, &spec)?;
@@ -582,7 +594,7 @@ fn the_daemonset_pod_runs_the_agent_with_the_manifest_privileges() -> Result<()>
     let audit = node.audit()?;
     let record = audit["provisioned"].as_array().into_iter().flatten().find(|r| r["container_id"] == main.0.as_str()).cloned();
     let record = record.with_context(|| format!("the agent has no record of the workload: {audit}"))?;
-    ensure!(record["quota"] == QUOTA && record["namespace"] == "team-a", "{record}");
+    ensure!(record["quota"] == QUOTA && record["namespace"] == "team-a" && record["source"] == "kubernetes", "the pod spec's quota, through the API: {record}");
     // The driver's view: NVML found by the agent where Debian installs it under the host's
     // root, and reading; the install found is in the audit.
     let driver = node.driver_ok()?;
@@ -653,6 +665,10 @@ fn the_daemonset_runs_unedited_on_a_node_of_eight_gpus_of_another_size_and_drive
     ensure!(memory == vec![141 << 30; 8], "NVML's GPUs: {driver}");
     let log = node.agent_log();
     ensure!(log.contains("the driver's libraries: run/nvidia/driver/usr/lib64 under /host"), "the install found is not logged: {log}");
+    // The node advertises NVML's 8 GPUs' memory (`--kube`, no --gpu-memory in the file).
+    let capacity = (8u64 * (141 << 30)).to_string();
+    wait_for(timeout(), "the node's capacity: NVML's 8 GPUs", || Ok(node.api.with(|s| s.node["status"]["capacity"][kube_api::RESOURCE] == capacity.as_str())))
+        .with_context(|| format!("{}\n{}", node.api.with(|s| s.node["status"].clone()), node.agent_log()))?;
 
     let (_pod, main) = node.workload("uid-eight")?;
     let audit = node.audit()?;

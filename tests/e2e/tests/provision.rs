@@ -25,6 +25,11 @@ use serde_json::Value;
 
 const QUOTA: u64 = GIB;
 
+/// The `--gpu-memory` every agent here is given: one GPU of 1 GiB, which no node here has.
+/// Where NVML answers (the fake driver's, here always) the flag is ignored: the overcommit
+/// check and the GPUs' count below hold only if the agent sizes the node from NVML.
+const WRONG_GPU_MEMORY: &str = "1g";
+
 /// A node: the fake GPU (8 GiB, contexts charged what the agent's ledgers reserve), a
 /// containerd with NRI, and the agent provisioning from a quota file.
 struct Node {
@@ -32,8 +37,6 @@ struct Node {
     fake: FakeNode,
     containerd: Containerd,
     agent: Option<Agent>,
-    /// `--gpu-memory`: the node's GPUs.
-    gpu_memory: String,
 }
 
 impl Node {
@@ -46,8 +49,8 @@ impl Node {
     }
 
     /// A node of the GPUs `gpu_memory` lists (one size per GPU, all the same: the fake
-    /// driver's, which the agent's NVML reads), whose agent is also told them with
-    /// `--gpu-memory` (ignored where NVML answers, as here), and `more`.
+    /// driver's, which the agent's NVML reads, and sizes the node by), whose agent is given
+    /// `more` and a `--gpu-memory` that says otherwise ([`WRONG_GPU_MEMORY`]: NVML wins).
     fn with_gpus(tag: &str, gpu_memory: &str, more: &[&OsStr]) -> Result<Node> {
         let mut node = Node::without_agent(tag, gpu_memory)?;
         node.start_agent_with(more)?;
@@ -67,7 +70,7 @@ impl Node {
         std::fs::create_dir_all(dir.path().join("ledgers"))?;
         std::fs::write(dir.path().join("quotas"), "namespace=team-a 1g\n")?;
         let containerd = Containerd::start(&dir.path().join("nri.sock"))?;
-        Ok(Node { dir, fake, containerd, agent: None, gpu_memory: gpu_memory.into() })
+        Ok(Node { dir, fake, containerd, agent: None })
     }
 
     fn path(&self, name: &str) -> PathBuf {
@@ -79,7 +82,7 @@ impl Node {
     }
 
     fn start_agent_with(&mut self, more: &[&OsStr]) -> Result<()> {
-        let args = provisioning_args(&self.path("nri.sock"), &self.path("state"), &self.path("quotas"), &self.gpu_memory)?;
+        let args = provisioning_args(&self.path("nri.sock"), &self.path("state"), &self.path("quotas"), WRONG_GPU_MEMORY)?;
         let args: Vec<&OsStr> =
             args.iter().map(OsString::as_os_str).chain([OsStr::new("--hami-metrics")]).chain(more.iter().copied()).collect();
         let agent = Agent::watching_node(&self.path("ledgers"), &args, self.fake.env())?;
@@ -87,6 +90,8 @@ impl Node {
         wait_for(timeout(), "the agent registered with containerd", || Ok(agent.audit()?["nri_connected"] == true))
             .with_context(|| agent.log())?;
         eprintln!("agent registered as an NRI plugin {:?} after it answered", began.elapsed());
+        // NVML read: the node's GPUs are the inventory's from here on, not the flag's.
+        wait_for(timeout(), "the driver view (NVML) ok", || Ok(agent.audit()?["driver"]["state"] == "ok")).with_context(|| agent.log())?;
         self.agent = Some(agent);
         Ok(())
     }
