@@ -26,6 +26,7 @@ pub mod agent;
 pub mod cgroup;
 pub mod containerd;
 pub mod crafted_elf;
+pub mod ftrace;
 pub mod hostile;
 pub mod http;
 pub mod ledgers;

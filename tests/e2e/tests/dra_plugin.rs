@@ -7,7 +7,10 @@
 //! the kubelet's word counted); a prepared claim answers its CDI device and its spec gives the
 //! container the allocated GPU's device node; a second prepare answers the same devices
 //! without asking the API server again; in the same call, a claim whose UID changed, one not
-//! allocated and one that would over-commit a GPU fail each with its own clear error; an
+//! allocated and one that would over-commit a GPU fail each with its own clear error; the
+//! spec and the checkpoint each synced before their rename and their directory after it (the
+//! agent's syscalls, from the kernel's tracepoints: `e2e::ftrace`), the driver's state
+//! directory 0700; an
 //! agent restarted after the claim is gone from the API server unprepares it from its
 //! checkpoint (the spec removed), and an unknown claim unprepares as success. The devices'
 //! health (item 4) through the same socket: healthy while the fake's NVML answers, unhealthy
@@ -134,7 +137,11 @@ fn the_kubelet_registers_the_plugin_and_prepares_and_unprepares_claims_across_a_
     ensure!(names == [(NODE, "gpu-0"), (NODE, "gpu-1")], "{healthy:?}");
     drop(health);
 
-    // One call, four claims: one prepared, three refused, each with its own error.
+    // One call, four claims: one prepared, three refused, each with its own error. The
+    // agent's syscalls meanwhile, from the kernel's tracepoints: what it writes is made
+    // durable (below).
+    let durable = ["fsync", "fdatasync", "rename", "renameat", "renameat2"];
+    let trace = e2e::ftrace::SyscallTrace::start(agent.pid(), &durable)?;
     let answer = kubelet.prepare(
         &plugin,
         vec![
@@ -167,6 +174,20 @@ fn the_kubelet_registers_the_plugin_and_prepares_and_unprepares_claims_across_a_
     ensure!(spec["devices"][0]["name"] == format!("{TRAIN_UID}-gpu-1"), "{spec}");
     ensure!(spec["devices"][0]["containerEdits"]["deviceNodes"][0]["path"] == "/dev/nvidia1", "{spec}");
     ensure!(!dir.path().join("cdi").join(format!("{DRIVER}-uid-big.json")).exists(), "no spec for a refused claim");
+    // Crash safety: the spec and the checkpoint each written to a temporary file synced before
+    // it is renamed into place, and the directory synced after: F R F, F R F (renames of
+    // nothing else, syncs of nothing else happen here).
+    let calls = trace.calls()?;
+    drop(trace);
+    let renames: Vec<usize> = calls.iter().enumerate().filter(|(_, c)| c.starts_with("rename")).map(|(i, _)| i).collect();
+    let syncs = |from: usize, to: usize| calls[from..to].iter().filter(|c| c.ends_with("sync")).count();
+    ensure!(renames.len() == 2, "the spec and the checkpoint renamed into place: {calls:?}");
+    ensure!(syncs(0, renames[0]) >= 1, "the spec's file synced before its rename: {calls:?}");
+    ensure!(syncs(renames[0] + 1, renames[1]) >= 2, "the CDI directory synced after the spec's rename, the checkpoint's file before its own: {calls:?}");
+    ensure!(syncs(renames[1] + 1, calls.len()) >= 1, "the state directory synced after the checkpoint's rename: {calls:?}");
+    // The driver's state is the agent's alone.
+    let mode = std::fs::metadata(dir.path().join("state/dra"))?.permissions().mode() & 0o777;
+    ensure!(mode == 0o700, "state/dra is {mode:o}, not 0700");
     for refused in ["moved", "pending", "big"] {
         ensure!(gets(&api, refused) == 1, "{refused}: one GET");
     }
