@@ -220,7 +220,8 @@ pub fn written_uids(cdi_dir: &Path, state_dir: &Path) -> Result<std::collections
     Ok(uids)
 }
 
-/// Removes the claim's spec and directory; what is already gone is no error.
+/// Removes the claim's spec and directory, each removal synced (its directory's); what is
+/// already gone is no error.
 pub fn remove(cdi_dir: &Path, state_dir: &Path, uid: &str) -> Result<(), String> {
     if !valid_uid(uid) {
         return Err(format!("claim UID {uid:?} is not a UID"));
@@ -233,7 +234,7 @@ pub fn remove(cdi_dir: &Path, state_dir: &Path, uid: &str) -> Result<(), String>
     }
     let dir = claim_dir(state_dir, uid);
     match fs::remove_dir_all(&dir) {
-        Ok(()) => Ok(()),
+        Ok(()) => sync_dir(&dir).map_err(|e| format!("cannot sync {}: {e}", claims_dir(state_dir).display())),
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(error) => Err(format!("cannot remove {}: {error}", dir.display())),
     }
