@@ -14,9 +14,9 @@
 //! H100 "80GB" has 81559 MiB, not the 80Gi of a flag). Where the node has no NVML (`absent`),
 //! `--gpu-memory` is a fake inventory, one GPU per value: no UUID, product `unknown`, and the
 //! attribute `source: gpu-memory` says so on every device. It must then give one size per GPU
-//! the node's device files show (`/dev/nvidia<N>`, `--gpu-device-file`): another count is an
-//! error that stops the agent, saying both (one `80Gi` on a node of eight GPUs would make a
-//! node of one).
+//! the host's device files show (`/dev/nvidia<N>` under `--host-root`, or in the GPU operator's
+//! driver root): another count is an error that stops the agent, saying both (one `80Gi` on a
+//! node of eight GPUs would make a node of one).
 use std::sync::Arc;
 
 use tokio::sync::watch;
@@ -92,13 +92,12 @@ impl Inventory {
 /// The inventory as the agent's parts read it: `None` until the first good read (or the flag's).
 pub type Shared = watch::Receiver<Option<Arc<Inventory>>>;
 
-/// GPU `index`'s memory as `shared` has it where it has GPUs, else `fallback[index]`
-/// (`--gpu-memory`, before the first inventory).
-pub fn memory_of(shared: &Shared, fallback: &[u64], index: usize) -> Option<u64> {
-    if let Some(inventory) = shared.borrow().as_ref().filter(|inventory| !inventory.gpus.is_empty()) {
-        return u32::try_from(index).ok().and_then(|index| inventory.gpu(index)).map(|gpu| gpu.memory);
-    }
-    fallback.get(index).copied()
+/// GPU `index`'s memory as `shared` has it; `None` before the first inventory (NVML not read
+/// yet, or failing before it ever answered: `--gpu-memory` is not the node's word then, NVML
+/// is; where NVML is absent the inventory is the flag's already).
+pub fn memory_of(shared: &Shared, index: usize) -> Option<u64> {
+    let inventory = shared.borrow();
+    u32::try_from(index).ok().and_then(|index| inventory.as_ref()?.gpu(index)).map(|gpu| gpu.memory)
 }
 
 /// A receiver that never changes, holding `inventory` (tests, and the parts built before the
@@ -115,15 +114,17 @@ pub struct Tracker {
     pub flag: Vec<u64>,
     /// What no claim can have of a GPU (`--dra-memory-reserve`; 0 without `--dra`).
     pub reserve: u64,
-    /// `--gpu-device-file`: the GPUs' device files, which the flag must match where NVML is
-    /// absent ([`device_files`], looked at once, at the start).
-    pub device_file: String,
+    /// The host's GPU device files (patterns, `{minor}` standing for the number), which the
+    /// flag must match where NVML is absent ([`device_files`], looked at once, at the start).
+    pub device_files: Vec<String>,
 }
 
-/// The minor numbers whose GPU device file exists, `pattern` being `--gpu-device-file`
-/// (`/dev/nvidia{minor}`), looked at up to [`MAX_MINOR`].
-pub fn device_files(pattern: &str) -> Vec<u32> {
-    (0..MAX_MINOR).filter(|minor| std::path::Path::new(&pattern.replace("{minor}", &minor.to_string())).exists()).collect()
+/// The minor numbers whose GPU device file exists under any of `patterns` (the host's
+/// `/dev/nvidia{minor}`, the GPU operator's driver root's), looked at up to [`MAX_MINOR`].
+pub fn device_files(patterns: &[String]) -> Vec<u32> {
+    (0..MAX_MINOR)
+        .filter(|minor| patterns.iter().any(|pattern| std::path::Path::new(&pattern.replace("{minor}", &minor.to_string())).exists()))
+        .collect()
 }
 
 /// The GPU minor numbers looked at for device files (the driver numbers GPUs below 255;
@@ -132,14 +133,14 @@ pub const MAX_MINOR: u32 = 64;
 
 /// Where `--gpu-memory` is the inventory (NVML absent), why it cannot be: its count is not
 /// the count of the node's GPU device files.
-pub fn flag_mismatch(flag: &[u64], device_files: &[u32], pattern: &str) -> Option<String> {
+pub fn flag_mismatch(flag: &[u64], device_files: &[u32], patterns: &[String]) -> Option<String> {
     (!flag.is_empty() && !device_files.is_empty() && flag.len() != device_files.len()).then(|| {
         format!(
             "NVML is absent and --gpu-memory gives {} size(s), but the node has {} GPU device files ({} for minors {device_files:?}): \
              give one size per GPU (e.g. --gpu-memory={}), or give the agent the driver's NVML (--host-root, --nvml)",
             flag.len(),
             device_files.len(),
-            pattern,
+            patterns.join(" or "),
             vec!["80Gi"; device_files.len()].join(",")
         )
     })
@@ -149,11 +150,11 @@ impl Tracker {
     /// Runs until `stop` (or the driver view's sender is gone at the stop).
     pub async fn run(self, mut driver: watch::Receiver<Arc<DriverView>>, sender: watch::Sender<Option<Arc<Inventory>>>, mut stop: watch::Receiver<bool>) -> anyhow::Result<()> {
         let mut warned = false;
-        let files = device_files(&self.device_file);
+        let files = device_files(&self.device_files);
         loop {
             let seen = from_view(&driver.borrow_and_update(), &self.flag, self.reserve);
             if seen.as_ref().is_some_and(|seen| seen.source == Source::Flag) {
-                if let Some(mismatch) = flag_mismatch(&self.flag, &files, &self.device_file) {
+                if let Some(mismatch) = flag_mismatch(&self.flag, &files, &self.device_files) {
                     anyhow::bail!("{mismatch}");
                 }
             }
@@ -302,13 +303,13 @@ mod tests {
             std::fs::write(dir.join(format!("nvidia{minor}")), b"").expect("a device file stand-in");
         }
         std::fs::write(dir.join("nvidiactl"), b"").expect("not a GPU");
-        let pattern = format!("{}/nvidia{{minor}}", dir.display());
+        let pattern = vec![format!("{}/nvidia{{minor}}", dir.display()), "/nonexistent/nvidia{minor}".to_string()];
         assert_eq!(device_files(&pattern), [0, 1, 3]);
         let run = |flag: Vec<u64>, state: State| {
             let (driver_tx, driver_rx) = watch::channel(Arc::new(view(state, vec![device(0, Some(80 * GIB))])));
             let (sender, shared) = watch::channel(None);
             let (stop_tx, stop) = watch::channel(false);
-            let tracker = Tracker { flag, reserve: 0, device_file: pattern.clone() };
+            let tracker = Tracker { flag, reserve: 0, device_files: pattern.clone() };
             async move {
                 // Kept while the tracker runs: it ends when its senders are gone.
                 let _senders = (driver_tx, stop_tx);
@@ -328,7 +329,7 @@ mod tests {
         let (ended, shared) = run(vec![80 * GIB], State::Ok).await;
         assert!(ended.is_err(), "runs on");
         assert_eq!(shared.map(|i| i.source), Some(Source::Nvml));
-        assert_eq!(flag_mismatch(&[GIB], &[], "p"), None, "no device file seen: the flag as given");
+        assert_eq!(flag_mismatch(&[GIB], &[], &pattern), None, "no device file seen: the flag as given");
         let _ = std::fs::remove_dir_all(&dir);
     }
 
@@ -337,7 +338,7 @@ mod tests {
         let (driver_tx, driver_rx) = watch::channel(Arc::new(view(State::Starting, vec![])));
         let (sender, mut shared) = watch::channel(None);
         let (stop_tx, stop) = watch::channel(false);
-        let task = tokio::spawn(Tracker { flag: vec![8 * GIB], reserve: GIB, device_file: "/nonexistent/nvidia{minor}".into() }.run(driver_rx, sender, stop));
+        let task = tokio::spawn(Tracker { flag: vec![8 * GIB], reserve: GIB, device_files: vec!["/nonexistent/nvidia{minor}".into()] }.run(driver_rx, sender, stop));
         driver_tx.send_replace(Arc::new(view(State::Ok, vec![device(0, Some(80 * GIB)), device(1, Some(80 * GIB))])));
         shared.changed().await.expect("sent");
         let first = shared.borrow_and_update().clone().expect("two GPUs");

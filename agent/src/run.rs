@@ -558,7 +558,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
     };
     tasks.spawn_unit("driver", driver_task.run(driver_tx, liveness.register("driver", DRIVER_ALLOWED), stop.clone()));
     let reserve = if args.dra.dra { args.dra_slices.dra_memory_reserve } else { 0 };
-    tasks.spawn("inventory", inventory::Tracker { flag: args.provision.gpu_memory.clone(), reserve, device_file: host_device_files(&args.host_root) }.run(driver_rx.clone(), gpus_tx, stop.clone()));
+    tasks.spawn("inventory", inventory::Tracker { flag: args.provision.gpu_memory.clone(), reserve, device_files: host_device_files(&args.host_root) }.run(driver_rx.clone(), gpus_tx, stop.clone()));
     let mut dra_status = None;
     if args.dra.dra {
         let slices = crate::dra::slices::Publisher::start(&args.dra_slices, &dra_node, liveness.register("dra-slices", crate::dra::slices::ALLOWED)).await?;
@@ -679,11 +679,16 @@ async fn provisioner(args: &RunArgs, gpus: inventory::Shared, limiter: driver_li
     Ok(Some((Arc::new(provisioner), capacity)))
 }
 
-/// The host's GPU device files (`/dev/nvidia{minor}` under `--host-root`: the host's, whatever
-/// the runtime gave the agent's container), which the node's GPUs are counted by where NVML
-/// has not said.
-fn host_device_files(host_root: &std::path::Path) -> String {
-    format!("{}/nvidia{{minor}}", host_root.join("dev").display())
+/// The host's GPU device files, `{minor}` standing for the number: `/dev/nvidia{minor}` under
+/// `--host-root` (the host's, whatever the runtime gave the agent's container), and the GPU
+/// operator's driver root's (its driver container makes the GPUs' nodes there, the host's
+/// `/dev` getting the control nodes only). The node's GPUs are counted by them where NVML has
+/// not said.
+fn host_device_files(host_root: &std::path::Path) -> Vec<String> {
+    [host_root.join("dev"), host_root.join(driver::install::OPERATOR_ROOT).join("dev")]
+        .iter()
+        .map(|dev| format!("{}/nvidia{{minor}}", dev.display()))
+        .collect()
 }
 
 /// The NRI plugin's settings (it reconnects by itself for as long as the agent runs).

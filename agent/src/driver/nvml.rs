@@ -82,7 +82,9 @@ impl Trouble {
 impl Nvml {
     /// Loads and initializes the first of `candidates` that exists and does (a library that
     /// cannot be loaded or initialized, say a stale copy of another driver version, gives way
-    /// to the next); where none does, the first one's trouble, the others' said after it.
+    /// to the next); where none does, the trouble of the first that failed (one whose NVML
+    /// failed rather than was absent, if any: a driver there that errs is not a node without
+    /// one), the others' said after it.
     pub fn open(candidates: &[PathBuf]) -> Result<Nvml, Trouble> {
         let mut troubles: Vec<Trouble> = Vec::new();
         for path in candidates.iter().filter(|path| path.exists()) {
@@ -90,6 +92,10 @@ impl Nvml {
                 Ok(nvml) => return Ok(nvml),
                 Err(trouble) => troubles.push(trouble),
             }
+        }
+        if let Some(failing) = troubles.iter().position(|trouble| trouble.state == State::Failing) {
+            let first = troubles.remove(failing);
+            troubles.insert(0, first);
         }
         let mut troubles = troubles.into_iter();
         let Some(mut first) = troubles.next() else {

@@ -226,7 +226,7 @@ pub fn device_plugin_gpus(workload: &Workload, claim: &Claimed, uuid: &dyn Fn(u3
             ),
         )
     };
-    if let Some(mount) = workload.mounts.iter().find(|m| Path::new(&m.destination).starts_with(DEVICE_LIST_MOUNTS)) {
+    if let Some(mount) = workload.mounts.iter().find(|m| device_list_mount(m)) {
         return Some(refusal(format!("its volume-mounts strategy: {}", mount.destination)));
     }
     let listed = workload.visible_devices.as_deref()?;
@@ -243,6 +243,29 @@ pub fn device_plugin_gpus(workload: &Workload, claim: &Claimed, uuid: &dyn Fn(u3
 /// Where the NVIDIA container runtime reads a container's GPUs from mounts (the device
 /// plugin's `volume-mounts` device list strategy).
 pub const DEVICE_LIST_MOUNTS: &str = "/var/run/nvidia-container-devices";
+
+/// Whether `mount` is a GPU of the device plugin's `volume-mounts` strategy as the NVIDIA
+/// container runtime reads them: `/dev/null` mounted at a name under [`DEVICE_LIST_MOUNTS`]
+/// (`..` resolved), the `cdi/` and `imex/` names (CDI devices, IMEX channels) not GPUs.
+fn device_list_mount(mount: &crate::provision::nri::Mount) -> bool {
+    if mount.source != Path::new("/dev/null") {
+        return false;
+    }
+    let mut parts: Vec<&str> = Vec::new();
+    for part in mount.destination.split('/') {
+        match part {
+            "" | "." => {}
+            ".." => {
+                parts.pop();
+            }
+            part => parts.push(part),
+        }
+    }
+    let resolved = format!("/{}", parts.join("/"));
+    resolved.strip_prefix(DEVICE_LIST_MOUNTS).and_then(|rest| rest.strip_prefix('/')).is_some_and(|name| {
+        !name.is_empty() && !name.starts_with("cdi/") && !name.starts_with("imex/")
+    })
+}
 
 /// What unprepare did with a claim's ledger ([`Claims::release`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -710,7 +733,7 @@ mod provisioned {
         for gpu in &mut inventory.gpus {
             gpu.uuid = Some(format!("GPU-{}", gpu.index));
         }
-        let p = p.with_inventory(crate::inventory::fixed(Some(inventory)), String::new());
+        let p = p.with_inventory(crate::inventory::fixed(Some(inventory)), Vec::new());
         let state = root.join("state");
         prepare(&state, "u1", &[(1, 1 << 30), (3, 1 << 30)]);
         let adjustment = block_on(p.create_container(&member(&state, "a", &["u1"], &[1, 3]))).expect("provisioned");
@@ -826,6 +849,7 @@ mod provisioned {
             let mut workload = member(Path::new("/state"), "id", &["u"], &[2]);
             workload.visible_devices = env.map(str::to_owned);
             workload.mounts.extend(mount.map(|m| crate::provision::nri::Mount { source: "/dev/null".into(), destination: m.into(), read_only: true }));
+            workload.mounts.push(crate::provision::nri::Mount { source: "/host/data".into(), destination: "/var/run/nvidia-container-devices/GPU-6aaa".into(), read_only: true });
             device_plugin_gpus(&workload, &claim, uuid)
         };
         // Nothing a device plugin's for sure: indices are NVML's numbering, not minors.
@@ -841,6 +865,9 @@ mod provisioned {
         assert_eq!(with(Some("GPé-x,ééé"), None, &known), None, "bytes of the tenant's, no panic");
         let refusal = with(Some("all"), Some("/var/run/nvidia-container-devices/GPU-5aaa"), &known).expect("the volume-mounts strategy");
         assert!(refusal.message.contains("volume-mounts strategy: /var/run/nvidia-container-devices/GPU-5aaa"), "{}", refusal.message);
-        assert_eq!(with(None, Some("/var/run/nvidia-container-devicesX"), &known), None, "another directory");
+        assert!(with(None, Some("/var/run/x/../nvidia-container-devices/0"), &known).is_some(), "`..` resolved as the runtime does");
+        for honest in ["/var/run/nvidia-container-devicesX", "/var/run/nvidia-container-devices/imex/channel0", "/var/run/nvidia-container-devices/cdi/nvidia.com/gpu=0", "/var/run/nvidia-container-devices"] {
+            assert_eq!(with(None, Some(honest), &known), None, "{honest}");
+        }
     }
 }

@@ -230,16 +230,16 @@ pub struct Provisioner {
     sources: Sources,
     hook: PathBuf,
     preload: PathBuf,
-    /// `--gpu-memory`: each GPU's memory before the inventory has GPUs (empty: unknown, one
-    /// GPU assumed).
+    /// `--gpu-memory`: its count is the node's GPUs where nothing else says (see
+    /// [`Self::node_gpus`]).
     gpu_memory: Vec<u64>,
     /// The node's GPUs as the agent's [`crate::inventory`] has them (NVML's where it answers,
     /// `--gpu-memory`'s where NVML is absent): what the DRA driver publishes and prepares
     /// from, and what the NRI side sizes with; wins over `gpu_memory`.
     gpus: crate::inventory::Shared,
-    /// The host's GPU device files (`/dev/nvidia{minor}`), counted where neither the
-    /// inventory nor `gpu_memory` says how many GPUs the node has.
-    device_files: String,
+    /// The host's GPU device files (patterns: `/dev/nvidia{minor}`, the GPU operator's driver
+    /// root's), counted where the inventory does not say how many GPUs the node has.
+    device_files: Vec<String>,
     /// Where the driver's own per-cgroup limits are asked for at StartContainer (`None`:
     /// not asked; the limits task's passes still set them).
     limiter: Option<crate::driver_limits::Limiter>,
@@ -286,7 +286,7 @@ impl Provisioner {
         if !hook.is_file() {
             return Err(format!("--hook-library {} is not a file", args.hook_library.display()));
         }
-        let sizing = store::Sizing { processes: args.max_processes_per_container, gpu_memory: args.gpu_memory.clone(), gpus: crate::inventory::fixed(None) };
+        let sizing = store::Sizing { processes: args.max_processes_per_container, gpus: crate::inventory::fixed(None) };
         let store = Store::open(&args.state_dir, ledger_dir, mounts)?.sized(sizing);
         let preload = args.state_dir.join("ld.so.preload");
         std::fs::write(&preload, format!("{}\n", provisioned::HOOK)).map_err(|e| format!("cannot write {}: {e}", preload.display()))?;
@@ -313,7 +313,7 @@ impl Provisioner {
             preload,
             gpu_memory: args.gpu_memory.clone(),
             gpus: crate::inventory::fixed(None),
-            device_files: String::new(),
+            device_files: Vec::new(),
             limiter: None,
             refuse_overcommit: args.refuse_overcommit,
             max_containers: args.max_provisioned_containers,
@@ -359,9 +359,9 @@ impl Provisioner {
     }
 
     /// The provisioner that sizes the node, and its ledgers, by `gpus` (the agent's
-    /// inventory) where it has one, else by `--gpu-memory`, else counts the GPUs by the host's
-    /// device files (`device_files`, `{minor}` standing for the number: see [`Self::node_gpus`]).
-    pub fn with_inventory(self, gpus: crate::inventory::Shared, device_files: String) -> Provisioner {
+    /// inventory) where it has one, else counts the GPUs by the host's device files
+    /// (`device_files`, `{minor}` standing for the number: see [`Self::node_gpus`]).
+    pub fn with_inventory(self, gpus: crate::inventory::Shared, device_files: Vec<String>) -> Provisioner {
         let store = self.store.resized(gpus.clone());
         Provisioner { gpus, store, device_files, ..self }
     }
@@ -390,20 +390,21 @@ impl Provisioner {
         wants
     }
 
-    /// The range of the node's GPU indices: the inventory's (NVML's minor numbers), else
-    /// `--gpu-memory`'s count, else (NVML not read yet, or failing, and no flag: a container
-    /// created then is still held to every GPU it was given) one past the highest minor number
-    /// of the host's GPU device files; one when none says.
+    /// The range of the node's GPU indices: the inventory's (NVML's minor numbers; the
+    /// flag's where NVML is absent), else (NVML not read yet, or failing before it ever
+    /// answered: a container created then is still held to the GPUs it was given) one past the
+    /// highest minor number of the host's GPU device files, else `--gpu-memory`'s count; one
+    /// when none says.
     fn node_gpus(&self) -> u32 {
         let known = self.gpus.borrow().as_ref().map(|inventory| inventory.index_bound()).filter(|&bound| bound > 0);
-        let flag = u32::try_from(self.gpu_memory.len()).unwrap_or(u32::MAX);
         let files = || crate::inventory::device_files(&self.device_files).last().map_or(0, |minor| minor + 1);
-        known.unwrap_or_else(|| if flag > 0 { flag } else { files() }).max(1)
+        let flag = || u32::try_from(self.gpu_memory.len()).unwrap_or(u32::MAX);
+        known.unwrap_or_else(|| Some(files()).filter(|&files| files > 0).unwrap_or_else(flag)).max(1)
     }
 
-    /// GPU `index`'s memory: the inventory's, else `--gpu-memory`'s.
+    /// GPU `index`'s memory: the inventory's (unknown before it has one).
     fn gpu_memory_of(&self, index: usize) -> Option<u64> {
-        crate::inventory::memory_of(&self.gpus, &self.gpu_memory, index)
+        crate::inventory::memory_of(&self.gpus, index)
     }
 
     /// How many containers with a quota were held to every GPU since the agent started because
@@ -1232,11 +1233,14 @@ pub(super) mod tests {
         }
     }
 
-    /// A provisioner of [`args`] over `root`'s quota file.
+    /// A provisioner of [`args`] over `root`'s quota file, on a node without NVML: its
+    /// inventory is `--gpu-memory`'s (two GPUs of 8 GiB), as the agent's inventory task makes it.
     pub(super) fn provisioner_in(root: &Path, refuse_overcommit: bool) -> Provisioner {
         let file = QuotaFile::open(&root.join("quotas")).expect("quota file");
         let sources = Sources { kube: None, file: Some(file), annotation: false };
-        Provisioner::with_mounts(&args(root, refuse_overcommit), &root.join("ledgers"), sources, None).expect("provisioner")
+        let args = args(root, refuse_overcommit);
+        let gpus = crate::inventory::fixed(Some(crate::inventory::from_flag(&args.gpu_memory, 0)));
+        Provisioner::with_mounts(&args, &root.join("ledgers"), sources, None).expect("provisioner").with_inventory(gpus, Vec::new())
     }
 
     /// A provisioner under a fresh directory, with `rules` as its quota file.
@@ -1286,14 +1290,18 @@ pub(super) mod tests {
         for name in ["nvidia0", "nvidia1", "nvidia3", "nvidiactl"] {
             std::fs::write(root.join("dev").join(name), b"").expect("a device file stand-in");
         }
-        let p = Provisioner { gpu_memory: Vec::new(), ..p }.with_inventory(crate::inventory::fixed(None), format!("{}/dev/nvidia{{minor}}", root.display()));
+        let p = Provisioner { gpu_memory: Vec::new(), ..p }.with_inventory(crate::inventory::fixed(None), vec![format!("{}/dev/nvidia{{minor}}", root.display())]);
         block_on(p.create_container(&workload("team-a", "trainer", "c1", "3"))).expect("provisioned");
         let made = &p.provisioned()[0];
         assert_eq!((made.record.gpus.as_slice(), made.record.devices), (&[3][..], 4), "GPU 3 of the host's 4 minors, as given");
         assert_eq!(p.gpus_undetermined(), 0);
         // Without the files either: one GPU assumed, and GPU 3 is past it (held to every GPU).
-        let none = Provisioner { gpu_memory: Vec::new(), ..provisioner_in(&root, false) }.with_inventory(crate::inventory::fixed(None), String::new());
+        let none = Provisioner { gpu_memory: Vec::new(), ..provisioner_in(&root, false) }.with_inventory(crate::inventory::fixed(None), Vec::new());
         assert_eq!(none.node_gpus(), 1);
+        // A --gpu-memory of another count (an old DaemonSet's one 80Gi) does not hide the files.
+        let flagged = provisioner_in(&root, false).with_inventory(crate::inventory::fixed(None), vec![format!("{}/dev/nvidia{{minor}}", root.display())]);
+        assert_eq!((flagged.gpu_memory.len(), flagged.node_gpus()), (2, 4));
+        assert_eq!(flagged.gpu_memory_of(0), None, "the flag's sizes are not NVML's: unknown until it answers");
         std::fs::remove_dir_all(&root).expect("cleanup");
     }
 

@@ -106,10 +106,8 @@ pub struct Provisioned {
 pub struct Sizing {
     /// Processes of one container that may use the GPU at once: the ledger's slots.
     pub processes: u32,
-    /// Each GPU's memory before the inventory has GPUs (`--gpu-memory`; empty: unknown), the
-    /// most a device's limit is made.
-    pub gpu_memory: Vec<u64>,
-    /// The node's GPUs ([`crate::inventory`]), whose memory wins over `gpu_memory`.
+    /// The node's GPUs ([`crate::inventory`]): each one's memory is the most a device's limit
+    /// is made (none before the inventory has them).
     pub gpus: crate::inventory::Shared,
 }
 
@@ -118,7 +116,7 @@ pub const DEFAULT_PROCESSES: u32 = 128;
 
 impl Default for Sizing {
     fn default() -> Sizing {
-        Sizing { processes: DEFAULT_PROCESSES, gpu_memory: Vec::new(), gpus: crate::inventory::fixed(None) }
+        Sizing { processes: DEFAULT_PROCESSES, gpus: crate::inventory::fixed(None) }
     }
 }
 
@@ -134,7 +132,7 @@ impl Sizing {
                 .enumerate()
                 .map(|(i, &gpu)| {
                     let quota = record.quota_on(i);
-                    crate::inventory::memory_of(&self.gpus, &self.gpu_memory, gpu as usize).map_or(quota, |memory| quota.min(memory))
+                    crate::inventory::memory_of(&self.gpus, gpu as usize).map_or(quota, |memory| quota.min(memory))
                 })
                 .collect(),
         };
@@ -470,7 +468,8 @@ mod tests {
     fn ledgers_are_sized_by_quota_processes_and_gpu_memory() {
         let root = std::env::temp_dir().join(format!("vramguard-store-sized-{}", std::process::id()));
         let _ = fs::remove_dir_all(&root);
-        let sizing = Sizing { processes: 16, gpu_memory: vec![8 << 30, 8 << 30, 8 << 30, 4 << 30], gpus: crate::inventory::fixed(None) };
+        let gpus = crate::inventory::fixed(Some(crate::inventory::from_flag(&[8 << 30, 8 << 30, 8 << 30, 4 << 30], 0)));
+        let sizing = Sizing { processes: 16, gpus };
         let store = Store::open(&root.join("state"), &root.join("ledgers"), None).expect("store").sized(sizing);
         let tiny = store.create(Record { quota: 1, ..record("t1") }).expect("a 1-byte quota is provisioned");
         assert_eq!((tiny.header.slot_count, tiny.header.devices[0].limit, tiny.header.devices[0].chunks), (16, 0, 0));

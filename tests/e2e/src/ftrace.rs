@@ -31,12 +31,28 @@ impl SyscallTrace {
         std::fs::create_dir(&dir).with_context(|| format!("cannot create the tracefs instance {}", dir.display()))?;
         let mut trace = SyscallTrace { dir, events: Vec::new() };
         let write = |file: &Path, text: &str| std::fs::write(file, text).with_context(|| format!("cannot write {text:?} to {}", file.display()));
+        // One clock for every CPU: a thread that moves between CPUs is still read in order.
+        write(&trace.dir.join("trace_clock"), "global")?;
         write(&trace.dir.join("options/event-fork"), "1")?;
-        let threads: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/task"))
-            .with_context(|| format!("process {pid}'s threads"))?
-            .filter_map(|entry| entry.ok()?.file_name().into_string().ok())
-            .collect();
-        write(&trace.dir.join("set_event_pid"), &threads.join(" "))?;
+        // The threads now (read again until no thread started meanwhile: later ones are
+        // added by event-fork).
+        let threads = |pid: u32| -> Result<Vec<String>> {
+            let mut threads: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/task"))
+                .with_context(|| format!("process {pid}'s threads"))?
+                .filter_map(|entry| entry.ok()?.file_name().into_string().ok())
+                .collect();
+            threads.sort();
+            Ok(threads)
+        };
+        let mut seen = threads(pid)?;
+        loop {
+            write(&trace.dir.join("set_event_pid"), &seen.join(" "))?;
+            let now = threads(pid)?;
+            if now.iter().all(|thread| seen.contains(thread)) {
+                break;
+            }
+            seen = now;
+        }
         for name in syscalls {
             let event = trace.dir.join("events/syscalls").join(format!("sys_enter_{name}"));
             if !event.is_dir() {
