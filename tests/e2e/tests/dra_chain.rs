@@ -500,8 +500,9 @@ fn claims_of_several_requests_counts_and_admin_access_are_prepared_and_held_or_r
     let gpu1 = uuid_of(&node, "gpu-1")?;
     let error = format!("{:#}", beside("twin-envvar", &|spec| spec.env("NVIDIA_VISIBLE_DEVICES", &gpu1)).expect_err("GPU 1 from the device plugin's variable"));
     ensure!(error.contains(&format!("NVIDIA_VISIBLE_DEVICES={gpu1}")) && error.contains("remove nvidia.com/gpu"), "{error}");
-    // Its `volume-mounts` strategy: a mount the NVIDIA runtime reads as a GPU.
-    let mount = |spec: ContainerSpec| spec.mount(node.path("nodes/nvidia1"), format!("/var/run/nvidia-container-devices/{gpu1}"), true);
+    // Its `volume-mounts` strategy: /dev/null mounted at a name the NVIDIA runtime reads as a
+    // GPU.
+    let mount = |spec: ContainerSpec| spec.mount("/dev/null", format!("/var/run/nvidia-container-devices/{gpu1}"), true);
     let error = format!("{:#}", beside("twin-mounts", &mount).expect_err("GPU 1 from the device plugin's mount"));
     ensure!(error.contains("volume-mounts strategy: /var/run/nvidia-container-devices/"), "{error}");
     ensure!(node.metric("vramguard_dra_containers_refused_total", &[("reason", "foreign_gpus")])? == Some(3.0), "each counted");
