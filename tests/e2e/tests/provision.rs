@@ -439,17 +439,29 @@ fn a_provisioned_container_cannot_grow_the_node_disk_through_its_ledger() -> Res
     assert_held(&node.workload(&main, &[], &OVER)?)?;
 
     // Negative control: the same writes to a plain file of a host directory take the disk.
+    // Other processes of the machine free space too (test binaries beside this one remove
+    // their files): the control is tried again, up to three times, until the filesystem's free
+    // space shows its 128 MiB. (Only the control: a retry of the ledger's writes could not
+    // show a loss the first try made.)
     let control = scratch.join("file");
-    let before = free_bytes(&scratch)?;
-    let out = run(&["busybox", "dd", "if=/dev/zero", "of=/scratch/file", "bs=1048576", "count=64", "conv=fsync"])?;
-    ensure!(out.exit_code == 0, "{out:?}");
-    let out = run(&["busybox", "fallocate", "-o", &(64 * MIB).to_string(), "-l", &(64 * MIB).to_string(), "/scratch/file"])?;
-    ensure!(out.exit_code == 0, "{out:?}");
-    let taken = std::fs::metadata(&control)?.blocks() * 512;
-    let lost = before.saturating_sub(free_bytes(&scratch)?);
-    eprintln!("control: {taken} bytes allocated, host filesystem {lost} bytes fewer free");
-    ensure!(taken >= 128 * MIB && lost >= 96 * MIB, "the control file must take the disk: {taken} bytes allocated, {lost} fewer free");
-    std::fs::remove_file(&control)?;
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        let before = free_bytes(&scratch)?;
+        let out = run(&["busybox", "dd", "if=/dev/zero", "of=/scratch/file", "bs=1048576", "count=64", "conv=fsync"])?;
+        ensure!(out.exit_code == 0, "{out:?}");
+        let out = run(&["busybox", "fallocate", "-o", &(64 * MIB).to_string(), "-l", &(64 * MIB).to_string(), "/scratch/file"])?;
+        ensure!(out.exit_code == 0, "{out:?}");
+        let taken = std::fs::metadata(&control)?.blocks() * 512;
+        let lost = before.saturating_sub(free_bytes(&scratch)?);
+        std::fs::remove_file(&control)?;
+        eprintln!("control: {taken} bytes allocated, host filesystem {lost} bytes fewer free");
+        ensure!(taken >= 128 * MIB, "the control file must be allocated: {taken} bytes");
+        seen.push(lost);
+        if lost >= 96 * MIB {
+            break;
+        }
+    }
+    ensure!(seen.iter().any(|&lost| lost >= 96 * MIB), "the control file must take the disk: {seen:?} bytes fewer free in each try");
 
     // The pod gone: its ledger's tmpfs unmounted and its directory removed.
     node.containerd.stop_container(&main, Duration::from_secs(1))?;
