@@ -32,6 +32,7 @@
 pub mod gap;
 pub mod holders;
 pub mod install;
+pub mod ld_cache;
 pub mod listed;
 pub mod nvml;
 pub mod task;
@@ -279,7 +280,7 @@ mod tests {
         assert_eq!(found[1], PathBuf::from("/usr/lib64/libnvidia-ml.so.1"));
         assert_eq!(found.iter().filter(|p| p.starts_with("/usr/lib64")).count(), 1, "{found:?}");
         assert_eq!(found.len(), 1 + WELL_KNOWN_DIRS.len());
-        let host = install::Found { root: "/host".into(), dir: Some("usr/lib64"), layout: None, libcuda: None, nvml: Some("/host/usr/lib64/libnvidia-ml.so.580".into()) };
+        let host = install::Found { root: "/host".into(), dir: Some("usr/lib64".into()), layout: None, libcuda: None, nvml: Some("/host/usr/lib64/libnvidia-ml.so.580".into()) };
         let found = locate(None, &[PathBuf::from("/d/libcuda.so.1")], Some(&host));
         assert_eq!(found[..3], [PathBuf::from("/d/libnvidia-ml.so.1"), "/host/usr/lib64/libnvidia-ml.so.580".into(), "/host/run/nvidia/driver/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1".into()]);
         assert_eq!(found.last(), Some(&Path::new(WELL_KNOWN_DIRS[3]).join(LIBRARY)), "the agent's own places last");
