@@ -680,6 +680,62 @@ fn the_daemonset_runs_unedited_on_a_node_of_eight_gpus_of_another_size_and_drive
     Ok(())
 }
 
+/// Whether a node with `labels` satisfies the pod spec's required node affinity, as the
+/// scheduler and the DaemonSet controller read it (Kubernetes' NodeSelectorRequirement: terms
+/// ORed, expressions ANDed; `In`, `NotIn` (true where the label is absent), `Exists`,
+/// `DoesNotExist`). An operator this does not know fails.
+fn schedules_on(spec: &Value, labels: &[(&str, &str)]) -> Result<bool> {
+    let terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"].as_array().context("no required node affinity")?;
+    let label = |key: &str| labels.iter().find(|(k, _)| *k == key).map(|(_, v)| *v);
+    let mut any = false;
+    for term in terms {
+        let mut all = true;
+        for expression in term["matchExpressions"].as_array().context("a term without matchExpressions")? {
+            let key = expression["key"].as_str().context("an expression without a key")?;
+            let values: Vec<&str> = expression["values"].as_array().into_iter().flatten().filter_map(Value::as_str).collect();
+            all &= match expression["operator"].as_str() {
+                Some("In") => label(key).is_some_and(|v| values.contains(&v)),
+                Some("NotIn") => label(key).is_none_or(|v| !values.contains(&v)),
+                Some("Exists") => label(key).is_some(),
+                Some("DoesNotExist") => label(key).is_none(),
+                other => bail!("operator {other:?}: not modelled"),
+            };
+        }
+        any |= all;
+    }
+    Ok(any)
+}
+
+/// The DaemonSet's nodes, as the shipped file's affinity selects them: GPU nodes as the usual
+/// labellers mark them, not those the GPU operator gives to VMs, and not while the operator's
+/// driver or MIG manager has paused the NVML clients (`nvidia.com/gpu.deploy.client` off
+/// `true`) to unload the driver; back when it is `true` again, and always where the label is
+/// absent.
+#[test]
+fn the_daemonset_runs_on_gpu_nodes_and_leaves_while_the_gpu_operator_unloads_the_driver() -> Result<()> {
+    let spec = pod_spec()?;
+    let gfd = ("nvidia.com/gpu.present", "true");
+    let client = |value| ("nvidia.com/gpu.deploy.client", value);
+    for (labels, runs) in [
+        (vec![gfd], true),
+        (vec![gfd, client("true")], true),
+        (vec![gfd, client("paused-for-driver-upgrade")], false),
+        (vec![gfd, client("paused-for-mig-change")], false),
+        (vec![gfd, client("false")], false),
+        (vec![("feature.node.kubernetes.io/pci-10de.present", "true")], true),
+        (vec![("feature.node.kubernetes.io/pci-0302_10de.present", "true")], true),
+        (vec![("feature.node.kubernetes.io/pci-0300_10de.present", "true"), client("paused-for-driver-upgrade")], false),
+        (vec![gfd, ("nvidia.com/gpu.workload.config", "vm-passthrough")], false),
+        (vec![gfd, ("nvidia.com/gpu.workload.config", "container")], true),
+        (vec![("vramguard.io/gpu-node", "true")], true),
+        (vec![("vramguard.io/gpu-node", "true"), client("paused-for-driver-upgrade")], false),
+        (vec![("kubernetes.io/os", "linux")], false),
+    ] {
+        ensure!(schedules_on(&spec, &labels)? == runs, "a node labelled {labels:?} {} run the agent", if runs { "must" } else { "must not" });
+    }
+    Ok(())
+}
+
 /// What the agent's pod achieved: the first step that failed, with what it said.
 #[derive(Debug)]
 enum Outcome {
