@@ -130,7 +130,11 @@ pub fn find(root: &Path) -> Found {
 
 /// The bytes of `name` (relative) inside the root `dir`, read as [`resolve`] opens it.
 fn read(dir: &std::fs::File, name: &str) -> Option<Vec<u8>> {
-    let how = OpenHow::new().flags(OFlag::O_RDONLY | OFlag::O_CLOEXEC).mode(Mode::empty()).resolve(ResolveFlag::RESOLVE_IN_ROOT | ResolveFlag::RESOLVE_NO_MAGICLINKS);
+    // O_NONBLOCK: a FIFO (or a /proc file) of that name neither blocks the open nor the read.
+    let how = OpenHow::new()
+        .flags(OFlag::O_RDONLY | OFlag::O_CLOEXEC | OFlag::O_NONBLOCK)
+        .mode(Mode::empty())
+        .resolve(ResolveFlag::RESOLVE_IN_ROOT | ResolveFlag::RESOLVE_NO_MAGICLINKS);
     let fd = openat2(dir.as_raw_fd(), name, how).ok()?;
     // SAFETY: `openat2` returned a new descriptor that nothing else owns.
     let mut file = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
@@ -276,5 +280,16 @@ mod tests {
         // A known directory wins over the cache.
         let debian = file(root.path(), "usr/lib/x86_64-linux-gnu/libcuda.so.1");
         assert_eq!(find(root.path()).libcuda.as_deref(), Some(debian.as_path()));
+    }
+
+    #[test]
+    fn a_fifo_in_the_cache_s_place_neither_blocks_nor_is_read() {
+        let root = root("fifo");
+        std::fs::create_dir_all(root.path().join("etc")).expect("etc");
+        let fifo = std::ffi::CString::new(root.path().join(LD_CACHE).into_os_string().into_encoded_bytes()).expect("a path");
+        // SAFETY: mkfifo(3) on a NUL-terminated path this test owns.
+        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0, "mkfifo");
+        let found = find(root.path());
+        assert_eq!(found.libcuda, None, "nothing, at once");
     }
 }

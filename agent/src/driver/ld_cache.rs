@@ -13,18 +13,39 @@ const HEADER: usize = 48;
 /// One entry: flags, the name's offset, the path's offset, an unused word, the hwcaps.
 const ENTRY: usize = 24;
 
+/// An entry's flags for a library of this machine's own kind (`FLAG_ELF_LIBC6` with the
+/// architecture's 64-bit flag, as glibc's `ldconfig` writes them): a 32-bit library of the same
+/// name (i386's `libcuda.so.1`) has others. `None`: any (an architecture this does not name).
+#[cfg(target_arch = "x86_64")]
+const OWN_FLAGS: Option<u32> = Some(0x0303);
+#[cfg(target_arch = "aarch64")]
+const OWN_FLAGS: Option<u32> = Some(0x0a03);
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+const OWN_FLAGS: Option<u32> = None;
+
+/// The longest path taken from the cache (`PATH_MAX`).
+const PATH_MAX: usize = 4096;
+
+/// The most paths one name is given.
+const MAX_PATHS: usize = 16;
+
 /// The paths the cache `bytes` gives for the library `name` (`libcuda.so.1`), in its order
-/// (the dynamic linker takes the first that suits it).
+/// (the dynamic linker takes the first that suits it): entries of this machine's own kind
+/// only ([`OWN_FLAGS`]), none of the `glibc-hwcaps` subdirectories' (a non-zero hwcap, which
+/// the linker uses only on CPUs that have them), each path at most [`PATH_MAX`] bytes, at most
+/// [`MAX_PATHS`] of them. Each name is compared in place, so a damaged file costs one pass.
 pub fn paths_of(bytes: &[u8], name: &str) -> Vec<String> {
     let word = |at: usize| bytes.get(at..at + 4).and_then(|b| b.try_into().ok()).map(u32::from_le_bytes).map(|w| w as usize);
+    let hwcap = |at: usize| bytes.get(at..at + 8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes);
     if !bytes.starts_with(MAGIC) {
         return Vec::new();
     }
     let Some(entries) = word(MAGIC.len()) else { return Vec::new() };
-    let string = |at: usize| -> Option<&str> {
+    let wanted: Vec<u8> = name.bytes().chain([0]).collect();
+    let path = |at: usize| -> Option<String> {
         let rest = bytes.get(at..)?;
-        let end = rest.iter().position(|&b| b == 0)?;
-        std::str::from_utf8(&rest[..end]).ok()
+        let end = rest.iter().take(PATH_MAX + 1).position(|&b| b == 0)?;
+        std::str::from_utf8(&rest[..end]).ok().map(str::to_owned)
     };
     let table: Range<usize> = HEADER..HEADER.saturating_add(entries.saturating_mul(ENTRY));
     if table.end > bytes.len() {
@@ -32,10 +53,10 @@ pub fn paths_of(bytes: &[u8], name: &str) -> Vec<String> {
     }
     table
         .step_by(ENTRY)
-        .filter_map(|entry| {
-            let (key, value) = (word(entry + 4)?, word(entry + 8)?);
-            (string(key)? == name).then(|| string(value).map(str::to_owned)).flatten()
-        })
+        .filter(|&entry| OWN_FLAGS.is_none_or(|own| word(entry) == Some(own as usize)) && hwcap(entry + 16) == Some(0))
+        .filter(|&entry| word(entry + 4).and_then(|key| bytes.get(key..key.saturating_add(wanted.len()))) == Some(&wanted[..]))
+        .filter_map(|entry| path(word(entry + 8)?))
+        .take(MAX_PATHS)
         .collect()
 }
 
@@ -56,10 +77,16 @@ pub(crate) mod tests {
             let value = strings_at + strings.len();
             strings.extend_from_slice(path.as_bytes());
             strings.push(0);
-            for word in [0x303u32, key as u32, value as u32, 0] {
+            let (flags, hwcap) = match *name {
+                // Markers the tests use for a 32-bit library and a glibc-hwcaps one.
+                _ if path.contains("/i386-") => (0x0003u32, 0u64),
+                _ if path.contains("/glibc-hwcaps/") => (OWN_FLAGS.unwrap_or(0x0303), 1u64 << 62),
+                _ => (OWN_FLAGS.unwrap_or(0x0303), 0),
+            };
+            for word in [flags, key as u32, value as u32, 0] {
                 table.extend_from_slice(&word.to_le_bytes());
             }
-            table.extend_from_slice(&0u64.to_le_bytes());
+            table.extend_from_slice(&hwcap.to_le_bytes());
         }
         bytes.extend_from_slice(&(entries.len() as u32).to_le_bytes());
         bytes.extend_from_slice(&(strings.len() as u32).to_le_bytes());
@@ -79,6 +106,17 @@ pub(crate) mod tests {
         ]);
         assert_eq!(paths_of(&bytes, "libcuda.so.1"), ["/usr/lib64/nvidia/tesla/580.65.06/libcuda.so.1", "/usr/lib/libcuda.so.1"]);
         assert!(paths_of(&bytes, "libnvidia-ml.so.1").is_empty());
+    }
+
+    #[test]
+    fn a_32_bit_library_and_a_hwcaps_one_are_not_this_machine_s() {
+        let bytes = cache(&[
+            ("libcuda.so.1", "/usr/lib/i386-linux-gnu/libcuda.so.1"),
+            ("libcuda.so.1", "/usr/lib/x86_64-linux-gnu/glibc-hwcaps/x86-64-v3/libcuda.so.1"),
+            ("libcuda.so.1.bak", "/usr/lib/libcuda.so.1.bak"),
+            ("libcuda.so.1", "/usr/lib/x86_64-linux-gnu/libcuda.so.1"),
+        ]);
+        assert_eq!(paths_of(&bytes, "libcuda.so.1"), ["/usr/lib/x86_64-linux-gnu/libcuda.so.1"]);
     }
 
     #[test]
