@@ -514,15 +514,10 @@ impl super::Provisioner {
     /// The claim `workload` belongs to (the checkpoint read on the blocking pool); a refusal is
     /// logged and counted here.
     pub(super) async fn claim_of(&self, workload: &Workload) -> Result<Option<Claimed>, String> {
+        let inventory = self.gpus.borrow().clone();
+        let uuid = |gpu: u32| inventory.as_ref().and_then(|inventory| inventory.gpu(gpu)).and_then(|gpu| gpu.uuid.clone());
         let found = self.look_up_claim(workload).await?.and_then(|claimed| match claimed {
-            Some(claim) => {
-                let inventory = self.gpus.borrow().clone();
-                let uuid = |gpu: u32| inventory.as_ref().and_then(|inventory| inventory.gpu(gpu)).and_then(|gpu| gpu.uuid.clone());
-                match device_plugin_gpus(workload, &claim, &uuid) {
-                    Some(refusal) => Err(refusal),
-                    None => Ok(Some(claim)),
-                }
-            }
+            Some(claim) => device_plugin_gpus(workload, &claim, &uuid).map_or(Ok(Some(claim)), Err),
             None => Ok(None),
         });
         found.map_err(|refusal| {

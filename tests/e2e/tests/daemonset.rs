@@ -420,6 +420,25 @@ impl Node {
         Ok(self.audit()?["driver"].clone())
     }
 
+    /// Waits until NVML reads, and checks the agent loaded it from `dir` under the host's root
+    /// (`/host`) and says in the audit that it found the driver there (`layout`'s); the audit's
+    /// driver entry.
+    fn nvml_found(&self, dir: &str, layout: &str) -> Result<Value> {
+        let driver = self.driver_ok()?;
+        let library = format!("/host/{dir}/libnvidia-ml.so.{}", e2e::INSTALLED_VERSION);
+        ensure!(driver["library"] == library.as_str(), "NVML was not loaded from {library}: {driver}");
+        let install = format!("{dir} under /host ({layout})");
+        ensure!(driver["install"].as_str().is_some_and(|found| found.starts_with(&install)), "the audit does not say {install:?}: {driver}");
+        Ok(driver)
+    }
+
+    /// The agent's record of provisioned container `id`, from the audit.
+    fn record(&self, id: &ContainerId) -> Result<Value> {
+        let audit = self.audit()?;
+        let record = audit["provisioned"].as_array().into_iter().flatten().find(|r| r["container_id"] == id.0.as_str()).cloned();
+        record.with_context(|| format!("the agent has no record of container {}: {audit}", id.0))
+    }
+
     fn agent(&self) -> Result<&ContainerId> {
         self.agent.as_ref().context("the agent is not started")
     }
@@ -591,19 +610,11 @@ fn the_daemonset_pod_runs_the_agent_with_the_manifest_privileges() -> Result<()>
     // would take the container past its 1 GiB: refused, by the ledger the agent made.
     let lines = node.allocate(&main, &PAST_QUOTA)?;
     ensure!(lines.iter().any(|l| l.starts_with("oom ")), "the context past the quota was granted: {lines:?}");
-    let audit = node.audit()?;
-    let record = audit["provisioned"].as_array().into_iter().flatten().find(|r| r["container_id"] == main.0.as_str()).cloned();
-    let record = record.with_context(|| format!("the agent has no record of the workload: {audit}"))?;
+    let record = node.record(&main)?;
     ensure!(record["quota"] == QUOTA && record["namespace"] == "team-a" && record["source"] == "kubernetes", "the pod spec's quota, through the API: {record}");
     // The driver's view: NVML found by the agent where Debian installs it under the host's
     // root, and reading; the install found is in the audit.
-    let driver = node.driver_ok()?;
-    let debian = format!("/host/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.{}", e2e::INSTALLED_VERSION);
-    ensure!(driver["library"] == debian.as_str(), "NVML was not loaded from the host's install: {driver}");
-    ensure!(
-        driver["install"].as_str().is_some_and(|found| found.starts_with("usr/lib/x86_64-linux-gnu under /host (Debian and Ubuntu)")),
-        "the install found is not in the audit: {driver}"
-    );
+    node.nvml_found("usr/lib/x86_64-linux-gnu", "Debian and Ubuntu")?;
     // With the manifest's capabilities the kernel links the probes as uprobe_multi links
     // (removed in one grace period at a stop), not as a perf event each.
     let files = node.audit()?["libcuda"].as_array().cloned().unwrap_or_default();
@@ -622,9 +633,7 @@ fn the_daemonset_pod_runs_the_agent_with_the_manifest_privileges() -> Result<()>
     use std::os::unix::fs::MetadataExt as _;
     ensure!((before.dev(), before.ino()) == (after.dev(), after.ino()), "the workload's ledger was replaced");
     ensure!(Path::new(&format!("/proc/{holder}")).exists(), "the workload's process did not survive the upgrade");
-    let audit = node.audit()?;
-    let record = audit["provisioned"].as_array().into_iter().flatten().find(|r| r["container_id"] == main.0.as_str()).cloned();
-    ensure!(record.is_some_and(|r| r["quota"] == QUOTA), "the new agent has no record of the workload: {audit}");
+    ensure!(node.record(&main)?["quota"] == QUOTA, "the new agent's record of the workload");
     wait_for(timeout(), "the new agent accounts the workload's process", || {
         let audit = node.audit()?;
         Ok(audit["processes"].as_array().into_iter().flatten().any(|p| p["pid"] == holder && p["state"] == "ok"))
@@ -654,13 +663,7 @@ fn the_daemonset_runs_unedited_on_a_node_of_eight_gpus_of_another_size_and_drive
     ensure!(!args.to_string().contains("--gpu-memory"), "the DaemonSet sizes GPUs by flag: {args}");
     node.start(None)?;
     node.wait_ready()?;
-    let driver = node.driver_ok()?;
-    let operator = format!("/host/run/nvidia/driver/usr/lib64/libnvidia-ml.so.{}", e2e::INSTALLED_VERSION);
-    ensure!(driver["library"] == operator.as_str(), "NVML was not loaded from the GPU operator's driver root: {driver}");
-    ensure!(
-        driver["install"].as_str().is_some_and(|found| found.contains("under /host (the NVIDIA GPU operator's driver root)")),
-        "{driver}"
-    );
+    let driver = node.nvml_found("run/nvidia/driver/usr/lib64", "the NVIDIA GPU operator's driver root")?;
     let memory: Vec<u64> = driver["devices"].as_array().into_iter().flatten().filter_map(|d| d["memory"][0].as_u64()).collect();
     ensure!(memory == vec![141 << 30; 8], "NVML's GPUs: {driver}");
     let log = node.agent_log();
@@ -671,9 +674,7 @@ fn the_daemonset_runs_unedited_on_a_node_of_eight_gpus_of_another_size_and_drive
         .with_context(|| format!("{}\n{}", node.api.with(|s| s.node["status"].clone()), node.agent_log()))?;
 
     let (_pod, main) = node.workload("uid-eight")?;
-    let audit = node.audit()?;
-    let record = audit["provisioned"].as_array().into_iter().flatten().find(|r| r["container_id"] == main.0.as_str()).cloned();
-    let record = record.with_context(|| format!("the agent has no record of the workload: {audit}"))?;
+    let record = node.record(&main)?;
     ensure!(record["devices"] == 8 && record["gpus"] == serde_json::json!([0, 1, 2, 3, 4, 5, 6, 7]), "the node's 8 GPUs from NVML: {record}");
     let lines = node.allocate(&main, &PAST_QUOTA)?;
     ensure!(lines.iter().any(|l| l.starts_with("oom ")), "the context past the quota was granted: {lines:?}");
